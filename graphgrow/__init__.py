@@ -1,0 +1,40 @@
+"""graphgrow: an architecture compiler for PyTorch models.
+
+Trace a model into a torch.fx graph, grow it with verified, function-preserving
+graph-rewrite passes, export it to ONNX and prove onnxruntime agrees with PyTorch.
+"""
+from __future__ import annotations
+
+from .errors import (
+    EquivalenceError, ExportError, GraphgrowError, InputError, LoadError, NotApplicable,
+    PreservationError, RuntimeUnavailable, SaveError, SpecError, TraceError, ValidationError,
+)
+from .load import LoadedModel, load_model, save_model
+from .pass_base import Pass, PassResult
+from .pipeline import Pipeline, PipelineResult, build_pipeline, parse_spec
+from .registry import all_passes, get_pass, pass_names, register_pass
+from .rewrite import Rewrite
+from .shapes import annotate
+from .trace import trace
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # ONNX and onnxruntime load lazily: the pass API should not pay for them.
+    if name == "export_onnx":
+        from .export import export_onnx
+        return export_onnx
+    if name == "check_equivalence":
+        from .equivalence import check_equivalence
+        return check_equivalence
+    raise AttributeError(f"module 'graphgrow' has no attribute {name!r}")
+
+
+__all__ = [
+    "EquivalenceError", "ExportError", "GraphgrowError", "InputError", "LoadError", "NotApplicable",
+    "PreservationError", "RuntimeUnavailable", "SaveError", "SpecError", "TraceError", "ValidationError",
+    "LoadedModel", "load_model", "save_model", "Pass", "PassResult", "Pipeline", "PipelineResult",
+    "build_pipeline", "parse_spec", "all_passes", "get_pass", "pass_names", "register_pass", "Rewrite",
+    "annotate", "trace", "export_onnx", "check_equivalence",
+]

@@ -1,0 +1,210 @@
+"""Read and write model files safely (DESIGN §7).
+
+A model file is untrusted input: it is read with torch.load(weights_only=True) and
+only torch.nn's own layer classes allow-listed, so loading runs no code from the
+file. Custom classes need `trust=True` (CLI: --trust). A model can also be named as
+`package.module:factory`, which imports installed code, not code from a file.
+graphgrow's own outputs (see serialize.py) load again without trust.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+
+from . import serialize
+from .errors import LoadError, SaveError
+
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass
+class LoadedModel:
+    module: nn.Module
+    source: str
+    kind: str  # "file", "graphgrow" (a graphgrow output) or "factory"
+    input_shape: list[int] | None = None
+    log: list = field(default_factory=list)
+
+
+def standard_layer_classes() -> list[type]:
+    """Every nn.Module subclass defined inside torch.nn.modules (plus nn.Module itself)."""
+    classes = {nn.Module}
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("torch.nn.modules.") and mod is not None:
+            for obj in vars(mod).values():
+                if isinstance(obj, type) and issubclass(obj, nn.Module) and obj.__module__.startswith("torch.nn.modules."):
+                    classes.add(obj)
+    return sorted(classes, key=lambda c: (c.__module__, c.__name__))
+
+
+def is_factory_name(source: str) -> bool:
+    return bool(_FACTORY.match(source)) and not Path(source).exists()
+
+
+def load_model(source: str | os.PathLike, trust: bool = False) -> LoadedModel:
+    """Load a model from a file or a `package.module:factory` name. Raises LoadError."""
+    text = str(source)
+    if is_factory_name(text):
+        return _from_factory(text)
+    path = Path(text)
+    if not path.exists():
+        hint = "check the path" if ":" not in text else "name a factory as package.module:function, e.g. torchvision.models:resnet18"
+        raise LoadError(f"no such file: {text}", hint)
+    if path.is_dir():
+        raise LoadError(f"{text} is a directory, not a model file", "pass the .pt file inside it")
+    if path.stat().st_size == 0:
+        raise LoadError(f"{text} is empty", "the file was not written completely; save the model again")
+    obj = _torch_load(path, trust)
+    return _interpret(obj, text, trust)
+
+
+def _from_factory(name: str) -> LoadedModel:
+    module_name, attr = name.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise LoadError(f"cannot import '{module_name}' for {name}: {e}", "install the package or check the name") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise LoadError(f"'{module_name}' has no callable '{attr}'", f"see dir({module_name}) for the names it offers")
+    try:
+        model = factory()
+    except Exception as e:
+        raise LoadError(f"{name}() failed: {e}", "the factory must build a model with no arguments") from e
+    if not isinstance(model, nn.Module):
+        raise LoadError(f"{name}() returned {type(model).__name__}, not a torch.nn.Module")
+    return LoadedModel(model, name, "factory")
+
+
+def _torch_load(path: Path, trust: bool) -> Any:
+    name = str(path)
+    head = path.open("rb").read(8)
+    if path.suffix == ".onnx":
+        raise LoadError(f"{name} is an ONNX file", "graphgrow mutates PyTorch models: pass the .pt model it was exported from")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if trust:
+                return torch.load(path, map_location="cpu", weights_only=False)
+            with torch.serialization.safe_globals(standard_layer_classes()):
+                return torch.load(path, map_location="cpu", weights_only=True)
+    except LoadError:
+        raise
+    except Exception as e:
+        raise _explain(name, head, e, trust) from e
+
+
+def _explain(name: str, head: bytes, e: Exception, trust: bool) -> LoadError:
+    msg = str(e)
+    blocked = re.search(r"GLOBAL ([\w.]+)", msg)
+    if blocked and not trust:
+        what = blocked.group(1)
+        module = what.rpartition(".")[0]
+        if module.split(".")[0] in {"os", "posix", "nt", "subprocess", "builtins", "sys", "shutil", "socket", "runpy", "importlib"}:
+            return LoadError(
+                f"{name} asks to call {what} while loading; refused, nothing was run",
+                "this file is not a plain model; use --trust only if you wrote it yourself",
+            )
+        return LoadError(
+            f"{name} contains the custom class {what}; loading it would run that class's code",
+            "pass --trust if you trust the file, or name the model by its factory, e.g. package.module:function",
+        )
+    if "Unsupported operand" in msg and not trust:
+        return LoadError(
+            f"{name} is a raw pickle, not a torch.save file; refused without --trust (pickles can run code)",
+            "re-save it with torch.save(model, path), or pass --trust if you wrote it yourself",
+        )
+    if head.startswith(b"PK"):
+        return LoadError(f"{name} is a truncated or corrupted model file ({_first_line(msg)})", "save the model again")
+    if isinstance(e, (EOFError,)) or head[:1] == b"\x80":
+        return LoadError(f"{name} is a truncated or corrupted pickle", "save the model again")
+    if all(32 <= c < 127 or c in (9, 10, 13) for c in head):
+        return LoadError(f"{name} is a text file, not a PyTorch model file", "pass a file written by torch.save")
+    return LoadError(f"{name} is not a PyTorch model file ({_first_line(msg) or type(e).__name__})", "pass a file written by torch.save")
+
+
+def _first_line(msg: str) -> str:
+    lines = [l.strip() for l in msg.strip().splitlines() if l.strip()]
+    return lines[0][:200] if lines else ""
+
+
+def _interpret(obj: Any, name: str, trust: bool) -> LoadedModel:
+    if isinstance(obj, dict) and obj.get("format") == serialize.FORMAT:
+        gm = serialize.from_payload(obj, trusted=trust)
+        info = gm.meta["graphgrow"]
+        return LoadedModel(gm, name, "graphgrow", info.get("input_shape"), list(info.get("log", [])))
+    if isinstance(obj, nn.Module):
+        return LoadedModel(obj, name, "file")
+    if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise LoadError(
+            f"{name} holds only weights (a state_dict of {len(obj)} tensors), no architecture",
+            "save the whole model with torch.save(model, path), or name its factory as package.module:function",
+        )
+    raise LoadError(f"{name} holds a {type(obj).__name__}, not a model", "save the model itself with torch.save(model, path)")
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Write through a temp file in the same folder and rename: the old file or the new, never half."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        write(tmp_path)
+        with open(tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+def check_output_path(path: str | os.PathLike, inputs: tuple = ()) -> Path:
+    """Refuse outputs over an input, into missing or read-only folders. Returns the resolved path."""
+    out = Path(path)
+    if out.is_dir():
+        raise SaveError(f"output {out} is a directory", "give a file name, e.g. grown.pt")
+    for src in inputs:
+        if src and Path(str(src)).exists() and out.resolve() == Path(str(src)).resolve():
+            raise SaveError(f"output {out} is the input file", "graphgrow never overwrites its input; choose another -o")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise SaveError(f"folder {parent} does not exist", "create it first or choose another output path")
+    if not os.access(parent, os.W_OK):
+        raise SaveError(f"folder {parent} is not writable", "choose another output path")
+    return out
+
+
+def save_model(gm: fx.GraphModule, path: str | os.PathLike, inputs: tuple = ()) -> Path:
+    """Save a graphgrow GraphModule atomically in the safe format; returns the path."""
+    out = check_output_path(path, inputs)
+    payload = serialize.to_payload(gm)
+    try:
+        atomic_write(out, lambda tmp: torch.save(payload, tmp))
+    except OSError as e:
+        raise SaveError(f"cannot write {out}: {e.strerror or e}", "check the folder's permissions and free space") from e
+    return out
+
+
+def default_output_path(source: str, suffix: str = ".grown.pt") -> Path:
+    """Beside the input under a new name (never the input itself); cwd for factory names."""
+    if is_factory_name(source):
+        base = Path.cwd() / source.split(":")[1]
+    else:
+        p = Path(source)
+        base = p.with_name(p.name.split(".")[0] if not p.name.startswith(".") else p.name)
+    candidate = base.with_name(base.name + suffix)
+    i = 1
+    while candidate.exists():
+        candidate = base.with_name(f"{base.name}.grown-{i}{suffix.removeprefix('.grown')}")
+        i += 1
+    return candidate

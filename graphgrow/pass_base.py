@@ -1,0 +1,146 @@
+"""The pass contract (DESIGN §3): frozen dataclass passes, PassResult, verify after each."""
+from __future__ import annotations
+
+import dataclasses
+import time
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import fx
+
+from .errors import GraphgrowError, ValidationError
+from .preserve import PreservationReport
+from .rewrite import Rewrite
+from .shapes import annotate, param_count, total_flops
+from .trace import graph_info, input_shape_of
+from .verify import verify
+
+
+@dataclass
+class PassResult:
+    """A verified (or unverified, when asked) pass application."""
+
+    gm: fx.GraphModule
+    changed: bool
+    name: str
+    args: dict[str, Any]
+    targets: dict[str, Any]
+    notes: list[str]
+    nodes_added: list[str]
+    nodes_removed: list[str]
+    params_before: int
+    params_after: int
+    flops_before: int
+    flops_after: int
+    seed: int
+    seconds: float
+    preservation: PreservationReport | None = None
+
+    def log_entry(self) -> dict:
+        """What goes into the mutation log (saved with the model and into ONNX metadata)."""
+        return {
+            "pass": self.name, "args": self.args, "seed": self.seed, "targets": _plain(self.targets),
+            "params_before": self.params_before, "params_after": self.params_after,
+            "flops_before": self.flops_before, "flops_after": self.flops_after,
+            "nodes_added": len(self.nodes_added), "nodes_removed": len(self.nodes_removed),
+        }
+
+    def to_json(self) -> dict:
+        d = self.log_entry()
+        d.update(name=self.name, notes=self.notes, nodes_added=self.nodes_added, nodes_removed=self.nodes_removed,
+                 changed=self.changed, seconds=round(self.seconds, 4))
+        if self.preservation is not None:
+            d["preservation"] = self.preservation.to_json()
+        return d
+
+    def summary(self) -> str:
+        lines = [f"{self.name}({', '.join(f'{k}={v}' for k, v in self.args.items() if v is not None)})"]
+        for k, v in self.targets.items():
+            lines.append(f"  {k}: {v}")
+        lines.append(f"  nodes: +{len(self.nodes_added)} −{len(self.nodes_removed)}")
+        lines.append(f"  params: {self.params_before:,} → {self.params_after:,}")
+        lines.append(f"  FLOPs/example: {self.flops_before:,} → {self.flops_after:,}")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def _plain(value: Any) -> Any:
+    """JSON-friendly copy of a targets dict (tuples → lists, other objects → str)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Base of all passes. Subclasses are frozen dataclasses; every field has a default.
+
+    Implement `apply(gm, generator) -> Rewrite`, calling the pass's plain function,
+    which works on a copy. `name` is the CLI name; the class docstring's first line
+    is the one-line help shown by `graphgrow passes`.
+    """
+
+    name: ClassVar[str] = ""
+
+    def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
+        raise NotImplementedError
+
+    @classmethod
+    def arguments(cls) -> list[dataclasses.Field]:
+        return list(dataclasses.fields(cls))
+
+    @classmethod
+    def argument_types(cls) -> dict[str, Any]:
+        return typing.get_type_hints(cls)
+
+    @classmethod
+    def help(cls) -> str:
+        return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+
+    def args(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def __call__(self, gm: fx.GraphModule, verify_result: bool = True, seed: int = 0) -> PassResult:
+        """Apply to a copy of `gm`, verify, and return the result. `gm` is never modified."""
+        start = time.perf_counter()
+        input_shape = input_shape_of(gm)
+        if any("gg_shape" not in n.meta for n in gm.graph.nodes):
+            annotate(gm, input_shape)
+        fingerprint = _fingerprint(gm)
+        before_nodes = {n.name for n in gm.graph.nodes}
+        generator = torch.Generator().manual_seed(seed)
+        rw = self.apply(gm, generator)
+        _check_untouched(gm, fingerprint, self.name)
+        new = rw.gm
+        if new is gm:
+            raise ValidationError(f"pass {self.name} returned its input instead of a copy", "passes must be functional; see rewrite.copy_graph_module")
+        annotate(new, input_shape)
+        after_nodes = {n.name for n in new.graph.nodes}
+        report = verify(gm, new, input_shape, seed=seed) if verify_result and rw.changed else None
+        result = PassResult(
+            gm=new, changed=rw.changed, name=self.name, args=self.args(), targets=rw.targets, notes=rw.notes,
+            nodes_added=sorted(after_nodes - before_nodes), nodes_removed=sorted(before_nodes - after_nodes),
+            params_before=param_count(gm), params_after=param_count(new),
+            flops_before=total_flops(gm), flops_after=total_flops(new),
+            seed=seed, seconds=time.perf_counter() - start, preservation=report,
+        )
+        info = graph_info(new)
+        info["log"] = list(graph_info(gm).get("log", [])) + [result.log_entry()]
+        return result
+
+
+def _fingerprint(gm: fx.GraphModule) -> tuple:
+    """Cheap identity of a module's state: tensor versions bump on any in-place change."""
+    tensors = [(n, t.data_ptr(), t._version, tuple(t.shape)) for n, t in gm.state_dict(keep_vars=True).items()]
+    return len(gm.graph.nodes), tuple(tensors)
+
+
+def _check_untouched(gm: fx.GraphModule, fingerprint: tuple, name: str) -> None:
+    if _fingerprint(gm) != fingerprint:
+        raise GraphgrowError(f"pass {name} modified its input model", "passes must work on a copy (rewrite.copy_graph_module); please report this bug")

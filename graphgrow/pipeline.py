@@ -1,0 +1,186 @@
+"""Pipelines: specs like `grow_width(target=layer1.0.conv1,factor=2),add_residual`, run with verification."""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Sequence
+
+from torch import fx
+
+from .errors import SpecError
+from .pass_base import Pass, PassResult
+from .registry import get_pass
+
+
+def _split_top(text: str, sep: str = ",") -> list[str]:
+    """Split on `sep` outside parentheses, brackets and quotes."""
+    parts, depth, quote, cur = [], 0, None, []
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+            if depth < 0:
+                raise SpecError(f"unbalanced ')' in pipeline spec: {text!r}")
+        elif ch == sep and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+            continue
+        cur.append(ch)
+    if depth or quote:
+        raise SpecError(f"unclosed {'quote' if quote else 'parenthesis'} in pipeline spec: {text!r}")
+    parts.append("".join(cur))
+    return [p.strip() for p in parts]
+
+
+def parse_spec(text: str) -> list[tuple[str, dict[str, str]]]:
+    """`a(x=1,y=b),c` → [("a", {"x": "1", "y": "b"}), ("c", {})]. Values stay strings."""
+    steps = []
+    for item in _split_top(text):
+        if not item:
+            raise SpecError(f"empty pass in pipeline spec: {text!r}", "separate passes with single commas")
+        name, _, rest = item.partition("(")
+        name = name.strip()
+        if not name.isidentifier():
+            raise SpecError(f"bad pass name {name!r} in pipeline spec", "write name(arg=value,...)")
+        args: dict[str, str] = {}
+        if rest:
+            if not rest.endswith(")"):
+                raise SpecError(f"missing ')' after the arguments of {name}")
+            body = rest[:-1].strip()
+            for kv in _split_top(body) if body else []:
+                key, eq, value = kv.partition("=")
+                if not eq or not key.strip().isidentifier():
+                    raise SpecError(f"argument {kv!r} of {name} is not key=value")
+                if key.strip() in args:
+                    raise SpecError(f"argument {key.strip()!r} given twice to {name}")
+                args[key.strip()] = value.strip()
+        steps.append((name, args))
+    return steps
+
+
+def _strip_quotes(v: str) -> str:
+    return v[1:-1] if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"" else v
+
+
+def coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Convert a spec string (or a Python value) to the field's declared type."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if type(None) in options and (value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))):
+            return None
+        errors = []
+        for opt in options:
+            if opt is type(None):
+                continue
+            try:
+                return coerce(value, opt, where)
+            except SpecError as e:
+                errors.append(e.message)
+        raise SpecError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        v = _strip_quotes(value) if isinstance(value, str) else value
+        if v not in choices:
+            raise SpecError(f"{where} must be one of {', '.join(map(str, choices))}, got {value!r}")
+        return v
+    if not isinstance(value, str):
+        if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, annotation) and not (annotation is int and isinstance(value, bool)):
+            return value
+        raise SpecError(f"{where} must be {annotation.__name__}, got {type(value).__name__} {value!r}")
+    v = _strip_quotes(value)
+    try:
+        if annotation is bool:
+            if v.lower() in ("true", "1", "yes"):
+                return True
+            if v.lower() in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if annotation is int:
+            return int(v)
+        if annotation is float:
+            return float(v)
+        if annotation is str:
+            return v
+    except ValueError:
+        pass
+    else:
+        raise SpecError(f"{where}: unsupported argument type {annotation}")
+    raise SpecError(f"{where} must be {annotation.__name__}, got {value!r}")
+
+
+def make_pass(name: str, args: dict[str, Any]) -> Pass:
+    """Instantiate a registered pass from spec arguments, with typed errors."""
+    cls = get_pass(name)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = cls.argument_types()
+    unknown = [k for k in args if k not in fields]
+    if unknown:
+        valid = ", ".join(fields) or "none"
+        raise SpecError(f"pass {name} has no argument {', '.join(map(repr, unknown))}", f"valid arguments: {valid}")
+    kwargs = {k: coerce(v, hints[k], f"{name}({k}=...)") for k, v in args.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise SpecError(f"bad arguments for {name}: {e}") from e
+
+
+def build_pipeline(specs: str | Sequence[str]) -> list[Pass]:
+    """One or more spec strings → pass instances, in order."""
+    if isinstance(specs, str):
+        specs = [specs]
+    passes = []
+    for spec in specs:
+        passes.extend(make_pass(name, args) for name, args in parse_spec(spec))
+    if not passes:
+        raise SpecError("no pass given", "e.g. --pass add_residual")
+    return passes
+
+
+def spec_of(p: Pass) -> str:
+    """The spec string that rebuilds `p` (non-default arguments only)."""
+    args = [f"{f.name}={getattr(p, f.name)}" for f in dataclasses.fields(p) if getattr(p, f.name) != f.default]
+    return f"{p.name}({','.join(args)})" if args else p.name
+
+
+@dataclass
+class PipelineResult:
+    gm: fx.GraphModule
+    results: list[PassResult] = field(default_factory=list)
+
+    @property
+    def log(self) -> list[dict]:
+        return list(self.gm.meta["graphgrow"]["log"])
+
+
+@dataclass
+class Pipeline:
+    """Passes run in order on copies, each verified before the next one starts."""
+
+    passes: list[Pass]
+    verify: bool = True
+    seed: int = 0
+
+    @classmethod
+    def from_spec(cls, specs: str | Sequence[str], verify: bool = True, seed: int = 0) -> "Pipeline":
+        return cls(build_pipeline(specs), verify=verify, seed=seed)
+
+    def run(self, gm: fx.GraphModule, progress: Callable[[int, Pass], None] | None = None) -> PipelineResult:
+        results = []
+        current = gm
+        for i, p in enumerate(self.passes):
+            if progress:
+                progress(i, p)
+            r = p(current, verify_result=self.verify, seed=self.seed + i)
+            results.append(r)
+            current = r.gm
+        return PipelineResult(current, results)

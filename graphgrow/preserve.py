@@ -1,0 +1,170 @@
+"""Function preservation and trainability checks (torch vs torch), DESIGN §4–§5.
+
+Preservation: ‖new − old‖/‖old‖ ≤ 1e-5 and max|Δ| ≤ 1e-5·max|old| on seeded random
+inputs, in eval and in train mode (same dropout draws, buffers restored afterwards).
+Trainability: the new parameters get a non-zero gradient at once (the zero last
+factor) and every one of them within two SGD steps on a random batch.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from .errors import PreservationError, ValidationError
+from .shapes import example_input
+from .state import preserved_buffers, seeded, training_mode
+
+REL_TOL = 1e-5
+
+
+@dataclass
+class ModeCheck:
+    mode: str
+    rel_err: float
+    max_abs_err: float
+    max_abs_ref: float
+
+    @property
+    def ok(self) -> bool:
+        return self.rel_err <= REL_TOL and self.max_abs_err <= REL_TOL * max(self.max_abs_ref, 1e-30)
+
+
+@dataclass
+class PreservationReport:
+    eval: ModeCheck
+    train: ModeCheck
+    trainable: dict[str, int] = field(default_factory=dict)  # new param → SGD step at which it first got a gradient
+    dead: list[str] = field(default_factory=list)
+
+    @property
+    def max_rel_err(self) -> float:
+        return max(self.eval.rel_err, self.train.rel_err)
+
+    @property
+    def trainable_ok(self) -> bool:
+        return not self.dead
+
+    def to_json(self) -> dict:
+        return {
+            "max_rel_err": self.max_rel_err,
+            "eval_ok": self.eval.ok,
+            "train_ok": self.train.ok,
+            "trainable_ok": self.trainable_ok,
+            "eval_rel_err": self.eval.rel_err,
+            "train_rel_err": self.train.rel_err,
+            "new_parameters": self.trainable,
+        }
+
+
+def flat_tensors(out: Any) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(out)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def compare_outputs(old_out: Any, new_out: Any, mode: str) -> ModeCheck:
+    a, b = flat_tensors(old_out), flat_tensors(new_out)
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        raise PreservationError(
+            f"{mode}-mode outputs changed structure: {[tuple(t.shape) for t in a]} → {[tuple(t.shape) for t in b]}"
+        )
+    old = torch.cat([t.detach().double().flatten() for t in a]) if a else torch.zeros(1, dtype=torch.float64)
+    new = torch.cat([t.detach().double().flatten() for t in b]) if b else torch.zeros(1, dtype=torch.float64)
+    if not torch.isfinite(old).all():
+        raise ValidationError(
+            f"the model's own {mode}-mode output has NaN or Inf before the pass",
+            "check the weights for NaN/Inf (graphgrow inspect shows them) and fix them first",
+        )
+    diff = new - old
+    norm = old.norm().item()
+    rel = diff.norm().item() / norm if norm > 0 else (0.0 if diff.norm().item() == 0 else float("inf"))
+    if not torch.isfinite(new).all():
+        rel = float("inf")
+    return ModeCheck(mode, rel, diff.abs().max().item(), old.abs().max().item())
+
+
+def check_preservation(old: nn.Module, new: nn.Module, input_shape: Sequence[int], seed: int = 0, batch: int = 2,
+                       new_eval_output: Any = None) -> tuple[ModeCheck, ModeCheck]:
+    """Compare old and new in eval and train mode. Neither model is changed."""
+    x = example_input(old, input_shape, seed=seed, batch=batch)
+    with torch.no_grad():
+        with training_mode(old, False):
+            old_eval = old(x)
+        if new_eval_output is None:
+            with training_mode(new, False):
+                new_eval_output = new(x)
+        outs = []
+        for m in (old, new):
+            with training_mode(m, True), preserved_buffers(m), seeded(seed):
+                outs.append(m(x))
+    return compare_outputs(old_eval, new_eval_output, "eval"), compare_outputs(outs[0], outs[1], "train")
+
+
+def check_trainability(new: nn.Module, new_params: dict, upstream: set[str], input_shape: Sequence[int],
+                       seed: int = 0, batch: int = 2, steps: int = 3, lr: float = 0.01) -> tuple[dict[str, int], list[str]]:
+    """Which new parameters get a non-zero gradient, and at which SGD step (0 = at once).
+
+    Runs on a copy in train mode with loss = <output, R> for a fixed random R, taking
+    normalised SGD steps on every parameter (as training would). New parameters whose
+    shape grew count by their new region only. `upstream` names old parameters that
+    run before the new nodes: when the gradient reaches any of them at step 0 but no
+    new parameter gets one, the new contribution is dead from the start
+    (PreservationError). A model whose own gradient is blocked at first (a
+    zero-initialised head, as in torchvision's ViT) gets the later steps.
+    """
+    if not new_params:
+        return {}, []
+    trial = copy.deepcopy(new)
+    params = dict(trial.named_parameters())
+    for p in trial.parameters():
+        p.requires_grad_(True)
+    x = example_input(trial, input_shape, seed=seed + 1, batch=batch)
+    got: dict[str, int] = {}
+    with training_mode(trial, True), seeded(seed):
+        proj = None
+        for step in range(steps + 1):
+            trial.zero_grad(set_to_none=True)
+            outs = [t for t in flat_tensors(trial(x)) if t.is_floating_point()]
+            if proj is None:
+                g = torch.Generator().manual_seed(seed + 2)
+                proj = [torch.randn(t.shape, generator=g).to(t) for t in outs]
+            loss = sum((t * r).sum() for t, r in zip(outs, proj))
+            loss.backward()
+            with torch.no_grad():
+                for name, (old_shape, _) in new_params.items():
+                    grad = params[name].grad
+                    if name not in got and grad is not None and _new_region(grad, old_shape).abs().sum() > 0:
+                        got[name] = step
+                if step == 0 and not got and any(_has_grad(params[n]) for n in upstream if n in params):
+                    raise PreservationError(
+                        "no new parameter gets a gradient at insertion although the layers before it do: "
+                        "the new contribution is dead",
+                        "the last factor of a new path must be zero and the others non-zero (DESIGN §4)",
+                    )
+                if len(got) == len(new_params) or step == steps:
+                    break
+                for p in params.values():
+                    if p.grad is not None:
+                        p -= lr * p.grad / (p.grad.norm() + 1e-12) * (p.norm() + 1e-3)
+    dead = [n for n in new_params if n not in got]
+    return got, dead
+
+
+def _has_grad(p: torch.Tensor) -> bool:
+    return p.grad is not None and bool((p.grad != 0).any())
+
+
+def _new_region(t: torch.Tensor, old_shape) -> torch.Tensor:
+    """Elements of a grown tensor outside the old shape's box (all of it for a new tensor)."""
+    if old_shape is None or len(old_shape) != t.dim():
+        return t
+    mask = torch.zeros(t.shape, dtype=torch.bool, device=t.device)
+    for d, n in enumerate(old_shape):
+        idx = [slice(None)] * t.dim()
+        idx[d] = slice(n, None)
+        mask[tuple(idx)] = True
+    return t[mask]

@@ -1,0 +1,179 @@
+"""Shape propagation with real small tensors, validation at two batch sizes, params and FLOPs.
+
+Real tensors, not fake ones: on long chains they are ~30× faster and they run the
+exact kernels the model will run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from .errors import InputError, ValidationError
+from .state import module_device, module_dtype, training_mode
+
+
+def example_input(gm: torch.nn.Module, shape: Sequence[int], seed: int = 0, batch: int | None = None) -> torch.Tensor:
+    """A seeded standard-normal input of `shape` (batch replaced when given), on the model's device."""
+    shape = list(shape)
+    if batch is not None:
+        shape[0] = batch
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float32)
+    return x.to(device=module_device(gm), dtype=module_dtype(gm))
+
+
+def shape_of(value: Any):
+    """A tensor's shape as a tuple; nested shapes for tuples/lists; None otherwise."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, (tuple, list)):
+        return [shape_of(v) for v in value]
+    return None
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph and records each node's output shape and dtype (and FLOPs when asked)."""
+
+    def __init__(self, gm: fx.GraphModule, count_flops: bool = False):
+        super().__init__(gm, garbage_collect_values=True)
+        self.shapes: dict[str, Any] = {}
+        self.dtypes: dict[str, torch.dtype | None] = {}
+        self.flops: dict[str, int] = {}
+        self.count_flops = count_flops
+
+    def run_node(self, n: fx.Node):
+        try:
+            if self.count_flops and n.op in ("call_module", "call_function", "call_method"):
+                with FlopCounterMode(display=False) as fc:
+                    out = super().run_node(n)
+                self.flops[n.name] = int(fc.get_total_flops())
+            else:
+                out = super().run_node(n)
+        except Exception as e:
+            shapes = [self.shapes.get(a.name) for a in n.all_input_nodes]
+            raise ValidationError(
+                f"node '{n.name}' ({n.op} {_target_name(n)}) fails on inputs of shapes {shapes}: "
+                f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}",
+                "check --input-shape, or the target the pass was given",
+            ) from e
+        self.shapes[n.name] = shape_of(out)
+        self.dtypes[n.name] = out.dtype if isinstance(out, torch.Tensor) else None
+        return out
+
+
+def _target_name(n: fx.Node) -> str:
+    t = n.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+@dataclass
+class ShapeRun:
+    output: Any
+    shapes: dict[str, Any]
+    dtypes: dict[str, Any]
+    flops: dict[str, int]
+
+
+def run_recording(gm: fx.GraphModule, x: torch.Tensor, count_flops: bool = False) -> ShapeRun:
+    """Run `gm` on `x` (in its current mode, without grad) and record shapes per node."""
+    rec = _Recorder(gm, count_flops)
+    with torch.no_grad():
+        out = rec.run(x)
+    return ShapeRun(out, rec.shapes, rec.dtypes, rec.flops)
+
+
+def annotate(gm: fx.GraphModule, input_shape: Sequence[int]) -> ShapeRun:
+    """Store shape, dtype, params and FLOPs (per example) on every node's meta.
+
+    Runs once in eval mode at the example batch size; meta keys: gg_shape, gg_dtype,
+    gg_flops, gg_params. Raises InputError when the input does not fit the model.
+    """
+    x = example_input(gm, input_shape)
+    try:
+        with training_mode(gm, False):
+            run = run_recording(gm, x, count_flops=True)
+    except ValidationError as e:
+        raise InputError(
+            f"the model cannot run on an input of shape {tuple(input_shape)}: {e.message}",
+            "give the shape the model expects with --input-shape N,C,H,W",
+        ) from e
+    batch = max(int(input_shape[0]), 1)
+    for n in gm.graph.nodes:
+        n.meta["gg_shape"] = run.shapes.get(n.name)
+        n.meta["gg_dtype"] = run.dtypes.get(n.name)
+        n.meta["gg_flops"] = run.flops.get(n.name, 0) // batch
+        n.meta["gg_params"] = node_params(gm, n)
+    return run
+
+
+def node_params(gm: fx.GraphModule, n: fx.Node) -> int:
+    """Parameters owned by a node: a called module's (recursively) or a fetched parameter's."""
+    if n.op == "call_module":
+        return sum(p.numel() for p in gm.get_submodule(n.target).parameters())
+    if n.op == "get_attr":
+        obj = gm
+        for part in n.target.split("."):
+            obj = getattr(obj, part)
+        return obj.numel() if isinstance(obj, torch.nn.Parameter) else 0
+    return 0
+
+
+def param_count(gm: torch.nn.Module) -> int:
+    return sum(p.numel() for p in gm.parameters())
+
+
+def total_flops(gm: fx.GraphModule) -> int:
+    """FLOPs per example, from the last `annotate` (0 for unannotated nodes)."""
+    return sum(n.meta.get("gg_flops", 0) for n in gm.graph.nodes)
+
+
+def validate_batch_sizes(gm: fx.GraphModule, input_shape: Sequence[int], batches=(2, 3), first: ShapeRun | None = None) -> None:
+    """Run at two batch sizes; every node's shape may differ only in the batch dimension.
+
+    Catches batch sizes baked into view/reshape constants, and nodes that fail at all.
+    `first` reuses a run already made at batches[0] (in eval mode).
+    """
+    b1, b2 = batches
+    runs = []
+    with training_mode(gm, False):
+        for b, seed in ((b1, 11), (b2, 12)):
+            if b == b1 and first is not None:
+                runs.append(first)
+                continue
+            runs.append(run_recording(gm, example_input(gm, input_shape, seed=seed, batch=b)))
+    r1, r2 = runs
+    for n in gm.graph.nodes:
+        s1, s2 = r1.shapes.get(n.name), r2.shapes.get(n.name)
+        if s1 == s2:
+            continue
+        if not _differs_only_in_batch(s1, s2, b1, b2):
+            raise ValidationError(
+                f"node '{n.name}' has shape {s1} at batch {b1} but {s2} at batch {b2}: "
+                "only the batch dimension may change",
+                "a view/reshape probably bakes in the batch size; use x.flatten(1) or x.view(x.size(0), -1)",
+            )
+    for out_shape, b in ((_output_shapes(r1.output), b1), (_output_shapes(r2.output), b2)):
+        for s in out_shape:
+            if not s or s[0] != b:
+                raise ValidationError(
+                    f"model output has shape {s} for batch {b}: the first dimension must be the batch",
+                    "graphgrow exports with a dynamic batch dimension in front",
+                )
+
+
+def _differs_only_in_batch(s1, s2, b1, b2) -> bool:
+    if isinstance(s1, tuple) and isinstance(s2, tuple):
+        return len(s1) == len(s2) and len(s1) > 0 and s1[0] == b1 and s2[0] == b2 and s1[1:] == s2[1:]
+    if isinstance(s1, list) and isinstance(s2, list):
+        return len(s1) == len(s2) and all(a == b or _differs_only_in_batch(a, b, b1, b2) for a, b in zip(s1, s2))
+    return False
+
+
+def _output_shapes(out) -> list[tuple]:
+    flat, _ = tree_flatten(out)
+    return [tuple(t.shape) for t in flat if isinstance(t, torch.Tensor)]

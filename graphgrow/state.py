@@ -1,0 +1,73 @@
+"""Temporary model state: training mode, buffers and RNG, restored on exit.
+
+Verification runs forwards in train mode (which updates BatchNorm running stats and
+draws dropout masks) on modules that may be shared with the caller's model. These
+context managers make such runs leave no trace.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+
+@contextlib.contextmanager
+def training_mode(module: nn.Module, training: bool) -> Iterator[nn.Module]:
+    """Set every submodule's training flag, and put each one back afterwards."""
+    saved = [(m, m.training) for m in module.modules()]
+    module.train(training)
+    try:
+        yield module
+    finally:
+        for m, flag in saved:
+            m.training = flag
+
+
+@contextlib.contextmanager
+def preserved_buffers(module: nn.Module) -> Iterator[nn.Module]:
+    """Restore every buffer (running stats, counters) to its value on entry."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield module
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Seed the global RNG (dropout draws from it) without disturbing the caller's."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+@contextlib.contextmanager
+def no_tf32() -> Iterator[None]:
+    """TF32 off for conv and matmul (exact-ish fp32 for comparisons), restored after."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def module_device(module: nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def module_dtype(module: nn.Module) -> torch.dtype:
+    for t in module.parameters():
+        if t.is_floating_point():
+            return t.dtype
+    return torch.float32

@@ -1,0 +1,60 @@
+"""Verification after every pass: lint, recompile, shapes at two batch sizes, preservation, trainability."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import fx
+
+from .errors import PreservationError, ValidationError
+from .preserve import PreservationReport, check_preservation, check_trainability
+from .rewrite import new_parameters
+from .shapes import example_input, run_recording, validate_batch_sizes
+from .state import training_mode
+
+BATCHES = (2, 3)  # two sizes: a batch size baked into a view/reshape shows up
+
+
+def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Sequence[int], seed: int = 0) -> PreservationReport:
+    """Raise ValidationError / PreservationError unless `new` is a valid, exact, trainable growth of `old`."""
+    try:
+        new.graph.lint()
+        new.recompile()
+    except Exception as e:
+        raise ValidationError(f"the rewritten graph is malformed: {e}", "this is a bug in the pass; please report it") from e
+    b1 = BATCHES[0]
+    x = example_input(new, input_shape, seed=seed, batch=b1)
+    with training_mode(new, False):
+        first = run_recording(new, x)
+    validate_batch_sizes(new, input_shape, BATCHES, first=first)
+    ev, tr = check_preservation(old, new, input_shape, seed=seed, batch=b1, new_eval_output=first.output)
+    for check in (ev, tr):
+        if not check.ok:
+            raise PreservationError(
+                f"the pass changed the model's {check.mode}-mode output: relative error {check.rel_err:.3g}, "
+                f"max |Δ| {check.max_abs_err:.3g} (limit 1e-5 of max |out| {check.max_abs_ref:.3g})",
+                "this is a bug in the pass; please report it with the model",
+            )
+    grown = new_parameters(old, new)
+    got, dead = check_trainability(new, grown, upstream_parameters(old, new), input_shape, seed=seed, batch=b1)
+    if dead:
+        raise PreservationError(
+            f"new parameters get no gradient after 2 SGD steps: {', '.join(dead)}",
+            "never zero both the incoming and the outgoing weights of new units (DESIGN §4)",
+        )
+    return PreservationReport(ev, tr, got, dead)
+
+
+def upstream_parameters(old: fx.GraphModule, new: fx.GraphModule) -> set[str]:
+    """Old parameters used by nodes that run before the first node the pass added."""
+    old_names = {n.name for n in old.graph.nodes}
+    old_params = {n for n, _ in old.named_parameters()}
+    found: set[str] = set()
+    for n in new.graph.nodes:
+        if n.name not in old_names:
+            break
+        if n.op == "call_module":
+            found |= {f"{n.target}.{p}" for p, _ in new.get_submodule(n.target).named_parameters()}
+        elif n.op == "get_attr":
+            found.add(n.target)
+    return found & old_params

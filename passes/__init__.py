@@ -1,0 +1,1 @@
+"""graphgrow's built-in passes (installed as graphgrow.passes, registered through entry points)."""

@@ -1,0 +1,171 @@
+"""add_residual: a skip connection from one tensor to a later one, exact at insertion.
+
+    out = end + skip(start)
+
+where skip is zero at insertion and has a non-zero gradient at once:
+- same shape: `g · start` with a scalar gate g = 0;
+- 4-D, different channels or size: 1×1 conv (stride = spatial ratio, or adaptive
+  average pooling first when the ratio is not an integer) → BatchNorm with γ = β = 0;
+- 2-D/3-D, different feature size: a Linear on the last dimension with zero weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import operator
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from graphgrow import NotApplicable, Pass, Rewrite
+from graphgrow.rewrite import (
+    add_module, add_parameter, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses,
+    resolve_tensor, set_scope, tensor_shape,
+)
+
+from ._init import kaiming_, zero_last_bn
+
+_GLOBAL_POOL_MODULES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+_GLOBAL_POOL_FUNCTIONS = (F.adaptive_avg_pool2d, F.adaptive_max_pool2d)
+
+
+def _is_global_pool(gm: fx.GraphModule, n: fx.Node) -> bool:
+    """A node that collapses a 4-D feature map's spatial dimensions."""
+    src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if src is None or tensor_shape(src) is None or len(tensor_shape(src)) != 4 or tensor_shape(src)[2:] == (1, 1):
+        return False
+    out = tensor_shape(n)
+    if n.op == "call_module" and isinstance(gm.get_submodule(n.target), _GLOBAL_POOL_MODULES):
+        return True
+    if n.op == "call_function" and n.target in _GLOBAL_POOL_FUNCTIONS:
+        return True
+    if n.op in ("call_function", "call_method") and out is not None and len(out) < 4:
+        return True  # mean(dim=(2,3)), flatten, ... of a feature map
+    return out is not None and len(out) == 4 and out[2:] == (1, 1)
+
+
+def default_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
+    """The feature extractor: first 4-D tensor → the last 4-D tensor before global pooling."""
+    four_d = [n for n in gm.graph.nodes if is_float_tensor(n) and len(tensor_shape(n)) == 4]
+    if four_d:
+        pools = [n for n in gm.graph.nodes if _is_global_pool(gm, n)]
+        end = pools[-1].args[0] if pools else four_d[-1]
+        why = "first 4-D tensor → last 4-D feature map before global pooling/flatten" if pools else "first → last 4-D tensor"
+        return four_d[0], end, why
+    floats = [n for n in gm.graph.nodes if is_float_tensor(n)]
+    outputs = [a for a in next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes if is_float_tensor(a)]
+    if not floats or not outputs:
+        raise NotApplicable("the model has no floating-point tensors to connect", "give start=... and end=...")
+    return floats[0], outputs[0], "model input → output (no 4-D features)"
+
+
+def add_residual(gm: fx.GraphModule, start: str | None = None, end: str | None = None,
+                 generator: torch.Generator | None = None) -> Rewrite:
+    """Add `end + skip(start)` to a copy of `gm` (module paths or node names; defaults: the feature extractor)."""
+    gm = copy_graph_module(gm)
+    generator = generator or torch.Generator().manual_seed(0)
+    if start is None and end is None:
+        s, e, why = default_span(gm)
+    else:
+        ds, de, why = default_span(gm) if start is None or end is None else (None, None, "")
+        s = resolve_tensor(gm, start, "in") if start is not None else ds
+        e = resolve_tensor(gm, end, "out") if end is not None else de
+        why = "given"
+    _check_span(gm, s, e)
+    s_shape, e_shape = tensor_shape(s), tensor_shape(e)
+    graph = gm.graph
+    dtype = e.meta.get("gg_dtype") or torch.float32
+    device = next(gm.parameters(), torch.zeros(())).device
+    like = torch.zeros((), dtype=dtype, device=device)
+    new_nodes: list[fx.Node] = []
+    with inserting_after(e):
+        if s_shape == e_shape:
+            gate = add_parameter(gm, "residual_gate", torch.zeros((), dtype=dtype, device=like.device))
+            g = graph.get_attr(gate)
+            skip = graph.call_function(operator.mul, (s, g))
+            new_nodes += [g, skip]
+            kind = "identity × gate (gate = 0)"
+        elif len(s_shape) == 4 and len(e_shape) == 4:
+            skip_nodes, kind = _conv_skip(gm, s, s_shape, e_shape, like, generator)
+            skip = skip_nodes[-1]
+            new_nodes += skip_nodes
+        elif len(s_shape) in (2, 3) and len(s_shape) == len(e_shape) and s_shape[:-1] == e_shape[:-1]:
+            lin = nn.Linear(s_shape[-1], e_shape[-1], device=like.device, dtype=dtype)
+            with torch.no_grad():
+                lin.weight.zero_()
+                lin.bias.zero_()
+            name = add_module(gm, "residual_proj", lin)
+            skip = graph.call_module(name, (s,))
+            new_nodes.append(skip)
+            kind = f"Linear {s_shape[-1]}→{e_shape[-1]} (zero weights)"
+        else:
+            raise NotApplicable(
+                f"cannot connect '{s.name}' {list(s_shape)} to '{e.name}' {list(e_shape)}: "
+                "shapes differ in rank or in a dimension other than channels/space/features",
+                "choose start and end with the same rank (graphgrow inspect shows shapes)",
+            )
+        out = graph.call_function(operator.add, (e, skip))
+        new_nodes.append(out)
+    replace_uses(e, out, keep=new_nodes)
+    set_scope(new_nodes, e)
+    finish(gm)
+    targets = {"start": f"{s.name} {list(s_shape)}", "end": f"{e.name} {list(e_shape)}", "skip": kind, "chosen": why}
+    return Rewrite(gm, targets)
+
+
+def _check_span(gm: fx.GraphModule, s: fx.Node, e: fx.Node) -> None:
+    for n, role in ((s, "start"), (e, "end")):
+        if not is_float_tensor(n):
+            raise NotApplicable(f"{role} '{n.name}' is not a single floating-point tensor (shape {n.meta.get('gg_shape')})",
+                                "pick a node whose output is one tensor")
+    if s is e:
+        raise NotApplicable(f"start and end are the same tensor '{s.name}'", "pick an end after the start")
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    if order[s] > order[e]:
+        raise NotApplicable(f"start '{s.name}' comes after end '{e.name}' in the graph", "swap them")
+    if tensor_shape(s)[0] != tensor_shape(e)[0]:
+        raise NotApplicable(f"start '{s.name}' and end '{e.name}' have different batch sizes", "pick tensors of the same batch")
+
+
+def _conv_skip(gm, s, s_shape, e_shape, like, generator):
+    """1×1 conv (+ adaptive pooling when needed) → BatchNorm(γ=β=0), inserted after the current point."""
+    graph = gm.graph
+    (_, cin, hs, ws), (_, cout, he, we) = s_shape, e_shape
+    if he > hs or we > ws:
+        raise NotApplicable(
+            f"end '{e_shape}' is spatially larger ({he}×{we}) than start ({hs}×{ws}); add_residual only downsamples",
+            "choose a start at or above the end's resolution",
+        )
+    nodes = []
+    src = s
+    if hs % he == 0 and ws % we == 0:
+        stride = (hs // he, ws // we)
+        pooled = ""
+    else:
+        src = graph.call_function(F.adaptive_avg_pool2d, (s, (he, we)))
+        nodes.append(src)
+        stride = (1, 1)
+        pooled = f"adaptive avg pool {hs}×{ws}→{he}×{we}, "
+    conv = nn.Conv2d(cin, cout, 1, stride=stride, bias=False, device=like.device, dtype=like.dtype)
+    kaiming_(conv.weight, generator)
+    bn = zero_last_bn(cout, like)
+    down = nn.Sequential(conv, bn)
+    name = add_module(gm, "residual_downsample", down)
+    c = graph.call_module(f"{name}.0", (src,))
+    b = graph.call_module(f"{name}.1", (c,))
+    nodes += [c, b]
+    st = f"stride {stride[0]}" if stride[0] == stride[1] else f"stride {stride}"
+    return nodes, f"{pooled}1×1 conv {cin}→{cout} {st} + BatchNorm(γ=β=0)"
+
+
+@dataclass(frozen=True)
+class AddResidual(Pass):
+    """Add a skip connection end + skip(start), exact at insertion (1×1 conv + zero-γ BN, or a zero gate)."""
+
+    name: ClassVar[str] = "add_residual"
+    start: str | None = None  # node name (its output) or module path (its input); default: the first 4-D tensor
+    end: str | None = None  # node name (its output) or module path (its output); default: input of global pooling
+
+    def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
+        return add_residual(gm, self.start, self.end, generator)
