@@ -1,0 +1,32 @@
+# graphgrow — `make demo` and `make test` set everything up on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.graphgrow-installed
+# torch/torchvision pinned to the builds this machine carries (CUDA 13, matches onnxruntime-gpu).
+TORCH  := torch==2.14.1 torchvision==0.29.1
+
+.PHONY: demo test test-quick bench fuzz clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# the edit-test loop: everything but the real-model and export tests
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_steps.py
+
+clean:
+	rm -rf demo_out .pytest_cache .hypothesis

@@ -1,0 +1,254 @@
+"""The `graphgrow` command: mutate, export, check, inspect, passes.
+
+Exit codes: 0 success; 1 a check failed (verification, export, equivalence);
+2 bad input or a pass that cannot apply; 3 an internal error (a bug: please report).
+Errors are one line on stderr; --debug shows the traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+import traceback
+from typing import Callable
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from .errors import GraphgrowError
+
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 120)
+err = Console(stderr=True, soft_wrap=True)
+
+INPUT_SHAPE_HELP = "example input shape N,C,H,W (needed when the model file cannot tell it), e.g. 1,3,224,224"
+
+
+def _common(f: Callable) -> Callable:
+    f = click.option("--input-shape", "input_shape", metavar="N,C,H,W", help=INPUT_SHAPE_HELP)(f)
+    f = click.option("--trust", is_flag=True, help="allow loading pickles with custom classes (runs code from the file; only for files you trust)")(f)
+    f = click.option("--leaf", "leaves", multiple=True, metavar="MODULE", help="keep this submodule as one opaque call when tracing (repeatable)")(f)
+    f = click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout instead of tables")(f)
+    f = click.option("--debug", is_flag=True, help="show tracebacks")(f)
+    return f
+
+
+@contextlib.contextmanager
+def _progress(as_json: bool):
+    """A spinner on stderr for long steps (export takes seconds to a minute)."""
+    with err.status("starting", spinner="dots") as status:
+        yield lambda msg: status.update(msg)
+
+
+def _run(job: Callable[[Callable[[str], None]], int], as_json: bool, debug: bool) -> None:
+    try:
+        with _progress(as_json) as progress:
+            code = job(progress)
+    except GraphgrowError as e:
+        if debug:
+            traceback.print_exc()
+        err.print(f"[bold red]error:[/] {e}", markup=True, highlight=False)
+        if as_json:
+            print(json.dumps({"error": {"type": type(e).__name__, "message": e.message, "hint": e.hint}}))
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        err.print("interrupted; nothing was overwritten")
+        sys.exit(130)
+    except Exception as e:  # a bug in graphgrow: still one line unless --debug
+        if debug:
+            traceback.print_exc()
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        err.print(f"[bold red]internal error:[/] {type(e).__name__}: {first} (run with --debug for the traceback and please report it)",
+                  markup=True, highlight=False)
+        sys.exit(3)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="graphgrow")
+def main() -> None:
+    """graphgrow: grow PyTorch models with verified, function-preserving graph passes,
+    export them to ONNX and prove onnxruntime agrees.
+
+    MODEL is a file written by torch.save (standard torch.nn layers load without
+    --trust; graphgrow's own outputs too) or a factory name such as
+    torchvision.models:resnet18.
+
+    Exit codes: 0 ok, 1 a check failed, 2 bad input or a pass that cannot apply,
+    3 internal error.
+    """
+
+
+@main.command()
+@click.argument("model")
+@click.option("--pass", "specs", multiple=True, required=True, metavar="SPEC",
+              help="pass spec, e.g. add_residual or 'add_residual(start=layer1,end=layer2)'; repeat or comma-separate to chain")
+@click.option("-o", "--output", "output", metavar="OUT.pt", help="where to save the grown model (default: beside MODEL as NAME.grown.pt)")
+@click.option("--onnx", "onnx_out", metavar="OUT.onnx", help="also export the grown model to this ONNX file")
+@click.option("--check", is_flag=True, help="run the ONNX model in onnxruntime and compare with PyTorch (grown and original)")
+@click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="onnxruntime execution provider for --check")
+@click.option("--seed", type=int, default=0, show_default=True, help="seed for new weights and verification inputs")
+@_common
+def mutate(model, specs, output, onnx_out, check, provider, seed, input_shape, trust, leaves, as_json, debug):
+    """Apply passes to MODEL, verify each, save the result (and ONNX, and check it)."""
+    from . import workflow
+
+    def job(progress):
+        report = workflow.mutate(model, specs, output, onnx_out, check, input_shape, provider, trust, leaves, seed, progress)
+        if as_json:
+            print(json.dumps(report, default=str))
+        else:
+            _print_mutation(report)
+        eq = report.get("equivalence")
+        return 1 if eq is not None and not eq["passed"] else 0
+
+    _run(job, as_json, debug)
+
+
+def _print_mutation(report: dict) -> None:
+    out.print(f"[bold]graphgrow mutate[/] {report['model']} (input {'×'.join(map(str, report['input_shape']))})")
+    for i, p in enumerate(report["passes"], 1):
+        args = ", ".join(f"{k}={v}" for k, v in p["args"].items() if v is not None)
+        out.print(f"[bold]{i}. {p['name']}[/]({args})")
+        for k, v in p["targets"].items():
+            out.print(f"   {k}: {v}")
+        out.print(f"   nodes: +{len(p['nodes_added'])} −{len(p['nodes_removed'])}")
+        out.print(f"   params: {p['params_before']:,} → {p['params_after']:,}")
+        out.print(f"   FLOPs/example: {p['flops_before']:,} → {p['flops_after']:,}")
+        pres = p.get("preservation")
+        if pres:
+            steps = ", ".join(f"{k}@{v}" for k, v in pres["new_parameters"].items())
+            out.print(f"   verified: eval rel err {pres['eval_rel_err']:.1e}, train rel err {pres['train_rel_err']:.1e}; "
+                      f"new parameters learn (first gradient at SGD step): {steps or 'none new'}")
+        for note in p.get("notes", []):
+            out.print(f"   note: {note}")
+    eq = report.get("equivalence")
+    if eq is not None:
+        _print_equivalence(eq)
+        _print_equivalence(eq["vs_original"])
+    for path in report["outputs"]:
+        out.print(f"wrote {path}")
+    timing = ", ".join(f"{k} {v:.1f}s" for k, v in report.get("timings", {}).items())
+    if timing:
+        out.print(f"time: {timing}")
+
+
+def _print_equivalence(eq: dict) -> None:
+    from .equivalence import EquivalenceReport, OutputStats
+
+    rep = EquivalenceReport(eq["provider"], eq["note"], eq["rtol"], eq["atol"],
+                            [OutputStats(**c) for c in eq["cases"]], eq.get("reference", "model"))
+    out.print(rep.table())
+    out.print(f"provider: {eq['note']}")
+    verdict = "[green]PASS[/]" if rep.passed else "[red]FAIL[/]"
+    out.print(f"equivalence vs {rep.reference}: {verdict} (max abs {rep.max_abs_err:.2e}, max rel {rep.max_rel_err:.2e})")
+
+
+@main.command()
+@click.argument("model")
+@click.option("-o", "--output", "output", required=True, metavar="OUT.onnx", help="ONNX file to write")
+@_common
+def export(model, output, input_shape, trust, leaves, as_json, debug):
+    """Export MODEL to one self-contained ONNX file with a dynamic batch dimension."""
+    from . import workflow
+
+    def job(progress):
+        report = workflow.export(model, output, input_shape, trust, leaves, progress)
+        if as_json:
+            print(json.dumps(report, default=str))
+        else:
+            out.print(f"wrote {output} (IR {report['ir_version']}, opset {report['opset'][0] if report['opset'] else '?'}, "
+                      f"{len(report['log'])} logged mutations) in {report['timings']['export']:.1f}s")
+        return 0
+
+    _run(job, as_json, debug)
+
+
+@main.command()
+@click.argument("onnx_file", metavar="MODEL.onnx")
+@click.argument("model")
+@click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@_common
+def check(onnx_file, model, provider, input_shape, trust, leaves, as_json, debug):
+    """Run MODEL.onnx in onnxruntime and compare it with the PyTorch MODEL."""
+    from . import workflow
+
+    def job(progress):
+        report, rep = workflow.check(onnx_file, model, input_shape, provider, trust, leaves, progress)
+        if as_json:
+            print(json.dumps(report, default=str))
+        else:
+            _print_equivalence(report["equivalence"])
+        return 0 if rep.passed else 1
+
+    _run(job, as_json, debug)
+
+
+@main.command()
+@click.argument("model")
+@click.option("--all", "show_all", is_flag=True, help="list every node (default: skip nodes without a tensor shape)")
+@_common
+def inspect(model, show_all, input_shape, trust, leaves, as_json, debug):
+    """Show MODEL's nodes with shapes, parameters and FLOPs, and its mutation log."""
+    from . import workflow
+
+    def job(progress):
+        report = workflow.inspect(model, input_shape, trust, leaves, progress)
+        if as_json:
+            print(json.dumps(report, default=str))
+            return 0
+        t = Table(title=f"{model} (input {'×'.join(map(str, report['input_shape']))})")
+        for col in ("node", "op", "target", "shape", "params", "FLOPs"):
+            t.add_column(col, justify="right" if col in ("params", "FLOPs") else "left")
+        for n in report["nodes"]:
+            if n["shape"] is None and not show_all and n["op"] != "output":
+                continue
+            shape = "×".join(map(str, n["shape"])) if isinstance(n["shape"], tuple) else str(n["shape"] or "")
+            t.add_row(n["name"], n["op"], str(n["target"]), shape, f"{n['params']:,}" if n["params"] else "",
+                      f"{n['flops']:,}" if n["flops"] else "")
+        out.print(t)
+        out.print(f"total: {report['params']:,} parameters, {report['flops']:,} FLOPs per example")
+        for i, e in enumerate(report["log"], 1):
+            out.print(f"mutation {i}: {e['pass']}({', '.join(f'{k}={v}' for k, v in e['args'].items() if v is not None)}) "
+                      f"params {e['params_before']:,} → {e['params_after']:,}")
+        return 0
+
+    _run(job, as_json, debug)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def passes(as_json):
+    """List the installed passes with their arguments and defaults."""
+    from .registry import all_passes
+
+    found = all_passes()
+    if as_json:
+        data = {}
+        for name, cls in found.items():
+            if isinstance(cls, GraphgrowError):
+                data[name] = {"error": str(cls)}
+            else:
+                hints = cls.argument_types()
+                data[name] = {"help": cls.help(), "args": [
+                    {"name": f.name, "type": _type_name(hints[f.name]), "default": f.default} for f in dataclasses.fields(cls)]}
+        print(json.dumps(data, default=str))
+        return
+    for name, cls in found.items():
+        if isinstance(cls, GraphgrowError):
+            out.print(f"[bold]{name}[/]  [red]unavailable:[/] {cls}")
+            continue
+        out.print(f"[bold]{name}[/]  {cls.help()}")
+        hints = cls.argument_types()
+        for f in dataclasses.fields(cls):
+            out.print(f"    {f.name}: {_type_name(hints[f.name])} = {f.default!r}")
+
+
+def _type_name(t) -> str:
+    return getattr(t, "__name__", None) or str(t).replace("typing.", "")
+
+
+if __name__ == "__main__":
+    main()

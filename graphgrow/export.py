@@ -1,0 +1,120 @@
+"""ONNX export (the only importer of torch.onnx): dynamo exporter, dynamic batch, one self-contained file."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+import onnx
+import torch
+from torch import fx
+
+from .errors import ExportError
+from .load import atomic_write, check_output_path
+from .shapes import example_input
+from .state import training_mode
+
+LOG_KEY = "graphgrow.mutation_log"
+INPUT_NAME = "input"
+
+
+def export_onnx(
+    gm: torch.nn.Module,
+    input_shape: Sequence[int],
+    path: str | os.PathLike | None = None,
+    metadata: dict[str, str] | None = None,
+    max_ir_version: int | None = None,
+    opset: int | None = None,
+) -> onnx.ModelProto:
+    """Export `gm` (in eval mode) with a dynamic batch dimension, check it, and write it atomically.
+
+    The mutation log from gm.meta["graphgrow"] goes into metadata_props under
+    "graphgrow.mutation_log" (JSON), with any `metadata` given. `max_ir_version`
+    clamps the IR version to what the target onnxruntime accepts.
+    """
+    out_path = check_output_path(path) if path is not None else None
+    # Export at batch ≥ 2: torch.export specialises sizes 0 and 1 to constants.
+    x = example_input(gm, input_shape, seed=0, batch=max(2, int(input_shape[0])))
+    batch = torch.export.Dim("batch", min=1)
+    captured = io.StringIO()
+    try:
+        with training_mode(gm, False), warnings.catch_warnings(), _quiet(captured):
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                gm, (x,), dynamo=True, dynamic_shapes=({0: batch},), input_names=[INPUT_NAME],
+                opset_version=opset, optimize=True, verbose=False, report=False,
+            )
+        proto = program.model_proto
+    except Exception as e:
+        detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ExportError(
+            f"torch.onnx.export failed: {detail}",
+            "an op in the model may have no ONNX equivalent; run with --debug for the full report",
+        ) from e
+    if max_ir_version is not None and proto.ir_version > max_ir_version:
+        proto.ir_version = max_ir_version
+    props = dict(metadata or {})
+    info = gm.meta.get("graphgrow", {}) if isinstance(gm, fx.GraphModule) else {}
+    props.setdefault(LOG_KEY, json.dumps(info.get("log", [])))
+    props.setdefault("graphgrow.input_shape", json.dumps(list(input_shape)))
+    for k, v in props.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = k, v
+    check_proto(proto)
+    if out_path is not None:
+        data = proto.SerializeToString()
+        try:
+            atomic_write(out_path, lambda tmp: tmp.write_bytes(data))
+        except OSError as e:
+            raise ExportError(f"cannot write {out_path}: {e.strerror or e}", "check the folder's permissions and free space") from e
+    return proto
+
+
+def check_proto(proto: onnx.ModelProto) -> None:
+    """onnx.checker full check plus strict shape inference; ExportError on any complaint."""
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+        onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+    except Exception as e:
+        raise ExportError(f"the exported ONNX model fails the ONNX checker: {str(e).strip().splitlines()[0][:300]}",
+                          "please report this with the model") from e
+
+
+def mutation_log(proto: onnx.ModelProto) -> list[dict]:
+    """The mutation log stored in an exported model ([] when none)."""
+    for p in proto.metadata_props:
+        if p.key == LOG_KEY:
+            return json.loads(p.value)
+    return []
+
+
+@contextlib.contextmanager
+def _quiet(sink: io.StringIO):
+    """The exporter prints progress to stdout and logs; keep both off the user's terminal (and --json)."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript", "torch.fx")]
+    levels = [l.level for l in loggers]
+    for l in loggers:
+        l.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            yield
+    finally:
+        for l, lv in zip(loggers, levels):
+            l.setLevel(lv)
+
+
+def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
+    from .errors import LoadError
+
+    p = Path(path)
+    if not p.is_file():
+        raise LoadError(f"no such ONNX file: {p}", "check the path")
+    try:
+        return onnx.load(str(p))
+    except Exception as e:
+        raise LoadError(f"{p} is not a readable ONNX model: {str(e).splitlines()[0][:200]}", "pass a file written by graphgrow export") from e

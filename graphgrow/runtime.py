@@ -1,0 +1,86 @@
+"""onnxruntime sessions (the only importer of onnxruntime): providers, fallback, what actually ran.
+
+Asking onnxruntime for CUDA where it cannot load silently gives the CPU provider
+with only a log line; graphgrow reads session.get_providers()[0] and says so.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import onnxruntime as ort
+
+from .errors import RuntimeUnavailable
+
+Provider = Literal["auto", "cpu", "cuda"]
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+
+
+@dataclass
+class Session:
+    session: ort.InferenceSession
+    provider: str  # the provider that actually runs the first node: "cuda" or "cpu"
+    note: str  # why this provider, said out loud when it is a fallback
+
+    @property
+    def input_names(self) -> list[str]:
+        return [i.name for i in self.session.get_inputs()]
+
+    def run(self, x: np.ndarray) -> list[np.ndarray]:
+        return self.session.run(None, {self.input_names[0]: x})
+
+
+def max_ir_version() -> int:
+    """The newest ONNX IR version this onnxruntime loads (from its release notes)."""
+    major, minor = (int(p) for p in ort.__version__.split(".")[:2])
+    if (major, minor) >= (1, 23):
+        return 11
+    if (major, minor) >= (1, 16):
+        return 10
+    return 9
+
+
+def open_session(model: bytes | str | os.PathLike, provider: Provider = "auto", threads: int | None = None,
+                 tf32: bool = False) -> Session:
+    """An InferenceSession on the provider asked for; 'auto' takes CUDA only when it really loads.
+
+    `tf32=False` turns TF32 off in the CUDA provider (it is on by default), as the
+    equivalence check needs.
+    """
+    if provider not in ("auto", "cpu", "cuda"):
+        raise RuntimeUnavailable(f"unknown provider '{provider}'", "use auto, cpu or cuda")
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if threads:
+        opts.intra_op_num_threads = threads
+    src = str(model) if isinstance(model, (str, os.PathLike)) else model
+    if provider == "cpu":
+        return Session(ort.InferenceSession(src, opts, providers=[CPU]), "cpu", "CPU provider, as asked")
+    if CUDA not in ort.get_available_providers():
+        why = f"this onnxruntime ({ort.__version__}) has no CUDA provider"
+        if provider == "cuda":
+            raise RuntimeUnavailable(why, "install onnxruntime-gpu, or use --provider cpu")
+        return Session(ort.InferenceSession(src, opts, providers=[CPU]), "cpu", f"{why}: ran on CPU")
+    cuda_opts = {"use_tf32": "1" if tf32 else "0"}
+    with _quiet_ort():
+        sess = ort.InferenceSession(src, opts, providers=[(CUDA, cuda_opts), CPU])
+    if sess.get_providers()[0] == CUDA:
+        return Session(sess, "cuda", "CUDA provider" + ("" if tf32 else " (TF32 off)"))
+    why = "onnxruntime's CUDA provider failed to load (no GPU or CUDA driver here)"
+    if provider == "cuda":
+        raise RuntimeUnavailable(why, "use --provider cpu or auto")
+    return Session(sess, "cpu", f"{why}: fell back to CPU")
+
+
+@contextlib.contextmanager
+def _quiet_ort():
+    """onnxruntime logs a red error when CUDA fails to load; graphgrow reports the fallback itself."""
+    ort.set_default_logger_severity(4)
+    try:
+        yield
+    finally:
+        ort.set_default_logger_severity(2)

@@ -1,0 +1,100 @@
+"""Shared fixtures: small models, a CLI runner, and helpers that check the promise independently."""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def small_cnn() -> nn.Sequential:
+    """3×32×32 → 128×8×8 features, global pooling, classifier (the issue's example)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+        nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.BatchNorm2d(128), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10),
+    )
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+
+
+def randomize_bn(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Non-trivial BatchNorm statistics and affine parameters, so eval ≠ train and mistakes show."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.1)
+                m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+                m.weight.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+                m.bias.copy_(torch.randn(m.num_features, generator=g) * 0.1)
+    return model
+
+
+def snapshot(model: nn.Module) -> dict:
+    """Everything that must stay bit-identical: tensors, training flags."""
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "training": [m.training for m in model.modules()],
+    }
+
+
+def assert_same_snapshot(a: dict, b: dict) -> None:
+    assert a["training"] == b["training"]
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        assert torch.equal(a["state"][k], b["state"][k]), f"{k} changed"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / a.norm()).item()
+
+
+def outputs_both_modes(model: nn.Module, x: torch.Tensor, seed: int = 0):
+    """(eval output, train output) computed on a deep copy, so the model is not touched."""
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        m.eval()
+        ev = m(x)
+        m.train()
+        torch.manual_seed(seed)
+        tr = m(x)
+    return ev, tr
+
+
+@pytest.fixture
+def cnn():
+    return randomize_bn(small_cnn())
+
+
+@pytest.fixture
+def cnn_file(tmp_path, cnn):
+    p = tmp_path / "model.pt"
+    torch.save(cnn, p)
+    return p
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The real `graphgrow` process (exit codes and stderr exactly as a user sees them)."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "graphgrow.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env=full_env, timeout=600)

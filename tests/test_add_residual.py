@@ -1,0 +1,159 @@
+"""add_residual: golden graph, exactness in eval and train mode (checked here, not only by verify),
+trainability, the skip kinds, refusals, and the input left untouched."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import graphgrow as gg
+from graphgrow.passes.add_residual import AddResidual, add_residual
+from conftest import assert_same_snapshot, mlp, outputs_both_modes, randomize_bn, rel_err, small_cnn, snapshot
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def grow(model, shape, **args):
+    gm = gg.trace(model, shape)
+    return gm, AddResidual(**args)(gm)
+
+
+def test_default_span_on_the_issue_example_is_a_stride_4_downsample(cnn):
+    _, r = grow(cnn, (1, 3, 32, 32))
+    assert r.targets["start"] == "input_1 [1, 3, 32, 32]"
+    assert r.targets["end"] == "_8 [1, 128, 8, 8]"
+    assert r.targets["skip"] == "1×1 conv 3→128 stride 4 + BatchNorm(γ=β=0)"
+    conv = r.gm.get_submodule("residual_downsample.0")
+    assert (conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride) == (3, 128, (1, 1), (4, 4))
+    assert r.params_after - r.params_before == 3 * 128 + 2 * 128
+    assert r.flops_after > r.flops_before
+    assert "params: 94,986 → 95,626" in r.summary()
+
+
+def test_golden_graph(cnn):
+    _, r = grow(cnn, (1, 3, 32, 32))
+    golden = (GOLDEN / "add_residual_small_cnn.txt").read_text()
+    assert r.gm.code.strip() == golden.strip()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_exact_in_eval_and_train_mode(cnn, seed):
+    gm, r = grow(cnn, (1, 3, 32, 32))
+    x = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+    ev0, tr0 = outputs_both_modes(cnn, x)
+    ev1, tr1 = outputs_both_modes(r.gm, x)
+    assert rel_err(ev0, ev1) <= 1e-6 and rel_err(tr0, tr1) <= 1e-6
+    assert not torch.allclose(ev0, tr0)  # the two modes really differ, so both checks mean something
+    assert r.preservation.eval.ok and r.preservation.train.ok
+
+
+def test_new_parameters_learn(cnn):
+    _, r = grow(cnn, (1, 3, 32, 32))
+    m = copy.deepcopy(r.gm).train()
+    x = torch.randn(4, 3, 32, 32)
+    m(x).pow(2).sum().backward()
+    bn = m.get_submodule("residual_downsample.1")
+    conv = m.get_submodule("residual_downsample.0")
+    assert bn.weight.grad.abs().sum() > 0 and bn.bias.grad.abs().sum() > 0  # the zero last factor: at once
+    assert conv.weight.grad.abs().sum() == 0  # behind γ = 0 ...
+    with torch.no_grad():
+        for p in (bn.weight, bn.bias):
+            p -= 0.1 * p.grad
+    m.zero_grad()
+    m(x).pow(2).sum().backward()
+    assert conv.weight.grad.abs().sum() > 0  # ... and learns after one step
+    assert r.preservation.trainable == {"residual_downsample.1.weight": 0, "residual_downsample.1.bias": 0,
+                                        "residual_downsample.0.weight": 1}
+
+
+def test_same_shape_uses_a_zero_gate():
+    model = randomize_bn(small_cnn())
+    _, r = grow(model, (1, 3, 32, 32), start="_4", end="_5")
+    assert r.targets["skip"] == "identity × gate (gate = 0)"
+    gate = [n for n, _ in r.gm.named_parameters() if n.startswith("residual_gate")]
+    assert gate == ["residual_gate"] and r.gm.residual_gate.item() == 0.0
+    assert r.preservation.trainable == {"residual_gate": 0}
+
+
+def test_module_path_means_its_input_and_output():
+    import torchvision
+
+    gm, r = grow(torchvision.models.resnet18(), (1, 3, 64, 64), start="layer2", end="layer3")
+    assert r.targets["start"].startswith("layer1_1_relu_1 [1, 64, 16, 16]")
+    assert r.targets["end"].startswith("layer3_1_relu_1 [1, 256, 4, 4]")
+    assert "stride 4" in r.targets["skip"]
+
+
+def test_non_integer_ratio_pools_adaptively():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 4 * 4, 3))
+    _, r = grow(model, (1, 3, 12, 12), start="input_1", end="_3")  # 12×12 → 4×4 is integer: stride 3
+    assert "stride 3" in r.targets["skip"]
+    _, r = grow(model, (1, 3, 11, 11), start="_1", end="_3")  # 9×9 → 4×4 is not
+    assert r.targets["skip"].startswith("adaptive avg pool 9×9→4×4")
+    assert r.preservation.eval.ok and r.preservation.train.ok
+
+
+def test_2d_features_get_a_zero_linear():
+    model = mlp()
+    _, r = grow(model, (1, 20))
+    assert r.targets["skip"] == "Linear 20→5 (zero weights)"
+    assert r.preservation.train.ok  # dropout draws the same masks in both runs
+    assert set(r.preservation.trainable) == {"residual_proj.weight", "residual_proj.bias"}
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"start": "_8", "end": "_8"}, "start and end are the same tensor '_8'"),
+    ({"start": "_8", "end": "_2"}, "start '_8' comes after end '_2'"),
+    ({"start": "nope", "end": "_8"}, "no node or module named 'nope'"),
+    ({"start": "_11", "end": "_11"}, "same tensor"),
+    ({"start": "_8", "end": "_11"}, "differ in rank"),
+])
+def test_refusals_are_typed_and_explain(cnn, args, message):
+    gm = gg.trace(cnn, (1, 3, 32, 32))
+    before = snapshot(gm)
+    with pytest.raises(gg.NotApplicable) as e:
+        AddResidual(**args)(gm)
+    assert message in str(e.value)
+    assert e.value.hint  # always says what to do instead
+    assert_same_snapshot(before, snapshot(gm))
+
+
+def test_upsampling_is_refused():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Upsample(scale_factor=2), nn.Conv2d(4, 4, 3, padding=1))
+    gm = gg.trace(model, (1, 3, 8, 8))
+    with pytest.raises(gg.NotApplicable, match="only downsamples"):
+        AddResidual(start="_0", end="_2")(gm)
+
+
+def _annotated(gm):
+    gg.annotate(gm, (1, 3, 32, 32))
+    return gm
+
+
+def test_input_model_untouched_on_success_and_failure(cnn):
+    cnn.train()
+    before = snapshot(cnn)
+    gm = gg.trace(cnn, (1, 3, 32, 32))
+    AddResidual()(gm)
+    assert_same_snapshot(before, snapshot(cnn))
+    with pytest.raises(gg.NotApplicable):
+        AddResidual(start="_9", end="_3")(gm)
+    assert_same_snapshot(before, snapshot(cnn))
+    assert cnn.training
+
+
+def test_plain_function_is_functional(cnn):
+    gm = _annotated(gg.trace(cnn, (1, 3, 32, 32)))
+    code = gm.code
+    rw = add_residual(gm)
+    assert rw.gm is not gm and gm.code == code and "residual_downsample" in rw.gm.code
+
+
+def test_seed_makes_new_weights_reproducible(cnn):
+    gm = gg.trace(cnn, (1, 3, 32, 32))
+    w = [AddResidual()(gm, seed=s).gm.get_submodule("residual_downsample.0").weight for s in (3, 3, 4)]
+    assert torch.equal(w[0], w[1]) and not torch.equal(w[0], w[2])
