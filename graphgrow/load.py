@@ -9,6 +9,7 @@ graphgrow's own outputs (see serialize.py) load again without trust.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import re
 import sys
@@ -110,6 +111,8 @@ def _explain(name: str, head: bytes, e: Exception, trust: bool) -> LoadError:
     if blocked and not trust:
         what = blocked.group(1)
         module = what.rpartition(".")[0]
+        if not _names_something(what):
+            return LoadError(f"{name} is corrupted: it names {what}, which does not exist", "save the model again")
         if module.split(".")[0] in {"os", "posix", "nt", "subprocess", "builtins", "sys", "shutil", "socket", "runpy", "importlib"}:
             return LoadError(
                 f"{name} asks to call {what} while loading; refused, nothing was run",
@@ -131,6 +134,14 @@ def _explain(name: str, head: bytes, e: Exception, trust: bool) -> LoadError:
     if all(32 <= c < 127 or c in (9, 10, 13) for c in head):
         return LoadError(f"{name} is a text file, not a PyTorch model file", "pass a file written by torch.save")
     return LoadError(f"{name} is not a PyTorch model file ({_first_line(msg) or type(e).__name__})", "pass a file written by torch.save")
+
+
+def _names_something(qualname: str) -> bool:
+    """Whether `module.attr` exists, without importing anything new (so nothing from the file runs)."""
+    module, _, attr = qualname.rpartition(".")
+    if module in sys.modules:
+        return hasattr(sys.modules[module], attr)
+    return importlib.util.find_spec(module.split(".")[0]) is not None
 
 
 def _first_line(msg: str) -> str:

@@ -9,7 +9,7 @@ from typing import Any, Iterable
 import torch
 from torch import fx, nn
 
-from .errors import NotApplicable
+from .errors import NotApplicable, ValidationError
 from .trace import scope_of
 
 
@@ -37,6 +37,9 @@ def tensor_shape(node: fx.Node) -> tuple[int, ...] | None:
 
 
 def is_float_tensor(node: fx.Node) -> bool:
+    """A node computing one floating-point tensor (the output node is not one: it only returns)."""
+    if node.op == "output":
+        return False
     dt = node.meta.get("gg_dtype")
     return tensor_shape(node) is not None and dt is not None and dt.is_floating_point
 
@@ -153,6 +156,9 @@ def set_scope(nodes: Iterable[fx.Node], like: fx.Node) -> None:
 def finish(gm: fx.GraphModule) -> fx.GraphModule:
     """Lint, drop unused modules and recompile after an edit."""
     gm.graph.lint()
+    last = next(iter(reversed(gm.graph.nodes)))
+    if last.op != "output":
+        raise ValidationError(f"node '{last.name}' was inserted after the graph's output", "this is a bug in the pass; please report it")
     gm.delete_all_unused_submodules()
     gm.recompile()
     return gm

@@ -13,7 +13,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from .errors import InputError, ValidationError
+from .errors import ValidationError
 from .state import module_device, module_dtype, training_mode
 
 
@@ -91,17 +91,11 @@ def annotate(gm: fx.GraphModule, input_shape: Sequence[int]) -> ShapeRun:
     """Store shape, dtype, params and FLOPs (per example) on every node's meta.
 
     Runs once in eval mode at the example batch size; meta keys: gg_shape, gg_dtype,
-    gg_flops, gg_params. Raises InputError when the input does not fit the model.
+    gg_flops, gg_params. Raises ValidationError naming the node that fails.
     """
     x = example_input(gm, input_shape)
-    try:
-        with training_mode(gm, False):
-            run = run_recording(gm, x, count_flops=True)
-    except ValidationError as e:
-        raise InputError(
-            f"the model cannot run on an input of shape {tuple(input_shape)}: {e.message}",
-            "give the shape the model expects with --input-shape N,C,H,W",
-        ) from e
+    with training_mode(gm, False):
+        run = run_recording(gm, x, count_flops=True)
     batch = max(int(input_shape[0]), 1)
     for n in gm.graph.nodes:
         n.meta["gg_shape"] = run.shapes.get(n.name)

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 from torch import fx, nn
 
-from .errors import InputError, LoadError
+from .errors import InputError, LoadError, ValidationError
 from .load import LoadedModel, check_output_path, default_output_path, load_model, save_model
 from .pipeline import Pipeline, PipelineResult
 from .shapes import annotate, param_count, total_flops
@@ -94,7 +94,11 @@ def open_model(source: str, input_shape=None, trust: bool = False, leaves: Seque
         infer_input_shape(gm)  # still refuses multi-input models clearly
     _check_finite(loaded.module, source)
     progress("propagating shapes")
-    annotate(gm, shape)
+    try:
+        annotate(gm, shape)
+    except ValidationError as e:
+        raise InputError(f"the model cannot run on an input of shape {tuple(shape)}: {e.message}",
+                         "give the shape the model expects with --input-shape N,C,H,W") from e
     return OpenedModel(loaded, gm, shape)
 
 
