@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -51,9 +52,8 @@ def export_onnx(
             )
         proto = program.model_proto
     except Exception as e:
-        detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise ExportError(
-            f"torch.onnx.export failed: {detail}",
+            f"torch.onnx.export failed: {_root_cause(e)}",
             "an op in the model may have no ONNX equivalent; run with --debug for the full report",
         ) from e
     if max_ir_version is not None and proto.ir_version > max_ir_version:
@@ -73,6 +73,14 @@ def export_onnx(
         except OSError as e:
             raise ExportError(f"cannot write {out_path}: {e.strerror or e}", "check the folder's permissions and free space") from e
     return proto
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost exception's first line (the exporter wraps the real reason), without colour codes."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
+    return (text.splitlines() or [type(e).__name__])[0][:300]
 
 
 def check_proto(proto: onnx.ModelProto) -> None:

@@ -32,7 +32,7 @@ def parse_input_shape(text: str | Sequence[int] | None) -> list[int] | None:
     if text is None:
         return None
     if isinstance(text, str):
-        parts = [p for p in re.split(r"[,x×\s]+", text.strip()) if p]
+        parts = [p for p in re.split(r"[,\s]+|(?<=\d)[x×](?=\d)", text.strip()) if p]
         try:
             dims = [int(p) for p in parts]
         except ValueError:

@@ -1,0 +1,132 @@
+"""The `graphgrow` command as a user meets it: outputs, JSON, exit codes, one-line errors."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphgrow as gg
+from graphgrow.cli import main
+from conftest import run_cli
+
+
+def invoke(runner, *args):
+    return runner.invoke(main, list(args), catch_exceptions=False)
+
+
+@pytest.mark.slow
+def test_mutate_onnx_check_json_end_to_end(tmp_path, cnn_file):
+    onnx_path = tmp_path / "out.onnx"
+    proc = run_cli("mutate", "--pass", "add_residual", str(cnn_file), "--onnx", str(onnx_path), "--check",
+                   "--input-shape", "1,3,32,32", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)  # exactly one JSON object on stdout
+    p = report["passes"][0]
+    assert {"name", "args", "targets", "params_before", "params_after"} <= p.keys()
+    assert p["name"] == "add_residual" and p["params_after"] - p["params_before"] == 640
+    assert report["preservation"]["eval_ok"] and report["preservation"]["train_ok"] and report["preservation"]["trainable_ok"]
+    assert report["preservation"]["max_rel_err"] <= 1e-5
+    eq = report["equivalence"]
+    assert eq["passed"] and eq["provider"] == "cpu" and eq["max_abs_err"] < 1e-4 and eq["vs_original"]["passed"]
+    grown = tmp_path / "model.grown.pt"  # beside the input, under a new name
+    assert report["outputs"] == [str(grown), str(onnx_path)]
+    assert grown.exists() and onnx_path.exists()
+    assert "Traceback" not in proc.stderr
+
+
+def test_mutate_human_output_says_what_it_did(runner, tmp_path, cnn_file):
+    out = tmp_path / "g.pt"
+    res = invoke(runner, "mutate", str(cnn_file), "--pass", "add_residual", "-o", str(out), "--input-shape", "1,3,32,32")
+    assert res.exit_code == 0
+    assert "skip: 1×1 conv 3→128 stride 4 + BatchNorm(γ=β=0)" in res.output
+    assert "params: 94,986 → 95,626" in res.output and f"wrote {out}" in res.output
+    # chaining: the output is a graphgrow file and loads without --trust, remembering its input shape
+    res2 = invoke(runner, "mutate", str(out), "--pass", "add_residual(start=_3,end=_8)", "-o", str(tmp_path / "g2.pt"))
+    assert res2.exit_code == 0, res2.output
+    res3 = invoke(runner, "inspect", str(tmp_path / "g2.pt"))
+    assert "mutation 1: add_residual()" in res3.output and "mutation 2: add_residual(start=_3, end=_8)" in res3.output
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["mutate", "{cnn}", "--pass", "add_resdiual", "--input-shape", "1,3,32,32"], 2, "unknown pass 'add_resdiual' (valid passes: "),
+    (["mutate", "{cnn}", "--pass", "add_residual(x=1)", "--input-shape", "1,3,32,32"], 2, "has no argument 'x' (valid arguments: start, end)"),
+    (["mutate", "{cnn}", "--pass", "add_residual(start=nope)", "--input-shape", "1,3,32,32"], 2, "no node or module named 'nope'"),
+    (["mutate", "{cnn}", "--pass", "add_residual"], 2, "cannot tell the example input shape"),
+    (["mutate", "{cnn}", "--pass", "add_residual", "--input-shape", "1,3,x"], 2, "is not a list of integers"),
+    (["mutate", "{cnn}", "--pass", "add_residual", "--input-shape", "1,5,32,32"], 2, "cannot run on an input of shape (1, 5, 32, 32)"),
+    (["mutate", "{cnn}", "--pass", "add_residual", "-o", "{cnn}", "--input-shape", "1,3,32,32"], 2, "is the input file"),
+    (["mutate", "{tmp}/missing.pt", "--pass", "add_residual"], 2, "no such file"),
+    (["mutate", "{cnn}", "--pass", "add_residual", "-o", "{tmp}/no/dir/x.pt", "--input-shape", "1,3,32,32"], 2, "does not exist"),
+])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, cnn_file, args, code, message):
+    before = sorted(os.listdir(tmp_path))
+    content = cnn_file.read_bytes()
+    args = [a.format(cnn=cnn_file, tmp=tmp_path) for a in args]
+    proc = run_cli(*args, cwd=tmp_path)
+    assert proc.returncode == code, proc.stderr
+    assert message in proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert sorted(os.listdir(tmp_path)) == before and cnn_file.read_bytes() == content
+
+
+def test_json_errors_are_json_too(tmp_path):
+    proc = run_cli("mutate", str(tmp_path / "nope.pt"), "--pass", "add_residual", "--json")
+    assert proc.returncode == 2
+    assert json.loads(proc.stdout)["error"]["type"] == "LoadError"
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    proc = run_cli("mutate", str(tmp_path / "nope.pt"), "--pass", "add_residual", "--debug")
+    assert proc.returncode == 2 and "Traceback" in proc.stderr
+
+
+def test_refuses_code_in_a_model_file_without_trust(tmp_path):
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.pt"
+
+    class RunsCode:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save(RunsCode(), evil)
+    proc = run_cli("mutate", str(evil), "--pass", "add_residual", "--input-shape", "1,3,32,32")
+    assert proc.returncode == 2 and "refused, nothing was run" in proc.stderr and "--trust" in proc.stderr
+    assert not marker.exists()
+
+
+def test_inspect_and_passes(runner, cnn_file):
+    res = invoke(runner, "inspect", str(cnn_file), "--input-shape", "1,3,32,32", "--json")
+    data = json.loads(res.output)
+    assert data["params"] == 94_986 and data["nodes"][1]["shape"] == [1, 32, 32, 32]
+    res = invoke(runner, "passes", "--json")
+    info = json.loads(res.output)["add_residual"]
+    assert [a["name"] for a in info["args"]] == ["start", "end"] and all(a["default"] is None for a in info["args"])
+    assert "add_residual" in invoke(runner, "--help").output or "mutate" in invoke(runner, "--help").output
+
+
+@pytest.mark.slow
+def test_export_then_check(tmp_path, cnn_file):
+    onnx_path = tmp_path / "m.onnx"
+    proc = run_cli("export", str(cnn_file), "-o", str(onnx_path), "--input-shape", "1,3,32,32")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("check", str(onnx_path), str(cnn_file), "--json")  # input shape read from the ONNX file
+    assert proc.returncode == 0, proc.stderr
+    eq = json.loads(proc.stdout)["equivalence"]
+    assert eq["passed"] and len(eq["cases"]) == 3
+
+
+@pytest.mark.slow
+def test_check_fails_with_exit_1_when_models_differ(tmp_path, cnn_file):
+    onnx_path = tmp_path / "m.onnx"
+    assert run_cli("export", str(cnn_file), "-o", str(onnx_path), "--input-shape", "1,3,32,32").returncode == 0
+    other = tmp_path / "other.pt"
+    from conftest import randomize_bn, small_cnn
+
+    torch.save(randomize_bn(small_cnn(), seed=5), other)
+    proc = run_cli("check", str(onnx_path), str(other))
+    assert proc.returncode == 1 and "FAIL" in proc.stdout

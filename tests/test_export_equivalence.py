@@ -1,0 +1,114 @@
+"""ONNX export (checker, dynamic batch, metadata, one file) and the onnxruntime equivalence report."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import graphgrow as gg
+from graphgrow.equivalence import check_equivalence, compare_arrays
+from graphgrow.export import export_onnx, mutation_log
+from graphgrow.passes.add_residual import AddResidual
+from graphgrow.runtime import max_ir_version, open_session
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def grown_onnx(tmp_path_factory):
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from conftest import randomize_bn, small_cnn
+
+    original = randomize_bn(small_cnn()).eval()
+    r = AddResidual()(gg.trace(original, (1, 3, 32, 32)))
+    path = tmp_path_factory.mktemp("onnx") / "grown.onnx"
+    proto = export_onnx(r.gm, (1, 3, 32, 32), path, max_ir_version=max_ir_version())
+    return original, r, path, proto
+
+
+@pytest.mark.slow
+def test_export_is_one_checked_file_with_dynamic_batch_and_the_log(grown_onnx):
+    _, r, path, proto = grown_onnx
+    assert [p.name for p in path.parent.iterdir()] == ["grown.onnx"]  # no external-data side file
+    loaded = onnx.load(str(path))
+    onnx.checker.check_model(loaded, full_check=True)
+    dims = loaded.graph.input[0].type.tensor_type.shape.dim
+    assert dims[0].dim_param and [d.dim_value for d in dims[1:]] == [3, 32, 32]
+    assert loaded.ir_version <= max_ir_version()
+    log = mutation_log(loaded)
+    assert [e["pass"] for e in log] == ["add_residual"] and log[0]["params_after"] == r.params_after
+    meta = {p.key: p.value for p in loaded.metadata_props}
+    assert json.loads(meta["graphgrow.input_shape"]) == [1, 3, 32, 32]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 3])
+def test_onnxruntime_matches_the_original_model(grown_onnx, batch):
+    original, _, path, _ = grown_onnx
+    sess = open_session(path, "cpu")
+    x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(batch))
+    with torch.no_grad():
+        ref = original(x).numpy()
+    got = sess.run(x.numpy())[0]
+    scale = np.abs(ref).max()
+    assert np.all(np.abs(got - ref) <= 1e-5 * scale + 1e-4 * np.abs(ref))
+
+
+@pytest.mark.slow
+def test_equivalence_report(grown_onnx):
+    original, r, path, _ = grown_onnx
+    rep = check_equivalence(r.gm, open_session(path, "cpu"), (1, 3, 32, 32))
+    assert rep.passed and rep.provider == "cpu"
+    assert [o.case for o in rep.outputs] == ["seed 0, batch 1", "seed 1, batch 1", "seed 2, batch 3"]
+    assert all(o.cosine > 0.999999 and not o.nan_torch and not o.nan_ort for o in rep.outputs)
+    j = rep.to_json()
+    assert {"provider", "max_abs_err", "max_rel_err", "passed"} <= j.keys()
+
+
+def test_compare_arrays_flags_nan_and_reports_the_needed_tolerance():
+    ref = np.array([1.0, -2.0, 4.0], dtype=np.float32)
+    ok = compare_arrays(ref, ref + np.float32(1e-7), 1e-4, 1e-5, "c", 0)
+    assert ok.passed and ok.max_abs == pytest.approx(1e-7, rel=0.2)
+    off = compare_arrays(ref, ref + np.array([0, 0, 0.01], dtype=np.float32), 1e-4, 1e-5, "c", 0)
+    assert not off.passed
+    assert off.min_atol == pytest.approx((0.01 - 1e-4 * 4.0) / 4.0, rel=1e-3)
+    assert compare_arrays(ref, ref + off.min_atol * 4.0 * 0, 1e-4, off.min_atol, "c", 0).passed
+    nan = compare_arrays(ref, np.array([1.0, np.nan, 4.0], dtype=np.float32), 1e-4, 1e-5, "c", 0)
+    assert nan.nan_ort and not nan.passed
+    inf_ref = compare_arrays(np.array([np.inf], dtype=np.float32), np.array([np.inf], dtype=np.float32), 1e-4, 1e-5, "c", 0)
+    assert inf_ref.nan_torch and not inf_ref.passed
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU fallback on a machine without CUDA")
+def test_auto_falls_back_to_cpu_and_says_so(grown_onnx):
+    _, _, path, _ = grown_onnx
+    sess = open_session(path, "auto")
+    assert sess.provider == "cpu" and sess.session.get_providers()[0] == "CPUExecutionProvider"
+    assert "CPU" in sess.note and ("fell back" in sess.note or "ran on CPU" in sess.note)
+    with pytest.raises(gg.RuntimeUnavailable):
+        open_session(path, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_provider_really_runs_and_agrees(grown_onnx):
+    _, r, path, _ = grown_onnx
+    sess = open_session(path, "cuda")
+    assert sess.session.get_providers()[0] == "CUDAExecutionProvider"
+    rep = check_equivalence(r.gm.cuda(), sess, (1, 3, 32, 32))
+    assert rep.passed and rep.provider == "cuda" and rep.rtol == 1e-3
+
+
+def test_export_errors_are_typed(tmp_path):
+    class Bad(torch.nn.Module):
+        def forward(self, x):
+            return torch.linalg.qr(x)[0]  # no ONNX translation
+
+    with pytest.raises(gg.ExportError, match="torch.onnx.export failed: .*qr") as e:
+        export_onnx(gg.trace(Bad(), (2, 3, 3)), (2, 3, 3), tmp_path / "bad.onnx")
+    assert "\x1b" not in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "bad.onnx").exists()
