@@ -7,7 +7,6 @@ factor) and every one of them within two SGD steps on a random batch.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -104,52 +103,70 @@ def check_preservation(old: nn.Module, new: nn.Module, input_shape: Sequence[int
     return compare_outputs(old_eval, new_eval_output, "eval"), compare_outputs(outs[0], outs[1], "train")
 
 
-def check_trainability(new: nn.Module, new_params: dict, upstream: set[str], input_shape: Sequence[int],
+def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], input_shape: Sequence[int],
                        seed: int = 0, batch: int = 2, steps: int = 3, lr: float = 0.01) -> tuple[dict[str, int], list[str]]:
     """Which new parameters get a non-zero gradient, and at which SGD step (0 = at once).
 
-    Runs on a copy in train mode with loss = <output, R> for a fixed random R, taking
-    normalised SGD steps on every parameter (as training would). New parameters whose
-    shape grew count by their new region only. `upstream` names old parameters that
-    run before the new nodes: when the gradient reaches any of them at step 0 but no
-    new parameter gets one, the new contribution is dead from the start
-    (PreservationError). A model whose own gradient is blocked at first (a
-    zero-initialised head, as in torchvision's ViT) gets the later steps.
+    Train mode, loss = <output, R> for a fixed random R, normalised SGD steps. New
+    parameters whose shape grew count by their new region only. `upstream` names old
+    parameters just before the new nodes: when the gradient reaches them at step 0
+    but no new parameter gets one, the contribution is dead from the start
+    (PreservationError). Only the parameters under test require grad, so backward
+    stops where they end; when nothing gets a gradient at first (a zero-initialised
+    head, as in torchvision's ViT) every parameter trains, as it would in real
+    training. `new` is restored exactly afterwards.
     """
     if not new_params:
         return {}, []
-    trial = copy.deepcopy(new)
-    params = dict(trial.named_parameters())
-    for p in trial.parameters():
-        p.requires_grad_(True)
-    x = example_input(trial, input_shape, seed=seed + 1, batch=batch)
+    params = dict(new.named_parameters())
+    saved_flags = {n: p.requires_grad for n, p in params.items()}
+    saved_values = {n: p.detach().clone() for n, p in params.items()}
+    x = example_input(new, input_shape, seed=seed + 1, batch=batch)
     got: dict[str, int] = {}
-    with training_mode(trial, True), seeded(seed):
-        proj = None
-        for step in range(steps + 1):
-            trial.zero_grad(set_to_none=True)
-            outs = [t for t in flat_tensors(trial(x)) if t.is_floating_point()]
-            if proj is None:
-                g = torch.Generator().manual_seed(seed + 2)
-                proj = [torch.randn(t.shape, generator=g).to(t) for t in outs]
-            loss = sum((t * r).sum() for t, r in zip(outs, proj))
-            loss.backward()
-            with torch.no_grad():
-                for name, (old_shape, _) in new_params.items():
-                    grad = params[name].grad
-                    if name not in got and grad is not None and _new_region(grad, old_shape).abs().sum() > 0:
-                        got[name] = step
-                if step == 0 and not got and any(_has_grad(params[n]) for n in upstream if n in params):
-                    raise PreservationError(
-                        "no new parameter gets a gradient at insertion although the layers before it do: "
-                        "the new contribution is dead",
-                        "the last factor of a new path must be zero and the others non-zero (DESIGN §4)",
-                    )
-                if len(got) == len(new_params) or step == steps:
-                    break
-                for p in params.values():
-                    if p.grad is not None:
-                        p -= lr * p.grad / (p.grad.norm() + 1e-12) * (p.norm() + 1e-3)
+    train_all = False
+    try:
+        with training_mode(new, True), preserved_buffers(new), seeded(seed):
+            proj = None
+            step, last_step = -1, steps
+            while step < last_step:
+                step += 1
+                watched = set(params) if train_all else ({n for n in new_params if n not in got} | set(upstream) if step == 0
+                                                          else {n for n in new_params})
+                for n, p in params.items():
+                    p.requires_grad_(n in watched)
+                    p.grad = None
+                outs = [t for t in flat_tensors(new(x)) if t.is_floating_point()]
+                if proj is None:
+                    g = torch.Generator().manual_seed(seed + 2)
+                    proj = [torch.randn(t.shape, generator=g).to(t) for t in outs]
+                loss = sum((t * r).sum() for t, r in zip(outs, proj))
+                if loss.requires_grad:
+                    loss.backward()
+                with torch.no_grad():
+                    for name, (old_shape, _) in new_params.items():
+                        grad = params[name].grad
+                        if name not in got and grad is not None and _new_region(grad, old_shape).abs().sum() > 0:
+                            got[name] = step
+                    if step == 0 and not got:
+                        if any(_has_grad(params[n]) for n in upstream):
+                            raise PreservationError(
+                                "no new parameter gets a gradient at insertion although the layers before it do: "
+                                "the new contribution is dead",
+                                "the last factor of a new path must be zero and the others non-zero (DESIGN §4)",
+                            )
+                        train_all = True  # the model blocks its own gradient at first: train everything
+                        last_step += 1  # step 0 only watched the new parameters; give the full budget
+                    if len(got) == len(new_params) or step == last_step:
+                        break
+                    for p in params.values():
+                        if p.grad is not None:
+                            p -= lr * p.grad / (p.grad.norm() + 1e-12) * (p.norm() + 1e-3)
+    finally:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(saved_values[n])
+                p.grad = None
+                p.requires_grad_(saved_flags[n])
     dead = [n for n in new_params if n not in got]
     return got, dead
 

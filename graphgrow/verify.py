@@ -45,16 +45,21 @@ def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Sequence[int],
     return PreservationReport(ev, tr, got, dead)
 
 
-def upstream_parameters(old: fx.GraphModule, new: fx.GraphModule) -> set[str]:
-    """Old parameters used by nodes that run before the first node the pass added."""
+def upstream_parameters(old: fx.GraphModule, new: fx.GraphModule, last: int = 2) -> list[str]:
+    """Parameters of the last few parameterised nodes that run before the first node the pass added."""
     old_names = {n.name for n in old.graph.nodes}
     old_params = {n for n, _ in old.named_parameters()}
-    found: set[str] = set()
+    groups: list[list[str]] = []
     for n in new.graph.nodes:
         if n.name not in old_names:
             break
         if n.op == "call_module":
-            found |= {f"{n.target}.{p}" for p, _ in new.get_submodule(n.target).named_parameters()}
+            names = [f"{n.target}.{p}" for p, _ in new.get_submodule(n.target).named_parameters()]
         elif n.op == "get_attr":
-            found.add(n.target)
-    return found & old_params
+            names = [n.target]
+        else:
+            continue
+        names = [p for p in names if p in old_params]
+        if names:
+            groups.append(names)
+    return [p for g in groups[-last:] for p in g]
