@@ -109,6 +109,8 @@ def mutate(model, specs, output, onnx_out, check, provider, seed, input_shape, t
 
 def _print_mutation(report: dict) -> None:
     out.print(f"[bold]graphgrow mutate[/] {report['model']} (input {'×'.join(map(str, report['input_shape']))})")
+    if report.get("input_shape_inferred"):
+        out.print(f"input shape inferred: {report['input_shape_inferred']}")
     for i, p in enumerate(report["passes"], 1):
         args = ", ".join(f"{k}={v}" for k, v in p["args"].items() if v is not None)
         out.print(f"[bold]{i}. {p['name']}[/]({args})")

@@ -4,6 +4,7 @@ Each returns plain data (the CLI formats it) and raises GraphgrowError subclasse
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 import time
@@ -46,24 +47,106 @@ def parse_input_shape(text: str | Sequence[int] | None) -> list[int] | None:
     return dims
 
 
-def infer_input_shape(gm: fx.GraphModule) -> list[int] | None:
-    """The example input shape when the first layer fixes it (a Linear or Embedding-free MLP); else None."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != 1:
-        raise InputError(f"the model takes {len(placeholders)} inputs; graphgrow supports one input tensor for now",
-                         "wrap the model so that forward takes a single tensor")
-    for user in placeholders[0].users:
-        if user.op == "call_module" and isinstance(gm.get_submodule(user.target), nn.Linear):
-            return [1, gm.get_submodule(user.target).in_features]
+def infer_input_shape(gm: fx.GraphModule) -> tuple[list[int] | None, str]:
+    """The example input shape when the model itself fixes it, with how it was found.
+
+    A first Linear fixes (1, in_features). A first conv fixes the channels; a
+    Flatten → Linear with no adaptive pooling before it fixes the spatial size,
+    found by a binary search over square sizes on the meta device (no compute).
+    A model that accepts any size (global pooling) has no one shape: (None, why).
+    """
+    require_single_input(gm)
+    placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    first = next((u for u in placeholder.users if u.op == "call_module"), None)
+    layer = gm.get_submodule(first.target) if first is not None else None
+    if isinstance(layer, nn.Linear):
+        return [1, layer.in_features], f"from the first layer {first.target}: Linear({layer.in_features}→…)"
+    if not isinstance(layer, nn.modules.conv._ConvNd):
+        return None, "the first layer does not fix the input shape"
+    dims = layer.weight.dim() - 2
+    channels = layer.in_channels
+    flat_linear = _flatten_then_linear(gm)
+    if flat_linear is None:
+        return None, f"{first.target} ({type(layer).__name__}, {channels} channels) takes any image size"
+    flat, lin = flat_linear
+    want = gm.get_submodule(lin.target).in_features
+    meta = copy.deepcopy(gm).to("meta").eval()
+
+    def flat_size(side: int) -> int | None:
+        return _meta_numel(meta, flat.name, [1, channels] + [side] * dims)
+
+    def first_side(at_least: int) -> int:  # smallest side whose flattened size reaches `at_least`
+        lo, hi = 1, 4096
+        while lo < hi:
+            mid = (lo + hi) // 2
+            n = flat_size(mid)
+            if n is None or n < at_least:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    where = f"the Linear {lin.target} after {flat.name} takes {want} features"
+    smallest = first_side(want)
+    if flat_size(smallest) != want:
+        return None, f"{where}, which no square input gives"
+    largest = first_side(want + 1) - 1
+    side = "×".join([str(largest)] * dims)
+    if largest != smallest:
+        # Strided layers round down, so several sizes fit; the largest is the one every stride divides evenly.
+        return [1, channels] + [largest] * dims, (f"{where}; square sides {smallest} to {largest} all give that, "
+                                                  f"using {side}, which strides divide evenly (--input-shape to choose)")
+    return [1, channels] + [largest] * dims, f"{where}, which only a square {side} input gives"
+
+
+def _flatten_then_linear(gm: fx.GraphModule):
+    """The first (flatten node, Linear node) pair, unless adaptive pooling comes before it."""
+    for n in gm.graph.nodes:
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d,
+                                                                            nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool3d)):
+            return None
+        if n.op == "call_function" and "adaptive" in getattr(n.target, "__name__", ""):
+            return None
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear):
+            src = n.args[0] if n.args else None
+            is_flat = isinstance(src, fx.Node) and (
+                (src.op == "call_module" and isinstance(gm.get_submodule(src.target), nn.Flatten))
+                or (src.op == "call_function" and src.target is torch.flatten)
+                or (src.op == "call_method" and src.target in ("flatten", "view", "reshape")))
+            return (src, n) if is_flat else None
     return None
 
 
-def _first_layer(gm: fx.GraphModule) -> str:
-    ph = next(n for n in gm.graph.nodes if n.op == "placeholder")
-    for user in ph.users:
-        if user.op == "call_module":
-            return f"{user.target} ({gm.get_submodule(user.target)})"
-    return "unknown"
+def _meta_numel(meta: fx.GraphModule, node_name: str, shape: list[int]) -> int | None:
+    """numel of a node's output for an input of `shape`, running `meta` (a meta-device copy): no compute."""
+    seen: dict = {}
+
+    class Stop(Exception):
+        pass
+
+    class Probe(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n.name == node_name:
+                seen["numel"] = out.numel()
+                raise Stop
+            return out
+
+    try:
+        Probe(meta).run(torch.empty(shape, device="meta"))
+    except Stop:
+        return seen["numel"]
+    except Exception:
+        return None
+    return None
+
+
+def require_single_input(gm: fx.GraphModule) -> None:
+    """Refuse models with several inputs clearly, also when the shape was given."""
+    count = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+    if count != 1:
+        raise InputError(f"the model takes {count} inputs; graphgrow supports one input tensor for now",
+                         "wrap the model so that forward takes a single tensor")
 
 
 @dataclass
@@ -71,6 +154,7 @@ class OpenedModel:
     loaded: LoadedModel
     gm: fx.GraphModule
     input_shape: list[int]
+    inferred_from: str | None = None  # how the input shape was inferred, when it was not given
 
 
 def open_model(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
@@ -83,15 +167,18 @@ def open_model(source: str, input_shape=None, trust: bool = False, leaves: Seque
     progress("tracing")
     gm = trace(loaded.module, shape, leaves)
     if shape is None:
-        shape = infer_input_shape(gm)
+        shape, why = infer_input_shape(gm)
         if shape is None:
             raise InputError(
-                f"cannot tell the example input shape of {source}: its first layer is {_first_layer(gm)}",
+                f"cannot tell the example input shape of {source}: {why}",
                 "pass --input-shape N,C,H,W (e.g. 1,3,224,224)",
             )
+        progress(f"input shape {'×'.join(map(str, shape))} inferred: {why}")
         graph_info(gm)["input_shape"] = shape
+        inferred = why
     else:
-        infer_input_shape(gm)  # still refuses multi-input models clearly
+        require_single_input(gm)
+        inferred = None
     _check_finite(loaded.module, source)
     progress("propagating shapes")
     try:
@@ -99,7 +186,7 @@ def open_model(source: str, input_shape=None, trust: bool = False, leaves: Seque
     except ValidationError as e:
         raise InputError(f"the model cannot run on an input of shape {tuple(shape)}: {e.message}",
                          "give the shape the model expects with --input-shape N,C,H,W") from e
-    return OpenedModel(loaded, gm, shape)
+    return OpenedModel(loaded, gm, shape, inferred)
 
 
 def _check_finite(model: nn.Module, source: str) -> None:
@@ -124,6 +211,7 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
     report = {
         "model": source,
         "input_shape": opened.input_shape,
+        "input_shape_inferred": opened.inferred_from,
         "passes": [_pass_json(r) for r in result.results],
         "preservation": _preservation_json(result),
         "outputs": [],

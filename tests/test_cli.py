@@ -54,7 +54,7 @@ def test_mutate_human_output_says_what_it_did(runner, tmp_path, cnn_file):
     (["mutate", "{cnn}", "--pass", "add_resdiual", "--input-shape", "1,3,32,32"], 2, "unknown pass 'add_resdiual' (valid passes: "),
     (["mutate", "{cnn}", "--pass", "add_residual(x=1)", "--input-shape", "1,3,32,32"], 2, "has no argument 'x' (valid arguments: start, end)"),
     (["mutate", "{cnn}", "--pass", "add_residual(start=nope)", "--input-shape", "1,3,32,32"], 2, "no node or module named 'nope'"),
-    (["mutate", "{cnn}", "--pass", "add_residual"], 2, "cannot tell the example input shape"),
+    (["mutate", "{cnn}", "--pass", "add_residual"], 2, "cannot tell the example input shape of"),
     (["mutate", "{cnn}", "--pass", "add_residual", "--input-shape", "1,3,x"], 2, "is not a list of integers"),
     (["mutate", "{cnn}", "--pass", "add_residual", "--input-shape", "1,5,32,32"], 2, "cannot run on an input of shape (1, 5, 32, 32)"),
     (["mutate", "{cnn}", "--pass", "add_residual", "-o", "{cnn}", "--input-shape", "1,3,32,32"], 2, "is the input file"),
@@ -130,3 +130,49 @@ def test_check_fails_with_exit_1_when_models_differ(tmp_path, cnn_file):
     torch.save(randomize_bn(small_cnn(), seed=5), other)
     proc = run_cli("check", str(onnx_path), str(other))
     assert proc.returncode == 1 and "FAIL" in proc.stdout
+
+
+def fixed_size_cnn() -> torch.nn.Sequential:
+    """A Sequential of standard layers whose Flatten → Linear fixes a 28×28 input."""
+    torch.manual_seed(3)
+    nn = torch.nn
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, padding=1),
+                         nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 14 * 14, 10))
+
+
+@pytest.mark.slow
+def test_issue_command_works_without_input_shape_and_onnx_matches_the_original(tmp_path):
+    """`graphgrow mutate --pass add_residual model.pt --onnx out.onnx --check` on a pickled Sequential."""
+    import numpy as np
+    import onnxruntime as ort
+
+    original = fixed_size_cnn().eval()
+    model = tmp_path / "model.pt"
+    torch.save(original, model)
+    proc = run_cli("mutate", "--pass", "add_residual", str(model), "--onnx", str(tmp_path / "out.onnx"), "--check", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert ("input shape inferred: the Linear 7 after _6 takes 3136 features; square sides 27 to 28 all give that, "
+            "using 28×28, which strides divide evenly") in proc.stdout
+    assert "equivalence vs original model: PASS" in proc.stdout
+    sess = ort.InferenceSession(str(tmp_path / "out.onnx"), providers=["CPUExecutionProvider"])
+    for batch in (1, 3):
+        x = torch.randn(batch, 1, 28, 28, generator=torch.Generator().manual_seed(batch))
+        with torch.no_grad():
+            ref = original(x).numpy()
+        got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+        assert np.all(np.abs(got - ref) <= 1e-5 * np.abs(ref).max() + 1e-4 * np.abs(ref))
+
+
+def test_input_sizes_are_never_guessed(tmp_path, cnn_file):
+    nn = torch.nn
+    exact = tmp_path / "exact.pt"
+    torch.save(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 9 * 9, 2)), exact)
+    nothing = tmp_path / "nothing.pt"
+    torch.save(nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(7, 2)), nothing)  # 4·s² is never 7
+    from graphgrow.workflow import open_model
+
+    assert open_model(str(exact)).input_shape == [1, 1, 9, 9]
+    for path, message in [(nothing, "takes 7 features, which no square input gives"),
+                          (cnn_file, "takes any image size")]:
+        proc = run_cli("mutate", str(path), "--pass", "add_residual")
+        assert proc.returncode == 2 and message in proc.stderr and "pass --input-shape" in proc.stderr
