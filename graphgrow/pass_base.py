@@ -122,9 +122,15 @@ class Pass:
             raise ValidationError(f"pass {self.name} returned its input instead of a copy", "passes must be functional; see rewrite.copy_graph_module")
         annotate(new, input_shape)
         after_nodes = {n.name for n in new.graph.nodes}
-        report = verify(gm, new, input_shape, seed=seed) if verify_result and rw.changed else None
+        report = verify(gm, new, input_shape, seed=seed, exact=rw.exact) if verify_result and rw.changed else None
+        notes = list(rw.notes)
+        if report is not None and not rw.exact:
+            notes.append(f"function changed on purpose: eval rel err {report.eval.rel_err:.3g}, train rel err {report.train.rel_err:.3g}")
+        if report is not None and report.degenerate:
+            notes.append("the model's output is identically zero on the check inputs (a zero-initialised head?): "
+                         "preservation was checked on zeros only")
         result = PassResult(
-            gm=new, changed=rw.changed, name=self.name, args=self.args(), targets=rw.targets, notes=rw.notes,
+            gm=new, changed=rw.changed, name=self.name, args=self.args(), targets=rw.targets, notes=notes,
             nodes_added=sorted(after_nodes - before_nodes), nodes_removed=sorted(before_nodes - after_nodes),
             params_before=param_count(gm), params_after=param_count(new),
             flops_before=total_flops(gm), flops_after=total_flops(new),

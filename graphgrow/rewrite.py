@@ -21,6 +21,7 @@ class Rewrite:
     targets: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     changed: bool = True
+    exact: bool = True  # False: the pass changes the function on purpose; verification reports, not refuses
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

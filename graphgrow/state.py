@@ -26,6 +26,24 @@ def training_mode(module: nn.Module, training: bool) -> Iterator[nn.Module]:
 
 
 @contextlib.contextmanager
+def dropout_off(module: nn.Module) -> Iterator[nn.Module]:
+    """Dropout layers act as the identity (restored afterwards).
+
+    Train-mode preservation is checked with dropout off: its masks are drawn per
+    element, so a wider tensor draws different masks for the old channels too; the
+    function is the same in distribution, not sample by sample.
+    """
+    drops = [(m, m.training) for m in module.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    for m, _ in drops:
+        m.training = False
+    try:
+        yield module
+    finally:
+        for m, flag in drops:
+            m.training = flag
+
+
+@contextlib.contextmanager
 def preserved_buffers(module: nn.Module) -> Iterator[nn.Module]:
     """Restore every buffer (running stats, counters) to its value on entry."""
     saved = [(b, b.detach().clone()) for b in module.buffers()]

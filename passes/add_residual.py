@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from graphgrow import NotApplicable, Pass, Rewrite
+from graphgrow.targets import feature_span
 from graphgrow.rewrite import (
     add_module, add_parameter, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses,
     resolve_tensor, set_scope, tensor_shape,
@@ -26,49 +27,15 @@ from graphgrow.rewrite import (
 
 from ._init import kaiming_, zero_last_bn
 
-_GLOBAL_POOL_MODULES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
-_GLOBAL_POOL_FUNCTIONS = (F.adaptive_avg_pool2d, F.adaptive_max_pool2d)
-
-
-def _is_global_pool(gm: fx.GraphModule, n: fx.Node) -> bool:
-    """A node that collapses a 4-D feature map's spatial dimensions."""
-    src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-    if src is None or tensor_shape(src) is None or len(tensor_shape(src)) != 4 or tensor_shape(src)[2:] == (1, 1):
-        return False
-    out = tensor_shape(n)
-    if n.op == "call_module" and isinstance(gm.get_submodule(n.target), _GLOBAL_POOL_MODULES):
-        return True
-    if n.op == "call_function" and n.target in _GLOBAL_POOL_FUNCTIONS:
-        return True
-    if n.op in ("call_function", "call_method") and out is not None and len(out) < 4:
-        return True  # mean(dim=(2,3)), flatten, ... of a feature map
-    return out is not None and len(out) == 4 and out[2:] == (1, 1)
-
-
-def default_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
-    """The feature extractor: first 4-D tensor → the last 4-D tensor before global pooling."""
-    four_d = [n for n in gm.graph.nodes if is_float_tensor(n) and len(tensor_shape(n)) == 4]
-    if four_d:
-        pools = [n for n in gm.graph.nodes if _is_global_pool(gm, n)]
-        end = pools[-1].args[0] if pools else four_d[-1]
-        why = "first 4-D tensor → last 4-D feature map before global pooling/flatten" if pools else "first → last 4-D tensor"
-        return four_d[0], end, why
-    floats = [n for n in gm.graph.nodes if is_float_tensor(n)]
-    outputs = [a for a in next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes if is_float_tensor(a)]
-    if not floats or not outputs:
-        raise NotApplicable("the model has no floating-point tensors to connect", "give start=... and end=...")
-    return floats[0], outputs[0], "model input → output (no 4-D features)"
-
-
 def add_residual(gm: fx.GraphModule, start: str | None = None, end: str | None = None,
                  generator: torch.Generator | None = None) -> Rewrite:
     """Add `end + skip(start)` to a copy of `gm` (module paths or node names; defaults: the feature extractor)."""
     gm = copy_graph_module(gm)
     generator = generator or torch.Generator().manual_seed(0)
     if start is None and end is None:
-        s, e, why = default_span(gm)
+        s, e, why = feature_span(gm)
     else:
-        ds, de, why = default_span(gm) if start is None or end is None else (None, None, "")
+        ds, de, why = feature_span(gm) if start is None or end is None else (None, None, "")
         s = resolve_tensor(gm, start, "in") if start is not None else ds
         e = resolve_tensor(gm, end, "out") if end is not None else de
         why = "given"

@@ -1,0 +1,363 @@
+"""Channel-coupling groups over an fx graph (networkx).
+
+Widening a layer's output changes every tensor that shares its channel dimension.
+Each tensor node is a vertex; an edge joins two tensors whose channel dimensions must
+stay equal (through BatchNorm, activations, pooling, elementwise ops, residual
+add/mul, depthwise convs). A connected component is a *group*. Tensors derived from
+a group at an offset (a `cat` along channels) or at a scale (a `flatten` of a
+feature map) are *links* to other groups. Layers that create channels (conv, Linear)
+are a group's *sources*; layers that read them (their in_channels) its *consumers*.
+Anything the analysis does not understand *freezes* the groups it touches, with the
+reason, so that passes refuse instead of guessing.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from .rewrite import tensor_shape
+
+# Modules whose output channel c depends only on input channel c.
+CHANNELWISE_MODULES = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Hardswish,
+    nn.Hardsigmoid, nn.Hardtanh, nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Identity,
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d, nn.Upsample, nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d,
+    nn.modules.dropout._DropoutNd,
+)
+BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+CHANNELWISE_FUNCTIONS = {
+    F.relu, F.relu6, F.gelu, F.silu, F.hardswish, F.hardsigmoid, F.leaky_relu, F.elu, F.sigmoid, F.tanh, F.dropout,
+    F.adaptive_avg_pool2d, F.adaptive_max_pool2d, F.avg_pool2d, F.max_pool2d, F.interpolate, F.pad,
+    torch.relu, torch.sigmoid, torch.tanh, torch.exp, torch.abs, torch.neg, operator.neg,
+}
+CHANNELWISE_METHODS = {"relu", "sigmoid", "tanh", "contiguous", "clone", "float", "to", "type_as", "exp", "abs", "neg", "relu_", "sigmoid_"}
+ELEMENTWISE = {operator.add, operator.sub, operator.mul, operator.truediv, operator.iadd, operator.imul,
+               torch.add, torch.sub, torch.mul, torch.div}
+ELEMENTWISE_METHODS = {"add", "sub", "mul", "div", "add_", "mul_"}
+SHAPE_QUERIES = {"size", "dim", "numel"}  # read a shape, produce no tensor
+
+
+def channel_axis(shape) -> int | None:
+    """Convolutional layouts keep channels at dim 1; token/feature layouts (N, …, F) at the last dim."""
+    if not isinstance(shape, tuple) or len(shape) < 2:
+        return None
+    return 1 if len(shape) in (2, 4, 5) else len(shape) - 1
+
+
+@dataclass
+class Link:
+    """A tensor derived from a group member: its channels [offset, offset + C·scale) come from it."""
+
+    src: str  # member node of the source group
+    dst: str  # member node of the derived group
+    offset: int
+    scale: int  # features per channel (flatten of H×W maps gives H·W)
+
+
+@dataclass
+class Group:
+    id: int
+    size: int
+    members: list[str] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # conv/Linear nodes whose output is in the group
+    consumers: list[str] = field(default_factory=list)  # conv/Linear nodes whose input is in the group
+    channelwise: list[str] = field(default_factory=list)  # BatchNorm / depthwise conv nodes to resize with it
+    frozen: list[str] = field(default_factory=list)  # why it cannot grow
+
+    @property
+    def growable(self) -> bool:
+        return not self.frozen and bool(self.sources)
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "channels": self.size, "members": self.members, "sources": self.sources,
+                "consumers": self.consumers, "channelwise": self.channelwise, "frozen": self.frozen}
+
+
+@dataclass
+class Coupling:
+    groups: list[Group]
+    group_of: dict[str, int]  # tensor node → group id
+    links: list[Link]
+
+    def group(self, node: str) -> Group:
+        return self.groups[self.group_of[node]]
+
+    def why_frozen(self, gid: int) -> list[str]:
+        """Reasons a growth of group `gid` cannot happen: its own, and those of every group it reaches."""
+        reasons, seen, todo = [], set(), [gid]
+        while todo:
+            g = todo.pop()
+            if g in seen:
+                continue
+            seen.add(g)
+            grp = self.groups[g]
+            reasons += grp.frozen
+            todo += [self.group_of[l.dst] for l in self.links if self.group_of[l.src] == g]
+        if not self.groups[gid].sources:
+            reasons.append("no conv or Linear layer produces these channels")
+        return list(dict.fromkeys(reasons))
+
+
+def analyze(gm: fx.GraphModule) -> Coupling:
+    """Build the coupling groups of an annotated GraphModule (shapes from shapes.annotate)."""
+    g = nx.Graph()
+    frozen: dict[str, list[str]] = {}
+    sources, consumers, channelwise = [], [], []
+    links: list[Link] = []
+    modules = dict(gm.named_modules())
+    calls: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            calls[n.target] = calls.get(n.target, 0) + 1
+
+    def vertex(n) -> str | None:
+        if isinstance(n, fx.Node) and channel_axis(tensor_shape(n)) is not None:
+            g.add_node(n.name)
+            return n.name
+        return None
+
+    def freeze(nodes, reason: str) -> None:
+        for n in nodes:
+            v = vertex(n)
+            if v is not None:
+                frozen.setdefault(v, []).append(reason)
+
+    def join(*nodes) -> None:
+        vs = [vertex(n) for n in nodes]
+        vs = [v for v in vs if v is not None]
+        for a, b in zip(vs, vs[1:]):
+            g.add_edge(a, b)
+
+    for n in gm.graph.nodes:
+        out = vertex(n)
+        tensor_inputs = [a for a in n.all_input_nodes if vertex(a) is not None]
+        if n.op == "placeholder":
+            freeze([n], "it is the model's input")
+        elif n.op == "output":
+            freeze(tensor_inputs, "it is the model's output")
+        elif n.op == "get_attr":
+            freeze([n], f"parameter tensor '{n.target}' has a fixed size")
+        elif n.op == "call_module":
+            if calls[n.target] > 1 and any(True for _ in modules[n.target].parameters()):
+                freeze(tensor_inputs + [n], f"module '{n.target}' is called {calls[n.target]} times (shared weights)")
+                continue
+            _module_rule(n, modules[n.target], out, tensor_inputs, join, freeze, sources, consumers, channelwise, links)
+        elif n.op in ("call_function", "call_method"):
+            _function_rule(gm, n, out, tensor_inputs, join, freeze, links)
+
+    groups: list[Group] = []
+    group_of: dict[str, int] = {}
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    for comp in sorted(nx.connected_components(g), key=lambda c: min(order[v] for v in c)):
+        members = sorted(comp, key=order.__getitem__)
+        first = next(n for n in gm.graph.nodes if n.name == members[0])
+        size = tensor_shape(first)[channel_axis(tensor_shape(first))]
+        grp = Group(len(groups), size, members)
+        for v in members:
+            group_of[v] = grp.id
+            grp.frozen += [f"'{v}': {r}" for r in frozen.get(v, [])]
+        groups.append(grp)
+    for name, _ in sources:
+        groups[group_of[name]].sources.append(name)
+    for name, inp in consumers:
+        groups[group_of[inp]].consumers.append(name)
+    for name in channelwise:
+        groups[group_of[name]].channelwise.append(name)
+    return Coupling(groups, group_of, links)
+
+
+def _module_rule(n, m, out, inputs, join, freeze, sources, consumers, channelwise, links) -> None:
+    x = inputs[0] if inputs else None
+    if isinstance(m, nn.modules.conv._ConvNd) and not isinstance(m, nn.modules.conv._ConvTransposeNd):
+        if m.groups == 1:
+            sources.append((n.name, None))
+            if x is not None:
+                consumers.append((n.name, x.name))
+        elif m.groups == m.in_channels == m.out_channels:  # depthwise: channel c → channel c
+            join(x, n)
+            channelwise.append(n.name)
+        else:
+            freeze([x, n], f"grouped conv '{n.target}' (groups={m.groups}) ties channels to groups")
+    elif isinstance(m, nn.Linear):
+        if x is not None and channel_axis(tensor_shape(x)) != len(tensor_shape(x)) - 1:
+            freeze([x], f"Linear '{n.target}' reads a non-channel axis")
+        if x is not None:
+            consumers.append((n.name, x.name))
+        sources.append((n.name, None))
+    elif isinstance(m, BATCHNORMS):
+        join(x, n)
+        channelwise.append(n.name)
+    elif isinstance(m, nn.modules.instancenorm._InstanceNorm) and not m.affine and not m.track_running_stats:
+        join(x, n)
+    elif isinstance(m, CHANNELWISE_MODULES) or (isinstance(m, nn.Flatten) and _flatten_is_identity(x, n)):
+        join(x, n)
+    elif isinstance(m, nn.Flatten):
+        _flatten_rule(x, n, join, freeze, links)
+    elif isinstance(m, (nn.LayerNorm, nn.GroupNorm)):
+        freeze([x, n], f"{type(m).__name__} '{n.target}' normalises across channels (growing would change its statistics)")
+    elif isinstance(m, nn.MultiheadAttention):
+        freeze(inputs + [n], f"MultiheadAttention '{n.target}' splits channels into heads (not grown yet)")
+    else:
+        freeze(inputs + [n], f"module '{n.target}' ({type(m).__name__}) is not understood by the coupling analysis")
+
+
+def _flatten_is_identity(x, n) -> bool:
+    """A flatten of (N, C, 1, 1) keeps the channel dimension as it is."""
+    s = tensor_shape(x) if x is not None else None
+    return s is not None and len(s) >= 2 and all(d == 1 for d in s[2:])
+
+
+def _function_rule(gm, n, out, inputs, join, freeze, links) -> None:
+    target = n.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+    if n.op == "call_method" and target in SHAPE_QUERIES:
+        return
+    if out is None and not inputs:
+        return
+    if n.op == "call_function" and target in (getattr, operator.getitem) and out is None:
+        return  # x.shape, x.shape[0]: no tensor
+    x = inputs[0] if inputs else None
+    if (n.op == "call_function" and target in CHANNELWISE_FUNCTIONS) or (n.op == "call_method" and target in CHANNELWISE_METHODS):
+        join(x, n)
+        return
+    if (n.op == "call_function" and target in ELEMENTWISE) or (n.op == "call_method" and target in ELEMENTWISE_METHODS):
+        out_shape = tensor_shape(n)
+        axis = channel_axis(out_shape)
+        full = [a for a in inputs if tensor_shape(a) is not None and len(tensor_shape(a)) == len(out_shape)
+                and tensor_shape(a)[axis] == out_shape[axis]]
+        broadcast = [a for a in inputs if a not in full]
+        if any(len(tensor_shape(a)) == len(out_shape) and tensor_shape(a)[axis] != 1 for a in broadcast) or \
+                any(len(tensor_shape(a)) != len(out_shape) for a in broadcast):
+            freeze(inputs + [n], f"'{n.name}' ({name}) broadcasts across channels")
+            return
+        join(*full, n)
+        return
+    if n.op == "call_function" and target is torch.cat:
+        _cat_rule(n, inputs, join, freeze, links)
+        return
+    if _is_flatten(n):
+        _flatten_rule(x, n, join, freeze, links)
+        return
+    if n.op in ("call_function", "call_method") and name in ("mean", "sum", "amax", "amin") and x is not None:
+        dims = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+        dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
+        rank = len(tensor_shape(x))
+        if dims and channel_axis(tensor_shape(x)) not in [d % rank for d in dims] and out is not None \
+                and channel_axis(tensor_shape(n)) == channel_axis(tensor_shape(x)):
+            join(x, n)
+            return
+    freeze(inputs + ([n] if out else []), f"'{n.name}' ({name}) is not understood by the coupling analysis")
+
+
+def _flatten_rule(x, n, join, freeze, links) -> None:
+    """(N, C, H, W) → (N, C·H·W): channel c becomes features [c·H·W, (c+1)·H·W)."""
+    xs, os_ = tensor_shape(x), tensor_shape(n)
+    if _flatten_is_identity(x, n):
+        join(x, n)
+    elif xs is not None and os_ is not None and len(xs) >= 3 and len(os_) == 2 and os_[1] == xs[1] * _prod(xs[2:]):
+        links.append(Link(x.name, n.name, 0, _prod(xs[2:])))
+    else:
+        freeze([x, n], f"'{n.name}' reshapes channels")
+
+
+def _cat_rule(n, inputs, join, freeze, links) -> None:
+    tensors = n.args[0] if n.args else n.kwargs.get("tensors")
+    dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)
+    out_shape = tensor_shape(n)
+    axis = channel_axis(out_shape)
+    if dim % len(out_shape) != axis:  # along batch or space: channels stay equal
+        join(*tensors, n)
+        return
+    offset = 0
+    for t in tensors:
+        links.append(Link(t.name, n.name, offset, 1))
+        offset += tensor_shape(t)[axis]
+
+
+def _is_flatten(n) -> bool:
+    if n.op == "call_function" and n.target is torch.flatten:
+        return True
+    if n.op == "call_method" and n.target in ("flatten", "view", "reshape"):
+        out = tensor_shape(n)
+        return out is not None and len(out) == 2
+    return False
+
+
+def _prod(xs) -> int:
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+@dataclass
+class Insertion:
+    """`count` new channels inserted before old channel `pos`; `src[i]` is the old channel new
+    channel i replicates (net2net) or None (fresh)."""
+
+    pos: int
+    count: int
+    src: list[int | None]
+
+
+def plan_growth(c: Coupling, gid: int, count: int, src: list[int | None] | None = None) -> dict[int, list[Insertion]]:
+    """Every group's insertions when group `gid` gains `count` channels at its end.
+
+    Links carry the insertion to derived groups: a `cat` shifts it by the input's
+    offset, a `flatten` scales it by the spatial size. Raises ValueError with the
+    reasons when any reached group is frozen.
+    """
+    reasons = c.why_frozen(gid)
+    if reasons:
+        raise ValueError("; ".join(reasons))
+    src = list(src) if src is not None else [None] * count
+    plan: dict[int, list[Insertion]] = {}
+    todo = [(gid, Insertion(c.groups[gid].size, count, src))]
+    while todo:
+        g, ins = todo.pop()
+        if any(i.pos == ins.pos and i.count == ins.count and i.src == ins.src for i in plan.get(g, [])):
+            continue  # reached twice through the same link path
+        plan.setdefault(g, []).append(ins)
+        for link in c.links:
+            if c.group_of[link.src] != g:
+                continue
+            s = link.scale
+            derived_src = [None if x is None else link.offset + x * s + q for x in ins.src for q in range(s)]
+            todo.append((c.group_of[link.dst], Insertion(link.offset + ins.pos * s, ins.count * s, derived_src)))
+    return plan
+
+
+@dataclass
+class Layout:
+    """Where old and new channels go when a dimension of size `old` receives insertions."""
+
+    old: int
+    new: int
+    old_to_new: list[int]
+    new_slots: list[int]
+    src: list[int | None]
+
+
+def make_layout(old: int, insertions: list[Insertion]) -> Layout:
+    ins = sorted(insertions, key=lambda i: i.pos)
+    old_to_new, new_slots, src = [], [], []
+    cursor, k = 0, 0
+    for i in ins:
+        while cursor < i.pos:
+            old_to_new.append(cursor + k)
+            cursor += 1
+        for j in range(i.count):
+            new_slots.append(cursor + k)
+            src.append(i.src[j])
+            k += 1
+    while cursor < old:
+        old_to_new.append(cursor + k)
+        cursor += 1
+    return Layout(old, old + k, old_to_new, new_slots, src)

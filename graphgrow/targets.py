@@ -1,0 +1,45 @@
+"""Default targets shared by passes: where the feature extractor starts and ends."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from .errors import NotApplicable
+from .rewrite import is_float_tensor, tensor_shape
+
+_GLOBAL_POOL_MODULES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+_GLOBAL_POOL_FUNCTIONS = (F.adaptive_avg_pool2d, F.adaptive_max_pool2d)
+
+
+def is_global_pool(gm: fx.GraphModule, n: fx.Node) -> bool:
+    """A node that collapses a 4-D feature map's spatial dimensions (pooling, flatten, mean, reshape)."""
+    src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if src is None or tensor_shape(src) is None or len(tensor_shape(src)) != 4 or tensor_shape(src)[2:] == (1, 1):
+        return False
+    out = tensor_shape(n)
+    if n.op == "call_module" and isinstance(gm.get_submodule(n.target), _GLOBAL_POOL_MODULES):
+        return True
+    if n.op == "call_function" and n.target in _GLOBAL_POOL_FUNCTIONS:
+        return True
+    if n.op in ("call_function", "call_method") and out is not None and len(out) < 4:
+        return True
+    return out is not None and len(out) == 4 and out[2:] == (1, 1)
+
+
+def feature_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
+    """The feature extractor: first 4-D tensor → the last 4-D tensor before global pooling.
+
+    Without 4-D tensors: the model input → the output's tensor. Returns (start, end, why).
+    """
+    four_d = [n for n in gm.graph.nodes if is_float_tensor(n) and len(tensor_shape(n)) == 4]
+    if four_d:
+        pools = [n for n in gm.graph.nodes if is_global_pool(gm, n)]
+        end = pools[-1].args[0] if pools else four_d[-1]
+        why = "first 4-D tensor → last 4-D feature map before global pooling/flatten" if pools else "first → last 4-D tensor"
+        return four_d[0], end, why
+    floats = [n for n in gm.graph.nodes if is_float_tensor(n)]
+    outputs = [a for a in next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes if is_float_tensor(a)]
+    if not floats or not outputs:
+        raise NotApplicable("the model has no floating-point tensors to connect", "give start=... and end=...")
+    return floats[0], outputs[0], "model input → output (no 4-D features)"

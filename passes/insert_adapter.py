@@ -1,0 +1,105 @@
+"""insert_adapter: a 1×1 conv (4-D features) or Linear (2-D/3-D features) after a node, initialised to [I | 0].
+
+out_channels = width (default): the identity, exact.
+out_channels > width: identity rows for the old channels, random rows for the new
+  ones, and the adapter's whole channel group widened (consumers get zero columns):
+  exact, and the new units learn.
+out_channels < width: narrowing drops channels and changes the function; refused
+  unless allow_narrowing=true, which inserts a bottleneck (width → out → width,
+  [I | 0] then [I ; 0]) and reports how far the output moved.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import fx, nn
+
+from graphgrow import NotApplicable, Pass, Rewrite
+from graphgrow.coupling import analyze, channel_axis
+from graphgrow.rewrite import add_module, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses, \
+    resolve_tensor, set_scope, tensor_shape
+from graphgrow.targets import feature_span
+
+from ._resize import grow_group
+
+
+def _adapter(shape: tuple, cin: int, cout: int, like: torch.Tensor) -> nn.Module:
+    """[I | 0] (cout ≤ cin) or [I ; 0] (cout > cin) as a 1×1 conv for (N, C, …) or a Linear for (…, C)."""
+    if len(shape) in (3, 4, 5) and channel_axis(shape) == 1:
+        cls = {3: nn.Conv1d, 4: nn.Conv2d, 5: nn.Conv3d}[len(shape)]
+        m = cls(cin, cout, 1, bias=False, device=like.device, dtype=like.dtype)
+    else:
+        m = nn.Linear(cin, cout, bias=False, device=like.device, dtype=like.dtype)
+    with torch.no_grad():
+        m.weight.zero_()
+        k = min(cin, cout)
+        m.weight.view(cout, cin)[:k, :k] = torch.eye(k, dtype=like.dtype, device=like.device)
+    return m
+
+
+def insert_adapter(gm: fx.GraphModule, after: str | None = None, out_channels: int | None = None,
+                   allow_narrowing: bool = False, generator: torch.Generator | None = None) -> Rewrite:
+    """Insert an identity-initialised adapter after `after` (default: the last feature map before global pooling)."""
+    gm = copy_graph_module(gm)
+    generator = generator or torch.Generator().manual_seed(0)
+    if after is None:
+        _, node, _ = feature_span(gm)
+        chosen = "last 4-D feature map before global pooling (or the model's output tensor)"
+    else:
+        node = resolve_tensor(gm, after, "out")
+        chosen = "given"
+    shape = tensor_shape(node)
+    if not is_float_tensor(node) or channel_axis(shape) is None:
+        raise NotApplicable(f"'{node.name}' (shape {node.meta.get('gg_shape')}) has no channel dimension to adapt",
+                            "pick a node with a (N, C, …) or (N, …, C) tensor")
+    width = shape[channel_axis(shape)]
+    out = width if out_channels is None else out_channels
+    if out <= 0:
+        raise NotApplicable(f"out_channels must be positive, got {out}", "give out_channels ≥ 1")
+    like = next(gm.parameters(), torch.zeros((), dtype=node.meta.get("gg_dtype") or torch.float32))
+    like = torch.zeros((), dtype=node.meta.get("gg_dtype") or like.dtype, device=like.device)
+    targets = {"after": f"{node.name} {list(shape)}", "chosen": chosen}
+    exact = True
+    if out < width and not allow_narrowing:
+        raise NotApplicable(
+            f"narrowing '{node.name}' from {width} to {out} channels drops channels and changes the function",
+            "pass allow_narrowing=true to insert a bottleneck anyway (the report says how far the output moves)",
+        )
+    if out < width:
+        down = add_module(gm, f"{node.name}_adapter_down", _adapter(shape, width, out, like))
+        up = add_module(gm, f"{node.name}_adapter_up", _adapter(shape, out, width, like))
+        with inserting_after(node):
+            d = gm.graph.call_module(down, (node,))
+            u = gm.graph.call_module(up, (d,))
+        replace_uses(node, u, keep=[d, u])
+        set_scope([d, u], node)
+        targets["adapter"] = f"bottleneck {width}→{out}→{width} ([I | 0] then [I ; 0]): changes the function"
+        exact = False
+    else:
+        name = add_module(gm, f"{node.name}_adapter", _adapter(shape, width, width, like))
+        with inserting_after(node):
+            a = gm.graph.call_module(name, (node,))
+        a.meta.update(gg_shape=shape, gg_dtype=node.meta.get("gg_dtype"))
+        replace_uses(node, a, keep=[a])
+        set_scope([a], node)
+        targets["adapter"] = f"{type(gm.get_submodule(name)).__name__} {width}→{out}, [I | 0]"
+        if out > width:
+            coupling = analyze(gm)
+            rebuilt = grow_group(gm, coupling, coupling.group_of[a.name], out - width, "zero", generator)
+            targets["rebuilt"] = ", ".join(rebuilt)
+    return Rewrite(finish(gm), targets, exact=exact)
+
+
+@dataclass(frozen=True)
+class InsertAdapter(Pass):
+    """Insert a 1×1 conv / Linear adapter initialised to the identity [I | 0]; widening grows its channel group."""
+
+    name: ClassVar[str] = "insert_adapter"
+    after: str | None = None  # node name or module path (its output); default: last feature map before global pooling
+    out_channels: int | None = None  # default: the same width
+    allow_narrowing: bool = False  # narrowing changes the function; refused unless set
+
+    def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
+        return insert_adapter(gm, self.after, self.out_channels, self.allow_narrowing, generator)
