@@ -191,15 +191,19 @@ def check(onnx_file, model, provider, input_shape, trust, leaves, as_json, debug
 @main.command()
 @click.argument("model")
 @click.option("--all", "show_all", is_flag=True, help="list every node (default: skip nodes without a tensor shape)")
+@click.option("--groups", is_flag=True, help="show the channel-coupling groups (what grow_width widens together) instead of nodes")
 @_common
-def inspect(model, show_all, input_shape, trust, leaves, as_json, debug):
+def inspect(model, show_all, groups, input_shape, trust, leaves, as_json, debug):
     """Show MODEL's nodes with shapes, parameters and FLOPs, and its mutation log."""
     from . import workflow
 
     def job(progress):
-        report = workflow.inspect(model, input_shape, trust, leaves, progress)
+        report = workflow.inspect(model, input_shape, trust, leaves, progress, groups=groups)
         if as_json:
             print(json.dumps(report, default=str))
+            return 0
+        if groups:
+            _print_groups(report)
             return 0
         t = Table(title=f"{model} (input {'×'.join(map(str, report['input_shape']))})")
         for col in ("node", "op", "target", "shape", "params", "FLOPs"):
@@ -218,6 +222,19 @@ def inspect(model, show_all, input_shape, trust, leaves, as_json, debug):
         return 0
 
     _run(job, as_json, debug)
+
+
+def _print_groups(report: dict) -> None:
+    t = Table(title=f"channel groups of {report['model']}: tensors whose channel count must change together")
+    for col in ("group", "channels", "tensors", "sources (grow out)", "consumers (grow in)", "status"):
+        t.add_column(col, justify="right" if col in ("group", "channels", "tensors") else "left")
+    for g in report["groups"]:
+        blocked = g["blocked_by"]
+        status = "[green]growable[/]" if not blocked else "[red]frozen:[/] " + "; ".join(blocked[:2]) + (
+            f" (+{len(blocked) - 2} more)" if len(blocked) > 2 else "")
+        t.add_row(str(g["id"]), str(g["channels"]), str(len(g["members"])), ", ".join(g["sources"]) or "-",
+                  ", ".join(g["consumers"]) or "-", status)
+    out.print(t)
 
 
 @main.command()

@@ -118,7 +118,7 @@ def analyze(gm: fx.GraphModule) -> Coupling:
             calls[n.target] = calls.get(n.target, 0) + 1
 
     def vertex(n) -> str | None:
-        if isinstance(n, fx.Node) and channel_axis(tensor_shape(n)) is not None:
+        if isinstance(n, fx.Node) and n.op != "output" and channel_axis(tensor_shape(n)) is not None:
             g.add_node(n.name)
             return n.name
         return None

@@ -316,7 +316,7 @@ def _onnx_input_shape(proto) -> list[int] | None:
 
 
 def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-            progress: Progress = _noop) -> dict:
+            progress: Progress = _noop, groups: bool = False) -> dict:
     opened = open_model(source, input_shape, trust, leaves, progress)
     gm = opened.gm
     nodes = []
@@ -326,5 +326,11 @@ def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence
             target = f"{n.target}: {type(gm.get_submodule(n.target)).__name__}"
         nodes.append({"name": n.name, "op": n.op, "target": target, "shape": n.meta.get("gg_shape"),
                       "params": n.meta.get("gg_params", 0), "flops": n.meta.get("gg_flops", 0)})
-    return {"model": source, "input_shape": opened.input_shape, "nodes": nodes, "params": param_count(gm),
-            "flops": total_flops(gm), "log": graph_info(gm).get("log", [])}
+    report = {"model": source, "input_shape": opened.input_shape, "nodes": nodes, "params": param_count(gm),
+              "flops": total_flops(gm), "log": graph_info(gm).get("log", [])}
+    if groups:
+        from .coupling import analyze
+
+        coupling = analyze(gm)
+        report["groups"] = [dict(g.to_json(), blocked_by=coupling.why_frozen(g.id)) for g in coupling.groups]
+    return report

@@ -176,3 +176,14 @@ def test_input_sizes_are_never_guessed(tmp_path, cnn_file):
                           (cnn_file, "takes any image size")]:
         proc = run_cli("mutate", str(path), "--pass", "add_residual")
         assert proc.returncode == 2 and message in proc.stderr and "pass --input-shape" in proc.stderr
+
+
+def test_inspect_groups_shows_what_can_grow_and_why_not(runner, cnn_file):
+    res = invoke(runner, "inspect", str(cnn_file), "--input-shape", "1,3,32,32", "--groups", "--json")
+    groups = json.loads(res.output)["groups"]
+    assert [(g["channels"], g["sources"], g["consumers"]) for g in groups] == [
+        (3, [], ["_0"]), (32, ["_0"], ["_3"]), (64, ["_3"], ["_6"]), (128, ["_6"], ["_11"]), (10, ["_11"], [])]
+    assert groups[0]["blocked_by"][0] == "'input_1': it is the model's input"
+    assert groups[1]["blocked_by"] == [] and groups[4]["blocked_by"] == ["'_11': it is the model's output"]
+    text = invoke(runner, "inspect", str(cnn_file), "--input-shape", "1,3,32,32", "--groups").output
+    assert "growable" in text and "frozen" in text
