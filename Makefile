@@ -27,6 +27,7 @@ test-quick: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_steps.py
+	$(BIN)/python benchmarks/bench_passes.py
 
 clean:
 	rm -rf demo_out .pytest_cache .hypothesis

@@ -108,7 +108,8 @@ def mutate(model, specs, output, onnx_out, check, provider, seed, input_shape, t
 
 
 def _print_mutation(report: dict) -> None:
-    out.print(f"[bold]graphgrow mutate[/] {report['model']} (input {'×'.join(map(str, report['input_shape']))})")
+    verb = f"replay of {report['log_from']} on" if "log_from" in report else "mutate"
+    out.print(f"[bold]graphgrow {verb}[/] {report['model']} (input {'×'.join(map(str, report['input_shape']))})")
     if report.get("input_shape_inferred"):
         out.print(f"input shape inferred: {report['input_shape_inferred']}")
     for i, p in enumerate(report["passes"], 1):
@@ -146,6 +147,30 @@ def _print_equivalence(eq: dict) -> None:
     out.print(f"provider: {eq['note']}")
     verdict = "[green]PASS[/]" if rep.passed else "[red]FAIL[/]"
     out.print(f"equivalence vs {rep.reference}: {verdict} (max abs {rep.max_abs_err:.2e}, max rel {rep.max_rel_err:.2e})")
+
+
+@main.command()
+@click.argument("model")
+@click.argument("log_from", metavar="GROWN")
+@click.option("-o", "--output", "output", metavar="OUT.pt", help="where to save the result (default: beside MODEL as NAME.replayed.pt)")
+@click.option("--onnx", "onnx_out", metavar="OUT.onnx", help="also export the result to this ONNX file")
+@click.option("--check", is_flag=True, help="run the ONNX model in onnxruntime and compare with PyTorch")
+@click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@_common
+def replay(model, log_from, output, onnx_out, check, provider, input_shape, trust, leaves, as_json, debug):
+    """Re-apply the mutation log of GROWN (a graphgrow .pt or exported .onnx) to MODEL, seed for seed."""
+    from . import workflow
+
+    def job(progress):
+        report = workflow.replay(model, log_from, output, onnx_out, check, input_shape, provider, trust, leaves, progress)
+        if as_json:
+            print(json.dumps(report, default=str))
+        else:
+            _print_mutation(report)
+        eq = report.get("equivalence")
+        return 1 if eq is not None and not eq["passed"] else 0
+
+    _run(job, as_json, debug)
 
 
 @main.command()

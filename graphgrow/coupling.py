@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from .layers import AverageMerge
 from .rewrite import tensor_shape
 
 # Modules whose output channel c depends only on input channel c.
@@ -202,6 +203,8 @@ def _module_rule(n, m, out, inputs, join, freeze, sources, consumers, channelwis
         _flatten_rule(x, n, join, freeze, links)
     elif isinstance(m, (nn.LayerNorm, nn.GroupNorm)):
         freeze([x, n], f"{type(m).__name__} '{n.target}' normalises across channels (growing would change its statistics)")
+    elif isinstance(m, AverageMerge):  # main + mean(gate · branch): elementwise over all inputs
+        join(*inputs, n)
     elif isinstance(m, nn.MultiheadAttention):
         freeze(inputs + [n], f"MultiheadAttention '{n.target}' splits channels into heads (not grown yet)")
     else:

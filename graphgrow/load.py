@@ -38,8 +38,10 @@ class LoadedModel:
 
 
 def standard_layer_classes() -> list[type]:
-    """Every nn.Module subclass defined inside torch.nn.modules (plus nn.Module itself)."""
-    classes = {nn.Module}
+    """Every nn.Module subclass defined inside torch.nn.modules, nn.Module itself, and graphgrow's own layers."""
+    from .layers import GRAPHGROW_LAYERS
+
+    classes = {nn.Module, *GRAPHGROW_LAYERS}
     for name, mod in list(sys.modules.items()):
         if name.startswith("torch.nn.modules.") and mod is not None:
             for obj in vars(mod).values():

@@ -152,6 +152,19 @@ def spec_of(p: Pass) -> str:
     return f"{p.name}({','.join(args)})" if args else p.name
 
 
+def from_log(log: list[dict], verify: bool = True) -> Pipeline:
+    """The pipeline that a mutation log records, with each pass's own seed: replaying it on the
+    original model gives a bit-identical result."""
+    if not log:
+        raise SpecError("the mutation log is empty: nothing to replay", "replay a model that graphgrow grew")
+    try:
+        passes = [make_pass(e["pass"], dict(e.get("args", {}))) for e in log]
+        seeds = [int(e["seed"]) for e in log]
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecError(f"the mutation log is malformed: {e}", "it should come from a graphgrow output file") from e
+    return Pipeline(passes, verify=verify, seeds=seeds)
+
+
 @dataclass
 class PipelineResult:
     gm: fx.GraphModule
@@ -169,6 +182,7 @@ class Pipeline:
     passes: list[Pass]
     verify: bool = True
     seed: int = 0
+    seeds: list[int] | None = None  # one per pass (replay); default: seed, seed + 1, ...
 
     @classmethod
     def from_spec(cls, specs: str | Sequence[str], verify: bool = True, seed: int = 0) -> "Pipeline":
@@ -180,7 +194,8 @@ class Pipeline:
         for i, p in enumerate(self.passes):
             if progress:
                 progress(i, p)
-            r = p(current, verify_result=self.verify, seed=self.seed + i)
+            seed = self.seeds[i] if self.seeds is not None else self.seed + i
+            r = p(current, verify_result=self.verify, seed=seed)
             results.append(r)
             current = r.gm
         return PipelineResult(current, results)

@@ -166,10 +166,14 @@ def finish(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def new_parameters(old: nn.Module, new: nn.Module) -> dict[str, tuple[torch.Size | None, torch.Size]]:
-    """Parameters of `new` that `old` lacks or has at another shape: name → (old shape, new shape)."""
+    """Parameters of `new` that `old` lacks or that grew: name → (old shape, new shape).
+
+    A parameter that only shrank (a branch removed from a merge) holds nothing new.
+    """
     before = {n: p.shape for n, p in old.named_parameters()}
-    return {
-        n: (before.get(n), p.shape)
-        for n, p in new.named_parameters()
-        if n not in before or before[n] != p.shape
-    }
+
+    def grew(name: str, shape: torch.Size) -> bool:
+        was = before.get(name)
+        return was is None or len(was) != len(shape) or any(a > b for a, b in zip(shape, was))
+
+    return {n: (before.get(n), p.shape) for n, p in new.named_parameters() if grew(n, p.shape)}

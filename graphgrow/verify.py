@@ -50,21 +50,32 @@ def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Sequence[int],
     return PreservationReport(ev, tr, got, dead)
 
 
-def upstream_parameters(old: fx.GraphModule, new: fx.GraphModule, grown: dict, last: int = 2) -> list[str]:
-    """Old parameters of the last few parameterised nodes before the first new or rebuilt node."""
+def upstream_parameters(old: fx.GraphModule, new: fx.GraphModule, grown: dict) -> list[str]:
+    """The old parameters nearest upstream of what the pass added or rebuilt, along the data path.
+
+    When the gradient reaches these at insertion, it reaches the new parts' inputs
+    too, so a new contribution that still gets none is dead.
+    """
     old_names = {n.name for n in old.graph.nodes}
     old_params = {n for n, _ in old.named_parameters()}
-    groups: list[list[str]] = []
-    for n in new.graph.nodes:
+
+    def params_of(n: fx.Node) -> list[str]:
         if n.op == "call_module":
-            names = [f"{n.target}.{p}" for p, _ in new.get_submodule(n.target).named_parameters()]
-        elif n.op == "get_attr":
-            names = [n.target]
+            return [f"{n.target}.{p}" for p, _ in new.get_submodule(n.target).named_parameters()]
+        return [n.target] if n.op == "get_attr" else []
+
+    touched = {n for n in new.graph.nodes if n.name not in old_names or any(p in grown for p in params_of(n))}
+    found: set[str] = set()
+    seen: set[fx.Node] = set()
+    todo = [a for t in touched for a in t.all_input_nodes if a not in touched]
+    while todo:
+        a = todo.pop()
+        if a in seen:
+            continue
+        seen.add(a)
+        mine = [p for p in params_of(a) if p in old_params]
+        if mine:
+            found.update(mine)  # the nearest parameterised ancestor on this path: stop here
         else:
-            names = []
-        if n.name not in old_names or any(p in grown for p in names):
-            break
-        names = [p for p in names if p in old_params]
-        if names:
-            groups.append(names)
-    return [p for g in groups[-last:] for p in g]
+            todo.extend(x for x in a.all_input_nodes if x not in touched)
+    return sorted(found)

@@ -272,6 +272,49 @@ def _preservation_json(result: PipelineResult) -> dict:
     }
 
 
+def replay(source: str, log_source: str, out: str | None = None, onnx_out: str | None = None, check: bool = False,
+           input_shape=None, provider: str = "auto", trust: bool = False, leaves: Sequence[str] = (),
+           progress: Progress = _noop) -> dict:
+    """Re-apply the mutation log of `log_source` (a graphgrow .pt or an exported .onnx) to the model `source`."""
+    from .pipeline import from_log
+
+    log, grown_shape = _read_log(log_source, trust)
+    pipeline = from_log(log)
+    out_path = check_output_path(out or default_output_path(source, ".replayed.pt"), inputs=(source, log_source))
+    onnx_path = check_output_path(onnx_out, inputs=(source, log_source)) if onnx_out else None
+    opened = open_model(source, input_shape or grown_shape, trust, leaves, progress)
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    result = pipeline.run(opened.gm, progress=lambda i, p: progress(f"replaying {i + 1}/{len(pipeline.passes)}: {p.name}"))
+    timings["passes"] = time.perf_counter() - t
+    report = {"model": source, "log_from": log_source, "input_shape": opened.input_shape,
+              "input_shape_inferred": opened.inferred_from, "passes": [_pass_json(r) for r in result.results],
+              "preservation": _preservation_json(result), "outputs": [], "timings": timings}
+    progress(f"saving {out_path}")
+    save_model(result.gm, out_path, inputs=(source, log_source))
+    report["outputs"].append(str(out_path))
+    if onnx_path or check:
+        exported = export_and_check(result.gm, opened, onnx_path, check, provider, progress, timings)
+        report["outputs"] += exported["outputs"]
+        if check:
+            report["equivalence"] = exported["equivalence"]
+    return report
+
+
+def _read_log(log_source: str, trust: bool) -> tuple[list[dict], list[int] | None]:
+    """The mutation log and example input shape stored in a graphgrow .pt or an exported .onnx."""
+    if str(log_source).endswith(".onnx"):
+        from .export import load_onnx, mutation_log
+
+        proto = load_onnx(log_source)
+        return mutation_log(proto), _onnx_input_shape(proto)
+    loaded = load_model(log_source, trust=trust)
+    if loaded.kind != "graphgrow":
+        raise LoadError(f"{log_source} has no mutation log (it was not written by graphgrow)",
+                        "pass a file that graphgrow mutate wrote, or its exported .onnx")
+    return loaded.log, loaded.input_shape
+
+
 def export(source: str, out: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
            progress: Progress = _noop) -> dict:
     from .export import export_onnx

@@ -1,0 +1,219 @@
+"""add_branch / remove_branch: parallel branches merged by a gated average.
+
+    out = main + mean_i(gate_i · branch_i(x))      (graphgrow.layers.AverageMerge)
+
+`at` names the span the branch runs beside: a node name (the branch takes that
+node's input and merges at its output), a module path (the module's input →
+output), or START:END. Every gate starts at 0, so adding a branch is exact in eval
+and train mode; the gate gets a gradient at once and the branch's layers after one
+step. Branch weights are random, so no two branches start (or stay) identical.
+Adding at a span that already ends in a merge adds one more input to that merge.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import fx, nn
+
+from graphgrow import NotApplicable, Pass, Rewrite
+from graphgrow.layers import AverageMerge
+from graphgrow.rewrite import (
+    add_module, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses, resolve_tensor, set_scope,
+    tensor_shape,
+)
+
+from ._init import kaiming_
+
+Op = Literal["conv3x3", "conv5x5", "sepconv3x3", "sepconv5x5", "dilconv3x3", "avgpool3x3", "maxpool3x3", "identity"]
+OPS = ("conv3x3", "conv5x5", "sepconv3x3", "sepconv5x5", "dilconv3x3", "avgpool3x3", "maxpool3x3", "identity")
+
+
+def resolve_span(gm: fx.GraphModule, at: str | None) -> tuple[fx.Node, fx.Node, str]:
+    """(input tensor, output tensor, how chosen) of the span a branch runs beside."""
+    if at is None:
+        convs = [n for n in gm.graph.nodes if n.op == "call_module"
+                 and isinstance(gm.get_submodule(n.target), nn.Conv2d) and is_float_tensor(n)]
+        if not convs:
+            raise NotApplicable("the model has no Conv2d to run a branch beside", "give at=START:END")
+        n = convs[-1]
+        return n.args[0], n, f"beside the last Conv2d '{n.target}'"
+    if ":" in at:
+        a, b = at.split(":", 1)
+        return resolve_tensor(gm, a, "in"), resolve_tensor(gm, b, "out"), "given span"
+    node = next((n for n in gm.graph.nodes if n.name == at), None)
+    if node is not None:
+        inputs = [a for a in node.all_input_nodes if is_float_tensor(a)]
+        if not inputs:
+            raise NotApplicable(f"node '{at}' has no tensor input to branch from", "give at=START:END")
+        return inputs[0], node, "beside the node"
+    return resolve_tensor(gm, at, "in"), resolve_tensor(gm, at, "out"), "beside the module"
+
+
+def existing_merge(gm: fx.GraphModule, end: fx.Node) -> fx.Node | None:
+    """The AverageMerge whose main input is `end`, or `end` itself when it is one."""
+    if end.op == "call_module" and isinstance(gm.get_submodule(end.target), AverageMerge):
+        return end
+    for u in end.users:
+        if u.op == "call_module" and isinstance(gm.get_submodule(u.target), AverageMerge) and u.args[0] is end:
+            return u
+    return None
+
+
+def build_branch(op: Op, cin: int, cout: int, stride: tuple[int, int], like: torch.Tensor, g: torch.Generator) -> nn.Module:
+    """A branch module for 4-D features: cin×H×W → cout×(H/stride)×(W/stride)."""
+    kw = {"device": like.device, "dtype": like.dtype}
+
+    def conv(ci, co, k, s=1, d=1, groups=1):
+        c = nn.Conv2d(ci, co, k, stride=s, padding=d * (k // 2), dilation=d, groups=groups, bias=False, **kw)
+        kaiming_(c.weight, g)
+        return c
+
+    def bn(c):
+        return nn.BatchNorm2d(c, **kw)
+
+    def adapt(layers):  # a learnable 1×1 adapter when channels differ (never zero padding)
+        return layers + ([conv(cin, cout, 1), bn(cout)] if cin != cout else [])
+
+    if op in ("conv3x3", "conv5x5"):
+        k = int(op[4])
+        return nn.Sequential(nn.ReLU(), conv(cin, cout, k, stride), bn(cout))
+    if op in ("sepconv3x3", "sepconv5x5"):
+        k = int(op[7])
+        return nn.Sequential(nn.ReLU(), conv(cin, cin, k, stride, groups=cin), conv(cin, cout, 1), bn(cout))
+    if op == "dilconv3x3":
+        return nn.Sequential(nn.ReLU(), conv(cin, cin, 3, stride, d=2, groups=cin), conv(cin, cout, 1), bn(cout))
+    if op == "avgpool3x3":
+        return nn.Sequential(*adapt([nn.AvgPool2d(3, stride, 1, count_include_pad=False)]))
+    if op == "maxpool3x3":
+        return nn.Sequential(*adapt([nn.MaxPool2d(3, stride, 1)]))
+    if stride != (1, 1) or cin != cout:  # identity that must change size: a strided 1×1 conv + BN
+        return nn.Sequential(conv(cin, cout, 1, stride), bn(cout))
+    return nn.Identity()
+
+
+def add_branch(gm: fx.GraphModule, at: str | None = None, op: Op = "conv3x3", count: int = 1,
+               generator: torch.Generator | None = None) -> Rewrite:
+    """Add `count` branches of `op` beside the span `at`, merged by a gated average (gates start at 0)."""
+    if op not in OPS:
+        raise NotApplicable(f"unknown branch op '{op}'", f"valid ops: {', '.join(OPS)}")
+    if count < 1:
+        raise NotApplicable(f"count must be at least 1, got {count}", "add one or more branches")
+    gm = copy_graph_module(gm)
+    generator = generator or torch.Generator().manual_seed(0)
+    start, end, chosen = resolve_span(gm, at)
+    merge = existing_merge(gm, end)
+    if merge is not None:
+        start = merge.args[1].args[0]  # every branch of a merge reads the same input
+        end = merge.args[0]
+    s, e = tensor_shape(start), tensor_shape(end)
+    if s is None or e is None or len(s) != 4 or len(e) != 4:
+        raise NotApplicable(f"add_branch needs 4-D feature maps; '{start.name}' is {list(s or [])} and '{end.name}' {list(e or [])}",
+                            "pick a span of conv layers (graphgrow inspect shows shapes)")
+    if e[2] > s[2] or e[3] > s[3] or s[2] % e[2] or s[3] % e[3]:
+        raise NotApplicable(f"the span '{start.name}' {list(s)} → '{end.name}' {list(e)} does not downsample by an integer stride",
+                            "pick a span whose output size divides its input size")
+    stride = (s[2] // e[2], s[3] // e[3])
+    dtype = end.meta.get("gg_dtype") or torch.float32
+    like = torch.zeros((), dtype=dtype, device=next(gm.parameters(), torch.zeros(())).device)
+    graph = gm.graph
+    names, branch_nodes = [], []
+    anchor = merge.args[-1] if merge is not None else end
+    with inserting_after(anchor):
+        for _ in range(count):
+            name = add_module(gm, f"branch_{op}", build_branch(op, s[1], e[1], stride, like, generator))
+            b = graph.call_module(name, (start,))
+            names.append(name)
+            branch_nodes.append(b)
+        if merge is None:
+            merge_name = add_module(gm, "merge", AverageMerge(count, device=like.device, dtype=dtype))
+            merge = graph.call_module(merge_name, (end, *branch_nodes))
+            replace_uses(end, merge, keep=[merge])
+            new_nodes = branch_nodes + [merge]
+            merged = f"new merge '{merge_name}' of {count} branch(es)"
+        else:
+            module = gm.get_submodule(merge.target)
+            n = module.branches
+            with torch.no_grad():
+                gates = torch.cat([module.gates * (n + count) / n, torch.zeros(count, dtype=dtype, device=like.device)])
+            module.gates = nn.Parameter(gates)
+            merge.args = (*merge.args, *branch_nodes)
+            new_nodes = branch_nodes
+            merged = f"added to merge '{merge.target}' ({n} → {n + count} branches; gates rescaled by {n + count}/{n})"
+    set_scope(new_nodes, end)
+    finish(gm)
+    targets = {"span": f"{start.name} {list(s)} → {end.name} {list(e)}", "chosen": chosen,
+               "branches": f"{count}× {op} ({', '.join(names)})", "merge": merged}
+    return Rewrite(gm, targets)
+
+
+def _node(gm: fx.GraphModule, name: str) -> fx.Node | None:
+    return next((n for n in gm.graph.nodes if n.name == name), None)
+
+
+def remove_branch(gm: fx.GraphModule, at: str | None = None, index: int = -1, allow_change: bool = False,
+                  generator: torch.Generator | None = None) -> Rewrite:
+    """Drop branch `index` from the merge at `at`; exact when its gate is 0, else only with allow_change."""
+    gm = copy_graph_module(gm)
+    merges = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), AverageMerge)]
+    if not merges:
+        raise NotApplicable("the model has no branch merge to remove from", "add_branch creates one")
+    if at is None:
+        merge = merges[-1]
+    else:
+        node = _node(gm, at) or next((n for n in merges if n.target == at), None)
+        merge = node if node in merges else (existing_merge(gm, node) if node is not None else None)
+        if merge is None:
+            raise NotApplicable(f"no branch merge at '{at}'", f"merges: {', '.join(n.name for n in merges)}")
+    module = gm.get_submodule(merge.target)
+    n = module.branches
+    if not -n <= index < n:
+        raise NotApplicable(f"merge '{merge.name}' has {n} branches; there is no branch {index}", f"use an index from 0 to {n - 1}")
+    i = index % n
+    gate = module.gates[i].item()
+    if gate != 0.0 and not allow_change:
+        raise NotApplicable(
+            f"branch {i} of merge '{merge.name}' contributes (gate {gate:.3g}); removing it changes the function",
+            "pass allow_change=true to remove it anyway; the report then says how far the output moved",
+        )
+    branch = merge.args[1 + i]
+    if n == 1:
+        replace_uses(merge, merge.args[0])
+        gm.graph.erase_node(merge)
+    else:
+        keep = [j for j in range(n) if j != i]
+        with torch.no_grad():
+            module.gates = nn.Parameter(module.gates[keep] * (n - 1) / n)
+        merge.args = (merge.args[0], *(merge.args[1 + j] for j in keep))
+    gm.graph.eliminate_dead_code()
+    finish(gm)
+    targets = {"merge": merge.name, "removed": f"branch {i} ({branch.target if branch.op == 'call_module' else branch.name}), gate {gate:.3g}",
+               "left": f"{n - 1} branch(es)" if n > 1 else "merge removed"}
+    return Rewrite(gm, targets, exact=gate == 0.0)
+
+
+@dataclass(frozen=True)
+class AddBranch(Pass):
+    """Run new branches beside a span, merged by a gated average main + mean(gate·branch) with gates at 0."""
+
+    name: ClassVar[str] = "add_branch"
+    at: str | None = None  # node name, module path or START:END; default: beside the last Conv2d
+    op: Op = "conv3x3"
+    count: int = 1
+
+    def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
+        return add_branch(gm, self.at, self.op, self.count, generator)
+
+
+@dataclass(frozen=True)
+class RemoveBranch(Pass):
+    """Drop a branch from a merge: exact when its gate is 0, otherwise only with allow_change=true (reported)."""
+
+    name: ClassVar[str] = "remove_branch"
+    at: str | None = None  # the merge node, or the span it ends; default: the last merge
+    index: int = -1  # which branch (default: the last added)
+    allow_change: bool = False
+
+    def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
+        return remove_branch(gm, self.at, self.index, self.allow_change, generator)

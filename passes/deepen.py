@@ -1,0 +1,84 @@
+"""deepen: a new block after a node, in residual form x + g·block(x) with a scalar gate g = 0.
+
+block=conv_bn_relu (4-D features): 3×3 conv (same channels) → BatchNorm → ReLU.
+block=linear_relu (2-D/3-D features): Linear (same features) → ReLU.
+The gate is the zero last factor: exact in eval and train mode (an identity-
+initialised BatchNorm would be off by eps in eval and not the identity in train
+mode), the gate learns at once and the block's layers after one step.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import fx, nn
+
+from graphgrow import NotApplicable, Pass, Rewrite
+from graphgrow.rewrite import (
+    add_module, add_parameter, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses, resolve_tensor,
+    set_scope, tensor_shape,
+)
+from graphgrow.targets import feature_span
+
+from ._init import kaiming_
+
+
+def deepen(gm: fx.GraphModule, after: str | None = None, block: Literal["auto", "conv_bn_relu", "linear_relu"] = "auto",
+           generator: torch.Generator | None = None) -> Rewrite:
+    """Insert `x + g·block(x)` (g = 0) after `after` (default: the last feature map before global pooling)."""
+    gm = copy_graph_module(gm)
+    generator = generator or torch.Generator().manual_seed(0)
+    if after is None:
+        _, node, _ = feature_span(gm)
+        chosen = "last 4-D feature map before global pooling (or the model's output tensor)"
+    else:
+        node, chosen = resolve_tensor(gm, after, "out"), "given"
+    shape = tensor_shape(node)
+    if not is_float_tensor(node) or len(shape) < 2:
+        raise NotApplicable(f"'{node.name}' (shape {node.meta.get('gg_shape')}) is not a feature tensor", "pick a node with a (N, C, …) tensor")
+    if block == "auto":
+        block = "conv_bn_relu" if len(shape) == 4 else "linear_relu"
+    dtype = node.meta.get("gg_dtype") or torch.float32
+    kw = {"device": next(gm.parameters(), torch.zeros(())).device, "dtype": dtype}
+    if block == "conv_bn_relu":
+        if len(shape) != 4:
+            raise NotApplicable(f"conv_bn_relu needs a 4-D feature map; '{node.name}' is {list(shape)}", "use block=linear_relu")
+        conv = nn.Conv2d(shape[1], shape[1], 3, padding=1, bias=False, **kw)
+        kaiming_(conv.weight, generator)
+        module = nn.Sequential(conv, nn.BatchNorm2d(shape[1], **kw), nn.ReLU())
+    elif block == "linear_relu":
+        if len(shape) not in (2, 3):
+            raise NotApplicable(f"linear_relu needs (N, F) or (N, T, F) features; '{node.name}' is {list(shape)}", "use block=conv_bn_relu")
+        lin = nn.Linear(shape[-1], shape[-1], **kw)
+        kaiming_(lin.weight, generator)
+        with torch.no_grad():
+            lin.bias.zero_()
+        module = nn.Sequential(lin, nn.ReLU())
+    else:
+        raise NotApplicable(f"unknown block '{block}'", "use conv_bn_relu or linear_relu")
+    name = add_module(gm, f"deepen_{block}", module)
+    gate = add_parameter(gm, f"{name}_gate", torch.zeros((), **kw))
+    graph = gm.graph
+    with inserting_after(node):
+        b = graph.call_module(name, (node,))
+        g = graph.get_attr(gate)
+        scaled = graph.call_function(operator.mul, (b, g))
+        out = graph.call_function(operator.add, (node, scaled))
+    replace_uses(node, out, keep=[b, scaled, out])
+    set_scope([b, g, scaled, out], node)
+    targets = {"after": f"{node.name} {list(shape)}", "chosen": chosen, "block": f"{block} ({name}), gate {gate} = 0"}
+    return Rewrite(finish(gm), targets)
+
+
+@dataclass(frozen=True)
+class Deepen(Pass):
+    """Insert a block in residual form x + g·block(x) with a zero gate: exact in eval and train mode."""
+
+    name: ClassVar[str] = "deepen"
+    after: str | None = None  # node name or module path (its output); default: last feature map before global pooling
+    block: Literal["auto", "conv_bn_relu", "linear_relu"] = "auto"  # auto: conv_bn_relu for 4-D, linear_relu otherwise
+
+    def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
+        return deepen(gm, self.after, self.block, generator)
