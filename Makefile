@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.graphgrow-installed
 # torch/torchvision pinned to the builds this machine carries (CUDA 13, matches onnxruntime-gpu).
 TORCH  := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test test-quick bench fuzz clean
+.PHONY: demo test test-quick bench fuzz soak clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,3 +31,11 @@ bench: $(STAMP)
 
 clean:
 	rm -rf demo_out .pytest_cache .hypothesis
+
+# a long property-based campaign (GRAPHGROW_FUZZ_EXAMPLES cases; count and time printed at the end)
+fuzz: $(STAMP)
+	GRAPHGROW_FUZZ_EXAMPLES=$${GRAPHGROW_FUZZ_EXAMPLES:-2000} $(BIN)/python -m pytest -q -s -p no:randomly tests/test_fuzz.py
+
+# 200 mutate-export-check cycles in one process; resident memory printed along the way
+soak: $(STAMP)
+	$(BIN)/python benchmarks/soak.py --cycles 200

@@ -9,7 +9,6 @@ graphgrow's own outputs (see serialize.py) load again without trust.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import re
 import sys
@@ -113,7 +112,7 @@ def _explain(name: str, head: bytes, e: Exception, trust: bool) -> LoadError:
     if blocked and not trust:
         what = blocked.group(1)
         module = what.rpartition(".")[0]
-        if not _names_something(what):
+        if _module_lacks(what):
             return LoadError(f"{name} is corrupted: it names {what}, which does not exist", "save the model again")
         if module.split(".")[0] in {"os", "posix", "nt", "subprocess", "builtins", "sys", "shutil", "socket", "runpy", "importlib"}:
             return LoadError(
@@ -124,6 +123,8 @@ def _explain(name: str, head: bytes, e: Exception, trust: bool) -> LoadError:
             f"{name} contains the custom class {what}; loading it would run that class's code",
             "pass --trust if you trust the file, or name the model by its factory, e.g. package.module:function",
         )
+    if all(32 <= c < 127 or c in (9, 10, 13) for c in head):
+        return LoadError(f"{name} is a text file, not a PyTorch model file", "pass a file written by torch.save")
     if "Unsupported operand" in msg and not trust:
         return LoadError(
             f"{name} is a raw pickle, not a torch.save file; refused without --trust (pickles can run code)",
@@ -133,17 +134,17 @@ def _explain(name: str, head: bytes, e: Exception, trust: bool) -> LoadError:
         return LoadError(f"{name} is a truncated or corrupted model file ({_first_line(msg)})", "save the model again")
     if isinstance(e, (EOFError,)) or head[:1] == b"\x80":
         return LoadError(f"{name} is a truncated or corrupted pickle", "save the model again")
-    if all(32 <= c < 127 or c in (9, 10, 13) for c in head):
-        return LoadError(f"{name} is a text file, not a PyTorch model file", "pass a file written by torch.save")
     return LoadError(f"{name} is not a PyTorch model file ({_first_line(msg) or type(e).__name__})", "pass a file written by torch.save")
 
 
-def _names_something(qualname: str) -> bool:
-    """Whether `module.attr` exists, without importing anything new (so nothing from the file runs)."""
+def _module_lacks(qualname: str) -> bool:
+    """True when `module` is loaded here but has no `attr`: a name mangled by corruption.
+
+    Nothing is imported (so nothing named by the file runs); a module that is not
+    loaded is taken as a custom class's home.
+    """
     module, _, attr = qualname.rpartition(".")
-    if module in sys.modules:
-        return hasattr(sys.modules[module], attr)
-    return importlib.util.find_spec(module.split(".")[0]) is not None
+    return module in sys.modules and not hasattr(sys.modules[module], attr)
 
 
 def _first_line(msg: str) -> str:
@@ -191,9 +192,14 @@ def check_output_path(path: str | os.PathLike, inputs: tuple = ()) -> Path:
             raise SaveError(f"output {out} is the input file", "graphgrow never overwrites its input; choose another -o")
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
-        raise SaveError(f"folder {parent} does not exist", "create it first or choose another output path")
-    if not os.access(parent, os.W_OK):
-        raise SaveError(f"folder {parent} is not writable", "choose another output path")
+        what = "is a file, not a folder" if parent.exists() else "does not exist"
+        raise SaveError(f"folder {parent} {what}", "create it first or choose another output path")
+    try:  # a real probe: permission bits alone mislead (root, read-only mounts)
+        fd, probe = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".probe", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise SaveError(f"folder {parent} is not writable ({e.strerror or e})", "choose another output path") from e
     return out
 
 

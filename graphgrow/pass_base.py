@@ -37,6 +37,7 @@ class PassResult:
     seed: int
     seconds: float
     preservation: PreservationReport | None = None
+    exact: bool = True  # False when the pass changed the function on purpose (allow_narrowing, allow_change)
 
     def log_entry(self) -> dict:
         """What goes into the mutation log (saved with the model and into ONNX metadata)."""
@@ -44,7 +45,7 @@ class PassResult:
             "pass": self.name, "args": self.args, "seed": self.seed, "targets": _plain(self.targets),
             "params_before": self.params_before, "params_after": self.params_after,
             "flops_before": self.flops_before, "flops_after": self.flops_after,
-            "nodes_added": len(self.nodes_added), "nodes_removed": len(self.nodes_removed),
+            "nodes_added": len(self.nodes_added), "nodes_removed": len(self.nodes_removed), "exact": self.exact,
         }
 
     def to_json(self) -> dict:
@@ -134,7 +135,7 @@ class Pass:
             nodes_added=sorted(after_nodes - before_nodes), nodes_removed=sorted(before_nodes - after_nodes),
             params_before=param_count(gm), params_after=param_count(new),
             flops_before=total_flops(gm), flops_after=total_flops(new),
-            seed=seed, seconds=time.perf_counter() - start, preservation=report,
+            seed=seed, seconds=time.perf_counter() - start, preservation=report, exact=rw.exact,
         )
         info = graph_info(new)
         info["log"] = list(graph_info(gm).get("log", [])) + [result.log_entry()]

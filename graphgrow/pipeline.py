@@ -127,7 +127,10 @@ def make_pass(name: str, args: dict[str, Any]) -> Pass:
     if unknown:
         valid = ", ".join(fields) or "none"
         raise SpecError(f"pass {name} has no argument {', '.join(map(repr, unknown))}", f"valid arguments: {valid}")
-    kwargs = {k: coerce(v, hints[k], f"{name}({k}=...)") for k, v in args.items()}
+    try:
+        kwargs = {k: coerce(v, hints[k], f"{name}({k}=...)") for k, v in args.items()}
+    except SpecError as e:
+        raise SpecError(e.message, e.hint or f"`graphgrow passes` lists {name}'s arguments, types and defaults") from None
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:

@@ -1,0 +1,66 @@
+"""Property-based fuzzing: random architectures × random pipelines.
+
+Every case must either verify (preservation, trainability, shapes — the pipeline's own
+checks) or raise a typed GraphgrowError, and the input model must be bit-identical
+afterwards. GRAPHGROW_FUZZ_EXAMPLES sets the count (`make fuzz` runs a long campaign).
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import graphgrow as gg
+from conftest import assert_same_snapshot, randomize_bn, snapshot
+from fuzz_models import IN_CH, SIZE, FuzzNet, architectures, pass_spec
+
+EXAMPLES = int(os.environ.get("GRAPHGROW_FUZZ_EXAMPLES", "60"))
+STATS: Counter = Counter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_campaign():
+    start = time.perf_counter()
+    yield
+    print(f"\nfuzz: {sum(STATS.values())} cases in {time.perf_counter() - start:.1f}s: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(STATS.items())))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(arch=architectures, data=st.data())
+def test_random_pipelines_verify_or_raise_typed_errors(arch, data):
+    ops, head = arch
+    torch.manual_seed(0)
+    model = randomize_bn(FuzzNet(ops, head))
+    try:
+        gm = gg.trace(model, (1, IN_CH, SIZE, SIZE))
+        gg.annotate(gm, (1, IN_CH, SIZE, SIZE))
+    except gg.GraphgrowError:
+        STATS["model rejected"] += 1
+        return
+    nodes = [n.name for n in gm.graph.nodes if n.op not in ("output",)]
+    modules = [n for n, _ in gm.named_modules() if n]
+    layers = [n.target for n in gm.graph.nodes if n.op == "call_module"
+              and isinstance(gm.get_submodule(n.target), (torch.nn.Conv2d, torch.nn.Linear))]
+    specs = data.draw(st.lists(pass_spec(nodes, modules, layers), min_size=1, max_size=3), label="pipeline")
+    before = snapshot(gm)
+    try:
+        result = gg.Pipeline.from_spec(",".join(specs)).run(gm)
+    except gg.GraphgrowError as e:
+        STATS[type(e).__name__] += 1
+        assert str(e) and "\n" not in e.message, e.message  # one line, says what is wrong
+        if isinstance(e, (gg.PreservationError, gg.ValidationError)):
+            pytest.fail(f"verification failed (a bug in a pass): {specs}: {e}")
+    else:
+        STATS["verified"] += 1
+        for r in result.results:
+            if r.preservation is not None and r.exact:
+                assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
+        assert result.results[-1].gm is not gm
+    assert_same_snapshot(before, snapshot(gm))
