@@ -35,7 +35,7 @@ def _common(f: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def _progress(as_json: bool):
+def _progress():
     """A spinner on stderr for long steps (export takes seconds to a minute)."""
     with err.status("starting", spinner="dots") as status:
         yield lambda msg: status.update(msg)
@@ -43,7 +43,7 @@ def _progress(as_json: bool):
 
 def _run(job: Callable[[Callable[[str], None]], int], as_json: bool, debug: bool) -> None:
     try:
-        with _progress(as_json) as progress:
+        with _progress() as progress:
             code = job(progress)
     except GraphgrowError as e:
         if debug:
@@ -95,8 +95,14 @@ def mutate(model, specs, output, onnx_out, check, provider, seed, input_shape, t
     """Apply passes to MODEL, verify each, save the result (and ONNX, and check it)."""
     from . import workflow
 
+    _run(_growth_job(lambda progress: workflow.mutate(
+        model, specs, output, onnx_out, check, input_shape, provider, trust, leaves, seed, progress), as_json), as_json, debug)
+
+
+def _growth_job(make_report: Callable[[Callable[[str], None]], dict], as_json: bool) -> Callable:
+    """mutate and replay: print the report, exit 1 when the equivalence check failed."""
     def job(progress):
-        report = workflow.mutate(model, specs, output, onnx_out, check, input_shape, provider, trust, leaves, seed, progress)
+        report = make_report(progress)
         if as_json:
             print(json.dumps(report, default=str))
         else:
@@ -104,7 +110,7 @@ def mutate(model, specs, output, onnx_out, check, provider, seed, input_shape, t
         eq = report.get("equivalence")
         return 1 if eq is not None and not eq["passed"] else 0
 
-    _run(job, as_json, debug)
+    return job
 
 
 def _print_mutation(report: dict) -> None:
@@ -161,16 +167,8 @@ def replay(model, log_from, output, onnx_out, check, provider, input_shape, trus
     """Re-apply the mutation log of GROWN (a graphgrow .pt or exported .onnx) to MODEL, seed for seed."""
     from . import workflow
 
-    def job(progress):
-        report = workflow.replay(model, log_from, output, onnx_out, check, input_shape, provider, trust, leaves, progress)
-        if as_json:
-            print(json.dumps(report, default=str))
-        else:
-            _print_mutation(report)
-        eq = report.get("equivalence")
-        return 1 if eq is not None and not eq["passed"] else 0
-
-    _run(job, as_json, debug)
+    _run(_growth_job(lambda progress: workflow.replay(
+        model, log_from, output, onnx_out, check, input_shape, provider, trust, leaves, progress), as_json), as_json, debug)
 
 
 @main.command()

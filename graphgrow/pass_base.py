@@ -49,8 +49,8 @@ class PassResult:
         }
 
     def to_json(self) -> dict:
-        d = self.log_entry()
-        d.update(name=self.name, notes=self.notes, nodes_added=self.nodes_added, nodes_removed=self.nodes_removed,
+        d = {"name": self.name, **self.log_entry()}
+        d.update(notes=self.notes, nodes_added=self.nodes_added, nodes_removed=self.nodes_removed,
                  changed=self.changed, seconds=round(self.seconds, 4))
         if self.preservation is not None:
             d["preservation"] = self.preservation.to_json()

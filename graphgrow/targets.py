@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from .errors import NotApplicable
-from .rewrite import is_float_tensor, tensor_shape
+from .rewrite import is_float_tensor, resolve_tensor, tensor_shape
 
 _GLOBAL_POOL_MODULES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 _GLOBAL_POOL_FUNCTIONS = (F.adaptive_avg_pool2d, F.adaptive_max_pool2d)
@@ -43,3 +43,11 @@ def feature_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
     if not floats or not outputs:
         raise NotApplicable("the model has no floating-point tensors to connect", "give start=... and end=...")
     return floats[0], outputs[0], "model input → output (no 4-D features)"
+
+
+def tensor_or_feature_end(gm: fx.GraphModule, ref: str | None) -> tuple[fx.Node, str]:
+    """The node a user named (its output), or by default the end of the feature extractor."""
+    if ref is None:
+        _, node, _ = feature_span(gm)
+        return node, "last 4-D feature map before global pooling (or the model's output tensor)"
+    return resolve_tensor(gm, ref, "out"), "given"

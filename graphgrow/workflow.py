@@ -204,21 +204,28 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
     out_path = check_output_path(out or default_output_path(source), inputs=(source,))
     onnx_path = check_output_path(onnx_out, inputs=(source,)) if onnx_out else None
     opened = open_model(source, input_shape, trust, leaves, progress)
+    return _grow_and_write(pipeline, opened, source, (source,), out_path, onnx_path, check, provider, progress, "pass")
+
+
+def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs: tuple, out_path: Path,
+                    onnx_path: Path | None, check: bool, provider: str, progress: Progress, verb: str) -> dict:
+    """Run `pipeline` on the opened model, save the result, export and check it when asked."""
     timings: dict[str, float] = {}
     t = time.perf_counter()
-    result = pipeline.run(opened.gm, progress=lambda i, p: progress(f"pass {i + 1}/{len(pipeline.passes)}: {p.name} (+ verification)"))
+    count = len(pipeline.passes)
+    result = pipeline.run(opened.gm, progress=lambda i, p: progress(f"{verb} {i + 1}/{count}: {p.name} (+ verification)"))
     timings["passes"] = time.perf_counter() - t
     report = {
         "model": source,
         "input_shape": opened.input_shape,
         "input_shape_inferred": opened.inferred_from,
-        "passes": [_pass_json(r) for r in result.results],
+        "passes": [r.to_json() for r in result.results],
         "preservation": _preservation_json(result),
         "outputs": [],
         "timings": timings,
     }
     progress(f"saving {out_path}")
-    save_model(result.gm, out_path, inputs=(source,))
+    save_model(result.gm, out_path, inputs=inputs)
     report["outputs"].append(str(out_path))
     if onnx_path or check:
         exported = export_and_check(result.gm, opened, onnx_path, check, provider, progress, timings)
@@ -255,12 +262,6 @@ def export_and_check(gm: fx.GraphModule, opened: OpenedModel, onnx_path: Path | 
     return result
 
 
-def _pass_json(r) -> dict:
-    d = r.to_json()
-    d["targets"] = d.pop("targets")
-    return d
-
-
 def _preservation_json(result: PipelineResult) -> dict:
     reports = [r.preservation for r in result.results if r.preservation is not None]
     return {
@@ -280,24 +281,12 @@ def replay(source: str, log_source: str, out: str | None = None, onnx_out: str |
 
     log, grown_shape = _read_log(log_source, trust)
     pipeline = from_log(log)
-    out_path = check_output_path(out or default_output_path(source, ".replayed.pt"), inputs=(source, log_source))
-    onnx_path = check_output_path(onnx_out, inputs=(source, log_source)) if onnx_out else None
+    inputs = (source, log_source)
+    out_path = check_output_path(out or default_output_path(source, ".replayed.pt"), inputs=inputs)
+    onnx_path = check_output_path(onnx_out, inputs=inputs) if onnx_out else None
     opened = open_model(source, input_shape or grown_shape, trust, leaves, progress)
-    timings: dict[str, float] = {}
-    t = time.perf_counter()
-    result = pipeline.run(opened.gm, progress=lambda i, p: progress(f"replaying {i + 1}/{len(pipeline.passes)}: {p.name}"))
-    timings["passes"] = time.perf_counter() - t
-    report = {"model": source, "log_from": log_source, "input_shape": opened.input_shape,
-              "input_shape_inferred": opened.inferred_from, "passes": [_pass_json(r) for r in result.results],
-              "preservation": _preservation_json(result), "outputs": [], "timings": timings}
-    progress(f"saving {out_path}")
-    save_model(result.gm, out_path, inputs=(source, log_source))
-    report["outputs"].append(str(out_path))
-    if onnx_path or check:
-        exported = export_and_check(result.gm, opened, onnx_path, check, provider, progress, timings)
-        report["outputs"] += exported["outputs"]
-        if check:
-            report["equivalence"] = exported["equivalence"]
+    report = _grow_and_write(pipeline, opened, source, inputs, out_path, onnx_path, check, provider, progress, "replaying")
+    report["log_from"] = log_source
     return report
 
 

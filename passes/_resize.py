@@ -90,12 +90,17 @@ def resize_conv(m: nn.modules.conv._ConvNd, in_layout: Layout | None, out_layout
     new = type(m)(cin, cout, m.kernel_size, stride=m.stride, padding=m.padding, dilation=m.dilation,
                   groups=cout if depthwise else 1, bias=m.bias is not None, padding_mode=m.padding_mode,
                   **_like(m.weight))
+    return _fill_weights(m, new, in_layout, out_layout, init, generator)
+
+
+def _fill_weights(old: nn.Module, new: nn.Module, in_layout, out_layout, init: Init, generator) -> nn.Module:
+    """Copy a conv's or Linear's weight and bias into `new` at the layouts' positions."""
     with torch.no_grad():
-        w = _cols(m.weight, in_layout, init, generator)
+        w = _cols(old.weight, in_layout, init, generator)
         new.weight.copy_(_rows(w, out_layout, init, generator, "kaiming"))
-        if m.bias is not None:
-            new.bias.copy_(_rows(m.bias, out_layout, init, generator, "zero"))
-    new.train(m.training)
+        if old.bias is not None:
+            new.bias.copy_(_rows(old.bias, out_layout, init, generator, "zero"))
+    new.train(old.training)
     return new
 
 
@@ -103,13 +108,7 @@ def resize_linear(m: nn.Linear, in_layout: Layout | None, out_layout: Layout | N
                   generator: torch.Generator) -> nn.Linear:
     new = nn.Linear(in_layout.new if in_layout else m.in_features, out_layout.new if out_layout else m.out_features,
                     bias=m.bias is not None, **_like(m.weight))
-    with torch.no_grad():
-        w = _cols(m.weight, in_layout, init, generator)
-        new.weight.copy_(_rows(w, out_layout, init, generator, "kaiming"))
-        if m.bias is not None:
-            new.bias.copy_(_rows(m.bias, out_layout, init, generator, "zero"))
-    new.train(m.training)
-    return new
+    return _fill_weights(m, new, in_layout, out_layout, init, generator)
 
 
 def resize_batchnorm(m: nn.modules.batchnorm._BatchNorm, layout: Layout, init: Init, generator) -> nn.Module:

@@ -17,10 +17,10 @@ from torch import fx, nn
 
 from graphgrow import NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
-    add_module, add_parameter, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses, resolve_tensor,
+    add_module, add_parameter, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses,
     set_scope, tensor_shape,
 )
-from graphgrow.targets import feature_span
+from graphgrow.targets import tensor_or_feature_end
 
 from ._init import kaiming_
 
@@ -30,11 +30,7 @@ def deepen(gm: fx.GraphModule, after: str | None = None, block: Literal["auto", 
     """Insert `x + g·block(x)` (g = 0) after `after` (default: the last feature map before global pooling)."""
     gm = copy_graph_module(gm)
     generator = generator or torch.Generator().manual_seed(0)
-    if after is None:
-        _, node, _ = feature_span(gm)
-        chosen = "last 4-D feature map before global pooling (or the model's output tensor)"
-    else:
-        node, chosen = resolve_tensor(gm, after, "out"), "given"
+    node, chosen = tensor_or_feature_end(gm, after)
     shape = tensor_shape(node)
     if not is_float_tensor(node) or len(shape) < 2:
         raise NotApplicable(f"'{node.name}' (shape {node.meta.get('gg_shape')}) is not a feature tensor", "pick a node with a (N, C, …) tensor")

@@ -19,8 +19,8 @@ from torch import fx, nn
 from graphgrow import NotApplicable, Pass, Rewrite
 from graphgrow.coupling import analyze, channel_axis
 from graphgrow.rewrite import add_module, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses, \
-    resolve_tensor, set_scope, tensor_shape
-from graphgrow.targets import feature_span
+    set_scope, tensor_shape
+from graphgrow.targets import tensor_or_feature_end
 
 from ._resize import grow_group
 
@@ -44,12 +44,7 @@ def insert_adapter(gm: fx.GraphModule, after: str | None = None, out_channels: i
     """Insert an identity-initialised adapter after `after` (default: the last feature map before global pooling)."""
     gm = copy_graph_module(gm)
     generator = generator or torch.Generator().manual_seed(0)
-    if after is None:
-        _, node, _ = feature_span(gm)
-        chosen = "last 4-D feature map before global pooling (or the model's output tensor)"
-    else:
-        node = resolve_tensor(gm, after, "out")
-        chosen = "given"
+    node, chosen = tensor_or_feature_end(gm, after)
     shape = tensor_shape(node)
     if not is_float_tensor(node) or channel_axis(shape) is None:
         raise NotApplicable(f"'{node.name}' (shape {node.meta.get('gg_shape')}) has no channel dimension to adapt",
