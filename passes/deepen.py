@@ -1,7 +1,8 @@
 """deepen: a new block after a node, in residual form x + g·block(x) with a scalar gate g = 0.
 
 block=conv_bn_relu (4-D features): 3×3 conv (same channels) → BatchNorm → ReLU.
-block=linear_relu (2-D/3-D features): Linear (same features) → ReLU.
+block=linear_relu (2-D/3-D features): Linear (same features) → ReLU, its units in
+pairs with opposite weights, so that some are active for any input.
 The gate is the zero last factor: exact in eval and train mode (an identity-
 initialised BatchNorm would be off by eps in eval and not the identity in train
 mode), the gate learns at once and the block's layers after one step.
@@ -50,6 +51,10 @@ def deepen(gm: fx.GraphModule, after: str | None = None, block: Literal["auto", 
         lin = nn.Linear(shape[-1], shape[-1], **kw)
         kaiming_(lin.weight, generator)
         with torch.no_grad():
+            # Units in pairs with opposite weights: one of each pair is active for any input,
+            # so the ReLU can never silence the whole block (and the gate always learns).
+            half = shape[-1] // 2
+            lin.weight[half:2 * half] = -lin.weight[:half]
             lin.bias.zero_()
         module = nn.Sequential(lin, nn.ReLU())
     else:

@@ -186,3 +186,15 @@ def test_growth_during_training_example(tmp_path):
     assert summary["final_acc_grown"] > summary["final_acc_base"]
     assert summary["params_grown"] > summary["params_base"]
     assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+def test_deepen_after_logits_is_never_silenced_by_the_relu():
+    """Found by the fuzzer: a Linear → ReLU block after the classifier could be all-negative on the
+    check batch, leaving the gate without gradient. Paired units (w, −w) make that impossible."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 2, 1), nn.Flatten(), nn.Linear(2 * 8 * 8, 4))
+    for seed in range(20):
+        r = Deepen(after="_2")(gg.trace(model, (1, 3, 8, 8)), seed=seed)
+        assert r.preservation.trainable_ok and r.preservation.trainable["deepen_linear_relu_gate"] == 0
+        w = r.gm.get_submodule("deepen_linear_relu.0").weight
+        assert torch.equal(w[2:], -w[:2])
