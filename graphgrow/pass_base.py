@@ -127,6 +127,9 @@ class Pass:
         notes = list(rw.notes)
         if report is not None and not rw.exact:
             notes.append(f"function changed on purpose: eval rel err {report.eval.rel_err:.3g}, train rel err {report.train.rel_err:.3g}")
+        if report is not None and report.cancelled:
+            notes.append(f"{', '.join(report.cancelled)} get a gradient only in eval mode: a following normalisation "
+                         "cancels them in train mode (redundant, like a conv bias before BatchNorm)")
         if report is not None and report.degenerate:
             notes.append("the model's output is identically zero on the check inputs (a zero-initialised head?): "
                          "preservation was checked on zeros only")

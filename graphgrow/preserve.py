@@ -46,6 +46,7 @@ class PreservationReport:
     train: ModeCheck
     trainable: dict[str, int] = field(default_factory=dict)  # new param → SGD step at which it first got a gradient
     dead: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)  # no train-mode gradient: a later normalisation cancels them
 
     @property
     def degenerate(self) -> bool:
@@ -139,8 +140,14 @@ def _train_forward(m: nn.Module, x: torch.Tensor, seed: int):
 
 
 def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], input_shape: Sequence[int],
-                       seed: int = 0, batch: int = 2, steps: int = 3, lr: float = 0.01) -> tuple[dict[str, int], list[str]]:
+                       seed: int = 0, batch: int = 2, steps: int = 3,
+                       lr: float = 0.01) -> tuple[dict[str, int], list[str], list[str]]:
     """Which new parameters get a non-zero gradient, and at which SGD step (0 = at once).
+
+    Returns (first step per parameter, dead, cancelled). *Cancelled* parameters get
+    no gradient in train mode but do in eval mode: a following normalisation removes
+    their effect on batch statistics (like a conv bias before BatchNorm) — redundant,
+    reported, not refused. *Dead* ones get no gradient either way.
 
     Train mode, loss = <output, R> for a fixed random R, normalised SGD steps. New
     parameters whose shape grew count by their new region only. `upstream` names old
@@ -152,8 +159,9 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
     training. `new` is restored exactly afterwards.
     """
     if not new_params:
-        return {}, []
+        return {}, [], []
     params = dict(new.named_parameters())
+    cancelled: list[str] = []
     saved_flags = {n: p.requires_grad for n, p in params.items()}
     saved_values = {n: p.detach().clone() for n, p in params.items()}
     x = example_input(new, input_shape, seed=seed + 1, batch=batch)
@@ -196,14 +204,26 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                     for p in params.values():
                         if p.grad is not None:
                             p -= lr * p.grad / (p.grad.norm() + 1e-12) * (p.norm() + 1e-3)
+            missing = [n for n in new_params if n not in got]
+        if missing:  # cancelled by a following normalisation in train mode, or dead?
+            for n, p in params.items():
+                p.requires_grad_(n in missing)
+                p.grad = None
+            with training_mode(new, False):
+                outs = [t for t in flat_tensors(new(x)) if t.is_floating_point()]
+                loss = sum((t * r).sum() for t, r in zip(outs, proj))
+                if loss.requires_grad:
+                    loss.backward()
+            cancelled = [n for n in missing if params[n].grad is not None
+                         and _new_region(params[n].grad, new_params[n][0]).abs().sum() > 0]
     finally:
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(saved_values[n])
                 p.grad = None
                 p.requires_grad_(saved_flags[n])
-    dead = [n for n in new_params if n not in got]
-    return got, dead
+    dead = [n for n in new_params if n not in got and n not in cancelled]
+    return got, dead, cancelled
 
 
 def _has_grad(p: torch.Tensor) -> bool:

@@ -41,13 +41,13 @@ def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Sequence[int],
                 "this is a bug in the pass; please report it with the model",
             )
     grown = new_parameters(old, new)
-    got, dead = check_trainability(new, grown, upstream_parameters(old, new, grown), input_shape, seed=seed, batch=b1)
+    got, dead, cancelled = check_trainability(new, grown, upstream_parameters(old, new, grown), input_shape, seed=seed, batch=b1)
     if dead:
         raise PreservationError(
-            f"new parameters get no gradient after 2 SGD steps: {', '.join(dead)}",
+            f"new parameters get no gradient after 3 SGD steps, in train or eval mode: {', '.join(dead)}",
             "never zero both the incoming and the outgoing weights of new units (DESIGN §4)",
         )
-    return PreservationReport(ev, tr, got, dead)
+    return PreservationReport(ev, tr, got, dead, cancelled)
 
 
 def upstream_parameters(old: fx.GraphModule, new: fx.GraphModule, grown: dict) -> list[str]:

@@ -64,3 +64,20 @@ def test_random_pipelines_verify_or_raise_typed_errors(arch, data):
                 assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
         assert result.results[-1].gm is not gm
     assert_same_snapshot(before, snapshot(gm))
+
+
+@pytest.mark.parametrize("ops, head, spec", [
+    # add_branch beside a conv whose output feeds BatchNorm (train mode): the branch's last BN bias is
+    # cancelled by the next normalisation. Redundant, not dead: reported, not refused.
+    ([("conv", 2, 1, 1, "full"), ("cat", 2, 1), ("bn",), ("bn",)], ("gap", False), "add_branch(op=conv3x3,count=1)"),
+    # deepen after the logits: the ReLU block could be silent on the whole check batch (now paired units).
+    ([("conv", 2, 1, 1, "full")], ("flat", False), "deepen(after=fc)"),
+])
+def test_cases_the_fuzzer_found(ops, head, spec):
+    torch.manual_seed(0)
+    gm = gg.trace(randomize_bn(FuzzNet(ops, head)), (1, IN_CH, SIZE, SIZE))
+    r = gg.Pipeline.from_spec(spec).run(gm).results[0]
+    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
+    if spec.startswith("add_branch"):
+        assert r.preservation.cancelled == ["branch_conv3x3.2.bias"]
+        assert any("cancels them in train mode" in n for n in r.notes)
