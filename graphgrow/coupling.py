@@ -103,6 +103,10 @@ class Coupling:
             todo += [self.group_of[l.dst] for l in self.links if self.group_of[l.src] == g]
         if not self.groups[gid].sources:
             reasons.append("no conv or Linear layer produces these channels")
+        derived = [l.dst for l in self.links if self.group_of[l.dst] == gid]
+        if derived:  # its channels are assembled from other groups; new ones would have no producer
+            reasons.append(f"'{derived[0]}' assembles these channels from other tensors (cat/flatten); "
+                           "grow one of those instead")
         return list(dict.fromkeys(reasons))
 
 

@@ -112,3 +112,18 @@ def test_export_errors_are_typed(tmp_path):
         export_onnx(gg.trace(Bad(), (2, 3, 3)), (2, 3, 3), tmp_path / "bad.onnx")
     assert "\x1b" not in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "bad.onnx").exists()
+
+
+@pytest.mark.slow
+def test_isolated_export_gives_the_same_model_and_typed_errors(grown_onnx, tmp_path):
+    _, r, _, proto = grown_onnx
+    isolated = export_onnx(r.gm, (1, 3, 32, 32), max_ir_version=max_ir_version(), isolate=True)
+    assert [n.op_type for n in isolated.graph.node] == [n.op_type for n in proto.graph.node]
+    assert [i.raw_data for i in isolated.graph.initializer] == [i.raw_data for i in proto.graph.initializer]
+
+    class Bad(torch.nn.Module):
+        def forward(self, x):
+            return torch.linalg.qr(x)[0]
+
+    with pytest.raises(gg.ExportError, match="qr"):
+        export_onnx(gg.trace(Bad(), (2, 3, 3)), (2, 3, 3), isolate=True)

@@ -81,3 +81,13 @@ def test_cases_the_fuzzer_found(ops, head, spec):
     if spec.startswith("add_branch"):
         assert r.preservation.cancelled == ["branch_conv3x3.2.bias"]
         assert any("cancels them in train mode" in n for n in r.notes)
+
+
+def test_a_group_assembled_by_cat_cannot_grow_on_its_own():
+    """Found by the fuzzer: cat → residual block; growing the block's conv would need new cat channels."""
+    torch.manual_seed(0)
+    gm = gg.trace(randomize_bn(FuzzNet([("cat", 1, 1), ("res",)], ("gap", False))), (1, IN_CH, SIZE, SIZE))
+    with pytest.raises(gg.NotApplicable, match=r"assembles these channels from other tensors \(cat/flatten\)"):
+        gg.Pipeline.from_spec("grow_width(target=layers.1.0)").run(gm)
+    r = gg.Pipeline.from_spec("grow_width(target=layers.0.0)").run(gm).results[0]  # the way out: grow an input
+    assert r.preservation.eval.ok and r.preservation.trainable_ok
