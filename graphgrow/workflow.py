@@ -8,7 +8,7 @@ import copy
 import json
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -258,7 +258,6 @@ def export_and_check(gm: fx.GraphModule, opened: OpenedModel, onnx_path: Path | 
             "passed": grown.passed and original.passed,
             "vs_original": original.to_json(),
         }
-        result["reports"] = (grown, original)
     return result
 
 
