@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -91,10 +91,6 @@ class Pass:
 
     def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
         raise NotImplementedError
-
-    @classmethod
-    def arguments(cls) -> list[dataclasses.Field]:
-        return list(dataclasses.fields(cls))
 
     @classmethod
     def argument_types(cls) -> dict[str, Any]:

@@ -75,7 +75,7 @@ def module_boundary(gm: fx.GraphModule, path: str) -> tuple[fx.Node, fx.Node]:
     if not inside:
         raise NotApplicable(
             f"module '{path}' has no nodes in the traced graph",
-            f"pick a module that runs in forward(); see `graphgrow inspect` for node names",
+            "pick a module that runs in forward(); see `graphgrow inspect` for node names",
         )
     members = set(inside)
     inputs: list[fx.Node] = []

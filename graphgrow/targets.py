@@ -1,7 +1,6 @@
 """Default targets shared by passes: where the feature extractor starts and ends."""
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import fx, nn
 

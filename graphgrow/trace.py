@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-import torch
 from torch import fx, nn
 
 from .errors import InputError, TraceError

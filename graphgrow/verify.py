@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
 from torch import fx
 
 from .errors import PreservationError, ValidationError

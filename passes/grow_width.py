@@ -29,7 +29,7 @@ def find_layer(gm: fx.GraphModule, target: str) -> fx.Node:
         if n.op == "call_module" and (n.name == target or n.target == target):
             return n
     node = resolve_tensor(gm, target, "out")  # raises NotApplicable with suggestions
-    what = f"a container of several layers" if target in dict(gm.named_modules()) else f"a {node.op} node"
+    what = "a container of several layers" if target in dict(gm.named_modules()) else f"a {node.op} node"
     raise NotApplicable(f"'{target}' is {what}, not one conv or Linear layer",
                         "name one conv or Linear layer (graphgrow inspect lists them)")
 

@@ -5,7 +5,6 @@ import copy
 import json
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch

@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-import graphgrow as gg
 from graphgrow.cli import main
 from conftest import run_cli
 

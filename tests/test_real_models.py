@@ -2,7 +2,6 @@
 against the *original* PyTorch model at batch sizes 1 and 3."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torchvision
