@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+# two workers (CI has two cores); a file's tests stay on one worker (the zoo test aggregates across its cases)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # the edit-test loop: everything but the real-model and export tests
 test-quick: $(STAMP)
@@ -34,7 +35,7 @@ clean:
 
 # a long property-based campaign (GRAPHGROW_FUZZ_EXAMPLES cases; count and time printed at the end)
 fuzz: $(STAMP)
-	GRAPHGROW_FUZZ_EXAMPLES=$${GRAPHGROW_FUZZ_EXAMPLES:-2000} $(BIN)/python -m pytest -q -s -p no:randomly tests/test_fuzz.py
+	GRAPHGROW_FUZZ_EXAMPLES=$${GRAPHGROW_FUZZ_EXAMPLES:-2000} $(BIN)/python -m pytest -q -s -p no:randomly tests/test_fuzz.py tests/test_safe_graph.py
 
 # 200 mutate-export-check cycles in one process; resident memory printed along the way
 soak: $(STAMP)

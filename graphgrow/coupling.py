@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import Callable
 
 import networkx as nx
 import torch
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from .layers import AverageMerge
+from .probe import function_is_channelwise, module_is_channelwise
 from .rewrite import tensor_shape
 
 # Modules whose output channel c depends only on input channel c.
@@ -196,7 +198,8 @@ def _module_rule(n, m, out, inputs, join, freeze, sources, consumers, channelwis
         if x is not None:
             consumers.append((n.name, x.name))
         sources.append((n.name, None))
-    elif isinstance(m, BATCHNORMS):
+    elif isinstance(m, BATCHNORMS) and _extras_are_channelwise(m, tensor_shape(n)):
+        # a subclass (timm's BatchNormAct2d) = BatchNorm followed by its own channelwise extras
         join(x, n)
         channelwise.append(n.name)
     elif isinstance(m, nn.modules.instancenorm._InstanceNorm) and not m.affine and not m.track_running_stats:
@@ -211,8 +214,26 @@ def _module_rule(n, m, out, inputs, join, freeze, sources, consumers, channelwis
         join(*inputs, n)
     elif isinstance(m, nn.MultiheadAttention):
         freeze(inputs + [n], f"MultiheadAttention '{n.target}' splits channels into heads (not grown yet)")
+    elif x is not None and len(inputs) == 1 and out is not None and _probe_module(m, tensor_shape(x), tensor_shape(n)):
+        join(x, n)  # an opaque parameter-free op that acts on each channel alone (drop-path, custom activations)
     else:
         freeze(inputs + [n], f"module '{n.target}' ({type(m).__name__}) is not understood by the coupling analysis")
+
+
+def _probe_module(m: nn.Module, in_shape, out_shape) -> bool:
+    return in_shape is not None and in_shape == out_shape and \
+        module_is_channelwise(m, tuple(in_shape), channel_axis(tuple(in_shape)))
+
+
+def _extras_are_channelwise(m: nn.Module, shape) -> bool:
+    """A BatchNorm subclass's submodules (activation, dropout) must act per channel; a plain BatchNorm has none."""
+    children = list(m.children())
+    if not children:
+        return True
+    if shape is None:
+        return False
+    axis = channel_axis(tuple(shape))
+    return all(isinstance(c, CHANNELWISE_MODULES) or module_is_channelwise(c, tuple(shape), axis) for c in children)
 
 
 def _flatten_is_identity(x, n) -> bool:
@@ -260,7 +281,36 @@ def _function_rule(gm, n, out, inputs, join, freeze, links) -> None:
                 and channel_axis(tensor_shape(n)) == channel_axis(tensor_shape(x)):
             join(x, n)
             return
+    if n.op == "call_function" and x is not None and len(inputs) == 1 and out is not None and _probe_function(n, x):
+        join(x, n)  # e.g. torchvision's stochastic_depth: acts on whole examples, so on each channel alone
+        return
     freeze(inputs + ([n] if out else []), f"'{n.name}' ({name}) is not understood by the coupling analysis")
+
+
+def _probe_function(n: fx.Node, x: fx.Node) -> bool:
+    """Run an unknown function on probe tensors; its other arguments must be constants or mode flags."""
+    shape = tensor_shape(x)
+    if shape is None or shape != tensor_shape(n) or not isinstance(n.target, Callable):
+        return False
+    args, flags, index = list(n.args), {}, None
+    for i, a in enumerate(args):
+        if a is x and index is None:
+            index = i
+        elif isinstance(a, fx.Node):
+            if a.op == "get_attr" and str(a.target).split(".")[-1] == "training":
+                flags[i] = lambda training: training
+            else:
+                return False
+    kwargs = dict(n.kwargs)
+    for k, a in n.kwargs.items():
+        if isinstance(a, fx.Node):
+            if a.op == "get_attr" and str(a.target).split(".")[-1] == "training":
+                flags[k] = lambda training: training
+            else:
+                return False
+    if index is None:
+        return False
+    return function_is_channelwise(n.target, tuple(args), kwargs, index, tuple(shape), channel_axis(tuple(shape)), flags)
 
 
 def _flatten_rule(x, n, join, freeze, links) -> None:

@@ -141,7 +141,7 @@ def _train_forward(m: nn.Module, x: torch.Tensor, seed: int):
 
 def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], input_shape: Sequence[int],
                        seed: int = 0, batch: int = 2, steps: int = 3,
-                       lr: float = 0.01) -> tuple[dict[str, int], list[str], list[str]]:
+                       lr: float = 0.01, train_all: bool = False) -> tuple[dict[str, int], list[str], list[str]]:
     """Which new parameters get a non-zero gradient, and at which SGD step (0 = at once).
 
     Returns (first step per parameter, dead, cancelled). *Cancelled* parameters get
@@ -166,7 +166,6 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
     saved_values = {n: p.detach().clone() for n, p in params.items()}
     x = example_input(new, input_shape, seed=seed + 1, batch=batch)
     got: dict[str, int] = {}
-    train_all = False
     try:
         with training_mode(new, True), preserved_buffers(new), seeded(seed):
             proj = None
@@ -190,7 +189,7 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                         grad = params[name].grad
                         if name not in got and grad is not None and _new_region(grad, old_shape).abs().sum() > 0:
                             got[name] = step
-                    if step == 0 and not got:
+                    if step == 0 and not got and not train_all:
                         if any(_has_grad(params[n]) for n in upstream):
                             raise PreservationError(
                                 "no new parameter gets a gradient at insertion although the layers before it do: "

@@ -126,31 +126,35 @@ def total_flops(gm: fx.GraphModule) -> int:
     return sum(n.meta.get("gg_flops", 0) for n in gm.graph.nodes)
 
 
-def validate_batch_sizes(gm: fx.GraphModule, input_shape: Sequence[int], batches=(2, 3), first: ShapeRun | None = None) -> None:
-    """Run at two batch sizes; every node's shape may differ only in the batch dimension.
+def validate_batch_sizes(gm: fx.GraphModule, input_shape: Sequence[int], batches=(2, 3), first: ShapeRun | None = None,
+                         first_input: torch.Tensor | None = None) -> None:
+    """Run at two batch sizes and refuse a graph that bakes in the batch size.
 
-    Catches batch sizes baked into view/reshape constants, and nodes that fail at all.
-    `first` reuses a run already made at batches[0] (in eval mode).
+    Between the runs a node's dimensions may stay equal or scale with the batch (the
+    batch itself, or folded into another dimension as attention's (B·N, C) or
+    (3, B, heads, N, d) do); each output must lead with the batch; and the examples
+    both runs share (the second run's first examples are the first run's input) must
+    get the same outputs, so no example's result depends on the batch it came in.
+    `first` reuses a run already made on `first_input` at batches[0] (in eval mode).
     """
     b1, b2 = batches
-    runs = []
+    if first is not None and first_input is None:
+        raise ValueError("validate_batch_sizes: pass first_input with first")
+    x1 = first_input if first is not None else example_input(gm, input_shape, seed=11, batch=b1)
+    extra = example_input(gm, input_shape, seed=12, batch=b2)
+    x2 = torch.cat([x1, extra[: max(b2 - b1, 0)]])[:b2] if b2 >= b1 else extra
     with training_mode(gm, False):
-        for b, seed in ((b1, 11), (b2, 12)):
-            if b == b1 and first is not None:
-                runs.append(first)
-                continue
-            runs.append(run_recording(gm, example_input(gm, input_shape, seed=seed, batch=b)))
-    r1, r2 = runs
+        r1 = first if first is not None else run_recording(gm, x1)
+        r2 = run_recording(gm, x2)
+    hint = "a view/reshape probably bakes in the batch size; use x.flatten(1) or x.view(x.size(0), -1)"
     for n in gm.graph.nodes:
         s1, s2 = r1.shapes.get(n.name), r2.shapes.get(n.name)
         if s1 == s2:
             continue
-        if not _differs_only_in_batch(s1, s2, b1, b2):
+        if not _scales_with_batch(s1, s2, b1, b2):
             raise ValidationError(
                 f"node '{n.name}' has shape {s1} at batch {b1} but {s2} at batch {b2}: "
-                "only the batch dimension may change",
-                "a view/reshape probably bakes in the batch size; use x.flatten(1) or x.view(x.size(0), -1)",
-            )
+                "only dimensions that grow with the batch may change", hint)
     for out_shape, b in ((_output_shapes(r1.output), b1), (_output_shapes(r2.output), b2)):
         for s in out_shape:
             if not s or s[0] != b:
@@ -158,14 +162,41 @@ def validate_batch_sizes(gm: fx.GraphModule, input_shape: Sequence[int], batches
                     f"model output has shape {s} for batch {b}: the first dimension must be the batch",
                     "graphgrow exports with a dynamic batch dimension in front",
                 )
+    if b2 >= b1:
+        _check_examples_independent(r1.output, r2.output, b1, hint)
 
 
-def _differs_only_in_batch(s1, s2, b1, b2) -> bool:
+def _scales_with_batch(s1, s2, b1, b2) -> bool:
+    """Same rank; every dimension equal or grown in proportion to the batch (d1·b2 = d2·b1)."""
     if isinstance(s1, tuple) and isinstance(s2, tuple):
-        return len(s1) == len(s2) and len(s1) > 0 and s1[0] == b1 and s2[0] == b2 and s1[1:] == s2[1:]
+        if len(s1) != len(s2) or not s1:
+            return False
+        changed = [(a, b) for a, b in zip(s1, s2) if a != b]
+        return bool(changed) and all(a * b2 == b * b1 and a % b1 == 0 for a, b in changed)
     if isinstance(s1, list) and isinstance(s2, list):
-        return len(s1) == len(s2) and all(a == b or _differs_only_in_batch(a, b, b1, b2) for a, b in zip(s1, s2))
+        return len(s1) == len(s2) and all(a == b or _scales_with_batch(a, b, b1, b2) for a, b in zip(s1, s2))
     return False
+
+
+def _check_examples_independent(out1, out2, b1: int, hint: str) -> None:
+    """The first b1 examples of the second run are the first run's input: their outputs must agree."""
+    for a, b in zip(_flat(out1), _flat(out2)):
+        if not (a.is_floating_point() and b.is_floating_point()) or a.dim() == 0 or b.shape[1:] != a.shape[1:]:
+            continue
+        ref, got = a.double(), b[: a.shape[0]].double()
+        scale = ref.abs().max().item() if ref.numel() else 0.0
+        if not torch.isfinite(ref).all():
+            continue
+        err = (ref - got).abs().max().item() if ref.numel() else 0.0
+        if err > 1e-4 * max(scale, 1e-12):
+            raise ValidationError(
+                f"the same example gives different outputs at batch {b1} and in a larger batch (max |Δ| {err:.3g}): "
+                "examples in a batch influence each other", hint)
+
+
+def _flat(out) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(out)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
 def _output_shapes(out) -> list[tuple]:

@@ -26,6 +26,26 @@ def is_global_pool(gm: fx.GraphModule, n: fx.Node) -> bool:
     return out is not None and len(out) == 4 and out[2:] == (1, 1)
 
 
+def _is_head_pool(pool: fx.Node) -> bool:
+    """A pooling that ends the backbone: nothing after it comes back to the pooled map's shape.
+
+    Squeeze-excitation pools too, but its gate multiplies the map again (same shape downstream);
+    a channels-last head (permute → LayerNorm → permute on the pooled map) never does.
+    """
+    src = pool.args[0]
+    shape = tensor_shape(src)
+    seen, todo = set(), list(pool.users)
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if tensor_shape(n) == shape:
+            return False
+        todo.extend(n.users)
+    return True
+
+
 def feature_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
     """The feature extractor: first 4-D tensor → the last 4-D tensor before global pooling.
 
@@ -33,9 +53,10 @@ def feature_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
     """
     four_d = [n for n in gm.graph.nodes if is_float_tensor(n) and len(tensor_shape(n)) == 4]
     if four_d:
-        pools = [n for n in gm.graph.nodes if is_global_pool(gm, n)]
-        end = pools[-1].args[0] if pools else four_d[-1]
-        why = "first 4-D tensor → last 4-D feature map before global pooling/flatten" if pools else "first → last 4-D tensor"
+        pools = [n for n in gm.graph.nodes if is_global_pool(gm, n) and _is_head_pool(n)]
+        end = pools[0].args[0] if pools else four_d[-1]
+        why = ("first 4-D tensor → the backbone's last 4-D feature map (before the head's global pooling/flatten)"
+               if pools else "first → last 4-D tensor")
         return four_d[0], end, why
     floats = [n for n in gm.graph.nodes if is_float_tensor(n)]
     outputs = [a for a in next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes if is_float_tensor(a)]

@@ -29,7 +29,7 @@ def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Sequence[int],
     x = example_input(new, input_shape, seed=seed, batch=b1)
     with training_mode(new, False):
         first = run_recording(new, x)
-    validate_batch_sizes(new, input_shape, BATCHES, first=first)
+    validate_batch_sizes(new, input_shape, BATCHES, first=first, first_input=x)
     ev, tr = check_preservation(old, new, input_shape, seed=seed, batch=b1, new_eval_output=first.output)
     for check in (ev, tr) if exact else ():
         if not check.ok:
@@ -40,7 +40,11 @@ def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Sequence[int],
                 "this is a bug in the pass; please report it with the model",
             )
     grown = new_parameters(old, new)
-    got, dead, cancelled = check_trainability(new, grown, upstream_parameters(old, new, grown), input_shape, seed=seed, batch=b1)
+    upstream = upstream_parameters(old, new, grown)
+    got, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed, batch=b1)
+    if dead:  # the model may block its own gradient (a zero-initialised last BatchNorm): train everything, as training would
+        again, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed, batch=b1, train_all=True)
+        got = {**again, **got}
     if dead:
         raise PreservationError(
             f"new parameters get no gradient after 3 SGD steps, in train or eval mode: {', '.join(dead)}",

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 from torch import fx, nn
 
-from .errors import InputError, LoadError, ValidationError
+from .errors import InputError, LoadError, SaveError, ValidationError
 from .load import LoadedModel, check_output_path, default_output_path, load_model, save_model
 from .pipeline import Pipeline, PipelineResult
 from .shapes import annotate, param_count, total_flops
@@ -28,6 +30,10 @@ def _noop(_: str) -> None:
     pass
 
 
+MAX_INPUT_ELEMENTS = 1 << 26  # 256 MiB of float32 for one example input; verification makes a few more
+MAX_SIDE = 1 << 16
+
+
 def parse_input_shape(text: str | Sequence[int] | None) -> list[int] | None:
     """'1,3,224,224' (or 1x3x224x224) → [1, 3, 224, 224]; InputError on anything else."""
     if text is None:
@@ -37,13 +43,15 @@ def parse_input_shape(text: str | Sequence[int] | None) -> list[int] | None:
         try:
             dims = [int(p) for p in parts]
         except ValueError:
-            raise InputError(f"--input-shape {text!r} is not a list of integers", "write it as N,C,H,W, e.g. 1,3,224,224") from None
+            raise InputError(f"--input-shape {text[:80]!r} is not a list of integers", "write it as N,C,H,W, e.g. 1,3,224,224") from None
     else:
         dims = [int(d) for d in text]
     if not dims or any(d <= 0 for d in dims) or len(dims) > 8:
-        raise InputError(f"--input-shape {text!r} is not a valid shape (positive sizes, 1 to 8 dims)", "e.g. 1,3,224,224")
-    if dims[0] > 4096 or (torch.Size(dims).numel() > 2**31):
-        raise InputError(f"--input-shape {text!r} is too large for an example input", "use batch 1 and the real image size")
+        raise InputError(f"--input-shape {str(text)[:80]!r} is not a valid shape (positive sizes, 1 to 8 dims)", "e.g. 1,3,224,224")
+    if dims[0] > 4096 or any(d > MAX_SIDE for d in dims) or torch.Size(dims).numel() > MAX_INPUT_ELEMENTS:
+        raise InputError(f"input shape {str(text)[:80]!r} is too large for an example input "
+                         f"(at most {MAX_INPUT_ELEMENTS:,} elements, {MAX_SIDE:,} per dimension)",
+                         "use batch 1 and the real image size")
     return dims
 
 
@@ -158,14 +166,15 @@ class OpenedModel:
 
 
 def open_model(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-               progress: Progress = _noop) -> OpenedModel:
-    """Load (safely), trace, and annotate shapes. The example input shape comes from
-    the argument, the file (graphgrow outputs remember it) or the first layer."""
+               progress: Progress = _noop, trace_mode: str = "eval") -> OpenedModel:
+    """Load (safely), trace, check the trace against the model, and annotate shapes. The
+    example input shape comes from the argument, the file (graphgrow outputs remember
+    it) or the first layer."""
     progress(f"loading {source}")
     loaded = load_model(source, trust=trust)
-    shape = parse_input_shape(input_shape) or loaded.input_shape
+    shape = parse_input_shape(input_shape if input_shape is not None else loaded.input_shape)  # flag or stored: one check
     progress("tracing")
-    gm = trace(loaded.module, shape, leaves)
+    gm = trace(loaded.module, shape, leaves, mode=trace_mode, check=False)  # fidelity checked below, once the shape is known
     if shape is None:
         shape, why = infer_input_shape(gm)
         if shape is None:
@@ -186,6 +195,11 @@ def open_model(source: str, input_shape=None, trust: bool = False, leaves: Seque
     except ValidationError as e:
         raise InputError(f"the model cannot run on an input of shape {tuple(shape)}: {e.message}",
                          "give the shape the model expects with --input-shape N,C,H,W") from e
+    if loaded.kind != "graphgrow":  # a graphgrow file's graph is the model; anything else is checked against it
+        from .fidelity import check_fidelity
+
+        progress("checking the traced graph against the model (eval and train mode)")
+        check_fidelity(loaded.module, gm, shape)
     return OpenedModel(loaded, gm, shape, inferred)
 
 
@@ -198,13 +212,29 @@ def _check_finite(model: nn.Module, source: str) -> None:
 
 def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: str | None = None,
            check: bool = False, input_shape=None, provider: str = "auto", trust: bool = False,
-           leaves: Sequence[str] = (), seed: int = 0, progress: Progress = _noop) -> dict:
+           leaves: Sequence[str] = (), seed: int = 0, progress: Progress = _noop, trace_mode: str = "eval",
+           max_params=None, max_memory=None) -> dict:
     """Load → run the pipeline with verification → save → (export) → (check). Returns the JSON report."""
     pipeline = Pipeline.from_spec(list(specs), seed=seed)  # spec errors before any work
+    pipeline.limits = _limits(max_params, max_memory)
     out_path = check_output_path(out or default_output_path(source), inputs=(source,))
     onnx_path = check_output_path(onnx_out, inputs=(source,)) if onnx_out else None
-    opened = open_model(source, input_shape, trust, leaves, progress)
+    _distinct_outputs(out_path, onnx_path)
+    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode)
     return _grow_and_write(pipeline, opened, source, (source,), out_path, onnx_path, check, provider, progress, "pass")
+
+
+def _limits(max_params, max_memory):
+    from .budget import DEFAULT_MAX_MEMORY, DEFAULT_MAX_NEW_PARAMS, Limits, parse_size
+
+    return Limits(parse_size(max_params, "--max-params") if max_params is not None else DEFAULT_MAX_NEW_PARAMS,
+                  parse_size(max_memory, "--max-memory") if max_memory is not None else DEFAULT_MAX_MEMORY)
+
+
+def _distinct_outputs(*paths: Path | None) -> None:
+    real = [Path(p).resolve() for p in paths if p is not None]
+    if len(set(real)) != len(real):
+        raise SaveError("-o and --onnx name the same file", "give the model and the ONNX file different names")
 
 
 def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs: tuple, out_path: Path,
@@ -224,15 +254,57 @@ def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs
         "outputs": [],
         "timings": timings,
     }
-    progress(f"saving {out_path}")
-    save_model(result.gm, out_path, inputs=inputs)
-    report["outputs"].append(str(out_path))
-    if onnx_path or check:
-        exported = export_and_check(result.gm, opened, onnx_path, check, provider, progress, timings)
-        report["outputs"] += exported["outputs"]
-        if check:
-            report["equivalence"] = exported["equivalence"]
+    with StagedOutputs() as staged:  # every output appears at the end, together, or none does
+        progress(f"saving {out_path}")
+        save_model(result.gm, staged.reserve(out_path), inputs=inputs)
+        if onnx_path or check:
+            exported = export_and_check(result.gm, opened, staged.reserve(onnx_path) if onnx_path else None, check,
+                                        provider, progress, timings)
+            if check:
+                report["equivalence"] = exported["equivalence"]
+        if check and not report["equivalence"]["passed"]:
+            staged.discard()  # a model that failed its check is not written
+            return report
+        report["outputs"] = [str(p) for p in staged.commit()]
     return report
+
+
+class StagedOutputs:
+    """Temp files beside each final output; `commit` renames them all, anything else removes them.
+
+    A failure or a signal (SIGINT, SIGTERM, SIGHUP: the CLI turns them into exceptions) part-way
+    through a command leaves neither a half-written file nor some outputs without the others.
+    """
+
+    def __init__(self) -> None:
+        self.staged: list[tuple[Path, Path]] = []
+
+    def reserve(self, final: Path) -> Path:
+        final = Path(final)
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".part", dir=final.parent if str(final.parent) else ".")
+        os.close(fd)
+        self.staged.append((Path(tmp), final))
+        return Path(tmp)
+
+    def commit(self) -> list[Path]:
+        done = []
+        for tmp, final in self.staged:
+            os.replace(tmp, final)
+            done.append(final)
+        self.staged = []
+        return done
+
+    def discard(self) -> None:
+        for tmp, _ in self.staged:
+            tmp.unlink(missing_ok=True)
+        self.staged = []
+
+    def __enter__(self) -> "StagedOutputs":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.discard()
+        return False
 
 
 def export_and_check(gm: fx.GraphModule, opened: OpenedModel, onnx_path: Path | None, check: bool, provider: str,
@@ -274,16 +346,19 @@ def _preservation_json(result: PipelineResult) -> dict:
 
 def replay(source: str, log_source: str, out: str | None = None, onnx_out: str | None = None, check: bool = False,
            input_shape=None, provider: str = "auto", trust: bool = False, leaves: Sequence[str] = (),
-           progress: Progress = _noop) -> dict:
+           progress: Progress = _noop, trace_mode: str = "eval",
+           max_params=None, max_memory=None) -> dict:
     """Re-apply the mutation log of `log_source` (a graphgrow .pt or an exported .onnx) to the model `source`."""
     from .pipeline import from_log
 
     log, grown_shape = _read_log(log_source, trust)
     pipeline = from_log(log)
+    pipeline.limits = _limits(max_params, max_memory)
     inputs = (source, log_source)
     out_path = check_output_path(out or default_output_path(source, ".replayed.pt"), inputs=inputs)
     onnx_path = check_output_path(onnx_out, inputs=inputs) if onnx_out else None
-    opened = open_model(source, input_shape or grown_shape, trust, leaves, progress)
+    _distinct_outputs(out_path, onnx_path)
+    opened = open_model(source, input_shape or grown_shape, trust, leaves, progress, trace_mode)
     report = _grow_and_write(pipeline, opened, source, inputs, out_path, onnx_path, check, provider, progress, "replaying")
     report["log_from"] = log_source
     return report
@@ -304,12 +379,12 @@ def _read_log(log_source: str, trust: bool) -> tuple[list[dict], list[int] | Non
 
 
 def export(source: str, out: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-           progress: Progress = _noop) -> dict:
+           progress: Progress = _noop, trace_mode: str = "eval") -> dict:
     from .export import export_onnx
     from .runtime import max_ir_version
 
     out_path = check_output_path(out, inputs=(source,))
-    opened = open_model(source, input_shape, trust, leaves, progress)
+    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode)
     progress("exporting to ONNX")
     t = time.perf_counter()
     proto = export_onnx(opened.gm, opened.input_shape, out_path, max_ir_version=max_ir_version())
@@ -320,7 +395,7 @@ def export(source: str, out: str, input_shape=None, trust: bool = False, leaves:
 
 
 def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto", trust: bool = False,
-          leaves: Sequence[str] = (), progress: Progress = _noop):
+          leaves: Sequence[str] = (), progress: Progress = _noop, trace_mode: str = "eval"):
     """onnxruntime on `onnx_file` vs PyTorch on the model `source`. Returns (json, report)."""
     from .equivalence import check_equivalence
     from .export import load_onnx
@@ -328,7 +403,7 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
 
     proto = load_onnx(onnx_file)
     shape = parse_input_shape(input_shape) or _onnx_input_shape(proto)
-    opened = open_model(source, shape, trust, leaves, progress)
+    opened = open_model(source, shape, trust, leaves, progress, trace_mode)
     progress("checking onnxruntime against PyTorch")
     session = open_session(str(onnx_file), provider)
     report = check_equivalence(opened.gm, session, opened.input_shape, reference=source)
@@ -347,8 +422,8 @@ def _onnx_input_shape(proto) -> list[int] | None:
 
 
 def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-            progress: Progress = _noop, groups: bool = False) -> dict:
-    opened = open_model(source, input_shape, trust, leaves, progress)
+            progress: Progress = _noop, groups: bool = False, trace_mode: str = "eval") -> dict:
+    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode)
     gm = opened.gm
     nodes = []
     for n in gm.graph.nodes:
@@ -358,7 +433,7 @@ def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence
         nodes.append({"name": n.name, "op": n.op, "target": target, "shape": n.meta.get("gg_shape"),
                       "params": n.meta.get("gg_params", 0), "flops": n.meta.get("gg_flops", 0)})
     report = {"model": source, "input_shape": opened.input_shape, "nodes": nodes, "params": param_count(gm),
-              "flops": total_flops(gm), "log": graph_info(gm).get("log", [])}
+              "flops": total_flops(gm), "log": graph_info(gm).get("log", []), "trace": graph_info(gm).get("trace", {})}
     if groups:
         from .coupling import analyze
 

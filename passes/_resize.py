@@ -8,6 +8,7 @@ exact but not symmetric).
 """
 from __future__ import annotations
 
+import copy
 from typing import Literal
 
 import torch
@@ -75,10 +76,28 @@ def _cols(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch
     return new
 
 
+def _rebuilt(m: nn.Module, **sizes) -> nn.Module:
+    """A copy of `m` (same class — subclasses such as TF-'same' convs or BatchNorm with a fused activation
+    keep their extras —, stride, padding, dilation, bias, padding_mode, dtype, device, training flag) with
+    its size attributes changed; the caller gives it new parameters and buffers."""
+    memo = {id(t): t for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))}  # not copied: replaced
+    new = copy.deepcopy(m, memo)
+    for key, value in sizes.items():
+        setattr(new, key, value)
+    return new
+
+
+def _set_tensor(m: nn.Module, name: str, value: torch.Tensor) -> None:
+    if name in m._parameters:
+        m._parameters[name] = nn.Parameter(value, requires_grad=m._parameters[name].requires_grad)
+    else:
+        m._buffers[name] = value
+
+
 def resize_conv(m: nn.modules.conv._ConvNd, in_layout: Layout | None, out_layout: Layout | None, init: Init,
                 generator: torch.Generator) -> nn.Module:
     """A conv with more input and/or output channels; stride, padding, dilation, groups, bias,
-    padding_mode, dtype and device are kept. Depthwise convs grow in, out and groups together."""
+    padding_mode, dtype, device and the class are kept. Depthwise convs grow in, out and groups together."""
     depthwise = m.groups > 1 and m.groups == m.in_channels == m.out_channels
     if m.groups > 1 and not depthwise:
         raise NotApplicable(f"cannot resize grouped conv with groups={m.groups}", "grow a layer outside the grouped conv")
@@ -87,47 +106,50 @@ def resize_conv(m: nn.modules.conv._ConvNd, in_layout: Layout | None, out_layout
         in_layout = None
     cin = (out_layout.new if depthwise else (in_layout.new if in_layout else m.in_channels))
     cout = out_layout.new if out_layout else m.out_channels
-    new = type(m)(cin, cout, m.kernel_size, stride=m.stride, padding=m.padding, dilation=m.dilation,
-                  groups=cout if depthwise else 1, bias=m.bias is not None, padding_mode=m.padding_mode,
-                  **_like(m.weight))
+    new = _rebuilt(m, in_channels=cin, out_channels=cout, groups=cout if depthwise else 1)
     return _fill_weights(m, new, in_layout, out_layout, init, generator)
 
 
 def _fill_weights(old: nn.Module, new: nn.Module, in_layout, out_layout, init: Init, generator) -> nn.Module:
-    """Copy a conv's or Linear's weight and bias into `new` at the layouts' positions."""
+    """Put a conv's or Linear's weight and bias into `new` at the layouts' positions."""
     with torch.no_grad():
         w = _cols(old.weight, in_layout, init, generator)
-        new.weight.copy_(_rows(w, out_layout, init, generator, "kaiming"))
+        _set_tensor(new, "weight", _rows(w, out_layout, init, generator, "kaiming"))
         if old.bias is not None:
-            new.bias.copy_(_rows(old.bias, out_layout, init, generator, "zero"))
-    new.train(old.training)
+            _set_tensor(new, "bias", _rows(old.bias, out_layout, init, generator, "zero"))
     return new
 
 
 def resize_linear(m: nn.Linear, in_layout: Layout | None, out_layout: Layout | None, init: Init,
                   generator: torch.Generator) -> nn.Linear:
-    new = nn.Linear(in_layout.new if in_layout else m.in_features, out_layout.new if out_layout else m.out_features,
-                    bias=m.bias is not None, **_like(m.weight))
+    new = _rebuilt(m, in_features=in_layout.new if in_layout else m.in_features,
+                   out_features=out_layout.new if out_layout else m.out_features)
     return _fill_weights(m, new, in_layout, out_layout, init, generator)
 
 
 def resize_batchnorm(m: nn.modules.batchnorm._BatchNorm, layout: Layout, init: Init, generator) -> nn.Module:
     """New channels: γ=1, β=0, mean 0, var 1 (or the replicated channel's values for net2net)."""
-    new = type(m)(layout.new, eps=m.eps, momentum=m.momentum, affine=m.affine,
-                  track_running_stats=m.track_running_stats, **_like(m.weight if m.affine else m.running_mean))
+    new = _rebuilt(m, num_features=layout.new)
     with torch.no_grad():
         if m.affine:
-            new.weight.copy_(_rows(m.weight, layout, init, generator, "one"))
-            new.bias.copy_(_rows(m.bias, layout, init, generator, "zero"))
-        if m.track_running_stats:
-            new.running_mean.copy_(_rows(m.running_mean, layout, init, generator, "zero"))
-            new.running_var.copy_(_rows(m.running_var, layout, init, generator, "one"))
-            new.num_batches_tracked.copy_(m.num_batches_tracked)
-    new.train(m.training)
+            _set_tensor(new, "weight", _rows(m.weight, layout, init, generator, "one"))
+            _set_tensor(new, "bias", _rows(m.bias, layout, init, generator, "zero"))
+        if m.track_running_stats and m.running_mean is not None:
+            _set_tensor(new, "running_mean", _rows(m.running_mean, layout, init, generator, "zero"))
+            _set_tensor(new, "running_var", _rows(m.running_var, layout, init, generator, "one"))
+            _set_tensor(new, "num_batches_tracked", m.num_batches_tracked.clone())
     return new
 
 
+_KNOWN_TENSORS = {"weight", "bias", "running_mean", "running_var", "num_batches_tracked"}
+
+
 def resize(m: nn.Module, in_layout: Layout | None, out_layout: Layout | None, init: Init, generator) -> nn.Module:
+    own = {n for n, _ in m.named_parameters(recurse=False)} | {n for n, _ in m.named_buffers(recurse=False)}
+    unknown = sorted(own - _KNOWN_TENSORS)
+    if unknown or any(True for _ in m.children() for _ in _.parameters()):
+        raise NotApplicable(f"cannot resize {type(m).__name__}: it holds tensors graphgrow does not know how to widen "
+                            f"({', '.join(unknown) or 'in its submodules'})", "grow a layer in another channel group")
     if isinstance(m, nn.modules.conv._ConvNd):
         return resize_conv(m, in_layout, out_layout, init, generator)
     if isinstance(m, nn.Linear):
@@ -160,6 +182,7 @@ def grow_group(gm: fx.GraphModule, coupling: Coupling, gid: int, count: int, ini
         for n in grp.consumers:
             in_layouts[n] = layout
     nodes = {n.name: n for n in gm.graph.nodes}
+    _refuse_tied(gm, [nodes[n].target for n in set(in_layouts) | set(out_layouts)])
     rebuilt = []
     for name in sorted(set(in_layouts) | set(out_layouts), key=list(nodes).index):
         path = nodes[name].target
@@ -167,3 +190,18 @@ def grow_group(gm: fx.GraphModule, coupling: Coupling, gid: int, count: int, ini
         set_module(gm, path, resize(old, in_layouts.get(name), out_layouts.get(name), init, generator))
         rebuilt.append(path)
     return rebuilt
+
+
+def _refuse_tied(gm: fx.GraphModule, paths: list[str]) -> None:
+    """Rebuilding a layer whose parameter another module shares (tied weights) would silently untie them."""
+    owners: dict[int, list[str]] = {}
+    for path, m in gm.named_modules(remove_duplicate=False):
+        for name, p in m.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(f"{path}.{name}" if path else name)
+    for path in paths:
+        for name, p in gm.get_submodule(path).named_parameters(recurse=False):
+            shared = [o for o in owners.get(id(p), []) if o != f"{path}.{name}"]
+            if shared:
+                raise NotApplicable(f"'{path}.{name}' is the same parameter as '{shared[0]}' (tied weights); "
+                                    "growing one would untie them",
+                                    "grow a layer whose weights are not shared, or untie them yourself first")

@@ -66,8 +66,16 @@ def out_width(m: nn.Module) -> int:
     return m.out_features if isinstance(m, nn.Linear) else m.out_channels
 
 
+MAX_FACTOR = 16  # one growth step; larger steps are almost always a typo (factor=1e9 would allocate for minutes)
+
+
 def new_width(target: str, old: int, factor: float, to: int | None) -> int:
+    if to is None and not (0 < factor <= MAX_FACTOR):
+        raise NotApplicable(f"factor must be in (0, {MAX_FACTOR}], got {factor}", "grow in steps of at most 16×")
     width = to if to is not None else int(round(old * factor))
+    if width > max(old * MAX_FACTOR, 1):
+        raise NotApplicable(f"'{target}' would grow from {old} to {width} channels, more than {MAX_FACTOR}× at once",
+                            "grow in smaller steps")
     if width < old:
         raise NotApplicable(f"'{target}' has {old} channels; {width} would narrow it and grow_width only grows",
                             "use insert_adapter(out_channels=..., allow_narrowing=true) to narrow on purpose")

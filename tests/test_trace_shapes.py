@@ -28,7 +28,7 @@ class Net(nn.Module):
 
 def test_trace_error_names_the_submodule_and_suggests_a_leaf():
     with pytest.raises(gg.TraceError) as e:
-        gg.trace(Net())
+        gg.trace(Net(), auto_leaves=False)
     assert "cannot trace submodule 'block.1' (DataDependent) of Net" in e.value.message
     assert "--leaf block.1" in e.value.hint
 
@@ -67,7 +67,22 @@ class BakedBatch(nn.Module):
 
 def test_two_batch_sizes_catch_a_baked_batch_size():
     gm = gg.trace(BakedBatch(), (2, 4))
-    with pytest.raises(gg.ValidationError, match=r"shape \(2, 4\) at batch 2 but \(2, 6\) at batch 3"):
+    with pytest.raises(gg.ValidationError, match=r"model output has shape \(2, 6\) for batch 3"):
+        validate_batch_sizes(gm, (2, 4))
+
+
+class BakedInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).reshape(2, -1).sum(0, keepdim=True).expand(x.shape[0], -1)[:, :4]
+
+
+def test_a_baked_batch_inside_the_graph_is_caught_by_the_shared_examples():
+    gm = gg.trace(BakedInside(), (2, 4))
+    with pytest.raises(gg.ValidationError, match="influence each other"):
         validate_batch_sizes(gm, (2, 4))
 
 
