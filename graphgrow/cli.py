@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import signal
 import sys
 import traceback
 from typing import Callable
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import GraphgrowError
@@ -22,16 +24,42 @@ from .errors import GraphgrowError
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True, soft_wrap=True)
 
+MAX_MESSAGE = 500  # user-supplied text in messages is cut: a 2 MB argument is not echoed whole
+
+
+def _cut(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + f"… ({len(text) - MAX_MESSAGE:,} more characters)"
+
+
 INPUT_SHAPE_HELP = "example input shape N,C,H,W (needed when the model file cannot tell it), e.g. 1,3,224,224"
 
 
 def _common(f: Callable) -> Callable:
     f = click.option("--input-shape", "input_shape", metavar="N,C,H,W", help=INPUT_SHAPE_HELP)(f)
     f = click.option("--trust", is_flag=True, help="allow loading pickles with custom classes (runs code from the file; only for files you trust)")(f)
-    f = click.option("--leaf", "leaves", multiple=True, metavar="MODULE", help="keep this submodule as one opaque call when tracing (repeatable)")(f)
+    f = click.option("--leaf", "leaves", multiple=True, metavar="MODULE", help="keep this submodule as one opaque call when tracing (repeatable; untraceable and mode-branching submodules become leaves automatically)")(f)
+    f = click.option("--trace-mode", "trace_mode", type=click.Choice(["eval", "train"]), default="eval", show_default=True,
+                     help="structure to trace when the model's top-level forward branches on self.training "
+                          "(eval: the deployed function; train: keeps auxiliary outputs)")(f)
+    f = click.option("--max-load", metavar="SIZE", expose_value=False, callback=_set_max_load,
+                     help="refuse a model file that would unpack to more than this (default 16G)")(f)
     f = click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout instead of tables")(f)
     f = click.option("--debug", is_flag=True, help="show tracebacks")(f)
     return f
+
+
+def _set_max_load(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """The load-size cap is process-wide (one command per process), so the flag sets it directly."""
+    if value is None:
+        return
+    from . import load
+    from .budget import parse_size
+
+    try:
+        load.MAX_LOAD_BYTES = parse_size(value, "--max-load")
+    except GraphgrowError as e:
+        raise click.BadParameter(e.message) from e
 
 
 @contextlib.contextmanager
@@ -41,24 +69,50 @@ def _progress():
         yield lambda msg: status.update(msg)
 
 
+class _Signalled(KeyboardInterrupt):
+    """SIGTERM/SIGHUP as an exception, so staged outputs and temp files are cleaned up as on Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_received: list[int] = []  # signals seen: C extensions (an import mid-flight) may turn our exception into another
+
+
+def _raise_signal(signum, frame) -> None:
+    _received.append(signum)
+    raise _Signalled(signum)
+
+
+def _interrupted(signum: int) -> None:
+    err.print(f"interrupted ({signal.Signals(signum).name}); nothing was written or overwritten", markup=False)
+    sys.exit(128 + signum)
+
+
 def _run(job: Callable[[Callable[[str], None]], int], as_json: bool, debug: bool) -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_signal)
     try:
         with _progress() as progress:
             code = job(progress)
     except GraphgrowError as e:
+        if _received:  # the signal surfaced wrapped in one of our errors
+            _interrupted(_received[0])
         if debug:
             traceback.print_exc()
-        err.print(f"[bold red]error:[/] {e}", markup=True, highlight=False)
+        err.print("[bold red]error:[/] " + escape(_cut(str(e))), markup=True, highlight=False)
         if as_json:
             print(json.dumps({"error": {"type": type(e).__name__, "message": e.message, "hint": e.hint}}))
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        err.print("interrupted; nothing was overwritten")
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        _interrupted(e.signum if isinstance(e, _Signalled) else signal.SIGINT)
     except Exception as e:  # a bug in graphgrow: still one line unless --debug
+        if _received:
+            _interrupted(_received[0])
         if debug:
             traceback.print_exc()
-        first = (str(e).strip().splitlines() or [""])[0][:300]
+        first = escape(_cut((str(e).strip().splitlines() or [""])[0]))
         err.print(f"[bold red]internal error:[/] {type(e).__name__}: {first} (run with --debug for the traceback and please report it)",
                   markup=True, highlight=False)
         sys.exit(3)
@@ -89,14 +143,17 @@ def main() -> None:
 @click.option("--check", is_flag=True, help="run the ONNX model in onnxruntime and compare with PyTorch (grown and original)")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="onnxruntime execution provider for --check")
-@click.option("--seed", type=int, default=0, show_default=True, help="seed for new weights and verification inputs")
+@click.option("--max-params", "max_params", metavar="N", help="refuse a pass that would add more parameters (default 100M; e.g. 500M)")
+@click.option("--max-memory", "max_memory", metavar="SIZE", help="refuse a pass whose grown model needs more activation memory at the verification batch (default 8G)")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="seed for new weights and verification inputs")
 @_common
-def mutate(model, specs, output, onnx_out, check, provider, seed, input_shape, trust, leaves, as_json, debug):
+def mutate(model, specs, output, onnx_out, check, provider, max_params, max_memory, seed, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Apply passes to MODEL, verify each, save the result (and ONNX, and check it)."""
     from . import workflow
 
     _run(_growth_job(lambda progress: workflow.mutate(
-        model, specs, output, onnx_out, check, input_shape, provider, trust, leaves, seed, progress), as_json), as_json, debug)
+        model, specs, output, onnx_out, check, input_shape, provider, trust, leaves, seed, progress, trace_mode=trace_mode,
+        max_params=max_params, max_memory=max_memory), as_json), as_json, debug)
 
 
 def _growth_job(make_report: Callable[[Callable[[str], None]], dict], as_json: bool) -> Callable:
@@ -162,25 +219,28 @@ def _print_equivalence(eq: dict) -> None:
 @click.option("--onnx", "onnx_out", metavar="OUT.onnx", help="also export the result to this ONNX file")
 @click.option("--check", is_flag=True, help="run the ONNX model in onnxruntime and compare with PyTorch")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--max-params", "max_params", metavar="N", help="refuse a pass that would add more parameters (default 100M; e.g. 500M)")
+@click.option("--max-memory", "max_memory", metavar="SIZE", help="refuse a pass whose grown model needs more activation memory at the verification batch (default 8G)")
 @_common
-def replay(model, log_from, output, onnx_out, check, provider, input_shape, trust, leaves, as_json, debug):
+def replay(model, log_from, output, onnx_out, check, provider, max_params, max_memory, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Re-apply the mutation log of GROWN (a graphgrow .pt or exported .onnx) to MODEL, seed for seed."""
     from . import workflow
 
     _run(_growth_job(lambda progress: workflow.replay(
-        model, log_from, output, onnx_out, check, input_shape, provider, trust, leaves, progress), as_json), as_json, debug)
+        model, log_from, output, onnx_out, check, input_shape, provider, trust, leaves, progress, trace_mode=trace_mode,
+        max_params=max_params, max_memory=max_memory), as_json), as_json, debug)
 
 
 @main.command()
 @click.argument("model")
 @click.option("-o", "--output", "output", required=True, metavar="OUT.onnx", help="ONNX file to write")
 @_common
-def export(model, output, input_shape, trust, leaves, as_json, debug):
+def export(model, output, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Export MODEL to one self-contained ONNX file with a dynamic batch dimension."""
     from . import workflow
 
     def job(progress):
-        report = workflow.export(model, output, input_shape, trust, leaves, progress)
+        report = workflow.export(model, output, input_shape, trust, leaves, progress, trace_mode=trace_mode)
         if as_json:
             print(json.dumps(report, default=str))
         else:
@@ -196,12 +256,12 @@ def export(model, output, input_shape, trust, leaves, as_json, debug):
 @click.argument("model")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @_common
-def check(onnx_file, model, provider, input_shape, trust, leaves, as_json, debug):
+def check(onnx_file, model, provider, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Run MODEL.onnx in onnxruntime and compare it with the PyTorch MODEL."""
     from . import workflow
 
     def job(progress):
-        report, rep = workflow.check(onnx_file, model, input_shape, provider, trust, leaves, progress)
+        report, rep = workflow.check(onnx_file, model, input_shape, provider, trust, leaves, progress, trace_mode=trace_mode)
         if as_json:
             print(json.dumps(report, default=str))
         else:
@@ -216,12 +276,12 @@ def check(onnx_file, model, provider, input_shape, trust, leaves, as_json, debug
 @click.option("--all", "show_all", is_flag=True, help="list every node (default: skip nodes without a tensor shape)")
 @click.option("--groups", is_flag=True, help="show the channel-coupling groups (what grow_width widens together) instead of nodes")
 @_common
-def inspect(model, show_all, groups, input_shape, trust, leaves, as_json, debug):
+def inspect(model, show_all, groups, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Show MODEL's nodes with shapes, parameters and FLOPs, and its mutation log."""
     from . import workflow
 
     def job(progress):
-        report = workflow.inspect(model, input_shape, trust, leaves, progress, groups=groups)
+        report = workflow.inspect(model, input_shape, trust, leaves, progress, groups=groups, trace_mode=trace_mode)
         if as_json:
             print(json.dumps(report, default=str))
             return 0
@@ -239,12 +299,28 @@ def inspect(model, show_all, groups, input_shape, trust, leaves, as_json, debug)
                       f"{n['flops']:,}" if n["flops"] else "")
         out.print(t)
         out.print(f"total: {report['params']:,} parameters, {report['flops']:,} FLOPs per example")
+        _print_trace(report.get("trace") or {})
         for i, e in enumerate(report["log"], 1):
             out.print(f"mutation {i}: {e['pass']}({', '.join(f'{k}={v}' for k, v in e['args'].items() if v is not None)}) "
                       f"params {e['params_before']:,} → {e['params_after']:,}")
         return 0
 
     _run(job, as_json, debug)
+
+
+def _print_trace(trace: dict) -> None:
+    """How the model was traced: automatic leaves and why, notes, the fidelity checks that passed."""
+    if not trace:
+        return
+    leaves = trace.get("auto_leaves") or {}
+    if leaves:
+        out.print(f"automatic leaves ({len(leaves)}):", markup=False)
+        for path, why in leaves.items():
+            out.print(f"  {path}: {why}", markup=False)
+    for note in trace.get("notes", []):
+        out.print(f"trace: {note}", markup=False)
+    if trace.get("fidelity"):
+        out.print(f"trace matches the model: {', '.join(trace['fidelity'])} (mode@batch)", markup=False)
 
 
 def _print_groups(report: dict) -> None:

@@ -8,12 +8,14 @@ graphgrow's own outputs (see serialize.py) load again without trust.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
 import sys
 import tempfile
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -80,9 +82,11 @@ def _from_factory(name: str) -> LoadedModel:
     if not callable(factory):
         raise LoadError(f"'{module_name}' has no callable '{attr}'", f"see dir({module_name}) for the names it offers")
     try:
-        model = factory()
-    except Exception as e:
-        raise LoadError(f"{name}() failed: {e}", "the factory must build a model with no arguments") from e
+        with contextlib.redirect_stdout(sys.stderr):  # what a factory prints must not corrupt --json
+            model = factory()
+    except (Exception, SystemExit, GeneratorExit) as e:
+        raise LoadError(f"{name}() failed: {type(e).__name__}: {str(e)[:300]}",
+                        "the factory must build a model with no arguments") from e
     if not isinstance(model, nn.Module):
         raise LoadError(f"{name}() returned {type(model).__name__}, not a torch.nn.Module")
     return LoadedModel(model, name, "factory")
@@ -93,6 +97,7 @@ def _torch_load(path: Path, trust: bool) -> Any:
     head = path.open("rb").read(8)
     if path.suffix == ".onnx":
         raise LoadError(f"{name} is an ONNX file", "graphgrow mutates PyTorch models: pass the .pt model it was exported from")
+    _check_zip(path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -104,6 +109,57 @@ def _torch_load(path: Path, trust: bool) -> Any:
         raise
     except Exception as e:
         raise _explain(name, head, e, trust) from e
+
+
+MAX_LOAD_BYTES = int(os.environ.get("GRAPHGROW_MAX_LOAD_BYTES", 16 << 30))  # what a model file may unpack to
+MAX_INFLATION = 50  # a compressed member may not grow more than this; torch.save stores tensors uncompressed
+
+
+def _check_zip(path: Path) -> None:
+    """Integrity and size of a torch zip file before torch.load reads it: torch.load does not check
+    CRCs (corrupted tensor bytes load silently as wrong weights) and would inflate any member."""
+    if not zipfile.is_zipfile(path):
+        return
+    name = str(path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            members = z.infolist()
+            total = sum(m.file_size for m in members)
+            if total > MAX_LOAD_BYTES:
+                raise LoadError(f"{name} would unpack to {_mib(total)} (limit {_mib(MAX_LOAD_BYTES)})",
+                                "raise the limit with --max-load SIZE (or GRAPHGROW_MAX_LOAD_BYTES) if the model really is that large")
+            for m in members:
+                if m.compress_type != zipfile.ZIP_STORED and m.file_size > MAX_INFLATION * m.compress_size + (1 << 20):
+                    raise LoadError(f"{name}: member {m.filename[:80]} inflates {m.compress_size:,} bytes into "
+                                    f"{m.file_size:,}; refused (a decompression bomb?)",
+                                    "save the model again with torch.save")
+            bad = _first_bad_member(z)
+    except LoadError:
+        raise
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as e:
+        raise LoadError(f"{name} is a truncated or corrupted model file ({_first_line(str(e))})", "save the model again") from e
+    if bad is not None:
+        raise LoadError(f"{name} is corrupted: the bytes of {bad[:80]} do not match their checksum (CRC)",
+                        "the file was damaged after it was written; save the model again")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _first_bad_member(z: zipfile.ZipFile) -> str | None:
+    """Read every member in chunks (bounded memory; reading checks the CRC); the first that fails, or None."""
+    for m in z.infolist():
+        read = 0
+        try:
+            with z.open(m) as f:
+                while chunk := f.read(1 << 22):
+                    read += len(chunk)
+                    if read > m.file_size:  # declared sizes can lie: never read past them
+                        return m.filename
+        except zipfile.BadZipFile:
+            return m.filename
+    return None
 
 
 def _explain(name: str, head: bytes, e: Exception, trust: bool) -> LoadError:
@@ -176,6 +232,9 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         write(tmp_path)
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; a saved model gets the modes any new file gets
         os.replace(tmp_path, path)
     except BaseException:
         tmp_path.unlink(missing_ok=True)
@@ -187,6 +246,9 @@ def check_output_path(path: str | os.PathLike, inputs: tuple = ()) -> Path:
     out = Path(path)
     if out.is_dir():
         raise SaveError(f"output {out} is a directory", "give a file name, e.g. grown.pt")
+    if out.exists() and not out.is_file():
+        raise SaveError(f"output {out} is not a regular file (a device, pipe or socket); graphgrow only writes files",
+                        "choose a file name")
     for src in inputs:
         if src and Path(str(src)).exists() and out.resolve() == Path(str(src)).resolve():
             raise SaveError(f"output {out} is the input file", "graphgrow never overwrites its input; choose another -o")

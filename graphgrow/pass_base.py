@@ -10,10 +10,12 @@ from typing import Any, ClassVar
 import torch
 from torch import fx
 
-from .errors import GraphgrowError, ValidationError
+from .budget import Limits, check_budget
+from .errors import GraphgrowError, InputError, ValidationError
 from .preserve import PreservationReport
 from .rewrite import Rewrite
 from .shapes import annotate, param_count, total_flops
+from .state import module_dtype
 from .trace import graph_info, input_shape_of
 from .verify import verify
 
@@ -103,12 +105,23 @@ class Pass:
     def args(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
-    def __call__(self, gm: fx.GraphModule, verify_result: bool = True, seed: int = 0) -> PassResult:
-        """Apply to a copy of `gm`, verify, and return the result. `gm` is never modified."""
+    def __call__(self, gm: fx.GraphModule, verify_result: bool = True, seed: int = 0,
+                 limits: Limits | None = None) -> PassResult:
+        """Apply to a copy of `gm`, verify, and return the result. `gm` is never modified.
+
+        The pass first runs on a meta-device copy: past `limits` (parameters added, activation
+        memory) it is refused before anything real is allocated."""
         start = time.perf_counter()
         input_shape = input_shape_of(gm)
+        dtype = module_dtype(gm)
+        if dtype in (torch.float16, torch.bfloat16):
+            raise InputError(f"the model is {str(dtype).removeprefix('torch.')}: graphgrow verifies growth to 1e-5, "
+                             "below that precision's rounding",
+                             "grow a float32 copy (model.float()), then convert the result back with .half()/.bfloat16()")
         if any("gg_shape" not in n.meta for n in gm.graph.nodes):
             annotate(gm, input_shape)
+        budget_note = check_budget(self.name, lambda m: self.apply(m, torch.Generator().manual_seed(seed)).gm, gm,
+                                   input_shape, limits or Limits())
         fingerprint = _fingerprint(gm)
         before_nodes = {n.name for n in gm.graph.nodes}
         generator = torch.Generator().manual_seed(seed)
@@ -117,10 +130,11 @@ class Pass:
         new = rw.gm
         if new is gm:
             raise ValidationError(f"pass {self.name} returned its input instead of a copy", "passes must be functional; see rewrite.copy_graph_module")
+        _follow_modes(gm, new)
         annotate(new, input_shape)
         after_nodes = {n.name for n in new.graph.nodes}
         report = verify(gm, new, input_shape, seed=seed, exact=rw.exact) if verify_result and rw.changed else None
-        notes = list(rw.notes)
+        notes = list(rw.notes) + ([budget_note] if budget_note else [])
         if report is not None and not rw.exact:
             notes.append(f"function changed on purpose: eval rel err {report.eval.rel_err:.3g}, train rel err {report.train.rel_err:.3g}")
         if report is not None and report.cancelled:
@@ -139,6 +153,14 @@ class Pass:
         info = graph_info(new)
         info["log"] = list(graph_info(gm).get("log", [])) + [result.log_entry()]
         return result
+
+
+def _follow_modes(old: fx.GraphModule, new: fx.GraphModule) -> None:
+    """New modules take the training flag of the input model (an eval-mode model stays all eval);
+    rebuilt ones keep the flag of the module they replace."""
+    before = {path: m.training for path, m in old.named_modules()}
+    for path, m in new.named_modules():
+        m.training = before.get(path, old.training)
 
 
 def _fingerprint(gm: fx.GraphModule) -> tuple:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from typing import Any, Callable, Literal, Sequence
 
 from torch import fx
 
+from .budget import Limits
 from .errors import SpecError
 from .pass_base import Pass, PassResult
 from .registry import get_pass
@@ -92,7 +94,9 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
             raise SpecError(f"{where} must be one of {', '.join(map(str, choices))}, got {value!r}")
         return v
     if not isinstance(value, str):
-        if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise SpecError(f"{where} must be a finite number, got {value!r}")
             return float(value)
         if isinstance(value, annotation) and not (annotation is int and isinstance(value, bool)):
             return value
@@ -108,7 +112,10 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
         if annotation is int:
             return int(v)
         if annotation is float:
-            return float(v)
+            number = float(v)
+            if not math.isfinite(number):
+                raise SpecError(f"{where} must be a finite number, got {value[:40]!r}")
+            return number
         if annotation is str:
             return v
     except ValueError:
@@ -163,6 +170,8 @@ def from_log(log: list[dict], verify: bool = True) -> Pipeline:
     try:
         passes = [make_pass(e["pass"], dict(e.get("args", {}))) for e in log]
         seeds = [int(e["seed"]) for e in log]
+        if any(not 0 <= s < 2**63 for s in seeds):
+            raise ValueError("a seed is outside 0 … 2**63 − 1")
     except (KeyError, TypeError, ValueError) as e:
         raise SpecError(f"the mutation log is malformed: {e}", "it should come from a graphgrow output file") from e
     return Pipeline(passes, verify=verify, seeds=seeds)
@@ -186,6 +195,7 @@ class Pipeline:
     verify: bool = True
     seed: int = 0
     seeds: list[int] | None = None  # one per pass (replay); default: seed, seed + 1, ...
+    limits: Limits | None = None  # what one pass may add (budget.Limits); None: the defaults
 
     @classmethod
     def from_spec(cls, specs: str | Sequence[str], verify: bool = True, seed: int = 0) -> "Pipeline":
@@ -198,7 +208,7 @@ class Pipeline:
             if progress:
                 progress(i, p)
             seed = self.seeds[i] if self.seeds is not None else self.seed + i
-            r = p(current, verify_result=self.verify, seed=seed)
+            r = p(current, verify_result=self.verify, seed=seed, limits=self.limits)
             results.append(r)
             current = r.gm
         return PipelineResult(current, results)

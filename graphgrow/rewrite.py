@@ -28,7 +28,24 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A deep copy: graph, modules, parameters, buffers and meta. The original is never touched."""
     new = copy.deepcopy(gm)
     new.meta = copy.deepcopy(gm.meta)
+    _out_of_place(new)
     return new
+
+
+def _out_of_place(gm: fx.GraphModule) -> None:
+    """In the copy, in-place layers (ReLU(inplace=True), F.relu(..., inplace=True)) compute out of place.
+
+    A pass that reads a tensor which an in-place op later overwrites (a skip starting at
+    the input of an in-place ReLU) would otherwise see the overwritten values, while the
+    report names the value before the op; the function does not change either way.
+    """
+    for m in gm.modules():
+        if getattr(m, "inplace", None) is True:
+            m.inplace = False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.kwargs.get("inplace") is True:
+            n.kwargs = {**n.kwargs, "inplace": False}
+    gm.recompile()
 
 
 def tensor_shape(node: fx.Node) -> tuple[int, ...] | None:

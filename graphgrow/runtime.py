@@ -31,7 +31,18 @@ class Session:
         return [i.name for i in self.session.get_inputs()]
 
     def run(self, x: np.ndarray) -> list[np.ndarray]:
-        return self.session.run(None, {self.input_names[0]: x})
+        wanted = _NUMPY_TYPES.get(self.session.get_inputs()[0].type)
+        if wanted is not None and x.dtype != wanted:
+            x = x.astype(wanted)  # a float64 model takes float64 input
+        try:
+            return self.session.run(None, {self.input_names[0]: x})
+        except (ort.capi.onnxruntime_pybind11_state.NotImplemented,
+                ort.capi.onnxruntime_pybind11_state.InvalidArgument) as e:
+            raise RuntimeUnavailable(f"onnxruntime ({self.provider}) cannot run this model: {str(e).splitlines()[0][:200]}",
+                                     "export float32 models for onnxruntime (model.float()); the ONNX file itself is valid") from e
+
+
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16}
 
 
 def max_ir_version() -> int:
@@ -49,8 +60,18 @@ def open_session(model: bytes | str | os.PathLike, provider: Provider = "auto", 
     """An InferenceSession on the provider asked for; 'auto' takes CUDA only when it really loads.
 
     `tf32=False` turns TF32 off in the CUDA provider (it is on by default), as the
-    equivalence check needs.
+    equivalence check needs. A model onnxruntime has no kernels for (float64 convs on the
+    CPU provider) is a RuntimeUnavailable, not a crash.
     """
+    state = ort.capi.onnxruntime_pybind11_state
+    try:
+        return _open_session(model, provider, threads, tf32)
+    except (state.NotImplemented, state.InvalidGraph, state.InvalidArgument, state.Fail) as e:
+        raise RuntimeUnavailable(f"onnxruntime cannot load this model: {str(e).splitlines()[0][:200]}",
+                                 "export float32 models for onnxruntime (model.float()); the ONNX file itself is valid") from e
+
+
+def _open_session(model: bytes | str | os.PathLike, provider: Provider, threads: int | None, tf32: bool) -> Session:
     if provider not in ("auto", "cpu", "cuda"):
         raise RuntimeUnavailable(f"unknown provider '{provider}'", "use auto, cpu or cuda")
     opts = ort.SessionOptions()

@@ -8,25 +8,21 @@ loading, so a crafted file cannot name `os.system` and have it called.
 from __future__ import annotations
 
 import importlib
-import types
+import re
 from typing import Any, Callable
 
 import torch
 from torch import fx, nn
 
+from . import graph_policy
 from .errors import LoadError, SaveError
 
 FORMAT = "graphgrow.graphmodule"
 VERSION = 1
 
-# Modules whose callables may appear as call_function targets in an untrusted file.
-_SAFE_FUNCTION_MODULES = {"operator", "math", "torch.nn.functional", "torch._C._nn", "torch._C._fft", "torch._C._linalg", "torch._C._special"}
-_SAFE_FUNCTIONS = {
-    "builtins.getattr", "torch._assert", "torch.fx._symbolic_trace._assert_is_none",
-    "torch.functional.split", "torch.functional.einsum", "torch.functional.norm",
-    "torch.functional.broadcast_tensors", "torch.functional.meshgrid",
-    "torchvision.ops.stochastic_depth.stochastic_depth",
-}
+MAX_NODES = 200_000  # far beyond any real model; a bound on what a file can make us build
+MAX_LOG_ENTRIES = 1_000
+MAX_META_DEPTH = 12
 
 
 def qualified_name(fn: Callable) -> str:
@@ -37,27 +33,23 @@ def qualified_name(fn: Callable) -> str:
     return fx.node._get_qualified_name(fn)
 
 
-def _resolve_function(qualname: str, trusted: bool) -> Callable:
+def _resolve_function(qualname: str, trusted: bool, node: str = "?") -> Callable:
+    if not trusted:
+        graph_policy.check_function(qualname, node)
+    if not isinstance(qualname, str) or not re.fullmatch(r"[A-Za-z_][\w.]*", qualname):
+        raise LoadError(f"the model graph names the function {str(qualname)[:80]!r}", "the file is corrupted")
     module_name, _, attr = qualname.rpartition(".")
-    allowed = (
-        trusted
-        or qualname in _SAFE_FUNCTIONS
-        or module_name in _SAFE_FUNCTION_MODULES
-        or (module_name == "torch" and isinstance(getattr(torch, attr, None), types.BuiltinFunctionType))
-    )
-    if not allowed:
-        raise LoadError(
-            f"the model graph calls '{qualname}', which is not on graphgrow's list of safe functions",
-            "load it with --trust only if you trust where the file came from",
-        )
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError:
         # nested attributes such as torch._C._nn.gelu
         head, _, rest = module_name.partition(".")
-        obj = importlib.import_module(head)
-        for part in rest.split(".") if rest else []:
-            obj = getattr(obj, part)
+        try:
+            obj = importlib.import_module(head)
+            for part in rest.split(".") if rest else []:
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError):
+            obj = None
     fn = getattr(obj, attr, None)
     if not callable(fn):
         raise LoadError(f"the model graph calls '{qualname}', which does not exist here", "was it saved by a newer torch?")
@@ -136,21 +128,37 @@ def to_payload(gm: fx.GraphModule) -> dict:
             "scope": list(n.meta.get("gg_scope", ())),
         })
     meta = dict(gm.meta.get("graphgrow", {}))
-    return {"format": FORMAT, "version": VERSION, "class_name": type(gm).__name__, "root": root, "nodes": nodes, "meta": meta}
+    training = {path: m.training for path, m in gm.named_modules()}
+    return {"format": FORMAT, "version": VERSION, "class_name": type(gm).__name__, "root": root, "nodes": nodes,
+            "meta": meta, "training": training}
 
 
 def from_payload(payload: dict, trusted: bool = False) -> fx.GraphModule:
     """Rebuild a GraphModule from `to_payload` output, resolving functions safely."""
     if payload.get("version") != VERSION:
         raise LoadError(f"graphgrow file format version {payload.get('version')} is not supported (this graphgrow reads {VERSION})")
+    root, nodes = payload.get("root"), payload.get("nodes")
+    if not isinstance(root, nn.Module) or not isinstance(nodes, list):
+        raise LoadError("the graphgrow file has no module tree or no graph", "the file is corrupted; re-create it")
+    if len(nodes) > MAX_NODES:
+        raise LoadError(f"the saved graph has {len(nodes):,} nodes (limit {MAX_NODES:,})", "the file is corrupted or hostile")
+    if not trusted:  # the whole graph is checked before any of it is built or run
+        for rec in nodes:
+            graph_policy.check_node_record(rec, root)
+    meta = validate_meta(payload.get("meta"))
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     try:
-        for rec in payload["nodes"]:
+        for rec in nodes:
             op, target = rec["op"], rec["target"]
+            if not isinstance(rec["name"], str) or not rec["name"].isidentifier():
+                raise LoadError(f"the saved graph has a node named {str(rec['name'])[:80]!r}", "the file is corrupted")
+            args, kwargs = _decode(rec["args"], env), _decode(rec["kwargs"], env)
             if op == "call_function":
-                target = _resolve_function(target, trusted)
-            node = graph.create_node(op, target, _decode(rec["args"], env), _decode(rec["kwargs"], env), name=rec["name"])
+                target = _resolve_function(target, trusted, rec["name"])
+                if target is getattr and not trusted:
+                    graph_policy.check_getattr_args(args, rec["name"])
+            node = graph.create_node(op, target, args, kwargs, name=rec["name"])
             node.meta["gg_scope"] = tuple(rec.get("scope", ()))
             env[rec["name"]] = node
         graph.lint()
@@ -159,7 +167,56 @@ def from_payload(payload: dict, trusted: bool = False) -> fx.GraphModule:
         raise
     except Exception as e:
         raise LoadError(f"the saved graph is inconsistent: {e}", "the file is corrupted; re-create it from the original model") from e
-    gm.meta["graphgrow"] = dict(payload.get("meta") or {})
-    gm.meta["graphgrow"].setdefault("log", [])
-    gm.meta["graphgrow"].setdefault("input_shape", None)
+    gm.meta["graphgrow"] = meta
+    _restore_modes(gm, payload.get("training"))
     return gm
+
+
+def _restore_modes(gm: fx.GraphModule, flags: Any) -> None:
+    """Put back every module's training flag as saved (older files have none: left as loaded)."""
+    if not isinstance(flags, dict):
+        return
+    for path, m in gm.named_modules():
+        flag = flags.get(path)
+        if isinstance(flag, bool):
+            m.training = flag
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of plain data, stopping past `limit` (no recursion: a hostile file may nest deeply)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        if isinstance(v, dict):
+            todo.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, (list, tuple)):
+            todo.extend((x, d + 1) for x in v)
+    return deepest
+
+
+def validate_meta(meta: Any) -> dict:
+    """graphgrow's stored metadata is untrusted: check its types and sizes; return a clean copy."""
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise LoadError("the graphgrow file's metadata is not a record", "the file is corrupted")
+    out = dict(meta)
+    shape = out.get("input_shape")
+    if shape is not None:
+        if not (isinstance(shape, (list, tuple)) and 1 <= len(shape) <= 8
+                and all(type(d) is int and 0 < d <= 1 << 20 for d in shape)):
+            raise LoadError(f"the graphgrow file stores the input shape {str(shape)[:80]}, which is not a shape",
+                            "pass --input-shape N,C,H,W, or re-create the file")
+        out["input_shape"] = list(shape)
+    log = out.get("log", [])
+    if not isinstance(log, list) or len(log) > MAX_LOG_ENTRIES or not all(isinstance(e, dict) for e in log):
+        raise LoadError(f"the graphgrow file's mutation log is malformed (a list of at most {MAX_LOG_ENTRIES} records expected)",
+                        "the file is corrupted or hostile")
+    if _depth(log, MAX_META_DEPTH) > MAX_META_DEPTH or _depth(out.get("trace"), MAX_META_DEPTH) > MAX_META_DEPTH:
+        raise LoadError("the graphgrow file's metadata is nested too deeply", "the file is corrupted or hostile")
+    out["log"] = log
+    out.setdefault("input_shape", None)
+    return out

@@ -93,13 +93,16 @@ def build_branch(op: Op, cin: int, cout: int, stride: tuple[int, int], like: tor
     return nn.Identity()
 
 
+MAX_BRANCHES = 16  # each branch is a full conv beside the span; more is a typo, not a design
+
+
 def add_branch(gm: fx.GraphModule, at: str | None = None, op: Op = "conv3x3", count: int = 1,
                generator: torch.Generator | None = None) -> Rewrite:
     """Add `count` branches of `op` beside the span `at`, merged by a gated average (gates start at 0)."""
     if op not in OPS:
         raise NotApplicable(f"unknown branch op '{op}'", f"valid ops: {', '.join(OPS)}")
-    if count < 1:
-        raise NotApplicable(f"count must be at least 1, got {count}", "add one or more branches")
+    if count < 1 or count > MAX_BRANCHES:
+        raise NotApplicable(f"count must be 1 to {MAX_BRANCHES}, got {count}", "add a few branches at a time")
     gm = copy_graph_module(gm)
     generator = generator or torch.Generator().manual_seed(0)
     start, end, chosen = resolve_span(gm, at)

@@ -157,3 +157,18 @@ def test_seed_makes_new_weights_reproducible(cnn):
     gm = gg.trace(cnn, (1, 3, 32, 32))
     w = [AddResidual()(gm, seed=s).gm.get_submodule("residual_downsample.0").weight for s in (3, 3, 4)]
     assert torch.equal(w[0], w[1]) and not torch.equal(w[0], w[2])
+
+
+def test_a_skip_from_the_input_of_an_in_place_relu_gets_the_values_before_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3, padding=1))
+    gm = gg.trace(model, (1, 3, 8, 8))
+    r = gg.Pipeline.from_spec("add_residual(start=_0,end=_2)").run(gm).results[0]
+    grown = r.gm
+    gate = next(n for n, p in grown.named_parameters() if "gate" in n)
+    with torch.no_grad():
+        dict(grown.named_parameters())[gate].fill_(1.0)
+        x = torch.randn(2, 3, 8, 8)
+        pre = model[0](x)  # the value at the start node: before the ReLU
+        expected = model[2](torch.relu(pre)) + pre
+        assert torch.allclose(grown.eval()(x), expected, atol=1e-6)

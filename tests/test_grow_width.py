@@ -238,3 +238,20 @@ def test_issue_command_resnet50_grow_width_check(tmp_path):
     assert p["params_after"] > p["params_before"] and p["flops_after"] > p["flops_before"]
     assert report["preservation"]["eval_ok"] and report["equivalence"]["passed"]
     assert report["outputs"] == [str(tmp_path / "resnet50.grown.pt")]
+
+
+def test_tied_weights_are_refused_not_untied():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(6, 6)
+            self.b = nn.Linear(6, 6)
+            self.b.weight = self.a.weight  # tied
+            self.out = nn.Linear(6, 2)
+
+        def forward(self, x):
+            return self.out(torch.relu(self.b(torch.relu(self.a(x)))))
+
+    gm = gg.trace(Tied(), (1, 6))
+    with pytest.raises(gg.NotApplicable, match="tied weights"):
+        gg.Pipeline.from_spec("grow_width(target=a)").run(gm)

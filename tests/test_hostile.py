@@ -100,6 +100,31 @@ MATRIX = [  # label, argv (after `graphgrow`), message
      "is the input file"),
     ("a pass that cannot apply", ["mutate", "{good}", "--pass", "grow_width(target=3,to=8)", "--input-shape", "1,3,32,32"],
      "would narrow it"),
+    ("a character device as output", ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32,32",
+                                      "-o", "/dev/null"], "is not a regular file"),
+    ("the same file for -o and --onnx", ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32,32",
+                                         "-o", "{tmp}/x", "--onnx", "{tmp}/x"], "-o and --onnx name the same file"),
+    ("a factory that exits", ["inspect", "builtins:exit"], "builtins:exit() failed: SystemExit"),
+    ("markup in a pass spec", ["mutate", "{good}", "--pass", "add_residual(start=[/x])", "--input-shape", "1,3,32,32"],
+     "[/x]"),
+    ("a huge factor", ["mutate", "{good}", "--pass", "grow_width(factor=1e9)", "--input-shape", "1,3,32,32"],
+     "factor must be in (0, 16]"),
+    ("a NaN factor", ["mutate", "{good}", "--pass", "grow_width(factor=nan)", "--input-shape", "1,3,32,32"],
+     "must be a finite number"),
+    ("an infinite factor", ["mutate", "{good}", "--pass", "grow_width(factor=inf)", "--input-shape", "1,3,32,32"],
+     "must be a finite number"),
+    ("100,000 branches", ["mutate", "{good}", "--pass", "add_branch(count=100000)", "--input-shape", "1,3,32,32"],
+     "count must be 1 to 16"),
+    ("a huge input shape", ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,50000,50000"],
+     "too large for an example input"),
+    ("more parameters than allowed", ["mutate", "{good}", "--pass", "grow_width(factor=16)", "--input-shape", "1,3,32,32",
+                                      "--max-params", "1000"], "parameters (limit 1,000)"),
+    ("more activation memory than allowed", ["mutate", "{good}", "--pass", "deepen", "--input-shape", "1,3,32,32",
+                                             "--max-memory", "1K"], "GiB of activations at batch 3"),
+    ("a limit that is not a size", ["mutate", "{good}", "--pass", "deepen", "--input-shape", "1,3,32,32",
+                                    "--max-params", "lots"], "is not a size"),
+    ("a 100 kB argument", ["mutate", "{good}", "--pass", "add_residual(start=" + "a" * 100_000 + ")",
+                           "--input-shape", "1,3,32,32"], "more characters)"),
 ]
 
 
@@ -170,3 +195,144 @@ def test_crash_during_save_leaves_the_old_output_or_none(tmp_path, monkeypatch, 
         save_model(gm, out)
     assert out.read_bytes() == old and list(tmp_path.iterdir()) == [out]  # the old file, whole
     assert isinstance(load_model(out).module, torch.fx.GraphModule)
+
+
+def test_a_seed_past_64_bits_is_refused(tmp_path):
+    files = make_inputs(tmp_path)
+    before = digest(tmp_path)
+    proc = run_cli("mutate", str(files["good"]), "--pass", "add_residual", "--input-shape", "1,3,32,32", "--seed", str(2**70),
+                   cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert digest(tmp_path) == before
+
+
+def test_a_printing_factory_keeps_json_parseable(tmp_path):
+    import json
+
+    from conftest import ROOT
+
+    proc = run_cli("inspect", "test_hostile:noisy_factory", "--json", cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "tests")})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["input_shape"] == [1, 20]
+    assert "hello from the factory" in proc.stderr
+
+
+def noisy_factory():
+    print("hello from the factory")
+    return nn.Sequential(nn.Linear(20, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_saved_files_follow_the_umask(tmp_path, cnn):
+    old = os.umask(0o022)
+    try:
+        out = save_model(gg.trace(cnn, (1, 3, 32, 32)), tmp_path / "m.pt")
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_failing_later_step_leaves_no_output_at_all(tmp_path, monkeypatch, cnn):
+    import graphgrow.export as export
+
+    src = tmp_path / "m.pt"
+    torch.save(cnn, src)
+
+    def broken(*a, **k):
+        raise gg.ExportError("the disk is full")
+
+    monkeypatch.setattr(export, "export_onnx", broken)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(gg.ExportError):
+        mutate(str(src), ["add_residual"], out=str(tmp_path / "g.pt"), onnx_out=str(tmp_path / "g.onnx"), input_shape="1,3,32,32")
+    assert sorted(os.listdir(tmp_path)) == before  # neither the .pt nor a temp file
+
+
+def test_sigterm_mid_command_leaves_nothing_behind(tmp_path, cnn):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "m.pt"
+    torch.save(cnn, src)
+    before = sorted(os.listdir(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "graphgrow.cli", "mutate", str(src), "--pass", "add_residual",
+                             "--input-shape", "1,3,32,32", "-o", str(tmp_path / "g.pt"), "--onnx", str(tmp_path / "g.onnx")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(p.endswith(".part") for p in os.listdir(tmp_path)):
+        time.sleep(0.02)
+    assert any(p.endswith(".part") for p in os.listdir(tmp_path)), "the command never staged an output"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted (SIGTERM)" in err and "Traceback" not in err
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_corrupted_tensor_bytes_are_caught_by_the_crc(tmp_path, cnn):
+    import zipfile
+
+    src = tmp_path / "m.pt"
+    torch.save(cnn, src)
+    data = bytearray(src.read_bytes())
+    with zipfile.ZipFile(src) as z:
+        member = next(m for m in z.infolist() if "/data/" in m.filename and m.file_size > 64)
+        start = member.header_offset + 30 + len(member.filename.encode()) + len(member.extra)
+    data[start + 8] ^= 0xFF  # one flipped byte inside a stored tensor; the zip structure is intact
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(bytes(data))
+    proc = run_cli("mutate", str(bad), "--pass", "add_residual", "--input-shape", "1,3,32,32", cwd=tmp_path)
+    assert proc.returncode == 2 and "do not match their checksum (CRC)" in proc.stderr, proc.stderr
+    assert not any(p.name.startswith("bad.grown") for p in tmp_path.iterdir())
+
+
+def test_the_load_size_cap_is_a_flag(tmp_path, cnn):
+    src = tmp_path / "m.pt"
+    torch.save(cnn, src)
+    before = digest(tmp_path)
+    proc = run_cli("inspect", str(src), "--input-shape", "1,3,32,32", "--max-load", "1K", cwd=tmp_path)
+    assert proc.returncode == 2 and "would unpack to" in proc.stderr and "--max-load" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and digest(tmp_path) == before
+    proc = run_cli("inspect", str(src), "--input-shape", "1,3,32,32", "--max-load", "lots", cwd=tmp_path)
+    assert proc.returncode == 2 and "is not a size" in proc.stderr, proc.stderr
+    assert run_cli("inspect", str(src), "--input-shape", "1,3,32,32", "--max-load", "1G", cwd=tmp_path).returncode == 0
+
+
+def test_a_decompression_bomb_is_refused_before_it_inflates(tmp_path):
+    import zipfile
+
+    bomb = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("archive/data.pkl", b"\x80\x02}q\x00.")
+        z.writestr("archive/data/0", b"\x00" * (64 << 20))
+    with pytest.raises(gg.LoadError, match="decompression bomb"):
+        load_model(bomb)
+
+
+@pytest.mark.parametrize("spec", ["add_residual", "grow_width", "add_branch", "deepen", "insert_adapter"])
+def test_grown_models_keep_the_input_models_training_flags(spec, cnn, tmp_path):
+    gm = gg.trace(cnn, (1, 3, 32, 32)).eval()
+    grown = gg.Pipeline.from_spec(spec).run(gm).gm
+    assert not any(m.training for m in grown.modules())
+    save_model(grown, tmp_path / "g.pt")
+    assert not any(m.training for m in load_model(tmp_path / "g.pt").module.modules())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_models_are_refused_with_the_reason(dtype, cnn):
+    gm = gg.trace(cnn.to(dtype), (1, 3, 32, 32), check=False)
+    with pytest.raises(gg.InputError, match="grow a float32 copy"):
+        gg.Pipeline.from_spec("add_residual").run(gm)
+
+
+@pytest.mark.slow
+def test_check_on_a_float64_model_is_a_clear_refusal_and_writes_nothing(tmp_path):
+    src = tmp_path / "m.pt"
+    torch.save(small_cnn().double(), src)
+    before = digest(tmp_path)
+    proc = run_cli("mutate", str(src), "--pass", "add_residual", "--input-shape", "1,3,32,32", "--onnx", str(tmp_path / "m.onnx"),
+                   "--check", cwd=tmp_path)
+    assert proc.returncode == 2 and "onnxruntime cannot load this model" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert digest(tmp_path) == before

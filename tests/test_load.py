@@ -134,7 +134,7 @@ def test_a_crafted_graph_cannot_call_unsafe_functions(tmp_path, cnn):
     node = next(n for n in payload["nodes"] if n["op"] == "call_function")
     node["target"] = "os.system"
     torch.save(payload, tmp_path / "crafted.pt")
-    with pytest.raises(gg.LoadError, match="'os.system', which is not on graphgrow's list of safe functions"):
+    with pytest.raises(gg.LoadError, match="'os.system', which is not on graphgrow's closed list of safe operations"):
         load_model(tmp_path / "crafted.pt")
     node["target"] = "torch.load"  # in the torch namespace, but not an op
     torch.save(payload, tmp_path / "crafted2.pt")

@@ -1,0 +1,207 @@
+"""A graphgrow file's graph is code: only a closed list of operations may come from a file (issue: close the holes).
+
+The concrete exploits found by hand are regression tests through the real CLI; a
+hypothesis campaign builds graphs from random targets drawn from dir(operator),
+dir(builtins), dir(torch) and dir(torch.Tensor) and checks that nothing outside the list
+is ever called (an audit-hook canary records processes, file writes and imports while
+the graph is loaded and run). GRAPHGROW_FUZZ_EXAMPLES sets the count (`make fuzz`).
+"""
+from __future__ import annotations
+
+import builtins
+import operator
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import graphgrow as gg
+from graphgrow import graph_policy, serialize
+from graphgrow.load import load_model
+from conftest import run_cli, small_cnn
+
+EXAMPLES = int(os.environ.get("GRAPHGROW_FUZZ_EXAMPLES", "60"))
+
+
+def payload(nodes: list[dict], root: nn.Module | None = None) -> dict:
+    """A graphgrow file's content with a hand-written graph (what an attacker controls)."""
+    return {"format": serialize.FORMAT, "version": serialize.VERSION, "class_name": "GraphModule",
+            "root": root if root is not None else nn.Sequential(nn.Conv2d(3, 4, 3)), "nodes": nodes,
+            "meta": {"input_shape": [1, 3, 8, 8], "log": []}}
+
+
+def node(name, op, target, *args, **kwargs) -> dict:
+    return {"name": name, "op": op, "target": target, "args": {"tuple": list(args)},
+            "kwargs": {"dict": [[k, v] for k, v in kwargs.items()]}, "scope": []}
+
+
+X = {"node": "x"}
+
+
+def attrgetter_chain(marker: Path) -> list[dict]:
+    """__class__.__repr__.__globals__ → ['torch'] → os.system → call: runs a command when the graph runs."""
+    return [
+        node("x", "placeholder", "x"),
+        node("g", "call_function", "operator.attrgetter", "__class__.__repr__.__globals__"),
+        node("glob", "call_function", "operator.call", {"node": "g"}, X),
+        node("t", "call_function", "operator.getitem", {"node": "glob"}, "torch"),
+        node("s", "call_function", "operator.attrgetter", "os.system"),
+        node("sys", "call_function", "operator.call", {"node": "s"}, {"node": "t"}),
+        node("run", "call_function", "operator.call", {"node": "sys"}, f"touch {marker}"),
+        node("output", "output", "output", X),
+    ]
+
+
+EXPLOITS = {
+    "attrgetter_chain": attrgetter_chain,
+    "methodcaller": lambda m: [node("x", "placeholder", "x"),
+                               node("m", "call_function", "operator.methodcaller", "__reduce__"),
+                               node("output", "output", "output", X)],
+    "getattr_dunder": lambda m: [node("x", "placeholder", "x"),
+                                 node("c", "call_function", "builtins.getattr", X, "__class__"),
+                                 node("output", "output", "output", X)],
+    "method_dunder": lambda m: [node("x", "placeholder", "x"), node("c", "call_method", "__reduce_ex__", X, 2),
+                                node("output", "output", "output", X)],
+    "method_apply": lambda m: [node("x", "placeholder", "x"), node("c", "call_method", "apply_", X, "print"),
+                               node("output", "output", "output", X)],
+    "from_file": lambda m: [node("x", "placeholder", "x"),
+                            node("f", "call_function", "torch.from_file", str(m), True, 1024),
+                            node("output", "output", "output", X)],
+    "os_system": lambda m: [node("x", "placeholder", "x"), node("s", "call_function", "os.system", f"touch {m}"),
+                            node("output", "output", "output", X)],
+    "get_attr_dict": lambda m: [node("x", "placeholder", "x"), node("d", "get_attr", "__dict__"),
+                                node("output", "output", "output", X)],
+    "get_attr_hidden": lambda m: [node("x", "placeholder", "x"), node("d", "get_attr", "0._forward_hooks"),
+                                  node("output", "output", "output", X)],
+    "bad_op": lambda m: [node("x", "placeholder", "x"), node("d", "call_exec", "x"), node("output", "output", "output", X)],
+}
+
+
+@pytest.mark.parametrize("kind", list(EXPLOITS))
+def test_crafted_graph_files_run_nothing_through_the_cli(kind, tmp_path):
+    marker = tmp_path / "pwned"
+    f = tmp_path / "evil.grown.pt"
+    torch.save(payload(EXPLOITS[kind](marker)), f)
+    before = sorted(os.listdir(tmp_path))
+    proc = run_cli("inspect", str(f), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "nothing was run" in lines[0] or "not in the saved model" in lines[0]
+    assert "--trust" in lines[0] or "corrupted" in lines[0]
+    assert not marker.exists()
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_get_attr_of_a_non_tensor_attribute_is_refused(tmp_path):
+    root = nn.Sequential(nn.Conv2d(3, 4, 3))
+    nodes = [node("x", "placeholder", "x"), node("p", "get_attr", "0.padding_mode"), node("output", "output", "output", X)]
+    with pytest.raises(gg.LoadError, match="reads the attribute '0.padding_mode'"):
+        serialize.from_payload(payload(nodes, root))
+
+
+def test_trust_is_the_only_way_past():
+    nodes = [node("x", "placeholder", "x"), node("n", "call_function", "torch.numel", X), node("output", "output", "output", X)]
+    with pytest.raises(gg.LoadError, match="calls 'torch.numel'"):
+        serialize.from_payload(payload(nodes))
+    gm = serialize.from_payload(payload(nodes), trusted=True)
+    assert any(n.target is torch.numel for n in gm.graph.nodes)
+
+
+def test_mode_flags_and_faithful_graphs_survive_save_and_load(tmp_path):
+    from test_trace_fidelity import sd_net
+
+    gm = gg.trace(sd_net(), (1, 3, 8, 8))
+    gm.eval()
+    gm.get_submodule("blocks.0.bn").train()  # a deliberate mix: kept as saved
+    gg.save_model(gm, tmp_path / "m.pt")
+    back = load_model(tmp_path / "m.pt").module
+    assert [m.training for m in back.modules()] == [m.training for m in gm.modules()]
+    assert any(n.op == "get_attr" and n.target.endswith(".training") for n in back.graph.nodes)
+
+
+@pytest.mark.parametrize("shape", [[1, 3, 100000, 100000], [-1, 3, 32, 32], "abc", [1.5, 3], []])
+def test_a_stored_input_shape_is_validated(shape, tmp_path):
+    p = payload([node("x", "placeholder", "x"), node("c", "call_module", "0", X), node("output", "output", "output", {"node": "c"})])
+    p["meta"]["input_shape"] = shape
+    f = tmp_path / "m.pt"
+    torch.save(p, f)
+    proc = run_cli("inspect", str(f), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("log", [[{"pass": "deepen"}] * 20_000, "deep"])
+def test_a_huge_or_deep_mutation_log_is_refused_quickly(log, tmp_path):
+    if log == "deep":
+        deep: list = []
+        for _ in range(200):
+            deep = [deep]
+        log = [{"pass": "deepen", "args": deep}]
+    p = payload([node("x", "placeholder", "x"), node("output", "output", "output", X)])
+    p["meta"]["log"] = log
+    with pytest.raises(gg.LoadError):
+        serialize.from_payload(p)
+
+
+# ---- the random campaign -------------------------------------------------------------
+
+def _candidates() -> list[tuple[str, str]]:
+    out = []
+    for mod, prefix in ((operator, "operator"), (builtins, "builtins"), (torch, "torch")):
+        out += [("call_function", f"{prefix}.{n}") for n in dir(mod) if callable(getattr(mod, n, None))]
+    out += [("call_method", n) for n in dir(torch.Tensor)]
+    return sorted(set(out))
+
+
+CANDIDATES = _candidates()
+ARGS = st.lists(st.one_of(st.just(X), st.integers(-3, 3), st.sampled_from(["", "x", "os", "__class__", "/tmp/gg-canary"]),
+                          st.booleans(), st.none()), max_size=3)
+FORBIDDEN_EVENTS = ("os.system", "subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.remove",
+                    "os.rename", "os.rmdir", "shutil.", "ctypes.", "socket.", "os.kill")
+_SEEN: list[str] = []
+_ARMED = [False]
+
+
+def _audit(event: str, args) -> None:
+    if _ARMED[0] and (event.startswith(FORBIDDEN_EVENTS) or
+                      (event == "open" and len(args) > 1 and isinstance(args[1], str) and any(c in args[1] for c in "wax+"))):
+        _SEEN.append(event)
+
+
+sys.addaudithook(_audit)  # hooks cannot be removed; it records only while armed
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(CANDIDATES), ARGS), min_size=1, max_size=3))
+def test_random_graphs_never_call_anything_outside_the_list(tmp_path, ops):
+    nodes = [node("x", "placeholder", "x")]
+    for i, ((op, target), args) in enumerate(ops):
+        nodes.append(node(f"n{i}", op, target, *args))
+    nodes.append(node("output", "output", "output", X))
+    f = tmp_path / "fuzz.pt"
+    torch.save(payload(nodes, small_cnn()), f)
+    _SEEN.clear()
+    _ARMED[0] = True
+    try:
+        loaded = load_model(f)
+        for n in loaded.module.graph.nodes:  # what got through is on the list, always
+            if n.op == "call_function":
+                assert serialize.qualified_name(n.target) in graph_policy.ALLOWED_FUNCTIONS
+            elif n.op == "call_method":
+                assert n.target in graph_policy.ALLOWED_METHODS
+        try:
+            gg.annotate(loaded.module, (1, 3, 8, 8))
+        except gg.GraphgrowError:
+            pass
+    except gg.LoadError:
+        pass
+    finally:
+        _ARMED[0] = False
+    assert not _SEEN, _SEEN
