@@ -118,10 +118,12 @@ def locate_divergence(model: nn.Module, gm: fx.GraphModule, x: torch.Tensor, mod
     calls: list[tuple[str, Any]] = []
     names = {id(m): p for p, m in model.named_modules() if p}
     hooks = []
+    def record(path: str):
+        return lambda mod, args, out: calls.append((path, _detach(out)))
+
     for m in model.modules():
         if id(m) in names:
-            hooks.append(m.register_forward_hook(
-                lambda mod, args, out, path=names[id(m)]: calls.append((path, _detach(out)))))
+            hooks.append(m.register_forward_hook(record(names[id(m)])))
     try:
         _run(model, x, mode, seed)
     except Exception:
