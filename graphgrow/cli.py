@@ -329,8 +329,10 @@ def _print_groups(report: dict) -> None:
         t.add_column(col, justify="right" if col in ("group", "channels", "tensors") else "left")
     for g in report["groups"]:
         blocked = g["blocked_by"]
-        status = "[green]growable[/]" if not blocked else "[red]frozen:[/] " + "; ".join(blocked[:2]) + (
+        status = "[green]growable[/]" if not blocked else "[red]frozen:[/] " + escape("; ".join(blocked[:2])) + (
             f" (+{len(blocked) - 2} more)" if len(blocked) > 2 else "")
+        if not blocked and g.get("norms_reached"):
+            status += " (LayerNorm: init=net2net, integer factor)"
         t.add_row(str(g["id"]), str(g["channels"]), str(len(g["members"])), ", ".join(g["sources"]) or "-",
                   ", ".join(g["consumers"]) or "-", status)
     out.print(t)

@@ -54,6 +54,70 @@ def channel_axis(shape) -> int | None:
     return 1 if len(shape) in (2, 4, 5) else len(shape) - 1
 
 
+def node_axis(n: fx.Node) -> int | None:
+    """The channel axis of a node's tensor: where its channels actually are (a permute moves them), set by
+    `assign_channel_axes`, else the layout default."""
+    axis = n.meta.get("gg_channel_axis")
+    return axis if axis is not None else channel_axis(tensor_shape(n))
+
+
+PERMUTES = {torch.permute, torch.transpose, torch.swapaxes, torch.movedim}
+
+
+def assign_channel_axes(gm: fx.GraphModule) -> None:
+    """Follow the channel axis through the graph: a permute/transpose moves it, a Linear produces its
+    features last, a conv at dim 1, and an op whose output has an input's shape keeps that input's axis
+    (so (N, H, W, C) tensors inside ConvNeXt/Swin blocks are known as channels-last)."""
+    for n in gm.graph.nodes:
+        n.meta.pop("gg_channel_axis", None)
+        shape = tensor_shape(n)
+        if shape is None or len(shape) < 2:
+            continue
+        axis = _moved_axis(n)
+        if axis is None and n.op == "call_module":
+            m = gm.get_submodule(n.target)
+            if isinstance(m, nn.Linear):
+                axis = len(shape) - 1
+            elif isinstance(m, nn.modules.conv._ConvNd):
+                axis = 1
+        if axis is None and n.op in ("call_module", "call_function", "call_method"):
+            same = [a for a in n.all_input_nodes if tensor_shape(a) == shape and node_axis(a) is not None]
+            if same:
+                axis = node_axis(same[0])
+        if axis is not None:
+            n.meta["gg_channel_axis"] = axis
+
+
+def _moved_axis(n: fx.Node) -> int | None:
+    """Where a permute/transpose/movedim puts its input's channel axis (None: not such an op)."""
+    is_fn = n.op == "call_function" and n.target in PERMUTES
+    is_method = n.op == "call_method" and n.target in ("permute", "transpose", "swapaxes", "movedim")
+    if not (is_fn or is_method) or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    x, rest = n.args[0], list(n.args[1:])
+    axis, shape = node_axis(x), tensor_shape(x)
+    if axis is None or shape is None:
+        return None
+    rank = len(shape)
+    name = n.target if isinstance(n.target, str) else n.target.__name__
+    try:
+        if name == "permute":
+            dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
+            dims = list(n.kwargs.get("dims", dims))
+            return [int(d) % rank for d in dims].index(axis)
+        if name in ("transpose", "swapaxes"):
+            a, b = (int(d) % rank for d in rest[:2])
+            return b if axis == a else a if axis == b else axis
+        if name == "movedim":
+            src, dst = rest[:2]
+            order = [d for d in range(rank) if d != src % rank]
+            order.insert(dst % rank, src % rank)
+            return order.index(axis)
+    except (ValueError, TypeError, IndexError):
+        return None
+    return None
+
+
 @dataclass
 class Link:
     """A tensor derived from a group member: its channels [offset, offset + C·scale) come from it."""
@@ -71,8 +135,10 @@ class Group:
     members: list[str] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)  # conv/Linear nodes whose output is in the group
     consumers: list[str] = field(default_factory=list)  # conv/Linear nodes whose input is in the group
-    channelwise: list[str] = field(default_factory=list)  # BatchNorm / depthwise conv nodes to resize with it
+    channelwise: list[str] = field(default_factory=list)  # BatchNorm / LayerNorm / depthwise conv nodes to resize with it
     frozen: list[str] = field(default_factory=list)  # why it cannot grow
+    norms: list[str] = field(default_factory=list)  # LayerNorms over these channels: only uniform replication is exact
+    tensors: list[str] = field(default_factory=list)  # per-channel parameters/buffers read by get_attr (layer scale, norm affine)
 
     @property
     def growable(self) -> bool:
@@ -80,7 +146,8 @@ class Group:
 
     def to_json(self) -> dict:
         return {"id": self.id, "channels": self.size, "members": self.members, "sources": self.sources,
-                "consumers": self.consumers, "channelwise": self.channelwise, "frozen": self.frozen}
+                "consumers": self.consumers, "channelwise": self.channelwise, "frozen": self.frozen,
+                "norms": self.norms, "tensors": self.tensors}
 
 
 @dataclass
@@ -111,12 +178,30 @@ class Coupling:
                            "grow one of those instead")
         return list(dict.fromkeys(reasons))
 
+    def reached(self, gid: int) -> list[int]:
+        """Group `gid` and every group derived from it through links (what a growth of it changes)."""
+        seen, todo = [], [gid]
+        while todo:
+            g = todo.pop()
+            if g not in seen:
+                seen.append(g)
+                todo += [self.group_of[l.dst] for l in self.links if self.group_of[l.src] == g]
+        return seen
+
+    def norms_reached(self, gid: int) -> list[str]:
+        return [n for g in self.reached(gid) for n in self.groups[g].norms]
+
 
 def analyze(gm: fx.GraphModule) -> Coupling:
     """Build the coupling groups of an annotated GraphModule (shapes from shapes.annotate)."""
     g = nx.Graph()
     frozen: dict[str, list[str]] = {}
-    sources, consumers, channelwise = [], [], []
+    sources: list[tuple[str, str | None]] = []
+    consumers: list[tuple[str, str]] = []
+    channelwise: list[str] = []
+    norms: list[str] = []
+    tensors: list[tuple[str, str]] = []  # (attribute path, group member that reads it per channel)
+    assign_channel_axes(gm)
     links: list[Link] = []
     modules = dict(gm.named_modules())
     calls: dict[str, int] = {}
@@ -125,7 +210,7 @@ def analyze(gm: fx.GraphModule) -> Coupling:
             calls[n.target] = calls.get(n.target, 0) + 1
 
     def vertex(n) -> str | None:
-        if isinstance(n, fx.Node) and n.op != "output" and channel_axis(tensor_shape(n)) is not None:
+        if isinstance(n, fx.Node) and n.op != "output" and node_axis(n) is not None:
             g.add_node(n.name)
             return n.name
         return None
@@ -155,9 +240,9 @@ def analyze(gm: fx.GraphModule) -> Coupling:
             if calls[n.target] > 1 and any(True for _ in modules[n.target].parameters()):
                 freeze(tensor_inputs + [n], f"module '{n.target}' is called {calls[n.target]} times (shared weights)")
                 continue
-            _module_rule(n, modules[n.target], out, tensor_inputs, join, freeze, sources, consumers, channelwise, links)
+            _module_rule(n, modules[n.target], out, tensor_inputs, join, freeze, sources, consumers, channelwise, links, norms)
         elif n.op in ("call_function", "call_method"):
-            _function_rule(gm, n, out, tensor_inputs, join, freeze, links)
+            _function_rule(gm, n, out, tensor_inputs, join, freeze, links, norms, tensors)
 
     groups: list[Group] = []
     group_of: dict[str, int] = {}
@@ -165,7 +250,7 @@ def analyze(gm: fx.GraphModule) -> Coupling:
     for comp in sorted(nx.connected_components(g), key=lambda c: min(order[v] for v in c)):
         members = sorted(comp, key=order.__getitem__)
         first = next(n for n in gm.graph.nodes if n.name == members[0])
-        size = tensor_shape(first)[channel_axis(tensor_shape(first))]
+        size = tensor_shape(first)[node_axis(first)]
         grp = Group(len(groups), size, members)
         for v in members:
             group_of[v] = grp.id
@@ -177,10 +262,31 @@ def analyze(gm: fx.GraphModule) -> Coupling:
         groups[group_of[inp]].consumers.append(name)
     for name in channelwise:
         groups[group_of[name]].channelwise.append(name)
+    for name in norms:
+        groups[group_of[name]].norms.append(name)
+    for path, member in tensors:
+        if path not in groups[group_of[member]].tensors:
+            groups[group_of[member]].tensors.append(path)
+    _freeze_shared_tensors(gm, groups, group_of, tensors)
     return Coupling(groups, group_of, links)
 
 
-def _module_rule(n, m, out, inputs, join, freeze, sources, consumers, channelwise, links) -> None:
+def _freeze_shared_tensors(gm, groups, group_of, tensors) -> None:
+    """A per-channel tensor read anywhere but its per-channel uses cannot be resized for one group."""
+    uses: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            uses[n.target] = uses.get(n.target, 0) + 1
+    per_channel: dict[str, set[int]] = {}
+    for path, member in tensors:
+        per_channel.setdefault(path, set()).add(group_of[member])
+    for path, gids in per_channel.items():
+        if len(gids) > 1 or uses.get(path, 0) > sum(1 for p, _ in tensors if p == path):
+            for gid in gids:
+                groups[gid].frozen.append(f"parameter '{path}' is also read elsewhere; resizing it would change that use")
+
+
+def _module_rule(n, m, out, inputs, join, freeze, sources, consumers, channelwise, links, norms) -> None:
     x = inputs[0] if inputs else None
     if isinstance(m, nn.modules.conv._ConvNd) and not isinstance(m, nn.modules.conv._ConvTransposeNd):
         if m.groups == 1:
@@ -193,7 +299,7 @@ def _module_rule(n, m, out, inputs, join, freeze, sources, consumers, channelwis
         else:
             freeze([x, n], f"grouped conv '{n.target}' (groups={m.groups}) ties channels to groups")
     elif isinstance(m, nn.Linear):
-        if x is not None and channel_axis(tensor_shape(x)) != len(tensor_shape(x)) - 1:
+        if x is not None and node_axis(x) != len(tensor_shape(x)) - 1:
             freeze([x], f"Linear '{n.target}' reads a non-channel axis")
         if x is not None:
             consumers.append((n.name, x.name))
@@ -208,21 +314,33 @@ def _module_rule(n, m, out, inputs, join, freeze, sources, consumers, channelwis
         join(x, n)
     elif isinstance(m, nn.Flatten):
         _flatten_rule(x, n, join, freeze, links)
+    elif type(m) is nn.LayerNorm and x is not None and _normalises_channels(m.normalized_shape, x):
+        join(x, n)  # exact growth only by replicating every channel equally (see Group.norms)
+        channelwise.append(n.name)
+        norms.append(n.name)
     elif isinstance(m, (nn.LayerNorm, nn.GroupNorm)):
         freeze([x, n], f"{type(m).__name__} '{n.target}' normalises across channels (growing would change its statistics)")
     elif isinstance(m, AverageMerge):  # main + mean(gate · branch): elementwise over all inputs
         join(*inputs, n)
     elif isinstance(m, nn.MultiheadAttention):
         freeze(inputs + [n], f"MultiheadAttention '{n.target}' splits channels into heads (not grown yet)")
-    elif x is not None and len(inputs) == 1 and out is not None and _probe_module(m, tensor_shape(x), tensor_shape(n)):
+    elif x is not None and len(inputs) == 1 and out is not None and _probe_module(m, x, n):
         join(x, n)  # an opaque parameter-free op that acts on each channel alone (drop-path, custom activations)
     else:
         freeze(inputs + [n], f"module '{n.target}' ({type(m).__name__}) is not understood by the coupling analysis")
 
 
-def _probe_module(m: nn.Module, in_shape, out_shape) -> bool:
-    return in_shape is not None and in_shape == out_shape and \
-        module_is_channelwise(m, tuple(in_shape), channel_axis(tuple(in_shape)))
+def _normalises_channels(normalized_shape, x: fx.Node) -> bool:
+    """A LayerNorm over exactly the channel axis (the last one): replicas keep its mean and variance."""
+    shape, axis = tensor_shape(x), node_axis(x)
+    dims = tuple(normalized_shape) if isinstance(normalized_shape, (tuple, list)) else (normalized_shape,)
+    return shape is not None and axis == len(shape) - 1 and dims == (shape[axis],)
+
+
+def _probe_module(m: nn.Module, x: fx.Node, n: fx.Node) -> bool:
+    in_shape = tensor_shape(x)
+    return in_shape is not None and in_shape == tensor_shape(n) and node_axis(x) is not None and \
+        module_is_channelwise(m, tuple(in_shape), node_axis(x))
 
 
 def _extras_are_channelwise(m: nn.Module, shape) -> bool:
@@ -242,7 +360,7 @@ def _flatten_is_identity(x, n) -> bool:
     return s is not None and len(s) >= 2 and all(d == 1 for d in s[2:])
 
 
-def _function_rule(gm, n, out, inputs, join, freeze, links) -> None:
+def _function_rule(gm, n, out, inputs, join, freeze, links, norms, tensors) -> None:
     target = n.target
     name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
     if n.op == "call_method" and target in SHAPE_QUERIES:
@@ -252,15 +370,24 @@ def _function_rule(gm, n, out, inputs, join, freeze, links) -> None:
     if n.op == "call_function" and target in (getattr, operator.getitem) and out is None:
         return  # x.shape, x.shape[0]: no tensor
     x = inputs[0] if inputs else None
+    if _moved_axis(n) is not None:  # permute/transpose: the channels move, they do not mix
+        join(x, n)
+        return
+    if n.op == "call_function" and target in (F.layer_norm, torch.layer_norm) and _layer_norm_call(n, join, norms, tensors):
+        return
     if (n.op == "call_function" and target in CHANNELWISE_FUNCTIONS) or (n.op == "call_method" and target in CHANNELWISE_METHODS):
         join(x, n)
         return
     if (n.op == "call_function" and target in ELEMENTWISE) or (n.op == "call_method" and target in ELEMENTWISE_METHODS):
         out_shape = tensor_shape(n)
-        axis = channel_axis(out_shape)
-        full = [a for a in inputs if tensor_shape(a) is not None and len(tensor_shape(a)) == len(out_shape)
+        axis = node_axis(n)
+        scales = {a: path for a in n.all_input_nodes if tensor_shape(a) != out_shape
+                  for path in [_per_channel_tensor(gm, a, out_shape, axis)] if path}
+        tensors += [(path, n.name) for path in scales.values()]  # a layer scale: resized with the group
+        rest = [a for a in inputs if a not in scales]
+        full = [a for a in rest if tensor_shape(a) is not None and len(tensor_shape(a)) == len(out_shape)
                 and tensor_shape(a)[axis] == out_shape[axis]]
-        broadcast = [a for a in inputs if a not in full]
+        broadcast = [a for a in rest if a not in full]
         if any(len(tensor_shape(a)) == len(out_shape) and tensor_shape(a)[axis] != 1 for a in broadcast) or \
                 any(len(tensor_shape(a)) != len(out_shape) for a in broadcast):
             freeze(inputs + [n], f"'{n.name}' ({name}) broadcasts across channels")
@@ -277,8 +404,8 @@ def _function_rule(gm, n, out, inputs, join, freeze, links) -> None:
         dims = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
         dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
         rank = len(tensor_shape(x))
-        if dims and channel_axis(tensor_shape(x)) not in [d % rank for d in dims] and out is not None \
-                and channel_axis(tensor_shape(n)) == channel_axis(tensor_shape(x)):
+        if dims and node_axis(x) not in [d % rank for d in dims] and out is not None \
+                and node_axis(n) == node_axis(x):
             join(x, n)
             return
     if n.op == "call_function" and x is not None and len(inputs) == 1 and out is not None and _probe_function(n, x):
@@ -287,10 +414,49 @@ def _function_rule(gm, n, out, inputs, join, freeze, links) -> None:
     freeze(inputs + ([n] if out else []), f"'{n.name}' ({name}) is not understood by the coupling analysis")
 
 
+def _layer_norm_call(n: fx.Node, join, norms, tensors) -> bool:
+    """F.layer_norm(x, (C,), weight, bias, eps) over the channel axis, its affine read by get_attr."""
+    args = list(n.args) + [None] * 5
+    x = args[0]
+    shape = n.kwargs.get("normalized_shape", args[1])
+    affine = [n.kwargs.get("weight", args[2]), n.kwargs.get("bias", args[3])]
+    if not isinstance(x, fx.Node) or not _normalises_channels(shape, x):
+        return False
+    c = tensor_shape(x)[-1]
+    for a in affine:
+        if a is not None and not (isinstance(a, fx.Node) and a.op == "get_attr" and tensor_shape(a) == (c,) and len(a.users) == 1):
+            return False
+    join(x, n)
+    norms.append(n.name)
+    tensors += [(a.target, n.name) for a in affine if a is not None]
+    return True
+
+
+VIEWS = {"reshape", "view", "unsqueeze", "expand", "expand_as", "squeeze"}
+
+
+def _per_channel_tensor(gm, a: fx.Node, out_shape, axis: int) -> str | None:
+    """The attribute path when `a` is a parameter/buffer with one value per channel, broadcast along the
+    channel axis (a layer scale γ, read as `x * self.gamma` or `x.mul(self.gamma.reshape(1, -1, 1, 1))`)."""
+    shape = tensor_shape(a)
+    if shape is None or len(shape) > len(out_shape):
+        return None
+    lead = len(out_shape) - len(shape)
+    if any(d != (out_shape[axis] if lead + i == axis else 1) for i, d in enumerate(shape)) or out_shape[axis] == 1:
+        return None
+    while a.op == "call_method" and a.target in VIEWS and len(a.users) == 1 and isinstance(a.args[0], fx.Node) \
+            and all(not isinstance(x, fx.Node) for x in list(a.args[1:]) + list(a.kwargs.values())):
+        a = a.args[0]
+    if a.op != "get_attr" or len(a.users) != 1:
+        return None
+    t = getattr(gm.get_submodule(a.target.rpartition(".")[0]) if "." in a.target else gm, a.target.rpartition(".")[2], None)
+    return str(a.target) if isinstance(t, torch.Tensor) and t.numel() == out_shape[axis] else None
+
+
 def _probe_function(n: fx.Node, x: fx.Node) -> bool:
     """Run an unknown function on probe tensors; its other arguments must be constants or mode flags."""
     shape = tensor_shape(x)
-    if shape is None or shape != tensor_shape(n) or not isinstance(n.target, Callable):
+    if shape is None or shape != tensor_shape(n) or not isinstance(n.target, Callable) or node_axis(x) is None:
         return False
     args, flags, index = list(n.args), {}, None
     for i, a in enumerate(args):
@@ -310,7 +476,7 @@ def _probe_function(n: fx.Node, x: fx.Node) -> bool:
                 return False
     if index is None:
         return False
-    return function_is_channelwise(n.target, tuple(args), kwargs, index, tuple(shape), channel_axis(tuple(shape)), flags)
+    return function_is_channelwise(n.target, tuple(args), kwargs, index, tuple(shape), node_axis(x), flags)
 
 
 def _flatten_rule(x, n, join, freeze, links) -> None:
@@ -328,7 +494,7 @@ def _cat_rule(n, inputs, join, freeze, links) -> None:
     tensors = n.args[0] if n.args else n.kwargs.get("tensors")
     dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)
     out_shape = tensor_shape(n)
-    axis = channel_axis(out_shape)
+    axis = node_axis(n)
     if dim % len(out_shape) != axis:  # along batch or space: channels stay equal
         join(*tensors, n)
         return

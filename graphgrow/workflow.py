@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 from torch import fx, nn
@@ -245,7 +245,7 @@ def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs
     count = len(pipeline.passes)
     result = pipeline.run(opened.gm, progress=lambda i, p: progress(f"{verb} {i + 1}/{count}: {p.name} (+ verification)"))
     timings["passes"] = time.perf_counter() - t
-    report = {
+    report: dict = {
         "model": source,
         "input_shape": opened.input_shape,
         "input_shape_inferred": opened.inferred_from,
@@ -302,7 +302,7 @@ class StagedOutputs:
     def __enter__(self) -> "StagedOutputs":
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> Literal[False]:
         self.discard()
         return False
 
@@ -438,5 +438,6 @@ def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence
         from .coupling import analyze
 
         coupling = analyze(gm)
-        report["groups"] = [dict(g.to_json(), blocked_by=coupling.why_frozen(g.id)) for g in coupling.groups]
+        report["groups"] = [dict(g.to_json(), blocked_by=coupling.why_frozen(g.id), norms_reached=coupling.norms_reached(g.id))
+                            for g in coupling.groups]
     return report

@@ -9,7 +9,7 @@ exact but not symmetric).
 from __future__ import annotations
 
 import copy
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 from torch import fx, nn
@@ -38,7 +38,8 @@ def _shares(count: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def _rows(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch.Generator, fresh: str) -> torch.Tensor:
-    """Place old rows (dim 0) and fill new ones: random ('kaiming'), 'zero', 'one', or copies for net2net."""
+    """Place old rows (dim 0) and fill new ones: random ('kaiming'), 'zero', 'one', the old rows' 'mean',
+    or copies for net2net."""
     if layout is None:
         return old
     new = torch.empty((layout.new,) + tuple(old.shape[1:]), **_like(old))
@@ -49,6 +50,8 @@ def _rows(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch
         elif fresh == "kaiming":
             row = torch.empty((1,) + tuple(old.shape[1:]), **_like(old))
             new[slot] = kaiming_(row, generator)[0]
+        elif fresh == "mean":
+            new[slot] = old.mean(0)
         else:
             new[slot] = {"zero": 0.0, "one": 1.0}[fresh]
     return new
@@ -121,7 +124,7 @@ def _fill_weights(old: nn.Module, new: nn.Module, in_layout, out_layout, init: I
 
 
 def resize_linear(m: nn.Linear, in_layout: Layout | None, out_layout: Layout | None, init: Init,
-                  generator: torch.Generator) -> nn.Linear:
+                  generator: torch.Generator) -> nn.Module:
     new = _rebuilt(m, in_features=in_layout.new if in_layout else m.in_features,
                    out_features=out_layout.new if out_layout else m.out_features)
     return _fill_weights(m, new, in_layout, out_layout, init, generator)
@@ -141,6 +144,37 @@ def resize_batchnorm(m: nn.modules.batchnorm._BatchNorm, layout: Layout, init: I
     return new
 
 
+def resize_layernorm(m: nn.LayerNorm, layout: Layout, init: Init, generator) -> nn.Module:
+    """normalized_shape = (new,); affine rows replicated (net2net) — the only exact way, checked by grow_group."""
+    new = _rebuilt(m, normalized_shape=(layout.new,))
+    with torch.no_grad():
+        if m.weight is not None:
+            _set_tensor(new, "weight", _rows(m.weight, layout, init, generator, "one"))
+        if m.bias is not None:
+            _set_tensor(new, "bias", _rows(m.bias, layout, init, generator, "zero"))
+    return new
+
+
+def resize_tensor_attr(gm: fx.GraphModule, path: str, layout: Layout, init: Init, generator) -> None:
+    """A per-channel parameter or buffer read by get_attr (layer scale, a traced LayerNorm's affine):
+    its channel dimension takes the layout; new channels copy their source (net2net) or the mean."""
+    owner_path, _, name = path.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    old = getattr(owner, name)
+    dim = max(i for i, d in enumerate(old.shape) if d == layout.old)
+    with torch.no_grad():
+        flat = _rows(old.detach().reshape(layout.old), layout, init, generator, "mean")
+        shape = list(old.shape)
+        shape[dim] = layout.new
+        value = flat.reshape(shape).clone()
+    if name in owner._parameters:
+        owner._parameters[name] = nn.Parameter(value, requires_grad=old.requires_grad)
+    elif name in owner._buffers:
+        owner._buffers[name] = value
+    else:
+        setattr(owner, name, value)
+
+
 _KNOWN_TENSORS = {"weight", "bias", "running_mean", "running_var", "num_batches_tracked"}
 
 
@@ -156,6 +190,8 @@ def resize(m: nn.Module, in_layout: Layout | None, out_layout: Layout | None, in
         return resize_linear(m, in_layout, out_layout, init, generator)
     if isinstance(m, BATCHNORMS):
         return resize_batchnorm(m, out_layout or in_layout, init, generator)
+    if type(m) is nn.LayerNorm:
+        return resize_layernorm(m, out_layout or in_layout, init, generator)
     raise NotApplicable(f"cannot resize {type(m).__name__}", "this layer type is not supported by grow_width")
 
 
@@ -173,6 +209,8 @@ def grow_group(gm: fx.GraphModule, coupling: Coupling, gid: int, count: int, ini
         raise NotApplicable(f"cannot grow the {group.size}-channel group of {', '.join(group.sources[:3]) or group.members[0]}: {e}",
                             "widen a layer whose group can grow (graphgrow inspect --groups), or use grow_width(mode=adapter)") from e
     layouts = {g: make_layout(coupling.groups[g].size, ins) for g, ins in plan.items()}
+    for g, layout in layouts.items():
+        _check_norms(coupling.groups[g], layout, init)
     in_layouts: dict[str, Layout] = {}
     out_layouts: dict[str, Layout] = {}
     for g, layout in layouts.items():
@@ -182,26 +220,63 @@ def grow_group(gm: fx.GraphModule, coupling: Coupling, gid: int, count: int, ini
         for n in grp.consumers:
             in_layouts[n] = layout
     nodes = {n.name: n for n in gm.graph.nodes}
-    _refuse_tied(gm, [nodes[n].target for n in set(in_layouts) | set(out_layouts)])
+    tensor_layouts = {path: layout for g, layout in layouts.items() for path in coupling.groups[g].tensors}
+    _refuse_tied(gm, [nodes[n].target for n in set(in_layouts) | set(out_layouts)], list(tensor_layouts))
     rebuilt = []
     for name in sorted(set(in_layouts) | set(out_layouts), key=list(nodes).index):
         path = nodes[name].target
         old = gm.get_submodule(path)
         set_module(gm, path, resize(old, in_layouts.get(name), out_layouts.get(name), init, generator))
         rebuilt.append(path)
+    for path, layout in tensor_layouts.items():
+        resize_tensor_attr(gm, path, layout, init, generator)
+        rebuilt.append(path)
+    for g, layout in layouts.items():  # a traced F.layer_norm carries its normalized_shape as a constant
+        for name in coupling.groups[g].norms:
+            n = nodes[name]
+            if n.op == "call_function":
+                if "normalized_shape" in n.kwargs:
+                    n.kwargs = {**n.kwargs, "normalized_shape": (layout.new,)}
+                else:
+                    n.args = (n.args[0], (layout.new,), *n.args[2:])
     return rebuilt
 
 
-def _refuse_tied(gm: fx.GraphModule, paths: list[str]) -> None:
+def _check_norms(group, layout: Layout, init: Init) -> None:
+    """A LayerNorm over the group keeps its mean and variance only when every channel is replicated the
+    same number of times: net2net with an integer factor."""
+    if not group.norms:
+        return
+    counts = [layout.src.count(c) for c in range(layout.old)]
+    if init == "net2net" and None not in layout.src and len(set(counts)) == 1:
+        return
+    factor = layout.new / layout.old
+    why = ("init=zero adds channels that are not copies" if init != "net2net" else
+           f"growing {layout.old} → {layout.new} channels (×{factor:g}) cannot replicate every channel equally")
+    raise NotApplicable(f"LayerNorm '{group.norms[0]}' normalises over these {layout.old} channels and {why}; "
+                        "its mean and variance stay exact only when each channel is copied the same number of times",
+                        f"use grow_width(init=net2net) with an integer factor (2, 3, …), e.g. to={layout.old * 2}")
+
+
+def _refuse_tied(gm: fx.GraphModule, paths: list[str], tensor_paths: Sequence[str] = ()) -> None:
     """Rebuilding a layer whose parameter another module shares (tied weights) would silently untie them."""
     owners: dict[int, list[str]] = {}
     for path, m in gm.named_modules(remove_duplicate=False):
         for name, p in m.named_parameters(recurse=False):
             owners.setdefault(id(p), []).append(f"{path}.{name}" if path else name)
-    for path in paths:
-        for name, p in gm.get_submodule(path).named_parameters(recurse=False):
-            shared = [o for o in owners.get(id(p), []) if o != f"{path}.{name}"]
-            if shared:
-                raise NotApplicable(f"'{path}.{name}' is the same parameter as '{shared[0]}' (tied weights); "
-                                    "growing one would untie them",
-                                    "grow a layer whose weights are not shared, or untie them yourself first")
+    mine = [(f"{path}.{name}", p) for path in paths for name, p in gm.get_submodule(path).named_parameters(recurse=False)]
+    mine += [(path, gm.get_parameter(path)) for path in tensor_paths if _is_parameter(gm, path)]
+    for full, p in mine:
+        shared = [o for o in owners.get(id(p), []) if o != full]
+        if shared:
+            raise NotApplicable(f"'{full}' is the same parameter as '{shared[0]}' (tied weights); "
+                                "growing one would untie them",
+                                "grow a layer whose weights are not shared, or untie them yourself first")
+
+
+def _is_parameter(gm: fx.GraphModule, path: str) -> bool:
+    try:
+        gm.get_parameter(path)
+        return True
+    except AttributeError:
+        return False

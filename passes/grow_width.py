@@ -7,6 +7,9 @@ mode=adapter widens only the target and projects back with a 1×1 adapter [I | 0
 init=zero   (default) new units get random incoming and zero outgoing weights.
 init=net2net new units replicate existing ones; the replicated unit and its copies
             split its outgoing weights in random shares (exact, not symmetric).
+A group normalised by a LayerNorm (ConvNeXt/transformer streams) grows exactly only
+by replicating every channel the same number of times: init=net2net with an integer
+factor; layer scales and norm affines are replicated with it. Anything else is refused.
 """
 from __future__ import annotations
 
@@ -49,21 +52,28 @@ def check_growable_layer(gm: fx.GraphModule, node: fx.Node) -> nn.Module:
                         "name a conv or Linear layer (graphgrow inspect --groups lists them)")
 
 
-def default_target(gm: fx.GraphModule, coupling: Coupling) -> fx.Node:
-    """The first conv/Linear (in graph order) whose whole channel group can grow."""
+def default_target(gm: fx.GraphModule, coupling: Coupling, replicates: bool = False) -> fx.Node:
+    """The first conv/Linear (in graph order) whose whole channel group can grow; groups under a LayerNorm
+    only when the growth `replicates` every channel equally (net2net, integer factor)."""
+    skipped_norm = False
     for n in gm.graph.nodes:
         if n.op == "call_module" and n.name in coupling.group_of:
             m = gm.get_submodule(n.target)
             grp = coupling.group(n.name)
             if n.name in grp.sources and not coupling.why_frozen(grp.id) and \
                     (isinstance(m, nn.Linear) or getattr(m, "groups", 0) == 1):
+                if coupling.norms_reached(grp.id) and not replicates:
+                    skipped_norm = True
+                    continue
                 return n
-    raise NotApplicable("no layer in this model has a channel group that can grow",
-                        "graphgrow inspect --groups shows why each group is frozen; mode=adapter widens one layer")
+    hint = "graphgrow inspect --groups shows why each group is frozen; mode=adapter widens one layer"
+    if skipped_norm:
+        hint = "groups under a LayerNorm grow with init=net2net and an integer factor; " + hint
+    raise NotApplicable("no layer in this model has a channel group that can grow", hint)
 
 
 def out_width(m: nn.Module) -> int:
-    return m.out_features if isinstance(m, nn.Linear) else m.out_channels
+    return int(m.out_features if isinstance(m, nn.Linear) else m.out_channels)  # type: ignore[arg-type]
 
 
 MAX_FACTOR = 16  # one growth step; larger steps are almost always a typo (factor=1e9 would allocate for minutes)
@@ -91,7 +101,8 @@ def grow_width(gm: fx.GraphModule, target: str | None = None, factor: float = 2.
     gm = copy_graph_module(gm)
     generator = generator or torch.Generator().manual_seed(0)
     coupling = analyze(gm)
-    node = find_layer(gm, target) if target is not None else default_target(gm, coupling)
+    replicates = init == "net2net" and to is None and float(factor).is_integer()
+    node = find_layer(gm, target) if target is not None else default_target(gm, coupling, replicates)
     layer = check_growable_layer(gm, node)
     old = out_width(layer)
     width = new_width(str(node.target), old, factor, to)
@@ -104,6 +115,9 @@ def grow_width(gm: fx.GraphModule, target: str | None = None, factor: float = 2.
         rebuilt = grow_group(gm, coupling, gid, count, init, generator)
         targets["group"] = (f"#{gid}: {group.size} channels, {len(group.members)} tensors, "
                             f"sources {', '.join(group.sources)}")
+        norms = coupling.norms_reached(gid)
+        if norms:
+            targets["layernorm"] = f"{len(norms)} LayerNorm(s) over the group; every channel replicated ×{width // old}"
     else:
         rebuilt = _grow_with_adapter(gm, node, layer, count, init, generator)
     targets["rebuilt"] = ", ".join(rebuilt)
@@ -133,6 +147,7 @@ def _grow_with_adapter(gm, node, layer, count, init, generator) -> list[str]:
 def identity_adapter(like: nn.Module, cin: int, cout: int) -> nn.Module:
     """A 1×1 conv (same dimensionality as `like`) or a Linear, weights [I | 0] / [I ; 0], no bias."""
     w = like.weight
+    m: nn.Module
     if isinstance(like, nn.modules.conv._ConvNd):
         conv_cls = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[w.dim() - 2]
         m = conv_cls(cin, cout, 1, bias=False, device=w.device, dtype=w.dtype)
