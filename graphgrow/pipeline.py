@@ -18,7 +18,9 @@ from .registry import get_pass
 
 def _split_top(text: str, sep: str = ",") -> list[str]:
     """Split on `sep` outside parentheses, brackets and quotes."""
-    parts, depth, quote, cur = [], 0, None, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth, quote = 0, None
     for ch in text:
         if quote:
             quote = None if ch == quote else quote
@@ -148,7 +150,7 @@ def build_pipeline(specs: str | Sequence[str]) -> list[Pass]:
     """One or more spec strings → pass instances, in order."""
     if isinstance(specs, str):
         specs = [specs]
-    passes = []
+    passes: list = []
     for spec in specs:
         passes.extend(make_pass(name, args) for name, args in parse_spec(spec))
     if not passes:

@@ -118,7 +118,7 @@ def check_preservation(old: nn.Module, new: nn.Module, input_shape: Sequence[int
             with training_mode(new, False):
                 new_eval_output = new(x)
         ev = compare_outputs(old_eval, new_eval_output, "eval")
-        tr = compare_outputs(*(_train_forward(m, x, seed) for m in (old, new)), "train")
+        tr = compare_outputs(_train_forward(old, x, seed), _train_forward(new, x, seed), "train")
         if (not ev.ok or not tr.ok) and x.dtype == torch.float32:
             old64, new64, x64 = copy.deepcopy(old).double(), copy.deepcopy(new).double(), x.double()
             for check in (ev, tr):
@@ -181,7 +181,7 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                 if proj is None:
                     g = torch.Generator().manual_seed(seed + 2)
                     proj = [torch.randn(t.shape, generator=g).to(t) for t in outs]
-                loss = sum((t * r).sum() for t, r in zip(outs, proj))
+                loss = torch.stack([(t * r).sum() for t, r in zip(outs, proj)]).sum() if outs else torch.zeros(())
                 if loss.requires_grad:
                     loss.backward()
                 with torch.no_grad():
@@ -202,7 +202,7 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                         break
                     for p in params.values():
                         if p.grad is not None:
-                            p -= lr * p.grad / (p.grad.norm() + 1e-12) * (p.norm() + 1e-3)
+                            p.sub_(lr * p.grad / (p.grad.norm() + 1e-12) * (p.norm() + 1e-3))
             missing = [n for n in new_params if n not in got]
         if missing:  # cancelled by a following normalisation in train mode, or dead?
             for n, p in params.items():
@@ -210,7 +210,7 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                 p.grad = None
             with training_mode(new, False):
                 outs = [t for t in flat_tensors(new(x)) if t.is_floating_point()]
-                loss = sum((t * r).sum() for t, r in zip(outs, proj))
+                loss = torch.stack([(t * r).sum() for t, r in zip(outs, proj)]).sum() if outs else torch.zeros(())
                 if loss.requires_grad:
                     loss.backward()
             cancelled = [n for n in missing if params[n].grad is not None

@@ -41,7 +41,7 @@ def _out_of_place(gm: fx.GraphModule) -> None:
     """
     for m in gm.modules():
         if getattr(m, "inplace", None) is True:
-            m.inplace = False
+            m.inplace = False  # type: ignore[assignment]
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.kwargs.get("inplace") is True:
             n.kwargs = {**n.kwargs, "inplace": False}

@@ -108,7 +108,7 @@ def annotate(gm: fx.GraphModule, input_shape: Sequence[int]) -> ShapeRun:
 def node_params(gm: fx.GraphModule, n: fx.Node) -> int:
     """Parameters owned by a node: a called module's (recursively) or a fetched parameter's."""
     if n.op == "call_module":
-        return sum(p.numel() for p in gm.get_submodule(n.target).parameters())
+        return int(sum(p.numel() for p in gm.get_submodule(n.target).parameters()))  # type: ignore[misc]
     if n.op == "get_attr":
         obj = gm
         for part in n.target.split("."):
@@ -140,7 +140,7 @@ def validate_batch_sizes(gm: fx.GraphModule, input_shape: Sequence[int], batches
     b1, b2 = batches
     if first is not None and first_input is None:
         raise ValueError("validate_batch_sizes: pass first_input with first")
-    x1 = first_input if first is not None else example_input(gm, input_shape, seed=11, batch=b1)
+    x1 = first_input if first_input is not None else example_input(gm, input_shape, seed=11, batch=b1)
     extra = example_input(gm, input_shape, seed=12, batch=b2)
     x2 = torch.cat([x1, extra[: max(b2 - b1, 0)]])[:b2] if b2 >= b1 else extra
     with training_mode(gm, False):

@@ -79,8 +79,8 @@ def no_tf32() -> Iterator[None]:
 def module_device(module: nn.Module) -> torch.device:
     for t in module.parameters():
         return t.device
-    for t in module.buffers():
-        return t.device
+    for b in module.buffers():
+        return b.device
     return torch.device("cpu")
 
 

@@ -21,7 +21,7 @@ The result is then checked against the module (see fidelity.py) before any pass 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Iterable, Literal, Sequence
+from typing import AbstractSet, Any, Iterable, Literal, Sequence
 
 from torch import fx, nn
 
@@ -46,7 +46,7 @@ class _ModeProxy(fx.Proxy):
 class _Tracer(fx.Tracer):
     """Symbolic tracer that honours leaves, remembers where it is and traces `training` reads."""
 
-    def __init__(self, leaves: set[str], root_constant: bool | None, mode_free: set[str] = frozenset()):
+    def __init__(self, leaves: set[str], root_constant: bool | None, mode_free: AbstractSet[str] = frozenset()):
         super().__init__()
         self.leaves = leaves
         self.root_constant = root_constant  # the top-level forward's `training`, when it branches on it

@@ -65,7 +65,7 @@ def upstream_parameters(old: fx.GraphModule, new: fx.GraphModule, grown: dict) -
     def params_of(n: fx.Node) -> list[str]:
         if n.op == "call_module":
             return [f"{n.target}.{p}" for p, _ in new.get_submodule(n.target).named_parameters()]
-        return [n.target] if n.op == "get_attr" else []
+        return [str(n.target)] if n.op == "get_attr" else []
 
     touched = {n for n in new.graph.nodes if n.name not in old_names or any(p in grown for p in params_of(n))}
     found: set[str] = set()

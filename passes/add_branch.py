@@ -108,8 +108,8 @@ def add_branch(gm: fx.GraphModule, at: str | None = None, op: Op = "conv3x3", co
     start, end, chosen = resolve_span(gm, at)
     merge = existing_merge(gm, end)
     if merge is not None:
-        start = merge.args[1].args[0]  # every branch of a merge reads the same input
-        end = merge.args[0]
+        start = merge.args[1].args[0]  # type: ignore[assignment]  # every branch of a merge reads the same input
+        end = merge.args[0]  # type: ignore[assignment]
     s, e = tensor_shape(start), tensor_shape(end)
     if s is None or e is None or len(s) != 4 or len(e) != 4:
         raise NotApplicable(f"add_branch needs 4-D feature maps; '{start.name}' is {list(s or [])} and '{end.name}' {list(e or [])}",
@@ -139,7 +139,8 @@ def add_branch(gm: fx.GraphModule, at: str | None = None, op: Op = "conv3x3", co
             module = gm.get_submodule(merge.target)
             n = module.branches
             with torch.no_grad():
-                gates = torch.cat([module.gates * (n + count) / n, torch.zeros(count, dtype=dtype, device=like.device)])
+                gates = torch.cat([torch.as_tensor(module.gates * (n + count) / n),
+                                   torch.zeros(count, dtype=dtype, device=like.device)])
             module.gates = nn.Parameter(gates)
             merge.args = (*merge.args, *branch_nodes)
             new_nodes = branch_nodes

@@ -32,6 +32,8 @@ def add_residual(gm: fx.GraphModule, start: str | None = None, end: str | None =
     """Add `end + skip(start)` to a copy of `gm` (module paths or node names; defaults: the feature extractor)."""
     gm = copy_graph_module(gm)
     generator = generator or torch.Generator().manual_seed(0)
+    s: fx.Node | None
+    e: fx.Node | None
     if start is None and end is None:
         s, e, why = feature_span(gm)
     else:

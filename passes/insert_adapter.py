@@ -27,6 +27,7 @@ from ._resize import grow_group
 
 def _adapter(shape: tuple, cin: int, cout: int, like: torch.Tensor) -> nn.Module:
     """[I | 0] (cout ≤ cin) or [I ; 0] (cout > cin) as a 1×1 conv for (N, C, …) or a Linear for (…, C)."""
+    m: nn.Module
     if len(shape) in (3, 4, 5) and channel_axis(shape) == 1:
         cls = {3: nn.Conv1d, 4: nn.Conv2d, 5: nn.Conv3d}[len(shape)]
         m = cls(cin, cout, 1, bias=False, device=like.device, dtype=like.dtype)
