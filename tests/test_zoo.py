@@ -3,11 +3,15 @@
 Each (model, pass) runs the CLI's job (load by factory name, trace, fidelity check, pass,
 verification, save, ONNX export, onnxruntime check against the grown *and* the original
 module in eval mode) and must either pass (exit 0) or be refused with a reason (exit 2).
-A failed check (exit 1) or an internal error (exit 3) fails the test. The table of outcomes
-is written to out/zoo.md.
+A failed check (exit 1) or an internal error (exit 3) fails the test, and so does a refused
+grow_width on a model listed in MUST_GROW (the issue asks for at least 9 of the 12; all 12 grow
+today). Each model's row goes to out/zoo/NAME.md and the table of every row so far to out/zoo.md,
+so the models can run on different test workers.
 """
 from __future__ import annotations
 
+import fcntl
+import os
 from pathlib import Path
 
 import pytest
@@ -20,8 +24,9 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("timm")
 
 PASSES = ("grow_width", "add_residual", "insert_adapter", "add_branch", "deepen")
-RESULTS: dict[tuple[str, str], tuple[int, str]] = {}
-TABLE = Path(__file__).resolve().parent.parent / "out" / "zoo.md"
+MUST_GROW = set(ZOO)  # grow_width with its default target must be accepted on these
+OUT = Path(__file__).resolve().parent.parent / "out"
+TABLE = OUT / "zoo.md"
 
 
 def run_job(name: str, spec: str, tmp: Path) -> tuple[int, str]:
@@ -43,31 +48,31 @@ def run_job(name: str, spec: str, tmp: Path) -> tuple[int, str]:
 
 @pytest.mark.parametrize("name", list(ZOO))
 def test_every_pass_verifies_or_is_refused(name, tmp_path):
-    outcomes = {}
-    for spec in PASSES:
-        code, what = run_job(name, spec, tmp_path)
-        RESULTS[(name, spec)] = (code, what)
-        outcomes[spec] = (code, what)
-    _write_table()
+    outcomes = {spec: run_job(name, spec, tmp_path) for spec in PASSES}
+    _write_row(name, outcomes)
     bad = {spec: o for spec, o in outcomes.items() if o[0] not in (0, 2)}
     assert not bad, f"{name}: {bad}"
+    if name in MUST_GROW:
+        assert outcomes["grow_width"][0] == 0, f"{name}: grow_width refused: {outcomes['grow_width'][1]}"
 
 
-def test_grow_width_accepts_at_least_9_of_the_12():
-    if len({n for n, _ in RESULTS}) < len(ZOO):
-        pytest.skip("runs after the whole zoo")
-    accepted = [n for n in ZOO if RESULTS[(n, "grow_width")][0] == 0]
-    assert len(accepted) >= 9, {n: RESULTS[(n, "grow_width")] for n in ZOO}
+def test_the_zoo_meets_the_bar():
+    assert len(ZOO) >= 12 and len(MUST_GROW & set(ZOO)) >= 9
 
 
-def _write_table() -> None:
-    TABLE.parent.mkdir(exist_ok=True)
-    lines = ["| model | covers | " + " | ".join(PASSES) + " |", "|---|---|" + "---|" * len(PASSES)]
-    for name, (_, _, covers) in ZOO.items():
-        cells = []
-        for spec in PASSES:
-            code, what = RESULTS.get((name, spec), (None, ""))
-            word = {0: "ok", 2: "refused", None: ""}.get(code, f"FAIL (exit {code})")
-            cells.append(f"{word}: {what[:160]}" if code is not None else "")
-        lines.append(f"| {name} | {covers} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    TABLE.write_text("\n".join(lines) + "\n")
+def _write_row(name: str, outcomes: dict[str, tuple[int, str]]) -> None:
+    cells = []
+    for spec in PASSES:
+        code, what = outcomes[spec]
+        word = {0: "ok", 2: "refused"}.get(code, f"FAIL (exit {code})")
+        cells.append(f"{word}: {what[:160]}".replace("|", "/"))
+    rows = OUT / "zoo"
+    rows.mkdir(parents=True, exist_ok=True)
+    (rows / f"{name}.md").write_text(f"| {name} | {ZOO[name][2]} | " + " | ".join(cells) + " |\n")
+    with open(OUT / ".zoo.lock", "w") as lock:  # workers finishing together must not drop each other's rows
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lines = ["| model | covers | " + " | ".join(PASSES) + " |\n", "|---|---|" + "---|" * len(PASSES) + "\n"]
+        lines += [(rows / f"{n}.md").read_text() for n in ZOO if (rows / f"{n}.md").exists()]
+        tmp = TABLE.with_suffix(".tmp")
+        tmp.write_text("".join(lines))
+        os.replace(tmp, TABLE)
