@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from .errors import InputError, NotApplicable
 
@@ -67,12 +67,41 @@ def activation_bytes(gm: fx.GraphModule, input_shape: Sequence[int], batch: int 
     return total
 
 
+def human_bytes(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` with every parameter and buffer on the meta device, without copying their bytes."""
+    memo: dict = {}
+    for m in gm.modules():
+        for p in m.parameters(recurse=False):
+            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for b in m.buffers(recurse=False):
+            memo[id(b)] = torch.empty_like(b, device="meta")
+    out = copy.deepcopy(gm, memo)
+    out.meta = copy.deepcopy(gm.meta)  # the pass reads graphgrow's bookkeeping (input shape, log) from it
+    return out
+
+
+def check_input_memory(gm: fx.GraphModule, input_shape: Sequence[int], max_memory: int = DEFAULT_MAX_MEMORY) -> None:
+    """Before any real forward: the activations the model needs at the verification batch, estimated on the
+    meta device, must stay under the limit (an input shape can ask for any amount of memory)."""
+    try:
+        needed = activation_bytes(meta_copy(gm), input_shape)
+    except Exception:  # code the meta device cannot run (data-dependent): the input-size cap still bounds it
+        return
+    if needed > max_memory:
+        raise InputError(f"the model needs about {human_bytes(needed)} of activations on an input of shape "
+                         f"{tuple(input_shape)} at batch {VERIFY_BATCH} (limit {human_bytes(max_memory)})",
+                         "give a smaller --input-shape, or raise the limit with --max-memory SIZE")
+
+
 def check_budget(name: str, apply: Callable[[fx.GraphModule], fx.GraphModule], gm: fx.GraphModule,
                  input_shape: Sequence[int], limits: Limits) -> str | None:
     """Dry-run `apply` on a meta copy of `gm`; NotApplicable past the limits. Returns a note when no estimate was possible."""
     try:
-        meta = copy.deepcopy(gm).to("meta")
-        meta.meta = copy.deepcopy(gm.meta)
+        meta = meta_copy(gm)
         grown = apply(meta)
     except NotApplicable:
         raise
@@ -88,7 +117,7 @@ def check_budget(name: str, apply: Callable[[fx.GraphModule], fx.GraphModule], g
     except Exception:
         return None
     if needed > limits.max_memory:
-        raise NotApplicable(f"{name} would need about {needed / 2**30:.1f} GiB of activations at batch {VERIFY_BATCH} "
-                            f"(limit {limits.max_memory / 2**30:.1f} GiB)",
+        raise NotApplicable(f"{name} would need about {human_bytes(needed)} of activations at batch {VERIFY_BATCH} "
+                            f"(limit {human_bytes(limits.max_memory)})",
                             "choose a smaller growth or input shape, or raise the limit with --max-memory SIZE")
     return None

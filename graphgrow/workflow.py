@@ -166,7 +166,7 @@ class OpenedModel:
 
 
 def open_model(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-               progress: Progress = _noop, trace_mode: str = "eval") -> OpenedModel:
+               progress: Progress = _noop, trace_mode: str = "eval", max_memory: int | None = None) -> OpenedModel:
     """Load (safely), trace, check the trace against the model, and annotate shapes. The
     example input shape comes from the argument, the file (graphgrow outputs remember
     it) or the first layer."""
@@ -189,6 +189,9 @@ def open_model(source: str, input_shape=None, trust: bool = False, leaves: Seque
         require_single_input(gm)
         inferred = None
     _check_finite(loaded.module, source)
+    from .budget import DEFAULT_MAX_MEMORY, check_input_memory
+
+    check_input_memory(gm, shape, max_memory or DEFAULT_MAX_MEMORY)  # on the meta device, before any real forward
     progress("propagating shapes")
     try:
         annotate(gm, shape)
@@ -220,7 +223,7 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
     out_path = check_output_path(out or default_output_path(source), inputs=(source,))
     onnx_path = check_output_path(onnx_out, inputs=(source,)) if onnx_out else None
     _distinct_outputs(out_path, onnx_path)
-    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode)
+    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, pipeline.limits.max_memory)
     return _grow_and_write(pipeline, opened, source, (source,), out_path, onnx_path, check, provider, progress, "pass")
 
 
@@ -358,7 +361,7 @@ def replay(source: str, log_source: str, out: str | None = None, onnx_out: str |
     out_path = check_output_path(out or default_output_path(source, ".replayed.pt"), inputs=inputs)
     onnx_path = check_output_path(onnx_out, inputs=inputs) if onnx_out else None
     _distinct_outputs(out_path, onnx_path)
-    opened = open_model(source, input_shape or grown_shape, trust, leaves, progress, trace_mode)
+    opened = open_model(source, input_shape or grown_shape, trust, leaves, progress, trace_mode, pipeline.limits.max_memory)
     report = _grow_and_write(pipeline, opened, source, inputs, out_path, onnx_path, check, provider, progress, "replaying")
     report["log_from"] = log_source
     return report

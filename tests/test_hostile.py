@@ -120,7 +120,7 @@ MATRIX = [  # label, argv (after `graphgrow`), message
     ("more parameters than allowed", ["mutate", "{good}", "--pass", "grow_width(factor=16)", "--input-shape", "1,3,32,32",
                                       "--max-params", "1000"], "parameters (limit 1,000)"),
     ("more activation memory than allowed", ["mutate", "{good}", "--pass", "deepen", "--input-shape", "1,3,32,32",
-                                             "--max-memory", "1K"], "GiB of activations at batch 3"),
+                                             "--max-memory", "1K"], "of activations on an input of shape (1, 3, 32, 32)"),
     ("a limit that is not a size", ["mutate", "{good}", "--pass", "deepen", "--input-shape", "1,3,32,32",
                                     "--max-params", "lots"], "is not a size"),
     ("a 100 kB argument", ["mutate", "{good}", "--pass", "add_residual(start=" + "a" * 100_000 + ")",
@@ -285,6 +285,30 @@ def test_corrupted_tensor_bytes_are_caught_by_the_crc(tmp_path, cnn):
     proc = run_cli("mutate", str(bad), "--pass", "add_residual", "--input-shape", "1,3,32,32", cwd=tmp_path)
     assert proc.returncode == 2 and "do not match their checksum (CRC)" in proc.stderr, proc.stderr
     assert not any(p.name.startswith("bad.grown") for p in tmp_path.iterdir())
+
+
+def test_an_input_shape_whose_activations_exceed_the_limit_is_refused_before_any_forward(tmp_path):
+    src = tmp_path / "wide.pt"
+    torch.save(nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1)), src)
+    before = digest(tmp_path)
+    # 64 channels × 4000² × 4 bytes × batch 3 ≈ 11 GiB per activation: refused from the meta-device estimate
+    proc = run_cli("mutate", str(src), "--pass", "deepen", "--input-shape", "1,3,4000,4000", cwd=tmp_path)
+    assert proc.returncode == 2 and "GiB of activations" in proc.stderr and "--max-memory" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and digest(tmp_path) == before
+    proc = run_cli("inspect", str(src), "--input-shape", "1,3,4000,4000", cwd=tmp_path)
+    assert proc.returncode == 2 and "GiB of activations" in proc.stderr, proc.stderr
+
+
+def test_a_pass_whose_grown_model_needs_more_memory_is_refused_before_it_runs(cnn):
+    from graphgrow.budget import Limits, activation_bytes, meta_copy
+    from graphgrow.pipeline import Pipeline
+
+    gm = gg.trace(cnn, (1, 3, 32, 32))
+    gg.annotate(gm, (1, 3, 32, 32))
+    pipeline = Pipeline.from_spec(["deepen"])
+    pipeline.limits = Limits(max_memory=activation_bytes(meta_copy(gm), (1, 3, 32, 32)) + 1)  # the model fits, deepened it does not
+    with pytest.raises(gg.NotApplicable, match=r"deepen would need about .* MiB of activations at batch 3"):
+        pipeline.run(gm)
 
 
 def test_the_load_size_cap_is_a_flag(tmp_path, cnn):
