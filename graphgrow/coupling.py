@@ -74,6 +74,10 @@ def assign_channel_axes(gm: fx.GraphModule) -> None:
         if shape is None or len(shape) < 2:
             continue
         axis = _moved_axis(n)
+        if axis is None:
+            axis = _flatten_keeps_axis(n)
+        if axis is None:
+            axis = _reduced_axis(n)
         if axis is None and n.op == "call_module":
             m = gm.get_submodule(n.target)
             if isinstance(m, nn.Linear):
@@ -86,6 +90,42 @@ def assign_channel_axes(gm: fx.GraphModule) -> None:
                 axis = node_axis(same[0])
         if axis is not None:
             n.meta["gg_channel_axis"] = axis
+
+
+def _flatten_keeps_axis(n: fx.Node) -> int | None:
+    """flatten(start_dim) past the channel axis leaves channel c where it was ((N, C, H, W) → (N, C, H·W),
+    a ViT patch embedding): the input's axis, else None."""
+    is_flatten = (n.op == "call_function" and n.target is torch.flatten) or (n.op == "call_method" and n.target == "flatten")
+    if not is_flatten or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    x = n.args[0]
+    axis, shape = node_axis(x), tensor_shape(x)
+    start = n.kwargs.get("start_dim", n.args[1] if len(n.args) > 1 else 0)
+    if axis is None or shape is None or not isinstance(start, int):
+        return None
+    return axis if axis < start % len(shape) else None
+
+
+REDUCTIONS = ("mean", "sum", "amax", "amin")
+
+
+def _reduced_axis(n: fx.Node) -> int | None:
+    """The channel axis after a mean/sum/amax/amin over other dims (keepdim or not), else None."""
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    if n.op not in ("call_function", "call_method") or name not in REDUCTIONS or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    x = n.args[0]
+    axis, shape = node_axis(x), tensor_shape(x)
+    dims = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+    dims = (dims,) if isinstance(dims, int) else dims
+    if axis is None or shape is None or not isinstance(dims, (tuple, list)) or not dims or \
+            not all(isinstance(d, int) for d in dims):
+        return None
+    reduced = {d % len(shape) for d in dims}
+    if axis in reduced:
+        return None
+    keepdim = n.kwargs.get("keepdim", n.args[2] if len(n.args) > 2 else False)
+    return axis if keepdim else axis - sum(1 for d in reduced if d < axis)
 
 
 def _moved_axis(n: fx.Node) -> int | None:
@@ -370,7 +410,7 @@ def _function_rule(gm, n, out, inputs, join, freeze, links, norms, tensors) -> N
     if n.op == "call_function" and target in (getattr, operator.getitem) and out is None:
         return  # x.shape, x.shape[0]: no tensor
     x = inputs[0] if inputs else None
-    if _moved_axis(n) is not None:  # permute/transpose: the channels move, they do not mix
+    if _moved_axis(n) is not None or _flatten_keeps_axis(n) is not None:  # channels move or stay; they do not mix
         join(x, n)
         return
     if n.op == "call_function" and target in (F.layer_norm, torch.layer_norm) and _layer_norm_call(n, join, norms, tensors):
@@ -400,14 +440,9 @@ def _function_rule(gm, n, out, inputs, join, freeze, links, norms, tensors) -> N
     if _is_flatten(n):
         _flatten_rule(x, n, join, freeze, links)
         return
-    if n.op in ("call_function", "call_method") and name in ("mean", "sum", "amax", "amin") and x is not None:
-        dims = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
-        dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
-        rank = len(tensor_shape(x))
-        if dims and node_axis(x) not in [d % rank for d in dims] and out is not None \
-                and node_axis(n) == node_axis(x):
-            join(x, n)
-            return
+    if _reduced_axis(n) is not None and out is not None and node_axis(n) == _reduced_axis(n):
+        join(x, n)  # a reduction over other dims (spatial or token mean) keeps each channel apart
+        return
     if n.op == "call_function" and x is not None and len(inputs) == 1 and out is not None and _probe_function(n, x):
         join(x, n)  # e.g. torchvision's stochastic_depth: acts on whole examples, so on each channel alone
         return

@@ -36,6 +36,23 @@ class LayerScaled(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
+class Tokens(nn.Module):
+    """ViT-style: patch embedding flattened to (N, C, T) and transposed to tokens (N, T, C), pre-norm MLP
+    residual, mean over tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Conv2d(3, 8, 4, stride=4)
+        self.norm = nn.LayerNorm(8)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        t = self.embed(x).flatten(2).transpose(1, 2)
+        t = t + self.fc2(F.gelu(self.fc1(self.norm(t))))
+        return self.head(t.mean(1))
+
+
 def randomized(model: nn.Module) -> nn.Module:
     torch.manual_seed(0)
     with torch.no_grad():  # non-trivial affine, so replicas of γ/β are really checked
@@ -47,7 +64,7 @@ def randomized(model: nn.Module) -> nn.Module:
 
 
 MODELS = {"convnext": (ConvNeXtish, (1, 3, 32, 32)), "swin": (Swinish, (1, 3, 32, 32)),
-          "layer_scaled": (LayerScaled, (1, 3, 16, 16))}
+          "layer_scaled": (LayerScaled, (1, 3, 16, 16)), "tokens": (Tokens, (1, 3, 16, 16))}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -129,6 +146,14 @@ def test_a_layer_scale_read_elsewhere_freezes_the_group():
     assert c.why_frozen(c.group_of["stem"]) and "scale" not in c.group("stem").tensors
     with pytest.raises(gg.NotApplicable, match="cannot grow the 8-channel group"):
         GrowWidth(target="stem", init="net2net")(gm)
+
+
+def test_the_channel_axis_is_followed_through_flatten_transpose_and_token_mean():
+    gm = gg.trace(Tokens(), (1, 3, 16, 16))
+    gg.annotate(gm, (1, 3, 16, 16))
+    c = analyze(gm)
+    grp = c.group("embed")
+    assert grp.sources == ["embed", "fc2"] and sorted(grp.consumers) == ["fc1", "head"] and not c.why_frozen(grp.id)
 
 
 def test_channels_last_linear_is_known_by_its_axis():
