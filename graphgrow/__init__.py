@@ -20,6 +20,12 @@ from .trace import trace
 __version__ = "0.1.0"
 
 
+def fold(gm, verify_result: bool = True, seed: int = 0) -> PassResult:
+    """Fold growth's linear structure (BatchNorm, gates, parallel branches, adapters) into plain layers,
+    in eval-mode semantics; verified and logged like a pass. The transform is the registered `fold`."""
+    return get_pass("fold")()(gm, verify_result=verify_result, seed=seed)
+
+
 def __getattr__(name: str):
     # ONNX and onnxruntime load lazily: the pass API should not pay for them.
     if name == "export_onnx":
@@ -36,5 +42,5 @@ __all__ = [
     "PreservationError", "RuntimeUnavailable", "SaveError", "SpecError", "TraceError", "ValidationError",
     "LoadedModel", "load_model", "save_model", "Pass", "PassResult", "Pipeline", "PipelineResult",
     "build_pipeline", "parse_spec", "all_passes", "get_pass", "pass_names", "register_pass", "Rewrite",
-    "annotate", "trace", "export_onnx", "check_equivalence",
+    "annotate", "trace", "export_onnx", "check_equivalence", "fold",
 ]

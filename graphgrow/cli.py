@@ -179,12 +179,19 @@ def _print_mutation(report: dict) -> None:
         args = ", ".join(f"{k}={v}" for k, v in p["args"].items() if v is not None)
         out.print(f"[bold]{i}. {p['name']}[/]({args})")
         for k, v in p["targets"].items():
-            out.print(f"   {k}: {v}")
+            if isinstance(v, list):
+                out.print(f"   {k}:", markup=False, highlight=False)
+                for item in v:
+                    out.print(f"     - {item}", markup=False, highlight=False)
+            else:
+                out.print(f"   {k}: {v}")
         out.print(f"   nodes: +{len(p['nodes_added'])} −{len(p['nodes_removed'])}")
         out.print(f"   params: {p['params_before']:,} → {p['params_after']:,}")
         out.print(f"   FLOPs/example: {p['flops_before']:,} → {p['flops_after']:,}")
         pres = p.get("preservation")
-        if pres:
+        if pres and pres["train_rel_err"] is None:
+            out.print(f"   verified in eval mode: rel err {pres['eval_rel_err']:.1e}")
+        elif pres:
             steps = ", ".join(f"{k}@{v}" for k, v in pres["new_parameters"].items())
             out.print(f"   verified: eval rel err {pres['eval_rel_err']:.1e}, train rel err {pres['train_rel_err']:.1e}; "
                       f"new parameters learn (first gradient at SGD step): {steps or 'none new'}")
@@ -233,17 +240,39 @@ def replay(model, log_from, output, onnx_out, check, provider, max_params, max_m
 
 @main.command()
 @click.argument("model")
-@click.option("-o", "--output", "output", required=True, metavar="OUT.onnx", help="ONNX file to write")
+@click.option("-o", "--output", "output", metavar="OUT.pt", help="where to save the folded model (default: beside MODEL as NAME.folded.pt)")
+@click.option("--onnx", "onnx_out", metavar="OUT.onnx", help="also export the folded model to this ONNX file")
+@click.option("--check", is_flag=True, help="run the ONNX model in onnxruntime and compare with PyTorch (folded and original, eval mode)")
+@click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="onnxruntime execution provider for --check")
 @_common
-def export(model, output, input_shape, trust, leaves, trace_mode, as_json, debug):
+def fold(model, output, onnx_out, check, provider, input_shape, trust, leaves, trace_mode, as_json, debug):
+    """Fold growth's linear structure into plain layers for deployment (eval-mode semantics, verified, logged)."""
+    from . import workflow
+
+    _run(_growth_job(lambda progress: workflow.mutate(
+        model, ["fold"], output, onnx_out, check, input_shape, provider, trust, leaves, 0, progress, trace_mode=trace_mode,
+        suffix=".folded.pt"), as_json), as_json, debug)
+
+
+@main.command()
+@click.argument("model")
+@click.option("-o", "--output", "output", required=True, metavar="OUT.onnx", help="ONNX file to write")
+@click.option("--fold", "fold_first", is_flag=True, help="fold growth's linear structure into plain layers first (eval mode; see `graphgrow fold`)")
+@_common
+def export(model, output, fold_first, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Export MODEL to one self-contained ONNX file with a dynamic batch dimension."""
     from . import workflow
 
     def job(progress):
-        report = workflow.export(model, output, input_shape, trust, leaves, progress, trace_mode=trace_mode)
+        report = workflow.export(model, output, input_shape, trust, leaves, progress, trace_mode=trace_mode, fold=fold_first)
         if as_json:
             print(json.dumps(report, default=str))
         else:
+            if report["fold"] is not None:
+                f = report["fold"]
+                out.print(f"folded: params {f['params_before']:,} → {f['params_after']:,}, FLOPs/example "
+                          f"{f['flops_before']:,} → {f['flops_after']:,}", markup=False, highlight=False)
             out.print(f"wrote {output} (IR {report['ir_version']}, opset {report['opset'][0] if report['opset'] else '?'}, "
                       f"{len(report['log'])} logged mutations) in {report['timings']['export']:.1f}s")
         return 0

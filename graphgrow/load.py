@@ -286,6 +286,6 @@ def default_output_path(source: str, suffix: str = ".grown.pt") -> Path:
     candidate = base.with_name(base.name + suffix)
     i = 1
     while candidate.exists():
-        candidate = base.with_name(f"{base.name}.grown-{i}{suffix.removeprefix('.grown')}")
+        candidate = base.with_name(f"{base.name}{suffix.removesuffix('.pt')}-{i}.pt")
         i += 1
     return candidate

@@ -90,6 +90,7 @@ class Pass:
     """
 
     name: ClassVar[str] = ""
+    grows: ClassVar[bool] = True  # False for transforms that never add parameters (fold): no size estimate first
 
     def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
         raise NotImplementedError
@@ -121,7 +122,7 @@ class Pass:
         if any("gg_shape" not in n.meta for n in gm.graph.nodes):
             annotate(gm, input_shape)
         budget_note = check_budget(self.name, lambda m: self.apply(m, torch.Generator().manual_seed(seed)).gm, gm,
-                                   input_shape, limits or Limits())
+                                   input_shape, limits or Limits()) if self.grows else None
         fingerprint = _fingerprint(gm)
         before_nodes = {n.name for n in gm.graph.nodes}
         generator = torch.Generator().manual_seed(seed)
@@ -130,13 +131,17 @@ class Pass:
         new = rw.gm
         if new is gm:
             raise ValidationError(f"pass {self.name} returned its input instead of a copy", "passes must be functional; see rewrite.copy_graph_module")
-        _follow_modes(gm, new)
+        if rw.eval_only:
+            new.eval()
+        else:
+            _follow_modes(gm, new)
         annotate(new, input_shape)
         after_nodes = {n.name for n in new.graph.nodes}
-        report = verify(gm, new, input_shape, seed=seed, exact=rw.exact) if verify_result and rw.changed else None
+        report = verify(gm, new, input_shape, seed=seed, exact=rw.exact, eval_only=rw.eval_only) if verify_result and rw.changed else None
         notes = list(rw.notes) + ([budget_note] if budget_note else [])
         if report is not None and not rw.exact:
-            notes.append(f"function changed on purpose: eval rel err {report.eval.rel_err:.3g}, train rel err {report.train.rel_err:.3g}")
+            train_err = f", train rel err {report.train.rel_err:.3g}" if report.train is not None else ""
+            notes.append(f"function changed on purpose: eval rel err {report.eval.rel_err:.3g}{train_err}")
         if report is not None and report.cancelled:
             notes.append(f"{', '.join(report.cancelled)} get a gradient only in eval mode: a following normalisation "
                          "cancels them in train mode (redundant, like a conv bias before BatchNorm)")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .errors import PreservationError, ValidationError
+from .errors import NotApplicable, PreservationError, ValidationError
 from .shapes import example_input
 from .state import dropout_off, preserved_buffers, seeded, training_mode
 
@@ -43,7 +43,7 @@ class ModeCheck:
 @dataclass
 class PreservationReport:
     eval: ModeCheck
-    train: ModeCheck
+    train: ModeCheck | None  # None: eval-mode semantics only (a deployment transform such as fold)
     trainable: dict[str, int] = field(default_factory=dict)  # new param → SGD step at which it first got a gradient
     dead: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)  # no train-mode gradient: a later normalisation cancels them
@@ -51,11 +51,11 @@ class PreservationReport:
     @property
     def degenerate(self) -> bool:
         """The old output was all zeros: the comparison says little."""
-        return self.eval.max_abs_ref == 0.0 or self.train.max_abs_ref == 0.0
+        return self.eval.max_abs_ref == 0.0 or (self.train is not None and self.train.max_abs_ref == 0.0)
 
     @property
     def max_rel_err(self) -> float:
-        return max(self.eval.rel_err, self.train.rel_err)
+        return max(self.eval.rel_err, self.train.rel_err if self.train is not None else 0.0)
 
     @property
     def trainable_ok(self) -> bool:
@@ -65,12 +65,12 @@ class PreservationReport:
         return {
             "max_rel_err": self.max_rel_err,
             "eval_ok": self.eval.ok,
-            "train_ok": self.train.ok,
+            "train_ok": self.train.ok if self.train is not None else None,
             "trainable_ok": self.trainable_ok,
             "eval_rel_err": self.eval.rel_err,
-            "train_rel_err": self.train.rel_err,
+            "train_rel_err": self.train.rel_err if self.train is not None else None,
             "eval_fp64_rel_err": self.eval.fp64_rel_err,
-            "train_fp64_rel_err": self.train.fp64_rel_err,
+            "train_fp64_rel_err": self.train.fp64_rel_err if self.train is not None else None,
             "new_parameters": self.trainable,
         }
 
@@ -102,8 +102,8 @@ def compare_outputs(old_out: Any, new_out: Any, mode: str) -> ModeCheck:
 
 
 def check_preservation(old: nn.Module, new: nn.Module, input_shape: Sequence[int], seed: int = 0, batch: int = 2,
-                       new_eval_output: Any = None) -> tuple[ModeCheck, ModeCheck]:
-    """Compare old and new in eval and train mode. Neither model is changed.
+                       new_eval_output: Any = None, train: bool = True) -> tuple[ModeCheck, ModeCheck | None]:
+    """Compare old and new in eval and (unless train=False) train mode. Neither model is changed.
 
     A mode that misses the tolerance in fp32 is compared again in float64 (on
     copies): splitting a weight into shares (Net2Net) is exact in real arithmetic
@@ -118,11 +118,11 @@ def check_preservation(old: nn.Module, new: nn.Module, input_shape: Sequence[int
             with training_mode(new, False):
                 new_eval_output = new(x)
         ev = compare_outputs(old_eval, new_eval_output, "eval")
-        tr = compare_outputs(_train_forward(old, x, seed), _train_forward(new, x, seed), "train")
-        if (not ev.ok or not tr.ok) and x.dtype == torch.float32:
+        tr = compare_outputs(_train_forward(old, x, seed), _train_forward(new, x, seed), "train") if train else None
+        if (not ev.ok or (tr is not None and not tr.ok)) and x.dtype == torch.float32:
             old64, new64, x64 = copy.deepcopy(old).double(), copy.deepcopy(new).double(), x.double()
             for check in (ev, tr):
-                if check.ok:
+                if check is None or check.ok:
                     continue
                 if check.mode == "eval":
                     with training_mode(old64, False), training_mode(new64, False):
@@ -141,7 +141,8 @@ def _train_forward(m: nn.Module, x: torch.Tensor, seed: int):
 
 def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], input_shape: Sequence[int],
                        seed: int = 0, batch: int = 2, steps: int = 3,
-                       lr: float = 0.01, train_all: bool = False) -> tuple[dict[str, int], list[str], list[str]]:
+                       lr: float = 0.01, train_all: bool = False,
+                       old_nodes: set[str] | None = None) -> tuple[dict[str, int], list[str], list[str]]:
     """Which new parameters get a non-zero gradient, and at which SGD step (0 = at once).
 
     Returns (first step per parameter, dead, cancelled). *Cancelled* parameters get
@@ -191,6 +192,7 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                             got[name] = step
                     if step == 0 and not got and not train_all:
                         if any(_has_grad(params[n]) for n in upstream):
+                            refuse_if_silent(new, list(new_params), x, old_nodes)
                             raise PreservationError(
                                 "no new parameter gets a gradient at insertion although the layers before it do: "
                                 "the new contribution is dead",
@@ -239,3 +241,40 @@ def _new_region(t: torch.Tensor, old_shape) -> torch.Tensor:
         idx[d] = slice(n, None)
         mask[tuple(idx)] = True
     return t[mask]
+
+
+def silent_inputs(gm: nn.Module, dead: list[str], x: torch.Tensor, old_nodes: set[str]) -> list[str]:
+    """Modules owning `dead` parameters that read an old node's tensor which is identically zero in eval
+    and train mode: the model (a dead ReLU), not the pass, keeps them from learning."""
+    owners_of = {name.rpartition(".")[0] for name in dead if "." in name}
+    graph = getattr(gm, "graph", None)
+    def owns(target: str) -> bool:  # the module itself or a container of it (a new nn.Sequential block)
+        return any(o == target or o.startswith(target + ".") for o in owners_of)
+    owners = sorted({str(n.target) for n in (graph.nodes if graph is not None else ()) if n.op == "call_module"
+                     and owns(str(n.target)) and n.args and getattr(n.args[0], "name", None) in old_nodes})
+    seen: dict[str, float] = {}
+    hooks = []
+    for path in owners:
+        def record(module, args, path=path):
+            t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            seen[path] = max(seen.get(path, 0.0), float(t.detach().abs().max()) if t is not None else float("inf"))
+        hooks.append(gm.get_submodule(path).register_forward_pre_hook(record))
+    try:
+        with torch.no_grad(), preserved_buffers(gm):
+            for mode in (False, True):
+                with training_mode(gm, mode), dropout_off(gm):
+                    gm(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [p for p in owners if seen.get(p, float("inf")) == 0.0]
+
+
+def refuse_if_silent(gm: nn.Module, names: list[str], x: torch.Tensor, old_nodes: set[str] | None) -> None:
+    """NotApplicable when new layers cannot learn because the old tensor they read is zero (the model's doing, not the pass's)."""
+    if not old_nodes:
+        return
+    silent = silent_inputs(gm, names, x, old_nodes)
+    if silent:
+        raise NotApplicable(f"the tensor entering '{silent[0]}' is zero on every check input (a dead ReLU before it?): "
+                            "layers grown there cannot learn", "grow at another place, or train the model first")

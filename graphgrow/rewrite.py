@@ -22,6 +22,7 @@ class Rewrite:
     notes: list[str] = field(default_factory=list)
     changed: bool = True
     exact: bool = True  # False: the pass changes the function on purpose; verification reports, not refuses
+    eval_only: bool = False  # True: a deployment transform, exact in eval mode only (the result is left in eval mode)
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -105,3 +105,24 @@ def _quiet_ort():
         yield
     finally:
         ort.set_default_logger_severity(2)
+
+
+def optimized_op_counts(model: bytes | str | os.PathLike) -> dict[str, int]:
+    """Op type → count in the graph onnxruntime (CPU, all graph optimisations) actually runs.
+
+    Deterministic: it says whether two models deploy as the same kernels (fold's target for
+    linear-only growth), where a latency ratio would only say so up to noise."""
+    import collections
+    import tempfile
+
+    import onnx
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    with tempfile.TemporaryDirectory() as d:
+        opts.optimized_model_filepath = os.path.join(d, "optimized.onnx")
+        src = str(model) if isinstance(model, (str, os.PathLike)) else model
+        ort.InferenceSession(src, opts, providers=[CPU])
+        graph = onnx.load(opts.optimized_model_filepath, load_external_data=False).graph
+    return dict(collections.Counter(n.op_type for n in graph.node))

@@ -6,7 +6,7 @@ from typing import Sequence
 from torch import fx
 
 from .errors import PreservationError, ValidationError
-from .preserve import PreservationReport, check_preservation, check_trainability
+from .preserve import PreservationReport, check_preservation, check_trainability, refuse_if_silent
 from .rewrite import new_parameters
 from .shapes import example_input, run_recording, validate_batch_sizes
 from .state import training_mode
@@ -15,10 +15,11 @@ BATCHES = (2, 3)  # two sizes: a batch size baked into a view/reshape shows up
 
 
 def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Sequence[int], seed: int = 0,
-           exact: bool = True) -> PreservationReport:
+           exact: bool = True, eval_only: bool = False) -> PreservationReport:
     """Raise ValidationError / PreservationError unless `new` is a valid, exact, trainable growth of `old`.
 
     `exact=False` (a pass that changes the function on purpose) measures the change without refusing it.
+    `eval_only=True` (a deployment transform such as fold) checks eval mode only, and no trainability.
     """
     try:
         new.graph.lint()
@@ -30,22 +31,26 @@ def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Sequence[int],
     with training_mode(new, False):
         first = run_recording(new, x)
     validate_batch_sizes(new, input_shape, BATCHES, first=first, first_input=x)
-    ev, tr = check_preservation(old, new, input_shape, seed=seed, batch=b1, new_eval_output=first.output)
+    ev, tr = check_preservation(old, new, input_shape, seed=seed, batch=b1, new_eval_output=first.output, train=not eval_only)
     for check in (ev, tr) if exact else ():
-        if not check.ok:
+        if check is not None and not check.ok:
             raise PreservationError(
                 f"the pass changed the model's {check.mode}-mode output: relative error {check.rel_err:.3g}, "
                 f"max |Δ| {check.max_abs_err:.3g} (limit 1e-5 of max |out| {check.max_abs_ref:.3g})"
                 + (f", {check.fp64_rel_err:.3g} in float64" if check.fp64_rel_err is not None else ""),
                 "this is a bug in the pass; please report it with the model",
             )
+    if eval_only:
+        return PreservationReport(ev, None)
     grown = new_parameters(old, new)
     upstream = upstream_parameters(old, new, grown)
-    got, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed, batch=b1)
+    old_nodes = {n.name for n in old.graph.nodes}
+    got, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed, batch=b1, old_nodes=old_nodes)
     if dead:  # the model may block its own gradient (a zero-initialised last BatchNorm): train everything, as training would
         again, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed, batch=b1, train_all=True)
         got = {**again, **got}
     if dead:
+        refuse_if_silent(new, dead, x, old_nodes)
         raise PreservationError(
             f"new parameters get no gradient after 3 SGD steps, in train or eval mode: {', '.join(dead)}",
             "never zero both the incoming and the outgoing weights of new units (DESIGN §4)",

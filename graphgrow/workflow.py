@@ -216,11 +216,12 @@ def _check_finite(model: nn.Module, source: str) -> None:
 def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: str | None = None,
            check: bool = False, input_shape=None, provider: str = "auto", trust: bool = False,
            leaves: Sequence[str] = (), seed: int = 0, progress: Progress = _noop, trace_mode: str = "eval",
-           max_params=None, max_memory=None) -> dict:
-    """Load → run the pipeline with verification → save → (export) → (check). Returns the JSON report."""
+           max_params=None, max_memory=None, suffix: str = ".grown.pt") -> dict:
+    """Load → run the pipeline with verification → save → (export) → (check). Returns the JSON report.
+    Without `out` the result goes beside the model as NAME`suffix`."""
     pipeline = Pipeline.from_spec(list(specs), seed=seed)  # spec errors before any work
     pipeline.limits = _limits(max_params, max_memory)
-    out_path = check_output_path(out or default_output_path(source), inputs=(source,))
+    out_path = check_output_path(out or default_output_path(source, suffix), inputs=(source,))
     onnx_path = check_output_path(onnx_out, inputs=(source,)) if onnx_out else None
     _distinct_outputs(out_path, onnx_path)
     opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, pipeline.limits.max_memory)
@@ -341,7 +342,7 @@ def _preservation_json(result: PipelineResult) -> dict:
     return {
         "max_rel_err": max((p.max_rel_err for p in reports), default=0.0),
         "eval_ok": all(p.eval.ok for p in reports),
-        "train_ok": all(p.train.ok for p in reports),
+        "train_ok": all(p.train.ok for p in reports if p.train is not None),
         "trainable_ok": all(p.trainable_ok for p in reports),
         "verified_passes": len(reports),
     }
@@ -382,16 +383,24 @@ def _read_log(log_source: str, trust: bool) -> tuple[list[dict], list[int] | Non
 
 
 def export(source: str, out: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-           progress: Progress = _noop, trace_mode: str = "eval") -> dict:
+           progress: Progress = _noop, trace_mode: str = "eval", fold: bool = False) -> dict:
+    """Export the model to ONNX; with `fold`, through the `fold` transform first (verified, logged)."""
     from .export import export_onnx
     from .runtime import max_ir_version
 
     out_path = check_output_path(out, inputs=(source,))
     opened = open_model(source, input_shape, trust, leaves, progress, trace_mode)
+    gm = opened.gm
+    folded = None
+    if fold:
+        progress("folding (+ verification)")
+        folded = Pipeline.from_spec("fold").run(gm).results[0]
+        gm = folded.gm
     progress("exporting to ONNX")
     t = time.perf_counter()
-    proto = export_onnx(opened.gm, opened.input_shape, out_path, max_ir_version=max_ir_version())
+    proto = export_onnx(gm, opened.input_shape, out_path, max_ir_version=max_ir_version())
     return {"model": source, "input_shape": opened.input_shape, "outputs": [str(out_path)],
+            "fold": folded.to_json() if folded is not None else None,
             "ir_version": proto.ir_version, "opset": [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")][:1],
             "log": json.loads(next((p.value for p in proto.metadata_props if p.key == "graphgrow.mutation_log"), "[]")),
             "timings": {"export": time.perf_counter() - t}}

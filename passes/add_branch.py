@@ -85,7 +85,7 @@ def build_branch(op: Op, cin: int, cout: int, stride: tuple[int, int], like: tor
     if op == "dilconv3x3":
         return nn.Sequential(nn.ReLU(), conv(cin, cin, 3, stride, d=2, groups=cin), conv(cin, cout, 1), bn(cout))
     if op == "avgpool3x3":
-        return nn.Sequential(*adapt([nn.AvgPool2d(3, stride, 1, count_include_pad=False)]))
+        return nn.Sequential(*adapt([nn.AvgPool2d(3, stride, 1, count_include_pad=True)]))
     if op == "maxpool3x3":
         return nn.Sequential(*adapt([nn.MaxPool2d(3, stride, 1)]))
     if stride != (1, 1) or cin != cout:  # identity that must change size: a strided 1×1 conv + BN

@@ -12,6 +12,8 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
+from graphgrow.layers import AverageMerge
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -42,6 +44,20 @@ def randomize_bn(model: nn.Module, seed: int = 0) -> nn.Module:
                 m.weight.copy_(torch.rand(m.num_features, generator=g) + 0.5)
                 m.bias.copy_(torch.randn(m.num_features, generator=g) * 0.1)
     return model
+
+
+def trained_looking(gm: nn.Module, seed: int = 1) -> nn.Module:
+    """As if trained: BatchNorm statistics and affine, merge gates and scalar gates all non-zero (some negative)."""
+    randomize_bn(gm, seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in gm.modules():
+            if isinstance(m, AverageMerge):
+                m.gates.copy_(torch.randn(m.gates.shape, generator=g))
+        for p in gm.parameters():
+            if p.dim() == 0:
+                p.copy_(torch.randn((), generator=g))
+    return gm
 
 
 def snapshot(model: nn.Module) -> dict:

@@ -6,6 +6,7 @@ afterwards. GRAPHGROW_FUZZ_EXAMPLES sets the count (`make fuzz` runs a long camp
 """
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections import Counter
@@ -16,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import graphgrow as gg
-from conftest import assert_same_snapshot, randomize_bn, snapshot
+from conftest import assert_same_snapshot, randomize_bn, snapshot, trained_looking
 from fuzz_models import IN_CH, SIZE, FuzzNet, architectures, pass_spec
 
 EXAMPLES = int(os.environ.get("GRAPHGROW_FUZZ_EXAMPLES", "60"))
@@ -63,6 +64,10 @@ def test_random_pipelines_verify_or_raise_typed_errors(arch, data):
             if r.preservation is not None and r.exact:
                 assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
         assert result.results[-1].gm is not gm
+        # fold must be exact (eval mode) on whatever the pipeline grew, once gates and statistics look trained
+        deployed = gg.fold(trained_looking(copy.deepcopy(result.gm)))
+        assert deployed.preservation is None or deployed.preservation.eval.ok
+        STATS["folded"] += 1
     assert_same_snapshot(before, snapshot(gm))
 
 
@@ -91,3 +96,13 @@ def test_a_group_assembled_by_cat_cannot_grow_on_its_own():
         gg.Pipeline.from_spec("grow_width(target=layers.1.0)").run(gm)
     r = gg.Pipeline.from_spec("grow_width(target=layers.0.0)").run(gm).results[0]  # the way out: grow an input
     assert r.preservation.eval.ok and r.preservation.trainable_ok
+
+
+def test_growing_after_a_dead_relu_is_refused_not_blamed_on_the_pass():
+    """Found by the fuzzer: a ReLU that is zero on every check input leaves a deepened block without gradient.
+    The model keeps it from learning, not the pass: NotApplicable (exit 2), not PreservationError."""
+    torch.manual_seed(0)
+    gm = gg.trace(randomize_bn(FuzzNet([("cat", 1, 1), ("conv", 2, 1, 1, "full"), ("act", "relu")], ("gap", False))),
+                  (1, IN_CH, SIZE, SIZE))
+    with pytest.raises(gg.NotApplicable, match="zero on every check input"):
+        gg.Pipeline.from_spec("deepen").run(gm)
