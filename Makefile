@@ -29,6 +29,7 @@ test-quick: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_steps.py
 	$(BIN)/python benchmarks/bench_passes.py
+	$(BIN)/python benchmarks/bench_fold.py
 
 clean:
 	rm -rf demo_out .pytest_cache .hypothesis
