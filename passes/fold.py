@@ -13,7 +13,8 @@ Rules, applied until nothing changes:
   tensor) are removed, and nn.Sequential containers are inlined;
 - every chain and sum of linear maps of one tensor — conv, Linear, BatchNorm, scalar
   multiples, average pooling with count_include_pad, the identity — becomes one conv
-  (or Linear) when that costs no more multiply-adds than what it replaces: BatchNorm
+  (or Linear) when that costs no more multiply-adds and no more weights than what it
+  replaces (a k×k conv after a k×k conv never becomes a larger kernel): BatchNorm
   into its conv, parallel branches into the main conv (smaller kernels centre-padded),
   a 1×1 adapter into the conv before or after it, a mode=adapter widening back into a
   conv of the original width;
@@ -22,9 +23,9 @@ What stays (non-linear branches, real depth or width) is listed with the reason.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -113,7 +114,9 @@ def _split_norm_subclasses(gm: fx.GraphModule) -> int:
         shape = tensor_shape(n)
         if shape is None or len(n.args) != 1 or n.kwargs or not isinstance(n.args[0], fx.Node) or m.running_mean is None:
             continue
-        plain_type = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[len(shape)]
+        plain_type = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}.get(len(shape))
+        if plain_type is None:
+            continue
         plain = plain_type(m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats,
                            device=m.running_mean.device, dtype=m.running_mean.dtype).eval()
         plain.load_state_dict({k: v for k, v in m.state_dict().items() if k in plain.state_dict()})
@@ -262,13 +265,17 @@ def _nonnegative(gm: fx.GraphModule) -> set[fx.Node]:
         elif n.op == "call_function":
             if n.target in _NONNEG_FNS or (n.target in _KEEP_SIGN_FNS and keeps):
                 out.add(n)
-            elif n.target in _ADD and keeps:
-                out.add(n)
-            elif n.target in _MUL and keeps or (n.target in _MUL and (s := _scalar_operand(n)) and s[0] >= 0 and s[1] in out):
-                out.add(n)
+            elif n.target in _ADD + _MUL and not n.kwargs and all(_nonneg_value(a, out) for a in n.args):
+                out.add(n)  # sums and products of non-negative tensors and numbers (x − 1 is not one)
         elif n.op == "call_method" and (n.target in ("relu", "sigmoid", "exp", "abs") or (n.target in _KEEP_SIGN_METHODS and keeps)):
             out.add(n)
     return out
+
+
+def _nonneg_value(a: Any, nonneg: set[fx.Node]) -> bool:
+    if isinstance(a, fx.Node):
+        return a in nonneg
+    return isinstance(a, (int, float)) and not isinstance(a, bool) and a >= 0
 
 
 def _drop_idempotent_relus(gm: fx.GraphModule) -> int:

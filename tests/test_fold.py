@@ -218,3 +218,15 @@ def test_cli_fold_and_export_fold(tmp_path, cnn_file):
     assert "folded: params" in proc.stdout
     proc = run_cli("fold", str(grown), "-o", str(tmp_path / "x.pt"), "--onnx", str(tmp_path / "x.pt"))
     assert proc.returncode == 2 and not (tmp_path / "x.pt").exists()
+
+
+def test_a_relu_after_a_shift_or_a_negative_scale_is_kept():
+    """relu(relu(x) − 1) and relu(−2·relu(x)) are not relu(x) − 1 and −2·relu(x): only non-negative inputs lose their ReLU."""
+    class Shifted(nn.Module):
+        def forward(self, x):
+            r = torch.relu(x)
+            return torch.relu(r - 1.0) + torch.relu(r + (-1.0)) + torch.relu(r * -2.0) + torch.relu(r * 3.0)
+
+    r = folded(gg.trace(Shifted(), (1, 4)))
+    relus = sum(1 for n in r.gm.graph.nodes if n.op == "call_function" and n.target is torch.relu)
+    assert relus == 4  # the first, and the three after a shift or a negative scale; relu(3·r) is dropped
