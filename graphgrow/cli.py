@@ -245,13 +245,15 @@ def replay(model, log_from, output, onnx_out, check, provider, max_params, max_m
 @click.option("--check", is_flag=True, help="run the ONNX model in onnxruntime and compare with PyTorch (folded and original, eval mode)")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="onnxruntime execution provider for --check")
+@click.option("--grow-kernels", is_flag=True, help="let a branch with a larger kernel enlarge the main conv (fewer FLOPs than unfolded, more than before growth)")
 @_common
-def fold(model, output, onnx_out, check, provider, input_shape, trust, leaves, trace_mode, as_json, debug):
+def fold(model, output, onnx_out, check, provider, grow_kernels, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Fold growth's linear structure into plain layers for deployment (eval-mode semantics, verified, logged)."""
     from . import workflow
 
+    spec = "fold(grow_kernels=true)" if grow_kernels else "fold"
     _run(_growth_job(lambda progress: workflow.mutate(
-        model, ["fold"], output, onnx_out, check, input_shape, provider, trust, leaves, 0, progress, trace_mode=trace_mode,
+        model, [spec], output, onnx_out, check, input_shape, provider, trust, leaves, 0, progress, trace_mode=trace_mode,
         suffix=".folded.pt"), as_json), as_json, debug)
 
 

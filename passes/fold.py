@@ -14,7 +14,8 @@ Rules, applied until nothing changes:
 - every chain and sum of linear maps of one tensor — conv, Linear, BatchNorm, scalar
   multiples, average pooling with count_include_pad, the identity — becomes one conv
   (or Linear) when that costs no more multiply-adds and no more weights than what it
-  replaces (a k×k conv after a k×k conv never becomes a larger kernel): BatchNorm
+  replaces (a k×k conv after a k×k conv never becomes a larger kernel, and a branch
+  with a larger kernel enlarges the main conv only with grow_kernels=true): BatchNorm
   into its conv, parallel branches into the main conv (smaller kernels centre-padded),
   a 1×1 adapter into the conv before or after it, a mode=adapter widening back into a
   conv of the original width;
@@ -700,7 +701,7 @@ class _Analysis:
     why: dict  # add/sub node → why its operands stayed apart
 
 
-def _analyse(gm: fx.GraphModule) -> _Analysis:
+def _analyse(gm: fx.GraphModule, grow_kernels: bool = False) -> _Analysis:
     """Forms of every node. `forms` holds those worth emitting (no more multiply-adds than the parts);
     `full` composes regardless of cost, because a costly chain can still disappear into a sum
     (an average-pool branch with a 1×1 adapter merges into a 3×3 main conv for free)."""
@@ -746,6 +747,10 @@ def _analyse(gm: fx.GraphModule) -> _Analysis:
                     got = combine(_sum(fa, fb, sign, shape), [fa, fb], _numel(shape), {n})
                     if got is None:
                         continue
+                    if kind == "conv" and not grow_kernels and _grows_kernel(fa, got):
+                        why[n] = (f"merging would grow the kernel of '{a.name}' from {_k(fa)} to {_k(got)} "
+                                  "(fold(grow_kernels=true) does it: fewer multiply-adds than unfolded, more than before growth)")
+                        continue
                     full.setdefault(n, got)
                     if cheap(got, shape):
                         forms[n] = got
@@ -772,6 +777,15 @@ def _analyse(gm: fx.GraphModule) -> _Analysis:
             if cheap(got, shape):
                 forms[n] = got  # type: ignore[assignment]
     return _Analysis(forms, why)
+
+
+def _k(f: Form) -> str:
+    return f"{f.weight.shape[2]}×{f.weight.shape[3]}"
+
+
+def _grows_kernel(main: Form, merged: Form) -> bool:
+    """The merged kernel is larger than the first term's (the main path's) in some direction."""
+    return merged.weight.shape[2] > main.weight.shape[2] or merged.weight.shape[3] > main.weight.shape[3]
 
 
 def _apart(gm: fx.GraphModule, full: dict, a: fx.Node, b: fx.Node, n: fx.Node) -> str:
@@ -909,8 +923,10 @@ def _refresh(gm: fx.GraphModule, input_shape) -> None:
     _annotate(gm, input_shape)
 
 
-def fold(gm: fx.GraphModule, generator: torch.Generator | None = None) -> Rewrite:
-    """Fold linear structure into plain layers, in eval-mode semantics (see the module docstring)."""
+def fold(gm: fx.GraphModule, grow_kernels: bool = False, generator: torch.Generator | None = None) -> Rewrite:
+    """Fold linear structure into plain layers, in eval-mode semantics (see the module docstring).
+    `grow_kernels`: a branch with a larger kernel than the main conv's may enlarge it (more FLOPs than
+    before growth, fewer than unfolded); off by default."""
     from graphgrow.trace import input_shape_of
 
     code_before = gm.code
@@ -930,10 +946,10 @@ def fold(gm: fx.GraphModule, generator: torch.Generator | None = None) -> Rewrit
         _refresh(gm, input_shape)
         moved = _fold_gap_adapters(gm)
         folded += moved
-        analysis = _analyse(gm)
+        analysis = _analyse(gm, grow_kernels)
         if _reassociate(gm, analysis):
             _refresh(gm, input_shape)
-            analysis = _analyse(gm)
+            analysis = _analyse(gm, grow_kernels)
         absorbed = set().union(*(f.nodes - {n} for n, f in analysis.forms.items())) if analysis.forms else set()
         replaced: dict[fx.Node, fx.Node] = {}  # a form's source may itself be emitted earlier in this round
         for n, f in list(analysis.forms.items()):
@@ -946,7 +962,7 @@ def fold(gm: fx.GraphModule, generator: torch.Generator | None = None) -> Rewrit
             break
     finish(gm)
     _annotate(gm, input_shape)
-    analysis = _analyse(gm)
+    analysis = _analyse(gm, grow_kernels)
     kept: dict[str, str] = {}
     for n in gm.graph.nodes:
         if SITE in n.meta and _is_sum(n):
@@ -963,6 +979,7 @@ class Fold(Pass):
 
     name: ClassVar[str] = "fold"
     grows: ClassVar[bool] = False
+    grow_kernels: bool = False  # let a larger-kernel branch enlarge the main conv (fewer FLOPs than unfolded, more than before growth)
 
     def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
-        return fold(gm, generator)
+        return fold(gm, self.grow_kernels, generator)

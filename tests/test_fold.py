@@ -44,7 +44,7 @@ def kinds(gm) -> dict[str, int]:
 CNN = (1, 3, 32, 32)
 
 
-@pytest.mark.parametrize("op", ["conv3x3", "conv5x5", "avgpool3x3", "identity"])
+@pytest.mark.parametrize("op", ["conv3x3", "sepconv3x3", "avgpool3x3", "identity"])
 def test_linear_branches_fold_into_the_main_conv(op):
     gm = grow(small_cnn(), CNN, f"add_branch(op={op},count=2)")
     r = folded(gm)
@@ -53,12 +53,15 @@ def test_linear_branches_fold_into_the_main_conv(op):
     assert not r.targets.get("kept"), r.targets
 
 
-def test_a_conv5x5_branch_makes_the_main_conv_5x5_and_costs_less_than_unfolded():
+def test_a_conv5x5_branch_enlarges_the_main_conv_only_when_asked():
     gm = grow(small_cnn(), CNN, "add_branch(op=conv5x5)")
     r = folded(gm)
+    assert sorted(m.kernel_size for m in r.gm.modules() if isinstance(m, nn.Conv2d)) == [(3, 3)] * 3 + [(5, 5)]
+    assert "grow_kernels=true" in " ".join(r.targets["kept"])
+    r = gg.fold(gm, grow_kernels=True)
     last = [m for m in r.gm.modules() if isinstance(m, nn.Conv2d)][-1]
-    assert last.kernel_size == (5, 5) and last.padding == (2, 2)
-    assert r.flops_after < r.flops_before
+    assert last.kernel_size == (5, 5) and last.padding == (2, 2) and kinds(r.gm)["Conv2d"] == 3
+    assert r.preservation.eval.ok and r.flops_after < r.flops_before and not r.targets.get("kept")
 
 
 def test_a_non_linear_branch_stays_and_the_report_says_why():
@@ -168,11 +171,30 @@ def test_fold_is_idempotent_and_logged():
     assert [e["pass"] for e in twice.gm.meta["graphgrow"]["log"]][-3:] == ["add_branch", "fold", "fold"]
 
 
+EVERY_PASS = ["add_residual", "add_residual(start=_2,end=_5)", "grow_width", "grow_width(init=net2net,factor=2)",
+              "insert_adapter(out_channels=160)", "deepen", "add_branch(op=dilconv3x3,count=2)",
+              "add_branch(op=maxpool3x3,count=2),remove_branch(index=0,allow_change=true)",
+              "add_branch(op=conv3x3),add_branch(op=identity),deepen,insert_adapter,add_residual"]
+
+
 def test_every_growth_pass_and_a_pipeline_fold_exactly():
-    for spec in ["add_residual", "add_residual(start=_2,end=_5)", "grow_width", "grow_width(init=net2net,factor=2)",
-                 "insert_adapter(out_channels=160)", "deepen", "add_branch(op=dilconv3x3,count=2)",
-                 "add_branch(op=conv3x3),add_branch(op=identity),deepen,insert_adapter,add_residual"]:
+    for spec in EVERY_PASS:
         folded(grow(small_cnn(), CNN, spec))
+
+
+@pytest.mark.slow
+def test_every_growth_pass_folds_exactly_in_onnxruntime(tmp_path):
+    from graphgrow.equivalence import check_equivalence
+    from graphgrow.export import export_onnx
+    from graphgrow.runtime import max_ir_version, open_session
+
+    for i, spec in enumerate(EVERY_PASS):
+        gm = grow(small_cnn(), CNN, spec)
+        r = folded(gm)
+        path = tmp_path / f"{i}.onnx"
+        export_onnx(r.gm, CNN, path, max_ir_version=max_ir_version())
+        report = check_equivalence(gm.eval(), open_session(path, "cpu"), CNN, reference="grown model")
+        assert report.passed, (spec, report.to_json())
 
 
 @pytest.mark.slow
@@ -213,6 +235,8 @@ def test_cli_fold_and_export_fold(tmp_path, cnn_file):
     assert report["passes"][0]["preservation"]["train_ok"] is None
     log = gg.load_model(tmp_path / "g.folded.pt").module.meta["graphgrow"]["log"]
     assert [e["pass"] for e in log] == ["add_branch", "fold"]
+    proc = run_cli("fold", str(grown), "--grow-kernels", "-o", str(tmp_path / "k.pt"), "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["passes"][0]["args"] == {"grow_kernels": True}, proc.stderr
     proc = run_cli("export", str(grown), "--fold", "-o", str(tmp_path / "e.onnx"))
     assert proc.returncode == 0, proc.stderr
     assert "folded: params" in proc.stdout
