@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
 from torch import fx
 
-from .errors import PreservationError, ValidationError
-from .preserve import PreservationReport, check_preservation, check_trainability, refuse_if_silent
+from .errors import NotApplicable, PreservationError, ValidationError
+from .preserve import PreservationReport, check_preservation, check_trainability, flat_tensors, refuse_if_silent
 from .rewrite import new_parameters
 from .shapes import example_input, run_recording, validate_batch_sizes
-from .state import training_mode
+from .state import dropout_off, preserved_buffers, training_mode
 
 BATCHES = (2, 3)  # two sizes: a batch size baked into a view/reshape shows up
 
@@ -50,12 +51,53 @@ def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Sequence[int],
         again, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed, batch=b1, train_all=True)
         got = {**again, **got}
     if dead:
-        refuse_if_silent(new, dead, x, old_nodes)
+        # on the input the trainability check used (preserve.check_trainability: seed + 1)
+        xt = example_input(new, input_shape, seed=seed + 1, batch=b1)
+        refuse_if_silent(new, dead, xt, old_nodes)
+        deaf = deaf_points(old, new, dead, xt, old_nodes)
+        if deaf:
+            raise NotApplicable(f"the model's output does not depend on '{deaf[0]}' on the check inputs (no gradient reaches it, "
+                                "in eval or train mode: a dead ReLU after it?): layers grown there cannot learn",
+                                "grow at another place, or train the model first")
         raise PreservationError(
             f"new parameters get no gradient after 3 SGD steps, in train or eval mode: {', '.join(dead)}",
             "never zero both the incoming and the outgoing weights of new units (DESIGN §4)",
         )
     return PreservationReport(ev, tr, got, dead, cancelled)
+
+
+def deaf_points(old: fx.GraphModule, new: fx.GraphModule, dead: list[str], x: torch.Tensor, old_nodes: set[str]) -> list[str]:
+    """Old tensors at the modules owning `dead` parameters (what they read, or what a rebuilt old module
+    gives) that get no gradient in the *old* model, in eval and train mode: the model, not the pass,
+    keeps those layers from learning."""
+    owners = {name.rpartition(".")[0] for name in dead if "." in name}
+    users = [n for n in new.graph.nodes if n.op == "call_module" and any(o == n.target or o.startswith(f"{n.target}.") for o in owners)]
+    # the tensor a new module reads, or the output of an old module that was rebuilt wider
+    reads = sorted({n.args[0].name for n in users if n.args and getattr(n.args[0], "name", None) in old_nodes}
+                   | {n.name for n in users if n.name in old_nodes})
+    if not reads:
+        return []
+    heard: set[str] = set()
+    g = torch.Generator().manual_seed(1)
+    kept: dict[str, torch.Tensor] = {}
+
+    class Keep(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n.name in reads and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.retain_grad()
+                kept[n.name] = out
+            return out
+
+    for mode in (False, True):
+        kept.clear()
+        with training_mode(old, mode), dropout_off(old), preserved_buffers(old):
+            xi = x.detach().clone().requires_grad_(True)
+            outs = [t for t in flat_tensors(Keep(old).run(xi)) if t.is_floating_point() and t.requires_grad]
+            if outs:
+                sum((t * torch.randn(t.shape, generator=g).to(t)).sum() for t in outs).backward()
+        heard |= {k for k, t in kept.items() if t.grad is not None and bool((t.grad != 0).any())}
+    return [r for r in reads if r not in heard]
 
 
 def upstream_parameters(old: fx.GraphModule, new: fx.GraphModule, grown: dict) -> list[str]:

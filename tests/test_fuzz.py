@@ -106,3 +106,13 @@ def test_growing_after_a_dead_relu_is_refused_not_blamed_on_the_pass():
                   (1, IN_CH, SIZE, SIZE))
     with pytest.raises(gg.NotApplicable, match="zero on every check input"):
         gg.Pipeline.from_spec("deepen").run(gm)
+
+
+def test_growing_where_no_gradient_reaches_is_refused_not_blamed_on_the_pass():
+    """Found by the fuzzer: an adapter on the input of a model whose last ReLU is dead on the check inputs
+    gets no gradient, and neither would anything else there. NotApplicable, not PreservationError."""
+    torch.manual_seed(0)
+    gm = gg.trace(randomize_bn(FuzzNet([("act", "relu"), ("cat", 1, 1), ("cat", 1, 1), ("act", "relu")], ("gap", False))),
+                  (1, IN_CH, SIZE, SIZE))
+    with pytest.raises(gg.NotApplicable, match="does not depend on 'x'|zero on every check input"):
+        gg.Pipeline.from_spec("insert_adapter(after=x)").run(gm)
