@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_steps.py
 	$(BIN)/python benchmarks/bench_passes.py
 	$(BIN)/python benchmarks/bench_fold.py
+	$(BIN)/python benchmarks/bench_scale.py
 
 clean:
 	rm -rf demo_out .pytest_cache .hypothesis
