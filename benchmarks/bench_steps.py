@@ -66,7 +66,7 @@ def bench(name: str, size: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("models", nargs="*", default=["resnet50", "resnet18", "mobilenet_v2", "densenet121"])
+    ap.add_argument("models", nargs="*", default=["resnet18", "resnet50", "mobilenet_v2", "vit_b_16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--size", type=int, default=224)
     args = ap.parse_args(argv)
