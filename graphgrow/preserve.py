@@ -243,15 +243,24 @@ def _new_region(t: torch.Tensor, old_shape) -> torch.Tensor:
     return t[mask]
 
 
+def owner_calls(gm: nn.Module, names: list[str]) -> list:
+    """The call_module nodes of `gm` whose module owns one of the parameters `names`, or contains
+    one that does (a new nn.Sequential block is called as a whole)."""
+    owners = {name.rpartition(".")[0] for name in names if "." in name}
+    graph = getattr(gm, "graph", None)
+    return [n for n in (graph.nodes if graph is not None else ()) if n.op == "call_module"
+            and any(o == n.target or o.startswith(f"{n.target}.") for o in owners)]
+
+
+def reads_old(n, old_nodes: set[str]) -> bool:
+    """Whether node `n`'s first argument is a node of the model before the pass."""
+    return bool(n.args) and getattr(n.args[0], "name", None) in old_nodes
+
+
 def silent_inputs(gm: nn.Module, dead: list[str], x: torch.Tensor, old_nodes: set[str]) -> list[str]:
     """Modules owning `dead` parameters that read an old node's tensor which is identically zero in eval
     and train mode: the model (a dead ReLU), not the pass, keeps them from learning."""
-    owners_of = {name.rpartition(".")[0] for name in dead if "." in name}
-    graph = getattr(gm, "graph", None)
-    def owns(target: str) -> bool:  # the module itself or a container of it (a new nn.Sequential block)
-        return any(o == target or o.startswith(target + ".") for o in owners_of)
-    owners = sorted({str(n.target) for n in (graph.nodes if graph is not None else ()) if n.op == "call_module"
-                     and owns(str(n.target)) and n.args and getattr(n.args[0], "name", None) in old_nodes})
+    owners = sorted({str(n.target) for n in owner_calls(gm, dead) if reads_old(n, old_nodes)})
     seen: dict[str, float] = {}
     hooks = []
     for path in owners:

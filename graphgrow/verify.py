@@ -7,7 +7,9 @@ import torch
 from torch import fx
 
 from .errors import NotApplicable, PreservationError, ValidationError
-from .preserve import PreservationReport, check_preservation, check_trainability, flat_tensors, refuse_if_silent
+from .preserve import (
+    PreservationReport, check_preservation, check_trainability, flat_tensors, owner_calls, reads_old, refuse_if_silent,
+)
 from .rewrite import new_parameters
 from .shapes import example_input, run_recording, validate_batch_sizes
 from .state import dropout_off, preserved_buffers, training_mode
@@ -70,11 +72,9 @@ def deaf_points(old: fx.GraphModule, new: fx.GraphModule, dead: list[str], x: to
     """Old tensors at the modules owning `dead` parameters (what they read, or what a rebuilt old module
     gives) that get no gradient in the *old* model, in eval and train mode: the model, not the pass,
     keeps those layers from learning."""
-    owners = {name.rpartition(".")[0] for name in dead if "." in name}
-    users = [n for n in new.graph.nodes if n.op == "call_module" and any(o == n.target or o.startswith(f"{n.target}.") for o in owners)]
+    users = owner_calls(new, dead)
     # the tensor a new module reads, or the output of an old module that was rebuilt wider
-    reads = sorted({n.args[0].name for n in users if n.args and getattr(n.args[0], "name", None) in old_nodes}
-                   | {n.name for n in users if n.name in old_nodes})
+    reads = sorted({n.args[0].name for n in users if reads_old(n, old_nodes)} | {n.name for n in users if n.name in old_nodes})
     if not reads:
         return []
     heard: set[str] = set()

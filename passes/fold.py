@@ -34,9 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from graphgrow import Pass, Rewrite
+from graphgrow import Pass, Rewrite, annotate
 from graphgrow.layers import AverageMerge
 from graphgrow.rewrite import copy_graph_module, finish, tensor_shape, unique_attr
+
+from ._resize import set_module
 
 SITE = "gg_fold_site"  # node meta: the growth structure an add came from (for the report)
 _MUL = (operator.mul, torch.mul)
@@ -147,9 +149,8 @@ def _split_norm_subclasses(gm: fx.GraphModule) -> int:
     return count
 
 
-def _expand_merges(gm: fx.GraphModule, notes: list[str]) -> list[tuple[str, list[fx.Node]]]:
+def _expand_merges(gm: fx.GraphModule, notes: list[str]) -> None:
     """AverageMerge → main + Σ (gate_i/n)·branch_i; branches with a zero gate are dropped."""
-    merges = []
     for n in list(gm.graph.nodes):
         m = _module(gm, n)
         if not isinstance(m, AverageMerge):
@@ -157,7 +158,6 @@ def _expand_merges(gm: fx.GraphModule, notes: list[str]) -> list[tuple[str, list
         gates = [float(g) for g in m.gates.detach().double()]
         main, branches = n.args[0], n.args[1:]
         acc = main
-        terms = []
         with gm.graph.inserting_before(n):
             for i, (b, g) in enumerate(zip(branches, gates)):
                 if g == 0.0:
@@ -167,10 +167,7 @@ def _expand_merges(gm: fx.GraphModule, notes: list[str]) -> list[tuple[str, list
                 acc = gm.graph.call_function(operator.add, (acc, t))
                 t.meta["gg_scope"] = acc.meta["gg_scope"] = n.meta.get("gg_scope")
                 acc.meta[SITE] = f"merge '{n.target}'"
-                terms.append(b)
         _bypass(n, acc)  # type: ignore[arg-type]
-        merges.append((str(n.target), terms))
-    return merges
 
 
 def _scalar_gates(gm: fx.GraphModule) -> None:
@@ -447,20 +444,25 @@ def _diag_form(kind: str, src: fx.Node, scale: torch.Tensor, shift: torch.Tensor
     return Form(kind, src, w, shift, groups=c if kind == "conv" else 1)
 
 
+def _bn_affine(mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eval-mode BatchNorm as y = scale·x + shift per channel, in float64."""
+    scale = 1.0 / torch.sqrt(var.detach().double() + eps)
+    shift = -mean.detach().double() * scale
+    if weight is not None:
+        scale, shift = scale * weight.detach().double(), shift * weight.detach().double()
+    if bias is not None:
+        shift = shift + bias.detach().double()
+    return scale, shift
+
+
 def _bn_form(m: nn.Module, src: fx.Node, kind: str) -> Form | None:
     bn_type = nn.BatchNorm2d if kind == "conv" else nn.BatchNorm1d
     if not isinstance(m, bn_type) or type(m).forward is not bn_type.forward:  # a subclass with its own forward adds more
         return None
     if m.running_mean is None or m.running_var is None:
         return None
-    scale = 1.0 / torch.sqrt(m.running_var.detach().double() + m.eps)
-    shift = -m.running_mean.detach().double() * scale
-    if m.weight is not None:
-        scale = scale * m.weight.detach().double()
-        shift = shift * m.weight.detach().double()
-    if m.bias is not None:
-        shift = shift + m.bias.detach().double()
-    return _diag_form(kind, src, scale, shift)
+    return _diag_form(kind, src, *_bn_affine(m.running_mean, m.running_var, m.weight, m.bias, m.eps))
 
 
 def _kind_of(n: fx.Node) -> str | None:
@@ -501,23 +503,28 @@ def _local_form(gm: fx.GraphModule, n: fx.Node) -> Form | None:
         return None
     if n.op == "call_function" and n.target is F.batch_norm:
         return _functional_bn_form(gm, n, kind, shape)
-    if n.op == "call_function" and n.target in _MUL + (operator.truediv, torch.div) and not n.kwargs:
-        s = _scalar_operand(n)
-        if s is None or (n.target not in _MUL and n.args[0] is not s[1]) or tensor_shape(s[1]) != shape:
-            return None
-        c = s[0] if n.target in _MUL else 1.0 / s[0]
-        if not math.isfinite(c):
-            return None
-        ch = shape[1] if kind == "conv" else shape[-1]
-        f = _diag_form(kind, s[1], torch.full((ch,), c, dtype=torch.float64), None)
-        f.macs = _numel(shape)
-        return f
-    if n.op == "call_function" and n.target in (operator.neg, torch.neg) and isinstance(n.args[0], fx.Node):
-        ch = shape[1] if kind == "conv" else shape[-1]
-        f = _diag_form(kind, n.args[0], torch.full((ch,), -1.0, dtype=torch.float64), None)
-        f.macs = _numel(shape)
-        return f
-    return None
+    scaled = _scalar_multiple(n, shape)
+    if scaled is None:
+        return None
+    c, x = scaled
+    f = _diag_form(kind, x, torch.full((shape[1] if kind == "conv" else shape[-1],), c, dtype=torch.float64), None)
+    f.macs = _numel(shape)
+    return f
+
+
+def _scalar_multiple(n: fx.Node, shape) -> tuple[float, fx.Node] | None:
+    """(c, x) when `n` computes c·x for a number c (x·c, c·x, x/c, −x) with x of the output's shape."""
+    if n.op != "call_function" or n.kwargs:
+        return None
+    if n.target in (operator.neg, torch.neg) and isinstance(n.args[0], fx.Node):
+        c, x = -1.0, n.args[0]
+    elif n.target in _MUL + (operator.truediv, torch.div) and (s := _scalar_operand(n)) is not None:
+        if n.target not in _MUL and n.args[0] is not s[1]:
+            return None  # c / x is not linear
+        c, x = (s[0] if n.target in _MUL else 1.0 / s[0]), s[1]
+    else:
+        return None
+    return (c, x) if math.isfinite(c) and tensor_shape(x) == shape else None
 
 
 _BN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
@@ -536,16 +543,12 @@ def _functional_bn_form(gm: fx.GraphModule, n: fx.Node, kind: str, shape) -> For
             continue
         if not isinstance(a, fx.Node) or a.op != "get_attr":
             return None
-        tensors[key] = _attr(gm, str(a.target)).detach().double()
+        tensors[key] = _attr(gm, str(a.target))
     src = args["input"]
     if tensor_shape(src) != shape or (kind == "linear" and len(shape) != 2):
         return None
-    scale = 1.0 / torch.sqrt(tensors["running_var"] + float(args.get("eps", 1e-5)))
-    shift = -tensors["running_mean"] * scale
-    if "weight" in tensors:
-        scale, shift = scale * tensors["weight"], shift * tensors["weight"]
-    if "bias" in tensors:
-        shift = shift + tensors["bias"]
+    scale, shift = _bn_affine(tensors["running_mean"], tensors["running_var"], tensors.get("weight"), tensors.get("bias"),
+                              float(args.get("eps", 1e-5)))
     f = _diag_form(kind, src, scale, shift)
     f.macs, f.params = _numel(shape), 2 * scale.numel()
     return f
@@ -829,7 +832,7 @@ def _emit(gm: fx.GraphModule, n: fx.Node, f: Form, src: fx.Node) -> fx.Node:
     users = [x for x in gm.graph.nodes if x.op == "call_module" and x.target == main]
     if users == [next(x for x in f.nodes if x.op == "call_module" and x.target == main)]:
         path = main
-        _set_submodule(gm, path, layer)
+        set_module(gm, path, layer)
     else:
         path = unique_attr(gm, "folded_" + main.replace(".", "_"))
         gm.add_module(path, layer)
@@ -838,11 +841,6 @@ def _emit(gm: fx.GraphModule, n: fx.Node, f: Form, src: fx.Node) -> fx.Node:
     new.meta.update({k: v for k, v in n.meta.items() if k.startswith("gg_")})
     n.replace_all_uses_with(new)
     return new
-
-
-def _set_submodule(gm: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(gm.get_submodule(parent) if parent else gm, name, module)
 
 
 def _fold_gap_adapters(gm: fx.GraphModule) -> list[str]:
@@ -864,7 +862,7 @@ def _fold_gap_adapters(gm: fx.GraphModule) -> list[str]:
         if not isinstance(conv, nn.Conv2d) or len(conv_node.users) != 1 or shape is None:
             continue
         f = _conv_form(conv, conv_node.args[0], str(conv_node.target), shape)
-        if f is None or not f.pointwise or len(pool.args) != 1 and not _is_global_pool(gm, pool):
+        if f is None or not f.pointwise:
             continue
         a = f.dense()[:, :, 0, 0]
         w = m.weight.detach().double() @ a
@@ -875,7 +873,7 @@ def _fold_gap_adapters(gm: fx.GraphModule) -> list[str]:
         with torch.no_grad():
             new.weight.copy_(w)
             new.bias.copy_(b)
-        _set_submodule(gm, str(lin.target), new.train(m.training))
+        set_module(gm, str(lin.target), new.train(m.training))
         pool.args = (conv_node.args[0], *pool.args[1:])
         gm.graph.erase_node(conv_node)
         done.append(f"{conv_node.target} (1×1 conv before global pooling) → {lin.target}")
@@ -911,16 +909,11 @@ def _node_label(gm: fx.GraphModule, n: fx.Node) -> str:
     return str(n.target) if n.op == "call_module" else n.name
 
 
-def _annotate(gm: fx.GraphModule, input_shape) -> None:
-    from graphgrow import annotate
-    annotate(gm, input_shape)
-
-
 def _refresh(gm: fx.GraphModule, input_shape) -> None:
     """Drop dead nodes, recompile and record shapes again after an edit."""
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    _annotate(gm, input_shape)
+    annotate(gm, input_shape)
 
 
 def fold(gm: fx.GraphModule, grow_kernels: bool = False, generator: torch.Generator | None = None) -> Rewrite:
@@ -943,7 +936,8 @@ def fold(gm: fx.GraphModule, grow_kernels: bool = False, generator: torch.Genera
     for _ in range(50):  # every round that changes something removes nodes or orders a sum; 50 is far beyond real models
         _refresh(gm, input_shape)
         changes = _remove_identities(gm) + _drop_idempotent_relus(gm) + _gates_through_relus(gm) + _drop_zero_terms(gm)
-        _refresh(gm, input_shape)
+        if changes:
+            _refresh(gm, input_shape)
         moved = _fold_gap_adapters(gm)
         folded += moved
         analysis = _analyse(gm, grow_kernels)
@@ -961,7 +955,7 @@ def fold(gm: fx.GraphModule, grow_kernels: bool = False, generator: torch.Genera
         if not changes and not moved:
             break
     finish(gm)
-    _annotate(gm, input_shape)
+    annotate(gm, input_shape)
     analysis = _analyse(gm, grow_kernels)
     kept: dict[str, str] = {}
     for n in gm.graph.nodes:
