@@ -63,11 +63,17 @@ def export_onnx(
     for k, v in props.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = k, v
-    check_proto(proto)
-    if out_path is not None:
+    if out_path is None:
+        check_proto(proto)
+    else:
         data = proto.SerializeToString()
+
+        def write_checked(tmp: Path) -> None:  # checked from the file: the checker would serialise a proto again
+            tmp.write_bytes(data)
+            check_proto(str(tmp))
+
         try:
-            atomic_write(out_path, lambda tmp: tmp.write_bytes(data))
+            atomic_write(out_path, write_checked)
         except OSError as e:
             raise ExportError(f"cannot write {out_path}: {e.strerror or e}", "check the folder's permissions and free space") from e
     if timings is not None:
@@ -130,8 +136,9 @@ def _in_child(fn, *args) -> onnx.ModelProto:
     return onnx.load_model_from_string(payload)
 
 
-def check_proto(proto: onnx.ModelProto) -> None:
-    """onnx.checker's full check (which includes strict shape inference); ExportError on any complaint."""
+def check_proto(proto: onnx.ModelProto | str) -> None:
+    """onnx.checker's full check (which includes strict shape inference) of a model or a model file;
+    ExportError on any complaint."""
     try:
         onnx.checker.check_model(proto, full_check=True)
     except Exception as e:

@@ -1,15 +1,17 @@
 """Verification after every pass: lint, recompile, shapes at two batch sizes, preservation, trainability."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import fx
 
 from .errors import NotApplicable, PreservationError, ValidationError
 from .preserve import (
-    PreservationReport, check_preservation, check_trainability, flat_tensors, owner_calls, reads_old, refuse_if_silent,
+    TRAIN_PROTOCOL, ModeCheck, PreservationReport, check_trainability, compare_mode, eval_forward, flat_tensors, owner_calls,
+    reads_old, refuse_if_silent, train_forward,
 )
+from .reference import recall, remember
 from .rewrite import new_parameters
 from .shapes import example_input, run_recording, validate_batch_sizes
 from .state import dropout_off, preserved_buffers, training_mode
@@ -34,29 +36,39 @@ def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Sequence[int],
     with training_mode(new, False):
         first = run_recording(new, x)
     validate_batch_sizes(new, input_shape, BATCHES, first=first, first_input=x)
-    ev, tr = check_preservation(old, new, input_shape, seed=seed, batch=b1, new_eval_output=first.output, train=not eval_only)
-    for check in (ev, tr) if exact else ():
-        if check is not None and not check.ok:
-            raise PreservationError(
-                f"the pass changed the model's {check.mode}-mode output: relative error {check.rel_err:.3g}, "
-                f"max |Δ| {check.max_abs_err:.3g} (limit 1e-5 of max |out| {check.max_abs_ref:.3g})"
-                + (f", {check.fp64_rel_err:.3g} in float64" if check.fp64_rel_err is not None else ""),
-                "this is a bug in the pass; please report it with the model",
-            )
+    train_protocol = f"{TRAIN_PROTOCOL} {seed}"
+    old_eval = recall(old, "eval", x)
+    if old_eval is None:
+        old_eval = eval_forward(old, x)
+    ev = compare_mode(old, new, x, "eval", seed, old_eval, first.output)
+    _refuse_change(ev, exact)
     if eval_only:
+        remember(new, "eval", x, first.output)
         return PreservationReport(ev, None)
+    old_train = recall(old, train_protocol, x)
+    if old_train is None:
+        old_train = train_forward(old, x, seed)
+    checked: dict[str, Any] = {}
+
+    def check_train(new_train: Any) -> None:  # the train-mode comparison, on the trainability check's first output
+        checked["out"] = new_train
+        checked["check"] = compare_mode(old, new, x, "train", seed, old_train, new_train)
+        _refuse_change(checked["check"], exact)
+
     grown = new_parameters(old, new)
     upstream = upstream_parameters(old, new, grown)
     old_nodes = {n.name for n in old.graph.nodes}
-    got, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed, batch=b1, old_nodes=old_nodes)
+    got, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed, batch=b1, old_nodes=old_nodes,
+                                              first_output=check_train)
+    if "check" not in checked:  # nothing new to train: the train-mode comparison on its own
+        check_train(train_forward(new, x, seed))
+    tr: ModeCheck = checked["check"]
     if dead:  # the model may block its own gradient (a zero-initialised last BatchNorm): train everything, as training would
         again, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed, batch=b1, train_all=True)
         got = {**again, **got}
     if dead:
-        # on the input the trainability check used (preserve.check_trainability: seed + 1)
-        xt = example_input(new, input_shape, seed=seed + 1, batch=b1)
-        refuse_if_silent(new, dead, xt, old_nodes)
-        deaf = deaf_points(old, new, dead, xt, old_nodes)
+        refuse_if_silent(new, dead, x, old_nodes)
+        deaf = deaf_points(old, new, dead, x, old_nodes)
         if deaf:
             raise NotApplicable(f"the model's output does not depend on '{deaf[0]}' on the check inputs (no gradient reaches it, "
                                 "in eval or train mode: a dead ReLU after it?): layers grown there cannot learn",
@@ -65,7 +77,22 @@ def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Sequence[int],
             f"new parameters get no gradient after 3 SGD steps, in train or eval mode: {', '.join(dead)}",
             "never zero both the incoming and the outgoing weights of new units (DESIGN §4)",
         )
+    # the next pass of a pipeline compares against exactly these outputs (the models are as they were when computed)
+    remember(old, "eval", x, old_eval)
+    remember(old, train_protocol, x, old_train)
+    remember(new, "eval", x, first.output)
+    remember(new, train_protocol, x, checked["out"])
     return PreservationReport(ev, tr, got, dead, cancelled)
+
+
+def _refuse_change(check: ModeCheck, exact: bool) -> None:
+    if exact and not check.ok:
+        raise PreservationError(
+            f"the pass changed the model's {check.mode}-mode output: relative error {check.rel_err:.3g}, "
+            f"max |Δ| {check.max_abs_err:.3g} (limit 1e-5 of max |out| {check.max_abs_ref:.3g})"
+            + (f", {check.fp64_rel_err:.3g} in float64" if check.fp64_rel_err is not None else ""),
+            "this is a bug in the pass; please report it with the model",
+        )
 
 
 def deaf_points(old: fx.GraphModule, new: fx.GraphModule, dead: list[str], x: torch.Tensor, old_nodes: set[str]) -> list[str]:
