@@ -26,11 +26,9 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# one table of every benchmark (BENCH_JSON=path also writes it as JSON); sections: --only steps,fold,scale,gpu
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_steps.py
-	$(BIN)/python benchmarks/bench_passes.py
-	$(BIN)/python benchmarks/bench_fold.py
-	$(BIN)/python benchmarks/bench_scale.py
+	$(BIN)/python benchmarks/run.py
 
 clean:
 	rm -rf demo_out .pytest_cache .hypothesis

@@ -1,24 +1,21 @@
 """What growth costs at deployment, and what fold gives back: onnxruntime latency of the original,
 the grown and the grown-then-folded model, measured side by side.
 
-Linear-only growth (branches: conv3x3, identity, average pooling; a 1×1 adapter; an adapter-mode
-widening) with trained-looking gates and BatchNorm statistics: folded ÷ original should be about 1.
-Capacity growth (grow_width's default, a whole channel group doubled): folded ÷ the same
-architecture built directly (the folded graph with freshly initialised layers) should be about 1.
-onnxruntime CPU provider, all graph optimisations, one intra-op thread, batch 1, 224×224; PyTorch
-eager with one thread beside it; rounds interleave all models; median and minimum per-inference
-wall time over ROUNDS rounds after warm-up. "same kernels" says whether the folded model runs
-exactly the original's kernels after onnxruntime's own fusions. The last line is the peak memory
-of one `graphgrow mutate … --onnx --check` process. BENCH_JSON=path also writes the rows as JSON.
+Linear-only growth (branches: conv3x3, identity, average pooling; 1×1 adapters; an adapter-mode
+widening) with trained-looking gates and BatchNorm statistics: folded ÷ original, target ≤ 1.02,
+and the optimised op histogram equal to the original's. Capacity growth (grow_width's default, a
+whole channel group doubled): folded ÷ the same architecture built directly (the folded graph with
+freshly initialised layers), target ≤ 1.02. onnxruntime CPU provider, all graph optimisations, one
+intra-op thread, batch 1, 224×224, PyTorch eager with one thread beside it; rounds interleave the
+models; median and minimum CPU time per inference (wall time in the note). The last row is the
+peak memory of one `graphgrow mutate … --onnx --check` process.
 
-    python benchmarks/bench_fold.py [--rounds 30] [--models resnet18,mobilenet_v2]
+    python benchmarks/bench_fold.py [--rounds 20] [--models resnet18,mobilenet_v2]
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import resource
 import statistics
 import subprocess
@@ -27,12 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import graphgrow as gg  # noqa: E402
+from common import Row, ratio_row, timed  # noqa: E402
 from conftest import randomize_bn, trained_looking  # noqa: E402
 from graphgrow.export import export_onnx  # noqa: E402
 from graphgrow.runtime import max_ir_version, open_session, optimized_op_counts  # noqa: E402
@@ -40,23 +38,15 @@ from graphgrow.runtime import max_ir_version, open_session, optimized_op_counts 
 SPECS = {
     "resnet18": "add_branch(op=conv3x3),add_branch(op=identity),add_branch(op=avgpool3x3),insert_adapter,"
                 "grow_width(target=layer2.0.conv1,to=160,mode=adapter)",
+    "resnet50": "add_branch(at=layer4.2.conv2,op=conv3x3),add_branch(at=layer4.2.conv2,op=identity),"
+                "add_branch(at=layer4.2.conv2,op=avgpool3x3),insert_adapter,grow_width(target=layer2.0.conv1,to=160,mode=adapter)",
     "mobilenet_v2": "add_branch(at=features.17.conv.1.0,op=avgpool3x3),add_branch(at=features.17.conv.1.0,op=identity),"
                     "insert_adapter,grow_width(target=features.18.0,to=1400,mode=adapter)",
+    "vit_b_16": "insert_adapter,grow_width(target=encoder.layers.encoder_layer_0.mlp.0,to=3200,mode=adapter),"
+                "insert_adapter(after=encoder_layers_encoder_layer_5_ln_2)",
 }
 SHAPE = (1, 3, 224, 224)
-
-
-def latency(session, x: np.ndarray) -> float:
-    start = time.perf_counter()
-    session.run(x)
-    return time.perf_counter() - start
-
-
-def eager(gm: torch.nn.Module, x: torch.Tensor) -> float:
-    with torch.no_grad():
-        start = time.perf_counter()
-        gm(x)
-        return time.perf_counter() - start
+SECTION = "onnxruntime CPU latency, batch 1 (ms)"
 
 
 def built_directly(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -69,16 +59,29 @@ def built_directly(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return randomize_bn(fresh, 6).eval()
 
 
-def bench(name: str, spec: str, rounds: int, tmp: Path, capacity: bool = False) -> dict:
+def grow_and_fold(name: str, spec: str, capacity: bool = False, report: dict | None = None) -> dict[str, torch.fx.GraphModule]:
+    """{reference, grown, folded}: the reference is the original, or for capacity growth the folded
+    architecture built directly. Random weights; gates and BatchNorm statistics look trained."""
     model = randomize_bn(getattr(torchvision.models, name)(), 5).eval()
     original = gg.trace(model, SHAPE)
     grown = trained_looking(gg.Pipeline.from_spec(spec).run(original).gm)
-    t = time.perf_counter()
     folded = gg.fold(grown)
-    fold_s = time.perf_counter() - t
+    if report is not None:
+        report["targets"] = folded.targets
     reference = built_directly(folded.gm) if capacity else original
+    return {"built directly" if capacity else "original": reference, "grown": grown, "folded": folded.gm}
+
+
+def bench(name: str, spec: str, rounds: int, tmp: Path, capacity: bool = False, progress=lambda _: None) -> list[Row]:
+    """Rows for one model: latency of reference / grown / folded on onnxruntime (CPU and wall time per
+    inference), folded ÷ reference, whether the folded model runs the reference's kernels, ORT ÷ eager."""
+    progress(f"{name}: grow and fold ({'capacity' if capacity else 'linear only'})")
+    ref_name = "built directly" if capacity else "original"
+    folded: dict = {}
+    models = grow_and_fold(name, spec, capacity, folded)
     sessions, counts, modules = {}, {}, {}
-    for key, gm in (("original", reference), ("grown", grown), ("folded", folded.gm)):
+    for key, gm in models.items():
+        progress(f"{name}: export {key}")
         path = tmp / f"{name}_{key}.onnx"
         export_onnx(gm, SHAPE, path, max_ir_version=max_ir_version())
         sessions[key] = open_session(path, "cpu", threads=1)
@@ -86,29 +89,37 @@ def bench(name: str, spec: str, rounds: int, tmp: Path, capacity: bool = False) 
         modules[key] = gm.eval()
     xt = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
     x = xt.numpy()
-    for k, s in sessions.items():
-        for _ in range(3):
-            s.run(x)
-            eager(modules[k], xt)
-    times: dict[str, list[float]] = {k: [] for k in sessions}
-    eager_times: dict[str, list[float]] = {k: [] for k in sessions}
-    for _ in range(rounds):
-        for k, s in sessions.items():
-            times[k].append(latency(s, x))
-            eager_times[k].append(eager(modules[k], xt))
-    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    low = {k: min(v) * 1e3 for k, v in times.items()}
-    med_eager = {k: statistics.median(v) * 1e3 for k, v in eager_times.items()}
-    return {
-        "model": name, "growth": spec, "kind": "capacity" if capacity else "linear only", "fold_seconds": round(fold_s, 2),
-        "reference": "same architecture built directly" if capacity else "original",
-        "params": {"reference": sum(p.numel() for p in reference.parameters()), "grown": folded.params_before,
-                   "folded": folded.params_after},
-        "median_ms": med, "min_ms": low, "eager_median_ms": med_eager,
-        "ort_over_eager": {k: med[k] / med_eager[k] for k in med},
-        "grown_over_reference": med["grown"] / med["original"], "folded_over_reference": med["folded"] / med["original"],
-        "same_kernels_as_reference": counts["folded"] == counts["original"],
-    }
+    for k, sess in sessions.items():
+        for _ in range(2):
+            sess.run(x)
+            with torch.no_grad():
+                modules[k](xt)
+    ort_cpu: dict[str, list[float]] = {k: [] for k in sessions}
+    ort_wall: dict[str, list[float]] = {k: [] for k in sessions}
+    eager_cpu: dict[str, list[float]] = {k: [] for k in sessions}
+    progress(f"{name}: {rounds} interleaved rounds")
+    with torch.no_grad():
+        for _ in range(rounds):
+            for k, sess in sessions.items():
+                _, c, w = timed(lambda sess=sess: sess.run(x))
+                ort_cpu[k].append(1e3 * c)
+                ort_wall[k].append(1e3 * w)
+                eager_cpu[k].append(1e3 * timed(lambda k=k: modules[k](xt))[1])
+    kind = "capacity growth" if capacity else "linear-only growth"
+    rows = [Row(SECTION, name, f"{k} ({kind})" if k != ref_name else k, statistics.median(v), min(v), "ms CPU",
+                note=f"wall {statistics.median(ort_wall[k]):.1f} ms; {sum(p.numel() for p in modules[k].parameters()):,} params")
+            for k, v in ort_cpu.items()]
+    ratios = [f / r for f, r in zip(ort_cpu["folded"], ort_cpu[ref_name])]
+    rows.append(ratio_row("folded ÷ reference (onnxruntime CPU time)", name, f"{kind} vs {ref_name}", ratios, 1.02,
+                          note=f"fold: {len(folded['targets'].get('folded') or [])} sites folded, "
+                               f"{len(folded['targets'].get('kept') or [])} kept"))
+    same = counts["folded"] == counts[ref_name]
+    rows.append(Row("same kernels after onnxruntime's fusions", name, f"{kind}: folded vs {ref_name}", float(same), float(same),
+                    "bool", "= 1", same, "op histogram of the optimised graph"))
+    for k in sessions:
+        rows.append(ratio_row("onnxruntime ÷ PyTorch eager (CPU time)", name, k,
+                              [o / e for o, e in zip(ort_cpu[k], eager_cpu[k])], None))
+    return rows
 
 
 def mutate_peak_memory(tmp: Path) -> tuple[float, float]:
@@ -120,33 +131,32 @@ def mutate_peak_memory(tmp: Path) -> tuple[float, float]:
     return time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--models", default="resnet18,mobilenet_v2")
-    args = ap.parse_args()
+def memory_row(tmp: Path) -> Row:
+    seconds, mib = mutate_peak_memory(tmp)
+    return Row("peak memory of graphgrow mutate", "resnet18", "grow_width --onnx --check, 224²", mib, mib, "MiB",
+               note=f"{seconds:.1f} s wall, one process")
+
+
+def rows(models=tuple(SPECS), rounds: int = 20, progress=lambda _: None) -> list[Row]:
     torch.set_num_threads(1)
-    rows = []
+    out: list[Row] = []
     with tempfile.TemporaryDirectory() as d:
-        for name in args.models.split(","):
-            rows.append(bench(name, SPECS[name], args.rounds, Path(d)))
-        rows.append(bench("resnet18", "grow_width", args.rounds, Path(d), capacity=True))
-        mutate_s, mutate_mib = mutate_peak_memory(Path(d))
-    print(f"\nfold: onnxruntime CPU, 1 thread, batch 1, 224², median (min) of {args.rounds} interleaved rounds; "
-          "ref = the original (linear-only growth) or the same architecture built directly (capacity growth)")
-    print(f"{'model':14s} {'growth':12s} {'ref ms':>14s} {'grown ms':>14s} {'folded ms':>14s} {'grown/ref':>9s} {'folded/ref':>10s} "
-          f"{'ORT/eager (folded)':>18s} {'same kernels':>12s}   params ref → grown → folded")
-    for r in rows:
-        m, lo, p = r["median_ms"], r["min_ms"], r["params"]
-        print(f"{r['model']:14s} {r['kind']:12s} {m['original']:8.2f} ({lo['original']:5.2f}) {m['grown']:8.2f} ({lo['grown']:5.2f}) "
-              f"{m['folded']:8.2f} ({lo['folded']:5.2f}) {r['grown_over_reference']:9.3f} {r['folded_over_reference']:10.3f} "
-              f"{r['ort_over_eager']['folded']:18.2f} {str(r['same_kernels_as_reference']):>12s}   "
-              f"{p['reference']:,} → {p['grown']:,} → {p['folded']:,}")
-    print(f"graphgrow mutate torchvision.models:resnet18 --pass grow_width --onnx --check (224²): {mutate_s:.1f} s, "
-          f"peak resident memory {mutate_mib:,.0f} MiB")
-    if os.environ.get("BENCH_JSON"):
-        Path(os.environ["BENCH_JSON"]).write_text(json.dumps({"rows": rows, "mutate_seconds": mutate_s,
-                                                              "mutate_peak_mib": mutate_mib}, indent=2))
+        for name in models:
+            out += bench(name, SPECS[name], rounds, Path(d), progress=progress)
+        out += bench("resnet18", "grow_width", rounds, Path(d), capacity=True, progress=progress)
+        progress("graphgrow mutate in a child process")
+        out.append(memory_row(Path(d)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--models", default=",".join(SPECS))
+    args = ap.parse_args()
+    from run import print_table
+
+    print_table(rows(args.models.split(","), args.rounds, progress=lambda s: print(s, file=sys.stderr)))
 
 
 if __name__ == "__main__":

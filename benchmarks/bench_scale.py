@@ -9,8 +9,6 @@ measured is graphgrow's own work), time per node of trace (with its fidelity che
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -18,9 +16,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import graphgrow as gg
-from graphgrow.passes.deepen import deepen
-from graphgrow.verify import verify
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import graphgrow as gg  # noqa: E402
+from common import Row, ratio_row  # noqa: E402
+from graphgrow.passes.deepen import deepen  # noqa: E402
+from graphgrow.verify import verify  # noqa: E402
 
 
 class Block(nn.Module):
@@ -63,26 +63,33 @@ def measure(nodes: int) -> dict:
             "trace_us_per_node": 1e6 * t_trace / n, "pass_us_per_node": 1e6 * t_pass / n, "verify_us_per_node": 1e6 * t_verify / n}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--nodes", default="1000,4000,12000")
-    args = ap.parse_args()
+def rows(sizes=(1000, 4000, 12000), progress=lambda _: None) -> list[Row]:
     torch.set_num_threads(1)
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 100_000))  # deep Sequential copies recurse per level
     measure(300)  # warm-up: first-call costs (imports, caches) are not per-node costs
-    rows = [measure(int(n)) for n in args.nodes.split(",")]
-    print("\nscaling: synthetic residual chains, graph-side time per fx node (µs), 1 thread")
-    print(f"{'nodes':>7s} {'trace s':>8s} {'µs/node':>8s} {'pass s':>7s} {'µs/node':>8s} {'verify s':>9s} {'µs/node':>8s}")
-    for r in rows:
-        print(f"{r['nodes']:7d} {r['trace_s']:8.2f} {r['trace_us_per_node']:8.0f} {r['pass_s']:7.2f} {r['pass_us_per_node']:8.0f} "
-              f"{r['verify_s']:9.2f} {r['verify_us_per_node']:8.0f}")
-    first, last = rows[0], rows[-1]
+    runs = []
+    for n in sizes:
+        progress(f"residual chain of {n:,} nodes")
+        runs.append(measure(int(n)))
+    out = []
+    for r in runs:
+        for key in ("trace", "pass", "verify"):
+            out.append(Row("graph-side µs per fx node", f"chain of {r['nodes']:,} nodes", key, r[f"{key}_us_per_node"],
+                           r[f"{key}_us_per_node"], "µs", note=f"{r[f'{key}_s']:.2f} s in all"))
+    first, last = runs[0], runs[-1]
     for key in ("trace", "pass", "verify"):
-        ratio = last[f"{key}_us_per_node"] / first[f"{key}_us_per_node"]
-        print(f"{key}: per-node cost at {last['nodes']:,} nodes is {ratio:.2f}× that at {first['nodes']:,} "
-              f"({'meets' if ratio <= 1.5 else 'misses'} the 1.5× target)")
-    if os.environ.get("BENCH_JSON"):
-        Path(os.environ["BENCH_JSON"]).with_suffix(".scale.json").write_text(json.dumps(rows, indent=2))
+        out.append(ratio_row("per-node cost, largest ÷ smallest chain", f"{last['nodes']:,} ÷ {first['nodes']:,} nodes", key,
+                             [last[f"{key}_us_per_node"] / first[f"{key}_us_per_node"]], 1.5))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", default="1000,4000,12000")
+    args = ap.parse_args()
+    from run import print_table
+
+    print_table(rows([int(n) for n in args.nodes.split(",")], progress=lambda s: print(s, file=sys.stderr)))
 
 
 if __name__ == "__main__":

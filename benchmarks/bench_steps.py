@@ -1,88 +1,119 @@
-"""`make bench`: what each step costs on torchvision models, as a table.
+"""What graphgrow's own steps cost on torchvision models (random weights, 1×3×224×224, one thread).
 
-Columns: trace, pass + verification, export (graphgrow's share beside torch.onnx.export
-itself), equivalence check; and the DESIGN §9 ratio "verified pass / forward of the
-grown model on the verification input" (target: about 8 or less).
-Usage: python benchmarks/bench_steps.py [model ...] [--threads N] [--size 224]
+- per pass, default target: pass + verification ÷ one forward of the grown model at the
+  verification batch (DESIGN §9, target ≤ 8). The model is traced first, as every job does;
+  the trace's fidelity check leaves the reference output that verification compares against.
+- graphgrow export (check and write included) ÷ a bare `torch.onnx.export` of the same
+  GraphModule to a file with the same options (target ≤ 1.1).
+
+    python benchmarks/bench_steps.py [model ...] [--rounds 3]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import statistics
 import sys
-import time
+import tempfile
+import warnings
+from pathlib import Path
 
 import torch
 import torchvision
-from rich.console import Console
-from rich.table import Table
 
-import graphgrow as gg
-from graphgrow.equivalence import check_equivalence
-from graphgrow.export import export_onnx
-from graphgrow.runtime import max_ir_version, open_session
-from graphgrow.shapes import example_input
-from graphgrow.verify import BATCHES
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import graphgrow as gg  # noqa: E402
+from common import Row, ratio_row, timed  # noqa: E402
+from graphgrow.export import INPUT_NAME, export_onnx  # noqa: E402
+from graphgrow.shapes import example_input  # noqa: E402
+from graphgrow.verify import BATCHES  # noqa: E402
 
-
-def timed(fn, repeat: int = 1):
-    times, out = [], None
-    for _ in range(repeat):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return out, statistics.median(times)
+MODELS = ("resnet18", "resnet50", "mobilenet_v2", "vit_b_16")
+PASSES = ("grow_width", "insert_adapter", "add_residual", "add_branch", "deepen")
+SHAPE = (1, 3, 224, 224)
 
 
-def bench(name: str, size: int) -> dict:
+def traced(name: str) -> torch.fx.GraphModule:
     torch.manual_seed(0)
-    model = getattr(torchvision.models, name)().eval()
-    shape = (1, 3, size, size)
-    gm, t_trace = timed(lambda: gg.trace(model, shape), repeat=3)
-    gg.annotate(gm, shape)
-    result, t_pass = timed(lambda: gg.Pipeline.from_spec("add_residual").run(gm).results[0], repeat=3)
-    grown = result.gm.eval()
-    x = example_input(grown, shape, batch=BATCHES[0])
+    gm = gg.trace(getattr(torchvision.models, name)().eval(), SHAPE)
+    gg.annotate(gm, SHAPE)
+    return gm
+
+
+def forward_seconds(gm: torch.nn.Module, x: torch.Tensor, repeat: int = 3) -> tuple[float, float]:
+    """Fastest of `repeat` forwards: (CPU, wall) seconds."""
     with torch.no_grad():
-        grown(x)
-        _, t_fwd = timed(lambda: grown(x), repeat=5)
-    parts: dict[str, float] = {}
-    proto = export_onnx(grown, shape, max_ir_version=max_ir_version(), timings=parts)
-    t_export, t_torch_export = parts["total"], parts["torch_onnx_export"]
-    session = open_session(proto.SerializeToString(), "cpu", threads=torch.get_num_threads())
-    report, t_check = timed(lambda: check_equivalence(grown, session, shape))
-    x1 = example_input(grown, shape, batch=1)
-    with torch.no_grad():
-        _, t_eager = timed(lambda: grown(x1), repeat=10)
-    xn = x1.numpy()
-    session.run(xn)
-    _, t_ort = timed(lambda: session.run(xn), repeat=10)
-    return {
-        "model": name, "nodes": len(gm.graph.nodes), "trace": t_trace, "pass": t_pass, "fwd": t_fwd,
-        "ratio": t_pass / t_fwd, "export": t_export, "export_share": max(t_export - t_torch_export, 0.0) / t_export,
-        "check": t_check, "passed": report.passed, "ort_vs_eager": t_ort / t_eager,
-    }
+        gm(x)
+        runs = [timed(lambda: gm(x))[1:] for _ in range(repeat)]
+    return min(r[0] for r in runs), min(r[1] for r in runs)
+
+
+def pass_rows(name: str, gm: torch.fx.GraphModule, rounds: int, progress) -> list[Row]:
+    x = example_input(gm, SHAPE, batch=BATCHES[0])
+    rows = []
+    for spec in PASSES:
+        progress(f"{name}: {spec}")
+        cpu, wall, fails = [], [], ""
+        for _ in range(rounds):
+            try:
+                result, c, w = timed(lambda spec=spec: gg.Pipeline.from_spec(spec).run(gm).results[0])
+            except gg.GraphgrowError as e:
+                fails = f"refused: {e.message[:80]}"
+                break
+            fc, fw = forward_seconds(result.gm.eval(), x)
+            cpu.append(c / fc)
+            wall.append(w / fw)
+        if fails:
+            rows.append(Row("pass + verification ÷ forward (b=2)", name, spec, float("nan"), float("nan"), "×", "≤ 8", None, fails))
+            continue
+        where = next(iter(result.targets.items()), ("", ""))
+        note = f"wall {statistics.median(wall):.1f}×; {where[0]}: {str(where[1])[:50]}"
+        rows.append(ratio_row("pass + verification ÷ forward (b=2)", name, spec, cpu, 8, note=note))
+    return rows
+
+
+def bare_export(gm: torch.nn.Module, path: Path) -> None:
+    """torch.onnx.export alone, with graphgrow's options (dynamo, dynamic batch, optimize), to a file."""
+    x = example_input(gm, SHAPE, batch=2)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(gm, (x,), str(path), dynamo=True, dynamic_shapes=({0: torch.export.Dim("batch", min=1)},),
+                          input_names=[INPUT_NAME], optimize=True, verbose=False, report=False)
+
+
+def export_row(name: str, gm: torch.fx.GraphModule, rounds: int, tmp: Path, progress) -> Row:
+    progress(f"{name}: export")
+    grown = gg.Pipeline.from_spec("add_residual").run(gm).gm.eval()
+    ratios, cpu_ratios = [], []
+    for _ in range(rounds):  # interleaved: bare, graphgrow
+        _, bc, bw = timed(lambda: bare_export(grown, tmp / "bare.onnx"))
+        _, gc, gw = timed(lambda: export_onnx(grown, SHAPE, tmp / "gg.onnx"))
+        ratios.append(gw / bw)
+        cpu_ratios.append(gc / bc)
+    return ratio_row("graphgrow export ÷ bare torch.onnx.export", name, "add_residual", ratios, 1.1,
+                     note=f"bare {bw:.1f} s wall; CPU-time ratio {min(cpu_ratios):.2f}")
+
+
+def rows(models=MODELS, rounds: int = 3, export_rounds: int = 2, progress=lambda _: None) -> list[Row]:
+    torch.set_num_threads(1)
+    out: list[Row] = []
+    with tempfile.TemporaryDirectory() as d:
+        for name in models:
+            gm = traced(name)
+            out += pass_rows(name, gm, rounds, progress)
+            out.append(export_row(name, gm, export_rounds, Path(d), progress))
+    return out
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("models", nargs="*", default=["resnet18", "resnet50", "mobilenet_v2", "vit_b_16"])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--size", type=int, default=224)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="*", default=list(MODELS))
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    console = Console(stderr=True)
-    t = Table(title=f"graphgrow step costs: add_residual, input 1×3×{args.size}×{args.size}, {args.threads} threads, CPU")
-    for col in ("model", "nodes", "trace", "pass+verify", "÷ forward (b=2)", "export", "graphgrow share of export",
-                "check", "equivalent", "ORT/eager latency (b=1)"):
-        t.add_column(col, justify="left" if col == "model" else "right")
-    for name in args.models:
-        with console.status(f"benchmarking {name}"):
-            r = bench(name, args.size)
-        t.add_row(r["model"], str(r["nodes"]), f"{r['trace']:.3f}s", f"{r['pass']:.2f}s", f"{r['ratio']:.1f}×",
-                  f"{r['export']:.1f}s", f"{100 * r['export_share']:.1f}%", f"{r['check']:.2f}s",
-                  "yes" if r["passed"] else "NO", f"{r['ort_vs_eager']:.2f}×")
-    Console(width=200).print(t)
+    from run import print_table
+
+    print_table(rows(args.models, args.rounds, progress=lambda s: print(s, file=sys.stderr)))
     return 0
 
 

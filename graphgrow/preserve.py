@@ -169,10 +169,23 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
     saved_values = {n: p.detach().clone() for n, p in params.items()}
     x = example_input(new, input_shape, seed=seed, batch=batch)
     got: dict[str, int] = {}
+    proj: list[torch.Tensor] | None = None
+
+    def eval_mode_learners(names: list[str]) -> list[str]:
+        """Those of `names` that get a gradient in eval mode (at the current values)."""
+        for n, p in params.items():
+            p.requires_grad_(n in names)
+            p.grad = None
+        with torch.enable_grad(), training_mode(new, False):
+            outs = [t for t in flat_tensors(new(x)) if t.is_floating_point()]
+            loss = torch.stack([(t * r).sum() for t, r in zip(outs, proj or [])]).sum() if outs else torch.zeros(())
+            if loss.requires_grad:
+                loss.backward()
+        return [n for n in names if params[n].grad is not None and _new_region(params[n].grad, new_params[n][0]).abs().sum() > 0]
+
     try:
         with training_mode(new, True), dropout_off(new), preserved_buffers(new), seeded(seed):
-            proj = None
-            step, last_step = -1, steps
+            step, last_step, had = -1, steps, 0
             while step < last_step:
                 step += 1
                 watched = set(params) if train_all else ({n for n in new_params if n not in got} | set(upstream) if step == 0
@@ -214,18 +227,15 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                     for p in params.values():
                         if p.grad is not None:
                             p.sub_(lr * p.grad / (p.grad.norm() + 1e-12) * (p.norm() + 1e-3))
-            missing = [n for n in new_params if n not in got]
+                    if step >= 1 and len(got) == had:  # no progress: stop early if the rest is cancelled, not dead
+                        missing = [n for n in new_params if n not in got]
+                        if set(eval_mode_learners(missing)) == set(missing):
+                            cancelled = missing
+                            break
+                    had = len(got)
+            missing = [n for n in new_params if n not in got and n not in cancelled]
         if missing:  # cancelled by a following normalisation in train mode, or dead?
-            for n, p in params.items():
-                p.requires_grad_(n in missing)
-                p.grad = None
-            with training_mode(new, False):
-                outs = [t for t in flat_tensors(new(x)) if t.is_floating_point()]
-                loss = torch.stack([(t * r).sum() for t, r in zip(outs, proj)]).sum() if outs else torch.zeros(())
-                if loss.requires_grad:
-                    loss.backward()
-            cancelled = [n for n in missing if params[n].grad is not None
-                         and _new_region(params[n].grad, new_params[n][0]).abs().sum() > 0]
+            cancelled += eval_mode_learners(missing)
     finally:
         with torch.no_grad():
             for n, p in params.items():

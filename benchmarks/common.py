@@ -1,0 +1,45 @@
+"""What every benchmark shares: a row of the one table `make bench` prints, and timers.
+
+CPU time is `time.thread_time` of the calling thread: with one torch thread and one
+onnxruntime intra-op thread, all of the work runs there, so it is steadier than wall time
+on a shared machine. Both are reported.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+
+@dataclass
+class Row:
+    section: str
+    model: str
+    measure: str
+    median: float
+    minimum: float
+    unit: str = ""
+    target: str = ""  # e.g. "≤ 8"; empty when the row is information only
+    met: bool | None = None
+    note: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    """(result, CPU seconds of this thread, wall seconds) of one call."""
+    c, w = time.thread_time(), time.perf_counter()
+    out = fn()
+    return out, time.thread_time() - c, time.perf_counter() - w
+
+
+def ratio_row(section: str, model: str, measure: str, values: list[float], limit: float | None, note: str = "",
+              at_least: bool = False) -> Row:
+    """A row of ratios with its target (≤ limit, or ≥ limit when at_least), met on the median."""
+    med = statistics.median(values)
+    if limit is None:
+        return Row(section, model, measure, med, min(values), "×", note=note)
+    met = med >= limit if at_least else med <= limit
+    return Row(section, model, measure, med, min(values), "×", f"{'≥' if at_least else '≤'} {limit:g}", met, note)
