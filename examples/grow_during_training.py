@@ -87,10 +87,10 @@ def train(model: nn.Module, epochs: int, data, grow: bool, lr: float, seed: int 
             spec = EVENTS[epoch]
             before = (batch_loss(model, probe_x, probe_y, False), batch_loss(model, probe_x, probe_y, True))
             result = gg.Pipeline.from_spec(spec, seed=epoch).run(model).results[0]
+            # the old parameters keep their momentum (by name; new slices and new parameters start at zero)
+            opt = gg.carry_optimizer(opt, model, result.gm)
             model = result.gm
             after = (batch_loss(model, probe_x, probe_y, False), batch_loss(model, probe_x, probe_y, True))
-            # a fresh optimiser: the new parameters need momentum buffers of their own
-            opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
             hist.events.append({"epoch": epoch, "pass": spec, "params": [result.params_before, result.params_after],
                                 "loss_eval": before[0], "loss_eval_after": after[0],
                                 "loss_train": before[1], "loss_train_after": after[1]})

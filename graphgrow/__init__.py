@@ -10,6 +10,7 @@ from .errors import (
     PreservationError, RuntimeUnavailable, SaveError, SpecError, TraceError, ValidationError,
 )
 from .load import LoadedModel, load_model, save_model
+from .optim import carry_optimizer
 from .pass_base import Pass, PassResult
 from .pipeline import Pipeline, PipelineResult, build_pipeline, parse_spec
 from .registry import all_passes, get_pass, pass_names, register_pass
@@ -43,5 +44,5 @@ __all__ = [
     "PreservationError", "RuntimeUnavailable", "SaveError", "SpecError", "TraceError", "ValidationError",
     "LoadedModel", "load_model", "save_model", "Pass", "PassResult", "Pipeline", "PipelineResult",
     "build_pipeline", "parse_spec", "all_passes", "get_pass", "pass_names", "register_pass", "Rewrite",
-    "annotate", "trace", "export_onnx", "check_equivalence", "fold",
+    "annotate", "trace", "export_onnx", "check_equivalence", "fold", "carry_optimizer",
 ]

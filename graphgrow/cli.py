@@ -203,6 +203,8 @@ def _print_mutation(report: dict) -> None:
         _print_equivalence(eq["vs_original"])
     for path in report["outputs"]:
         out.print(f"wrote {path}")
+    if report.get("output_note") and report["outputs"]:
+        out.print(f"note: {report['output_note']}", markup=False, highlight=False)
     timing = ", ".join(f"{k} {v:.1f}s" for k, v in report.get("timings", {}).items())
     if timing:
         out.print(f"time: {timing}")
@@ -261,13 +263,18 @@ def fold(model, output, onnx_out, check, provider, grow_kernels, input_shape, tr
 @click.argument("model")
 @click.option("-o", "--output", "output", required=True, metavar="OUT.onnx", help="ONNX file to write")
 @click.option("--fold", "fold_first", is_flag=True, help="fold growth's linear structure into plain layers first (eval mode; see `graphgrow fold`)")
+@click.option("--opset", type=int, metavar="N", help="ONNX opset to write (18–23; default: the exporter's)")
 @_common
-def export(model, output, fold_first, input_shape, trust, leaves, trace_mode, as_json, debug):
-    """Export MODEL to one self-contained ONNX file with a dynamic batch dimension."""
+def export(model, output, fold_first, opset, input_shape, trust, leaves, trace_mode, as_json, debug):
+    """Export MODEL to one self-contained ONNX file with a dynamic batch dimension.
+
+    A factory MODEL is built with its random weights seeded; the seed goes into the file's
+    metadata so that `graphgrow check` rebuilds the same weights."""
     from . import workflow
 
     def job(progress):
-        report = workflow.export(model, output, input_shape, trust, leaves, progress, trace_mode=trace_mode, fold=fold_first)
+        report = workflow.export(model, output, input_shape, trust, leaves, progress, trace_mode=trace_mode, fold=fold_first,
+                                 opset=opset)
         if as_json:
             print(json.dumps(report, default=str))
         else:
@@ -286,17 +293,28 @@ def export(model, output, fold_first, input_shape, trust, leaves, trace_mode, as
 @click.argument("onnx_file", metavar="MODEL.onnx")
 @click.argument("model")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--rtol", type=click.FloatRange(0, 1), help="relative tolerance (default 1e-4 on CPU, 1e-3 on CUDA)")
+@click.option("--atol", type=click.FloatRange(0, 1), help="absolute tolerance as a fraction of max|output| (default 1e-5 on CPU, 1e-4 on CUDA)")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), help="seed of a factory MODEL's random weights (default: the one the export recorded)")
 @_common
-def check(onnx_file, model, provider, input_shape, trust, leaves, trace_mode, as_json, debug):
-    """Run MODEL.onnx in onnxruntime and compare it with the PyTorch MODEL."""
+def check(onnx_file, model, provider, rtol, atol, seed, input_shape, trust, leaves, trace_mode, as_json, debug):
+    """Run MODEL.onnx in onnxruntime and compare it with the PyTorch MODEL.
+
+    A factory MODEL is rebuilt with the weight seed the export recorded; without one
+    (and without --seed) the comparison is refused: new random weights could not agree."""
     from . import workflow
 
     def job(progress):
-        report, rep = workflow.check(onnx_file, model, input_shape, provider, trust, leaves, progress, trace_mode=trace_mode)
+        report, rep = workflow.check(onnx_file, model, input_shape, provider, trust, leaves, progress, trace_mode=trace_mode,
+                                     seed=seed, rtol=rtol, atol=atol)
         if as_json:
             print(json.dumps(report, default=str))
         else:
             _print_equivalence(report["equivalence"])
+            if "factory_seed" in report:
+                out.print(f"{model} built with weight seed {report['factory_seed']}", markup=False, highlight=False)
+            if report.get("note"):
+                out.print(f"note: {report['note']}", markup=False, highlight=False)
         return 0 if rep.passed else 1
 
     _run(job, as_json, debug)
@@ -308,13 +326,18 @@ def check(onnx_file, model, provider, input_shape, trust, leaves, trace_mode, as
 @click.option("--groups", is_flag=True, help="show the channel-coupling groups (what grow_width widens together) instead of nodes")
 @_common
 def inspect(model, show_all, groups, input_shape, trust, leaves, trace_mode, as_json, debug):
-    """Show MODEL's nodes with shapes, parameters and FLOPs, and its mutation log."""
+    """Show MODEL's nodes with shapes, parameters and FLOPs, and its mutation log.
+
+    An exported .onnx file shows its inputs, outputs, op counts, metadata and mutation log."""
     from . import workflow
 
     def job(progress):
         report = workflow.inspect(model, input_shape, trust, leaves, progress, groups=groups, trace_mode=trace_mode)
         if as_json:
             print(json.dumps(report, default=str))
+            return 0
+        if report.get("format") == "onnx":
+            _print_onnx(report)
             return 0
         if groups:
             _print_groups(report)
@@ -331,12 +354,29 @@ def inspect(model, show_all, groups, input_shape, trust, leaves, trace_mode, as_
         out.print(t)
         out.print(f"total: {report['params']:,} parameters, {report['flops']:,} FLOPs per example")
         _print_trace(report.get("trace") or {})
-        for i, e in enumerate(report["log"], 1):
-            out.print(f"mutation {i}: {e['pass']}({', '.join(f'{k}={v}' for k, v in e['args'].items() if v is not None)}) "
-                      f"params {e['params_before']:,} → {e['params_after']:,}")
+        _print_log(report["log"])
         return 0
 
     _run(job, as_json, debug)
+
+
+def _print_onnx(report: dict) -> None:
+    out.print(f"[bold]{escape(report['model'])}[/]: ONNX IR {report['ir_version']}, opset "
+              f"{report['opset'][0] if report['opset'] else '?'}, {report['producer'] or 'unknown producer'}")
+    for kind in ("inputs", "outputs"):
+        for v in report[kind]:
+            out.print(f"{kind[:-1]} {v['name']}: {v['dtype']} [{', '.join(map(str, v['shape']))}]", markup=False, highlight=False)
+    ops = ", ".join(f"{op} {n}" for op, n in report["ops"].items())
+    out.print(f"{report['nodes']:,} nodes ({ops}); {report['params']:,} parameters", markup=False, highlight=False)
+    for k, v in report["metadata"].items():
+        out.print(f"metadata {k}: {v}", markup=False, highlight=False)
+    _print_log(report["log"])
+
+
+def _print_log(log: list) -> None:
+    for i, e in enumerate(log, 1):
+        out.print(f"mutation {i}: {e['pass']}({', '.join(f'{k}={v}' for k, v in e['args'].items() if v is not None)}) "
+                  f"params {e['params_before']:,} → {e['params_after']:,}", markup=False, highlight=False)
 
 
 def _print_trace(trace: dict) -> None:
@@ -398,6 +438,17 @@ def passes(as_json):
 
 
 def _type_name(t) -> str:
+    """int, float | None, one of conv3x3|conv5x5|... (a Literal's choices spelled out)."""
+    import types
+    import typing
+
+    origin = typing.get_origin(t)
+    if origin is typing.Literal:
+        return "one of " + "|".join(map(str, typing.get_args(t)))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(t))
+    if t is type(None):
+        return "None"
     return getattr(t, "__name__", None) or str(t).replace("typing.", "")
 
 

@@ -95,13 +95,15 @@ def compare_arrays(ref: np.ndarray, got: np.ndarray, rtol: float, atol: float, c
 
 def check_equivalence(model: torch.nn.Module, session: Session, input_shape: Sequence[int],
                       seeds: Sequence[int] = (0, 1), other_batch: int = 3, reference: str = "grown model",
-                      raise_on_failure: bool = False) -> EquivalenceReport:
+                      raise_on_failure: bool = False, rtol: float | None = None, atol: float | None = None) -> EquivalenceReport:
     """Run seeded inputs through PyTorch (eval, TF32 off) and onnxruntime and compare every output.
 
     Inputs: one per seed at the example batch size, plus one at `other_batch`
-    (the exported batch dimension is dynamic).
+    (the exported batch dimension is dynamic). `rtol`/`atol` replace the provider's tolerances.
     """
-    rtol, atol = TOLERANCES[session.provider]
+    default_rtol, default_atol = TOLERANCES[session.provider]
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
     report = EquivalenceReport(session.provider, session.note, rtol, atol, reference=reference)
     cases = [(s, int(input_shape[0])) for s in seeds] + [(max(seeds, default=0) + 1, other_batch)]
     with torch.no_grad(), training_mode(model, False), no_tf32():

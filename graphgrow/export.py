@@ -22,6 +22,9 @@ from .shapes import example_input
 from .state import training_mode
 
 LOG_KEY = "graphgrow.mutation_log"
+INPUT_SHAPE_KEY = "graphgrow.input_shape"
+SOURCE_KEY = "graphgrow.source"  # the factory name a model was built from (files carry their own weights)
+FACTORY_SEED_KEY = "graphgrow.factory_seed"  # the seed that factory's random weights were drawn with
 INPUT_NAME = "input"
 
 
@@ -59,7 +62,7 @@ def export_onnx(
     props = dict(metadata or {})
     info = gm.meta.get("graphgrow", {}) if isinstance(gm, fx.GraphModule) else {}
     props.setdefault(LOG_KEY, json.dumps(info.get("log", [])))
-    props.setdefault("graphgrow.input_shape", json.dumps(list(input_shape)))
+    props.setdefault(INPUT_SHAPE_KEY, json.dumps(list(input_shape)))
     for k, v in props.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = k, v
@@ -146,12 +149,15 @@ def check_proto(proto: onnx.ModelProto | str) -> None:
                           "please report this with the model") from e
 
 
+def metadata(proto: onnx.ModelProto) -> dict[str, str]:
+    """The model's metadata_props as a dict."""
+    return {p.key: p.value for p in proto.metadata_props}
+
+
 def mutation_log(proto: onnx.ModelProto) -> list[dict]:
     """The mutation log stored in an exported model ([] when none)."""
-    for p in proto.metadata_props:
-        if p.key == LOG_KEY:
-            return json.loads(p.value)
-    return []
+    value = metadata(proto).get(LOG_KEY)
+    return json.loads(value) if value else []
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ class LoadedModel:
     kind: str  # "file", "graphgrow" (a graphgrow output) or "factory"
     input_shape: list[int] | None = None
     log: list = field(default_factory=list)
+    factory_seed: int | None = None  # the seed a factory's random weights were drawn with
 
 
 def standard_layer_classes() -> list[type]:
@@ -55,11 +56,15 @@ def is_factory_name(source: str) -> bool:
     return bool(_FACTORY.match(source)) and not Path(source).exists()
 
 
-def load_model(source: str | os.PathLike, trust: bool = False) -> LoadedModel:
-    """Load a model from a file or a `package.module:factory` name. Raises LoadError."""
+FACTORY_SEED = 0  # factories build random weights: seeded, so a factory name means the same weights every time
+
+
+def load_model(source: str | os.PathLike, trust: bool = False, factory_seed: int = FACTORY_SEED) -> LoadedModel:
+    """Load a model from a file or a `package.module:factory` name (built with the global RNG seeded
+    with `factory_seed`, restored afterwards). Raises LoadError."""
     text = str(source)
     if is_factory_name(text):
-        return _from_factory(text)
+        return _from_factory(text, factory_seed)
     path = Path(text)
     if not path.exists():
         hint = "check the path" if ":" not in text else "name a factory as package.module:function, e.g. torchvision.models:resnet18"
@@ -72,7 +77,7 @@ def load_model(source: str | os.PathLike, trust: bool = False) -> LoadedModel:
     return _interpret(obj, text, trust)
 
 
-def _from_factory(name: str) -> LoadedModel:
+def _from_factory(name: str, seed: int) -> LoadedModel:
     module_name, attr = name.split(":")
     try:
         module = importlib.import_module(module_name)
@@ -82,14 +87,15 @@ def _from_factory(name: str) -> LoadedModel:
     if not callable(factory):
         raise LoadError(f"'{module_name}' has no callable '{attr}'", f"see dir({module_name}) for the names it offers")
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # what a factory prints must not corrupt --json
+        with contextlib.redirect_stdout(sys.stderr), torch.random.fork_rng(devices=[]):  # prints must not corrupt --json
+            torch.manual_seed(seed)
             model = factory()
     except (Exception, SystemExit, GeneratorExit) as e:
         raise LoadError(f"{name}() failed: {type(e).__name__}: {str(e)[:300]}",
                         "the factory must build a model with no arguments") from e
     if not isinstance(model, nn.Module):
         raise LoadError(f"{name}() returned {type(model).__name__}, not a torch.nn.Module")
-    return LoadedModel(model, name, "factory")
+    return LoadedModel(model, name, "factory", factory_seed=seed)
 
 
 def _torch_load(path: Path, trust: bool) -> Any:
@@ -276,16 +282,23 @@ def save_model(gm: fx.GraphModule, path: str | os.PathLike, inputs: tuple = ()) 
     return out
 
 
-def default_output_path(source: str, suffix: str = ".grown.pt") -> Path:
-    """Beside the input under a new name (never the input itself); cwd for factory names."""
+def plain_output_path(source: str, suffix: str = ".grown.pt") -> Path:
+    """NAME`suffix` beside the input (in the working directory for factory names)."""
     if is_factory_name(source):
         base = Path.cwd() / source.split(":")[1]
     else:
         p = Path(source)
         base = p.with_name(p.name.split(".")[0] if not p.name.startswith(".") else p.name)
-    candidate = base.with_name(base.name + suffix)
+    return base.with_name(base.name + suffix)
+
+
+def default_output_path(source: str, suffix: str = ".grown.pt") -> Path:
+    """Beside the input under a new name (never the input itself, never an earlier result):
+    NAME.grown.pt, else NAME.grown-1.pt, NAME.grown-2.pt, ..."""
+    candidate = plain_output_path(source, suffix)
+    stem = candidate.name.removesuffix(".pt")
     i = 1
     while candidate.exists():
-        candidate = base.with_name(f"{base.name}{suffix.removesuffix('.pt')}-{i}.pt")
+        candidate = candidate.with_name(f"{stem}-{i}.pt")
         i += 1
     return candidate

@@ -113,6 +113,7 @@ class Pass:
         The pass first runs on a meta-device copy: past `limits` (parameters added, activation
         memory) it is refused before anything real is allocated."""
         start = time.perf_counter()
+        require_traced(gm)
         input_shape = input_shape_of(gm)
         dtype = module_dtype(gm)
         if dtype in (torch.float16, torch.bfloat16):
@@ -159,6 +160,13 @@ class Pass:
         info = graph_info(new)
         info["log"] = list(graph_info(gm).get("log", [])) + [result.log_entry()]
         return result
+
+
+def require_traced(model: Any) -> None:
+    """InputError unless `model` is a graph from graphgrow.trace (passes rewrite graphs, not modules)."""
+    if not isinstance(model, fx.GraphModule):
+        raise InputError(f"passes run on a traced model (torch.fx.GraphModule), got {type(model).__name__}",
+                         "trace it first: gm = graphgrow.trace(model, input_shape=(1, 3, 224, 224))")
 
 
 def _follow_modes(old: fx.GraphModule, new: fx.GraphModule) -> None:

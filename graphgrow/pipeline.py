@@ -12,7 +12,7 @@ from torch import fx
 
 from .budget import Limits
 from .errors import SpecError
-from .pass_base import Pass, PassResult
+from .pass_base import Pass, PassResult, require_traced
 from .registry import get_pass
 
 
@@ -204,6 +204,7 @@ class Pipeline:
         return cls(build_pipeline(specs), verify=verify, seed=seed)
 
     def run(self, gm: fx.GraphModule, progress: Callable[[int, Pass], None] | None = None) -> PipelineResult:
+        require_traced(gm)
         results = []
         current = gm
         for i, p in enumerate(self.passes):

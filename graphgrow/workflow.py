@@ -14,11 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal, Sequence
 
+import numpy as np
 import torch
 from torch import fx, nn
 
 from .errors import InputError, LoadError, SaveError, ValidationError
-from .load import LoadedModel, check_output_path, default_output_path, load_model, save_model
+from .load import (
+    FACTORY_SEED, LoadedModel, check_output_path, default_output_path, is_factory_name, load_model, plain_output_path, save_model,
+)
 from .pipeline import Pipeline, PipelineResult
 from .shapes import annotate, param_count, total_flops
 from .trace import graph_info, trace
@@ -166,12 +169,13 @@ class OpenedModel:
 
 
 def open_model(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-               progress: Progress = _noop, trace_mode: str = "eval", max_memory: int | None = None) -> OpenedModel:
+               progress: Progress = _noop, trace_mode: str = "eval", max_memory: int | None = None,
+               factory_seed: int = FACTORY_SEED) -> OpenedModel:
     """Load (safely), trace, check the trace against the model, and annotate shapes. The
     example input shape comes from the argument, the file (graphgrow outputs remember
     it) or the first layer."""
     progress(f"loading {source}")
-    loaded = load_model(source, trust=trust)
+    loaded = load_model(source, trust=trust, factory_seed=factory_seed)
     shape = parse_input_shape(input_shape if input_shape is not None else loaded.input_shape)  # flag or stored: one check
     progress("tracing")
     gm = trace(loaded.module, shape, leaves, mode=trace_mode, check=False)  # fidelity checked below, once the shape is known
@@ -225,7 +229,11 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
     onnx_path = check_output_path(onnx_out, inputs=(source,)) if onnx_out else None
     _distinct_outputs(out_path, onnx_path)
     opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, pipeline.limits.max_memory)
-    return _grow_and_write(pipeline, opened, source, (source,), out_path, onnx_path, check, provider, progress, "pass")
+    report = _grow_and_write(pipeline, opened, source, (source,), out_path, onnx_path, check, provider, progress, "pass")
+    plain = plain_output_path(source, suffix)
+    if out is None and out_path != plain:
+        report["output_note"] = f"{plain} already exists: the result went to {out_path.name} (give -o to choose the name)"
+    return report
 
 
 def _limits(max_params, max_memory):
@@ -317,9 +325,9 @@ def export_and_check(gm: fx.GraphModule, opened: OpenedModel, onnx_path: Path | 
     from .export import export_onnx
     from .runtime import max_ir_version, open_session
 
-    progress("exporting to ONNX")
+    progress("exporting to ONNX (torch.onnx.export, then the ONNX checker)")
     t = time.perf_counter()
-    proto = export_onnx(gm, opened.input_shape, onnx_path, max_ir_version=max_ir_version())
+    proto = export_onnx(gm, opened.input_shape, onnx_path, metadata=provenance(opened.loaded), max_ir_version=max_ir_version())
     timings["export"] = time.perf_counter() - t
     result: dict = {"outputs": [str(onnx_path)] if onnx_path else []}
     if check:
@@ -382,13 +390,25 @@ def _read_log(log_source: str, trust: bool) -> tuple[list[dict], list[int] | Non
     return loaded.log, loaded.input_shape
 
 
+def provenance(loaded: LoadedModel) -> dict[str, str]:
+    """ONNX metadata that lets `check` rebuild the same reference: a factory's name and weight seed."""
+    from .export import FACTORY_SEED_KEY, SOURCE_KEY
+
+    if loaded.kind != "factory" or loaded.factory_seed is None:
+        return {}
+    return {SOURCE_KEY: loaded.source, FACTORY_SEED_KEY: str(loaded.factory_seed)}
+
+
 def export(source: str, out: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-           progress: Progress = _noop, trace_mode: str = "eval", fold: bool = False) -> dict:
+           progress: Progress = _noop, trace_mode: str = "eval", fold: bool = False, opset: int | None = None) -> dict:
     """Export the model to ONNX; with `fold`, through the `fold` transform first (verified, logged)."""
-    from .export import export_onnx
+    from .export import LOG_KEY, export_onnx, metadata
     from .runtime import max_ir_version
 
     out_path = check_output_path(out, inputs=(source,))
+    if opset is not None and not MIN_OPSET <= opset <= MAX_OPSET:
+        raise InputError(f"--opset {opset} is outside what the exporter writes ({MIN_OPSET}–{MAX_OPSET})",
+                         "leave it out for the exporter's default")
     opened = open_model(source, input_shape, trust, leaves, progress, trace_mode)
     gm = opened.gm
     folded = None
@@ -396,45 +416,108 @@ def export(source: str, out: str, input_shape=None, trust: bool = False, leaves:
         progress("folding (+ verification)")
         folded = Pipeline.from_spec("fold").run(gm).results[0]
         gm = folded.gm
-    progress("exporting to ONNX")
+    progress("exporting to ONNX (torch.onnx.export, then the ONNX checker)")
     t = time.perf_counter()
-    proto = export_onnx(gm, opened.input_shape, out_path, max_ir_version=max_ir_version())
+    proto = export_onnx(gm, opened.input_shape, out_path, metadata=provenance(opened.loaded),
+                        max_ir_version=max_ir_version(), opset=opset)
     return {"model": source, "input_shape": opened.input_shape, "outputs": [str(out_path)],
             "fold": folded.to_json() if folded is not None else None,
             "ir_version": proto.ir_version, "opset": [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")][:1],
-            "log": json.loads(next((p.value for p in proto.metadata_props if p.key == "graphgrow.mutation_log"), "[]")),
+            "log": json.loads(metadata(proto).get(LOG_KEY, "[]")),
             "timings": {"export": time.perf_counter() - t}}
 
 
+MIN_OPSET, MAX_OPSET = 18, 23  # the dynamo exporter writes opset 18 and newer
+
+
 def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto", trust: bool = False,
-          leaves: Sequence[str] = (), progress: Progress = _noop, trace_mode: str = "eval"):
-    """onnxruntime on `onnx_file` vs PyTorch on the model `source`. Returns (json, report)."""
+          leaves: Sequence[str] = (), progress: Progress = _noop, trace_mode: str = "eval", seed: int | None = None,
+          rtol: float | None = None, atol: float | None = None):
+    """onnxruntime on `onnx_file` vs PyTorch on the model `source`. Returns (json, report).
+
+    A factory name builds random weights: they are the exported ones only when built with the
+    seed the export recorded (or `seed`); without either the comparison would be meaningless, so
+    it is refused."""
     from .equivalence import check_equivalence
-    from .export import load_onnx
+    from .export import FACTORY_SEED_KEY, SOURCE_KEY, load_onnx, metadata
     from .runtime import open_session
 
     proto = load_onnx(onnx_file)
     shape = parse_input_shape(input_shape) or _onnx_input_shape(proto)
-    opened = open_model(source, shape, trust, leaves, progress, trace_mode)
+    meta = metadata(proto)
+    factory_seed = FACTORY_SEED
+    if is_factory_name(source):
+        recorded = meta.get(FACTORY_SEED_KEY)
+        if seed is None and recorded is None:
+            raise InputError(f"{onnx_file} does not record how its weights were made, and {source} builds new random "
+                             "weights each time: the two could not agree",
+                             "compare against the model file it was exported from, or pass --seed N if you know "
+                             "the seed the factory was built with")
+        factory_seed = seed if seed is not None else int(recorded)  # type: ignore[arg-type]
+    opened = open_model(source, shape, trust, leaves, progress, trace_mode, factory_seed=factory_seed)
     progress("checking onnxruntime against PyTorch")
     session = open_session(str(onnx_file), provider)
-    report = check_equivalence(opened.gm, session, opened.input_shape, reference=source)
-    return {"onnx": str(onnx_file), "model": source, "equivalence": report.to_json()}, report
+    report = check_equivalence(opened.gm, session, opened.input_shape, reference=source, rtol=rtol, atol=atol)
+    out: dict = {"onnx": str(onnx_file), "model": source, "equivalence": report.to_json()}
+    if is_factory_name(source):
+        out["factory_seed"] = factory_seed
+    if meta.get(SOURCE_KEY) not in (None, source):
+        out["note"] = f"{onnx_file} was exported from {meta[SOURCE_KEY]}, not {source}"
+    return out, report
 
 
 def _onnx_input_shape(proto) -> list[int] | None:
     """The example shape from the ONNX input (dynamic dims → 1), or from graphgrow's metadata."""
-    for p in proto.metadata_props:
-        if p.key == "graphgrow.input_shape":
-            return json.loads(p.value)
+    from .export import INPUT_SHAPE_KEY, metadata
+
+    stored = metadata(proto).get(INPUT_SHAPE_KEY)
+    if stored:
+        return json.loads(stored)
     if not proto.graph.input:
         return None
     dims = proto.graph.input[0].type.tensor_type.shape.dim
     return [d.dim_value if d.dim_value > 0 else 1 for d in dims] or None
 
 
+def inspect_onnx(path: str) -> dict:
+    """An exported ONNX file: inputs, outputs, op histogram, parameters, graphgrow's metadata and mutation log."""
+    import collections
+
+    import onnx
+
+    from .export import INPUT_SHAPE_KEY, LOG_KEY, load_onnx, metadata
+
+    proto = load_onnx(path)
+
+    def dims(value_info) -> list:
+        return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
+
+    def elem(value_info) -> str:
+        return onnx.TensorProto.DataType.Name(value_info.type.tensor_type.elem_type).lower()
+
+    meta = metadata(proto)
+    params = sum(int(np.prod(t.dims)) for t in proto.graph.initializer)
+    return {
+        "model": path, "format": "onnx", "ir_version": proto.ir_version,
+        "opset": [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")][:1],
+        "producer": f"{proto.producer_name} {proto.producer_version}".strip(),
+        "inputs": [{"name": i.name, "shape": dims(i), "dtype": elem(i)} for i in proto.graph.input],
+        "outputs": [{"name": o.name, "shape": dims(o), "dtype": elem(o)} for o in proto.graph.output],
+        "nodes": len(proto.graph.node), "ops": dict(collections.Counter(n.op_type for n in proto.graph.node).most_common()),
+        "params": params, "input_shape": json.loads(meta[INPUT_SHAPE_KEY]) if INPUT_SHAPE_KEY in meta else None,
+        "log": json.loads(meta.get(LOG_KEY, "[]")),
+        "metadata": {k: v for k, v in meta.items() if k != LOG_KEY},
+    }
+
+
 def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
             progress: Progress = _noop, groups: bool = False, trace_mode: str = "eval") -> dict:
+    if str(source).lower().endswith(".onnx") and Path(source).is_file():
+        if groups:
+            raise InputError("--groups needs the PyTorch model (channel groups are a graph analysis)",
+                             "inspect the .pt file the ONNX model was exported from")
+        progress(f"reading {source}")
+        return inspect_onnx(str(source))
     opened = open_model(source, input_shape, trust, leaves, progress, trace_mode)
     gm = opened.gm
     nodes = []
