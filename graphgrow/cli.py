@@ -1,4 +1,4 @@
-"""The `graphgrow` command: mutate, export, check, inspect, passes.
+"""The `graphgrow` command: mutate, replay, fold, export, check, inspect, targets, passes.
 
 Exit codes: 0 success; 1 a check failed (verification, export, equivalence);
 2 bad input or a pass that cannot apply; 3 an internal error (a bug: please report).
@@ -145,15 +145,16 @@ def main() -> None:
               help="onnxruntime execution provider for --check")
 @click.option("--max-params", "max_params", metavar="N", help="refuse a pass that would add more parameters (default 100M; e.g. 500M)")
 @click.option("--max-memory", "max_memory", metavar="SIZE", help="refuse a pass whose grown model needs more activation memory at the verification batch (default 8G)")
-@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="seed for new weights and verification inputs")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="seed for new weights")
+@click.option("--dry-run", is_flag=True, help="run and verify the passes and show the report, but write nothing")
 @_common
-def mutate(model, specs, output, onnx_out, check, provider, max_params, max_memory, seed, input_shape, trust, leaves, trace_mode, as_json, debug):
+def mutate(model, specs, output, onnx_out, check, provider, max_params, max_memory, seed, dry_run, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Apply passes to MODEL, verify each, save the result (and ONNX, and check it)."""
     from . import workflow
 
     _run(_growth_job(lambda progress: workflow.mutate(
         model, specs, output, onnx_out, check, input_shape, provider, trust, leaves, seed, progress, trace_mode=trace_mode,
-        max_params=max_params, max_memory=max_memory), as_json), as_json, debug)
+        max_params=max_params, max_memory=max_memory, dry_run=dry_run), as_json), as_json, debug)
 
 
 def _growth_job(make_report: Callable[[Callable[[str], None]], dict], as_json: bool) -> Callable:
@@ -203,6 +204,8 @@ def _print_mutation(report: dict) -> None:
         _print_equivalence(eq["vs_original"])
     for path in report["outputs"]:
         out.print(f"wrote {path}")
+    if report.get("dry_run"):
+        out.print(f"dry run: nothing written (would write {', '.join(report['dry_run']['would_write'])})", markup=False, highlight=False)
     if report.get("output_note") and report["outputs"]:
         out.print(f"note: {report['output_note']}", markup=False, highlight=False)
     timing = ", ".join(f"{k} {v:.1f}s" for k, v in report.get("timings", {}).items())
@@ -407,6 +410,35 @@ def _print_groups(report: dict) -> None:
         t.add_row(str(g["id"]), str(g["channels"]), str(len(g["members"])), ", ".join(g["sources"]) or "-",
                   ", ".join(g["consumers"]) or "-", status)
     out.print(t)
+
+
+@main.command()
+@click.argument("model")
+@click.option("--pass", "spec", required=True, metavar="SPEC", help="the pass, with any arguments other than its target, e.g. add_branch or 'add_branch(op=sepconv3x3)'")
+@_common
+def targets(model, spec, input_shape, trust, leaves, trace_mode, as_json, debug):
+    """List where a pass can apply on MODEL: the spec that picks each place, the place in words
+    (module path, stage, resolution, channels) and the parameters it would add; * marks the default."""
+    from . import workflow
+
+    def job(progress):
+        report = workflow.targets(model, spec, input_shape, trust, leaves, progress, trace_mode=trace_mode)
+        if as_json:
+            print(json.dumps(report, default=str))
+            return 0
+        if not report["candidates"]:
+            out.print(f"{report['pass']} does not list places (it takes no target, or none applies)", markup=False)
+            return 0
+        t = Table(title=f"where {report['pass']} can apply on {model} ({report['params']:,} parameters)")
+        for col in ("", "spec", "where", "adds", "of the model"):
+            t.add_column(col, justify="right" if col in ("adds", "of the model") else "left", overflow="fold")
+        for c in report["candidates"]:
+            t.add_row("*" if c["default"] else "", escape(c["spec"]), escape(c["where"]), f"{c['params']:,}", f"{100 * c['fraction']:.1f}%")
+        out.print(t)
+        out.print("* the default target (no target given)")
+        return 0
+
+    _run(job, as_json, debug)
 
 
 @main.command()

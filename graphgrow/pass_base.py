@@ -40,6 +40,7 @@ class PassResult:
     seconds: float
     preservation: PreservationReport | None = None
     exact: bool = True  # False when the pass changed the function on purpose (allow_narrowing, allow_change)
+    modules_added: list[str] = dataclasses.field(default_factory=list)  # new top-level modules (stages.graphgrow_modules)
 
     def log_entry(self) -> dict:
         """What goes into the mutation log (saved with the model and into ONNX metadata)."""
@@ -48,6 +49,7 @@ class PassResult:
             "params_before": self.params_before, "params_after": self.params_after,
             "flops_before": self.flops_before, "flops_after": self.flops_after,
             "nodes_added": len(self.nodes_added), "nodes_removed": len(self.nodes_removed), "exact": self.exact,
+            "modules_added": self.modules_added,
         }
 
     def to_json(self) -> dict:
@@ -80,6 +82,19 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
+@dataclass
+class Candidate:
+    """A place a pass can apply: the arguments that pick it, the place in words, what it would add."""
+
+    args: dict[str, str]
+    where: str
+    params: int  # parameters it would add (an estimate before running the pass)
+    default: bool = False  # the place the pass picks when no target is given
+
+    def spec(self, name: str) -> str:
+        return f"{name}({','.join(f'{k}={v}' for k, v in self.args.items())})" if self.args else name
+
+
 @dataclass(frozen=True)
 class Pass:
     """Base of all passes. Subclasses are frozen dataclasses; every field has a default.
@@ -94,6 +109,11 @@ class Pass:
 
     def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
         raise NotImplementedError
+
+    def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
+        """Where this pass (with its other arguments as given) can apply on `gm` (annotated), most useful
+        first; [] when the pass does not list them. Each candidate's `args` select it in a spec."""
+        return []
 
     @classmethod
     def argument_types(cls) -> dict[str, Any]:
@@ -156,6 +176,7 @@ class Pass:
             params_before=param_count(gm), params_after=param_count(new),
             flops_before=total_flops(gm), flops_after=total_flops(new),
             seed=seed, seconds=time.perf_counter() - start, preservation=report, exact=rw.exact,
+            modules_added=sorted(set(dict(new.named_children())) - set(dict(gm.named_children()))),
         )
         info = graph_info(new)
         info["log"] = list(graph_info(gm).get("log", [])) + [result.log_entry()]

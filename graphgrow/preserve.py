@@ -20,7 +20,6 @@ from .shapes import example_input
 from .state import dropout_off, preserved_buffers, seeded, training_mode
 
 REL_TOL = 1e-5
-NUMERICAL_ZERO = 1e-7  # a gradient this small beside the largest one in the same step is rounding, not signal
 
 
 @dataclass
@@ -204,13 +203,12 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                 if loss.requires_grad:
                     loss.backward()
                 with torch.no_grad():
-                    # rounding-level gradients (a bias before a train-mode normalisation: ~1e-11 of the others) are none
-                    floor = NUMERICAL_ZERO * max((float(p.grad.abs().max()) for p in params.values()
-                                                  if p.grad is not None and p.grad.numel()), default=0.0)
+                    # any non-zero gradient counts: a real one can be tiny (a gate behind a head that has just started
+                    # to move gets 1e-10), so a relative floor cannot tell it from rounding (a bias before a train-mode
+                    # BatchNorm gets 1e-12 of the others, and then counts as learning: redundant, never refused)
                     for name, (old_shape, _) in new_params.items():
                         grad = params[name].grad
-                        region = _new_region(grad, old_shape) if name not in got and grad is not None else None
-                        if region is not None and region.numel() and float(region.abs().max()) > floor:
+                        if name not in got and grad is not None and _new_region(grad, old_shape).abs().sum() > 0:
                             got[name] = step
                     if step == 0 and not got and not train_all:
                         if any(_has_grad(params[n]) for n in upstream):
@@ -227,7 +225,9 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                     for p in params.values():
                         if p.grad is not None:
                             p.sub_(lr * p.grad / (p.grad.norm() + 1e-12) * (p.norm() + 1e-3))
-                    if step >= 1 and len(got) == had:  # no progress: stop early if the rest is cancelled, not dead
+                    # a step in which gradient reached new parameters before but no further ones: stop early if the
+                    # rest is cancelled in train mode (learns in eval mode), rather than spending the remaining steps
+                    if step >= 1 and got and len(got) == had:
                         missing = [n for n in new_params if n not in got]
                         if set(eval_mode_learners(missing)) == set(missing):
                             cancelled = missing

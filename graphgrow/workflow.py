@@ -18,11 +18,12 @@ import numpy as np
 import torch
 from torch import fx, nn
 
-from .errors import InputError, LoadError, SaveError, ValidationError
+from .errors import InputError, LoadError, SaveError, SpecError, ValidationError
 from .load import (
     FACTORY_SEED, LoadedModel, check_output_path, default_output_path, is_factory_name, load_model, plain_output_path, save_model,
 )
-from .pipeline import Pipeline, PipelineResult
+from .pass_base import Candidate
+from .pipeline import Pipeline, PipelineResult, parse_spec
 from .shapes import annotate, param_count, total_flops
 from .trace import graph_info, trace
 
@@ -220,16 +221,18 @@ def _check_finite(model: nn.Module, source: str) -> None:
 def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: str | None = None,
            check: bool = False, input_shape=None, provider: str = "auto", trust: bool = False,
            leaves: Sequence[str] = (), seed: int = 0, progress: Progress = _noop, trace_mode: str = "eval",
-           max_params=None, max_memory=None, suffix: str = ".grown.pt") -> dict:
+           max_params=None, max_memory=None, suffix: str = ".grown.pt", dry_run: bool = False) -> dict:
     """Load → run the pipeline with verification → save → (export) → (check). Returns the JSON report.
-    Without `out` the result goes beside the model as NAME`suffix`."""
+    Without `out` the result goes beside the model as NAME`suffix`. `dry_run`: the passes run and are
+    verified, nothing is written (the report says where it would have gone)."""
     pipeline = Pipeline.from_spec(list(specs), seed=seed)  # spec errors before any work
     pipeline.limits = _limits(max_params, max_memory)
     out_path = check_output_path(out or default_output_path(source, suffix), inputs=(source,))
     onnx_path = check_output_path(onnx_out, inputs=(source,)) if onnx_out else None
     _distinct_outputs(out_path, onnx_path)
     opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, pipeline.limits.max_memory)
-    report = _grow_and_write(pipeline, opened, source, (source,), out_path, onnx_path, check, provider, progress, "pass")
+    report = _grow_and_write(pipeline, opened, source, (source,), out_path, onnx_path, check, provider, progress, "pass",
+                             dry_run=dry_run)
     plain = plain_output_path(source, suffix)
     if out is None and out_path != plain:
         report["output_note"] = f"{plain} already exists: the result went to {out_path.name} (give -o to choose the name)"
@@ -250,8 +253,9 @@ def _distinct_outputs(*paths: Path | None) -> None:
 
 
 def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs: tuple, out_path: Path,
-                    onnx_path: Path | None, check: bool, provider: str, progress: Progress, verb: str) -> dict:
-    """Run `pipeline` on the opened model, save the result, export and check it when asked."""
+                    onnx_path: Path | None, check: bool, provider: str, progress: Progress, verb: str,
+                    dry_run: bool = False) -> dict:
+    """Run `pipeline` on the opened model, save the result, export and check it when asked (not when `dry_run`)."""
     timings: dict[str, float] = {}
     t = time.perf_counter()
     count = len(pipeline.passes)
@@ -266,6 +270,9 @@ def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs
         "outputs": [],
         "timings": timings,
     }
+    if dry_run:
+        report["dry_run"] = {"would_write": [str(p) for p in (out_path, onnx_path) if p is not None]}
+        return report
     with StagedOutputs() as staged:  # every output appears at the end, together, or none does
         progress(f"saving {out_path}")
         save_model(result.gm, staged.reserve(out_path), inputs=inputs)
@@ -388,6 +395,25 @@ def _read_log(log_source: str, trust: bool) -> tuple[list[dict], list[int] | Non
         raise LoadError(f"{log_source} has no mutation log (it was not written by graphgrow)",
                         "pass a file that graphgrow mutate wrote, or its exported .onnx")
     return loaded.log, loaded.input_shape
+
+
+def targets(source: str, spec: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
+            progress: Progress = _noop, trace_mode: str = "eval") -> dict:
+    """Where one pass (its other arguments as given in `spec`) can apply, with what each place would add."""
+    from .pipeline import build_pipeline, spec_of
+
+    passes = build_pipeline(spec)
+    if len(passes) != 1:
+        raise SpecError(f"targets lists the places of one pass, got {len(passes)}", "give one pass, e.g. --pass add_branch")
+    p = passes[0]
+    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode)
+    progress(f"finding where {p.name} can apply")
+    found = p.candidates(opened.gm)
+    total = param_count(opened.gm)
+    given = {k: v for k, v in (parse_spec(spec_of(p))[0][1]).items()}
+    return {"model": source, "pass": p.name, "params": total, "input_shape": opened.input_shape,
+            "candidates": [{"spec": Candidate({**given, **c.args}, c.where, c.params).spec(p.name), "where": c.where,
+                            "params": c.params, "fraction": c.params / max(total, 1), "default": c.default} for c in found]}
 
 
 def provenance(loaded: LoadedModel) -> dict[str, str]:

@@ -17,12 +17,14 @@ from typing import ClassVar, Literal
 import torch
 from torch import fx, nn
 
-from graphgrow import NotApplicable, Pass, Rewrite
+from graphgrow import Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.layers import AverageMerge
 from graphgrow.rewrite import (
     add_module, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses, resolve_tensor, set_scope,
     tensor_shape,
 )
+from graphgrow.shapes import param_count
+from graphgrow.stages import DEFAULT_BUDGET, graphgrow_modules, is_graphgrow_node, place, stages
 
 from ._init import kaiming_
 
@@ -30,15 +32,61 @@ Op = Literal["conv3x3", "conv5x5", "sepconv3x3", "sepconv5x5", "dilconv3x3", "av
 OPS = ("conv3x3", "conv5x5", "sepconv3x3", "sepconv5x5", "dilconv3x3", "avgpool3x3", "maxpool3x3", "identity")
 
 
-def resolve_span(gm: fx.GraphModule, at: str | None) -> tuple[fx.Node, fx.Node, str]:
+
+
+def branch_params(op: str, cin: int, cout: int, count: int = 1) -> int:
+    """Parameters `count` branches of `op` add (build_branch's layers, BatchNorm included)."""
+    adapter = cin * cout + 2 * cout if cin != cout else 0
+    k = {"conv3x3": 3, "conv5x5": 5, "sepconv3x3": 3, "sepconv5x5": 5, "dilconv3x3": 3}.get(op, 0)
+    one = {"conv": cin * cout * k * k + 2 * cout, "sepc": cin * k * k + cin * cout + 2 * cout,
+           "dilc": cin * k * k + cin * cout + 2 * cout}.get(op[:4], adapter)
+    return count * one + count  # and a gate each
+
+
+def branch_sites(gm: fx.GraphModule, op: str, count: int) -> list[tuple[bool, bool, int, fx.Node, int]]:
+    """Backbone convs a person would put a branch beside: on a feature map larger than 1×1 (not a
+    squeeze-excitation or head conv), reading a tensor other than the raw input, not one graphgrow added.
+    Each as (within the parameter budget, foldable again: dense with a kernel at least the branch's,
+    graph position, node, parameters the branches add)."""
+    added = graphgrow_modules(gm)
+    backbone_nodes = {n for s in stages(gm) for n in s.nodes}
+    last = max((i for i, n in enumerate(gm.graph.nodes) if n in backbone_nodes), default=None)
+    total = max(param_count(gm), 1)
+    kernel = {"conv3x3": 3, "conv5x5": 5, "sepconv3x3": 3, "sepconv5x5": 5, "dilconv3x3": 5}.get(op, 1)  # dilated 3×3 spans 5×5
+    sites = []
+    for i, n in enumerate(gm.graph.nodes):
+        if n.op != "call_module" or not isinstance(gm.get_submodule(n.target), nn.Conv2d) or not is_float_tensor(n):
+            continue
+        shape, src = tensor_shape(n), n.args[0]
+        if last is not None and i > last or is_graphgrow_node(gm, n, added) or not isinstance(src, fx.Node) or \
+                not is_float_tensor(src) or shape[2:] == (1, 1) or src.op == "placeholder":
+            continue
+        m = gm.get_submodule(n.target)
+        cost = branch_params(op, m.in_channels, m.out_channels, count)
+        sites.append((cost <= DEFAULT_BUDGET * total, bool(m.groups == 1 and min(m.kernel_size) >= kernel), i, n, cost))
+    return sites
+
+
+def default_conv(gm: fx.GraphModule, op: str, count: int) -> tuple[fx.Node, str]:
+    """The last of `branch_sites` within the budget, preferring foldable ones; with why in words."""
+    sites = branch_sites(gm, op, count)
+    if not sites:
+        raise NotApplicable("the model has no Conv2d on a feature map to run a branch beside", "give at=START:END")
+    total = max(param_count(gm), 1)
+    within, _, _, n, cost = max(sites, key=lambda c: (c[0], c[1], c[2]))
+    why = f"beside the last main-path conv {place(gm, n)}; adds {cost:,} parameters ({100 * cost / total:.1f}% of the model)"
+    if not within:
+        why += f"; no conv takes this branch within {DEFAULT_BUDGET:.0%} of the model's parameters"
+    return n, why
+
+
+def resolve_span(gm: fx.GraphModule, at: str | None, op: str = "conv3x3", count: int = 1) -> tuple[fx.Node, fx.Node, str]:
     """(input tensor, output tensor, how chosen) of the span a branch runs beside."""
     if at is None:
-        convs = [n for n in gm.graph.nodes if n.op == "call_module"
-                 and isinstance(gm.get_submodule(n.target), nn.Conv2d) and is_float_tensor(n)]
-        if not convs:
-            raise NotApplicable("the model has no Conv2d to run a branch beside", "give at=START:END")
-        n = convs[-1]
-        return n.args[0], n, f"beside the last Conv2d '{n.target}'"
+        n, why = default_conv(gm, op, count)
+        src = n.args[0]
+        assert isinstance(src, fx.Node)  # default_conv only picks convs reading a tensor node
+        return src, n, why
     if ":" in at:
         a, b = at.split(":", 1)
         return resolve_tensor(gm, a, "in"), resolve_tensor(gm, b, "out"), "given span"
@@ -105,7 +153,7 @@ def add_branch(gm: fx.GraphModule, at: str | None = None, op: Op = "conv3x3", co
         raise NotApplicable(f"count must be 1 to {MAX_BRANCHES}, got {count}", "add a few branches at a time")
     gm = copy_graph_module(gm)
     generator = generator or torch.Generator().manual_seed(0)
-    start, end, chosen = resolve_span(gm, at)
+    start, end, chosen = resolve_span(gm, at, op, count)
     merge = existing_merge(gm, end)
     if merge is not None:
         start = merge.args[1].args[0]  # type: ignore[assignment]  # every branch of a merge reads the same input
@@ -202,12 +250,18 @@ class AddBranch(Pass):
     """Run new branches beside a span, merged by a gated average main + mean(gate·branch) with gates at 0."""
 
     name: ClassVar[str] = "add_branch"
-    at: str | None = None  # node name, module path or START:END; default: beside the last Conv2d
+    at: str | None = None  # node name, module path or START:END; default: beside the last main-path conv (see default_conv)
     op: Op = "conv3x3"
     count: int = 1
 
     def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
         return add_branch(gm, self.at, self.op, self.count, generator)
+
+    def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
+        """Every backbone conv a branch of `op` can run beside, the last first."""
+        sites = branch_sites(gm, self.op, self.count)
+        default = default_conv(gm, self.op, self.count)[0] if sites else None
+        return [Candidate({"at": str(n.target)}, place(gm, n), cost, n is default) for _, _, _, n, cost in reversed(sites)]
 
 
 @dataclass(frozen=True)

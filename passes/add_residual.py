@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from graphgrow import NotApplicable, Pass, Rewrite
-from graphgrow.targets import feature_span
+from graphgrow import Candidate, NotApplicable, Pass, Rewrite
+from graphgrow.shapes import param_count
+from graphgrow.stages import DEFAULT_BUDGET, main_path, place, stage_end, stages
 from graphgrow.rewrite import (
     add_module, add_parameter, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses,
     resolve_tensor, set_scope, tensor_shape,
@@ -35,12 +36,12 @@ def add_residual(gm: fx.GraphModule, start: str | None = None, end: str | None =
     s: fx.Node | None
     e: fx.Node | None
     if start is None and end is None:
-        s, e, why = feature_span(gm)
+        s, e, why = default_span(gm)
     else:
-        ds, de, why = feature_span(gm) if start is None or end is None else (None, None, "")
+        ds, de, why = default_span(gm) if start is None or end is None else (None, None, "")
         s = resolve_tensor(gm, start, "in") if start is not None else ds
         e = resolve_tensor(gm, end, "out") if end is not None else de
-        why = "given"
+        why = "given" if start is not None and end is not None else f"given {'start' if start else 'end'}; the other end: {why}"
     _check_span(gm, s, e)
     s_shape, e_shape = tensor_shape(s), tensor_shape(e)
     graph = gm.graph
@@ -81,6 +82,36 @@ def add_residual(gm: fx.GraphModule, start: str | None = None, end: str | None =
     finish(gm)
     targets = {"start": f"{s.name} {list(s_shape)}", "end": f"{e.name} {list(e_shape)}", "skip": kind, "chosen": why}
     return Rewrite(gm, targets)
+
+
+
+
+def default_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
+    """One stage of the backbone, never from the raw input: from the end of the stage before the last
+    (one downsampling step) to the backbone's last feature map; over the last stage itself when there
+    is no earlier one, the resolution does not go down, or that skip would pass the parameter budget."""
+    found = stages(gm)
+    if not found:
+        path = main_path(gm)
+        if len(path) < 2:
+            raise NotApplicable("the model has no chain of layers to skip over", "give start=... and end=...")
+        return path[0], path[-1], f"main path: {place(gm, path[0], found)} → {place(gm, path[-1], found)}"
+    last = found[-1]
+    end = last.nodes[-1]
+    prev = found[-2] if len(found) >= 2 else None
+    e_shape = tensor_shape(end) or ()
+    if prev is not None and len(e_shape) == 4 and len(tensor_shape(prev.nodes[-1]) or ()) == 4 \
+            and all(a >= b for a, b in zip(prev.resolution, last.resolution)):
+        start = stage_end(found, len(found) - 2)
+        s_shape = tensor_shape(start) or ()
+        cost = s_shape[1] * e_shape[1] + 2 * e_shape[1]
+        if cost <= DEFAULT_BUDGET * max(param_count(gm), 1):
+            return start, end, (f"one stage, with its downsampling: from {place(gm, start, found)} to the "
+                                f"end of {last.describe(gm, len(found))}")
+    if len(last.nodes) >= 2:
+        return last.nodes[0], end, f"over {last.describe(gm, len(found))}, from its first to its last main-path tensor"
+    raise NotApplicable(f"the backbone's last stage ({last.describe(gm, len(found))}) has one main-path tensor and no "
+                        "stage before it can be connected", "give start=... and end=...")
 
 
 def _check_span(gm: fx.GraphModule, s: fx.Node, e: fx.Node) -> None:
@@ -133,8 +164,34 @@ class AddResidual(Pass):
     """Add a skip connection end + skip(start), exact at insertion (1×1 conv + zero-γ BN, or a zero gate)."""
 
     name: ClassVar[str] = "add_residual"
-    start: str | None = None  # node name (its output) or module path (its input); default: the first 4-D tensor
-    end: str | None = None  # node name (its output) or module path (its output); default: input of global pooling
+    start: str | None = None  # node name (its output) or module path (its input); default: the end of the stage before the last
+    end: str | None = None  # node name (its output) or module path (its output); default: the backbone's last feature map
 
     def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
         return add_residual(gm, self.start, self.end, generator)
+
+    def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
+        """A skip over each backbone stage, and from each stage's end to the next stage's end."""
+        found = stages(gm)
+        ds: fx.Node | None = None
+        de: fx.Node | None = None
+        try:
+            ds, de, _ = default_span(gm)
+        except NotApplicable:
+            pass
+        out = []
+        for i, stage in enumerate(found):
+            spans = [(stage_end(found, i - 1), stage.nodes[-1], f"from the end of {found[i - 1].describe(gm, len(found))} "
+                      f"to the end of {stage.describe(gm, len(found))}")] if i else []
+            if len(stage.nodes) >= 2:
+                spans.append((stage.nodes[0], stage.nodes[-1], f"over {stage.describe(gm, len(found))}"))
+            for s, e, where in spans:
+                s_shape, e_shape = tensor_shape(s) or (), tensor_shape(e) or ()
+                if s_shape == e_shape:
+                    cost = 1
+                elif len(s_shape) == len(e_shape) == 4 and all(a >= b for a, b in zip(s_shape[2:], e_shape[2:])):
+                    cost = s_shape[1] * e_shape[1] + 2 * e_shape[1]
+                else:
+                    continue
+                out.append(Candidate({"start": s.name, "end": e.name}, where, cost, (s, e) == (ds, de)))
+        return out[::-1]

@@ -16,11 +16,12 @@ from typing import ClassVar, Literal
 import torch
 from torch import fx, nn
 
-from graphgrow import NotApplicable, Pass, Rewrite
+from graphgrow import Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
     add_module, add_parameter, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses,
     set_scope, tensor_shape,
 )
+from graphgrow.stages import default_point, stage_end, stages
 from graphgrow.targets import tensor_or_feature_end
 
 from ._init import kaiming_
@@ -31,7 +32,7 @@ def deepen(gm: fx.GraphModule, after: str | None = None, block: Literal["auto", 
     """Insert `x + g·block(x)` (g = 0) after `after` (default: the last feature map before global pooling)."""
     gm = copy_graph_module(gm)
     generator = generator or torch.Generator().manual_seed(0)
-    node, chosen = tensor_or_feature_end(gm, after)
+    node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_point(gm, lambda n: block_params(n, block))
     shape = tensor_shape(node)
     if not is_float_tensor(node) or len(shape) < 2:
         raise NotApplicable(f"'{node.name}' (shape {node.meta.get('gg_shape')}) is not a feature tensor", "pick a node with a (N, C, …) tensor")
@@ -73,13 +74,33 @@ def deepen(gm: fx.GraphModule, after: str | None = None, block: Literal["auto", 
     return Rewrite(finish(gm), targets)
 
 
+def block_params(node: fx.Node, block: str) -> int:
+    """Parameters a block after `node` adds (conv 3×3 + BatchNorm on maps, Linear on features, and the gate)."""
+    shape = tensor_shape(node) or ()
+    if len(shape) < 2:
+        return 0
+    if block == "conv_bn_relu" or (block == "auto" and len(shape) == 4):
+        return shape[1] * shape[1] * 9 + 2 * shape[1] + 1
+    return shape[-1] * shape[-1] + shape[-1] + 1
+
+
 @dataclass(frozen=True)
 class Deepen(Pass):
     """Insert a block in residual form x + g·block(x) with a zero gate: exact in eval and train mode."""
 
     name: ClassVar[str] = "deepen"
-    after: str | None = None  # node name or module path (its output); default: last feature map before global pooling
+    after: str | None = None  # node name or module path (its output); default: the latest stage end within 25% more parameters
     block: Literal["auto", "conv_bn_relu", "linear_relu"] = "auto"  # auto: conv_bn_relu for 4-D, linear_relu otherwise
 
     def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
         return deepen(gm, self.after, self.block, generator)
+
+    def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
+        """The end of each backbone stage, the last first."""
+        found = stages(gm)
+        if not found:
+            return []
+        default, _ = default_point(gm, lambda n: block_params(n, self.block))
+        ends = [(s, stage_end(found, i)) for i, s in enumerate(found)]
+        return [Candidate({"after": end.name}, f"end of {s.describe(gm, len(found))}", block_params(end, self.block), end is default)
+                for s, end in reversed(ends)]

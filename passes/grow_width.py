@@ -19,9 +19,13 @@ from typing import ClassVar, Literal
 import torch
 from torch import fx, nn
 
-from graphgrow import NotApplicable, Pass, Rewrite
+from graphgrow import Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.coupling import Coupling, Insertion, analyze, make_layout
-from graphgrow.rewrite import add_module, copy_graph_module, finish, inserting_after, replace_uses, resolve_tensor, set_scope
+from graphgrow.rewrite import (
+    add_module, copy_graph_module, finish, inserting_after, replace_uses, resolve_tensor, set_scope, tensor_shape,
+)
+from graphgrow.shapes import param_count
+from graphgrow.stages import DEFAULT_BUDGET, graphgrow_modules, is_graphgrow_node, place
 
 from ._resize import Init, _cols, grow_group, resize, set_module
 
@@ -52,24 +56,75 @@ def check_growable_layer(gm: fx.GraphModule, node: fx.Node) -> nn.Module:
                         "name a conv or Linear layer (graphgrow inspect --groups lists them)")
 
 
-def default_target(gm: fx.GraphModule, coupling: Coupling, replicates: bool = False) -> fx.Node:
-    """The first conv/Linear (in graph order) whose whole channel group can grow; groups under a LayerNorm
-    only when the growth `replicates` every channel equally (net2net, integer factor)."""
+
+
+def growable_layers(gm: fx.GraphModule, coupling: Coupling, replicates: bool = False,
+                    factor: float = 2.0) -> tuple[list[tuple[fx.Node, int]], bool]:
+    """Main-path conv/Linear layers (graph order) whose whole channel group can grow, with the parameters
+    growing by `factor` adds; not ones working on pooled 1×1 maps (squeeze-excitation, a head conv) when
+    the model has larger maps, nor ones graphgrow added. Groups under a LayerNorm only when the growth
+    `replicates` every channel equally (net2net, integer factor). Also: whether such a group was skipped."""
     skipped_norm = False
+    added = graphgrow_modules(gm)
+    has_maps = any(len(tensor_shape(n) or ()) == 4 and (tensor_shape(n) or (0, 0, 1, 1))[2:] != (1, 1) for n in gm.graph.nodes)
+    found = []
     for n in gm.graph.nodes:
-        if n.op == "call_module" and n.name in coupling.group_of:
-            m = gm.get_submodule(n.target)
-            grp = coupling.group(n.name)
-            if n.name in grp.sources and not coupling.why_frozen(grp.id) and \
-                    (isinstance(m, nn.Linear) or getattr(m, "groups", 0) == 1):
-                if coupling.norms_reached(grp.id) and not replicates:
-                    skipped_norm = True
-                    continue
-                return n
+        if n.op != "call_module" or n.name not in coupling.group_of or is_graphgrow_node(gm, n, added):
+            continue
+        m = gm.get_submodule(n.target)
+        grp = coupling.group(n.name)
+        if n.name not in grp.sources or coupling.why_frozen(grp.id) or not (isinstance(m, nn.Linear) or getattr(m, "groups", 0) == 1):
+            continue
+        if coupling.norms_reached(grp.id) and not replicates:
+            skipped_norm = True
+            continue
+        shape = tensor_shape(n) or ()
+        if has_maps and len(shape) == 4 and shape[2:] == (1, 1):
+            continue  # a squeeze-excitation bottleneck or a conv on the pooled head: not a main-path layer
+        found.append((n, growth_params(gm, coupling, grp.id, factor)))
+    return found, skipped_norm
+
+
+def default_target(gm: fx.GraphModule, coupling: Coupling, replicates: bool = False, factor: float = 2.0) -> tuple[fx.Node, str]:
+    """The first of `growable_layers` within the parameter budget (else the first: a small model has no
+    growth that small), with why in words."""
+    found, skipped_norm = growable_layers(gm, coupling, replicates, factor)
+    total = max(param_count(gm), 1)
+    fits = [c for c in found if c[1] <= DEFAULT_BUDGET * total]
+    if found:
+        node, cost = fits[0] if fits else found[0]
+        why = (f"first main-path layer whose channel group can grow: {place(gm, node)}; adds about "
+               f"{cost:,} parameters ({100 * cost / total:.0f}% of the model)")
+        if not fits:
+            why += f"; no layer grows within {DEFAULT_BUDGET:.0%} of the model's parameters (a small model)"
+        return node, why
     hint = "graphgrow inspect --groups shows why each group is frozen; mode=adapter widens one layer"
     if skipped_norm:
         hint = "groups under a LayerNorm grow with init=net2net and an integer factor; " + hint
     raise NotApplicable("no layer in this model has a channel group that can grow", hint)
+
+
+def growth_params(gm: fx.GraphModule, coupling: Coupling, gid: int, factor: float) -> int:
+    """About how many parameters growing group `gid` by `factor` adds: per output channel of its
+    sources, per input channel of its consumers, per channel of its channelwise layers (and the same
+    for the groups derived from it)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    total = 0
+    for g in (coupling.groups[i] for i in coupling.reached(gid)):
+        delta = max(int(round(g.size * (factor - 1))), 0)
+        for role, names in (("out", g.sources), ("in", g.consumers), ("both", g.channelwise)):
+            for name in names:
+                node = nodes.get(name)
+                if node is None or node.op != "call_module":
+                    continue
+                m = gm.get_submodule(node.target)
+                own = sum(p.numel() for p in m.parameters(recurse=False))
+                channels = {"out": getattr(m, "out_channels", getattr(m, "out_features", 0)),
+                            "in": getattr(m, "in_channels", getattr(m, "in_features", 0)),
+                            "both": getattr(m, "num_features", getattr(m, "out_channels", g.size))}[role]
+                if channels:
+                    total += own * delta // channels
+    return total
 
 
 def out_width(m: nn.Module) -> int:
@@ -102,13 +157,13 @@ def grow_width(gm: fx.GraphModule, target: str | None = None, factor: float = 2.
     generator = generator or torch.Generator().manual_seed(0)
     coupling = analyze(gm)
     replicates = init == "net2net" and to is None and float(factor).is_integer()
-    node = find_layer(gm, target) if target is not None else default_target(gm, coupling, replicates)
+    node, why = (find_layer(gm, target), "given") if target is not None else default_target(gm, coupling, replicates, factor)
     layer = check_growable_layer(gm, node)
     old = out_width(layer)
     width = new_width(str(node.target), old, factor, to)
     count = width - old
     targets = {"target": f"{node.target} ({type(layer).__name__}, {old} → {width})",
-               "chosen": "given" if target is not None else "first layer whose channel group can grow"}
+               "chosen": why}
     if mode == "group":
         gid = coupling.group_of[node.name]
         group = coupling.groups[gid]
@@ -173,3 +228,14 @@ class GrowWidth(Pass):
 
     def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
         return grow_width(gm, self.target, self.factor, self.to, self.mode, self.init, generator)
+
+    def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
+        """Every layer whose channel group can grow (mode=group), in graph order."""
+        coupling = analyze(gm)
+        replicates = self.init == "net2net" and self.to is None and float(self.factor).is_integer()
+        found, _ = growable_layers(gm, coupling, replicates, self.factor)
+        try:
+            default = default_target(gm, coupling, replicates, self.factor)[0]
+        except NotApplicable:
+            default = None
+        return [Candidate({"target": str(n.target)}, place(gm, n), cost, n is default) for n, cost in found]

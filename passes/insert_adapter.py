@@ -16,10 +16,11 @@ from typing import ClassVar
 import torch
 from torch import fx, nn
 
-from graphgrow import NotApplicable, Pass, Rewrite
+from graphgrow import Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.coupling import analyze, channel_axis
 from graphgrow.rewrite import add_module, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses, \
     set_scope, tensor_shape
+from graphgrow.stages import default_point, stage_end, stages
 from graphgrow.targets import tensor_or_feature_end
 
 from ._resize import grow_group
@@ -40,12 +41,22 @@ def _adapter(shape: tuple, cin: int, cout: int, like: torch.Tensor) -> nn.Module
     return m
 
 
+def adapter_params(node: fx.Node, out_channels: int | None) -> int:
+    """Parameters an adapter after `node` adds (a C×C' weight and its bias)."""
+    shape = tensor_shape(node) or ()
+    axis = channel_axis(shape) if shape else None
+    if axis is None:
+        return 0
+    c = shape[axis]
+    return c * (out_channels or c) + (out_channels or c)
+
+
 def insert_adapter(gm: fx.GraphModule, after: str | None = None, out_channels: int | None = None,
                    allow_narrowing: bool = False, generator: torch.Generator | None = None) -> Rewrite:
     """Insert an identity-initialised adapter after `after` (default: the last feature map before global pooling)."""
     gm = copy_graph_module(gm)
     generator = generator or torch.Generator().manual_seed(0)
-    node, chosen = tensor_or_feature_end(gm, after)
+    node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_point(gm, lambda n: adapter_params(n, out_channels))
     shape = tensor_shape(node)
     if not is_float_tensor(node) or channel_axis(shape) is None:
         raise NotApplicable(f"'{node.name}' (shape {node.meta.get('gg_shape')}) has no channel dimension to adapt",
@@ -93,9 +104,19 @@ class InsertAdapter(Pass):
     """Insert a 1×1 conv / Linear adapter initialised to the identity [I | 0]; widening grows its channel group."""
 
     name: ClassVar[str] = "insert_adapter"
-    after: str | None = None  # node name or module path (its output); default: last feature map before global pooling
+    after: str | None = None  # node name or module path (its output); default: the latest stage end within 25% more parameters
     out_channels: int | None = None  # default: the same width
     allow_narrowing: bool = False  # narrowing changes the function; refused unless set
 
     def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
         return insert_adapter(gm, self.after, self.out_channels, self.allow_narrowing, generator)
+
+    def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
+        """The end of each backbone stage, the last first."""
+        found = stages(gm)
+        if not found:
+            return []
+        default, _ = default_point(gm, lambda n: adapter_params(n, self.out_channels))
+        ends = [(s, stage_end(found, i)) for i, s in enumerate(found)]
+        return [Candidate({"after": end.name}, f"end of {s.describe(gm, len(found))}", adapter_params(end, self.out_channels), end is default)
+                for s, end in reversed(ends)]

@@ -21,16 +21,17 @@ def grow(model, shape, **args):
     return gm, AddResidual(**args)(gm)
 
 
-def test_default_span_on_the_issue_example_is_a_stride_4_downsample(cnn):
+def test_default_span_on_the_issue_example_is_one_stage_with_its_downsampling(cnn):
     _, r = grow(cnn, (1, 3, 32, 32))
-    assert r.targets["start"] == "input_1 [1, 3, 32, 32]"
+    assert r.targets["start"] == "_5 [1, 64, 16, 16]"  # the end of the stage before the last, not the raw image
     assert r.targets["end"] == "_8 [1, 128, 8, 8]"
-    assert r.targets["skip"] == "1×1 conv 3→128 stride 4 + BatchNorm(γ=β=0)"
+    assert r.targets["skip"] == "1×1 conv 64→128 stride 2 + BatchNorm(γ=β=0)"
+    assert "from the end of stage 2 of 3 (5, 16×16) to the end of stage 3 of 3 (8, 8×8)" in r.targets["chosen"]
     conv = r.gm.get_submodule("residual_downsample.0")
-    assert (conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride) == (3, 128, (1, 1), (4, 4))
-    assert r.params_after - r.params_before == 3 * 128 + 2 * 128
+    assert (conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride) == (64, 128, (1, 1), (2, 2))
+    assert r.params_after - r.params_before == 64 * 128 + 2 * 128
     assert r.flops_after > r.flops_before
-    assert "params: 94,986 → 95,626" in r.summary()
+    assert "params: 94,986 → 103,434" in r.summary()
 
 
 def test_golden_graph(cnn):
@@ -100,7 +101,7 @@ def test_non_integer_ratio_pools_adaptively():
 def test_2d_features_get_a_zero_linear():
     model = mlp()
     _, r = grow(model, (1, 20))
-    assert r.targets["skip"] == "Linear 20→5 (zero weights)"
+    assert r.targets["skip"] == "Linear 32→5 (zero weights)"  # from the first hidden layer, not the raw input
     assert r.preservation.train.ok  # dropout draws the same masks in both runs
     assert set(r.preservation.trainable) == {"residual_proj.weight", "residual_proj.bias"}
 

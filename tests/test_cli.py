@@ -24,7 +24,7 @@ def test_mutate_onnx_check_json_end_to_end(tmp_path, cnn_file):
     report = json.loads(proc.stdout)  # exactly one JSON object on stdout
     p = report["passes"][0]
     assert {"name", "args", "targets", "params_before", "params_after"} <= p.keys()
-    assert p["name"] == "add_residual" and p["params_after"] - p["params_before"] == 640
+    assert p["name"] == "add_residual" and p["params_after"] - p["params_before"] == 8448
     assert report["preservation"]["eval_ok"] and report["preservation"]["train_ok"] and report["preservation"]["trainable_ok"]
     assert report["preservation"]["max_rel_err"] <= 1e-5
     eq = report["equivalence"]
@@ -39,8 +39,8 @@ def test_mutate_human_output_says_what_it_did(runner, tmp_path, cnn_file):
     out = tmp_path / "g.pt"
     res = invoke(runner, "mutate", str(cnn_file), "--pass", "add_residual", "-o", str(out), "--input-shape", "1,3,32,32")
     assert res.exit_code == 0
-    assert "skip: 1×1 conv 3→128 stride 4 + BatchNorm(γ=β=0)" in res.output
-    assert "params: 94,986 → 95,626" in res.output and f"wrote {out}" in res.output
+    assert "skip: 1×1 conv 64→128 stride 2 + BatchNorm(γ=β=0)" in res.output
+    assert "params: 94,986 → 103,434" in res.output and f"wrote {out}" in res.output
     # chaining: the output is a graphgrow file and loads without --trust, remembering its input shape
     res2 = invoke(runner, "mutate", str(out), "--pass", "add_residual(start=_3,end=_8)", "-o", str(tmp_path / "g2.pt"))
     assert res2.exit_code == 0, res2.output

@@ -83,9 +83,10 @@ def test_cases_the_fuzzer_found(ops, head, spec):
     gm = gg.trace(randomize_bn(FuzzNet(ops, head)), (1, IN_CH, SIZE, SIZE))
     r = gg.Pipeline.from_spec(spec).run(gm).results[0]
     assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
-    if spec.startswith("add_branch"):
-        assert r.preservation.cancelled == ["branch_conv3x3.2.bias"]
-        assert any("cancels them in train mode" in n for n in r.notes)
+    if spec.startswith("add_branch"):  # its train-mode gradient is zero or rounding noise, depending on the input
+        bias = "branch_conv3x3.2.bias"
+        assert bias in r.preservation.cancelled or bias in r.preservation.trainable
+        assert (bias in r.preservation.cancelled) == any("cancels them in train mode" in n for n in r.notes)
 
 
 def test_a_group_assembled_by_cat_cannot_grow_on_its_own():

@@ -109,3 +109,20 @@ def test_factories_build_the_same_weights_every_time():
     assert all(torch.equal(a[k], b[k]) for k in a)
     c = gg.load_model(FACTORY, factory_seed=1).module.state_dict()
     assert not torch.equal(a["0.weight"], c["0.weight"])
+
+
+def test_the_readmes_pass_table_is_one_table_with_a_row_per_pass():
+    from pathlib import Path
+
+    lines = (Path(__file__).resolve().parent.parent / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| pass | arguments"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break  # a blank line ends a markdown table: every pass must come before it
+        rows.append(line.split("|")[1].strip().strip("`"))
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    built_in = tomllib.loads((root / "pyproject.toml").read_text())["project"]["entry-points"]["graphgrow.passes"]
+    assert sorted(rows) == sorted(built_in)

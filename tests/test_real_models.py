@@ -23,12 +23,12 @@ def build(name: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("name, spec, skip", [
-    ("resnet18", "add_residual", "1×1 conv 3→512 stride 32 + BatchNorm(γ=β=0)"),
+    ("resnet18", "add_residual", "1×1 conv 256→512 stride 2 + BatchNorm(γ=β=0)"),  # layer3 → layer4
     ("resnet18", "add_residual(start=layer1,end=layer2)", "1×1 conv 64→128 stride 2 + BatchNorm(γ=β=0)"),
     ("resnet18", "add_residual(start=layer3.1,end=layer3.1)", "identity × gate (gate = 0)"),
-    ("mobilenet_v2", "add_residual", "1×1 conv 3→1280 stride 32 + BatchNorm(γ=β=0)"),
+    ("mobilenet_v2", "add_residual", "1×1 conv 96→1280 stride 2 + BatchNorm(γ=β=0)"),  # features.13 → end
     ("mobilenet_v2", "add_residual(start=features.2,end=features.4)", "1×1 conv 16→32 stride 4 + BatchNorm(γ=β=0)"),
-    ("densenet121", "add_residual", "1×1 conv 3→1024 stride 32 + BatchNorm(γ=β=0)"),
+    ("densenet121", "add_residual", "1×1 conv 1024→1024 stride 2 + BatchNorm(γ=β=0)"),  # denseblock3 → end
     ("densenet121", "add_residual(start=features.transition1,end=features.denseblock2)", "1×1 conv 256→512 stride 2 + BatchNorm(γ=β=0)"),
 ])
 def test_add_residual_on_torchvision(name, spec, skip):
@@ -56,7 +56,11 @@ def test_grown_onnx_matches_the_original_in_onnxruntime(name, tmp_path):
 
 def test_vit_b_16_grows_exactly():
     original = torchvision.models.vit_b_16(image_size=64)  # every layer of ViT-B/16, on 17 tokens
-    result = gg.Pipeline.from_spec("add_residual").run(gg.trace(original, (1, 3, 64, 64))).results[0]
+    gm = gg.trace(original, (1, 3, 64, 64))
+    default = gg.Pipeline.from_spec("add_residual").run(gm).results[0]  # over the encoder's token stream
+    assert default.targets["skip"] == "identity × gate (gate = 0)" and default.targets["end"].startswith("encoder_ln ")
+    assert set(default.preservation.trainable) == {"residual_gate"}
+    result = gg.Pipeline.from_spec("add_residual(start=x,end=conv_proj)").run(gm).results[0]
     assert result.targets["skip"] == "1×1 conv 3→768 stride 16 + BatchNorm(γ=β=0)"
     # torchvision zero-initialises the ViT head: nothing gets a gradient at step 0, so every parameter
     # trains from step 1 and the gradient reaches the new layers once the head has moved

@@ -59,7 +59,9 @@ def test_convnext_style_head_does_not_hide_the_backbone():
     start, end, _ = feature_span(gm)
     assert end.meta["gg_shape"] == (1, 16, 8, 8)
     r = gg.Pipeline.from_spec("add_residual").run(gm).results[0]
-    assert "16" in r.targets["skip"] and r.preservation.eval.ok
+    # one stage, never from the raw image: over the block, from the stem's output to the block's sum
+    assert r.targets["start"].startswith("stem [1, 16, 8, 8]") and r.targets["end"].startswith("add [1, 16, 8, 8]")
+    assert r.targets["skip"] == "identity × gate (gate = 0)" and r.preservation.eval.ok
 
 
 def test_swin_style_channels_last_blocks_end_at_the_permuted_back_map():
