@@ -156,7 +156,7 @@ class Pass:
             new.eval()
         else:
             _follow_modes(gm, new)
-        annotate(new, input_shape)
+        annotate(new, input_shape, previous=gm)
         after_nodes = {n.name for n in new.graph.nodes}
         # verification's input does not depend on the pass seed: the next pass of a pipeline reuses these outputs
         report = verify(gm, new, input_shape, exact=rw.exact, eval_only=rw.eval_only) if verify_result and rw.changed else None

@@ -39,16 +39,21 @@ def shape_of(value: Any):
 class _Recorder(fx.Interpreter):
     """Runs the graph and records each node's output shape and dtype (and FLOPs when asked)."""
 
-    def __init__(self, gm: fx.GraphModule, count_flops: bool = False):
+    def __init__(self, gm: fx.GraphModule, count_flops: bool = False, known_flops: dict[str, tuple[tuple, int]] | None = None):
         super().__init__(gm, garbage_collect_values=True)
         self.shapes: dict[str, Any] = {}
         self.dtypes: dict[str, torch.dtype | None] = {}
         self.flops: dict[str, int] = {}
         self.count_flops = count_flops
+        self.known_flops = known_flops or {}
 
     def run_node(self, n: fx.Node):
         try:
-            if self.count_flops and n.op in ("call_module", "call_function", "call_method"):
+            known = self.known_flops.get(n.name)
+            if known is not None and self.count_flops and known[0] == _flop_key(self.module, n, self.shapes):
+                out = super().run_node(n)  # the same computation on the same shapes as before the pass: same FLOPs
+                self.flops[n.name] = known[1]
+            elif self.count_flops and n.op in ("call_module", "call_function", "call_method"):
                 with FlopCounterMode(display=False) as fc:
                     out = super().run_node(n)
                 self.flops[n.name] = int(fc.get_total_flops())
@@ -64,6 +69,15 @@ class _Recorder(fx.Interpreter):
         self.shapes[n.name] = shape_of(out)
         self.dtypes[n.name] = out.dtype if isinstance(out, torch.Tensor) else None
         return out
+
+
+def _flop_key(gm: fx.GraphModule, n: fx.Node, shapes: dict[str, Any]) -> tuple:
+    """What a node's FLOP count depends on: op, target, the module's settings and weight shapes, input shapes."""
+    module: tuple = ()
+    if n.op == "call_module":
+        m = gm.get_submodule(str(n.target))
+        module = (type(m), m.extra_repr(), tuple(tuple(p.shape) for p in m.parameters()))
+    return (n.op, _target_name(n), module, tuple(shapes.get(a.name) for a in n.all_input_nodes), repr(n.args), repr(n.kwargs))
 
 
 def _target_name(n: fx.Node) -> str:
@@ -87,16 +101,26 @@ def run_recording(gm: fx.GraphModule, x: torch.Tensor, count_flops: bool = False
     return ShapeRun(out, rec.shapes, rec.dtypes, rec.flops)
 
 
-def annotate(gm: fx.GraphModule, input_shape: Sequence[int]) -> ShapeRun:
+def annotate(gm: fx.GraphModule, input_shape: Sequence[int], previous: fx.GraphModule | None = None) -> ShapeRun:
     """Store shape, dtype, params and FLOPs (per example) on every node's meta.
 
     Runs once in eval mode at the example batch size; meta keys: gg_shape, gg_dtype,
-    gg_flops, gg_params. Raises ValidationError naming the node that fails.
+    gg_flops, gg_params. Raises ValidationError naming the node that fails. With
+    `previous` (the annotated model a pass started from), nodes that compute the same
+    thing on the same shapes keep their FLOP count instead of being counted again.
     """
     x = example_input(gm, input_shape)
-    with training_mode(gm, False):
-        run = run_recording(gm, x, count_flops=True)
     batch = max(int(input_shape[0]), 1)
+    known: dict[str, tuple[tuple, int]] = {}
+    if previous is not None:
+        old_shapes = {n.name: n.meta.get("gg_shape") for n in previous.graph.nodes}
+        known = {n.name: (_flop_key(previous, n, old_shapes), int(n.meta["gg_flops"]) * batch)
+                 for n in previous.graph.nodes if "gg_flops" in n.meta and n.op in ("call_module", "call_function", "call_method")}
+    with training_mode(gm, False):
+        rec = _Recorder(gm, True, known)
+        with torch.no_grad():
+            out = rec.run(x)
+        run = ShapeRun(out, rec.shapes, rec.dtypes, rec.flops)
     for n in gm.graph.nodes:
         n.meta["gg_shape"] = run.shapes.get(n.name)
         n.meta["gg_dtype"] = run.dtypes.get(n.name)

@@ -26,7 +26,7 @@ def test_default_span_on_the_issue_example_is_one_stage_with_its_downsampling(cn
     assert r.targets["start"] == "_5 [1, 64, 16, 16]"  # the end of the stage before the last, not the raw image
     assert r.targets["end"] == "_8 [1, 128, 8, 8]"
     assert r.targets["skip"] == "1×1 conv 64→128 stride 2 + BatchNorm(γ=β=0)"
-    assert "from the end of stage 2 of 3 (5, 16×16) to the end of stage 3 of 3 (8, 8×8)" in r.targets["chosen"]
+    assert "from '5', stage 2 of 3 (5, 16×16), 64 channels to the end of stage 3 of 3 (8, 8×8)" in r.targets["chosen"]
     conv = r.gm.get_submodule("residual_downsample.0")
     assert (conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride) == (64, 128, (1, 1), (2, 2))
     assert r.params_after - r.params_before == 64 * 128 + 2 * 128
