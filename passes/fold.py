@@ -828,7 +828,9 @@ def _emit(gm: fx.GraphModule, n: fx.Node, f: Form, src: fx.Node) -> fx.Node:
         if layer.bias is not None:
             layer.bias.copy_(f.bias if f.bias is not None else torch.zeros(f.out_channels, dtype=torch.float64))
     layer.eval()
-    main = max(f.weighted, key=lambda p: gm.get_submodule(p).weight.numel())
+    # the merged layer takes the place of the model's own layer (not one growth added), the largest if several
+    added = {m for e in gm.meta.get("graphgrow", {}).get("log", []) for m in e.get("modules_added", [])}
+    main = max(f.weighted, key=lambda p: (p.split(".")[0] not in added, gm.get_submodule(p).weight.numel()))
     users = [x for x in gm.graph.nodes if x.op == "call_module" and x.target == main]
     if users == [next(x for x in f.nodes if x.op == "call_module" and x.target == main)]:
         path = main
@@ -878,6 +880,63 @@ def _fold_gap_adapters(gm: fx.GraphModule) -> list[str]:
         gm.graph.erase_node(conv_node)
         done.append(f"{conv_node.target} (1×1 conv before global pooling) → {lin.target}")
     return done
+
+
+def _fold_select_adapters(gm: fx.GraphModule) -> list[str]:
+    """Linear ∘ token select ∘ Linear (per token) = Linear' ∘ select: a per-token layer commutes with picking
+    tokens (x[:, 0] before a ViT head), so it moves into the Linear after the select."""
+    done = []
+    for lin in list(gm.graph.nodes):
+        m = _module(gm, lin)
+        sel = lin.args[0] if lin.args else None
+        if type(m) is not nn.Linear or not isinstance(sel, fx.Node) or len(sel.users) != 1:
+            continue
+        if not (sel.op == "call_function" and sel.target is operator.getitem and isinstance(sel.args[0], fx.Node)):
+            continue
+        ad_node, index = sel.args[0], sel.args[1]
+        shape = tensor_shape(ad_node)
+        ad = _module(gm, ad_node)
+        if type(ad) is not nn.Linear or len(ad_node.users) != 1 or shape is None or len(shape) != 3:
+            continue
+        # the index may pick tokens and the batch, never features: at most two entries, no Ellipsis
+        entries = index if isinstance(index, tuple) else (index,)
+        if len(entries) > 2 or any(e is Ellipsis or isinstance(e, fx.Node) for e in entries):
+            continue
+        w = m.weight.detach().double() @ ad.weight.detach().double()
+        b = m.bias.detach().double() if m.bias is not None else torch.zeros(m.out_features, dtype=torch.float64)
+        if ad.bias is not None:
+            b = b + m.weight.detach().double() @ ad.bias.detach().double()
+        new = nn.Linear(ad.in_features, m.out_features, bias=True, dtype=m.weight.dtype, device=m.weight.device)
+        with torch.no_grad():
+            new.weight.copy_(w)
+            new.bias.copy_(b)
+        set_module(gm, str(lin.target), new.train(m.training))
+        sel.args = (ad_node.args[0], index)
+        gm.graph.erase_node(ad_node)
+        done.append(f"{ad_node.target} (per-token Linear before a token select) → {lin.target}")
+    return done
+
+
+_NON_LINEAR = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Hardswish, nn.Sigmoid, nn.Tanh, nn.MaxPool2d)
+
+
+def _kept_modules(gm: fx.GraphModule, reported: set[str]) -> dict[str, str]:
+    """Modules growth added (the log's modules_added) that are still called after folding and not already
+    reported through their merge or gate: real depth or a non-linear branch, or a linear layer with nothing
+    next to it that it merges into without adding multiply-adds."""
+    added = {m for e in gm.meta.get("graphgrow", {}).get("log", []) for m in e.get("modules_added", [])}
+    kinds: dict[str, list[nn.Module]] = {}
+    for n in gm.graph.nodes:
+        top = str(n.target).split(".")[0] if n.op == "call_module" else ""
+        if top in added and not any(top in r for r in reported):
+            kinds.setdefault(top, []).append(_module(gm, n))
+    kept = {}
+    for top, modules in kinds.items():
+        non_linear = [type(m).__name__ for m in modules if isinstance(m, _NON_LINEAR)]
+        kept[f"module '{top}'"] = (f"real depth or a non-linear branch ({non_linear[0]})" if non_linear else
+                                   f"a {type(modules[0]).__name__} with no conv/Linear next to it that it merges into "
+                                   "without adding multiply-adds")
+    return kept
 
 
 def _is_flatten(gm: fx.GraphModule, n: fx.Node) -> bool:
@@ -938,7 +997,7 @@ def fold(gm: fx.GraphModule, grow_kernels: bool = False, generator: torch.Genera
         changes = _remove_identities(gm) + _drop_idempotent_relus(gm) + _gates_through_relus(gm) + _drop_zero_terms(gm)
         if changes:
             _refresh(gm, input_shape)
-        moved = _fold_gap_adapters(gm)
+        moved = _fold_gap_adapters(gm) + _fold_select_adapters(gm)
         folded += moved
         analysis = _analyse(gm, grow_kernels)
         if _reassociate(gm, analysis):
@@ -961,6 +1020,7 @@ def fold(gm: fx.GraphModule, grow_kernels: bool = False, generator: torch.Genera
     for n in gm.graph.nodes:
         if SITE in n.meta and _is_sum(n):
             kept.setdefault(n.meta[SITE], analysis.why.get(n, "it stays an add"))
+    kept.update(_kept_modules(gm, set(kept)))
     targets: dict[str, Any] = {"folded": folded or "nothing to fold"}
     if kept:
         targets["kept"] = [f"{k}: {v}" for k, v in kept.items()]

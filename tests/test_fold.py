@@ -254,3 +254,38 @@ def test_a_relu_after_a_shift_or_a_negative_scale_is_kept():
     r = folded(gg.trace(Shifted(), (1, 4)))
     relus = sum(1 for n in r.gm.graph.nodes if n.op == "call_function" and n.target is torch.relu)
     assert relus == 4  # the first, and the three after a shift or a negative scale; relu(3·r) is dropped
+
+
+class TokenHead(nn.Module):
+    """ViT-like: tokens (N, T, C), a final LayerNorm, the class token selected, a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Conv2d(3, 8, 4, stride=4)
+        self.fc = nn.Linear(8, 8)
+        self.ln = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        t = self.embed(x).flatten(2).transpose(1, 2)
+        t = self.ln(t + torch.relu(self.fc(t)))
+        return self.head(t[:, 0])
+
+
+def test_a_per_token_adapter_moves_through_the_token_select_into_the_head():
+    gm = grow(TokenHead(), (1, 3, 16, 16), "insert_adapter(after=ln)")
+    r = folded(gm)
+    assert "ln_adapter (per-token Linear before a token select) → head" in " ".join(r.targets["folded"])
+    assert "ln_adapter" not in kinds_by_target(r.gm) and not r.targets.get("kept")
+    assert r.params_after == sum(p.numel() for p in TokenHead().parameters())
+
+
+def test_growth_that_stays_is_reported_by_module():
+    gm = grow(TokenHead(), (1, 3, 16, 16), "deepen(after=ln)")
+    r = folded(gm)
+    kept = " ".join(r.targets.get("kept", []))
+    assert "deepen_linear_relu" in kept and "ReLU" in kept, r.targets
+
+
+def kinds_by_target(gm) -> set[str]:
+    return {str(n.target).split(".")[0] for n in gm.graph.nodes if n.op == "call_module"}
