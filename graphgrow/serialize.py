@@ -28,8 +28,8 @@ MAX_META_DEPTH = 12
 def qualified_name(fn: Callable) -> str:
     if getattr(fn, "__module__", None) == "_operator":
         return f"operator.{fn.__name__}"
-    if fn is getattr:
-        return "builtins.getattr"
+    if getattr(fn, "__module__", None) == "builtins":  # torch.fx names builtins bare ("len"); the allow-list and loader want builtins.len
+        return f"builtins.{fn.__name__}"
     return fx.node._get_qualified_name(fn)
 
 

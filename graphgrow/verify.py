@@ -66,6 +66,9 @@ def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Sequence[int],
     if dead:  # the model may block its own gradient (a zero-initialised last BatchNorm): train everything, as training would
         again, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed, batch=b1, train_all=True)
         got = {**again, **got}
+    if dead:  # a new unit behind a ReLU can be off on two check examples and on for others: try more, other examples
+        again, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed + 1, batch=4 * b1, train_all=True)
+        got = {**again, **got}
     if dead:
         refuse_if_silent(new, dead, x, old_nodes)
         deaf = deaf_points(old, new, dead, x, old_nodes)
