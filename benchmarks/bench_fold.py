@@ -14,7 +14,6 @@ peak memory of one `graphgrow mutate … --onnx --check` process.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import subprocess
@@ -28,7 +27,7 @@ import torchvision
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import graphgrow as gg  # noqa: E402
-from common import Row, ratio_row, timed  # noqa: E402
+from common import Row, model_rounds_main, ratio_row, timed  # noqa: E402
 from conftest import randomize_bn, trained_looking  # noqa: E402
 from graphgrow.export import export_onnx  # noqa: E402
 from graphgrow.runtime import max_ir_version, open_session, optimized_op_counts  # noqa: E402
@@ -153,15 +152,5 @@ def rows(models=tuple(SPECS), rounds: int = 20, progress=lambda _: None) -> list
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--models", default=",".join(SPECS))
-    args = ap.parse_args()
-    from run import print_table
-
-    print_table(rows(args.models.split(","), args.rounds, progress=lambda s: print(s, file=sys.stderr)))
-
-
 if __name__ == "__main__":
-    main()
+    model_rounds_main(__doc__, rows, tuple(SPECS), 20)

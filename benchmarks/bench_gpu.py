@@ -12,7 +12,6 @@ PyTorch (PyTorch time ÷ onnxruntime time ≥ 1.0).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import graphgrow as gg  # noqa: E402
 from bench_fold import SHAPE, SPECS, grow_and_fold  # noqa: E402
-from common import Row, ratio_row  # noqa: E402
+from common import Row, model_rounds_main, ratio_row  # noqa: E402
 from graphgrow.errors import RuntimeUnavailable  # noqa: E402
 from graphgrow.export import export_onnx  # noqa: E402
 from graphgrow.runtime import cuda_bound_run, max_ir_version, open_session  # noqa: E402
@@ -106,15 +105,5 @@ def export_probe() -> bytes:
     return export_onnx(gm, (1, 3, 8, 8)).SerializeToString()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=50)
-    ap.add_argument("--models", default=",".join(SPECS))
-    args = ap.parse_args()
-    from run import print_table
-
-    print_table(rows(args.models.split(","), args.rounds, progress=lambda s: print(s, file=sys.stderr)))
-
-
 if __name__ == "__main__":
-    main()
+    model_rounds_main(__doc__, rows, tuple(SPECS), 50)

@@ -6,7 +6,9 @@ on a shared machine. Both are reported.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -43,3 +45,14 @@ def ratio_row(section: str, model: str, measure: str, values: list[float], limit
         return Row(section, model, measure, med, min(values), "×", note=note)
     met = med >= limit if at_least else med <= limit
     return Row(section, model, measure, med, min(values), "×", f"{'≥' if at_least else '≤'} {limit:g}", met, note)
+
+
+def model_rounds_main(doc: str, rows: Callable[..., list[Row]], models: tuple[str, ...] | list[str], rounds: int) -> None:
+    """The command line of a benchmark over models and rounds: `--rounds N --models a,b`, one table."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--models", default=",".join(models))
+    args = ap.parse_args()
+    from run import print_table
+
+    print_table(rows(args.models.split(","), args.rounds, progress=lambda s: print(s, file=sys.stderr)))

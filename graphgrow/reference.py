@@ -47,7 +47,3 @@ def recall(model: nn.Module, protocol: str, x: torch.Tensor) -> Any | None:
     if x_then.shape != x.shape or x_then.dtype != x.dtype or x_then.device != x.device or not torch.equal(x_then, x):
         return None
     return out if fp == fingerprint(model) else None
-
-
-def forget(model: nn.Module) -> None:
-    _kept.pop(model, None)

@@ -14,8 +14,10 @@ from typing import Callable
 
 from torch import fx
 
+from .pass_base import Candidate
 from .rewrite import is_float_tensor, tensor_shape
-from .targets import _is_head_pool, is_global_pool
+from .shapes import param_count
+from .targets import _is_head_pool, is_global_pool, tensor_or_feature_end
 from .trace import graph_info, scope_of
 
 DEFAULT_BUDGET = 0.25  # what a pass's default target may add, as a fraction of the model's parameters
@@ -33,25 +35,22 @@ class Stage:
         return f"stage {self.index} of {count} ({where}, {res})"
 
 
+def _reach(starts: list[fx.Node], step: Callable[[fx.Node], list[fx.Node]]) -> set[fx.Node]:
+    """Every node reached from `starts` by repeatedly following `step` (users or inputs)."""
+    seen: set[fx.Node] = set()
+    todo = list(starts)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(step(n))
+    return seen
+
+
 def _data_nodes(gm: fx.GraphModule, end: fx.Node) -> list[fx.Node]:
     """Nodes between the graph's inputs and `end` along the data flow (no parameter fetches)."""
-    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    down: set[fx.Node] = set()
-    todo = list(inputs)
-    while todo:
-        n = todo.pop()
-        if n in down:
-            continue
-        down.add(n)
-        todo.extend(n.users)
-    up: set[fx.Node] = set()
-    todo = [end]
-    while todo:
-        n = todo.pop()
-        if n in up:
-            continue
-        up.add(n)
-        todo.extend(n.all_input_nodes)
+    down = _reach([n for n in gm.graph.nodes if n.op == "placeholder"], lambda n: list(n.users))
+    up = _reach([end], lambda n: n.all_input_nodes)
     return [n for n in gm.graph.nodes if n in down and n in up and (n.op == "placeholder" or _carries_tensors(n.meta.get("gg_shape")))]
 
 
@@ -142,6 +141,11 @@ def stage_end(found: list[Stage], i: int) -> fx.Node:
     return ends[-1] if ends else stage.nodes[-1]
 
 
+def stage_ends(found: list[Stage]) -> list[tuple[Stage, fx.Node]]:
+    """Each stage with the output of its last whole block (stage_end)."""
+    return [(s, stage_end(found, i)) for i, s in enumerate(found)]
+
+
 def module_path(gm: fx.GraphModule, n: fx.Node) -> str:
     """The module a node belongs to: its own for a module call, else the innermost enclosing one."""
     if n.op == "call_module":
@@ -183,16 +187,12 @@ def default_point(gm: fx.GraphModule, cost: Callable[[fx.Node], int], budget: fl
     """Where a pass that inserts a layer after a tensor goes by default: the end of the latest backbone stage
     where the layer (`cost(node)` parameters) stays within `budget` of the model's parameters; the backbone's
     last feature map when it fits. Returns (node, why in words)."""
-    from .shapes import param_count
-    from .targets import tensor_or_feature_end
-
     found = stages(gm)
     total = max(param_count(gm), 1)
     if not found:
         node, why = tensor_or_feature_end(gm, None)
         return node, why
-    ends = [(s, stage_end(found, i)) for i, s in enumerate(found)]
-    costs = [(s, end, cost(end)) for s, end in reversed(ends)]
+    costs = [(s, end, cost(end)) for s, end in reversed(stage_ends(found))]
     for i, (stage, node, c) in enumerate(costs):
         if c <= budget * total:
             where = "the backbone's last feature map" if i == 0 else f"the latest stage end where it adds at most {budget:.0%} of the parameters"
@@ -200,3 +200,14 @@ def default_point(gm: fx.GraphModule, cost: Callable[[fx.Node], int], budget: fl
     stage, node, c = min(costs, key=lambda t: t[2])
     return node, (f"end of {stage.describe(gm, len(found))}, the cheapest place; adds {c:,} parameters "
                   f"({100 * c / total:.1f}% of the model, over the {budget:.0%} a default aims for)")
+
+
+def stage_end_candidates(gm: fx.GraphModule, cost: Callable[[fx.Node], int]) -> list[Candidate]:
+    """The end of each backbone stage, the last first, as `after=` candidates of a pass that inserts a layer
+    there (`cost(node)` parameters); the one default_point picks is marked."""
+    found = stages(gm)
+    if not found:
+        return []
+    default, _ = default_point(gm, cost)
+    return [Candidate({"after": end.name}, f"end of {s.describe(gm, len(found))}", cost(end), end is default)
+            for s, end in reversed(stage_ends(found))]

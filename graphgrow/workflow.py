@@ -410,7 +410,7 @@ def targets(source: str, spec: str, input_shape=None, trust: bool = False, leave
     progress(f"finding where {p.name} can apply")
     found = p.candidates(opened.gm)
     total = param_count(opened.gm)
-    given = {k: v for k, v in (parse_spec(spec_of(p))[0][1]).items()}
+    given = parse_spec(spec_of(p))[0][1]
     return {"model": source, "pass": p.name, "params": total, "input_shape": opened.input_shape,
             "candidates": [{"spec": Candidate({**given, **c.args}, c.where, c.params).spec(p.name), "where": c.where,
                             "params": c.params, "fraction": c.params / max(total, 1), "default": c.default} for c in found]}
@@ -428,7 +428,7 @@ def provenance(loaded: LoadedModel) -> dict[str, str]:
 def export(source: str, out: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
            progress: Progress = _noop, trace_mode: str = "eval", fold: bool = False, opset: int | None = None) -> dict:
     """Export the model to ONNX; with `fold`, through the `fold` transform first (verified, logged)."""
-    from .export import LOG_KEY, export_onnx, metadata
+    from .export import export_onnx, mutation_log
     from .runtime import max_ir_version
 
     out_path = check_output_path(out, inputs=(source,))
@@ -449,7 +449,7 @@ def export(source: str, out: str, input_shape=None, trust: bool = False, leaves:
     return {"model": source, "input_shape": opened.input_shape, "outputs": [str(out_path)],
             "fold": folded.to_json() if folded is not None else None,
             "ir_version": proto.ir_version, "opset": [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")][:1],
-            "log": json.loads(metadata(proto).get(LOG_KEY, "[]")),
+            "log": mutation_log(proto),
             "timings": {"export": time.perf_counter() - t}}
 
 
@@ -511,7 +511,7 @@ def inspect_onnx(path: str) -> dict:
 
     import onnx
 
-    from .export import INPUT_SHAPE_KEY, LOG_KEY, load_onnx, metadata
+    from .export import INPUT_SHAPE_KEY, LOG_KEY, load_onnx, metadata, mutation_log
 
     proto = load_onnx(path)
 
@@ -531,7 +531,7 @@ def inspect_onnx(path: str) -> dict:
         "outputs": [{"name": o.name, "shape": dims(o), "dtype": elem(o)} for o in proto.graph.output],
         "nodes": len(proto.graph.node), "ops": dict(collections.Counter(n.op_type for n in proto.graph.node).most_common()),
         "params": params, "input_shape": json.loads(meta[INPUT_SHAPE_KEY]) if INPUT_SHAPE_KEY in meta else None,
-        "log": json.loads(meta.get(LOG_KEY, "[]")),
+        "log": mutation_log(proto),
         "metadata": {k: v for k, v in meta.items() if k != LOG_KEY},
     }
 

@@ -103,15 +103,24 @@ def default_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
     if prev is not None and len(e_shape) == 4 and len(tensor_shape(prev.nodes[-1]) or ()) == 4 \
             and all(a >= b for a, b in zip(prev.resolution, last.resolution)):
         start = stage_end(found, len(found) - 2)
-        s_shape = tensor_shape(start) or ()
-        cost = s_shape[1] * e_shape[1] + 2 * e_shape[1]
-        if cost <= DEFAULT_BUDGET * max(param_count(gm), 1):
+        cost = skip_params(tensor_shape(start) or (), e_shape)
+        if cost is not None and cost <= DEFAULT_BUDGET * max(param_count(gm), 1):
             return start, end, (f"one stage, with its downsampling: from {place(gm, start, found)} to the "
                                 f"end of {last.describe(gm, len(found))}")
     if len(last.nodes) >= 2:
         return last.nodes[0], end, f"over {last.describe(gm, len(found))}, from its first to its last main-path tensor"
     raise NotApplicable(f"the backbone's last stage ({last.describe(gm, len(found))}) has one main-path tensor and no "
                         "stage before it can be connected", "give start=... and end=...")
+
+
+def skip_params(s_shape: tuple, e_shape: tuple) -> int | None:
+    """Parameters of the skip add_residual builds between tensors of these shapes (a gate, or a 1×1 conv +
+    BatchNorm that downsamples); None where it builds neither (another rank, or upsampling)."""
+    if s_shape == e_shape:
+        return 1
+    if len(s_shape) == len(e_shape) == 4 and all(a >= b for a, b in zip(s_shape[2:], e_shape[2:])):
+        return s_shape[1] * e_shape[1] + 2 * e_shape[1]
+    return None
 
 
 def _check_span(gm: fx.GraphModule, s: fx.Node, e: fx.Node) -> None:
@@ -186,12 +195,7 @@ class AddResidual(Pass):
             if len(stage.nodes) >= 2:
                 spans.append((stage.nodes[0], stage.nodes[-1], f"over {stage.describe(gm, len(found))}"))
             for s, e, where in spans:
-                s_shape, e_shape = tensor_shape(s) or (), tensor_shape(e) or ()
-                if s_shape == e_shape:
-                    cost = 1
-                elif len(s_shape) == len(e_shape) == 4 and all(a >= b for a, b in zip(s_shape[2:], e_shape[2:])):
-                    cost = s_shape[1] * e_shape[1] + 2 * e_shape[1]
-                else:
-                    continue
-                out.append(Candidate({"start": s.name, "end": e.name}, where, cost, (s, e) == (ds, de)))
+                cost = skip_params(tensor_shape(s) or (), tensor_shape(e) or ())
+                if cost is not None:
+                    out.append(Candidate({"start": s.name, "end": e.name}, where, cost, (s, e) == (ds, de)))
         return out[::-1]

@@ -21,7 +21,7 @@ from graphgrow.rewrite import (
     add_module, add_parameter, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses,
     set_scope, tensor_shape,
 )
-from graphgrow.stages import default_point, stage_end, stages
+from graphgrow.stages import default_point, stage_end_candidates
 from graphgrow.targets import tensor_or_feature_end
 
 from ._init import kaiming_
@@ -97,10 +97,4 @@ class Deepen(Pass):
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """The end of each backbone stage, the last first."""
-        found = stages(gm)
-        if not found:
-            return []
-        default, _ = default_point(gm, lambda n: block_params(n, self.block))
-        ends = [(s, stage_end(found, i)) for i, s in enumerate(found)]
-        return [Candidate({"after": end.name}, f"end of {s.describe(gm, len(found))}", block_params(end, self.block), end is default)
-                for s, end in reversed(ends)]
+        return stage_end_candidates(gm, lambda n: block_params(n, self.block))

@@ -37,6 +37,7 @@ from torch import fx, nn
 from graphgrow import Pass, Rewrite, annotate
 from graphgrow.layers import AverageMerge
 from graphgrow.rewrite import copy_graph_module, finish, tensor_shape, unique_attr
+from graphgrow.stages import graphgrow_modules
 
 from ._resize import set_module
 
@@ -829,7 +830,7 @@ def _emit(gm: fx.GraphModule, n: fx.Node, f: Form, src: fx.Node) -> fx.Node:
             layer.bias.copy_(f.bias if f.bias is not None else torch.zeros(f.out_channels, dtype=torch.float64))
     layer.eval()
     # the merged layer takes the place of the model's own layer (not one growth added), the largest if several
-    added = {m for e in gm.meta.get("graphgrow", {}).get("log", []) for m in e.get("modules_added", [])}
+    added = graphgrow_modules(gm)
     main = max(f.weighted, key=lambda p: (p.split(".")[0] not in added, gm.get_submodule(p).weight.numel()))
     users = [x for x in gm.graph.nodes if x.op == "call_module" and x.target == main]
     if users == [next(x for x in f.nodes if x.op == "call_module" and x.target == main)]:
@@ -924,7 +925,7 @@ def _kept_modules(gm: fx.GraphModule, reported: set[str]) -> dict[str, str]:
     """Modules growth added (the log's modules_added) that are still called after folding and not already
     reported through their merge or gate: real depth or a non-linear branch, or a linear layer with nothing
     next to it that it merges into without adding multiply-adds."""
-    added = {m for e in gm.meta.get("graphgrow", {}).get("log", []) for m in e.get("modules_added", [])}
+    added = graphgrow_modules(gm)
     kinds: dict[str, list[nn.Module]] = {}
     for n in gm.graph.nodes:
         top = str(n.target).split(".")[0] if n.op == "call_module" else ""

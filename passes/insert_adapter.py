@@ -20,7 +20,7 @@ from graphgrow import Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.coupling import analyze, channel_axis
 from graphgrow.rewrite import add_module, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses, \
     set_scope, tensor_shape
-from graphgrow.stages import default_point, stage_end, stages
+from graphgrow.stages import default_point, stage_end_candidates
 from graphgrow.targets import tensor_or_feature_end
 
 from ._resize import grow_group
@@ -113,10 +113,4 @@ class InsertAdapter(Pass):
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """The end of each backbone stage, the last first."""
-        found = stages(gm)
-        if not found:
-            return []
-        default, _ = default_point(gm, lambda n: adapter_params(n, self.out_channels))
-        ends = [(s, stage_end(found, i)) for i, s in enumerate(found)]
-        return [Candidate({"after": end.name}, f"end of {s.describe(gm, len(found))}", adapter_params(end, self.out_channels), end is default)
-                for s, end in reversed(ends)]
+        return stage_end_candidates(gm, lambda n: adapter_params(n, self.out_channels))
