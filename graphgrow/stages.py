@@ -106,10 +106,11 @@ def backbone(gm: fx.GraphModule) -> list[fx.Node]:
         to_tokens = len(tensor_shape(n) or ()) == 3  # patches flattened into a token sequence: the backbone goes on
         if is_global_pool(gm, n) and _is_head_pool(n) and not to_tokens:
             break
-        if _resolution(n) is None and out:  # rank 2: the head
-            break
-        if _resolution(n) is not None:
-            out.append(n)
+        if _resolution(n) is None:
+            if out and len(tensor_shape(n) or ()) <= 2:  # rank 2: the head
+                break
+            continue  # another rank on the way (a channel shuffle's 5-D view): the backbone goes on
+        out.append(n)
     return out
 
 

@@ -110,3 +110,11 @@ def test_dry_run_writes_nothing(runner, tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     assert "dry run: nothing written (would write" in res.output and "insert_adapter" in res.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_channel_shuffle_does_not_end_the_backbone():
+    """Found on torchvision's shufflenet: the shuffle's 5-D view lies on the main path; the backbone goes on to conv5."""
+    gm = gg.trace(build("shufflenet_v2_x0_5"), (1, 3, 96, 96))
+    r = gg.Pipeline.from_spec("add_residual").run(gm).results[0]
+    assert r.targets["end"].startswith("conv5_2 [1, 1024, 3, 3]"), r.targets
+    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
