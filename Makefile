@@ -6,17 +6,21 @@ STAMP  := $(VENV)/.graphgrow-installed
 # torch/torchvision pinned to the builds this machine carries (CUDA 13, matches onnxruntime-gpu).
 TORCH  := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test test-quick bench fuzz soak clean
+.PHONY: demo test test-quick bench fuzz soak clean search-demo
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,search]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
+
+# population-based growth on Ray Tune (local, 2 CPUs): lineage of the best model, comparison, plot shown in the README
+search-demo: $(STAMP)
+	RAY_AUTH_MODE=$${RAY_AUTH_MODE:-disabled} $(BIN)/python examples/search_digits.py --out examples/search_population.png
 
 # two workers (CI has two cores); tests are handed out one by one so the slow real-model ones spread out
 test: $(STAMP)

@@ -24,33 +24,16 @@ from torch import nn
 
 import graphgrow as gg
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from digits_task import digits  # noqa: E402  (the small CNN and the data, shared with search_digits.py)
+from digits_task import model as base_model  # noqa: E402
+
 EVENTS = {  # epoch → pass spec (node names are those of the traced Sequential below)
     6: "grow_width(target=0,factor=2)",
     12: "add_residual(start=_2,end=_5)",
     18: "add_branch(at=_3,op=sepconv3x3,count=2)",
     24: "deepen(after=_5)",
 }
-
-
-def base_model() -> nn.Sequential:
-    """Deliberately small: 4 and 8 channels, then global pooling."""
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-        nn.Conv2d(4, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10),
-    )
-
-
-def digits(seed: int = 0):
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(d.target, dtype=torch.long)
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    x, y = x[perm], y[perm]
-    return (x[:1400], y[:1400]), (x[1400:], y[1400:])
 
 
 @dataclass

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from .errors import (
     EquivalenceError, ExportError, GraphgrowError, InputError, LoadError, NotApplicable,
-    PreservationError, RuntimeUnavailable, SaveError, SpecError, TraceError, ValidationError,
+    PreservationError, RuntimeUnavailable, SaveError, SearchError, SearchInterrupted, SpecError, TraceError,
+    ValidationError,
 )
 from .load import LoadedModel, load_model, save_model
 from .optim import carry_optimizer
@@ -41,7 +42,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "EquivalenceError", "ExportError", "GraphgrowError", "InputError", "LoadError", "NotApplicable",
-    "PreservationError", "RuntimeUnavailable", "SaveError", "SpecError", "TraceError", "ValidationError",
+    "PreservationError", "RuntimeUnavailable", "SaveError", "SearchError", "SearchInterrupted", "SpecError", "TraceError", "ValidationError",
     "LoadedModel", "load_model", "save_model", "Candidate", "Pass", "PassResult", "Pipeline", "PipelineResult",
     "build_pipeline", "parse_spec", "all_passes", "get_pass", "pass_names", "register_pass", "Rewrite",
     "annotate", "trace", "export_onnx", "check_equivalence", "fold", "carry_optimizer",

@@ -1,4 +1,4 @@
-"""The `graphgrow` command: mutate, replay, fold, export, check, inspect, targets, passes.
+"""The `graphgrow` command: mutate, replay, fold, export, check, inspect, targets, search, passes.
 
 Exit codes: 0 success; 1 a check failed (verification, export, equivalence);
 2 bad input or a pass that cannot apply; 3 an internal error (a bug: please report).
@@ -439,6 +439,85 @@ def targets(model, spec, input_shape, trust, leaves, trace_mode, as_json, debug)
         return 0
 
     _run(job, as_json, debug)
+
+
+@main.command()
+@click.argument("model")
+@click.option("--train", "train_fn", required=True, metavar="PKG.MOD:FN",
+              help="train_epoch(model, optimizer): one epoch in place; may return a dict of numbers to report")
+@click.option("--eval", "eval_fn", required=True, metavar="PKG.MOD:FN", help="evaluate(model): the metric, or a dict holding it")
+@click.option("--mutations", required=True, metavar="MOVES",
+              help="architecture moves separated by ';', each a pass spec or noop, optionally *WEIGHT, e.g. 'grow_width(factor=2);deepen*2;add_residual;noop'")
+@click.option("--population", type=click.IntRange(2), default=4, show_default=True, help="trials trained side by side")
+@click.option("--rounds", type=click.IntRange(1), default=5, show_default=True, help="exploit/explore points (each may grow the worse trials)")
+@click.option("--epochs-per-round", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--metric", default="val_loss", show_default=True, help="what evaluate returns and the search ranks by")
+@click.option("--mode", type=click.Choice(["min", "max"]), default="min", show_default=True)
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.05, show_default=True,
+              help="learning rate around which the population starts (×½ … ×2); PBT perturbs it")
+@click.option("--optimizer", type=click.Choice(["sgd", "adam", "adamw"]), default="sgd", show_default=True, help="sgd has momentum 0.9")
+@click.option("--storage-path", default="graphgrow-search", show_default=True, metavar="DIR",
+              help="where trials and checkpoints go (storage every node can reach on a cluster)")
+@click.option("--name", default="search", show_default=True, help="the search's folder under --storage-path")
+@click.option("--address", metavar="ADDR", help="join this Ray cluster ('auto' or host:port) instead of starting Ray here")
+@click.option("--num-cpus", type=click.IntRange(1), help="CPUs of the local Ray (default: all)")
+@click.option("--cpus-per-trial", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
+@click.option("--gpus-per-trial", type=click.FloatRange(min=0), default=0.0, show_default=True, help="GPU share of each trial (e.g. 0.5: two per GPU)")
+@click.option("--max-params", "max_params", metavar="N", help="parameter budget of a grown model (e.g. 2M); moves past it are skipped")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="seed of the moves and the starting learning rates")
+@click.option("--resume", is_flag=True, help="continue the search in --storage-path/--name from its checkpoints")
+@click.option("-o", "--output", "output", metavar="OUT.pt", help="where to write the best model (default: DIR/NAME/best.pt)")
+@click.option("--plot", metavar="OUT.png", help="also draw the metric of every trial over time, with growths and exploits marked")
+@click.option("--worker-logs", is_flag=True, help="show the trials' own output (prints of the training function, Ray's messages)")
+@_common
+def search(model, train_fn, eval_fn, mutations, population, rounds, epochs_per_round, metric, mode, lr, optimizer,
+           storage_path, name, address, num_cpus, cpus_per_trial, gpus_per_trial, max_params, seed, resume, output, plot,
+           worker_logs, input_shape, trust, leaves, trace_mode, as_json, debug):
+    """Population-based growth of MODEL on Ray Tune: trials train side by side; at every round the
+    worse ones continue from a better one's checkpoint and grow by one move (exactly: no jump in
+    the loss). Prints progress, then the best model's path, its metric and its lineage."""
+    def job(progress):
+        from .search.job import run
+        from .search.runner import SearchOptions
+
+        options = SearchOptions(population=population, rounds=rounds, epochs_per_round=epochs_per_round, metric=metric,
+                                mode=mode, lr=lr, optimizer=optimizer, storage_path=storage_path, name=name, address=address,
+                                num_cpus=num_cpus, cpus_per_trial=cpus_per_trial, gpus_per_trial=gpus_per_trial, seed=seed,
+                                resume=resume, output=output, worker_logs=worker_logs)
+        report = run(model, train_fn, eval_fn, mutations, options, input_shape, trust, leaves, trace_mode, max_params, plot,
+                     say=lambda msg: err.print(msg, markup=False, highlight=False), progress=progress)
+        if as_json:
+            print(json.dumps(report, default=str))
+            return 0
+        _print_search(report)
+        return 0
+
+    _run(job, as_json, debug)
+
+
+def _print_search(report: dict) -> None:
+    t = Table(title=f"population after the search ({report['seconds']:.0f} s)")
+    for col in ("trial", report["metric"], "parameters", "growths", "lr"):
+        t.add_column(col, justify="left" if col == "trial" else "right")
+    for row in sorted(report["trials"], key=lambda r: r["trial"]):
+        value = row.get(report["metric"])
+        t.add_row(escape(row["trial"]) + (" *" if row["trial"] == report["trial"] else ""),
+                  "-" if value is None else f"{value:.4g}", f"{row.get('params') or 0:,.0f}",
+                  str(row.get("growths")), "-" if row.get("lr") is None else f"{row['lr']:.3g}")
+    out.print(t)
+    out.print(f"best: {report['best']} ({report['metric']} {report['value']:.4g}, trial {report['trial']})", markup=False)
+    if report["lineage"]:
+        out.print("lineage (from the original):", markup=False)
+        for i, e in enumerate(report["lineage"], 1):
+            args = ",".join(f"{k}={v}" for k, v in e.get("args", {}).items() if v is not None)
+            out.print(f"  {i}. {e['pass']}({args}) seed {e['seed']}: {e['params_before']:,} → {e['params_after']:,} parameters",
+                      markup=False)
+        out.print(f"replay it: graphgrow replay {report['original']} {report['best']}", markup=False)
+    else:
+        out.print("lineage: the best trial did not grow (the original architecture won)", markup=False)
+    out.print(f"deploy it: graphgrow export {report['best']} -o best.onnx", markup=False)
+    if report.get("plot"):
+        out.print(f"plot: {report['plot']}", markup=False)
 
 
 @main.command()

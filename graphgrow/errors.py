@@ -70,3 +70,15 @@ class EquivalenceError(GraphgrowError):
     """onnxruntime and PyTorch disagree beyond the tolerance."""
 
     exit_code = 1
+
+
+class SearchError(GraphgrowError):
+    """A growth search could not finish: a trial failed (its error is named) or Ray could not start."""
+
+    exit_code = 1
+
+
+class SearchInterrupted(SearchError):
+    """A growth search stopped before its end (Ctrl-C); its checkpoints are kept for --resume."""
+
+    exit_code = 130

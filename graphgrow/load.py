@@ -77,15 +77,27 @@ def load_model(source: str | os.PathLike, trust: bool = False, factory_seed: int
     return _interpret(obj, text, trust)
 
 
-def _from_factory(name: str, seed: int) -> LoadedModel:
+def import_object(name: str) -> Callable:
+    """The callable named `package.module:function`. Installed packages come first; the current
+    folder is searched last, so a user's own module is found but cannot shadow an installed one.
+    Raises LoadError."""
+    if not _FACTORY.match(name):
+        raise LoadError(f"{name!r} does not name a function", "write package.module:function, e.g. mytask:train_epoch")
     module_name, attr = name.split(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise LoadError(f"cannot import '{module_name}' for {name}: {e}", "install the package or check the name") from e
-    factory = getattr(module, attr, None)
-    if not callable(factory):
+    obj = getattr(module, attr, None)
+    if not callable(obj):
         raise LoadError(f"'{module_name}' has no callable '{attr}'", f"see dir({module_name}) for the names it offers")
+    return obj
+
+
+def _from_factory(name: str, seed: int) -> LoadedModel:
+    factory = import_object(name)
     try:
         with contextlib.redirect_stdout(sys.stderr), torch.random.fork_rng(devices=[]):  # prints must not corrupt --json
             torch.manual_seed(seed)

@@ -1,0 +1,45 @@
+"""`graphgrow search` from the command line: open the model, resolve the user's functions, run
+the search, write the best model (and the plot), and report what was found."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from ..budget import parse_size
+from ..errors import SearchError
+from ..load import import_object
+from ..workflow import open_model
+from .space import MutationSpace
+
+
+def _require_ray() -> None:
+    try:
+        import ray.tune  # noqa: F401
+    except ImportError as e:
+        raise SearchError(f"graphgrow search runs on Ray Tune, which is not installed here ({e})",
+                          "pip install 'graphgrow[search]' (or: pip install 'ray[tune]')") from e
+
+
+def run(source: str, train: str, evaluate: str, mutations: str, options, input_shape=None, trust: bool = False,
+        leaves: Sequence[str] = (), trace_mode: str = "eval", max_params: str | None = None, plot: str | None = None,
+        say: Callable[[str], None] = print, progress: Callable[[str], None] = lambda _: None) -> dict:
+    """Everything `graphgrow search` does; returns the report (SearchResult.to_json() + plot path)."""
+    _require_ray()
+    from .runner import search
+
+    budget = parse_size(max_params, "--max-params") if max_params is not None else None
+    space = MutationSpace.parse(mutations, max_params=budget)
+    train_fn, eval_fn = import_object(train), import_object(evaluate)
+    options.check()
+    if options.resume:
+        model = None  # the search's own copy of the original is used (STORAGE/NAME/original.pt)
+    else:
+        opened = open_model(source, input_shape, trust, leaves, progress, trace_mode=trace_mode)
+        model = opened.gm
+    progress("searching")
+    result = search(model, train_fn, eval_fn, space, options, say)
+    report = result.to_json()
+    if plot:
+        from .plot import plot_population
+
+        report["plot"] = str(plot_population(result.history, options.metric, plot))
+    return report
