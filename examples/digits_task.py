@@ -3,7 +3,7 @@ handwritten digits (8×8 images shipped with the package, no download), plus the
 functions `graphgrow search` calls: `train_epoch(model, optimizer)` and `evaluate(model)`.
 
     graphgrow search examples.digits_task:model --train examples.digits_task:train_epoch \\
-        --eval examples.digits_task:evaluate --mutations "grow_width(factor=2);deepen;add_residual;noop"
+        --eval examples.digits_task:evaluate --input-shape 1,1,8,8 --mutations "grow_width(factor=2);deepen;add_residual;noop"
 """
 from __future__ import annotations
 

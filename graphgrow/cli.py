@@ -468,11 +468,13 @@ def targets(model, spec, input_shape, trust, leaves, trace_mode, as_json, debug)
 @click.option("--resume", is_flag=True, help="continue the search in --storage-path/--name from its checkpoints")
 @click.option("-o", "--output", "output", metavar="OUT.pt", help="where to write the best model (default: DIR/NAME/best.pt)")
 @click.option("--plot", metavar="OUT.png", help="also draw the metric of every trial over time, with growths and exploits marked")
+@click.option("--keep-checkpoints", type=click.IntRange(2), metavar="N",
+              help="checkpoints kept per trial (default: one per round, all kept; fewer saves disk, but PBT may then exploit one already deleted)")
 @click.option("--worker-logs", is_flag=True, help="show the trials' own output (prints of the training function, Ray's messages)")
 @_common
 def search(model, train_fn, eval_fn, mutations, population, rounds, epochs_per_round, metric, mode, lr, optimizer,
            storage_path, name, address, num_cpus, cpus_per_trial, gpus_per_trial, max_params, seed, resume, output, plot,
-           worker_logs, input_shape, trust, leaves, trace_mode, as_json, debug):
+           keep_checkpoints, worker_logs, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Population-based growth of MODEL on Ray Tune: trials train side by side; at every round the
     worse ones continue from a better one's checkpoint and grow by one move (exactly: no jump in
     the loss). Prints progress, then the best model's path, its metric and its lineage."""
@@ -483,7 +485,7 @@ def search(model, train_fn, eval_fn, mutations, population, rounds, epochs_per_r
         options = SearchOptions(population=population, rounds=rounds, epochs_per_round=epochs_per_round, metric=metric,
                                 mode=mode, lr=lr, optimizer=optimizer, storage_path=storage_path, name=name, address=address,
                                 num_cpus=num_cpus, cpus_per_trial=cpus_per_trial, gpus_per_trial=gpus_per_trial, seed=seed,
-                                resume=resume, output=output, worker_logs=worker_logs)
+                                resume=resume, output=output, keep_checkpoints=keep_checkpoints, worker_logs=worker_logs)
         report = run(model, train_fn, eval_fn, mutations, options, input_shape, trust, leaves, trace_mode, max_params, plot,
                      say=lambda msg: err.print(msg, markup=False, highlight=False), progress=progress)
         if as_json:

@@ -90,7 +90,7 @@ def test_an_interrupted_search_resumes_from_its_checkpoints(tmp_path, local_ray)
     cmd = [sys.executable, "-m", "graphgrow.cli", "search", "examples.digits_task:model",
            "--train", "examples.digits_task:train_epoch", "--eval", "examples.digits_task:evaluate",
            "--mutations", GROWTH + ";noop", "--population", "4", "--rounds", "5", "--num-cpus", "2",
-           "--storage-path", str(tmp_path), "--name", "r"]
+           "--storage-path", str(tmp_path), "--name", "r", "--input-shape", "1,1,8,8"]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []

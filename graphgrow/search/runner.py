@@ -29,7 +29,6 @@ from .trial import MODEL_FILE, OPTIMIZERS, STATE_FILE, TrialSetup, model_bytes, 
 
 ORIGINAL = "original.pt"  # the model the search started from, beside Tune's files: `graphgrow replay` reads it
 BEST = "best.pt"
-KEEP = 4  # checkpoints kept per trial: PBT exploits the latest, a restarting trial reads its own (Ray warns below 3)
 
 
 @dataclass
@@ -51,6 +50,7 @@ class SearchOptions:
     resume: bool = False
     limits: Limits = field(default_factory=Limits)
     output: str | None = None  # where the best model goes (default: STORAGE/NAME/best.pt)
+    keep_checkpoints: int | None = None  # per trial (≥ 2); None keeps every round's (see check())
     worker_logs: bool = False  # show the workers' output (prints of the training function, Ray's messages)
 
     def check(self) -> None:
@@ -64,6 +64,11 @@ class SearchOptions:
             raise InputError(f"--lr {self.lr}: the learning rate must be a positive number")
         if self.optimizer not in OPTIMIZERS:
             raise InputError(f"--optimizer {self.optimizer!r}", f"one of {', '.join(OPTIMIZERS)}")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 2:
+            raise InputError(f"--keep-checkpoints {self.keep_checkpoints}: PBT needs at least 2 (one to exploit, one to restore)")
+        if "://" in self.storage_path:
+            raise InputError(f"--storage-path {self.storage_path}: cloud storage is not supported yet",
+                             "give a folder every node can reach (the same path on each, e.g. an NFS mount)")
         if self.cpus_per_trial <= 0 or self.gpus_per_trial < 0:
             raise InputError("--cpus-per-trial must be positive and --gpus-per-trial not negative")
 
@@ -127,7 +132,7 @@ def start_ray(address: str | None, num_cpus: int | None, worker_logs: bool = Fal
         if address:
             ray.init(address=address, **kwargs)
         else:
-            ray.init(num_cpus=num_cpus, **kwargs)
+            ray.init(address="local", num_cpus=num_cpus, **kwargs)  # a new local Ray, even beside a `ray start` cluster
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = f"the Ray cluster at {address}" if address else "a local Ray"
         raise SearchError(f"cannot start {where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
@@ -141,18 +146,25 @@ def _progress_callback(options: SearchOptions, say: Callable[[str], None]):
     class Progress(tune.Callback):
         """One line per growth or exploit as it happens, one per round when the whole population got there."""
 
-        def __init__(self) -> None:
+        def __init__(self, say: Callable[[str], None]) -> None:  # an argument: the class is pickled, its closure too
             self.latest: dict[str, dict] = {}
             self.rounds_shown = 0
+            self.say = say
+
+        def __getstate__(self) -> dict:  # Tune pickles its callbacks with the experiment; a console does not pickle
+            return {k: v for k, v in self.__dict__.items() if k != "say"}
+
+        def __setstate__(self, state: dict) -> None:
+            self.__dict__.update(state, say=print)
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             tid = trial.trial_id
             for event in filter(None, str(result.get("event", "")).split(";")):
                 kind, _, what = event.partition(":")
                 if kind == "exploit":
-                    say(f"  {tid}: continues from {what}'s checkpoint (weights and architecture)")
+                    self.say(f"  {tid}: continues from {what}'s checkpoint (weights and architecture)")
                 elif kind == "grow":
-                    say(f"  {tid}: grew {what} → {int(result['params']):,} parameters "
+                    self.say(f"  {tid}: grew {what} → {int(result['params']):,} parameters "
                         f"({options.metric} moved by {float(result.get('growth_delta', 0)):.2g})")
             self.latest[tid] = result
             if len(self.latest) < options.population:
@@ -164,11 +176,11 @@ def _progress_callback(options: SearchOptions, say: Callable[[str], None]):
             pick = min if options.mode == "min" else max
             best_id = pick(self.latest, key=lambda t: float(self.latest[t][options.metric]))
             best = self.latest[best_id]
-            sizes = ", ".join(f"{int(r['params']):,}" for r in self.latest.values())
-            say(f"round {done}/{options.rounds}: best {options.metric} {float(best[options.metric]):.4g} ({best_id}, "
+            sizes = ", ".join(f"{int(self.latest[t]['params']):,}" for t in sorted(self.latest))
+            self.say(f"round {done}/{options.rounds}: best {options.metric} {float(best[options.metric]):.4g} ({best_id}, "
                 f"{int(best['growths'])} growths); parameters per trial: {sizes}")
 
-    return Progress()
+    return Progress(say)
 
 
 def search(model: fx.GraphModule | None, train: Callable, evaluate: Callable, space: MutationSpace,
@@ -200,7 +212,7 @@ def search(model: fx.GraphModule | None, train: Callable, evaluate: Callable, sp
     for fn in (train, evaluate):
         _ship_by_value(fn)
     setup = TrialSetup(model_bytes(model), train, evaluate, options.metric, space, options.optimizer, options.limits,
-                       "cuda" if options.gpus_per_trial > 0 else "cpu")
+                       "cuda" if options.gpus_per_trial > 0 else "cpu", options.epochs_per_round)
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup),
                                     {"cpu": options.cpus_per_trial, "gpu": options.gpus_per_trial})
     quiet_tune()
@@ -250,7 +262,9 @@ def _new_tuner(trainable, space: MutationSpace, options: SearchOptions, say: Cal
         run_config=tune.RunConfig(
             name=options.name, storage_path=str(options.experiment.parent), verbose=0,
             stop={"training_iteration": options.rounds * options.epochs_per_round},
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=KEEP),
+            # asynchronous PBT exploits a donor's checkpoint while the donor runs on: a small num_to_keep let the
+            # donor delete it before the exploiting trial restored (8 trials, 2 CPUs: "checkpoint does not exist")
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=options.keep_checkpoints),
             failure_config=tune.FailureConfig(max_failures=0),
             callbacks=[_progress_callback(options, say)]),
     )

@@ -51,6 +51,7 @@ class TrialSetup:
     optimizer: str = "sgd"
     limits: Limits = field(default_factory=Limits)
     device: str = "cpu"
+    epochs_per_round: int = 1  # a checkpoint at the end of each round
 
 
 @dataclass
@@ -221,6 +222,9 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
         report = {**metrics, "epoch": state.epoch, "params": param_count(state.model),
                   "growths": len(graph_info(state.model).get("log", [])), "moves": len(state.moves),
                   "lr": config["lr"], "event": ";".join(events), "growth_delta": delta, "node": node}
+        if state.epoch % setup.epochs_per_round:
+            tune.report(report)  # checkpoints only where PBT may exploit or pause: the round boundaries
+            continue
         with tempfile.TemporaryDirectory(prefix="graphgrow-ckpt-") as folder:
             write_state(folder, state, optimizer)
             tune.report(report, checkpoint=tune.Checkpoint.from_directory(folder))
