@@ -70,6 +70,8 @@ def test_population_grows_exactly_and_the_best_model_replays(tmp_path, local_ray
             if move["grew"]:  # the metric just before and just after each growth is the same
                 assert move["metric_after"] == pytest.approx(move["metric_before"], rel=1e-5, abs=1e-6), move
         growths += sum("grow:" in str(r.get("event")) for r in rows)
+        events = [str(r.get("event") or "") for r in rows]
+        assert not any(a and a == b for a, b in zip(events, events[1:])), events  # each event reported once
     assert growths >= 1, "no trial grew: PBT never exploited"
     assert all(r["growth_delta"] <= 1e-5 for rows in result.history.values() for r in rows)
     # the best model: a graphgrow file whose lineage replays on the original and that exports to ONNX

@@ -169,3 +169,13 @@ def test_resume_without_a_search_says_so(monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
     result = _cli("--mutations", "deepen", "--storage-path", str(tmp_path), "--resume")
     assert result.exit_code == 2 and "nothing to resume" in result.output, result.output
+
+
+def test_the_core_and_the_search_space_do_not_import_ray():
+    import subprocess
+    import sys
+
+    code = ("import sys, graphgrow, graphgrow.search, graphgrow.cli; "
+            "from graphgrow.search import MutationSpace; MutationSpace.parse('deepen;noop'); "
+            "assert 'ray' not in sys.modules, 'ray was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

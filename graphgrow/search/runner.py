@@ -270,6 +270,18 @@ def _new_tuner(trainable, space: MutationSpace, options: SearchOptions, say: Cal
     )
 
 
+def _history(result) -> list[dict]:
+    """Every row a trial reported, from its progress.csv (Ray's Result.metrics_dataframe missed rows
+    reported between two checkpoints: a trial of 24 epochs came back with 16)."""
+    import pandas as pd
+
+    path = Path(result.path) / "progress.csv"
+    frame = pd.read_csv(path) if path.exists() else result.metrics_dataframe
+    if frame is None:
+        return []
+    return [{k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))} for row in frame.to_dict("records")]
+
+
 def _collect(results, options: SearchOptions, original_path: Path, seconds: float) -> SearchResult:
     errors = results.errors
     if errors:
@@ -288,8 +300,7 @@ def _collect(results, options: SearchOptions, original_path: Path, seconds: floa
         trials.append({"trial": tid, options.metric: r.metrics.get(options.metric), "params": r.metrics.get("params"),
                        "growths": r.metrics.get("growths"), "moves": r.metrics.get("moves"), "lr": r.metrics.get("lr"),
                        "path": str(r.path)})
-        frame = r.metrics_dataframe
-        history[tid] = frame.to_dict("records") if frame is not None else []
+        history[tid] = _history(r)
     best = results.get_best_result(options.metric, options.mode, scope="last", filter_nan_and_inf=True)
     if best.checkpoint is None:
         raise SearchError("the best trial left no checkpoint", f"see the trial folders under {options.experiment}")

@@ -224,8 +224,8 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
                   "lr": config["lr"], "event": ";".join(events), "growth_delta": delta, "node": node}
         if state.epoch % setup.epochs_per_round:
             tune.report(report)  # checkpoints only where PBT may exploit or pause: the round boundaries
-            continue
-        with tempfile.TemporaryDirectory(prefix="graphgrow-ckpt-") as folder:
-            write_state(folder, state, optimizer)
-            tune.report(report, checkpoint=tune.Checkpoint.from_directory(folder))
-        events, delta = [], 0.0
+        else:
+            with tempfile.TemporaryDirectory(prefix="graphgrow-ckpt-") as folder:
+                write_state(folder, state, optimizer)
+                tune.report(report, checkpoint=tune.Checkpoint.from_directory(folder))
+        events, delta = [], 0.0  # an event is reported once, on the first epoch after it
