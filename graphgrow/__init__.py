@@ -15,7 +15,7 @@ from .optim import carry_optimizer
 from .pass_base import Candidate, Pass, PassResult
 from .pipeline import Pipeline, PipelineResult, build_pipeline, parse_spec
 from .registry import all_passes, get_pass, pass_names, register_pass
-from .rewrite import Rewrite
+from .fx_edit import Rewrite
 from .shapes import annotate
 from .trace import trace
 

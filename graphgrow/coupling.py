@@ -23,7 +23,7 @@ from torch import fx, nn
 
 from .layers import AverageMerge
 from .probe import function_is_channelwise, module_is_channelwise
-from .rewrite import tensor_shape
+from .fx_edit import tensor_shape
 
 # Modules whose output channel c depends only on input channel c.
 CHANNELWISE_MODULES = (
@@ -553,69 +553,3 @@ def _prod(xs) -> int:
     for x in xs:
         p *= x
     return p
-
-
-@dataclass
-class Insertion:
-    """`count` new channels inserted before old channel `pos`; `src[i]` is the old channel new
-    channel i replicates (net2net) or None (fresh)."""
-
-    pos: int
-    count: int
-    src: list[int | None]
-
-
-def plan_growth(c: Coupling, gid: int, count: int, src: list[int | None] | None = None) -> dict[int, list[Insertion]]:
-    """Every group's insertions when group `gid` gains `count` channels at its end.
-
-    Links carry the insertion to derived groups: a `cat` shifts it by the input's
-    offset, a `flatten` scales it by the spatial size. Raises ValueError with the
-    reasons when any reached group is frozen.
-    """
-    reasons = c.why_frozen(gid)
-    if reasons:
-        raise ValueError("; ".join(reasons))
-    src = list(src) if src is not None else [None] * count
-    plan: dict[int, list[Insertion]] = {}
-    todo = [(gid, Insertion(c.groups[gid].size, count, src))]
-    while todo:
-        g, ins = todo.pop()
-        if any(i.pos == ins.pos and i.count == ins.count and i.src == ins.src for i in plan.get(g, [])):
-            continue  # reached twice through the same link path
-        plan.setdefault(g, []).append(ins)
-        for link in c.links:
-            if c.group_of[link.src] != g:
-                continue
-            s = link.scale
-            derived_src = [None if x is None else link.offset + x * s + q for x in ins.src for q in range(s)]
-            todo.append((c.group_of[link.dst], Insertion(link.offset + ins.pos * s, ins.count * s, derived_src)))
-    return plan
-
-
-@dataclass
-class Layout:
-    """Where old and new channels go when a dimension of size `old` receives insertions."""
-
-    old: int
-    new: int
-    old_to_new: list[int]
-    new_slots: list[int]
-    src: list[int | None]
-
-
-def make_layout(old: int, insertions: list[Insertion]) -> Layout:
-    ins = sorted(insertions, key=lambda i: i.pos)
-    old_to_new, new_slots, src = [], [], []
-    cursor, k = 0, 0
-    for i in ins:
-        while cursor < i.pos:
-            old_to_new.append(cursor + k)
-            cursor += 1
-        for j in range(i.count):
-            new_slots.append(cursor + k)
-            src.append(i.src[j])
-            k += 1
-    while cursor < old:
-        old_to_new.append(cursor + k)
-        cursor += 1
-    return Layout(old, old + k, old_to_new, new_slots, src)

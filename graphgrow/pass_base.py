@@ -13,7 +13,7 @@ from torch import fx
 from .budget import Limits, check_budget
 from .errors import GraphgrowError, InputError, ValidationError
 from .preserve import PreservationReport
-from .rewrite import Rewrite
+from .fx_edit import Rewrite
 from .shapes import annotate, param_count, total_flops
 from .state import module_dtype
 from .trace import graph_info, input_shape_of

@@ -15,7 +15,7 @@ from typing import Callable
 from torch import fx
 
 from .pass_base import Candidate
-from .rewrite import is_float_tensor, tensor_shape
+from .fx_edit import is_float_tensor, tensor_shape
 from .shapes import param_count
 from .targets import _is_head_pool, is_global_pool, tensor_or_feature_end
 from .trace import graph_info, scope_of

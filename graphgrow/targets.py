@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from .errors import NotApplicable
-from .rewrite import is_float_tensor, resolve_tensor, tensor_shape
+from .fx_edit import is_float_tensor, resolve_tensor, tensor_shape
 
 _GLOBAL_POOL_MODULES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 _GLOBAL_POOL_FUNCTIONS = (F.adaptive_avg_pool2d, F.adaptive_max_pool2d)

@@ -12,7 +12,7 @@ from .preserve import (
     reads_old, refuse_if_silent, train_forward,
 )
 from .reference import recall, remember
-from .rewrite import new_parameters
+from .fx_edit import new_parameters
 from .shapes import example_input, run_recording, validate_batch_sizes
 from .state import dropout_off, preserved_buffers, training_mode
 

@@ -18,15 +18,12 @@ import torch
 from torch import fx, nn
 
 from graphgrow import Candidate, NotApplicable, Pass, Rewrite
-from graphgrow.layers import AverageMerge
 from graphgrow.rewrite import (
-    add_module, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses, resolve_tensor, set_scope,
-    tensor_shape,
+    add_module, AverageMerge, begin, copy_graph_module, DEFAULT_BUDGET, factory_kwargs, finish,
+    graphgrow_modules, inserting_after, is_float_tensor, is_graphgrow_node, kaiming_, param_count, place,
+    replace_uses, resolve_tensor, set_scope, stages, tensor_shape,
 )
-from graphgrow.shapes import param_count
-from graphgrow.stages import DEFAULT_BUDGET, graphgrow_modules, is_graphgrow_node, place, stages
 
-from ._init import kaiming_
 
 Op = Literal["conv3x3", "conv5x5", "sepconv3x3", "sepconv5x5", "dilconv3x3", "avgpool3x3", "maxpool3x3", "identity"]
 OPS = ("conv3x3", "conv5x5", "sepconv3x3", "sepconv5x5", "dilconv3x3", "avgpool3x3", "maxpool3x3", "identity")
@@ -151,8 +148,7 @@ def add_branch(gm: fx.GraphModule, at: str | None = None, op: Op = "conv3x3", co
         raise NotApplicable(f"unknown branch op '{op}'", f"valid ops: {', '.join(OPS)}")
     if count < 1 or count > MAX_BRANCHES:
         raise NotApplicable(f"count must be 1 to {MAX_BRANCHES}, got {count}", "add a few branches at a time")
-    gm = copy_graph_module(gm)
-    generator = generator or torch.Generator().manual_seed(0)
+    gm, generator = begin(gm, generator)
     start, end, chosen = resolve_span(gm, at, op, count)
     merge = existing_merge(gm, end)
     if merge is not None:
@@ -166,8 +162,7 @@ def add_branch(gm: fx.GraphModule, at: str | None = None, op: Op = "conv3x3", co
         raise NotApplicable(f"the span '{start.name}' {list(s)} → '{end.name}' {list(e)} does not downsample by an integer stride",
                             "pick a span whose output size divides its input size")
     stride = (s[2] // e[2], s[3] // e[3])
-    dtype = end.meta.get("gg_dtype") or torch.float32
-    like = torch.zeros((), dtype=dtype, device=next(gm.parameters(), torch.zeros(())).device)
+    like = torch.zeros((), **factory_kwargs(gm, end))
     graph = gm.graph
     names, branch_nodes = [], []
     anchor = merge.args[-1] if merge is not None else end
@@ -178,7 +173,7 @@ def add_branch(gm: fx.GraphModule, at: str | None = None, op: Op = "conv3x3", co
             names.append(name)
             branch_nodes.append(b)
         if merge is None:
-            merge_name = add_module(gm, "merge", AverageMerge(count, device=like.device, dtype=dtype))
+            merge_name = add_module(gm, "merge", AverageMerge(count, device=like.device, dtype=like.dtype))
             merge = graph.call_module(merge_name, (end, *branch_nodes))
             replace_uses(end, merge, keep=[merge])
             new_nodes = branch_nodes + [merge]
@@ -188,7 +183,7 @@ def add_branch(gm: fx.GraphModule, at: str | None = None, op: Op = "conv3x3", co
             n = module.branches
             with torch.no_grad():
                 gates = torch.cat([torch.as_tensor(module.gates * (n + count) / n),
-                                   torch.zeros(count, dtype=dtype, device=like.device)])
+                                   torch.zeros(count, dtype=like.dtype, device=like.device)])
             module.gates = nn.Parameter(gates)
             merge.args = (*merge.args, *branch_nodes)
             new_nodes = branch_nodes

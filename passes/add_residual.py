@@ -19,20 +19,17 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from graphgrow import Candidate, NotApplicable, Pass, Rewrite
-from graphgrow.shapes import param_count
-from graphgrow.stages import DEFAULT_BUDGET, main_path, place, stage_end, stages
 from graphgrow.rewrite import (
-    add_module, add_parameter, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses,
-    resolve_tensor, set_scope, tensor_shape,
+    add_module, add_parameter, begin, DEFAULT_BUDGET, factory_kwargs, finish,
+    inserting_after, is_float_tensor, kaiming_, main_path, param_count, place, replace_uses, resolve_tensor,
+    set_scope, stage_end, stages, tensor_shape, zero_last_bn,
 )
 
-from ._init import kaiming_, zero_last_bn
 
 def add_residual(gm: fx.GraphModule, start: str | None = None, end: str | None = None,
                  generator: torch.Generator | None = None) -> Rewrite:
     """Add `end + skip(start)` to a copy of `gm` (module paths or node names; defaults: the feature extractor)."""
-    gm = copy_graph_module(gm)
-    generator = generator or torch.Generator().manual_seed(0)
+    gm, generator = begin(gm, generator)
     s: fx.Node | None
     e: fx.Node | None
     if start is None and end is None:
@@ -45,13 +42,11 @@ def add_residual(gm: fx.GraphModule, start: str | None = None, end: str | None =
     _check_span(gm, s, e)
     s_shape, e_shape = tensor_shape(s), tensor_shape(e)
     graph = gm.graph
-    dtype = e.meta.get("gg_dtype") or torch.float32
-    device = next(gm.parameters(), torch.zeros(())).device
-    like = torch.zeros((), dtype=dtype, device=device)
+    like = torch.zeros((), **factory_kwargs(gm, e))
     new_nodes: list[fx.Node] = []
     with inserting_after(e):
         if s_shape == e_shape:
-            gate = add_parameter(gm, "residual_gate", torch.zeros((), dtype=dtype, device=like.device))
+            gate = add_parameter(gm, "residual_gate", torch.zeros((), dtype=like.dtype, device=like.device))
             g = graph.get_attr(gate)
             skip = graph.call_function(operator.mul, (s, g))
             new_nodes += [g, skip]
@@ -61,7 +56,7 @@ def add_residual(gm: fx.GraphModule, start: str | None = None, end: str | None =
             skip = skip_nodes[-1]
             new_nodes += skip_nodes
         elif len(s_shape) in (2, 3) and len(s_shape) == len(e_shape) and s_shape[:-1] == e_shape[:-1]:
-            lin = nn.Linear(s_shape[-1], e_shape[-1], device=like.device, dtype=dtype)
+            lin = nn.Linear(s_shape[-1], e_shape[-1], device=like.device, dtype=like.dtype)
             with torch.no_grad():
                 lin.weight.zero_()
                 lin.bias.zero_()

@@ -18,28 +18,24 @@ from torch import fx, nn
 
 from graphgrow import Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
-    add_module, add_parameter, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses,
-    set_scope, tensor_shape,
+    add_module, add_parameter, begin, default_point, factory_kwargs, finish, inserting_after,
+    is_float_tensor, kaiming_, replace_uses, set_scope, stage_end_candidates, tensor_or_feature_end,
+    tensor_shape,
 )
-from graphgrow.stages import default_point, stage_end_candidates
-from graphgrow.targets import tensor_or_feature_end
 
-from ._init import kaiming_
 
 
 def deepen(gm: fx.GraphModule, after: str | None = None, block: Literal["auto", "conv_bn_relu", "linear_relu"] = "auto",
            generator: torch.Generator | None = None) -> Rewrite:
     """Insert `x + g·block(x)` (g = 0) after `after` (default: the last feature map before global pooling)."""
-    gm = copy_graph_module(gm)
-    generator = generator or torch.Generator().manual_seed(0)
+    gm, generator = begin(gm, generator)
     node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_point(gm, lambda n: block_params(n, block))
     shape = tensor_shape(node)
     if not is_float_tensor(node) or len(shape) < 2:
         raise NotApplicable(f"'{node.name}' (shape {node.meta.get('gg_shape')}) is not a feature tensor", "pick a node with a (N, C, …) tensor")
     if block == "auto":
         block = "conv_bn_relu" if len(shape) == 4 else "linear_relu"
-    dtype = node.meta.get("gg_dtype") or torch.float32
-    kw = {"device": next(gm.parameters(), torch.zeros(())).device, "dtype": dtype}
+    kw = factory_kwargs(gm, node)
     if block == "conv_bn_relu":
         if len(shape) != 4:
             raise NotApplicable(f"conv_bn_relu needs a 4-D feature map; '{node.name}' is {list(shape)}", "use block=linear_relu")

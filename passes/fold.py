@@ -35,11 +35,11 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from graphgrow import Pass, Rewrite, annotate
-from graphgrow.layers import AverageMerge
-from graphgrow.rewrite import copy_graph_module, finish, tensor_shape, unique_attr
-from graphgrow.stages import graphgrow_modules
+from graphgrow.rewrite import (
+    AverageMerge, copy_graph_module, factory_kwargs, finish, graphgrow_modules, input_shape_of, set_module,
+    tensor_shape, unique_attr,
+)
 
-from ._resize import set_module
 
 SITE = "gg_fold_site"  # node meta: the growth structure an add came from (for the report)
 _MUL = (operator.mul, torch.mul)
@@ -814,9 +814,7 @@ def _describe(n: fx.Node) -> str:
 
 def _emit(gm: fx.GraphModule, n: fx.Node, f: Form, src: fx.Node) -> fx.Node:
     """One layer computing `f` from `src` in place of `n`; returns the new node."""
-    dtype = n.meta.get("gg_dtype") or torch.float32
-    device = next(gm.parameters(), torch.zeros(())).device
-    kw = {"dtype": dtype, "device": device}
+    kw = factory_kwargs(gm, n)
     bias = f.bias is not None and bool(f.bias.abs().max() > 0) or any(
         getattr(gm.get_submodule(p), "bias", None) is not None for p in f.weighted)
     if f.kind == "conv":
@@ -980,7 +978,6 @@ def fold(gm: fx.GraphModule, grow_kernels: bool = False, generator: torch.Genera
     """Fold linear structure into plain layers, in eval-mode semantics (see the module docstring).
     `grow_kernels`: a branch with a larger kernel than the main conv's may enlarge it (more FLOPs than
     before growth, fewer than unfolded); off by default."""
-    from graphgrow.trace import input_shape_of
 
     code_before = gm.code
     gm = copy_graph_module(gm)

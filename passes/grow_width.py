@@ -20,14 +20,12 @@ import torch
 from torch import fx, nn
 
 from graphgrow import Candidate, NotApplicable, Pass, Rewrite
-from graphgrow.coupling import Coupling, Insertion, analyze, make_layout
 from graphgrow.rewrite import (
-    add_module, copy_graph_module, finish, inserting_after, replace_uses, resolve_tensor, set_scope, tensor_shape,
+    add_module, analyze, begin, columns, Coupling, DEFAULT_BUDGET, finish, graphgrow_modules,
+    grow_group, identity_adapter, Init, inserting_after, Insertion, is_graphgrow_node, make_layout, param_count,
+    place, replace_uses, resize, resolve_tensor, set_module, set_scope, tensor_shape,
 )
-from graphgrow.shapes import param_count
-from graphgrow.stages import DEFAULT_BUDGET, graphgrow_modules, is_graphgrow_node, place
 
-from ._resize import Init, _cols, grow_group, resize, set_module
 
 
 def find_layer(gm: fx.GraphModule, target: str) -> fx.Node:
@@ -153,8 +151,7 @@ def grow_width(gm: fx.GraphModule, target: str | None = None, factor: float = 2.
                mode: Literal["group", "adapter"] = "group", init: Init = "zero",
                generator: torch.Generator | None = None) -> Rewrite:
     """Widen `target` (default: the first growable layer) to `to` channels or `factor`× its width."""
-    gm = copy_graph_module(gm)
-    generator = generator or torch.Generator().manual_seed(0)
+    gm, generator = begin(gm, generator)
     coupling = analyze(gm)
     replicates = init == "net2net" and to is None and float(factor).is_integer()
     node, why = (find_layer(gm, target), "given") if target is not None else default_target(gm, coupling, replicates, factor)
@@ -188,31 +185,16 @@ def _grow_with_adapter(gm, node, layer, count, init, generator) -> list[str]:
         src = [perm[i % old] for i in range(count)]
     layout = make_layout(old, [Insertion(old, count, src)])
     set_module(gm, node.target, resize(layer, None, layout, init, generator))
-    adapter = identity_adapter(layer, layout.new, old)
+    dims = layer.weight.dim() - 2 if isinstance(layer, nn.modules.conv._ConvNd) else None
+    adapter = identity_adapter(layout.new, old, dims, layer.weight)
     with torch.no_grad():
-        adapter.weight.copy_(_cols(identity_adapter(layer, old, old).weight, layout, init, generator))
+        adapter.weight.copy_(columns(identity_adapter(old, old, dims, layer.weight).weight, layout, init, generator))
     name = add_module(gm, f"{str(node.target).replace('.', '_')}_adapter", adapter)
     with inserting_after(node):
         a = gm.graph.call_module(name, (node,))
     replace_uses(node, a, keep=[a])
     set_scope([a], node)
     return [str(node.target), name]
-
-
-def identity_adapter(like: nn.Module, cin: int, cout: int) -> nn.Module:
-    """A 1×1 conv (same dimensionality as `like`) or a Linear, weights [I | 0] / [I ; 0], no bias."""
-    w = like.weight
-    m: nn.Module
-    if isinstance(like, nn.modules.conv._ConvNd):
-        conv_cls = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[w.dim() - 2]
-        m = conv_cls(cin, cout, 1, bias=False, device=w.device, dtype=w.dtype)
-    else:
-        m = nn.Linear(cin, cout, bias=False, device=w.device, dtype=w.dtype)
-    with torch.no_grad():
-        m.weight.zero_()
-        eye = torch.eye(min(cin, cout), dtype=w.dtype, device=w.device)
-        m.weight.view(cout, cin)[: eye.shape[0], : eye.shape[1]] = eye
-    return m
 
 
 @dataclass(frozen=True)

@@ -14,31 +14,15 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch import fx, nn
+from torch import fx
 
 from graphgrow import Candidate, NotApplicable, Pass, Rewrite
-from graphgrow.coupling import analyze, channel_axis
-from graphgrow.rewrite import add_module, copy_graph_module, finish, inserting_after, is_float_tensor, replace_uses, \
-    set_scope, tensor_shape
-from graphgrow.stages import default_point, stage_end_candidates
-from graphgrow.targets import tensor_or_feature_end
+from graphgrow.rewrite import (
+    add_module, analyze, begin, channel_axis, default_point, factory_kwargs, finish,
+    grow_group, identity_adapter, inserting_after, is_float_tensor, replace_uses, set_scope,
+    stage_end_candidates, tensor_or_feature_end, tensor_shape,
+)
 
-from ._resize import grow_group
-
-
-def _adapter(shape: tuple, cin: int, cout: int, like: torch.Tensor) -> nn.Module:
-    """[I | 0] (cout ≤ cin) or [I ; 0] (cout > cin) as a 1×1 conv for (N, C, …) or a Linear for (…, C)."""
-    m: nn.Module
-    if len(shape) in (3, 4, 5) and channel_axis(shape) == 1:
-        cls = {3: nn.Conv1d, 4: nn.Conv2d, 5: nn.Conv3d}[len(shape)]
-        m = cls(cin, cout, 1, bias=False, device=like.device, dtype=like.dtype)
-    else:
-        m = nn.Linear(cin, cout, bias=False, device=like.device, dtype=like.dtype)
-    with torch.no_grad():
-        m.weight.zero_()
-        k = min(cin, cout)
-        m.weight.view(cout, cin)[:k, :k] = torch.eye(k, dtype=like.dtype, device=like.device)
-    return m
 
 
 def adapter_params(node: fx.Node, out_channels: int | None) -> int:
@@ -54,8 +38,7 @@ def adapter_params(node: fx.Node, out_channels: int | None) -> int:
 def insert_adapter(gm: fx.GraphModule, after: str | None = None, out_channels: int | None = None,
                    allow_narrowing: bool = False, generator: torch.Generator | None = None) -> Rewrite:
     """Insert an identity-initialised adapter after `after` (default: the last feature map before global pooling)."""
-    gm = copy_graph_module(gm)
-    generator = generator or torch.Generator().manual_seed(0)
+    gm, generator = begin(gm, generator)
     node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_point(gm, lambda n: adapter_params(n, out_channels))
     shape = tensor_shape(node)
     if not is_float_tensor(node) or channel_axis(shape) is None:
@@ -65,8 +48,8 @@ def insert_adapter(gm: fx.GraphModule, after: str | None = None, out_channels: i
     out = width if out_channels is None else out_channels
     if out <= 0:
         raise NotApplicable(f"out_channels must be positive, got {out}", "give out_channels ≥ 1")
-    like = next(gm.parameters(), torch.zeros((), dtype=node.meta.get("gg_dtype") or torch.float32))
-    like = torch.zeros((), dtype=node.meta.get("gg_dtype") or like.dtype, device=like.device)
+    like = torch.zeros((), **factory_kwargs(gm, node))
+    dims = len(shape) - 2 if len(shape) in (3, 4, 5) and channel_axis(shape) == 1 else None  # 1×1 conv, else Linear
     targets = {"after": f"{node.name} {list(shape)}", "chosen": chosen}
     exact = True
     if out < width and not allow_narrowing:
@@ -75,8 +58,8 @@ def insert_adapter(gm: fx.GraphModule, after: str | None = None, out_channels: i
             "pass allow_narrowing=true to insert a bottleneck anyway (the report says how far the output moves)",
         )
     if out < width:
-        down = add_module(gm, f"{node.name}_adapter_down", _adapter(shape, width, out, like))
-        up = add_module(gm, f"{node.name}_adapter_up", _adapter(shape, out, width, like))
+        down = add_module(gm, f"{node.name}_adapter_down", identity_adapter(width, out, dims, like))
+        up = add_module(gm, f"{node.name}_adapter_up", identity_adapter(out, width, dims, like))
         with inserting_after(node):
             d = gm.graph.call_module(down, (node,))
             u = gm.graph.call_module(up, (d,))
@@ -85,7 +68,7 @@ def insert_adapter(gm: fx.GraphModule, after: str | None = None, out_channels: i
         targets["adapter"] = f"bottleneck {width}→{out}→{width} ([I | 0] then [I ; 0]): changes the function"
         exact = False
     else:
-        name = add_module(gm, f"{node.name}_adapter", _adapter(shape, width, width, like))
+        name = add_module(gm, f"{node.name}_adapter", identity_adapter(width, width, dims, like))
         with inserting_after(node):
             a = gm.graph.call_module(name, (node,))
         a.meta.update(gg_shape=shape, gg_dtype=node.meta.get("gg_dtype"))

@@ -18,3 +18,31 @@ def test_ruff_finds_nothing():
 def test_mypy_finds_nothing():
     proc = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
+
+
+def test_built_in_passes_use_only_the_public_api():
+    """A built-in pass imports graphgrow only as `graphgrow` and `graphgrow.rewrite` (the pass author's
+    API), never a private name nor a sibling module: a plugin can do everything they do."""
+    import ast
+
+    problems = []
+    for path in sorted((ROOT / "passes").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:
+                    problems.append(f"{path.name}: relative import from .{module}")
+                elif module.split(".")[0] == "graphgrow" and module not in ("graphgrow", "graphgrow.rewrite"):
+                    problems.append(f"{path.name}: from {module} import …")
+                problems += [f"{path.name}: private name {a.name} from {module}" for a in node.names if a.name.startswith("_")]
+            elif isinstance(node, ast.Import):
+                problems += [f"{path.name}: import {a.name}" for a in node.names if a.name.startswith("graphgrow.")]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_pass_author_api_lists_what_it_exports():
+    import graphgrow.rewrite as api
+
+    missing = [name for name in api.__all__ if not hasattr(api, name)]
+    undocumented = [name for name in api.__all__ if name not in (api.__doc__ or "")]
+    assert not missing and not undocumented, (missing, undocumented)

@@ -1,6 +1,8 @@
-"""Rebuild conv / Linear / BatchNorm layers at new widths, keeping every constructor setting.
+"""Widening: plan where new channels go (over coupling's groups) and rebuild conv / Linear /
+BatchNorm / LayerNorm layers at the new widths, keeping every constructor setting.
 
-Old weights go to their new positions (coupling.Layout); new output units get
+`plan_growth` carries an insertion through the links between groups; `make_layout` says
+where old and new channels sit; old weights go to their new positions; new output units get
 random incoming weights (`zero` init) or copies of the unit they replicate
 (`net2net`); new input columns are zero (`zero`) or share the replicated unit's
 outgoing weight with it (`net2net`, random shares that sum to one, so replicas are
@@ -9,15 +11,81 @@ exact but not symmetric).
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import torch
 from torch import fx, nn
 
-from graphgrow.coupling import BATCHNORMS, Coupling, Layout, make_layout, plan_growth
-from graphgrow.errors import NotApplicable
+from .coupling import BATCHNORMS, Coupling
+from .errors import NotApplicable
+from .initializers import kaiming_
 
-from ._init import kaiming_
+@dataclass
+class Insertion:
+    """`count` new channels inserted before old channel `pos`; `src[i]` is the old channel new
+    channel i replicates (net2net) or None (fresh)."""
+
+    pos: int
+    count: int
+    src: list[int | None]
+
+
+def plan_growth(c: Coupling, gid: int, count: int, src: list[int | None] | None = None) -> dict[int, list[Insertion]]:
+    """Every group's insertions when group `gid` gains `count` channels at its end.
+
+    Links carry the insertion to derived groups: a `cat` shifts it by the input's
+    offset, a `flatten` scales it by the spatial size. Raises ValueError with the
+    reasons when any reached group is frozen.
+    """
+    reasons = c.why_frozen(gid)
+    if reasons:
+        raise ValueError("; ".join(reasons))
+    src = list(src) if src is not None else [None] * count
+    plan: dict[int, list[Insertion]] = {}
+    todo = [(gid, Insertion(c.groups[gid].size, count, src))]
+    while todo:
+        g, ins = todo.pop()
+        if any(i.pos == ins.pos and i.count == ins.count and i.src == ins.src for i in plan.get(g, [])):
+            continue  # reached twice through the same link path
+        plan.setdefault(g, []).append(ins)
+        for link in c.links:
+            if c.group_of[link.src] != g:
+                continue
+            s = link.scale
+            derived_src = [None if x is None else link.offset + x * s + q for x in ins.src for q in range(s)]
+            todo.append((c.group_of[link.dst], Insertion(link.offset + ins.pos * s, ins.count * s, derived_src)))
+    return plan
+
+
+@dataclass
+class Layout:
+    """Where old and new channels go when a dimension of size `old` receives insertions."""
+
+    old: int
+    new: int
+    old_to_new: list[int]
+    new_slots: list[int]
+    src: list[int | None]
+
+
+def make_layout(old: int, insertions: list[Insertion]) -> Layout:
+    ins = sorted(insertions, key=lambda i: i.pos)
+    old_to_new, new_slots, src = [], [], []
+    cursor, k = 0, 0
+    for i in ins:
+        while cursor < i.pos:
+            old_to_new.append(cursor + k)
+            cursor += 1
+        for j in range(i.count):
+            new_slots.append(cursor + k)
+            src.append(i.src[j])
+            k += 1
+    while cursor < old:
+        old_to_new.append(cursor + k)
+        cursor += 1
+    return Layout(old, old + k, old_to_new, new_slots, src)
+
 
 Init = Literal["zero", "net2net"]
 
@@ -37,7 +105,7 @@ def _shares(count: int, generator: torch.Generator) -> torch.Tensor:
     return w / w.sum()
 
 
-def _rows(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch.Generator, fresh: str) -> torch.Tensor:
+def rows(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch.Generator, fresh: str) -> torch.Tensor:
     """Place old rows (dim 0) and fill new ones: random ('kaiming'), 'zero', 'one', the old rows' 'mean',
     or copies for net2net."""
     if layout is None:
@@ -57,7 +125,7 @@ def _rows(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch
     return new
 
 
-def _cols(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch.Generator) -> torch.Tensor:
+def columns(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch.Generator) -> torch.Tensor:
     """Place old input columns (dim 1); new columns are zero, or net2net shares of their source column."""
     if layout is None:
         return old
@@ -116,10 +184,10 @@ def resize_conv(m: nn.modules.conv._ConvNd, in_layout: Layout | None, out_layout
 def _fill_weights(old: nn.Module, new: nn.Module, in_layout, out_layout, init: Init, generator) -> nn.Module:
     """Put a conv's or Linear's weight and bias into `new` at the layouts' positions."""
     with torch.no_grad():
-        w = _cols(old.weight, in_layout, init, generator)
-        _set_tensor(new, "weight", _rows(w, out_layout, init, generator, "kaiming"))
+        w = columns(old.weight, in_layout, init, generator)
+        _set_tensor(new, "weight", rows(w, out_layout, init, generator, "kaiming"))
         if old.bias is not None:
-            _set_tensor(new, "bias", _rows(old.bias, out_layout, init, generator, "zero"))
+            _set_tensor(new, "bias", rows(old.bias, out_layout, init, generator, "zero"))
     return new
 
 
@@ -135,11 +203,11 @@ def resize_batchnorm(m: nn.modules.batchnorm._BatchNorm, layout: Layout, init: I
     new = _rebuilt(m, num_features=layout.new)
     with torch.no_grad():
         if m.affine:
-            _set_tensor(new, "weight", _rows(m.weight, layout, init, generator, "one"))
-            _set_tensor(new, "bias", _rows(m.bias, layout, init, generator, "zero"))
+            _set_tensor(new, "weight", rows(m.weight, layout, init, generator, "one"))
+            _set_tensor(new, "bias", rows(m.bias, layout, init, generator, "zero"))
         if m.track_running_stats and m.running_mean is not None:
-            _set_tensor(new, "running_mean", _rows(m.running_mean, layout, init, generator, "zero"))
-            _set_tensor(new, "running_var", _rows(m.running_var, layout, init, generator, "one"))
+            _set_tensor(new, "running_mean", rows(m.running_mean, layout, init, generator, "zero"))
+            _set_tensor(new, "running_var", rows(m.running_var, layout, init, generator, "one"))
             _set_tensor(new, "num_batches_tracked", m.num_batches_tracked.clone())
     return new
 
@@ -149,9 +217,9 @@ def resize_layernorm(m: nn.LayerNorm, layout: Layout, init: Init, generator) -> 
     new = _rebuilt(m, normalized_shape=(layout.new,))
     with torch.no_grad():
         if m.weight is not None:
-            _set_tensor(new, "weight", _rows(m.weight, layout, init, generator, "one"))
+            _set_tensor(new, "weight", rows(m.weight, layout, init, generator, "one"))
         if m.bias is not None:
-            _set_tensor(new, "bias", _rows(m.bias, layout, init, generator, "zero"))
+            _set_tensor(new, "bias", rows(m.bias, layout, init, generator, "zero"))
     return new
 
 
@@ -163,7 +231,7 @@ def resize_tensor_attr(gm: fx.GraphModule, path: str, layout: Layout, init: Init
     old = getattr(owner, name)
     dim = max(i for i, d in enumerate(old.shape) if d == layout.old)
     with torch.no_grad():
-        flat = _rows(old.detach().reshape(layout.old), layout, init, generator, "mean")
+        flat = rows(old.detach().reshape(layout.old), layout, init, generator, "mean")
         shape = list(old.shape)
         shape[dim] = layout.new
         value = flat.reshape(shape).clone()
@@ -280,3 +348,19 @@ def _is_parameter(gm: fx.GraphModule, path: str) -> bool:
         return True
     except AttributeError:
         return False
+
+
+def identity_adapter(cin: int, cout: int, spatial_dims: int | None, like: torch.Tensor) -> nn.Module:
+    """The one [I | 0] (cout ≤ cin) / [I ; 0] (cout > cin) adapter: a 1×1 conv over `spatial_dims`
+    (1, 2 or 3) or a Linear (None), no bias, on `like`'s device and dtype."""
+    m: nn.Module
+    if spatial_dims is not None:
+        conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[spatial_dims]
+        m = conv(cin, cout, 1, bias=False, device=like.device, dtype=like.dtype)
+    else:
+        m = nn.Linear(cin, cout, bias=False, device=like.device, dtype=like.dtype)
+    with torch.no_grad():
+        m.weight.zero_()
+        k = min(cin, cout)
+        m.weight.view(cout, cin)[:k, :k] = torch.eye(k, device=like.device, dtype=like.dtype)
+    return m
