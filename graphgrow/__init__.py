@@ -12,7 +12,7 @@ from .errors import (
 )
 from .load import LoadedModel, load_model, save_model
 from .optim import carry_optimizer
-from .pass_base import Candidate, Pass, PassResult
+from .pass_base import Candidate, Pass, PassResult, arg
 from .pipeline import Pipeline, PipelineResult, build_pipeline, parse_spec
 from .registry import all_passes, get_pass, pass_names, register_pass
 from .fx_edit import Rewrite
@@ -43,7 +43,7 @@ def __getattr__(name: str):
 __all__ = [
     "EquivalenceError", "ExportError", "GraphgrowError", "InputError", "LoadError", "NotApplicable",
     "PreservationError", "RuntimeUnavailable", "SaveError", "SearchError", "SearchInterrupted", "SpecError", "TraceError", "ValidationError",
-    "LoadedModel", "load_model", "save_model", "Candidate", "Pass", "PassResult", "Pipeline", "PipelineResult",
+    "LoadedModel", "load_model", "save_model", "Candidate", "Pass", "PassResult", "arg", "Pipeline", "PipelineResult",
     "build_pipeline", "parse_spec", "all_passes", "get_pass", "pass_names", "register_pass", "Rewrite",
     "annotate", "trace", "export_onnx", "check_equivalence", "fold", "carry_optimizer",
 ]

@@ -524,30 +524,51 @@ def _print_search(report: dict) -> None:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
-def passes(as_json):
-    """List the installed passes with their arguments and defaults."""
+@click.option("--markdown", is_flag=True, help="print the table of arguments the README shows (from the passes' own field help)")
+def passes(as_json, markdown):
+    """List the installed passes with their arguments, defaults and what each argument means."""
     from .registry import all_passes
 
     found = all_passes()
+    if markdown:
+        print(passes_markdown(found))
+        return
     if as_json:
         data = {}
         for name, cls in found.items():
             if isinstance(cls, GraphgrowError):
                 data[name] = {"error": str(cls)}
             else:
-                hints = cls.argument_types()
+                hints, helps = cls.argument_types(), cls.argument_help()
                 data[name] = {"help": cls.help(), "args": [
-                    {"name": f.name, "type": _type_name(hints[f.name]), "default": f.default} for f in dataclasses.fields(cls)]}
+                    {"name": f.name, "type": _type_name(hints[f.name]), "default": f.default, "help": helps[f.name]}
+                    for f in dataclasses.fields(cls)]}
         print(json.dumps(data, default=str))
         return
     for name, cls in found.items():
         if isinstance(cls, GraphgrowError):
             out.print(f"[bold]{name}[/]  [red]unavailable:[/] {cls}")
             continue
-        out.print(f"[bold]{name}[/]  {cls.help()}")
-        hints = cls.argument_types()
+        out.print(f"[bold]{name}[/]  {escape(cls.help())}")
+        hints, helps = cls.argument_types(), cls.argument_help()
         for f in dataclasses.fields(cls):
-            out.print(f"    {f.name}: {_type_name(hints[f.name])} = {f.default!r}")
+            out.print(f"    {f.name}: {escape(_type_name(hints[f.name]))} = {f.default!r}" + (f"  — {escape(helps[f.name])}" if helps[f.name] else ""))
+
+
+def passes_markdown(found: dict) -> str:
+    """The README's argument table: one row per argument of every installed pass."""
+    rows = ["| pass | argument | type | default | meaning |", "|---|---|---|---|---|"]
+    for name, cls in found.items():
+        if isinstance(cls, GraphgrowError):
+            continue
+        hints, helps = cls.argument_types(), cls.argument_help()
+        fields = dataclasses.fields(cls)
+        if not fields:
+            rows.append(f"| `{name}` | none | | | |")
+        for f in fields:
+            cells = [f"`{name}`", f"`{f.name}`", _type_name(hints[f.name]), f"`{f.default!r}`", helps[f.name]]
+            rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows)
 
 
 def _type_name(t) -> str:

@@ -5,7 +5,7 @@ import dataclasses
 import time
 import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import fx
@@ -82,6 +82,11 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
+def arg(default: Any, help: str) -> Any:
+    """A pass argument: its default and one line of help (shown by `graphgrow passes`, the README's table)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass
 class Candidate:
     """A place a pass can apply: the arguments that pick it, the place in words, what it would add."""
@@ -99,16 +104,22 @@ class Candidate:
 class Pass:
     """Base of all passes. Subclasses are frozen dataclasses; every field has a default.
 
-    Implement `apply(gm, generator) -> Rewrite`, calling the pass's plain function,
-    which works on a copy. `name` is the CLI name; the class docstring's first line
-    is the one-line help shown by `graphgrow passes`.
+    Set `function` to the pass's plain function, which works on a copy and takes the fields
+    as keyword arguments plus `generator` (or override `apply(gm, generator) -> Rewrite`).
+    Declare each argument with `arg(default, help)`. `name` is the CLI name; the class
+    docstring's first line is the one-line help shown by `graphgrow passes`.
     """
 
     name: ClassVar[str] = ""
     grows: ClassVar[bool] = True  # False for transforms that never add parameters (fold): no size estimate first
+    function: ClassVar[Callable[..., Rewrite] | None] = None  # the plain function: function(gm, **fields, generator=g)
 
     def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
-        raise NotImplementedError
+        """Call `function` with the fields as keyword arguments (override for anything else)."""
+        function = type(self).function
+        if function is None:
+            raise NotImplementedError(f"{type(self).__name__} sets neither `function` nor `apply`")
+        return function(gm, **self.args(), generator=generator)
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """Where this pass (with its other arguments as given) can apply on `gm` (annotated), most useful
@@ -118,6 +129,11 @@ class Pass:
     @classmethod
     def argument_types(cls) -> dict[str, Any]:
         return typing.get_type_hints(cls)
+
+    @classmethod
+    def argument_help(cls) -> dict[str, str]:
+        """Each argument's help line (from `arg(default, help)`; empty when declared without)."""
+        return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
 
     @classmethod
     def help(cls) -> str:

@@ -17,7 +17,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import fx, nn
 
-from graphgrow import Candidate, NotApplicable, Pass, Rewrite
+from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
     add_module, AverageMerge, begin, copy_graph_module, DEFAULT_BUDGET, factory_kwargs, finish,
     graphgrow_modules, inserting_after, is_float_tensor, is_graphgrow_node, kaiming_, param_count, place,
@@ -245,12 +245,10 @@ class AddBranch(Pass):
     """Run new branches beside a span, merged by a gated average main + mean(gate·branch) with gates at 0."""
 
     name: ClassVar[str] = "add_branch"
-    at: str | None = None  # node name, module path or START:END; default: beside the last main-path conv (see default_conv)
-    op: Op = "conv3x3"
-    count: int = 1
-
-    def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
-        return add_branch(gm, self.at, self.op, self.count, generator)
+    function = add_branch
+    at: str | None = arg(None, "node name, module path or START:END; default: beside the last main-path conv within the budget")
+    op: Op = arg("conv3x3", "the branch's operation")
+    count: int = arg(1, "how many branches")
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """Every backbone conv a branch of `op` can run beside, the last first."""
@@ -264,9 +262,7 @@ class RemoveBranch(Pass):
     """Drop a branch from a merge: exact when its gate is 0, otherwise only with allow_change=true (reported)."""
 
     name: ClassVar[str] = "remove_branch"
-    at: str | None = None  # the merge node, or the span it ends; default: the last merge
-    index: int = -1  # which branch (default: the last added)
-    allow_change: bool = False
-
-    def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
-        return remove_branch(gm, self.at, self.index, self.allow_change, generator)
+    function = remove_branch
+    at: str | None = arg(None, "the merge node, or the span it ends; default: the last merge")
+    index: int = arg(-1, "which branch (-1: the last added)")
+    allow_change: bool = arg(False, "drop a branch whose gate is not 0 (changes the function; the report says how much)")

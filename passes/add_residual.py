@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from graphgrow import Candidate, NotApplicable, Pass, Rewrite
+from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
     add_module, add_parameter, begin, DEFAULT_BUDGET, factory_kwargs, finish,
     inserting_after, is_float_tensor, kaiming_, main_path, param_count, place, replace_uses, resolve_tensor,
@@ -168,11 +168,9 @@ class AddResidual(Pass):
     """Add a skip connection end + skip(start), exact at insertion (1×1 conv + zero-γ BN, or a zero gate)."""
 
     name: ClassVar[str] = "add_residual"
-    start: str | None = None  # node name (its output) or module path (its input); default: the end of the stage before the last
-    end: str | None = None  # node name (its output) or module path (its output); default: the backbone's last feature map
-
-    def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
-        return add_residual(gm, self.start, self.end, generator)
+    function = add_residual
+    start: str | None = arg(None, "node name (its output) or module path (its input); default: the end of the backbone's stage before the last")
+    end: str | None = arg(None, "node name (its output) or module path (its output); default: the backbone's last feature map")
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """A skip over each backbone stage, and from each stage's end to the next stage's end."""

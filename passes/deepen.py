@@ -16,7 +16,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import fx, nn
 
-from graphgrow import Candidate, NotApplicable, Pass, Rewrite
+from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
     add_module, add_parameter, begin, default_point, factory_kwargs, finish, inserting_after,
     is_float_tensor, kaiming_, replace_uses, set_scope, stage_end_candidates, tensor_or_feature_end,
@@ -85,11 +85,9 @@ class Deepen(Pass):
     """Insert a block in residual form x + g·block(x) with a zero gate: exact in eval and train mode."""
 
     name: ClassVar[str] = "deepen"
-    after: str | None = None  # node name or module path (its output); default: the latest stage end within 25% more parameters
-    block: Literal["auto", "conv_bn_relu", "linear_relu"] = "auto"  # auto: conv_bn_relu for 4-D, linear_relu otherwise
-
-    def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
-        return deepen(gm, self.after, self.block, generator)
+    function = deepen
+    after: str | None = arg(None, "node name or module path (its output); default: the latest stage end within the budget")
+    block: Literal["auto", "conv_bn_relu", "linear_relu"] = arg("auto", "auto: conv_bn_relu for 4-D feature maps, linear_relu otherwise")
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """The end of each backbone stage, the last first."""

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from graphgrow import Pass, Rewrite, annotate
+from graphgrow import annotate, arg, Pass, Rewrite
 from graphgrow.rewrite import (
     AverageMerge, copy_graph_module, factory_kwargs, finish, graphgrow_modules, input_shape_of, set_module,
     tensor_shape, unique_attr,
@@ -1031,7 +1031,5 @@ class Fold(Pass):
 
     name: ClassVar[str] = "fold"
     grows: ClassVar[bool] = False
-    grow_kernels: bool = False  # let a larger-kernel branch enlarge the main conv (fewer FLOPs than unfolded, more than before growth)
-
-    def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
-        return fold(gm, self.grow_kernels, generator)
+    function = fold
+    grow_kernels: bool = arg(False, "let a larger-kernel branch enlarge the main conv (fewer FLOPs than unfolded, more than before growth)")

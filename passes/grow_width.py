@@ -19,7 +19,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import fx, nn
 
-from graphgrow import Candidate, NotApplicable, Pass, Rewrite
+from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
     add_module, analyze, begin, columns, Coupling, DEFAULT_BUDGET, finish, graphgrow_modules,
     grow_group, identity_adapter, Init, inserting_after, Insertion, is_graphgrow_node, make_layout, param_count,
@@ -202,14 +202,12 @@ class GrowWidth(Pass):
     """Widen a conv/Linear layer exactly: its whole channel group (mode=group) or only it, with a 1×1 adapter back."""
 
     name: ClassVar[str] = "grow_width"
-    target: str | None = None  # node name or module path of a conv/Linear; default: first layer whose group can grow
-    factor: float = 2.0  # new width = round(factor × old) unless `to` is given
-    to: int | None = None  # new width
-    mode: Literal["group", "adapter"] = "group"
-    init: Literal["zero", "net2net"] = "zero"
-
-    def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
-        return grow_width(gm, self.target, self.factor, self.to, self.mode, self.init, generator)
+    function = grow_width
+    target: str | None = arg(None, "node name or module path of a conv or Linear; default: the first main-path layer whose group can grow")
+    factor: float = arg(2.0, "new width = round(factor × old width), unless `to` is given")
+    to: int | None = arg(None, "the new width")
+    mode: Literal["group", "adapter"] = arg("group", "group: widen the whole channel group; adapter: the target only, projected back by [I | 0]")
+    init: Literal["zero", "net2net"] = arg("zero", "zero: random in, zero out; net2net: copies sharing their outgoing weights")
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """Every layer whose channel group can grow (mode=group), in graph order."""

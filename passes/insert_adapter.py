@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 from torch import fx
 
-from graphgrow import Candidate, NotApplicable, Pass, Rewrite
+from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
     add_module, analyze, begin, channel_axis, default_point, factory_kwargs, finish,
     grow_group, identity_adapter, inserting_after, is_float_tensor, replace_uses, set_scope,
@@ -87,12 +87,10 @@ class InsertAdapter(Pass):
     """Insert a 1×1 conv / Linear adapter initialised to the identity [I | 0]; widening grows its channel group."""
 
     name: ClassVar[str] = "insert_adapter"
-    after: str | None = None  # node name or module path (its output); default: the latest stage end within 25% more parameters
-    out_channels: int | None = None  # default: the same width
-    allow_narrowing: bool = False  # narrowing changes the function; refused unless set
-
-    def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
-        return insert_adapter(gm, self.after, self.out_channels, self.allow_narrowing, generator)
+    function = insert_adapter
+    after: str | None = arg(None, "node name or module path (its output); default: the latest stage end within the budget")
+    out_channels: int | None = arg(None, "the adapter's width (default: the same width)")
+    allow_narrowing: bool = arg(False, "allow fewer channels (changes the function; the report says how much)")
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """The end of each backbone stage, the last first."""
