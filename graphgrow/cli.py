@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import GraphgrowError
+from .errors import GraphgrowError, SpecError, first_line
 
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True, soft_wrap=True)
@@ -101,7 +101,10 @@ def _run(job: Callable[[Callable[[str], None]], int], as_json: bool, debug: bool
             _interrupted(_received[0])
         if debug:
             traceback.print_exc()
-        err.print("[bold red]error:[/] " + escape(_cut(str(e))), markup=True, highlight=False)
+        err.print("[bold red]error:[/] " + escape(_cut(GraphgrowError.__str__(e))), markup=True, highlight=False)
+        pointer = e.pointer() if isinstance(e, SpecError) else ""
+        if pointer:  # the spec with a caret under the problem: printed as is (_cut would fold its spacing)
+            err.print(pointer, markup=False, highlight=False)
         if as_json:
             print(json.dumps({"error": {"type": type(e).__name__, "message": e.message, "hint": e.hint}}))
         sys.exit(e.exit_code)
@@ -112,7 +115,7 @@ def _run(job: Callable[[Callable[[str], None]], int], as_json: bool, debug: bool
             _interrupted(_received[0])
         if debug:
             traceback.print_exc()
-        first = escape(_cut((str(e).strip().splitlines() or [""])[0]))
+        first = escape(_cut(first_line(e, MAX_MESSAGE)))
         err.print(f"[bold red]internal error:[/] {type(e).__name__}: {first} (run with --debug for the traceback and please report it)",
                   markup=True, highlight=False)
         sys.exit(3)

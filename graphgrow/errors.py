@@ -6,6 +6,24 @@ instead); the CLI prints `error: <message> (<hint>)` and exits with `exit_code`.
 from __future__ import annotations
 
 
+def first_line(e: BaseException | str, limit: int = 300) -> str:
+    """The first non-empty line of an exception's message (its type name when it has none), cut to `limit`."""
+    text = str(e) if isinstance(e, str) else str(e) or type(e).__name__
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    first = lines[0] if lines else ("" if isinstance(e, str) else type(e).__name__)
+    return first[:limit]
+
+
+def with_context(e: GraphgrowError, prefix: str) -> GraphgrowError:
+    """A copy of `e` (same class, hint and attributes) whose message starts with `prefix`."""
+    import copy
+
+    new = copy.copy(e)
+    new.message = f"{prefix}: {e.message}"
+    new.args = (new.message,)
+    return new
+
+
 class GraphgrowError(Exception):
     """Base of all graphgrow errors."""
 
@@ -33,7 +51,26 @@ class InputError(GraphgrowError):
 
 
 class SpecError(GraphgrowError):
-    """A pipeline spec names an unknown pass, argument or a bad value."""
+    """A pipeline spec names an unknown pass, argument or a bad value. When the spec is known, the
+    error shows it with a caret under the problem (`pointer()`; part of str(e))."""
+
+    def __init__(self, message: str, hint: str | None = None, spec: str | None = None, position: int | None = None,
+                 argument: str | None = None):
+        super().__init__(message, hint)
+        self.spec, self.position, self.argument = spec, position, argument
+
+    def pointer(self, width: int = 120) -> str:
+        """Two lines: the spec (a window around the problem when long) and a caret under the problem."""
+        if self.spec is None or self.position is None:
+            return ""
+        start = max(0, min(self.position - width // 2, len(self.spec) - width))
+        shown = self.spec[start:start + width]
+        lead = "…" if start else ""
+        return f"  {lead}{shown}{'…' if start + width < len(self.spec) else ''}\n  {' ' * (len(lead) + self.position - start)}^"
+
+    def __str__(self) -> str:
+        pointer = self.pointer()
+        return super().__str__() + (f"\n{pointer}" if pointer else "")
 
 
 class TraceError(GraphgrowError):

@@ -16,7 +16,7 @@ import onnx
 import torch
 from torch import fx
 
-from .errors import ExportError
+from .errors import ExportError, first_line
 from .load import atomic_write, check_output_path
 from .shapes import example_input
 from .state import training_mode
@@ -88,8 +88,7 @@ def _root_cause(e: BaseException) -> str:
     """The innermost exception's first line (the exporter wraps the real reason), without colour codes."""
     while e.__cause__ is not None:
         e = e.__cause__
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
-    return (text.splitlines() or [type(e).__name__])[0][:300]
+    return first_line(re.sub(r"\x1b\[[0-9;]*m", "", str(e))) or type(e).__name__
 
 
 def _torch_export(gm: torch.nn.Module, x: torch.Tensor, opset: int | None) -> onnx.ModelProto:
@@ -145,7 +144,7 @@ def check_proto(proto: onnx.ModelProto | str) -> None:
     try:
         onnx.checker.check_model(proto, full_check=True)
     except Exception as e:
-        raise ExportError(f"the exported ONNX model fails the ONNX checker: {str(e).strip().splitlines()[0][:300]}",
+        raise ExportError(f"the exported ONNX model fails the ONNX checker: {first_line(e)}",
                           "please report this with the model") from e
 
 
@@ -184,4 +183,4 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
     try:
         return onnx.load(str(p))
     except Exception as e:
-        raise LoadError(f"{p} is not a readable ONNX model: {str(e).splitlines()[0][:200]}", "pass a file written by graphgrow export") from e
+        raise LoadError(f"{p} is not a readable ONNX model: {first_line(e, 200)}", "pass a file written by graphgrow export") from e

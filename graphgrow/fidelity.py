@@ -13,7 +13,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_structure
 
-from .errors import InputError, TraceError
+from .errors import first_line, InputError, TraceError
 from .reference import remember
 from .shapes import example_input
 from .state import preserved_buffers, seeded, training_mode
@@ -84,13 +84,13 @@ def check_fidelity(model: nn.Module, gm: fx.GraphModule, input_shape: Sequence[i
                 ref = _run(model, x, mode, seed)
             except Exception as e:
                 raise InputError(f"{name} cannot run on an input of shape {tuple(input_shape)} (at batch {batch}, {mode} mode): "
-                                 f"{(str(e).strip().splitlines() or [type(e).__name__])[0][:300]}",
+                                 f"{first_line(e)}",
                                  "give the shape the model expects with --input-shape N,C,H,W") from e
             try:
                 got = _run(gm, x, mode, seed)
             except Exception as e:
                 raise TraceError(f"the traced graph of {name} fails in {mode} mode at batch {batch} where the model runs: "
-                                 f"{(str(e).strip().splitlines() or [type(e).__name__])[0][:300]}",
+                                 f"{first_line(e)}",
                                  "mark the submodule involved as a leaf with --leaf MODULE") from e
             diff = _difference(ref, got)
             if diff is None:
@@ -148,7 +148,7 @@ def locate_divergence(model: nn.Module, gm: fx.GraphModule, x: torch.Tensor, mod
         with torch.no_grad(), training_mode(gm, mode == "train"), preserved_buffers(gm), seeded(seed):
             Capture(gm).run(x)
     except Exception as e:
-        return f"the graph fails ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
+        return f"the graph fails ({type(e).__name__}: {first_line(e, 200)})"
     node_of = _module_output_nodes(gm)
     reads = set(graph_info(gm).get("trace", {}).get("mode_reads", []))
     seen = set()

@@ -24,7 +24,7 @@ import torch
 from torch import fx, nn
 
 from . import serialize
-from .errors import LoadError, SaveError
+from .errors import first_line, LoadError, SaveError
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -155,7 +155,7 @@ def _check_zip(path: Path) -> None:
     except LoadError:
         raise
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as e:
-        raise LoadError(f"{name} is a truncated or corrupted model file ({_first_line(str(e))})", "save the model again") from e
+        raise LoadError(f"{name} is a truncated or corrupted model file ({first_line(str(e), 200)})", "save the model again") from e
     if bad is not None:
         raise LoadError(f"{name} is corrupted: the bytes of {bad[:80]} do not match their checksum (CRC)",
                         "the file was damaged after it was written; save the model again")
@@ -205,10 +205,10 @@ def _explain(name: str, head: bytes, e: Exception, trust: bool) -> LoadError:
             "re-save it with torch.save(model, path), or pass --trust if you wrote it yourself",
         )
     if head.startswith(b"PK"):
-        return LoadError(f"{name} is a truncated or corrupted model file ({_first_line(msg)})", "save the model again")
+        return LoadError(f"{name} is a truncated or corrupted model file ({first_line(msg, 200)})", "save the model again")
     if isinstance(e, (EOFError,)) or head[:1] == b"\x80":
         return LoadError(f"{name} is a truncated or corrupted pickle", "save the model again")
-    return LoadError(f"{name} is not a PyTorch model file ({_first_line(msg) or type(e).__name__})", "pass a file written by torch.save")
+    return LoadError(f"{name} is not a PyTorch model file ({first_line(msg, 200) or type(e).__name__})", "pass a file written by torch.save")
 
 
 def _module_lacks(qualname: str) -> bool:
@@ -219,11 +219,6 @@ def _module_lacks(qualname: str) -> bool:
     """
     module, _, attr = qualname.rpartition(".")
     return module in sys.modules and not hasattr(sys.modules[module], attr)
-
-
-def _first_line(msg: str) -> str:
-    lines = [l.strip() for l in msg.strip().splitlines() if l.strip()]
-    return lines[0][:200] if lines else ""
 
 
 def _interpret(obj: Any, name: str, trust: bool) -> LoadedModel:

@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from .budget import Limits, check_budget
-from .errors import GraphgrowError, InputError, ValidationError
+from .errors import InputError, ValidationError
 from .preserve import PreservationReport
 from .fx_edit import Rewrite
 from .shapes import annotate, param_count, total_flops
@@ -222,4 +222,5 @@ def _fingerprint(gm: fx.GraphModule) -> tuple:
 
 def _check_untouched(gm: fx.GraphModule, fingerprint: tuple, name: str) -> None:
     if _fingerprint(gm) != fingerprint:
-        raise GraphgrowError(f"pass {name} modified its input model", "passes must work on a copy (rewrite.copy_graph_module); please report this bug")
+        raise ValidationError(f"pass {name} modified its input model (a bug in the pass)",
+                              "passes must work on a copy (graphgrow.rewrite.begin or copy_graph_module)")

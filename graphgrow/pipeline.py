@@ -11,62 +11,88 @@ from typing import Any, Callable, Literal, Sequence
 from torch import fx
 
 from .budget import Limits
-from .errors import SpecError
+from .errors import GraphgrowError, SpecError, with_context
 from .pass_base import Pass, PassResult, require_traced
 from .registry import get_pass
 
 
 def _split_top(text: str, sep: str = ",") -> list[str]:
     """Split on `sep` outside parentheses, brackets and quotes."""
-    parts: list[str] = []
-    cur: list[str] = []
-    depth, quote = 0, None
-    for ch in text:
+    return [part for part, _ in _split_with_offsets(text, sep)]
+
+
+def _split_with_offsets(text: str, sep: str = ",", base: int = 0, spec: str | None = None) -> list[tuple[str, int]]:
+    """(part, offset of its first non-blank character in `spec`) for each part between top-level `sep`s."""
+    spec = text if spec is None else spec
+    parts: list[tuple[str, int]] = []
+    start = 0
+    opened: list[int] = []
+    quote, quote_at = None, 0
+    for i, ch in enumerate(text):
         if quote:
             quote = None if ch == quote else quote
         elif ch in "'\"":
-            quote = ch
+            quote, quote_at = ch, i
         elif ch in "([":
-            depth += 1
+            opened.append(i)
         elif ch in ")]":
-            depth -= 1
-            if depth < 0:
-                raise SpecError(f"unbalanced ')' in pipeline spec: {text!r}")
-        elif ch == sep and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-            continue
-        cur.append(ch)
-    if depth or quote:
-        raise SpecError(f"unclosed {'quote' if quote else 'parenthesis'} in pipeline spec: {text!r}")
-    parts.append("".join(cur))
-    return [p.strip() for p in parts]
+            if not opened:
+                raise SpecError("unbalanced ')' in the pipeline spec", "remove it or open a '(' before it", spec, base + i)
+            opened.pop()
+        elif ch == sep and not opened:
+            parts.append(_part(text, start, i, base))
+            start = i + 1
+    if quote:
+        raise SpecError("unclosed quote in the pipeline spec", "close it", spec, base + quote_at)
+    if opened:
+        raise SpecError("unclosed parenthesis in the pipeline spec", "close it with ')'", spec, base + opened[-1])
+    parts.append(_part(text, start, len(text), base))
+    return parts
+
+
+def _part(text: str, start: int, end: int, base: int) -> tuple[str, int]:
+    raw = text[start:end]
+    return raw.strip(), base + start + (len(raw) - len(raw.lstrip()))
+
+
+@dataclass
+class _Step:
+    name: str
+    args: dict[str, str]
+    at: int  # offset of the pass name in the spec
+    arg_at: dict[str, int]  # offset of each argument
+
+
+def _parse(text: str) -> list[_Step]:
+    steps = []
+    for item, at in _split_with_offsets(text):
+        if not item:
+            raise SpecError("empty pass in the pipeline spec", "separate passes with single commas", text, at)
+        name, paren, rest = item.partition("(")
+        name = name.strip()
+        if not name.isidentifier():
+            raise SpecError(f"bad pass name {name[:60]!r} in the pipeline spec", "write name(arg=value,...)", text, at)
+        step = _Step(name, {}, at, {})
+        if paren:
+            if not rest.endswith(")"):
+                raise SpecError(f"missing ')' after the arguments of {name}", None, text, at + len(item))
+            body_at = at + item.index("(") + 1
+            body = rest[:-1]
+            for kv, kv_at in _split_with_offsets(body, ",", body_at, text) if body.strip() else []:
+                key, eq, value = kv.partition("=")
+                if not eq or not key.strip().isidentifier():
+                    raise SpecError(f"argument {kv[:60]!r} of {name} is not key=value", None, text, kv_at)
+                if key.strip() in step.args:
+                    raise SpecError(f"argument {key.strip()!r} given twice to {name}", None, text, kv_at)
+                step.args[key.strip()] = value.strip()
+                step.arg_at[key.strip()] = kv_at
+        steps.append(step)
+    return steps
 
 
 def parse_spec(text: str) -> list[tuple[str, dict[str, str]]]:
     """`a(x=1,y=b),c` → [("a", {"x": "1", "y": "b"}), ("c", {})]. Values stay strings."""
-    steps = []
-    for item in _split_top(text):
-        if not item:
-            raise SpecError(f"empty pass in pipeline spec: {text!r}", "separate passes with single commas")
-        name, _, rest = item.partition("(")
-        name = name.strip()
-        if not name.isidentifier():
-            raise SpecError(f"bad pass name {name!r} in pipeline spec", "write name(arg=value,...)")
-        args: dict[str, str] = {}
-        if rest:
-            if not rest.endswith(")"):
-                raise SpecError(f"missing ')' after the arguments of {name}")
-            body = rest[:-1].strip()
-            for kv in _split_top(body) if body else []:
-                key, eq, value = kv.partition("=")
-                if not eq or not key.strip().isidentifier():
-                    raise SpecError(f"argument {kv!r} of {name} is not key=value")
-                if key.strip() in args:
-                    raise SpecError(f"argument {key.strip()!r} given twice to {name}")
-                args[key.strip()] = value.strip()
-        steps.append((name, args))
-    return steps
+    return [(step.name, step.args) for step in _parse(text)]
 
 
 def _strip_quotes(v: str) -> str:
@@ -135,11 +161,15 @@ def make_pass(name: str, args: dict[str, Any]) -> Pass:
     unknown = [k for k in args if k not in fields]
     if unknown:
         valid = ", ".join(fields) or "none"
-        raise SpecError(f"pass {name} has no argument {', '.join(map(repr, unknown))}", f"valid arguments: {valid}")
-    try:
-        kwargs = {k: coerce(v, hints[k], f"{name}({k}=...)") for k, v in args.items()}
-    except SpecError as e:
-        raise SpecError(e.message, e.hint or f"`graphgrow passes` lists {name}'s arguments, types and defaults") from None
+        raise SpecError(f"pass {name} has no argument {', '.join(map(repr, unknown))}", f"valid arguments: {valid}",
+                        argument=unknown[0])
+    kwargs = {}
+    for k, v in args.items():
+        try:
+            kwargs[k] = coerce(v, hints[k], f"{name}({k}=...)")
+        except SpecError as e:
+            raise SpecError(e.message, e.hint or f"`graphgrow passes` lists {name}'s arguments, types and defaults",
+                            argument=k) from None
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
@@ -152,7 +182,11 @@ def build_pipeline(specs: str | Sequence[str]) -> list[Pass]:
         specs = [specs]
     passes: list = []
     for spec in specs:
-        passes.extend(make_pass(name, args) for name, args in parse_spec(spec))
+        for step in _parse(spec):
+            try:
+                passes.append(make_pass(step.name, step.args))
+            except SpecError as e:  # point at the argument, else at the pass
+                raise SpecError(e.message, e.hint, spec, step.arg_at.get(e.argument or "", step.at)) from None
     if not passes:
         raise SpecError("no pass given", "e.g. --pass add_residual")
     return passes
@@ -211,7 +245,12 @@ class Pipeline:
             if progress:
                 progress(i, p)
             seed = self.seeds[i] if self.seeds is not None else self.seed + i
-            r = p(current, verify_result=self.verify, seed=seed, limits=self.limits)
+            try:
+                r = p(current, verify_result=self.verify, seed=seed, limits=self.limits)
+            except GraphgrowError as e:
+                if len(self.passes) == 1:
+                    raise
+                raise with_context(e, f"step {i + 1}/{len(self.passes)} {spec_of(p)}") from e
             results.append(r)
             current = r.gm
         return PipelineResult(current, results)

@@ -13,7 +13,7 @@ from typing import Callable, Literal
 import numpy as np
 import onnxruntime as ort
 
-from .errors import RuntimeUnavailable
+from .errors import first_line, RuntimeUnavailable
 
 Provider = Literal["auto", "cpu", "cuda"]
 CUDA = "CUDAExecutionProvider"
@@ -38,7 +38,7 @@ class Session:
             return self.session.run(None, {self.input_names[0]: x})
         except (ort.capi.onnxruntime_pybind11_state.NotImplemented,
                 ort.capi.onnxruntime_pybind11_state.InvalidArgument) as e:
-            raise RuntimeUnavailable(f"onnxruntime ({self.provider}) cannot run this model: {str(e).splitlines()[0][:200]}",
+            raise RuntimeUnavailable(f"onnxruntime ({self.provider}) cannot run this model: {first_line(e, 200)}",
                                      "export float32 models for onnxruntime (model.float()); the ONNX file itself is valid") from e
 
 
@@ -67,7 +67,7 @@ def open_session(model: bytes | str | os.PathLike, provider: Provider = "auto", 
     try:
         return _open_session(model, provider, threads, tf32)
     except (state.NotImplemented, state.InvalidGraph, state.InvalidArgument, state.Fail) as e:
-        raise RuntimeUnavailable(f"onnxruntime cannot load this model: {str(e).splitlines()[0][:200]}",
+        raise RuntimeUnavailable(f"onnxruntime cannot load this model: {first_line(e, 200)}",
                                  "export float32 models for onnxruntime (model.float()); the ONNX file itself is valid") from e
 
 

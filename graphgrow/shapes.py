@@ -13,7 +13,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from .errors import ValidationError
+from .errors import first_line, ValidationError
 from .state import module_device, module_dtype, training_mode
 
 
@@ -63,7 +63,7 @@ class _Recorder(fx.Interpreter):
             shapes = [self.shapes.get(a.name) for a in n.all_input_nodes]
             raise ValidationError(
                 f"node '{n.name}' ({n.op} {_target_name(n)}) fails on inputs of shapes {shapes}: "
-                f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}",
+                f"{first_line(e, 10_000)}",
                 "check --input-shape, or the target the pass was given",
             ) from e
         self.shapes[n.name] = shape_of(out)

@@ -25,7 +25,7 @@ from typing import AbstractSet, Any, Iterable, Literal, Sequence
 
 from torch import fx, nn
 
-from .errors import InputError, TraceError
+from .errors import first_line, InputError, TraceError
 
 META_KEY = "graphgrow"
 Mode = Literal["eval", "train"]
@@ -128,7 +128,7 @@ def scope_of(node: fx.Node) -> tuple[str, ...]:
 
 
 def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    return first_line(e)
 
 
 def _concrete_defaults(model: nn.Module) -> dict[str, Any]:
@@ -211,7 +211,7 @@ def _trace_graph(model: nn.Module, user_leaves: set[str], mode: Mode, auto_leave
             _add_leaf(leaves, auto, where, f"{cls}: {why}", name)
         except Exception as e:  # fx raises many kinds; all mean "cannot trace"
             where, cls = tracer_stack_top(tracer)
-            reason = _first_line(e)
+            reason = first_line(e)
             if not where:
                 raise TraceError(
                     f"cannot trace the top-level forward of {name}: {reason}",

@@ -139,8 +139,10 @@ def test_cli_matrix(tmp_path, label, argv, message):
     args = [a.format(tmp=tmp_path, **files) for a in argv]
     proc = run_cli(*args, cwd=tmp_path)
     assert proc.returncode == 2, (label, proc.stderr)
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    lines = [l for l in proc.stderr.splitlines() if l.strip() and not l.startswith("  ")]  # a spec error adds spec + caret
     assert len(lines) == 1 and lines[0].startswith("error: "), (label, proc.stderr)
+    pointer = [l for l in proc.stderr.splitlines() if l.startswith("  ")]
+    assert not pointer or (len(pointer) == 2 and pointer[1].strip() == "^"), (label, proc.stderr)
     assert message in lines[0], (label, lines[0])
     assert lines[0].endswith(")"), "every message ends with the way out, in parentheses"
     assert "Traceback" not in proc.stderr and proc.stdout == ""

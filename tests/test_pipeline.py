@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import operator
 import sys
 from dataclasses import dataclass
@@ -186,7 +187,7 @@ def _mlp_gm():
 @pytest.mark.parametrize("spec, error, message", [
     ("test_changes_function", gg.PreservationError, "changed the model's eval-mode output"),
     ("test_dead_branch", gg.PreservationError, "get no gradient"),
-    ("test_mutates_input", gg.GraphgrowError, "modified its input model"),
+    ("test_mutates_input", gg.ValidationError, "modified its input model"),
     ("test_bakes_batch", gg.ValidationError, r"node 'reshape' .* fails on inputs of shapes \[\(1, 5\)\]"),
 ])
 def test_verifier_rejects_broken_passes(spec, error, message):
@@ -208,3 +209,28 @@ def test_pipeline_seeds_each_pass_and_logs_it(cnn):
     res = gg.Pipeline.from_spec("add_residual,add_residual(start=_3,end=_8)", seed=7).run(gg.trace(cnn, (1, 3, 32, 32)))
     assert [e["seed"] for e in res.log] == [7, 8]
     assert res.log[1]["args"] == {"start": "_3", "end": "_8"}
+
+
+@pytest.mark.parametrize("spec, message, column", [
+    ("add_residual,grow_width(factr=2)", "no argument 'factr'", 24),
+    ("add_residual(start=_2,grow_width", "unclosed parenthesis", 12),
+    ("deepen(block=big)", "must be one of", 7),
+    ("deepen,,add_residual", "empty pass", 7),
+    ("deepen)", "unbalanced ')'", 6),
+    ("no_such_pass(x=1)", "unknown pass", 0),
+    ("deepen(after)", "not key=value", 7),
+])
+def test_spec_errors_point_at_the_problem(spec, message, column):
+    with pytest.raises(gg.SpecError, match=re.escape(message)) as info:
+        gg.build_pipeline(spec)
+    e = info.value
+    assert e.spec == spec and e.position == column
+    spec_line, caret = str(e).splitlines()[-2:]
+    assert spec_line.strip() == spec and caret.index("^") - 2 == column
+
+
+def test_a_failing_step_says_which_step_and_keeps_its_class():
+    gm = _mlp_gm()
+    with pytest.raises(gg.NotApplicable, match=r"^step 2/2 add_residual\(start=no_such_node\): ") as info:
+        gg.Pipeline.from_spec("deepen,add_residual(start=no_such_node)").run(gm)
+    assert info.value.exit_code == 2

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from torch import fx
 
 from ..budget import Limits
-from ..errors import InputError, SearchError, SearchInterrupted
+from ..errors import InputError, SearchError, SearchInterrupted, first_line
 from ..load import save_model
 from ..shapes import param_count
 from ..trace import graph_info
@@ -135,7 +135,7 @@ def start_ray(address: str | None, num_cpus: int | None, worker_logs: bool = Fal
             ray.init(address="local", num_cpus=num_cpus, **kwargs)  # a new local Ray, even beside a `ray start` cluster
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = f"the Ray cluster at {address}" if address else "a local Ray"
-        raise SearchError(f"cannot start {where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+        raise SearchError(f"cannot start {where}: {first_line(e)}",
                           "check `ray status` on the head node" if address else "see Ray's log under /tmp/ray") from e
     return True
 
@@ -285,8 +285,8 @@ def _history(result) -> list[dict]:
 def _collect(results, options: SearchOptions, original_path: Path, seconds: float) -> SearchResult:
     errors = results.errors
     if errors:
-        first = str(errors[0]).strip().splitlines()
-        raise SearchError(f"{len(errors)} of {len(results)} trials failed; the first: {first[-1] if first else errors[0]!r}",
+        last = [line for line in str(errors[0]).strip().splitlines() if line.strip()]  # a Ray error ends with the cause
+        raise SearchError(f"{len(errors)} of {len(results)} trials failed; the first: {first_line(last[-1]) if last else type(errors[0]).__name__}",
                           f"each trial's error.txt under {options.experiment} has the traceback")
     target = options.rounds * options.epochs_per_round
     behind = [r for r in results if int(r.metrics.get("training_iteration", 0)) < target]
