@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import onnx
 import torch
 from torch import fx
@@ -184,3 +185,43 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
         return onnx.load(str(p))
     except Exception as e:
         raise LoadError(f"{p} is not a readable ONNX model: {first_line(e, 200)}", "pass a file written by graphgrow export") from e
+
+
+def onnx_input_shape(proto) -> list[int] | None:
+    """The example shape from the ONNX input (dynamic dims → 1), or from graphgrow's metadata."""
+    stored = metadata(proto).get(INPUT_SHAPE_KEY)
+    if stored:
+        return json.loads(stored)
+    if not proto.graph.input:
+        return None
+    dims = proto.graph.input[0].type.tensor_type.shape.dim
+    return [d.dim_value if d.dim_value > 0 else 1 for d in dims] or None
+
+
+def describe_onnx(path: str) -> dict:
+    """An exported ONNX file: inputs, outputs, op histogram, parameters, graphgrow's metadata and mutation log."""
+    import collections
+
+    import onnx
+
+    proto = load_onnx(path)
+
+    def dims(value_info) -> list:
+        return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
+
+    def elem(value_info) -> str:
+        return onnx.TensorProto.DataType.Name(value_info.type.tensor_type.elem_type).lower()
+
+    meta = metadata(proto)
+    params = sum(int(np.prod(t.dims)) for t in proto.graph.initializer)
+    return {
+        "model": path, "format": "onnx", "ir_version": proto.ir_version,
+        "opset": [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")][:1],
+        "producer": f"{proto.producer_name} {proto.producer_version}".strip(),
+        "inputs": [{"name": i.name, "shape": dims(i), "dtype": elem(i)} for i in proto.graph.input],
+        "outputs": [{"name": o.name, "shape": dims(o), "dtype": elem(o)} for o in proto.graph.output],
+        "nodes": len(proto.graph.node), "ops": dict(collections.Counter(n.op_type for n in proto.graph.node).most_common()),
+        "params": params, "input_shape": json.loads(meta[INPUT_SHAPE_KEY]) if INPUT_SHAPE_KEY in meta else None,
+        "log": mutation_log(proto),
+        "metadata": {k: v for k, v in meta.items() if k != LOG_KEY},
+    }

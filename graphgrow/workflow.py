@@ -4,17 +4,13 @@ Each returns plain data (the CLI formats it) and raises GraphgrowError subclasse
 """
 from __future__ import annotations
 
-import copy
-import json
 import os
-import re
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal, Sequence
 
-import numpy as np
 import torch
 from torch import fx, nn
 
@@ -24,6 +20,7 @@ from .load import (
 )
 from .pass_base import Candidate
 from .pipeline import Pipeline, PipelineResult, parse_spec
+from .input_shape import infer_input_shape, parse_input_shape, require_single_input
 from .shapes import annotate, param_count, total_flops
 from .trace import graph_info, trace
 
@@ -32,133 +29,6 @@ Progress = Callable[[str], None]
 
 def _noop(_: str) -> None:
     pass
-
-
-MAX_INPUT_ELEMENTS = 1 << 26  # 256 MiB of float32 for one example input; verification makes a few more
-MAX_SIDE = 1 << 16
-
-
-def parse_input_shape(text: str | Sequence[int] | None) -> list[int] | None:
-    """'1,3,224,224' (or 1x3x224x224) → [1, 3, 224, 224]; InputError on anything else."""
-    if text is None:
-        return None
-    if isinstance(text, str):
-        parts = [p for p in re.split(r"[,\s]+|(?<=\d)[x×](?=\d)", text.strip()) if p]
-        try:
-            dims = [int(p) for p in parts]
-        except ValueError:
-            raise InputError(f"--input-shape {text[:80]!r} is not a list of integers", "write it as N,C,H,W, e.g. 1,3,224,224") from None
-    else:
-        dims = [int(d) for d in text]
-    if not dims or any(d <= 0 for d in dims) or len(dims) > 8:
-        raise InputError(f"--input-shape {str(text)[:80]!r} is not a valid shape (positive sizes, 1 to 8 dims)", "e.g. 1,3,224,224")
-    if dims[0] > 4096 or any(d > MAX_SIDE for d in dims) or torch.Size(dims).numel() > MAX_INPUT_ELEMENTS:
-        raise InputError(f"input shape {str(text)[:80]!r} is too large for an example input "
-                         f"(at most {MAX_INPUT_ELEMENTS:,} elements, {MAX_SIDE:,} per dimension)",
-                         "use batch 1 and the real image size")
-    return dims
-
-
-def infer_input_shape(gm: fx.GraphModule) -> tuple[list[int] | None, str]:
-    """The example input shape when the model itself fixes it, with how it was found.
-
-    A first Linear fixes (1, in_features). A first conv fixes the channels; a
-    Flatten → Linear with no adaptive pooling before it fixes the spatial size,
-    found by a binary search over square sizes on the meta device (no compute).
-    A model that accepts any size (global pooling) has no one shape: (None, why).
-    """
-    require_single_input(gm)
-    placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
-    first = next((u for u in placeholder.users if u.op == "call_module"), None)
-    layer = gm.get_submodule(first.target) if first is not None else None
-    if isinstance(layer, nn.Linear):
-        return [1, layer.in_features], f"from the first layer {first.target}: Linear({layer.in_features}→…)"
-    if not isinstance(layer, nn.modules.conv._ConvNd):
-        return None, "the first layer does not fix the input shape"
-    dims = layer.weight.dim() - 2
-    channels = layer.in_channels
-    flat_linear = _flatten_then_linear(gm)
-    if flat_linear is None:
-        return None, f"{first.target} ({type(layer).__name__}, {channels} channels) takes any image size"
-    flat, lin = flat_linear
-    want = gm.get_submodule(lin.target).in_features
-    meta = copy.deepcopy(gm).to("meta").eval()
-
-    def flat_size(side: int) -> int | None:
-        return _meta_numel(meta, flat.name, [1, channels] + [side] * dims)
-
-    def first_side(at_least: int) -> int:  # smallest side whose flattened size reaches `at_least`
-        lo, hi = 1, 4096
-        while lo < hi:
-            mid = (lo + hi) // 2
-            n = flat_size(mid)
-            if n is None or n < at_least:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
-
-    where = f"the Linear {lin.target} after {flat.name} takes {want} features"
-    smallest = first_side(want)
-    if flat_size(smallest) != want:
-        return None, f"{where}, which no square input gives"
-    largest = first_side(want + 1) - 1
-    side = "×".join([str(largest)] * dims)
-    if largest != smallest:
-        # Strided layers round down, so several sizes fit; the largest is the one every stride divides evenly.
-        return [1, channels] + [largest] * dims, (f"{where}; square sides {smallest} to {largest} all give that, "
-                                                  f"using {side}, which strides divide evenly (--input-shape to choose)")
-    return [1, channels] + [largest] * dims, f"{where}, which only a square {side} input gives"
-
-
-def _flatten_then_linear(gm: fx.GraphModule):
-    """The first (flatten node, Linear node) pair, unless adaptive pooling comes before it."""
-    for n in gm.graph.nodes:
-        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d,
-                                                                            nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool3d)):
-            return None
-        if n.op == "call_function" and "adaptive" in getattr(n.target, "__name__", ""):
-            return None
-        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear):
-            src = n.args[0] if n.args else None
-            is_flat = isinstance(src, fx.Node) and (
-                (src.op == "call_module" and isinstance(gm.get_submodule(src.target), nn.Flatten))
-                or (src.op == "call_function" and src.target is torch.flatten)
-                or (src.op == "call_method" and src.target in ("flatten", "view", "reshape")))
-            return (src, n) if is_flat else None
-    return None
-
-
-def _meta_numel(meta: fx.GraphModule, node_name: str, shape: list[int]) -> int | None:
-    """numel of a node's output for an input of `shape`, running `meta` (a meta-device copy): no compute."""
-    seen: dict = {}
-
-    class Stop(Exception):
-        pass
-
-    class Probe(fx.Interpreter):
-        def run_node(self, n):
-            out = super().run_node(n)
-            if n.name == node_name:
-                seen["numel"] = out.numel()
-                raise Stop
-            return out
-
-    try:
-        Probe(meta).run(torch.empty(shape, device="meta"))
-    except Stop:
-        return seen["numel"]
-    except Exception:
-        return None
-    return None
-
-
-def require_single_input(gm: fx.GraphModule) -> None:
-    """Refuse models with several inputs clearly, also when the shape was given."""
-    count = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
-    if count != 1:
-        raise InputError(f"the model takes {count} inputs; graphgrow supports one input tensor for now",
-                         "wrap the model so that forward takes a single tensor")
 
 
 @dataclass
@@ -386,10 +256,10 @@ def replay(source: str, log_source: str, out: str | None = None, onnx_out: str |
 def _read_log(log_source: str, trust: bool) -> tuple[list[dict], list[int] | None]:
     """The mutation log and example input shape stored in a graphgrow .pt or an exported .onnx."""
     if str(log_source).endswith(".onnx"):
-        from .export import load_onnx, mutation_log
+        from .export import load_onnx, mutation_log, onnx_input_shape
 
         proto = load_onnx(log_source)
-        return mutation_log(proto), _onnx_input_shape(proto)
+        return mutation_log(proto), onnx_input_shape(proto)
     loaded = load_model(log_source, trust=trust)
     if loaded.kind != "graphgrow":
         raise LoadError(f"{log_source} has no mutation log (it was not written by graphgrow)",
@@ -465,11 +335,11 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
     seed the export recorded (or `seed`); without either the comparison would be meaningless, so
     it is refused."""
     from .equivalence import check_equivalence
-    from .export import FACTORY_SEED_KEY, SOURCE_KEY, load_onnx, metadata
+    from .export import FACTORY_SEED_KEY, SOURCE_KEY, load_onnx, metadata, onnx_input_shape
     from .runtime import open_session
 
     proto = load_onnx(onnx_file)
-    shape = parse_input_shape(input_shape) or _onnx_input_shape(proto)
+    shape = parse_input_shape(input_shape) or onnx_input_shape(proto)
     meta = metadata(proto)
     factory_seed = FACTORY_SEED
     if is_factory_name(source):
@@ -492,50 +362,6 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
     return out, report
 
 
-def _onnx_input_shape(proto) -> list[int] | None:
-    """The example shape from the ONNX input (dynamic dims → 1), or from graphgrow's metadata."""
-    from .export import INPUT_SHAPE_KEY, metadata
-
-    stored = metadata(proto).get(INPUT_SHAPE_KEY)
-    if stored:
-        return json.loads(stored)
-    if not proto.graph.input:
-        return None
-    dims = proto.graph.input[0].type.tensor_type.shape.dim
-    return [d.dim_value if d.dim_value > 0 else 1 for d in dims] or None
-
-
-def inspect_onnx(path: str) -> dict:
-    """An exported ONNX file: inputs, outputs, op histogram, parameters, graphgrow's metadata and mutation log."""
-    import collections
-
-    import onnx
-
-    from .export import INPUT_SHAPE_KEY, LOG_KEY, load_onnx, metadata, mutation_log
-
-    proto = load_onnx(path)
-
-    def dims(value_info) -> list:
-        return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
-
-    def elem(value_info) -> str:
-        return onnx.TensorProto.DataType.Name(value_info.type.tensor_type.elem_type).lower()
-
-    meta = metadata(proto)
-    params = sum(int(np.prod(t.dims)) for t in proto.graph.initializer)
-    return {
-        "model": path, "format": "onnx", "ir_version": proto.ir_version,
-        "opset": [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")][:1],
-        "producer": f"{proto.producer_name} {proto.producer_version}".strip(),
-        "inputs": [{"name": i.name, "shape": dims(i), "dtype": elem(i)} for i in proto.graph.input],
-        "outputs": [{"name": o.name, "shape": dims(o), "dtype": elem(o)} for o in proto.graph.output],
-        "nodes": len(proto.graph.node), "ops": dict(collections.Counter(n.op_type for n in proto.graph.node).most_common()),
-        "params": params, "input_shape": json.loads(meta[INPUT_SHAPE_KEY]) if INPUT_SHAPE_KEY in meta else None,
-        "log": mutation_log(proto),
-        "metadata": {k: v for k, v in meta.items() if k != LOG_KEY},
-    }
-
-
 def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
             progress: Progress = _noop, groups: bool = False, trace_mode: str = "eval") -> dict:
     if str(source).lower().endswith(".onnx") and Path(source).is_file():
@@ -543,7 +369,9 @@ def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence
             raise InputError("--groups needs the PyTorch model (channel groups are a graph analysis)",
                              "inspect the .pt file the ONNX model was exported from")
         progress(f"reading {source}")
-        return inspect_onnx(str(source))
+        from .export import describe_onnx
+
+        return describe_onnx(str(source))
     opened = open_model(source, input_shape, trust, leaves, progress, trace_mode)
     gm = opened.gm
     nodes = []

@@ -14,7 +14,8 @@ from torch import nn
 
 import graphgrow as gg
 from graphgrow.load import load_model, save_model
-from graphgrow.workflow import mutate, open_model, parse_input_shape
+from graphgrow.input_shape import parse_input_shape
+from graphgrow.workflow import mutate, open_model
 from conftest import run_cli, small_cnn
 
 READ_ONLY = Path("/sys")  # not writable even for root (the CI user)

@@ -1,10 +1,13 @@
-"""Static checks run with the tests, so CI enforces them: ruff (pyflakes, bugbear) over the whole tree,
-mypy over the package (configured in pyproject.toml)."""
+"""Static checks run with the tests, so CI enforces them: ruff (pyflakes, bugbear, banned imports for
+DESIGN §2's boundaries) over the whole tree, mypy over the package (configured in pyproject.toml), the
+pass author's API as the only way passes reach the core, and the README's generated pass table."""
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,3 +70,17 @@ def test_every_built_in_pass_argument_has_help():
     for name, cls in all_passes().items():
         if getattr(cls, "__module__", "").startswith("graphgrow.passes"):
             assert all(cls.argument_help().values()), name
+
+
+@pytest.mark.parametrize("where, code", [
+    ("graphgrow/verify.py", "import onnxruntime\n"),
+    ("graphgrow/shapes.py", "import torch\n\ntorch.onnx.export\n"),
+    ("graphgrow/pipeline.py", "from graphgrow.passes import fold\n"),
+    ("graphgrow/workflow.py", "import ray\n"),
+    ("passes/deepen.py", "import onnxruntime\n"),
+])
+def test_the_layout_boundaries_are_enforced_by_ruff(where, code):
+    """DESIGN §2: one module owns onnxruntime, one torch.onnx; the core never imports a pass; Ray stays in search/."""
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--stdin-filename", where, "-"],
+                          cwd=ROOT, input=code, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "TID251" in proc.stdout, proc.stdout + proc.stderr
