@@ -129,8 +129,10 @@ def main() -> None:
     export them to ONNX and prove onnxruntime agrees.
 
     MODEL is a file written by torch.save (standard torch.nn layers load without
-    --trust; graphgrow's own outputs too) or a factory name such as
-    torchvision.models:resnet18.
+    --trust; graphgrow's own outputs too), a zoo name (timm:resnet26d,
+    torchvision:resnet18; random weights, input shape from the zoo) or a factory
+    (package.module:factory), each optionally with literal arguments:
+    'timm:resnet26d(num_classes=10,drop_path_rate=0.1)'.
 
     Exit codes: 0 ok, 1 a check failed, 2 bad input or a pass that cannot apply,
     3 internal error.

@@ -53,7 +53,15 @@ def standard_layer_classes() -> list[type]:
 
 
 def is_factory_name(source: str) -> bool:
-    return bool(_FACTORY.match(source)) and not Path(source).exists()
+    """A model name (zoo:NAME, package.module:factory, optionally with literal arguments), not a file."""
+    from .zoo import looks_like_name
+
+    if not looks_like_name(source):
+        return False
+    try:
+        return not Path(source).exists()
+    except OSError:  # a name too long to be a path is not a file
+        return True
 
 
 FACTORY_SEED = 0  # factories build random weights: seeded, so a factory name means the same weights every time
@@ -96,18 +104,24 @@ def import_object(name: str) -> Callable:
     return obj
 
 
-def _from_factory(name: str, seed: int) -> LoadedModel:
-    factory = import_object(name)
+def _from_factory(text: str, seed: int) -> LoadedModel:
+    from .zoo import builder, parse_name, zoo_input_shape
+
+    name = parse_name(text)
+    build, shape = builder(name, import_object)
     try:
         with contextlib.redirect_stdout(sys.stderr), torch.random.fork_rng(devices=[]):  # prints must not corrupt --json
             torch.manual_seed(seed)
-            model = factory()
+            model = build()
+    except LoadError:
+        raise
     except (Exception, SystemExit, GeneratorExit) as e:
-        raise LoadError(f"{name}() failed: {type(e).__name__}: {str(e)[:300]}",
-                        "the factory must build a model with no arguments") from e
+        hint = "check the arguments" if name.kwargs else "the factory must build a model with no arguments (or give them: factory(key=value))"
+        call = text[:200] if name.kwargs else f"{text[:200]}()"
+        raise LoadError(f"{call} failed: {type(e).__name__}: {str(e)[:300]}", hint) from e
     if not isinstance(model, nn.Module):
-        raise LoadError(f"{name}() returned {type(model).__name__}, not a torch.nn.Module")
-    return LoadedModel(model, name, "factory", factory_seed=seed)
+        raise LoadError(f"{text[:200]}{'' if name.kwargs else '()'} returned {type(model).__name__}, not a torch.nn.Module")
+    return LoadedModel(model, text, "factory", input_shape=shape or zoo_input_shape(model), factory_seed=seed)
 
 
 def _torch_load(path: Path, trust: bool) -> Any:
@@ -292,7 +306,9 @@ def save_model(gm: fx.GraphModule, path: str | os.PathLike, inputs: tuple = ()) 
 def plain_output_path(source: str, suffix: str = ".grown.pt") -> Path:
     """NAME`suffix` beside the input (in the working directory for factory names)."""
     if is_factory_name(source):
-        base = Path.cwd() / source.split(":")[1]
+        from .zoo import parse_name
+
+        base = Path.cwd() / parse_name(source).short
     else:
         p = Path(source)
         base = p.with_name(p.name.split(".")[0] if not p.name.startswith(".") else p.name)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from torch import fx
 
 from ..budget import Limits
-from ..errors import InputError, SearchError, SearchInterrupted, first_line
+from ..errors import InputError, SaveError, SearchError, SearchInterrupted, first_line
 from ..load import save_model
 from ..shapes import param_count
 from ..trace import graph_info
@@ -207,7 +207,10 @@ def search(model: fx.GraphModule | None, train: Callable, evaluate: Callable, sp
     elif model is None:
         raise InputError("no model to search from", "pass the traced model (graphgrow.trace)")
     else:
-        experiment.mkdir(parents=True, exist_ok=True)
+        try:
+            experiment.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SaveError(f"cannot create {experiment}: {e.strerror or e}", "choose a writable --storage-path") from e
         save_model(model, original_path)
     for fn in (train, evaluate):
         _ship_by_value(fn)
@@ -216,6 +219,8 @@ def search(model: fx.GraphModule | None, train: Callable, evaluate: Callable, sp
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup),
                                     {"cpu": options.cpus_per_trial, "gpu": options.gpus_per_trial})
     quiet_tune()
+    if not options.worker_logs:  # a failed trial's traceback is in its error.txt; the SearchError names it in one line
+        logging.getLogger("ray.tune").setLevel(logging.CRITICAL)
     started = start_ray(options.address, options.num_cpus, options.worker_logs)
     try:
         if options.resume:

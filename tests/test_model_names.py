@@ -1,0 +1,72 @@
+"""Model names: timm:NAME, torchvision:NAME, package.module:factory(key=literal, …); arguments parsed,
+never evaluated; the default input shape from the zoo's own metadata; random weights, no download."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import graphgrow as gg
+from conftest import ROOT, run_cli
+from graphgrow.load import plain_output_path
+from graphgrow.zoo import parse_name
+
+
+@pytest.mark.parametrize("text, target, kwargs", [
+    ("timm:resnet26d", "timm:resnet26d", {}),
+    ("timm:resnet26d(num_classes=10, drop_path_rate=0.1)", "timm:resnet26d", {"num_classes": 10, "drop_path_rate": 0.1}),
+    ("pkg.mod:factory(widths=[8, 16], name='x', flag=True, extra=None)", "pkg.mod:factory",
+     {"widths": [8, 16], "name": "x", "flag": True, "extra": None}),
+    ("timm:vit_tiny_patch16_224.augreg_in21k", "timm:vit_tiny_patch16_224.augreg_in21k", {}),
+])
+def test_names_and_literal_arguments(text, target, kwargs):
+    name = parse_name(text)
+    assert name.target == target and name.kwargs == kwargs
+
+
+@pytest.mark.parametrize("text, message", [
+    ("torchvision:resnet18(num_classes=__import__('os').getpid())", "not a literal"),
+    ("torchvision:resnet18(num_classes=2+2)", "not a literal"),
+    ("torchvision:resnet18(7)", "key=value"),
+    ("torchvision:resnet18(**{'a': 1})", "key=value"),
+    ("torchvision:resnet18(num_classes=", "not closed"),
+    ("torchvision:resnet18(num_classes=)", "cannot read"),
+    ("torchvision:resnet18(x=" + "1," * 2000 + ")", "characters long"),
+])
+def test_arguments_are_never_evaluated(text, message):
+    with pytest.raises(gg.LoadError, match=message):
+        gg.load_model(text)
+
+
+def test_unknown_zoo_models_are_named():
+    with pytest.raises(gg.LoadError, match="torchvision has no model 'resnet19'"):
+        gg.load_model("torchvision:resnet19")
+    with pytest.raises(gg.LoadError, match="timm has no model 'resnt26d'"):
+        gg.load_model("timm:resnt26d")
+
+
+def test_zoo_models_bring_their_input_shape_and_arguments():
+    loaded = gg.load_model("torchvision:resnet18(num_classes=7)")
+    assert loaded.input_shape == [1, 3, 224, 224] and loaded.module.fc.out_features == 7
+    timm_model = gg.load_model("timm:resnet26d(num_classes=5)")
+    assert timm_model.input_shape == [1, 3, 224, 224] and timm_model.module.num_classes == 5
+    assert plain_output_path("timm:resnet26d(num_classes=5)").name == "resnet26d.grown.pt"
+
+
+def test_a_factory_takes_literal_arguments(tmp_path):
+    proc = run_cli("inspect", "factories:small_cnn", "--input-shape", "1,3,16,16", "--json", cwd=tmp_path,
+                   env={"PYTHONPATH": str(ROOT / "tests")})
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("inspect", "torchvision.models:resnet18(num_classes=3)", "--input-shape", "1,3,64,64", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["params"] == 11_178_051
+
+
+@pytest.mark.slow
+def test_a_timm_model_by_name_grows_and_checks_without_an_input_shape(tmp_path):
+    proc = run_cli("mutate", "timm:resnet26d", "--pass", "add_residual", "--onnx", str(tmp_path / "m.onnx"), "--check",
+                   "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["input_shape"] == [1, 3, 224, 224] and report["equivalence"]["passed"]
+    assert (tmp_path / "resnet26d.grown.pt").exists()
