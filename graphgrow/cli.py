@@ -470,7 +470,7 @@ def targets(model, spec, input_shape, trust, leaves, trace_mode, as_json, debug)
 @click.option("--gpus-per-trial", type=click.FloatRange(min=0), default=0.0, show_default=True, help="GPU share of each trial (e.g. 0.5: two per GPU)")
 @click.option("--max-params", "max_params", metavar="N", help="parameter budget of a grown model (e.g. 2M); moves past it are skipped")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="seed of the moves and the starting learning rates")
-@click.option("--resume", is_flag=True, help="continue the search in --storage-path/--name from its checkpoints")
+@click.option("--resume", is_flag=True, help="continue the search in --storage-path/--name from its checkpoints (give the arguments of the first run: the schedule and the original model come from the saved search)")
 @click.option("-o", "--output", "output", metavar="OUT.pt", help="where to write the best model (default: DIR/NAME/best.pt)")
 @click.option("--plot", metavar="OUT.png", help="also draw the metric of every trial over time, with growths and exploits marked")
 @click.option("--keep-checkpoints", type=click.IntRange(2), metavar="N",
