@@ -60,6 +60,7 @@ def export_onnx(
     t_export = time.perf_counter() - t_export
     if max_ir_version is not None and proto.ir_version > max_ir_version:
         proto.ir_version = max_ir_version
+    name_nodes(proto)
     props = dict(metadata or {})
     info = gm.meta.get("graphgrow", {}) if isinstance(gm, fx.GraphModule) else {}
     props.setdefault(LOG_KEY, json.dumps(info.get("log", [])))
@@ -83,6 +84,30 @@ def export_onnx(
     if timings is not None:
         timings.update(torch_onnx_export=t_export, total=time.perf_counter() - start)
     return proto
+
+
+SCOPES_KEY = "pkg.torch.onnx.name_scopes"  # the exporter's record of the module path each node came from
+
+
+def name_nodes(proto: onnx.ModelProto) -> None:
+    """Name each ONNX node after the module it computes, `layer1.0.conv1/Conv` (a top-level op: its
+    fx name, `add/Add`), so Netron and error reports show the model's own layer names."""
+    import ast
+
+    taken: set[str] = set()
+    for node in proto.graph.node:
+        scopes = next((m.value for m in node.metadata_props if m.key == SCOPES_KEY), None)
+        try:
+            parts = [str(p) for p in ast.literal_eval(scopes)] if scopes else []
+        except (ValueError, SyntaxError):
+            parts = []
+        path = [p for p in parts[:-1] if p]
+        base = f"{path[-1] if path else (parts[-1] if parts else node.op_type.lower())}/{node.op_type}"
+        name, i = base, 1
+        while name in taken:
+            name, i = f"{base}_{i}", i + 1
+        taken.add(name)
+        node.name = name
 
 
 def _root_cause(e: BaseException) -> str:
