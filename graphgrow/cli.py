@@ -323,6 +323,12 @@ def check(onnx_file, model, provider, rtol, atol, seed, input_shape, trust, leav
                 out.print(f"{model} built with weight seed {report['factory_seed']}", markup=False, highlight=False)
             if report.get("note"):
                 out.print(f"note: {report['note']}", markup=False, highlight=False)
+            if not rep.passed:
+                d = report.get("first_divergence")
+                out.print(f"first diverging node: {d['node']} ({d['op']}, module {d['module']}): max abs error "
+                          f"{d['max_abs_err']:.3g}, max rel {d['max_rel_err']:.3g}" if d else
+                          "first diverging node: none found among the module outputs (the difference arises outside them)",
+                          markup=False, highlight=False)
         return 0 if rep.passed else 1
 
     _run(job, as_json, debug)

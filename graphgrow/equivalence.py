@@ -123,3 +123,44 @@ def check_equivalence(model: torch.nn.Module, session: Session, input_shape: Seq
             "see the report table; the exporter may have mistranslated an op",
         )
     return report
+
+
+def first_divergence(model: torch.nn.Module, proto, input_shape: Sequence[int], rtol: float, atol: float) -> dict | None:
+    """The first module, in the ONNX graph's order, whose output differs between onnxruntime (CPU)
+    and PyTorch on the seed-0 input: the last ONNX node of each module's scope is that module's output.
+    None when every module output that can be compared agrees."""
+    from .export import node_module
+    from .runtime import all_values
+
+    x = example_input(model, input_shape, seed=0, batch=int(input_shape[0]))
+    recorded: dict[str, torch.Tensor] = {}
+
+    def keep(path: str, out) -> None:
+        tensors = flat_tensors(out)
+        if tensors:
+            recorded[path] = tensors[0]
+
+    hooks = [m.register_forward_hook(lambda mod, inp, out, path=path: keep(path, out))
+             for path, m in model.named_modules() if path]
+    try:
+        with torch.no_grad(), training_mode(model, False), no_tf32():
+            model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    values = all_values(proto, x.detach().float().cpu().numpy())
+    last: dict[str, object] = {}
+    for node in proto.graph.node:
+        path = node_module(node)
+        if path in recorded:
+            last.pop(path, None)
+            last[path] = node  # re-inserted: the order is that of each module's last node
+    for path, node in last.items():
+        ref, got = recorded[path], values.get(node.output[0])  # type: ignore[attr-defined]
+        if got is None or tuple(ref.shape) != got.shape:
+            continue
+        stats = compare_arrays(ref.detach().float().cpu().numpy(), got, rtol, atol, "seed 0", 0)
+        if not stats.passed:
+            return {"node": node.name, "op": node.op_type, "module": path, "max_abs_err": stats.max_abs,  # type: ignore[attr-defined]
+                    "max_rel_err": stats.max_rel}
+    return None

@@ -89,20 +89,30 @@ def export_onnx(
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"  # the exporter's record of the module path each node came from
 
 
+def _scopes(node: onnx.NodeProto) -> list[str]:
+    import ast
+
+    scopes = next((m.value for m in node.metadata_props if m.key == SCOPES_KEY), None)
+    try:
+        return [str(p) for p in ast.literal_eval(scopes)] if scopes else []
+    except (ValueError, SyntaxError):
+        return []
+
+
+def node_module(node: onnx.NodeProto) -> str | None:
+    """The path of the module an exported ONNX node computes part of (None for a top-level op)."""
+    path = [p for p in _scopes(node)[:-1] if p]
+    return path[-1] if path else None
+
+
 def name_nodes(proto: onnx.ModelProto) -> None:
     """Name each ONNX node after the module it computes, `layer1.0.conv1/Conv` (a top-level op: its
     fx name, `add/Add`), so Netron and error reports show the model's own layer names."""
-    import ast
-
     taken: set[str] = set()
     for node in proto.graph.node:
-        scopes = next((m.value for m in node.metadata_props if m.key == SCOPES_KEY), None)
-        try:
-            parts = [str(p) for p in ast.literal_eval(scopes)] if scopes else []
-        except (ValueError, SyntaxError):
-            parts = []
-        path = [p for p in parts[:-1] if p]
-        base = f"{path[-1] if path else (parts[-1] if parts else node.op_type.lower())}/{node.op_type}"
+        parts = _scopes(node)
+        path = node_module(node)
+        base = f"{path or (parts[-1] if parts else node.op_type.lower())}/{node.op_type}"
         name, i = base, 1
         while name in taken:
             name, i = f"{base}_{i}", i + 1

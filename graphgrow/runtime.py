@@ -141,3 +141,20 @@ def optimized_op_counts(model: bytes | str | os.PathLike) -> dict[str, int]:
         ort.InferenceSession(src, opts, providers=[CPU])
         graph = onnx.load(opts.optimized_model_filepath, load_external_data=False).graph
     return dict(collections.Counter(n.op_type for n in graph.node))
+
+
+def all_values(proto, x: np.ndarray) -> dict[str, np.ndarray]:
+    """Every node output of the ONNX model `proto` on input `x`, on the CPU provider: each one is
+    made a graph output of a copy (to find where a model first goes wrong)."""
+    import copy
+
+    model = copy.deepcopy(proto)
+    outputs = {o.name for o in model.graph.output}
+    for node in model.graph.node:
+        for name in node.output:
+            if name and name not in outputs:
+                model.graph.output.add().name = name
+                outputs.add(name)
+    session = open_session(model.SerializeToString(), "cpu")
+    names = [o.name for o in session.session.get_outputs()]
+    return dict(zip(names, session.run(x)))

@@ -355,6 +355,11 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
     session = open_session(str(onnx_file), provider)
     report = check_equivalence(opened.gm, session, opened.input_shape, reference=source, rtol=rtol, atol=atol)
     out: dict = {"onnx": str(onnx_file), "model": source, "equivalence": report.to_json()}
+    if not report.passed:
+        from .equivalence import first_divergence
+
+        progress("finding the first ONNX node whose output diverges")
+        out["first_divergence"] = first_divergence(opened.gm, proto, opened.input_shape, report.rtol, report.atol)
     if is_factory_name(source):
         out["factory_seed"] = factory_seed
     if meta.get(SOURCE_KEY) not in (None, source):

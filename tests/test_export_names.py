@@ -12,3 +12,30 @@ def test_onnx_nodes_are_named_after_their_modules():
     assert len(set(names)) == len(names)
     assert "residual_downsample.1/Conv" in names and "11/Gemm" in names  # the skip's conv+BN, the classifier
     assert all("/" in n for n in names)
+
+
+def test_a_failing_check_names_the_first_diverging_node(tmp_path):
+    """A deliberately broken ONNX file (one conv's weights scaled) is caught, and the report names that conv."""
+    import json
+
+    import onnx
+    import torch
+    from onnx import numpy_helper
+
+    from conftest import run_cli
+
+    model = tmp_path / "m.pt"
+    torch.save(small_cnn().eval(), model)
+    proc = run_cli("export", str(model), "-o", str(tmp_path / "m.onnx"), "--input-shape", "1,3,16,16")
+    assert proc.returncode == 0, proc.stderr
+    proto = onnx.load(str(tmp_path / "m.onnx"))
+    target = next(n for n in proto.graph.node if n.name == "4/Conv")  # the second conv (BatchNorm folded in)
+    init = next(i for i in proto.graph.initializer if i.name == target.input[1])
+    init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * 1.5, init.name))
+    onnx.save(proto, str(tmp_path / "broken.onnx"))
+    proc = run_cli("check", str(tmp_path / "broken.onnx"), str(model), "--json")
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["first_divergence"]["node"] == "4/Conv" and report["first_divergence"]["module"] == "4"
+    proc = run_cli("check", str(tmp_path / "m.onnx"), str(model), "--json")
+    assert proc.returncode == 0 and "first_divergence" not in json.loads(proc.stdout)
