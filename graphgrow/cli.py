@@ -338,15 +338,17 @@ def check(onnx_file, model, provider, rtol, atol, seed, input_shape, trust, leav
 @click.argument("model")
 @click.option("--all", "show_all", is_flag=True, help="list every node (default: skip nodes without a tensor shape)")
 @click.option("--groups", is_flag=True, help="show the channel-coupling groups (what grow_width widens together) instead of nodes")
+@click.option("--summary", is_flag=True, help="one row per module (torchinfo-like) instead of one per node: fits a large model on a screen")
+@click.option("--depth", type=click.IntRange(1, 10), default=1, show_default=True, help="module depth of --summary rows")
 @_common
-def inspect(model, show_all, groups, input_shape, trust, leaves, trace_mode, as_json, debug):
+def inspect(model, show_all, groups, summary, depth, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Show MODEL's nodes with shapes, parameters and FLOPs, and its mutation log.
 
     An exported .onnx file shows its inputs, outputs, op counts, metadata and mutation log."""
     from . import workflow
 
     def job(progress):
-        report = workflow.inspect(model, input_shape, trust, leaves, progress, groups=groups, trace_mode=trace_mode)
+        report = workflow.inspect(model, input_shape, trust, leaves, progress, groups=groups, trace_mode=trace_mode, depth=depth)
         if as_json:
             print(json.dumps(report, default=str))
             return 0
@@ -355,6 +357,9 @@ def inspect(model, show_all, groups, input_shape, trust, leaves, trace_mode, as_
             return 0
         if groups:
             _print_groups(report)
+            return 0
+        if summary:
+            _print_summary(model, report)
             return 0
         t = Table(title=f"{model} (input {'×'.join(map(str, report['input_shape']))})")
         for col in ("node", "op", "target", "shape", "params", "FLOPs"):
@@ -372,6 +377,19 @@ def inspect(model, show_all, groups, input_shape, trust, leaves, trace_mode, as_
         return 0
 
     _run(job, as_json, debug)
+
+
+def _print_summary(model: str, report: dict) -> None:
+    t = Table(title=f"{model} (input {'×'.join(map(str, report['input_shape']))}): one row per module")
+    for col in ("module", "type", "output shape", "params", "FLOPs", "nodes"):
+        t.add_column(col, justify="right" if col in ("params", "FLOPs", "nodes") else "left")
+    for r in report["summary"]:
+        shape = "×".join(map(str, r["shape"])) if isinstance(r["shape"], (tuple, list)) else str(r["shape"] or "")
+        t.add_row(escape(r["module"]), r["type"], shape, f"{r['params']:,}" if r["params"] else "",
+                  f"{r['flops']:,}" if r["flops"] else "", str(r["nodes"]))
+    out.print(t)
+    out.print(f"total: {report['params']:,} parameters, {report['flops']:,} FLOPs per example, {len(report['nodes'])} nodes")
+    _print_log(report["log"])
 
 
 def _print_onnx(report: dict) -> None:

@@ -127,10 +127,6 @@ def scope_of(node: fx.Node) -> tuple[str, ...]:
     return tuple(node.meta.get("gg_scope", ()))
 
 
-def _first_line(e: BaseException) -> str:
-    return first_line(e)
-
-
 def _concrete_defaults(model: nn.Module) -> dict[str, Any]:
     """Forward parameters that have defaults (and *args/**kwargs): fixed, not model inputs."""
     try:

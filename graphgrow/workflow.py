@@ -367,8 +367,28 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
     return out, report
 
 
+def module_summary(gm: fx.GraphModule, depth: int = 1) -> list[dict]:
+    """One row per module at `depth` levels below the model (torchinfo-like): its output shape (the
+    last node inside it), parameters, FLOPs and node count, in graph order; top-level ops get their own row."""
+    from .trace import scope_of
+
+    rows: dict[str, dict] = {}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        path = str(n.target) if n.op == "call_module" else (scope_of(n)[-1] if scope_of(n) else "")
+        key = ".".join(path.split(".")[:depth]) if path else n.name
+        kind = type(gm.get_submodule(key)).__name__ if path and key in dict(gm.named_modules()) else n.op
+        row = rows.setdefault(key, {"module": key, "type": kind, "shape": None, "params": 0, "flops": 0, "nodes": 0})
+        row["shape"] = n.meta.get("gg_shape") or row["shape"]
+        row["params"] += n.meta.get("gg_params", 0) or 0
+        row["flops"] += n.meta.get("gg_flops", 0) or 0
+        row["nodes"] += 1
+    return list(rows.values())
+
+
 def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-            progress: Progress = _noop, groups: bool = False, trace_mode: str = "eval") -> dict:
+            progress: Progress = _noop, groups: bool = False, trace_mode: str = "eval", depth: int = 1) -> dict:
     if str(source).lower().endswith(".onnx") and Path(source).is_file():
         if groups:
             raise InputError("--groups needs the PyTorch model (channel groups are a graph analysis)",
@@ -387,7 +407,8 @@ def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence
         nodes.append({"name": n.name, "op": n.op, "target": target, "shape": n.meta.get("gg_shape"),
                       "params": n.meta.get("gg_params", 0), "flops": n.meta.get("gg_flops", 0)})
     report = {"model": source, "input_shape": opened.input_shape, "nodes": nodes, "params": param_count(gm),
-              "flops": total_flops(gm), "log": graph_info(gm).get("log", []), "trace": graph_info(gm).get("trace", {})}
+              "flops": total_flops(gm), "log": graph_info(gm).get("log", []), "trace": graph_info(gm).get("trace", {}),
+              "summary": module_summary(gm, depth)}
     if groups:
         from .coupling import analyze
 

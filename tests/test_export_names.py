@@ -39,3 +39,17 @@ def test_a_failing_check_names_the_first_diverging_node(tmp_path):
     assert report["first_divergence"]["node"] == "4/Conv" and report["first_divergence"]["module"] == "4"
     proc = run_cli("check", str(tmp_path / "m.onnx"), str(model), "--json")
     assert proc.returncode == 0 and "first_divergence" not in json.loads(proc.stdout)
+
+
+def test_inspect_summary_is_one_row_per_module():
+    import torchvision
+
+    from graphgrow.workflow import module_summary
+
+    gm = gg.trace(torchvision.models.resnet18().eval(), input_shape=(1, 3, 64, 64))
+    top = module_summary(gm, depth=1)
+    assert [r["module"] for r in top] == ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4",
+                                         "avgpool", "flatten", "fc"]
+    assert sum(r["params"] for r in top) == sum(p.numel() for p in gm.parameters())
+    assert next(r for r in top if r["module"] == "layer4")["shape"] == (1, 512, 2, 2)
+    assert len(module_summary(gm, depth=2)) > len(top)
