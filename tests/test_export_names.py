@@ -47,6 +47,7 @@ def test_inspect_summary_is_one_row_per_module():
     from graphgrow.workflow import module_summary
 
     gm = gg.trace(torchvision.models.resnet18().eval(), input_shape=(1, 3, 64, 64))
+    gg.annotate(gm, (1, 3, 64, 64))  # shapes, parameters and FLOPs per node, as the CLI's open_model does
     top = module_summary(gm, depth=1)
     assert [r["module"] for r in top] == ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4",
                                          "avgpool", "flatten", "fc"]
