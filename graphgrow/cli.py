@@ -1,4 +1,4 @@
-"""The `graphgrow` command: mutate, replay, fold, export, check, inspect, targets, search, passes.
+"""The `graphgrow` command: mutate, replay, fold, export, check, inspect, targets, diff, search, passes.
 
 Exit codes: 0 success; 1 a check failed (verification, export, equivalence);
 2 bad input or a pass that cannot apply; 3 an internal error (a bug: please report).
@@ -152,14 +152,15 @@ def main() -> None:
 @click.option("--max-memory", "max_memory", metavar="SIZE", help="refuse a pass whose grown model needs more activation memory at the verification batch (default 8G)")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="seed for new weights")
 @click.option("--dry-run", is_flag=True, help="run and verify the passes and show the report, but write nothing")
+@click.option("--diagram", metavar="OUT.svg", help="also draw the graph after growth against before (added, rebuilt, reshaped highlighted; .svg or .png)")
 @_common
-def mutate(model, specs, output, onnx_out, check, provider, max_params, max_memory, seed, dry_run, input_shape, trust, leaves, trace_mode, as_json, debug):
+def mutate(model, specs, output, onnx_out, check, provider, max_params, max_memory, seed, dry_run, diagram, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Apply passes to MODEL, verify each, save the result (and ONNX, and check it)."""
     from . import workflow
 
     _run(_growth_job(lambda progress: workflow.mutate(
         model, specs, output, onnx_out, check, input_shape, provider, trust, leaves, seed, progress, trace_mode=trace_mode,
-        max_params=max_params, max_memory=max_memory, dry_run=dry_run), as_json), as_json, debug)
+        max_params=max_params, max_memory=max_memory, dry_run=dry_run, diagram=diagram), as_json), as_json, debug)
 
 
 def _growth_job(make_report: Callable[[Callable[[str], None]], dict], as_json: bool) -> Callable:
@@ -549,6 +550,36 @@ def _print_search(report: dict) -> None:
     out.print(f"deploy it: graphgrow export {report['best']} -o best.onnx", markup=False)
     if report.get("plot"):
         out.print(f"plot: {report['plot']}", markup=False)
+
+
+@main.command()
+@click.argument("model_a", metavar="A")
+@click.argument("model_b", metavar="B")
+@click.option("--diagram", metavar="OUT.svg", help="draw B against A (added, rebuilt, reshaped highlighted; .svg or .png)")
+@click.option("--trust", is_flag=True, help="allow loading pickles with custom classes (only for files you trust)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
+@click.option("--debug", is_flag=True, help="show tracebacks")
+def diff(model_a, model_b, diagram, trust, as_json, debug):
+    """What B changed against A (two graphgrow files of one lineage): the passes between them, nodes added,
+    layers rebuilt, shapes changed, nodes removed; --diagram draws it."""
+    from . import workflow
+
+    def job(progress):
+        report = workflow.diff(model_a, model_b, diagram, trust, progress)
+        if as_json:
+            print(json.dumps(report, default=str))
+            return 0
+        out.print(f"{model_b} against {model_a}: {', '.join(report['passes']) or 'no passes'}; parameters "
+                  f"{report['params'][0]:,} → {report['params'][1]:,}", markup=False)
+        for key in ("added", "rebuilt", "reshaped", "removed"):
+            if report[key]:
+                out.print(f"  {key} ({len(report[key])}): {', '.join(report[key][:12])}{' …' if len(report[key]) > 12 else ''}",
+                          markup=False)
+        if report.get("diagram"):
+            out.print(f"diagram: {report['diagram']}", markup=False)
+        return 0
+
+    _run(job, as_json, debug)
 
 
 @main.command()

@@ -91,18 +91,21 @@ def _check_finite(model: nn.Module, source: str) -> None:
 def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: str | None = None,
            check: bool = False, input_shape=None, provider: str = "auto", trust: bool = False,
            leaves: Sequence[str] = (), seed: int = 0, progress: Progress = _noop, trace_mode: str = "eval",
-           max_params=None, max_memory=None, suffix: str = ".grown.pt", dry_run: bool = False) -> dict:
+           max_params=None, max_memory=None, suffix: str = ".grown.pt", dry_run: bool = False,
+           diagram: str | None = None) -> dict:
     """Load → run the pipeline with verification → save → (export) → (check). Returns the JSON report.
+    `diagram`: also draw the graph after growth against the one before (diagram.draw; .svg or .png).
     Without `out` the result goes beside the model as NAME`suffix`. `dry_run`: the passes run and are
     verified, nothing is written (the report says where it would have gone)."""
     pipeline = Pipeline.from_spec(list(specs), seed=seed)  # spec errors before any work
     pipeline.limits = _limits(max_params, max_memory)
     out_path = check_output_path(out or default_output_path(source, suffix), inputs=(source,))
     onnx_path = check_output_path(onnx_out, inputs=(source,)) if onnx_out else None
-    _distinct_outputs(out_path, onnx_path)
+    diagram_path = check_output_path(diagram, inputs=(source,)) if diagram else None
+    _distinct_outputs(out_path, onnx_path, diagram_path)
     opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, pipeline.limits.max_memory)
     report = _grow_and_write(pipeline, opened, source, (source,), out_path, onnx_path, check, provider, progress, "pass",
-                             dry_run=dry_run)
+                             dry_run=dry_run, diagram=diagram_path)
     plain = plain_output_path(source, suffix)
     if out is None and out_path != plain:
         report["output_note"] = f"{plain} already exists: the result went to {out_path.name} (give -o to choose the name)"
@@ -119,12 +122,12 @@ def _limits(max_params, max_memory):
 def _distinct_outputs(*paths: Path | None) -> None:
     real = [Path(p).resolve() for p in paths if p is not None]
     if len(set(real)) != len(real):
-        raise SaveError("-o and --onnx name the same file", "give the model and the ONNX file different names")
+        raise SaveError("two outputs (-o, --onnx, --diagram) name the same file", "give each output its own name")
 
 
 def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs: tuple, out_path: Path,
                     onnx_path: Path | None, check: bool, provider: str, progress: Progress, verb: str,
-                    dry_run: bool = False) -> dict:
+                    dry_run: bool = False, diagram: Path | None = None) -> dict:
     """Run `pipeline` on the opened model, save the result, export and check it when asked (not when `dry_run`)."""
     timings: dict[str, float] = {}
     t = time.perf_counter()
@@ -154,7 +157,35 @@ def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs
         if check and not report["equivalence"]["passed"]:
             staged.discard()  # a model that failed its check is not written
             return report
+        if diagram is not None:
+            from .diagram import draw
+
+            progress(f"drawing {diagram}")
+            draw(opened.gm, result.gm, staged.reserve(diagram), f"{source} + {', '.join(r.name for r in result.results)}",
+                 fmt=diagram.suffix)
         report["outputs"] = [str(p) for p in staged.commit()]
+    return report
+
+
+def diff(source_a: str, source_b: str, diagram: str | None = None, trust: bool = False, progress: Progress = _noop) -> dict:
+    """What B changed against A (graphgrow files of one lineage: one's mutation log starts with the other's)."""
+    b = open_model(source_b, None, trust, (), progress)
+    a = open_model(source_a, b.input_shape, trust, (), progress)  # B (a graphgrow file) knows the shape; A may not
+    log_a, log_b = graph_info(a.gm).get("log", []), graph_info(b.gm).get("log", [])
+    if log_b[:len(log_a)] != log_a and log_a[:len(log_b)] != log_b:
+        raise InputError(f"{source_a} and {source_b} are not of one lineage (neither mutation log extends the other)",
+                         "diff a model against one grown from it (graphgrow mutate writes such files)")
+    from .diagram import changes
+
+    items, gone = changes(a.gm, b.gm, keep=10**6)
+    report = {"a": source_a, "b": source_b, "passes": [e.get("pass") for e in log_b[len(log_a):]],
+              "params": [param_count(a.gm), param_count(b.gm)], "removed": gone,
+              **{k: [it.label for it in items if it.status == k] for k in ("added", "rebuilt", "reshaped")}}
+    if diagram:
+        from .diagram import draw
+
+        out = check_output_path(diagram, inputs=(source_a, source_b))
+        report["diagram"] = str(draw(a.gm, b.gm, out, f"{source_b} against {source_a}"))
     return report
 
 

@@ -54,3 +54,29 @@ def test_inspect_summary_is_one_row_per_module():
     assert sum(r["params"] for r in top) == sum(p.numel() for p in gm.parameters())
     assert next(r for r in top if r["module"] == "layer4")["shape"] == (1, 512, 2, 2)
     assert len(module_summary(gm, depth=2)) > len(top)
+
+
+def test_mutate_draws_the_change_and_diff_reports_it(tmp_path):
+    import json
+
+    import torch
+
+    from conftest import run_cli
+
+    model = tmp_path / "m.pt"
+    torch.save(small_cnn().eval(), model)
+    proc = run_cli("mutate", str(model), "--pass", "add_residual,grow_width", "--input-shape", "1,3,16,16",
+                   "--diagram", str(tmp_path / "change.svg"), "-o", str(tmp_path / "g.pt"))
+    assert proc.returncode == 0, proc.stderr
+    svg = (tmp_path / "change.svg").read_text()
+    assert svg.startswith("<?xml") and "residual_downsample" in svg and "unchanged" in svg
+    proc = run_cli("diff", str(model), str(tmp_path / "g.pt"), "--json", "--diagram", str(tmp_path / "d.png"))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["passes"] == ["add_residual", "grow_width"]
+    assert any(a.startswith("residual_downsample.0") for a in report["added"]) and report["rebuilt"]
+    assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
+    other = tmp_path / "other.pt"
+    assert run_cli("mutate", str(model), "--pass", "deepen", "--input-shape", "1,3,16,16", "-o", str(other)).returncode == 0
+    proc = run_cli("diff", str(tmp_path / "g.pt"), str(other))
+    assert proc.returncode == 2 and "not of one lineage" in proc.stderr

@@ -104,7 +104,7 @@ MATRIX = [  # label, argv (after `graphgrow`), message
     ("a character device as output", ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32,32",
                                       "-o", "/dev/null"], "is not a regular file"),
     ("the same file for -o and --onnx", ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32,32",
-                                         "-o", "{tmp}/x", "--onnx", "{tmp}/x"], "-o and --onnx name the same file"),
+                                         "-o", "{tmp}/x", "--onnx", "{tmp}/x"], "(-o, --onnx, --diagram) name the same file"),
     ("a factory that exits", ["inspect", "builtins:exit"], "builtins:exit() failed: SystemExit"),
     ("markup in a pass spec", ["mutate", "{good}", "--pass", "add_residual(start=[/x])", "--input-shape", "1,3,32,32"],
      "[/x]"),
