@@ -118,8 +118,11 @@ def draw(old: fx.GraphModule, new: fx.GraphModule, path: str | Path, title: str 
         if b == a + 1:
             ax.annotate("", xy=(3.0, -b + 0.33), xytext=(3.0, -a - 0.33), arrowprops={"arrowstyle": "-|>", "lw": 0.7})
             continue
-        lane = next((i for i, end in enumerate(lanes) if end <= a), len(lanes))
-        lanes[lane:lane + 1] = [b] if lane < len(lanes) else lanes.append(b) or []  # type: ignore[func-returns-value]
+        lane = next((i for i, end in enumerate(lanes) if end <= a), len(lanes))  # the first lane free from row a on
+        if lane == len(lanes):
+            lanes.append(b)
+        else:
+            lanes[lane] = b
         x = 0.3 - 0.12 * (lane + 1)
         ax.plot([0.3, x, x, 0.3], [-a, -a, -b, -b], color="#555555", linewidth=0.7)
         ax.annotate("", xy=(0.3, -b), xytext=(x, -b), arrowprops={"arrowstyle": "-|>", "lw": 0.7, "color": "#555555"})
