@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import digits_task as task  # noqa: E402
 
 import graphgrow as gg  # noqa: E402
+from graphgrow.rewrite import param_count  # noqa: E402
 from graphgrow.search import MutationSpace, SearchOptions, search  # noqa: E402
 from graphgrow.search.plot import plot_population  # noqa: E402
 
@@ -116,7 +117,7 @@ def run(population: int, rounds: int, epochs_per_round: int, out: Path, storage:
     plot_population(grown.history, "val_loss", out, baseline=[r["val_loss"] for r in base],
                     title=f"digits: population-based growth ({population} trials, {epochs} epochs; dashed: not grown)")
     summary = {"growth_search": [final(r) for r in runs["growth"]], "lr_search_only": [final(r) for r in runs["control"]],
-               "not_grown": {"val_loss": base[-1]["val_loss"], "val_acc": base[-1]["val_acc"], "params": gm_params(gm)},
+               "not_grown": {"val_loss": base[-1]["val_loss"], "val_acc": base[-1]["val_acc"], "params": param_count(gm)},
                "lineage": [{"pass": e["pass"], "args": e["args"], "seed": e["seed"], "params_after": e["params_after"]}
                            for e in grown.lineage],
                "growths_in_population": [sum("grow:" in str(row.get("event")) for rows in r.history.values() for row in rows)
@@ -139,10 +140,6 @@ def run(population: int, rounds: int, epochs_per_round: int, out: Path, storage:
     log(f"growth events in the population: {summary['growths_in_population']}; peak memory of all processes "
         f"{summary['peak_memory_mib']:,} MiB; plot: {out}")
     return summary
-
-
-def gm_params(gm) -> int:
-    return sum(p.numel() for p in gm.parameters())
 
 
 def main(argv=None) -> int:

@@ -42,9 +42,8 @@ def _sizes(m) -> tuple:
     return (type(m).__name__, tuple((k, tuple(v.shape)) for k, v in m.state_dict().items()))
 
 
-def changes(old: fx.GraphModule, new: fx.GraphModule, keep: int = 0) -> tuple[list[Item], list[str]]:
-    """`new`'s nodes as items (runs of more than 2·keep+1 unchanged nodes collapsed, `keep` shown at
-    each end) and the names of `old`'s nodes that are gone."""
+def node_changes(old: fx.GraphModule, new: fx.GraphModule) -> tuple[list[Item], list[str]]:
+    """One item per node of `new` with its status against `old`, and the names of `old`'s nodes that are gone."""
     old_nodes = {n.name: n for n in old.graph.nodes}
     old_modules = dict(old.named_modules())
     raw: list[Item] = []
@@ -60,6 +59,12 @@ def changes(old: fx.GraphModule, new: fx.GraphModule, keep: int = 0) -> tuple[li
             status = "same"
         detail = _shape(n) if status != "reshaped" else f"{_shape(before)} → {_shape(n)}"
         raw.append(Item(_describe(new, n), status, [n.name], detail))
+    gone = [name for name in old_nodes if name not in {n.name for n in new.graph.nodes}]
+    return raw, gone
+
+
+def collapse(raw: list[Item], keep: int = 0) -> list[Item]:
+    """Runs of more than 2·keep+1 unchanged items as one box (`keep` shown at each end)."""
     items: list[Item] = []
     i = 0
     while i < len(raw):
@@ -80,8 +85,7 @@ def changes(old: fx.GraphModule, new: fx.GraphModule, keep: int = 0) -> tuple[li
         else:
             items.append(raw[i])
             i += 1
-    gone = [name for name in old_nodes if name not in {n.name for n in new.graph.nodes}]
-    return items, gone
+    return items
 
 
 def draw(old: fx.GraphModule, new: fx.GraphModule, path: str | Path, title: str = "", fmt: str | None = None) -> Path:
@@ -95,7 +99,8 @@ def draw(old: fx.GraphModule, new: fx.GraphModule, path: str | Path, title: str 
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch, Patch
 
-    items, gone = changes(old, new)
+    raw, gone = node_changes(old, new)
+    items = collapse(raw)
     row = {name: k for k, it in enumerate(items) for name in it.names}
     edges = sorted({(row[a.name], row[n.name]) for n in new.graph.nodes for a in n.all_input_nodes
                     if row[a.name] != row[n.name]})

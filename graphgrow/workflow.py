@@ -175,9 +175,9 @@ def diff(source_a: str, source_b: str, diagram: str | None = None, trust: bool =
     if log_b[:len(log_a)] != log_a and log_a[:len(log_b)] != log_b:
         raise InputError(f"{source_a} and {source_b} are not of one lineage (neither mutation log extends the other)",
                          "diff a model against one grown from it (graphgrow mutate writes such files)")
-    from .diagram import changes
+    from .diagram import node_changes
 
-    items, gone = changes(a.gm, b.gm, keep=10**6)
+    items, gone = node_changes(a.gm, b.gm)
     report = {"a": source_a, "b": source_b, "passes": [e.get("pass") for e in log_b[len(log_a):]],
               "params": [param_count(a.gm), param_count(b.gm)], "removed": gone,
               **{k: [it.label for it in items if it.status == k] for k in ("added", "rebuilt", "reshaped")}}

@@ -25,7 +25,7 @@ from ..load import save_model
 from ..shapes import param_count
 from ..trace import graph_info
 from .space import MutationSpace
-from .trial import MODEL_FILE, OPTIMIZERS, STATE_FILE, TrialSetup, model_bytes, read_model, run_trial
+from .trial import MODEL_FILE, OPTIMIZERS, STATE_FILE, TrialSetup, model_bytes, read_model_file, run_trial
 
 ORIGINAL = "original.pt"  # the model the search started from, beside Tune's files: `graphgrow replay` reads it
 BEST = "best.pt"
@@ -201,7 +201,7 @@ def search(model: fx.GraphModule | None, train: Callable, evaluate: Callable, sp
     if options.resume:
         if not tune.Tuner.can_restore(str(experiment)):
             raise InputError(f"nothing to resume at {experiment}", "start the search without --resume")
-        model = read_model(original_path.read_bytes())
+        model = read_model_file(original_path)
     elif experiment.exists() and any(experiment.iterdir()):
         raise InputError(f"{experiment} already holds a search", "pass --resume to continue it, or choose another --name")
     elif model is None:
@@ -311,7 +311,7 @@ def _collect(results, options: SearchOptions, original_path: Path, seconds: floa
         raise SearchError("the best trial left no checkpoint", f"see the trial folders under {options.experiment}")
     out = Path(options.output).expanduser().resolve() if options.output else options.experiment / BEST
     with best.checkpoint.as_directory() as folder:
-        gm = read_model((Path(folder) / MODEL_FILE).read_bytes())
+        gm = read_model_file(Path(folder) / MODEL_FILE)
         state = json.loads((Path(folder) / STATE_FILE).read_text())
     save_model(gm, out)
     return SearchResult(out, options.metric, float(best.metrics[options.metric]), str(best.metrics.get("trial_id")),

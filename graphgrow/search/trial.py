@@ -75,9 +75,14 @@ def read_model(data: bytes) -> fx.GraphModule:
     with tempfile.TemporaryDirectory(prefix="graphgrow-") as folder:
         path = Path(folder) / MODEL_FILE
         path.write_bytes(data)
-        model = load_model(path).module
+        return read_model_file(path)
+
+
+def read_model_file(path: Path) -> fx.GraphModule:
+    """The model of a graphgrow file (a checkpoint's, the search's original), through the safe loader."""
+    model = load_model(path).module
     if not isinstance(model, fx.GraphModule):
-        raise LoadError("a search checkpoint holds no graphgrow model", "the checkpoint folder is damaged")
+        raise LoadError(f"{path} holds no graphgrow model", "the search folder is damaged")
     return model
 
 
@@ -85,7 +90,7 @@ def read_state(folder: str | Path) -> TrialState:
     folder = Path(folder)
     state = json.loads((folder / STATE_FILE).read_text())
     trainer = torch.load(folder / TRAINER_FILE, weights_only=True)
-    return TrialState(read_model((folder / MODEL_FILE).read_bytes()), trainer.get("optimizer"), int(state["epoch"]),
+    return TrialState(read_model_file(folder / MODEL_FILE), trainer.get("optimizer"), int(state["epoch"]),
                       state.get("writer"), list(state.get("seen", [])), list(state.get("moves", [])))
 
 
