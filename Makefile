@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.graphgrow-installed
 # torch/torchvision pinned to the builds this machine carries (CUDA 13, matches onnxruntime-gpu).
 TORCH  := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test test-quick bench fuzz soak clean search-demo
+.PHONY: demo test test-quick bench fuzz soak clean search-demo docs
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,3 +44,7 @@ fuzz: $(STAMP)
 # 200 mutate-export-check cycles in one process; resident memory printed along the way
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py --cycles 200
+
+# the generated parts of README.md and docs/ (CLI reference, pass arguments); tests/test_docs.py checks them
+docs: $(STAMP)
+	$(BIN)/python tools/docs.py

@@ -584,7 +584,7 @@ def diff(model_a, model_b, diagram, trust, as_json, debug):
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
-@click.option("--markdown", is_flag=True, help="print the table of arguments the README shows (from the passes' own field help)")
+@click.option("--markdown", is_flag=True, help="print the table of arguments docs/passes.md shows (from the passes' own field help)")
 def passes(as_json, markdown):
     """List the installed passes with their arguments, defaults and what each argument means."""
     from .registry import all_passes
@@ -616,7 +616,7 @@ def passes(as_json, markdown):
 
 
 def passes_markdown(found: dict) -> str:
-    """The README's argument table: one row per argument of every installed pass."""
+    """The argument table of docs/passes.md: one row per argument of every installed pass."""
     rows = ["| pass | argument | type | default | meaning |", "|---|---|---|---|---|"]
     for name, cls in found.items():
         if isinstance(cls, GraphgrowError):
@@ -629,6 +629,24 @@ def passes_markdown(found: dict) -> str:
             cells = [f"`{name}`", f"`{f.name}`", _type_name(hints[f.name]), f"`{f.default!r}`", helps[f.name]]
             rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows)
+
+
+def cli_reference(width: int = 100) -> str:
+    """The README's CLI reference: `graphgrow --help` and every command's --help, at a fixed width so the
+    text does not depend on the terminal that generated it."""
+    root = click.Context(main, info_name="graphgrow", terminal_width=width, max_content_width=width, **main.context_settings)
+    parts = []
+    for cmd in [main, *(main.commands[n] for n in sorted(main.commands))]:
+        ctx = root if cmd is main else click.Context(cmd, info_name=cmd.name, parent=root)
+        name = ctx.command_path
+        summary = "" if cmd is main else f" — {cmd.get_short_help_str(limit=300)}"
+        parts.append(f"<details><summary><code>{name} --help</code>{escape_html(summary)}</summary>\n\n```text\n"
+                     f"{cmd.get_help(ctx)}\n```\n\n</details>")
+    return "\n\n".join(parts)
+
+
+def escape_html(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def _type_name(t) -> str:

@@ -83,7 +83,7 @@ def _plain(value: Any) -> Any:
 
 
 def arg(default: Any, help: str) -> Any:
-    """A pass argument: its default and one line of help (shown by `graphgrow passes`, the README's table)."""
+    """A pass argument: its default and one line of help (shown by `graphgrow passes` and docs/passes.md's table)."""
     return dataclasses.field(default=default, metadata={"help": help})
 
 

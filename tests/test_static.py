@@ -1,6 +1,6 @@
 """Static checks run with the tests, so CI enforces them: ruff (pyflakes, bugbear, banned imports for
 DESIGN §2's boundaries) over the whole tree, mypy over the package (configured in pyproject.toml), the
-pass author's API as the only way passes reach the core, and the README's generated pass table."""
+pass author's API as the only way passes reach the core (the docs' generated parts: tests/test_docs.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -49,19 +49,6 @@ def test_the_pass_author_api_lists_what_it_exports():
     missing = [name for name in api.__all__ if not hasattr(api, name)]
     undocumented = [name for name in api.__all__ if name not in (api.__doc__ or "")]
     assert not missing and not undocumented, (missing, undocumented)
-
-
-def test_the_readme_pass_table_is_generated_from_the_passes():
-    import re
-
-    from graphgrow.cli import passes_markdown
-    from graphgrow.registry import all_passes
-
-    built_in = {n: c for n, c in all_passes().items() if getattr(c, "__module__", "").startswith("graphgrow.passes")}
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"<!-- passes-table: graphgrow passes --markdown -->\n(.*?)\n<!-- /passes-table -->", readme, re.S)
-    assert block, "the README lost its pass table markers"
-    assert block.group(1).strip() == passes_markdown(built_in).strip(), "regenerate the table: graphgrow passes --markdown"
 
 
 def test_every_built_in_pass_argument_has_help():
