@@ -241,7 +241,10 @@ def _print_equivalence(eq: dict) -> None:
 @click.option("--max-memory", "max_memory", metavar="SIZE", help="refuse a pass whose grown model needs more activation memory at the verification batch (default 8G)")
 @_common
 def replay(model, log_from, output, onnx_out, check, provider, max_params, max_memory, input_shape, trust, leaves, trace_mode, as_json, debug):
-    """Re-apply the mutation log of GROWN (a graphgrow .pt or exported .onnx) to MODEL, seed for seed."""
+    """Re-apply the mutation log of GROWN (a graphgrow .pt or exported .onnx) to MODEL, seed for seed.
+
+    MODEL is the network GROWN was grown from, or a model part of the way (its log the start of
+    GROWN's: only the rest is applied); a different network is refused."""
     from . import workflow
 
     _run(_growth_job(lambda progress: workflow.replay(
@@ -561,7 +564,10 @@ def _print_search(report: dict) -> None:
 @click.option("--debug", is_flag=True, help="show tracebacks")
 def diff(model_a, model_b, diagram, trust, as_json, debug):
     """What B changed against A (two graphgrow files of one lineage): the passes between them, nodes added,
-    layers rebuilt, shapes changed, nodes removed; --diagram draws it."""
+    layers rebuilt, shapes changed, nodes removed; --diagram draws it.
+
+    One lineage: B was grown from A (A's mutation log is the start of B's, and both start from the
+    same network — its parameter names and shapes, recorded by the first pass)."""
     from . import workflow
 
     def job(progress):

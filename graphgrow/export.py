@@ -17,12 +17,15 @@ import onnx
 import torch
 from torch import fx
 
-from .errors import ExportError, first_line
+from .errors import ExportError, LoadError, first_line
+from .lineage import is_origin, structure_fingerprint
 from .load import atomic_write, check_output_path
+from .serialize import validate_meta
 from .shapes import example_input
 from .state import training_mode
 
 LOG_KEY = "graphgrow.mutation_log"
+ORIGIN_KEY = "graphgrow.origin"  # lineage.structure_fingerprint of the model the log starts from
 INPUT_SHAPE_KEY = "graphgrow.input_shape"
 SOURCE_KEY = "graphgrow.source"  # the factory name a model was built from (files carry their own weights)
 FACTORY_SEED_KEY = "graphgrow.factory_seed"  # the seed that factory's random weights were drawn with
@@ -64,6 +67,9 @@ def export_onnx(
     props = dict(metadata or {})
     info = gm.meta.get("graphgrow", {}) if isinstance(gm, fx.GraphModule) else {}
     props.setdefault(LOG_KEY, json.dumps(info.get("log", [])))
+    origin = info.get("origin") or (structure_fingerprint(gm) if info and not info.get("log") else None)
+    if origin:
+        props.setdefault(ORIGIN_KEY, origin)
     props.setdefault(INPUT_SHAPE_KEY, json.dumps(list(input_shape)))
     for k, v in props.items():
         entry = proto.metadata_props.add()
@@ -190,9 +196,23 @@ def metadata(proto: onnx.ModelProto) -> dict[str, str]:
 
 
 def mutation_log(proto: onnx.ModelProto) -> list[dict]:
-    """The mutation log stored in an exported model ([] when none)."""
+    """The mutation log stored in an exported model ([] when none), checked like a graphgrow file's."""
     value = metadata(proto).get(LOG_KEY)
-    return json.loads(value) if value else []
+    if not value:
+        return []
+    try:
+        log = json.loads(value)
+    except (ValueError, RecursionError) as e:
+        raise LoadError(f"the ONNX file's mutation log is not readable JSON: {first_line(e)}", "the file is corrupted or hostile") from e
+    return validate_meta({"log": log})["log"]
+
+
+def onnx_origin(proto: onnx.ModelProto) -> str | None:
+    """The origin fingerprint an export recorded (None for files exported before origins were)."""
+    value = metadata(proto).get(ORIGIN_KEY)
+    if value is not None and not is_origin(value):
+        raise LoadError("the ONNX file's origin fingerprint is malformed", "the file is corrupted or hostile")
+    return value
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from .preserve import PreservationReport
 from .fx_edit import Rewrite
 from .shapes import annotate, param_count, total_flops
 from .state import module_dtype
+from .lineage import record_origin
 from .trace import graph_info, input_shape_of
 from .verify import verify
 
@@ -196,6 +197,7 @@ class Pass:
         )
         info = graph_info(new)
         info["log"] = list(graph_info(gm).get("log", [])) + [result.log_entry()]
+        record_origin(gm, new)
         return result
 
 

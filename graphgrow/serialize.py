@@ -16,6 +16,7 @@ from torch import fx, nn
 
 from . import graph_policy
 from .errors import LoadError, SaveError
+from .lineage import is_origin
 
 FORMAT = "graphgrow.graphmodule"
 VERSION = 1
@@ -218,5 +219,7 @@ def validate_meta(meta: Any) -> dict:
     if _depth(log, MAX_META_DEPTH) > MAX_META_DEPTH or _depth(out.get("trace"), MAX_META_DEPTH) > MAX_META_DEPTH:
         raise LoadError("the graphgrow file's metadata is nested too deeply", "the file is corrupted or hostile")
     out["log"] = log
+    if "origin" in out and not is_origin(out["origin"]):
+        raise LoadError("the graphgrow file's origin fingerprint is malformed", "the file is corrupted or hostile")
     out.setdefault("input_shape", None)
     return out

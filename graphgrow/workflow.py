@@ -21,6 +21,7 @@ from .load import (
 from .pass_base import Candidate
 from .pipeline import Pipeline, PipelineResult, parse_spec
 from .input_shape import infer_input_shape, parse_input_shape, require_single_input
+from .lineage import origin_of, require_lineage
 from .shapes import annotate, param_count, total_flops
 from .trace import graph_info, trace
 
@@ -171,14 +172,12 @@ def diff(source_a: str, source_b: str, diagram: str | None = None, trust: bool =
     """What B changed against A (graphgrow files of one lineage: one's mutation log starts with the other's)."""
     b = open_model(source_b, None, trust, (), progress)
     a = open_model(source_a, b.input_shape, trust, (), progress)  # B (a graphgrow file) knows the shape; A may not
+    lineage = require_lineage(a.gm, source_a, b.gm, source_b)
     log_a, log_b = graph_info(a.gm).get("log", []), graph_info(b.gm).get("log", [])
-    if log_b[:len(log_a)] != log_a and log_a[:len(log_b)] != log_b:
-        raise InputError(f"{source_a} and {source_b} are not of one lineage (neither mutation log extends the other)",
-                         "diff a model against one grown from it (graphgrow mutate writes such files)")
     from .diagram import node_changes
 
     items, gone = node_changes(a.gm, b.gm)
-    report = {"a": source_a, "b": source_b, "passes": [e.get("pass") for e in log_b[len(log_a):]],
+    report = {"a": source_a, "b": source_b, "lineage": lineage, "passes": [e.get("pass") for e in log_b[len(log_a):]],
               "params": [param_count(a.gm), param_count(b.gm)], "removed": gone,
               **{k: [it.label for it in items if it.status == k] for k in ("added", "rebuilt", "reshaped")}}
     if diagram:
@@ -271,31 +270,44 @@ def replay(source: str, log_source: str, out: str | None = None, onnx_out: str |
     """Re-apply the mutation log of `log_source` (a graphgrow .pt or an exported .onnx) to the model `source`."""
     from .pipeline import from_log
 
-    log, grown_shape = _read_log(log_source, trust)
-    pipeline = from_log(log)
-    pipeline.limits = _limits(max_params, max_memory)
+    log, grown_shape, grown_origin = _read_log(log_source, trust)
+    pipeline = from_log(log)  # a malformed log is refused before the model is loaded
     inputs = (source, log_source)
     out_path = check_output_path(out or default_output_path(source, ".replayed.pt"), inputs=inputs)
     onnx_path = check_output_path(onnx_out, inputs=inputs) if onnx_out else None
     _distinct_outputs(out_path, onnx_path)
-    opened = open_model(source, input_shape or grown_shape, trust, leaves, progress, trace_mode, pipeline.limits.max_memory)
+    limits = _limits(max_params, max_memory)
+    opened = open_model(source, input_shape or grown_shape, trust, leaves, progress, trace_mode, limits.max_memory)
+    done = graph_info(opened.gm).get("log", [])
+    if log[:len(done)] != done:
+        raise InputError(f"{source} was not grown on the way to {log_source}: its mutation log is not the start of that one",
+                         f"replay onto the model {log_source} was grown from")
+    origin = origin_of(opened.gm)
+    if grown_origin and origin and origin != grown_origin:
+        raise InputError(f"{log_source} was not grown from {source}: it starts from a different network "
+                         "— the parameter names or shapes differ", f"replay onto the model {log_source} was grown from")
+    if len(done) == len(log):
+        raise InputError(f"{source} already has every mutation of {log_source}: nothing to replay",
+                         "replay onto an earlier model of its lineage")
+    pipeline = from_log(log[len(done):])  # a model part of the way there gets the rest
+    pipeline.limits = limits
     report = _grow_and_write(pipeline, opened, source, inputs, out_path, onnx_path, check, provider, progress, "replaying")
     report["log_from"] = log_source
     return report
 
 
-def _read_log(log_source: str, trust: bool) -> tuple[list[dict], list[int] | None]:
-    """The mutation log and example input shape stored in a graphgrow .pt or an exported .onnx."""
+def _read_log(log_source: str, trust: bool) -> tuple[list[dict], list[int] | None, str | None]:
+    """The mutation log, example input shape and origin fingerprint stored in a graphgrow .pt or an exported .onnx."""
     if str(log_source).endswith(".onnx"):
-        from .export import load_onnx, mutation_log, onnx_input_shape
+        from .export import load_onnx, mutation_log, onnx_input_shape, onnx_origin
 
         proto = load_onnx(log_source)
-        return mutation_log(proto), onnx_input_shape(proto)
+        return mutation_log(proto), onnx_input_shape(proto), onnx_origin(proto)
     loaded = load_model(log_source, trust=trust)
     if loaded.kind != "graphgrow":
         raise LoadError(f"{log_source} has no mutation log (it was not written by graphgrow)",
                         "pass a file that graphgrow mutate wrote, or its exported .onnx")
-    return loaded.log, loaded.input_shape
+    return loaded.log, loaded.input_shape, graph_info(loaded.module).get("origin")
 
 
 def targets(source: str, spec: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
