@@ -68,9 +68,24 @@ def parse_name(text: str) -> ModelName:
     return ModelName(m.group("target"), kwargs)
 
 
+# Arguments that would make a zoo download weights or read a checkpoint file behind the safe loader's back.
+_WEIGHT_ARGUMENTS = {"timm": ("pretrained", "checkpoint_path"),
+                     "torchvision": ("weights", "weights_backbone", "pretrained", "pretrained_backbone")}
+
+
+def _refuse_weight_arguments(name: ModelName) -> None:
+    for k in _WEIGHT_ARGUMENTS.get(name.zoo or "", ()):
+        if name.kwargs.get(k) not in (None, False, ""):
+            raise LoadError(f"{name.target}: {k}={name.kwargs[k]!r} asks for stored weights, and zoo names build "
+                            "random weights only (nothing is downloaded, no checkpoint is read behind the safe loader)",
+                            f"drop {k}; for trained weights, load them in Python and grow the model there (graphgrow.trace), "
+                            "or torch.save it and pass the file")
+
+
 def builder(name: ModelName, import_object: Callable[[str], Callable]) -> tuple[Callable[[], Any], list[int] | None]:
     """A function building the model (random weights) and its default input shape when the zoo knows it."""
     zoo, model = name.zoo, name.target.split(":")[1]
+    _refuse_weight_arguments(name)
     if zoo == "timm":
         timm = _import(zoo)
         if not timm.is_model(model.split(".")[0]):

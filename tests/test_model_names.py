@@ -70,3 +70,13 @@ def test_a_timm_model_by_name_grows_and_checks_without_an_input_shape(tmp_path):
     report = json.loads(proc.stdout)
     assert report["input_shape"] == [1, 3, 224, 224] and report["equivalence"]["passed"]
     assert (tmp_path / "resnet26d.grown.pt").exists()
+
+
+@pytest.mark.parametrize("text", ["timm:resnet18(pretrained=True)", "timm:resnet18(checkpoint_path='w.pth')",
+                                  "torchvision:resnet18(weights='IMAGENET1K_V1')", "torchvision:resnet18(pretrained=True)"])
+def test_arguments_asking_for_stored_weights_are_refused_before_anything_is_built(text, monkeypatch):
+    import torchvision
+
+    monkeypatch.setattr(torchvision.models, "get_model", lambda *a, **k: pytest.fail("built anyway"))
+    with pytest.raises(gg.LoadError, match="random weights only"):
+        gg.load_model(text)
