@@ -151,7 +151,7 @@ def main() -> None:
 @click.option("--max-params", "max_params", metavar="N", help="refuse a pass that would add more parameters (default 100M; e.g. 500M)")
 @click.option("--max-memory", "max_memory", metavar="SIZE", help="refuse a pass whose grown model needs more activation memory at the verification batch (default 8G)")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="seed for new weights")
-@click.option("--dry-run", is_flag=True, help="run and verify the passes and show the report, but write nothing")
+@click.option("--dry-run", is_flag=True, help="run and verify the passes and show the report, but write no model (a --diagram is still drawn)")
 @click.option("--diagram", metavar="OUT.svg", help="also draw the graph after growth against before (added, rebuilt, reshaped highlighted; .svg or .png)")
 @_common
 def mutate(model, specs, output, onnx_out, check, provider, max_params, max_memory, seed, dry_run, diagram, input_shape, trust, leaves, trace_mode, as_json, debug):
@@ -211,7 +211,7 @@ def _print_mutation(report: dict) -> None:
     for path in report["outputs"]:
         out.print(f"wrote {path}")
     if report.get("dry_run"):
-        out.print(f"dry run: nothing written (would write {', '.join(report['dry_run']['would_write'])})", markup=False, highlight=False)
+        out.print(f"dry run: no model written (would write {', '.join(report['dry_run']['would_write'])})", markup=False, highlight=False)
     if report.get("output_note") and report["outputs"]:
         out.print(f"note: {report['output_note']}", markup=False, highlight=False)
     timing = ", ".join(f"{k} {v:.1f}s" for k, v in report.get("timings", {}).items())

@@ -9,6 +9,7 @@ from pathlib import Path
 from torch import fx
 
 from .errors import InputError
+from .load import atomic_write
 
 COLOURS = {"added": "#2ca02c", "rebuilt": "#ff7f0e", "reshaped": "#1f77b4", "same": "#d9d9d9", "run": "#f0f0f0"}
 
@@ -144,6 +145,8 @@ def draw(old: fx.GraphModule, new: fx.GraphModule, path: str | Path, title: str 
     if kind not in ("svg", "png", "pdf"):
         plt.close(fig)
         raise InputError(f"cannot draw to a .{kind} file", "use .svg or .png")
-    fig.savefig(out, format=kind)
-    plt.close(fig)
+    try:  # through a temp file and a rename, with the modes any new file gets (like every other output)
+        atomic_write(out, lambda tmp: fig.savefig(tmp, format=kind))
+    finally:
+        plt.close(fig)
     return out

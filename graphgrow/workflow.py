@@ -144,8 +144,13 @@ def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs
         "outputs": [],
         "timings": timings,
     }
-    if dry_run:
+    title = f"{source} + {', '.join(r.name for r in result.results)}"
+    if dry_run:  # no model is written; a diagram asked for is the preview itself
         report["dry_run"] = {"would_write": [str(p) for p in (out_path, onnx_path) if p is not None]}
+        if diagram is not None:
+            with StagedOutputs() as staged:
+                _draw(opened.gm, result.gm, staged.reserve(diagram), diagram, title, progress)
+                report["outputs"] = [str(p) for p in staged.commit()]
         return report
     with StagedOutputs() as staged:  # every output appears at the end, together, or none does
         progress(f"saving {out_path}")
@@ -159,13 +164,16 @@ def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs
             staged.discard()  # a model that failed its check is not written
             return report
         if diagram is not None:
-            from .diagram import draw
-
-            progress(f"drawing {diagram}")
-            draw(opened.gm, result.gm, staged.reserve(diagram), f"{source} + {', '.join(r.name for r in result.results)}",
-                 fmt=diagram.suffix)
+            _draw(opened.gm, result.gm, staged.reserve(diagram), diagram, title, progress)
         report["outputs"] = [str(p) for p in staged.commit()]
     return report
+
+
+def _draw(before: fx.GraphModule, after: fx.GraphModule, tmp: Path, final: Path, title: str, progress: Progress) -> None:
+    from .diagram import draw
+
+    progress(f"drawing {final}")
+    draw(before, after, tmp, title, fmt=final.suffix)
 
 
 def diff(source_a: str, source_b: str, diagram: str | None = None, trust: bool = False, progress: Progress = _noop) -> dict:

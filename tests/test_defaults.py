@@ -108,7 +108,7 @@ def test_dry_run_writes_nothing(runner, tmp_path, monkeypatch):
     res = runner.invoke(main, ["mutate", "factories:small_cnn", "--pass", "insert_adapter", "--input-shape", "1,3,16,16",
                                "--onnx", "m.onnx", "--dry-run"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
-    assert "dry run: nothing written (would write" in res.output and "insert_adapter" in res.output
+    assert "dry run: no model written (would write" in res.output and "insert_adapter" in res.output
     assert list(tmp_path.iterdir()) == []
 
 

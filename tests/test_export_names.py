@@ -80,3 +80,23 @@ def test_mutate_draws_the_change_and_diff_reports_it(tmp_path):
     assert run_cli("mutate", str(model), "--pass", "deepen", "--input-shape", "1,3,16,16", "-o", str(other)).returncode == 0
     proc = run_cli("diff", str(tmp_path / "g.pt"), str(other))
     assert proc.returncode == 2 and "not of one lineage" in proc.stderr
+
+
+def test_a_dry_run_draws_the_preview_and_writes_no_model(tmp_path):
+    import os
+    import stat
+
+    import torch
+
+    from conftest import run_cli
+
+    model = tmp_path / "m.pt"
+    torch.save(small_cnn().eval(), model)
+    proc = run_cli("mutate", str(model), "--pass", "deepen", "--input-shape", "1,3,16,16", "--dry-run",
+                   "--diagram", str(tmp_path / "preview.svg"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "preview.svg"]  # no model, no temp file left
+    assert "dry run: no model written" in proc.stdout and "wrote " in proc.stdout
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "preview.svg").stat().st_mode) == 0o666 & ~umask  # like every other output
