@@ -340,7 +340,7 @@ def check(onnx_file, model, provider, rtol, atol, seed, input_shape, trust, leav
 
 @main.command()
 @click.argument("model")
-@click.option("--all", "show_all", is_flag=True, help="list every node (default: skip nodes without a tensor shape)")
+@click.option("--all", "show_all", is_flag=True, help="list every node (default: skip nodes without a tensor shape) and every automatic leaf")
 @click.option("--groups", is_flag=True, help="show the channel-coupling groups (what grow_width widens together) instead of nodes")
 @click.option("--summary", is_flag=True, help="one row per module (torchinfo-like) instead of one per node: fits a large model on a screen")
 @click.option("--depth", type=click.IntRange(1, 10), default=1, show_default=True, help="module depth of --summary rows")
@@ -376,7 +376,7 @@ def inspect(model, show_all, groups, summary, depth, input_shape, trust, leaves,
                       f"{n['flops']:,}" if n["flops"] else "")
         out.print(t)
         out.print(f"total: {report['params']:,} parameters, {report['flops']:,} FLOPs per example")
-        _print_trace(report.get("trace") or {})
+        _print_trace(report.get("trace") or {}, show_all)
         _print_log(report["log"])
         return 0
 
@@ -415,15 +415,24 @@ def _print_log(log: list) -> None:
                   f"params {e['params_before']:,} → {e['params_after']:,}", markup=False, highlight=False)
 
 
-def _print_trace(trace: dict) -> None:
-    """How the model was traced: automatic leaves and why, notes, the fidelity checks that passed."""
+def _print_trace(trace: dict, show_all: bool = False) -> None:
+    """How the model was traced: automatic leaves and why (the same reason once, with its modules,
+    unless --all), notes, the fidelity checks that passed."""
     if not trace:
         return
     leaves = trace.get("auto_leaves") or {}
     if leaves:
         out.print(f"automatic leaves ({len(leaves)}):", markup=False)
+        by_reason: dict[str, list[str]] = {}
         for path, why in leaves.items():
-            out.print(f"  {path}: {why}", markup=False)
+            by_reason.setdefault(why, []).append(path)
+        for why, paths in by_reason.items():
+            if show_all or len(paths) <= 3:
+                for path in paths:
+                    out.print(f"  {path}: {why}", markup=False)
+            else:
+                shown = ", ".join(paths[:3])
+                out.print(f"  {len(paths)} × {why}: {shown}, … (--all lists every one)", markup=False)
     for note in trace.get("notes", []):
         out.print(f"trace: {note}", markup=False)
     if trace.get("fidelity"):

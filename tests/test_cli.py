@@ -185,3 +185,17 @@ def test_inspect_groups_shows_what_can_grow_and_why_not(runner, cnn_file):
     assert groups[1]["blocked_by"] == [] and groups[4]["blocked_by"] == ["'_11': it is the model's output"]
     text = invoke(runner, "inspect", str(cnn_file), "--input-shape", "1,3,32,32", "--groups").output
     assert "growable" in text and "frozen" in text
+
+
+def test_inspect_says_each_automatic_leaf_reason_once(capsys):
+    from graphgrow.cli import _print_trace
+
+    trace = {"auto_leaves": {**{f"blocks.{i}.bn": "BatchNormAct2d: branches on self.training" for i in range(5)},
+                             "head": "Head: data-dependent control flow"}, "fidelity": ["eval@2"]}
+    _print_trace(trace)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "automatic leaves (6):"
+    assert lines[1].startswith("  5 × BatchNormAct2d: branches on self.training: blocks.0.bn, blocks.1.bn, blocks.2.bn, …")
+    assert lines[2] == "  head: Head: data-dependent control flow"
+    _print_trace(trace, show_all=True)
+    assert sum("blocks." in line for line in capsys.readouterr().out.splitlines()) == 5
