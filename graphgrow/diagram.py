@@ -89,6 +89,14 @@ def collapse(raw: list[Item], keep: int = 0) -> list[Item]:
     return items
 
 
+def diagram_format(path: str | Path, fmt: str | None = None) -> str:
+    """svg, png or pdf from the file name (checked before any work is done); InputError otherwise."""
+    kind = (fmt or Path(path).suffix).lstrip(".").lower() or "svg"
+    if kind not in ("svg", "png", "pdf"):
+        raise InputError(f"cannot draw to a .{kind} file", "use .svg or .png")
+    return kind
+
+
 def draw(old: fx.GraphModule, new: fx.GraphModule, path: str | Path, title: str = "", fmt: str | None = None) -> Path:
     """Draw `new` against `old` (same lineage) to `path`; the format from `fmt` or the path's suffix
     (.svg, default, or .png)."""
@@ -141,10 +149,11 @@ def draw(old: fx.GraphModule, new: fx.GraphModule, path: str | Path, title: str 
     ax.set_title((title or "graph after growth") + note, fontsize=9, loc="left")
     fig.tight_layout()
     out = Path(path)
-    kind = (fmt or out.suffix).lstrip(".").lower() or "svg"
-    if kind not in ("svg", "png", "pdf"):
+    try:
+        kind = diagram_format(out, fmt)
+    except InputError:
         plt.close(fig)
-        raise InputError(f"cannot draw to a .{kind} file", "use .svg or .png")
+        raise
     try:  # through a temp file and a rename, with the modes any new file gets (like every other output)
         atomic_write(out, lambda tmp: fig.savefig(tmp, format=kind))
     finally:

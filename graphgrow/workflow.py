@@ -21,6 +21,7 @@ from .load import (
 from .pass_base import Candidate
 from .pipeline import Pipeline, PipelineResult, parse_spec
 from .input_shape import infer_input_shape, parse_input_shape, require_single_input
+from .diagram import diagram_format
 from .lineage import origin_of, require_lineage
 from .shapes import annotate, param_count, total_flops
 from .trace import graph_info, trace
@@ -103,6 +104,8 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
     out_path = check_output_path(out or default_output_path(source, suffix), inputs=(source,))
     onnx_path = check_output_path(onnx_out, inputs=(source,)) if onnx_out else None
     diagram_path = check_output_path(diagram, inputs=(source,)) if diagram else None
+    if diagram_path is not None:
+        diagram_format(diagram_path)  # a wrong extension is refused before the passes run
     _distinct_outputs(out_path, onnx_path, diagram_path)
     opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, pipeline.limits.max_memory)
     report = _grow_and_write(pipeline, opened, source, (source,), out_path, onnx_path, check, provider, progress, "pass",
@@ -178,6 +181,9 @@ def _draw(before: fx.GraphModule, after: fx.GraphModule, tmp: Path, final: Path,
 
 def diff(source_a: str, source_b: str, diagram: str | None = None, trust: bool = False, progress: Progress = _noop) -> dict:
     """What B changed against A (graphgrow files of one lineage: one's mutation log starts with the other's)."""
+    if diagram:
+        check_output_path(diagram, inputs=(source_a, source_b))
+        diagram_format(diagram)  # refused before the models are loaded
     b = open_model(source_b, None, trust, (), progress)
     a = open_model(source_a, b.input_shape, trust, (), progress)  # B (a graphgrow file) knows the shape; A may not
     lineage = require_lineage(a.gm, source_a, b.gm, source_b)
