@@ -214,6 +214,8 @@ def _print_mutation(report: dict) -> None:
         out.print(f"dry run: no model written (would write {', '.join(report['dry_run']['would_write'])})", markup=False, highlight=False)
     if report.get("output_note") and report["outputs"]:
         out.print(f"note: {report['output_note']}", markup=False, highlight=False)
+    if report.get("trust_note"):
+        out.print(f"note: {report['trust_note']}", markup=False, highlight=False)
     timing = ", ".join(f"{k} {v:.1f}s" for k, v in report.get("timings", {}).items())
     if timing:
         out.print(f"time: {timing}")

@@ -52,6 +52,25 @@ def standard_layer_classes() -> list[type]:
     return sorted(classes, key=lambda c: (c.__module__, c.__name__))
 
 
+def custom_classes(model: nn.Module) -> list[str]:
+    """The submodule classes a safe load refuses (not torch.nn's own layers nor graphgrow's): a saved
+    model holding one needs --trust to be read back."""
+    allowed = set(standard_layer_classes())
+    found = {f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()
+             if type(m) not in allowed and not isinstance(m, fx.GraphModule)}
+    return sorted(found)
+
+
+def _is_graphgrow_file(path: Path) -> bool:
+    """A cheap look at the pickle inside a torch.save zip (nothing is unpickled): does it hold graphgrow's format tag?"""
+    try:
+        with zipfile.ZipFile(path) as z:
+            member = next((m for m in z.namelist() if m.endswith("data.pkl")), None)
+            return member is not None and serialize.FORMAT.encode() in z.open(member).read(1 << 16)
+    except (OSError, zipfile.BadZipFile, RuntimeError):
+        return False
+
+
 def is_factory_name(source: str) -> bool:
     """A model name (zoo:NAME, package.module:factory, optionally with literal arguments), not a file."""
     from .zoo import looks_like_name
@@ -140,7 +159,7 @@ def _torch_load(path: Path, trust: bool) -> Any:
     except LoadError:
         raise
     except Exception as e:
-        raise _explain(name, head, e, trust) from e
+        raise _explain(name, head, e, trust, _is_graphgrow_file(path)) from e
 
 
 MAX_LOAD_BYTES = int(os.environ.get("GRAPHGROW_MAX_LOAD_BYTES", 16 << 30))  # what a model file may unpack to
@@ -194,7 +213,7 @@ def _first_bad_member(z: zipfile.ZipFile) -> str | None:
     return None
 
 
-def _explain(name: str, head: bytes, e: Exception, trust: bool) -> LoadError:
+def _explain(name: str, head: bytes, e: Exception, trust: bool, graphgrow_file: bool = False) -> LoadError:
     msg = str(e)
     blocked = re.search(r"GLOBAL ([\w.]+)", msg)
     if blocked and not trust:
@@ -206,6 +225,11 @@ def _explain(name: str, head: bytes, e: Exception, trust: bool) -> LoadError:
             return LoadError(
                 f"{name} asks to call {what} while loading; refused, nothing was run",
                 "this file is not a plain model; use --trust only if you wrote it yourself",
+            )
+        if graphgrow_file:  # graphgrow kept a module of an installed package whole (a leaf it does not trace through)
+            return LoadError(
+                f"{name} contains the custom class {what}; loading it would run that class's code",
+                "pass --trust if you wrote the file yourself; graphgrow keeps such modules whole, so reading them needs trust",
             )
         return LoadError(
             f"{name} contains the custom class {what}; loading it would run that class's code",

@@ -16,7 +16,8 @@ from torch import fx, nn
 
 from .errors import InputError, LoadError, SaveError, SpecError, ValidationError
 from .load import (
-    FACTORY_SEED, LoadedModel, check_output_path, default_output_path, is_factory_name, load_model, plain_output_path, save_model,
+    FACTORY_SEED, LoadedModel, check_output_path, custom_classes, default_output_path, is_factory_name, load_model,
+    plain_output_path, save_model,
 )
 from .pass_base import Candidate
 from .pipeline import Pipeline, PipelineResult, parse_spec
@@ -169,6 +170,11 @@ def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs
         if diagram is not None:
             _draw(opened.gm, result.gm, staged.reserve(diagram), diagram, title, progress)
         report["outputs"] = [str(p) for p in staged.commit()]
+    custom = custom_classes(result.gm)
+    if custom:  # said now, not discovered at the next command's refusal
+        shown = ", ".join(custom[:3]) + (f" and {len(custom) - 3} more" if len(custom) > 3 else "")
+        report["trust_note"] = (f"reading {out_path.name} back needs --trust: it keeps modules of custom classes whole "
+                                f"({shown}); loading them runs that installed code")
     return report
 
 

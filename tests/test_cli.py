@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from graphgrow.cli import main
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
 
 def invoke(runner, *args):
@@ -199,3 +199,18 @@ def test_inspect_says_each_automatic_leaf_reason_once(capsys):
     assert lines[2] == "  head: Head: data-dependent control flow"
     _print_trace(trace, show_all=True)
     assert sum("blocks." in line for line in capsys.readouterr().out.splitlines()) == 5
+
+
+def test_a_saved_model_that_needs_trust_says_so_when_written_and_when_read(tmp_path):
+    env = {"PYTHONPATH": str(ROOT / "tests")}
+    proc = run_cli("mutate", "factories:cnn_with_custom_leaf", "--pass", "deepen", "--input-shape", "1,3,16,16",
+                   "-o", str(tmp_path / "g.pt"), cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "note: reading g.pt back needs --trust" in proc.stdout and "factories.ModeGate" in proc.stdout
+    proc = run_cli("inspect", str(tmp_path / "g.pt"), cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and "contains the custom class factories.ModeGate" in proc.stderr
+    assert "graphgrow keeps such modules whole" in proc.stderr  # not the factory hint: this is a graphgrow file
+    assert run_cli("inspect", str(tmp_path / "g.pt"), "--trust", cwd=tmp_path, env=env).returncode == 0
+    proc = run_cli("mutate", "factories:small_cnn", "--pass", "deepen", "--input-shape", "1,3,16,16",
+                   "-o", str(tmp_path / "plain.pt"), cwd=tmp_path, env=env)
+    assert proc.returncode == 0 and "needs --trust" not in proc.stdout
