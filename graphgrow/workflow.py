@@ -470,7 +470,7 @@ def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence
         nodes.append({"name": n.name, "op": n.op, "target": target, "shape": n.meta.get("gg_shape"),
                       "params": n.meta.get("gg_params", 0), "flops": n.meta.get("gg_flops", 0)})
     report = {"model": source, "input_shape": opened.input_shape, "nodes": nodes, "params": param_count(gm),
-              "flops": total_flops(gm), "log": graph_info(gm).get("log", []), "trace": graph_info(gm).get("trace", {}),
+              "flops": total_flops(gm), "log": graph_info(gm).get("log", []), "origin": origin_of(gm), "trace": graph_info(gm).get("trace", {}),
               "summary": module_summary(gm, depth)}
     if groups:
         from .coupling import analyze

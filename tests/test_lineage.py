@@ -147,3 +147,8 @@ def test_a_malformed_origin_in_a_graphgrow_file_is_a_load_error(origin):
     payload["meta"][ORIGIN_KEY] = origin
     with pytest.raises(LoadError, match="origin fingerprint is malformed"):
         serialize.from_payload(payload)
+
+
+def test_inspect_json_shows_the_origin(files):
+    report = workflow.inspect(files["folded"])
+    assert report["origin"] == structure_fingerprint(gg.trace(small_cnn(), input_shape=SHAPE))
