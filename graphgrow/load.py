@@ -104,6 +104,12 @@ def load_model(source: str | os.PathLike, trust: bool = False, factory_seed: int
     return _interpret(obj, text, trust)
 
 
+# Libraries whose own functions load, save or run things (torch.load reads pickles, numpy.load too): a
+# name may point at their nn.Module classes, never at their functions.
+_NOT_FACTORIES = {"torch", "numpy", "scipy", "pandas", "joblib", "dill", "cloudpickle", "yaml", "safetensors", "onnx",
+                  "onnxruntime", "ray", "requests", "urllib3", "httpx", "fsspec", "huggingface_hub", "setuptools", "pip"}
+
+
 def import_object(name: str) -> Callable:
     """The callable named `package.module:function`. Installed packages come first; the current
     folder is searched last, so a user's own module is found but cannot shadow an installed one.
@@ -111,6 +117,9 @@ def import_object(name: str) -> Callable:
     if not _FACTORY.match(name):
         raise LoadError(f"{name!r} does not name a function", "write package.module:function, e.g. mytask:train_epoch")
     module_name, attr = name.split(":")
+    if module_name.split(".")[0] in sys.stdlib_module_names:  # refused before importing: importing can act too
+        raise LoadError(f"{name} is in Python's standard library, not a model factory: graphgrow does not call it",
+                        "name a function or class of your own package or a model zoo, e.g. mymodels:build")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())
     try:
@@ -120,6 +129,14 @@ def import_object(name: str) -> Callable:
     obj = getattr(module, attr, None)
     if not callable(obj):
         raise LoadError(f"'{module_name}' has no callable '{attr}'", f"see dir({module_name}) for the names it offers")
+    home = (getattr(obj, "__module__", None) or module_name).split(".")[0]  # where it is defined, not re-exported
+    what = getattr(obj, "__name__", attr)
+    if home in sys.stdlib_module_names:
+        raise LoadError(f"{name} is {what} from Python's standard library, not a model factory: graphgrow does not call it",
+                        "name a function or class of your own package or a model zoo, e.g. mymodels:build")
+    if home in _NOT_FACTORIES and not (isinstance(obj, type) and issubclass(obj, nn.Module)):
+        raise LoadError(f"{name} is {home}'s own {what}, not a model factory: from {home} graphgrow calls only nn.Module classes",
+                        "name a function or class of your own package or a model zoo, e.g. mymodels:build")
     return obj
 
 

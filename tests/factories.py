@@ -1,5 +1,8 @@
 """Tiny model factories for tests that name a model as `module:factory` (random weights, like torchvision's)."""
+import torch
 from torch import nn
+
+load_weights = torch.load  # a re-exported loader: naming it as a factory must be refused
 
 
 def small_cnn() -> nn.Module:
@@ -17,3 +20,12 @@ class ModeGate(nn.Module):
 def cnn_with_custom_leaf() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), ModeGate(), nn.ReLU(),
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)).eval()
+
+
+def exits() -> nn.Module:
+    """A factory that raises SystemExit: graphgrow reports it in one line (exit 2) instead of exiting."""
+    raise SystemExit(3)
+
+
+def fails() -> nn.Module:
+    raise ValueError("no model today")

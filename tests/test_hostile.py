@@ -16,7 +16,7 @@ import graphgrow as gg
 from graphgrow.load import load_model, save_model
 from graphgrow.input_shape import parse_input_shape
 from graphgrow.workflow import mutate, open_model
-from conftest import run_cli, small_cnn
+from conftest import ROOT, run_cli, small_cnn
 
 READ_ONLY = Path("/sys")  # not writable even for root (the CI user)
 
@@ -108,7 +108,8 @@ MATRIX = [  # label, argv (after `graphgrow`), message
                                       "-o", "/dev/null"], "is not a regular file"),
     ("the same file for -o and --onnx", ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32,32",
                                          "-o", "{tmp}/x", "--onnx", "{tmp}/x"], "(-o, --onnx, --diagram) name the same file"),
-    ("a factory that exits", ["inspect", "builtins:exit"], "builtins:exit() failed: SystemExit"),
+    ("a factory that exits", ["inspect", "factories:exits"], "factories:exits() failed: SystemExit"),
+    ("the standard library as a factory", ["inspect", "builtins:exit"], "in Python's standard library, not a model factory"),
     ("markup in a pass spec", ["mutate", "{good}", "--pass", "add_residual(start=[/x])", "--input-shape", "1,3,32,32"],
      "[/x]"),
     ("a huge factor", ["mutate", "{good}", "--pass", "grow_width(factor=1e9)", "--input-shape", "1,3,32,32"],
@@ -141,7 +142,7 @@ def test_cli_matrix(tmp_path, label, argv, message):
     files = make_inputs(tmp_path)
     before = digest(tmp_path)
     args = [a.format(tmp=tmp_path, **files) for a in argv]
-    proc = run_cli(*args, cwd=tmp_path)
+    proc = run_cli(*args, cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "tests")})  # tests/factories.py
     assert proc.returncode == 2, (label, proc.stderr)
     lines = [l for l in proc.stderr.splitlines() if l.strip() and not l.startswith("  ")]  # a spec error adds spec + caret
     assert len(lines) == 1 and lines[0].startswith("error: "), (label, proc.stderr)

@@ -71,7 +71,8 @@ def test_factory_name_imports_installed_code():
 @pytest.mark.parametrize("name, message", [
     ("no_such_pkg_xyz:build", "cannot import 'no_such_pkg_xyz'"),
     ("torchvision.models:not_a_model", "has no callable 'not_a_model'"),
-    ("torch:zeros", "zeros() failed"),
+    ("factories:fails", "fails() failed: ValueError: no model today"),
+    ("torch:zeros", "torch's own zeros, not a model factory"),
 ])
 def test_bad_factory_names(name, message):
     with pytest.raises(gg.LoadError, match=message.replace("(", r"\(").replace(")", r"\)")):

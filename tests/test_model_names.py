@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import graphgrow as gg
 from conftest import ROOT, run_cli
@@ -80,3 +81,25 @@ def test_arguments_asking_for_stored_weights_are_refused_before_anything_is_buil
     monkeypatch.setattr(torchvision.models, "get_model", lambda *a, **k: pytest.fail("built anyway"))
     with pytest.raises(gg.LoadError, match="random weights only"):
         gg.load_model(text)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("os:system(command='touch {tmp}/pwned')", "standard library"),
+    ("subprocess:run(args='touch {tmp}/pwned', shell=True)", "standard library"),
+    ("builtins:open(file='{tmp}/pwned', mode='w')", "standard library"),
+    ("shutil:copy(src='/etc/hostname', dst='{tmp}/pwned')", "standard library"),
+    ("torch:load(f='{tmp}/evil.pt', weights_only=False)", "torch's own load"),
+    ("torch.hub:download_url_to_file(url='http://x', dst='{tmp}/pwned')", "torch's own download_url_to_file"),
+    ("numpy:save(file='{tmp}/pwned', arr=1)", "numpy's own save"),
+    ("factories:load_weights(f='{tmp}/evil.pt', weights_only=False)", "torch's own load"),  # re-exported elsewhere
+])
+def test_names_of_loaders_and_the_standard_library_are_not_called(tmp_path, text, message):
+    proc = run_cli("inspect", text.format(tmp=tmp_path), "--input-shape", "1,4", cwd=tmp_path,
+                   env={"PYTHONPATH": str(ROOT / "tests")})
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_nn_module_classes_of_torch_are_factories():
+    loaded = gg.load_model("torch.nn:Linear(in_features=4, out_features=3)")
+    assert isinstance(loaded.module, torch.nn.Linear) and loaded.module.out_features == 3
