@@ -110,6 +110,22 @@ _NOT_FACTORIES = {"torch", "numpy", "scipy", "pandas", "joblib", "dill", "cloudp
                   "onnxruntime", "ray", "requests", "urllib3", "httpx", "fsspec", "huggingface_hub", "setuptools", "pip"}
 
 
+@contextlib.contextmanager
+def cwd_importable():
+    """The current folder on sys.path — last, so installed packages win — only while a named factory is
+    imported and called: a stray .py file there is never picked up by a later import (an optional
+    dependency probed lazily during tracing or export)."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
 def import_object(name: str) -> Callable:
     """The callable named `package.module:function`. Installed packages come first; the current
     folder is searched last, so a user's own module is found but cannot shadow an installed one.
@@ -120,10 +136,9 @@ def import_object(name: str) -> Callable:
     if module_name.split(".")[0] in sys.stdlib_module_names:  # refused before importing: importing can act too
         raise LoadError(f"{name} is in Python's standard library, not a model factory: graphgrow does not call it",
                         "name a function or class of your own package or a model zoo, e.g. mymodels:build")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
     try:
-        module = importlib.import_module(module_name)
+        with cwd_importable():
+            module = importlib.import_module(module_name)
     except ImportError as e:
         raise LoadError(f"cannot import '{module_name}' for {name}: {e}", "install the package or check the name") from e
     obj = getattr(module, attr, None)
@@ -146,7 +161,7 @@ def _from_factory(text: str, seed: int) -> LoadedModel:
     name = parse_name(text)
     build, shape = builder(name, import_object)
     try:
-        with contextlib.redirect_stdout(sys.stderr), torch.random.fork_rng(devices=[]):  # prints must not corrupt --json
+        with contextlib.redirect_stdout(sys.stderr), torch.random.fork_rng(devices=[]), cwd_importable():  # prints must not corrupt --json
             torch.manual_seed(seed)
             model = build()
     except LoadError:

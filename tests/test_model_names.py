@@ -103,3 +103,20 @@ def test_names_of_loaders_and_the_standard_library_are_not_called(tmp_path, text
 def test_nn_module_classes_of_torch_are_factories():
     loaded = gg.load_model("torch.nn:Linear(in_features=4, out_features=3)")
     assert isinstance(loaded.module, torch.nn.Linear) and loaded.module.out_features == 3
+
+
+def test_the_current_folder_is_importable_only_while_a_factory_is_built(tmp_path, monkeypatch):
+    import importlib.util
+    import sys
+
+    (tmp_path / "mymodels.py").write_text("import helper\n\ndef build():\n    return helper.net()\n")
+    (tmp_path / "helper.py").write_text("import torch\n\ndef net():\n    import lazy_sibling\n    return lazy_sibling.NET\n")
+    (tmp_path / "lazy_sibling.py").write_text("import torch\nNET = torch.nn.Linear(4, 2)\n")
+    (tmp_path / "probe_optional_dep.py").write_text("raise SystemExit('a stray module in the current folder ran')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    loaded = gg.load_model("mymodels:build")  # its siblings import at import time and lazily, while it builds
+    assert isinstance(loaded.module, torch.nn.Linear)
+    assert str(tmp_path) not in sys.path and importlib.util.find_spec("probe_optional_dep") is None
+    for name in ("mymodels", "helper", "lazy_sibling"):
+        sys.modules.pop(name, None)
