@@ -207,6 +207,17 @@ def mutation_log(proto: onnx.ModelProto) -> list[dict]:
     return validate_meta({"log": log})["log"]
 
 
+def onnx_factory_seed(proto: onnx.ModelProto) -> int | None:
+    """The seed a factory's random weights were drawn with, as the export recorded it (None: not recorded)."""
+    value = metadata(proto).get(FACTORY_SEED_KEY)
+    if value is None:
+        return None
+    if not re.fullmatch(r"\d{1,19}", value) or int(value) >= 2**63:
+        raise LoadError(f"the ONNX file records the factory seed {value[:40]!r}, which is not a seed",
+                        "pass --seed N, or export the model again")
+    return int(value)
+
+
 def onnx_origin(proto: onnx.ModelProto) -> str | None:
     """The origin fingerprint an export recorded (None for files exported before origins were)."""
     value = metadata(proto).get(ORIGIN_KEY)
@@ -237,16 +248,28 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
     if not p.is_file():
         raise LoadError(f"no such ONNX file: {p}", "check the path")
     try:
-        return onnx.load(str(p))
+        proto = onnx.load(str(p), load_external_data=False)  # external data would name other files to read
     except Exception as e:
         raise LoadError(f"{p} is not a readable ONNX model: {first_line(e, 200)}", "pass a file written by graphgrow export") from e
+    external = [t.name for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    if external:
+        raise LoadError(f"{p} keeps {len(external)} tensor(s) in external files ({external[0][:80]}, …); graphgrow reads "
+                        "self-contained ONNX files only", "export it again with graphgrow export (one self-contained file)")
+    return proto
 
 
 def onnx_input_shape(proto) -> list[int] | None:
     """The example shape from the ONNX input (dynamic dims → 1), or from graphgrow's metadata."""
     stored = metadata(proto).get(INPUT_SHAPE_KEY)
     if stored:
-        return json.loads(stored)
+        try:
+            shape = json.loads(stored)
+        except (ValueError, RecursionError):
+            shape = None
+        if not (isinstance(shape, list) and 1 <= len(shape) <= 8 and all(type(d) is int and 0 < d <= 1 << 20 for d in shape)):
+            raise LoadError(f"the ONNX file stores the input shape {stored[:80]!r}, which is not a shape",
+                            "pass --input-shape N,C,H,W, or export the model again")
+        return shape
     if not proto.graph.input:
         return None
     dims = proto.graph.input[0].type.tensor_type.shape.dim
@@ -276,7 +299,7 @@ def describe_onnx(path: str) -> dict:
         "inputs": [{"name": i.name, "shape": dims(i), "dtype": elem(i)} for i in proto.graph.input],
         "outputs": [{"name": o.name, "shape": dims(o), "dtype": elem(o)} for o in proto.graph.output],
         "nodes": len(proto.graph.node), "ops": dict(collections.Counter(n.op_type for n in proto.graph.node).most_common()),
-        "params": params, "input_shape": json.loads(meta[INPUT_SHAPE_KEY]) if INPUT_SHAPE_KEY in meta else None,
+        "params": params, "input_shape": onnx_input_shape(proto) if INPUT_SHAPE_KEY in meta else None,
         "log": mutation_log(proto),
         "metadata": {k: v for k, v in meta.items() if k != LOG_KEY},
     }

@@ -290,7 +290,7 @@ def replay(source: str, log_source: str, out: str | None = None, onnx_out: str |
     """Re-apply the mutation log of `log_source` (a graphgrow .pt or an exported .onnx) to the model `source`."""
     from .pipeline import from_log
 
-    log, grown_shape, grown_origin = _read_log(log_source, trust)
+    log, grown_shape, grown_origin = _read_log(log_source, trust, need_shape=input_shape is None)
     pipeline = from_log(log)  # a malformed log is refused before the model is loaded
     inputs = (source, log_source)
     out_path = check_output_path(out or default_output_path(source, ".replayed.pt"), inputs=inputs)
@@ -316,13 +316,13 @@ def replay(source: str, log_source: str, out: str | None = None, onnx_out: str |
     return report
 
 
-def _read_log(log_source: str, trust: bool) -> tuple[list[dict], list[int] | None, str | None]:
+def _read_log(log_source: str, trust: bool, need_shape: bool = True) -> tuple[list[dict], list[int] | None, str | None]:
     """The mutation log, example input shape and origin fingerprint stored in a graphgrow .pt or an exported .onnx."""
     if str(log_source).endswith(".onnx"):
         from .export import load_onnx, mutation_log, onnx_input_shape, onnx_origin
 
         proto = load_onnx(log_source)
-        return mutation_log(proto), onnx_input_shape(proto), onnx_origin(proto)
+        return mutation_log(proto), onnx_input_shape(proto) if need_shape else None, onnx_origin(proto)
     loaded = load_model(log_source, trust=trust)
     if loaded.kind != "graphgrow":
         raise LoadError(f"{log_source} has no mutation log (it was not written by graphgrow)",
@@ -398,7 +398,7 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
     seed the export recorded (or `seed`); without either the comparison would be meaningless, so
     it is refused."""
     from .equivalence import check_equivalence
-    from .export import FACTORY_SEED_KEY, SOURCE_KEY, load_onnx, metadata, onnx_input_shape
+    from .export import SOURCE_KEY, load_onnx, metadata, onnx_factory_seed, onnx_input_shape
     from .runtime import open_session
 
     proto = load_onnx(onnx_file)
@@ -406,13 +406,13 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
     meta = metadata(proto)
     factory_seed = FACTORY_SEED
     if is_factory_name(source):
-        recorded = meta.get(FACTORY_SEED_KEY)
-        if seed is None and recorded is None:
+        recorded = onnx_factory_seed(proto) if seed is None else seed
+        if recorded is None:
             raise InputError(f"{onnx_file} does not record how its weights were made, and {source} builds new random "
                              "weights each time: the two could not agree",
                              "compare against the model file it was exported from, or pass --seed N if you know "
                              "the seed the factory was built with")
-        factory_seed = seed if seed is not None else int(recorded)  # type: ignore[arg-type]
+        factory_seed = recorded
     opened = open_model(source, shape, trust, leaves, progress, trace_mode, factory_seed=factory_seed)
     progress("checking onnxruntime against PyTorch")
     session = open_session(str(onnx_file), provider)
