@@ -186,7 +186,8 @@ def _draw(before: fx.GraphModule, after: fx.GraphModule, tmp: Path, final: Path,
 
 
 def diff(source_a: str, source_b: str, diagram: str | None = None, trust: bool = False, progress: Progress = _noop) -> dict:
-    """What B changed against A (graphgrow files of one lineage: one's mutation log starts with the other's)."""
+    """What B changed against A, where B was grown from A (lineage.require_lineage: A's mutation log is the
+    start of B's and both start from the same network)."""
     if diagram:
         check_output_path(diagram, inputs=(source_a, source_b))
         diagram_format(diagram)  # refused before the models are loaded
