@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,11 +99,12 @@ def test_an_interrupted_search_resumes_from_its_checkpoints(tmp_path, local_ray)
     seen = []
     deadline = time.monotonic() + 240
     assert proc.stderr is not None
-    for line in proc.stderr:
+    midway = re.compile(r"round [234]/5")  # asynchronous PBT: a trial that exploits a donor ahead of it can make
+    for line in proc.stderr:                # the population's slowest point jump a round (1 → 3 was seen)
         seen.append(line)
-        if line.startswith("round 2/5") or time.monotonic() > deadline:
+        if midway.match(line) or time.monotonic() > deadline:
             break
-    assert any(ln.startswith("round 2/5") for ln in seen), "".join(seen)[-2000:]
+    assert any(midway.match(ln) for ln in seen), "".join(seen)[-2000:]
     proc.send_signal(signal.SIGINT)
     _, rest = proc.communicate(timeout=120)
     assert proc.returncode == 130, rest[-2000:]
