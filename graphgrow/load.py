@@ -160,6 +160,10 @@ def _from_factory(text: str, seed: int) -> LoadedModel:
 
     name = parse_name(text)
     build, shape = builder(name, import_object)
+    size = _size_on_meta(build)
+    if size is not None and size > MAX_LOAD_BYTES:
+        raise LoadError(f"{text[:200]} would hold {_mib(size)} of parameters and buffers (limit {_mib(MAX_LOAD_BYTES)}); "
+                        "nothing was allocated", "check the arguments, or raise the limit with --max-load SIZE")
     try:
         with contextlib.redirect_stdout(sys.stderr), torch.random.fork_rng(devices=[]), cwd_importable():  # prints must not corrupt --json
             torch.manual_seed(seed)
@@ -173,6 +177,20 @@ def _from_factory(text: str, seed: int) -> LoadedModel:
     if not isinstance(model, nn.Module):
         raise LoadError(f"{text[:200]}{'' if name.kwargs else '()'} returned {type(model).__name__}, not a torch.nn.Module")
     return LoadedModel(model, text, "factory", input_shape=shape or zoo_input_shape(model), factory_seed=seed)
+
+
+def _size_on_meta(build: Callable[[], Any]) -> int | None:
+    """Bytes of parameters and buffers the factory's model would hold, built on the meta device (shapes,
+    no storage), so an argument like num_classes=10**8 is refused before memory is touched. None when the
+    factory cannot build on meta (it computes with real tensors): then the real build is not pre-checked."""
+    try:
+        with contextlib.redirect_stdout(sys.stderr), torch.device("meta"), torch.random.fork_rng(devices=[]), cwd_importable():
+            model = build()
+    except (Exception, SystemExit):
+        return None  # the real build reports the factory's own error
+    if not isinstance(model, nn.Module):
+        return None
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
 def _torch_load(path: Path, trust: bool) -> Any:

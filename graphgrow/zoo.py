@@ -60,6 +60,8 @@ def parse_name(text: str) -> ModelName:
         raise LoadError(f"the arguments of {m.group('target')} must be key=value pairs", "e.g. timm:resnet26d(num_classes=10)")
     kwargs = {}
     for k in call.keywords:
+        if k.arg in kwargs:  # ast accepts f(a=1, a=2); Python itself refuses it
+            raise LoadError(f"argument {k.arg} of {m.group('target')} is given twice", "give each argument once")
         try:
             kwargs[str(k.arg)] = ast.literal_eval(k.value)
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):

@@ -29,3 +29,12 @@ def exits() -> nn.Module:
 
 def fails() -> nn.Module:
     raise ValueError("no model today")
+
+
+def square_linear(n: int = 4) -> nn.Module:
+    return nn.Linear(n, n)
+
+
+def needs_real_tensors() -> nn.Module:
+    """Computes a size from a real tensor (.item() has no value on the meta device)."""
+    return nn.Linear(int(torch.ones(3).sum().item()), 2)
