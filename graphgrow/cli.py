@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import html
 import json
 import signal
 import sys
@@ -657,13 +658,9 @@ def cli_reference(width: int = 100) -> str:
         ctx = root if cmd is main else click.Context(cmd, info_name=cmd.name, parent=root)
         name = ctx.command_path
         summary = "" if cmd is main else f" — {cmd.get_short_help_str(limit=300)}"
-        parts.append(f"<details><summary><code>{name} --help</code>{escape_html(summary)}</summary>\n\n```text\n"
+        parts.append(f"<details><summary><code>{name} --help</code>{html.escape(summary, quote=False)}</summary>\n\n```text\n"
                      f"{cmd.get_help(ctx)}\n```\n\n</details>")
     return "\n\n".join(parts)
-
-
-def escape_html(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def _type_name(t) -> str:

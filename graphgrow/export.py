@@ -18,9 +18,9 @@ import torch
 from torch import fx
 
 from .errors import ExportError, LoadError, first_line
-from .lineage import is_origin, structure_fingerprint
+from .lineage import is_origin, origin_of
 from .load import atomic_write, check_output_path
-from .serialize import validate_meta
+from .serialize import is_stored_shape, validate_meta
 from .shapes import example_input
 from .state import training_mode
 
@@ -67,7 +67,7 @@ def export_onnx(
     props = dict(metadata or {})
     info = gm.meta.get("graphgrow", {}) if isinstance(gm, fx.GraphModule) else {}
     props.setdefault(LOG_KEY, json.dumps(info.get("log", [])))
-    origin = info.get("origin") or (structure_fingerprint(gm) if info and not info.get("log") else None)
+    origin = origin_of(gm) if info else None  # info only when gm is a graphgrow GraphModule
     if origin:
         props.setdefault(ORIGIN_KEY, origin)
     props.setdefault(INPUT_SHAPE_KEY, json.dumps(list(input_shape)))
@@ -266,7 +266,7 @@ def onnx_input_shape(proto) -> list[int] | None:
             shape = json.loads(stored)
         except (ValueError, RecursionError):
             shape = None
-        if not (isinstance(shape, list) and 1 <= len(shape) <= 8 and all(type(d) is int and 0 < d <= 1 << 20 for d in shape)):
+        if not is_stored_shape(shape):
             raise LoadError(f"the ONNX file stores the input shape {stored[:80]!r}, which is not a shape",
                             "pass --input-shape N,C,H,W, or export the model again")
         return shape

@@ -198,6 +198,12 @@ def _depth(value: Any, limit: int) -> int:
     return deepest
 
 
+def is_stored_shape(shape: Any) -> bool:
+    """A stored example input shape graphgrow accepts: 1–8 positive int sizes of at most 2^20 each."""
+    return (isinstance(shape, (list, tuple)) and 1 <= len(shape) <= 8
+            and all(type(d) is int and 0 < d <= 1 << 20 for d in shape))
+
+
 def validate_meta(meta: Any) -> dict:
     """graphgrow's stored metadata is untrusted: check its types and sizes; return a clean copy."""
     if meta is None:
@@ -207,8 +213,7 @@ def validate_meta(meta: Any) -> dict:
     out = dict(meta)
     shape = out.get("input_shape")
     if shape is not None:
-        if not (isinstance(shape, (list, tuple)) and 1 <= len(shape) <= 8
-                and all(type(d) is int and 0 < d <= 1 << 20 for d in shape)):
+        if not is_stored_shape(shape):
             raise LoadError(f"the graphgrow file stores the input shape {str(shape)[:80]}, which is not a shape",
                             "pass --input-shape N,C,H,W, or re-create the file")
         out["input_shape"] = list(shape)

@@ -17,12 +17,12 @@ from graphgrow.layers import AverageMerge
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def small_cnn() -> nn.Sequential:
-    """3×32×32 → 128×8×8 features, global pooling, classifier (the issue's example)."""
+def small_cnn(first: int = 32) -> nn.Sequential:
+    """3×32×32 → 128×8×8 features, global pooling, classifier (the issue's example); `first`: the first conv's width."""
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+        nn.Conv2d(3, first, 3, padding=1), nn.BatchNorm2d(first), nn.ReLU(),
+        nn.Conv2d(first, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
         nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.BatchNorm2d(128), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10),
     )

@@ -21,14 +21,8 @@ SPEC = "deepen(after=_5),grow_width(target=_0)"
 
 
 def narrow_cnn() -> nn.Sequential:
-    """small_cnn's layout with other widths: node names (and so the mutation log) match, the network does not."""
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-        nn.Conv2d(16, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
-        nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.BatchNorm2d(128), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10),
-    )
+    """small_cnn's layout with another width: node names (and so the mutation log) match, the network does not."""
+    return small_cnn(first=16)
 
 
 def grow(model: nn.Module, spec: str = SPEC):
