@@ -4,7 +4,6 @@ Pass authors import them from graphgrow.rewrite (the public API), not from here.
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -12,6 +11,7 @@ import torch
 from torch import fx, nn
 
 from .errors import NotApplicable, ValidationError
+from .names import to_identifier
 from .trace import scope_of
 
 
@@ -144,7 +144,7 @@ def resolve_tensor(gm: fx.GraphModule, ref: str, role: str) -> fx.Node:
 
 def unique_attr(gm: nn.Module, base: str) -> str:
     """A top-level attribute name on gm not yet used: base, base_1, base_2, ..."""
-    base = re.sub(r"\W", "_", base)
+    base = to_identifier(base)  # names graphgrow adds must read back from its own files (names.py)
     name, i = base, 0
     while hasattr(gm, name):
         i += 1

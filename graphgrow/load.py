@@ -315,6 +315,7 @@ def _interpret(obj: Any, name: str, trust: bool) -> LoadedModel:
         info = gm.meta["graphgrow"]
         return LoadedModel(gm, name, "graphgrow", info.get("input_shape"), list(info.get("log", [])))
     if isinstance(obj, nn.Module):
+        _check_module_names(obj, name)
         return LoadedModel(obj, name, "file")
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise LoadError(
@@ -322,6 +323,17 @@ def _interpret(obj: Any, name: str, trust: bool) -> LoadedModel:
             "save the whole model with torch.save(model, path), or name its factory as package.module:function",
         )
     raise LoadError(f"{name} holds a {type(obj).__name__}, not a model", "save the model itself with torch.save(model, path)")
+
+
+def _check_module_names(model: nn.Module, name: str) -> None:
+    """Module, parameter and buffer names of a pickled tree become code when fx traces it: identifiers only."""
+    from .names import RULE, bad_name_in_tree
+
+    problem = bad_name_in_tree(model)
+    if problem is not None:
+        raise LoadError(f"{name}: the {problem} is not a plain name ({RULE}); tracing would write it into generated "
+                        "code, so graphgrow reads names from files only as such; nothing was run",
+                        "rename it in the model (letters, digits, '_'), or name the model by its factory, package.module:function")
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:

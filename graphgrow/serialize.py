@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import fx, nn
 
-from . import graph_policy
+from . import graph_policy, names
 from .errors import LoadError, SaveError
 from .lineage import is_origin
 
@@ -128,6 +128,12 @@ def to_payload(gm: fx.GraphModule) -> dict:
             "args": _encode(n.args, n.name), "kwargs": _encode(n.kwargs, n.name),
             "scope": list(n.meta.get("gg_scope", ())),
         })
+    problem = names.bad_name_in_tree(root) or next(filter(None, map(names.bad_name_in_record, nodes)), None)
+    if problem is None and not names.is_identifier(type(gm).__name__):
+        problem = f"class name {names.shown(type(gm).__name__)}"
+    if problem:  # never write a file that would be refused when read back
+        raise SaveError(f"the model's {problem} is not a plain name ({names.RULE}), and graphgrow files store only such names",
+                        "rename it in the model (module and parameter names: letters, digits, '_'), then grow it again")
     meta = dict(gm.meta.get("graphgrow", {}))
     training = {path: m.training for path, m in gm.named_modules()}
     return {"format": FORMAT, "version": VERSION, "class_name": type(gm).__name__, "root": root, "nodes": nodes,
@@ -143,6 +149,8 @@ def from_payload(payload: dict, trusted: bool = False) -> fx.GraphModule:
         raise LoadError("the graphgrow file has no module tree or no graph", "the file is corrupted; re-create it")
     if len(nodes) > MAX_NODES:
         raise LoadError(f"the saved graph has {len(nodes):,} nodes (limit {MAX_NODES:,})", "the file is corrupted or hostile")
+    # Names first, trusted or not: no stored string reaches the code fx generates (names.py)
+    _check_names(payload, nodes, root)
     if not trusted:  # the whole graph is checked before any of it is built or run
         for rec in nodes:
             graph_policy.check_node_record(rec, root)
@@ -152,17 +160,22 @@ def from_payload(payload: dict, trusted: bool = False) -> fx.GraphModule:
     try:
         for rec in nodes:
             op, target = rec["op"], rec["target"]
-            if not isinstance(rec["name"], str) or not rec["name"].isidentifier():
-                raise LoadError(f"the saved graph has a node named {str(rec['name'])[:80]!r}", "the file is corrupted")
             args, kwargs = _decode(rec["args"], env), _decode(rec["kwargs"], env)
+            if (problem := names.bad_keywords(kwargs)) is not None:
+                raise _bad_name(problem, rec["name"])
             if op == "call_function":
                 target = _resolve_function(target, trusted, rec["name"])
                 if target is getattr and not trusted:
                     graph_policy.check_getattr_args(args, rec["name"])
+                if target is getattr and len(args) > 1 and isinstance(args[1], str) and not names.is_identifier(args[1]):
+                    raise _bad_name(f"attribute name {names.shown(args[1])}", rec["name"])  # fx writes x.NAME raw
             node = graph.create_node(op, target, args, kwargs, name=rec["name"])
             node.meta["gg_scope"] = tuple(rec.get("scope", ()))
             env[rec["name"]] = node
         graph.lint()
+        if (problem := names.check_source(graph)) is not None:  # the second wall, before anything is compiled
+            raise LoadError(f"the saved graph would generate unexpected code: {problem}; nothing was run",
+                            "the file was edited by hand or is hostile; re-create it from the original model")
         gm = fx.GraphModule(payload["root"], graph, payload.get("class_name", "GraphModule"))
     except LoadError:
         raise
@@ -171,6 +184,26 @@ def from_payload(payload: dict, trusted: bool = False) -> fx.GraphModule:
     gm.meta["graphgrow"] = meta
     _restore_modes(gm, payload.get("training"))
     return gm
+
+
+def _bad_name(problem: str, node: Any) -> LoadError:
+    where = f" (node {names.shown(node)})" if names.is_identifier(node) else ""
+    return LoadError(f"the saved model's {problem}{where} is not a plain name ({names.RULE}); graphgrow reads names "
+                     "from files only as such, so no stored text reaches generated code; nothing was run",
+                     "the file was edited by hand or is hostile; re-create it from the original model")
+
+
+def _check_names(payload: dict, nodes: list, root: nn.Module) -> None:
+    """Every name the file supplies — module tree, node records, class name — before anything is built."""
+    if (problem := names.bad_name_in_tree(root)) is not None:
+        raise _bad_name(problem, None)
+    for rec in nodes:
+        if not isinstance(rec, dict) or not {"name", "op", "target", "args", "kwargs"} <= rec.keys():
+            raise LoadError("the saved graph holds a node that is not a complete record", "the file is corrupted")
+        if (problem := names.bad_name_in_record(rec)) is not None:
+            raise _bad_name(problem, rec.get("name"))
+    if not names.is_identifier(payload.get("class_name", "GraphModule")):
+        raise _bad_name(f"class name {names.shown(payload.get('class_name'))}", None)
 
 
 def _restore_modes(gm: fx.GraphModule, flags: Any) -> None:

@@ -367,3 +367,68 @@ def test_check_on_a_float64_model_is_a_clear_refusal_and_writes_nothing(tmp_path
     assert proc.returncode == 2 and "onnxruntime cannot load this model" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert digest(tmp_path) == before
+
+
+# --- issue 20: stored names never reach generated code ---
+
+def _hostile_graphgrow_file(tmp: Path, field: str, marker: Path) -> Path:
+    """A graphgrow file made by graphgrow, then one name edited by hand (the format kept)."""
+    good = tmp / "good.grown.pt"
+    save_model(gg.trace(small_cnn(), (1, 3, 16, 16)), good)
+    p = torch.load(good, weights_only=False)
+    if field == "placeholder":  # fx pastes the target into `def forward(self, <target>)`
+        x = next(r for r in p["nodes"] if r["op"] == "placeholder")
+        x["target"] = f"input=__import__('os').system('touch {marker}')"
+    elif field == "module_name":  # fx writes getattr(self, "NAME") unescaped
+        evil = f'6")if(getattr(__import__("os"),"system")("touch\\x20{marker}"))else(getattr)(self,"6'
+        p["root"]._modules = type(p["root"]._modules)((evil if k == "6" else k, v) for k, v in p["root"]._modules.items())
+        for r in p["nodes"]:
+            if r["target"] == "6":
+                r["target"] = evil
+    else:  # keyword names are written as `key = value`
+        rec = next(r for r in p["nodes"] if r["op"] == "call_module")
+        rec["kwargs"] = {"dict": [[f"a=__import__('os').system('touch {marker}'),b", 1]]}
+    bad = tmp / "evil.grown.pt"
+    torch.save(p, bad)
+    good.unlink()
+    return bad
+
+
+NAME_COMMANDS = {
+    "inspect": lambda f, t: ["inspect", str(f)],
+    "targets": lambda f, t: ["targets", str(f), "--pass", "deepen"],
+    "export": lambda f, t: ["export", str(f), "-o", str(t / "out.onnx")],
+    "diff": lambda f, t: ["diff", str(f), str(f)],
+    "fold": lambda f, t: ["fold", str(f), "-o", str(t / "folded.pt")],
+    "mutate": lambda f, t: ["mutate", str(f), "--pass", "deepen", "-o", str(t / "out.pt")],
+    "mutate --trust": lambda f, t: ["mutate", str(f), "--trust", "--pass", "deepen", "-o", str(t / "out.pt")],
+}
+
+
+@pytest.mark.parametrize("field", ["placeholder", "module_name", "keyword"])
+@pytest.mark.parametrize("command", list(NAME_COMMANDS))
+def test_code_in_a_stored_name_runs_nothing_on_any_command(tmp_path, field, command):
+    marker = tmp_path / "pwned"
+    bad = _hostile_graphgrow_file(tmp_path, field, marker)
+    before = digest(tmp_path)
+    proc = run_cli(*NAME_COMMANDS[command](bad, tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "not a plain name" in lines[0], proc.stderr
+    assert not marker.exists() and digest(tmp_path) == before and not proc.stdout
+
+
+def test_code_in_a_pickled_module_name_runs_nothing(tmp_path):
+    """A plain torch.save file of standard layers: its module names become code when fx traces it."""
+    marker = tmp_path / "pwned"
+    model = small_cnn()
+    evil = f'0")if(getattr(__import__("os"),"system")("touch\\x20{marker}"))else(getattr)(self,"0'
+    model._modules = type(model._modules)((evil if k == "0" else k, v) for k, v in model._modules.items())
+    f = tmp_path / "evil.pt"
+    torch.save(model, f)
+    before = digest(tmp_path)
+    for argv in (["inspect", str(f)], ["mutate", str(f), "--pass", "deepen", "--input-shape", "1,3,16,16"]):
+        proc = run_cli(*argv, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "not a plain name" in proc.stderr, proc.stderr
+    assert not marker.exists() and digest(tmp_path) == before

@@ -22,6 +22,7 @@ from torch import nn
 
 import graphgrow as gg
 from graphgrow import graph_policy, serialize
+from graphgrow import names as graph_names
 from graphgrow.load import load_model
 from conftest import run_cli, small_cnn
 
@@ -93,7 +94,7 @@ def test_crafted_graph_files_run_nothing_through_the_cli(kind, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "nothing was run" in lines[0] or "not in the saved model" in lines[0]
-    assert "--trust" in lines[0] or "corrupted" in lines[0]
+    assert "--trust" in lines[0] or "corrupted" in lines[0] or "hostile" in lines[0]
     assert not marker.exists()
     assert sorted(os.listdir(tmp_path)) == before
 
@@ -211,3 +212,161 @@ def test_builtins_keep_their_module_when_saved_and_loaded_again(tmp_path):
     """Found by the fuzzer: torch.fx names `len` bare, which the loader's allow-list (builtins.len) refused on reload."""
     assert serialize.qualified_name(len) == "builtins.len" and serialize.qualified_name(getattr) == "builtins.getattr"
     assert serialize.qualified_name(int) == "builtins.int"
+
+
+# ---- names are data: a campaign of injection strings over every named field (issue 20) -------------
+
+CANARY = "/tmp/gg-name-canary"
+_CORES = (
+    f'__import__("os").system("touch {CANARY}")',
+    f"getattr(__import__('os'),'system')('touch\\x20{CANARY}')",
+    f"exec('import os;os.system(\"touch {CANARY}\")')",
+    "eval(compile('import os','x','exec'))",
+)
+_PREFIXES = ("", "x", '"', "'", ")", '6")', "x=", "x:", "\n", "ｓｅｌｆ", "\\x22", "*", "0.", "a b", "lambda:")
+_SUFFIXES = ("", "(", "#", '"', ",b", "\n", ')if(1)else(getattr)(self,"6', "\\", ";x=1", ".", "\u2028")
+INJECTION = st.builds(lambda p, c, s, pad: p + c + s + "a" * pad, st.sampled_from(_PREFIXES), st.sampled_from(_CORES),
+                      st.sampled_from(_SUFFIXES), st.sampled_from([0, 0, 0, 10, 5000]))
+LOOKALIKES = st.sampled_from(["ｓｅｌｆ", "ѕelf", "ｔｏｒｃｈ", "ℌx", "x\u200by", "ﬁle", "ﬀ", "𝐱"])
+PLAIN = st.from_regex(r"[a-z_][a-z0-9_]{0,12}", fullmatch=True)
+NAMES = st.one_of(INJECTION, LOOKALIKES, PLAIN, st.text(max_size=30))
+
+FIELDS = ("node_name", "placeholder", "output_target", "module_key", "nested_module_key", "parameter_name",
+          "buffer_name", "method", "kwarg_key", "scope", "class_name", "getattr_name", "get_attr_target",
+          "call_module_target", "string_constant", "dict_constant_key")
+
+
+def _base_payload() -> dict:
+    gm = gg.trace(small_cnn(), (1, 3, 8, 8), check=False)
+    return serialize.to_payload(gm)
+
+
+def _rename_refs(value, old: str, new: str):
+    if isinstance(value, list):
+        return [_rename_refs(v, old, new) for v in value]
+    if isinstance(value, dict):
+        if value == {"node": old}:
+            return {"node": new}
+        return {k: _rename_refs(v, old, new) for k, v in value.items()}
+    return value
+
+
+def _rename_module(parent: nn.Module, old: str, new: str) -> None:
+    parent._modules = type(parent._modules)((new if k == old else k, v) for k, v in parent._modules.items())
+
+
+def inject(p: dict, field: str, s: str) -> None:
+    """Put the drawn string `s` into one named field of a valid payload, keeping the rest consistent."""
+    nodes, root = p["nodes"], p["root"]
+    x = next(r for r in nodes if r["op"] == "placeholder")
+    out = nodes[-1]
+    if field == "node_name":
+        old = nodes[1]["name"]
+        for r in nodes:
+            r["name"] = s if r["name"] == old else r["name"]
+            r["args"], r["kwargs"] = _rename_refs(r["args"], old, s), _rename_refs(r["kwargs"], old, s)
+    elif field == "placeholder":
+        x["target"] = s
+    elif field == "output_target":
+        out["target"] = s
+    elif field in ("module_key", "nested_module_key", "call_module_target"):
+        rec = next(r for r in nodes if r["op"] == "call_module")
+        if field == "call_module_target":
+            rec["target"] = s
+        elif field == "module_key":
+            _rename_module(root, rec["target"], s)
+            rec["target"] = s
+        else:  # a child two levels down, reached through a path with the drawn segment in the middle
+            holder = nn.Module()
+            holder.add_module("inner", root._modules[rec["target"]])
+            _rename_module(root, rec["target"], "wrap")
+            root._modules["wrap"] = nn.Module()
+            root._modules["wrap"]._modules[s] = holder
+            rec["target"] = f"wrap.{s}.inner"
+    elif field in ("parameter_name", "buffer_name", "get_attr_target"):
+        conv = root._modules[next(r for r in nodes if r["op"] == "call_module")["target"]]
+        table = conv._parameters if field == "parameter_name" else conv._buffers
+        if field != "get_attr_target":
+            table[s] = torch.zeros(1)
+        first = next(r for r in nodes if r["op"] == "call_module")["target"]
+        nodes.insert(1, {"name": "probe", "op": "get_attr", "target": s if field == "get_attr_target" else f"{first}.{s}",
+                         "args": {"tuple": []}, "kwargs": {"dict": []}, "scope": []})
+    elif field == "method":
+        nodes.insert(1, {"name": "probe", "op": "call_method", "target": s, "args": {"tuple": [{"node": x["name"]}]},
+                         "kwargs": {"dict": []}, "scope": []})
+    elif field == "kwarg_key":
+        nodes.insert(1, {"name": "probe", "op": "call_function", "target": "torch.relu",
+                         "args": {"tuple": [{"node": x["name"]}]}, "kwargs": {"dict": [[s, 1]]}, "scope": []})
+    elif field == "scope":
+        nodes[1]["scope"] = [s]
+    elif field == "class_name":
+        p["class_name"] = s
+    elif field == "getattr_name":
+        nodes.insert(1, {"name": "probe", "op": "call_function", "target": "builtins.getattr",
+                         "args": {"tuple": [{"node": x["name"]}, s]}, "kwargs": {"dict": []}, "scope": []})
+    elif field in ("string_constant", "dict_constant_key"):
+        value = s if field == "string_constant" else {"dict": [[s, 1]]}
+        nodes.insert(1, {"name": "probe", "op": "call_function", "target": "torch.flatten",
+                         "args": {"tuple": [{"node": x["name"]}]}, "kwargs": {"dict": [["extra", value]]}, "scope": []})
+
+
+def _assert_code_is_clean(code: str, s: str, field: str) -> None:
+    """The answer when a file loads: its generated code shows no drawn string except as a quoted constant."""
+    import ast as pyast
+
+    if field not in ("string_constant", "dict_constant_key") and not graph_names.is_identifier(s):
+        assert s not in code, (field, s)
+    for sub in pyast.walk(pyast.parse(code)):
+        for text in (getattr(sub, "id", None), getattr(sub, "attr", None), getattr(sub, "arg", None)):
+            assert not (isinstance(text, str) and ("system" in text or "import" in text or "exec" in text)), (field, text)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(field=st.sampled_from(FIELDS), s=NAMES, trusted=st.booleans())
+def test_drawn_names_never_reach_generated_code(tmp_path, field, s, trusted):
+    p = _base_payload()
+    inject(p, field, s)
+    f = tmp_path / "names.pt"
+    torch.save(p, f)
+    _SEEN.clear()
+    _ARMED[0] = True
+    try:
+        gm = load_model(f, trust=trusted).module
+        gm.eval()
+        try:
+            gm(torch.randn(1, 3, 8, 8))
+        except Exception:  # a loaded graph may still be wrong for this input; what matters is what it ran
+            pass
+        _assert_code_is_clean(gm.code, s, field)
+    except gg.LoadError as e:
+        assert "\n" not in str(e) and len(str(e)) < 1500, str(e)
+    finally:
+        _ARMED[0] = False
+    assert not _SEEN, _SEEN
+    assert not Path(CANARY).exists()
+
+
+def test_the_second_wall_catches_what_the_first_would_miss(monkeypatch):
+    """With the name checks switched off, the parsed-code check alone refuses each injection of the issue."""
+    monkeypatch.setattr(graph_names, "bad_name_in_record", lambda rec: None)
+    monkeypatch.setattr(graph_names, "bad_name_in_tree", lambda root: None)
+    monkeypatch.setattr(graph_names, "bad_keywords", lambda kwargs: None)
+    for field, s in (("placeholder", f"input=__import__('os').system('touch {CANARY}')"),
+                     ("module_key", f'6")if(getattr(__import__("os"),"system")("touch\\x20{CANARY}"))else(getattr)(self,"6'),
+                     ("kwarg_key", f"a=__import__('os').system('touch {CANARY}'),b"),
+                     ("method", "__class__")):  # node names fx itself rewrites (`ｔｏｒｃｈ` → `_`)
+        p = _base_payload()
+        inject(p, field, s)
+        with pytest.raises(gg.LoadError, match="unexpected code|not a plain name|inconsistent|safe operations"):
+            serialize.from_payload(p, trusted=True)
+    assert not Path(CANARY).exists()
+
+
+def test_graphgrow_never_writes_a_file_it_would_refuse(tmp_path):
+    model = nn.Sequential()
+    model.add_module("conv-1", nn.Conv2d(3, 4, 3))
+    gm = gg.trace(model, (1, 3, 8, 8))
+    with pytest.raises(gg.SaveError, match="'conv-1'.*not a plain name"):
+        gg.save_model(gm, tmp_path / "m.pt")
+    assert not list(tmp_path.iterdir())
