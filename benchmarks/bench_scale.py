@@ -18,7 +18,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import graphgrow as gg  # noqa: E402
-from common import Row, ratio_row  # noqa: E402
+from common import Row, print_table, ratio_row  # noqa: E402
 from graphgrow.passes.deepen import deepen  # noqa: E402
 from graphgrow.verify import verify  # noqa: E402
 
@@ -87,8 +87,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", default="1000,4000,12000")
     args = ap.parse_args()
-    from run import print_table
-
     print_table(rows([int(n) for n in args.nodes.split(",")], progress=lambda s: print(s, file=sys.stderr)))
 
 

@@ -24,7 +24,7 @@ import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import graphgrow as gg  # noqa: E402
-from common import Row, ratio_row, timed  # noqa: E402
+from common import Row, print_table, ratio_row, timed  # noqa: E402
 from graphgrow.export import INPUT_NAME, export_onnx  # noqa: E402
 from graphgrow.shapes import example_input  # noqa: E402
 from graphgrow.verify import BATCHES  # noqa: E402
@@ -111,8 +111,6 @@ def main(argv=None) -> int:
     ap.add_argument("models", nargs="*", default=list(MODELS))
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    from run import print_table
-
     print_table(rows(args.models, args.rounds, progress=lambda s: print(s, file=sys.stderr)))
     return 0
 

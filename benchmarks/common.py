@@ -7,11 +7,15 @@ on a shared machine. Both are reported.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
+
+from rich.console import Console
+from rich.table import Table
 
 
 @dataclass
@@ -53,6 +57,27 @@ def model_rounds_main(doc: str, rows: Callable[..., list[Row]], models: tuple[st
     ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--models", default=",".join(models))
     args = ap.parse_args()
-    from run import print_table
-
     print_table(rows(args.models.split(","), args.rounds, progress=lambda s: print(s, file=sys.stderr)))
+
+
+def format_number(v: float, unit: str) -> str:
+    if math.isnan(v):
+        return "–"
+    if unit == "bool":
+        return "yes" if v else "no"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+
+
+def print_table(rows: list[Row], title: str = "graphgrow benchmarks") -> None:
+    t = Table(title=title, show_lines=False)
+    for col in ("what", "model", "case", "median", "min", "unit", "target", "met", "note"):
+        t.add_column(col, justify="right" if col in ("median", "min") else "left", overflow="fold")
+    section = None
+    for r in rows:
+        if r.section != section:
+            if section is not None:
+                t.add_section()
+            section = r.section
+        t.add_row(r.section, r.model, r.measure, format_number(r.median, r.unit), format_number(r.minimum, r.unit),
+                  "" if r.unit == "bool" else r.unit, r.target, "" if r.met is None else ("yes" if r.met else "NO"), r.note)
+    Console(width=230).print(t)

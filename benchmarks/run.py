@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -21,35 +20,12 @@ from importlib import metadata
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
+
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Row  # noqa: E402
+from common import Row, format_number, print_table  # noqa: E402
 
 SECTIONS = ("steps", "fold", "scale", "gpu")
-
-
-def _number(v: float, unit: str) -> str:
-    if math.isnan(v):
-        return "–"
-    if unit == "bool":
-        return "yes" if v else "no"
-    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
-
-
-def print_table(rows: list[Row], title: str = "graphgrow benchmarks") -> None:
-    t = Table(title=title, show_lines=False)
-    for col in ("what", "model", "case", "median", "min", "unit", "target", "met", "note"):
-        t.add_column(col, justify="right" if col in ("median", "min") else "left", overflow="fold")
-    section = None
-    for r in rows:
-        if r.section != section:
-            if section is not None:
-                t.add_section()
-            section = r.section
-        t.add_row(r.section, r.model, r.measure, _number(r.median, r.unit), _number(r.minimum, r.unit),
-                  "" if r.unit == "bool" else r.unit, r.target, "" if r.met is None else ("yes" if r.met else "NO"), r.note)
-    Console(width=230).print(t)
 
 
 def machine() -> dict:
@@ -101,7 +77,7 @@ def main(argv=None) -> int:
                       f"onnxruntime {info['onnxruntime']}; one thread unless said; {time.perf_counter() - start:.0f} s")
     missed = [r for r in rows if r.met is False]
     print(f"targets: {sum(r.met is True for r in rows)} met, {len(missed)} missed" +
-          ("".join(f"\n  missed: {r.section} — {r.model} {r.measure}: {_number(r.median, r.unit)} (target {r.target})" for r in missed)))
+          ("".join(f"\n  missed: {r.section} — {r.model} {r.measure}: {format_number(r.median, r.unit)} (target {r.target})" for r in missed)))
     if os.environ.get("BENCH_JSON"):
         Path(os.environ["BENCH_JSON"]).write_text(json.dumps(
             {"machine": info, "seconds": seconds, "rows": [r.to_json() for r in rows]}, indent=2, allow_nan=True))
