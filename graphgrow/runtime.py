@@ -2,13 +2,19 @@
 
 Asking onnxruntime for CUDA where it cannot load silently gives the CPU provider
 with only a log line; graphgrow reads session.get_providers()[0] and says so.
+
+Every session is made from the model's bytes, with onnxruntime's external-data folder set to an
+empty temporary folder: a tensor that names external data (which graphgrow's reader refuses
+anyway) can resolve against neither the current folder nor the model's.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
+from pathlib import Path
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Iterator, Literal
 
 import numpy as np
 import onnxruntime as ort
@@ -74,11 +80,32 @@ def open_session(model: bytes | str | os.PathLike, provider: Provider = "auto", 
 def _open_session(model: bytes | str | os.PathLike, provider: Provider, threads: int | None, tf32: bool) -> Session:
     if provider not in ("auto", "cpu", "cuda"):
         raise RuntimeUnavailable(f"unknown provider '{provider}'", "use auto, cpu or cuda")
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    if threads:
-        opts.intra_op_num_threads = threads
-    src = str(model) if isinstance(model, (str, os.PathLike)) else model
+    with _sealed_options() as opts:
+        if threads:
+            opts.intra_op_num_threads = threads
+        return _session_on(model_bytes(model), opts, provider, tf32)
+
+
+EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"  # kOrtSessionOptionsModelExternalInitializersFileFolderPath
+
+
+def model_bytes(model: bytes | str | os.PathLike) -> bytes:
+    """The model as bytes: onnxruntime given a path resolves external data against the path's folder."""
+    return Path(model).read_bytes() if isinstance(model, (str, os.PathLike)) else bytes(model)
+
+
+@contextlib.contextmanager
+def _sealed_options() -> Iterator[ort.SessionOptions]:
+    """SessionOptions whose external-data folder is an empty temporary one for as long as sessions are made:
+    onnxruntime reads initializers when the session is created, so nothing can be found (defence in depth)."""
+    with tempfile.TemporaryDirectory(prefix="graphgrow-no-external-") as empty:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.add_session_config_entry(EXTERNAL_FOLDER_KEY, empty)
+        yield opts
+
+
+def _session_on(src: bytes, opts: ort.SessionOptions, provider: Provider, tf32: bool) -> Session:
     if provider == "cpu":
         return Session(ort.InferenceSession(src, opts, providers=[CPU]), "cpu", "CPU provider, as asked")
     if CUDA not in ort.get_available_providers():
@@ -87,14 +114,44 @@ def _open_session(model: bytes | str | os.PathLike, provider: Provider, threads:
             raise RuntimeUnavailable(why, "install onnxruntime-gpu, or use --provider cpu")
         return Session(ort.InferenceSession(src, opts, providers=[CPU]), "cpu", f"{why}: ran on CPU")
     cuda_opts = {"use_tf32": "1" if tf32 else "0", "cudnn_conv_algo_search": "EXHAUSTIVE"}
+    preloaded = _preload_cuda_libraries()
     with _quiet_ort():
         sess = ort.InferenceSession(src, opts, providers=[(CUDA, cuda_opts), CPU])
     if sess.get_providers()[0] == CUDA:
         return Session(sess, "cuda", "CUDA provider" + ("" if tf32 else " (TF32 off)"))
-    why = "onnxruntime's CUDA provider failed to load (no GPU or CUDA driver here)"
+    why = cuda_failure_reason(preloaded)
     if provider == "cuda":
         raise RuntimeUnavailable(why, "use --provider cpu or auto")
     return Session(sess, "cpu", f"{why}: fell back to CPU")
+
+
+_preload: list[str | None] = []  # onnxruntime.preload_dlls' outcome, once per process
+
+
+def _preload_cuda_libraries() -> str | None:
+    """Load the CUDA and cuDNN libraries pip installed (nvidia-* wheels, which torch brings) before the
+    CUDA provider needs them: onnxruntime-gpu does not find them on its own. None when it worked."""
+    if not _preload:
+        try:
+            ort.preload_dlls(cuda=True, cudnn=True, msvc=False)
+            _preload.append(None)
+        except Exception as e:  # noqa: BLE001 - any failure is a reason to report, not to crash
+            _preload.append(f"onnxruntime.preload_dlls() failed: {type(e).__name__}: {str(e)[:200]}")
+    return _preload[0]
+
+
+def cuda_failure_reason(preload_error: str | None) -> str:
+    """Why the CUDA provider did not load, as precisely as can be told: no GPU is one reason among several."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "onnxruntime's CUDA provider did not load: no CUDA device is visible here (torch sees none either)"
+    if preload_error:
+        return (f"torch sees {torch.cuda.device_count()} GPU(s) but onnxruntime's CUDA provider did not load: "
+                f"its CUDA/cuDNN libraries could not be loaded ({preload_error})")
+    return (f"torch sees {torch.cuda.device_count()} GPU(s) but onnxruntime's CUDA provider did not load even after "
+            "onnxruntime.preload_dlls(): the CUDA/cuDNN libraries found do not match this onnxruntime-gpu "
+            f"({ort.__version__}; it needs CUDA 13 and cuDNN 9)")
 
 
 def cuda_bound_run(s: Session, data_ptr: int, shape: tuple[int, ...]) -> Callable[[], None]:
@@ -128,17 +185,13 @@ def optimized_op_counts(model: bytes | str | os.PathLike) -> dict[str, int]:
     Deterministic: it says whether two models deploy as the same kernels (fold's target for
     linear-only growth), where a latency ratio would only say so up to noise."""
     import collections
-    import tempfile
 
     import onnx
 
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    with tempfile.TemporaryDirectory() as d:
+    with _sealed_options() as opts, tempfile.TemporaryDirectory() as d:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.optimized_model_filepath = os.path.join(d, "optimized.onnx")
-        src = str(model) if isinstance(model, (str, os.PathLike)) else model
-        ort.InferenceSession(src, opts, providers=[CPU])
+        ort.InferenceSession(model_bytes(model), opts, providers=[CPU])
         graph = onnx.load(opts.optimized_model_filepath, load_external_data=False).graph
     return dict(collections.Counter(n.op_type for n in graph.node))
 

@@ -127,3 +127,17 @@ def test_isolated_export_gives_the_same_model_and_typed_errors(grown_onnx, tmp_p
 
     with pytest.raises(gg.ExportError, match="qr"):
         export_onnx(gg.trace(Bad(), (2, 3, 3)), (2, 3, 3), isolate=True)
+
+
+def test_a_cuda_provider_that_does_not_load_says_why(monkeypatch):
+    """Where torch sees a GPU but onnxruntime's CUDA provider does not load, the reason is the libraries, not 'no GPU'."""
+    from graphgrow import runtime
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    failed = runtime.cuda_failure_reason("onnxruntime.preload_dlls() failed: OSError: libcudnn.so.9: not found")
+    assert "torch sees 1 GPU" in failed and "libcudnn" in failed and "no CUDA device" not in failed
+    mismatch = runtime.cuda_failure_reason(None)
+    assert "preload_dlls" in mismatch and "do not match" in mismatch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "no CUDA device is visible" in runtime.cuda_failure_reason(None)
