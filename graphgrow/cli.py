@@ -6,10 +6,12 @@ Errors are one line on stderr; --debug shows the traceback.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import html
 import json
+import os
 import signal
 import sys
 import traceback
@@ -45,9 +47,22 @@ def _common(f: Callable) -> Callable:
                           "(eval: the deployed function; train: keeps auxiliary outputs)")(f)
     f = click.option("--max-load", metavar="SIZE", expose_value=False, callback=_set_max_load,
                      help="refuse a model file that would unpack to more than this (default 16G)")(f)
+    f = click.option("--max-memory", metavar="SIZE", expose_value=False, callback=_set_max_memory, help=MAX_MEMORY_HELP)(f)
     f = click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout instead of tables")(f)
     f = click.option("--debug", is_flag=True, help="show tracebacks")(f)
     return f
+
+
+MAX_MEMORY_HELP = ("refuse a model (or a pass's result) whose activations at the largest batch run would need more "
+                   "than this, or cannot be estimated (default 8G; none: no limit)")
+
+
+def _set_max_memory(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """Process-wide like --max-load; checked where it is used (a bad value is the usual one-line error)."""
+    if value is not None:
+        from .budget import set_max_memory
+
+        set_max_memory(value)
 
 
 def _set_max_load(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
@@ -79,21 +94,62 @@ class _Signalled(KeyboardInterrupt):
 
 
 _received: list[int] = []  # signals seen: C extensions (an import mid-flight) may turn our exception into another
+_exit_code: list[int] = []  # once the command's exit code is decided (outputs and report written)
 
 
 def _raise_signal(signum, frame) -> None:
+    if _exit_code:  # the command is done and said so: a late signal ends the process now, with the command's code
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(_exit_code[0])
     _received.append(signum)
     raise _Signalled(signum)
 
 
+def _ignore_late_signals() -> None:
+    """At interpreter exit (atexit), after the command has finished: Python stops running its signal
+    handlers while it tears down (seconds with torch loaded), so a signal then would kill the process
+    with no message and no exit code of the command's (128 + signal): ignored instead."""
+    if _exit_code:
+        for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+            with contextlib.suppress(AttributeError, ValueError, OSError):
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+def _exit(code: int) -> None:
+    from .outputs import discard_all
+
+    discard_all()  # no staging file outlives the command, whatever stopped it
+    _exit_code[:] = [code]
+    sys.exit(code)
+
+
 def _interrupted(signum: int) -> None:
-    err.print(f"interrupted ({signal.Signals(signum).name}); nothing was written or overwritten", markup=False)
-    sys.exit(128 + signum)
+    from .outputs import committed
+
+    name = signal.Signals(signum).name
+    written = committed()  # renamed into place before the signal came: whole, and staying
+    if written:
+        err.print(f"interrupted ({name}) after writing {_cut(', '.join(map(str, written)))}: these outputs are complete",
+                  markup=False, highlight=False)
+    else:
+        err.print(f"interrupted ({name}); nothing was written or overwritten", markup=False)
+    _exit(128 + signum)
 
 
 def _run(job: Callable[[Callable[[str], None]], int], as_json: bool, debug: bool) -> None:
+    from .outputs import forget_committed
+
+    _received.clear()
+    _exit_code.clear()
+    forget_committed()
+    atexit.unregister(_ignore_late_signals)  # once, however many commands a process runs (tests)
+    atexit.register(_ignore_late_signals)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_signal)
+    if hasattr(signal, "SIGXFSZ"):  # past `ulimit -f` a write fails with EFBIG (exit 2) instead of killing the process
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         with _progress() as progress:
             code = job(progress)
@@ -108,7 +164,7 @@ def _run(job: Callable[[Callable[[str], None]], int], as_json: bool, debug: bool
             err.print(pointer, markup=False, highlight=False)
         if as_json:
             print(json.dumps({"error": {"type": type(e).__name__, "message": e.message, "hint": e.hint}}))
-        sys.exit(e.exit_code)
+        _exit(e.exit_code)
     except KeyboardInterrupt as e:
         _interrupted(e.signum if isinstance(e, _Signalled) else signal.SIGINT)
     except Exception as e:  # a bug in graphgrow: still one line unless --debug
@@ -119,8 +175,8 @@ def _run(job: Callable[[Callable[[str], None]], int], as_json: bool, debug: bool
         first = escape(_cut(first_line(e, MAX_MESSAGE)))
         err.print(f"[bold red]internal error:[/] {type(e).__name__}: {first} (run with --debug for the traceback and please report it)",
                   markup=True, highlight=False)
-        sys.exit(3)
-    sys.exit(code)
+        _exit(3)
+    _exit(code)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -149,19 +205,18 @@ def main() -> None:
 @click.option("--check", is_flag=True, help="run the ONNX model in onnxruntime and compare with PyTorch (grown and original)")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="onnxruntime execution provider for --check")
-@click.option("--max-params", "max_params", metavar="N", help="refuse a pass that would add more parameters (default 100M; e.g. 500M)")
-@click.option("--max-memory", "max_memory", metavar="SIZE", help="refuse a pass whose grown model needs more activation memory at the verification batch (default 8G)")
+@click.option("--max-params", "max_params", metavar="N", help="refuse a pass that would add more parameters, or cannot be sized before it runs (default 100M; e.g. 500M; none: no limit)")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="seed for new weights")
 @click.option("--dry-run", is_flag=True, help="run and verify the passes and show the report, but write no model (a --diagram is still drawn)")
 @click.option("--diagram", metavar="OUT.svg", help="also draw the graph after growth against before (added, rebuilt, reshaped highlighted; .svg or .png)")
 @_common
-def mutate(model, specs, output, onnx_out, check, provider, max_params, max_memory, seed, dry_run, diagram, input_shape, trust, leaves, trace_mode, as_json, debug):
+def mutate(model, specs, output, onnx_out, check, provider, max_params, seed, dry_run, diagram, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Apply passes to MODEL, verify each, save the result (and ONNX, and check it)."""
     from . import workflow
 
     _run(_growth_job(lambda progress: workflow.mutate(
         model, specs, output, onnx_out, check, input_shape, provider, trust, leaves, seed, progress, trace_mode=trace_mode,
-        max_params=max_params, max_memory=max_memory, dry_run=dry_run, diagram=diagram), as_json), as_json, debug)
+        max_params=max_params, dry_run=dry_run, diagram=diagram), as_json), as_json, debug)
 
 
 def _growth_job(make_report: Callable[[Callable[[str], None]], dict], as_json: bool) -> Callable:
@@ -240,10 +295,9 @@ def _print_equivalence(eq: dict) -> None:
 @click.option("--onnx", "onnx_out", metavar="OUT.onnx", help="also export the result to this ONNX file")
 @click.option("--check", is_flag=True, help="run the ONNX model in onnxruntime and compare with PyTorch")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--max-params", "max_params", metavar="N", help="refuse a pass that would add more parameters (default 100M; e.g. 500M)")
-@click.option("--max-memory", "max_memory", metavar="SIZE", help="refuse a pass whose grown model needs more activation memory at the verification batch (default 8G)")
+@click.option("--max-params", "max_params", metavar="N", help="refuse a pass that would add more parameters, or cannot be sized before it runs (default 100M; e.g. 500M; none: no limit)")
 @_common
-def replay(model, log_from, output, onnx_out, check, provider, max_params, max_memory, input_shape, trust, leaves, trace_mode, as_json, debug):
+def replay(model, log_from, output, onnx_out, check, provider, max_params, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Re-apply the mutation log of GROWN (a graphgrow .pt or exported .onnx) to MODEL, seed for seed.
 
     MODEL is the network GROWN was grown from, or a model part of the way (its log the start of
@@ -252,7 +306,7 @@ def replay(model, log_from, output, onnx_out, check, provider, max_params, max_m
 
     _run(_growth_job(lambda progress: workflow.replay(
         model, log_from, output, onnx_out, check, input_shape, provider, trust, leaves, progress, trace_mode=trace_mode,
-        max_params=max_params, max_memory=max_memory), as_json), as_json, debug)
+        max_params=max_params), as_json), as_json, debug)
 
 
 @main.command()
@@ -572,6 +626,7 @@ def _print_search(report: dict) -> None:
 @click.argument("model_b", metavar="B")
 @click.option("--diagram", metavar="OUT.svg", help="draw B against A (added, rebuilt, reshaped highlighted; .svg or .png)")
 @click.option("--trust", is_flag=True, help="allow loading pickles with custom classes (only for files you trust)")
+@click.option("--max-memory", metavar="SIZE", expose_value=False, callback=_set_max_memory, help=MAX_MEMORY_HELP)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
 @click.option("--debug", is_flag=True, help="show tracebacks")
 def diff(model_a, model_b, diagram, trust, as_json, debug):

@@ -5,6 +5,7 @@ import contextlib
 import io
 import json
 import logging
+import math
 import os
 import time
 import re
@@ -12,7 +13,6 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import onnx
 import torch
 from torch import fx
@@ -83,10 +83,7 @@ def export_onnx(
             tmp.write_bytes(data)
             check_proto(str(tmp))
 
-        try:
-            atomic_write(out_path, write_checked)
-        except OSError as e:
-            raise ExportError(f"cannot write {out_path}: {e.strerror or e}", "check the folder's permissions and free space") from e
+        atomic_write(out_path, write_checked)  # a failed write is SaveError (exit 2) naming the output
     if timings is not None:
         timings.update(torch_onnx_export=t_export, total=time.perf_counter() - start)
     return proto
@@ -251,11 +248,67 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
         proto = onnx.load(str(p), load_external_data=False)  # external data would name other files to read
     except Exception as e:
         raise LoadError(f"{p} is not a readable ONNX model: {first_line(e, 200)}", "pass a file written by graphgrow export") from e
-    external = [t.name for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    external = external_tensors(proto)
     if external:
-        raise LoadError(f"{p} keeps {len(external)} tensor(s) in external files ({external[0][:80]}, …); graphgrow reads "
-                        "self-contained ONNX files only", "export it again with graphgrow export (one self-contained file)")
+        raise LoadError(f"{p} keeps {len(external)} tensor(s) in external files ({external[0]}{', …' if len(external) > 1 else ''}); "
+                        "graphgrow reads self-contained ONNX files only",
+                        "export it again with graphgrow export (one self-contained file)")
     return proto
+
+
+MAX_GRAPH_DEPTH = 16  # If/Loop/Scan bodies nested deeper than this are refused (real models nest a few; protobuf stops near 30)
+
+
+def _names_external(t: onnx.TensorProto) -> bool:
+    """A tensor whose bytes live elsewhere: EXTERNAL, or any external_data entry at all (a DEFAULT tensor with
+    entries is malformed, and a runtime might still follow them)."""
+    return t.data_location == onnx.TensorProto.EXTERNAL or len(t.external_data) > 0
+
+
+def _sparse_external(s: onnx.SparseTensorProto) -> bool:
+    return _names_external(s.values) or _names_external(s.indices)
+
+
+def _show(name: str) -> str:
+    return repr(name[:80])
+
+
+def external_tensors(proto: onnx.ModelProto) -> list[str]:
+    """Where every tensor that names external data sits, anywhere in the model: initializers, sparse
+    initializers, node attributes (t, tensors, sparse_tensor(s)), If/Loop/Scan bodies at any depth up to
+    MAX_GRAPH_DEPTH, functions (their nodes and attribute defaults) and training graphs. External data names
+    a file (or memory) to read: a self-contained model has none."""
+    found: list[str] = []
+    graphs: list[tuple[onnx.GraphProto, str, int]] = [(proto.graph, "graph", 0)]
+    graphs += [(g, f"training graph {i}", 0) for i, info in enumerate(proto.training_info)
+               for g in (info.initialization, info.algorithm)]
+
+    def attributes(attrs, where: str, depth: int) -> None:
+        for a in attrs:
+            at = f"{where} attribute {_show(a.name)}"
+            if _names_external(a.t) or any(_names_external(t) for t in a.tensors):
+                found.append(at)
+            if _sparse_external(a.sparse_tensor) or any(_sparse_external(s) for s in a.sparse_tensors):
+                found.append(at)
+            graphs.extend((g, f"{at} subgraph", depth + 1) for g in [a.g, *a.graphs])
+
+    def nodes(ns, where: str, depth: int) -> None:
+        for n in ns:
+            attributes(n.attribute, f"{where} node {_show(n.name or n.op_type)}", depth)
+
+    for f in proto.functions:
+        where = f"function {_show(f.name)}"
+        attributes(f.attribute_proto, where, 0)
+        nodes(f.node, where, 0)
+    while graphs:
+        g, where, depth = graphs.pop()
+        if depth > MAX_GRAPH_DEPTH:
+            raise LoadError(f"the ONNX model nests subgraphs more than {MAX_GRAPH_DEPTH} deep ({where})",
+                            "the file is corrupted or hostile")
+        found += [f"{where} initializer {_show(t.name)}" for t in g.initializer if _names_external(t)]
+        found += [f"{where} sparse initializer {_show(s.values.name)}" for s in g.sparse_initializer if _sparse_external(s)]
+        nodes(g.node, where, depth)
+    return found
 
 
 def onnx_input_shape(proto) -> list[int] | None:
@@ -291,7 +344,7 @@ def describe_onnx(path: str) -> dict:
         return onnx.TensorProto.DataType.Name(value_info.type.tensor_type.elem_type).lower()
 
     meta = metadata(proto)
-    params = sum(int(np.prod(t.dims)) for t in proto.graph.initializer)
+    params = sum(math.prod(t.dims) for t in proto.graph.initializer)  # Python ints: np.prod would overflow on hostile dims
     return {
         "model": path, "format": "onnx", "ir_version": proto.ir_version,
         "opset": [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")][:1],

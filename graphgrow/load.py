@@ -13,7 +13,6 @@ import importlib
 import os
 import re
 import sys
-import tempfile
 import warnings
 import zipfile
 from dataclasses import dataclass, field
@@ -104,10 +103,11 @@ def load_model(source: str | os.PathLike, trust: bool = False, factory_seed: int
     return _interpret(obj, text, trust)
 
 
-# Libraries whose own functions load, save or run things (torch.load reads pickles, numpy.load too): a
-# name may point at their nn.Module classes, never at their functions.
-_NOT_FACTORIES = {"torch", "numpy", "scipy", "pandas", "joblib", "dill", "cloudpickle", "yaml", "safetensors", "onnx",
-                  "onnxruntime", "ray", "requests", "urllib3", "httpx", "fsspec", "huggingface_hub", "setuptools", "pip"}
+# A name calls installed code only where that code is a model's: a zoo's registered builder (routed through
+# the zoo, zoo.builder), an nn.Module subclass (its constructor is model code), or a function or class of the
+# user's own code. Everything else an installed library offers — torch.load, click.open_file,
+# timm.models.load_checkpoint, torch.hub.load — is refused: an allow-list, so a new spelling is refused too.
+_NEVER_FACTORIES = {"graphgrow", "__main__"}  # graphgrow's own functions, and the running script
 
 
 @contextlib.contextmanager
@@ -126,16 +126,19 @@ def cwd_importable():
             sys.path.remove(cwd)
 
 
-def import_object(name: str) -> Callable:
-    """The callable named `package.module:function`. Installed packages come first; the current
-    folder is searched last, so a user's own module is found but cannot shadow an installed one.
-    Raises LoadError."""
+_WAY_OUT = ("name a zoo model (timm:NAME, torchvision:NAME), an nn.Module class, or a function of your own code: "
+            "in the current folder, on PYTHONPATH or installed with pip install -e")
+
+
+def import_object(name: str, zoo_builders: bool = False) -> Callable:
+    """The callable named `package.module:function`, when a name may call it: an nn.Module subclass, a
+    function or class of the user's own code, or (with `zoo_builders`) a zoo's registered model builder.
+    Installed packages come first; the current folder is searched last, so a user's own module is found
+    but cannot shadow an installed one. Raises LoadError."""
     if not _FACTORY.match(name):
         raise LoadError(f"{name!r} does not name a function", "write package.module:function, e.g. mytask:train_epoch")
+    refuse_before_import(name)
     module_name, attr = name.split(":")
-    if module_name.split(".")[0] in sys.stdlib_module_names:  # refused before importing: importing can act too
-        raise LoadError(f"{name} is in Python's standard library, not a model factory: graphgrow does not call it",
-                        "name a function or class of your own package or a model zoo, e.g. mymodels:build")
     try:
         with cwd_importable():
             module = importlib.import_module(module_name)
@@ -144,28 +147,112 @@ def import_object(name: str) -> Callable:
     obj = getattr(module, attr, None)
     if not callable(obj):
         raise LoadError(f"'{module_name}' has no callable '{attr}'", f"see dir({module_name}) for the names it offers")
-    home = (getattr(obj, "__module__", None) or module_name).split(".")[0]  # where it is defined, not re-exported
-    what = getattr(obj, "__name__", attr)
-    if home in sys.stdlib_module_names:
-        raise LoadError(f"{name} is {what} from Python's standard library, not a model factory: graphgrow does not call it",
-                        "name a function or class of your own package or a model zoo, e.g. mymodels:build")
-    if home in _NOT_FACTORIES and not (isinstance(obj, type) and issubclass(obj, nn.Module)):
-        raise LoadError(f"{name} is {home}'s own {what}, not a model factory: from {home} graphgrow calls only nn.Module classes",
-                        "name a function or class of your own package or a model zoo, e.g. mymodels:build")
+    if isinstance(obj, type) and issubclass(obj, nn.Module):
+        return obj
+    if zoo_builders:
+        from .zoo import registered_model
+
+        if registered_model(obj) is not None:
+            return obj
+    library = library_of(obj)
+    if library is not None:
+        what = getattr(obj, "__name__", None) or attr  # its own name: a re-export says what it really is
+        whose = f"{what} from {library}" if " " in library else f"{library}'s own {what}"
+        raise LoadError(f"{name} is {whose}, not a model factory: a name calls only nn.Module classes, a zoo's "
+                        "registered models and the user's own code", _WAY_OUT)
     return obj
 
 
+def refuse_before_import(name: str) -> None:
+    """Names refused from their spelling alone, before anything is imported (importing can act too)."""
+    top = name.split(":")[0].split(".")[0]
+    if top in sys.stdlib_module_names:
+        raise LoadError(f"{name} is in Python's standard library, not a model factory: graphgrow does not call it", _WAY_OUT)
+    if top in _NEVER_FACTORIES:
+        raise LoadError(f"{name} is in {top}, not a model factory: graphgrow does not call it", _WAY_OUT)
+
+
+def library_of(obj: Any) -> str | None:
+    """What defines obj, when it is not the user's own code: "Python's standard library", "graphgrow", an
+    installed distribution's name. None for the user's code: a module outside every installation folder
+    that no installed (non-editable) distribution owns — the current folder, PYTHONPATH, an editable
+    install of the user's project. Looks where obj is defined (__module__), not where it was imported from."""
+    home = getattr(obj, "__module__", None)
+    module = sys.modules.get(home) if isinstance(home, str) else None
+    if module is None:  # a builtin without a home, a partial, a module that is gone: cannot tell, so refused
+        return f"an unknown module ({str(home)[:60]})"
+    top = home.split(".")[0]
+    if top in sys.stdlib_module_names:
+        return "Python's standard library"
+    if top in _NEVER_FACTORIES:
+        return top
+    file = getattr(module, "__file__", None)
+    if not file:
+        return f"the built-in module {home}"
+    path = Path(file).resolve()
+    if any(path.is_relative_to(folder) for folder in _installation_folders()):
+        return _distribution_name(top)
+    for dist in _distributions(top):
+        if not _is_editable(dist) and _owns(dist, path):
+            return dist.metadata["Name"] or top
+    return None
+
+
+def _installation_folders() -> list[Path]:
+    """Where installed packages and the standard library live (site-packages, dist-packages, stdlib)."""
+    import site
+    import sysconfig
+
+    folders = [sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")]
+    with contextlib.suppress(AttributeError):  # site may be trimmed in embedded interpreters
+        folders += [*site.getsitepackages(), site.getusersitepackages()]
+    folders += [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
+    return [Path(f).resolve() for f in folders if f]
+
+
+def _distributions(top: str) -> list:
+    from importlib import metadata
+
+    names = metadata.packages_distributions().get(top, [])
+    found = []
+    for n in dict.fromkeys(names):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found.append(metadata.distribution(n))
+    return found
+
+
+def _distribution_name(top: str) -> str:
+    dists = _distributions(top)
+    return (dists[0].metadata["Name"] or top) if dists else top
+
+
+def _is_editable(dist: Any) -> bool:
+    """pip's record of an editable install (PEP 610): the user's own project, whose code is theirs."""
+    import json
+
+    try:
+        return bool(json.loads(dist.read_text("direct_url.json") or "{}").get("dir_info", {}).get("editable"))
+    except (ValueError, AttributeError):
+        return False
+
+
+def _owns(dist: Any, path: Path) -> bool:
+    return any(Path(str(dist.locate_file(f))).resolve() == path for f in (dist.files or ()) if str(f).endswith(path.name))
+
+
 def _from_factory(text: str, seed: int) -> LoadedModel:
-    from .zoo import builder, parse_name, zoo_input_shape
+    from .zoo import builder, parse_name, sealed_caches, zoo_input_shape
 
     name = parse_name(text)
+    if name.zoo is None:
+        refuse_before_import(name.target)  # os:system says "standard library" before its arguments are read
     build, shape = builder(name, import_object)
     size = _size_on_meta(build)
     if size is not None and size > MAX_LOAD_BYTES:
         raise LoadError(f"{text[:200]} would hold {_mib(size)} of parameters and buffers (limit {_mib(MAX_LOAD_BYTES)}); "
                         "nothing was allocated", "check the arguments, or raise the limit with --max-load SIZE")
-    try:
-        with contextlib.redirect_stdout(sys.stderr), torch.random.fork_rng(devices=[]), cwd_importable():  # prints must not corrupt --json
+    try:  # prints must not corrupt --json; no cache of stored weights is in reach
+        with contextlib.redirect_stdout(sys.stderr), torch.random.fork_rng(devices=[]), cwd_importable(), sealed_caches():
             torch.manual_seed(seed)
             model = build()
     except LoadError:
@@ -183,9 +270,14 @@ def _size_on_meta(build: Callable[[], Any]) -> int | None:
     """Bytes of parameters and buffers the factory's model would hold, built on the meta device (shapes,
     no storage), so an argument like num_classes=10**8 is refused before memory is touched. None when the
     factory cannot build on meta (it computes with real tensors): then the real build is not pre-checked."""
+    from .zoo import sealed_caches
+
     try:
-        with contextlib.redirect_stdout(sys.stderr), torch.device("meta"), torch.random.fork_rng(devices=[]), cwd_importable():
+        with contextlib.redirect_stdout(sys.stderr), torch.device("meta"), torch.random.fork_rng(devices=[]), \
+                cwd_importable(), sealed_caches():
             model = build()
+    except LoadError:
+        raise  # graphgrow's own refusal (a download asked for): building again would only ask again
     except (Exception, SystemExit):
         return None  # the real build reports the factory's own error
     if not isinstance(model, nn.Module):
@@ -337,10 +429,15 @@ def _check_module_names(model: nn.Module, name: str) -> None:
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Write through a temp file in the same folder and rename: the old file or the new, never half."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
+    """Write through a staging file in the same folder and rename: the old file or the new, never half.
+    A failed write (disk full, quota, file-size limit, read-only, permission) is SaveError naming the output."""
+    from . import outputs
+
+    path = Path(path)
+    try:
+        tmp_path = outputs.staging_file(path, "tmp")
+    except OSError as e:
+        raise outputs.write_error(path, e) from e
     try:
         write(tmp_path)
         with open(tmp_path, "rb+") as f:
@@ -348,15 +445,23 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; a saved model gets the modes any new file gets
-        os.replace(tmp_path, path)
-    except BaseException:
-        tmp_path.unlink(missing_ok=True)
+        outputs.commit([(tmp_path, path)])
+    except BaseException as e:
+        outputs.discard(tmp_path)
+        if outputs.is_write_error(e):
+            raise outputs.write_error(path, e) from e
         raise
 
 
 def check_output_path(path: str | os.PathLike, inputs: tuple = ()) -> Path:
-    """Refuse outputs over an input, into missing or read-only folders. Returns the resolved path."""
+    """Refuse outputs over an input, into missing or read-only folders, or spelled like another run's
+    staging file (the next run would remove it). Returns the path."""
+    from . import outputs
+
     out = Path(path)
+    if outputs.is_staging_name(out.name) and not outputs.is_own_staging(out):
+        raise SaveError(f"output {out} is named like a graphgrow staging file (.NAME.gg-PID-….part), which a later run "
+                        "may remove", "choose another output name")
     if out.is_dir():
         raise SaveError(f"output {out} is a directory", "give a file name, e.g. grown.pt")
     if out.exists() and not out.is_file():
@@ -369,23 +474,20 @@ def check_output_path(path: str | os.PathLike, inputs: tuple = ()) -> Path:
     if not parent.is_dir():
         what = "is a file, not a folder" if parent.exists() else "does not exist"
         raise SaveError(f"folder {parent} {what}", "create it first or choose another output path")
-    try:  # a real probe: permission bits alone mislead (root, read-only mounts)
-        fd, probe = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".probe", dir=parent)
-        os.close(fd)
-        os.unlink(probe)
+    try:  # a real probe: permission bits alone mislead (root, read-only mounts); stale staging files go too
+        outputs.discard(outputs.staging_file(out, "probe"))
     except OSError as e:
         raise SaveError(f"folder {parent} is not writable ({e.strerror or e})", "choose another output path") from e
     return out
 
 
 def save_model(gm: fx.GraphModule, path: str | os.PathLike, inputs: tuple = ()) -> Path:
-    """Save a graphgrow GraphModule atomically in the safe format; returns the path."""
+    """Save a graphgrow GraphModule atomically in the safe format; returns the path. A failed write is SaveError."""
+    from .outputs import torch_save
+
     out = check_output_path(path, inputs)
     payload = serialize.to_payload(gm)
-    try:
-        atomic_write(out, lambda tmp: torch.save(payload, tmp))
-    except OSError as e:
-        raise SaveError(f"cannot write {out}: {e.strerror or e}", "check the folder's permissions and free space") from e
+    atomic_write(out, lambda tmp: torch_save(payload, tmp))
     return out
 
 

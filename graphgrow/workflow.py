@@ -4,8 +4,6 @@ Each returns plain data (the CLI formats it) and raises GraphgrowError subclasse
 """
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +12,7 @@ from typing import Callable, Literal, Sequence
 import torch
 from torch import fx, nn
 
+from . import outputs
 from .errors import InputError, LoadError, SaveError, SpecError, ValidationError
 from .load import (
     FACTORY_SEED, LoadedModel, check_output_path, custom_classes, default_output_path, is_factory_name, load_model,
@@ -67,9 +66,9 @@ def open_model(source: str, input_shape=None, trust: bool = False, leaves: Seque
         require_single_input(gm)
         inferred = None
     _check_finite(loaded.module, source)
-    from .budget import DEFAULT_MAX_MEMORY, check_input_memory
+    from .budget import check_input_memory
 
-    check_input_memory(gm, shape, max_memory or DEFAULT_MAX_MEMORY)  # on the meta device, before any real forward
+    check_input_memory(gm, shape, max_memory)  # on the meta device, before any real forward; fails closed
     progress("propagating shapes")
     try:
         annotate(gm, shape)
@@ -118,10 +117,10 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
 
 
 def _limits(max_params, max_memory):
-    from .budget import DEFAULT_MAX_MEMORY, DEFAULT_MAX_NEW_PARAMS, Limits, parse_size
+    from .budget import DEFAULT_MAX_NEW_PARAMS, Limits, default_max_memory, parse_limit
 
-    return Limits(parse_size(max_params, "--max-params") if max_params is not None else DEFAULT_MAX_NEW_PARAMS,
-                  parse_size(max_memory, "--max-memory") if max_memory is not None else DEFAULT_MAX_MEMORY)
+    return Limits(parse_limit(max_params, "--max-params") if max_params is not None else DEFAULT_MAX_NEW_PARAMS,
+                  parse_limit(max_memory, "--max-memory") if max_memory is not None else default_max_memory())
 
 
 def _distinct_outputs(*paths: Path | None) -> None:
@@ -210,10 +209,12 @@ def diff(source_a: str, source_b: str, diagram: str | None = None, trust: bool =
 
 
 class StagedOutputs:
-    """Temp files beside each final output; `commit` renames them all, anything else removes them.
+    """Staging files beside each final output (outputs.staging_file); `commit` renames them all, anything
+    else removes them.
 
     A failure or a signal (SIGINT, SIGTERM, SIGHUP: the CLI turns them into exceptions) part-way
-    through a command leaves neither a half-written file nor some outputs without the others.
+    through a command leaves neither a half-written file nor some outputs without the others: the
+    renames run with those signals held (outputs.commit). A write that fails is SaveError.
     """
 
     def __init__(self) -> None:
@@ -221,22 +222,24 @@ class StagedOutputs:
 
     def reserve(self, final: Path) -> Path:
         final = Path(final)
-        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".part", dir=final.parent if str(final.parent) else ".")
-        os.close(fd)
-        self.staged.append((Path(tmp), final))
-        return Path(tmp)
+        try:
+            tmp = outputs.staging_file(final, "part")
+        except OSError as e:
+            raise outputs.write_error(final, e) from e
+        self.staged.append((tmp, final))
+        return tmp
 
     def commit(self) -> list[Path]:
-        done = []
-        for tmp, final in self.staged:
-            os.replace(tmp, final)
-            done.append(final)
-        self.staged = []
-        return done
+        staged, self.staged = self.staged, []
+        try:
+            return outputs.commit(staged)
+        except BaseException:
+            self.staged = [(tmp, final) for tmp, final in staged if tmp.exists()]  # those not renamed are removed
+            raise
 
     def discard(self) -> None:
         for tmp, _ in self.staged:
-            tmp.unlink(missing_ok=True)
+            outputs.discard(tmp)
         self.staged = []
 
     def __enter__(self) -> "StagedOutputs":
@@ -416,7 +419,7 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
         factory_seed = recorded
     opened = open_model(source, shape, trust, leaves, progress, trace_mode, factory_seed=factory_seed)
     progress("checking onnxruntime against PyTorch")
-    session = open_session(str(onnx_file), provider)
+    session = open_session(proto.SerializeToString(), provider)  # the bytes that were checked, not the path again
     report = check_equivalence(opened.gm, session, opened.input_shape, reference=source, rtol=rtol, atol=atol)
     out: dict = {"onnx": str(onnx_file), "model": source, "equivalence": report.to_json()}
     if not report.passed:

@@ -262,6 +262,7 @@ class RemoveBranch(Pass):
     """Drop a branch from a merge: exact when its gate is 0, otherwise only with allow_change=true (reported)."""
 
     name: ClassVar[str] = "remove_branch"
+    grows: ClassVar[bool] = False  # only removes: nothing to size (it reads the gate's value, which meta tensors lack)
     function = remove_branch
     at: str | None = arg(None, "the merge node, or the span it ends; default: the last merge")
     index: int = arg(-1, "which branch (-1: the last added)")

@@ -187,7 +187,8 @@ def test_crash_during_save_leaves_the_old_output_or_none(tmp_path, monkeypatch, 
 
     def dying_save(obj, f, *a, **k):
         real_save(obj, f, *a, **k)
-        Path(f).write_bytes(Path(f).read_bytes()[:1000])  # half written ...
+        path = Path(getattr(f, "name", f))  # torch.save gets a file object (outputs.torch_save) or a path
+        path.write_bytes(path.read_bytes()[:1000])  # half written ...
         raise KeyboardInterrupt  # ... when the process is killed
 
     monkeypatch.setattr(torch, "save", dying_save)
@@ -405,8 +406,11 @@ NAME_COMMANDS = {
 }
 
 
-@pytest.mark.parametrize("field", ["placeholder", "module_name", "keyword"])
-@pytest.mark.parametrize("command", list(NAME_COMMANDS))
+NAME_CASES = [(c, "module_name") for c in NAME_COMMANDS] + [(c, f) for c in ("inspect", "mutate --trust")
+                                                            for f in ("placeholder", "keyword")]
+
+
+@pytest.mark.parametrize("command, field", NAME_CASES)
 def test_code_in_a_stored_name_runs_nothing_on_any_command(tmp_path, field, command):
     marker = tmp_path / "pwned"
     bad = _hostile_graphgrow_file(tmp_path, field, marker)
@@ -432,3 +436,532 @@ def test_code_in_a_pickled_module_name_runs_nothing(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and "not a plain name" in proc.stderr, proc.stderr
     assert not marker.exists() and digest(tmp_path) == before
+
+
+# --- issue 20: ONNX external data anywhere, sessions sealed; memory estimates fail closed ---
+def _leak_tensor(name: str = "leak", dims=(1, 4), location: int | None = None):
+    """A float tensor whose bytes, it says, are in secret.bin beside the model (the folder the command runs in)."""
+    import onnx
+
+    t = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=list(dims),
+                         data_location=onnx.TensorProto.EXTERNAL if location is None else location)
+    for key, value in (("location", "secret.bin"), ("offset", "0"), ("length", "16")):
+        entry = t.external_data.add()
+        entry.key, entry.value = key, value
+    return t
+
+
+def _sparse_leak():
+    import onnx
+
+    indices = onnx.helper.make_tensor("idx", onnx.TensorProto.INT64, [4], [0, 1, 2, 3])
+    return onnx.SparseTensorProto(values=_leak_tensor("vals", (4,)), indices=indices, dims=[1, 4])
+
+
+def leaky_onnx(where: str):
+    """y = x + c for x of shape (batch, 4), where c comes from a tensor naming external data at `where`."""
+    from onnx import TensorProto, helper
+
+    def const(out: str, **value):
+        return helper.make_node("Constant", [], [out], **value)
+
+    def branch(nodes, out: str):
+        return helper.make_graph(nodes, "branch", [], [helper.make_tensor_value_info(out, TensorProto.FLOAT, [1, 4])])
+
+    def if_node(then_nodes, out: str):
+        zeros = const("z", value=helper.make_tensor("zeros", TensorProto.FLOAT, [1, 4], [0.0] * 4))
+        return helper.make_node("If", ["cond"], [out], then_branch=branch(then_nodes, "t"), else_branch=branch([zeros], "z"))
+
+    cond = const("cond", value=helper.make_tensor("true", TensorProto.BOOL, [], [True]))
+    nodes, inits, sparse, functions, domains = [], [], [], [], [helper.make_opsetid("", 18)]
+    if where == "constant":
+        nodes = [const("c", value=_leak_tensor())]
+    elif where == "sparse constant":
+        nodes = [const("c", sparse_value=_sparse_leak())]
+    elif where == "default location":  # DEFAULT, yet external_data entries: refused too
+        nodes = [const("c", value=_leak_tensor(location=TensorProto.DEFAULT))]
+    elif where == "if branch":
+        nodes = [cond, if_node([const("t", value=_leak_tensor())], "c")]
+    elif where == "nested if":
+        nodes = [cond, if_node([cond, if_node([const("t", value=_leak_tensor())], "t")], "c")]
+    elif where == "function":
+        functions = [helper.make_function("leak.custom", "Leak", [], ["out"], [const("out", value=_leak_tensor())],
+                                          [helper.make_opsetid("", 18)])]
+        domains.append(helper.make_opsetid("leak.custom", 1))
+        nodes = [helper.make_node("Leak", [], ["c"], domain="leak.custom")]
+    elif where == "initializer":
+        inits = [_leak_tensor("c")]
+    elif where == "sparse initializer":
+        s = _sparse_leak()
+        s.values.name = "c"
+        sparse = [s]
+    graph = helper.make_graph(nodes + [helper.make_node("Add", ["x", "c"], ["y"])], "leaky",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+                              initializer=inits, sparse_initializer=sparse)
+    model = helper.make_model(graph, opset_imports=domains, functions=functions)
+    model.ir_version = 10
+    return model
+
+
+LEAKS = ["constant", "sparse constant", "default location", "if branch", "nested if", "function", "initializer",
+         "sparse initializer"]
+SECRET = torch.tensor([4242.25, -4242.5, 4243.75, -4244.0], dtype=torch.float32).numpy().tobytes()
+
+
+def _leaky_folder(tmp: Path, where: str) -> Path:
+    import onnx
+
+    (tmp / "secret.bin").write_bytes(SECRET)
+    torch.save(nn.Sequential(nn.Linear(4, 4)), tmp / "m.pt")
+    onnx.save(leaky_onnx(where), str(tmp / "leak.onnx"))
+    return tmp / "leak.onnx"
+
+
+def _refused_without_reading(proc, tmp: Path, before: dict, message: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith(")"), proc.stderr
+    assert message in lines[0], lines[0]
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    assert not any(v in proc.stderr for v in ("4242", "4243", "4244")), "the secret's values were shown"
+    assert digest(tmp) == before
+
+
+@pytest.mark.parametrize("where", LEAKS)
+def test_check_refuses_external_data_anywhere_in_an_onnx_file(tmp_path, where):
+    leak = _leaky_folder(tmp_path, where)
+    before = digest(tmp_path)
+    proc = run_cli("check", str(leak), "m.pt", "--input-shape", "1,4", cwd=tmp_path)  # run from the model's folder
+    _refused_without_reading(proc, tmp_path, before, "tensor(s) in external files")
+
+
+@pytest.mark.parametrize("where", ["constant", "if branch", "function"])
+@pytest.mark.parametrize("command", ["inspect", "replay"])
+def test_inspect_and_replay_refuse_external_data_outside_the_initializers(tmp_path, where, command):
+    _leaky_folder(tmp_path, where)
+    before = digest(tmp_path)
+    argv = ["inspect", "leak.onnx"] if command == "inspect" else ["replay", "m.pt", "leak.onnx", "--input-shape", "1,4"]
+    proc = run_cli(*argv, cwd=tmp_path)
+    _refused_without_reading(proc, tmp_path, before, "tensor(s) in external files")
+
+
+def test_every_place_a_tensor_can_sit_is_searched():
+    import onnx
+
+    from graphgrow.export import MAX_GRAPH_DEPTH, external_tensors
+
+    for where in LEAKS:
+        assert external_tensors(leaky_onnx(where)), where
+    model = leaky_onnx("constant")
+    model.graph.node[0].attribute[0].t.Clear()
+    assert external_tensors(model) == []  # self-contained again
+    lists = onnx.helper.make_attribute("ts", [_leak_tensor()])  # a `tensors` list attribute
+    model.graph.node[0].attribute.append(lists)
+    assert external_tensors(model) == ["graph node 'Constant' attribute 'ts'"]
+    model = leaky_onnx("constant")
+    info = model.training_info.add()  # training graphs are graphs too
+    info.initialization.initializer.append(_leak_tensor("trained"))
+    model.graph.node[0].attribute[0].t.Clear()
+    assert external_tensors(model) == ["training graph 0 initializer 'trained'"]
+    model = leaky_onnx("function")
+    model.functions[0].node[0].attribute[0].t.Clear()
+    model.functions[0].attribute_proto.append(onnx.helper.make_attribute("default", _leak_tensor()))  # a default value
+    assert external_tensors(model) == ["function 'Leak' attribute 'default'"]
+    deep = onnx.helper.make_graph([], "deep", [], [])
+    for _ in range(MAX_GRAPH_DEPTH + 2):  # a chain of Ifs deeper than any real model
+        deep = onnx.helper.make_graph([onnx.helper.make_node("If", ["c"], ["o"], then_branch=deep)], "d", [], [])
+    model.graph.CopyFrom(deep)
+    with pytest.raises(gg.LoadError, match="nests subgraphs"):
+        external_tensors(model)
+
+
+@pytest.mark.parametrize("where", ["initializer", "constant"])
+def test_onnxruntime_sessions_cannot_resolve_external_data_even_past_the_reader(tmp_path, monkeypatch, where):
+    """Defence in depth: a model that names external data reaches onnxruntime (the API, or a reader bug); from the
+    model's folder, with a path, the session still finds nothing (bytes + an empty external-data folder)."""
+    from graphgrow.errors import RuntimeUnavailable
+    from graphgrow.runtime import open_session
+
+    leak = _leaky_folder(tmp_path, where)
+    monkeypatch.chdir(tmp_path)
+    for model in (leak, "leak.onnx", leak.read_bytes()):
+        with pytest.raises(RuntimeUnavailable, match="cannot load this model"):
+            open_session(model, "cpu")
+
+
+def _peak_rss_of(*argv: str, cwd: Path) -> tuple[int, str]:
+    """Run the CLI in a fresh wrapper process; (the CLI's peak resident memory in KiB, its stderr)."""
+    import subprocess
+    import sys
+
+    wrapper = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+               "sys.stdout.write(str(p.returncode) + ' ' + str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+               "sys.stderr.write(p.stderr)")
+    proc = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", "graphgrow.cli", *argv],
+                          capture_output=True, text=True, cwd=cwd, timeout=600)
+    code, peak = proc.stdout.split()
+    assert int(code) == 2, proc.stderr
+    return int(peak), proc.stderr
+
+
+def test_a_model_the_estimate_cannot_size_is_refused_before_any_allocation(tmp_path):
+    """The issue's case: batch 1 runs, the verification batch of 3 does not, so the meta-device estimate raised and
+    the real forward went ahead (3.0 GB peak with --max-memory 256M). Now: exit 2 with the reason and the way out."""
+    src = tmp_path / "batch1.pt"
+    torch.save(nn.Sequential(nn.Unflatten(0, (1,)), nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1)), src)
+    before = digest(tmp_path)
+    argv = ["mutate", "batch1.pt", "--pass", "deepen", "--max-memory", "256M", "--input-shape"]
+    small, _ = _peak_rss_of(*argv, "1,3,8,8", cwd=tmp_path)
+    big, err = _peak_rss_of(*argv, "1,3,2048,2048", cwd=tmp_path)  # 1 GiB per activation at batch 1
+    assert big < small + (256 << 10), f"{(big - small) >> 10} MiB more than on a tiny input: the real forward ran"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "cannot estimate the model's activation memory" in lines[0], err
+    assert "runs at batch 1, not 3" in lines[0] and "--max-memory none" in lines[0], err
+    assert digest(tmp_path) == before
+    proc = run_cli("inspect", "batch1.pt", "--input-shape", "1,3,8,8", "--max-memory", "none", cwd=tmp_path)
+    assert proc.returncode == 2 and "cannot run on an input of shape" in proc.stderr, proc.stderr  # lifted: the real run says why
+
+
+class NeedsData(nn.Module):
+    """Scales by a value read from the data (`.item()` has no value on the meta device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * (x.abs().sum() > 0).float().item()
+
+
+def needs_data() -> nn.Module:
+    return NeedsData()
+
+
+def test_a_data_dependent_model_needs_the_limit_lifted_explicitly(tmp_path):
+    env = {"PYTHONPATH": str(ROOT / "tests")}
+    proc = run_cli("inspect", "test_hostile:needs_data", "--input-shape", "1,4", cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and "cannot estimate" in proc.stderr and "--max-memory none" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stdout == ""
+    proc = run_cli("inspect", "test_hostile:needs_data", "--input-shape", "1,4", "--max-memory", "none", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_estimate_covers_a_batch_larger_than_verifications(tmp_path):
+    src = tmp_path / "wide.pt"
+    torch.save(nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1)), src)
+    # 2 MiB of activations an example: batch 3 fits in 32M, the batch of 64 asked for does not
+    proc = run_cli("inspect", str(src), "--input-shape", "64,3,64,64", "--max-memory", "32M", cwd=tmp_path)
+    assert proc.returncode == 2 and "at batch 64 (limit 32.0 MiB)" in proc.stderr, proc.stderr
+    assert run_cli("inspect", str(src), "--input-shape", "2,3,64,64", "--max-memory", "32M", cwd=tmp_path).returncode == 0
+
+
+def test_a_pass_that_cannot_be_sized_is_refused_unless_both_limits_are_lifted(cnn):
+    from graphgrow.budget import NO_LIMIT, Limits, check_budget
+
+    gm = gg.trace(cnn, (1, 3, 32, 32))
+
+    def meta_fails(m):
+        raise RuntimeError("needs real tensors")
+
+    with pytest.raises(gg.NotApplicable, match=r"cannot be sized before it runs.*needs real tensors"):
+        check_budget("p", meta_fails, gm, (1, 3, 32, 32), Limits(max_memory=NO_LIMIT))
+    assert "limits lifted" in check_budget("p", meta_fails, gm, (1, 3, 32, 32), Limits(NO_LIMIT, NO_LIMIT))
+
+    def grows_data_dependent(m):
+        out = gg.trace(NeedsData(), (1, 4))
+        return out
+
+    with pytest.raises(gg.ValidationError, match=r"the model p would make cannot be sized: node 'item' .* on the meta device"):
+        check_budget("p", grows_data_dependent, gm, (1, 4), Limits())
+    assert check_budget("p", grows_data_dependent, gm, (1, 4), Limits(max_memory=NO_LIMIT)) is None
+
+
+def test_meta_estimates_cover_tensor_constants_and_leaves_that_make_tensors():
+    from graphgrow.budget import activation_bytes, meta_copy
+
+    class MakesTensors(nn.Module):
+        def forward(self, x):
+            return x + torch.arange(x.shape[-1]) + torch.tensor([1.0, 2.0, 3.0, 4.0])  # created without a device
+
+    gm = gg.trace(nn.Sequential(nn.Linear(4, 4), MakesTensors()), (1, 4), leaves=["1"])
+    assert activation_bytes(meta_copy(gm), (1, 4)) > 0
+    gm = gg.trace(nn.Sequential(nn.Linear(4, 4), MakesTensors()), (1, 4))  # traced: a _tensor_constant attribute
+    assert activation_bytes(meta_copy(gm), (1, 4)) > 0
+
+
+# --- issue 20: outputs (write errors, staging files, signals after commit) ---
+
+def _graphgrow(*args: str, cwd: Path, setup: str = "", fsize_kb: int | None = None):
+    """The real CLI process; `setup` is Python run first (a fault to inject), `fsize_kb` a `ulimit -f`."""
+    import subprocess
+    import sys
+
+    code = f"{setup}\nimport sys\nsys.argv = ['graphgrow', *sys.argv[1:]]\nfrom graphgrow.cli import main\nmain()"
+    argv = [sys.executable, "-c", code, *args]
+    if fsize_kb is not None:
+        argv = ["bash", "-c", f'ulimit -f {fsize_kb}; exec "$0" "$@"', *argv]
+    return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+def _staging(folder: Path) -> list[str]:
+    from graphgrow.outputs import is_staging_name
+
+    return sorted(p.name for p in folder.iterdir() if is_staging_name(p.name))
+
+
+def _one_line_refusal(proc, message: str) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith(")"), proc.stderr
+    assert message in lines[0], lines[0]
+    return lines[0]
+
+
+WRITE_CASES = [  # label, argv, the output that cannot be written
+    ("model", ["mutate", "m.pt", "--pass", "add_residual", "--input-shape", "1,3,32,32"], "m.grown.pt"),
+    ("ONNX", ["export", "m.pt", "-o", "m.onnx", "--input-shape", "1,3,32,32"], "m.onnx"),
+    ("diagram", ["mutate", "m.pt", "--pass", "deepen", "--input-shape", "1,3,32,32", "--dry-run", "--diagram", "d.svg"], "d.svg"),
+    ("fold", ["fold", "m.pt", "--input-shape", "1,3,32,32"], "m.folded.pt"),
+]
+
+
+@pytest.mark.parametrize("label, argv, output", WRITE_CASES, ids=[c[0] for c in WRITE_CASES])
+def test_a_file_size_limit_is_exit_2_naming_the_output(tmp_path, cnn, label, argv, output):
+    torch.save(cnn, tmp_path / "m.pt")
+    before = digest(tmp_path)
+    proc = _graphgrow(*argv, cwd=tmp_path, fsize_kb=1)  # EFBIG (SIGXFSZ is ignored): torch.save said RuntimeError
+    _one_line_refusal(proc, f"cannot write {output}: File too large")
+    assert "ulimit -f" in proc.stderr and proc.stdout == ""
+    assert digest(tmp_path) == before, "an output or a staging file was left"
+
+
+@pytest.mark.parametrize("fault, message, code", [
+    ("RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos 6208 vs 6128')",
+     "cannot write g.pt: the write stopped part-way", 2),
+    ("OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))", "cannot write g.pt: No space left on device", 2),
+    ("OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))", "cannot write g.pt: Disk quota exceeded", 2),
+    ("RuntimeError('a bug, not the disk')", "internal error: RuntimeError: a bug, not the disk", 3),
+], ids=["torch writer", "ENOSPC", "EDQUOT", "not a write error"])
+def test_a_failing_torch_save_is_exit_2_with_nothing_left(tmp_path, cnn, fault, message, code):
+    torch.save(cnn, tmp_path / "m.pt")
+    before = digest(tmp_path)
+    setup = f"import errno, os, torch\ndef save(obj, f, *a, **k):\n    f.write(b'PK' * 100)\n    raise {fault}\ntorch.save = save"
+    proc = _graphgrow("mutate", "m.pt", "--pass", "add_residual", "--input-shape", "1,3,32,32", "-o", "g.pt",
+                      "--onnx", "g.onnx", cwd=tmp_path, setup=setup)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == code and len(lines) == 1 and message in lines[0], proc.stderr
+    assert digest(tmp_path) == before, "an output or a staging file was left"
+
+
+def _fake_staging(folder: Path, output: str, pid: int, start: int = 0, host: str | None = None) -> Path:
+    from graphgrow import outputs
+
+    path = folder / f".{output}.gg-{pid}-{start}-{host or outputs._host_key()}-abcd1234.part"
+    path.write_bytes(b"staged by a writer that may be gone")
+    return path
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_staging_files_of_a_killed_run_are_removed_by_the_next_run(tmp_path, cnn):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from graphgrow import outputs
+
+    torch.save(cnn, tmp_path / "m.pt")
+    proc = subprocess.Popen([sys.executable, "-m", "graphgrow.cli", "mutate", "m.pt", "--pass", "add_residual",
+                             "--input-shape", "1,3,32,32", "-o", "g.pt", "--onnx", "g.onnx"], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(n.startswith(".g.pt.") and n.endswith(".part") for n in _staging(tmp_path)):
+        time.sleep(0.01)
+    time.sleep(0.3)  # the model is being written or already is: the export runs next
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    killed = _staging(tmp_path)
+    assert any(n.startswith(".g.pt.gg-") for n in killed), "the killed run left no staging file to clean"
+    assert not (tmp_path / "g.pt").exists()
+
+    stale = _fake_staging(tmp_path, "x.pt", _dead_pid())
+    live = _fake_staging(tmp_path, "y.pt", os.getpid(), outputs._start())  # this test's process: alive
+    elsewhere = _fake_staging(tmp_path, "z.pt", _dead_pid(), host="0123456789ab")  # another machine's: not ours to judge
+    reused = _fake_staging(tmp_path, "w.pt", os.getpid(), outputs._start() + 1)  # a dead writer whose pid was reused
+    kept = {name: b"not graphgrow's" for name in (".g.pt.part", ".g.pt.gg-1.part", "notes.part", ".g.pt.gg-x-1-2-3.tmp")}
+    for name, data in kept.items():
+        (tmp_path / name).write_bytes(data)
+    target = tmp_path / "target.txt"
+    target.write_text("a symlink's target")
+    (tmp_path / f".s.pt.gg-{_dead_pid()}-0-{outputs._host_key()}-abcd1234.part").symlink_to(target)
+    (tmp_path / f".d.pt.gg-{_dead_pid()}-0-{outputs._host_key()}-abcd1234.part").mkdir()
+
+    proc = _graphgrow("mutate", "m.pt", "--pass", "add_residual", "--input-shape", "1,3,32,32", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "m.grown.pt").is_file(), "a staging file was taken for an earlier output"
+    left = _staging(tmp_path)
+    assert not any(n.startswith((".g.pt.", ".g.onnx.", ".x.pt.", ".w.pt.")) for n in left), left
+    odd = [n for n in os.listdir(tmp_path) if n.startswith((".s.pt.", ".d.pt."))]  # a symlink and a folder
+    assert len(odd) == 2 and sorted(left) == sorted([live.name, elsewhere.name, *odd]), left
+    assert not stale.exists() and not reused.exists() and live.exists() and elsewhere.exists()
+    assert all((tmp_path / name).read_bytes() == data for name, data in kept.items())
+    assert target.read_text() == "a symlink's target"
+
+
+def test_an_output_named_like_a_staging_file_is_refused(tmp_path, cnn):
+    from graphgrow import outputs
+
+    torch.save(cnn, tmp_path / "m.pt")
+    before = digest(tmp_path)
+    name = f".g.pt.gg-{_dead_pid()}-0-{outputs._host_key()}-abcd1234.part"
+    proc = _graphgrow("mutate", "m.pt", "--pass", "add_residual", "--input-shape", "1,3,32,32", "-o", name, cwd=tmp_path)
+    _one_line_refusal(proc, "is named like a graphgrow staging file")
+    assert digest(tmp_path) == before
+
+
+SIGNAL_AFTER_COMMIT = """
+import os, signal
+real = os.replace
+def replace(src, dst, *a, **k):
+    real(src, dst, *a, **k)
+    if str(dst).endswith('g.pt'):  # the first output is in place, the second not yet
+        os.kill(os.getpid(), signal.{sig})
+os.replace = replace
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_signal_during_or_after_the_commit_says_the_outputs_are_complete(tmp_path, cnn, sig):
+    import signal
+
+    torch.save(cnn, tmp_path / "m.pt")
+    proc = _graphgrow("mutate", "m.pt", "--pass", "add_residual", "--input-shape", "1,3,32,32", "-o", "g.pt",
+                      "--onnx", "g.onnx", cwd=tmp_path, setup=SIGNAL_AFTER_COMMIT.format(sig=sig))
+    assert proc.returncode == 128 + getattr(signal, sig), proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0] == f"interrupted ({sig}) after writing g.pt, g.onnx: these outputs are complete", proc.stderr
+    assert isinstance(load_model(tmp_path / "g.pt").module, torch.fx.GraphModule)  # both whole, none left half
+    assert (tmp_path / "g.onnx").stat().st_size > 0 and _staging(tmp_path) == []
+
+
+# --- issue 20: model names by allow-list ---
+def _fake_caches(tmp: Path) -> tuple[dict[str, str], Path]:
+    """A TORCH_HOME and a Hugging Face cache holding, under the names torchvision and hf_hub_download would read,
+    pickles that create a canary when unpickled: a build that reads a cache leaves the canary."""
+    checkpoints = tmp / "torch_home" / "hub" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    canary = tmp / "unpickled"
+    for name in ("resnet18-f37072fd.pth", "mobilenet_v3_large-8738ca79.pth"):
+        torch.save({"x": RunsCode(canary)}, checkpoints / name)
+    repo = tmp / "hf" / "models--someone--weights"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    torch.save({"x": RunsCode(canary)}, repo / "snapshots" / ("0" * 40) / "w.pt")
+    env = {"TORCH_HOME": str(tmp / "torch_home"), "HF_HUB_CACHE": str(tmp / "hf"), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT / "tests")}
+    return env, canary
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts}
+
+
+NAME_ESCAPES = [  # label, model name ({tmp}: the test's folder), message
+    ("click empties a file", "click:open_file(filename='{tmp}/keep.txt', mode='w')", "open_file: filename='"),
+    ("click, a file named without a folder", "click:open_file(filename='keep.txt', mode='w')", "asks for stored weights or a file"),
+    ("torchvision weights, another spelling", "torchvision.models:resnet18(weights='DEFAULT')", "weights='DEFAULT' asks for stored"),
+    ("torchvision backbone weights", "torchvision.models.segmentation:lraspp_mobilenet_v3_large(weights_backbone='DEFAULT')",
+     "weights_backbone='DEFAULT' asks for stored"),
+    ("timm load_checkpoint", "timm.models:load_checkpoint(model=None, checkpoint_path='{tmp}/evil.pth', weights_only=False)",
+     "load_checkpoint: checkpoint_path='"),  # (a long temp path is cut in the middle of the line)
+    ("timm create_model with a checkpoint file",
+     "timm.models:create_model(model_name='resnet18', pretrained=True, pretrained_cfg_overlay={{'file': '{tmp}/evil.pth'}})",
+     "pretrained=True asks for stored"),
+    ("timm create_model, a checkpoint in a nested dict", "timm:resnet18(pretrained_cfg_overlay={{'file': 'evil.pth'}})",
+     "pretrained_cfg_overlay="),
+    ("timm create_model without weights", "timm.models:create_model(model_name='resnet18')", "timm's own create_model, not a model"),
+    ("torchvision get_model", "torchvision.models:get_model(name='resnet18')", "torchvision's own get_model, not a model"),
+    ("torch.hub.load", "torch.hub:load(repo_or_dir='pytorch/vision', model='resnet18')", "repo_or_dir='pytorch/vision' asks"),
+    ("a URL", "torch.utils.model_zoo:load_url(url='https://download.pytorch.org/models/resnet18-f37072fd.pth')", "url="),
+    ("a path deep in a list", "factories:square_linear(n=4, extra=[1, ('{tmp}/evil.pth',)])", "names a file, folder or URL"),
+    ("an existing file by a bare name", "factories:square_linear(n=4, extra='keep.txt')", "names a file, folder or URL"),
+    ("the running command itself", "__main__:main", "__main__:main is in __main__, not a model factory"),
+    ("graphgrow's own functions", "graphgrow.workflow:export(source='x', out='y')", "is in graphgrow, not a model factory"),
+    ("pip", "pip:main", "pip's own main, not a model factory"),
+]
+
+
+@pytest.mark.parametrize("label, name, message", NAME_ESCAPES, ids=[e[0] for e in NAME_ESCAPES])
+def test_model_names_outside_the_allow_list_run_nothing(tmp_path, label, name, message):
+    env, canary = _fake_caches(tmp_path)
+    (tmp_path / "keep.txt").write_text("precious")
+    torch.save({"x": RunsCode(canary)}, tmp_path / "evil.pth")
+    before = _tree(tmp_path)
+    proc = run_cli("mutate", name.format(tmp=tmp_path), "--pass", "add_residual", "--input-shape", "1,3,32,32",
+                   cwd=tmp_path, env=env)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (label, proc.stderr)
+    assert message.format(tmp=tmp_path) in lines[0] and lines[0].endswith(")"), (label, lines[0])
+    assert proc.stdout == "" and _tree(tmp_path) == before, f"{label}: something was written or changed"
+    assert not canary.exists(), f"{label}: a cached pickle was loaded"
+
+
+def test_a_zoo_model_whose_backbone_defaults_to_stored_weights_reads_no_cache(tmp_path):
+    """torchvision's segmentation and detection builders default to ImageNet backbone weights: by name they build
+    random weights; the same for the import-path spelling, which goes through the zoo's path."""
+    env, canary = _fake_caches(tmp_path)
+    for name in ("torchvision:lraspp_mobilenet_v3_large(num_classes=3)",
+                 "torchvision.models.segmentation:lraspp_mobilenet_v3_large(num_classes=3)"):
+        proc = run_cli("inspect", name, "--input-shape", "1,3,64,64", "--json", cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert not canary.exists(), f"{name} unpickled the torch hub cache"
+
+
+@pytest.mark.parametrize("body, message", [
+    ("import torchvision\n\ndef build():\n    return torchvision.models.resnet18(weights='DEFAULT')\n",
+     "the model asked to download https://download.pytorch.org/models/resnet18-f37072fd.pth"),
+    ("import torch\nfrom huggingface_hub import hf_hub_download\n\ndef build():\n"
+     "    torch.load(hf_hub_download('someone/weights', 'w.pt'), weights_only=False)\n    return torch.nn.Linear(4, 2)\n",
+     "mymodels:build() failed"),
+], ids=["torch hub", "hugging face"])
+def test_a_factory_that_loads_cached_weights_itself_finds_no_cache(tmp_path, body, message):
+    """The user's own factory may ask for stored weights in its code: while it builds, the caches are an empty folder."""
+    env, canary = _fake_caches(tmp_path)
+    (tmp_path / "mymodels.py").write_text(body)
+    before = _tree(tmp_path)
+    proc = run_cli("mutate", "mymodels:build", "--pass", "add_residual", "--input-shape", "1,4", cwd=tmp_path, env=env)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]  # the factory's own output (torch's
+    assert proc.returncode == 2 and message in lines[-1], proc.stderr   # "Downloading: ...") goes to stderr first
+    assert [line for line in lines if line.startswith("error: ")] == [lines[-1]] and "Traceback" not in proc.stderr
+    assert not canary.exists(), "a cached pickle was loaded"
+    assert _tree(tmp_path) == before
+
+
+class BranchesOnData(nn.Module):
+    """fx cannot trace the test on data: the submodule becomes a leaf. Its True branch is 8× larger."""
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return x.repeat(1, 8)
+        return x
+
+
+def test_a_leaf_that_branches_on_its_data_is_sized_by_its_larger_branch():
+    from graphgrow.budget import activation_bytes, meta_copy
+    from graphgrow.trace import trace_report
+
+    gm = gg.trace(nn.Sequential(nn.Linear(4, 4), BranchesOnData()), (1, 4))
+    assert "1" in trace_report(gm)["auto_leaves"]
+    # batch 3, float32: input 3×4, Linear 3×4, the leaf's larger branch 3×32, the output node (the same 3×32)
+    assert activation_bytes(meta_copy(gm), (1, 4)) == 4 * (12 + 12 + 96 + 96)

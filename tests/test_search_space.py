@@ -171,6 +171,69 @@ def test_resume_without_a_search_says_so(monkeypatch, tmp_path):
     assert result.exit_code == 2 and "nothing to resume" in result.output, result.output
 
 
+@pytest.mark.parametrize("name, message", [
+    ("../../x", "is a path"), ("a/b", "is a path"), ("a\\b", "is a path"), ("..", "is not a folder name"),
+    (".", "is not a folder name"), ("", "is not a folder name"), ("-x", "starts with '-'"), (".hidden", "starts with '.'"),
+    ("x\x00y", "is a path"), ("a\nb", "control characters"), (" x", "space"), ("x" * 300, "longer than 200 bytes"),
+])
+def test_a_search_name_must_be_one_folder_name(name, message, monkeypatch, tmp_path):
+    """--name becomes a folder under --storage-path: `../../x` once wrote outside it. Refused before Ray
+    (or any import of it), before the model is opened, with nothing written anywhere."""
+    import graphgrow.search.job as job
+    from conftest import ROOT
+
+    monkeypatch.setattr(job, "_require_ray", lambda: pytest.fail("Ray was reached"))
+    monkeypatch.chdir(ROOT)
+    storage = tmp_path / "a" / "b"
+    result = _cli("--mutations", "deepen", "--storage-path", str(storage), "--name", name)
+    assert result.exit_code == 2, result.output
+    assert f"--name {name[:80]!r}" in result.output and message in result.output, result.output
+    assert list(tmp_path.iterdir()) == []  # not the storage, not ../../x
+
+
+def test_search_outputs_are_checked_before_ray(monkeypatch, tmp_path):
+    import graphgrow.search.job as job
+    from conftest import ROOT
+
+    monkeypatch.setattr(job, "_require_ray", lambda: pytest.fail("Ray was reached"))
+    monkeypatch.chdir(ROOT)
+    result = _cli("--mutations", "deepen", "--storage-path", str(tmp_path), "--plot", str(tmp_path / "p.txt"))
+    assert result.exit_code == 2 and "cannot draw the plot to a .txt file" in result.output, result.output
+    result = _cli("--mutations", "deepen", "--storage-path", str(tmp_path), "-o", str(tmp_path / "no" / "best.pt"))
+    assert result.exit_code == 2 and "does not exist" in result.output, result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_that_cannot_be_written_is_a_save_error(tmp_path, monkeypatch, gm):
+    """A full disk under a trial is exit 2 naming the file, not an internal error (torch.save says RuntimeError)."""
+    import errno
+    import os
+
+    import graphgrow.search.trial as trial
+    from graphgrow.search.runner import SearchOptions, _collect
+
+    def full(obj, f, *a, **k):
+        if hasattr(f, "write"):
+            f.write(b"x")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(gg.SaveError, match=r"cannot write .*model.pt: No space left on device"):
+        trial.write_state(tmp_path, trial.TrialState(gm), opt)
+    assert list(tmp_path.iterdir()) == []  # the model's staging file went too
+    monkeypatch.undo()
+    monkeypatch.setattr(trial, "torch_save", full)
+    with pytest.raises(gg.SaveError, match=r"cannot write .*trainer.pt: No space left on device"):
+        trial.write_state(tmp_path, trial.TrialState(gm), opt)
+
+    ray_error = RuntimeError("Failure # 1\nTraceback (most recent call last):\n  ...\ngraphgrow.errors.SaveError: cannot write "
+                             "/s/model.pt: No space left on device (check free space)")
+    results = type("Results", (), {"errors": [ray_error], "__len__": lambda self: 4})()
+    with pytest.raises(gg.SaveError, match=r"1 of 4 trials failed; the first: cannot write /s/model.pt: No space left"):
+        _collect(results, SearchOptions(), tmp_path, 1.0)
+
+
 def test_the_core_and_the_search_space_do_not_import_ray():
     import subprocess
     import sys

@@ -2,11 +2,12 @@
 the search, write the best model (and the plot), and report what was found."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Sequence
 
 from ..budget import parse_size
 from ..errors import SearchError
-from ..load import import_object
+from ..load import check_output_path, import_object
 from ..workflow import open_model
 from .space import MutationSpace
 
@@ -19,17 +20,28 @@ def _require_ray() -> None:
                           "pip install 'graphgrow[search]' (or: pip install 'ray[tune]')") from e
 
 
+def _check_outputs(output: str | None, plot: str | None) -> None:
+    """Where the best model and the plot go, checked before a search of hours rather than after it."""
+    if output:
+        check_output_path(Path(output).expanduser())
+    if plot:
+        from .plot import plot_format
+
+        plot_format(check_output_path(plot))
+
+
 def run(source: str, train: str, evaluate: str, mutations: str, options, input_shape=None, trust: bool = False,
         leaves: Sequence[str] = (), trace_mode: str = "eval", max_params: str | None = None, plot: str | None = None,
         say: Callable[[str], None] = print, progress: Callable[[str], None] = lambda _: None) -> dict:
     """Everything `graphgrow search` does; returns the report (SearchResult.to_json() + plot path)."""
+    options.check()  # names and numbers first: nothing starts, nothing is written for a bad one
+    _check_outputs(options.output, plot)
     _require_ray()
     from .runner import search
 
     budget = parse_size(max_params, "--max-params") if max_params is not None else None
     space = MutationSpace.parse(mutations, max_params=budget)
     train_fn, eval_fn = import_object(train), import_object(evaluate)
-    options.check()
     if options.resume:
         model = None  # the search's own copy of the original is used (STORAGE/NAME/original.pt)
     else:

@@ -6,6 +6,19 @@ from pathlib import Path
 from ..errors import InputError
 
 
+def plot_format(path: Path) -> str:
+    """The matplotlib format of `path` by its suffix (png without one); InputError when it has none."""
+    kind = Path(path).suffix.lstrip(".").lower() or "png"
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise InputError("plotting needs matplotlib", "pip install matplotlib") from e
+    supported = Figure().canvas.get_supported_filetypes()
+    if kind not in supported:
+        raise InputError(f"cannot draw the plot to a .{kind} file", f"use one of .{', .'.join(sorted(supported))}")
+    return kind
+
+
 def plot_population(history: dict[str, list[dict]], metric: str, path: str | Path, title: str = "",
                     baseline: list[float] | None = None) -> Path:
     """PNG (or any format matplotlib writes, by suffix) of `history` (SearchResult.history).
@@ -67,6 +80,10 @@ def plot_population(history: dict[str, list[dict]], metric: str, path: str | Pat
     ax.set_title(title or f"population-based growth: {metric} per trial")
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    from ..load import atomic_write
+
+    try:  # staged and renamed like every output; a failed write is SaveError
+        atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=110, format=plot_format(out)))
+    finally:
+        plt.close(fig)
     return out

@@ -22,6 +22,7 @@ from torch import fx
 from ..budget import Limits
 from ..errors import InputError, SaveError, SearchError, SearchInterrupted, first_line
 from ..load import save_model
+from ..outputs import is_staging_name
 from ..shapes import param_count
 from ..trace import graph_info
 from .space import MutationSpace
@@ -71,10 +72,36 @@ class SearchOptions:
                              "give a folder every node can reach (the same path on each, e.g. an NFS mount)")
         if self.cpus_per_trial <= 0 or self.gpus_per_trial < 0:
             raise InputError("--cpus-per-trial must be positive and --gpus-per-trial not negative")
+        check_folder_name(self.name, "--name")
 
     @property
     def experiment(self) -> Path:
         return Path(self.storage_path).expanduser().resolve() / self.name
+
+
+_NAME_BYTES = 200  # a folder name, with room for what Ray appends
+
+
+def check_folder_name(name: str, flag: str) -> None:
+    """`name` becomes one folder under --storage-path: a single plain path component, so that nothing
+    is written outside the storage (`../../x`), nothing is hidden (`.x`) or read as an option (`-x`)."""
+    shown = repr(name[:80]) + ("…" if len(name) > 80 else "")
+    why = None
+    if name in ("", ".", ".."):
+        why = "is not a folder name"
+    elif any(c in name for c in "/\\\0") or os.sep in name or (os.altsep and os.altsep in name):
+        why = "is a path, not one folder name"
+    elif any(not c.isprintable() for c in name):
+        why = "holds control characters"
+    elif name[0] in ".-~":
+        why = f"starts with {name[0]!r}"
+    elif name != name.strip():
+        why = "starts or ends with a space"
+    elif len(os.fsencode(name)) > _NAME_BYTES:
+        why = f"is longer than {_NAME_BYTES} bytes"
+    if why:
+        raise InputError(f"{flag} {shown} {why}", "give one plain folder name, e.g. --name search1 (put the folder "
+                         "elsewhere with --storage-path)")
 
 
 @dataclass
@@ -202,7 +229,7 @@ def search(model: fx.GraphModule | None, train: Callable, evaluate: Callable, sp
         if not tune.Tuner.can_restore(str(experiment)):
             raise InputError(f"nothing to resume at {experiment}", "start the search without --resume")
         model = read_model_file(original_path)
-    elif experiment.exists() and any(experiment.iterdir()):
+    elif experiment.exists() and any(not is_staging_name(p.name) for p in experiment.iterdir()):
         raise InputError(f"{experiment} already holds a search", "pass --resume to continue it, or choose another --name")
     elif model is None:
         raise InputError("no model to search from", "pass the traced model (graphgrow.trace)")
@@ -287,10 +314,17 @@ def _history(result) -> list[dict]:
     return [{k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))} for row in frame.to_dict("records")]
 
 
+def _cut(text: str, limit: int = 400) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def _collect(results, options: SearchOptions, original_path: Path, seconds: float) -> SearchResult:
     errors = results.errors
     if errors:
         last = [line for line in str(errors[0]).strip().splitlines() if line.strip()]  # a Ray error ends with the cause
+        cause = last[-1].strip() if last else ""
+        if "SaveError: " in cause:  # a checkpoint could not be written (a full disk): exit 2 like any write error
+            raise SaveError(f"{len(errors)} of {len(results)} trials failed; the first: {_cut(cause.split('SaveError: ', 1)[1])}")
         raise SearchError(f"{len(errors)} of {len(results)} trials failed; the first: {first_line(last[-1]) if last else type(errors[0]).__name__}",
                           f"each trial's error.txt under {options.experiment} has the traceback")
     target = options.rounds * options.epochs_per_round

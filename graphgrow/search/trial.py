@@ -24,6 +24,7 @@ from ..budget import Limits
 from ..errors import InputError, LoadError
 from ..load import load_model, save_model
 from ..optim import carry_optimizer
+from ..outputs import is_write_error, torch_save, write_error
 from ..shapes import param_count
 from ..trace import graph_info
 from .space import Move, MutationSpace, applied_moves
@@ -97,9 +98,16 @@ def read_state(folder: str | Path) -> TrialState:
 def write_state(folder: str | Path, state: TrialState, optimizer: torch.optim.Optimizer) -> None:
     folder = Path(folder)
     save_model(copy.deepcopy(state.model).cpu() if _on_cuda(state.model) else state.model, folder / MODEL_FILE)
-    torch.save({"optimizer": optimizer_record(optimizer, state.model)}, folder / TRAINER_FILE)
-    (folder / STATE_FILE).write_text(json.dumps({"epoch": state.epoch, "writer": state.writer, "seen": state.seen,
-                                                 "moves": state.moves}, default=str))
+    path = folder / TRAINER_FILE
+    try:  # a full disk is SaveError here too: the search names it instead of an internal error
+        torch_save({"optimizer": optimizer_record(optimizer, state.model)}, path)
+        path = folder / STATE_FILE
+        path.write_text(json.dumps({"epoch": state.epoch, "writer": state.writer, "seen": state.seen,
+                                    "moves": state.moves}, default=str))
+    except Exception as e:
+        if is_write_error(e):
+            raise write_error(path, e) from e
+        raise
 
 
 def _on_cuda(model: nn.Module) -> bool:
