@@ -17,7 +17,7 @@ from .errors import first_line, InputError, TraceError
 from .reference import remember
 from .shapes import example_input
 from .state import preserved_buffers, seeded, training_mode
-from .trace import graph_info, scope_of
+from .graph_meta import graph_info, scope_of
 
 REL_TOL = 1e-5
 BATCHES = (2, 3)

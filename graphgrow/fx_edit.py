@@ -12,7 +12,7 @@ from torch import fx, nn
 
 from .errors import NotApplicable, ValidationError
 from .names import to_identifier
-from .trace import scope_of
+from .graph_meta import scope_of
 
 
 @dataclass

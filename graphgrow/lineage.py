@@ -13,7 +13,7 @@ import re
 from torch import fx, nn
 
 from .errors import InputError
-from .trace import graph_info
+from .graph_meta import graph_info
 
 ORIGIN_KEY = "origin"
 _ORIGIN = re.compile(r"sha256:[0-9a-f]{64}")

@@ -17,7 +17,7 @@ from .fx_edit import Rewrite
 from .shapes import annotate, param_count, total_flops
 from .state import module_dtype
 from .lineage import record_origin
-from .trace import graph_info, input_shape_of
+from .graph_meta import graph_info, input_shape_of
 from .verify import verify
 
 

@@ -32,7 +32,7 @@ from .stages import (
     stage_end_candidates, stages,
 )
 from .targets import tensor_or_feature_end
-from .trace import input_shape_of
+from .graph_meta import input_shape_of
 from .widen import (
     Init, Insertion, Layout, columns, grow_group, identity_adapter, make_layout, plan_growth, resize, rows, set_module,
 )

@@ -18,7 +18,7 @@ from .pass_base import Candidate
 from .fx_edit import is_float_tensor, tensor_shape
 from .shapes import param_count
 from .targets import _is_head_pool, is_global_pool, tensor_or_feature_end
-from .trace import graph_info, scope_of
+from .graph_meta import graph_info, scope_of
 
 DEFAULT_BUDGET = 0.25  # what a pass's default target may add, as a fraction of the model's parameters
 

@@ -26,8 +26,8 @@ from typing import AbstractSet, Any, Iterable, Literal, Sequence
 from torch import fx, nn
 
 from .errors import first_line, InputError, TraceError
+from .graph_meta import META_KEY, graph_info, input_shape_of, scope_of, trace_report  # noqa: F401 (re-exported)
 
-META_KEY = "graphgrow"
 Mode = Literal["eval", "train"]
 _MAX_AUTO_LEAVES = 256  # each retry re-traces the model; past this something else is wrong
 
@@ -120,11 +120,6 @@ class _WatchTraining:
         for m, cls in reversed(self.swapped):
             m.__class__ = cls
         return False
-
-
-def scope_of(node: fx.Node) -> tuple[str, ...]:
-    """Module paths enclosing a node, outermost first (kept across save/load)."""
-    return tuple(node.meta.get("gg_scope", ()))
 
 
 def _concrete_defaults(model: nn.Module) -> dict[str, Any]:
@@ -316,25 +311,3 @@ def trace(
     if input_shape is not None:
         info["input_shape"] = [int(d) for d in input_shape]
     return gm
-
-
-def trace_report(gm: fx.GraphModule) -> dict:
-    """What tracing did: automatic leaves and why, the mode, notes (empty for older files)."""
-    return dict(graph_info(gm).get("trace") or {})
-
-
-def graph_info(gm: fx.GraphModule) -> dict:
-    """graphgrow's metadata on a traced module (input shape, mutation log)."""
-    if META_KEY not in gm.meta:
-        raise TraceError("this GraphModule was not made by graphgrow.trace", "call graphgrow.trace(model, input_shape) first")
-    return gm.meta[META_KEY]
-
-
-def input_shape_of(gm: fx.GraphModule) -> list[int]:
-    shape = graph_info(gm).get("input_shape")
-    if not shape:
-        raise InputError(
-            "the model has no example input shape",
-            "pass input_shape to graphgrow.trace(...) or --input-shape N,C,H,W on the command line",
-        )
-    return list(shape)

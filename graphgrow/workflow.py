@@ -437,7 +437,7 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
 def module_summary(gm: fx.GraphModule, depth: int = 1) -> list[dict]:
     """One row per module at `depth` levels below the model (torchinfo-like): its output shape (the
     last node inside it), parameters, FLOPs and node count, in graph order; top-level ops get their own row."""
-    from .trace import scope_of
+    from .graph_meta import scope_of
 
     rows: dict[str, dict] = {}
     for n in gm.graph.nodes:
