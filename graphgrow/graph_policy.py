@@ -24,12 +24,12 @@ graphgrow's passes, and then read one by one.
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from torch import nn
 
 from .errors import LoadError
+from .names import is_segment
 
 # fmt: off
 ALLOWED_FUNCTIONS: frozenset[str] = frozenset({
@@ -90,7 +90,6 @@ ALLOWED_METHODS: frozenset[str] = frozenset({
 TENSOR_ATTRIBUTES: frozenset[str] = frozenset({"shape", "dtype", "device", "ndim", "T", "mT", "real", "imag", "is_cuda"})
 # fmt: on
 
-_SEGMENT = re.compile(r"^(?!__)[^\s.]{1,200}$")  # module names may hold any characters; dunder names never
 
 
 def _refuse(node: str, what: str) -> LoadError:
@@ -104,7 +103,7 @@ def _walk(root: nn.Module, target: Any, node: str) -> tuple[Any, str]:
     if not isinstance(target, str) or not target or len(target) > 1000:
         raise _refuse(node, f"names the target {str(target)[:80]!r}")
     parts = target.split(".")
-    if any(not _SEGMENT.match(p) for p in parts):
+    if any(not is_segment(p) for p in parts):  # the one rule for names from files (names.py)
         raise _refuse(node, f"names the target {target[:80]!r}")
     module = root
     for p in parts[:-1]:

@@ -93,8 +93,8 @@ def _alive(pid: int, start: int) -> bool:
     if found is not None:
         state, now = found
         return state not in ("Z", "X") and (start == 0 or now == start)  # a zombie writes nothing more
-    if _proc_stat(os.getpid()) is not None:
-        return False  # /proc works and has no such process
+    if _start():
+        return False  # /proc works (it gave this process's start) and has no such process
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

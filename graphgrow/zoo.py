@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from .errors import LoadError
+from .names import shown
 
 ZOOS = ("timm", "torchvision")
 _NAME = re.compile(r"^(?P<target>[A-Za-z_][\w.]*:[A-Za-z_][\w.\-]*)(?P<args>\(.*)?$", re.S)
@@ -141,7 +142,7 @@ def refuse_weight_arguments(name: ModelName) -> None:
                     if isinstance(k, str):
                         _refuse_weight_key(name.target, key, f"{where}[{k!r}]", v, k)
             if isinstance(item, str) and names_a_file(item):
-                raise LoadError(f"{name.target}: {where}={_short(item)} names a file, folder or URL, and a model name "
+                raise LoadError(f"{name.target}: {where}={shown(item)} names a file, folder or URL, and a model name "
                                 "reads no files (random weights only)", f"pass sizes and options only; {_WAY_OUT}")
 
 
@@ -150,7 +151,7 @@ _WAY_OUT = "for trained weights, load them in Python and grow the model there (g
 
 def _refuse_weight_key(target: str, key: str, where: str, value: Any, word: str | None = None) -> None:
     if asks_for_weights(word or key) and _truthy(value):
-        raise LoadError(f"{target}: {where}={_short(value)} asks for stored weights or a file, and a model name builds "
+        raise LoadError(f"{target}: {where}={shown(value)} asks for stored weights or a file, and a model name builds "
                         "random weights only (nothing is downloaded, no checkpoint is read behind the safe loader)",
                         f"drop {key}; {_WAY_OUT}")
 
@@ -160,11 +161,6 @@ def _truthy(value: Any) -> bool:
         return bool(value)
     except Exception:  # a literal always has a truth value; fail closed anyway
         return True
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # --- a zoo's registered models, however the name spells them ---
