@@ -8,8 +8,9 @@ Editing the graph (fx_edit):
     begin, factory_kwargs, copy_graph_module, find_node, resolve_tensor, nodes_in_module,
     module_boundary, tensor_shape, is_float_tensor, unique_attr, add_module, add_parameter,
     inserting_after, replace_uses, set_scope, finish, new_parameters, Rewrite
-Where to grow (stages, targets): main_path, stages, stage_end, stage_end_candidates, default_point,
-    place, graphgrow_modules, is_graphgrow_node, tensor_or_feature_end, DEFAULT_BUDGET
+Where to grow (stages, targets, deployed): main_path, stages, Stage, stage_end, stage_end_candidates, default_point,
+    place, graphgrow_modules, is_graphgrow_node, tensor_or_feature_end, DEFAULT_BUDGET, pick_within_budget,
+    deployed_nodes (what the deployed function computes: no train-only auxiliary head), train_only_note
 Channels (coupling: analysis; widen: planning and applying):
     analyze, Coupling, channel_axis, plan_growth, make_layout, Insertion, Layout, grow_group,
     resize, columns, rows, set_module, identity_adapter, Init
@@ -19,6 +20,7 @@ Layers and sizes: AverageMerge, param_count, input_shape_of (the example input a
 from __future__ import annotations
 
 from .coupling import Coupling, analyze, channel_axis
+from .deployed import deployed_nodes, train_only_note
 from .fx_edit import (
     Rewrite, add_module, add_parameter, begin, copy_graph_module, factory_kwargs, find_node, finish, inserting_after,
     is_float_tensor, module_boundary, new_parameters, nodes_in_module, replace_uses, resolve_tensor, set_scope,
@@ -28,8 +30,8 @@ from .initializers import kaiming_, zero_last_bn
 from .layers import AverageMerge
 from .shapes import param_count
 from .stages import (
-    DEFAULT_BUDGET, default_point, graphgrow_modules, is_graphgrow_node, main_path, place, stage_end,
-    stage_end_candidates, stages,
+    DEFAULT_BUDGET, default_point, graphgrow_modules, is_graphgrow_node, main_path, pick_within_budget, place,
+    Stage, stage_end, stage_end_candidates, stages,
 )
 from .targets import tensor_or_feature_end
 from .graph_meta import input_shape_of
@@ -41,8 +43,9 @@ __all__ = [
     "begin", "factory_kwargs", "copy_graph_module", "find_node", "resolve_tensor", "nodes_in_module", "module_boundary",
     "tensor_shape", "is_float_tensor", "unique_attr", "add_module", "add_parameter", "inserting_after", "replace_uses",
     "set_scope", "finish", "new_parameters", "Rewrite",
-    "main_path", "stages", "stage_end", "stage_end_candidates", "default_point", "place", "graphgrow_modules",
-    "is_graphgrow_node", "tensor_or_feature_end", "DEFAULT_BUDGET",
+    "main_path", "stages", "Stage", "stage_end", "stage_end_candidates", "default_point", "place", "graphgrow_modules",
+    "is_graphgrow_node", "tensor_or_feature_end", "DEFAULT_BUDGET", "pick_within_budget", "deployed_nodes",
+    "train_only_note",
     "analyze", "Coupling", "channel_axis", "plan_growth", "make_layout", "Insertion", "Layout", "grow_group", "resize",
     "columns", "rows", "set_module", "identity_adapter", "Init",
     "kaiming_", "zero_last_bn", "AverageMerge", "param_count", "input_shape_of",

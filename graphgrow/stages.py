@@ -10,16 +10,18 @@ main-path conv, growth of a main-path layer, never graphgrow's own added modules
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 from torch import fx
 
+from .deployed import deployed_outputs
 from .pass_base import Candidate
 from .fx_edit import is_float_tensor, tensor_shape
 from .shapes import param_count
 from .targets import _is_head_pool, is_global_pool, tensor_or_feature_end
 from .graph_meta import graph_info, scope_of
 
+T = TypeVar("T")
 DEFAULT_BUDGET = 0.25  # what a pass's default target may add, as a fraction of the model's parameters
 
 
@@ -63,10 +65,10 @@ def _carries_tensors(shape) -> bool:
 
 def main_path(gm: fx.GraphModule, end: fx.Node | None = None) -> list[fx.Node]:
     """Single float tensors that every path from the input to `end` (default: the first output
-    tensor) passes through, in order; the input itself excluded."""
+    tensor the deployed function returns, not a train-only one) passes through, in order; the input
+    itself excluded."""
     if end is None:
-        output = next(n for n in gm.graph.nodes if n.op == "output")
-        outs = [a for a in output.all_input_nodes if is_float_tensor(a)]
+        outs = [a for a in deployed_outputs(gm) if is_float_tensor(a)]
         if not outs:
             return []
         end = outs[0]
@@ -194,13 +196,24 @@ def default_point(gm: fx.GraphModule, cost: Callable[[fx.Node], int], budget: fl
         node, why = tensor_or_feature_end(gm, None)
         return node, why
     costs = [(s, end, cost(end)) for s, end in reversed(stage_ends(found))]
-    for i, (stage, node, c) in enumerate(costs):
-        if c <= budget * total:
-            where = "the backbone's last feature map" if i == 0 else f"the latest stage end where it adds at most {budget:.0%} of the parameters"
-            return node, f"{where}: end of {stage.describe(gm, len(found))}; adds {c:,} parameters ({100 * c / total:.1f}% of the model)"
-    stage, node, c = min(costs, key=lambda t: t[2])
-    return node, (f"end of {stage.describe(gm, len(found))}, the cheapest place; adds {c:,} parameters "
-                  f"({100 * c / total:.1f}% of the model, over the {budget:.0%} a default aims for)")
+    (stage, node, c), over = pick_within_budget(costs, lambda t: t[2], total, budget)
+    if over:
+        where = "the smallest stage end"
+    else:
+        where = "the backbone's last feature map" if node is costs[0][1] else f"the latest stage end where it adds at most {budget:.0%} of the parameters"
+    return node, f"{where}: end of {stage.describe(gm, len(found))}; adds {c:,} parameters ({100 * c / total:.1f}% of the model){over}"
+
+
+def pick_within_budget(ordered: list[T], cost: Callable[[T], int], total: int, budget: float = DEFAULT_BUDGET) -> tuple[T, str]:
+    """A default among main-path places: the first of `ordered` (the pass's preference) whose `cost` stays
+    within `budget` of the model's `total` parameters; when none does (a small model), the smallest one.
+    Returns (the place, "" or the sentence that says it is over the budget and why, for the report)."""
+    for item in ordered:
+        if cost(item) <= budget * total:
+            return item, ""
+    return min(ordered, key=cost), (f"; over budget: no main-path place adds at most {budget:.0%} of the model's "
+                                    f"{total:,} parameters (a model this small grows more at any place), so the "
+                                    "default is the smallest one")
 
 
 def stage_end_candidates(gm: fx.GraphModule, cost: Callable[[fx.Node], int]) -> list[Candidate]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import fx, nn
 
+from .deployed import deployed_nodes, deployed_outputs
 from .errors import NotApplicable
 from .fx_edit import is_float_tensor, resolve_tensor, tensor_shape
 
@@ -49,17 +50,19 @@ def _is_head_pool(pool: fx.Node) -> bool:
 def feature_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
     """The feature extractor: first 4-D tensor → the last 4-D tensor before global pooling.
 
-    Without 4-D tensors: the model input → the output's tensor. Returns (start, end, why).
+    Without 4-D tensors: the model input → the output's tensor. Only what the deployed function
+    computes counts (not a train-only auxiliary head). Returns (start, end, why).
     """
-    four_d = [n for n in gm.graph.nodes if is_float_tensor(n) and len(tensor_shape(n)) == 4]
+    deployed = deployed_nodes(gm)
+    four_d = [n for n in gm.graph.nodes if n in deployed and is_float_tensor(n) and len(tensor_shape(n)) == 4]
     if four_d:
-        pools = [n for n in gm.graph.nodes if is_global_pool(gm, n) and _is_head_pool(n)]
+        pools = [n for n in gm.graph.nodes if n in deployed and is_global_pool(gm, n) and _is_head_pool(n)]
         end = pools[0].args[0] if pools else four_d[-1]
         why = ("first 4-D tensor → the backbone's last 4-D feature map (before the head's global pooling/flatten)"
                if pools else "first → last 4-D tensor")
         return four_d[0], end, why
-    floats = [n for n in gm.graph.nodes if is_float_tensor(n)]
-    outputs = [a for a in next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes if is_float_tensor(a)]
+    floats = [n for n in gm.graph.nodes if n in deployed and is_float_tensor(n)]
+    outputs = [a for a in deployed_outputs(gm) if is_float_tensor(a)]
     if not floats or not outputs:
         raise NotApplicable("the model has no floating-point tensors to connect", "give start=... and end=...")
     return floats[0], outputs[0], "model input → output (no 4-D features)"

@@ -25,6 +25,7 @@ from typing import AbstractSet, Any, Iterable, Literal, Sequence
 
 from torch import fx, nn
 
+from .deployed import train_only_modules
 from .errors import first_line, InputError, TraceError
 from .graph_meta import META_KEY, graph_info, input_shape_of, scope_of, trace_report  # noqa: F401 (re-exported)
 
@@ -297,6 +298,8 @@ def trace(
                 "leaf names are module paths as in model.named_modules(), e.g. 'layer1.0'",
             )
         graph, tracer, report = _trace_graph(model, leaves, mode, auto_leaves)
+        if mode == "train" and report["top_level_mode_dependent"]:  # what the deployed function never runs
+            report["train_only_modules"] = train_only_modules(graph, lambda: _trace_graph(model, leaves, "eval", auto_leaves)[0])
         for node in graph.nodes:
             stack = node.meta.get("nn_module_stack") or {}
             node.meta["gg_scope"] = tuple(stack.keys())

@@ -19,9 +19,9 @@ from torch import fx, nn
 
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
-    add_module, AverageMerge, begin, copy_graph_module, DEFAULT_BUDGET, factory_kwargs, finish,
-    graphgrow_modules, inserting_after, is_float_tensor, is_graphgrow_node, kaiming_, param_count, place,
-    replace_uses, resolve_tensor, set_scope, stages, tensor_shape,
+    add_module, AverageMerge, begin, copy_graph_module, DEFAULT_BUDGET, deployed_nodes, factory_kwargs, finish,
+    graphgrow_modules, inserting_after, is_float_tensor, is_graphgrow_node, kaiming_, param_count,
+    pick_within_budget, place, replace_uses, resolve_tensor, set_scope, stages, tensor_shape, train_only_note,
 )
 
 
@@ -42,10 +42,12 @@ def branch_params(op: str, cin: int, cout: int, count: int = 1) -> int:
 
 def branch_sites(gm: fx.GraphModule, op: str, count: int) -> list[tuple[bool, bool, int, fx.Node, int]]:
     """Backbone convs a person would put a branch beside: on a feature map larger than 1×1 (not a
-    squeeze-excitation or head conv), reading a tensor other than the raw input, not one graphgrow added.
+    squeeze-excitation or head conv), reading a tensor other than the raw input, not one graphgrow added,
+    run by the deployed function (not a train-only auxiliary head).
     Each as (within the parameter budget, foldable again: dense with a kernel at least the branch's,
     graph position, node, parameters the branches add)."""
     added = graphgrow_modules(gm)
+    deployed = deployed_nodes(gm)
     backbone_nodes = {n for s in stages(gm) for n in s.nodes}
     last = max((i for i, n in enumerate(gm.graph.nodes) if n in backbone_nodes), default=None)
     total = max(param_count(gm), 1)
@@ -55,7 +57,7 @@ def branch_sites(gm: fx.GraphModule, op: str, count: int) -> list[tuple[bool, bo
         if n.op != "call_module" or not isinstance(gm.get_submodule(n.target), nn.Conv2d) or not is_float_tensor(n):
             continue
         shape, src = tensor_shape(n), n.args[0]
-        if last is not None and i > last or is_graphgrow_node(gm, n, added) or not isinstance(src, fx.Node) or \
+        if last is not None and i > last or n not in deployed or is_graphgrow_node(gm, n, added) or not isinstance(src, fx.Node) or \
                 not is_float_tensor(src) or shape[2:] == (1, 1) or src.op == "placeholder":
             continue
         m = gm.get_submodule(n.target)
@@ -65,16 +67,16 @@ def branch_sites(gm: fx.GraphModule, op: str, count: int) -> list[tuple[bool, bo
 
 
 def default_conv(gm: fx.GraphModule, op: str, count: int) -> tuple[fx.Node, str]:
-    """The last of `branch_sites` within the budget, preferring foldable ones; with why in words."""
+    """The last of `branch_sites` within the budget, preferring foldable ones (else the one where the branch
+    adds the fewest parameters); with why in words."""
     sites = branch_sites(gm, op, count)
     if not sites:
-        raise NotApplicable("the model has no Conv2d on a feature map to run a branch beside", "give at=START:END")
+        raise NotApplicable("the model has no Conv2d on a feature map to run a branch beside",
+                            "give at=START:END" + train_only_note(gm, "name a conv there with at="))
     total = max(param_count(gm), 1)
-    within, _, _, n, cost = max(sites, key=lambda c: (c[0], c[1], c[2]))
-    why = f"beside the last main-path conv {place(gm, n)}; adds {cost:,} parameters ({100 * cost / total:.1f}% of the model)"
-    if not within:
-        why += f"; no conv takes this branch within {DEFAULT_BUDGET:.0%} of the model's parameters"
-    return n, why
+    (_, _, _, n, cost), over = pick_within_budget(sorted(sites, key=lambda c: (c[1], c[2]), reverse=True), lambda c: c[4], total)
+    what = "the main-path conv where it adds the fewest parameters" if over else "the last main-path conv"
+    return n, f"beside {what} {place(gm, n)}; adds {cost:,} parameters ({100 * cost / total:.1f}% of the model){over}"
 
 
 def resolve_span(gm: fx.GraphModule, at: str | None, op: str = "conv3x3", count: int = 1) -> tuple[fx.Node, fx.Node, str]:

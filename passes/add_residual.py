@@ -20,9 +20,9 @@ from torch import fx, nn
 
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
-    add_module, add_parameter, begin, DEFAULT_BUDGET, factory_kwargs, finish,
-    inserting_after, is_float_tensor, kaiming_, main_path, param_count, place, replace_uses, resolve_tensor,
-    set_scope, stage_end, stages, tensor_shape, zero_last_bn,
+    add_module, add_parameter, begin, factory_kwargs, finish, inserting_after, is_float_tensor,
+    kaiming_, main_path, param_count, pick_within_budget, place, replace_uses, resolve_tensor,
+    set_scope, Stage, stage_end, stages, tensor_shape, zero_last_bn,
 )
 
 
@@ -83,38 +83,53 @@ def add_residual(gm: fx.GraphModule, start: str | None = None, end: str | None =
 
 def default_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
     """One stage of the backbone, never from the raw input: from the end of the stage before the last
-    (one downsampling step) to the backbone's last feature map; over the last stage itself when there
-    is no earlier one, the resolution does not go down, or that skip would pass the parameter budget."""
+    (one downsampling step) to the backbone's last feature map, else over the last stage itself, else the
+    same over earlier stages: the first of `stage_spans` within the parameter budget, or the smallest."""
     found = stages(gm)
     if not found:
         path = main_path(gm)
         if len(path) < 2:
             raise NotApplicable("the model has no chain of layers to skip over", "give start=... and end=...")
         return path[0], path[-1], f"main path: {place(gm, path[0], found)} → {place(gm, path[-1], found)}"
-    last = found[-1]
-    end = last.nodes[-1]
-    prev = found[-2] if len(found) >= 2 else None
-    e_shape = tensor_shape(end) or ()
-    if prev is not None and len(e_shape) == 4 and len(tensor_shape(prev.nodes[-1]) or ()) == 4 \
-            and all(a >= b for a, b in zip(prev.resolution, last.resolution)):
-        start = stage_end(found, len(found) - 2)
-        cost = skip_params(tensor_shape(start) or (), e_shape)
-        if cost is not None and cost <= DEFAULT_BUDGET * max(param_count(gm), 1):
-            return start, end, (f"one stage, with its downsampling: from {place(gm, start, found)} to the "
-                                f"end of {last.describe(gm, len(found))}")
-    if len(last.nodes) >= 2:
-        return last.nodes[0], end, f"over {last.describe(gm, len(found))}, from its first to its last main-path tensor"
-    raise NotApplicable(f"the backbone's last stage ({last.describe(gm, len(found))}) has one main-path tensor and no "
-                        "stage before it can be connected", "give start=... and end=...")
+    spans = stage_spans(gm, found)
+    if not spans:
+        raise NotApplicable(f"no two main-path tensors of the backbone ({len(found)} stage(s) of one tensor each) can be "
+                            "connected", "give start=... and end=...")
+    total = max(param_count(gm), 1)
+    (start, end, cost, why), over = pick_within_budget(spans, lambda t: t[2], total)
+    if over:
+        why += f"; adds {cost:,} parameters ({100 * cost / total:.1f}% of the model){over}"
+    return start, end, why
+
+
+def stage_spans(gm: fx.GraphModule, found: list[Stage]) -> list[tuple[fx.Node, fx.Node, int, str]]:
+    """Skips a person would add, the preferred first: for each stage from the last, from the end of the
+    stage before (one downsampling step) to its end, then over the stage itself. Each as (start, end,
+    parameters the skip adds, where in words); only skips add_residual builds."""
+    out = []
+    for i in reversed(range(len(found))):
+        stage, end = found[i], found[i].nodes[-1]
+        spans = [(stage_end(found, i - 1), f"one stage, with its downsampling: from {place(gm, stage_end(found, i - 1), found)} "
+                                           f"to the end of {stage.describe(gm, len(found))}")] if i else []
+        if len(stage.nodes) >= 2:
+            spans.append((stage.nodes[0], f"over {stage.describe(gm, len(found))}, from its first to its last main-path tensor"))
+        for start, why in spans:
+            cost = skip_params(tensor_shape(start) or (), tensor_shape(end) or ())
+            if cost is not None:
+                out.append((start, end, cost, why))
+    return out
 
 
 def skip_params(s_shape: tuple, e_shape: tuple) -> int | None:
-    """Parameters of the skip add_residual builds between tensors of these shapes (a gate, or a 1×1 conv +
-    BatchNorm that downsamples); None where it builds neither (another rank, or upsampling)."""
+    """Parameters of the skip add_residual builds between tensors of these shapes (a gate, a 1×1 conv +
+    BatchNorm that downsamples, or a Linear on the features); None where it builds none (another rank,
+    or upsampling)."""
     if s_shape == e_shape:
         return 1
     if len(s_shape) == len(e_shape) == 4 and all(a >= b for a, b in zip(s_shape[2:], e_shape[2:])):
         return s_shape[1] * e_shape[1] + 2 * e_shape[1]
+    if len(s_shape) == len(e_shape) in (2, 3) and s_shape[:-1] == e_shape[:-1]:
+        return s_shape[-1] * e_shape[-1] + e_shape[-1]
     return None
 
 
@@ -173,22 +188,12 @@ class AddResidual(Pass):
     end: str | None = arg(None, "node name (its output) or module path (its output); default: the backbone's last feature map")
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
-        """A skip over each backbone stage, and from each stage's end to the next stage's end."""
-        found = stages(gm)
+        """A skip over each backbone stage, and from each stage's end to the next stage's end, the last first."""
         ds: fx.Node | None = None
         de: fx.Node | None = None
         try:
             ds, de, _ = default_span(gm)
         except NotApplicable:
             pass
-        out = []
-        for i, stage in enumerate(found):
-            spans = [(stage_end(found, i - 1), stage.nodes[-1], f"from the end of {found[i - 1].describe(gm, len(found))} "
-                      f"to the end of {stage.describe(gm, len(found))}")] if i else []
-            if len(stage.nodes) >= 2:
-                spans.append((stage.nodes[0], stage.nodes[-1], f"over {stage.describe(gm, len(found))}"))
-            for s, e, where in spans:
-                cost = skip_params(tensor_shape(s) or (), tensor_shape(e) or ())
-                if cost is not None:
-                    out.append(Candidate({"start": s.name, "end": e.name}, where, cost, (s, e) == (ds, de)))
-        return out[::-1]
+        return [Candidate({"start": s.name, "end": e.name}, where, cost, (s, e) == (ds, de))
+                for s, e, cost, where in stage_spans(gm, stages(gm))]

@@ -21,9 +21,9 @@ from torch import fx, nn
 
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
-    add_module, analyze, begin, columns, Coupling, DEFAULT_BUDGET, finish, graphgrow_modules,
+    add_module, analyze, begin, columns, Coupling, deployed_nodes, finish, graphgrow_modules,
     grow_group, identity_adapter, Init, inserting_after, Insertion, is_graphgrow_node, make_layout, param_count,
-    place, replace_uses, resize, resolve_tensor, set_module, set_scope, tensor_shape,
+    pick_within_budget, place, replace_uses, resize, resolve_tensor, set_module, set_scope, tensor_shape, train_only_note,
 )
 
 
@@ -60,14 +60,16 @@ def growable_layers(gm: fx.GraphModule, coupling: Coupling, replicates: bool = F
                     factor: float = 2.0) -> tuple[list[tuple[fx.Node, int]], bool]:
     """Main-path conv/Linear layers (graph order) whose whole channel group can grow, with the parameters
     growing by `factor` adds; not ones working on pooled 1×1 maps (squeeze-excitation, a head conv) when
-    the model has larger maps, nor ones graphgrow added. Groups under a LayerNorm only when the growth
-    `replicates` every channel equally (net2net, integer factor). Also: whether such a group was skipped."""
+    the model has larger maps, nor ones graphgrow added, nor ones the deployed function does not run (a
+    train-only auxiliary head). Groups under a LayerNorm only when the growth `replicates` every channel
+    equally (net2net, integer factor). Also: whether such a group was skipped."""
     skipped_norm = False
     added = graphgrow_modules(gm)
+    deployed = deployed_nodes(gm)
     has_maps = any(len(tensor_shape(n) or ()) == 4 and (tensor_shape(n) or (0, 0, 1, 1))[2:] != (1, 1) for n in gm.graph.nodes)
     found = []
     for n in gm.graph.nodes:
-        if n.op != "call_module" or n.name not in coupling.group_of or is_graphgrow_node(gm, n, added):
+        if n.op != "call_module" or n.name not in coupling.group_of or n not in deployed or is_graphgrow_node(gm, n, added):
             continue
         m = gm.get_submodule(n.target)
         grp = coupling.group(n.name)
@@ -84,22 +86,19 @@ def growable_layers(gm: fx.GraphModule, coupling: Coupling, replicates: bool = F
 
 
 def default_target(gm: fx.GraphModule, coupling: Coupling, replicates: bool = False, factor: float = 2.0) -> tuple[fx.Node, str]:
-    """The first of `growable_layers` within the parameter budget (else the first: a small model has no
-    growth that small), with why in words."""
+    """The first of `growable_layers` within the parameter budget (else the one that adds the fewest
+    parameters: a small model has no growth that small), with why in words."""
     found, skipped_norm = growable_layers(gm, coupling, replicates, factor)
     total = max(param_count(gm), 1)
-    fits = [c for c in found if c[1] <= DEFAULT_BUDGET * total]
     if found:
-        node, cost = fits[0] if fits else found[0]
-        why = (f"first main-path layer whose channel group can grow: {place(gm, node)}; adds about "
-               f"{cost:,} parameters ({100 * cost / total:.0f}% of the model)")
-        if not fits:
-            why += f"; no layer grows within {DEFAULT_BUDGET:.0%} of the model's parameters (a small model)"
-        return node, why
+        (node, cost), over = pick_within_budget(found, lambda c: c[1], total)
+        what = "main-path layer whose channel group grows the least" if over else "first main-path layer whose channel group can grow"
+        return node, (f"{what}: {place(gm, node)}; adds about {cost:,} parameters ({100 * cost / total:.0f}% of the "
+                      f"model){over}")
     hint = "graphgrow inspect --groups shows why each group is frozen; mode=adapter widens one layer"
     if skipped_norm:
         hint = "groups under a LayerNorm grow with init=net2net and an integer factor; " + hint
-    raise NotApplicable("no layer in this model has a channel group that can grow", hint)
+    raise NotApplicable("no layer in this model has a channel group that can grow", hint + train_only_note(gm, "name a layer with target="))
 
 
 def growth_params(gm: fx.GraphModule, coupling: Coupling, gid: int, factor: float) -> int:
