@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from .layers import AverageMerge
-from .probe import function_is_channelwise, module_is_channelwise
+from .layers import AverageMerge, ModeSwitch
+from .probe import PROBE_SEED, function_is_channelwise, is_channelwise, module_is_channelwise
+from .state import seeded
 from .fx_edit import tensor_shape
 
 # Modules whose output channel c depends only on input channel c.
@@ -362,12 +363,72 @@ def _module_rule(n, m, out, inputs, join, freeze, sources, consumers, channelwis
         freeze([x, n], f"{type(m).__name__} '{n.target}' normalises across channels (growing would change its statistics)")
     elif isinstance(m, AverageMerge):  # main + mean(gate · branch): elementwise over all inputs
         join(*inputs, n)
+    elif isinstance(m, ModeSwitch) and x is not None and len(inputs) == 1 and _switch_is_channelwise(m, x, n):
+        join(x, n)  # every path (drop-path, identity) acts on each channel alone
     elif isinstance(m, nn.MultiheadAttention):
         freeze(inputs + [n], f"MultiheadAttention '{n.target}' splits channels into heads (not grown yet)")
     elif x is not None and len(inputs) == 1 and out is not None and _probe_module(m, x, n):
         join(x, n)  # an opaque parameter-free op that acts on each channel alone (drop-path, custom activations)
     else:
         freeze(inputs + [n], f"module '{n.target}' ({type(m).__name__}) is not understood by the coupling analysis")
+
+
+def _switch_is_channelwise(m: ModeSwitch, x: fx.Node, n: fx.Node) -> bool:
+    """Probe every body of a mode switch with its one tensor input varied (its numbers at their current values)."""
+    shape = tensor_shape(x)
+    if shape is None or shape != tensor_shape(n) or node_axis(x) is None:
+        return False
+    args = list(n.args[m.conditions:])
+    if args.count(x) != 1:
+        return False
+    index = args.index(x)
+    try:
+        values = [a if i == index else _number(a) for i, a in enumerate(args)]
+    except ValueError:
+        return False
+    for body in m._bodies():
+        def run(t: torch.Tensor, training: bool, body=body):
+            with torch.no_grad(), seeded(PROBE_SEED):  # the same draws for every probe input
+                return body(*[t if i == index else v for i, v in enumerate(values)])
+
+        if not is_channelwise(run, tuple(shape), node_axis(x)):
+            return False
+    return True
+
+
+def _slice_keeps_channels(n: fx.Node, x: fx.Node) -> bool:
+    """x[i0, i1, ...] with plain slices (and at most one `...`) that takes the channel axis whole."""
+    if n.op != "call_function" or n.target is not operator.getitem or n.args[0] is not x:
+        return False
+    index, shape, axis = n.args[1], tensor_shape(x), node_axis(x)
+    index = index if isinstance(index, tuple) else (index,)
+    if shape is None or axis is None or not all(isinstance(i, slice) or i is Ellipsis for i in index) \
+            or sum(i is Ellipsis for i in index) > 1:
+        return False
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
+    whole = axis >= len(index) or (index[axis] == slice(None) or index[axis] == slice(None, None, 1)
+                                   or index[axis] == slice(0, None, None))
+    out = tensor_shape(n)
+    return bool(whole) and out is not None and len(out) == len(shape) and out[axis] == shape[axis] and \
+        all(not isinstance(b, fx.Node) for i in index for b in (i.start, i.stop, i.step) if isinstance(i, slice))
+
+
+def _number(a):
+    """The current value of a flag/number node (a module attribute and arithmetic on it); ValueError otherwise."""
+    if not isinstance(a, fx.Node):
+        return a
+    if a.op == "get_attr":
+        owner = a.graph.owning_module
+        value = owner
+        for part in str(a.target).split("."):
+            value = getattr(value, part)
+        if type(value) in (bool, int, float):
+            return value
+    elif a.op == "call_function" and getattr(a.target, "__module__", "") in ("_operator", "operator"):
+        return a.target(*[_number(b) for b in a.args])
+    raise ValueError(a.name)
 
 
 def _normalises_channels(normalized_shape, x: fx.Node) -> bool:
@@ -410,6 +471,9 @@ def _function_rule(gm, n, out, inputs, join, freeze, links, norms, tensors) -> N
     if n.op == "call_function" and target in (getattr, operator.getitem) and out is None:
         return  # x.shape, x.shape[0]: no tensor
     x = inputs[0] if inputs else None
+    if x is not None and _slice_keeps_channels(n, x):  # x[:, :, 1:, 1:] (factorized reduce): every channel kept
+        join(x, n)
+        return
     if _moved_axis(n) is not None or _flatten_keeps_axis(n) is not None:  # channels move or stay; they do not mix
         join(x, n)
         return

@@ -7,8 +7,9 @@ it. So before any of it runs, every node is checked against exact lists:
   never generic callables (operator.attrgetter/methodcaller/call, getattr except for a
   few tensor attributes, setattr, eval, exec, open, __import__); nothing that touches
   files (torch.from_file, torch.load/save), processes, memory by address, storages,
-  or imports; no tensor constructors that size memory from constants (torch.empty,
-  torch.zeros, ...), only their `*_like` forms.
+  or imports. Tensor constructors (torch.empty, zeros, ones, full, rand, randn and the
+  `new_*` methods: drop-path masks are built so) only with sizes read from tensors or small
+  constants: the product of the constant sizes is at most MAX_CONSTANT_ELEMENTS.
 - call_method: exact tensor method names; no dunder names, nothing that takes a
   callable (apply_, map_, register_hook), touches storage or memory (set_, storage,
   untyped_storage, data_ptr, share_memory_, resize_) or converts out of torch.
@@ -31,6 +32,10 @@ from torch import nn
 from .errors import LoadError
 from .names import is_segment
 
+CONSTRUCTORS = ("empty", "zeros", "ones", "full", "rand", "randn")  # torch.NAME(*sizes or sizes, ...)
+NEW_METHODS = ("new_zeros", "new_ones", "new_empty", "new_full")  # x.NAME(sizes, ...)
+MAX_CONSTANT_ELEMENTS = 1 << 24  # a size from a file's constants may not ask for more (a memory bomb)
+
 # fmt: off
 ALLOWED_FUNCTIONS: frozenset[str] = frozenset({
     # Python operators on tensors, shapes and numbers
@@ -52,7 +57,7 @@ ALLOWED_FUNCTIONS: frozenset[str] = frozenset({
         "zeros_like", "ones_like", "full_like", "layer_norm", "group_norm", "batch_norm", "conv1d", "conv2d",
         "conv3d", "avg_pool1d", "adaptive_avg_pool1d", "max_pool1d", "max_pool2d", "pow", "square", "sin", "cos",
         "_assert", "broadcast_to", "expand_copy", "tile", "repeat_interleave", "pixel_shuffle", "pixel_unshuffle",
-        "channel_shuffle")),
+        "channel_shuffle", "rand_like", "randn_like", "bernoulli", *CONSTRUCTORS)),
     "torch.functional.einsum", "torch.functional.split", "torch.functional.norm",
     "torch.functional.broadcast_tensors", "torch.fx._symbolic_trace._assert_is_none",
     # torch.nn.functional (pure layers)
@@ -85,6 +90,7 @@ ALLOWED_METHODS: frozenset[str] = frozenset({
     "masked_fill_", "float", "half", "double", "bfloat16", "to", "type_as", "clone", "detach", "zero_", "fill_",
     "new_zeros", "new_ones", "transpose_", "swapaxes", "square", "sin", "cos", "floor", "ceil", "round", "bool",
     "long", "int", "all", "any", "eq", "ne", "lt", "le", "gt", "ge", "where", "broadcast_to",
+    "bernoulli", "bernoulli_", "uniform_", "normal_", "new_empty", "new_full", "floor_",
 })
 
 TENSOR_ATTRIBUTES: frozenset[str] = frozenset({"shape", "dtype", "device", "ndim", "T", "mT", "real", "imag", "is_cuda"})
@@ -125,6 +131,8 @@ def check_get_attr(root: nn.Module, target: Any, node: str) -> None:
         return
     if isinstance(module.__dict__.get(last), torch.Tensor):
         return
+    if type(module.__dict__.get(last)) in (bool, int, float):
+        return  # a plain number the forward reads at run time (a drop-path probability, a temperature)
     raise _refuse(node, f"reads the attribute '{str(target)[:80]}'")
 
 
@@ -169,3 +177,25 @@ def check_node_record(rec: Any, root: nn.Module) -> None:
         check_method(target, name)
     else:
         raise _refuse(name, f"has the operation kind {str(op)[:40]!r}")
+
+
+def check_sizes(qualname_or_method: str, args: Any, kwargs: Any, node: str) -> None:
+    """A tensor constructor's constant sizes, multiplied, stay under MAX_CONSTANT_ELEMENTS (sizes read
+    from tensors at run time are bounded by the input)."""
+    name = qualname_or_method.rpartition(".")[2]
+    if name not in CONSTRUCTORS and name not in NEW_METHODS:
+        return
+    sizes = list(args[1:] if name in NEW_METHODS else args)
+    if name in ("full", "new_full") and sizes:
+        sizes = sizes[:-1]  # the fill value
+    if isinstance(kwargs, dict) and "size" in kwargs:
+        sizes.append(kwargs["size"])
+    total, todo = 1, sizes
+    while todo:
+        v = todo.pop()
+        if isinstance(v, (list, tuple)):
+            todo.extend(v)
+        elif type(v) is int:
+            total *= max(v, 1)
+        if total > MAX_CONSTANT_ELEMENTS:
+            raise _refuse(node, f"builds a tensor of more than {MAX_CONSTANT_ELEMENTS:,} elements from constants")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .mode_switch import ModeSwitch
+
 
 class AverageMerge(nn.Module):
     """out = main + mean_i(gate_i · branch_i), one learnable gate per branch, each starting at 0.
@@ -32,4 +34,4 @@ class AverageMerge(nn.Module):
         return f"branches={self.branches}"
 
 
-GRAPHGROW_LAYERS = (AverageMerge,)
+GRAPHGROW_LAYERS = (AverageMerge, ModeSwitch)

@@ -17,7 +17,7 @@ from torch import nn
 
 from .state import preserved_buffers, seeded, training_mode
 
-_SEED = 1234
+PROBE_SEED = _SEED = 1234
 _MAX_PROBE_ELEMENTS = 1 << 22  # probing runs the op twice more; skip huge tensors rather than spend memory
 
 

@@ -118,16 +118,10 @@ def to_payload(gm: fx.GraphModule) -> dict:
         root.register_parameter(name, p)
     for name, b in gm.named_buffers(recurse=False):
         root.register_buffer(name, b)
-    nodes = []
     for n in gm.graph.nodes:
         if n.op == "get_attr" and "." not in n.target and not hasattr(root, n.target):
-            setattr(root, n.target, getattr(gm, n.target))  # a plain tensor attribute
-        target = qualified_name(n.target) if n.op == "call_function" else n.target
-        nodes.append({
-            "name": n.name, "op": n.op, "target": target,
-            "args": _encode(n.args, n.name), "kwargs": _encode(n.kwargs, n.name),
-            "scope": list(n.meta.get("gg_scope", ())),
-        })
+            setattr(root, n.target, getattr(gm, n.target))  # a plain tensor or number attribute
+    nodes = node_records(gm.graph)
     problem = names.bad_name_in_tree(root) or next(filter(None, map(names.bad_name_in_record, nodes)), None)
     if problem is None and not names.is_identifier(type(gm).__name__):
         problem = f"class name {names.shown(type(gm).__name__)}"
@@ -138,6 +132,63 @@ def to_payload(gm: fx.GraphModule) -> dict:
     training = {path: m.training for path, m in gm.named_modules()}
     return {"format": FORMAT, "version": VERSION, "class_name": type(gm).__name__, "root": root, "nodes": nodes,
             "meta": meta, "training": training}
+
+
+def node_records(graph: fx.Graph) -> list[dict]:
+    """The graph as plain records (names, targets by qualified name, arguments as data)."""
+    nodes = []
+    for n in graph.nodes:
+        target = qualified_name(n.target) if n.op == "call_function" else n.target
+        nodes.append({
+            "name": n.name, "op": n.op, "target": target,
+            "args": _encode(n.args, n.name), "kwargs": _encode(n.kwargs, n.name),
+            "scope": list(n.meta.get("gg_scope", ())),
+        })
+    return nodes
+
+
+def graph_from_records(nodes: Any, root: nn.Module, trusted: bool) -> fx.Graph:
+    """Rebuild a graph from `node_records` output: every name and (unless trusted) every node checked
+    before anything is built, functions resolved by name against the allow-list, the code fx would
+    generate parsed before it is compiled. Raises LoadError."""
+    if not isinstance(nodes, list) or len(nodes) > MAX_NODES:
+        raise LoadError(f"the saved graph is not a list of at most {MAX_NODES:,} nodes", "the file is corrupted or hostile")
+    for rec in nodes:
+        if not isinstance(rec, dict) or not {"name", "op", "target", "args", "kwargs"} <= rec.keys():
+            raise LoadError("the saved graph holds a node that is not a complete record", "the file is corrupted")
+        if (problem := names.bad_name_in_record(rec)) is not None:
+            raise _bad_name(problem, rec.get("name"))
+    if not trusted:  # the whole graph is checked before any of it is built or run
+        for rec in nodes:
+            graph_policy.check_node_record(rec, root)
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    try:
+        for rec in nodes:
+            op, target = rec["op"], rec["target"]
+            args, kwargs = _decode(rec["args"], env), _decode(rec["kwargs"], env)
+            if (problem := names.bad_keywords(kwargs)) is not None:
+                raise _bad_name(problem, rec["name"])
+            if not trusted and op in ("call_function", "call_method"):
+                graph_policy.check_sizes(str(target), args, kwargs, rec["name"])
+            if op == "call_function":
+                target = _resolve_function(target, trusted, rec["name"])
+                if target is getattr and not trusted:
+                    graph_policy.check_getattr_args(args, rec["name"])
+                if target is getattr and len(args) > 1 and isinstance(args[1], str) and not names.is_identifier(args[1]):
+                    raise _bad_name(f"attribute name {names.shown(args[1])}", rec["name"])  # fx writes x.NAME raw
+            node = graph.create_node(op, target, args, kwargs, name=rec["name"])
+            node.meta["gg_scope"] = tuple(rec.get("scope", ()))
+            env[rec["name"]] = node
+        graph.lint()
+    except LoadError:
+        raise
+    except Exception as e:
+        raise LoadError(f"the saved graph is inconsistent: {e}", "the file is corrupted; re-create it from the original model") from e
+    if (problem := names.check_source(graph)) is not None:  # the second wall, before anything is compiled
+        raise LoadError(f"the saved graph would generate unexpected code: {problem}; nothing was run",
+                        "the file was edited by hand or is hostile; re-create it from the original model")
+    return graph
 
 
 def from_payload(payload: dict, trusted: bool = False) -> fx.GraphModule:
@@ -151,36 +202,15 @@ def from_payload(payload: dict, trusted: bool = False) -> fx.GraphModule:
         raise LoadError(f"the saved graph has {len(nodes):,} nodes (limit {MAX_NODES:,})", "the file is corrupted or hostile")
     # Names first, trusted or not: no stored string reaches the code fx generates (names.py)
     _check_names(payload, nodes, root)
-    if not trusted:  # the whole graph is checked before any of it is built or run
-        for rec in nodes:
-            graph_policy.check_node_record(rec, root)
     meta = validate_meta(payload.get("meta"))
-    graph = fx.Graph()
-    env: dict[str, fx.Node] = {}
+    graph = graph_from_records(nodes, root, trusted)
     try:
-        for rec in nodes:
-            op, target = rec["op"], rec["target"]
-            args, kwargs = _decode(rec["args"], env), _decode(rec["kwargs"], env)
-            if (problem := names.bad_keywords(kwargs)) is not None:
-                raise _bad_name(problem, rec["name"])
-            if op == "call_function":
-                target = _resolve_function(target, trusted, rec["name"])
-                if target is getattr and not trusted:
-                    graph_policy.check_getattr_args(args, rec["name"])
-                if target is getattr and len(args) > 1 and isinstance(args[1], str) and not names.is_identifier(args[1]):
-                    raise _bad_name(f"attribute name {names.shown(args[1])}", rec["name"])  # fx writes x.NAME raw
-            node = graph.create_node(op, target, args, kwargs, name=rec["name"])
-            node.meta["gg_scope"] = tuple(rec.get("scope", ()))
-            env[rec["name"]] = node
-        graph.lint()
-        if (problem := names.check_source(graph)) is not None:  # the second wall, before anything is compiled
-            raise LoadError(f"the saved graph would generate unexpected code: {problem}; nothing was run",
-                            "the file was edited by hand or is hostile; re-create it from the original model")
         gm = fx.GraphModule(payload["root"], graph, payload.get("class_name", "GraphModule"))
-    except LoadError:
-        raise
     except Exception as e:
         raise LoadError(f"the saved graph is inconsistent: {e}", "the file is corrupted; re-create it from the original model") from e
+    for sub in gm.modules():  # graphgrow's mode switches hold small graphs of their own, checked the same way
+        if hasattr(sub, "load_bodies"):
+            sub.load_bodies(trusted)
     gm.meta["graphgrow"] = meta
     _restore_modes(gm, payload.get("training"))
     return gm

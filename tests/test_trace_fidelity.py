@@ -84,17 +84,55 @@ def test_stochastic_depth_keeps_its_runtime_switch():
     assert trace_report(gm)["fidelity"] == ["eval@2", "eval@3", "train@2", "train@3"]
 
 
-def test_drop_path_that_branches_on_training_becomes_a_leaf_with_the_reason():
-    gm = gg.trace(dp_net(), SHAPE)
+def test_drop_path_that_branches_on_training_is_merged_with_every_path_live():
+    model = dp_net()
+    gm = gg.trace(model, SHAPE)
+    report = trace_report(gm)
+    assert report["auto_leaves"] == {}
+    assert report["merged_blocks"] == ["blocks.0.drop", "blocks.1.drop"]
+    assert report["live_attributes"] == ["blocks.0.drop.p", "blocks.1.drop.p"]
+    switches = [n.target for n in gm.graph.nodes if n.op == "call_module" and "mode_switch" in n.target]
+    assert switches == ["blocks.0.drop.mode_switch_0", "blocks.1.drop.mode_switch_0"]
+    x = torch.randn(4, 3, 8, 8)
+    for p in (0.5, 0.0, 0.9):  # `if drop_prob == 0. or not training`: three paths, each taken
+        for mode in (True, False):
+            model.train(mode)
+            gm.train(mode)
+            for i in (0, 1):
+                model.blocks[i].drop.p = p
+                gm.get_submodule(f"blocks.{i}.drop").p = p  # the graph reads the attribute at run time
+            torch.manual_seed(3)
+            want = model(x)
+            torch.manual_seed(3)
+            assert torch.equal(gm(x), want), (p, mode)
+
+
+class NoisyBlock(nn.Module):
+    """Train-only work that calls a submodule: beyond a run-time switch of tensor functions."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.noise = nn.Dropout(0.1)
+
+    def forward(self, x):
+        x = self.conv(x)
+        if self.training:
+            x = self.noise(x) + x
+        return x
+
+
+def test_a_block_whose_one_mode_work_calls_a_submodule_stays_a_leaf_with_the_reason():
+    model = nn.Sequential(NoisyBlock(), nn.Conv2d(3, 2, 1))
+    gm = gg.trace(model, SHAPE)
     auto = trace_report(gm)["auto_leaves"]
-    assert set(auto) == {"blocks.0.drop", "blocks.1.drop"}
-    assert "branches on self.training" in auto["blocks.0.drop"]
-    assert {n.target for n in gm.graph.nodes if n.op == "call_module"} >= {"blocks.0.drop", "blocks.1.drop"}
+    assert set(auto) == {"0"}
+    assert "branches on self.training" in auto["0"] and "noise" in auto["0"]
 
 
-def test_without_automatic_leaves_the_branch_is_a_trace_error_naming_the_module():
-    with pytest.raises(gg.TraceError, match=r"submodule 'blocks.0.drop' \(DropPath\) of DepthNet branches on self.training"):
-        gg.trace(dp_net(), SHAPE, auto_leaves=False)
+def test_without_automatic_leaves_an_unmergeable_branch_is_a_trace_error_naming_the_module():
+    with pytest.raises(gg.TraceError, match=r"cannot merge the train- and eval-mode code of 0 \(NoisyBlock\)"):
+        gg.trace(nn.Sequential(NoisyBlock(), nn.Conv2d(3, 2, 1)), SHAPE, auto_leaves=False)
 
 
 @pytest.mark.parametrize("factory", [sd_net, dp_net])
