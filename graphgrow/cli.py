@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import GraphgrowError, SpecError, first_line
+from .core.errors import GraphgrowError, SpecError, first_line
 
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True, soft_wrap=True)
@@ -60,7 +60,7 @@ MAX_MEMORY_HELP = ("refuse a model (or a pass's result) whose activations at the
 def _set_max_memory(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     """Process-wide like --max-load; checked where it is used (a bad value is the usual one-line error)."""
     if value is not None:
-        from .budget import set_max_memory
+        from .analysis.budget import set_max_memory
 
         set_max_memory(value)
 
@@ -69,8 +69,8 @@ def _set_max_load(ctx: click.Context, param: click.Parameter, value: str | None)
     """The load-size cap is process-wide (one command per process), so the flag sets it directly."""
     if value is None:
         return
-    from . import load
-    from .budget import parse_size
+    from .io import load
+    from .analysis.budget import parse_size
 
     try:
         load.MAX_LOAD_BYTES = parse_size(value, "--max-load")
@@ -118,7 +118,7 @@ def _ignore_late_signals() -> None:
 
 
 def _exit(code: int) -> None:
-    from .outputs import discard_all
+    from .io.outputs import discard_all
 
     discard_all()  # no staging file outlives the command, whatever stopped it
     _exit_code[:] = [code]
@@ -126,7 +126,7 @@ def _exit(code: int) -> None:
 
 
 def _interrupted(signum: int) -> None:
-    from .outputs import committed
+    from .io.outputs import committed
 
     name = signal.Signals(signum).name
     written = committed()  # renamed into place before the signal came: whole, and staying
@@ -139,7 +139,7 @@ def _interrupted(signum: int) -> None:
 
 
 def _run(job: Callable[[Callable[[str], None]], int], as_json: bool, debug: bool) -> None:
-    from .outputs import forget_committed
+    from .io.outputs import forget_committed
 
     _received.clear()
     _exit_code.clear()
@@ -212,7 +212,7 @@ def main() -> None:
 @_common
 def mutate(model, specs, output, onnx_out, check, provider, max_params, seed, dry_run, diagram, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Apply passes to MODEL, verify each, save the result (and ONNX, and check it)."""
-    from . import workflow
+    from .jobs import workflow
 
     _run(_growth_job(lambda progress: workflow.mutate(
         model, specs, output, onnx_out, check, input_shape, provider, trust, leaves, seed, progress, trace_mode=trace_mode,
@@ -278,7 +278,7 @@ def _print_mutation(report: dict) -> None:
 
 
 def _print_equivalence(eq: dict) -> None:
-    from .equivalence import EquivalenceReport, OutputStats
+    from .verify.equivalence import EquivalenceReport, OutputStats
 
     rep = EquivalenceReport(eq["provider"], eq["note"], eq["rtol"], eq["atol"],
                             [OutputStats(**c) for c in eq["cases"]], eq.get("reference", "model"))
@@ -302,7 +302,7 @@ def replay(model, log_from, output, onnx_out, check, provider, max_params, input
 
     MODEL is the network GROWN was grown from, or a model part of the way (its log the start of
     GROWN's: only the rest is applied); a different network is refused."""
-    from . import workflow
+    from .jobs import workflow
 
     _run(_growth_job(lambda progress: workflow.replay(
         model, log_from, output, onnx_out, check, input_shape, provider, trust, leaves, progress, trace_mode=trace_mode,
@@ -320,7 +320,7 @@ def replay(model, log_from, output, onnx_out, check, provider, max_params, input
 @_common
 def fold(model, output, onnx_out, check, provider, grow_kernels, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Fold growth's linear structure into plain layers for deployment (eval-mode semantics, verified, logged)."""
-    from . import workflow
+    from .jobs import workflow
 
     spec = "fold(grow_kernels=true)" if grow_kernels else "fold"
     _run(_growth_job(lambda progress: workflow.mutate(
@@ -339,7 +339,7 @@ def export(model, output, fold_first, opset, input_shape, trust, leaves, trace_m
 
     A factory MODEL is built with its random weights seeded; the seed goes into the file's
     metadata so that `graphgrow check` rebuilds the same weights."""
-    from . import workflow
+    from .jobs import workflow
 
     def job(progress):
         report = workflow.export(model, output, input_shape, trust, leaves, progress, trace_mode=trace_mode, fold=fold_first,
@@ -371,7 +371,7 @@ def check(onnx_file, model, provider, rtol, atol, seed, input_shape, trust, leav
 
     A factory MODEL is rebuilt with the weight seed the export recorded; without one
     (and without --seed) the comparison is refused: new random weights could not agree."""
-    from . import workflow
+    from .jobs import workflow
 
     def job(progress):
         report, rep = workflow.check(onnx_file, model, input_shape, provider, trust, leaves, progress, trace_mode=trace_mode,
@@ -406,7 +406,7 @@ def inspect(model, show_all, groups, summary, depth, input_shape, trust, leaves,
     """Show MODEL's nodes with shapes, parameters and FLOPs, and its mutation log.
 
     An exported .onnx file shows its inputs, outputs, op counts, metadata and mutation log."""
-    from . import workflow
+    from .jobs import workflow
 
     def job(progress):
         report = workflow.inspect(model, input_shape, trust, leaves, progress, groups=groups, trace_mode=trace_mode, depth=depth)
@@ -518,7 +518,7 @@ def _print_groups(report: dict) -> None:
 def targets(model, spec, input_shape, trust, leaves, trace_mode, as_json, debug):
     """List where a pass can apply on MODEL: the spec that picks each place, the place in words
     (module path, stage, resolution, channels) and the parameters it would add; * marks the default."""
-    from . import workflow
+    from .jobs import workflow
 
     def job(progress):
         report = workflow.targets(model, spec, input_shape, trust, leaves, progress, trace_mode=trace_mode)
@@ -635,7 +635,7 @@ def diff(model_a, model_b, diagram, trust, as_json, debug):
 
     One lineage: B was grown from A (A's mutation log is the start of B's, and both start from the
     same network — its parameter names and shapes, recorded by the first pass)."""
-    from . import workflow
+    from .jobs import workflow
 
     def job(progress):
         report = workflow.diff(model_a, model_b, diagram, trust, progress)
@@ -660,7 +660,7 @@ def diff(model_a, model_b, diagram, trust, as_json, debug):
 @click.option("--markdown", is_flag=True, help="print the table of arguments docs/passes.md shows (from the passes' own field help)")
 def passes(as_json, markdown):
     """List the installed passes with their arguments, defaults and what each argument means."""
-    from .registry import all_passes
+    from .jobs.registry import all_passes
 
     found = all_passes()
     if markdown:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.load import atomic_write, default_output_path, load_model, save_model
+from graphgrow.io.load import atomic_write, default_output_path, load_model, save_model
 from graphgrow.passes.add_residual import AddResidual
 from conftest import small_cnn
 

@@ -8,7 +8,7 @@ import torch
 
 import graphgrow as gg
 from graphgrow.search import NOOP, Move, MutationSpace, applied_moves
-from graphgrow.shapes import param_count
+from graphgrow.graph.shapes import param_count
 
 from conftest import small_cnn
 

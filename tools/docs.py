@@ -26,7 +26,7 @@ KINDS_BY_LANGUAGE = {"sh": "run", "python": "run"}
 
 def _passes_table() -> str:
     from graphgrow.cli import passes_markdown
-    from graphgrow.registry import all_passes
+    from graphgrow.jobs.registry import all_passes
 
     built_in = {n: c for n, c in all_passes().items() if getattr(c, "__module__", "").startswith("graphgrow.passes")}
     return passes_markdown(built_in)
