@@ -10,7 +10,8 @@ from .core.errors import (
     PreservationError, RuntimeUnavailable, SaveError, SearchError, SearchInterrupted, SpecError, TraceError,
     ValidationError,
 )
-from .io.load import LoadedModel, load_model, save_model
+from .io.load import LoadedModel, load_model
+from .io.save import save_model
 from .jobs.optim import carry_optimizer
 from .analysis.targets import Candidate
 from .rewrite.pass_base import Pass, PassResult, arg

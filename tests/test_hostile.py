@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.io.load import load_model, save_model
+from graphgrow.io.load import load_model
+from graphgrow.io.save import save_model
 from graphgrow.capture.input_shape import parse_input_shape
 from graphgrow.jobs.workflow import mutate, open_model
 from conftest import ROOT, run_cli, small_cnn

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.io.load import atomic_write, default_output_path, load_model, save_model
+from graphgrow.io.save import atomic_write, default_output_path, save_model
+from graphgrow.io.load import load_model, standard_layer_classes
 from graphgrow.passes.add_residual import AddResidual
 from conftest import small_cnn
 
@@ -130,7 +131,7 @@ def test_graphgrow_outputs_reload_without_trust_and_keep_the_log(tmp_path, cnn):
 def test_a_crafted_graph_cannot_call_unsafe_functions(tmp_path, cnn):
     r = AddResidual()(gg.trace(cnn, (1, 3, 32, 32)))
     path = save_model(r.gm, tmp_path / "grown.pt")
-    with torch.serialization.safe_globals(gg.load.standard_layer_classes()):
+    with torch.serialization.safe_globals(standard_layer_classes()):
         payload = torch.load(path, weights_only=True)
     node = next(n for n in payload["nodes"] if n["op"] == "call_function")
     node["target"] = "os.system"

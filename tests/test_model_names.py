@@ -9,7 +9,7 @@ import torch
 
 import graphgrow as gg
 from conftest import ROOT, run_cli
-from graphgrow.io.load import plain_output_path
+from graphgrow.io.save import plain_output_path
 from graphgrow.io.zoo import parse_name
 
 
@@ -91,7 +91,7 @@ def test_a_timm_model_by_name_grows_and_checks_without_an_input_shape(tmp_path):
     ("click:echo(message='pwned')", "click's own echo, not a model factory"),
     ("click:File(mode='w')", "click's own File"),  # a library class that is not an nn.Module
     ("graphgrow:load_model", "graphgrow:load_model is in graphgrow, not a model factory"),
-    ("graphgrow.io.load:import_object(name='os:system')", "is in graphgrow"),
+    ("graphgrow.io.factory:import_object(name='os:system')", "is in graphgrow"),
 ])
 def test_names_of_loaders_and_the_standard_library_are_not_called(tmp_path, text, message, monkeypatch):
     import sys
@@ -186,7 +186,7 @@ def test_where_a_callable_is_defined_decides_not_where_it_is_imported_from(tmp_p
 
     import click
 
-    from graphgrow.io.load import library_of
+    from graphgrow.io.factory import library_of
 
     assert library_of(click.open_file) == "click" and library_of(torch.load) == "torch"
     assert library_of(torch.zeros) == "torch" and library_of(open) == "Python's standard library"

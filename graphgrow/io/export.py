@@ -19,7 +19,7 @@ from torch import fx
 
 from ..core.errors import ExportError, LoadError, first_line
 from .lineage import is_origin, origin_of
-from .load import atomic_write, check_output_path
+from .save import atomic_write, check_output_path
 from .serialize import is_stored_shape, validate_meta
 from ..graph.shapes import example_input
 from ..core.state import training_mode

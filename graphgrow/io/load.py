@@ -1,15 +1,15 @@
-"""Read and write model files safely (DESIGN §7).
+"""Read model files safely (DESIGN §7): files written by torch.save, graphgrow's own files, and models built from names.
 
 A model file is untrusted input: it is read with torch.load(weights_only=True) and
 only torch.nn's own layer classes allow-listed, so loading runs no code from the
 file. Custom classes need `trust=True` (CLI: --trust). A model can also be named as
 `package.module:factory`, which imports installed code, not code from a file.
-graphgrow's own outputs (see serialize.py) load again without trust.
+graphgrow's own outputs (see serialize.py) load again without trust. What a name may call: factory.py;
+writing: save.py.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import re
 import sys
@@ -23,9 +23,8 @@ import torch
 from torch import fx, nn
 
 from . import serialize
-from ..core.errors import first_line, LoadError, SaveError
-
-_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+from ..core.errors import first_line, LoadError
+from .factory import cwd_importable, import_object, is_factory_name, refuse_before_import
 
 
 @dataclass
@@ -70,18 +69,6 @@ def _is_graphgrow_file(path: Path) -> bool:
         return False
 
 
-def is_factory_name(source: str) -> bool:
-    """A model name (zoo:NAME, package.module:factory, optionally with literal arguments), not a file."""
-    from .zoo import looks_like_name
-
-    if not looks_like_name(source):
-        return False
-    try:
-        return not Path(source).exists()
-    except OSError:  # a name too long to be a path is not a file
-        return True
-
-
 FACTORY_SEED = 0  # factories build random weights: seeded, so a factory name means the same weights every time
 
 
@@ -101,143 +88,6 @@ def load_model(source: str | os.PathLike, trust: bool = False, factory_seed: int
         raise LoadError(f"{text} is empty", "the file was not written completely; save the model again")
     obj = _torch_load(path, trust)
     return _interpret(obj, text, trust)
-
-
-# A name calls installed code only where that code is a model's: a zoo's registered builder (routed through
-# the zoo, zoo.builder), an nn.Module subclass (its constructor is model code), or a function or class of the
-# user's own code. Everything else an installed library offers — torch.load, click.open_file,
-# timm.models.load_checkpoint, torch.hub.load — is refused: an allow-list, so a new spelling is refused too.
-_NEVER_FACTORIES = {"graphgrow", "__main__"}  # graphgrow's own functions, and the running script
-
-
-@contextlib.contextmanager
-def cwd_importable():
-    """The current folder on sys.path — last, so installed packages win — only while a named factory is
-    imported and called: a stray .py file there is never picked up by a later import (an optional
-    dependency probed lazily during tracing or export)."""
-    cwd = os.getcwd()
-    added = cwd not in sys.path and "" not in sys.path
-    if added:
-        sys.path.append(cwd)
-    try:
-        yield
-    finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
-
-
-_WAY_OUT = ("name a zoo model (timm:NAME, torchvision:NAME), an nn.Module class, or a function of your own code: "
-            "in the current folder, on PYTHONPATH or installed with pip install -e")
-
-
-def import_object(name: str, zoo_builders: bool = False) -> Callable:
-    """The callable named `package.module:function`, when a name may call it: an nn.Module subclass, a
-    function or class of the user's own code, or (with `zoo_builders`) a zoo's registered model builder.
-    Installed packages come first; the current folder is searched last, so a user's own module is found
-    but cannot shadow an installed one. Raises LoadError."""
-    if not _FACTORY.match(name):
-        raise LoadError(f"{name!r} does not name a function", "write package.module:function, e.g. mytask:train_epoch")
-    refuse_before_import(name)
-    module_name, attr = name.split(":")
-    try:
-        with cwd_importable():
-            module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise LoadError(f"cannot import '{module_name}' for {name}: {e}", "install the package or check the name") from e
-    obj = getattr(module, attr, None)
-    if not callable(obj):
-        raise LoadError(f"'{module_name}' has no callable '{attr}'", f"see dir({module_name}) for the names it offers")
-    if isinstance(obj, type) and issubclass(obj, nn.Module):
-        return obj
-    if zoo_builders:
-        from .zoo import registered_model
-
-        if registered_model(obj) is not None:
-            return obj
-    library = library_of(obj)
-    if library is not None:
-        what = getattr(obj, "__name__", None) or attr  # its own name: a re-export says what it really is
-        whose = f"{what} from {library}" if " " in library else f"{library}'s own {what}"
-        raise LoadError(f"{name} is {whose}, not a model factory: a name calls only nn.Module classes, a zoo's "
-                        "registered models and the user's own code", _WAY_OUT)
-    return obj
-
-
-def refuse_before_import(name: str) -> None:
-    """Names refused from their spelling alone, before anything is imported (importing can act too)."""
-    top = name.split(":")[0].split(".")[0]
-    if top in sys.stdlib_module_names:
-        raise LoadError(f"{name} is in Python's standard library, not a model factory: graphgrow does not call it", _WAY_OUT)
-    if top in _NEVER_FACTORIES:
-        raise LoadError(f"{name} is in {top}, not a model factory: graphgrow does not call it", _WAY_OUT)
-
-
-def library_of(obj: Any) -> str | None:
-    """What defines obj, when it is not the user's own code: "Python's standard library", "graphgrow", an
-    installed distribution's name. None for the user's code: a module outside every installation folder
-    that no installed (non-editable) distribution owns — the current folder, PYTHONPATH, an editable
-    install of the user's project. Looks where obj is defined (__module__), not where it was imported from."""
-    home = getattr(obj, "__module__", None)
-    module = sys.modules.get(home) if isinstance(home, str) else None
-    if module is None:  # a builtin without a home, a partial, a module that is gone: cannot tell, so refused
-        return f"an unknown module ({str(home)[:60]})"
-    top = home.split(".")[0]
-    if top in sys.stdlib_module_names:
-        return "Python's standard library"
-    if top in _NEVER_FACTORIES:
-        return top
-    file = getattr(module, "__file__", None)
-    if not file:
-        return f"the built-in module {home}"
-    path = Path(file).resolve()
-    if any(path.is_relative_to(folder) for folder in _installation_folders()):
-        return _distribution_name(top)
-    for dist in _distributions(top):
-        if not _is_editable(dist) and _owns(dist, path):
-            return dist.metadata["Name"] or top
-    return None
-
-
-def _installation_folders() -> list[Path]:
-    """Where installed packages and the standard library live (site-packages, dist-packages, stdlib)."""
-    import site
-    import sysconfig
-
-    folders = [sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")]
-    with contextlib.suppress(AttributeError):  # site may be trimmed in embedded interpreters
-        folders += [*site.getsitepackages(), site.getusersitepackages()]
-    folders += [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
-    return [Path(f).resolve() for f in folders if f]
-
-
-def _distributions(top: str) -> list:
-    from importlib import metadata
-
-    names = metadata.packages_distributions().get(top, [])
-    found = []
-    for n in dict.fromkeys(names):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            found.append(metadata.distribution(n))
-    return found
-
-
-def _distribution_name(top: str) -> str:
-    dists = _distributions(top)
-    return (dists[0].metadata["Name"] or top) if dists else top
-
-
-def _is_editable(dist: Any) -> bool:
-    """pip's record of an editable install (PEP 610): the user's own project, whose code is theirs."""
-    import json
-
-    try:
-        return bool(json.loads(dist.read_text("direct_url.json") or "{}").get("dir_info", {}).get("editable"))
-    except (ValueError, AttributeError):
-        return False
-
-
-def _owns(dist: Any, path: Path) -> bool:
-    return any(Path(str(dist.locate_file(f))).resolve() == path for f in (dist.files or ()) if str(f).endswith(path.name))
 
 
 def _from_factory(text: str, seed: int) -> LoadedModel:
@@ -428,88 +278,3 @@ def _check_module_names(model: nn.Module, name: str) -> None:
                         "rename it in the model (letters, digits, '_'), or name the model by its factory, package.module:function")
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Write through a staging file in the same folder and rename: the old file or the new, never half.
-    A failed write (disk full, quota, file-size limit, read-only, permission) is SaveError naming the output."""
-    from . import outputs
-
-    path = Path(path)
-    try:
-        tmp_path = outputs.staging_file(path, "tmp")
-    except OSError as e:
-        raise outputs.write_error(path, e) from e
-    try:
-        write(tmp_path)
-        with open(tmp_path, "rb+") as f:
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; a saved model gets the modes any new file gets
-        outputs.commit([(tmp_path, path)])
-    except BaseException as e:
-        outputs.discard(tmp_path)
-        if outputs.is_write_error(e):
-            raise outputs.write_error(path, e) from e
-        raise
-
-
-def check_output_path(path: str | os.PathLike, inputs: tuple = ()) -> Path:
-    """Refuse outputs over an input, into missing or read-only folders, or spelled like another run's
-    staging file (the next run would remove it). Returns the path."""
-    from . import outputs
-
-    out = Path(path)
-    if outputs.is_staging_name(out.name) and not outputs.is_own_staging(out):
-        raise SaveError(f"output {out} is named like a graphgrow staging file (.NAME.gg-PID-….part), which a later run "
-                        "may remove", "choose another output name")
-    if out.is_dir():
-        raise SaveError(f"output {out} is a directory", "give a file name, e.g. grown.pt")
-    if out.exists() and not out.is_file():
-        raise SaveError(f"output {out} is not a regular file (a device, pipe or socket); graphgrow only writes files",
-                        "choose a file name")
-    for src in inputs:
-        if src and Path(str(src)).exists() and out.resolve() == Path(str(src)).resolve():
-            raise SaveError(f"output {out} is the input file", "graphgrow never overwrites its input; choose another -o")
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        what = "is a file, not a folder" if parent.exists() else "does not exist"
-        raise SaveError(f"folder {parent} {what}", "create it first or choose another output path")
-    try:  # a real probe: permission bits alone mislead (root, read-only mounts); stale staging files go too
-        outputs.discard(outputs.staging_file(out, "probe"))
-    except OSError as e:
-        raise SaveError(f"folder {parent} is not writable ({e.strerror or e})", "choose another output path") from e
-    return out
-
-
-def save_model(gm: fx.GraphModule, path: str | os.PathLike, inputs: tuple = ()) -> Path:
-    """Save a graphgrow GraphModule atomically in the safe format; returns the path. A failed write is SaveError."""
-    from .outputs import torch_save
-
-    out = check_output_path(path, inputs)
-    payload = serialize.to_payload(gm)
-    atomic_write(out, lambda tmp: torch_save(payload, tmp))
-    return out
-
-
-def plain_output_path(source: str, suffix: str = ".grown.pt") -> Path:
-    """NAME`suffix` beside the input (in the working directory for factory names)."""
-    if is_factory_name(source):
-        from .zoo import parse_name
-
-        base = Path.cwd() / parse_name(source).short
-    else:
-        p = Path(source)
-        base = p.with_name(p.name.split(".")[0] if not p.name.startswith(".") else p.name)
-    return base.with_name(base.name + suffix)
-
-
-def default_output_path(source: str, suffix: str = ".grown.pt") -> Path:
-    """Beside the input under a new name (never the input itself, never an earlier result):
-    NAME.grown.pt, else NAME.grown-1.pt, NAME.grown-2.pt, ..."""
-    candidate = plain_output_path(source, suffix)
-    stem = candidate.name.removesuffix(".pt")
-    i = 1
-    while candidate.exists():
-        candidate = candidate.with_name(f"{stem}-{i}.pt")
-        i += 1
-    return candidate

@@ -9,7 +9,7 @@ from pathlib import Path
 from torch import fx
 
 from ..core.errors import InputError
-from ..io.load import atomic_write
+from ..io.save import atomic_write
 
 COLOURS = {"added": "#2ca02c", "rebuilt": "#ff7f0e", "reshaped": "#1f77b4", "same": "#d9d9d9", "run": "#f0f0f0"}
 

@@ -14,10 +14,9 @@ from torch import fx, nn
 
 from ..io import outputs
 from ..core.errors import InputError, LoadError, SaveError, SpecError, ValidationError
-from ..io.load import (
-    FACTORY_SEED, LoadedModel, check_output_path, custom_classes, default_output_path, is_factory_name, load_model,
-    plain_output_path, save_model,
-)
+from ..io.load import FACTORY_SEED, LoadedModel, custom_classes, load_model
+from ..io.save import check_output_path, default_output_path, plain_output_path, save_model
+from ..io.factory import is_factory_name
 from ..analysis.targets import Candidate
 from .pipeline import Pipeline, PipelineResult, parse_spec
 from ..capture.input_shape import infer_input_shape, parse_input_shape, require_single_input

@@ -7,7 +7,8 @@ from typing import Callable, Sequence
 
 from ..analysis.budget import parse_size
 from ..core.errors import SearchError
-from ..io.load import check_output_path, import_object
+from ..io.save import check_output_path
+from ..io.factory import import_object
 from ..jobs.workflow import open_model
 from .space import MutationSpace
 

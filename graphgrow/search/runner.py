@@ -21,7 +21,7 @@ from torch import fx
 
 from ..analysis.budget import Limits
 from ..core.errors import InputError, SaveError, SearchError, SearchInterrupted, first_line
-from ..io.load import save_model
+from ..io.save import save_model
 from ..io.outputs import is_staging_name
 from ..graph.shapes import param_count
 from ..capture.trace import graph_info

@@ -22,7 +22,8 @@ from torch import fx, nn
 
 from ..analysis.budget import Limits
 from ..core.errors import InputError, LoadError
-from ..io.load import load_model, save_model
+from ..io.load import load_model
+from ..io.save import save_model
 from ..jobs.optim import carry_optimizer
 from ..io.outputs import is_write_error, torch_save, write_error
 from ..graph.shapes import param_count
