@@ -188,16 +188,16 @@ def test_inspect_groups_shows_what_can_grow_and_why_not(runner, cnn_file):
 
 
 def test_inspect_says_each_automatic_leaf_reason_once(capsys):
-    from graphgrow.cli import _print_trace
+    from graphgrow.cli.show import print_trace
 
     trace = {"auto_leaves": {**{f"blocks.{i}.bn": "BatchNormAct2d: branches on self.training" for i in range(5)},
                              "head": "Head: data-dependent control flow"}, "fidelity": ["eval@2"]}
-    _print_trace(trace)
+    print_trace(trace)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "automatic leaves (6):"
     assert lines[1].startswith("  5 × BatchNormAct2d: branches on self.training: blocks.0.bn, blocks.1.bn, blocks.2.bn, …")
     assert lines[2] == "  head: Head: data-dependent control flow"
-    _print_trace(trace, show_all=True)
+    print_trace(trace, show_all=True)
     assert sum("blocks." in line for line in capsys.readouterr().out.splitlines()) == 5
 
 

@@ -1,39 +1,23 @@
-"""The `graphgrow` command: mutate, replay, fold, export, check, inspect, targets, diff, search, passes.
-
-Exit codes: 0 success; 1 a check failed (verification, export, equivalence);
-2 bad input or a pass that cannot apply; 3 an internal error (a bug: please report).
-Errors are one line on stderr; --debug shows the traceback.
+"""The `graphgrow` command's commands: mutate, replay, fold, export, check, inspect, targets, diff, search,
+passes — their options, the job each runs (graphgrow.jobs.workflow does the work), and the generated CLI reference.
 """
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
 import html
 import json
-import os
-import signal
-import sys
-import traceback
 from typing import Callable
 
 import click
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .core.errors import GraphgrowError, SpecError, first_line
-
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 120)
-err = Console(stderr=True, soft_wrap=True)
-
-MAX_MESSAGE = 500  # user-supplied text in messages is cut: a 2 MB argument is not echoed whole
-
-
-def _cut(text: str) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + f"… ({len(text) - MAX_MESSAGE:,} more characters)"
-
+from ..core.errors import GraphgrowError
+from .run import err, out, run_command
+from .show import (
+    passes_markdown, print_equivalence, print_groups, print_log, print_mutation, print_onnx, print_search, print_summary,
+    print_trace, type_name,
+)
 
 INPUT_SHAPE_HELP = "example input shape N,C,H,W (needed when the model file cannot tell it), e.g. 1,3,224,224"
 
@@ -60,7 +44,7 @@ MAX_MEMORY_HELP = ("refuse a model (or a pass's result) whose activations at the
 def _set_max_memory(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     """Process-wide like --max-load; checked where it is used (a bad value is the usual one-line error)."""
     if value is not None:
-        from .analysis.budget import set_max_memory
+        from ..analysis.budget import set_max_memory
 
         set_max_memory(value)
 
@@ -69,114 +53,13 @@ def _set_max_load(ctx: click.Context, param: click.Parameter, value: str | None)
     """The load-size cap is process-wide (one command per process), so the flag sets it directly."""
     if value is None:
         return
-    from .io import load
-    from .analysis.budget import parse_size
+    from ..io import load
+    from ..analysis.budget import parse_size
 
     try:
         load.MAX_LOAD_BYTES = parse_size(value, "--max-load")
     except GraphgrowError as e:
         raise click.BadParameter(e.message) from e
-
-
-@contextlib.contextmanager
-def _progress():
-    """A spinner on stderr for long steps (export takes seconds to a minute)."""
-    with err.status("starting", spinner="dots") as status:
-        yield lambda msg: status.update(msg)
-
-
-class _Signalled(KeyboardInterrupt):
-    """SIGTERM/SIGHUP as an exception, so staged outputs and temp files are cleaned up as on Ctrl-C."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-_received: list[int] = []  # signals seen: C extensions (an import mid-flight) may turn our exception into another
-_exit_code: list[int] = []  # once the command's exit code is decided (outputs and report written)
-
-
-def _raise_signal(signum, frame) -> None:
-    if _exit_code:  # the command is done and said so: a late signal ends the process now, with the command's code
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(_exit_code[0])
-    _received.append(signum)
-    raise _Signalled(signum)
-
-
-def _ignore_late_signals() -> None:
-    """At interpreter exit (atexit), after the command has finished: Python stops running its signal
-    handlers while it tears down (seconds with torch loaded), so a signal then would kill the process
-    with no message and no exit code of the command's (128 + signal): ignored instead."""
-    if _exit_code:
-        for name in ("SIGINT", "SIGTERM", "SIGHUP"):
-            with contextlib.suppress(AttributeError, ValueError, OSError):
-                signal.signal(getattr(signal, name), signal.SIG_IGN)
-
-
-def _exit(code: int) -> None:
-    from .io.outputs import discard_all
-
-    discard_all()  # no staging file outlives the command, whatever stopped it
-    _exit_code[:] = [code]
-    sys.exit(code)
-
-
-def _interrupted(signum: int) -> None:
-    from .io.outputs import committed
-
-    name = signal.Signals(signum).name
-    written = committed()  # renamed into place before the signal came: whole, and staying
-    if written:
-        err.print(f"interrupted ({name}) after writing {_cut(', '.join(map(str, written)))}: these outputs are complete",
-                  markup=False, highlight=False)
-    else:
-        err.print(f"interrupted ({name}); nothing was written or overwritten", markup=False)
-    _exit(128 + signum)
-
-
-def _run(job: Callable[[Callable[[str], None]], int], as_json: bool, debug: bool) -> None:
-    from .io.outputs import forget_committed
-
-    _received.clear()
-    _exit_code.clear()
-    forget_committed()
-    atexit.unregister(_ignore_late_signals)  # once, however many commands a process runs (tests)
-    atexit.register(_ignore_late_signals)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_signal)
-    if hasattr(signal, "SIGXFSZ"):  # past `ulimit -f` a write fails with EFBIG (exit 2) instead of killing the process
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    try:
-        with _progress() as progress:
-            code = job(progress)
-    except GraphgrowError as e:
-        if _received:  # the signal surfaced wrapped in one of our errors
-            _interrupted(_received[0])
-        if debug:
-            traceback.print_exc()
-        err.print("[bold red]error:[/] " + escape(_cut(GraphgrowError.__str__(e))), markup=True, highlight=False)
-        pointer = e.pointer() if isinstance(e, SpecError) else ""
-        if pointer:  # the spec with a caret under the problem: printed as is (_cut would fold its spacing)
-            err.print(pointer, markup=False, highlight=False)
-        if as_json:
-            print(json.dumps({"error": {"type": type(e).__name__, "message": e.message, "hint": e.hint}}))
-        _exit(e.exit_code)
-    except KeyboardInterrupt as e:
-        _interrupted(e.signum if isinstance(e, _Signalled) else signal.SIGINT)
-    except Exception as e:  # a bug in graphgrow: still one line unless --debug
-        if _received:
-            _interrupted(_received[0])
-        if debug:
-            traceback.print_exc()
-        first = escape(_cut(first_line(e, MAX_MESSAGE)))
-        err.print(f"[bold red]internal error:[/] {type(e).__name__}: {first} (run with --debug for the traceback and please report it)",
-                  markup=True, highlight=False)
-        _exit(3)
-    _exit(code)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -212,9 +95,9 @@ def main() -> None:
 @_common
 def mutate(model, specs, output, onnx_out, check, provider, max_params, seed, dry_run, diagram, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Apply passes to MODEL, verify each, save the result (and ONNX, and check it)."""
-    from .jobs import workflow
+    from ..jobs import workflow
 
-    _run(_growth_job(lambda progress: workflow.mutate(
+    run_command(_growth_job(lambda progress: workflow.mutate(
         model, specs, output, onnx_out, check, input_shape, provider, trust, leaves, seed, progress, trace_mode=trace_mode,
         max_params=max_params, dry_run=dry_run, diagram=diagram), as_json), as_json, debug)
 
@@ -226,66 +109,11 @@ def _growth_job(make_report: Callable[[Callable[[str], None]], dict], as_json: b
         if as_json:
             print(json.dumps(report, default=str))
         else:
-            _print_mutation(report)
+            print_mutation(report)
         eq = report.get("equivalence")
         return 1 if eq is not None and not eq["passed"] else 0
 
     return job
-
-
-def _print_mutation(report: dict) -> None:
-    verb = f"replay of {report['log_from']} on" if "log_from" in report else "mutate"
-    out.print(f"[bold]graphgrow {verb}[/] {report['model']} (input {'×'.join(map(str, report['input_shape']))})")
-    if report.get("input_shape_inferred"):
-        out.print(f"input shape inferred: {report['input_shape_inferred']}")
-    for i, p in enumerate(report["passes"], 1):
-        args = ", ".join(f"{k}={v}" for k, v in p["args"].items() if v is not None)
-        out.print(f"[bold]{i}. {p['name']}[/]({args})")
-        for k, v in p["targets"].items():
-            if isinstance(v, list):
-                out.print(f"   {k}:", markup=False, highlight=False)
-                for item in v:
-                    out.print(f"     - {item}", markup=False, highlight=False)
-            else:
-                out.print(f"   {k}: {v}")
-        out.print(f"   nodes: +{len(p['nodes_added'])} −{len(p['nodes_removed'])}")
-        out.print(f"   params: {p['params_before']:,} → {p['params_after']:,}")
-        out.print(f"   FLOPs/example: {p['flops_before']:,} → {p['flops_after']:,}")
-        pres = p.get("preservation")
-        if pres and pres["train_rel_err"] is None:
-            out.print(f"   verified in eval mode: rel err {pres['eval_rel_err']:.1e}")
-        elif pres:
-            steps = ", ".join(f"{k}@{v}" for k, v in pres["new_parameters"].items())
-            out.print(f"   verified: eval rel err {pres['eval_rel_err']:.1e}, train rel err {pres['train_rel_err']:.1e}; "
-                      f"new parameters learn (first gradient at SGD step): {steps or 'none new'}")
-        for note in p.get("notes", []):
-            out.print(f"   note: {note}")
-    eq = report.get("equivalence")
-    if eq is not None:
-        _print_equivalence(eq)
-        _print_equivalence(eq["vs_original"])
-    for path in report["outputs"]:
-        out.print(f"wrote {path}")
-    if report.get("dry_run"):
-        out.print(f"dry run: no model written (would write {', '.join(report['dry_run']['would_write'])})", markup=False, highlight=False)
-    if report.get("output_note") and report["outputs"]:
-        out.print(f"note: {report['output_note']}", markup=False, highlight=False)
-    if report.get("trust_note"):
-        out.print(f"note: {report['trust_note']}", markup=False, highlight=False)
-    timing = ", ".join(f"{k} {v:.1f}s" for k, v in report.get("timings", {}).items())
-    if timing:
-        out.print(f"time: {timing}")
-
-
-def _print_equivalence(eq: dict) -> None:
-    from .verify.equivalence import EquivalenceReport, OutputStats
-
-    rep = EquivalenceReport(eq["provider"], eq["note"], eq["rtol"], eq["atol"],
-                            [OutputStats(**c) for c in eq["cases"]], eq.get("reference", "model"))
-    out.print(rep.table())
-    out.print(f"provider: {eq['note']}")
-    verdict = "[green]PASS[/]" if rep.passed else "[red]FAIL[/]"
-    out.print(f"equivalence vs {rep.reference}: {verdict} (max abs {rep.max_abs_err:.2e}, max rel {rep.max_rel_err:.2e})")
 
 
 @main.command()
@@ -302,9 +130,9 @@ def replay(model, log_from, output, onnx_out, check, provider, max_params, input
 
     MODEL is the network GROWN was grown from, or a model part of the way (its log the start of
     GROWN's: only the rest is applied); a different network is refused."""
-    from .jobs import workflow
+    from ..jobs import workflow
 
-    _run(_growth_job(lambda progress: workflow.replay(
+    run_command(_growth_job(lambda progress: workflow.replay(
         model, log_from, output, onnx_out, check, input_shape, provider, trust, leaves, progress, trace_mode=trace_mode,
         max_params=max_params), as_json), as_json, debug)
 
@@ -320,10 +148,10 @@ def replay(model, log_from, output, onnx_out, check, provider, max_params, input
 @_common
 def fold(model, output, onnx_out, check, provider, grow_kernels, input_shape, trust, leaves, trace_mode, as_json, debug):
     """Fold growth's linear structure into plain layers for deployment (eval-mode semantics, verified, logged)."""
-    from .jobs import workflow
+    from ..jobs import workflow
 
     spec = "fold(grow_kernels=true)" if grow_kernels else "fold"
-    _run(_growth_job(lambda progress: workflow.mutate(
+    run_command(_growth_job(lambda progress: workflow.mutate(
         model, [spec], output, onnx_out, check, input_shape, provider, trust, leaves, 0, progress, trace_mode=trace_mode,
         suffix=".folded.pt"), as_json), as_json, debug)
 
@@ -339,7 +167,7 @@ def export(model, output, fold_first, opset, input_shape, trust, leaves, trace_m
 
     A factory MODEL is built with its random weights seeded; the seed goes into the file's
     metadata so that `graphgrow check` rebuilds the same weights."""
-    from .jobs import workflow
+    from ..jobs import workflow
 
     def job(progress):
         report = workflow.export(model, output, input_shape, trust, leaves, progress, trace_mode=trace_mode, fold=fold_first,
@@ -355,7 +183,7 @@ def export(model, output, fold_first, opset, input_shape, trust, leaves, trace_m
                       f"{len(report['log'])} logged mutations) in {report['timings']['export']:.1f}s")
         return 0
 
-    _run(job, as_json, debug)
+    run_command(job, as_json, debug)
 
 
 @main.command()
@@ -371,7 +199,7 @@ def check(onnx_file, model, provider, rtol, atol, seed, input_shape, trust, leav
 
     A factory MODEL is rebuilt with the weight seed the export recorded; without one
     (and without --seed) the comparison is refused: new random weights could not agree."""
-    from .jobs import workflow
+    from ..jobs import workflow
 
     def job(progress):
         report, rep = workflow.check(onnx_file, model, input_shape, provider, trust, leaves, progress, trace_mode=trace_mode,
@@ -379,7 +207,7 @@ def check(onnx_file, model, provider, rtol, atol, seed, input_shape, trust, leav
         if as_json:
             print(json.dumps(report, default=str))
         else:
-            _print_equivalence(report["equivalence"])
+            print_equivalence(report["equivalence"])
             if "factory_seed" in report:
                 out.print(f"{model} built with weight seed {report['factory_seed']}", markup=False, highlight=False)
             if report.get("note"):
@@ -392,7 +220,7 @@ def check(onnx_file, model, provider, rtol, atol, seed, input_shape, trust, leav
                           markup=False, highlight=False)
         return 0 if rep.passed else 1
 
-    _run(job, as_json, debug)
+    run_command(job, as_json, debug)
 
 
 @main.command()
@@ -406,7 +234,7 @@ def inspect(model, show_all, groups, summary, depth, input_shape, trust, leaves,
     """Show MODEL's nodes with shapes, parameters and FLOPs, and its mutation log.
 
     An exported .onnx file shows its inputs, outputs, op counts, metadata and mutation log."""
-    from .jobs import workflow
+    from ..jobs import workflow
 
     def job(progress):
         report = workflow.inspect(model, input_shape, trust, leaves, progress, groups=groups, trace_mode=trace_mode, depth=depth)
@@ -414,13 +242,13 @@ def inspect(model, show_all, groups, summary, depth, input_shape, trust, leaves,
             print(json.dumps(report, default=str))
             return 0
         if report.get("format") == "onnx":
-            _print_onnx(report)
+            print_onnx(report)
             return 0
         if groups:
-            _print_groups(report)
+            print_groups(report)
             return 0
         if summary:
-            _print_summary(model, report)
+            print_summary(model, report)
             return 0
         t = Table(title=f"{model} (input {'×'.join(map(str, report['input_shape']))})")
         for col in ("node", "op", "target", "shape", "params", "FLOPs"):
@@ -433,82 +261,11 @@ def inspect(model, show_all, groups, summary, depth, input_shape, trust, leaves,
                       f"{n['flops']:,}" if n["flops"] else "")
         out.print(t)
         out.print(f"total: {report['params']:,} parameters, {report['flops']:,} FLOPs per example")
-        _print_trace(report.get("trace") or {}, show_all)
-        _print_log(report["log"])
+        print_trace(report.get("trace") or {}, show_all)
+        print_log(report["log"])
         return 0
 
-    _run(job, as_json, debug)
-
-
-def _print_summary(model: str, report: dict) -> None:
-    t = Table(title=f"{model} (input {'×'.join(map(str, report['input_shape']))}): one row per module")
-    for col in ("module", "type", "output shape", "params", "FLOPs", "nodes"):
-        t.add_column(col, justify="right" if col in ("params", "FLOPs", "nodes") else "left")
-    for r in report["summary"]:
-        shape = "×".join(map(str, r["shape"])) if isinstance(r["shape"], (tuple, list)) else str(r["shape"] or "")
-        t.add_row(escape(r["module"]), r["type"], shape, f"{r['params']:,}" if r["params"] else "",
-                  f"{r['flops']:,}" if r["flops"] else "", str(r["nodes"]))
-    out.print(t)
-    out.print(f"total: {report['params']:,} parameters, {report['flops']:,} FLOPs per example, {len(report['nodes'])} nodes")
-    _print_log(report["log"])
-
-
-def _print_onnx(report: dict) -> None:
-    out.print(f"[bold]{escape(report['model'])}[/]: ONNX IR {report['ir_version']}, opset "
-              f"{report['opset'][0] if report['opset'] else '?'}, {report['producer'] or 'unknown producer'}")
-    for kind in ("inputs", "outputs"):
-        for v in report[kind]:
-            out.print(f"{kind[:-1]} {v['name']}: {v['dtype']} [{', '.join(map(str, v['shape']))}]", markup=False, highlight=False)
-    ops = ", ".join(f"{op} {n}" for op, n in report["ops"].items())
-    out.print(f"{report['nodes']:,} nodes ({ops}); {report['params']:,} parameters", markup=False, highlight=False)
-    for k, v in report["metadata"].items():
-        out.print(f"metadata {k}: {v}", markup=False, highlight=False)
-    _print_log(report["log"])
-
-
-def _print_log(log: list) -> None:
-    for i, e in enumerate(log, 1):
-        out.print(f"mutation {i}: {e['pass']}({', '.join(f'{k}={v}' for k, v in e['args'].items() if v is not None)}) "
-                  f"params {e['params_before']:,} → {e['params_after']:,}", markup=False, highlight=False)
-
-
-def _print_trace(trace: dict, show_all: bool = False) -> None:
-    """How the model was traced: automatic leaves and why (the same reason once, with its modules,
-    unless --all), notes, the fidelity checks that passed."""
-    if not trace:
-        return
-    leaves = trace.get("auto_leaves") or {}
-    if leaves:
-        out.print(f"automatic leaves ({len(leaves)}):", markup=False)
-        by_reason: dict[str, list[str]] = {}
-        for path, why in leaves.items():
-            by_reason.setdefault(why, []).append(path)
-        for why, paths in by_reason.items():
-            if show_all or len(paths) <= 3:
-                for path in paths:
-                    out.print(f"  {path}: {why}", markup=False)
-            else:
-                shown = ", ".join(paths[:3])
-                out.print(f"  {len(paths)} × {why}: {shown}, … (--all lists every one)", markup=False)
-    for note in trace.get("notes", []):
-        out.print(f"trace: {note}", markup=False)
-    if trace.get("fidelity"):
-        out.print(f"trace matches the model: {', '.join(trace['fidelity'])} (mode@batch)", markup=False)
-
-
-def _print_groups(report: dict) -> None:
-    t = Table(title=f"channel groups of {report['model']}: tensors whose channel count must change together")
-    for col in ("group", "channels", "tensors", "sources (grow out)", "consumers (grow in)", "status"):
-        t.add_column(col, justify="right" if col in ("group", "channels", "tensors") else "left")
-    for g in report["groups"]:
-        blocked = g["blocked_by"]
-        status = "[green]growable[/]" if not blocked else "[red]frozen:[/] " + escape("; ".join(blocked[:2])) + (
-            f" (+{len(blocked) - 2} more)" if len(blocked) > 2 else "")
-        if not blocked and g.get("norms_reached"):
-            status += " (LayerNorm: init=net2net, integer factor)"
-        t.add_row(str(g["id"]), str(g["channels"]), str(len(g["members"])), ", ".join(g["sources"]) or "-",
-                  ", ".join(g["consumers"]) or "-", status)
-    out.print(t)
+    run_command(job, as_json, debug)
 
 
 @main.command()
@@ -518,7 +275,7 @@ def _print_groups(report: dict) -> None:
 def targets(model, spec, input_shape, trust, leaves, trace_mode, as_json, debug):
     """List where a pass can apply on MODEL: the spec that picks each place, the place in words
     (module path, stage, resolution, channels) and the parameters it would add; * marks the default."""
-    from .jobs import workflow
+    from ..jobs import workflow
 
     def job(progress):
         report = workflow.targets(model, spec, input_shape, trust, leaves, progress, trace_mode=trace_mode)
@@ -537,7 +294,7 @@ def targets(model, spec, input_shape, trust, leaves, trace_mode, as_json, debug)
         out.print("* the default target (no target given)")
         return 0
 
-    _run(job, as_json, debug)
+    run_command(job, as_json, debug)
 
 
 @main.command()
@@ -578,8 +335,8 @@ def search(model, train_fn, eval_fn, mutations, population, rounds, epochs_per_r
     worse ones continue from a better one's checkpoint and grow by one move (exactly: no jump in
     the loss). Prints progress, then the best model's path, its metric and its lineage."""
     def job(progress):
-        from .search.job import run
-        from .search.runner import SearchOptions
+        from ..search.job import run
+        from ..search.runner import SearchOptions
 
         options = SearchOptions(population=population, rounds=rounds, epochs_per_round=epochs_per_round, metric=metric,
                                 mode=mode, lr=lr, optimizer=optimizer, storage_path=storage_path, name=name, address=address,
@@ -590,35 +347,10 @@ def search(model, train_fn, eval_fn, mutations, population, rounds, epochs_per_r
         if as_json:
             print(json.dumps(report, default=str))
             return 0
-        _print_search(report)
+        print_search(report)
         return 0
 
-    _run(job, as_json, debug)
-
-
-def _print_search(report: dict) -> None:
-    t = Table(title=f"population after the search ({report['seconds']:.0f} s)")
-    for col in ("trial", report["metric"], "parameters", "growths", "lr"):
-        t.add_column(col, justify="left" if col == "trial" else "right")
-    for row in sorted(report["trials"], key=lambda r: r["trial"]):
-        value = row.get(report["metric"])
-        t.add_row(escape(row["trial"]) + (" *" if row["trial"] == report["trial"] else ""),
-                  "-" if value is None else f"{value:.4g}", f"{row.get('params') or 0:,.0f}",
-                  str(row.get("growths")), "-" if row.get("lr") is None else f"{row['lr']:.3g}")
-    out.print(t)
-    out.print(f"best: {report['best']} ({report['metric']} {report['value']:.4g}, trial {report['trial']})", markup=False)
-    if report["lineage"]:
-        out.print("lineage (from the original):", markup=False)
-        for i, e in enumerate(report["lineage"], 1):
-            args = ",".join(f"{k}={v}" for k, v in e.get("args", {}).items() if v is not None)
-            out.print(f"  {i}. {e['pass']}({args}) seed {e['seed']}: {e['params_before']:,} → {e['params_after']:,} parameters",
-                      markup=False)
-        out.print(f"replay it: graphgrow replay {report['original']} {report['best']}", markup=False)
-    else:
-        out.print("lineage: the best trial did not grow (the original architecture won)", markup=False)
-    out.print(f"deploy it: graphgrow export {report['best']} -o best.onnx", markup=False)
-    if report.get("plot"):
-        out.print(f"plot: {report['plot']}", markup=False)
+    run_command(job, as_json, debug)
 
 
 @main.command()
@@ -635,7 +367,7 @@ def diff(model_a, model_b, diagram, trust, as_json, debug):
 
     One lineage: B was grown from A (A's mutation log is the start of B's, and both start from the
     same network — its parameter names and shapes, recorded by the first pass)."""
-    from .jobs import workflow
+    from ..jobs import workflow
 
     def job(progress):
         report = workflow.diff(model_a, model_b, diagram, trust, progress)
@@ -652,7 +384,7 @@ def diff(model_a, model_b, diagram, trust, as_json, debug):
             out.print(f"diagram: {report['diagram']}", markup=False)
         return 0
 
-    _run(job, as_json, debug)
+    run_command(job, as_json, debug)
 
 
 @main.command()
@@ -660,7 +392,7 @@ def diff(model_a, model_b, diagram, trust, as_json, debug):
 @click.option("--markdown", is_flag=True, help="print the table of arguments docs/passes.md shows (from the passes' own field help)")
 def passes(as_json, markdown):
     """List the installed passes with their arguments, defaults and what each argument means."""
-    from .jobs.registry import all_passes
+    from ..jobs.registry import all_passes
 
     found = all_passes()
     if markdown:
@@ -674,7 +406,7 @@ def passes(as_json, markdown):
             else:
                 hints, helps = cls.argument_types(), cls.argument_help()
                 data[name] = {"help": cls.help(), "args": [
-                    {"name": f.name, "type": _type_name(hints[f.name]), "default": f.default, "help": helps[f.name]}
+                    {"name": f.name, "type": type_name(hints[f.name]), "default": f.default, "help": helps[f.name]}
                     for f in dataclasses.fields(cls)]}
         print(json.dumps(data, default=str))
         return
@@ -685,23 +417,7 @@ def passes(as_json, markdown):
         out.print(f"[bold]{name}[/]  {escape(cls.help())}")
         hints, helps = cls.argument_types(), cls.argument_help()
         for f in dataclasses.fields(cls):
-            out.print(f"    {f.name}: {escape(_type_name(hints[f.name]))} = {f.default!r}" + (f"  — {escape(helps[f.name])}" if helps[f.name] else ""))
-
-
-def passes_markdown(found: dict) -> str:
-    """The argument table of docs/passes.md: one row per argument of every installed pass."""
-    rows = ["| pass | argument | type | default | meaning |", "|---|---|---|---|---|"]
-    for name, cls in found.items():
-        if isinstance(cls, GraphgrowError):
-            continue
-        hints, helps = cls.argument_types(), cls.argument_help()
-        fields = dataclasses.fields(cls)
-        if not fields:
-            rows.append(f"| `{name}` | none | | | |")
-        for f in fields:
-            cells = [f"`{name}`", f"`{f.name}`", _type_name(hints[f.name]), f"`{f.default!r}`", helps[f.name]]
-            rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    return "\n".join(rows)
+            out.print(f"    {f.name}: {escape(type_name(hints[f.name]))} = {f.default!r}" + (f"  — {escape(helps[f.name])}" if helps[f.name] else ""))
 
 
 def cli_reference(width: int = 100) -> str:
@@ -718,20 +434,3 @@ def cli_reference(width: int = 100) -> str:
     return "\n\n".join(parts)
 
 
-def _type_name(t) -> str:
-    """int, float | None, one of conv3x3|conv5x5|... (a Literal's choices spelled out)."""
-    import types
-    import typing
-
-    origin = typing.get_origin(t)
-    if origin is typing.Literal:
-        return "one of " + "|".join(map(str, typing.get_args(t)))
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(t))
-    if t is type(None):
-        return "None"
-    return getattr(t, "__name__", None) or str(t).replace("typing.", "")
-
-
-if __name__ == "__main__":
-    main()
