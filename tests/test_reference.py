@@ -1,4 +1,4 @@
-"""Outputs kept between verifications (graphgrow.reference): reused only while the model is unchanged."""
+"""Outputs kept between verifications (graphgrow.verify.reference): reused only while the model is unchanged."""
 from __future__ import annotations
 
 import torch

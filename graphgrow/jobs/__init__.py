@@ -2,5 +2,5 @@
 verification (pipeline), the CLI's jobs as functions returning plain data (workflow), the picture of a
 change (diagram), an optimiser carried across a growth event (optim).
 
-May import: every layer below (core … rewrite); never search or cli.
+May import: core, graph, io, analysis, verify, capture, rewrite.
 """
