@@ -33,3 +33,6 @@ class AverageMerge(nn.Module):
 
 
 GRAPHGROW_LAYERS = (AverageMerge,)
+# The names files written before graphgrow's layers became subpackages (issue 21) give these classes: such files
+# still load safely (torch's weights-only loader maps the old name to the class; nothing is imported by it).
+FORMER_NAMES = ((AverageMerge, "graphgrow.layers.AverageMerge"),)

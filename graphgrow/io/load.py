@@ -24,6 +24,7 @@ from torch import fx, nn
 
 from . import serialize
 from ..core.errors import first_line, LoadError
+from ..graph.layers import FORMER_NAMES
 from .factory import cwd_importable, import_object, is_factory_name, refuse_before_import
 
 
@@ -146,7 +147,7 @@ def _torch_load(path: Path, trust: bool) -> Any:
             warnings.simplefilter("ignore")
             if trust:
                 return torch.load(path, map_location="cpu", weights_only=False)
-            with torch.serialization.safe_globals(standard_layer_classes()):
+            with torch.serialization.safe_globals([*standard_layer_classes(), *FORMER_NAMES]):
                 return torch.load(path, map_location="cpu", weights_only=True)
     except LoadError:
         raise
