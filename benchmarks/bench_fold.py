@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import graphgrow as gg  # noqa: E402
 from common import Row, model_rounds_main, ratio_row, timed  # noqa: E402
 from conftest import randomize_bn, trained_looking  # noqa: E402
-from graphgrow.export import export_onnx  # noqa: E402
-from graphgrow.runtime import max_ir_version, open_session, optimized_op_counts  # noqa: E402
+from graphgrow.io.export import export_onnx  # noqa: E402
+from graphgrow.io.runtime import max_ir_version, open_session, optimized_op_counts  # noqa: E402
 
 SPECS = {
     "resnet18": "add_branch(op=conv3x3),add_branch(op=identity),add_branch(op=avgpool3x3),insert_adapter,"

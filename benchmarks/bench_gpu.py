@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import graphgrow as gg  # noqa: E402
 from bench_fold import SHAPE, SPECS, grow_and_fold  # noqa: E402
 from common import Row, model_rounds_main, ratio_row  # noqa: E402
-from graphgrow.errors import RuntimeUnavailable  # noqa: E402
-from graphgrow.export import export_onnx  # noqa: E402
-from graphgrow.runtime import cuda_bound_run, max_ir_version, open_session  # noqa: E402
-from graphgrow.shapes import total_flops  # noqa: E402
+from graphgrow.core.errors import RuntimeUnavailable  # noqa: E402
+from graphgrow.io.export import export_onnx  # noqa: E402
+from graphgrow.io.runtime import cuda_bound_run, max_ir_version, open_session  # noqa: E402
+from graphgrow.graph.shapes import total_flops  # noqa: E402
 
 SECTION = "GPU latency, batch 1 (ms)"
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import graphgrow as gg  # noqa: E402
 from common import Row, print_table, ratio_row  # noqa: E402
 from graphgrow.passes.deepen import deepen  # noqa: E402
-from graphgrow.verify import verify  # noqa: E402
+from graphgrow.verify.verify import verify  # noqa: E402
 
 
 class Block(nn.Module):

@@ -25,9 +25,9 @@ import torchvision
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import graphgrow as gg  # noqa: E402
 from common import Row, print_table, ratio_row, timed  # noqa: E402
-from graphgrow.export import INPUT_NAME, export_onnx  # noqa: E402
-from graphgrow.shapes import example_input  # noqa: E402
-from graphgrow.verify import BATCHES  # noqa: E402
+from graphgrow.io.export import INPUT_NAME, export_onnx  # noqa: E402
+from graphgrow.graph.shapes import example_input  # noqa: E402
+from graphgrow.verify.verify import BATCHES  # noqa: E402
 
 MODELS = ("resnet18", "resnet50", "mobilenet_v2", "vit_b_16")
 PASSES = ("grow_width", "insert_adapter", "add_residual", "add_branch", "deepen")

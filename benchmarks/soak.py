@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.equivalence import check_equivalence
-from graphgrow.export import export_onnx
-from graphgrow.runtime import max_ir_version, open_session
+from graphgrow.verify.equivalence import check_equivalence
+from graphgrow.io.export import export_onnx
+from graphgrow.io.runtime import max_ir_version, open_session
 
 SPECS = ["add_residual", "grow_width(factor=1.25)", "deepen", "add_branch(op=sepconv3x3)", "insert_adapter"]
 

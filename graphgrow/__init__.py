@@ -5,19 +5,21 @@ graph-rewrite passes, export it to ONNX and prove onnxruntime agrees with PyTorc
 """
 from __future__ import annotations
 
-from .errors import (
+from .core.errors import (
     EquivalenceError, ExportError, GraphgrowError, InputError, LoadError, NotApplicable,
     PreservationError, RuntimeUnavailable, SaveError, SearchError, SearchInterrupted, SpecError, TraceError,
     ValidationError,
 )
-from .load import LoadedModel, load_model, save_model
-from .optim import carry_optimizer
-from .pass_base import Candidate, Pass, PassResult, arg
-from .pipeline import Pipeline, PipelineResult, build_pipeline, parse_spec
-from .registry import all_passes, get_pass, pass_names, register_pass
-from .fx_edit import Rewrite
-from .shapes import annotate
-from .trace import trace
+from .io.load import LoadedModel, load_model
+from .io.save import save_model
+from .jobs.optim import carry_optimizer
+from .analysis.targets import Candidate
+from .rewrite.pass_base import Pass, PassResult, arg
+from .jobs.pipeline import Pipeline, PipelineResult, build_pipeline, parse_spec
+from .jobs.registry import all_passes, get_pass, pass_names, register_pass
+from .graph.fx_edit import Rewrite
+from .graph.shapes import annotate
+from .capture.trace import trace
 
 __version__ = "0.1.0"
 
@@ -32,10 +34,10 @@ def fold(gm, grow_kernels: bool = False, verify_result: bool = True, seed: int =
 def __getattr__(name: str):
     # ONNX and onnxruntime load lazily: the pass API should not pay for them.
     if name == "export_onnx":
-        from .export import export_onnx
+        from .io.export import export_onnx
         return export_onnx
     if name == "check_equivalence":
-        from .equivalence import check_equivalence
+        from .verify.equivalence import check_equivalence
         return check_equivalence
     raise AttributeError(f"module 'graphgrow' has no attribute {name!r}")
 

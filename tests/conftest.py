@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from graphgrow.layers import AverageMerge
+from graphgrow.graph.layers import AverageMerge
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,7 @@
-"""The house keeps its shape (issue 21): no import circles inside graphgrow, and small modules.
+"""The house keeps its shape (issue 21): layers in order, no import circles inside graphgrow, small modules.
+
+graphgrow's modules live in subpackages that are its layers (LAYERS, lowest first); a module imports only
+from its own layer and the layers below it, never from a higher one.
 
 The import graph is read from the source (every `import` and `from … import`, also inside
 functions: a lazy import is still a dependency); a circle fails with its modules named.
@@ -14,8 +17,22 @@ import networkx as nx
 
 from conftest import ROOT
 
+# The layers, lowest first: a module may import its own layer and the ones above it in this list, never one below.
+# `graphgrow` itself (its __init__: the public API) sits on top of them all.
+LAYERS = [
+    "core",      # errors, names, state: the words every layer shares
+    "graph",     # the traced model as data: metadata, editing nodes, shapes, graphgrow's own layers
+    "io",        # models in and out: files, names, safe formats, outputs, lineage, ONNX, onnxruntime
+    "analysis",  # what a graph allows: channel coupling, stages and places (Candidate), budgets
+    "verify",    # a change proven: reference outputs, preservation, the check after a pass, equivalence
+    "capture",   # nn.Module → GraphModule, checked (fidelity uses verify's reference outputs)
+    "rewrite",   # the pass contract, growth over coupling groups, initialisers; the pass author's API
+    "jobs",      # registry, pipeline, workflow: what a user runs, as functions
+    "search",    # population-based growth on Ray Tune, over the jobs
+    "cli",       # the `graphgrow` command
+]
 MAX_LINES = 500
-OVERSIZE = {"graphgrow/cli.py", "graphgrow/coupling.py", "graphgrow/load.py"}  # debt: to be split
+OVERSIZE: set[str] = set()  # debt: modules still over the limit (none now)
 
 
 def _modules() -> dict[str, Path]:
@@ -63,6 +80,53 @@ def test_the_import_reader_finds_a_circle(tmp_path, monkeypatch):
     (pkg / "b.py").write_text("def x():\n    from . import a\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert list(nx.simple_cycles(import_graph()))
+
+
+def layer_of(module: str) -> int:
+    """The layer's index (len(LAYERS) for graphgrow's own __init__, the public API on top)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return len(LAYERS)
+    assert parts[1] in LAYERS, f"{module} is in no layer: move it into one of graphgrow/{{{','.join(LAYERS)}}}/ (or add a layer to LAYERS)"
+    return LAYERS.index(parts[1])
+
+
+def upward_imports(g: nx.DiGraph) -> list[str]:
+    return [f"{a} ({LAYERS[layer_of(a)]}) imports {b} ({LAYERS[layer_of(b)]})"
+            for a, b in g.edges if layer_of(a) < layer_of(b)]
+
+
+def test_lower_layers_never_import_higher_ones():
+    g = import_graph()
+    assert {m.split(".")[1] for m in g.nodes if "." in m} == set(LAYERS)  # every layer exists, nothing outside them
+    bad = upward_imports(g)
+    assert not bad, "imports against the layer order (lowest first: " + " < ".join(LAYERS) + "):\n" + "\n".join(bad)
+
+
+def test_the_layer_check_finds_an_upward_import(tmp_path, monkeypatch):
+    """The check can fail: core importing io, lazily inside a function."""
+    for pkg in ("core", "io"):
+        (tmp_path / "graphgrow" / pkg).mkdir(parents=True)
+        (tmp_path / "graphgrow" / pkg / "__init__.py").write_text("")
+    (tmp_path / "graphgrow" / "__init__.py").write_text("from .io import b\n")
+    (tmp_path / "graphgrow" / "core" / "a.py").write_text("def f():\n    from ..io.b import x\n")
+    (tmp_path / "graphgrow" / "io" / "b.py").write_text("from ..core import a\nx = 1\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert upward_imports(import_graph()) == ["graphgrow.core.a (core) imports graphgrow.io.b (io)"]
+
+
+def test_each_layer_says_its_job_and_what_it_may_import():
+    """The folder tree is the architecture: each layer's __init__ docstring opens with its name and its job, and its
+    "May import:" sentence names exactly the layers below it (the docs follow this table)."""
+    import re
+
+    for i, name in enumerate(LAYERS):
+        doc = ast.get_docstring(ast.parse((ROOT / "graphgrow" / name / "__init__.py").read_text())) or ""
+        assert doc.startswith(f"{name}: "), f"graphgrow/{name}/__init__.py does not open with '{name}: its job'"
+        said = re.search(r"May import:([^.;]*)", doc)
+        assert said, f"graphgrow/{name}/__init__.py does not say what it may import ('May import: …')"
+        named = [w for w in re.findall(r"\w+", said.group(1)) if w in LAYERS]
+        assert named == LAYERS[:i], f"graphgrow/{name}/__init__.py says it may import {named}; the table says {LAYERS[:i]}"
 
 
 def test_modules_stay_small():

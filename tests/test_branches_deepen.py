@@ -11,12 +11,12 @@ import torchvision
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.equivalence import check_equivalence
-from graphgrow.export import export_onnx
-from graphgrow.layers import AverageMerge
+from graphgrow.verify.equivalence import check_equivalence
+from graphgrow.io.export import export_onnx
+from graphgrow.graph.layers import AverageMerge
 from graphgrow.passes.add_branch import OPS, AddBranch, RemoveBranch
 from graphgrow.passes.deepen import Deepen
-from graphgrow.runtime import max_ir_version, open_session
+from graphgrow.io.runtime import max_ir_version, open_session
 from conftest import ROOT, assert_same_snapshot, outputs_both_modes, randomize_bn, rel_err, run_cli, small_cnn, snapshot
 
 

@@ -167,7 +167,7 @@ def test_input_sizes_are_never_guessed(tmp_path, cnn_file):
     torch.save(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 9 * 9, 2)), exact)
     nothing = tmp_path / "nothing.pt"
     torch.save(nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(7, 2)), nothing)  # 4·s² is never 7
-    from graphgrow.workflow import open_model
+    from graphgrow.jobs.workflow import open_model
 
     assert open_model(str(exact)).input_shape == [1, 1, 9, 9]
     for path, message in [(nothing, "takes 7 features, which no square input gives"),
@@ -188,16 +188,16 @@ def test_inspect_groups_shows_what_can_grow_and_why_not(runner, cnn_file):
 
 
 def test_inspect_says_each_automatic_leaf_reason_once(capsys):
-    from graphgrow.cli import _print_trace
+    from graphgrow.cli.show import print_trace
 
     trace = {"auto_leaves": {**{f"blocks.{i}.bn": "BatchNormAct2d: branches on self.training" for i in range(5)},
                              "head": "Head: data-dependent control flow"}, "fidelity": ["eval@2"]}
-    _print_trace(trace)
+    print_trace(trace)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "automatic leaves (6):"
     assert lines[1].startswith("  5 × BatchNormAct2d: branches on self.training: blocks.0.bn, blocks.1.bn, blocks.2.bn, …")
     assert lines[2] == "  head: Head: data-dependent control flow"
-    _print_trace(trace, show_all=True)
+    print_trace(trace, show_all=True)
     assert sum("blocks." in line for line in capsys.readouterr().out.splitlines()) == 5
 
 

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.coupling import analyze
-from graphgrow.widen import Insertion, make_layout, plan_growth
+from graphgrow.analysis.coupling import analyze
+from graphgrow.rewrite.widen import Insertion, make_layout, plan_growth
 
 
 def analyzed(model, shape):

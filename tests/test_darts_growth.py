@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow import serialize
+from graphgrow.io import serialize
 from graphgrow.errors import LoadError
-from graphgrow.mode_switch import ModeSwitch
-from graphgrow.trace import trace_report
+from graphgrow.io.mode_switch import ModeSwitch
+from graphgrow.capture.trace import trace_report
 
 from conftest import ROOT
 
@@ -91,7 +91,7 @@ def test_growth_inside_cells_is_exact_with_the_schedule_running_and_exports(trac
     for p in (0.0, 0.4):  # train mode with drop-path on: same draws, same output
         assert torch.allclose(_train_logits(grown, p), _train_logits(model, p), rtol=1e-5, atol=1e-6), (spec, p)
     grown.drop_path_prob = 0.0
-    from graphgrow.runtime import open_session
+    from graphgrow.io.runtime import open_session
 
     onnx_path = tmp_path / "g.onnx"
     gg.export_onnx(grown, SHAPE, onnx_path)

@@ -8,7 +8,7 @@ import torch
 import torchvision
 
 import graphgrow as gg
-from graphgrow.stages import main_path, stages
+from graphgrow.analysis.stages import main_path, stages
 
 SHAPE = (1, 3, 64, 64)
 PASSES = ("add_residual", "add_branch", "grow_width", "insert_adapter", "deepen")

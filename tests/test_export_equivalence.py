@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import graphgrow as gg
-from graphgrow.equivalence import check_equivalence, compare_arrays
-from graphgrow.export import export_onnx, mutation_log
+from graphgrow.verify.equivalence import check_equivalence, compare_arrays
+from graphgrow.io.export import export_onnx, mutation_log
 from graphgrow.passes.add_residual import AddResidual
-from graphgrow.runtime import max_ir_version, open_session
+from graphgrow.io.runtime import max_ir_version, open_session
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -131,7 +131,7 @@ def test_isolated_export_gives_the_same_model_and_typed_errors(grown_onnx, tmp_p
 
 def test_a_cuda_provider_that_does_not_load_says_why(monkeypatch):
     """Where torch sees a GPU but onnxruntime's CUDA provider does not load, the reason is the libraries, not 'no GPU'."""
-    from graphgrow import runtime
+    from graphgrow.io import runtime
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

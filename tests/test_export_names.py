@@ -44,7 +44,7 @@ def test_a_failing_check_names_the_first_diverging_node(tmp_path):
 def test_inspect_summary_is_one_row_per_module():
     import torchvision
 
-    from graphgrow.workflow import module_summary
+    from graphgrow.jobs.workflow import module_summary
 
     gm = gg.trace(torchvision.models.resnet18().eval(), input_shape=(1, 3, 64, 64))
     gg.annotate(gm, (1, 3, 64, 64))  # shapes, parameters and FLOPs per node, as the CLI's open_model does

@@ -10,7 +10,7 @@ import torchvision
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.trace import input_shape_of
+from graphgrow.capture.trace import input_shape_of
 from conftest import assert_same_snapshot, randomize_bn, run_cli, small_cnn, snapshot, trained_looking
 
 
@@ -184,9 +184,9 @@ def test_every_growth_pass_and_a_pipeline_fold_exactly():
 
 @pytest.mark.slow
 def test_every_growth_pass_folds_exactly_in_onnxruntime(tmp_path):
-    from graphgrow.equivalence import check_equivalence
-    from graphgrow.export import export_onnx
-    from graphgrow.runtime import max_ir_version, open_session
+    from graphgrow.verify.equivalence import check_equivalence
+    from graphgrow.io.export import export_onnx
+    from graphgrow.io.runtime import max_ir_version, open_session
 
     for i, spec in enumerate(EVERY_PASS):
         gm = grow(small_cnn(), CNN, spec)
@@ -201,9 +201,9 @@ def test_every_growth_pass_folds_exactly_in_onnxruntime(tmp_path):
 def test_linear_growth_of_resnet18_deploys_as_the_same_kernels_in_onnxruntime(tmp_path):
     """Branches (conv, identity, average pooling), an adapter and an adapter-mode widening: after fold
     the ONNX graph onnxruntime runs has exactly the original's op histogram, and the outputs agree."""
-    from graphgrow.equivalence import check_equivalence
-    from graphgrow.export import export_onnx
-    from graphgrow.runtime import max_ir_version, open_session, optimized_op_counts
+    from graphgrow.verify.equivalence import check_equivalence
+    from graphgrow.io.export import export_onnx
+    from graphgrow.io.runtime import max_ir_version, open_session, optimized_op_counts
 
     shape = (1, 3, 64, 64)
     model = randomize_bn(torchvision.models.resnet18(), 5).eval()

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphgrow as gg
-from graphgrow import workflow
-from graphgrow.coupling import analyze
+from graphgrow.jobs import workflow
+from graphgrow.analysis.coupling import analyze
 from graphgrow.passes.grow_width import GrowWidth
 from conftest import outputs_both_modes, rel_err
 from test_targets import ConvNeXtish, Swinish

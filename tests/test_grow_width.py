@@ -11,11 +11,11 @@ import torchvision
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.equivalence import check_equivalence
-from graphgrow.export import export_onnx
+from graphgrow.verify.equivalence import check_equivalence
+from graphgrow.io.export import export_onnx
 from graphgrow.passes.grow_width import GrowWidth
 from graphgrow.passes.insert_adapter import InsertAdapter
-from graphgrow.runtime import max_ir_version, open_session
+from graphgrow.io.runtime import max_ir_version, open_session
 from conftest import assert_same_snapshot, outputs_both_modes, randomize_bn, rel_err, run_cli, snapshot
 
 

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.load import load_model, save_model
-from graphgrow.input_shape import parse_input_shape
-from graphgrow.workflow import mutate, open_model
+from graphgrow.io.load import load_model
+from graphgrow.io.save import save_model
+from graphgrow.capture.input_shape import parse_input_shape
+from graphgrow.jobs.workflow import mutate, open_model
 from conftest import ROOT, run_cli, small_cnn
 
 READ_ONLY = Path("/sys")  # not writable even for root (the CI user)
@@ -240,7 +241,7 @@ def test_saved_files_follow_the_umask(tmp_path, cnn):
 
 
 def test_a_failing_later_step_leaves_no_output_at_all(tmp_path, monkeypatch, cnn):
-    import graphgrow.export as export
+    import graphgrow.io.export as export
 
     src = tmp_path / "m.pt"
     torch.save(cnn, src)
@@ -308,8 +309,8 @@ def test_an_input_shape_whose_activations_exceed_the_limit_is_refused_before_any
 
 
 def test_a_pass_whose_grown_model_needs_more_memory_is_refused_before_it_runs(cnn):
-    from graphgrow.budget import Limits, activation_bytes, meta_copy
-    from graphgrow.pipeline import Pipeline
+    from graphgrow.analysis.budget import Limits, activation_bytes, meta_copy
+    from graphgrow.jobs.pipeline import Pipeline
 
     gm = gg.trace(cnn, (1, 3, 32, 32))
     gg.annotate(gm, (1, 3, 32, 32))
@@ -549,7 +550,7 @@ def test_inspect_and_replay_refuse_external_data_outside_the_initializers(tmp_pa
 def test_every_place_a_tensor_can_sit_is_searched():
     import onnx
 
-    from graphgrow.export import MAX_GRAPH_DEPTH, external_tensors
+    from graphgrow.io.export import MAX_GRAPH_DEPTH, external_tensors
 
     for where in LEAKS:
         assert external_tensors(leaky_onnx(where)), where
@@ -580,8 +581,8 @@ def test_every_place_a_tensor_can_sit_is_searched():
 def test_onnxruntime_sessions_cannot_resolve_external_data_even_past_the_reader(tmp_path, monkeypatch, where):
     """Defence in depth: a model that names external data reaches onnxruntime (the API, or a reader bug); from the
     model's folder, with a path, the session still finds nothing (bytes + an empty external-data folder)."""
-    from graphgrow.errors import RuntimeUnavailable
-    from graphgrow.runtime import open_session
+    from graphgrow.core.errors import RuntimeUnavailable
+    from graphgrow.io.runtime import open_session
 
     leak = _leaky_folder(tmp_path, where)
     monkeypatch.chdir(tmp_path)
@@ -657,7 +658,7 @@ def test_the_estimate_covers_a_batch_larger_than_verifications(tmp_path):
 
 
 def test_a_pass_that_cannot_be_sized_is_refused_unless_both_limits_are_lifted(cnn):
-    from graphgrow.budget import NO_LIMIT, Limits, check_budget
+    from graphgrow.analysis.budget import NO_LIMIT, Limits, check_budget
 
     gm = gg.trace(cnn, (1, 3, 32, 32))
 
@@ -678,7 +679,7 @@ def test_a_pass_that_cannot_be_sized_is_refused_unless_both_limits_are_lifted(cn
 
 
 def test_meta_estimates_cover_tensor_constants_and_leaves_that_make_tensors():
-    from graphgrow.budget import activation_bytes, meta_copy
+    from graphgrow.analysis.budget import activation_bytes, meta_copy
 
     class MakesTensors(nn.Module):
         def forward(self, x):
@@ -705,7 +706,7 @@ def _graphgrow(*args: str, cwd: Path, setup: str = "", fsize_kb: int | None = No
 
 
 def _staging(folder: Path) -> list[str]:
-    from graphgrow.outputs import is_staging_name
+    from graphgrow.io.outputs import is_staging_name
 
     return sorted(p.name for p in folder.iterdir() if is_staging_name(p.name))
 
@@ -755,7 +756,7 @@ def test_a_failing_torch_save_is_exit_2_with_nothing_left(tmp_path, cnn, fault, 
 
 
 def _fake_staging(folder: Path, output: str, pid: int, start: int = 0, host: str | None = None) -> Path:
-    from graphgrow import outputs
+    from graphgrow.io import outputs
 
     path = folder / f".{output}.gg-{pid}-{start}-{host or outputs._host_key()}-abcd1234.part"
     path.write_bytes(b"staged by a writer that may be gone")
@@ -777,7 +778,7 @@ def test_staging_files_of_a_killed_run_are_removed_by_the_next_run(tmp_path, cnn
     import sys
     import time
 
-    from graphgrow import outputs
+    from graphgrow.io import outputs
 
     torch.save(cnn, tmp_path / "m.pt")
     proc = subprocess.Popen([sys.executable, "-m", "graphgrow.cli", "mutate", "m.pt", "--pass", "add_residual",
@@ -818,7 +819,7 @@ def test_staging_files_of_a_killed_run_are_removed_by_the_next_run(tmp_path, cnn
 
 
 def test_an_output_named_like_a_staging_file_is_refused(tmp_path, cnn):
-    from graphgrow import outputs
+    from graphgrow.io import outputs
 
     torch.save(cnn, tmp_path / "m.pt")
     before = digest(tmp_path)
@@ -897,7 +898,7 @@ NAME_ESCAPES = [  # label, model name ({tmp}: the test's folder), message
     ("a path deep in a list", "factories:square_linear(n=4, extra=[1, ('{tmp}/evil.pth',)])", "names a file, folder or URL"),
     ("an existing file by a bare name", "factories:square_linear(n=4, extra='keep.txt')", "names a file, folder or URL"),
     ("the running command itself", "__main__:main", "__main__:main is in __main__, not a model factory"),
-    ("graphgrow's own functions", "graphgrow.workflow:export(source='x', out='y')", "is in graphgrow, not a model factory"),
+    ("graphgrow's own functions", "graphgrow.jobs.workflow:export(source='x', out='y')", "is in graphgrow, not a model factory"),
     ("pip", "pip:main", "pip's own main, not a model factory"),
 ]
 
@@ -958,8 +959,8 @@ class BranchesOnData(nn.Module):
 
 
 def test_a_leaf_that_branches_on_its_data_is_sized_by_its_larger_branch():
-    from graphgrow.budget import activation_bytes, meta_copy
-    from graphgrow.trace import trace_report
+    from graphgrow.analysis.budget import activation_bytes, meta_copy
+    from graphgrow.capture.trace import trace_report
 
     gm = gg.trace(nn.Sequential(nn.Linear(4, 4), BranchesOnData()), (1, 4))
     assert "1" in trace_report(gm)["auto_leaves"]

@@ -12,9 +12,10 @@ from torch import nn
 
 import graphgrow as gg
 from conftest import small_cnn
-from graphgrow import serialize, workflow
-from graphgrow.errors import InputError, LoadError
-from graphgrow.lineage import ORIGIN_KEY, structure_fingerprint
+from graphgrow.io import serialize
+from graphgrow.jobs import workflow
+from graphgrow.core.errors import InputError, LoadError
+from graphgrow.io.lineage import ORIGIN_KEY, structure_fingerprint
 
 SHAPE = (1, 3, 32, 32)
 SPEC = "deepen(after=_5),grow_width(target=_0)"

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.load import atomic_write, default_output_path, load_model, save_model
+from graphgrow.io.save import atomic_write, default_output_path, save_model
+from graphgrow.io.load import load_model, standard_layer_classes
 from graphgrow.passes.add_residual import AddResidual
 from conftest import small_cnn
 
@@ -127,10 +128,32 @@ def test_graphgrow_outputs_reload_without_trust_and_keep_the_log(tmp_path, cnn):
     assert [e["pass"] for e in r2.gm.meta["graphgrow"]["log"]] == ["add_residual", "add_residual"]
 
 
+def test_a_file_written_before_the_layers_moved_still_loads_without_trust(tmp_path, cnn, monkeypatch):
+    """A graph grown by add_branch holds graphgrow's AverageMerge; files written before issue 21 name it
+    graphgrow.layers.AverageMerge (the module is graphgrow.graph.layers now): still read, without --trust."""
+    import sys
+
+    from graphgrow.graph import layers
+    from graphgrow.passes.add_branch import AddBranch
+
+    r = AddBranch()(gg.trace(cnn, (1, 3, 32, 32)))
+    monkeypatch.setitem(sys.modules, "graphgrow.layers", layers)  # as the file was written then
+    monkeypatch.setattr(layers.AverageMerge, "__module__", "graphgrow.layers")
+    path = save_model(r.gm, tmp_path / "old.pt")
+    monkeypatch.undo()
+    assert b"graphgrow.layers" in path.read_bytes() and "graphgrow.layers" not in sys.modules
+    loaded = load_model(path)  # weights_only, no trust
+    merges = [m for m in loaded.module.modules() if type(m).__name__ == "AverageMerge"]
+    assert merges and all(type(m) is layers.AverageMerge for m in merges)
+    x = torch.randn(2, 3, 32, 32)
+    r.gm.eval(), loaded.module.eval()
+    assert torch.equal(r.gm(x), loaded.module(x))
+
+
 def test_a_crafted_graph_cannot_call_unsafe_functions(tmp_path, cnn):
     r = AddResidual()(gg.trace(cnn, (1, 3, 32, 32)))
     path = save_model(r.gm, tmp_path / "grown.pt")
-    with torch.serialization.safe_globals(gg.load.standard_layer_classes()):
+    with torch.serialization.safe_globals(standard_layer_classes()):
         payload = torch.load(path, weights_only=True)
     node = next(n for n in payload["nodes"] if n["op"] == "call_function")
     node["target"] = "os.system"

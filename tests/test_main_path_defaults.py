@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.deployed import deployed_nodes, train_only_nodes
+from graphgrow.analysis.deployed import deployed_nodes, train_only_nodes
 from graphgrow.graph_meta import trace_report
-from graphgrow.stages import main_path
+from graphgrow.analysis.stages import main_path
 
 from conftest import ROOT
 

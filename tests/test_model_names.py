@@ -9,8 +9,8 @@ import torch
 
 import graphgrow as gg
 from conftest import ROOT, run_cli
-from graphgrow.load import plain_output_path
-from graphgrow.zoo import parse_name
+from graphgrow.io.save import plain_output_path
+from graphgrow.io.zoo import parse_name
 
 
 @pytest.mark.parametrize("text, target, kwargs", [
@@ -91,7 +91,7 @@ def test_a_timm_model_by_name_grows_and_checks_without_an_input_shape(tmp_path):
     ("click:echo(message='pwned')", "click's own echo, not a model factory"),
     ("click:File(mode='w')", "click's own File"),  # a library class that is not an nn.Module
     ("graphgrow:load_model", "graphgrow:load_model is in graphgrow, not a model factory"),
-    ("graphgrow.load:import_object(name='os:system')", "is in graphgrow"),
+    ("graphgrow.io.factory:import_object(name='os:system')", "is in graphgrow"),
 ])
 def test_names_of_loaders_and_the_standard_library_are_not_called(tmp_path, text, message, monkeypatch):
     import sys
@@ -168,7 +168,7 @@ def test_a_zoos_generic_helpers_are_not_factories(text, message):
 
 def test_the_allow_list_holds_without_the_argument_check(tmp_path, monkeypatch):
     """Defence in depth: with the argument check switched off, a library's own function is still never called."""
-    from graphgrow import zoo
+    from graphgrow.io import zoo
 
     keep = tmp_path / "keep.txt"
     keep.write_text("precious")
@@ -186,7 +186,7 @@ def test_where_a_callable_is_defined_decides_not_where_it_is_imported_from(tmp_p
 
     import click
 
-    from graphgrow.load import library_of
+    from graphgrow.io.factory import library_of
 
     assert library_of(click.open_file) == "click" and library_of(torch.load) == "torch"
     assert library_of(torch.zeros) == "torch" and library_of(open) == "Python's standard library"
@@ -228,7 +228,7 @@ def test_an_argument_given_twice_is_refused():
 
 
 def test_a_model_too_large_to_hold_is_refused_before_anything_is_allocated(monkeypatch):
-    from graphgrow import load
+    from graphgrow.io import load
 
     with pytest.raises(gg.LoadError, match="would hold 3,814,701.1 MiB of parameters and buffers"):
         gg.load_model("factories:square_linear(n=1000000)")  # 4 TB: a real build would not even get to fail cleanly
@@ -248,7 +248,7 @@ def test_no_argument_of_a_zoo_model_is_mistaken_for_weights():
     import timm
     import torchvision.models as tvm
 
-    from graphgrow.zoo import asks_for_weights
+    from graphgrow.io.zoo import asks_for_weights
 
     classes = {v for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith(("timm.", "torchvision.models"))
                for v in list(vars(m).values()) if isinstance(v, type) and issubclass(v, torch.nn.Module)}
@@ -269,7 +269,7 @@ def test_the_caches_are_sealed_only_while_a_named_model_is_built(monkeypatch):
 
     import torch.hub
 
-    from graphgrow import zoo
+    from graphgrow.io import zoo
 
     monkeypatch.setenv("TORCH_HOME", "/nonexistent/torch-home")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow import workflow
-from graphgrow.errors import InputError, LoadError
+from graphgrow.jobs import workflow
+from graphgrow.core.errors import InputError, LoadError
 
 SHAPE = (1, 3, 16, 16)
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.pipeline import coerce, make_pass, parse_spec, spec_of
+from graphgrow.jobs.pipeline import coerce, make_pass, parse_spec, spec_of
 from graphgrow.rewrite import Rewrite, add_module, copy_graph_module, finish, inserting_after, replace_uses
 from conftest import assert_same_snapshot, run_cli, snapshot
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import graphgrow as gg
-from graphgrow import workflow
+from graphgrow.jobs import workflow
 from graphgrow.cli import main
 
 FACTORY = "factories:small_cnn"

@@ -7,9 +7,9 @@ import torch
 import torchvision
 
 import graphgrow as gg
-from graphgrow.equivalence import check_equivalence
-from graphgrow.export import export_onnx
-from graphgrow.runtime import max_ir_version, open_session
+from graphgrow.verify.equivalence import check_equivalence
+from graphgrow.io.export import export_onnx
+from graphgrow.io.runtime import max_ir_version, open_session
 from conftest import assert_same_snapshot, randomize_bn, snapshot
 
 pytestmark = pytest.mark.slow

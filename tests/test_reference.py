@@ -1,14 +1,14 @@
-"""Outputs kept between verifications (graphgrow.reference): reused only while the model is unchanged."""
+"""Outputs kept between verifications (graphgrow.verify.reference): reused only while the model is unchanged."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow import reference
-from graphgrow import verify as verify_module
-from graphgrow.preserve import eval_forward
-from graphgrow.shapes import example_input
+from graphgrow.verify import reference
+from graphgrow.verify import verify as verify_module
+from graphgrow.verify.preserve import eval_forward
+from graphgrow.graph.shapes import example_input
 
 SHAPE = (1, 3, 8, 8)
 

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import graphgrow as gg
-from graphgrow import graph_policy, serialize
-from graphgrow import names as graph_names
-from graphgrow.load import load_model
+from graphgrow.io import graph_policy, serialize
+from graphgrow.core import names as graph_names
+from graphgrow.io.load import load_model
 from conftest import run_cli, small_cnn
 
 EXAMPLES = int(os.environ.get("GRAPHGROW_FUZZ_EXAMPLES", "60"))

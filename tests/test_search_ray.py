@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 sys.path.insert(0, str(ROOT / "examples"))
 import digits_task as task  # noqa: E402
 
-from graphgrow.pipeline import from_log  # noqa: E402
+from graphgrow.jobs.pipeline import from_log  # noqa: E402
 from graphgrow.search import MutationSpace, SearchOptions, search  # noqa: E402
 from graphgrow.search.trial import MODEL_FILE, STATE_FILE  # noqa: E402
 

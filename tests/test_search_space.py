@@ -8,7 +8,7 @@ import torch
 
 import graphgrow as gg
 from graphgrow.search import NOOP, Move, MutationSpace, applied_moves
-from graphgrow.shapes import param_count
+from graphgrow.graph.shapes import param_count
 
 from conftest import small_cnn
 
@@ -227,7 +227,7 @@ def test_a_checkpoint_that_cannot_be_written_is_a_save_error(tmp_path, monkeypat
     with pytest.raises(gg.SaveError, match=r"cannot write .*trainer.pt: No space left on device"):
         trial.write_state(tmp_path, trial.TrialState(gm), opt)
 
-    ray_error = RuntimeError("Failure # 1\nTraceback (most recent call last):\n  ...\ngraphgrow.errors.SaveError: cannot write "
+    ray_error = RuntimeError("Failure # 1\nTraceback (most recent call last):\n  ...\ngraphgrow.core.errors.SaveError: cannot write "
                              "/s/model.pt: No space left on device (check free space)")
     results = type("Results", (), {"errors": [ray_error], "__len__": lambda self: 4})()
     with pytest.raises(gg.SaveError, match=r"1 of 4 trials failed; the first: cannot write /s/model.pt: No space left"):

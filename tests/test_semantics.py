@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.coupling import analyze
-from graphgrow.probe import module_is_channelwise
+from graphgrow.analysis.coupling import analyze
+from graphgrow.analysis.probe import module_is_channelwise
 from test_trace_fidelity import DropPath
 
 

@@ -57,7 +57,7 @@ def test_the_pass_author_api_lists_what_it_exports():
 
 
 def test_every_built_in_pass_argument_has_help():
-    from graphgrow.registry import all_passes
+    from graphgrow.jobs.registry import all_passes
 
     for name, cls in all_passes().items():
         if getattr(cls, "__module__", "").startswith("graphgrow.passes"):
@@ -65,10 +65,10 @@ def test_every_built_in_pass_argument_has_help():
 
 
 @pytest.mark.parametrize("where, code", [
-    ("graphgrow/verify.py", "import onnxruntime\n"),
-    ("graphgrow/shapes.py", "import torch\n\ntorch.onnx.export\n"),
-    ("graphgrow/pipeline.py", "from graphgrow.passes import fold\n"),
-    ("graphgrow/workflow.py", "import ray\n"),
+    ("graphgrow/verify/verify.py", "import onnxruntime\n"),
+    ("graphgrow/graph/shapes.py", "import torch\n\ntorch.onnx.export\n"),
+    ("graphgrow/jobs/pipeline.py", "from graphgrow.passes import fold\n"),
+    ("graphgrow/jobs/workflow.py", "import ray\n"),
     ("passes/deepen.py", "import onnxruntime\n"),
     ("passes/fold/rules/relus.py", "import onnxruntime\n"),  # a pass package's own modules are checked too
 ])

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.targets import feature_span
+from graphgrow.analysis.targets import feature_span
 
 
 class LayerNorm2d(nn.LayerNorm):

@@ -10,9 +10,9 @@ from torch import nn
 from torchvision.ops import StochasticDepth
 
 import graphgrow as gg
-from graphgrow.fidelity import check_fidelity
-from graphgrow.shapes import validate_batch_sizes
-from graphgrow.trace import trace_report
+from graphgrow.capture.fidelity import check_fidelity
+from graphgrow.graph.shapes import validate_batch_sizes
+from graphgrow.capture.trace import trace_report
 
 
 def drop_path(x, drop_prob: float = 0.0, training: bool = False):

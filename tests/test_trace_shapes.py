@@ -5,7 +5,7 @@ import pytest
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.shapes import total_flops, validate_batch_sizes
+from graphgrow.graph.shapes import total_flops, validate_batch_sizes
 
 
 class DataDependent(nn.Module):

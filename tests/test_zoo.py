@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import graphgrow as gg
-from graphgrow import workflow
+from graphgrow.jobs import workflow
 from zoo import ZOO
 
 pytestmark = pytest.mark.slow

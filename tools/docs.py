@@ -25,15 +25,15 @@ KINDS_BY_LANGUAGE = {"sh": "run", "python": "run"}
 
 
 def _passes_table() -> str:
-    from graphgrow.cli import passes_markdown
-    from graphgrow.registry import all_passes
+    from graphgrow.cli.show import passes_markdown
+    from graphgrow.jobs.registry import all_passes
 
     built_in = {n: c for n, c in all_passes().items() if getattr(c, "__module__", "").startswith("graphgrow.passes")}
     return passes_markdown(built_in)
 
 
 def _cli_reference() -> str:
-    from graphgrow.cli import cli_reference
+    from graphgrow.cli.commands import cli_reference
 
     return cli_reference()
 

@@ -1,7 +1,7 @@
-"""Population-based growth search on Ray Tune (Ray is imported only when a search runs).
+"""search: population-based growth on Ray Tune (Ray is imported only when a search runs).
 
 `MutationSpace` (the moves and the budget) needs no Ray; `search` runs PBT on Ray Tune.
-Nothing else in graphgrow imports this package.
+May import: core, graph, io, analysis, verify, capture, rewrite, jobs. Nothing in graphgrow but the cli imports this package.
 """
 from __future__ import annotations
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..budget import parse_size
-from ..errors import SearchError
-from ..load import check_output_path, import_object
-from ..workflow import open_model
+from ..analysis.budget import parse_size
+from ..core.errors import SearchError
+from ..io.save import check_output_path
+from ..io.factory import import_object
+from ..jobs.workflow import open_model
 from .space import MutationSpace
 
 

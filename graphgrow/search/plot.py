@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import InputError
+from ..core.errors import InputError
 
 
 def plot_format(path: Path) -> str:
@@ -80,7 +80,7 @@ def plot_population(history: dict[str, list[dict]], metric: str, path: str | Pat
     ax.set_title(title or f"population-based growth: {metric} per trial")
     fig.tight_layout()
     out = Path(path)
-    from ..load import atomic_write
+    from ..io.save import atomic_write
 
     try:  # staged and renamed like every output; a failed write is SaveError
         atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=110, format=plot_format(out)))

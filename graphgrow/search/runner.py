@@ -19,12 +19,12 @@ from typing import Any, Callable
 
 from torch import fx
 
-from ..budget import Limits
-from ..errors import InputError, SaveError, SearchError, SearchInterrupted, first_line
-from ..load import save_model
-from ..outputs import is_staging_name
-from ..shapes import param_count
-from ..trace import graph_info
+from ..analysis.budget import Limits
+from ..core.errors import InputError, SaveError, SearchError, SearchInterrupted, first_line
+from ..io.save import save_model
+from ..io.outputs import is_staging_name
+from ..graph.shapes import param_count
+from ..capture.trace import graph_info
 from .space import MutationSpace
 from .trial import MODEL_FILE, OPTIMIZERS, STATE_FILE, TrialSetup, model_bytes, read_model_file, run_trial
 

@@ -17,12 +17,12 @@ from typing import Sequence
 
 from torch import fx
 
-from ..budget import Limits
-from ..errors import GraphgrowError, SpecError
-from ..pass_base import Pass
-from ..pipeline import Pipeline, _split_top, build_pipeline, make_pass, parse_spec, spec_of
-from ..shapes import annotate, param_count
-from ..trace import graph_info, input_shape_of
+from ..analysis.budget import Limits
+from ..core.errors import GraphgrowError, SpecError
+from ..rewrite.pass_base import Pass
+from ..jobs.pipeline import Pipeline, _split_top, build_pipeline, make_pass, parse_spec, spec_of
+from ..graph.shapes import annotate, param_count
+from ..capture.trace import graph_info, input_shape_of
 
 NOOP = "noop"
 MOVE_KEY = "search_move"  # the key under which a log entry records the id of the move that made it

@@ -20,13 +20,14 @@ from typing import Any, Callable
 import torch
 from torch import fx, nn
 
-from ..budget import Limits
-from ..errors import InputError, LoadError
-from ..load import load_model, save_model
-from ..optim import carry_optimizer
-from ..outputs import is_write_error, torch_save, write_error
-from ..shapes import param_count
-from ..trace import graph_info
+from ..analysis.budget import Limits
+from ..core.errors import InputError, LoadError
+from ..io.load import load_model
+from ..io.save import save_model
+from ..jobs.optim import carry_optimizer
+from ..io.outputs import is_write_error, torch_save, write_error
+from ..graph.shapes import param_count
+from ..capture.trace import graph_info
 from .space import Move, MutationSpace, applied_moves
 
 MODEL_FILE = "model.pt"  # a graphgrow file: `graphgrow export` and `graphgrow replay` read it as is

@@ -1,0 +1,147 @@
+"""Where a tensor's channels are, and the operations that keep them: the vocabulary of the coupling analysis.
+
+Convolutional layouts keep channels at dim 1, token and feature layouts at the last dim; a
+permute or transpose moves them, a flatten of (N, C, 1, 1) keeps them, a reduction over other
+axes keeps them. coupling.py builds its groups with these; passes read `channel_axis`.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from ..graph.fx_edit import tensor_shape
+
+# Modules whose output channel c depends only on input channel c.
+CHANNELWISE_MODULES = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Hardswish,
+    nn.Hardsigmoid, nn.Hardtanh, nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Identity,
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d, nn.Upsample, nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d,
+    nn.modules.dropout._DropoutNd,
+)
+BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+CHANNELWISE_FUNCTIONS = {
+    F.relu, F.relu6, F.gelu, F.silu, F.hardswish, F.hardsigmoid, F.leaky_relu, F.elu, F.sigmoid, F.tanh, F.dropout,
+    F.adaptive_avg_pool2d, F.adaptive_max_pool2d, F.avg_pool2d, F.max_pool2d, F.interpolate, F.pad,
+    torch.relu, torch.sigmoid, torch.tanh, torch.exp, torch.abs, torch.neg, operator.neg,
+}
+CHANNELWISE_METHODS = {"relu", "sigmoid", "tanh", "contiguous", "clone", "float", "to", "type_as", "exp", "abs", "neg", "relu_", "sigmoid_"}
+ELEMENTWISE = {operator.add, operator.sub, operator.mul, operator.truediv, operator.iadd, operator.imul,
+               torch.add, torch.sub, torch.mul, torch.div}
+ELEMENTWISE_METHODS = {"add", "sub", "mul", "div", "add_", "mul_"}
+SHAPE_QUERIES = {"size", "dim", "numel"}  # read a shape, produce no tensor
+
+
+def channel_axis(shape) -> int | None:
+    """Convolutional layouts keep channels at dim 1; token/feature layouts (N, …, F) at the last dim."""
+    if not isinstance(shape, tuple) or len(shape) < 2:
+        return None
+    return 1 if len(shape) in (2, 4, 5) else len(shape) - 1
+
+
+def node_axis(n: fx.Node) -> int | None:
+    """The channel axis of a node's tensor: where its channels actually are (a permute moves them), set by
+    `assign_channel_axes`, else the layout default."""
+    axis = n.meta.get("gg_channel_axis")
+    return axis if axis is not None else channel_axis(tensor_shape(n))
+
+
+PERMUTES = {torch.permute, torch.transpose, torch.swapaxes, torch.movedim}
+
+
+def assign_channel_axes(gm: fx.GraphModule) -> None:
+    """Follow the channel axis through the graph: a permute/transpose moves it, a Linear produces its
+    features last, a conv at dim 1, and an op whose output has an input's shape keeps that input's axis
+    (so (N, H, W, C) tensors inside ConvNeXt/Swin blocks are known as channels-last)."""
+    for n in gm.graph.nodes:
+        n.meta.pop("gg_channel_axis", None)
+        shape = tensor_shape(n)
+        if shape is None or len(shape) < 2:
+            continue
+        axis = moved_axis(n)
+        if axis is None:
+            axis = flatten_keeps_axis(n)
+        if axis is None:
+            axis = reduced_axis(n)
+        if axis is None and n.op == "call_module":
+            m = gm.get_submodule(n.target)
+            if isinstance(m, nn.Linear):
+                axis = len(shape) - 1
+            elif isinstance(m, nn.modules.conv._ConvNd):
+                axis = 1
+        if axis is None and n.op in ("call_module", "call_function", "call_method"):
+            same = [a for a in n.all_input_nodes if tensor_shape(a) == shape and node_axis(a) is not None]
+            if same:
+                axis = node_axis(same[0])
+        if axis is not None:
+            n.meta["gg_channel_axis"] = axis
+
+
+def flatten_keeps_axis(n: fx.Node) -> int | None:
+    """flatten(start_dim) past the channel axis leaves channel c where it was ((N, C, H, W) → (N, C, H·W),
+    a ViT patch embedding): the input's axis, else None."""
+    is_flatten = (n.op == "call_function" and n.target is torch.flatten) or (n.op == "call_method" and n.target == "flatten")
+    if not is_flatten or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    x = n.args[0]
+    axis, shape = node_axis(x), tensor_shape(x)
+    start = n.kwargs.get("start_dim", n.args[1] if len(n.args) > 1 else 0)
+    if axis is None or shape is None or not isinstance(start, int):
+        return None
+    return axis if axis < start % len(shape) else None
+
+
+REDUCTIONS = ("mean", "sum", "amax", "amin")
+
+
+def reduced_axis(n: fx.Node) -> int | None:
+    """The channel axis after a mean/sum/amax/amin over other dims (keepdim or not), else None."""
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    if n.op not in ("call_function", "call_method") or name not in REDUCTIONS or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    x = n.args[0]
+    axis, shape = node_axis(x), tensor_shape(x)
+    dims = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+    dims = (dims,) if isinstance(dims, int) else dims
+    if axis is None or shape is None or not isinstance(dims, (tuple, list)) or not dims or \
+            not all(isinstance(d, int) for d in dims):
+        return None
+    reduced = {d % len(shape) for d in dims}
+    if axis in reduced:
+        return None
+    keepdim = n.kwargs.get("keepdim", n.args[2] if len(n.args) > 2 else False)
+    return axis if keepdim else axis - sum(1 for d in reduced if d < axis)
+
+
+def moved_axis(n: fx.Node) -> int | None:
+    """Where a permute/transpose/movedim puts its input's channel axis (None: not such an op)."""
+    is_fn = n.op == "call_function" and n.target in PERMUTES
+    is_method = n.op == "call_method" and n.target in ("permute", "transpose", "swapaxes", "movedim")
+    if not (is_fn or is_method) or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    x, rest = n.args[0], list(n.args[1:])
+    axis, shape = node_axis(x), tensor_shape(x)
+    if axis is None or shape is None:
+        return None
+    rank = len(shape)
+    name = n.target if isinstance(n.target, str) else n.target.__name__
+    try:
+        if name == "permute":
+            dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
+            dims = list(n.kwargs.get("dims", dims))
+            return [int(d) % rank for d in dims].index(axis)
+        if name in ("transpose", "swapaxes"):
+            a, b = (int(d) % rank for d in rest[:2])
+            return b if axis == a else a if axis == b else axis
+        if name == "movedim":
+            src, dst = rest[:2]
+            order = [d for d in range(rank) if d != src % rank]
+            order.insert(dst % rank, src % rank)
+            return order.index(axis)
+    except (ValueError, TypeError, IndexError):
+        return None
+    return None

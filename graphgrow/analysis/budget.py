@@ -1,0 +1,290 @@
+"""How much a pass may add, estimated before anything real is allocated.
+
+A pass first runs on a meta-device copy of the model (shapes, no storage): the parameters
+it would add and the activation memory the grown model would need for verification are
+counted there, and the real pass runs only when both are within the limits. The
+defaults keep a typo (`factor=1e9`, `count=100000`) from allocating for minutes; raise
+them with `--max-params` / `--max-memory` (Python: `Pipeline(..., limits=Limits(...))`).
+
+Fail closed: where no estimate can be made (a graph the meta device cannot run, a pass that
+cannot dry-run), the command is refused with the reason unless the user lifted the limit
+explicitly (`--max-memory none`, `--max-params none`: NO_LIMIT); nothing real is run unbounded.
+"""
+from __future__ import annotations
+
+import copy
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import fx, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..core.errors import first_line, InputError, NotApplicable, ValidationError
+from ..graph.shapes import _target_name, shape_of
+
+DEFAULT_MAX_NEW_PARAMS = 100_000_000  # parameters one pass may add
+DEFAULT_MAX_MEMORY = 8 << 30  # bytes of activations a model may need at the largest batch it is run at (estimate_batch)
+VERIFY_BATCH = 3
+NO_LIMIT = 1 << 62  # a limit the user lifted (`none`): nothing is estimated against it
+_max_memory: str | int | None = None  # the process-wide --max-memory (one command per process); None: the default
+
+
+def default_max_memory() -> int:
+    """The activation-memory limit when none is passed: `--max-memory` as given to the command, or 8G
+    (parsed here, where a bad value is an InputError, not while the command line is read)."""
+    return DEFAULT_MAX_MEMORY if _max_memory is None else parse_limit(_max_memory, "--max-memory")
+
+
+def set_max_memory(text: str | int | None) -> None:
+    global _max_memory
+    _max_memory = text
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_new_params: int = DEFAULT_MAX_NEW_PARAMS
+    max_memory: int = field(default_factory=default_max_memory)
+
+
+BYTE_SIZES = ("--max-memory", "--max-load")  # sizes in bytes count in powers of 1024
+LIFTABLE = ("--max-memory", "--max-params")  # limits `none` lifts
+
+
+def parse_limit(text: str | int, what: str) -> int:
+    """parse_size, or NO_LIMIT for `none` (the explicit way past a limit that cannot be checked)."""
+    if isinstance(text, str) and text.strip().lower() in ("none", "unlimited") and what in LIFTABLE:
+        return NO_LIMIT
+    return parse_size(text, what)
+
+
+def parse_size(text: str | int, what: str) -> int:
+    """'8G', '512M', '100000' → an integer (K/M/G/T = powers of 1024 for bytes, of 1000 for counts)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)[bB]?\s*", str(text))
+        if not m:
+            lift = ", or none for no limit" if what in LIFTABLE else ""
+            raise InputError(f"{what} {str(text)[:40]!r} is not a size", f"write e.g. 8G, 512M or 100000{lift}")
+        base = 1024 if what in BYTE_SIZES else 1000
+        value = int(float(m.group(1)) * base ** " kmgt".index((m.group(2) or " ").lower()))
+    if value <= 0:
+        lift = ", or none for no limit" if what in LIFTABLE else ""
+        raise InputError(f"{what} must be positive", f"write e.g. 8G, 512M or 100000{lift}")
+    return value
+
+
+_SAME_SHAPE = (nn.modules.batchnorm._NormBase, nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid,
+               nn.Tanh, nn.LeakyReLU, nn.Identity, nn.modules.dropout._DropoutNd, nn.LayerNorm, nn.GroupNorm)
+_ELEMENTWISE = (operator.add, operator.mul, operator.sub, torch.add, torch.mul, torch.sub)
+
+
+def _fast_shape(gm: fx.GraphModule, n: fx.Node, args: tuple) -> torch.Tensor | None:
+    """The output of common layers as an empty meta tensor, from shape rules instead of the meta kernels
+    (which cost about a millisecond a node); None where no rule applies."""
+    x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if n.op == "call_module" and x is not None and len(args) == 1 and not n.kwargs:
+        m = gm.get_submodule(n.target)  # type: ignore[arg-type]
+        if isinstance(m, _SAME_SHAPE) and type(m).__module__.startswith("torch.nn.modules."):  # torch's own, not a subclass
+            return torch.empty(x.shape, dtype=x.dtype, device="meta")
+        if type(m) is nn.Conv2d and x.dim() == 4 and isinstance(m.padding, tuple):
+            h, w = (
+                (size + 2 * pad - dil * (k - 1) - 1) // stride + 1
+                for size, pad, dil, k, stride in zip(x.shape[2:], m.padding, m.dilation, m.kernel_size, m.stride)
+            )
+            return torch.empty((x.shape[0], m.out_channels, h, w), dtype=x.dtype, device="meta")
+        if type(m) is nn.Linear:
+            return torch.empty((*x.shape[:-1], m.out_features), dtype=x.dtype, device="meta")
+    if n.op == "call_function" and n.target in _ELEMENTWISE and not n.kwargs and len(args) == 2:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if tensors and all(isinstance(a, (torch.Tensor, int, float)) for a in args):
+            shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+            return torch.empty(shape, dtype=tensors[0].dtype, device="meta")
+    return None
+
+
+def estimate_batch(input_shape: Sequence[int]) -> int:
+    """The largest batch a command runs the model at: verification's, or the example's own when larger."""
+    return max(VERIFY_BATCH, int(input_shape[0]) if len(input_shape) else 1)
+
+
+class NoEstimate(Exception):
+    """The meta device could not run a node, so no size could be estimated."""
+
+    def __init__(self, node: fx.Node, shapes: list, error: BaseException):
+        self.message = (f"node '{node.name[:80]}' ({node.op} {_target_name(node)[:80]}) fails on inputs of shapes {shapes} "
+                        f"on the meta device: {type(error).__name__}: {first_line(error, 200)}")
+        super().__init__(self.message)
+        self.node, self.error = node.name, error
+
+    def __str__(self) -> str:  # fx's Interpreter appends the graph to args[0] on the way out
+        return self.message
+
+
+def activation_bytes(gm: fx.GraphModule, input_shape: Sequence[int], batch: int | None = None) -> int:
+    """Sum of every node's output size on the meta device (an upper bound of what a forward keeps), at `batch`
+    (default: estimate_batch). NoEstimate names the node the meta device cannot run."""
+    total = 0
+
+    class Count(fx.Interpreter):
+        def run_node(self, n):
+            nonlocal total
+            try:
+                out = None
+                if n.op in ("call_module", "call_function"):
+                    args, kwargs = self.fetch_args_kwargs_from_env(n)
+                    out = _fast_shape(gm, n, args) if all(not isinstance(a, torch.Tensor) or a.is_meta for a in args) else None
+                if out is None:
+                    out = super().run_node(n)
+            except NoEstimate:
+                raise
+            except Exception as e:
+                out = self.both_ways(n) if n.op == "call_module" else None
+                if out is None:
+                    raise NoEstimate(n, [shape_of(self.env.get(a)) for a in n.all_input_nodes], e) from e
+            total += _bytes(out)
+            return out
+
+        def both_ways(self, n):
+            """A leaf that branches on its data (`if x.sum() > 0:`, which fx cannot trace): run it with every such
+            test answered True, then False, and keep the larger output. None when it fails for another reason
+            (a number read from data, `.item()` or `int(t)`, could size anything: that stays unsized)."""
+            outs = []
+            for answer in (True, False):
+                with _AnswerTests(answer) as mode:
+                    try:
+                        outs.append(super().run_node(n))
+                    except Exception:
+                        return None
+                if not mode.asked:
+                    return None
+            return max(outs, key=_bytes)
+
+    shape = [estimate_batch(input_shape) if batch is None else batch] + list(input_shape[1:])
+    dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
+    # Tensors a leaf creates without naming a device are made on the meta device too.
+    with torch.no_grad(), torch.device("meta"):
+        Count(gm).run(torch.empty(shape, device="meta", dtype=dtype))
+    return total
+
+
+def _bytes(out) -> int:
+    return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+
+
+class _AnswerTests(TorchDispatchMode):
+    """Answers `bool(meta tensor)` (a branch on data) with `answer`; every other read of a value still fails."""
+
+    def __init__(self, answer: bool):
+        super().__init__()
+        self.answer, self.asked = answer, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta and args[0].dtype is torch.bool:
+            self.asked = True
+            return self.answer
+        return func(*args, **(kwargs or {}))
+
+
+def human_bytes(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` with every parameter, buffer and plain tensor attribute (fx's `_tensor_constant`s) on the meta
+    device, without copying their bytes."""
+    memo: dict = {}
+    for m in gm.modules():
+        for p in m.parameters(recurse=False):
+            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for b in m.buffers(recurse=False):
+            memo[id(b)] = torch.empty_like(b, device="meta")
+        for value in vars(m).values():
+            if isinstance(value, torch.Tensor) and id(value) not in memo:
+                memo[id(value)] = torch.empty_like(value, device="meta")
+    out = copy.deepcopy(gm, memo)
+    out.meta = copy.deepcopy(gm.meta)  # the pass reads graphgrow's bookkeeping (input shape, log) from it
+    return out
+
+
+LIFT_MEMORY = "lift the limit explicitly with --max-memory none if you trust the model and the input shape"
+
+
+def check_input_memory(gm: fx.GraphModule, input_shape: Sequence[int], max_memory: int | None = None) -> None:
+    """Before any real forward: the activations the model needs at the largest batch it will run, estimated on
+    the meta device, must stay under the limit (an input shape can ask for any amount of memory). Fails closed:
+    a model the meta device cannot run is refused unless the limit was lifted (NO_LIMIT)."""
+    limit = default_max_memory() if max_memory is None else max_memory
+    if limit >= NO_LIMIT:
+        return
+    batch = estimate_batch(input_shape)
+    try:
+        needed = activation_bytes(meta_copy(gm), input_shape, batch)
+    except NoEstimate as e:
+        raise InputError(f"cannot estimate the model's activation memory on an input of shape {tuple(input_shape)} at "
+                         f"batch {batch} before running it: {e}", _no_estimate_hint(gm, input_shape, batch)) from e
+    if needed > limit:
+        raise InputError(f"the model needs about {human_bytes(needed)} of activations on an input of shape "
+                         f"{tuple(input_shape)} at batch {batch} (limit {human_bytes(limit)})",
+                         "give a smaller --input-shape, or raise the limit with --max-memory SIZE")
+
+
+def _no_estimate_hint(gm: fx.GraphModule, input_shape: Sequence[int], batch: int) -> str:
+    """Say whether the shape or batch is the problem (it runs at batch 1) or the model needs real data."""
+    try:
+        activation_bytes(meta_copy(gm), input_shape, 1)
+    except NoEstimate:
+        return f"check --input-shape; a model that computes with real data (data-dependent ops) cannot be sized: {LIFT_MEMORY}"
+    return (f"it runs at batch 1, not {batch} (graphgrow runs batches up to {batch}): free the batch dimension, "
+            "e.g. x.flatten(1) for x.view(1, -1); or " + LIFT_MEMORY)
+
+
+def _refuse_unsized(name: str, grown: fx.GraphModule, input_shape: Sequence[int], batch: int, e: NoEstimate) -> None:
+    """The grown model cannot be sized: refuse, saying what the verifier would have (the graph is broken at the
+    smallest batch, or bakes in the batch size), without running it for real."""
+    try:
+        activation_bytes(grown, input_shape, 1)
+    except NoEstimate as at_one:
+        raise ValidationError(f"the model {name} would make cannot be sized: {at_one}",
+                              f"check --input-shape or the target the pass was given; {LIFT_MEMORY}") from e
+    raise ValidationError(f"the model {name} would make runs at batch 1 but not at batch {batch}: {e}",
+                          "a view/reshape probably bakes in the batch size") from e
+
+
+def check_budget(name: str, apply: Callable[[fx.GraphModule], fx.GraphModule], gm: fx.GraphModule,
+                 input_shape: Sequence[int], limits: Limits) -> str | None:
+    """Dry-run `apply` on a meta copy of `gm`; NotApplicable past the limits or, unless they were lifted
+    (NO_LIMIT), when no estimate can be made (a pass that cannot dry-run: NotApplicable; a grown model the meta
+    device cannot run: ValidationError, as verification would say). Returns a note when a lifted limit left a
+    size unchecked."""
+    try:
+        meta = meta_copy(gm)
+        grown = apply(meta)
+    except NotApplicable:
+        raise
+    except Exception as e:  # a pass that cannot run on meta tensors: neither size is known
+        if limits.max_new_params < NO_LIMIT or limits.max_memory < NO_LIMIT:
+            raise NotApplicable(f"{name} cannot be sized before it runs: it fails on the meta device "
+                                f"({type(e).__name__}: {first_line(e, 200)})",
+                                "lift both limits explicitly with --max-params none --max-memory none if you trust the pass") from e
+        return f"no size estimate before the pass ({type(e).__name__} on the meta device; limits lifted)"
+    before = sum(p.numel() for p in gm.parameters())
+    after = sum(p.numel() for p in grown.parameters())
+    if after - before > limits.max_new_params:
+        raise NotApplicable(f"{name} would add {after - before:,} parameters (limit {limits.max_new_params:,})",
+                            "choose a smaller growth, or raise the limit with --max-params N")
+    if limits.max_memory >= NO_LIMIT:
+        return None
+    batch = estimate_batch(input_shape)
+    try:
+        needed = activation_bytes(grown, input_shape, batch)
+    except NoEstimate as e:
+        _refuse_unsized(name, grown, input_shape, batch, e)
+    if needed > limits.max_memory:
+        raise NotApplicable(f"{name} would need about {human_bytes(needed)} of activations at batch {batch} "
+                            f"(limit {human_bytes(limits.max_memory)})",
+                            "choose a smaller growth or input shape, or raise the limit with --max-memory SIZE")
+    return None

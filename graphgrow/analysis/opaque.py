@@ -1,0 +1,73 @@
+"""Opaque steps the coupling analysis learns by looking inside or by running them: a mode switch's
+per-path bodies (probed), a plain slice that keeps the channel axis whole, the current value of a
+flag or number node (a module attribute read at run time, and arithmetic on it)."""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from ..core.state import seeded
+from ..graph.fx_edit import tensor_shape
+from ..io.mode_switch import ModeSwitch
+from .axes import node_axis
+from .probe import PROBE_SEED, is_channelwise
+
+
+def switch_is_channelwise(m: ModeSwitch, x: fx.Node, n: fx.Node) -> bool:
+    """Probe every body of a mode switch with its one tensor input varied (its numbers at their current values)."""
+    shape = tensor_shape(x)
+    if shape is None or shape != tensor_shape(n) or node_axis(x) is None:
+        return False
+    args = list(n.args[m.conditions:])
+    if args.count(x) != 1:
+        return False
+    index = args.index(x)
+    try:
+        values = [a if i == index else number_value(a) for i, a in enumerate(args)]
+    except ValueError:
+        return False
+    for body in m._bodies():
+        def run(t: torch.Tensor, training: bool, body=body):
+            with torch.no_grad(), seeded(PROBE_SEED):  # the same draws for every probe input
+                return body(*[t if i == index else v for i, v in enumerate(values)])
+
+        if not is_channelwise(run, tuple(shape), node_axis(x)):
+            return False
+    return True
+
+
+def slice_keeps_channels(n: fx.Node, x: fx.Node) -> bool:
+    """x[i0, i1, ...] with plain slices (and at most one `...`) that takes the channel axis whole."""
+    if n.op != "call_function" or n.target is not operator.getitem or n.args[0] is not x:
+        return False
+    index, shape, axis = n.args[1], tensor_shape(x), node_axis(x)
+    index = index if isinstance(index, tuple) else (index,)
+    if shape is None or axis is None or not all(isinstance(i, slice) or i is Ellipsis for i in index) \
+            or sum(i is Ellipsis for i in index) > 1:
+        return False
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
+    whole = axis >= len(index) or (index[axis] == slice(None) or index[axis] == slice(None, None, 1)
+                                   or index[axis] == slice(0, None, None))
+    out = tensor_shape(n)
+    return bool(whole) and out is not None and len(out) == len(shape) and out[axis] == shape[axis] and \
+        all(not isinstance(b, fx.Node) for i in index for b in (i.start, i.stop, i.step) if isinstance(i, slice))
+
+
+def number_value(a):
+    """The current value of a flag/number node (a module attribute and arithmetic on it); ValueError otherwise."""
+    if not isinstance(a, fx.Node):
+        return a
+    if a.op == "get_attr":
+        owner = a.graph.owning_module
+        value = owner
+        for part in str(a.target).split("."):
+            value = getattr(value, part)
+        if type(value) in (bool, int, float):
+            return value
+    elif a.op == "call_function" and getattr(a.target, "__module__", "") in ("_operator", "operator"):
+        return a.target(*[number_value(b) for b in a.args])
+    raise ValueError(a.name)

@@ -1,0 +1,227 @@
+"""The backbone as a practitioner sees it: the main path, its stages, and words for a place in it.
+
+The *main path* is the chain of tensors every input-to-output path passes through (cut points of
+the data-flow graph): a ResNet's block outputs, a ViT's token stream between encoder blocks —
+not the tensors inside a block, a squeeze-excitation gate or a skip. A *stage* is a run of
+main-path tensors at one resolution (H×W for feature maps, the token count for sequences). Pass
+defaults use this to pick places a person would pick: a skip over one stage, a branch beside a
+main-path conv, growth of a main-path layer, never graphgrow's own added modules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+from torch import fx
+
+from .deployed import deployed_outputs
+from .targets import Candidate
+from ..graph.fx_edit import is_float_tensor, tensor_shape
+from ..graph.shapes import param_count
+from .targets import _is_head_pool, is_global_pool, tensor_or_feature_end
+from ..graph.graph_meta import graph_info, scope_of
+
+T = TypeVar("T")
+DEFAULT_BUDGET = 0.25  # what a pass's default target may add, as a fraction of the model's parameters
+
+
+@dataclass
+class Stage:
+    index: int  # 1-based, in data-flow order
+    resolution: tuple[int, ...]  # (H, W) of feature maps or (tokens,) of sequences
+    nodes: list[fx.Node]  # main-path tensors at this resolution, in order
+
+    def describe(self, gm: fx.GraphModule, count: int) -> str:
+        where = module_path(gm, self.nodes[-1]) or self.nodes[-1].name
+        res = "×".join(map(str, self.resolution)) + (" tokens" if len(self.resolution) == 1 else "")
+        return f"stage {self.index} of {count} ({where}, {res})"
+
+
+def _reach(starts: list[fx.Node], step: Callable[[fx.Node], list[fx.Node]]) -> set[fx.Node]:
+    """Every node reached from `starts` by repeatedly following `step` (users or inputs)."""
+    seen: set[fx.Node] = set()
+    todo = list(starts)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(step(n))
+    return seen
+
+
+def _data_nodes(gm: fx.GraphModule, end: fx.Node) -> list[fx.Node]:
+    """Nodes between the graph's inputs and `end` along the data flow (no parameter fetches)."""
+    down = _reach([n for n in gm.graph.nodes if n.op == "placeholder"], lambda n: list(n.users))
+    up = _reach([end], lambda n: n.all_input_nodes)
+    return [n for n in gm.graph.nodes if n in down and n in up and (n.op == "placeholder" or _carries_tensors(n.meta.get("gg_shape")))]
+
+
+def _carries_tensors(shape) -> bool:
+    """A recorded output shape that holds a tensor (not a size or another plain value: those only say how big)."""
+    if isinstance(shape, tuple):
+        return True
+    return isinstance(shape, list) and any(_carries_tensors(s) for s in shape)
+
+
+def main_path(gm: fx.GraphModule, end: fx.Node | None = None) -> list[fx.Node]:
+    """Single float tensors that every path from the input to `end` (default: the first output
+    tensor the deployed function returns, not a train-only one) passes through, in order; the input
+    itself excluded."""
+    if end is None:
+        outs = [a for a in deployed_outputs(gm) if is_float_tensor(a)]
+        if not outs:
+            return []
+        end = outs[0]
+    nodes = _data_nodes(gm, end)
+    pos = {n: i for i, n in enumerate(nodes)}
+    cover = [0] * (len(nodes) + 1)
+    for n in nodes:  # an edge u → v jumping over positions between them makes those positions bypassable
+        for u in n.all_input_nodes:
+            if u in pos and pos[u] + 1 < pos[n]:
+                cover[pos[u] + 1] += 1
+                cover[pos[n]] -= 1
+    cuts, depth = [], 0
+    for i, n in enumerate(nodes):
+        depth += cover[i]
+        if depth == 0 and n.op != "placeholder" and is_float_tensor(n):
+            cuts.append(n)
+    return cuts
+
+
+def _resolution(n: fx.Node) -> tuple[int, ...] | None:
+    s = tensor_shape(n)
+    if s is None:
+        return None
+    if len(s) == 4:
+        return tuple(s[2:])
+    if len(s) == 3:
+        return (s[1],)
+    return None
+
+
+def backbone(gm: fx.GraphModule) -> list[fx.Node]:
+    """The main path up to the backbone's last feature map or token sequence (before the head's
+    global pooling, token selection or flatten)."""
+    path = main_path(gm)
+    out: list[fx.Node] = []
+    for n in path:
+        to_tokens = len(tensor_shape(n) or ()) == 3  # patches flattened into a token sequence: the backbone goes on
+        if is_global_pool(gm, n) and _is_head_pool(n) and not to_tokens:
+            break
+        if _resolution(n) is None:
+            if out and len(tensor_shape(n) or ()) <= 2:  # rank 2: the head
+                break
+            continue  # another rank on the way (a channel shuffle's 5-D view): the backbone goes on
+        out.append(n)
+    return out
+
+
+def stages(gm: fx.GraphModule) -> list[Stage]:
+    """The backbone's main path split where the resolution changes."""
+    result: list[Stage] = []
+    for n in backbone(gm):
+        res = _resolution(n)
+        if res is None:
+            continue
+        if result and result[-1].resolution == res and len(tensor_shape(result[-1].nodes[-1]) or ()) == len(tensor_shape(n) or ()):
+            result[-1].nodes.append(n)
+        else:
+            result.append(Stage(len(result) + 1, res, [n]))
+    return result
+
+
+def stage_end(found: list[Stage], i: int) -> fx.Node:
+    """The output of stage i's last whole block: its last main-path tensor whose block (two levels of module
+    path, e.g. layer3.1 or features.13) does not go on into the next stage. Inside a downsampling block
+    without a skip (a MobileNet expansion) tensors are on the main path but are not a block's end."""
+    def block(n: fx.Node) -> tuple[str, ...]:
+        path = scope_of(n) + ((str(n.target),) if n.op == "call_module" else ())
+        return path[:2]
+
+    stage = found[i]
+    later = {block(n) for n in found[i + 1].nodes} if i + 1 < len(found) else set()
+    ends = [n for n in stage.nodes if block(n) not in later]
+    return ends[-1] if ends else stage.nodes[-1]
+
+
+def stage_ends(found: list[Stage]) -> list[tuple[Stage, fx.Node]]:
+    """Each stage with the output of its last whole block (stage_end)."""
+    return [(s, stage_end(found, i)) for i, s in enumerate(found)]
+
+
+def module_path(gm: fx.GraphModule, n: fx.Node) -> str:
+    """The module a node belongs to: its own for a module call, else the innermost enclosing one."""
+    if n.op == "call_module":
+        return str(n.target)
+    scope = scope_of(n)
+    return scope[-1] if scope else ""
+
+
+def graphgrow_modules(gm: fx.GraphModule) -> set[str]:
+    """Top-level modules that graphgrow's passes added (from the mutation log)."""
+    return {m for e in graph_info(gm).get("log", []) for m in e.get("modules_added", [])}
+
+
+def is_graphgrow_node(gm: fx.GraphModule, n: fx.Node, added: set[str] | None = None) -> bool:
+    """Whether `n` calls (or lives inside) a module one of graphgrow's passes added."""
+    added = graphgrow_modules(gm) if added is None else added
+    path = module_path(gm, n)
+    return bool(path) and path.split(".")[0] in added
+
+
+def place(gm: fx.GraphModule, n: fx.Node, found: list[Stage] | None = None) -> str:
+    """A node in words: module path, stage, resolution and channels."""
+    found = stages(gm) if found is None else found
+    shape = tensor_shape(n)
+    stage = next((s for s in found if n in s.nodes), None)
+    if stage is None:
+        res = _resolution(n)
+        stage = next((s for s in found if s.resolution == res), None) if res is not None else None
+    parts = [f"'{module_path(gm, n) or n.name}'"]
+    if stage is not None:
+        parts.append(stage.describe(gm, len(found)))
+    if shape is not None and len(shape) >= 2:
+        parts.append(f"{shape[1] if len(shape) == 4 else shape[-1]} channels")
+    return ", ".join(parts)
+
+
+
+def default_point(gm: fx.GraphModule, cost: Callable[[fx.Node], int], budget: float = DEFAULT_BUDGET) -> tuple[fx.Node, str]:
+    """Where a pass that inserts a layer after a tensor goes by default: the end of the latest backbone stage
+    where the layer (`cost(node)` parameters) stays within `budget` of the model's parameters; the backbone's
+    last feature map when it fits. Returns (node, why in words)."""
+    found = stages(gm)
+    total = max(param_count(gm), 1)
+    if not found:
+        node, why = tensor_or_feature_end(gm, None)
+        return node, why
+    costs = [(s, end, cost(end)) for s, end in reversed(stage_ends(found))]
+    (stage, node, c), over = pick_within_budget(costs, lambda t: t[2], total, budget)
+    if over:
+        where = "the smallest stage end"
+    else:
+        where = "the backbone's last feature map" if node is costs[0][1] else f"the latest stage end where it adds at most {budget:.0%} of the parameters"
+    return node, f"{where}: end of {stage.describe(gm, len(found))}; adds {c:,} parameters ({100 * c / total:.1f}% of the model){over}"
+
+
+def pick_within_budget(ordered: list[T], cost: Callable[[T], int], total: int, budget: float = DEFAULT_BUDGET) -> tuple[T, str]:
+    """A default among main-path places: the first of `ordered` (the pass's preference) whose `cost` stays
+    within `budget` of the model's `total` parameters; when none does (a small model), the smallest one.
+    Returns (the place, "" or the sentence that says it is over the budget and why, for the report)."""
+    for item in ordered:
+        if cost(item) <= budget * total:
+            return item, ""
+    return min(ordered, key=cost), (f"; over budget: no main-path place adds at most {budget:.0%} of the model's "
+                                    f"{total:,} parameters (a model this small grows more at any place), so the "
+                                    "default is the smallest one")
+
+
+def stage_end_candidates(gm: fx.GraphModule, cost: Callable[[fx.Node], int]) -> list[Candidate]:
+    """The end of each backbone stage, the last first, as `after=` candidates of a pass that inserts a layer
+    there (`cost(node)` parameters); the one default_point picks is marked."""
+    found = stages(gm)
+    if not found:
+        return []
+    default, _ = default_point(gm, cost)
+    return [Candidate({"after": end.name}, f"end of {s.describe(gm, len(found))}", cost(end), end is default)
+            for s, end in reversed(stage_ends(found))]

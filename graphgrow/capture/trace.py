@@ -1,0 +1,459 @@
+"""nn.Module → torch.fx.GraphModule that computes what the module computes, in eval and train mode.
+
+torch.fx runs Python once. Three things make that run differ from the user's model,
+and each is handled here rather than left for a pass to be blamed for:
+
+- Reads of `self.training` would be frozen as a constant. During tracing every
+  module's `training` flag is watched: a read becomes a graph node that reads the
+  flag at run time (so `dropout(x, p, training=self.training)` and
+  `stochastic_depth(..., self.training)` keep their runtime switch). A forward that
+  *branches* on the flag (`if self.training:`) cannot be traced faithfully: that
+  submodule becomes a leaf automatically, with the reason recorded. A top-level
+  forward that branches on it is traced in one mode (`mode`, eval by default: the
+  deployed function) and the report says so.
+- A submodule fx cannot trace (data-dependent padding, Python control flow on
+  tensor values) becomes a leaf automatically, innermost first.
+- Optional forward arguments with defaults are fixed to their defaults: they are not
+  model inputs.
+
+The result is then checked against the module (see fidelity.py) before any pass runs.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import AbstractSet, Any, Callable, Iterable, Literal, Sequence
+
+from torch import fx, nn
+
+from . import mode_merge
+from ..analysis.deployed import train_only_modules
+from ..core.errors import first_line, InputError, TraceError
+from .watch import RecordConstructors, WatchModules
+from ..graph.graph_meta import META_KEY, graph_info, input_shape_of, scope_of, trace_report  # noqa: F401 (re-exported)
+
+Mode = Literal["eval", "train"]
+_MAX_AUTO_LEAVES = 256  # each retry re-traces the model; past this something else is wrong
+
+
+class _ModeBranch(BaseException):
+    """Python control flow on a module's `training` flag (BaseException: user code's `except Exception` must not eat it)."""
+
+
+class _Frozen(BaseException):
+    """A live number attribute used where Python needs its value (range(), int(), a branch outside a merged block)."""
+
+    def __init__(self, attrs: set[tuple[type, str]]):
+        super().__init__()
+        self.attrs = attrs
+
+
+class _CondProxy(fx.Proxy):
+    """A traced read of `training` or of a live number attribute (or arithmetic on them): a value
+    the graph computes at run time. Python may branch on it only inside a block being mode-merged."""
+
+    def __bool__(self) -> bool:
+        return self.tracer.decide(self)  # type: ignore[attr-defined]
+
+    def _needs_value(self, *_):
+        raise _Frozen(self.tracer.live_sources(self.node))  # type: ignore[attr-defined]
+
+    __index__ = __int__ = __float__ = __len__ = __iter__ = _needs_value  # type: ignore[assignment]
+
+
+class _Tracer(fx.Tracer):
+    """Symbolic tracer that honours leaves, remembers where it is and traces `training` reads.
+
+    `split` names modules whose forward branches on their mode: there every branch on a flag or a
+    live number is answered by `policy(answers given so far in its chain of conditions)` and
+    recorded, so mode_merge can rebuild every path from traces taken with different answers. With `live`,
+    plain number attributes (not `_private`, not bool, not in `frozen`) are read at run time.
+    """
+
+    def __init__(self, leaves: set[str], root_constant: bool | None, mode_free: AbstractSet[str] = frozenset(),
+                 split: AbstractSet[str] = frozenset(), policy: Callable[[tuple[bool, ...]], bool] | None = None,
+                 live: bool = False, frozen: AbstractSet[tuple[type, str]] = frozenset()):
+        super().__init__()
+        self.leaves = leaves
+        self.root_constant = root_constant  # the top-level forward's `training`, when it branches on it
+        self.mode_free = mode_free  # modules that branch on `training` but trace the same in both modes
+        self.split, self.policy, self.live, self.frozen = split, policy, live, frozen
+        self.stack: list[tuple[str, str]] = []  # (module path, class name), innermost last
+        self.mode_reads: dict[str, str] = {}  # module path whose flag was read → path of the reader
+        self.branch_at: tuple[str, str] | None = None  # where a `_ModeBranch` came from
+        self.values: set[fx.Node] = set()  # nodes computed from flags and live numbers only
+        self.live_nodes: dict[fx.Node, tuple[type, str]] = {}  # get_attr of a live number → (class, name)
+        self.frozen_reads: set[str] = set()  # public number attributes read as constants
+        self.live_paths: set[str] = set()  # number attributes read at run time
+        self.conditions: list[mode_merge.Condition] = []
+        self.site, self.site_open = -1, False
+        self.history: list[bool] = []  # the answers given so far in the chain of conditions being asked now
+        self.last_data: fx.Node | None = None  # the last node that is not a flag/number value
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return qualname in self.leaves or super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        self.stack.append((self.path_of_module(m), type(m).__name__))
+        out = super().call_module(m, forward, args, kwargs)
+        self.stack.pop()  # not reached on error: the failing module stays on top
+        return out
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        inputs = node.all_input_nodes
+        if kind in ("call_function", "call_method") and inputs and all(a in self.values for a in inputs):
+            self.values.add(node)
+        else:
+            self.last_data, self.site_open = node, False
+        return node
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _CondProxy(node, self) if node in self.values else super().proxy(node)
+
+    def _value_node(self, target: str) -> fx.Node:
+        last, site_open = self.last_data, self.site_open
+        node = self.create_node("get_attr", target, (), {})
+        self.values.add(node)
+        self.last_data, self.site_open = last, site_open  # reading a flag or number is not tensor work
+        return node
+
+    def read_training(self, owner: nn.Module, value: bool) -> Any:
+        """What `owner.training` evaluates to while tracing."""
+        reader = self.stack[-1][0] if self.stack else ""
+        if not reader and self.root_constant is not None:
+            return self.root_constant
+        if reader in self.mode_free:
+            return value  # either mode traces to the same graph: a constant is faithful
+        try:
+            path = self.path_of_module(owner)
+        except NameError:  # not part of the model (a temporary module built in forward)
+            return value
+        self.mode_reads[path] = reader
+        return self.proxy(self._value_node(f"{path}.training" if path else "training"))
+
+    def read_scalar(self, owner: nn.Module, name: str, value: Any) -> Any:
+        """What a plain number attribute evaluates to while tracing: a run-time read when live."""
+        key = (type(owner).__mro__[1], name)
+        try:
+            path = self.path_of_module(owner)
+        except NameError:
+            return value
+        if name.startswith("_"):
+            return value
+        if not self.live or type(value) is bool or key in self.frozen:
+            self.frozen_reads.add(f"{path}.{name}" if path else name)
+            return value
+        node = self._value_node(f"{path}.{name}" if path else name)
+        self.live_nodes[node] = key
+        self.live_paths.add(str(node.target))
+        return self.proxy(node)
+
+    def live_sources(self, node: fx.Node) -> set[tuple[type, str]]:
+        seen, todo, found = set(), [node], set()
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                if n in self.live_nodes:
+                    found.add(self.live_nodes[n])
+                todo.extend(n.all_input_nodes)
+        return found
+
+    def decide(self, proxy: fx.Proxy) -> bool:
+        """Python branches on a flag or live number: answered inside a block being merged, else refused."""
+        reader = self.stack[-1][0] if self.stack else ""
+        if reader not in self.split or self.policy is None:
+            if self.live_sources(proxy.node) and not _reads_flag(proxy.node):
+                raise _Frozen(self.live_sources(proxy.node))
+            raise _ModeBranch()
+        if not self.site_open:
+            self.site, self.history, self.site_open = self.site + 1, [], True
+        answer = self.policy(tuple(self.history))
+        self.conditions.append(mode_merge.Condition(proxy.node, self.site, len(self.history), reader, self.last_data, answer))
+        self.history.append(answer)
+        return answer
+
+
+def _reads_flag(node: fx.Node) -> bool:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            if n.op == "get_attr" and str(n.target).split(".")[-1] == "training":
+                return True
+            todo.extend(n.all_input_nodes)
+    return False
+
+
+def _concrete_defaults(model: nn.Module) -> dict[str, Any]:
+    """Forward parameters that have defaults (and *args/**kwargs): fixed, not model inputs."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    fixed = {}
+    for i, p in enumerate(params):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.default is not p.empty and i > 0:
+            fixed[p.name] = p.default
+    return fixed
+
+
+def _drop_fixed_placeholders(graph: fx.Graph) -> None:
+    """Remove placeholders of arguments fixed to their defaults, with the asserts fx hangs on them.
+
+    fx gives such a placeholder its default as `args`; the first placeholder (the model input) stays.
+    """
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for ph in placeholders[1:]:
+        if not ph.args:
+            continue
+        dependents: list[fx.Node] = []
+        todo = [ph]
+        while todo:
+            n = todo.pop()
+            for u in n.users:
+                if u not in dependents:
+                    dependents.append(u)
+                    todo.append(u)
+        if any(d.op == "output" for d in dependents):
+            continue  # the argument's value flows to the output: keep it as it is
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for d in sorted(dependents, key=lambda n: -order[n]):
+            graph.erase_node(d)
+        graph.erase_node(ph)
+
+
+def _trace_once(model: nn.Module, tracer: _Tracer, fixed: dict[str, Any]) -> fx.Graph:
+    with WatchModules(model, tracer), RecordConstructors(tracer):
+        return tracer.trace(model, concrete_args=fixed or None)
+
+
+class _Plan:
+    """What the trace loop has learned so far: leaves, blocks to merge, frozen attributes, the top-level mode."""
+
+    def __init__(self, model: nn.Module, user_leaves: set[str], mode: Mode, auto_leaves: bool):
+        self.model, self.mode, self.auto_leaves = model, mode, auto_leaves
+        self.leaves = set(user_leaves)
+        self.auto: dict[str, str] = {}
+        self.root_constant: bool | None = None
+        self.mode_free: set[str] = set()
+        self.split: set[str] = set()
+        self.frozen: set[tuple[type, str]] = set()
+        self.notes: list[str] = []
+        self.fixed = _concrete_defaults(model)
+        self.name = type(model).__name__
+        self.current: _Tracer | None = None  # the tracer of the trace running now (attempt() makes several)
+
+    def tracer(self, policy: Callable[[tuple[bool, ...]], bool] | None = None) -> _Tracer:
+        return _Tracer(self.leaves, self.root_constant, self.mode_free, self.split, policy,
+                       live=bool(self.split), frozen=self.frozen)
+
+    def attempt(self) -> tuple[fx.Graph, _Tracer, list[mode_merge.Switch]]:
+        """One full trace; with blocks to merge, one per path through their branches, merged (mode_merge)."""
+        self.current = first = self.tracer(mode_merge.follow(()) if self.split else None)
+        graph = _trace_once(self.model, first, self.fixed)
+        if not self.split:
+            return graph, first, []
+        traces = {(): (graph, first)}
+        todo = mode_merge.unexplored(first.conditions, ())
+        while todo:
+            prefix = todo.pop(0)
+            if prefix in traces:
+                continue
+            if len(traces) >= mode_merge.MAX_PATHS:
+                raise mode_merge.MergeError(first.conditions[-1].reader, f"its branches have more than "
+                                            f"{mode_merge.MAX_PATHS} paths")
+            self.current = tracer = self.tracer(mode_merge.follow(prefix))
+            traces[prefix] = (_trace_once(self.model, tracer, self.fixed), tracer)
+            todo += mode_merge.unexplored(tracer.conditions, prefix)
+        merged, switches = mode_merge.merge(traces)
+        return merged, first, switches
+
+    def on_mode_branch(self, tracer: _Tracer) -> None:
+        where, cls = tracer_stack_top(tracer)
+        if not where:
+            if self.root_constant is not None:
+                raise TraceError(f"cannot trace the top-level forward of {self.name}: it branches on self.training "
+                                 "even with the mode fixed") from None
+            self.root_constant = self.mode == "train"
+            self.notes.append(f"the top-level forward of {self.name} branches on self.training: traced its {self.mode}-mode "
+                              f"code{' (the deployed function)' if self.mode == 'eval' else ''}; "
+                              f"use --trace-mode {'train' if self.mode == 'eval' else 'eval'} for the other one")
+            return
+        module = self.model.get_submodule(where)
+        if _traces_alike_in_both_modes(module):
+            self.mode_free.add(where)
+            return
+        if where in self.split:  # still branching while merged: no path policy reached it
+            why = "branches on self.training (its forward differs between eval and train mode)"
+            if not self.auto_leaves:
+                raise TraceError(f"submodule '{where}' ({cls}) of {self.name} {why}",
+                                 f"mark it as a leaf: --leaf {where} (Python: trace(model, leaves=['{where}']))") from None
+            self.make_leaf(where, f"{cls}: {why}")
+            return
+        # every block of this class is merged: one retry per class, not per block
+        self.split.update(p for p, m in self.model.named_modules() if type(m) is type(module) and not self.inside_leaf(p))
+
+    def inside_leaf(self, path: str) -> bool:
+        return any(path == leaf or path.startswith(leaf + ".") for leaf in self.leaves)
+
+    def make_leaf(self, where: str, why: str) -> None:
+        self.split.discard(where)
+        _add_leaf(self.leaves, self.auto, where, why, self.name)
+
+    def on_failure(self, tracer: _Tracer, e: Exception) -> None:
+        where, cls = tracer_stack_top(tracer)
+        reason = first_line(e)
+        if tracer.live_nodes and not set(tracer.live_nodes.values()) <= self.frozen:
+            self.frozen.update(tracer.live_nodes.values())  # a live number may be what broke it: retry frozen
+            return
+        if not where:
+            raise TraceError(
+                f"cannot trace the top-level forward of {self.name}: {reason}",
+                "fx needs forward() without data-dependent control flow; wrap such parts in submodules "
+                "(graphgrow keeps untraceable submodules as leaves)",
+            ) from e
+        if not self.auto_leaves or where in self.leaves:
+            raise TraceError(
+                f"cannot trace submodule '{where}' ({cls}) of {self.name}: {reason}",
+                f"mark it as a leaf: --leaf {where} (Python: trace(model, leaves=['{where}']))",
+            ) from e
+        self.make_leaf(where, f"{cls}: cannot be traced ({reason})")
+
+
+def _trace_graph(model: nn.Module, user_leaves: set[str], mode: Mode, auto_leaves: bool):
+    """Trace, adding leaves, merging mode-branching blocks and fixing the top-level mode as needed.
+    Returns (graph, tracer, switches, report)."""
+    plan = _Plan(model, user_leaves, mode, auto_leaves)
+    for _ in range(4 * _MAX_AUTO_LEAVES):
+        plan.current = tracer = plan.tracer()
+        try:
+            graph, tracer, switches = plan.attempt()
+            break
+        except _ModeBranch:
+            plan.on_mode_branch(plan.current)
+        except _Frozen as f:
+            plan.frozen.update(f.attrs)
+        except mode_merge.MergeError as m:
+            cls = type(model.get_submodule(m.where)).__name__ if m.where else plan.name
+            if not m.where or not auto_leaves:
+                raise TraceError(f"cannot merge the train- and eval-mode code of {m.where or plan.name} ({cls}): {m.why}",
+                                 f"mark it as a leaf: --leaf {m.where}" if m.where else "") from None
+            plan.make_leaf(m.where, f"{cls}: branches on self.training and {m.why}")
+        except Exception as e:  # fx raises many kinds; all mean "cannot trace"
+            plan.on_failure(plan.current, e)
+    else:
+        raise TraceError(f"gave up tracing {plan.name}: too many retries", "name the untraceable submodules with --leaf")
+    _drop_fixed_placeholders(graph)
+    _drop_unused_mode_reads(graph)
+    if plan.fixed:
+        plan.notes.append(f"optional forward arguments fixed to their defaults: {', '.join(sorted(plan.fixed))}")
+    live = sorted({str(n.target) for n in graph.nodes if n.op == "get_attr" and str(n.target) in tracer.live_paths})
+    frozen = sorted(tracer.frozen_reads - set(live))
+    if switches:
+        plan.notes.append(f"{len(plan.split)} blocks branch on self.training: every path through their branches was "
+                          f"traced and merged ({len(switches)} run-time switches)")
+    if live:
+        plan.notes.append(f"number attributes read at run time (changing them changes the graph's output): {', '.join(live)}")
+    if frozen:
+        shown = ", ".join(frozen[:6]) + (f" (+{len(frozen) - 6} more)" if len(frozen) > 6 else "")
+        plan.notes.append(f"number attributes read once while tracing (changing them later has no effect): {shown}")
+    report = {"mode": mode, "auto_leaves": plan.auto, "user_leaves": sorted(user_leaves),
+              "mode_reads": sorted(tracer.mode_reads), "top_level_mode_dependent": plan.root_constant is not None,
+              "merged_blocks": sorted(plan.split), "live_attributes": live, "frozen_attributes": frozen,
+              "notes": plan.notes}
+    return graph, tracer, switches, report
+
+
+def _traces_alike_in_both_modes(module: nn.Module) -> bool:
+    """True when `module`'s own forward, traced with its flag fixed to True and to False, gives the same
+    graph (e.g. `dropout_p=self.drop.p if self.training else 0.` with p = 0): the branch does not matter."""
+    codes = []
+    for value in (True, False):
+        tracer = _Tracer(set(), value)
+        try:
+            graph = _trace_once(module, tracer, _concrete_defaults(module))
+        except BaseException:  # noqa: BLE001 - anything, including a nested mode branch, means "not alike"
+            return False
+        codes.append(graph.python_code("self").src)
+    return codes[0] == codes[1]
+
+
+def tracer_stack_top(tracer: _Tracer) -> tuple[str, str]:
+    if not tracer.stack:
+        return "", ""
+    return tracer.stack[-1]
+
+
+def _add_leaf(leaves: set[str], auto: dict[str, str], where: str, why: str, name: str) -> None:
+    if len(auto) >= _MAX_AUTO_LEAVES:
+        raise TraceError(f"gave up tracing {name} after making {len(auto)} submodules leaves",
+                         "name the untraceable submodules with --leaf")
+    leaves.add(where)
+    auto[where] = why
+
+
+def _drop_unused_mode_reads(graph: fx.Graph) -> None:
+    for n in list(graph.nodes):
+        if n.op == "get_attr" and str(n.target).split(".")[-1] == "training" and not n.users:
+            graph.erase_node(n)
+
+
+def trace(
+    model: nn.Module,
+    input_shape: Sequence[int] | None = None,
+    leaves: Iterable[str] = (),
+    mode: Mode = "eval",
+    auto_leaves: bool = True,
+    check: bool = True,
+) -> fx.GraphModule:
+    """Trace `model` into a GraphModule that graphgrow passes can rewrite.
+
+    `leaves` are submodule paths kept as single opaque calls; submodules fx cannot
+    trace, or whose forward branches on `self.training`, become leaves automatically
+    (`auto_leaves=False` turns that off). `mode` picks the structure of a top-level
+    forward that itself branches on `self.training` (auxiliary outputs): "eval" (the
+    deployed function, default) or "train". `input_shape` (e.g. (1, 3, 224, 224)) is
+    the example input used for shape propagation and verification; it is stored in
+    `gm.meta["graphgrow"]`. With an input shape and `check=True`, the graph is
+    compared with `model` in eval and train mode (fidelity.check_fidelity) and a
+    TraceError names the first place where they differ. A GraphModule made by
+    graphgrow is returned as is. `gm.meta["graphgrow"]["trace"]` reports what was done.
+    """
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"expected a torch.nn.Module, got {type(model).__name__}",
+                         "build the model first, e.g. torchvision.models.resnet18()")
+    if mode not in ("eval", "train"):
+        raise InputError(f"trace mode must be 'eval' or 'train', got {mode!r}", "--trace-mode eval|train")
+    if isinstance(model, fx.GraphModule) and META_KEY in model.meta:
+        gm = model
+    else:
+        leaves = set(leaves)
+        names = {n for n, _ in model.named_modules()}
+        unknown = sorted(leaves - names)
+        if unknown:
+            raise TraceError(
+                f"no submodule named {', '.join(map(repr, unknown))} in {type(model).__name__}",
+                "leaf names are module paths as in model.named_modules(), e.g. 'layer1.0'",
+            )
+        graph, tracer, switches, report = _trace_graph(model, leaves, mode, auto_leaves)
+        if mode == "train" and report["top_level_mode_dependent"]:  # what the deployed function never runs
+            report["train_only_modules"] = train_only_modules(graph, lambda: _trace_graph(model, leaves, "eval", auto_leaves)[0])
+        for node in graph.nodes:
+            stack = node.meta.get("nn_module_stack") or {}
+            node.meta["gg_scope"] = tuple(stack.keys())
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        mode_merge.install(gm, switches)
+        gm.train(model.training)
+        gm.meta[META_KEY] = {"input_shape": None, "log": [], "trace": report}
+        if input_shape is not None and check:
+            from .fidelity import check_fidelity
+
+            check_fidelity(model, gm, input_shape)
+    info = gm.meta[META_KEY]
+    if input_shape is not None:
+        info["input_shape"] = [int(d) for d in input_shape]
+    return gm

@@ -1,0 +1,5 @@
+"""graph: the traced model as data — graphgrow's metadata on a GraphModule (graph_meta), reading and editing
+nodes (fx_edit), shapes, parameters and FLOPs (shapes), the layers graphgrow itself inserts (layers).
+
+May import: core.
+"""

@@ -1,0 +1,358 @@
+"""ONNX export (the only importer of torch.onnx): dynamo exporter, dynamic batch, one self-contained file."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import math
+import os
+import time
+import re
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+import onnx
+import torch
+from torch import fx
+
+from ..core.errors import ExportError, LoadError, first_line
+from .lineage import is_origin, origin_of
+from .save import atomic_write, check_output_path
+from .serialize import is_stored_shape, validate_meta
+from ..graph.shapes import example_input
+from ..core.state import training_mode
+
+LOG_KEY = "graphgrow.mutation_log"
+ORIGIN_KEY = "graphgrow.origin"  # lineage.structure_fingerprint of the model the log starts from
+INPUT_SHAPE_KEY = "graphgrow.input_shape"
+SOURCE_KEY = "graphgrow.source"  # the factory name a model was built from (files carry their own weights)
+FACTORY_SEED_KEY = "graphgrow.factory_seed"  # the seed that factory's random weights were drawn with
+INPUT_NAME = "input"
+
+
+def export_onnx(
+    gm: torch.nn.Module,
+    input_shape: Sequence[int],
+    path: str | os.PathLike | None = None,
+    metadata: dict[str, str] | None = None,
+    max_ir_version: int | None = None,
+    opset: int | None = None,
+    timings: dict[str, float] | None = None,
+    isolate: bool = False,
+) -> onnx.ModelProto:
+    """Export `gm` (in eval mode) with a dynamic batch dimension, check it, and write it atomically.
+
+    The mutation log from gm.meta["graphgrow"] goes into metadata_props under
+    "graphgrow.mutation_log" (JSON), with any `metadata` given. `max_ir_version`
+    clamps the IR version to what the target onnxruntime accepts. `timings`, when
+    given, receives the seconds spent in torch.onnx.export and in total.
+
+    `isolate=True` runs torch.onnx.export in a forked child process: torch.export
+    keeps about 0.3 MiB per export alive for the life of the process (measured; the
+    references sit outside Python's reach), which a growth loop exporting hundreds of
+    times should not pay. Linux/macOS only (fork).
+    """
+    start = time.perf_counter()
+    out_path = check_output_path(path) if path is not None else None
+    # Export at batch ≥ 2: torch.export specialises sizes 0 and 1 to constants.
+    x = example_input(gm, input_shape, seed=0, batch=max(2, int(input_shape[0])))
+    t_export = time.perf_counter()
+    proto = _in_child(_torch_export, gm, x, opset) if isolate else _torch_export(gm, x, opset)
+    t_export = time.perf_counter() - t_export
+    if max_ir_version is not None and proto.ir_version > max_ir_version:
+        proto.ir_version = max_ir_version
+    name_nodes(proto)
+    props = dict(metadata or {})
+    info = gm.meta.get("graphgrow", {}) if isinstance(gm, fx.GraphModule) else {}
+    props.setdefault(LOG_KEY, json.dumps(info.get("log", [])))
+    origin = origin_of(gm) if info else None  # info only when gm is a graphgrow GraphModule
+    if origin:
+        props.setdefault(ORIGIN_KEY, origin)
+    props.setdefault(INPUT_SHAPE_KEY, json.dumps(list(input_shape)))
+    for k, v in props.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = k, v
+    if out_path is None:
+        check_proto(proto)
+    else:
+        data = proto.SerializeToString()
+
+        def write_checked(tmp: Path) -> None:  # checked from the file: the checker would serialise a proto again
+            tmp.write_bytes(data)
+            check_proto(str(tmp))
+
+        atomic_write(out_path, write_checked)  # a failed write is SaveError (exit 2) naming the output
+    if timings is not None:
+        timings.update(torch_onnx_export=t_export, total=time.perf_counter() - start)
+    return proto
+
+
+SCOPES_KEY = "pkg.torch.onnx.name_scopes"  # the exporter's record of the module path each node came from
+
+
+def _scopes(node: onnx.NodeProto) -> list[str]:
+    import ast
+
+    scopes = next((m.value for m in node.metadata_props if m.key == SCOPES_KEY), None)
+    try:
+        return [str(p) for p in ast.literal_eval(scopes)] if scopes else []
+    except (ValueError, SyntaxError):
+        return []
+
+
+def node_module(node: onnx.NodeProto) -> str | None:
+    """The path of the module an exported ONNX node computes part of (None for a top-level op)."""
+    path = [p for p in _scopes(node)[:-1] if p]
+    return path[-1] if path else None
+
+
+def name_nodes(proto: onnx.ModelProto) -> None:
+    """Name each ONNX node after the module it computes, `layer1.0.conv1/Conv` (a top-level op: its
+    fx name, `add/Add`), so Netron and error reports show the model's own layer names."""
+    taken: set[str] = set()
+    for node in proto.graph.node:
+        parts = _scopes(node)
+        path = node_module(node)
+        base = f"{path or (parts[-1] if parts else node.op_type.lower())}/{node.op_type}"
+        name, i = base, 1
+        while name in taken:
+            name, i = f"{base}_{i}", i + 1
+        taken.add(name)
+        node.name = name
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost exception's first line (the exporter wraps the real reason), without colour codes."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return first_line(re.sub(r"\x1b\[[0-9;]*m", "", str(e))) or type(e).__name__
+
+
+def _torch_export(gm: torch.nn.Module, x: torch.Tensor, opset: int | None) -> onnx.ModelProto:
+    captured = io.StringIO()
+    batch = torch.export.Dim("batch", min=1)
+    try:
+        with training_mode(gm, False), warnings.catch_warnings(), _quiet(captured):
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                gm, (x,), dynamo=True, dynamic_shapes=({0: batch},), input_names=[INPUT_NAME],
+                opset_version=opset, optimize=True, verbose=False, report=False,
+            )
+        return program.model_proto
+    except Exception as e:
+        raise ExportError(
+            f"torch.onnx.export failed: {_root_cause(e)}",
+            "an op in the model may have no ONNX equivalent; run with --debug for the full report",
+        ) from e
+
+
+def _in_child(fn, *args) -> onnx.ModelProto:
+    """Run `fn(*args)` in a forked process (the model is inherited, not pickled); bytes come back."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            send.send(("ok", fn(*args).SerializeToString()))
+        except ExportError as e:
+            send.send(("error", (e.message, e.hint)))
+        except BaseException as e:  # anything else: still one line back to the parent
+            send.send(("error", (f"export failed in the child process: {type(e).__name__}: {e}", None)))
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    send.close()
+    try:
+        kind, payload = receive.recv()
+    except EOFError:
+        proc.join()
+        raise ExportError(f"the export process died (exit code {proc.exitcode})", "export without isolate=True to see why") from None
+    proc.join()
+    if kind == "error":
+        raise ExportError(*payload)
+    return onnx.load_model_from_string(payload)
+
+
+def check_proto(proto: onnx.ModelProto | str) -> None:
+    """onnx.checker's full check (which includes strict shape inference) of a model or a model file;
+    ExportError on any complaint."""
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except Exception as e:
+        raise ExportError(f"the exported ONNX model fails the ONNX checker: {first_line(e)}",
+                          "please report this with the model") from e
+
+
+def metadata(proto: onnx.ModelProto) -> dict[str, str]:
+    """The model's metadata_props as a dict."""
+    return {p.key: p.value for p in proto.metadata_props}
+
+
+def mutation_log(proto: onnx.ModelProto) -> list[dict]:
+    """The mutation log stored in an exported model ([] when none), checked like a graphgrow file's."""
+    value = metadata(proto).get(LOG_KEY)
+    if not value:
+        return []
+    try:
+        log = json.loads(value)
+    except (ValueError, RecursionError) as e:
+        raise LoadError(f"the ONNX file's mutation log is not readable JSON: {first_line(e)}", "the file is corrupted or hostile") from e
+    return validate_meta({"log": log})["log"]
+
+
+def onnx_factory_seed(proto: onnx.ModelProto) -> int | None:
+    """The seed a factory's random weights were drawn with, as the export recorded it (None: not recorded)."""
+    value = metadata(proto).get(FACTORY_SEED_KEY)
+    if value is None:
+        return None
+    if not re.fullmatch(r"\d{1,19}", value) or int(value) >= 2**63:
+        raise LoadError(f"the ONNX file records the factory seed {value[:40]!r}, which is not a seed",
+                        "pass --seed N, or export the model again")
+    return int(value)
+
+
+def onnx_origin(proto: onnx.ModelProto) -> str | None:
+    """The origin fingerprint an export recorded (None for files exported before origins were)."""
+    value = metadata(proto).get(ORIGIN_KEY)
+    if value is not None and not is_origin(value):
+        raise LoadError("the ONNX file's origin fingerprint is malformed", "the file is corrupted or hostile")
+    return value
+
+
+@contextlib.contextmanager
+def _quiet(sink: io.StringIO):
+    """The exporter prints progress to stdout and logs; keep both off the user's terminal (and --json)."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript", "torch.fx")]
+    levels = [l.level for l in loggers]
+    for l in loggers:
+        l.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            yield
+    finally:
+        for l, lv in zip(loggers, levels):
+            l.setLevel(lv)
+
+
+def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
+    from ..core.errors import LoadError
+
+    p = Path(path)
+    if not p.is_file():
+        raise LoadError(f"no such ONNX file: {p}", "check the path")
+    try:
+        proto = onnx.load(str(p), load_external_data=False)  # external data would name other files to read
+    except Exception as e:
+        raise LoadError(f"{p} is not a readable ONNX model: {first_line(e, 200)}", "pass a file written by graphgrow export") from e
+    external = external_tensors(proto)
+    if external:
+        raise LoadError(f"{p} keeps {len(external)} tensor(s) in external files ({external[0]}{', …' if len(external) > 1 else ''}); "
+                        "graphgrow reads self-contained ONNX files only",
+                        "export it again with graphgrow export (one self-contained file)")
+    return proto
+
+
+MAX_GRAPH_DEPTH = 16  # If/Loop/Scan bodies nested deeper than this are refused (real models nest a few; protobuf stops near 30)
+
+
+def _names_external(t: onnx.TensorProto) -> bool:
+    """A tensor whose bytes live elsewhere: EXTERNAL, or any external_data entry at all (a DEFAULT tensor with
+    entries is malformed, and a runtime might still follow them)."""
+    return t.data_location == onnx.TensorProto.EXTERNAL or len(t.external_data) > 0
+
+
+def _sparse_external(s: onnx.SparseTensorProto) -> bool:
+    return _names_external(s.values) or _names_external(s.indices)
+
+
+def _show(name: str) -> str:
+    return repr(name[:80])
+
+
+def external_tensors(proto: onnx.ModelProto) -> list[str]:
+    """Where every tensor that names external data sits, anywhere in the model: initializers, sparse
+    initializers, node attributes (t, tensors, sparse_tensor(s)), If/Loop/Scan bodies at any depth up to
+    MAX_GRAPH_DEPTH, functions (their nodes and attribute defaults) and training graphs. External data names
+    a file (or memory) to read: a self-contained model has none."""
+    found: list[str] = []
+    graphs: list[tuple[onnx.GraphProto, str, int]] = [(proto.graph, "graph", 0)]
+    graphs += [(g, f"training graph {i}", 0) for i, info in enumerate(proto.training_info)
+               for g in (info.initialization, info.algorithm)]
+
+    def attributes(attrs, where: str, depth: int) -> None:
+        for a in attrs:
+            at = f"{where} attribute {_show(a.name)}"
+            if _names_external(a.t) or any(_names_external(t) for t in a.tensors):
+                found.append(at)
+            if _sparse_external(a.sparse_tensor) or any(_sparse_external(s) for s in a.sparse_tensors):
+                found.append(at)
+            graphs.extend((g, f"{at} subgraph", depth + 1) for g in [a.g, *a.graphs])
+
+    def nodes(ns, where: str, depth: int) -> None:
+        for n in ns:
+            attributes(n.attribute, f"{where} node {_show(n.name or n.op_type)}", depth)
+
+    for f in proto.functions:
+        where = f"function {_show(f.name)}"
+        attributes(f.attribute_proto, where, 0)
+        nodes(f.node, where, 0)
+    while graphs:
+        g, where, depth = graphs.pop()
+        if depth > MAX_GRAPH_DEPTH:
+            raise LoadError(f"the ONNX model nests subgraphs more than {MAX_GRAPH_DEPTH} deep ({where})",
+                            "the file is corrupted or hostile")
+        found += [f"{where} initializer {_show(t.name)}" for t in g.initializer if _names_external(t)]
+        found += [f"{where} sparse initializer {_show(s.values.name)}" for s in g.sparse_initializer if _sparse_external(s)]
+        nodes(g.node, where, depth)
+    return found
+
+
+def onnx_input_shape(proto) -> list[int] | None:
+    """The example shape from the ONNX input (dynamic dims → 1), or from graphgrow's metadata."""
+    stored = metadata(proto).get(INPUT_SHAPE_KEY)
+    if stored:
+        try:
+            shape = json.loads(stored)
+        except (ValueError, RecursionError):
+            shape = None
+        if not is_stored_shape(shape):
+            raise LoadError(f"the ONNX file stores the input shape {stored[:80]!r}, which is not a shape",
+                            "pass --input-shape N,C,H,W, or export the model again")
+        return shape
+    if not proto.graph.input:
+        return None
+    dims = proto.graph.input[0].type.tensor_type.shape.dim
+    return [d.dim_value if d.dim_value > 0 else 1 for d in dims] or None
+
+
+def describe_onnx(path: str) -> dict:
+    """An exported ONNX file: inputs, outputs, op histogram, parameters, graphgrow's metadata and mutation log."""
+    import collections
+
+    import onnx
+
+    proto = load_onnx(path)
+
+    def dims(value_info) -> list:
+        return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
+
+    def elem(value_info) -> str:
+        return onnx.TensorProto.DataType.Name(value_info.type.tensor_type.elem_type).lower()
+
+    meta = metadata(proto)
+    params = sum(math.prod(t.dims) for t in proto.graph.initializer)  # Python ints: np.prod would overflow on hostile dims
+    return {
+        "model": path, "format": "onnx", "ir_version": proto.ir_version,
+        "opset": [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")][:1],
+        "producer": f"{proto.producer_name} {proto.producer_version}".strip(),
+        "inputs": [{"name": i.name, "shape": dims(i), "dtype": elem(i)} for i in proto.graph.input],
+        "outputs": [{"name": o.name, "shape": dims(o), "dtype": elem(o)} for o in proto.graph.output],
+        "nodes": len(proto.graph.node), "ops": dict(collections.Counter(n.op_type for n in proto.graph.node).most_common()),
+        "params": params, "input_shape": onnx_input_shape(proto) if INPUT_SHAPE_KEY in meta else None,
+        "log": mutation_log(proto),
+        "metadata": {k: v for k, v in meta.items() if k != LOG_KEY},
+    }

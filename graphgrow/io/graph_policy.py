@@ -1,0 +1,201 @@
+"""What a graph read from a file may do: a closed, audited list (DESIGN §7, "a stored graph is code").
+
+A graphgrow file stores its graph as data; shape propagation and every later step run
+it. So before any of it runs, every node is checked against exact lists:
+
+- call_function: exact qualified names of pure tensor functions. Never a whole module;
+  never generic callables (operator.attrgetter/methodcaller/call, getattr except for a
+  few tensor attributes, setattr, eval, exec, open, __import__); nothing that touches
+  files (torch.from_file, torch.load/save), processes, memory by address, storages,
+  or imports. Tensor constructors (torch.empty, zeros, ones, full, rand, randn and the
+  `new_*` methods: drop-path masks are built so) only with sizes read from tensors or small
+  constants: the product of the constant sizes is at most MAX_CONSTANT_ELEMENTS.
+- call_method: exact tensor method names; no dunder names, nothing that takes a
+  callable (apply_, map_, register_hook), touches storage or memory (set_, storage,
+  untyped_storage, data_ptr, share_memory_, resize_) or converts out of torch.
+- get_attr: a parameter, buffer or tensor attribute of the stored module tree, or a
+  module's `training` flag, reached through the module tree only (no dunder parts).
+- call_module: a module of the stored tree (whose classes torch.load already
+  restricted to torch.nn's layers and graphgrow's own).
+- constants: the decoder admits plain types only (serialize._decode).
+
+`trust` (the CLI's --trust) is the only way past. The lists were gathered from the
+graphs fx produces for torchvision's classification models, a sample of timm models and
+graphgrow's passes, and then read one by one.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..core.errors import LoadError
+from ..core.names import is_segment
+
+CONSTRUCTORS = ("empty", "zeros", "ones", "full", "rand", "randn")  # torch.NAME(*sizes or sizes, ...)
+NEW_METHODS = ("new_zeros", "new_ones", "new_empty", "new_full")  # x.NAME(sizes, ...)
+MAX_CONSTANT_ELEMENTS = 1 << 24  # a size from a file's constants may not ask for more (a memory bomb)
+
+# fmt: off
+ALLOWED_FUNCTIONS: frozenset[str] = frozenset({
+    # Python operators on tensors, shapes and numbers
+    *(f"operator.{n}" for n in (
+        "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs", "matmul", "getitem",
+        "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "invert", "not_", "iadd", "isub", "imul",
+        "itruediv", "ifloordiv", "imatmul")),
+    "builtins.getattr",  # only with a name from TENSOR_ATTRIBUTES (checked per node)
+    "builtins.len", "builtins.int", "builtins.float",
+    *(f"math.{n}" for n in ("sqrt", "ceil", "floor", "log", "exp", "isqrt")),
+    # torch tensor functions
+    *(f"torch.{n}" for n in (
+        "cat", "concat", "stack", "hstack", "vstack", "flatten", "unflatten", "permute", "transpose", "swapaxes",
+        "chunk", "split", "tensor_split", "unbind", "reshape", "squeeze", "unsqueeze", "narrow", "select",
+        "index_select", "gather", "roll", "flip", "movedim", "relu", "relu_", "sigmoid", "tanh", "exp", "log", "sqrt",
+        "rsqrt", "abs", "neg", "erf", "sign", "clamp", "clip", "maximum", "minimum", "where", "add", "sub", "mul",
+        "div", "true_divide", "matmul", "bmm", "mm", "baddbmm", "addmm", "einsum", "mean", "sum", "amax", "amin",
+        "max", "min", "std", "var", "norm", "softmax", "log_softmax", "cumsum", "argmax", "topk", "masked_fill",
+        "zeros_like", "ones_like", "full_like", "layer_norm", "group_norm", "batch_norm", "conv1d", "conv2d",
+        "conv3d", "avg_pool1d", "adaptive_avg_pool1d", "max_pool1d", "max_pool2d", "pow", "square", "sin", "cos",
+        "_assert", "broadcast_to", "expand_copy", "tile", "repeat_interleave", "pixel_shuffle", "pixel_unshuffle",
+        "channel_shuffle", "rand_like", "randn_like", "bernoulli", *CONSTRUCTORS)),
+    "torch.functional.einsum", "torch.functional.split", "torch.functional.norm",
+    "torch.functional.broadcast_tensors", "torch.fx._symbolic_trace._assert_is_none",
+    # torch.nn.functional (pure layers)
+    *(f"torch.nn.functional.{n}" for n in (
+        "relu", "relu6", "gelu", "silu", "mish", "hardswish", "hardsigmoid", "hardtanh", "leaky_relu", "elu", "selu",
+        "celu", "softplus", "sigmoid", "tanh", "softmax", "log_softmax", "dropout", "dropout1d", "dropout2d",
+        "dropout3d", "layer_norm", "group_norm", "batch_norm", "instance_norm", "normalize", "linear", "conv1d",
+        "conv2d", "conv3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d",
+        "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d",
+        "adaptive_max_pool2d", "interpolate", "pad", "scaled_dot_product_attention", "pixel_shuffle", "glu")),
+    *(f"torch._C._nn.{n}" for n in (
+        "gelu", "silu", "mish", "hardswish", "hardsigmoid", "hardtanh", "leaky_relu", "elu", "softplus", "linear",
+        "avg_pool2d", "avg_pool3d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "scaled_dot_product_attention",
+        "pad", "upsample_nearest2d", "upsample_bilinear2d", "relu6", "log_sigmoid")),
+    # torchvision's traced helpers (installed code, pure)
+    "torchvision.ops.stochastic_depth.stochastic_depth",
+    "torchvision.models.googlenet.GoogLeNetOutputs", "torchvision.models.inception.InceptionOutputs",
+    "torchvision.models.swin_transformer._get_relative_position_bias",
+    "torchvision.models.swin_transformer._patch_merging_pad",
+    "torchvision.models.swin_transformer.shifted_window_attention",
+})
+
+ALLOWED_METHODS: frozenset[str] = frozenset({
+    "size", "dim", "numel", "view", "view_as", "reshape", "reshape_as", "permute", "transpose", "t", "flatten",
+    "unflatten", "contiguous", "expand", "expand_as", "unsqueeze", "squeeze", "chunk", "split", "unbind", "narrow",
+    "select", "index_select", "gather", "flip", "roll", "repeat", "tile", "movedim", "mean", "sum", "amax", "amin",
+    "max", "min", "std", "var", "norm", "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "pow",
+    "matmul", "bmm", "relu", "relu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "exp", "log", "sqrt", "rsqrt", "abs",
+    "neg", "erf", "sign", "clamp", "clamp_", "clip", "softmax", "log_softmax", "cumsum", "argmax", "masked_fill",
+    "masked_fill_", "float", "half", "double", "bfloat16", "to", "type_as", "clone", "detach", "zero_", "fill_",
+    "new_zeros", "new_ones", "transpose_", "swapaxes", "square", "sin", "cos", "floor", "ceil", "round", "bool",
+    "long", "int", "all", "any", "eq", "ne", "lt", "le", "gt", "ge", "where", "broadcast_to",
+    "bernoulli", "bernoulli_", "uniform_", "normal_", "new_empty", "new_full", "floor_",
+})
+
+TENSOR_ATTRIBUTES: frozenset[str] = frozenset({"shape", "dtype", "device", "ndim", "T", "mT", "real", "imag", "is_cuda"})
+# fmt: on
+
+
+
+def _refuse(node: str, what: str) -> LoadError:
+    return LoadError(f"the model graph (node '{node}') {what}, which is not on graphgrow's closed list of safe operations; "
+                     "nothing was run",
+                     "load it with --trust only if you wrote the file yourself")
+
+
+def _walk(root: nn.Module, target: Any, node: str) -> tuple[Any, str]:
+    """Follow a dotted target through the module tree only; return (owner module or value, last segment)."""
+    if not isinstance(target, str) or not target or len(target) > 1000:
+        raise _refuse(node, f"names the target {str(target)[:80]!r}")
+    parts = target.split(".")
+    if any(not is_segment(p) for p in parts):  # the one rule for names from files (names.py)
+        raise _refuse(node, f"names the target {target[:80]!r}")
+    module = root
+    for p in parts[:-1]:
+        child = module._modules.get(p) if isinstance(module, nn.Module) else None
+        if child is None:
+            raise LoadError(f"the model graph (node '{node}') names '{target[:80]}', which is not in the saved model",
+                            "the file is corrupted; re-create it from the original model")
+        module = child
+    return module, parts[-1]
+
+
+def check_get_attr(root: nn.Module, target: Any, node: str) -> None:
+    import torch
+
+    module, last = _walk(root, target, node)
+    if last == "training" and isinstance(module, nn.Module):
+        return  # a module's mode flag (faithful tracing reads it at run time)
+    if last in module._parameters or last in module._buffers:
+        return
+    if isinstance(module.__dict__.get(last), torch.Tensor):
+        return
+    if type(module.__dict__.get(last)) in (bool, int, float):
+        return  # a plain number the forward reads at run time (a drop-path probability, a temperature)
+    raise _refuse(node, f"reads the attribute '{str(target)[:80]}'")
+
+
+def check_call_module(root: nn.Module, target: Any, node: str) -> None:
+    module, last = _walk(root, target, node)
+    if not isinstance(module._modules.get(last), nn.Module):
+        raise LoadError(f"the model graph (node '{node}') calls module '{str(target)[:80]}', which is not in the saved model",
+                        "the file is corrupted; re-create it from the original model")
+
+
+def check_function(qualname: Any, node: str) -> None:
+    if not isinstance(qualname, str) or qualname not in ALLOWED_FUNCTIONS:
+        raise _refuse(node, f"calls '{str(qualname)[:120]}'")
+
+
+def check_getattr_args(args: Any, node: str) -> None:
+    if not (isinstance(args, (list, tuple)) and len(args) == 2 and isinstance(args[1], str) and args[1] in TENSOR_ATTRIBUTES):
+        name = args[1] if isinstance(args, (list, tuple)) and len(args) > 1 else "?"
+        raise _refuse(node, f"reads the attribute {str(name)[:80]!r} with getattr")
+
+
+def check_method(name: Any, node: str) -> None:
+    if not isinstance(name, str) or name not in ALLOWED_METHODS:
+        raise _refuse(node, f"calls the method '{str(name)[:80]}'")
+
+
+def check_node_record(rec: Any, root: nn.Module) -> None:
+    """Check one stored node record ({name, op, target, ...}) before it becomes part of a graph."""
+    if not isinstance(rec, dict):
+        raise LoadError("the saved graph holds a node that is not a record", "the file is corrupted")
+    name = str(rec.get("name"))[:80]
+    op, target = rec.get("op"), rec.get("target")
+    if op in ("placeholder", "output"):
+        return
+    if op == "get_attr":
+        check_get_attr(root, target, name)
+    elif op == "call_module":
+        check_call_module(root, target, name)
+    elif op == "call_function":
+        check_function(target, name)
+    elif op == "call_method":
+        check_method(target, name)
+    else:
+        raise _refuse(name, f"has the operation kind {str(op)[:40]!r}")
+
+
+def check_sizes(qualname_or_method: str, args: Any, kwargs: Any, node: str) -> None:
+    """A tensor constructor's constant sizes, multiplied, stay under MAX_CONSTANT_ELEMENTS (sizes read
+    from tensors at run time are bounded by the input)."""
+    name = qualname_or_method.rpartition(".")[2]
+    if name not in CONSTRUCTORS and name not in NEW_METHODS:
+        return
+    sizes = list(args[1:] if name in NEW_METHODS else args)
+    if name in ("full", "new_full") and sizes:
+        sizes = sizes[:-1]  # the fill value
+    if isinstance(kwargs, dict) and "size" in kwargs:
+        sizes.append(kwargs["size"])
+    total, todo = 1, sizes
+    while todo:
+        v = todo.pop()
+        if isinstance(v, (list, tuple)):
+            todo.extend(v)
+        elif type(v) is int:
+            total *= max(v, 1)
+        if total > MAX_CONSTANT_ELEMENTS:
+            raise _refuse(node, f"builds a tensor of more than {MAX_CONSTANT_ELEMENTS:,} elements from constants")

@@ -1,0 +1,283 @@
+"""Read model files safely (DESIGN §7): files written by torch.save, graphgrow's own files, and models built from names.
+
+A model file is untrusted input: it is read with torch.load(weights_only=True) and
+only torch.nn's own layer classes allow-listed, so loading runs no code from the
+file. Custom classes need `trust=True` (CLI: --trust). A model can also be named as
+`package.module:factory`, which imports installed code, not code from a file.
+graphgrow's own outputs (see serialize.py) load again without trust. What a name may call: factory.py;
+writing: save.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import warnings
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+
+from . import serialize
+from ..core.errors import first_line, LoadError
+from ..graph.layers import FORMER_NAMES
+from .factory import cwd_importable, import_object, is_factory_name, refuse_before_import
+
+
+@dataclass
+class LoadedModel:
+    module: nn.Module
+    source: str
+    kind: str  # "file", "graphgrow" (a graphgrow output) or "factory"
+    input_shape: list[int] | None = None
+    log: list = field(default_factory=list)
+    factory_seed: int | None = None  # the seed a factory's random weights were drawn with
+
+
+def standard_layer_classes() -> list[type]:
+    """Every nn.Module subclass defined inside torch.nn.modules, nn.Module itself, and graphgrow's own layers
+    (AverageMerge, ModeSwitch)."""
+    from ..graph.layers import GRAPHGROW_LAYERS
+    from .mode_switch import ModeSwitch  # holds graphs as records: io's layer, beside the checks that rebuild them
+
+    classes = {nn.Module, *GRAPHGROW_LAYERS, ModeSwitch}
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("torch.nn.modules.") and mod is not None:
+            for obj in vars(mod).values():
+                if isinstance(obj, type) and issubclass(obj, nn.Module) and obj.__module__.startswith("torch.nn.modules."):
+                    classes.add(obj)
+    return sorted(classes, key=lambda c: (c.__module__, c.__name__))
+
+
+def custom_classes(model: nn.Module) -> list[str]:
+    """The submodule classes a safe load refuses (not torch.nn's own layers nor graphgrow's): a saved
+    model holding one needs --trust to be read back."""
+    allowed = set(standard_layer_classes())
+    found = {f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()
+             if type(m) not in allowed and not isinstance(m, fx.GraphModule)}
+    return sorted(found)
+
+
+def _is_graphgrow_file(path: Path) -> bool:
+    """A cheap look at the pickle inside a torch.save zip (nothing is unpickled): does it hold graphgrow's format tag?"""
+    try:
+        with zipfile.ZipFile(path) as z:
+            member = next((m for m in z.namelist() if m.endswith("data.pkl")), None)
+            return member is not None and serialize.FORMAT.encode() in z.open(member).read(1 << 16)
+    except (OSError, zipfile.BadZipFile, RuntimeError):
+        return False
+
+
+FACTORY_SEED = 0  # factories build random weights: seeded, so a factory name means the same weights every time
+
+
+def load_model(source: str | os.PathLike, trust: bool = False, factory_seed: int = FACTORY_SEED) -> LoadedModel:
+    """Load a model from a file or a `package.module:factory` name (built with the global RNG seeded
+    with `factory_seed`, restored afterwards). Raises LoadError."""
+    text = str(source)
+    if is_factory_name(text):
+        return _from_factory(text, factory_seed)
+    path = Path(text)
+    if not path.exists():
+        hint = "check the path" if ":" not in text else "name a factory as package.module:function, e.g. torchvision.models:resnet18"
+        raise LoadError(f"no such file: {text}", hint)
+    if path.is_dir():
+        raise LoadError(f"{text} is a directory, not a model file", "pass the .pt file inside it")
+    if path.stat().st_size == 0:
+        raise LoadError(f"{text} is empty", "the file was not written completely; save the model again")
+    obj = _torch_load(path, trust)
+    return _interpret(obj, text, trust)
+
+
+def _from_factory(text: str, seed: int) -> LoadedModel:
+    from .zoo import builder, parse_name, sealed_caches, zoo_input_shape
+
+    name = parse_name(text)
+    if name.zoo is None:
+        refuse_before_import(name.target)  # os:system says "standard library" before its arguments are read
+    build, shape = builder(name, import_object)
+    size = _size_on_meta(build)
+    if size is not None and size > MAX_LOAD_BYTES:
+        raise LoadError(f"{text[:200]} would hold {_mib(size)} of parameters and buffers (limit {_mib(MAX_LOAD_BYTES)}); "
+                        "nothing was allocated", "check the arguments, or raise the limit with --max-load SIZE")
+    try:  # prints must not corrupt --json; no cache of stored weights is in reach
+        with contextlib.redirect_stdout(sys.stderr), torch.random.fork_rng(devices=[]), cwd_importable(), sealed_caches():
+            torch.manual_seed(seed)
+            model = build()
+    except LoadError:
+        raise
+    except (Exception, SystemExit, GeneratorExit) as e:
+        hint = "check the arguments" if name.kwargs else "the factory must build a model with no arguments (or give them: factory(key=value))"
+        call = text[:200] if name.kwargs else f"{text[:200]}()"
+        raise LoadError(f"{call} failed: {type(e).__name__}: {str(e)[:300]}", hint) from e
+    if not isinstance(model, nn.Module):
+        raise LoadError(f"{text[:200]}{'' if name.kwargs else '()'} returned {type(model).__name__}, not a torch.nn.Module")
+    return LoadedModel(model, text, "factory", input_shape=shape or zoo_input_shape(model), factory_seed=seed)
+
+
+def _size_on_meta(build: Callable[[], Any]) -> int | None:
+    """Bytes of parameters and buffers the factory's model would hold, built on the meta device (shapes,
+    no storage), so an argument like num_classes=10**8 is refused before memory is touched. None when the
+    factory cannot build on meta (it computes with real tensors): then the real build is not pre-checked."""
+    from .zoo import sealed_caches
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr), torch.device("meta"), torch.random.fork_rng(devices=[]), \
+                cwd_importable(), sealed_caches():
+            model = build()
+    except LoadError:
+        raise  # graphgrow's own refusal (a download asked for): building again would only ask again
+    except (Exception, SystemExit):
+        return None  # the real build reports the factory's own error
+    if not isinstance(model, nn.Module):
+        return None
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def _torch_load(path: Path, trust: bool) -> Any:
+    name = str(path)
+    head = path.open("rb").read(8)
+    if path.suffix == ".onnx":
+        raise LoadError(f"{name} is an ONNX file", "graphgrow mutates PyTorch models: pass the .pt model it was exported from")
+    _check_zip(path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if trust:
+                return torch.load(path, map_location="cpu", weights_only=False)
+            with torch.serialization.safe_globals([*standard_layer_classes(), *FORMER_NAMES]):
+                return torch.load(path, map_location="cpu", weights_only=True)
+    except LoadError:
+        raise
+    except Exception as e:
+        raise _explain(name, head, e, trust, _is_graphgrow_file(path)) from e
+
+
+MAX_LOAD_BYTES = int(os.environ.get("GRAPHGROW_MAX_LOAD_BYTES", 16 << 30))  # what a model file may unpack to
+MAX_INFLATION = 50  # a compressed member may not grow more than this; torch.save stores tensors uncompressed
+
+
+def _check_zip(path: Path) -> None:
+    """Integrity and size of a torch zip file before torch.load reads it: torch.load does not check
+    CRCs (corrupted tensor bytes load silently as wrong weights) and would inflate any member."""
+    if not zipfile.is_zipfile(path):
+        return
+    name = str(path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            members = z.infolist()
+            total = sum(m.file_size for m in members)
+            if total > MAX_LOAD_BYTES:
+                raise LoadError(f"{name} would unpack to {_mib(total)} (limit {_mib(MAX_LOAD_BYTES)})",
+                                "raise the limit with --max-load SIZE (or GRAPHGROW_MAX_LOAD_BYTES) if the model really is that large")
+            for m in members:
+                if m.compress_type != zipfile.ZIP_STORED and m.file_size > MAX_INFLATION * m.compress_size + (1 << 20):
+                    raise LoadError(f"{name}: member {m.filename[:80]} inflates {m.compress_size:,} bytes into "
+                                    f"{m.file_size:,}; refused (a decompression bomb?)",
+                                    "save the model again with torch.save")
+            bad = _first_bad_member(z)
+    except LoadError:
+        raise
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as e:
+        raise LoadError(f"{name} is a truncated or corrupted model file ({first_line(str(e), 200)})", "save the model again") from e
+    if bad is not None:
+        raise LoadError(f"{name} is corrupted: the bytes of {bad[:80]} do not match their checksum (CRC)",
+                        "the file was damaged after it was written; save the model again")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _first_bad_member(z: zipfile.ZipFile) -> str | None:
+    """Read every member in chunks (bounded memory; reading checks the CRC); the first that fails, or None."""
+    for m in z.infolist():
+        read = 0
+        try:
+            with z.open(m) as f:
+                while chunk := f.read(1 << 22):
+                    read += len(chunk)
+                    if read > m.file_size:  # declared sizes can lie: never read past them
+                        return m.filename
+        except zipfile.BadZipFile:
+            return m.filename
+    return None
+
+
+def _explain(name: str, head: bytes, e: Exception, trust: bool, graphgrow_file: bool = False) -> LoadError:
+    msg = str(e)
+    blocked = re.search(r"GLOBAL ([\w.]+)", msg)
+    if blocked and not trust:
+        what = blocked.group(1)
+        module = what.rpartition(".")[0]
+        if _module_lacks(what):
+            return LoadError(f"{name} is corrupted: it names {what}, which does not exist", "save the model again")
+        if module.split(".")[0] in {"os", "posix", "nt", "subprocess", "builtins", "sys", "shutil", "socket", "runpy", "importlib"}:
+            return LoadError(
+                f"{name} asks to call {what} while loading; refused, nothing was run",
+                "this file is not a plain model; use --trust only if you wrote it yourself",
+            )
+        if graphgrow_file:  # graphgrow kept a module of an installed package whole (a leaf it does not trace through)
+            return LoadError(
+                f"{name} contains the custom class {what}; loading it would run that class's code",
+                "pass --trust if you wrote the file yourself; graphgrow keeps such modules whole, so reading them needs trust",
+            )
+        return LoadError(
+            f"{name} contains the custom class {what}; loading it would run that class's code",
+            "pass --trust if you trust the file, or name the model by its factory, e.g. package.module:function",
+        )
+    if all(32 <= c < 127 or c in (9, 10, 13) for c in head):
+        return LoadError(f"{name} is a text file, not a PyTorch model file", "pass a file written by torch.save")
+    if "Unsupported operand" in msg and not trust:
+        return LoadError(
+            f"{name} is a raw pickle, not a torch.save file; refused without --trust (pickles can run code)",
+            "re-save it with torch.save(model, path), or pass --trust if you wrote it yourself",
+        )
+    if head.startswith(b"PK"):
+        return LoadError(f"{name} is a truncated or corrupted model file ({first_line(msg, 200)})", "save the model again")
+    if isinstance(e, (EOFError,)) or head[:1] == b"\x80":
+        return LoadError(f"{name} is a truncated or corrupted pickle", "save the model again")
+    return LoadError(f"{name} is not a PyTorch model file ({first_line(msg, 200) or type(e).__name__})", "pass a file written by torch.save")
+
+
+def _module_lacks(qualname: str) -> bool:
+    """True when `module` is loaded here but has no `attr`: a name mangled by corruption.
+
+    Nothing is imported (so nothing named by the file runs); a module that is not
+    loaded is taken as a custom class's home.
+    """
+    module, _, attr = qualname.rpartition(".")
+    return module in sys.modules and not hasattr(sys.modules[module], attr)
+
+
+def _interpret(obj: Any, name: str, trust: bool) -> LoadedModel:
+    if isinstance(obj, dict) and obj.get("format") == serialize.FORMAT:
+        gm = serialize.from_payload(obj, trusted=trust)
+        info = gm.meta["graphgrow"]
+        return LoadedModel(gm, name, "graphgrow", info.get("input_shape"), list(info.get("log", [])))
+    if isinstance(obj, nn.Module):
+        _check_module_names(obj, name)
+        return LoadedModel(obj, name, "file")
+    if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise LoadError(
+            f"{name} holds only weights (a state_dict of {len(obj)} tensors), no architecture",
+            "save the whole model with torch.save(model, path), or name its factory as package.module:function",
+        )
+    raise LoadError(f"{name} holds a {type(obj).__name__}, not a model", "save the model itself with torch.save(model, path)")
+
+
+def _check_module_names(model: nn.Module, name: str) -> None:
+    """Module, parameter and buffer names of a pickled tree become code when fx traces it: identifiers only."""
+    from ..core.names import RULE, bad_name_in_tree
+
+    problem = bad_name_in_tree(model)
+    if problem is not None:
+        raise LoadError(f"{name}: the {problem} is not a plain name ({RULE}); tracing would write it into generated "
+                        "code, so graphgrow reads names from files only as such; nothing was run",
+                        "rename it in the model (letters, digits, '_'), or name the model by its factory, package.module:function")
+
+

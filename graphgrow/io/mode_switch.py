@@ -1,0 +1,76 @@
+"""ModeSwitch: the part of a block's forward that differs between paths through its mode branches.
+
+A DARTS cell applies drop-path only `if self.training and drop_prob > 0`. Tracing every path
+through such branches and merging them (mode_merge.py) leaves one graph in which the difference
+is a single call:
+
+    h = cells.0.mode_switch_0(cells_0_training, gt, h, sub)      # conditions first, then inputs
+
+Each row of `table` is one path: the answers it needs, as (condition index, answer) pairs; the
+switch runs the body of the row whose answers all hold (the rows are the leaves of the branches'
+decision tree, so exactly one does). Bodies are small graphs of tensor functions and methods — no
+modules, no parameters — stored as plain node records, so a graphgrow file keeps them as data
+and they are checked like the main graph when a file is read (serialize.graph_from_records).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import fx, nn
+
+from ..core.errors import LoadError
+
+MAX_PATHS = 64
+
+
+class ModeSwitch(nn.Module):
+    """out = bodies[i](*inputs) for the row i of `table` whose answers the `conditions` leading arguments give."""
+
+    _is_impure = True  # a body may draw random numbers or mutate: fx must not drop an unused call
+
+    def __init__(self, conditions: int, table: list[list[tuple[int, bool]]], bodies: list[list[dict]]):
+        super().__init__()
+        self.conditions = conditions
+        self.table = [[[int(i), bool(a)] for i, a in row] for row in table]
+        self.body_records = bodies
+
+    def _bodies(self) -> list[fx.GraphModule]:
+        compiled = self.__dict__.get("_compiled")
+        if compiled is None:
+            self.load_bodies(trusted=False)
+            compiled = self.__dict__["_compiled"]
+        return compiled
+
+    def load_bodies(self, trusted: bool) -> None:
+        """Check the table and build every body from its records through the same checks as a stored graph."""
+        from .serialize import graph_from_records  # the checked path for graphs read from data
+
+        self._check_table()
+        empty = nn.Module()
+        self.__dict__["_compiled"] = [fx.GraphModule(empty, graph_from_records(records, empty, trusted), "ModeBody")
+                                      for records in self.body_records]
+
+    def _check_table(self) -> None:
+        table, bodies, count = self.table, self.body_records, self.conditions
+        ok = (type(count) is int and 0 <= count <= MAX_PATHS and isinstance(table, list) and isinstance(bodies, list)
+              and 0 < len(table) == len(bodies) <= MAX_PATHS
+              and all(isinstance(row, list) and all(isinstance(e, list) and len(e) == 2 and type(e[0]) is int
+                                                    and 0 <= e[0] < count and type(e[1]) is bool for e in row)
+                      for row in table))
+        if not ok:
+            raise LoadError("a mode switch in the saved model has a malformed table of paths", "the file is corrupted or hostile")
+
+    def forward(self, *args: Any) -> Any:
+        answers = [bool(c) for c in args[:self.conditions]]
+        for row, body in zip(self.table, self._bodies()):
+            if all(answers[i] == a for i, a in row):
+                return body(*args[self.conditions:])
+        raise RuntimeError(f"no path of the mode switch matches the conditions {answers}")
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_compiled", None)  # rebuilt from the records: a file never holds generated code
+        return state
+
+    def extra_repr(self) -> str:
+        return f"conditions={self.conditions}, paths={len(self.table)}"

@@ -1,0 +1,267 @@
+"""How outputs reach the disk (DESIGN §7): staging files, renames that a signal cannot split, and
+write errors as one-line refusals.
+
+Every output is written to a hidden staging file beside it and renamed into place. A staging
+file's name says who wrote it — `.NAME.gg-PID-START-HOST-XXXXXXXX.part` (or `.tmp`, `.probe`):
+the writer's pid, its start time (so a reused pid is not mistaken for it) and a key of the
+machine and pid namespace — so that the next run writing to the folder removes those of a killed
+run, keeps those of a run still alive, and touches nothing else.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import re
+import signal
+import socket
+import stat
+import tempfile
+import threading
+from pathlib import Path
+from typing import IO, Any, Iterator, Sequence
+
+from ..core.errors import SaveError, first_line
+
+WAY_OUT = "check free space, quota, the file-size limit (ulimit -f) and permissions, or choose another output path"
+
+_STAGING = re.compile(r"\..*\.gg-([1-9]\d{0,9})-(\d{1,20})-([0-9a-f]{12})-[a-z0-9_]{8}\.(?:part|tmp|probe)", re.S)
+_NAME_BYTES = 60  # of the output's name kept in a staging name: a long output name must not make it too long
+
+_own: dict[Path, Path] = {}  # this process's staging files → the output each stands for
+_committed: list[Path] = []  # outputs this process renamed into place (the CLI names them when a signal ends it)
+_swept: set[str] = set()  # folders already cleaned by this process
+
+
+def is_staging_name(name: str) -> bool:
+    """Whether `name` is spelled like a graphgrow staging file (whoever wrote it)."""
+    return _STAGING.fullmatch(name) is not None
+
+
+def is_own_staging(path: Path) -> bool:
+    return Path(path) in _own
+
+
+def output_of(path: Path) -> Path:
+    """The output a staging file of this process stands for (`path` itself when it is not one)."""
+    return _own.get(Path(path), Path(path))
+
+
+def committed() -> list[Path]:
+    """The outputs renamed into place so far in this process."""
+    return list(_committed)
+
+
+def forget_committed() -> None:
+    """A new command starts (the CLI runs one per process; tests run many)."""
+    _committed.clear()
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of `pid` from /proc; None when /proc has no such entry."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+        fields = data[data.rindex(b")") + 2:].split()  # after the command name, which may hold spaces
+        return fields[0].decode(), int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@functools.cache
+def _start() -> int:
+    found = _proc_stat(os.getpid())
+    return found[1] if found else 0
+
+
+@functools.cache
+def _host_key() -> str:
+    """This machine (boot id, host name) and pid namespace: a pid means this process only here."""
+    parts = [socket.gethostname()]
+    for read in (lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+                 lambda: str(os.stat("/proc/self/ns/pid").st_ino)):
+        try:
+            parts.append(read())
+        except OSError:
+            parts.append("")
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+def _alive(pid: int, start: int) -> bool:
+    """Whether the writer `pid` (started at `start`) may still run; when unsure, alive."""
+    found = _proc_stat(pid)
+    if found is not None:
+        state, now = found
+        return state not in ("Z", "X") and (start == 0 or now == start)  # a zombie writes nothing more
+    if _start():
+        return False  # /proc works (it gave this process's start) and has no such process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):
+        return True  # another user's process (EPERM), or a pid that cannot be asked about
+    return True
+
+
+def sweep(folder: Path) -> list[Path]:
+    """Remove from `folder` the staging files that killed graphgrow runs on this machine left (once per
+    process and folder). Only regular files of this user, spelled as staging files, whose writer is
+    gone; never one of a live process or of another machine, never anything else. Returns what went."""
+    where = os.path.abspath(folder)
+    if where in _swept:
+        return []
+    _swept.add(where)
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(where))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(".") or ".gg-" not in entry.name:
+            continue
+        m = _STAGING.fullmatch(entry.name)
+        if m is None or m.group(3) != _host_key() or _alive(int(m.group(1)), int(m.group(2))):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            os.unlink(entry.path)
+            removed.append(Path(entry.path))
+        except OSError:
+            continue  # gone already, or not ours to remove
+    return removed
+
+
+def staging_file(final: Path, kind: str = "part") -> Path:
+    """Create an empty staging file for `final` in its folder (after sweeping the folder); raises OSError."""
+    final = Path(final)
+    folder = final.parent if str(final.parent) else Path(".")
+    sweep(folder)
+    short = os.fsdecode(os.fsencode(final.name)[:_NAME_BYTES])
+    fd, name = tempfile.mkstemp(prefix=f".{short}.gg-{os.getpid()}-{_start()}-{_host_key()}-", suffix=f".{kind}", dir=folder)
+    try:  # known (discard_all) before anything else can happen, a signal included
+        _own[Path(name)] = output_of(final)  # a staging file of a staging file stands for the same output
+        os.close(fd)
+    except BaseException:
+        discard(Path(name))
+        raise
+    return Path(name)
+
+
+def forget(path: Path) -> None:
+    """`path` (a staging file of this process) is gone: removed or renamed."""
+    _own.pop(Path(path), None)
+
+
+def discard(path: Path) -> None:
+    Path(path).unlink(missing_ok=True)
+    forget(path)
+
+
+def discard_all() -> None:
+    """Remove every staging file this process still has (the CLI, as a command ends: a signal may have
+    come between creating one and handing it to whoever cleans it up)."""
+    for path in list(_own):
+        with contextlib.suppress(OSError):
+            discard(path)
+
+
+@contextlib.contextmanager
+def held_signals() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP wait while the body runs and are delivered when it ends, so that
+    renaming several outputs into place is not cut in the middle (all outputs or none)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers can be set from the main thread only; Python runs them there too
+        return
+    pending: list[int] = []
+    old: dict[int, Any] = {}
+    holding = True
+
+    def hold(signum: int, frame: Any) -> None:
+        if holding:
+            pending.append(signum)
+        else:  # left installed by an exception while the handlers were being restored: pass the signal on
+            signal.signal(signum, old[signum])
+            signal.raise_signal(signum)
+
+    try:
+        for sig in (getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)):
+            previous = signal.signal(sig, hold)
+            old[sig] = signal.SIG_DFL if previous is None else previous  # None: a handler not set from Python
+        yield
+    finally:
+        holding = False
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(pending):
+            signal.raise_signal(sig)
+
+
+def commit(pairs: Sequence[tuple[Path, Path]]) -> list[Path]:
+    """Rename each staged file onto its final path, signals held until all are in place. A rename that
+    fails is SaveError naming its output."""
+    done = []
+    with held_signals():
+        for tmp, final in pairs:
+            try:
+                os.replace(tmp, final)
+            except OSError as e:
+                raise write_error(final, e) from e
+            forget(tmp)
+            done.append(Path(final))
+            if not is_own_staging(final):  # filling a staging file is not an output yet
+                _committed.append(Path(final))
+    return done
+
+
+# What torch's zip writer says when a write failed (it swallows the OSError: ulimit -f gave
+# "[enforce fail at inline_container.cc:672] . unexpected pos 6208 vs 6128").
+_TORCH_WRITE_FAILED = ("unexpected pos", "PytorchStreamWriter failed", "file write failed")
+
+
+def is_write_error(e: BaseException) -> bool:
+    return isinstance(e, OSError) or (isinstance(e, RuntimeError) and any(s in str(e) for s in _TORCH_WRITE_FAILED))
+
+
+def write_error(path: Path, e: BaseException) -> SaveError:
+    """`cannot write OUT: reason` for a write that failed (OUT the user's output, also for a staging file)."""
+    if isinstance(e, OSError):
+        reason = e.strerror or first_line(e, 200)
+    else:
+        reason = f"the write stopped part-way ({first_line(e, 120)})"
+    return SaveError(f"cannot write {output_of(path)}: {reason}", WAY_OUT)
+
+
+class _Recorder:
+    """The file torch.save writes through, keeping the OSError a write raised (torch's zip writer turns
+    it into a RuntimeError without the reason)."""
+
+    def __init__(self, f: IO[bytes], name: str):
+        self.f, self.name = f, name
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def torch_save(obj: Any, path: Path) -> None:
+    """torch.save(obj, path), raising the OSError of a failed write (EFBIG, ENOSPC, EDQUOT, EIO) itself."""
+    import torch
+
+    with open(path, "wb") as f:
+        recorder = _Recorder(f, str(path))
+        try:
+            torch.save(obj, recorder)
+        except RuntimeError as e:
+            if recorder.error is not None:
+                raise recorder.error from e
+            raise

@@ -1,0 +1,294 @@
+"""GraphModule ↔ a plain structure that torch.load(weights_only=True) can read.
+
+A pickled GraphModule re-executes generated Python code when loaded, so graphgrow
+never writes one. Instead it saves the module tree (standard layers only), the graph
+as data, and resolves call_function targets by name against an allow-list when
+loading, so a crafted file cannot name `os.system` and have it called.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+
+from . import graph_policy
+from ..core import names
+from ..core.errors import LoadError, SaveError
+from .lineage import is_origin
+
+FORMAT = "graphgrow.graphmodule"
+VERSION = 1
+
+MAX_NODES = 200_000  # far beyond any real model; a bound on what a file can make us build
+MAX_LOG_ENTRIES = 1_000
+MAX_META_DEPTH = 12
+
+
+def qualified_name(fn: Callable) -> str:
+    if getattr(fn, "__module__", None) == "_operator":
+        return f"operator.{fn.__name__}"
+    if getattr(fn, "__module__", None) == "builtins":  # torch.fx names builtins bare ("len"); the allow-list and loader want builtins.len
+        return f"builtins.{fn.__name__}"
+    return fx.node._get_qualified_name(fn)
+
+
+def _resolve_function(qualname: str, trusted: bool, node: str = "?") -> Callable:
+    if not trusted:
+        graph_policy.check_function(qualname, node)
+    if not isinstance(qualname, str) or not re.fullmatch(r"[A-Za-z_][\w.]*", qualname):
+        raise LoadError(f"the model graph names the function {str(qualname)[:80]!r}", "the file is corrupted")
+    module_name, _, attr = qualname.rpartition(".")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError:
+        # nested attributes such as torch._C._nn.gelu
+        head, _, rest = module_name.partition(".")
+        try:
+            obj = importlib.import_module(head)
+            for part in rest.split(".") if rest else []:
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError):
+            obj = None
+    fn = getattr(obj, attr, None)
+    if not callable(fn):
+        raise LoadError(f"the model graph calls '{qualname}', which does not exist here", "was it saved by a newer torch?")
+    return fn
+
+
+def _encode(value: Any, where: str) -> Any:
+    if isinstance(value, fx.Node):
+        return {"node": value.name}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, torch.Size)):
+        return {"tuple": [_encode(v, where) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v, where) for v in value]
+    if isinstance(value, dict):
+        return {"dict": [[k, _encode(v, where)] for k, v in value.items()]}
+    if isinstance(value, slice):
+        return {"slice": [_encode(value.start, where), _encode(value.stop, where), _encode(value.step, where)]}
+    if value is Ellipsis:
+        return {"ellipsis": True}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, torch.memory_format):
+        return {"memory_format": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.layout):
+        return {"layout": str(value).removeprefix("torch.")}
+    raise SaveError(f"node '{where}' has an argument of type {type(value).__name__} that graphgrow cannot save")
+
+
+def _decode(value: Any, env: dict[str, fx.Node]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, env) for v in value]
+    if not isinstance(value, dict):
+        return value
+    (tag, payload), = value.items()
+    if tag == "node":
+        return env[payload]
+    if tag == "tuple":
+        return tuple(_decode(v, env) for v in payload)
+    if tag == "dict":
+        return {k: _decode(v, env) for k, v in payload}
+    if tag == "slice":
+        return slice(*(_decode(v, env) for v in payload))
+    if tag == "ellipsis":
+        return Ellipsis
+    if tag in ("dtype", "memory_format", "layout"):
+        obj = getattr(torch, payload, None)
+        if not isinstance(obj, (torch.dtype, torch.memory_format, torch.layout)):
+            raise LoadError(f"unknown torch {tag} '{payload}' in the model graph")
+        return obj
+    if tag == "device":
+        return torch.device(payload)
+    raise LoadError(f"unknown value tag '{tag}' in the model graph", "the file is corrupted or from a newer graphgrow")
+
+
+def to_payload(gm: fx.GraphModule) -> dict:
+    """The saveable form of a GraphModule: module tree, graph as data, graphgrow meta."""
+    root = nn.Module()
+    for name, child in gm.named_children():
+        root.add_module(name, child)
+    for name, p in gm.named_parameters(recurse=False):
+        root.register_parameter(name, p)
+    for name, b in gm.named_buffers(recurse=False):
+        root.register_buffer(name, b)
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and "." not in n.target and not hasattr(root, n.target):
+            setattr(root, n.target, getattr(gm, n.target))  # a plain tensor or number attribute
+    nodes = node_records(gm.graph)
+    problem = names.bad_name_in_tree(root) or next(filter(None, map(names.bad_name_in_record, nodes)), None)
+    if problem is None and not names.is_identifier(type(gm).__name__):
+        problem = f"class name {names.shown(type(gm).__name__)}"
+    if problem:  # never write a file that would be refused when read back
+        raise SaveError(f"the model's {problem} is not a plain name ({names.RULE}), and graphgrow files store only such names",
+                        "rename it in the model (module and parameter names: letters, digits, '_'), then grow it again")
+    meta = dict(gm.meta.get("graphgrow", {}))
+    training = {path: m.training for path, m in gm.named_modules()}
+    return {"format": FORMAT, "version": VERSION, "class_name": type(gm).__name__, "root": root, "nodes": nodes,
+            "meta": meta, "training": training}
+
+
+def node_records(graph: fx.Graph) -> list[dict]:
+    """The graph as plain records (names, targets by qualified name, arguments as data)."""
+    nodes = []
+    for n in graph.nodes:
+        target = qualified_name(n.target) if n.op == "call_function" else n.target
+        nodes.append({
+            "name": n.name, "op": n.op, "target": target,
+            "args": _encode(n.args, n.name), "kwargs": _encode(n.kwargs, n.name),
+            "scope": list(n.meta.get("gg_scope", ())),
+        })
+    return nodes
+
+
+def graph_from_records(nodes: Any, root: nn.Module, trusted: bool) -> fx.Graph:
+    """Rebuild a graph from `node_records` output: every name and (unless trusted) every node checked
+    before anything is built, functions resolved by name against the allow-list, the code fx would
+    generate parsed before it is compiled. Raises LoadError."""
+    if not isinstance(nodes, list) or len(nodes) > MAX_NODES:
+        raise LoadError(f"the saved graph is not a list of at most {MAX_NODES:,} nodes", "the file is corrupted or hostile")
+    for rec in nodes:
+        if not isinstance(rec, dict) or not {"name", "op", "target", "args", "kwargs"} <= rec.keys():
+            raise LoadError("the saved graph holds a node that is not a complete record", "the file is corrupted")
+        if (problem := names.bad_name_in_record(rec)) is not None:
+            raise _bad_name(problem, rec.get("name"))
+    if not trusted:  # the whole graph is checked before any of it is built or run
+        for rec in nodes:
+            graph_policy.check_node_record(rec, root)
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    try:
+        for rec in nodes:
+            op, target = rec["op"], rec["target"]
+            args, kwargs = _decode(rec["args"], env), _decode(rec["kwargs"], env)
+            if (problem := names.bad_keywords(kwargs)) is not None:
+                raise _bad_name(problem, rec["name"])
+            if not trusted and op in ("call_function", "call_method"):
+                graph_policy.check_sizes(str(target), args, kwargs, rec["name"])
+            if op == "call_function":
+                target = _resolve_function(target, trusted, rec["name"])
+                if target is getattr and not trusted:
+                    graph_policy.check_getattr_args(args, rec["name"])
+                if target is getattr and len(args) > 1 and isinstance(args[1], str) and not names.is_identifier(args[1]):
+                    raise _bad_name(f"attribute name {names.shown(args[1])}", rec["name"])  # fx writes x.NAME raw
+            node = graph.create_node(op, target, args, kwargs, name=rec["name"])
+            node.meta["gg_scope"] = tuple(rec.get("scope", ()))
+            env[rec["name"]] = node
+        graph.lint()
+    except LoadError:
+        raise
+    except Exception as e:
+        raise LoadError(f"the saved graph is inconsistent: {e}", "the file is corrupted; re-create it from the original model") from e
+    if (problem := names.check_source(graph)) is not None:  # the second wall, before anything is compiled
+        raise LoadError(f"the saved graph would generate unexpected code: {problem}; nothing was run",
+                        "the file was edited by hand or is hostile; re-create it from the original model")
+    return graph
+
+
+def from_payload(payload: dict, trusted: bool = False) -> fx.GraphModule:
+    """Rebuild a GraphModule from `to_payload` output, resolving functions safely."""
+    if payload.get("version") != VERSION:
+        raise LoadError(f"graphgrow file format version {payload.get('version')} is not supported (this graphgrow reads {VERSION})")
+    root, nodes = payload.get("root"), payload.get("nodes")
+    if not isinstance(root, nn.Module) or not isinstance(nodes, list):
+        raise LoadError("the graphgrow file has no module tree or no graph", "the file is corrupted; re-create it")
+    if len(nodes) > MAX_NODES:
+        raise LoadError(f"the saved graph has {len(nodes):,} nodes (limit {MAX_NODES:,})", "the file is corrupted or hostile")
+    # Names first, trusted or not: no stored string reaches the code fx generates (names.py)
+    _check_names(payload, nodes, root)
+    meta = validate_meta(payload.get("meta"))
+    graph = graph_from_records(nodes, root, trusted)
+    try:
+        gm = fx.GraphModule(payload["root"], graph, payload.get("class_name", "GraphModule"))
+    except Exception as e:
+        raise LoadError(f"the saved graph is inconsistent: {e}", "the file is corrupted; re-create it from the original model") from e
+    for sub in gm.modules():  # graphgrow's mode switches hold small graphs of their own, checked the same way
+        if hasattr(sub, "load_bodies"):
+            sub.load_bodies(trusted)
+    gm.meta["graphgrow"] = meta
+    _restore_modes(gm, payload.get("training"))
+    return gm
+
+
+def _bad_name(problem: str, node: Any) -> LoadError:
+    where = f" (node {names.shown(node)})" if names.is_identifier(node) else ""
+    return LoadError(f"the saved model's {problem}{where} is not a plain name ({names.RULE}); graphgrow reads names "
+                     "from files only as such, so no stored text reaches generated code; nothing was run",
+                     "the file was edited by hand or is hostile; re-create it from the original model")
+
+
+def _check_names(payload: dict, nodes: list, root: nn.Module) -> None:
+    """Every name the file supplies — module tree, node records, class name — before anything is built."""
+    if (problem := names.bad_name_in_tree(root)) is not None:
+        raise _bad_name(problem, None)
+    for rec in nodes:
+        if not isinstance(rec, dict) or not {"name", "op", "target", "args", "kwargs"} <= rec.keys():
+            raise LoadError("the saved graph holds a node that is not a complete record", "the file is corrupted")
+        if (problem := names.bad_name_in_record(rec)) is not None:
+            raise _bad_name(problem, rec.get("name"))
+    if not names.is_identifier(payload.get("class_name", "GraphModule")):
+        raise _bad_name(f"class name {names.shown(payload.get('class_name'))}", None)
+
+
+def _restore_modes(gm: fx.GraphModule, flags: Any) -> None:
+    """Put back every module's training flag as saved (older files have none: left as loaded)."""
+    if not isinstance(flags, dict):
+        return
+    for path, m in gm.named_modules():
+        flag = flags.get(path)
+        if isinstance(flag, bool):
+            m.training = flag
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of plain data, stopping past `limit` (no recursion: a hostile file may nest deeply)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        if isinstance(v, dict):
+            todo.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, (list, tuple)):
+            todo.extend((x, d + 1) for x in v)
+    return deepest
+
+
+def is_stored_shape(shape: Any) -> bool:
+    """A stored example input shape graphgrow accepts: 1–8 positive int sizes of at most 2^20 each."""
+    return (isinstance(shape, (list, tuple)) and 1 <= len(shape) <= 8
+            and all(type(d) is int and 0 < d <= 1 << 20 for d in shape))
+
+
+def validate_meta(meta: Any) -> dict:
+    """graphgrow's stored metadata is untrusted: check its types and sizes; return a clean copy."""
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise LoadError("the graphgrow file's metadata is not a record", "the file is corrupted")
+    out = dict(meta)
+    shape = out.get("input_shape")
+    if shape is not None:
+        if not is_stored_shape(shape):
+            raise LoadError(f"the graphgrow file stores the input shape {str(shape)[:80]}, which is not a shape",
+                            "pass --input-shape N,C,H,W, or re-create the file")
+        out["input_shape"] = list(shape)
+    log = out.get("log", [])
+    if not isinstance(log, list) or len(log) > MAX_LOG_ENTRIES or not all(isinstance(e, dict) for e in log):
+        raise LoadError(f"the graphgrow file's mutation log is malformed (a list of at most {MAX_LOG_ENTRIES} records expected)",
+                        "the file is corrupted or hostile")
+    if _depth(log, MAX_META_DEPTH) > MAX_META_DEPTH or _depth(out.get("trace"), MAX_META_DEPTH) > MAX_META_DEPTH:
+        raise LoadError("the graphgrow file's metadata is nested too deeply", "the file is corrupted or hostile")
+    out["log"] = log
+    if "origin" in out and not is_origin(out["origin"]):
+        raise LoadError("the graphgrow file's origin fingerprint is malformed", "the file is corrupted or hostile")
+    out.setdefault("input_shape", None)
+    return out

@@ -1,0 +1,6 @@
+"""jobs: what a user runs — passes found through entry points (registry), specs run in order with
+verification (pipeline), the CLI's jobs as functions returning plain data (workflow), the picture of a
+change (diagram), an optimiser carried across a growth event (optim).
+
+May import: core, graph, io, analysis, verify, capture, rewrite.
+"""

@@ -1,0 +1,484 @@
+"""The jobs behind the CLI, as functions: open a model, mutate, export, check, inspect.
+
+Each returns plain data (the CLI formats it) and raises GraphgrowError subclasses.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal, Sequence
+
+import torch
+from torch import fx, nn
+
+from ..io import outputs
+from ..core.errors import InputError, LoadError, SaveError, SpecError, ValidationError
+from ..io.load import FACTORY_SEED, LoadedModel, custom_classes, load_model
+from ..io.save import check_output_path, default_output_path, plain_output_path, save_model
+from ..io.factory import is_factory_name
+from ..analysis.targets import Candidate
+from .pipeline import Pipeline, PipelineResult, parse_spec
+from ..capture.input_shape import infer_input_shape, parse_input_shape, require_single_input
+from .diagram import diagram_format
+from ..io.lineage import origin_of, require_lineage
+from ..graph.shapes import annotate, param_count, total_flops
+from ..capture.trace import graph_info, trace
+
+Progress = Callable[[str], None]
+
+
+def _noop(_: str) -> None:
+    pass
+
+
+@dataclass
+class OpenedModel:
+    loaded: LoadedModel
+    gm: fx.GraphModule
+    input_shape: list[int]
+    inferred_from: str | None = None  # how the input shape was inferred, when it was not given
+
+
+def open_model(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
+               progress: Progress = _noop, trace_mode: str = "eval", max_memory: int | None = None,
+               factory_seed: int = FACTORY_SEED) -> OpenedModel:
+    """Load (safely), trace, check the trace against the model, and annotate shapes. The
+    example input shape comes from the argument, the file (graphgrow outputs remember
+    it) or the first layer."""
+    progress(f"loading {source}")
+    loaded = load_model(source, trust=trust, factory_seed=factory_seed)
+    shape = parse_input_shape(input_shape if input_shape is not None else loaded.input_shape)  # flag or stored: one check
+    progress("tracing")
+    gm = trace(loaded.module, shape, leaves, mode=trace_mode, check=False)  # fidelity checked below, once the shape is known
+    if shape is None:
+        shape, why = infer_input_shape(gm)
+        if shape is None:
+            raise InputError(
+                f"cannot tell the example input shape of {source}: {why}",
+                "pass --input-shape N,C,H,W (e.g. 1,3,224,224)",
+            )
+        progress(f"input shape {'×'.join(map(str, shape))} inferred: {why}")
+        graph_info(gm)["input_shape"] = shape
+        inferred = why
+    else:
+        require_single_input(gm)
+        inferred = None
+    _check_finite(loaded.module, source)
+    from ..analysis.budget import check_input_memory
+
+    check_input_memory(gm, shape, max_memory)  # on the meta device, before any real forward; fails closed
+    progress("propagating shapes")
+    try:
+        annotate(gm, shape)
+    except ValidationError as e:
+        raise InputError(f"the model cannot run on an input of shape {tuple(shape)}: {e.message}",
+                         "give the shape the model expects with --input-shape N,C,H,W") from e
+    if loaded.kind != "graphgrow":  # a graphgrow file's graph is the model; anything else is checked against it
+        from ..capture.fidelity import check_fidelity
+
+        progress("checking the traced graph against the model (eval and train mode)")
+        check_fidelity(loaded.module, gm, shape)
+    return OpenedModel(loaded, gm, shape, inferred)
+
+
+def _check_finite(model: nn.Module, source: str) -> None:
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise LoadError(f"{source} has NaN or Inf values in '{name}'",
+                            "graphgrow will not grow or export a broken model; fix or re-initialise those weights")
+
+
+def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: str | None = None,
+           check: bool = False, input_shape=None, provider: str = "auto", trust: bool = False,
+           leaves: Sequence[str] = (), seed: int = 0, progress: Progress = _noop, trace_mode: str = "eval",
+           max_params=None, max_memory=None, suffix: str = ".grown.pt", dry_run: bool = False,
+           diagram: str | None = None) -> dict:
+    """Load → run the pipeline with verification → save → (export) → (check). Returns the JSON report.
+    `diagram`: also draw the graph after growth against the one before (diagram.draw; .svg or .png).
+    Without `out` the result goes beside the model as NAME`suffix`. `dry_run`: the passes run and are
+    verified, nothing is written (the report says where it would have gone)."""
+    pipeline = Pipeline.from_spec(list(specs), seed=seed)  # spec errors before any work
+    pipeline.limits = _limits(max_params, max_memory)
+    out_path = check_output_path(out or default_output_path(source, suffix), inputs=(source,))
+    onnx_path = check_output_path(onnx_out, inputs=(source,)) if onnx_out else None
+    diagram_path = check_output_path(diagram, inputs=(source,)) if diagram else None
+    if diagram_path is not None:
+        diagram_format(diagram_path)  # a wrong extension is refused before the passes run
+    _distinct_outputs(out_path, onnx_path, diagram_path)
+    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, pipeline.limits.max_memory)
+    report = _grow_and_write(pipeline, opened, source, (source,), out_path, onnx_path, check, provider, progress, "pass",
+                             dry_run=dry_run, diagram=diagram_path)
+    plain = plain_output_path(source, suffix)
+    if out is None and out_path != plain:
+        report["output_note"] = f"{plain} already exists: the result went to {out_path.name} (give -o to choose the name)"
+    return report
+
+
+def _limits(max_params, max_memory):
+    from ..analysis.budget import DEFAULT_MAX_NEW_PARAMS, Limits, default_max_memory, parse_limit
+
+    return Limits(parse_limit(max_params, "--max-params") if max_params is not None else DEFAULT_MAX_NEW_PARAMS,
+                  parse_limit(max_memory, "--max-memory") if max_memory is not None else default_max_memory())
+
+
+def _distinct_outputs(*paths: Path | None) -> None:
+    real = [Path(p).resolve() for p in paths if p is not None]
+    if len(set(real)) != len(real):
+        raise SaveError("two outputs (-o, --onnx, --diagram) name the same file", "give each output its own name")
+
+
+def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs: tuple, out_path: Path,
+                    onnx_path: Path | None, check: bool, provider: str, progress: Progress, verb: str,
+                    dry_run: bool = False, diagram: Path | None = None) -> dict:
+    """Run `pipeline` on the opened model, save the result, export and check it when asked (not when `dry_run`)."""
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    count = len(pipeline.passes)
+    result = pipeline.run(opened.gm, progress=lambda i, p: progress(f"{verb} {i + 1}/{count}: {p.name} (+ verification)"))
+    timings["passes"] = time.perf_counter() - t
+    report: dict = {
+        "model": source,
+        "input_shape": opened.input_shape,
+        "input_shape_inferred": opened.inferred_from,
+        "passes": [r.to_json() for r in result.results],
+        "preservation": _preservation_json(result),
+        "outputs": [],
+        "timings": timings,
+    }
+    title = f"{source} + {', '.join(r.name for r in result.results)}"
+    if dry_run:  # no model is written; a diagram asked for is the preview itself
+        report["dry_run"] = {"would_write": [str(p) for p in (out_path, onnx_path) if p is not None]}
+        if diagram is not None:
+            with StagedOutputs() as staged:
+                _draw(opened.gm, result.gm, staged.reserve(diagram), diagram, title, progress)
+                report["outputs"] = [str(p) for p in staged.commit()]
+        return report
+    with StagedOutputs() as staged:  # every output appears at the end, together, or none does
+        progress(f"saving {out_path}")
+        save_model(result.gm, staged.reserve(out_path), inputs=inputs)
+        if onnx_path or check:
+            exported = export_and_check(result.gm, opened, staged.reserve(onnx_path) if onnx_path else None, check,
+                                        provider, progress, timings)
+            if check:
+                report["equivalence"] = exported["equivalence"]
+        if check and not report["equivalence"]["passed"]:
+            staged.discard()  # a model that failed its check is not written
+            return report
+        if diagram is not None:
+            _draw(opened.gm, result.gm, staged.reserve(diagram), diagram, title, progress)
+        report["outputs"] = [str(p) for p in staged.commit()]
+    custom = custom_classes(result.gm)
+    if custom:  # said now, not discovered at the next command's refusal
+        shown = ", ".join(custom[:3]) + (f" and {len(custom) - 3} more" if len(custom) > 3 else "")
+        report["trust_note"] = (f"reading {out_path.name} back needs --trust: it keeps modules of custom classes whole "
+                                f"({shown}); loading them runs that installed code")
+    return report
+
+
+def _draw(before: fx.GraphModule, after: fx.GraphModule, tmp: Path, final: Path, title: str, progress: Progress) -> None:
+    from .diagram import draw
+
+    progress(f"drawing {final}")
+    draw(before, after, tmp, title, fmt=final.suffix)
+
+
+def diff(source_a: str, source_b: str, diagram: str | None = None, trust: bool = False, progress: Progress = _noop) -> dict:
+    """What B changed against A, where B was grown from A (lineage.require_lineage: A's mutation log is the
+    start of B's and both start from the same network)."""
+    if diagram:
+        check_output_path(diagram, inputs=(source_a, source_b))
+        diagram_format(diagram)  # refused before the models are loaded
+    b = open_model(source_b, None, trust, (), progress)
+    a = open_model(source_a, b.input_shape, trust, (), progress)  # B (a graphgrow file) knows the shape; A may not
+    lineage = require_lineage(a.gm, source_a, b.gm, source_b)
+    log_a, log_b = graph_info(a.gm).get("log", []), graph_info(b.gm).get("log", [])
+    from .diagram import node_changes
+
+    items, gone = node_changes(a.gm, b.gm)
+    report = {"a": source_a, "b": source_b, "lineage": lineage, "passes": [e.get("pass") for e in log_b[len(log_a):]],
+              "params": [param_count(a.gm), param_count(b.gm)], "removed": gone,
+              **{k: [it.label for it in items if it.status == k] for k in ("added", "rebuilt", "reshaped")}}
+    if diagram:
+        from .diagram import draw
+
+        out = check_output_path(diagram, inputs=(source_a, source_b))
+        report["diagram"] = str(draw(a.gm, b.gm, out, f"{source_b} against {source_a}"))
+    return report
+
+
+class StagedOutputs:
+    """Staging files beside each final output (outputs.staging_file); `commit` renames them all, anything
+    else removes them.
+
+    A failure or a signal (SIGINT, SIGTERM, SIGHUP: the CLI turns them into exceptions) part-way
+    through a command leaves neither a half-written file nor some outputs without the others: the
+    renames run with those signals held (outputs.commit). A write that fails is SaveError.
+    """
+
+    def __init__(self) -> None:
+        self.staged: list[tuple[Path, Path]] = []
+
+    def reserve(self, final: Path) -> Path:
+        final = Path(final)
+        try:
+            tmp = outputs.staging_file(final, "part")
+        except OSError as e:
+            raise outputs.write_error(final, e) from e
+        self.staged.append((tmp, final))
+        return tmp
+
+    def commit(self) -> list[Path]:
+        staged, self.staged = self.staged, []
+        try:
+            return outputs.commit(staged)
+        except BaseException:
+            self.staged = [(tmp, final) for tmp, final in staged if tmp.exists()]  # those not renamed are removed
+            raise
+
+    def discard(self) -> None:
+        for tmp, _ in self.staged:
+            outputs.discard(tmp)
+        self.staged = []
+
+    def __enter__(self) -> "StagedOutputs":
+        return self
+
+    def __exit__(self, *exc) -> Literal[False]:
+        self.discard()
+        return False
+
+
+def export_and_check(gm: fx.GraphModule, opened: OpenedModel, onnx_path: Path | None, check: bool, provider: str,
+                     progress: Progress, timings: dict) -> dict:
+    from ..verify.equivalence import check_equivalence
+    from ..io.export import export_onnx
+    from ..io.runtime import max_ir_version, open_session
+
+    progress("exporting to ONNX (torch.onnx.export, then the ONNX checker)")
+    t = time.perf_counter()
+    proto = export_onnx(gm, opened.input_shape, onnx_path, metadata=provenance(opened.loaded), max_ir_version=max_ir_version())
+    timings["export"] = time.perf_counter() - t
+    result: dict = {"outputs": [str(onnx_path)] if onnx_path else []}
+    if check:
+        progress("checking onnxruntime against PyTorch")
+        t = time.perf_counter()
+        session = open_session(proto.SerializeToString(), provider)
+        grown = check_equivalence(gm, session, opened.input_shape, reference="grown model")
+        original = check_equivalence(opened.loaded.module, session, opened.input_shape, reference="original model")
+        timings["check"] = time.perf_counter() - t
+        result["equivalence"] = {
+            **grown.to_json(),
+            "passed": grown.passed and original.passed,
+            "vs_original": original.to_json(),
+        }
+    return result
+
+
+def _preservation_json(result: PipelineResult) -> dict:
+    reports = [r.preservation for r in result.results if r.preservation is not None]
+    return {
+        "max_rel_err": max((p.max_rel_err for p in reports), default=0.0),
+        "eval_ok": all(p.eval.ok for p in reports),
+        "train_ok": all(p.train.ok for p in reports if p.train is not None),
+        "trainable_ok": all(p.trainable_ok for p in reports),
+        "verified_passes": len(reports),
+    }
+
+
+def replay(source: str, log_source: str, out: str | None = None, onnx_out: str | None = None, check: bool = False,
+           input_shape=None, provider: str = "auto", trust: bool = False, leaves: Sequence[str] = (),
+           progress: Progress = _noop, trace_mode: str = "eval",
+           max_params=None, max_memory=None) -> dict:
+    """Re-apply the mutation log of `log_source` (a graphgrow .pt or an exported .onnx) to the model `source`."""
+    from .pipeline import from_log
+
+    log, grown_shape, grown_origin = _read_log(log_source, trust, need_shape=input_shape is None)
+    pipeline = from_log(log)  # a malformed log is refused before the model is loaded
+    inputs = (source, log_source)
+    out_path = check_output_path(out or default_output_path(source, ".replayed.pt"), inputs=inputs)
+    onnx_path = check_output_path(onnx_out, inputs=inputs) if onnx_out else None
+    _distinct_outputs(out_path, onnx_path)
+    limits = _limits(max_params, max_memory)
+    opened = open_model(source, input_shape or grown_shape, trust, leaves, progress, trace_mode, limits.max_memory)
+    done = graph_info(opened.gm).get("log", [])
+    if log[:len(done)] != done:
+        raise InputError(f"{source} was not grown on the way to {log_source}: its mutation log is not the start of that one",
+                         f"replay onto the model {log_source} was grown from")
+    origin = origin_of(opened.gm)
+    if grown_origin and origin and origin != grown_origin:
+        raise InputError(f"{log_source} was not grown from {source}: it starts from a different network "
+                         "— the parameter names or shapes differ", f"replay onto the model {log_source} was grown from")
+    if len(done) == len(log):
+        raise InputError(f"{source} already has every mutation of {log_source}: nothing to replay",
+                         "replay onto an earlier model of its lineage")
+    pipeline = from_log(log[len(done):])  # a model part of the way there gets the rest
+    pipeline.limits = limits
+    report = _grow_and_write(pipeline, opened, source, inputs, out_path, onnx_path, check, provider, progress, "replaying")
+    report["log_from"] = log_source
+    return report
+
+
+def _read_log(log_source: str, trust: bool, need_shape: bool = True) -> tuple[list[dict], list[int] | None, str | None]:
+    """The mutation log, example input shape and origin fingerprint stored in a graphgrow .pt or an exported .onnx."""
+    if str(log_source).endswith(".onnx"):
+        from ..io.export import load_onnx, mutation_log, onnx_input_shape, onnx_origin
+
+        proto = load_onnx(log_source)
+        return mutation_log(proto), onnx_input_shape(proto) if need_shape else None, onnx_origin(proto)
+    loaded = load_model(log_source, trust=trust)
+    if loaded.kind != "graphgrow":
+        raise LoadError(f"{log_source} has no mutation log (it was not written by graphgrow)",
+                        "pass a file that graphgrow mutate wrote, or its exported .onnx")
+    return loaded.log, loaded.input_shape, graph_info(loaded.module).get("origin")
+
+
+def targets(source: str, spec: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
+            progress: Progress = _noop, trace_mode: str = "eval") -> dict:
+    """Where one pass (its other arguments as given in `spec`) can apply, with what each place would add."""
+    from .pipeline import build_pipeline, spec_of
+
+    passes = build_pipeline(spec)
+    if len(passes) != 1:
+        raise SpecError(f"targets lists the places of one pass, got {len(passes)}", "give one pass, e.g. --pass add_branch")
+    p = passes[0]
+    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode)
+    progress(f"finding where {p.name} can apply")
+    found = p.candidates(opened.gm)
+    total = param_count(opened.gm)
+    given = parse_spec(spec_of(p))[0][1]
+    return {"model": source, "pass": p.name, "params": total, "input_shape": opened.input_shape,
+            "candidates": [{"spec": Candidate({**given, **c.args}, c.where, c.params).spec(p.name), "where": c.where,
+                            "params": c.params, "fraction": c.params / max(total, 1), "default": c.default} for c in found]}
+
+
+def provenance(loaded: LoadedModel) -> dict[str, str]:
+    """ONNX metadata that lets `check` rebuild the same reference: a factory's name and weight seed."""
+    from ..io.export import FACTORY_SEED_KEY, SOURCE_KEY
+
+    if loaded.kind != "factory" or loaded.factory_seed is None:
+        return {}
+    return {SOURCE_KEY: loaded.source, FACTORY_SEED_KEY: str(loaded.factory_seed)}
+
+
+def export(source: str, out: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
+           progress: Progress = _noop, trace_mode: str = "eval", fold: bool = False, opset: int | None = None) -> dict:
+    """Export the model to ONNX; with `fold`, through the `fold` transform first (verified, logged)."""
+    from ..io.export import export_onnx, mutation_log
+    from ..io.runtime import max_ir_version
+
+    out_path = check_output_path(out, inputs=(source,))
+    if opset is not None and not MIN_OPSET <= opset <= MAX_OPSET:
+        raise InputError(f"--opset {opset} is outside what the exporter writes ({MIN_OPSET}–{MAX_OPSET})",
+                         "leave it out for the exporter's default")
+    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode)
+    gm = opened.gm
+    folded = None
+    if fold:
+        progress("folding (+ verification)")
+        folded = Pipeline.from_spec("fold").run(gm).results[0]
+        gm = folded.gm
+    progress("exporting to ONNX (torch.onnx.export, then the ONNX checker)")
+    t = time.perf_counter()
+    proto = export_onnx(gm, opened.input_shape, out_path, metadata=provenance(opened.loaded),
+                        max_ir_version=max_ir_version(), opset=opset)
+    return {"model": source, "input_shape": opened.input_shape, "outputs": [str(out_path)],
+            "fold": folded.to_json() if folded is not None else None,
+            "ir_version": proto.ir_version, "opset": [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")][:1],
+            "log": mutation_log(proto),
+            "timings": {"export": time.perf_counter() - t}}
+
+
+MIN_OPSET, MAX_OPSET = 18, 23  # the dynamo exporter writes opset 18 and newer
+
+
+def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto", trust: bool = False,
+          leaves: Sequence[str] = (), progress: Progress = _noop, trace_mode: str = "eval", seed: int | None = None,
+          rtol: float | None = None, atol: float | None = None):
+    """onnxruntime on `onnx_file` vs PyTorch on the model `source`. Returns (json, report).
+
+    A factory name builds random weights: they are the exported ones only when built with the
+    seed the export recorded (or `seed`); without either the comparison would be meaningless, so
+    it is refused."""
+    from ..verify.equivalence import check_equivalence
+    from ..io.export import SOURCE_KEY, load_onnx, metadata, onnx_factory_seed, onnx_input_shape
+    from ..io.runtime import open_session
+
+    proto = load_onnx(onnx_file)
+    shape = parse_input_shape(input_shape) or onnx_input_shape(proto)
+    meta = metadata(proto)
+    factory_seed = FACTORY_SEED
+    if is_factory_name(source):
+        recorded = onnx_factory_seed(proto) if seed is None else seed
+        if recorded is None:
+            raise InputError(f"{onnx_file} does not record how its weights were made, and {source} builds new random "
+                             "weights each time: the two could not agree",
+                             "compare against the model file it was exported from, or pass --seed N if you know "
+                             "the seed the factory was built with")
+        factory_seed = recorded
+    opened = open_model(source, shape, trust, leaves, progress, trace_mode, factory_seed=factory_seed)
+    progress("checking onnxruntime against PyTorch")
+    session = open_session(proto.SerializeToString(), provider)  # the bytes that were checked, not the path again
+    report = check_equivalence(opened.gm, session, opened.input_shape, reference=source, rtol=rtol, atol=atol)
+    out: dict = {"onnx": str(onnx_file), "model": source, "equivalence": report.to_json()}
+    if not report.passed:
+        from ..verify.equivalence import first_divergence
+
+        progress("finding the first ONNX node whose output diverges")
+        out["first_divergence"] = first_divergence(opened.gm, proto, opened.input_shape, report.rtol, report.atol)
+    if is_factory_name(source):
+        out["factory_seed"] = factory_seed
+    if meta.get(SOURCE_KEY) not in (None, source):
+        out["note"] = f"{onnx_file} was exported from {meta[SOURCE_KEY]}, not {source}"
+    return out, report
+
+
+def module_summary(gm: fx.GraphModule, depth: int = 1) -> list[dict]:
+    """One row per module at `depth` levels below the model (torchinfo-like): its output shape (the
+    last node inside it), parameters, FLOPs and node count, in graph order; top-level ops get their own row."""
+    from ..graph.graph_meta import scope_of
+
+    rows: dict[str, dict] = {}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        path = str(n.target) if n.op == "call_module" else (scope_of(n)[-1] if scope_of(n) else "")
+        key = ".".join(path.split(".")[:depth]) if path else n.name
+        kind = type(gm.get_submodule(key)).__name__ if path and key in dict(gm.named_modules()) else n.op
+        row = rows.setdefault(key, {"module": key, "type": kind, "shape": None, "params": 0, "flops": 0, "nodes": 0})
+        row["shape"] = n.meta.get("gg_shape") or row["shape"]
+        row["params"] += n.meta.get("gg_params", 0) or 0
+        row["flops"] += n.meta.get("gg_flops", 0) or 0
+        row["nodes"] += 1
+    return list(rows.values())
+
+
+def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
+            progress: Progress = _noop, groups: bool = False, trace_mode: str = "eval", depth: int = 1) -> dict:
+    if str(source).lower().endswith(".onnx") and Path(source).is_file():
+        if groups:
+            raise InputError("--groups needs the PyTorch model (channel groups are a graph analysis)",
+                             "inspect the .pt file the ONNX model was exported from")
+        progress(f"reading {source}")
+        from ..io.export import describe_onnx
+
+        return describe_onnx(str(source))
+    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode)
+    gm = opened.gm
+    nodes = []
+    for n in gm.graph.nodes:
+        target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+        if n.op == "call_module":
+            target = f"{n.target}: {type(gm.get_submodule(n.target)).__name__}"
+        nodes.append({"name": n.name, "op": n.op, "target": target, "shape": n.meta.get("gg_shape"),
+                      "params": n.meta.get("gg_params", 0), "flops": n.meta.get("gg_flops", 0)})
+    report = {"model": source, "input_shape": opened.input_shape, "nodes": nodes, "params": param_count(gm),
+              "flops": total_flops(gm), "log": graph_info(gm).get("log", []), "origin": origin_of(gm), "trace": graph_info(gm).get("trace", {}),
+              "summary": module_summary(gm, depth)}
+    if groups:
+        from ..analysis.coupling import analyze
+
+        coupling = analyze(gm)
+        report["groups"] = [dict(g.to_json(), blocked_by=coupling.why_frozen(g.id), norms_reached=coupling.norms_reached(g.id))
+                            for g in coupling.groups]
+    return report

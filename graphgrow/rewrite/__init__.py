@@ -1,0 +1,56 @@
+"""rewrite: the pass layer — the pass contract (pass_base: Pass, arg, PassResult; verify after each), growth
+over coupling's groups (widen), function-preserving initialisers (initializers). May import:
+core, graph, io, analysis, verify, capture.
+
+This package is the pass author's API: everything a pass (built-in or plugin) needs to rewrite a graph, in one place.
+
+A pass is a frozen dataclass (graphgrow.Pass) whose `function` takes the traced model, its fields
+as keyword arguments and a generator, and returns a `Rewrite`. Built-in passes import only from
+`graphgrow` and this module (a test keeps it so); see examples/plugin_pass for a complete one.
+
+Editing the graph (fx_edit):
+    begin, factory_kwargs, copy_graph_module, find_node, resolve_tensor, nodes_in_module,
+    module_boundary, tensor_shape, is_float_tensor, unique_attr, add_module, add_parameter,
+    inserting_after, replace_uses, set_scope, finish, new_parameters, Rewrite
+Where to grow (stages, targets, deployed): main_path, stages, Stage, stage_end, stage_end_candidates, default_point,
+    place, graphgrow_modules, is_graphgrow_node, tensor_or_feature_end, DEFAULT_BUDGET, pick_within_budget,
+    deployed_nodes (what the deployed function computes: no train-only auxiliary head), train_only_note
+Channels (coupling: analysis; widen: planning and applying):
+    analyze, Coupling, channel_axis, plan_growth, make_layout, Insertion, Layout, grow_group,
+    resize, columns, rows, set_module, identity_adapter, Init
+New weights (initializers): kaiming_, zero_last_bn
+Layers and sizes: AverageMerge, param_count, input_shape_of (the example input a model was traced with)
+"""
+from __future__ import annotations
+
+from ..analysis.coupling import Coupling, analyze, channel_axis
+from ..analysis.deployed import deployed_nodes, train_only_note
+from ..graph.fx_edit import (
+    Rewrite, add_module, add_parameter, begin, copy_graph_module, factory_kwargs, find_node, finish, inserting_after,
+    is_float_tensor, module_boundary, new_parameters, nodes_in_module, replace_uses, resolve_tensor, set_scope,
+    tensor_shape, unique_attr,
+)
+from .initializers import kaiming_, zero_last_bn
+from ..graph.layers import AverageMerge
+from ..graph.shapes import param_count
+from ..analysis.stages import (
+    DEFAULT_BUDGET, default_point, graphgrow_modules, is_graphgrow_node, main_path, pick_within_budget, place,
+    Stage, stage_end, stage_end_candidates, stages,
+)
+from ..analysis.targets import tensor_or_feature_end
+from ..graph.graph_meta import input_shape_of
+from .widen import (
+    Init, Insertion, Layout, columns, grow_group, identity_adapter, make_layout, plan_growth, resize, rows, set_module,
+)
+
+__all__ = [
+    "begin", "factory_kwargs", "copy_graph_module", "find_node", "resolve_tensor", "nodes_in_module", "module_boundary",
+    "tensor_shape", "is_float_tensor", "unique_attr", "add_module", "add_parameter", "inserting_after", "replace_uses",
+    "set_scope", "finish", "new_parameters", "Rewrite",
+    "main_path", "stages", "Stage", "stage_end", "stage_end_candidates", "default_point", "place", "graphgrow_modules",
+    "is_graphgrow_node", "tensor_or_feature_end", "DEFAULT_BUDGET", "pick_within_budget", "deployed_nodes",
+    "train_only_note",
+    "analyze", "Coupling", "channel_axis", "plan_growth", "make_layout", "Insertion", "Layout", "grow_group", "resize",
+    "columns", "rows", "set_module", "identity_adapter", "Init",
+    "kaiming_", "zero_last_bn", "AverageMerge", "param_count", "input_shape_of",
+]

@@ -1,0 +1,216 @@
+"""The pass contract (DESIGN §3): frozen dataclass passes, PassResult, verify after each."""
+from __future__ import annotations
+
+import dataclasses
+import time
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import fx
+
+from ..analysis.budget import Limits, check_budget
+from ..analysis.targets import Candidate
+from ..core.errors import InputError, ValidationError
+from ..verify.preserve import PreservationReport
+from ..graph.fx_edit import Rewrite
+from ..graph.shapes import annotate, param_count, total_flops
+from ..core.state import module_dtype
+from ..io.lineage import record_origin
+from ..graph.graph_meta import graph_info, input_shape_of
+from ..verify.verify import verify
+
+
+@dataclass
+class PassResult:
+    """A verified (or unverified, when asked) pass application."""
+
+    gm: fx.GraphModule
+    changed: bool
+    name: str
+    args: dict[str, Any]
+    targets: dict[str, Any]
+    notes: list[str]
+    nodes_added: list[str]
+    nodes_removed: list[str]
+    params_before: int
+    params_after: int
+    flops_before: int
+    flops_after: int
+    seed: int
+    seconds: float
+    preservation: PreservationReport | None = None
+    exact: bool = True  # False when the pass changed the function on purpose (allow_narrowing, allow_change)
+    modules_added: list[str] = dataclasses.field(default_factory=list)  # new top-level modules (stages.graphgrow_modules)
+
+    def log_entry(self) -> dict:
+        """What goes into the mutation log (saved with the model and into ONNX metadata)."""
+        return {
+            "pass": self.name, "args": self.args, "seed": self.seed, "targets": _plain(self.targets),
+            "params_before": self.params_before, "params_after": self.params_after,
+            "flops_before": self.flops_before, "flops_after": self.flops_after,
+            "nodes_added": len(self.nodes_added), "nodes_removed": len(self.nodes_removed), "exact": self.exact,
+            "modules_added": self.modules_added,
+        }
+
+    def to_json(self) -> dict:
+        d = {"name": self.name, **self.log_entry()}
+        d.update(notes=self.notes, nodes_added=self.nodes_added, nodes_removed=self.nodes_removed,
+                 changed=self.changed, seconds=round(self.seconds, 4))
+        if self.preservation is not None:
+            d["preservation"] = self.preservation.to_json()
+        return d
+
+    def summary(self) -> str:
+        lines = [f"{self.name}({', '.join(f'{k}={v}' for k, v in self.args.items() if v is not None)})"]
+        for k, v in self.targets.items():
+            lines.append(f"  {k}: {v}")
+        lines.append(f"  nodes: +{len(self.nodes_added)} −{len(self.nodes_removed)}")
+        lines.append(f"  params: {self.params_before:,} → {self.params_after:,}")
+        lines.append(f"  FLOPs/example: {self.flops_before:,} → {self.flops_after:,}")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def _plain(value: Any) -> Any:
+    """JSON-friendly copy of a targets dict (tuples → lists, other objects → str)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def arg(default: Any, help: str) -> Any:
+    """A pass argument: its default and one line of help (shown by `graphgrow passes` and docs/passes.md's table)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Base of all passes. Subclasses are frozen dataclasses; every field has a default.
+
+    Set `function` to the pass's plain function, which works on a copy and takes the fields
+    as keyword arguments plus `generator` (or override `apply(gm, generator) -> Rewrite`).
+    Declare each argument with `arg(default, help)`. `name` is the CLI name; the class
+    docstring's first line is the one-line help shown by `graphgrow passes`.
+    """
+
+    name: ClassVar[str] = ""
+    grows: ClassVar[bool] = True  # False for transforms that never add parameters (fold): no size estimate first
+    function: ClassVar[Callable[..., Rewrite] | None] = None  # the plain function: function(gm, **fields, generator=g)
+
+    def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
+        """Call `function` with the fields as keyword arguments (override for anything else)."""
+        function = type(self).function
+        if function is None:
+            raise NotImplementedError(f"{type(self).__name__} sets neither `function` nor `apply`")
+        return function(gm, **self.args(), generator=generator)
+
+    def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
+        """Where this pass (with its other arguments as given) can apply on `gm` (annotated), most useful
+        first; [] when the pass does not list them. Each candidate's `args` select it in a spec."""
+        return []
+
+    @classmethod
+    def argument_types(cls) -> dict[str, Any]:
+        return typing.get_type_hints(cls)
+
+    @classmethod
+    def argument_help(cls) -> dict[str, str]:
+        """Each argument's help line (from `arg(default, help)`; empty when declared without)."""
+        return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def help(cls) -> str:
+        return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+
+    def args(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def __call__(self, gm: fx.GraphModule, verify_result: bool = True, seed: int = 0,
+                 limits: Limits | None = None) -> PassResult:
+        """Apply to a copy of `gm`, verify, and return the result. `gm` is never modified.
+
+        The pass first runs on a meta-device copy: past `limits` (parameters added, activation
+        memory) it is refused before anything real is allocated."""
+        start = time.perf_counter()
+        require_traced(gm)
+        input_shape = input_shape_of(gm)
+        dtype = module_dtype(gm)
+        if dtype in (torch.float16, torch.bfloat16):
+            raise InputError(f"the model is {str(dtype).removeprefix('torch.')}: graphgrow verifies growth to 1e-5, "
+                             "below that precision's rounding",
+                             "grow a float32 copy (model.float()), then convert the result back with .half()/.bfloat16()")
+        if any("gg_shape" not in n.meta for n in gm.graph.nodes):
+            annotate(gm, input_shape)
+        budget_note = check_budget(self.name, lambda m: self.apply(m, torch.Generator().manual_seed(seed)).gm, gm,
+                                   input_shape, limits or Limits()) if self.grows else None
+        fingerprint = _fingerprint(gm)
+        before_nodes = {n.name for n in gm.graph.nodes}
+        generator = torch.Generator().manual_seed(seed)
+        rw = self.apply(gm, generator)
+        _check_untouched(gm, fingerprint, self.name)
+        new = rw.gm
+        if new is gm:
+            raise ValidationError(f"pass {self.name} returned its input instead of a copy", "passes must be functional; see rewrite.copy_graph_module")
+        if rw.eval_only:
+            new.eval()
+        else:
+            _follow_modes(gm, new)
+        annotate(new, input_shape, previous=gm)
+        after_nodes = {n.name for n in new.graph.nodes}
+        # verification's input does not depend on the pass seed: the next pass of a pipeline reuses these outputs
+        report = verify(gm, new, input_shape, exact=rw.exact, eval_only=rw.eval_only) if verify_result and rw.changed else None
+        notes = list(rw.notes) + ([budget_note] if budget_note else [])
+        if report is not None and not rw.exact:
+            train_err = f", train rel err {report.train.rel_err:.3g}" if report.train is not None else ""
+            notes.append(f"function changed on purpose: eval rel err {report.eval.rel_err:.3g}{train_err}")
+        if report is not None and report.cancelled:
+            notes.append(f"{', '.join(report.cancelled)} get a gradient only in eval mode: a following normalisation "
+                         "cancels them in train mode (redundant, like a conv bias before BatchNorm)")
+        if report is not None and report.degenerate:
+            notes.append("the model's output is identically zero on the check inputs (a zero-initialised head?): "
+                         "preservation was checked on zeros only")
+        result = PassResult(
+            gm=new, changed=rw.changed, name=self.name, args=self.args(), targets=rw.targets, notes=notes,
+            nodes_added=sorted(after_nodes - before_nodes), nodes_removed=sorted(before_nodes - after_nodes),
+            params_before=param_count(gm), params_after=param_count(new),
+            flops_before=total_flops(gm), flops_after=total_flops(new),
+            seed=seed, seconds=time.perf_counter() - start, preservation=report, exact=rw.exact,
+            modules_added=sorted(set(dict(new.named_children())) - set(dict(gm.named_children()))),
+        )
+        info = graph_info(new)
+        info["log"] = list(graph_info(gm).get("log", [])) + [result.log_entry()]
+        record_origin(gm, new)
+        return result
+
+
+def require_traced(model: Any) -> None:
+    """InputError unless `model` is a graph from graphgrow.trace (passes rewrite graphs, not modules)."""
+    if not isinstance(model, fx.GraphModule):
+        raise InputError(f"passes run on a traced model (torch.fx.GraphModule), got {type(model).__name__}",
+                         "trace it first: gm = graphgrow.trace(model, input_shape=(1, 3, 224, 224))")
+
+
+def _follow_modes(old: fx.GraphModule, new: fx.GraphModule) -> None:
+    """New modules take the training flag of the input model (an eval-mode model stays all eval);
+    rebuilt ones keep the flag of the module they replace."""
+    before = {path: m.training for path, m in old.named_modules()}
+    for path, m in new.named_modules():
+        m.training = before.get(path, old.training)
+
+
+def _fingerprint(gm: fx.GraphModule) -> tuple:
+    """Cheap identity of a module's state: tensor versions bump on any in-place change."""
+    tensors = [(n, t.data_ptr(), t._version, tuple(t.shape)) for n, t in gm.state_dict(keep_vars=True).items()]
+    return len(gm.graph.nodes), tuple(tensors)
+
+
+def _check_untouched(gm: fx.GraphModule, fingerprint: tuple, name: str) -> None:
+    if _fingerprint(gm) != fingerprint:
+        raise ValidationError(f"pass {name} modified its input model (a bug in the pass)",
+                              "passes must work on a copy (graphgrow.rewrite.begin or copy_graph_module)")

@@ -1,0 +1,366 @@
+"""Widening: plan where new channels go (over coupling's groups) and rebuild conv / Linear /
+BatchNorm / LayerNorm layers at the new widths, keeping every constructor setting.
+
+`plan_growth` carries an insertion through the links between groups; `make_layout` says
+where old and new channels sit; old weights go to their new positions; new output units get
+random incoming weights (`zero` init) or copies of the unit they replicate
+(`net2net`); new input columns are zero (`zero`) or share the replicated unit's
+outgoing weight with it (`net2net`, random shares that sum to one, so replicas are
+exact but not symmetric).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+from torch import fx, nn
+
+from ..analysis.coupling import BATCHNORMS, Coupling
+from ..core.errors import NotApplicable
+from .initializers import kaiming_
+
+@dataclass
+class Insertion:
+    """`count` new channels inserted before old channel `pos`; `src[i]` is the old channel new
+    channel i replicates (net2net) or None (fresh)."""
+
+    pos: int
+    count: int
+    src: list[int | None]
+
+
+def plan_growth(c: Coupling, gid: int, count: int, src: list[int | None] | None = None) -> dict[int, list[Insertion]]:
+    """Every group's insertions when group `gid` gains `count` channels at its end.
+
+    Links carry the insertion to derived groups: a `cat` shifts it by the input's
+    offset, a `flatten` scales it by the spatial size. Raises ValueError with the
+    reasons when any reached group is frozen.
+    """
+    reasons = c.why_frozen(gid)
+    if reasons:
+        raise ValueError("; ".join(reasons))
+    src = list(src) if src is not None else [None] * count
+    plan: dict[int, list[Insertion]] = {}
+    todo = [(gid, Insertion(c.groups[gid].size, count, src))]
+    while todo:
+        g, ins = todo.pop()
+        if any(i.pos == ins.pos and i.count == ins.count and i.src == ins.src for i in plan.get(g, [])):
+            continue  # reached twice through the same link path
+        plan.setdefault(g, []).append(ins)
+        for link in c.links:
+            if c.group_of[link.src] != g:
+                continue
+            s = link.scale
+            derived_src = [None if x is None else link.offset + x * s + q for x in ins.src for q in range(s)]
+            todo.append((c.group_of[link.dst], Insertion(link.offset + ins.pos * s, ins.count * s, derived_src)))
+    return plan
+
+
+@dataclass
+class Layout:
+    """Where old and new channels go when a dimension of size `old` receives insertions."""
+
+    old: int
+    new: int
+    old_to_new: list[int]
+    new_slots: list[int]
+    src: list[int | None]
+
+
+def make_layout(old: int, insertions: list[Insertion]) -> Layout:
+    ins = sorted(insertions, key=lambda i: i.pos)
+    old_to_new, new_slots, src = [], [], []
+    cursor, k = 0, 0
+    for i in ins:
+        while cursor < i.pos:
+            old_to_new.append(cursor + k)
+            cursor += 1
+        for j in range(i.count):
+            new_slots.append(cursor + k)
+            src.append(i.src[j])
+            k += 1
+    while cursor < old:
+        old_to_new.append(cursor + k)
+        cursor += 1
+    return Layout(old, old + k, old_to_new, new_slots, src)
+
+
+Init = Literal["zero", "net2net"]
+
+
+def set_module(gm: fx.GraphModule, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(gm.get_submodule(parent) if parent else gm, name, module)
+
+
+def _like(t: torch.Tensor) -> dict:
+    return {"device": t.device, "dtype": t.dtype}
+
+
+def _shares(count: int, generator: torch.Generator) -> torch.Tensor:
+    """Random positive shares summing to one (never equal: equal shares keep replicas symmetric)."""
+    w = torch.rand(count, generator=generator, dtype=torch.float64) + 0.5
+    return w / w.sum()
+
+
+def rows(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch.Generator, fresh: str) -> torch.Tensor:
+    """Place old rows (dim 0) and fill new ones: random ('kaiming'), 'zero', 'one', the old rows' 'mean',
+    or copies for net2net."""
+    if layout is None:
+        return old
+    new = torch.empty((layout.new,) + tuple(old.shape[1:]), **_like(old))
+    new[layout.old_to_new] = old
+    for slot, src in zip(layout.new_slots, layout.src):
+        if init == "net2net" and src is not None:
+            new[slot] = old[src]
+        elif fresh == "kaiming":
+            row = torch.empty((1,) + tuple(old.shape[1:]), **_like(old))
+            new[slot] = kaiming_(row, generator)[0]
+        elif fresh == "mean":
+            new[slot] = old.mean(0)
+        else:
+            new[slot] = {"zero": 0.0, "one": 1.0}[fresh]
+    return new
+
+
+def columns(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch.Generator) -> torch.Tensor:
+    """Place old input columns (dim 1); new columns are zero, or net2net shares of their source column."""
+    if layout is None:
+        return old
+    shape = list(old.shape)
+    shape[1] = layout.new
+    new = torch.zeros(shape, **_like(old))
+    new[:, layout.old_to_new] = old
+    if init == "net2net":
+        replicas: dict[int, list[int]] = {}
+        for slot, src in zip(layout.new_slots, layout.src):
+            if src is not None:
+                replicas.setdefault(src, []).append(slot)
+        for src, slots in replicas.items():
+            share = _shares(len(slots) + 1, generator).to(old.dtype)
+            column = old[:, src]
+            new[:, layout.old_to_new[src]] = column * share[0]
+            for s, slot in zip(share[1:], slots):
+                new[:, slot] = column * s
+    return new
+
+
+def _rebuilt(m: nn.Module, **sizes) -> nn.Module:
+    """A copy of `m` (same class — subclasses such as TF-'same' convs or BatchNorm with a fused activation
+    keep their extras —, stride, padding, dilation, bias, padding_mode, dtype, device, training flag) with
+    its size attributes changed; the caller gives it new parameters and buffers."""
+    memo = {id(t): t for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))}  # not copied: replaced
+    new = copy.deepcopy(m, memo)
+    for key, value in sizes.items():
+        setattr(new, key, value)
+    return new
+
+
+def _set_tensor(m: nn.Module, name: str, value: torch.Tensor) -> None:
+    if name in m._parameters:
+        m._parameters[name] = nn.Parameter(value, requires_grad=m._parameters[name].requires_grad)
+    else:
+        m._buffers[name] = value
+
+
+def resize_conv(m: nn.modules.conv._ConvNd, in_layout: Layout | None, out_layout: Layout | None, init: Init,
+                generator: torch.Generator) -> nn.Module:
+    """A conv with more input and/or output channels; stride, padding, dilation, groups, bias,
+    padding_mode, dtype, device and the class are kept. Depthwise convs grow in, out and groups together."""
+    depthwise = m.groups > 1 and m.groups == m.in_channels == m.out_channels
+    if m.groups > 1 and not depthwise:
+        raise NotApplicable(f"cannot resize grouped conv with groups={m.groups}", "grow a layer outside the grouped conv")
+    if depthwise:
+        out_layout = out_layout or in_layout
+        in_layout = None
+    cin = (out_layout.new if depthwise else (in_layout.new if in_layout else m.in_channels))
+    cout = out_layout.new if out_layout else m.out_channels
+    new = _rebuilt(m, in_channels=cin, out_channels=cout, groups=cout if depthwise else 1)
+    return _fill_weights(m, new, in_layout, out_layout, init, generator)
+
+
+def _fill_weights(old: nn.Module, new: nn.Module, in_layout, out_layout, init: Init, generator) -> nn.Module:
+    """Put a conv's or Linear's weight and bias into `new` at the layouts' positions."""
+    with torch.no_grad():
+        w = columns(old.weight, in_layout, init, generator)
+        _set_tensor(new, "weight", rows(w, out_layout, init, generator, "kaiming"))
+        if old.bias is not None:
+            _set_tensor(new, "bias", rows(old.bias, out_layout, init, generator, "zero"))
+    return new
+
+
+def resize_linear(m: nn.Linear, in_layout: Layout | None, out_layout: Layout | None, init: Init,
+                  generator: torch.Generator) -> nn.Module:
+    new = _rebuilt(m, in_features=in_layout.new if in_layout else m.in_features,
+                   out_features=out_layout.new if out_layout else m.out_features)
+    return _fill_weights(m, new, in_layout, out_layout, init, generator)
+
+
+def resize_batchnorm(m: nn.modules.batchnorm._BatchNorm, layout: Layout, init: Init, generator) -> nn.Module:
+    """New channels: γ=1, β=0, mean 0, var 1 (or the replicated channel's values for net2net)."""
+    new = _rebuilt(m, num_features=layout.new)
+    with torch.no_grad():
+        if m.affine:
+            _set_tensor(new, "weight", rows(m.weight, layout, init, generator, "one"))
+            _set_tensor(new, "bias", rows(m.bias, layout, init, generator, "zero"))
+        if m.track_running_stats and m.running_mean is not None:
+            _set_tensor(new, "running_mean", rows(m.running_mean, layout, init, generator, "zero"))
+            _set_tensor(new, "running_var", rows(m.running_var, layout, init, generator, "one"))
+            _set_tensor(new, "num_batches_tracked", m.num_batches_tracked.clone())
+    return new
+
+
+def resize_layernorm(m: nn.LayerNorm, layout: Layout, init: Init, generator) -> nn.Module:
+    """normalized_shape = (new,); affine rows replicated (net2net) — the only exact way, checked by grow_group."""
+    new = _rebuilt(m, normalized_shape=(layout.new,))
+    with torch.no_grad():
+        if m.weight is not None:
+            _set_tensor(new, "weight", rows(m.weight, layout, init, generator, "one"))
+        if m.bias is not None:
+            _set_tensor(new, "bias", rows(m.bias, layout, init, generator, "zero"))
+    return new
+
+
+def resize_tensor_attr(gm: fx.GraphModule, path: str, layout: Layout, init: Init, generator) -> None:
+    """A per-channel parameter or buffer read by get_attr (layer scale, a traced LayerNorm's affine):
+    its channel dimension takes the layout; new channels copy their source (net2net) or the mean."""
+    owner_path, _, name = path.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    old = getattr(owner, name)
+    dim = max(i for i, d in enumerate(old.shape) if d == layout.old)
+    with torch.no_grad():
+        flat = rows(old.detach().reshape(layout.old), layout, init, generator, "mean")
+        shape = list(old.shape)
+        shape[dim] = layout.new
+        value = flat.reshape(shape).clone()
+    if name in owner._parameters:
+        owner._parameters[name] = nn.Parameter(value, requires_grad=old.requires_grad)
+    elif name in owner._buffers:
+        owner._buffers[name] = value
+    else:
+        setattr(owner, name, value)
+
+
+_KNOWN_TENSORS = {"weight", "bias", "running_mean", "running_var", "num_batches_tracked"}
+
+
+def resize(m: nn.Module, in_layout: Layout | None, out_layout: Layout | None, init: Init, generator) -> nn.Module:
+    own = {n for n, _ in m.named_parameters(recurse=False)} | {n for n, _ in m.named_buffers(recurse=False)}
+    unknown = sorted(own - _KNOWN_TENSORS)
+    if unknown or any(True for _ in m.children() for _ in _.parameters()):
+        raise NotApplicable(f"cannot resize {type(m).__name__}: it holds tensors graphgrow does not know how to widen "
+                            f"({', '.join(unknown) or 'in its submodules'})", "grow a layer in another channel group")
+    if isinstance(m, nn.modules.conv._ConvNd):
+        return resize_conv(m, in_layout, out_layout, init, generator)
+    if isinstance(m, nn.Linear):
+        return resize_linear(m, in_layout, out_layout, init, generator)
+    if isinstance(m, BATCHNORMS):
+        return resize_batchnorm(m, out_layout or in_layout, init, generator)
+    if type(m) is nn.LayerNorm:
+        return resize_layernorm(m, out_layout or in_layout, init, generator)
+    raise NotApplicable(f"cannot resize {type(m).__name__}", "this layer type is not supported by grow_width")
+
+
+def grow_group(gm: fx.GraphModule, coupling: Coupling, gid: int, count: int, init: Init,
+               generator: torch.Generator) -> list[str]:
+    """Widen group `gid` (and every group it reaches) by `count` channels in place; returns the rebuilt layers."""
+    group = coupling.groups[gid]
+    src = None
+    if init == "net2net":
+        perm = torch.randperm(group.size, generator=generator).tolist()
+        src = [perm[i % group.size] for i in range(count)]
+    try:
+        plan = plan_growth(coupling, gid, count, src)
+    except ValueError as e:
+        raise NotApplicable(f"cannot grow the {group.size}-channel group of {', '.join(group.sources[:3]) or group.members[0]}: {e}",
+                            "widen a layer whose group can grow (graphgrow inspect --groups), or use grow_width(mode=adapter)") from e
+    layouts = {g: make_layout(coupling.groups[g].size, ins) for g, ins in plan.items()}
+    for g, layout in layouts.items():
+        _check_norms(coupling.groups[g], layout, init)
+    in_layouts: dict[str, Layout] = {}
+    out_layouts: dict[str, Layout] = {}
+    for g, layout in layouts.items():
+        grp = coupling.groups[g]
+        for n in grp.sources + grp.channelwise:
+            out_layouts[n] = layout
+        for n in grp.consumers:
+            in_layouts[n] = layout
+    nodes = {n.name: n for n in gm.graph.nodes}
+    tensor_layouts = {path: layout for g, layout in layouts.items() for path in coupling.groups[g].tensors}
+    _refuse_tied(gm, [nodes[n].target for n in set(in_layouts) | set(out_layouts)], list(tensor_layouts))
+    rebuilt = []
+    for name in sorted(set(in_layouts) | set(out_layouts), key=list(nodes).index):
+        path = nodes[name].target
+        old = gm.get_submodule(path)
+        set_module(gm, path, resize(old, in_layouts.get(name), out_layouts.get(name), init, generator))
+        rebuilt.append(path)
+    for path, layout in tensor_layouts.items():
+        resize_tensor_attr(gm, path, layout, init, generator)
+        rebuilt.append(path)
+    for g, layout in layouts.items():  # a traced F.layer_norm carries its normalized_shape as a constant
+        for name in coupling.groups[g].norms:
+            n = nodes[name]
+            if n.op == "call_function":
+                if "normalized_shape" in n.kwargs:
+                    n.kwargs = {**n.kwargs, "normalized_shape": (layout.new,)}
+                else:
+                    n.args = (n.args[0], (layout.new,), *n.args[2:])
+    return rebuilt
+
+
+def _check_norms(group, layout: Layout, init: Init) -> None:
+    """A LayerNorm over the group keeps its mean and variance only when every channel is replicated the
+    same number of times: net2net with an integer factor."""
+    if not group.norms:
+        return
+    counts = [layout.src.count(c) for c in range(layout.old)]
+    if init == "net2net" and None not in layout.src and len(set(counts)) == 1:
+        return
+    factor = layout.new / layout.old
+    why = ("init=zero adds channels that are not copies" if init != "net2net" else
+           f"growing {layout.old} → {layout.new} channels (×{factor:g}) cannot replicate every channel equally")
+    raise NotApplicable(f"LayerNorm '{group.norms[0]}' normalises over these {layout.old} channels and {why}; "
+                        "its mean and variance stay exact only when each channel is copied the same number of times",
+                        f"use grow_width(init=net2net) with an integer factor (2, 3, …), e.g. to={layout.old * 2}")
+
+
+def _refuse_tied(gm: fx.GraphModule, paths: list[str], tensor_paths: Sequence[str] = ()) -> None:
+    """Rebuilding a layer whose parameter another module shares (tied weights) would silently untie them."""
+    owners: dict[int, list[str]] = {}
+    for path, m in gm.named_modules(remove_duplicate=False):
+        for name, p in m.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(f"{path}.{name}" if path else name)
+    mine = [(f"{path}.{name}", p) for path in paths for name, p in gm.get_submodule(path).named_parameters(recurse=False)]
+    mine += [(path, gm.get_parameter(path)) for path in tensor_paths if _is_parameter(gm, path)]
+    for full, p in mine:
+        shared = [o for o in owners.get(id(p), []) if o != full]
+        if shared:
+            raise NotApplicable(f"'{full}' is the same parameter as '{shared[0]}' (tied weights); "
+                                "growing one would untie them",
+                                "grow a layer whose weights are not shared, or untie them yourself first")
+
+
+def _is_parameter(gm: fx.GraphModule, path: str) -> bool:
+    try:
+        gm.get_parameter(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def identity_adapter(cin: int, cout: int, spatial_dims: int | None, like: torch.Tensor) -> nn.Module:
+    """The one [I | 0] (cout ≤ cin) / [I ; 0] (cout > cin) adapter: a 1×1 conv over `spatial_dims`
+    (1, 2 or 3) or a Linear (None), no bias, on `like`'s device and dtype."""
+    m: nn.Module
+    if spatial_dims is not None:
+        conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[spatial_dims]
+        m = conv(cin, cout, 1, bias=False, device=like.device, dtype=like.dtype)
+    else:
+        m = nn.Linear(cin, cout, bias=False, device=like.device, dtype=like.dtype)
+    with torch.no_grad():
+        m.weight.zero_()
+        k = min(cin, cout)
+        m.weight.view(cout, cin)[:k, :k] = torch.eye(k, device=like.device, dtype=like.dtype)
+    return m

@@ -1,0 +1,308 @@
+"""Function preservation and trainability checks (torch vs torch), DESIGN §4–§5.
+
+Preservation: ‖new − old‖/‖old‖ ≤ 1e-5 and max|Δ| ≤ 1e-5·max|old| on seeded random
+inputs, in eval and in train mode (same dropout draws, buffers restored afterwards).
+Trainability: the new parameters get a non-zero gradient at once (the zero last
+factor) and every one of them within two SGD steps on a random batch.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from ..core.errors import NotApplicable, PreservationError, ValidationError
+from ..graph.shapes import example_input
+from ..core.state import dropout_off, preserved_buffers, seeded, training_mode
+
+REL_TOL = 1e-5
+
+
+@dataclass
+class ModeCheck:
+    mode: str
+    rel_err: float
+    max_abs_err: float
+    max_abs_ref: float
+    fp64_rel_err: float | None = None  # set when the fp32 comparison missed and float64 was asked
+    fp64_ok: bool | None = None
+
+    @property
+    def fp32_ok(self) -> bool:
+        return self.rel_err <= REL_TOL and self.max_abs_err <= REL_TOL * max(self.max_abs_ref, 1e-30)
+
+    @property
+    def ok(self) -> bool:
+        return self.fp32_ok or bool(self.fp64_ok)
+
+
+@dataclass
+class PreservationReport:
+    eval: ModeCheck
+    train: ModeCheck | None  # None: eval-mode semantics only (a deployment transform such as fold)
+    trainable: dict[str, int] = field(default_factory=dict)  # new param → SGD step at which it first got a gradient
+    dead: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)  # no train-mode gradient: a later normalisation cancels them
+
+    @property
+    def degenerate(self) -> bool:
+        """The old output was all zeros: the comparison says little."""
+        return self.eval.max_abs_ref == 0.0 or (self.train is not None and self.train.max_abs_ref == 0.0)
+
+    @property
+    def max_rel_err(self) -> float:
+        return max(self.eval.rel_err, self.train.rel_err if self.train is not None else 0.0)
+
+    @property
+    def trainable_ok(self) -> bool:
+        return not self.dead
+
+    def to_json(self) -> dict:
+        return {
+            "max_rel_err": self.max_rel_err,
+            "eval_ok": self.eval.ok,
+            "train_ok": self.train.ok if self.train is not None else None,
+            "trainable_ok": self.trainable_ok,
+            "eval_rel_err": self.eval.rel_err,
+            "train_rel_err": self.train.rel_err if self.train is not None else None,
+            "eval_fp64_rel_err": self.eval.fp64_rel_err,
+            "train_fp64_rel_err": self.train.fp64_rel_err if self.train is not None else None,
+            "new_parameters": self.trainable,
+        }
+
+
+def flat_tensors(out: Any) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(out)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def compare_outputs(old_out: Any, new_out: Any, mode: str) -> ModeCheck:
+    a, b = flat_tensors(old_out), flat_tensors(new_out)
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        raise PreservationError(
+            f"{mode}-mode outputs changed structure: {[tuple(t.shape) for t in a]} → {[tuple(t.shape) for t in b]}"
+        )
+    old = torch.cat([t.detach().double().flatten() for t in a]) if a else torch.zeros(1, dtype=torch.float64)
+    new = torch.cat([t.detach().double().flatten() for t in b]) if b else torch.zeros(1, dtype=torch.float64)
+    if not torch.isfinite(old).all():
+        raise ValidationError(
+            f"the model's own {mode}-mode output has NaN or Inf before the pass",
+            "check the weights for NaN/Inf (graphgrow inspect shows them) and fix them first",
+        )
+    diff = new - old
+    norm = old.norm().item()
+    rel = diff.norm().item() / norm if norm > 0 else (0.0 if diff.norm().item() == 0 else float("inf"))
+    if not torch.isfinite(new).all():
+        rel = float("inf")
+    return ModeCheck(mode, rel, diff.abs().max().item(), old.abs().max().item())
+
+
+def compare_mode(old: nn.Module, new: nn.Module, x: torch.Tensor, mode: str, seed: int, old_out: Any, new_out: Any) -> ModeCheck:
+    """Compare two outputs of one mode (neither model is changed).
+
+    A miss of the tolerance in fp32 is measured again in float64 on copies: splitting a
+    weight into shares (Net2Net) is exact in real arithmetic but rounds differently in
+    fp32, and deep train-mode BatchNorm stacks amplify that. The float64 verdict
+    decides; the fp32 error stays in the report.
+    """
+    check = compare_outputs(old_out, new_out, mode)
+    if check.ok or x.dtype != torch.float32:
+        return check
+    with torch.no_grad():
+        old64, new64, x64 = copy.deepcopy(old).double(), copy.deepcopy(new).double(), x.double()
+        if mode == "eval":
+            again = compare_outputs(eval_forward(old64, x64), eval_forward(new64, x64), "eval")
+        else:
+            again = compare_outputs(train_forward(old64, x64, seed), train_forward(new64, x64, seed), "train")
+    check.fp64_rel_err = again.rel_err
+    check.fp64_ok = again.ok
+    return check
+
+
+def eval_forward(m: nn.Module, x: torch.Tensor):
+    """`m`'s eval-mode output on `x`, without gradient."""
+    with torch.no_grad(), training_mode(m, False):
+        return m(x)
+
+
+TRAIN_PROTOCOL = "train, dropout off, seeded"  # how train_forward runs (a name for reference.remember)
+
+
+def train_forward(m: nn.Module, x: torch.Tensor, seed: int):
+    """`m`'s train-mode output on `x`: dropout off, global RNG seeded, buffers restored afterwards; no gradient."""
+    with torch.no_grad(), training_mode(m, True), dropout_off(m), preserved_buffers(m), seeded(seed):
+        return m(x)
+
+
+def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], input_shape: Sequence[int],
+                       seed: int = 0, batch: int = 2, steps: int = 3,
+                       lr: float = 0.01, train_all: bool = False, old_nodes: set[str] | None = None,
+                       first_output: Callable[[Any], None] | None = None) -> tuple[dict[str, int], list[str], list[str]]:
+    """Which new parameters get a non-zero gradient, and at which SGD step (0 = at once).
+
+    Returns (first step per parameter, dead, cancelled). *Cancelled* parameters get
+    no gradient in train mode but do in eval mode: a following normalisation removes
+    their effect on batch statistics (like a conv bias before BatchNorm) — redundant,
+    reported, not refused. *Dead* ones get no gradient either way.
+
+    Train mode as in train_forward (same input, dropout off, seeded): the first
+    forward's output is handed to `first_output` (the train-mode preservation check
+    needs exactly that output). Loss = <output, R> for a fixed random R, normalised SGD steps. New
+    parameters whose shape grew count by their new region only. `upstream` names old
+    parameters just before the new nodes: when the gradient reaches them at step 0
+    but no new parameter gets one, the contribution is dead from the start
+    (PreservationError). Only the parameters under test require grad, so backward
+    stops where they end; when nothing gets a gradient at first (a zero-initialised
+    head, as in torchvision's ViT) every parameter trains, as it would in real
+    training. `new` is restored exactly afterwards.
+    """
+    if not new_params:
+        return {}, [], []
+    params = dict(new.named_parameters())
+    cancelled: list[str] = []
+    saved_flags = {n: p.requires_grad for n, p in params.items()}
+    saved_values = {n: p.detach().clone() for n, p in params.items()}
+    x = example_input(new, input_shape, seed=seed, batch=batch)
+    got: dict[str, int] = {}
+    proj: list[torch.Tensor] | None = None
+
+    def eval_mode_learners(names: list[str]) -> list[str]:
+        """Those of `names` that get a gradient in eval mode (at the current values)."""
+        for n, p in params.items():
+            p.requires_grad_(n in names)
+            p.grad = None
+        with torch.enable_grad(), training_mode(new, False):
+            outs = [t for t in flat_tensors(new(x)) if t.is_floating_point()]
+            loss = torch.stack([(t * r).sum() for t, r in zip(outs, proj or [])]).sum() if outs else torch.zeros(())
+            if loss.requires_grad:
+                loss.backward()
+        return [n for n in names if params[n].grad is not None and _new_region(params[n].grad, new_params[n][0]).abs().sum() > 0]
+
+    try:
+        with training_mode(new, True), dropout_off(new), preserved_buffers(new), seeded(seed):
+            step, last_step, had = -1, steps, 0
+            while step < last_step:
+                step += 1
+                watched = set(params) if train_all else ({n for n in new_params if n not in got} | set(upstream) if step == 0
+                                                          else {n for n in new_params})
+                for n, p in params.items():
+                    p.requires_grad_(n in watched)
+                    p.grad = None
+                out = new(x)
+                if step == 0 and first_output is not None:
+                    first_output(out)
+                outs = [t for t in flat_tensors(out) if t.is_floating_point()]
+                if proj is None:
+                    g = torch.Generator().manual_seed(seed + 2)
+                    proj = [torch.randn(t.shape, generator=g).to(t) for t in outs]
+                loss = torch.stack([(t * r).sum() for t, r in zip(outs, proj)]).sum() if outs else torch.zeros(())
+                if loss.requires_grad:
+                    loss.backward()
+                with torch.no_grad():
+                    # any non-zero gradient counts: a real one can be tiny (a gate behind a head that has just started
+                    # to move gets 1e-10), so a relative floor cannot tell it from rounding (a bias before a train-mode
+                    # BatchNorm gets 1e-12 of the others, and then counts as learning: redundant, never refused)
+                    for name, (old_shape, _) in new_params.items():
+                        grad = params[name].grad
+                        if name not in got and grad is not None and _new_region(grad, old_shape).abs().sum() > 0:
+                            got[name] = step
+                    if step == 0 and not got and not train_all:
+                        if any(_has_grad(params[n]) for n in upstream):
+                            refuse_if_silent(new, list(new_params), x, old_nodes)
+                            raise PreservationError(
+                                "no new parameter gets a gradient at insertion although the layers before it do: "
+                                "the new contribution is dead",
+                                "the last factor of a new path must be zero and the others non-zero (DESIGN §4)",
+                            )
+                        train_all = True  # the model blocks its own gradient at first: train everything
+                        last_step += 1  # step 0 only watched the new parameters; give the full budget
+                    if len(got) == len(new_params) or step == last_step:
+                        break
+                    for p in params.values():
+                        if p.grad is not None:
+                            p.sub_(lr * p.grad / (p.grad.norm() + 1e-12) * (p.norm() + 1e-3))
+                    # a step in which gradient reached new parameters before but no further ones: stop early if the
+                    # rest is cancelled in train mode (learns in eval mode), rather than spending the remaining steps
+                    if step >= 1 and got and len(got) == had:
+                        missing = [n for n in new_params if n not in got]
+                        if set(eval_mode_learners(missing)) == set(missing):
+                            cancelled = missing
+                            break
+                    had = len(got)
+            missing = [n for n in new_params if n not in got and n not in cancelled]
+        if missing:  # cancelled by a following normalisation in train mode, or dead?
+            cancelled += eval_mode_learners(missing)
+    finally:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(saved_values[n])
+                p.grad = None
+                p.requires_grad_(saved_flags[n])
+    dead = [n for n in new_params if n not in got and n not in cancelled]
+    return got, dead, cancelled
+
+
+def _has_grad(p: torch.Tensor) -> bool:
+    return p.grad is not None and bool((p.grad != 0).any())
+
+
+def _new_region(t: torch.Tensor, old_shape) -> torch.Tensor:
+    """Elements of a grown tensor outside the old shape's box (all of it for a new tensor)."""
+    if old_shape is None or len(old_shape) != t.dim():
+        return t
+    mask = torch.zeros(t.shape, dtype=torch.bool, device=t.device)
+    for d, n in enumerate(old_shape):
+        idx = [slice(None)] * t.dim()
+        idx[d] = slice(n, None)
+        mask[tuple(idx)] = True
+    return t[mask]
+
+
+def owner_calls(gm: nn.Module, names: list[str]) -> list:
+    """The call_module nodes of `gm` whose module owns one of the parameters `names`, or contains
+    one that does (a new nn.Sequential block is called as a whole)."""
+    owners = {name.rpartition(".")[0] for name in names if "." in name}
+    graph = getattr(gm, "graph", None)
+    return [n for n in (graph.nodes if graph is not None else ()) if n.op == "call_module"
+            and any(o == n.target or o.startswith(f"{n.target}.") for o in owners)]
+
+
+def reads_old(n, old_nodes: set[str]) -> bool:
+    """Whether node `n`'s first argument is a node of the model before the pass."""
+    return bool(n.args) and getattr(n.args[0], "name", None) in old_nodes
+
+
+def silent_inputs(gm: nn.Module, dead: list[str], x: torch.Tensor, old_nodes: set[str]) -> list[str]:
+    """Modules owning `dead` parameters that read an old node's tensor which is identically zero in eval
+    and train mode: the model (a dead ReLU), not the pass, keeps them from learning."""
+    owners = sorted({str(n.target) for n in owner_calls(gm, dead) if reads_old(n, old_nodes)})
+    seen: dict[str, float] = {}
+    hooks = []
+    for path in owners:
+        def record(module, args, path=path):
+            t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            seen[path] = max(seen.get(path, 0.0), float(t.detach().abs().max()) if t is not None else float("inf"))
+        hooks.append(gm.get_submodule(path).register_forward_pre_hook(record))
+    try:
+        with torch.no_grad(), preserved_buffers(gm):
+            for mode in (False, True):
+                with training_mode(gm, mode), dropout_off(gm):
+                    gm(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [p for p in owners if seen.get(p, float("inf")) == 0.0]
+
+
+def refuse_if_silent(gm: nn.Module, names: list[str], x: torch.Tensor, old_nodes: set[str] | None) -> None:
+    """NotApplicable when new layers cannot learn because the old tensor they read is zero (the model's doing, not the pass's)."""
+    if not old_nodes:
+        return
+    silent = silent_inputs(gm, names, x, old_nodes)
+    if silent:
+        raise NotApplicable(f"the tensor entering '{silent[0]}' is zero on every check input (a dead ReLU before it?): "
+                            "layers grown there cannot learn", "grow at another place, or train the model first")

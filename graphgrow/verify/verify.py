@@ -1,0 +1,161 @@
+"""Verification after every pass: lint, recompile, shapes at two batch sizes, preservation, trainability."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+
+from ..core.errors import NotApplicable, PreservationError, ValidationError
+from .preserve import (
+    TRAIN_PROTOCOL, ModeCheck, PreservationReport, check_trainability, compare_mode, eval_forward, flat_tensors, owner_calls,
+    reads_old, refuse_if_silent, train_forward,
+)
+from .reference import recall, remember
+from ..graph.fx_edit import new_parameters
+from ..graph.shapes import example_input, run_recording, validate_batch_sizes
+from ..core.state import dropout_off, preserved_buffers, training_mode
+
+BATCHES = (2, 3)  # two sizes: a batch size baked into a view/reshape shows up
+
+
+def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Sequence[int], seed: int = 0,
+           exact: bool = True, eval_only: bool = False) -> PreservationReport:
+    """Raise ValidationError / PreservationError unless `new` is a valid, exact, trainable growth of `old`.
+
+    `exact=False` (a pass that changes the function on purpose) measures the change without refusing it.
+    `eval_only=True` (a deployment transform such as fold) checks eval mode only, and no trainability.
+    """
+    try:
+        new.graph.lint()
+        new.recompile()
+    except Exception as e:
+        raise ValidationError(f"the rewritten graph is malformed: {e}", "this is a bug in the pass; please report it") from e
+    b1 = BATCHES[0]
+    x = example_input(new, input_shape, seed=seed, batch=b1)
+    with training_mode(new, False):
+        first = run_recording(new, x)
+    validate_batch_sizes(new, input_shape, BATCHES, first=first, first_input=x)
+    train_protocol = f"{TRAIN_PROTOCOL} {seed}"
+    old_eval = recall(old, "eval", x)
+    if old_eval is None:
+        old_eval = eval_forward(old, x)
+    ev = compare_mode(old, new, x, "eval", seed, old_eval, first.output)
+    _refuse_change(ev, exact)
+    if eval_only:
+        remember(new, "eval", x, first.output)
+        return PreservationReport(ev, None)
+    old_train = recall(old, train_protocol, x)
+    if old_train is None:
+        old_train = train_forward(old, x, seed)
+    checked: dict[str, Any] = {}
+
+    def check_train(new_train: Any) -> None:  # the train-mode comparison, on the trainability check's first output
+        checked["out"] = new_train
+        checked["check"] = compare_mode(old, new, x, "train", seed, old_train, new_train)
+        _refuse_change(checked["check"], exact)
+
+    grown = new_parameters(old, new)
+    upstream = upstream_parameters(old, new, grown)
+    old_nodes = {n.name for n in old.graph.nodes}
+    got, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed, batch=b1, old_nodes=old_nodes,
+                                              first_output=check_train)
+    if "check" not in checked:  # nothing new to train: the train-mode comparison on its own
+        check_train(train_forward(new, x, seed))
+    tr: ModeCheck = checked["check"]
+    if dead:  # the model may block its own gradient (a zero-initialised last BatchNorm): train everything, as training would
+        again, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed, batch=b1, train_all=True)
+        got = {**again, **got}
+    if dead:  # a new unit behind a ReLU can be off on two check examples and on for others: try more, other examples
+        again, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed + 1, batch=4 * b1, train_all=True)
+        got = {**again, **got}
+    if dead:
+        refuse_if_silent(new, dead, x, old_nodes)
+        deaf = deaf_points(old, new, dead, x, old_nodes)
+        if deaf:
+            raise NotApplicable(f"the model's output does not depend on '{deaf[0]}' on the check inputs (no gradient reaches it, "
+                                "in eval or train mode: a dead ReLU after it?): layers grown there cannot learn",
+                                "grow at another place, or train the model first")
+        raise PreservationError(
+            f"new parameters get no gradient after 3 SGD steps, in train or eval mode: {', '.join(dead)}",
+            "never zero both the incoming and the outgoing weights of new units (DESIGN §4)",
+        )
+    # the next pass of a pipeline compares against exactly these outputs (the models are as they were when computed)
+    remember(old, "eval", x, old_eval)
+    remember(old, train_protocol, x, old_train)
+    remember(new, "eval", x, first.output)
+    remember(new, train_protocol, x, checked["out"])
+    return PreservationReport(ev, tr, got, dead, cancelled)
+
+
+def _refuse_change(check: ModeCheck, exact: bool) -> None:
+    if exact and not check.ok:
+        raise PreservationError(
+            f"the pass changed the model's {check.mode}-mode output: relative error {check.rel_err:.3g}, "
+            f"max |Δ| {check.max_abs_err:.3g} (limit 1e-5 of max |out| {check.max_abs_ref:.3g})"
+            + (f", {check.fp64_rel_err:.3g} in float64" if check.fp64_rel_err is not None else ""),
+            "this is a bug in the pass; please report it with the model",
+        )
+
+
+def deaf_points(old: fx.GraphModule, new: fx.GraphModule, dead: list[str], x: torch.Tensor, old_nodes: set[str]) -> list[str]:
+    """Old tensors at the modules owning `dead` parameters (what they read, or what a rebuilt old module
+    gives) that get no gradient in the *old* model, in eval and train mode: the model, not the pass,
+    keeps those layers from learning."""
+    users = owner_calls(new, dead)
+    # the tensor a new module reads, or the output of an old module that was rebuilt wider
+    reads = sorted({n.args[0].name for n in users if reads_old(n, old_nodes)} | {n.name for n in users if n.name in old_nodes})
+    if not reads:
+        return []
+    heard: set[str] = set()
+    g = torch.Generator().manual_seed(1)
+    kept: dict[str, torch.Tensor] = {}
+
+    class Keep(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n.name in reads and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.retain_grad()
+                kept[n.name] = out
+            return out
+
+    for mode in (False, True):
+        kept.clear()
+        with training_mode(old, mode), dropout_off(old), preserved_buffers(old):
+            xi = x.detach().clone().requires_grad_(True)
+            outs = [t for t in flat_tensors(Keep(old).run(xi)) if t.is_floating_point() and t.requires_grad]
+            if outs:
+                sum((t * torch.randn(t.shape, generator=g).to(t)).sum() for t in outs).backward()
+        heard |= {k for k, t in kept.items() if t.grad is not None and bool((t.grad != 0).any())}
+    return [r for r in reads if r not in heard]
+
+
+def upstream_parameters(old: fx.GraphModule, new: fx.GraphModule, grown: dict) -> list[str]:
+    """The old parameters nearest upstream of what the pass added or rebuilt, along the data path.
+
+    When the gradient reaches these at insertion, it reaches the new parts' inputs
+    too, so a new contribution that still gets none is dead.
+    """
+    old_names = {n.name for n in old.graph.nodes}
+    old_params = {n for n, _ in old.named_parameters()}
+
+    def params_of(n: fx.Node) -> list[str]:
+        if n.op == "call_module":
+            return [f"{n.target}.{p}" for p, _ in new.get_submodule(n.target).named_parameters()]
+        return [str(n.target)] if n.op == "get_attr" else []
+
+    touched = {n for n in new.graph.nodes if n.name not in old_names or any(p in grown for p in params_of(n))}
+    found: set[str] = set()
+    seen: set[fx.Node] = set()
+    todo = [a for t in touched for a in t.all_input_nodes if a not in touched]
+    while todo:
+        a = todo.pop()
+        if a in seen:
+            continue
+        seen.add(a)
+        mine = [p for p in params_of(a) if p in old_params]
+        if mine:
+            found.update(mine)  # the nearest parameterised ancestor on this path: stop here
+        else:
+            todo.extend(x for x in a.all_input_nodes if x not in touched)
+    return sorted(found)
