@@ -11,7 +11,7 @@ from torch import nn
 
 import graphgrow as gg
 from graphgrow.io import serialize
-from graphgrow.errors import LoadError
+from graphgrow import LoadError
 from graphgrow.io.mode_switch import ModeSwitch
 from graphgrow.capture.trace import trace_report
 
@@ -140,3 +140,16 @@ def test_a_huge_constant_mask_in_a_body_is_refused(traced):
     record["args"] = {"tuple": [1 << 20, 1 << 20]}
     with pytest.raises(LoadError, match="elements from constants"):
         serialize.from_payload(payload)
+
+
+def test_fold_drops_the_train_only_work_and_onnx_has_none_of_it(traced, tmp_path):
+    import onnx
+
+    model, gm = traced
+    r = gg.fold(gm)
+    assert not any(isinstance(m, ModeSwitch) for m in r.gm.modules())  # eval semantics: drop-path is the identity
+    assert r.preservation.eval.ok
+    path = tmp_path / "d.onnx"
+    gg.export_onnx(gm, SHAPE, path)
+    ops = {node.op_type for node in onnx.load(str(path)).graph.node}
+    assert not ops & {"Bernoulli", "RandomUniform", "RandomUniformLike", "RandomNormalLike", "If"}, ops

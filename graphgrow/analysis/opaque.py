@@ -57,6 +57,29 @@ def slice_keeps_channels(n: fx.Node, x: fx.Node) -> bool:
         all(not isinstance(b, fx.Node) for i in index for b in (i.start, i.stop, i.step) if isinstance(i, slice))
 
 
+def eval_passthrough(gm: fx.GraphModule, n: fx.Node) -> fx.Node | None:
+    """The input a mode switch hands back unchanged in eval mode (every `training` flag False, numbers at
+    their current values) — drop-path's identity path — or None."""
+    m = gm.get_submodule(n.target) if n.op == "call_module" else None
+    if not isinstance(m, ModeSwitch):
+        return None
+
+    def answer(c):
+        if isinstance(c, fx.Node) and c.op == "get_attr" and str(c.target).split(".")[-1] == "training":
+            return False
+        if isinstance(c, fx.Node) and c.op == "call_function" and getattr(c.target, "__module__", "") in ("_operator", "operator"):
+            return c.target(*[answer(b) for b in c.args])
+        return number_value(c)
+
+    try:
+        answers = [bool(answer(c)) for c in n.args[:m.conditions]]
+    except (ValueError, TypeError):
+        return None
+    index = m.passthrough(answers)
+    value = n.args[m.conditions + index] if index is not None else None
+    return value if isinstance(value, fx.Node) else None
+
+
 def number_value(a):
     """The current value of a flag/number node (a module attribute and arithmetic on it); ValueError otherwise."""
     if not isinstance(a, fx.Node):

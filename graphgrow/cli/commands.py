@@ -25,7 +25,7 @@ INPUT_SHAPE_HELP = "example input shape N,C,H,W (needed when the model file cann
 def _common(f: Callable) -> Callable:
     f = click.option("--input-shape", "input_shape", metavar="N,C,H,W", help=INPUT_SHAPE_HELP)(f)
     f = click.option("--trust", is_flag=True, help="allow loading pickles with custom classes (runs code from the file; only for files you trust)")(f)
-    f = click.option("--leaf", "leaves", multiple=True, metavar="MODULE", help="keep this submodule as one opaque call when tracing (repeatable; untraceable and mode-branching submodules become leaves automatically)")(f)
+    f = click.option("--leaf", "leaves", multiple=True, metavar="MODULE", help="keep this submodule as one opaque call when tracing (repeatable; untraceable submodules, and mode-branching ones that cannot be merged, become leaves automatically)")(f)
     f = click.option("--trace-mode", "trace_mode", type=click.Choice(["eval", "train"]), default="eval", show_default=True,
                      help="structure to trace when the model's top-level forward branches on self.training "
                           "(eval: the deployed function; train: keeps auxiliary outputs)")(f)

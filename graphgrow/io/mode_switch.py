@@ -67,6 +67,15 @@ class ModeSwitch(nn.Module):
                 return body(*args[self.conditions:])
         raise RuntimeError(f"no path of the mode switch matches the conditions {answers}")
 
+    def passthrough(self, answers: list[bool]) -> int | None:
+        """For these condition values: the index of the input the chosen body hands back unchanged, if it does."""
+        for row, body in zip(self.table, self._bodies()):
+            if all(answers[i] == a for i, a in row):
+                out = next(n for n in body.graph.nodes if n.op == "output").args[0]
+                inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
+                return inputs.index(out) if out in inputs else None
+        return None
+
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state.pop("_compiled", None)  # rebuilt from the records: a file never holds generated code

@@ -18,6 +18,8 @@ Where to grow (stages, targets, deployed): main_path, stages, Stage, stage_end, 
 Channels (coupling: analysis; widen: planning and applying):
     analyze, Coupling, channel_axis, plan_growth, make_layout, Insertion, Layout, grow_group,
     resize, columns, rows, set_module, identity_adapter, Init
+Merged blocks (a mode switch: per-path work of a block that branches on self.training):
+    eval_passthrough (the input a switch hands back unchanged in eval mode, or None)
 New weights (initializers): kaiming_, zero_last_bn
 Layers and sizes: AverageMerge, param_count, input_shape_of (the example input a model was traced with)
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from ..analysis.coupling import Coupling, analyze, channel_axis
 from ..analysis.deployed import deployed_nodes, train_only_note
+from ..analysis.opaque import eval_passthrough
 from ..graph.fx_edit import (
     Rewrite, add_module, add_parameter, begin, copy_graph_module, factory_kwargs, find_node, finish, inserting_after,
     is_float_tensor, module_boundary, new_parameters, nodes_in_module, replace_uses, resolve_tensor, set_scope,
@@ -46,7 +49,7 @@ from .widen import (
 __all__ = [
     "begin", "factory_kwargs", "copy_graph_module", "find_node", "resolve_tensor", "nodes_in_module", "module_boundary",
     "tensor_shape", "is_float_tensor", "unique_attr", "add_module", "add_parameter", "inserting_after", "replace_uses",
-    "set_scope", "finish", "new_parameters", "Rewrite",
+    "set_scope", "finish", "new_parameters", "Rewrite", "eval_passthrough",
     "main_path", "stages", "Stage", "stage_end", "stage_end_candidates", "default_point", "place", "graphgrow_modules",
     "is_graphgrow_node", "tensor_or_feature_end", "DEFAULT_BUDGET", "pick_within_budget", "deployed_nodes",
     "train_only_note",

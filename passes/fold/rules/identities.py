@@ -1,5 +1,5 @@
 """Rule family: ops that are the identity in eval mode (nn.Identity, dropout, drop-path, a parameter-free
-leaf that hands back its input) are bypassed."""
+leaf that hands back its input, a mode switch whose eval-mode path is the identity) are bypassed."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from graphgrow.rewrite import tensor_shape
+from graphgrow.rewrite import eval_passthrough, tensor_shape
 from graphgrow.passes.fold.graph import bypass, module_of  # noqa: TID251 (the fold package's own module)
 
 # dropout-like functions → the position of their `training` argument (torchvision's stochastic_depth has `mode` first)
@@ -55,5 +55,8 @@ def remove_identities(gm: fx.GraphModule) -> int:
     for n in list(gm.graph.nodes):
         if _is_identity(gm, n) and n.args and isinstance(n.args[0], fx.Node):
             bypass(n, n.args[0])
+            count += 1
+        elif (kept := eval_passthrough(gm, n)) is not None:  # a merged block's train-only work (drop-path)
+            bypass(n, kept)
             count += 1
     return count
