@@ -42,7 +42,8 @@ def branch_params(op: str, cin: int, cout: int, count: int = 1) -> int:
 
 def branch_sites(gm: fx.GraphModule, op: str, count: int) -> list[tuple[bool, bool, int, fx.Node, int]]:
     """Backbone convs a person would put a branch beside: on a feature map larger than 1×1 (not a
-    squeeze-excitation or head conv), reading a tensor other than the raw input, not one graphgrow added,
+    squeeze-excitation or head conv) that an integer stride reaches from its input, reading a tensor other
+    than the raw input, not one graphgrow added,
     run by the deployed function (not a train-only auxiliary head).
     Each as (within the parameter budget, foldable again: dense with a kernel at least the branch's,
     graph position, node, parameters the branches add)."""
@@ -60,6 +61,9 @@ def branch_sites(gm: fx.GraphModule, op: str, count: int) -> list[tuple[bool, bo
         if last is not None and i > last or n not in deployed or is_graphgrow_node(gm, n, added) or not isinstance(src, fx.Node) or \
                 not is_float_tensor(src) or shape[2:] == (1, 1) or src.op == "placeholder":
             continue
+        src_shape = tensor_shape(src)
+        if len(src_shape) != 4 or any(a < b or a % b for a, b in zip(src_shape[2:], shape[2:])):
+            continue  # a branch needs an integer stride (factorized reduce's 15×15 → 8×8 conv has none)
         m = gm.get_submodule(n.target)
         cost = branch_params(op, m.in_channels, m.out_channels, count)
         sites.append((cost <= DEFAULT_BUDGET * total, bool(m.groups == 1 and min(m.kernel_size) >= kernel), i, n, cost))

@@ -72,6 +72,7 @@ SPECS = [
     "grow_width(target=cells.0._ops.0.0.2)",  # the first half of a separable conv (pointwise → second depthwise)
     "grow_width(target=cells.2._ops.2.1.2)",  # a node's output through the concat into later cells' preprocessing
     "grow_width",
+    "add_branch",
     "add_branch(op=sepconv3x3)",
     "add_branch(op=sepconv3x3,at=cells_1__ops_0)",  # beside a pooling edge of a reduction cell (stride 2)
     "deepen(after=cells_2__ops_0_1_3)",  # inside a normal cell, after a separable conv
