@@ -11,10 +11,15 @@ def small_cnn() -> nn.Module:
 
 
 class ModeGate(nn.Module):
-    """Branches on self.training: graphgrow keeps it whole as a leaf, so a file holding it needs --trust."""
+    """Train-only work that calls a submodule: graphgrow cannot merge its two modes and keeps it whole as a
+    leaf, so a file holding it needs --trust."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Hardtanh(0.0, 0.5)
 
     def forward(self, x):
-        return x * 0.5 if self.training else x
+        return self.scale(x) if self.training else x
 
 
 def cnn_with_custom_leaf() -> nn.Module:

@@ -72,7 +72,9 @@ MODELS = {"convnext": (ConvNeXtish, (1, 3, 32, 32)), "swin": (Swinish, (1, 3, 32
 def test_net2net_with_an_integer_factor_is_exact(name, factor):
     make, shape = MODELS[name]
     model = randomized(make()).eval()
-    r = GrowWidth(factor=factor, init="net2net")(gg.trace(model, shape))
+    gm = gg.trace(model, shape)
+    first = next(n.target for n in gm.graph.nodes if n.op == "call_module")  # the stem: its group holds the norms
+    r = GrowWidth(target=first, factor=factor, init="net2net")(gm)
     x = torch.randn((5,) + shape[1:], generator=torch.Generator().manual_seed(1))
     for before, after in zip(outputs_both_modes(model, x), outputs_both_modes(r.gm, x)):
         assert rel_err(before, after) <= 1e-5
@@ -131,7 +133,9 @@ def test_default_target_skips_layernorm_groups_unless_the_growth_replicates():
     gg.annotate(gm, (1, 3, 16, 16))
     c = analyze(gm)
     assert c.group("stem").norms == ["norm"] and c.group("stem").tensors == ["scale"]
-    assert GrowWidth(init="net2net")(gm).targets["target"].startswith("stem ")
+    targets = {c.args["target"] for c in GrowWidth(init="net2net").candidates(gm)}
+    assert "stem" in targets  # replicas keep LayerNorm's statistics: its group is a place
+    assert "stem" not in {c.args["target"] for c in GrowWidth().candidates(gm)}
     assert GrowWidth()(gm).targets["target"].startswith("fc1 ")  # zero init: the hidden MLP width, no LayerNorm
 
 

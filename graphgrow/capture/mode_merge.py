@@ -24,6 +24,7 @@ the block, and trace.py keeps that block a leaf with the reason.
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,6 +34,7 @@ from ..io.mode_switch import ModeSwitch
 
 Path = tuple[bool, ...]
 MAX_PATHS = 16  # traces per merge; every one re-runs the model's forward symbolically
+MAX_CONDITIONS = 4096  # branches answered in one trace; a loop on a live number would never stop
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Condition:
     reader: str  # path of the module whose forward branched
     after: fx.Node | None  # the last tensor-work node created before it
     answer: bool
+    location: Any = None  # (file, line) of the `if` that asked it
 
 
 @dataclass
@@ -58,26 +61,35 @@ class MergeError(Exception):
         self.where, self.why = where, why
 
 
-def follow(prefix: Path) -> Callable[[Path], bool]:
-    """The policy that answers a site's conditions with `prefix`, then True."""
-    return lambda history: prefix[len(history)] if len(history) < len(prefix) else True
+Policy = tuple[tuple[Any, Path], ...]  # (code location of a site's `if`, the answers it is given first), sorted
 
 
-def unexplored(conditions: list[Condition], prefix: Path) -> list[Path]:
-    """Answer patterns a trace with `prefix` showed but did not try (each True it gave by default, as False)."""
-    out: list[Path] = []
-    for answers in _site_answers(conditions).values():
-        for j in range(len(prefix), len(answers)):
-            new = answers[:j] + (not answers[j],)
+def follow(policy: Policy) -> Callable[[Any, Path], bool]:
+    """Answer a site's conditions with the prefix its code location is given, then True."""
+    prefixes = dict(policy)
+
+    def answer(location: Any, history: Path) -> bool:
+        prefix = prefixes.get(location, ())
+        return prefix[len(history)] if len(history) < len(prefix) else True
+
+    return answer
+
+
+def unexplored(conditions: list[Condition], policy: Policy) -> list[Policy]:
+    """Answer patterns a trace under `policy` showed but did not try: each True it gave by default, as False,
+    at that site's code location (sites at the same `if` — a cell's loop, every cell — are explored together;
+    a nested `if` has its own location, so its answers combine with the outer one's)."""
+    prefixes = dict(policy)
+    out: list[Policy] = []
+    seen_sites: dict[int, list[Condition]] = {}
+    for c in conditions:
+        seen_sites.setdefault(c.site, []).append(c)
+    for conds in seen_sites.values():
+        location, answers = conds[0].location, tuple(c.answer for c in conds)
+        for j in range(len(prefixes.get(location, ())), len(answers)):
+            new = tuple(sorted({**prefixes, location: answers[:j] + (not answers[j],)}.items(), key=repr))
             if new not in out:
                 out.append(new)
-    return out
-
-
-def _site_answers(conditions: list[Condition]) -> dict[int, Path]:
-    out: dict[int, Path] = {}
-    for c in conditions:
-        out[c.site] = out.get(c.site, ()) + (c.answer,)
     return out
 
 
@@ -112,7 +124,10 @@ def _work(graph: fx.Graph, values: set[fx.Node]) -> list[fx.Node]:
 
 
 def _key(n: fx.Node) -> tuple[str, str]:
-    return n.op, n.target if isinstance(n.target, str) else getattr(n.target, "__qualname__", str(n.target))
+    target = n.target if isinstance(n.target, str) else getattr(n.target, "__qualname__", str(n.target))
+    if n.op == "get_attr" and re.fullmatch(r"_tensor_constant\d+", target):
+        target = "_tensor_constant"  # fx numbers each trace's constants afresh: the same constant, another name
+    return n.op, target
 
 
 def _aligned(ref: list[fx.Node], other: list[fx.Node]) -> dict[fx.Node, fx.Node]:
@@ -149,16 +164,16 @@ def _cut(t: _Trace, conditions: list[Condition], skeleton: list[fx.Node]) -> Non
 
 
 def _open_sites(gap: list[_Site], conds: list[Condition], pending: list[fx.Node] | None = None) -> None:
-    """Conditions asked right after a node start sites; work seen before them belongs to the earlier site."""
+    """Conditions asked right after a node join the gap's one site (an `if` nested in another's work adds its
+    answers to the path); work seen before them belongs to the site so far."""
     if not conds:
         return
     if pending:
         _assign(gap, pending)
         pending.clear()
-    sites: dict[int, list[Condition]] = {}
-    for c in conds:
-        sites.setdefault(c.site, []).append(c)
-    gap.extend(_Site(cs) for _, cs in sorted(sites.items()))
+    if not gap:
+        gap.append(_Site([]))
+    gap[0].conditions.extend(sorted(conds, key=lambda c: (c.site, c.position)))
 
 
 def _assign(gap: list[_Site], pending: list[fx.Node]) -> None:
@@ -220,11 +235,11 @@ def _clone_mutated(graph: fx.Graph, site: _Site, where: str) -> None:
 
 # --- the merge -----------------------------------------------------------------------------------
 
-def merge(traces: dict[Path, tuple[fx.Graph, Any]]) -> tuple[fx.Graph, list[Switch]]:
-    """One graph computing every path, from {answer prefix: (graph, tracer)}; the () trace is the reference."""
+def merge(traces: dict[Policy, tuple[fx.Graph, Any]]) -> tuple[fx.Graph, list[Switch]]:
+    """One graph computing every path, from {policy: (graph, tracer)}; the () trace (all True) is the reference."""
     ref_graph, ref_tracer = traces[()]
     ref_work = _work(ref_graph, ref_tracer.values)
-    found: dict[Path, _Trace] = {}
+    found: dict[Policy, _Trace] = {}
     for key, (graph, tracer) in traces.items():
         work = _work(graph, tracer.values)
         found[key] = _Trace(graph, work, {n: n for n in work} if key == () else _aligned(ref_work, work))
@@ -245,13 +260,13 @@ def merge(traces: dict[Path, tuple[fx.Graph, Any]]) -> tuple[fx.Graph, list[Swit
     return _Builder(found, skeleton).build()
 
 
-def _first_reader(traces: dict[Path, tuple[fx.Graph, Any]]) -> str:
+def _first_reader(traces: dict[Policy, tuple[fx.Graph, Any]]) -> str:
     conds = traces[()][1].conditions
     return conds[0].reader if conds else ""
 
 
 class _Builder:
-    def __init__(self, found: dict[Path, _Trace], skeleton: list[fx.Node]):
+    def __init__(self, found: dict[Policy, _Trace], skeleton: list[fx.Node]):
         self.found, self.skeleton = found, skeleton
         self.from_ref = {key: {r: n for n, r in t.to_ref.items()} for key, t in found.items()}
         self.merged = fx.Graph()
@@ -265,16 +280,16 @@ class _Builder:
     def build(self) -> tuple[fx.Graph, list[Switch]]:
         # first pass: which values differ between paths (switch requests); second: the graph, each
         # gap's switches emitted before the skeleton node that ends it, in the order their work ran
-        self.requests: dict[tuple[fx.Node, ...], tuple[int, int, int]] = {}
-        self.outputs: dict[tuple[fx.Node, ...], fx.Node] = {}
+        self.requests: dict[tuple[int, tuple], tuple[int, int, int]] = {}  # (gap, per-trace values) → place
+        self.outputs: dict[tuple[int, tuple], fx.Node] = {}
         self.collecting = True
-        for r in self.skeleton:
-            self._args(r, [self._read(key, r) for key in self.found])
+        for i, r in enumerate(self.skeleton):
+            self._args(r, [self._read(key, r) for key in self.found], i)
         self.collecting = False
         for i, r in enumerate(self.skeleton):
             for request in sorted((q for q, loc in self.requests.items() if loc[0] == i), key=self.requests.__getitem__):
-                self.outputs[request] = self._switch_output(dict(zip(self.found, request)))
-            args, kwargs = self._args(r, [self._read(key, r) for key in self.found])
+                self.outputs[request] = self._switch_output(request)
+            args, kwargs = self._args(r, [self._read(key, r) for key in self.found], i)
             node = self.merged.create_node(r.op, r.target, args, kwargs, name=r.name)
             node.meta = dict(r.meta)
             self.env[r] = node
@@ -286,15 +301,15 @@ class _Builder:
         return self.merged, self.switches
 
     # what each trace's copy of skeleton node r reads, per argument
-    def _read(self, key: Path, r: fx.Node) -> fx.Node:
+    def _read(self, key: Policy, r: fx.Node) -> fx.Node:
         return self.from_ref[key][r]
 
-    def _args(self, r: fx.Node, reads: list[fx.Node]) -> tuple[Any, Any]:
+    def _args(self, r: fx.Node, reads: list[fx.Node], gap: int) -> tuple[Any, Any]:
         keys = list(self.found)
 
         def walk(ref_arg: Any, others: list[Any]) -> Any:
-            if isinstance(ref_arg, fx.Node):
-                return self._value_read(dict(zip(keys, others)), ref_arg)
+            if isinstance(ref_arg, fx.Node) or any(isinstance(o, fx.Node) for o in others):
+                return self._value_read(dict(zip(keys, others)), r, gap)
             if isinstance(ref_arg, (list, tuple)):
                 if not all(isinstance(o, (list, tuple)) and len(o) == len(ref_arg) for o in others):
                     raise MergeError(_scope(r), f"'{r.name}' reads differently shaped arguments on different paths")
@@ -305,49 +320,60 @@ class _Builder:
             if isinstance(ref_arg, slice):
                 parts = [walk(getattr(ref_arg, a), [getattr(o, a, None) for o in others]) for a in ("start", "stop", "step")]
                 return slice(*parts)
-            if any(o != ref_arg for o in others):
-                raise MergeError(_scope(r), f"'{r.name}' gets different constants on different paths")
+            if any(o != ref_arg or type(o) is not type(ref_arg) for o in others):
+                return self._value_read(dict(zip(keys, others)), r, gap)  # a number chosen by the branch
             return ref_arg
 
         return walk(r.args, [n.args for n in reads]), walk(r.kwargs, [n.kwargs for n in reads])
 
-    def _value_read(self, per_trace: dict[Path, Any], ref_arg: fx.Node) -> Any:
-        """The merged node for an argument: a skeleton node, a flag/number value, or a switch output."""
-        if not all(isinstance(v, fx.Node) for v in per_trace.values()):
-            raise MergeError(_scope(ref_arg), "an argument is a node on one path and a constant on another")
-        mapped = {k: self.found[k].to_ref.get(v) for k, v in per_trace.items()}
-        if all(m is not None for m in mapped.values()) and len(set(mapped.values())) == 1:
-            return None if self.collecting else self.env[next(iter(mapped.values()))]
-        if all(self._is_value(k, v) for k, v in per_trace.items()):
-            if self.collecting:
-                return None
-            copies = {self._copy_value(k, v) for k, v in per_trace.items()}
-            if len(copies) == 1:
-                return copies.pop()
-        request = tuple(per_trace.values())
+    def _value_read(self, per_trace: dict[Policy, Any], r: fx.Node, gap: int) -> Any:
+        """The merged value of an argument of skeleton node `r`: a skeleton node, a flag/number value, or
+        the output of a switch (one path's work, or a number a branch chooses: `p if self.training else 0.`)."""
+        if all(isinstance(v, fx.Node) for v in per_trace.values()):
+            mapped = {k: self.found[k].to_ref.get(v) for k, v in per_trace.items()}
+            if all(m is not None for m in mapped.values()) and len(set(mapped.values())) == 1:
+                return None if self.collecting else self.env[next(iter(mapped.values()))]
+            if all(self._is_value(k, v) for k, v in per_trace.items()):
+                if self.collecting:
+                    return None
+                copies = {self._copy_value(k, v) for k, v in per_trace.items()}
+                if len(copies) == 1:
+                    return copies.pop()
+        elif not all(type(v) in (bool, int, float, type(None)) or (isinstance(v, fx.Node) and self._is_value(k, v))
+                     for k, v in per_trace.items()):
+            raise MergeError(self._gap_reader(gap) or _scope(r), f"'{r.name}' reads a tensor on one path and a constant on another")
+        request = (gap, tuple(per_trace.values()))
         if self.collecting:
             if request not in self.requests:
-                self.requests[request] = self._order(per_trace)
+                self.requests[request] = self._order(per_trace, gap)
             return None
         return self.outputs[request]
 
-    def _order(self, per_trace: dict[Path, fx.Node]) -> tuple[int, int, int]:
+    def _gap_reader(self, gap: int) -> str:
+        """The module whose branch governs a gap (the reader of its first condition on any path)."""
+        return next((site.conditions[0].reader for t in self.found.values() if gap < len(t.gaps)
+                     for site in t.gaps[gap] if site.conditions), "")
+
+    def _order(self, per_trace: dict[Policy, Any], gap: int) -> tuple[int, int, int]:
         """(gap, site, position of the first work in the reference trace) of a value that differs between paths."""
-        sites = {loc for k, v in per_trace.items() if (loc := self._site_of(k, v)) is not None}
+        sites = {loc for k, v in per_trace.items() if isinstance(v, fx.Node) and (loc := self._site_of(k, v)) is not None}
+        if not sites and all(len(t.gaps[gap]) == 1 for t in self.found.values()):
+            sites = {(gap, 0)}  # a choice between values, made by the one branch before its reader
         if len(sites) != 1:
-            any_node = next(iter(per_trace.values()))
-            raise MergeError(_scope(any_node), "a value differs between paths in a way that is not one branch's work "
-                                               "(several branches in a row, or a choice between values)")
+            raise MergeError(self._gap_reader(gap), "a value differs between paths in a way that is not one branch's "
+                                                    "work (several branches in a row, or work read past its branch)")
         g, s = sites.pop()
         order = {n: i for i, n in enumerate(self.found[()].work)}
         ref_site = self.found[()].gaps[g][s] if s < len(self.found[()].gaps[g]) else None
-        first = min((order[n] for n in _ancestors_in(per_trace[()], ref_site.nodes)), default=len(order)) if ref_site else 0
+        ref_value = per_trace[()]
+        first = min((order[n] for n in _ancestors_in(ref_value, ref_site.nodes)), default=len(order)) \
+            if ref_site and isinstance(ref_value, fx.Node) else -1
         return g, s, first
 
-    def _is_value(self, key: Path, n: fx.Node) -> bool:
+    def _is_value(self, key: Policy, n: fx.Node) -> bool:
         return n not in self.work_sets[key]
 
-    def _copy_value(self, key: Path, n: fx.Node) -> fx.Node:
+    def _copy_value(self, key: Policy, n: fx.Node) -> fx.Node:
         """A flag/number value (or a condition) in the merged graph, shared by structure across traces."""
         skey = self._structure(key, n)
         if skey not in self.values:
@@ -362,7 +388,7 @@ class _Builder:
             self.values[skey] = node
         return self.values[skey]
 
-    def _structure(self, key: Path, n: Any) -> Any:
+    def _structure(self, key: Policy, n: Any) -> Any:
         if isinstance(n, fx.Node):
             if not self._is_value(key, n):
                 return ("work", self.found[key].to_ref.get(n, n).name)
@@ -372,21 +398,21 @@ class _Builder:
         return repr(n)
 
     # --- switches ---------------------------------------------------------------------------
-    def _site_of(self, key: Path, n: fx.Node) -> tuple[int, int] | None:
+    def _site_of(self, key: Policy, n: fx.Node) -> tuple[int, int] | None:
         for g, gap in enumerate(self.found[key].gaps):
             for s, site in enumerate(gap):
                 if n in site.nodes:
                     return g, s
         return None
 
-    def _switch_output(self, per_trace: dict[Path, fx.Node]) -> fx.Node:
-        g, s, _ = self.requests[tuple(per_trace.values())]
-        any_node = next(iter(per_trace.values()))
+    def _switch_output(self, request: tuple[int, tuple]) -> fx.Node:
+        g, s, _ = self.requests[request]
+        per_trace = dict(zip(self.found, request[1]))
         if any(len(t.gaps[g]) <= s for t in self.found.values()):
-            raise MergeError(_scope(any_node), "its paths branch a different number of times")
+            raise MergeError(self._gap_reader(g), "its paths branch a different number of times")
         site_per_trace = {k: t.gaps[g][s] for k, t in self.found.items()}
         where = site_per_trace[()].conditions[0].reader
-        paths: dict[Path, Path] = {}  # path at this site → the first trace that took it
+        paths: dict[Path, Policy] = {}  # path at this site → the first trace that took it
         for k, site in site_per_trace.items():
             paths.setdefault(site.path, k)
         inputs: list[fx.Node] = []  # merged nodes the bodies read
@@ -395,9 +421,12 @@ class _Builder:
         chosen: list[tuple[list[fx.Node], fx.Node, dict[fx.Node, fx.Node]]] = []
         for k in paths.values():
             site, value = site_per_trace[k], per_trace[k]
-            nodes = [n for n in site.nodes if n in _ancestors_in(value, site.nodes)]
+            nodes = [n for n in site.nodes if n in _ancestors_in(value, site.nodes)] if isinstance(value, fx.Node) else []
+            shared = [n for n in nodes if n in self.claimed and not _pure(n)]
+            if shared:  # two switches would each run it: random draws or in-place steps twice
+                raise MergeError(where, f"two values it computes on one path share the step '{shared[0].name}'")
             self.claimed.update(nodes)
-            outside = {x: self._copy_value(k, x) for x in _outside_inputs(nodes, value)}
+            outside = {x: self._copy_value(k, x) for x in _outside_inputs(nodes, value)} if isinstance(value, fx.Node) else {}
             inputs += [m for m in outside.values() if m not in inputs]
             chosen.append((nodes, value, outside))
             row = []
@@ -411,9 +440,15 @@ class _Builder:
         n = self.counters[where] = self.counters.get(where, -1) + 1
         node = self.merged.create_node("call_function", _pending_switch, (*conditions, *inputs), {},
                                        name=f"{where.replace('.', '_')}_mode_switch_{n}")
-        node.meta = dict(any_node.meta)
+        node.meta = dict(next((v.meta for v in per_trace.values() if isinstance(v, fx.Node)), {}))
         self.switches.append(Switch(node, f"{where}.mode_switch_{n}", ModeSwitch(len(conditions), table, bodies)))
         return node
+
+def _pure(n: fx.Node) -> bool:
+    """Safe to compute twice: reading a size, dtype or device, or arithmetic on such values."""
+    return (n.op == "call_method" and n.target in ("size", "dim")) or \
+        (n.op == "call_function" and (n.target is getattr or getattr(n.target, "__module__", "") in ("_operator", "operator")))
+
 
 def _ancestors_in(value: fx.Node, nodes: list[fx.Node]) -> set[fx.Node]:
     inside, found, todo = set(nodes), set(), [value]
@@ -436,7 +471,7 @@ def _outside_inputs(nodes: list[fx.Node], value: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _body(nodes: list[fx.Node], value: fx.Node, inputs: list[fx.Node], outside: dict[fx.Node, fx.Node],
+def _body(nodes: list[fx.Node], value: Any, inputs: list[fx.Node], outside: dict[fx.Node, fx.Node],
           where: str) -> list[dict]:
     """One path's work as a stand-alone graph over the switch's inputs (merged nodes), as stored records."""
     from ..io.serialize import node_records  # the one format for graphs kept as data
@@ -449,7 +484,7 @@ def _body(nodes: list[fx.Node], value: fx.Node, inputs: list[fx.Node], outside: 
             raise MergeError(where, f"the work it does on one path only uses '{n.target}' (only tensor functions and "
                                     "methods can be switched, not submodules or parameters)")
         env[n] = graph.node_copy(n, lambda a: env[a])
-    graph.output(env[value])
+    graph.output(env[value] if isinstance(value, fx.Node) else value)
     return node_records(graph)
 
 

@@ -21,6 +21,7 @@ The result is then checked against the module (see fidelity.py) before any pass 
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import AbstractSet, Any, Callable, Iterable, Literal, Sequence
 
 from torch import fx, nn
@@ -52,7 +53,8 @@ class _CondProxy(fx.Proxy):
     the graph computes at run time. Python may branch on it only inside a block being mode-merged."""
 
     def __bool__(self) -> bool:
-        return self.tracer.decide(self)  # type: ignore[attr-defined]
+        frame = sys._getframe(1)  # the code that branches: its `if` is the site's location
+        return self.tracer.decide(self, (frame.f_code.co_filename, frame.f_lineno))  # type: ignore[attr-defined]
 
     def _needs_value(self, *_):
         raise _Frozen(self.tracer.live_sources(self.node))  # type: ignore[attr-defined]
@@ -64,13 +66,13 @@ class _Tracer(fx.Tracer):
     """Symbolic tracer that honours leaves, remembers where it is and traces `training` reads.
 
     `split` names modules whose forward branches on their mode: there every branch on a flag or a
-    live number is answered by `policy(answers given so far in its chain of conditions)` and
+    live number is answered by `policy(where its chain of conditions starts, answers so far)` and
     recorded, so mode_merge can rebuild every path from traces taken with different answers. With `live`,
     plain number attributes (not `_private`, not bool, not in `frozen`) are read at run time.
     """
 
     def __init__(self, leaves: set[str], root_constant: bool | None, mode_free: AbstractSet[str] = frozenset(),
-                 split: AbstractSet[str] = frozenset(), policy: Callable[[tuple[bool, ...]], bool] | None = None,
+                 split: AbstractSet[str] = frozenset(), policy: Callable[[Any, tuple[bool, ...]], bool] | None = None,
                  live: bool = False, frozen: AbstractSet[tuple[type, str]] = frozenset()):
         super().__init__()
         self.leaves = leaves
@@ -87,6 +89,7 @@ class _Tracer(fx.Tracer):
         self.conditions: list[mode_merge.Condition] = []
         self.site, self.site_open = -1, False
         self.history: list[bool] = []  # the answers given so far in the chain of conditions being asked now
+        self.site_location: Any = None
         self.last_data: fx.Node | None = None  # the last node that is not a flag/number value
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
@@ -159,17 +162,23 @@ class _Tracer(fx.Tracer):
                 todo.extend(n.all_input_nodes)
         return found
 
-    def decide(self, proxy: fx.Proxy) -> bool:
+    def decide(self, proxy: fx.Proxy, location: Any = None) -> bool:
         """Python branches on a flag or live number: answered inside a block being merged, else refused."""
         reader = self.stack[-1][0] if self.stack else ""
         if reader not in self.split or self.policy is None:
             if self.live_sources(proxy.node) and not _reads_flag(proxy.node):
                 raise _Frozen(self.live_sources(proxy.node))
             raise _ModeBranch()
+        if len(self.conditions) >= mode_merge.MAX_CONDITIONS:
+            raise mode_merge.MergeError(reader, f"it asks more than {mode_merge.MAX_CONDITIONS} conditions in one "
+                                                "trace (a loop on a flag or a live number?)")
         if not self.site_open:
             self.site, self.history, self.site_open = self.site + 1, [], True
-        answer = self.policy(tuple(self.history))
-        self.conditions.append(mode_merge.Condition(proxy.node, self.site, len(self.history), reader, self.last_data, answer))
+        if not self.history:
+            self.site_location = location  # a chain is explored by where it starts
+        answer = self.policy(self.site_location, tuple(self.history))
+        self.conditions.append(mode_merge.Condition(proxy.node, self.site, len(self.history), reader, self.last_data,
+                                                    answer, self.site_location))
         self.history.append(answer)
         return answer
 
@@ -247,7 +256,7 @@ class _Plan:
         self.name = type(model).__name__
         self.current: _Tracer | None = None  # the tracer of the trace running now (attempt() makes several)
 
-    def tracer(self, policy: Callable[[tuple[bool, ...]], bool] | None = None) -> _Tracer:
+    def tracer(self, policy: Callable[[Any, tuple[bool, ...]], bool] | None = None) -> _Tracer:
         return _Tracer(self.leaves, self.root_constant, self.mode_free, self.split, policy,
                        live=bool(self.split), frozen=self.frozen)
 
@@ -260,15 +269,15 @@ class _Plan:
         traces = {(): (graph, first)}
         todo = mode_merge.unexplored(first.conditions, ())
         while todo:
-            prefix = todo.pop(0)
-            if prefix in traces:
+            policy = todo.pop(0)
+            if policy in traces:
                 continue
             if len(traces) >= mode_merge.MAX_PATHS:
                 raise mode_merge.MergeError(first.conditions[-1].reader, f"its branches have more than "
                                             f"{mode_merge.MAX_PATHS} paths")
-            self.current = tracer = self.tracer(mode_merge.follow(prefix))
-            traces[prefix] = (_trace_once(self.model, tracer, self.fixed), tracer)
-            todo += mode_merge.unexplored(tracer.conditions, prefix)
+            self.current = tracer = self.tracer(mode_merge.follow(policy))
+            traces[policy] = (_trace_once(self.model, tracer, self.fixed), tracer)
+            todo += mode_merge.unexplored(tracer.conditions, policy)
         merged, switches = mode_merge.merge(traces)
         return merged, first, switches
 
@@ -300,7 +309,17 @@ class _Plan:
     def inside_leaf(self, path: str) -> bool:
         return any(path == leaf or path.startswith(leaf + ".") for leaf in self.leaves)
 
+    def owner(self, where: str) -> str:
+        """The merged block a place belongs to (a failure inside a block makes the block the leaf)."""
+        if where in self.split:
+            return where
+        return max((p for p in self.split if where.startswith(p + ".")), key=len, default=where)
+
     def make_leaf(self, where: str, why: str) -> None:
+        where = self.owner(where)
+        if where in self.leaves or not where:
+            raise TraceError(f"cannot trace {where or 'the top level'} of {self.name}: {why}",
+                             f"mark it as a leaf: --leaf {where}" if where else "")
         self.split.discard(where)
         _add_leaf(self.leaves, self.auto, where, why, self.name)
 
@@ -338,11 +357,12 @@ def _trace_graph(model: nn.Module, user_leaves: set[str], mode: Mode, auto_leave
         except _Frozen as f:
             plan.frozen.update(f.attrs)
         except mode_merge.MergeError as m:
-            cls = type(model.get_submodule(m.where)).__name__ if m.where else plan.name
-            if not m.where or not auto_leaves:
-                raise TraceError(f"cannot merge the train- and eval-mode code of {m.where or plan.name} ({cls}): {m.why}",
-                                 f"mark it as a leaf: --leaf {m.where}" if m.where else "") from None
-            plan.make_leaf(m.where, f"{cls}: branches on self.training and {m.why}")
+            where = plan.owner(m.where)
+            cls = type(model.get_submodule(where)).__name__ if where else plan.name
+            if not where or not auto_leaves:
+                raise TraceError(f"cannot merge the train- and eval-mode code of {where or plan.name} ({cls}): {m.why}",
+                                 f"mark it as a leaf: --leaf {where}" if where else "") from None
+            plan.make_leaf(where, f"{cls}: branches on self.training and {m.why}")
         except Exception as e:  # fx raises many kinds; all mean "cannot trace"
             plan.on_failure(plan.current, e)
     else:
@@ -379,7 +399,15 @@ def _traces_alike_in_both_modes(module: nn.Module) -> bool:
         except BaseException:  # noqa: BLE001 - anything, including a nested mode branch, means "not alike"
             return False
         codes.append(graph.python_code("self").src)
-    return codes[0] == codes[1]
+    if codes[0] != codes[1]:
+        return False
+    try:  # alike only at these numbers? `if self.training and self.p > 0` with p = 0 is not alike
+        _trace_once(module, _Tracer(set(), True, live=True), _concrete_defaults(module))
+    except _Frozen:
+        return False
+    except BaseException:  # noqa: BLE001 - other failures were not about numbers: the frozen traces decided
+        pass
+    return True
 
 
 def tracer_stack_top(tracer: _Tracer) -> tuple[str, str]:
@@ -439,6 +467,7 @@ def trace(
                 f"no submodule named {', '.join(map(repr, unknown))} in {type(model).__name__}",
                 "leaf names are module paths as in model.named_modules(), e.g. 'layer1.0'",
             )
+        before = set(vars(model))
         graph, tracer, switches, report = _trace_graph(model, leaves, mode, auto_leaves)
         if mode == "train" and report["top_level_mode_dependent"]:  # what the deployed function never runs
             report["train_only_modules"] = train_only_modules(graph, lambda: _trace_graph(model, leaves, "eval", auto_leaves)[0])
@@ -447,6 +476,9 @@ def trace(
             node.meta["gg_scope"] = tuple(stack.keys())
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         mode_merge.install(gm, switches)
+        for name in set(vars(model)) - before:  # fx parks tensor constants on the model it traces: the graph has them now
+            if name.startswith("_tensor_constant"):
+                delattr(model, name)
         gm.train(model.training)
         gm.meta[META_KEY] = {"input_shape": None, "log": [], "trace": report}
         if input_shape is not None and check:
