@@ -15,10 +15,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..core.errors import first_line, ValidationError
 from ..core.state import module_device, module_dtype, training_mode
+from .inputs import is_spec, Shape, spec_inputs
 
 
-def example_input(gm: torch.nn.Module, shape: Sequence[int], seed: int = 0, batch: int | None = None) -> torch.Tensor:
-    """A seeded standard-normal input of `shape` (batch replaced when given), on the model's device."""
+def example_input(gm: torch.nn.Module, shape: Shape, seed: int = 0, batch: int | None = None) -> Any:
+    """A seeded standard-normal input of `shape` (batch replaced when given), on the model's device.
+
+    For an input spec (several named inputs, dtypes): a dict name → tensor (graph.inputs).
+    """
+    if is_spec(shape):
+        return spec_inputs(gm, shape, seed, batch)  # type: ignore[arg-type]
     shape = list(shape)
     if batch is not None:
         shape[0] = batch
