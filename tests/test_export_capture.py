@@ -142,3 +142,25 @@ def test_capture_choice_is_reported_and_checked():
         trace(model, (1, 4), capture="jit")  # type: ignore[arg-type]
     with pytest.raises(InputError, match="needs an example input"):
         trace(model, capture="export")
+
+
+@pytest.mark.slow
+def test_passes_grow_a_captured_bert_verified():
+    """The captured graph is one graphgrow's passes grow: verified at two batch sizes, in eval and train mode,
+    on named token-id inputs (verification draws them from the stored input spec)."""
+    from graphgrow.jobs.pipeline import Pipeline
+
+    model = _bert(tf.BertForSequenceClassification)
+    gm = trace(model, "input_ids:1x8:int64,attention_mask:1x8:int64")
+    result = Pipeline.from_spec("grow_width(target=bert.encoder.layer.0.intermediate.dense),"
+                                "insert_adapter(after=bert.encoder.layer.1.intermediate.dense)").run(gm)
+    widen, adapter = result.results
+    assert widen.params_after - widen.params_before == 2 * 64 * 32 + 64  # 64 new hidden units: in-weights, biases, out-weights
+    assert "bert.encoder.layer.0.output.dense" in widen.targets["rebuilt"]
+    for r in (widen, adapter):
+        assert r.preservation.eval.max_abs_err <= 1e-6 and r.preservation.train.max_abs_err <= 1e-6
+        assert r.preservation.trainable and not r.preservation.dead
+    grown = result.gm
+    assert grown.get_submodule("bert.encoder.layer.0.intermediate.dense").out_features == 128
+    inputs = spec_inputs(model, parse_spec("input_ids:3x8:int64,attention_mask:3x8:int64"), seed=9)
+    assert _max_error(model, grown, inputs) <= 1e-5

@@ -19,6 +19,7 @@ computes both modes; any other difference is refused, naming the module.
 """
 from __future__ import annotations
 
+import inspect
 import operator
 import time
 from typing import Any, Iterable
@@ -27,7 +28,9 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten, TreeSpec
 
-from ..core.errors import first_line, TraceError
+from ..core.errors import first_line, InputError, TraceError
+from ..graph.graph_meta import META_KEY, store_shape
+from ..graph.inputs import InputSpec, is_spec, parse_spec, spec_inputs
 from .aten_table import DROPPED, to_torch
 
 _SKIP_RAISE = (nn.MultiheadAttention,)
@@ -313,3 +316,37 @@ def export_capture(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[f
     report = {"capture": "export", "mode_switches": switches, "layers_as_functions": kept, "aten_ops": aten_left,
               "notes": notes}
     return gm, report
+
+
+def as_spec(input_shape: Any) -> InputSpec | None:
+    """An input spec when `input_shape` is one (text with names, a dict, TensorSpecs); None for a plain shape."""
+    if input_shape is None:
+        return None
+    if is_spec(input_shape) or isinstance(input_shape, dict) or (isinstance(input_shape, str) and ":" in input_shape):
+        return parse_spec(input_shape)
+    return None
+
+
+def needs_export(spec: InputSpec) -> bool:
+    return len(spec) > 1 or any(t.dtype != "float32" for t in spec)
+
+
+def capture_by_export(model: nn.Module, input_shape: Any, spec: InputSpec | None, check: bool, notes: list[str]) -> fx.GraphModule:
+    """Capture with torch.export (export_capture.py) on seeded example inputs, then check as a trace is checked."""
+    if input_shape is None:
+        raise InputError(f"capturing {type(model).__name__} with torch.export needs an example input",
+                         "give --input-shape (e.g. input_ids:1x16:int64), Python: trace(model, input_shape=...)")
+    if spec is None:  # one float input: named after the forward's first argument
+        params = [p for p in inspect.signature(model.forward).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        spec = parse_spec({params[0].name if params else "x": list(input_shape)})
+    batch = max(2, int(spec[0].shape[0]))  # a size-1 dimension would be fixed by export, not kept dynamic
+    gm, report = export_capture(model, spec_inputs(model, spec, seed=0, batch=batch))
+    report["notes"] = notes + report["notes"]
+    report.update(mode="eval", auto_leaves={}, user_leaves=[], mode_reads=[], top_level_mode_dependent=False)
+    gm.meta[META_KEY] = {"input_shape": None, "log": [], "trace": report}
+    if check:
+        from .fidelity import check_fidelity
+
+        check_fidelity(model, gm, input_shape)
+    store_shape(gm, input_shape)
+    return gm

@@ -29,8 +29,9 @@ from . import mode_merge
 from ..analysis.deployed import train_only_modules
 from ..core.errors import first_line, InputError, TraceError
 from .watch import RecordConstructors, WatchModules
-from ..graph.inputs import InputSpec, is_spec, parse_spec, records, spec_inputs
-from ..graph.graph_meta import META_KEY, graph_info, input_shape_of, scope_of, trace_report  # noqa: F401 (re-exported)
+from ..graph.inputs import InputSpec, is_spec
+from .export_capture import as_spec, capture_by_export, needs_export
+from ..graph.graph_meta import META_KEY, graph_info, input_shape_of, scope_of, store_shape, trace_report  # noqa: F401 (re-exported)
 
 Mode = Literal["eval", "train"]
 Capture = Literal["auto", "fx", "export"]
@@ -438,13 +439,13 @@ def trace(
         raise InputError(f"trace mode must be 'eval' or 'train', got {mode!r}", "--trace-mode eval|train")
     if capture not in ("auto", "fx", "export"):
         raise InputError(f"capture must be 'auto', 'fx' or 'export', got {capture!r}", "--capture auto|fx|export")
-    spec = _as_spec(input_shape)
+    spec = as_spec(input_shape)
     if spec is not None and not is_spec(input_shape):
         input_shape = spec  # a spec written as text or a dict
     if isinstance(model, fx.GraphModule) and META_KEY in model.meta:
         gm = model
-    elif capture == "export" or (capture == "auto" and spec is not None and _needs_export(spec)):
-        gm = _by_export(model, input_shape, spec, check, [])
+    elif capture == "export" or (capture == "auto" and spec is not None and needs_export(spec)):
+        gm = capture_by_export(model, input_shape, spec, check, [])
     else:
         leaves = set(leaves)
         names = {n for n, _ in model.named_modules()}
@@ -459,7 +460,7 @@ def trace(
         except TraceError as e:
             if capture != "auto" or input_shape is None or not str(e).startswith("cannot trace the top-level"):
                 raise
-            return _by_export(model, input_shape, spec, check, [f"symbolic tracing failed ({first_line(e)}): captured "
+            return capture_by_export(model, input_shape, spec, check, [f"symbolic tracing failed ({first_line(e)}): captured "
                                                                 "with torch.export instead"])
         report["capture"] = "fx"
         if mode == "train" and report["top_level_mode_dependent"]:  # what the deployed function never runs
@@ -475,50 +476,6 @@ def trace(
             from .fidelity import check_fidelity
 
             check_fidelity(model, gm, input_shape)
-    _store_shape(gm, input_shape)
+    store_shape(gm, input_shape)
     return gm
 
-
-def _store_shape(gm: fx.GraphModule, input_shape: Any) -> None:
-    info = gm.meta[META_KEY]
-    if is_spec(input_shape):
-        info["input_shape"] = list(input_shape[0].shape)  # the first input's shape: what older readers show
-        info["inputs"] = records(input_shape)
-    elif input_shape is not None:
-        info["input_shape"] = [int(d) for d in input_shape]
-
-
-def _as_spec(input_shape: Any) -> InputSpec | None:
-    """An input spec when `input_shape` is one (text with names, a dict, TensorSpecs); None for a plain shape."""
-    if input_shape is None:
-        return None
-    if is_spec(input_shape) or isinstance(input_shape, dict) or (isinstance(input_shape, str) and ":" in input_shape):
-        return parse_spec(input_shape)
-    return None
-
-
-def _needs_export(spec: InputSpec) -> bool:
-    return len(spec) > 1 or any(t.dtype != "float32" for t in spec)
-
-
-def _by_export(model: nn.Module, input_shape: Any, spec: InputSpec | None, check: bool, notes: list[str]) -> fx.GraphModule:
-    """Capture with torch.export (export_capture.py) on seeded example inputs, then check as a trace is checked."""
-    from .export_capture import export_capture
-
-    if input_shape is None:
-        raise InputError(f"capturing {type(model).__name__} with torch.export needs an example input",
-                         "give --input-shape (e.g. input_ids:1x16:int64), Python: trace(model, input_shape=...)")
-    if spec is None:  # one float input: named after the forward's first argument
-        params = [p for p in inspect.signature(model.forward).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        spec = parse_spec({params[0].name if params else "x": list(input_shape)})
-    batch = max(2, int(spec[0].shape[0]))  # a size-1 dimension would be fixed by export, not kept dynamic
-    gm, report = export_capture(model, spec_inputs(model, spec, seed=0, batch=batch))
-    report["notes"] = notes + report["notes"]
-    report.update(mode="eval", auto_leaves={}, user_leaves=[], mode_reads=[], top_level_mode_dependent=False)
-    gm.meta[META_KEY] = {"input_shape": None, "log": [], "trace": report}
-    if check:
-        from .fidelity import check_fidelity
-
-        check_fidelity(model, gm, input_shape)
-    _store_shape(gm, input_shape)
-    return gm
