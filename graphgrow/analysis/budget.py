@@ -22,6 +22,7 @@ import torch
 from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..graph.inputs import batch_of, DTYPES, is_spec, Shape
 from ..core.errors import first_line, InputError, NotApplicable, ValidationError
 from ..graph.shapes import _target_name, shape_of
 
@@ -106,9 +107,9 @@ def _fast_shape(gm: fx.GraphModule, n: fx.Node, args: tuple) -> torch.Tensor | N
     return None
 
 
-def estimate_batch(input_shape: Sequence[int]) -> int:
+def estimate_batch(input_shape: Shape) -> int:
     """The largest batch a command runs the model at: verification's, or the example's own when larger."""
-    return max(VERIFY_BATCH, int(input_shape[0]) if len(input_shape) else 1)
+    return max(VERIFY_BATCH, batch_of(input_shape) if len(input_shape) else 1)
 
 
 class NoEstimate(Exception):
@@ -124,7 +125,7 @@ class NoEstimate(Exception):
         return self.message
 
 
-def activation_bytes(gm: fx.GraphModule, input_shape: Sequence[int], batch: int | None = None) -> int:
+def activation_bytes(gm: fx.GraphModule, input_shape: Shape, batch: int | None = None) -> int:
     """Sum of every node's output size on the meta device (an upper bound of what a forward keeps), at `batch`
     (default: estimate_batch). NoEstimate names the node the meta device cannot run."""
     total = 0
@@ -163,11 +164,13 @@ def activation_bytes(gm: fx.GraphModule, input_shape: Sequence[int], batch: int 
                     return None
             return max(outs, key=_bytes)
 
-    shape = [estimate_batch(input_shape) if batch is None else batch] + list(input_shape[1:])
+    b = estimate_batch(input_shape) if batch is None else batch
     dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
+    specs = [(list(t.shape), DTYPES[t.dtype]) for t in input_shape] if is_spec(input_shape) else [(list(input_shape), None)]
+    inputs = [torch.empty([b] + s[1:], device="meta", dtype=dtype if d in (None, torch.float32) else d) for s, d in specs]
     # Tensors a leaf creates without naming a device are made on the meta device too.
     with torch.no_grad(), torch.device("meta"):
-        Count(gm).run(torch.empty(shape, device="meta", dtype=dtype))
+        Count(gm).run(*inputs)
     return total
 
 
@@ -242,7 +245,7 @@ def _no_estimate_hint(gm: fx.GraphModule, input_shape: Sequence[int], batch: int
             "e.g. x.flatten(1) for x.view(1, -1); or " + LIFT_MEMORY)
 
 
-def _refuse_unsized(name: str, grown: fx.GraphModule, input_shape: Sequence[int], batch: int, e: NoEstimate) -> None:
+def _refuse_unsized(name: str, grown: fx.GraphModule, input_shape: Shape, batch: int, e: NoEstimate) -> None:
     """The grown model cannot be sized: refuse, saying what the verifier would have (the graph is broken at the
     smallest batch, or bakes in the batch size), without running it for real."""
     try:
@@ -255,7 +258,7 @@ def _refuse_unsized(name: str, grown: fx.GraphModule, input_shape: Sequence[int]
 
 
 def check_budget(name: str, apply: Callable[[fx.GraphModule], fx.GraphModule], gm: fx.GraphModule,
-                 input_shape: Sequence[int], limits: Limits) -> str | None:
+                 input_shape: Shape, limits: Limits) -> str | None:
     """Dry-run `apply` on a meta copy of `gm`; NotApplicable past the limits or, unless they were lifted
     (NO_LIMIT), when no estimate can be made (a pass that cannot dry-run: NotApplicable; a grown model the meta
     device cannot run: ValidationError, as verification would say). Returns a note when a lifted limit left a

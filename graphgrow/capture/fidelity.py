@@ -7,7 +7,7 @@ an interpreter over the graph), never left for a pass's preservation check to fi
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -18,14 +18,19 @@ from ..verify.reference import remember
 from ..graph.shapes import example_input
 from ..core.state import preserved_buffers, seeded, training_mode
 from ..graph.graph_meta import graph_info, scope_of
+from ..graph.inputs import call, is_spec, positional, Shape
 
 REL_TOL = 1e-5
 BATCHES = (2, 3)
 
 
-def _run(m: nn.Module, x: torch.Tensor, mode: str, seed: int) -> Any:
+def _run(m: nn.Module, x: Any, mode: str, seed: int) -> Any:
     with torch.no_grad(), training_mode(m, mode == "train"), preserved_buffers(m), seeded(seed):
-        return m(x)
+        return call(m, x)
+
+
+def _shown(shape: Shape) -> str:
+    return ", ".join(f"{t.name}:{list(t.shape)}:{t.dtype}" for t in shape) if is_spec(shape) else str(tuple(shape))  # type: ignore[union-attr]
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
@@ -62,7 +67,7 @@ def _difference(ref: Any, got: Any) -> str | None:
     return None
 
 
-def check_fidelity(model: nn.Module, gm: fx.GraphModule, input_shape: Sequence[int], seed: int = 0) -> dict:
+def check_fidelity(model: nn.Module, gm: fx.GraphModule, input_shape: Shape, seed: int = 0) -> dict:
     """Compare `gm` with `model` in eval and train mode at two batch sizes; raise TraceError on a mismatch.
 
     Same inputs, same RNG state (dropout draws alike on both sides), buffers restored
@@ -83,7 +88,7 @@ def check_fidelity(model: nn.Module, gm: fx.GraphModule, input_shape: Sequence[i
             try:
                 ref = _run(model, x, mode, seed)
             except Exception as e:
-                raise InputError(f"{name} cannot run on an input of shape {tuple(input_shape)} (at batch {batch}, {mode} mode): "
+                raise InputError(f"{name} cannot run on an input of shape {_shown(input_shape)} (at batch {batch}, {mode} mode): "
                                  f"{first_line(e)}",
                                  "give the shape the model expects with --input-shape N,C,H,W") from e
             try:
@@ -118,7 +123,7 @@ def check_fidelity(model: nn.Module, gm: fx.GraphModule, input_shape: Sequence[i
     return report
 
 
-def locate_divergence(model: nn.Module, gm: fx.GraphModule, x: torch.Tensor, mode: str, seed: int) -> str | None:
+def locate_divergence(model: nn.Module, gm: fx.GraphModule, x: Any, mode: str, seed: int) -> str | None:
     """The first submodule (in call order, innermost first) whose output differs between module and graph."""
     calls: list[tuple[str, Any]] = []
     names = {id(m): p for p, m in model.named_modules() if p}
@@ -146,7 +151,7 @@ def locate_divergence(model: nn.Module, gm: fx.GraphModule, x: torch.Tensor, mod
 
     try:
         with torch.no_grad(), training_mode(gm, mode == "train"), preserved_buffers(gm), seeded(seed):
-            Capture(gm).run(x)
+            Capture(gm).run(*positional(x))
     except Exception as e:
         return f"the graph fails ({type(e).__name__}: {first_line(e, 200)})"
     node_of = _module_output_nodes(gm)

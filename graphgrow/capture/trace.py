@@ -20,7 +20,6 @@ The result is then checked against the module (see fidelity.py) before any pass 
 """
 from __future__ import annotations
 
-import inspect
 import sys
 from typing import AbstractSet, Any, Callable, Iterable, Literal, Sequence
 
@@ -29,10 +28,14 @@ from torch import fx, nn
 from . import mode_merge
 from ..analysis.deployed import train_only_modules
 from ..core.errors import first_line, InputError, TraceError
+from .defaults import concrete_defaults, drop_fixed_placeholders
 from .watch import RecordConstructors, WatchModules
-from ..graph.graph_meta import META_KEY, graph_info, input_shape_of, scope_of, trace_report  # noqa: F401 (re-exported)
+from ..graph.inputs import InputSpec, is_spec
+from .export_capture import as_spec, capture_by_export, needs_export
+from ..graph.graph_meta import META_KEY, graph_info, input_shape_of, scope_of, store_shape, trace_report  # noqa: F401 (re-exported)
 
 Mode = Literal["eval", "train"]
+Capture = Literal["auto", "fx", "export"]
 _MAX_AUTO_LEAVES = 256  # each retry re-traces the model; past this something else is wrong
 
 
@@ -195,46 +198,6 @@ def _reads_flag(node: fx.Node) -> bool:
     return False
 
 
-def _concrete_defaults(model: nn.Module) -> dict[str, Any]:
-    """Forward parameters that have defaults (and *args/**kwargs): fixed, not model inputs."""
-    try:
-        params = list(inspect.signature(model.forward).parameters.values())
-    except (TypeError, ValueError):
-        return {}
-    fixed = {}
-    for i, p in enumerate(params):
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        if p.default is not p.empty and i > 0:
-            fixed[p.name] = p.default
-    return fixed
-
-
-def _drop_fixed_placeholders(graph: fx.Graph) -> None:
-    """Remove placeholders of arguments fixed to their defaults, with the asserts fx hangs on them.
-
-    fx gives such a placeholder its default as `args`; the first placeholder (the model input) stays.
-    """
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    for ph in placeholders[1:]:
-        if not ph.args:
-            continue
-        dependents: list[fx.Node] = []
-        todo = [ph]
-        while todo:
-            n = todo.pop()
-            for u in n.users:
-                if u not in dependents:
-                    dependents.append(u)
-                    todo.append(u)
-        if any(d.op == "output" for d in dependents):
-            continue  # the argument's value flows to the output: keep it as it is
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        for d in sorted(dependents, key=lambda n: -order[n]):
-            graph.erase_node(d)
-        graph.erase_node(ph)
-
-
 def _trace_once(model: nn.Module, tracer: _Tracer, fixed: dict[str, Any]) -> fx.Graph:
     with WatchModules(model, tracer), RecordConstructors(tracer):
         return tracer.trace(model, concrete_args=fixed or None)
@@ -252,7 +215,7 @@ class _Plan:
         self.split: set[str] = set()
         self.frozen: set[tuple[type, str]] = set()
         self.notes: list[str] = []
-        self.fixed = _concrete_defaults(model)
+        self.fixed = concrete_defaults(model)
         self.name = type(model).__name__
         self.current: _Tracer | None = None  # the tracer of the trace running now (attempt() makes several)
 
@@ -367,7 +330,7 @@ def _trace_graph(model: nn.Module, user_leaves: set[str], mode: Mode, auto_leave
             plan.on_failure(plan.current, e)
     else:
         raise TraceError(f"gave up tracing {plan.name}: too many retries", "name the untraceable submodules with --leaf")
-    _drop_fixed_placeholders(graph)
+    drop_fixed_placeholders(graph)
     _drop_unused_mode_reads(graph)
     if plan.fixed:
         plan.notes.append(f"optional forward arguments fixed to their defaults: {', '.join(sorted(plan.fixed))}")
@@ -395,14 +358,14 @@ def _traces_alike_in_both_modes(module: nn.Module) -> bool:
     for value in (True, False):
         tracer = _Tracer(set(), value)
         try:
-            graph = _trace_once(module, tracer, _concrete_defaults(module))
+            graph = _trace_once(module, tracer, concrete_defaults(module))
         except BaseException:  # noqa: BLE001 - anything, including a nested mode branch, means "not alike"
             return False
         codes.append(graph.python_code("self").src)
     if codes[0] != codes[1]:
         return False
     try:  # alike only at these numbers? `if self.training and self.p > 0` with p = 0 is not alike
-        _trace_once(module, _Tracer(set(), True, live=True), _concrete_defaults(module))
+        _trace_once(module, _Tracer(set(), True, live=True), concrete_defaults(module))
     except _Frozen:
         return False
     except BaseException:  # noqa: BLE001 - other failures were not about numbers: the frozen traces decided
@@ -432,11 +395,12 @@ def _drop_unused_mode_reads(graph: fx.Graph) -> None:
 
 def trace(
     model: nn.Module,
-    input_shape: Sequence[int] | None = None,
+    input_shape: Sequence[int] | InputSpec | str | dict | None = None,
     leaves: Iterable[str] = (),
     mode: Mode = "eval",
     auto_leaves: bool = True,
     check: bool = True,
+    capture: Capture = "auto",
 ) -> fx.GraphModule:
     """Trace `model` into a GraphModule that graphgrow passes can rewrite.
 
@@ -446,7 +410,12 @@ def trace(
     forward that itself branches on `self.training` (auxiliary outputs): "eval" (the
     deployed function, default) or "train". `input_shape` (e.g. (1, 3, 224, 224)) is
     the example input used for shape propagation and verification; it is stored in
-    `gm.meta["graphgrow"]`. With an input shape and `check=True`, the graph is
+    `gm.meta["graphgrow"]`; it may also be an input spec (several named inputs with dtypes:
+    'input_ids:1x16:int64,attention_mask:1x16:int64', a dict name → shape / (shape, dtype) /
+    tensor; graph.inputs). `capture` picks the way in: "fx" (symbolic tracing), "export"
+    (torch.export, export_capture.py; needs the example input) or "auto": fx, and export when
+    fx cannot trace the top level or the spec has several or integer inputs; the trace report's
+    "capture" says which. With an input shape and `check=True`, the graph is
     compared with `model` in eval and train mode (fidelity.check_fidelity) and a
     TraceError names the first place where they differ. A GraphModule made by
     graphgrow is returned as is. `gm.meta["graphgrow"]["trace"]` reports what was done.
@@ -456,8 +425,15 @@ def trace(
                          "build the model first, e.g. torchvision.models.resnet18()")
     if mode not in ("eval", "train"):
         raise InputError(f"trace mode must be 'eval' or 'train', got {mode!r}", "--trace-mode eval|train")
+    if capture not in ("auto", "fx", "export"):
+        raise InputError(f"capture must be 'auto', 'fx' or 'export', got {capture!r}", "--capture auto|fx|export")
+    spec = as_spec(input_shape)
+    if spec is not None and not is_spec(input_shape):
+        input_shape = spec  # a spec written as text or a dict
     if isinstance(model, fx.GraphModule) and META_KEY in model.meta:
         gm = model
+    elif capture == "export" or (capture == "auto" and spec is not None and needs_export(spec)):
+        gm = capture_by_export(model, input_shape, spec, check, [])
     else:
         leaves = set(leaves)
         names = {n for n, _ in model.named_modules()}
@@ -468,7 +444,14 @@ def trace(
                 "leaf names are module paths as in model.named_modules(), e.g. 'layer1.0'",
             )
         before = set(vars(model))
-        graph, tracer, switches, report = _trace_graph(model, leaves, mode, auto_leaves)
+        try:
+            graph, tracer, switches, report = _trace_graph(model, leaves, mode, auto_leaves)
+        except TraceError as e:
+            if capture != "auto" or input_shape is None or not str(e).startswith("cannot trace the top-level"):
+                raise
+            return capture_by_export(model, input_shape, spec, check, [f"symbolic tracing failed ({first_line(e)}): captured "
+                                                                "with torch.export instead"])
+        report["capture"] = "fx"
         if mode == "train" and report["top_level_mode_dependent"]:  # what the deployed function never runs
             report["train_only_modules"] = train_only_modules(graph, lambda: _trace_graph(model, leaves, "eval", auto_leaves)[0])
         for node in graph.nodes:
@@ -485,7 +468,6 @@ def trace(
             from .fidelity import check_fidelity
 
             check_fidelity(model, gm, input_shape)
-    info = gm.meta[META_KEY]
-    if input_shape is not None:
-        info["input_shape"] = [int(d) for d in input_shape]
+    store_shape(gm, input_shape)
     return gm
+

@@ -5,9 +5,12 @@ does not depend on the tracer, and the tracer can call the fidelity check withou
 """
 from __future__ import annotations
 
+from typing import Any
+
 from torch import fx
 
 from ..core.errors import InputError, TraceError
+from .inputs import is_spec, parse_spec, records, Shape
 
 META_KEY = "graphgrow"
 
@@ -37,3 +40,20 @@ def input_shape_of(gm: fx.GraphModule) -> list[int]:
             "pass input_shape to graphgrow.trace(...) or --input-shape N,C,H,W on the command line",
         )
     return list(shape)
+
+
+def input_spec_of(gm: fx.GraphModule) -> Shape:
+    """The example input a graph is checked on: its input spec (named inputs, dtypes) when it has one,
+    else its one float input shape."""
+    stored = graph_info(gm).get("inputs")
+    return parse_spec(stored) if stored else input_shape_of(gm)
+
+
+def store_shape(gm: fx.GraphModule, input_shape: Any) -> None:
+    """Record the example input: a plain shape as `input_shape`; a spec as `inputs` (records) and its first shape."""
+    info = gm.meta[META_KEY]
+    if is_spec(input_shape):
+        info["input_shape"] = list(input_shape[0].shape)  # the first input's shape: what older readers show
+        info["inputs"] = records(input_shape)
+    elif input_shape is not None:
+        info["input_shape"] = [int(d) for d in input_shape]

@@ -6,7 +6,7 @@ exact kernels the model will run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import fx
@@ -15,10 +15,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..core.errors import first_line, ValidationError
 from ..core.state import module_device, module_dtype, training_mode
+from .inputs import batch_of, is_spec, positional, Shape, spec_inputs
 
 
-def example_input(gm: torch.nn.Module, shape: Sequence[int], seed: int = 0, batch: int | None = None) -> torch.Tensor:
-    """A seeded standard-normal input of `shape` (batch replaced when given), on the model's device."""
+def example_input(gm: torch.nn.Module, shape: Shape, seed: int = 0, batch: int | None = None) -> Any:
+    """A seeded standard-normal input of `shape` (batch replaced when given), on the model's device.
+
+    For an input spec (several named inputs, dtypes): a dict name → tensor (graph.inputs).
+    """
+    if is_spec(shape):
+        return spec_inputs(gm, shape, seed, batch)  # type: ignore[arg-type]
     shape = list(shape)
     if batch is not None:
         shape[0] = batch
@@ -93,15 +99,15 @@ class ShapeRun:
     flops: dict[str, int]
 
 
-def run_recording(gm: fx.GraphModule, x: torch.Tensor, count_flops: bool = False) -> ShapeRun:
+def run_recording(gm: fx.GraphModule, x: Any, count_flops: bool = False) -> ShapeRun:
     """Run `gm` on `x` (in its current mode, without grad) and record shapes per node."""
     rec = _Recorder(gm, count_flops)
     with torch.no_grad():
-        out = rec.run(x)
+        out = rec.run(*positional(x))
     return ShapeRun(out, rec.shapes, rec.dtypes, rec.flops)
 
 
-def annotate(gm: fx.GraphModule, input_shape: Sequence[int], previous: fx.GraphModule | None = None) -> ShapeRun:
+def annotate(gm: fx.GraphModule, input_shape: Shape, previous: fx.GraphModule | None = None) -> ShapeRun:
     """Store shape, dtype, params and FLOPs (per example) on every node's meta.
 
     Runs once in eval mode at the example batch size; meta keys: gg_shape, gg_dtype,
@@ -110,7 +116,7 @@ def annotate(gm: fx.GraphModule, input_shape: Sequence[int], previous: fx.GraphM
     thing on the same shapes keep their FLOP count instead of being counted again.
     """
     x = example_input(gm, input_shape)
-    batch = max(int(input_shape[0]), 1)
+    batch = max(batch_of(input_shape), 1)
     known: dict[str, tuple[tuple, int]] = {}
     if previous is not None:
         old_shapes = {n.name: n.meta.get("gg_shape") for n in previous.graph.nodes}
@@ -119,7 +125,7 @@ def annotate(gm: fx.GraphModule, input_shape: Sequence[int], previous: fx.GraphM
     with training_mode(gm, False):
         rec = _Recorder(gm, True, known)
         with torch.no_grad():
-            out = rec.run(x)
+            out = rec.run(*positional(x))
         run = ShapeRun(out, rec.shapes, rec.dtypes, rec.flops)
     for n in gm.graph.nodes:
         n.meta["gg_shape"] = run.shapes.get(n.name)
@@ -150,8 +156,8 @@ def total_flops(gm: fx.GraphModule) -> int:
     return sum(n.meta.get("gg_flops", 0) for n in gm.graph.nodes)
 
 
-def validate_batch_sizes(gm: fx.GraphModule, input_shape: Sequence[int], batches=(2, 3), first: ShapeRun | None = None,
-                         first_input: torch.Tensor | None = None) -> None:
+def validate_batch_sizes(gm: fx.GraphModule, input_shape: Shape, batches=(2, 3), first: ShapeRun | None = None,
+                         first_input: Any = None) -> None:
     """Run at two batch sizes and refuse a graph that bakes in the batch size.
 
     Between the runs a node's dimensions may stay equal or scale with the batch (the
@@ -166,7 +172,7 @@ def validate_batch_sizes(gm: fx.GraphModule, input_shape: Sequence[int], batches
         raise ValueError("validate_batch_sizes: pass first_input with first")
     x1 = first_input if first_input is not None else example_input(gm, input_shape, seed=11, batch=b1)
     extra = example_input(gm, input_shape, seed=12, batch=b2)
-    x2 = torch.cat([x1, extra[: max(b2 - b1, 0)]])[:b2] if b2 >= b1 else extra
+    x2 = _joined(x1, extra, b1, b2)
     with training_mode(gm, False):
         r1 = first if first is not None else run_recording(gm, x1)
         r2 = run_recording(gm, x2)
@@ -188,6 +194,13 @@ def validate_batch_sizes(gm: fx.GraphModule, input_shape: Sequence[int], batches
                 )
     if b2 >= b1:
         _check_examples_independent(r1.output, r2.output, b1, hint)
+
+
+def _joined(x1: Any, extra: Any, b1: int, b2: int) -> Any:
+    """The second run's input: the first run's examples, then new ones (each named input alike)."""
+    if isinstance(x1, dict):
+        return {k: _joined(x1[k], extra[k], b1, b2) for k in x1}
+    return torch.cat([x1, extra[: max(b2 - b1, 0)]])[:b2] if b2 >= b1 else extra
 
 
 def _scales_with_batch(s1, s2, b1, b2) -> bool:

@@ -18,7 +18,7 @@ from ..graph.fx_edit import Rewrite
 from ..graph.shapes import annotate, param_count, total_flops
 from ..core.state import module_dtype
 from ..io.lineage import record_origin
-from ..graph.graph_meta import graph_info, input_shape_of
+from ..graph.graph_meta import graph_info, input_spec_of
 from ..verify.verify import verify
 
 
@@ -139,7 +139,7 @@ class Pass:
         memory) it is refused before anything real is allocated."""
         start = time.perf_counter()
         require_traced(gm)
-        input_shape = input_shape_of(gm)
+        input_shape = input_spec_of(gm)
         dtype = module_dtype(gm)
         if dtype in (torch.float16, torch.bfloat16):
             raise InputError(f"the model is {str(dtype).removeprefix('torch.')}: graphgrow verifies growth to 1e-5, "

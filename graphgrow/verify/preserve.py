@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..core.errors import NotApplicable, PreservationError, ValidationError
 from ..graph.shapes import example_input
+from ..graph.inputs import Shape, call
 from ..core.state import dropout_off, preserved_buffers, seeded, training_mode
 
 REL_TOL = 1e-5
@@ -126,7 +127,7 @@ def compare_mode(old: nn.Module, new: nn.Module, x: torch.Tensor, mode: str, see
 def eval_forward(m: nn.Module, x: torch.Tensor):
     """`m`'s eval-mode output on `x`, without gradient."""
     with torch.no_grad(), training_mode(m, False):
-        return m(x)
+        return call(m, x)
 
 
 TRAIN_PROTOCOL = "train, dropout off, seeded"  # how train_forward runs (a name for reference.remember)
@@ -135,10 +136,10 @@ TRAIN_PROTOCOL = "train, dropout off, seeded"  # how train_forward runs (a name 
 def train_forward(m: nn.Module, x: torch.Tensor, seed: int):
     """`m`'s train-mode output on `x`: dropout off, global RNG seeded, buffers restored afterwards; no gradient."""
     with torch.no_grad(), training_mode(m, True), dropout_off(m), preserved_buffers(m), seeded(seed):
-        return m(x)
+        return call(m, x)
 
 
-def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], input_shape: Sequence[int],
+def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], input_shape: Shape,
                        seed: int = 0, batch: int = 2, steps: int = 3,
                        lr: float = 0.01, train_all: bool = False, old_nodes: set[str] | None = None,
                        first_output: Callable[[Any], None] | None = None) -> tuple[dict[str, int], list[str], list[str]]:
@@ -176,7 +177,7 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
             p.requires_grad_(n in names)
             p.grad = None
         with torch.enable_grad(), training_mode(new, False):
-            outs = [t for t in flat_tensors(new(x)) if t.is_floating_point()]
+            outs = [t for t in flat_tensors(call(new, x)) if t.is_floating_point()]
             loss = torch.stack([(t * r).sum() for t, r in zip(outs, proj or [])]).sum() if outs else torch.zeros(())
             if loss.requires_grad:
                 loss.backward()
@@ -192,7 +193,7 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                 for n, p in params.items():
                     p.requires_grad_(n in watched)
                     p.grad = None
-                out = new(x)
+                out = call(new, x)
                 if step == 0 and first_output is not None:
                     first_output(out)
                 outs = [t for t in flat_tensors(out) if t.is_floating_point()]
@@ -291,7 +292,7 @@ def silent_inputs(gm: nn.Module, dead: list[str], x: torch.Tensor, old_nodes: se
         with torch.no_grad(), preserved_buffers(gm):
             for mode in (False, True):
                 with training_mode(gm, mode), dropout_off(gm):
-                    gm(x)
+                    call(gm, x)
     finally:
         for h in hooks:
             h.remove()

@@ -33,17 +33,24 @@ def _detached(out: Any) -> Any:
     return torch.utils._pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
 
 
-def remember(model: nn.Module, protocol: str, x: torch.Tensor, output: Any) -> None:
-    """Keep `output`, which `model` gave on `x` under `protocol` (a name for mode, seed and dropout)."""
-    _kept.setdefault(model, {})[protocol] = (fingerprint(model), x.detach(), _detached(output))
+def remember(model: nn.Module, protocol: str, x: Any, output: Any) -> None:
+    """Keep `output`, which `model` gave on `x` (a tensor, or a dict of named inputs) under `protocol`
+    (a name for mode, seed and dropout)."""
+    _kept.setdefault(model, {})[protocol] = (fingerprint(model), _detached(x), _detached(output))
 
 
-def recall(model: nn.Module, protocol: str, x: torch.Tensor) -> Any | None:
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) or isinstance(b, dict):
+        return isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
+
+
+def recall(model: nn.Module, protocol: str, x: Any) -> Any | None:
     """The output `model` gave on `x` under `protocol`, if it is known and the model has not changed since."""
     entry = _kept.get(model, {}).get(protocol)
     if entry is None:
         return None
     fp, x_then, out = entry
-    if x_then.shape != x.shape or x_then.dtype != x.dtype or x_then.device != x.device or not torch.equal(x_then, x):
+    if not _same(x_then, x):
         return None
     return out if fp == fingerprint(model) else None

@@ -1,7 +1,7 @@
 """Verification after every pass: lint, recompile, shapes at two batch sizes, preservation, trainability."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import fx
@@ -14,12 +14,13 @@ from .preserve import (
 from .reference import recall, remember
 from ..graph.fx_edit import new_parameters
 from ..graph.shapes import example_input, run_recording, validate_batch_sizes
+from ..graph.inputs import Shape, positional
 from ..core.state import dropout_off, preserved_buffers, training_mode
 
 BATCHES = (2, 3)  # two sizes: a batch size baked into a view/reshape shows up
 
 
-def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Sequence[int], seed: int = 0,
+def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Shape, seed: int = 0,
            exact: bool = True, eval_only: bool = False) -> PreservationReport:
     """Raise ValidationError / PreservationError unless `new` is a valid, exact, trainable growth of `old`.
 
@@ -98,6 +99,10 @@ def _refuse_change(check: ModeCheck, exact: bool) -> None:
         )
 
 
+def _grad_leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(t.is_floating_point())  # token ids cannot carry a gradient
+
+
 def deaf_points(old: fx.GraphModule, new: fx.GraphModule, dead: list[str], x: torch.Tensor, old_nodes: set[str]) -> list[str]:
     """Old tensors at the modules owning `dead` parameters (what they read, or what a rebuilt old module
     gives) that get no gradient in the *old* model, in eval and train mode: the model, not the pass,
@@ -122,8 +127,8 @@ def deaf_points(old: fx.GraphModule, new: fx.GraphModule, dead: list[str], x: to
     for mode in (False, True):
         kept.clear()
         with training_mode(old, mode), dropout_off(old), preserved_buffers(old):
-            xi = x.detach().clone().requires_grad_(True)
-            outs = [t for t in flat_tensors(Keep(old).run(xi)) if t.is_floating_point() and t.requires_grad]
+            xi = {k: _grad_leaf(v) for k, v in x.items()} if isinstance(x, dict) else _grad_leaf(x)
+            outs = [t for t in flat_tensors(Keep(old).run(*positional(xi))) if t.is_floating_point() and t.requires_grad]
             if outs:
                 sum((t * torch.randn(t.shape, generator=g).to(t)).sum() for t in outs).backward()
         heard |= {k for k, t in kept.items() if t.grad is not None and bool((t.grad != 0).any())}

@@ -1,0 +1,155 @@
+"""Model inputs beyond one float N,C,H,W tensor: named inputs with their own shapes and dtypes (issue 22).
+
+An input spec is a tuple of TensorSpec (name, shape, dtype, high). The old single shape stays what
+it was: a plain list of ints, one float input. A spec comes from text
+(`input_ids:1x16:int64,attention_mask:1x16:int64`) or from Python (a dict of name → shape,
+(shape, dtype) or an example tensor). Example inputs for a spec are a dict name → tensor, drawn
+seeded: floats standard normal; integers in [0, high) — `high` from the spec, else 2 for a
+`*mask` or `token_type_ids` input (masks are all ones: every position attends), else the vocabulary of
+the model's first nn.Embedding.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..core.errors import InputError
+from ..core.names import is_identifier
+from ..core.state import module_device, module_dtype
+
+DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+          "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64, "int64": torch.int64,
+          "long": torch.int64, "int32": torch.int32, "int": torch.int32, "bool": torch.bool}
+MAX_INPUTS = 16
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One named model input: its example shape (batch first), dtype name and, for integers, the exclusive upper bound."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    high: int | None = None
+
+    def record(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "high": self.high}
+
+
+InputSpec = tuple[TensorSpec, ...]
+Shape = Union[Sequence[int], InputSpec]  # what graphgrow's checks take: the old one float shape, or a spec
+
+
+def is_spec(shape: Any) -> bool:
+    return isinstance(shape, tuple) and bool(shape) and all(isinstance(t, TensorSpec) for t in shape)
+
+
+def batch_of(shape: Shape) -> int:
+    """The example batch size: the first dimension of the (first) input."""
+    return int(shape[0].shape[0]) if is_spec(shape) else int(shape[0])  # type: ignore[union-attr, arg-type]
+
+
+def _tensor_spec(name: str, shape: Sequence[int], dtype: str, high: int | None = None) -> TensorSpec:
+    if not is_identifier(name):
+        raise InputError(f"input name {name[:40]!r} is not a plain identifier", "name inputs as the forward's arguments, e.g. input_ids")
+    dims = tuple(int(d) for d in shape)
+    if not dims or len(dims) > 8 or any(d <= 0 or d > 1 << 16 for d in dims) or torch.Size(dims).numel() > 1 << 26:
+        raise InputError(f"input {name}: shape {list(dims)} is not a valid example shape (1 to 8 positive sizes, at most 2^26 elements)",
+                         "e.g. input_ids:1x16:int64")
+    if dtype not in DTYPES:
+        raise InputError(f"input {name}: unknown dtype {dtype[:20]!r}", f"one of {', '.join(sorted(DTYPES))}")
+    return TensorSpec(name, dims, dtype, high)
+
+
+def parse_spec(text: Any) -> InputSpec:
+    """`name:1x16:int64,name2:1x16` (dtype float32 when left out), a dict, or records → an input spec."""
+    if is_spec(text):
+        return text
+    if isinstance(text, str):
+        items = [p for p in re.split(r"[,\s]+(?=[A-Za-z_])", text.strip()) if p]
+        out = []
+        for item in items:
+            parts = item.split(":")
+            if len(parts) not in (2, 3):
+                raise InputError(f"input spec {item[:60]!r} is not NAME:SHAPE[:DTYPE]", "e.g. input_ids:1x16:int64,attention_mask:1x16:int64")
+            try:
+                dims = [int(d) for d in re.split(r"[x×]", parts[1])]
+            except ValueError:
+                raise InputError(f"input spec {item[:60]!r}: the shape is not integers joined by x", "e.g. input_ids:1x16:int64") from None
+            out.append(_tensor_spec(parts[0], dims, parts[2] if len(parts) == 3 else "float32"))
+        return _unique(out)
+    if isinstance(text, Mapping):
+        return _unique([_from_value(str(k), v) for k, v in text.items()])
+    if isinstance(text, (list, tuple)) and text and all(isinstance(r, Mapping) for r in text):  # stored records
+        return _unique([_tensor_spec(str(r["name"]), r["shape"], str(r.get("dtype", "float32")),
+                                     int(r["high"]) if r.get("high") is not None else None) for r in text])
+    raise InputError(f"cannot read an input spec from {type(text).__name__}", "give NAME:SHAPE:DTYPE,... or a dict name → shape")
+
+
+def _from_value(name: str, v: Any) -> TensorSpec:
+    if isinstance(v, torch.Tensor):
+        dtype = next((k for k, d in DTYPES.items() if d == v.dtype), None)
+        if dtype is None:
+            raise InputError(f"input {name}: dtype {v.dtype} is not supported", f"one of {', '.join(sorted(DTYPES))}")
+        return _tensor_spec(name, tuple(v.shape), dtype)
+    if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], (str, torch.dtype)):
+        dtype = v[1] if isinstance(v[1], str) else next((k for k, d in DTYPES.items() if d == v[1]), str(v[1]))
+        return _tensor_spec(name, v[0], dtype)
+    return _tensor_spec(name, v, "float32")
+
+
+def _unique(specs: list[TensorSpec]) -> InputSpec:
+    names = [s.name for s in specs]
+    if not specs or len(specs) > MAX_INPUTS or len(set(names)) != len(names):
+        raise InputError(f"an input spec needs 1 to {MAX_INPUTS} inputs with distinct names, got {names[:20]}", "e.g. input_ids:1x16:int64")
+    return tuple(specs)
+
+
+def records(spec: InputSpec) -> list[dict]:
+    return [t.record() for t in spec]
+
+
+def _high(model: nn.Module, t: TensorSpec) -> int:
+    if t.high is not None:
+        return t.high
+    if t.name.endswith("mask") or t.name == "token_type_ids":
+        return 2
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None:
+        raise InputError(f"input {t.name} is {t.dtype} but the model has no nn.Embedding to take a vocabulary size from",
+                         "give the range in Python: TensorSpec(name, shape, dtype, high=N)")
+    return int(emb.num_embeddings)
+
+
+def spec_inputs(model: nn.Module, spec: InputSpec, seed: int = 0, batch: int | None = None) -> dict[str, torch.Tensor]:
+    """Seeded example inputs for `spec` (batch replaced when given), on the model's device."""
+    g = torch.Generator().manual_seed(seed)
+    device, float_dtype = module_device(model), module_dtype(model)
+    out = {}
+    for t in spec:
+        shape = list(t.shape)
+        if batch is not None:
+            shape[0] = batch
+        dtype = DTYPES[t.dtype]
+        if dtype.is_floating_point:
+            x = torch.randn(shape, generator=g).to(float_dtype if dtype == torch.float32 else dtype)
+        elif t.name.endswith("mask"):
+            x = torch.ones(shape, dtype=dtype)
+        else:
+            x = torch.randint(0, _high(model, t), shape, generator=g).to(dtype)
+        out[t.name] = x.to(device)
+    return out
+
+
+def call(model: Any, x: Any) -> Any:
+    """Run a model on an example input: a tensor positionally, a spec's dict by name."""
+    return model(**x) if isinstance(x, dict) else model(x)
+
+
+def positional(x: Any) -> tuple:
+    """An example input as the captured graph's placeholders take it (fx.Interpreter.run(*...))."""
+    return tuple(x.values()) if isinstance(x, dict) else (x,)

@@ -1,0 +1,166 @@
+"""Capture with torch.export (issue 22): Hugging Face transformers models, token-id inputs, dict outputs.
+
+Small configs with random weights (nothing downloaded). The captured graph must be the model in eval
+and train mode (trace's fidelity check), keep torch.nn layers as call_module nodes under their paths,
+and return the model's output as a dict.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from graphgrow.capture.trace import trace
+from graphgrow.core.errors import InputError
+from graphgrow.graph.inputs import parse_spec, spec_inputs, TensorSpec
+
+tf = pytest.importorskip("transformers")
+
+
+def _bert(cls=None):
+    cfg = tf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                        max_position_embeddings=32)
+    return (cls or tf.BertModel)(cfg)
+
+
+def _max_error(model, gm, inputs) -> float:
+    with torch.no_grad():
+        ref, got = model.eval()(**inputs), gm.eval()(**inputs)
+    a = [t for t in tree_flatten(ref)[0] if isinstance(t, torch.Tensor)]
+    b = [t for t in tree_flatten(got)[0] if isinstance(t, torch.Tensor)]
+    assert len(a) == len(b) and a
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def _layer(gm, path):
+    node = next((n for n in gm.graph.nodes if n.op == "call_module" and n.target == path), None)
+    assert node is not None, f"{path} is not a call_module node"
+    return gm.get_submodule(path)
+
+
+def test_input_spec_text_and_dict():
+    spec = parse_spec("input_ids:1x16:int64,attention_mask:1x16:int64")
+    assert [(t.name, t.shape, t.dtype) for t in spec] == [("input_ids", (1, 16), "int64"), ("attention_mask", (1, 16), "int64")]
+    assert parse_spec({"x": (2, 3)}) == (TensorSpec("x", (2, 3), "float32"),)
+    assert parse_spec({"ids": torch.zeros(1, 4, dtype=torch.long)})[0].dtype == "int64"
+    with pytest.raises(InputError, match="NAME:SHAPE"):
+        parse_spec("input_ids")
+    with pytest.raises(InputError, match="unknown dtype"):
+        parse_spec("input_ids:1x4:int7")
+    with pytest.raises(InputError, match="distinct names"):
+        parse_spec("a:1x4,a:1x4")
+
+
+def test_token_ids_are_drawn_below_the_vocabulary():
+    model = nn.Sequential(nn.Embedding(7, 4))
+    x = spec_inputs(model, parse_spec("input_ids:2x50:int64,attention_mask:2x50:int64,token_type_ids:2x50:int64"), batch=3)
+    assert x["input_ids"].shape == (3, 50) and x["input_ids"].dtype == torch.int64
+    assert 0 <= x["input_ids"].min() and x["input_ids"].max() == 6  # the whole range is used: 150 draws of 7 values
+    assert torch.equal(x["attention_mask"], torch.ones(3, 50, dtype=torch.long))
+    assert x["token_type_ids"].max() <= 1
+
+
+@pytest.mark.slow
+def test_bert_captured_exactly_with_named_inputs():
+    model = _bert()
+    gm = trace(model, "input_ids:1x8:int64,attention_mask:1x8:int64")
+    report = gm.meta["graphgrow"]["trace"]
+    assert report["capture"] == "export" and report["fidelity"] == ["eval@2", "eval@3", "train@2", "train@3"]
+    assert report["mode_switches"] > 0  # attention dropout follows the module's training flag at run time
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["input_ids", "attention_mask"]
+    assert isinstance(_layer(gm, "encoder.layer.0.attention.self.query"), nn.Linear)
+    assert _layer(gm, "encoder.layer.0.attention.self.query").weight is model.encoder.layer[0].attention.self.query.weight
+    assert isinstance(_layer(gm, "embeddings.word_embeddings"), nn.Embedding)
+    assert isinstance(_layer(gm, "encoder.layer.1.output.LayerNorm"), nn.LayerNorm)
+    assert not any("aten" in str(n.target) for n in gm.graph.nodes)  # written as torch functions
+    inputs = spec_inputs(model, parse_spec("input_ids:3x11:int64,attention_mask:3x11:int64"), seed=5)
+    out = gm(**inputs)
+    assert isinstance(out, dict) and set(out) == {"last_hidden_state", "pooler_output"}
+    assert _max_error(model, gm, inputs) <= 1e-5  # another batch size and sequence length: dimensions stayed dynamic
+
+
+@pytest.mark.slow
+def test_bert_for_sequence_classification():
+    model = _bert(tf.BertForSequenceClassification)
+    gm = trace(model, {"input_ids": ((1, 8), "int64"), "attention_mask": ((1, 8), "int64")})
+    assert isinstance(_layer(gm, "bert.encoder.layer.0.attention.self.query"), nn.Linear)
+    assert isinstance(_layer(gm, "classifier"), nn.Linear)
+    inputs = spec_inputs(model, parse_spec("input_ids:2x8:int64,attention_mask:2x8:int64"), seed=1)
+    assert set(gm(**inputs)) == {"logits"}
+    assert _max_error(model, gm, inputs) <= 1e-5
+
+
+@pytest.mark.slow
+def test_gpt2_lm_head():
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=32, use_cache=False,
+                                             bos_token_id=0, eos_token_id=0))
+    gm = trace(model, "input_ids:1x8:int64")
+    assert gm.meta["graphgrow"]["trace"]["capture"] == "export"
+    assert isinstance(_layer(gm, "transformer.wte"), nn.Embedding)
+    assert _layer(gm, "lm_head").weight is model.transformer.wte.weight  # tied weights stay one parameter
+    inputs = spec_inputs(model, parse_spec("input_ids:2x8:int64"), seed=2)
+    assert _max_error(model, gm, inputs) <= 1e-5
+
+
+@pytest.mark.slow
+def test_llama_causal_lm():
+    cfg = tf.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
+    model = tf.LlamaForCausalLM(cfg)
+    gm = trace(model, "input_ids:1x8:int64")
+    for path in ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.k_proj", "lm_head"):
+        assert isinstance(_layer(gm, path), nn.Linear)
+    inputs = spec_inputs(model, parse_spec("input_ids:2x8:int64"), seed=3)
+    assert _max_error(model, gm, inputs) <= 1e-5
+
+
+@pytest.mark.slow
+def test_vit_falls_back_from_fx_to_export():
+    cfg = tf.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=64, num_labels=5)
+    model = tf.ViTForImageClassification(cfg)
+    gm = trace(model, (1, 3, 16, 16))
+    report = gm.meta["graphgrow"]["trace"]
+    assert report["capture"] == "export" and "symbolic tracing failed" in report["notes"][0]
+    assert gm.meta["graphgrow"]["input_shape"] == [1, 3, 16, 16] and "inputs" not in gm.meta["graphgrow"]
+    assert isinstance(_layer(gm, "vit.embeddings.patch_embeddings.projection"), nn.Conv2d)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert (model.eval()(x).logits - gm.eval()(x)["logits"]).abs().max() <= 1e-5
+
+
+def test_capture_choice_is_reported_and_checked():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert trace(model, (1, 4)).meta["graphgrow"]["trace"]["capture"] == "fx"
+    gm = trace(model, (1, 4), capture="export")
+    assert gm.meta["graphgrow"]["trace"]["capture"] == "export"
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["0", "1", "2"]
+    x = torch.randn(3, 4)
+    assert torch.allclose(gm(x), model(x))
+    with pytest.raises(InputError, match="capture must be"):
+        trace(model, (1, 4), capture="jit")  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="needs an example input"):
+        trace(model, capture="export")
+
+
+@pytest.mark.slow
+def test_passes_grow_a_captured_bert_verified():
+    """The captured graph is one graphgrow's passes grow: verified at two batch sizes, in eval and train mode,
+    on named token-id inputs (verification draws them from the stored input spec)."""
+    from graphgrow.jobs.pipeline import Pipeline
+
+    model = _bert(tf.BertForSequenceClassification)
+    gm = trace(model, "input_ids:1x8:int64,attention_mask:1x8:int64")
+    result = Pipeline.from_spec("grow_width(target=bert.encoder.layer.0.intermediate.dense),"
+                                "insert_adapter(after=bert.encoder.layer.1.intermediate.dense)").run(gm)
+    widen, adapter = result.results
+    assert widen.params_after - widen.params_before == 2 * 64 * 32 + 64  # 64 new hidden units: in-weights, biases, out-weights
+    assert "bert.encoder.layer.0.output.dense" in widen.targets["rebuilt"]
+    for r in (widen, adapter):
+        assert r.preservation.eval.max_abs_err <= 1e-6 and r.preservation.train.max_abs_err <= 1e-6
+        assert r.preservation.trainable and not r.preservation.dead
+    grown = result.gm
+    assert grown.get_submodule("bert.encoder.layer.0.intermediate.dense").out_features == 128
+    inputs = spec_inputs(model, parse_spec("input_ids:3x8:int64,attention_mask:3x8:int64"), seed=9)
+    assert _max_error(model, grown, inputs) <= 1e-5
