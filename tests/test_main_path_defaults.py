@@ -11,8 +11,9 @@ from torch import nn
 
 import graphgrow as gg
 from graphgrow.analysis.deployed import deployed_nodes, train_only_nodes
-from graphgrow.graph_meta import trace_report
+from graphgrow.graph.graph_meta import trace_report
 from graphgrow.analysis.stages import main_path
+from graphgrow.graph.fx_edit import copy_graph_module
 
 from conftest import ROOT
 
@@ -145,7 +146,7 @@ def test_a_train_only_head_of_our_own_is_never_a_default_place(aux_first):
 
 def test_without_the_record_everything_that_reaches_an_output_counts(aux_first):
     """A file from an older graphgrow has no train-only record: nothing is guessed (the head counts)."""
-    old = gg.fx_edit.copy_graph_module(aux_first)
+    old = copy_graph_module(aux_first)
     del old.meta["graphgrow"]["trace"]["train_only_modules"]
     assert not train_only_nodes(old)
     assert any(str(n.target).startswith("aux.") for n in deployed_nodes(old))

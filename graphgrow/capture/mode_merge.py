@@ -345,7 +345,7 @@ class _Builder:
         request = (gap, tuple(per_trace.values()))
         if self.collecting:
             if request not in self.requests:
-                self.requests[request] = self._order(per_trace, gap)
+                self.requests[request] = self._order(per_trace, gap, r)
             return None
         return self.outputs[request]
 
@@ -354,14 +354,15 @@ class _Builder:
         return next((site.conditions[0].reader for t in self.found.values() if gap < len(t.gaps)
                      for site in t.gaps[gap] if site.conditions), "")
 
-    def _order(self, per_trace: dict[Policy, Any], gap: int) -> tuple[int, int, int]:
+    def _order(self, per_trace: dict[Policy, Any], gap: int, r: fx.Node) -> tuple[int, int, int]:
         """(gap, site, position of the first work in the reference trace) of a value that differs between paths."""
         sites = {loc for k, v in per_trace.items() if isinstance(v, fx.Node) and (loc := self._site_of(k, v)) is not None}
         if not sites and all(len(t.gaps[gap]) == 1 for t in self.found.values()):
             sites = {(gap, 0)}  # a choice between values, made by the one branch before its reader
         if len(sites) != 1:
-            raise MergeError(self._gap_reader(gap), "a value differs between paths in a way that is not one branch's "
-                                                    "work (several branches in a row, or work read past its branch)")
+            raise MergeError(self._gap_reader(gap) or _scope(r), "a value differs between paths in a way that is not "
+                                                                 "one branch's work (several branches in a row, or "
+                                                                 "work read past its branch)")
         g, s = sites.pop()
         order = {n: i for i, n in enumerate(self.found[()].work)}
         ref_site = self.found[()].gaps[g][s] if s < len(self.found[()].gaps[g]) else None

@@ -321,6 +321,11 @@ def _trace_graph(model: nn.Module, user_leaves: set[str], mode: Mode, auto_leave
             plan.frozen.update(f.attrs)
         except mode_merge.MergeError as m:
             where = plan.owner(m.where)
+            if where not in plan.split and auto_leaves:  # cannot tell which block: none of them is merged
+                for block in sorted(plan.split):
+                    plan.make_leaf(block, f"{type(model.get_submodule(block)).__name__}: branches on self.training "
+                                          f"and its paths could not be merged ({m.why})")
+                continue
             cls = type(model.get_submodule(where)).__name__ if where else plan.name
             if not where or not auto_leaves:
                 raise TraceError(f"cannot merge the train- and eval-mode code of {where or plan.name} ({cls}): {m.why}",
