@@ -243,13 +243,16 @@ def merge(traces: dict[Policy, tuple[fx.Graph, Any]]) -> tuple[fx.Graph, list[Sw
     for key, (graph, tracer) in traces.items():
         work = _work(graph, tracer.values)
         found[key] = _Trace(graph, work, {n: n for n in work} if key == () else _aligned(ref_work, work))
-    skeleton = [r for r in ref_work if all(r in set(t.to_ref.values()) for t in found.values())]
+    reached = [set(t.to_ref.values()) for t in found.values()]
+    skeleton = [r for r in ref_work if all(r in seen for seen in reached)]
+    bones = set(skeleton)
     for key, t in found.items():
-        t.to_ref = {n: r for n, r in t.to_ref.items() if r in set(skeleton)}
+        t.to_ref = {n: r for n, r in t.to_ref.items() if r in bones}
         _cut(t, traces[key][1].conditions, skeleton)
     counts = {len(t.gaps) for t in found.values()}
     if counts != {len(skeleton) + 1}:
-        raise MergeError(_first_reader(traces), "its paths do not share the same skeleton of work")
+        conds = traces[()][1].conditions
+        raise MergeError(conds[0].reader if conds else "", "its paths do not share the same skeleton of work")
     for t in found.values():
         before = set(t.work)
         for gap in t.gaps:
@@ -258,11 +261,6 @@ def merge(traces: dict[Policy, tuple[fx.Graph, Any]]) -> tuple[fx.Graph, list[Sw
         added = {n for gap in t.gaps for site in gap for n in site.nodes} - before
         t.work = [n for n in t.graph.nodes if n in before or n in added]
     return _Builder(found, skeleton).build()
-
-
-def _first_reader(traces: dict[Policy, tuple[fx.Graph, Any]]) -> str:
-    conds = traces[()][1].conditions
-    return conds[0].reader if conds else ""
 
 
 class _Builder:
