@@ -378,6 +378,13 @@ def _traces_alike_in_both_modes(module: nn.Module) -> bool:
     return True
 
 
+def _remove_parked(model: nn.Module, before: set[str]) -> None:
+    """fx parks tensor constants on the model it traces; the GraphModule holds its own references."""
+    for name in set(vars(model)) - before:
+        if name.startswith("_tensor_constant"):
+            delattr(model, name)
+
+
 def tracer_stack_top(tracer: _Tracer) -> tuple[str, str]:
     if not tracer.stack:
         return "", ""
@@ -452,6 +459,7 @@ def trace(
         try:
             graph, tracer, switches, report = _trace_graph(model, leaves, mode, auto_leaves)
         except TraceError as e:
+            _remove_parked(model, before)
             if capture != "auto" or input_shape is None or not str(e).startswith("cannot trace the top-level"):
                 raise
             return capture_by_export(model, input_shape, spec, check, [f"symbolic tracing failed ({first_line(e)}): captured "
@@ -464,9 +472,7 @@ def trace(
             node.meta["gg_scope"] = tuple(stack.keys())
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         mode_merge.install(gm, switches)
-        for name in set(vars(model)) - before:  # fx parks tensor constants on the model it traces: the graph has them now
-            if name.startswith("_tensor_constant"):
-                delattr(model, name)
+        _remove_parked(model, before)
         gm.train(model.training)
         gm.meta[META_KEY] = {"input_shape": None, "log": [], "trace": report}
         if input_shape is not None and check:
