@@ -182,11 +182,12 @@ def graph_from_records(nodes: Any, root: nn.Module, trusted: bool) -> fx.Graph:
             node.meta["gg_scope"] = tuple(rec.get("scope", ()))
             env[rec["name"]] = node
         graph.lint()
+        problem = names.check_source(graph)  # the second wall, before anything is compiled
     except LoadError:
         raise
-    except Exception as e:
+    except Exception as e:  # fx cannot even write the code of some malformed graphs (a method call without self)
         raise LoadError(f"the saved graph is inconsistent: {e}", "the file is corrupted; re-create it from the original model") from e
-    if (problem := names.check_source(graph)) is not None:  # the second wall, before anything is compiled
+    if problem is not None:
         raise LoadError(f"the saved graph would generate unexpected code: {problem}; nothing was run",
                         "the file was edited by hand or is hostile; re-create it from the original model")
     return graph
