@@ -64,15 +64,8 @@ def eval_passthrough(gm: fx.GraphModule, n: fx.Node) -> fx.Node | None:
     if not isinstance(m, ModeSwitch):
         return None
 
-    def answer(c):
-        if isinstance(c, fx.Node) and c.op == "get_attr" and str(c.target).split(".")[-1] == "training":
-            return False
-        if isinstance(c, fx.Node) and c.op == "call_function" and getattr(c.target, "__module__", "") in ("_operator", "operator"):
-            return c.target(*[answer(b) for b in c.args])
-        return number_value(c)
-
     try:
-        answers = [bool(answer(c)) for c in n.args[:m.conditions]]
+        answers = [bool(number_value(c, training=False)) for c in n.args[:m.conditions]]
     except (ValueError, TypeError):
         return None
     index = m.passthrough(answers)
@@ -80,17 +73,19 @@ def eval_passthrough(gm: fx.GraphModule, n: fx.Node) -> fx.Node | None:
     return value if isinstance(value, fx.Node) else None
 
 
-def number_value(a):
-    """The current value of a flag/number node (a module attribute and arithmetic on it); ValueError otherwise."""
+def number_value(a, training: bool | None = None):
+    """The current value of a flag/number node (a module attribute and arithmetic on it); ValueError otherwise.
+    `training` given: every module's `training` flag reads as that value (eval_passthrough asks with False)."""
     if not isinstance(a, fx.Node):
         return a
     if a.op == "get_attr":
-        owner = a.graph.owning_module
-        value = owner
+        if training is not None and str(a.target).split(".")[-1] == "training":
+            return training
+        value = a.graph.owning_module
         for part in str(a.target).split("."):
             value = getattr(value, part)
         if type(value) in (bool, int, float):
             return value
     elif a.op == "call_function" and getattr(a.target, "__module__", "") in ("_operator", "operator"):
-        return a.target(*[number_value(b) for b in a.args])
+        return a.target(*[number_value(b, training) for b in a.args])
     raise ValueError(a.name)

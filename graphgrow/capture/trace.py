@@ -155,15 +155,7 @@ class _Tracer(fx.Tracer):
         return self.proxy(node)
 
     def live_sources(self, node: fx.Node) -> set[tuple[type, str]]:
-        seen, todo, found = set(), [node], set()
-        while todo:
-            n = todo.pop()
-            if n not in seen:
-                seen.add(n)
-                if n in self.live_nodes:
-                    found.add(self.live_nodes[n])
-                todo.extend(n.all_input_nodes)
-        return found
+        return {self.live_nodes[n] for n in _upstream(node) if n in self.live_nodes}
 
     def decide(self, proxy: fx.Proxy, location: Any = None) -> bool:
         """Python branches on a flag or live number: answered inside a block being merged, else refused."""
@@ -186,16 +178,19 @@ class _Tracer(fx.Tracer):
         return answer
 
 
-def _reads_flag(node: fx.Node) -> bool:
+def _upstream(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node it is computed from."""
     seen, todo = set(), [node]
     while todo:
         n = todo.pop()
         if n not in seen:
             seen.add(n)
-            if n.op == "get_attr" and str(n.target).split(".")[-1] == "training":
-                return True
             todo.extend(n.all_input_nodes)
-    return False
+    return seen
+
+
+def _reads_flag(node: fx.Node) -> bool:
+    return any(n.op == "get_attr" and str(n.target).split(".")[-1] == "training" for n in _upstream(node))
 
 
 def _trace_once(model: nn.Module, tracer: _Tracer, fixed: dict[str, Any]) -> fx.Graph:
