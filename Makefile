@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e '.[dev,search,diagram]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,search,diagram,hf]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -43,3 +43,21 @@ def square_linear(n: int = 4) -> nn.Module:
 def needs_real_tensors() -> nn.Module:
     """Computes a size from a real tensor (.item() has no value on the meta device)."""
     return nn.Linear(int(torch.ones(3).sum().item()), 2)
+
+
+class TokenClassifier(nn.Module):
+    """Token ids → embedding → a plain nn.TransformerEncoder → per-token logits: a model whose input is not a float image."""
+
+    def __init__(self, vocab: int = 50, width: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=64, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, input_ids):
+        return self.head(self.encoder(self.embed(input_ids)))
+
+
+def token_classifier() -> nn.Module:
+    return TokenClassifier().eval()

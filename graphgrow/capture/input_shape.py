@@ -14,6 +14,7 @@ import torch
 from torch import fx, nn
 
 from ..core.errors import InputError
+from ..graph.inputs import is_spec, parse_spec, Shape
 
 MAX_INPUT_ELEMENTS = 1 << 26  # 256 MiB of float32 for one example input; verification makes a few more
 MAX_SIDE = 1 << 16
@@ -38,6 +39,18 @@ def parse_input_shape(text: str | Sequence[int] | None) -> list[int] | None:
                          f"(at most {MAX_INPUT_ELEMENTS:,} elements, {MAX_SIDE:,} per dimension)",
                          "use batch 1 and the real image size")
     return dims
+
+
+def parse_example_input(value) -> Shape | None:
+    """What --input-shape/--input or a file gives → a plain float shape (list) or an input spec.
+
+    A spec is text with a `:` (`input_ids:1x16:int64`), a dict, stored records or a spec already."""
+    if value is None or is_spec(value):
+        return value
+    if isinstance(value, dict) or (isinstance(value, str) and ":" in value) \
+            or (isinstance(value, (list, tuple)) and value and all(isinstance(r, dict) for r in value)):
+        return parse_spec(value)
+    return parse_input_shape(value)
 
 
 def infer_input_shape(gm: fx.GraphModule) -> tuple[list[int] | None, str]:

@@ -4,6 +4,7 @@ passes — their options, the job each runs (graphgrow.jobs.workflow does the wo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import html
 import json
 from typing import Callable
@@ -15,15 +16,43 @@ from rich.table import Table
 from ..core.errors import GraphgrowError
 from .run import err, out, run_command
 from .show import (
-    passes_markdown, print_equivalence, print_groups, print_log, print_mutation, print_onnx, print_search, print_summary,
-    print_trace, type_name,
+    input_text, passes_markdown, print_equivalence, print_groups, print_log, print_mutation, print_onnx, print_search,
+    print_summary, print_trace, type_name,
 )
 
 INPUT_SHAPE_HELP = "example input shape N,C,H,W (needed when the model file cannot tell it), e.g. 1,3,224,224"
 
 
+INPUT_HELP = ("one named model input NAME:DTYPE[SHAPE], e.g. input_ids:int64[1,128]; repeat for each input the forward "
+              "takes (int inputs are drawn below the model's vocabulary; *mask inputs are ones)")
+CAPTURE_HELP = ("how to capture the model: fx (symbolic tracing), export (torch.export: Hugging Face transformers) or "
+                "auto (fx, torch.export when fx cannot trace the model or an input is not one float tensor)")
+
+
+def _inputs_into_shape(f: Callable) -> Callable:
+    """--input values become the command's example input (an input spec); given with --input-shape they clash."""
+    @functools.wraps(f)
+    def wrapper(*args, inputs: tuple[str, ...] = (), **kwargs):
+        if inputs:
+            if kwargs.get("input_shape"):
+                raise click.UsageError("give --input-shape (one float input) or --input (named inputs), not both")
+            from ..graph.inputs import parse_spec
+
+            try:
+                kwargs["input_shape"] = parse_spec(",".join(inputs))
+            except GraphgrowError as e:
+                raise click.BadParameter(str(e), param_hint="--input") from e
+        return f(*args, **kwargs)
+
+    return wrapper
+
+
 def _common(f: Callable) -> Callable:
+    f = _inputs_into_shape(f)
     f = click.option("--input-shape", "input_shape", metavar="N,C,H,W", help=INPUT_SHAPE_HELP)(f)
+    f = click.option("--input", "inputs", multiple=True, metavar="NAME:DTYPE[SHAPE]", help=INPUT_HELP)(f)
+    f = click.option("--capture", type=click.Choice(["auto", "fx", "export"]), default="auto", show_default=True,
+                     help=CAPTURE_HELP)(f)
     f = click.option("--trust", is_flag=True, help="allow loading pickles with custom classes (runs code from the file; only for files you trust)")(f)
     f = click.option("--leaf", "leaves", multiple=True, metavar="MODULE", help="keep this submodule as one opaque call when tracing (repeatable; untraceable submodules, and mode-branching ones that cannot be merged, become leaves automatically)")(f)
     f = click.option("--trace-mode", "trace_mode", type=click.Choice(["eval", "train"]), default="eval", show_default=True,
@@ -70,9 +99,10 @@ def main() -> None:
 
     MODEL is a file written by torch.save (standard torch.nn layers load without
     --trust; graphgrow's own outputs too), a zoo name (timm:resnet26d,
-    torchvision:resnet18; random weights, input shape from the zoo) or a factory
-    (package.module:factory), each optionally with literal arguments:
-    'timm:resnet26d(num_classes=10,drop_path_rate=0.1)'.
+    torchvision:resnet18, hf:MODEL_TYPE[/TASK] for Hugging Face transformers; random
+    weights, input shape from the zoo) or a factory (package.module:factory), each
+    optionally with literal arguments: 'timm:resnet26d(num_classes=10,drop_path_rate=0.1)',
+    'hf:gpt2(n_layer=2,n_embd=64,n_head=4)'.
 
     Exit codes: 0 ok, 1 a check failed, 2 bad input or a pass that cannot apply,
     3 internal error.
@@ -93,12 +123,12 @@ def main() -> None:
 @click.option("--dry-run", is_flag=True, help="run and verify the passes and show the report, but write no model (a --diagram is still drawn)")
 @click.option("--diagram", metavar="OUT.svg", help="also draw the graph after growth against before (added, rebuilt, reshaped highlighted; .svg or .png)")
 @_common
-def mutate(model, specs, output, onnx_out, check, provider, max_params, seed, dry_run, diagram, input_shape, trust, leaves, trace_mode, as_json, debug):
+def mutate(model, specs, output, onnx_out, check, provider, max_params, seed, dry_run, diagram, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
     """Apply passes to MODEL, verify each, save the result (and ONNX, and check it)."""
     from ..jobs import workflow
 
     run_command(_growth_job(lambda progress: workflow.mutate(
-        model, specs, output, onnx_out, check, input_shape, provider, trust, leaves, seed, progress, trace_mode=trace_mode,
+        model, specs, output, onnx_out, check, input_shape, provider, trust, leaves, seed, progress, trace_mode=trace_mode, capture=capture,
         max_params=max_params, dry_run=dry_run, diagram=diagram), as_json), as_json, debug)
 
 
@@ -125,7 +155,7 @@ def _growth_job(make_report: Callable[[Callable[[str], None]], dict], as_json: b
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--max-params", "max_params", metavar="N", help="refuse a pass that would add more parameters, or cannot be sized before it runs (default 100M; e.g. 500M; none: no limit)")
 @_common
-def replay(model, log_from, output, onnx_out, check, provider, max_params, input_shape, trust, leaves, trace_mode, as_json, debug):
+def replay(model, log_from, output, onnx_out, check, provider, max_params, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
     """Re-apply the mutation log of GROWN (a graphgrow .pt or exported .onnx) to MODEL, seed for seed.
 
     MODEL is the network GROWN was grown from, or a model part of the way (its log the start of
@@ -133,7 +163,7 @@ def replay(model, log_from, output, onnx_out, check, provider, max_params, input
     from ..jobs import workflow
 
     run_command(_growth_job(lambda progress: workflow.replay(
-        model, log_from, output, onnx_out, check, input_shape, provider, trust, leaves, progress, trace_mode=trace_mode,
+        model, log_from, output, onnx_out, check, input_shape, provider, trust, leaves, progress, trace_mode=trace_mode, capture=capture,
         max_params=max_params), as_json), as_json, debug)
 
 
@@ -146,13 +176,13 @@ def replay(model, log_from, output, onnx_out, check, provider, max_params, input
               help="onnxruntime execution provider for --check")
 @click.option("--grow-kernels", is_flag=True, help="let a branch with a larger kernel enlarge the main conv (fewer FLOPs than unfolded, more than before growth)")
 @_common
-def fold(model, output, onnx_out, check, provider, grow_kernels, input_shape, trust, leaves, trace_mode, as_json, debug):
+def fold(model, output, onnx_out, check, provider, grow_kernels, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
     """Fold growth's linear structure into plain layers for deployment (eval-mode semantics, verified, logged)."""
     from ..jobs import workflow
 
     spec = "fold(grow_kernels=true)" if grow_kernels else "fold"
     run_command(_growth_job(lambda progress: workflow.mutate(
-        model, [spec], output, onnx_out, check, input_shape, provider, trust, leaves, 0, progress, trace_mode=trace_mode,
+        model, [spec], output, onnx_out, check, input_shape, provider, trust, leaves, 0, progress, trace_mode=trace_mode, capture=capture,
         suffix=".folded.pt"), as_json), as_json, debug)
 
 
@@ -162,7 +192,7 @@ def fold(model, output, onnx_out, check, provider, grow_kernels, input_shape, tr
 @click.option("--fold", "fold_first", is_flag=True, help="fold growth's linear structure into plain layers first (eval mode; see `graphgrow fold`)")
 @click.option("--opset", type=int, metavar="N", help="ONNX opset to write (18–23; default: the exporter's)")
 @_common
-def export(model, output, fold_first, opset, input_shape, trust, leaves, trace_mode, as_json, debug):
+def export(model, output, fold_first, opset, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
     """Export MODEL to one self-contained ONNX file with a dynamic batch dimension.
 
     A factory MODEL is built with its random weights seeded; the seed goes into the file's
@@ -170,7 +200,7 @@ def export(model, output, fold_first, opset, input_shape, trust, leaves, trace_m
     from ..jobs import workflow
 
     def job(progress):
-        report = workflow.export(model, output, input_shape, trust, leaves, progress, trace_mode=trace_mode, fold=fold_first,
+        report = workflow.export(model, output, input_shape, trust, leaves, progress, trace_mode=trace_mode, capture=capture, fold=fold_first,
                                  opset=opset)
         if as_json:
             print(json.dumps(report, default=str))
@@ -194,7 +224,7 @@ def export(model, output, fold_first, opset, input_shape, trust, leaves, trace_m
 @click.option("--atol", type=click.FloatRange(0, 1), help="absolute tolerance as a fraction of max|output| (default 1e-5 on CPU, 1e-4 on CUDA)")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), help="seed of a factory MODEL's random weights (default: the one the export recorded)")
 @_common
-def check(onnx_file, model, provider, rtol, atol, seed, input_shape, trust, leaves, trace_mode, as_json, debug):
+def check(onnx_file, model, provider, rtol, atol, seed, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
     """Run MODEL.onnx in onnxruntime and compare it with the PyTorch MODEL.
 
     A factory MODEL is rebuilt with the weight seed the export recorded; without one
@@ -202,7 +232,7 @@ def check(onnx_file, model, provider, rtol, atol, seed, input_shape, trust, leav
     from ..jobs import workflow
 
     def job(progress):
-        report, rep = workflow.check(onnx_file, model, input_shape, provider, trust, leaves, progress, trace_mode=trace_mode,
+        report, rep = workflow.check(onnx_file, model, input_shape, provider, trust, leaves, progress, trace_mode=trace_mode, capture=capture,
                                      seed=seed, rtol=rtol, atol=atol)
         if as_json:
             print(json.dumps(report, default=str))
@@ -230,14 +260,14 @@ def check(onnx_file, model, provider, rtol, atol, seed, input_shape, trust, leav
 @click.option("--summary", is_flag=True, help="one row per module (torchinfo-like) instead of one per node: fits a large model on a screen")
 @click.option("--depth", type=click.IntRange(1, 10), default=1, show_default=True, help="module depth of --summary rows")
 @_common
-def inspect(model, show_all, groups, summary, depth, input_shape, trust, leaves, trace_mode, as_json, debug):
+def inspect(model, show_all, groups, summary, depth, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
     """Show MODEL's nodes with shapes, parameters and FLOPs, and its mutation log.
 
     An exported .onnx file shows its inputs, outputs, op counts, metadata and mutation log."""
     from ..jobs import workflow
 
     def job(progress):
-        report = workflow.inspect(model, input_shape, trust, leaves, progress, groups=groups, trace_mode=trace_mode, depth=depth)
+        report = workflow.inspect(model, input_shape, trust, leaves, progress, groups=groups, trace_mode=trace_mode, depth=depth, capture=capture)
         if as_json:
             print(json.dumps(report, default=str))
             return 0
@@ -250,7 +280,7 @@ def inspect(model, show_all, groups, summary, depth, input_shape, trust, leaves,
         if summary:
             print_summary(model, report)
             return 0
-        t = Table(title=f"{model} (input {'×'.join(map(str, report['input_shape']))})")
+        t = Table(title=f"{model} ({input_text(report)})")
         for col in ("node", "op", "target", "shape", "params", "FLOPs"):
             t.add_column(col, justify="right" if col in ("params", "FLOPs") else "left")
         for n in report["nodes"]:
@@ -272,13 +302,13 @@ def inspect(model, show_all, groups, summary, depth, input_shape, trust, leaves,
 @click.argument("model")
 @click.option("--pass", "spec", required=True, metavar="SPEC", help="the pass, with any arguments other than its target, e.g. add_branch or 'add_branch(op=sepconv3x3)'")
 @_common
-def targets(model, spec, input_shape, trust, leaves, trace_mode, as_json, debug):
+def targets(model, spec, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
     """List where a pass can apply on MODEL: the spec that picks each place, the place in words
     (module path, stage, resolution, channels) and the parameters it would add; * marks the default."""
     from ..jobs import workflow
 
     def job(progress):
-        report = workflow.targets(model, spec, input_shape, trust, leaves, progress, trace_mode=trace_mode)
+        report = workflow.targets(model, spec, input_shape, trust, leaves, progress, trace_mode=trace_mode, capture=capture)
         if as_json:
             print(json.dumps(report, default=str))
             return 0
@@ -330,7 +360,7 @@ def targets(model, spec, input_shape, trust, leaves, trace_mode, as_json, debug)
 @_common
 def search(model, train_fn, eval_fn, mutations, population, rounds, epochs_per_round, metric, mode, lr, optimizer,
            storage_path, name, address, num_cpus, cpus_per_trial, gpus_per_trial, max_params, seed, resume, output, plot,
-           keep_checkpoints, worker_logs, input_shape, trust, leaves, trace_mode, as_json, debug):
+           keep_checkpoints, worker_logs, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
     """Population-based growth of MODEL on Ray Tune: trials train side by side; at every round the
     worse ones continue from a better one's checkpoint and grow by one move (exactly: no jump in
     the loss). Prints progress, then the best model's path, its metric and its lineage."""
@@ -343,7 +373,7 @@ def search(model, train_fn, eval_fn, mutations, population, rounds, epochs_per_r
                                 num_cpus=num_cpus, cpus_per_trial=cpus_per_trial, gpus_per_trial=gpus_per_trial, seed=seed,
                                 resume=resume, output=output, keep_checkpoints=keep_checkpoints, worker_logs=worker_logs)
         report = run(model, train_fn, eval_fn, mutations, options, input_shape, trust, leaves, trace_mode, max_params, plot,
-                     say=lambda msg: err.print(msg, markup=False, highlight=False), progress=progress)
+                     say=lambda msg: err.print(msg, markup=False, highlight=False), progress=progress, capture=capture)
         if as_json:
             print(json.dumps(report, default=str))
             return 0

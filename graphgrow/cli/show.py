@@ -11,9 +11,16 @@ from ..core.errors import GraphgrowError
 from .run import out
 
 
+
+def input_text(report: dict) -> str:
+    """`input 1×3×224×224`, or `inputs input_ids:int64[1,16], …` for named inputs."""
+    if report.get("inputs"):
+        return "inputs " + ", ".join(f"{r['name']}:{r['dtype']}{list(r['shape'])}" for r in report["inputs"])
+    return f"input {'×'.join(map(str, report['input_shape']))}"
+
 def print_mutation(report: dict) -> None:
     verb = f"replay of {report['log_from']} on" if "log_from" in report else "mutate"
-    out.print(f"[bold]graphgrow {verb}[/] {report['model']} (input {'×'.join(map(str, report['input_shape']))})")
+    out.print(f"[bold]graphgrow {verb}[/] {report['model']} ({input_text(report)})")
     if report.get("input_shape_inferred"):
         out.print(f"input shape inferred: {report['input_shape_inferred']}")
     for i, p in enumerate(report["passes"], 1):
@@ -66,7 +73,7 @@ def print_equivalence(eq: dict) -> None:
     out.print(f"equivalence vs {rep.reference}: {verdict} (max abs {rep.max_abs_err:.2e}, max rel {rep.max_rel_err:.2e})")
 
 def print_summary(model: str, report: dict) -> None:
-    t = Table(title=f"{model} (input {'×'.join(map(str, report['input_shape']))}): one row per module")
+    t = Table(title=f"{model} ({input_text(report)}): one row per module")
     for col in ("module", "type", "output shape", "params", "FLOPs", "nodes"):
         t.add_column(col, justify="right" if col in ("params", "FLOPs", "nodes") else "left")
     for r in report["summary"]:

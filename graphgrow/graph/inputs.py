@@ -65,17 +65,26 @@ def _tensor_spec(name: str, shape: Sequence[int], dtype: str, high: int | None =
     return TensorSpec(name, dims, dtype, high)
 
 
+_BRACKETED = re.compile(r"^(?P<name>[^:\[\]]+):(?P<dtype>\w+)\[(?P<dims>[\d,\s]+)\]$")
+
+
 def parse_spec(text: Any) -> InputSpec:
-    """`name:1x16:int64,name2:1x16` (dtype float32 when left out), a dict, or records → an input spec."""
+    """`name:1x16:int64,name2:1x16` (dtype float32 when left out) or `name:int64[1,16]`, a dict, or records → an input spec."""
     if is_spec(text):
         return text
     if isinstance(text, str):
         items = [p for p in re.split(r"[,\s]+(?=[A-Za-z_])", text.strip()) if p]
         out = []
         for item in items:
+            bracketed = _BRACKETED.match(item)
+            if bracketed:  # NAME:DTYPE[d0,d1,...], the issue's and torch's way of writing it
+                dims = [int(d) for d in re.split(r"[,\s]+", bracketed["dims"].strip()) if d]
+                out.append(_tensor_spec(bracketed["name"], dims, bracketed["dtype"]))
+                continue
             parts = item.split(":")
             if len(parts) not in (2, 3):
-                raise InputError(f"input spec {item[:60]!r} is not NAME:SHAPE[:DTYPE]", "e.g. input_ids:1x16:int64,attention_mask:1x16:int64")
+                raise InputError(f"input spec {item[:60]!r} is not NAME:SHAPE[:DTYPE] or NAME:DTYPE[SHAPE]",
+                                 "e.g. input_ids:1x16:int64 or input_ids:int64[1,16]")
             try:
                 dims = [int(d) for d in re.split(r"[x×]", parts[1])]
             except ValueError:

@@ -33,7 +33,7 @@ class LoadedModel:
     module: nn.Module
     source: str
     kind: str  # "file", "graphgrow" (a graphgrow output) or "factory"
-    input_shape: list[int] | None = None
+    input_shape: Any = None  # a float input's shape (list), or an input spec's records / spec (graph.inputs)
     log: list = field(default_factory=list)
     factory_seed: int | None = None  # the seed a factory's random weights were drawn with
 
@@ -101,9 +101,9 @@ def _from_factory(text: str, seed: int) -> LoadedModel:
         refuse_before_import(name.target)  # os:system says "standard library" before its arguments are read
     build, shape = builder(name, import_object)
     size = _size_on_meta(build)
-    if size is not None and size > MAX_LOAD_BYTES:
-        raise LoadError(f"{text[:200]} would hold {_mib(size)} of parameters and buffers (limit {_mib(MAX_LOAD_BYTES)}); "
-                        "nothing was allocated", "check the arguments, or raise the limit with --max-load SIZE")
+    if size is not None and size[0] > MAX_LOAD_BYTES:
+        raise LoadError(f"{text[:200]} would hold {_mib(size[0])} of parameters and buffers ({size[1]:,} parameters; limit "
+                        f"{_mib(MAX_LOAD_BYTES)}); nothing was allocated", "check the arguments, or raise the limit with --max-load SIZE")
     try:  # prints must not corrupt --json; no cache of stored weights is in reach
         with contextlib.redirect_stdout(sys.stderr), torch.random.fork_rng(devices=[]), cwd_importable(), sealed_caches():
             torch.manual_seed(seed)
@@ -119,8 +119,8 @@ def _from_factory(text: str, seed: int) -> LoadedModel:
     return LoadedModel(model, text, "factory", input_shape=shape or zoo_input_shape(model), factory_seed=seed)
 
 
-def _size_on_meta(build: Callable[[], Any]) -> int | None:
-    """Bytes of parameters and buffers the factory's model would hold, built on the meta device (shapes,
+def _size_on_meta(build: Callable[[], Any]) -> tuple[int, int] | None:
+    """(bytes of parameters and buffers, parameters) of the factory's model, built on the meta device (shapes,
     no storage), so an argument like num_classes=10**8 is refused before memory is touched. None when the
     factory cannot build on meta (it computes with real tensors): then the real build is not pre-checked."""
     from .zoo import sealed_caches
@@ -135,7 +135,8 @@ def _size_on_meta(build: Callable[[], Any]) -> int | None:
         return None  # the real build reports the factory's own error
     if not isinstance(model, nn.Module):
         return None
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return (sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]),
+            sum(p.numel() for p in model.parameters()))
 
 
 def _torch_load(path: Path, trust: bool) -> Any:
@@ -258,7 +259,7 @@ def _interpret(obj: Any, name: str, trust: bool) -> LoadedModel:
     if isinstance(obj, dict) and obj.get("format") == serialize.FORMAT:
         gm = serialize.from_payload(obj, trusted=trust)
         info = gm.meta["graphgrow"]
-        return LoadedModel(gm, name, "graphgrow", info.get("input_shape"), list(info.get("log", [])))
+        return LoadedModel(gm, name, "graphgrow", info.get("inputs") or info.get("input_shape"), list(info.get("log", [])))
     if isinstance(obj, nn.Module):
         _check_module_names(obj, name)
         return LoadedModel(obj, name, "file")

@@ -1,10 +1,11 @@
-"""Model names: `timm:NAME`, `torchvision:NAME` and `package.module:factory`, each optionally with
-literal keyword arguments — `timm:resnet26d(drop_path_rate=0.1)`, `mypkg.models:net(width=64)`.
+"""Model names: `timm:NAME`, `torchvision:NAME`, `hf:MODEL_TYPE[/TASK]` (Hugging Face transformers, hf_zoo.py) and
+`package.module:factory`, each optionally with literal keyword arguments — `timm:resnet26d(drop_path_rate=0.1)`,
+`hf:gpt2(n_layer=2,n_embd=64,n_head=4)`, `mypkg.models:net(width=64)`.
 
 Arguments are parsed, never evaluated: only Python literals (numbers, strings, booleans, None,
 tuples, lists, dicts of them) are accepted. Zoo models get random weights (nothing is
 downloaded) and their default input shape from the zoo's own metadata: timm's
-`pretrained_cfg["input_size"]`, torchvision's weights' crop size. A name never asks for stored
+`pretrained_cfg["input_size"]`, torchvision's weights' crop size, an hf: model's config. A name never asks for stored
 weights (`refuse_weight_arguments`), a zoo's model spelled as an import path
 (`torchvision.models:resnet18`) goes through the zoo's path, and every build runs with empty
 model caches (`sealed_caches`).
@@ -23,9 +24,10 @@ from typing import Any, Callable, Iterator
 
 from ..core.errors import LoadError
 from ..core.names import shown
+from ..graph.inputs import InputSpec
 
-ZOOS = ("timm", "torchvision")
-_NAME = re.compile(r"^(?P<target>[A-Za-z_][\w.]*:[A-Za-z_][\w.\-]*)(?P<args>\(.*)?$", re.S)
+ZOOS = ("timm", "torchvision", "hf")
+_NAME = re.compile(r"^(?P<target>hf:[A-Za-z][\w.\-]*/[\w\-]+|[A-Za-z_][\w.]*:[A-Za-z_][\w.\-]*)(?P<args>\(.*)?$", re.S)
 MAX_ARGUMENTS = 2_000  # characters of arguments: a model name is not a program
 
 
@@ -53,7 +55,7 @@ def parse_name(text: str) -> ModelName:
     """`target` or `target(key=literal, …)` → ModelName; LoadError for anything else."""
     m = _NAME.match(text.strip())
     if not m:
-        raise LoadError(f"{text[:80]!r} does not name a model", "write timm:NAME, torchvision:NAME or package.module:factory")
+        raise LoadError(f"{text[:80]!r} does not name a model", "write timm:NAME, torchvision:NAME, hf:MODEL_TYPE[/TASK] or package.module:factory")
     args = m.group("args")
     if not args:
         return ModelName(m.group("target"))
@@ -87,9 +89,9 @@ _WEIGHT_WORDS = ("pretrain", "weights", "checkpoint", "ckpt", "safetensors", "st
 _FILE_TOKENS = {"file", "files", "filename", "fname", "filepath", "path", "url", "uri", "urls", "hub", "cache",
                 "dir", "folder", "download", "load", "repo"}
 # Sizes and switches that only sound like weights (found by scanning every timm and torchvision model's arguments):
-# random-init switches, box-coder factors, gradient checkpointing, Swin-V2's window sizes.
+# random-init switches, box-coder factors, gradient checkpointing, Swin-V2's window sizes; transformers' KV-cache switch.
 _ORDINARY = {"init_weights", "bbox_reg_weights", "grad_checkpointing", "gradient_checkpointing", "use_checkpoint",
-             "pretrained_window_size", "pretrained_window_sizes"}
+             "pretrained_window_size", "pretrained_window_sizes", "use_cache"}
 _WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".pickle", ".npz", ".npy", ".h5", ".onnx",
                     ".tar", ".zip", ".json", ".yaml", ".yml")
 _SCHEME = re.compile(r"^[A-Za-z][\w.+\-]*:")  # https:, file:, hf-hub:, s3:, C: (a drive)
@@ -183,9 +185,14 @@ def registered_model(obj: Any) -> ModelName | None:
     return None
 
 
-def builder(name: ModelName, import_object: Callable[..., Any]) -> tuple[Callable[[], Any], list[int] | None]:
-    """A function building the model (random weights) and its default input shape when the zoo knows it."""
+def builder(name: ModelName, import_object: Callable[..., Any]) -> tuple[Callable[[], Any], list[int] | InputSpec | None]:
+    """A function building the model (random weights) and its default input shape (an input spec for hf:
+    names) when the zoo knows it."""
     refuse_weight_arguments(name)  # every name, whatever its spelling, before anything is imported
+    if name.zoo == "hf":
+        from .hf_zoo import builder as hf_builder
+
+        return hf_builder(name.target, name.kwargs, sealed_caches)
     if name.zoo is None:
         factory = import_object(name.target, zoo_builders=True)
         spelled = registered_model(factory)

@@ -5,95 +5,30 @@ Each returns plain data (the CLI formats it) and raises GraphgrowError subclasse
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import Any, Literal, Sequence
 
-import torch
-from torch import fx, nn
+from torch import fx
 
 from ..io import outputs
-from ..core.errors import InputError, LoadError, SaveError, SpecError, ValidationError
+from ..core.errors import InputError, LoadError, SaveError, SpecError
 from ..io.load import FACTORY_SEED, LoadedModel, custom_classes, load_model
 from ..io.save import check_output_path, default_output_path, plain_output_path, save_model
 from ..io.factory import is_factory_name
 from ..analysis.targets import Candidate
 from .pipeline import Pipeline, PipelineResult, parse_spec
-from ..capture.input_shape import infer_input_shape, parse_input_shape, require_single_input
+from ..capture.input_shape import parse_example_input
+from .opening import _noop, OpenedModel, open_model, Progress, shape_report  # noqa: F401 (open_model, OpenedModel re-exported)
 from .diagram import diagram_format
 from ..io.lineage import origin_of, require_lineage
-from ..graph.shapes import annotate, param_count, total_flops
-from ..capture.trace import graph_info, trace
-
-Progress = Callable[[str], None]
-
-
-def _noop(_: str) -> None:
-    pass
-
-
-@dataclass
-class OpenedModel:
-    loaded: LoadedModel
-    gm: fx.GraphModule
-    input_shape: list[int]
-    inferred_from: str | None = None  # how the input shape was inferred, when it was not given
-
-
-def open_model(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-               progress: Progress = _noop, trace_mode: str = "eval", max_memory: int | None = None,
-               factory_seed: int = FACTORY_SEED) -> OpenedModel:
-    """Load (safely), trace, check the trace against the model, and annotate shapes. The
-    example input shape comes from the argument, the file (graphgrow outputs remember
-    it) or the first layer."""
-    progress(f"loading {source}")
-    loaded = load_model(source, trust=trust, factory_seed=factory_seed)
-    shape = parse_input_shape(input_shape if input_shape is not None else loaded.input_shape)  # flag or stored: one check
-    progress("tracing")
-    gm = trace(loaded.module, shape, leaves, mode=trace_mode, check=False)  # fidelity checked below, once the shape is known
-    if shape is None:
-        shape, why = infer_input_shape(gm)
-        if shape is None:
-            raise InputError(
-                f"cannot tell the example input shape of {source}: {why}",
-                "pass --input-shape N,C,H,W (e.g. 1,3,224,224)",
-            )
-        progress(f"input shape {'×'.join(map(str, shape))} inferred: {why}")
-        graph_info(gm)["input_shape"] = shape
-        inferred = why
-    else:
-        require_single_input(gm)
-        inferred = None
-    _check_finite(loaded.module, source)
-    from ..analysis.budget import check_input_memory
-
-    check_input_memory(gm, shape, max_memory)  # on the meta device, before any real forward; fails closed
-    progress("propagating shapes")
-    try:
-        annotate(gm, shape)
-    except ValidationError as e:
-        raise InputError(f"the model cannot run on an input of shape {tuple(shape)}: {e.message}",
-                         "give the shape the model expects with --input-shape N,C,H,W") from e
-    if loaded.kind != "graphgrow":  # a graphgrow file's graph is the model; anything else is checked against it
-        from ..capture.fidelity import check_fidelity
-
-        progress("checking the traced graph against the model (eval and train mode)")
-        check_fidelity(loaded.module, gm, shape)
-    return OpenedModel(loaded, gm, shape, inferred)
-
-
-def _check_finite(model: nn.Module, source: str) -> None:
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise LoadError(f"{source} has NaN or Inf values in '{name}'",
-                            "graphgrow will not grow or export a broken model; fix or re-initialise those weights")
-
+from ..graph.shapes import param_count, total_flops
+from ..capture.trace import graph_info
 
 def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: str | None = None,
            check: bool = False, input_shape=None, provider: str = "auto", trust: bool = False,
            leaves: Sequence[str] = (), seed: int = 0, progress: Progress = _noop, trace_mode: str = "eval",
            max_params=None, max_memory=None, suffix: str = ".grown.pt", dry_run: bool = False,
-           diagram: str | None = None) -> dict:
+           diagram: str | None = None, capture: str = "auto") -> dict:
     """Load → run the pipeline with verification → save → (export) → (check). Returns the JSON report.
     `diagram`: also draw the graph after growth against the one before (diagram.draw; .svg or .png).
     Without `out` the result goes beside the model as NAME`suffix`. `dry_run`: the passes run and are
@@ -106,7 +41,7 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
     if diagram_path is not None:
         diagram_format(diagram_path)  # a wrong extension is refused before the passes run
     _distinct_outputs(out_path, onnx_path, diagram_path)
-    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, pipeline.limits.max_memory)
+    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, pipeline.limits.max_memory, capture=capture)
     report = _grow_and_write(pipeline, opened, source, (source,), out_path, onnx_path, check, provider, progress, "pass",
                              dry_run=dry_run, diagram=diagram_path)
     plain = plain_output_path(source, suffix)
@@ -139,7 +74,7 @@ def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs
     timings["passes"] = time.perf_counter() - t
     report: dict = {
         "model": source,
-        "input_shape": opened.input_shape,
+        **shape_report(opened.input_shape),
         "input_shape_inferred": opened.inferred_from,
         "passes": [r.to_json() for r in result.results],
         "preservation": _preservation_json(result),
@@ -289,7 +224,7 @@ def _preservation_json(result: PipelineResult) -> dict:
 def replay(source: str, log_source: str, out: str | None = None, onnx_out: str | None = None, check: bool = False,
            input_shape=None, provider: str = "auto", trust: bool = False, leaves: Sequence[str] = (),
            progress: Progress = _noop, trace_mode: str = "eval",
-           max_params=None, max_memory=None) -> dict:
+           max_params=None, max_memory=None, capture: str = "auto") -> dict:
     """Re-apply the mutation log of `log_source` (a graphgrow .pt or an exported .onnx) to the model `source`."""
     from .pipeline import from_log
 
@@ -300,7 +235,8 @@ def replay(source: str, log_source: str, out: str | None = None, onnx_out: str |
     onnx_path = check_output_path(onnx_out, inputs=inputs) if onnx_out else None
     _distinct_outputs(out_path, onnx_path)
     limits = _limits(max_params, max_memory)
-    opened = open_model(source, input_shape or grown_shape, trust, leaves, progress, trace_mode, limits.max_memory)
+    opened = open_model(source, input_shape or grown_shape, trust, leaves, progress, trace_mode, limits.max_memory,
+                        capture=capture)
     done = graph_info(opened.gm).get("log", [])
     if log[:len(done)] != done:
         raise InputError(f"{source} was not grown on the way to {log_source}: its mutation log is not the start of that one",
@@ -319,7 +255,7 @@ def replay(source: str, log_source: str, out: str | None = None, onnx_out: str |
     return report
 
 
-def _read_log(log_source: str, trust: bool, need_shape: bool = True) -> tuple[list[dict], list[int] | None, str | None]:
+def _read_log(log_source: str, trust: bool, need_shape: bool = True) -> tuple[list[dict], Any, str | None]:
     """The mutation log, example input shape and origin fingerprint stored in a graphgrow .pt or an exported .onnx."""
     if str(log_source).endswith(".onnx"):
         from ..io.export import load_onnx, mutation_log, onnx_input_shape, onnx_origin
@@ -334,7 +270,7 @@ def _read_log(log_source: str, trust: bool, need_shape: bool = True) -> tuple[li
 
 
 def targets(source: str, spec: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-            progress: Progress = _noop, trace_mode: str = "eval") -> dict:
+            progress: Progress = _noop, trace_mode: str = "eval", capture: str = "auto") -> dict:
     """Where one pass (its other arguments as given in `spec`) can apply, with what each place would add."""
     from .pipeline import build_pipeline, spec_of
 
@@ -342,12 +278,12 @@ def targets(source: str, spec: str, input_shape=None, trust: bool = False, leave
     if len(passes) != 1:
         raise SpecError(f"targets lists the places of one pass, got {len(passes)}", "give one pass, e.g. --pass add_branch")
     p = passes[0]
-    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode)
+    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, capture=capture)
     progress(f"finding where {p.name} can apply")
     found = p.candidates(opened.gm)
     total = param_count(opened.gm)
     given = parse_spec(spec_of(p))[0][1]
-    return {"model": source, "pass": p.name, "params": total, "input_shape": opened.input_shape,
+    return {"model": source, "pass": p.name, "params": total, **shape_report(opened.input_shape),
             "candidates": [{"spec": Candidate({**given, **c.args}, c.where, c.params).spec(p.name), "where": c.where,
                             "params": c.params, "fraction": c.params / max(total, 1), "default": c.default} for c in found]}
 
@@ -362,7 +298,8 @@ def provenance(loaded: LoadedModel) -> dict[str, str]:
 
 
 def export(source: str, out: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-           progress: Progress = _noop, trace_mode: str = "eval", fold: bool = False, opset: int | None = None) -> dict:
+           progress: Progress = _noop, trace_mode: str = "eval", fold: bool = False, opset: int | None = None,
+           capture: str = "auto") -> dict:
     """Export the model to ONNX; with `fold`, through the `fold` transform first (verified, logged)."""
     from ..io.export import export_onnx, mutation_log
     from ..io.runtime import max_ir_version
@@ -371,7 +308,7 @@ def export(source: str, out: str, input_shape=None, trust: bool = False, leaves:
     if opset is not None and not MIN_OPSET <= opset <= MAX_OPSET:
         raise InputError(f"--opset {opset} is outside what the exporter writes ({MIN_OPSET}–{MAX_OPSET})",
                          "leave it out for the exporter's default")
-    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode)
+    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, capture=capture)
     gm = opened.gm
     folded = None
     if fold:
@@ -382,7 +319,7 @@ def export(source: str, out: str, input_shape=None, trust: bool = False, leaves:
     t = time.perf_counter()
     proto = export_onnx(gm, opened.input_shape, out_path, metadata=provenance(opened.loaded),
                         max_ir_version=max_ir_version(), opset=opset)
-    return {"model": source, "input_shape": opened.input_shape, "outputs": [str(out_path)],
+    return {"model": source, **shape_report(opened.input_shape), "outputs": [str(out_path)],
             "fold": folded.to_json() if folded is not None else None,
             "ir_version": proto.ir_version, "opset": [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")][:1],
             "log": mutation_log(proto),
@@ -394,7 +331,7 @@ MIN_OPSET, MAX_OPSET = 18, 23  # the dynamo exporter writes opset 18 and newer
 
 def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto", trust: bool = False,
           leaves: Sequence[str] = (), progress: Progress = _noop, trace_mode: str = "eval", seed: int | None = None,
-          rtol: float | None = None, atol: float | None = None):
+          rtol: float | None = None, atol: float | None = None, capture: str = "auto"):
     """onnxruntime on `onnx_file` vs PyTorch on the model `source`. Returns (json, report).
 
     A factory name builds random weights: they are the exported ones only when built with the
@@ -405,7 +342,7 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
     from ..io.runtime import open_session
 
     proto = load_onnx(onnx_file)
-    shape = parse_input_shape(input_shape) or onnx_input_shape(proto)
+    shape = parse_example_input(input_shape) or onnx_input_shape(proto)
     meta = metadata(proto)
     factory_seed = FACTORY_SEED
     if is_factory_name(source):
@@ -416,7 +353,7 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
                              "compare against the model file it was exported from, or pass --seed N if you know "
                              "the seed the factory was built with")
         factory_seed = recorded
-    opened = open_model(source, shape, trust, leaves, progress, trace_mode, factory_seed=factory_seed)
+    opened = open_model(source, shape, trust, leaves, progress, trace_mode, factory_seed=factory_seed, capture=capture)
     progress("checking onnxruntime against PyTorch")
     session = open_session(proto.SerializeToString(), provider)  # the bytes that were checked, not the path again
     report = check_equivalence(opened.gm, session, opened.input_shape, reference=source, rtol=rtol, atol=atol)
@@ -454,7 +391,8 @@ def module_summary(gm: fx.GraphModule, depth: int = 1) -> list[dict]:
 
 
 def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-            progress: Progress = _noop, groups: bool = False, trace_mode: str = "eval", depth: int = 1) -> dict:
+            progress: Progress = _noop, groups: bool = False, trace_mode: str = "eval", depth: int = 1,
+            capture: str = "auto") -> dict:
     if str(source).lower().endswith(".onnx") and Path(source).is_file():
         if groups:
             raise InputError("--groups needs the PyTorch model (channel groups are a graph analysis)",
@@ -463,7 +401,7 @@ def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence
         from ..io.export import describe_onnx
 
         return describe_onnx(str(source))
-    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode)
+    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, capture=capture)
     gm = opened.gm
     nodes = []
     for n in gm.graph.nodes:
@@ -472,7 +410,7 @@ def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence
             target = f"{n.target}: {type(gm.get_submodule(n.target)).__name__}"
         nodes.append({"name": n.name, "op": n.op, "target": target, "shape": n.meta.get("gg_shape"),
                       "params": n.meta.get("gg_params", 0), "flops": n.meta.get("gg_flops", 0)})
-    report = {"model": source, "input_shape": opened.input_shape, "nodes": nodes, "params": param_count(gm),
+    report = {"model": source, **shape_report(opened.input_shape), "nodes": nodes, "params": param_count(gm),
               "flops": total_flops(gm), "log": graph_info(gm).get("log", []), "origin": origin_of(gm), "trace": graph_info(gm).get("trace", {}),
               "summary": module_summary(gm, depth)}
     if groups:

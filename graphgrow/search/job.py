@@ -33,7 +33,7 @@ def _check_outputs(output: str | None, plot: str | None) -> None:
 
 def run(source: str, train: str, evaluate: str, mutations: str, options, input_shape=None, trust: bool = False,
         leaves: Sequence[str] = (), trace_mode: str = "eval", max_params: str | None = None, plot: str | None = None,
-        say: Callable[[str], None] = print, progress: Callable[[str], None] = lambda _: None) -> dict:
+        say: Callable[[str], None] = print, progress: Callable[[str], None] = lambda _: None, capture: str = "auto") -> dict:
     """Everything `graphgrow search` does; returns the report (SearchResult.to_json() + plot path)."""
     options.check()  # names and numbers first: nothing starts, nothing is written for a bad one
     _check_outputs(options.output, plot)
@@ -46,7 +46,7 @@ def run(source: str, train: str, evaluate: str, mutations: str, options, input_s
     if options.resume:
         model = None  # the search's own copy of the original is used (STORAGE/NAME/original.pt)
     else:
-        opened = open_model(source, input_shape, trust, leaves, progress, trace_mode=trace_mode)
+        opened = open_model(source, input_shape, trust, leaves, progress, trace_mode=trace_mode, capture=capture)
         model = opened.gm
     progress("searching")
     result = search(model, train_fn, eval_fn, space, options, say)

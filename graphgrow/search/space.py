@@ -22,7 +22,8 @@ from ..core.errors import GraphgrowError, SpecError
 from ..rewrite.pass_base import Pass
 from ..jobs.pipeline import Pipeline, _split_top, build_pipeline, make_pass, parse_spec, spec_of
 from ..graph.shapes import annotate, param_count
-from ..capture.trace import graph_info, input_shape_of
+from ..capture.trace import graph_info
+from ..graph.graph_meta import input_spec_of
 
 NOOP = "noop"
 MOVE_KEY = "search_move"  # the key under which a log entry records the id of the move that made it
@@ -150,7 +151,7 @@ class MutationSpace:
         ((name, args),) = parse_spec(move.spec)
         p = make_pass(name, args)
         if any("gg_shape" not in n.meta for n in gm.graph.nodes):
-            annotate(gm, input_shape_of(gm))
+            annotate(gm, input_spec_of(gm))
         candidates = p.candidates(gm)
         if not candidates or any(k in args for c in candidates for k in c.args):
             return p  # the pass lists no places, or the spec already names one

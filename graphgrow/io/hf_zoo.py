@@ -1,0 +1,164 @@
+"""Hugging Face names: `hf:MODEL_TYPE[/TASK](config arguments)`, e.g. `hf:gpt2(n_layer=2,n_embd=64,n_head=4)`,
+`hf:bert/sequence-classification(hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64)`.
+
+The model is built as transformers' own code builds a fresh one: `AutoConfig.for_model(MODEL_TYPE, **arguments)`,
+then the task's Auto class (TASKS; no task: `AutoModel`, the bare backbone) `.from_config(config)`. Random weights,
+nothing downloaded: never `from_pretrained`, never remote code, never the hub (HF_HUB_OFFLINE and empty caches while
+building, `zoo.sealed_caches`). Arguments are the config's own fields, checked by name (a typo is refused, not
+ignored); `use_cache` defaults to False, since torch.export cannot capture a DynamicCache output. The loader sizes
+the model on the meta device before allocating it (load.py, `--max-load`): transformers' default configs are large.
+
+The default input spec (`default_spec`, reported as LoadedModel.input_shape) holds only the inputs the forward
+needs — no attention_mask (all positions attend, as with a mask of ones): token ids `input_ids` int64[1,16] below
+`vocab_size`; images `pixel_values` float32[1,num_channels,image_size,image_size] (224 when the config has no
+size); audio `input_values` float32[1,16000]; encoder-decoders add `decoder_input_ids` int64[1,16].
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import re
+from typing import Any, Callable, ContextManager, Mapping
+
+from ..core.errors import LoadError
+from ..graph.inputs import InputSpec, TensorSpec
+
+# task → transformers' Auto class; the bare model (no head) when a name gives no task
+TASKS = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "image-classification": "AutoModelForImageClassification",
+    "audio-classification": "AutoModelForAudioClassification",
+    "ctc": "AutoModelForCTC",
+}
+BASE = "AutoModel"
+SEQ_LEN = 16  # token ids of the default spec (fewer when the model has fewer positions)
+IMAGE_SIZE = 224  # when the config has no image_size (ResNet, RegNet)
+AUDIO_SAMPLES = 16_000  # one second at 16 kHz
+ATTENTION = ("eager", "sdpa")  # the attention implementations a name may pick: torch's own code only
+# arguments that reach code or files beyond the config: refused whatever their value
+_REFUSED = {"trust_remote_code": "remote code is never run", "auto_map": "remote code is never run",
+            "revision": "nothing is downloaded", "code_revision": "nothing is downloaded", "token": "nothing is downloaded"}
+_MODEL_TYPE = re.compile(r"^[A-Za-z][\w.\-]*$")  # kosmos-2.5, xlm-roberta
+
+
+def split_target(target: str) -> tuple[str, str | None]:
+    """`hf:llama/causal-lm` → ("llama", "causal-lm"); `hf:gpt2` → ("gpt2", None)."""
+    model_type, _, task = target.split(":", 1)[1].partition("/")
+    if not _MODEL_TYPE.match(model_type):
+        raise LoadError(f"{target!r}: {model_type[:40]!r} is not a model type", "write hf:MODEL_TYPE[/TASK], e.g. hf:gpt2 or hf:llama/causal-lm")
+    if task and task not in TASKS:
+        raise LoadError(f"{target}: unknown task {task[:40]!r}", f"tasks: {', '.join(TASKS)} (or none: the bare model)")
+    return model_type, task or None
+
+
+def builder(target: str, kwargs: Mapping[str, Any], sealed: Callable[[], ContextManager]) -> tuple[Callable[[], Any], InputSpec | None]:
+    """A function building the model `target(**kwargs)` names (random weights, a fresh copy of the config each
+    call, so a build on the meta device and the real one see the same config) and its default input spec.
+    `sealed`: zoo.sealed_caches (passed in: zoo imports this module)."""
+    model_type, task = split_target(target)
+    _refuse_arguments(target, kwargs)
+    transformers = _import_transformers()  # imported outside sealed(): hub settings are read at import
+    auto = getattr(transformers, TASKS[task] if task else BASE)
+    with sealed():
+        config = _config(transformers, target, kwargs, model_type)
+    model_class = _model_class(transformers, auto, config, target, model_type, task)
+    spec = default_spec(config, model_class)
+
+    def build_hf() -> Any:  # load.py builds it inside sealed_caches, on the meta device first
+        return auto.from_config(copy.deepcopy(config), trust_remote_code=False)
+    return build_hf, spec
+
+
+def _import_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as e:
+        raise LoadError(f"hf: names need transformers, which is not installed ({e})", "pip install graphgrow[hf]") from e
+    return transformers
+
+
+def _refuse_arguments(target: str, kwargs: Mapping[str, Any]) -> None:
+    for key, value in kwargs.items():
+        if key in _REFUSED:
+            raise LoadError(f"{target}: {key} is refused: {_REFUSED[key]} (a name builds random weights from a config)", f"drop {key}")
+        if key.startswith("_"):
+            raise LoadError(f"{target}: {key} is a private field of the config, not an argument", f"drop {key}")
+        if key == "attn_implementation" and value not in ATTENTION:
+            raise LoadError(f"{target}: attn_implementation={value!r} is not one graphgrow builds with", f"one of {', '.join(ATTENTION)}")
+
+
+def _config(transformers: Any, target: str, arguments: Mapping[str, Any], model_type: str) -> Any:
+    mapping = transformers.CONFIG_MAPPING
+    if model_type not in mapping:
+        close = difflib.get_close_matches(model_type, list(mapping.keys()), n=5, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}?" if close else "e.g. gpt2, llama, bert, t5, vit, resnet, convnext"
+        raise LoadError(f"transformers has no model type {model_type!r} ({len(list(mapping.keys()))} types: transformers.CONFIG_MAPPING)", hint)
+    config_class = mapping[model_type]
+    known = _config_fields(config_class)
+    for key in arguments:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f"did you mean {', '.join(close)}?" if close else f"see {config_class.__name__}'s fields"
+            raise LoadError(f"{target}: {config_class.__name__} has no field {key!r}", hint)
+    kwargs = dict(arguments)
+    if "use_cache" in known:
+        kwargs.setdefault("use_cache", False)  # a DynamicCache output cannot be captured by torch.export
+    try:
+        return transformers.AutoConfig.for_model(model_type, **kwargs)
+    except Exception as e:  # the config's own validation: a size that does not divide, a bad option
+        raise LoadError(f"{target}: the config refused the arguments: {type(e).__name__}: {str(e)[:300]}", "check the arguments") from e
+
+
+def _config_fields(config_class: type) -> set[str]:
+    """The names a config takes: its fields, their aliases (attribute_map: GPT-2's hidden_size is n_embd) and
+    settable properties such as num_labels."""
+    fields = {f.name for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else set()
+    props = {k for k in dir(config_class) if isinstance(getattr(config_class, k, None), property) and getattr(config_class, k).fset}
+    return {k for k in fields | props | set(getattr(config_class, "attribute_map", {})) | {"attn_implementation"}
+            if not k.startswith("_")}
+
+
+def _model_class(transformers: Any, auto: Any, config: Any, target: str, model_type: str, task: str | None) -> type:
+    mapping = auto._model_mapping
+    if type(config) not in mapping:
+        tasks = [t for t, cls in TASKS.items() if type(config) in getattr(transformers, cls)._model_mapping]
+        raise LoadError(f"{target}: transformers has no {task or 'bare'} model for {model_type}",
+                        f"its tasks: {', '.join(tasks)}" if tasks else "this model type has no model graphgrow can build from a name")
+    return mapping[type(config)]
+
+
+def default_spec(config: Any, model_class: type) -> InputSpec | None:
+    """The inputs the model's forward needs, from its config (module docstring); None for an input kind not
+    known here (then give --input)."""
+    main = getattr(model_class, "main_input_name", "input_ids")
+    if main == "input_ids":
+        spec: list[TensorSpec] = [_token_ids("input_ids", config)]
+    elif main == "pixel_values":
+        size = _pair(getattr(config, "image_size", IMAGE_SIZE))
+        spec = [TensorSpec("pixel_values", (1, int(getattr(config, "num_channels", 3)), *size))]
+    elif main == "input_values":
+        spec = [TensorSpec("input_values", (1, AUDIO_SAMPLES))]
+    else:
+        return None
+    if getattr(config, "is_encoder_decoder", False):
+        spec.append(_token_ids("decoder_input_ids", config))
+    return tuple(spec)
+
+
+def _token_ids(name: str, config: Any) -> TensorSpec:
+    vocab = getattr(config, "vocab_size", None)
+    positions = getattr(config, "max_position_embeddings", None)
+    length = min(SEQ_LEN, positions) if isinstance(positions, int) and positions > 0 else SEQ_LEN
+    return TensorSpec(name, (1, length), "int64", int(vocab) if isinstance(vocab, int) and vocab > 0 else None)
+
+
+def _pair(size: Any) -> tuple[int, int]:
+    if isinstance(size, (list, tuple)) and len(size) == 2:
+        return int(size[0]), int(size[1])
+    return int(size), int(size)

@@ -1,0 +1,109 @@
+"""Opening a model for a job: load it safely, capture it (fx or torch.export), check the capture against the
+model in both modes, and annotate shapes at the example input — a float shape or an input spec."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import fx, nn
+
+from ..capture.input_shape import infer_input_shape, parse_example_input, require_single_input
+from ..capture.trace import graph_info, trace
+from ..core.errors import InputError, LoadError, ValidationError
+from ..graph.inputs import is_spec, records, Shape
+from ..graph.shapes import annotate
+from ..io.load import FACTORY_SEED, LoadedModel, load_model
+
+Progress = Callable[[str], None]
+
+
+def _noop(_: str) -> None:
+    pass
+
+
+@dataclass
+class OpenedModel:
+    loaded: LoadedModel
+    gm: fx.GraphModule
+    input_shape: Shape  # one float input's shape, or an input spec (named inputs with dtypes; graph.inputs)
+    inferred_from: str | None = None  # how the input shape was inferred, when it was not given
+
+
+def shape_report(shape: Shape) -> dict:
+    """A report's input fields: `input_shape` (the first input's shape, what older readers show) and, for an
+    input spec, `inputs` (name, shape, dtype of each)."""
+    if is_spec(shape):
+        return {"input_shape": list(shape[0].shape), "inputs": records(shape)}  # type: ignore[union-attr]
+    return {"input_shape": shape}
+
+
+def open_model(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
+               progress: Progress = _noop, trace_mode: str = "eval", max_memory: int | None = None,
+               factory_seed: int = FACTORY_SEED, capture: str = "auto") -> OpenedModel:
+    """Load (safely), trace, check the trace against the model, and annotate shapes. The
+    example input (a shape or an input spec) comes from the argument, the file (graphgrow outputs
+    remember it), the zoo or the first layer. `capture`: "auto", "fx" or "export" (trace())."""
+    progress(f"loading {source}")
+    loaded = load_model(source, trust=trust, factory_seed=factory_seed)
+    shape = parse_example_input(input_shape if input_shape is not None else loaded.input_shape)  # flag or stored: one check
+    progress("tracing" if capture == "auto" else f"tracing ({capture} capture)")
+    gm = trace(loaded.module, shape, leaves, mode=trace_mode, check=False, capture=capture)  # fidelity checked below
+    if shape is None:
+        shape, why = infer_input_shape(gm)
+        if shape is None:
+            raise InputError(
+                f"cannot tell the example input shape of {source}: {why}",
+                "pass --input-shape N,C,H,W (e.g. 1,3,224,224), or --input NAME:DTYPE[SHAPE] per input",
+            )
+        progress(f"input shape {'×'.join(map(str, shape))} inferred: {why}")
+        graph_info(gm)["input_shape"] = shape
+        inferred = why
+    else:
+        if not is_spec(shape):
+            require_single_input(gm)
+            _refuse_float_token_ids(gm)
+        inferred = None
+    if graph_info(gm).get("trace", {}).get("capture") == "export":
+        progress("captured with torch.export")
+    _check_finite(loaded.module, source)
+    from ..analysis.budget import check_input_memory
+
+    check_input_memory(gm, shape, max_memory)  # on the meta device, before any real forward; fails closed
+    progress("propagating shapes")
+    try:
+        annotate(gm, shape)
+    except ValidationError as e:
+        raise InputError(f"the model cannot run on an input of {_shown(shape)}: {e.message}",
+                         "give the input the model expects: --input-shape N,C,H,W, or --input NAME:DTYPE[SHAPE] per input") from e
+    if loaded.kind != "graphgrow":  # a graphgrow file's graph is the model; anything else is checked against it
+        from ..capture.fidelity import check_fidelity
+
+        progress("checking the traced graph against the model (eval and train mode)")
+        check_fidelity(loaded.module, gm, shape)
+    return OpenedModel(loaded, gm, shape, inferred)
+
+
+def _shown(shape: Shape) -> str:
+    if is_spec(shape):
+        return "inputs " + ", ".join(f"{t.name}:{t.dtype}{list(t.shape)}" for t in shape)  # type: ignore[union-attr]
+    return f"shape {tuple(shape)}"
+
+
+def _check_finite(model: nn.Module, source: str) -> None:
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise LoadError(f"{source} has NaN or Inf values in '{name}'",
+                            "graphgrow will not grow or export a broken model; fix or re-initialise those weights")
+
+
+def _refuse_float_token_ids(gm: fx.GraphModule) -> None:
+    """A float example input fed straight into an embedding fails deep inside torch: say what the model wants."""
+    placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    for user in placeholder.users:
+        is_embedding = (user.op == "call_module" and isinstance(gm.get_submodule(str(user.target)), nn.Embedding)) or \
+            (user.op == "call_function" and getattr(user.target, "__name__", "") == "embedding")
+        if is_embedding:
+            raise InputError(f"the model's input '{placeholder.name}' goes into an embedding ({user.name}): it takes "
+                             "integer token ids, not the float tensor --input-shape describes",
+                             f"give --input {placeholder.name}:int64[1,16] (NAME:DTYPE[SHAPE])")
