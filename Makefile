@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e '.[dev,search,diagram,hf]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,search,diagram,hf,lightning]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -30,7 +30,7 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# one table of every benchmark (BENCH_JSON=path also writes it as JSON); sections: --only steps,fold,scale,gpu
+# one table of every benchmark (BENCH_JSON=path also writes it as JSON); sections: --only steps,fold,scale,gpu,ddp
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 

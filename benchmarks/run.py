@@ -5,6 +5,7 @@ Sections (each is also a script of its own):
   fold   bench_fold.py   onnxruntime latency of original / grown / folded; same kernels; ORT ÷ eager; peak memory
   scale  bench_scale.py  graph-side cost per fx node on 1k / 4k / 12k-node chains
   gpu    bench_gpu.py    onnxruntime CUDA vs PyTorch CUDA (one "skipped" row without a GPU)
+  ddp    bench_ddp.py    a growth event in a 2-process DDP job (torchrun, gloo) ÷ one training step
 
     python benchmarks/run.py [--only steps,fold] [--quick]
 """
@@ -25,7 +26,7 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Row, format_number, print_table  # noqa: E402
 
-SECTIONS = ("steps", "fold", "scale", "gpu")
+SECTIONS = ("steps", "fold", "scale", "gpu", "ddp")
 
 
 def machine() -> dict:
@@ -50,6 +51,7 @@ def main(argv=None) -> int:
     unknown = [s for s in wanted if s not in SECTIONS]
     if unknown:
         ap.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    import bench_ddp
     import bench_fold
     import bench_gpu
     import bench_scale
@@ -61,6 +63,7 @@ def main(argv=None) -> int:
         "fold": lambda p: bench_fold.rows(**quick, rounds=5 if args.quick else 20, progress=p),
         "scale": lambda p: bench_scale.rows((300, 1000) if args.quick else (1000, 4000, 12000), progress=p),
         "gpu": lambda p: bench_gpu.rows(**quick, rounds=10 if args.quick else 50, progress=p),
+        "ddp": lambda p: bench_ddp.rows(events=1 if args.quick else 3, steps=5 if args.quick else 20, progress=p),
     }
     console = Console(stderr=True)
     rows: list[Row] = []

@@ -63,3 +63,12 @@ def evaluate(model: nn.Module) -> dict:
     with torch.no_grad():
         out = model(x)
     return {"val_loss": nn.functional.cross_entropy(out, y).item(), "val_acc": (out.argmax(1) == y).float().mean().item()}
+
+
+def batch(size: int = 256) -> tuple:
+    """A training batch and its loss, what init=gradmax and `graphgrow targets --data` read: (inputs, loss_fn).
+
+        graphgrow targets examples.digits_task:model --input-shape 1,1,8,8 --pass grow_width --data examples.digits_task:batch
+    """
+    (x, y), _ = digits()
+    return x[:size], lambda out: nn.functional.cross_entropy(out, y[:size])

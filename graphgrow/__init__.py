@@ -6,7 +6,7 @@ graph-rewrite passes, export it to ONNX and prove onnxruntime agrees with PyTorc
 from __future__ import annotations
 
 from .core.errors import (
-    EquivalenceError, ExportError, GraphgrowError, InputError, LoadError, NotApplicable,
+    DistributedError, EquivalenceError, ExportError, GraphgrowError, InputError, LoadError, NotApplicable,
     PreservationError, RuntimeUnavailable, SaveError, SearchError, SearchInterrupted, SpecError, TraceError,
     ValidationError,
 )
@@ -39,13 +39,16 @@ def __getattr__(name: str):
     if name == "check_equivalence":
         from .verify.equivalence import check_equivalence
         return check_equivalence
+    if name == "distributed":  # growth in DDP jobs, checkpoints, Lightning: torch.distributed loads only when used
+        from .jobs import distributed
+        return distributed
     raise AttributeError(f"module 'graphgrow' has no attribute {name!r}")
 
 
 __all__ = [
-    "EquivalenceError", "ExportError", "GraphgrowError", "InputError", "LoadError", "NotApplicable",
+    "DistributedError", "EquivalenceError", "ExportError", "GraphgrowError", "InputError", "LoadError", "NotApplicable",
     "PreservationError", "RuntimeUnavailable", "SaveError", "SearchError", "SearchInterrupted", "SpecError", "TraceError", "ValidationError",
     "LoadedModel", "load_model", "save_model", "Candidate", "Pass", "PassResult", "arg", "Pipeline", "PipelineResult",
     "build_pipeline", "parse_spec", "all_passes", "get_pass", "pass_names", "register_pass", "Rewrite",
-    "annotate", "trace", "export_onnx", "check_equivalence", "fold", "carry_optimizer",
+    "annotate", "trace", "export_onnx", "check_equivalence", "fold", "carry_optimizer", "distributed",
 ]

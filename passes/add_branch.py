@@ -75,8 +75,17 @@ def default_conv(gm: fx.GraphModule, op: str, count: int) -> tuple[fx.Node, str]
     adds the fewest parameters); with why in words."""
     sites = branch_sites(gm, op, count)
     if not sites:
-        raise NotApplicable("the model has no Conv2d on a feature map to run a branch beside",
-                            "give at=START:END" + train_only_note(gm, "name a conv there with at="))
+        convs = [n.target for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Conv2d)]
+        if not convs:
+            others = sorted({type(m).__name__ for m in gm.modules() if isinstance(m, nn.modules.conv._ConvNd)})
+            what = f"its convs are {', '.join(others)}" if others else "it has no conv layers"
+            raise NotApplicable(f"add_branch runs 2-D conv branches beside a Conv2d on (N, C, H, W) feature maps; this model "
+                                f"has none ({what})", "grow it with deepen, insert_adapter, add_residual or grow_width instead")
+        why = (f": its Conv2d layers ({', '.join(map(str, convs[:3]))}{', …' if len(convs) > 3 else ''}) read the raw input "
+               "(a patch embedding), work on 1×1 maps or lie outside the backbone")
+        raise NotApplicable(f"the model has no Conv2d on a feature map to run a branch beside{why}",
+                            f"give at={convs[0]} (or at=START:END) to put a branch there anyway"
+                            + train_only_note(gm, "name a conv there with at="))
     total = max(param_count(gm), 1)
     (_, _, _, n, cost), over = pick_within_budget(sorted(sites, key=lambda c: (c[1], c[2]), reverse=True), lambda c: c[4], total)
     what = "the main-path conv where it adds the fewest parameters" if over else "the last main-path conv"

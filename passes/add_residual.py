@@ -4,9 +4,11 @@
 
 where skip is zero at insertion and has a non-zero gradient at once:
 - same shape: `g · start` with a scalar gate g = 0;
-- 4-D, different channels or size: 1×1 conv (stride = spatial ratio, or adaptive
-  average pooling first when the ratio is not an integer) → BatchNorm with γ = β = 0;
-- 2-D/3-D, different feature size: a Linear on the last dimension with zero weights.
+- feature maps (N, C, H, W), or (N, C, L) of a Conv1d stack, different channels or size: 1×1 conv
+  (stride = spatial ratio, or adaptive average pooling first when the ratio is not an integer) →
+  BatchNorm with γ = β = 0;
+- features last ((N, F), (N, T, F) tokens), different feature size: a Linear on the last dimension
+  with zero weights.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from torch import fx, nn
 
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
-    add_module, add_parameter, begin, factory_kwargs, finish, inserting_after, is_float_tensor,
+    add_module, add_parameter, begin, conv_dims, factory_kwargs, finish, inserting_after, is_float_tensor,
     kaiming_, main_path, param_count, pick_within_budget, place, replace_uses, resolve_tensor,
     set_scope, Stage, stage_end, stages, tensor_shape, zero_last_bn,
 )
@@ -51,11 +53,12 @@ def add_residual(gm: fx.GraphModule, start: str | None = None, end: str | None =
             skip = graph.call_function(operator.mul, (s, g))
             new_nodes += [g, skip]
             kind = "identity × gate (gate = 0)"
-        elif len(s_shape) == 4 and len(e_shape) == 4:
+        elif conv_dims(s) in (1, 2) and conv_dims(s) == conv_dims(e):
             skip_nodes, kind = _conv_skip(gm, s, s_shape, e_shape, like, generator)
             skip = skip_nodes[-1]
             new_nodes += skip_nodes
-        elif len(s_shape) in (2, 3) and len(s_shape) == len(e_shape) and s_shape[:-1] == e_shape[:-1]:
+        elif conv_dims(s) is None and conv_dims(e) is None and len(s_shape) in (2, 3) and len(s_shape) == len(e_shape) \
+                and s_shape[:-1] == e_shape[:-1]:
             lin = nn.Linear(s_shape[-1], e_shape[-1], device=like.device, dtype=like.dtype)
             with torch.no_grad():
                 lin.weight.zero_()
@@ -67,7 +70,7 @@ def add_residual(gm: fx.GraphModule, start: str | None = None, end: str | None =
         else:
             raise NotApplicable(
                 f"cannot connect '{s.name}' {list(s_shape)} to '{e.name}' {list(e_shape)}: "
-                "shapes differ in rank or in a dimension other than channels/space/features",
+                "shapes differ in rank, in layout (channels at dim 1 or last) or in a dimension other than channels/space/features",
                 "choose start and end with the same rank (graphgrow inspect shows shapes)",
             )
         out = graph.call_function(operator.add, (e, skip))
@@ -114,21 +117,21 @@ def stage_spans(gm: fx.GraphModule, found: list[Stage]) -> list[tuple[fx.Node, f
         if len(stage.nodes) >= 2:
             spans.append((stage.nodes[0], f"over {stage.describe(gm, len(found))}, from its first to its last main-path tensor"))
         for start, why in spans:
-            cost = skip_params(tensor_shape(start) or (), tensor_shape(end) or ())
+            cost = skip_params(tensor_shape(start) or (), tensor_shape(end) or (), conv_dims(start), conv_dims(end))
             if cost is not None:
                 out.append((start, end, cost, why))
     return out
 
 
-def skip_params(s_shape: tuple, e_shape: tuple) -> int | None:
+def skip_params(s_shape: tuple, e_shape: tuple, s_dims: int | None = None, e_dims: int | None = None) -> int | None:
     """Parameters of the skip add_residual builds between tensors of these shapes (a gate, a 1×1 conv +
-    BatchNorm that downsamples, or a Linear on the features); None where it builds none (another rank,
-    or upsampling)."""
+    BatchNorm that downsamples feature maps — `*_dims`: conv_dims of each end —, or a Linear on the
+    features); None where it builds none (another rank or layout, or upsampling)."""
     if s_shape == e_shape:
         return 1
-    if len(s_shape) == len(e_shape) == 4 and all(a >= b for a, b in zip(s_shape[2:], e_shape[2:])):
+    if s_dims in (1, 2) and s_dims == e_dims and all(a >= b for a, b in zip(s_shape[2:], e_shape[2:])):
         return s_shape[1] * e_shape[1] + 2 * e_shape[1]
-    if len(s_shape) == len(e_shape) in (2, 3) and s_shape[:-1] == e_shape[:-1]:
+    if s_dims is None and e_dims is None and len(s_shape) == len(e_shape) in (2, 3) and s_shape[:-1] == e_shape[:-1]:
         return s_shape[-1] * e_shape[-1] + e_shape[-1]
     return None
 
@@ -148,34 +151,41 @@ def _check_span(gm: fx.GraphModule, s: fx.Node, e: fx.Node) -> None:
 
 
 def _conv_skip(gm, s, s_shape, e_shape, like, generator):
-    """1×1 conv (+ adaptive pooling when needed) → BatchNorm(γ=β=0), inserted after the current point."""
+    """1×1 conv (+ adaptive pooling when needed) → BatchNorm(γ=β=0), inserted after the current point;
+    2-D maps (N, C, H, W) or 1-D ones (N, C, L)."""
     graph = gm.graph
-    (_, cin, hs, ws), (_, cout, he, we) = s_shape, e_shape
-    if he > hs or we > ws:
+    (cin, *src_size), (cout, *end_size) = s_shape[1:], e_shape[1:]
+    dims = len(src_size)
+    if any(b > a for a, b in zip(src_size, end_size)):
         raise NotApplicable(
-            f"end '{e_shape}' is spatially larger ({he}×{we}) than start ({hs}×{ws}); add_residual only downsamples",
+            f"end {list(e_shape)} is spatially larger ({_size(end_size)}) than start ({_size(src_size)}); add_residual only downsamples",
             "choose a start at or above the end's resolution",
         )
     nodes = []
     src = s
-    if hs % he == 0 and ws % we == 0:
-        stride = (hs // he, ws // we)
+    if all(a % b == 0 for a, b in zip(src_size, end_size)):
+        stride = tuple(a // b for a, b in zip(src_size, end_size))
         pooled = ""
     else:
-        src = graph.call_function(F.adaptive_avg_pool2d, (s, (he, we)))
+        pool = F.adaptive_avg_pool2d if dims == 2 else F.adaptive_avg_pool1d
+        src = graph.call_function(pool, (s, tuple(end_size) if dims == 2 else end_size[0]))
         nodes.append(src)
-        stride = (1, 1)
-        pooled = f"adaptive avg pool {hs}×{ws}→{he}×{we}, "
-    conv = nn.Conv2d(cin, cout, 1, stride=stride, bias=False, device=like.device, dtype=like.dtype)
+        stride = (1,) * dims
+        pooled = f"adaptive avg pool {_size(src_size)}→{_size(end_size)}, "
+    conv = (nn.Conv2d if dims == 2 else nn.Conv1d)(cin, cout, 1, stride=stride, bias=False, device=like.device, dtype=like.dtype)
     kaiming_(conv.weight, generator)
-    bn = zero_last_bn(cout, like)
+    bn = zero_last_bn(cout, like, dims)
     down = nn.Sequential(conv, bn)
     name = add_module(gm, "residual_downsample", down)
     c = graph.call_module(f"{name}.0", (src,))
     b = graph.call_module(f"{name}.1", (c,))
     nodes += [c, b]
-    st = f"stride {stride[0]}" if stride[0] == stride[1] else f"stride {stride}"
-    return nodes, f"{pooled}1×1 conv {cin}→{cout} {st} + BatchNorm(γ=β=0)"
+    st = f"stride {stride[0]}" if len(set(stride)) == 1 else f"stride {stride}"
+    return nodes, f"{pooled}1×1 conv{'' if dims == 2 else ' (1-D)'} {cin}→{cout} {st} + BatchNorm(γ=β=0)"
+
+
+def _size(size) -> str:
+    return "×".join(map(str, size))
 
 
 @dataclass(frozen=True)

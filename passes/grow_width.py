@@ -7,6 +7,8 @@ mode=adapter widens only the target and projects back with a 1×1 adapter [I | 0
 init=zero   (default) new units get random incoming and zero outgoing weights.
 init=net2net new units replicate existing ones; the replicated unit and its copies
             split its outgoing weights in random shares (exact, not symmetric).
+init=gradmax zero outgoing weights; incoming weights aimed from a batch (`data`) so the
+            gradient on the outgoing weights is largest (graphgrow.rewrite.gradmax).
 A group normalised by a LayerNorm (ConvNeXt/transformer streams) grows exactly only
 by replicating every channel the same number of times: init=net2net with an integer
 factor; layer scales and norm affines are replicated with it. Anything else is refused.
@@ -21,8 +23,9 @@ from torch import fx, nn
 
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
-    add_module, analyze, begin, columns, Coupling, deployed_nodes, finish, graphgrow_modules,
-    grow_group, identity_adapter, Init, inserting_after, Insertion, is_graphgrow_node, make_layout, param_count,
+    add_module, adapter_layouts, analyze, begin, columns, Coupling, deployed_nodes, finish, graphgrow_modules,
+    gradmax_init, group_layouts, grow_group, identity_adapter, Init, inserting_after, Insertion, is_graphgrow_node, load_data, make_layout,
+    param_count,
     pick_within_budget, place, replace_uses, resize, resolve_tensor, set_module, set_scope, tensor_shape, train_only_note,
 )
 
@@ -147,10 +150,14 @@ def new_width(target: str, old: int, factor: float, to: int | None) -> int:
 
 
 def grow_width(gm: fx.GraphModule, target: str | None = None, factor: float = 2.0, to: int | None = None,
-               mode: Literal["group", "adapter"] = "group", init: Init = "zero",
-               generator: torch.Generator | None = None) -> Rewrite:
-    """Widen `target` (default: the first growable layer) to `to` channels or `factor`× its width."""
+               mode: Literal["group", "adapter"] = "group", init: Init | Literal["gradmax"] = "zero",
+               data=None, generator: torch.Generator | None = None) -> Rewrite:
+    """Widen `target` (default: the first growable layer) to `to` channels or `factor`× its width.
+    init=gradmax: `data` is a callable (or `package.module:function`) returning (inputs, loss_fn)."""
     gm, generator = begin(gm, generator)
+    aim, init = init == "gradmax", ("zero" if init == "gradmax" else init)
+    if aim and data is None:
+        load_data(None)  # refused before any work: gradmax needs a batch
     coupling = analyze(gm)
     replicates = init == "net2net" and to is None and float(factor).is_integer()
     node, why = (find_layer(gm, target), "given") if target is not None else default_target(gm, coupling, replicates, factor)
@@ -158,7 +165,7 @@ def grow_width(gm: fx.GraphModule, target: str | None = None, factor: float = 2.
     old = out_width(layer)
     width = new_width(str(node.target), old, factor, to)
     count = width - old
-    targets = {"target": f"{node.target} ({type(layer).__name__}, {old} → {width})",
+    targets: dict[str, object] = {"target": f"{node.target} ({type(layer).__name__}, {old} → {width})",
                "chosen": why}
     if mode == "group":
         gid = coupling.group_of[node.name]
@@ -172,7 +179,16 @@ def grow_width(gm: fx.GraphModule, target: str | None = None, factor: float = 2.
     else:
         rebuilt = _grow_with_adapter(gm, node, layer, count, init, generator)
     targets["rebuilt"] = ", ".join(rebuilt)
-    return Rewrite(finish(gm), targets)
+    gm, notes = finish(gm), []
+    if aim:  # after finish: the adapter's node is in the recompiled forward
+        outs, ins = (group_layouts(coupling, gid, count) if mode == "group"
+                     else adapter_layouts(gm, rebuilt[0], rebuilt[1], old, count))
+        aimed = gradmax_init(gm, outs, ins, data)
+        if aimed is not None:
+            targets["gradmax"] = aimed.describe()
+            targets["gain"] = float(f"{aimed.gain:.4g}")
+            notes += aimed.notes
+    return Rewrite(gm, targets, notes)
 
 
 def _grow_with_adapter(gm, node, layer, count, init, generator) -> list[str]:
@@ -206,7 +222,8 @@ class GrowWidth(Pass):
     factor: float = arg(2.0, "new width = round(factor × old width), unless `to` is given")
     to: int | None = arg(None, "the new width")
     mode: Literal["group", "adapter"] = arg("group", "group: widen the whole channel group; adapter: the target only, projected back by [I | 0]")
-    init: Literal["zero", "net2net"] = arg("zero", "zero: random in, zero out; net2net: copies sharing their outgoing weights")
+    init: Literal["zero", "net2net", "gradmax"] = arg("zero", "zero: random in, zero out; net2net: copies sharing their outgoing weights; gradmax: zero out, in aimed from `data`")
+    data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data")
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """Every layer whose channel group can grow (mode=group), in graph order."""

@@ -1,4 +1,4 @@
-"""insert_adapter: a 1×1 conv (4-D features) or Linear (2-D/3-D features) after a node, initialised to [I | 0].
+"""insert_adapter: a 1×1 conv (feature maps, channels at dim 1) or Linear (channels last) after a node, initialised to [I | 0].
 
 out_channels = width (default): the identity, exact.
 out_channels > width: identity rows for the old channels, random rows for the new
@@ -18,17 +18,25 @@ from torch import fx
 
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
-    add_module, analyze, begin, channel_axis, default_point, factory_kwargs, finish,
+    add_module, analyze, begin, channel_axis, conv_dims, default_point, factory_kwargs, finish,
     grow_group, identity_adapter, inserting_after, is_float_tensor, replace_uses, set_scope,
     stage_end_candidates, tensor_or_feature_end, tensor_shape,
 )
 
 
 
+def adapter_axis(node: fx.Node) -> int | None:
+    """Where the adapter mixes: dim 1 of a feature map (a conv layout, a Conv1d's (N, C, L) too), else the last dim."""
+    shape = tensor_shape(node) or ()
+    if conv_dims(node) is not None:
+        return 1
+    return channel_axis(shape) if shape else None
+
+
 def adapter_params(node: fx.Node, out_channels: int | None) -> int:
     """Parameters an adapter after `node` adds (a C×C' weight and its bias)."""
     shape = tensor_shape(node) or ()
-    axis = channel_axis(shape) if shape else None
+    axis = adapter_axis(node)
     if axis is None:
         return 0
     c = shape[axis]
@@ -41,15 +49,16 @@ def insert_adapter(gm: fx.GraphModule, after: str | None = None, out_channels: i
     gm, generator = begin(gm, generator)
     node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_point(gm, lambda n: adapter_params(n, out_channels))
     shape = tensor_shape(node)
-    if not is_float_tensor(node) or channel_axis(shape) is None:
+    axis = adapter_axis(node) if is_float_tensor(node) else None
+    if axis is None:
         raise NotApplicable(f"'{node.name}' (shape {node.meta.get('gg_shape')}) has no channel dimension to adapt",
                             "pick a node with a (N, C, …) or (N, …, C) tensor")
-    width = shape[channel_axis(shape)]
+    width = shape[axis]
     out = width if out_channels is None else out_channels
     if out <= 0:
         raise NotApplicable(f"out_channels must be positive, got {out}", "give out_channels ≥ 1")
     like = torch.zeros((), **factory_kwargs(gm, node))
-    dims = len(shape) - 2 if len(shape) in (3, 4, 5) and channel_axis(shape) == 1 else None  # 1×1 conv, else Linear
+    dims = conv_dims(node)  # a 1×1 conv over a feature map's spatial dims, else a Linear
     targets = {"after": f"{node.name} {list(shape)}", "chosen": chosen}
     exact = True
     if out < width and not allow_narrowing:

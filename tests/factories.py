@@ -61,3 +61,12 @@ class TokenClassifier(nn.Module):
 
 def token_classifier() -> nn.Module:
     return TokenClassifier().eval()
+
+
+def audio_cnn() -> nn.Module:
+    """A 1-D conv net over a raw waveform [N, 1, samples]: strided Conv1d + BatchNorm stack, pooled, classified."""
+    def block(cin: int, cout: int, stride: int) -> list[nn.Module]:
+        return [nn.Conv1d(cin, cout, 9, stride=stride, padding=4), nn.BatchNorm1d(cout), nn.ReLU()]
+
+    return nn.Sequential(*block(1, 8, 4), *block(8, 16, 4), *block(16, 16, 2), nn.AdaptiveAvgPool1d(1), nn.Flatten(),
+                         nn.Linear(16, 6)).eval()

@@ -50,13 +50,26 @@ def node_axis(n: fx.Node) -> int | None:
     return axis if axis is not None else channel_axis(tensor_shape(n))
 
 
+def conv_dims(n: fx.Node) -> int | None:
+    """How many spatial dimensions `n`'s tensor has in a conv layout, channels at dim 1: 2 for (N, C, H, W),
+    1 for a Conv1d's (N, C, L), 3 for (N, C, D, H, W); None for features last ((N, F), (N, T, F) tokens).
+    Reads the axes `assign_channel_axes` found (stages() and analyze() run it)."""
+    shape = tensor_shape(n)
+    if shape is None or len(shape) < 3:
+        return None
+    if len(shape) == 4:
+        return 2
+    return len(shape) - 2 if node_axis(n) == 1 else None
+
+
 PERMUTES = {torch.permute, torch.transpose, torch.swapaxes, torch.movedim}
 
 
 def assign_channel_axes(gm: fx.GraphModule) -> None:
     """Follow the channel axis through the graph: a permute/transpose moves it, a Linear produces its
     features last, a conv at dim 1, and an op whose output has an input's shape keeps that input's axis
-    (so (N, H, W, C) tensors inside ConvNeXt/Swin blocks are known as channels-last)."""
+    (so (N, H, W, C) tensors inside ConvNeXt/Swin blocks are known as channels-last), and a pooling or a
+    BatchNorm keeps its input's (so a Conv1d stack's (N, C, L) tensors are known as channels-first)."""
     for n in gm.graph.nodes:
         n.meta.pop("gg_channel_axis", None)
         shape = tensor_shape(n)
@@ -73,12 +86,21 @@ def assign_channel_axes(gm: fx.GraphModule) -> None:
                 axis = len(shape) - 1
             elif isinstance(m, nn.modules.conv._ConvNd):
                 axis = 1
+            elif isinstance(m, CHANNELWISE_MODULES + BATCHNORMS):  # pooling changes the size, not the layout
+                axis = _same_rank_axis(n, shape)
+        if axis is None and n.op == "call_function" and n.target in CHANNELWISE_FUNCTIONS:
+            axis = _same_rank_axis(n, shape)
         if axis is None and n.op in ("call_module", "call_function", "call_method"):
             same = [a for a in n.all_input_nodes if tensor_shape(a) == shape and node_axis(a) is not None]
             if same:
                 axis = node_axis(same[0])
         if axis is not None:
             n.meta["gg_channel_axis"] = axis
+
+
+def _same_rank_axis(n: fx.Node, shape: tuple) -> int | None:
+    x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    return node_axis(x) if x is not None and len(tensor_shape(x) or ()) == len(shape) else None
 
 
 def flatten_keeps_axis(n: fx.Node) -> int | None:

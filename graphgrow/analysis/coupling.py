@@ -227,16 +227,18 @@ def _module_rule(n, m, out, inputs, join, freeze, sources, consumers, channelwis
         join(x, n)
     elif isinstance(m, nn.Flatten):
         _flatten_rule(x, n, join, freeze, links)
-    elif type(m) is nn.LayerNorm and x is not None and _normalises_channels(m.normalized_shape, x):
+    elif type(m) in (nn.LayerNorm, nn.RMSNorm) and x is not None and _normalises_channels(m.normalized_shape, x):
         join(x, n)  # exact growth only by replicating every channel equally (see Group.norms)
         channelwise.append(n.name)
         norms.append(n.name)
-    elif isinstance(m, (nn.LayerNorm, nn.GroupNorm)):
+    elif isinstance(m, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)):
         freeze([x, n], f"{type(m).__name__} '{n.target}' normalises across channels (growing would change its statistics)")
     elif isinstance(m, AverageMerge):  # main + mean(gate · branch): elementwise over all inputs
         join(*inputs, n)
     elif isinstance(m, ModeSwitch) and x is not None and len(inputs) == 1 and switch_is_channelwise(m, x, n):
         join(x, n)  # every path (drop-path, identity) acts on each channel alone
+    elif isinstance(m, nn.Embedding):
+        freeze([n], f"Embedding '{n.target}' produces these channels (growing an embedding's width is not supported yet)")
     elif isinstance(m, nn.MultiheadAttention):
         freeze(inputs + [n], f"MultiheadAttention '{n.target}' splits channels into heads (not grown yet)")
     elif x is not None and len(inputs) == 1 and out is not None and _probe_module(m, x, n):

@@ -12,13 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from torch import fx
+from torch import fx, nn
 
 from .deployed import deployed_outputs
 from .targets import Candidate
 from ..graph.fx_edit import is_float_tensor, tensor_shape
 from ..graph.shapes import param_count
-from .targets import _is_head_pool, is_global_pool, tensor_or_feature_end
+from .axes import assign_channel_axes, node_axis
+from .targets import _is_head_pool, is_feature_map, is_global_pool, tensor_or_feature_end
 from ..graph.graph_meta import graph_info, scope_of
 
 T = TypeVar("T")
@@ -28,12 +29,14 @@ DEFAULT_BUDGET = 0.25  # what a pass's default target may add, as a fraction of 
 @dataclass
 class Stage:
     index: int  # 1-based, in data-flow order
-    resolution: tuple[int, ...]  # (H, W) of feature maps or (tokens,) of sequences
+    resolution: tuple[int, ...]  # (H, W) of feature maps, (L,) of 1-D maps (N, C, L) or (tokens,) of sequences
     nodes: list[fx.Node]  # main-path tensors at this resolution, in order
 
     def describe(self, gm: fx.GraphModule, count: int) -> str:
         where = module_path(gm, self.nodes[-1]) or self.nodes[-1].name
-        res = "×".join(map(str, self.resolution)) + (" tokens" if len(self.resolution) == 1 else "")
+        res = "×".join(map(str, self.resolution))
+        if len(self.resolution) == 1:
+            res = f"length {res}" if is_feature_map(self.nodes[-1]) else f"{res} tokens"
         return f"stage {self.index} of {count} ({where}, {res})"
 
 
@@ -94,26 +97,56 @@ def _resolution(n: fx.Node) -> tuple[int, ...] | None:
         return None
     if len(s) == 4:
         return tuple(s[2:])
-    if len(s) == 3:
-        return (s[1],)
+    if len(s) == 3:  # (N, C, L) after a Conv1d, (N, T, C) tokens
+        return (s[2],) if node_axis(n) == 1 else (s[1],)
     return None
 
 
 def backbone(gm: fx.GraphModule) -> list[fx.Node]:
     """The main path up to the backbone's last feature map or token sequence (before the head's
-    global pooling, token selection or flatten)."""
+    global pooling, token selection or flatten, or a language model's per-token output Linear)."""
+    assign_channel_axes(gm)
     path = main_path(gm)
     out: list[fx.Node] = []
     for n in path:
-        to_tokens = len(tensor_shape(n) or ()) == 3  # patches flattened into a token sequence: the backbone goes on
-        if is_global_pool(gm, n) and _is_head_pool(n) and not to_tokens:
-            break
+        if is_global_pool(gm, n) and _is_head_pool(n) and not _reshape_only(n):
+            break  # patches flattened into a token sequence (same elements): the backbone goes on
         if _resolution(n) is None:
             if out and len(tensor_shape(n) or ()) <= 2:  # rank 2: the head
                 break
             continue  # another rank on the way (a channel shuffle's 5-D view): the backbone goes on
         out.append(n)
-    return out
+    return out[:_token_head(gm, out)]
+
+
+def _reshape_only(n: fx.Node) -> bool:
+    """A rank-3 tensor holding exactly its input's elements (flatten(2) of a map), not a pooled one."""
+    shape, src = tensor_shape(n), tensor_shape(n.args[0]) if isinstance(n.args[0], fx.Node) else None
+    return shape is not None and src is not None and len(shape) == 3 and _numel(shape) == _numel(src)
+
+
+def _numel(shape: tuple) -> int:
+    total = 1
+    for d in shape:
+        total *= d
+    return total
+
+
+def _token_head(gm: fx.GraphModule, path: list[fx.Node]) -> int:
+    """Where the backbone of a token model stops: before a last per-token nn.Linear to another width (a
+    language model's lm_head, a token classifier) followed only by functions of its own shape (a logits
+    bias); the path's length when there is none."""
+    for i in range(len(path) - 1, 0, -1):
+        n = path[i]
+        shape = tensor_shape(n)
+        if shape is None or len(shape) != 3 or is_feature_map(n):
+            return len(path)
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear):
+            before = tensor_shape(path[i - 1])
+            return i if before is not None and len(before) == 3 and before[-1] != shape[-1] else len(path)
+        if n.op == "call_module" or tensor_shape(path[-1]) != shape:
+            return len(path)
+    return len(path)
 
 
 def stages(gm: fx.GraphModule) -> list[Stage]:
@@ -180,8 +213,9 @@ def place(gm: fx.GraphModule, n: fx.Node, found: list[Stage] | None = None) -> s
     parts = [f"'{module_path(gm, n) or n.name}'"]
     if stage is not None:
         parts.append(stage.describe(gm, len(found)))
-    if shape is not None and len(shape) >= 2:
-        parts.append(f"{shape[1] if len(shape) == 4 else shape[-1]} channels")
+    axis = node_axis(n)
+    if shape is not None and len(shape) >= 2 and axis is not None:
+        parts.append(f"{shape[axis]} channels")
     return ", ".join(parts)
 
 

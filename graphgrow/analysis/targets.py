@@ -10,6 +10,7 @@ from torch import fx, nn
 from .deployed import deployed_nodes, deployed_outputs
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import is_float_tensor, resolve_tensor, tensor_shape
+from .axes import assign_channel_axes, node_axis
 
 
 @dataclass
@@ -25,23 +26,30 @@ class Candidate:
         return f"{name}({','.join(f'{k}={v}' for k, v in self.args.items())})" if self.args else name
 
 
-_GLOBAL_POOL_MODULES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
-_GLOBAL_POOL_FUNCTIONS = (F.adaptive_avg_pool2d, F.adaptive_max_pool2d)
+_GLOBAL_POOL_MODULES = (nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+_GLOBAL_POOL_FUNCTIONS = (F.adaptive_avg_pool1d, F.adaptive_max_pool1d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d)
+
+
+def is_feature_map(n: fx.Node) -> bool:
+    """A conv layout: (N, C, H, W), or (N, C, L) where the channels are at dim 1 (a Conv1d's output)."""
+    s = tensor_shape(n)
+    return s is not None and (len(s) == 4 or (len(s) == 3 and node_axis(n) == 1))
 
 
 def is_global_pool(gm: fx.GraphModule, n: fx.Node) -> bool:
-    """A node that collapses a 4-D feature map's spatial dimensions (pooling, flatten, mean, reshape)."""
+    """A node that collapses a feature map's spatial dimensions (pooling, flatten, mean, reshape)."""
     src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-    if src is None or tensor_shape(src) is None or len(tensor_shape(src)) != 4 or tensor_shape(src)[2:] == (1, 1):
+    if src is None or not is_feature_map(src) or all(d == 1 for d in tensor_shape(src)[2:]):
         return False
+    rank = len(tensor_shape(src))
     out = tensor_shape(n)
     if n.op == "call_module" and isinstance(gm.get_submodule(n.target), _GLOBAL_POOL_MODULES):
         return True
     if n.op == "call_function" and n.target in _GLOBAL_POOL_FUNCTIONS:
         return True
-    if n.op in ("call_function", "call_method") and out is not None and len(out) < 4:
+    if n.op in ("call_function", "call_method") and out is not None and len(out) < rank:
         return True
-    return out is not None and len(out) == 4 and out[2:] == (1, 1)
+    return out is not None and len(out) == rank and all(d == 1 for d in out[2:])
 
 
 def _is_head_pool(pool: fx.Node) -> bool:
@@ -87,6 +95,7 @@ def feature_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
 
 def tensor_or_feature_end(gm: fx.GraphModule, ref: str | None) -> tuple[fx.Node, str]:
     """The node a user named (its output), or by default the end of the feature extractor."""
+    assign_channel_axes(gm)  # where the named tensor keeps its channels (a Conv1d's at dim 1)
     if ref is None:
         _, node, _ = feature_span(gm)
         return node, "last 4-D feature map before global pooling (or the model's output tensor)"

@@ -73,10 +73,13 @@ _TABLE: dict[str, Callable[[dict, Any], Call | None]] = {
     "aten.permute.default": lambda a, d: _fn(torch.permute, a["self"], a["dims"]),
     "aten.unsqueeze.default": lambda a, d: _fn(torch.unsqueeze, a["self"], a["dim"]),
     "aten.squeeze.dim": lambda a, d: _fn(torch.squeeze, a["self"], a["dim"]),
-    "aten.view.default": lambda a, d: _method("view", a["self"], a["size"]),
+    # a reshape: contiguous() is dropped (export records it in one mode only), so a view may meet a transposed
+    # tensor (nn.MultiheadAttention's heads); the values are the same
+    "aten.view.default": lambda a, d: _method("reshape", a["self"], a["size"]),
     "aten.reshape.default": lambda a, d: _method("reshape", a["self"], a["shape"]),
     "aten.expand.default": lambda a, d: _method("expand", a["self"], a["size"]),
     "aten.flatten.using_ints": lambda a, d: _fn(torch.flatten, a["self"], a["start_dim"], a["end_dim"]),
+    "aten.unflatten.int": lambda a, d: _fn(torch.unflatten, a["self"], a["dim"], a["sizes"]),
     "aten.matmul.default": lambda a, d: _fn(operator.matmul, a["self"], a["other"]),
     "aten.addmm.default": lambda a, d: _fn(torch.addmm, a["self"], a["mat1"], a["mat2"])
     if a["beta"] == 1 and a["alpha"] == 1 else None,

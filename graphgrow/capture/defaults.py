@@ -26,10 +26,14 @@ def concrete_defaults(model: nn.Module) -> dict[str, Any]:
 def drop_fixed_placeholders(graph: fx.Graph) -> None:
     """Remove placeholders of arguments fixed to their defaults, with the asserts fx hangs on them.
 
-    fx gives such a placeholder its default as `args`; the first placeholder (the model input) stays.
+    fx gives such a placeholder its default as `args`; the first placeholder (the model input) stays, and so
+    does a `*args`/`**kwargs` placeholder the forward reads.
     """
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for ph in placeholders[1:]:
+        if str(ph.target).startswith("*") and not ph.users:
+            graph.erase_node(ph)  # an unused *args / **kwargs (transformers' forwards take **kwargs): not an input
+            continue
         if not ph.args:
             continue
         dependents: list[fx.Node] = []

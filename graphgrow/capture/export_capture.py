@@ -8,6 +8,8 @@ and files work on fx graphs of module calls and torch functions. So the program 
 - every node carries `nn_module_stack`: the work of one call of a childless torch.nn layer
   (Linear, Embedding, LayerNorm, Conv, Dropout, …) with one tensor in and one out is raised back
   to a `call_module` of that layer under its original path;
+- a childless layer of the model's own class that behaves as a torch.nn layer (GPT-2's Conv1D is a
+  Linear, LlamaRMSNorm an RMSNorm: standins.py runs both to decide) is raised the same way, as that layer;
 - the rest is written as torch / operator functions where a table knows the ATen op
   (aten_table.py); an op it does not know stays an ATen call and the report lists it;
 - the output gets the model's structure back: a ModelOutput or dict becomes a dict.
@@ -20,6 +22,7 @@ computes both modes; any other difference is refused, naming the module.
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 import operator
 import time
 from typing import Any, Iterable
@@ -30,8 +33,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, TreeSpec
 
 from ..core.errors import first_line, InputError, TraceError
 from ..graph.graph_meta import META_KEY, store_shape
-from ..graph.inputs import InputSpec, is_spec, parse_spec, spec_inputs
+from ..graph.inputs import DTYPES, InputSpec, is_spec, parse_spec, spec_inputs
 from .aten_table import DROPPED, to_torch
+from .standins import standin, tied_parameters
 
 _SKIP_RAISE = (nn.MultiheadAttention,)
 
@@ -101,7 +105,7 @@ def _lift(ep, model: nn.Module) -> tuple[fx.Graph, dict[str, torch.Tensor]]:
             env[n] = g.node_copy(n, lambda a: env[a])
         env[n].meta = dict(n.meta)
     for n in list(g.nodes):
-        if n.op == "call_function" and str(n.target) in DROPPED:
+        if n.op == "call_function" and (str(n.target) in DROPPED or _same_dtype_to(n)):
             if n.users and n.args:  # a no-op view (alias, contiguous): its input instead
                 n.replace_all_uses_with(n.args[0])
             if not n.users:
@@ -109,21 +113,34 @@ def _lift(ep, model: nn.Module) -> tuple[fx.Graph, dict[str, torch.Tensor]]:
     return g, extra
 
 
+def _same_dtype_to(n: fx.Node) -> bool:
+    """`x.to(dtype)` where x already has that dtype: x itself (eager returns it), so a layer's upcast of its
+    input (an RMSNorm's `.to(float32)`) does not make later readers of x look like readers of the layer."""
+    if str(n.target) != "aten.to.dtype" or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    before, after = n.args[0].meta.get("val"), n.meta.get("val")
+    return isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype == after.dtype
+
+
 def _stack(n: fx.Node) -> list[tuple[str, str]]:
     """(call key, module path) of the modules around a node, outermost first."""
     return [(k, v[0]) for k, v in (n.meta.get("nn_module_stack") or {}).items()]
 
 
-def _raise_layers(g: fx.Graph, model: nn.Module) -> list[str]:
-    """Rewrite each call of a raisable torch.nn layer as one call_module node; returns the layers left as functions."""
+def _raise_layers(g: fx.Graph, model: nn.Module, standins: dict[str, nn.Module | None]) -> list[str]:
+    """Rewrite each call of a raisable torch.nn layer (or of a layer that behaves as one: `standins`, filled
+    here) as one call_module node; returns the layers left as functions."""
     mods = dict(model.named_modules())
+    tied = tied_parameters(model)
     groups: dict[str, list[fx.Node]] = {}
     path_of: dict[str, str] = {}
     for n in g.nodes:
         if n.op != "call_function":
             continue
         for key, path in _stack(n):
-            if path in mods and _raisable(mods[path]):
+            if path in mods and path not in standins and not _raisable(mods[path]):
+                standins[path] = standin(mods[path], tied)
+            if path in mods and (_raisable(mods[path]) or standins.get(path) is not None):
                 groups.setdefault(key, []).append(n)
                 path_of[key] = path
                 break
@@ -134,7 +151,8 @@ def _raise_layers(g: fx.Graph, model: nn.Module) -> list[str]:
         ext: list[fx.Node] = []
         for n in nodes:
             for a in n.all_input_nodes:
-                if a not in inside and a not in ext and not (a.op == "get_attr" and id(_attr(model, a.target)) in own):
+                if a not in inside and a not in ext and not (a.op == "get_attr" and id(_attr(model, a.target)) in own) \
+                        and isinstance(a.meta.get("val"), torch.Tensor):  # sizes: the layer reads them off its input
                     ext.append(a)
         outs = [n for n in nodes if any(u not in inside for u in n.users)]
         if len(ext) != 1 or len(outs) != 1:
@@ -285,10 +303,11 @@ def export_capture(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[f
     graphs = []
     extra: dict[str, torch.Tensor] = {}
     kept: list[str] = []
+    standins: dict[str, nn.Module | None] = {}  # path → the torch.nn layer a model's own layer behaves as
     for train in (False, True):
         ep = _export(model, inputs, train)
         g, extra = _lift(ep, model)
-        kept = _raise_layers(g, model)
+        kept = _raise_layers(g, model, standins)
         graphs.append(g)
     switches = _merge_modes(graphs[0], graphs[1], name)
     g = graphs[1]
@@ -297,7 +316,7 @@ def export_capture(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[f
     root: dict[str, Any] = dict(extra)
     for n in g.nodes:
         if n.op == "call_module":
-            root[str(n.target)] = model.get_submodule(str(n.target))
+            root[str(n.target)] = standins.get(str(n.target)) or model.get_submodule(str(n.target))
         elif n.op == "get_attr" and str(n.target) not in root:
             root[str(n.target)] = _attr(model, n.target)
     gm = fx.GraphModule(root, g, name)
@@ -309,13 +328,28 @@ def export_capture(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[f
     if switches:
         notes.append(f"{switches} constants differ between train and eval mode (dropout): read from the owning module's "
                      "training flag at run time")
+    raised = {p: m for p, m in standins.items() if m is not None and any(n.target == p for n in gm.graph.nodes)}
+    if raised:
+        notes.append(f"{len(raised)} layers of the model's own classes compute what a torch.nn layer computes and are "
+                     f"that layer in the graph: {_kinds(model, raised)}")
     if kept:
-        notes.append(f"torch.nn layers kept as functions (not one tensor in and out): {', '.join(kept[:6])}")
+        notes.append(f"layers kept as functions (not one tensor in and out): {', '.join(kept[:6])}")
     if aten_left:
         notes.append(f"ATen operations kept as they are: {', '.join(aten_left[:8])}")
-    report = {"capture": "export", "mode_switches": switches, "layers_as_functions": kept, "aten_ops": aten_left,
-              "notes": notes}
+    report = {"capture": "export", "mode_switches": switches, "standins": {p: type(m).__name__ for p, m in raised.items()},
+              "layers_as_functions": kept, "aten_ops": aten_left, "notes": notes}
     return gm, report
+
+
+def _kinds(model: nn.Module, raised: dict[str, nn.Module]) -> str:
+    """'Conv1D → Linear (weight transposed) ×4, LlamaRMSNorm → RMSNorm ×5'."""
+    counts: dict[str, int] = {}
+    for p, m in raised.items():
+        own = model.get_submodule(p)
+        flip = " (weight transposed)" if isinstance(m, nn.Linear) and m.weight is not getattr(own, "weight", None) else ""
+        key = f"{type(own).__name__} → {type(m).__name__}{flip}"
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{k} ×{v}" for k, v in counts.items())
 
 
 def as_spec(input_shape: Any) -> InputSpec | None:
@@ -325,6 +359,18 @@ def as_spec(input_shape: Any) -> InputSpec | None:
     if is_spec(input_shape) or isinstance(input_shape, dict) or (isinstance(input_shape, str) and ":" in input_shape):
         return parse_spec(input_shape)
     return None
+
+
+def with_ranges(model: nn.Module, spec: InputSpec) -> InputSpec:
+    """Token-id inputs with their range fixed now, from the model's first nn.Embedding (a subclass too): the
+    graph may hold no nn.Embedding (BART's scaled embedding is a function there), yet every later check
+    must draw ids the model accepts."""
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None:
+        return spec
+    return tuple(replace(t, high=int(emb.num_embeddings)) if t.high is None and not DTYPES[t.dtype].is_floating_point
+                 and DTYPES[t.dtype] != torch.bool and not t.name.endswith("mask") and t.name != "token_type_ids" else t
+                 for t in spec)
 
 
 def needs_export(spec: InputSpec) -> bool:

@@ -30,8 +30,8 @@ from ..analysis.deployed import train_only_modules
 from ..core.errors import first_line, InputError, TraceError
 from .defaults import concrete_defaults, drop_fixed_placeholders
 from .watch import RecordConstructors, WatchModules
-from ..graph.inputs import InputSpec, is_spec
-from .export_capture import as_spec, capture_by_export, needs_export
+from ..graph.inputs import check_names, InputSpec
+from .export_capture import as_spec, capture_by_export, needs_export, with_ranges
 from ..graph.graph_meta import META_KEY, graph_info, input_shape_of, scope_of, store_shape, trace_report  # noqa: F401 (re-exported)
 
 Mode = Literal["eval", "train"]
@@ -435,8 +435,9 @@ def trace(
     if capture not in ("auto", "fx", "export"):
         raise InputError(f"capture must be 'auto', 'fx' or 'export', got {capture!r}", "--capture auto|fx|export")
     spec = as_spec(input_shape)
-    if spec is not None and not is_spec(input_shape):
-        input_shape = spec  # a spec written as text or a dict
+    if spec is not None:  # a spec written as text or a dict; token ids' range fixed from the model
+        input_shape = spec = with_ranges(model, spec)
+        check_names(model, spec)
     if isinstance(model, fx.GraphModule) and META_KEY in model.meta:
         gm = model
     elif capture == "export" or (capture == "auto" and spec is not None and needs_export(spec)):

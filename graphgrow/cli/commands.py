@@ -23,6 +23,9 @@ from .show import (
 INPUT_SHAPE_HELP = "example input shape N,C,H,W (needed when the model file cannot tell it), e.g. 1,3,224,224"
 
 
+DATA_HELP = "a function of yours returning (inputs, loss_fn): a batch of model inputs and the loss of the model's output"
+
+
 INPUT_HELP = ("one named model input NAME:DTYPE[SHAPE], e.g. input_ids:int64[1,128]; repeat for each input the forward "
               "takes (int inputs are drawn below the model's vocabulary; *mask inputs are ones)")
 CAPTURE_HELP = ("how to capture the model: fx (symbolic tracing), export (torch.export: Hugging Face transformers) or "
@@ -122,14 +125,15 @@ def main() -> None:
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="seed for new weights")
 @click.option("--dry-run", is_flag=True, help="run and verify the passes and show the report, but write no model (a --diagram is still drawn)")
 @click.option("--diagram", metavar="OUT.svg", help="also draw the graph after growth against before (added, rebuilt, reshaped highlighted; .svg or .png)")
+@click.option("--data", metavar="PKG.MOD:FN", help=DATA_HELP + " for the passes with init=gradmax")
 @_common
-def mutate(model, specs, output, onnx_out, check, provider, max_params, seed, dry_run, diagram, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
+def mutate(model, specs, output, onnx_out, check, provider, max_params, seed, dry_run, diagram, data, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
     """Apply passes to MODEL, verify each, save the result (and ONNX, and check it)."""
     from ..jobs import workflow
 
     run_command(_growth_job(lambda progress: workflow.mutate(
         model, specs, output, onnx_out, check, input_shape, provider, trust, leaves, seed, progress, trace_mode=trace_mode, capture=capture,
-        max_params=max_params, dry_run=dry_run, diagram=diagram), as_json), as_json, debug)
+        max_params=max_params, dry_run=dry_run, diagram=diagram, data=data), as_json), as_json, debug)
 
 
 def _growth_job(make_report: Callable[[Callable[[str], None]], dict], as_json: bool) -> Callable:
@@ -301,14 +305,17 @@ def inspect(model, show_all, groups, summary, depth, input_shape, trust, leaves,
 @main.command()
 @click.argument("model")
 @click.option("--pass", "spec", required=True, metavar="SPEC", help="the pass, with any arguments other than its target, e.g. add_branch or 'add_branch(op=sepconv3x3)'")
+@click.option("--data", metavar="PKG.MOD:FN", help=DATA_HELP + ": rank the places by the first-order gain of growing there")
 @_common
-def targets(model, spec, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
+def targets(model, spec, data, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
     """List where a pass can apply on MODEL: the spec that picks each place, the place in words
-    (module path, stage, resolution, channels) and the parameters it would add; * marks the default."""
+    (module path, stage, resolution, channels) and the parameters it would add; * marks the default.
+    With --data (grow_width), ranked by gain: ‖∂L/∂W_out‖² per new unit with GradMax's directions."""
     from ..jobs import workflow
 
     def job(progress):
-        report = workflow.targets(model, spec, input_shape, trust, leaves, progress, trace_mode=trace_mode, capture=capture)
+        report = workflow.targets(model, spec, input_shape, trust, leaves, progress, trace_mode=trace_mode, capture=capture,
+                                  data=data)
         if as_json:
             print(json.dumps(report, default=str))
             return 0
@@ -316,12 +323,16 @@ def targets(model, spec, input_shape, trust, leaves, trace_mode, capture, as_jso
             out.print(f"{report['pass']} does not list places (it takes no target, or none applies)", markup=False)
             return 0
         t = Table(title=f"where {report['pass']} can apply on {model} ({report['params']:,} parameters)")
-        for col in ("", "spec", "where", "adds", "of the model"):
-            t.add_column(col, justify="right" if col in ("adds", "of the model") else "left", overflow="fold")
+        ranked = data is not None
+        for col in ("", "spec", "where", "adds", "of the model") + (("gain",) if ranked else ()):
+            t.add_column(col, justify="right" if col in ("adds", "of the model", "gain") else "left", overflow="fold")
         for c in report["candidates"]:
-            t.add_row("*" if c["default"] else "", escape(c["spec"]), escape(c["where"]), f"{c['params']:,}", f"{100 * c['fraction']:.1f}%")
+            gain = (f"{c['gain']:.3g}" if c["gain"] is not None else escape(f"— {c['gain_note']}"),) if ranked else ()
+            t.add_row("*" if c["default"] else "", escape(c["spec"]), escape(c["where"]), f"{c['params']:,}",
+                      f"{100 * c['fraction']:.1f}%", *gain)
         out.print(t)
-        out.print("* the default target (no target given)")
+        out.print("* the default target (no target given)" + ("; gain: ‖∂L/∂W_out‖² per new unit on the --data batch, "
+                                                              "largest first" if ranked else ""))
         return 0
 
     run_command(job, as_json, debug)

@@ -119,3 +119,10 @@ class SearchInterrupted(SearchError):
     """A growth search stopped before its end (Ctrl-C); its checkpoints are kept for --resume."""
 
     exit_code = 130
+
+
+class DistributedError(GraphgrowError):
+    """A growth step in a process group could not finish on every rank (a rank failed, disagreed, died or did not
+    answer in time); every rank keeps its old model, optimiser and scheduler."""
+
+    exit_code = 1

@@ -10,6 +10,7 @@ the model's first nn.Embedding.
 """
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
@@ -152,6 +153,22 @@ def spec_inputs(model: nn.Module, spec: InputSpec, seed: int = 0, batch: int | N
             x = torch.randint(0, _high(model, t), shape, generator=g).to(dtype)
         out[t.name] = x.to(device)
     return out
+
+
+def check_names(model: nn.Module, spec: InputSpec) -> None:
+    """Every input of a spec must be a parameter of the model's forward: a mismatch would fail deep inside torch."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return  # **kwargs takes any name
+    names = [p.name for p in params if p.kind != p.VAR_POSITIONAL]
+    unknown = [t.name for t in spec if t.name not in names]
+    if unknown:
+        raise InputError(f"{type(model).__name__}.forward takes ({', '.join(names)}); the input spec names "
+                         f"{', '.join(unknown)}, which it does not take",
+                         f"name each input after a forward argument, e.g. {names[0] if names else 'x'}:float32[1,3,32,32]")
 
 
 def call(model: Any, x: Any) -> Any:

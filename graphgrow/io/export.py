@@ -11,17 +11,19 @@ import time
 import re
 import warnings
 from pathlib import Path
-from typing import Sequence
 
 import onnx
 import torch
 from torch import fx
 
-from ..core.errors import ExportError, LoadError, first_line
+from ..core.errors import ExportError, first_line, LoadError
 from .lineage import is_origin, origin_of
 from .save import atomic_write, check_output_path
 from .serialize import is_stored_shape, validate_meta
+from ..graph.inputs import batch_of, call, InputSpec, is_spec, Shape, spec_inputs
 from ..graph.shapes import example_input
+from .onnx_spec import (captured_static, check_input_names, dynamic_dims, fails_shorter, INPUTS_KEY, is_token_input,
+                        name_dict_outputs, name_outputs, named_leaves, read_spec, sequence_groups, spec_metadata)
 from ..core.state import training_mode
 
 LOG_KEY = "graphgrow.mutation_log"
@@ -34,7 +36,7 @@ INPUT_NAME = "input"
 
 def export_onnx(
     gm: torch.nn.Module,
-    input_shape: Sequence[int],
+    input_shape: Shape,
     path: str | os.PathLike | None = None,
     metadata: dict[str, str] | None = None,
     max_ir_version: int | None = None,
@@ -53,24 +55,33 @@ def export_onnx(
     keeps about 0.3 MiB per export alive for the life of the process (measured; the
     references sit outside Python's reach), which a growth loop exporting hundreds of
     times should not pay. Linux/macOS only (fork).
+
+    `input_shape` is one float input's shape, or an input spec (named inputs with dtypes): then the
+    ONNX inputs carry the spec's names and dtypes, the sequence length of token inputs is dynamic
+    where the model allows it, and the outputs are named after the output's keys (onnx_spec.py).
     """
     start = time.perf_counter()
     out_path = check_output_path(path) if path is not None else None
-    # Export at batch ≥ 2: torch.export specialises sizes 0 and 1 to constants.
-    x = example_input(gm, input_shape, seed=0, batch=max(2, int(input_shape[0])))
     t_export = time.perf_counter()
-    proto = _in_child(_torch_export, gm, x, opset) if isolate else _torch_export(gm, x, opset)
+    if is_spec(input_shape):
+        proto, props = _export_named(gm, input_shape, opset, isolate)  # type: ignore[arg-type]
+    else:
+        # Export at batch ≥ 2: torch.export specialises sizes 0 and 1 to constants.
+        x = example_input(gm, input_shape, seed=0, batch=max(2, int(input_shape[0])))  # type: ignore[arg-type]
+        proto = _in_child(_torch_export, gm, x, opset) if isolate else _torch_export(gm, x, opset)
+        name_dict_outputs(gm, proto)
+        props = {}
     t_export = time.perf_counter() - t_export
     if max_ir_version is not None and proto.ir_version > max_ir_version:
         proto.ir_version = max_ir_version
     name_nodes(proto)
-    props = dict(metadata or {})
+    props = {**props, **(metadata or {})}
     info = gm.meta.get("graphgrow", {}) if isinstance(gm, fx.GraphModule) else {}
     props.setdefault(LOG_KEY, json.dumps(info.get("log", [])))
     origin = origin_of(gm) if info else None  # info only when gm is a graphgrow GraphModule
     if origin:
         props.setdefault(ORIGIN_KEY, origin)
-    props.setdefault(INPUT_SHAPE_KEY, json.dumps(list(input_shape)))
+    props.setdefault(INPUT_SHAPE_KEY, json.dumps(list(input_shape[0].shape) if is_spec(input_shape) else list(input_shape)))  # type: ignore[union-attr]
     for k, v in props.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = k, v
@@ -87,6 +98,43 @@ def export_onnx(
     if timings is not None:
         timings.update(torch_onnx_export=t_export, total=time.perf_counter() - start)
     return proto
+
+
+def _export_named(gm: torch.nn.Module, spec: InputSpec, opset: int | None, isolate: bool) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """Export on the spec's named inputs (onnx_spec.py has the plan); returns the model and its metadata.
+
+    The sequence length is tried dynamic first; a model that fails at a shorter length, or that
+    torch.export cannot export with the length symbolic, is exported with the example's length."""
+    check_input_names(gm, spec)
+    feeds = spec_inputs(gm, spec, seed=0, batch=max(2, batch_of(spec)))  # batch ≥ 2: sizes 0 and 1 become constants
+    groups = sequence_groups(spec)
+    with training_mode(gm, False), torch.no_grad():
+        names = [n for n, _ in named_leaves(call(gm, feeds))]
+        reason = (captured_static(gm, groups) or fails_shorter(gm, spec, feeds, len(names))) if groups else None
+    run = (lambda *a: _in_child(_torch_export_named, *a)) if isolate else _torch_export_named
+    proto = None
+    if groups and reason is None:
+        try:
+            proto = run(gm, feeds, dynamic_dims(spec, True), opset)
+        except ExportError as e:
+            reason = f"with a dynamic sequence length, {e.message}"
+    if proto is None:
+        proto = run(gm, feeds, dynamic_dims(spec, False), opset)
+    exported = sorted(i.name for i in proto.graph.input)
+    if exported != sorted(t.name for t in spec):
+        raise ExportError(f"the exported model's inputs are {exported}, the input spec names {[t.name for t in spec]}",
+                          "name the spec's inputs after the forward's arguments")
+    name_outputs(proto, names)
+    static, why = {}, []
+    if reason is not None:
+        static.update({t.name: t.shape[1] for t in spec if any(t.name in g for g in groups.values())})
+        why.append(reason)
+    short = {t.name: t.shape[1] for t in spec if is_token_input(t) and t.shape[1] < 2}
+    if short:
+        static.update(short)
+        why.append("an example sequence length of 1 cannot stay dynamic (torch.export fixes sizes 0 and 1): give a longer example")
+    record = {"inputs": static, "reason": "; ".join(why)} if static else None
+    return proto, spec_metadata(spec, dynamic_dims(spec, reason is None), record)
 
 
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"  # the exporter's record of the module path each node came from
@@ -123,11 +171,15 @@ def name_nodes(proto: onnx.ModelProto) -> None:
         node.name = name
 
 
-def _root_cause(e: BaseException) -> str:
-    """The innermost exception's first line (the exporter wraps the real reason), without colour codes."""
+def _root_cause(e: BaseException, lines: int = 1) -> str:
+    """The innermost exception's first line (the exporter wraps the real reason), without colour codes;
+    with `lines`=2 the next line too when the first only introduces it (ends with a colon)."""
     while e.__cause__ is not None:
         e = e.__cause__
-    return first_line(re.sub(r"\x1b\[[0-9;]*m", "", str(e))) or type(e).__name__
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    first = first_line(text) or type(e).__name__
+    rest = [line.strip(" -") for line in text.strip().splitlines()[1:] if line.strip(" -")]
+    return f"{first} {first_line(rest[0])}" if lines > 1 and first.endswith(":") and rest else first
 
 
 def _torch_export(gm: torch.nn.Module, x: torch.Tensor, opset: int | None) -> onnx.ModelProto:
@@ -146,6 +198,21 @@ def _torch_export(gm: torch.nn.Module, x: torch.Tensor, opset: int | None) -> on
             f"torch.onnx.export failed: {_root_cause(e)}",
             "an op in the model may have no ONNX equivalent; run with --debug for the full report",
         ) from e
+
+
+def _torch_export_named(gm: torch.nn.Module, feeds: dict[str, torch.Tensor], dims: dict[str, dict[int, str]],
+                        opset: int | None) -> onnx.ModelProto:
+    """torch.onnx.export on named inputs (passed by keyword), with named dynamic dimensions."""
+    captured = io.StringIO()
+    try:
+        with training_mode(gm, False), warnings.catch_warnings(), _quiet(captured):
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(gm, (), kwargs=feeds, dynamo=True, dynamic_shapes=dims, opset_version=opset,
+                                        optimize=True, verbose=False, report=False)
+        return program.model_proto
+    except Exception as e:
+        raise ExportError(f"torch.onnx.export failed: {_root_cause(e, lines=2)}",
+                          "an op in the model may have no ONNX equivalent; run with --debug for the full report") from e
 
 
 def _in_child(fn, *args) -> onnx.ModelProto:
@@ -311,8 +378,12 @@ def external_tensors(proto: onnx.ModelProto) -> list[str]:
     return found
 
 
-def onnx_input_shape(proto) -> list[int] | None:
-    """The example shape from the ONNX input (dynamic dims → 1), or from graphgrow's metadata."""
+def onnx_input_shape(proto) -> Shape | None:
+    """The example input: the input spec an export with named inputs stored; else the one input's
+    shape from graphgrow's metadata, or from the ONNX input (dynamic dims → 1)."""
+    spec = read_spec(metadata(proto))
+    if spec is not None:
+        return spec
     stored = metadata(proto).get(INPUT_SHAPE_KEY)
     if stored:
         try:
@@ -352,7 +423,15 @@ def describe_onnx(path: str) -> dict:
         "inputs": [{"name": i.name, "shape": dims(i), "dtype": elem(i)} for i in proto.graph.input],
         "outputs": [{"name": o.name, "shape": dims(o), "dtype": elem(o)} for o in proto.graph.output],
         "nodes": len(proto.graph.node), "ops": dict(collections.Counter(n.op_type for n in proto.graph.node).most_common()),
-        "params": params, "input_shape": onnx_input_shape(proto) if INPUT_SHAPE_KEY in meta else None,
+        "params": params, **_described_input(proto, meta),
         "log": mutation_log(proto),
         "metadata": {k: v for k, v in meta.items() if k != LOG_KEY},
     }
+
+
+def _described_input(proto: onnx.ModelProto, meta: dict[str, str]) -> dict:
+    """describe_onnx's input fields: the (first) input's shape, and the spec's records when one is stored."""
+    shape = onnx_input_shape(proto) if INPUT_SHAPE_KEY in meta or INPUTS_KEY in meta else None
+    if is_spec(shape):
+        return {"input_shape": list(shape[0].shape), "input_spec": [t.record() for t in shape]}  # type: ignore[index, union-attr]
+    return {"input_shape": shape}

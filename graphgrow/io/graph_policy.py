@@ -9,7 +9,8 @@ it. So before any of it runs, every node is checked against exact lists:
   files (torch.from_file, torch.load/save), processes, memory by address, storages,
   or imports. Tensor constructors (torch.empty, zeros, ones, full, rand, randn and the
   `new_*` methods: drop-path masks are built so) only with sizes read from tensors or small
-  constants: the product of the constant sizes is at most MAX_CONSTANT_ELEMENTS.
+  constants: the product of the constant sizes is at most MAX_CONSTANT_ELEMENTS; torch.arange
+  (position ids) likewise, with a constant step of at least 1 where a bound is read at run time.
 - call_method: exact tensor method names; no dunder names, nothing that takes a
   callable (apply_, map_, register_hook), touches storage or memory (set_, storage,
   untyped_storage, data_ptr, share_memory_, resize_) or converts out of torch.
@@ -21,13 +22,16 @@ it. So before any of it runs, every node is checked against exact lists:
 
 `trust` (the CLI's --trust) is the only way past. The lists were gathered from the
 graphs fx produces for torchvision's classification models, a sample of timm models and
-graphgrow's passes, and then read one by one.
+graphgrow's passes, and those torch.export captures of Hugging Face transformers models (GPT-2,
+LLaMA, BERT, ViT, BART) written as torch functions (capture/aten_table.py), and then read one by one.
+ATen operators (torch.ops.aten.*) are never on it: capture writes the ones it knows as torch functions.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from torch import nn
+from torch import fx, nn
 
 from ..core.errors import LoadError
 from ..core.names import is_segment
@@ -57,7 +61,11 @@ ALLOWED_FUNCTIONS: frozenset[str] = frozenset({
         "zeros_like", "ones_like", "full_like", "layer_norm", "group_norm", "batch_norm", "conv1d", "conv2d",
         "conv3d", "avg_pool1d", "adaptive_avg_pool1d", "max_pool1d", "max_pool2d", "pow", "square", "sin", "cos",
         "_assert", "broadcast_to", "expand_copy", "tile", "repeat_interleave", "pixel_shuffle", "pixel_unshuffle",
-        "channel_shuffle", "rand_like", "randn_like", "bernoulli", *CONSTRUCTORS)),
+        "channel_shuffle", "rand_like", "randn_like", "bernoulli", *CONSTRUCTORS,
+        # what torch.export captures of Hugging Face models (capture/aten_table.py); pure, reviewed one by one:
+        # arange: position ids (sizes bounded like the constructors', check_sizes); diff: differences along a
+        # dimension (its order is clamped to the size); tril/triu: causal masks (a copy, no view)
+        "arange", "diff", "tril", "triu")),
     "torch.functional.einsum", "torch.functional.split", "torch.functional.norm",
     "torch.functional.broadcast_tensors", "torch.fx._symbolic_trace._assert_is_none",
     # torch.nn.functional (pure layers)
@@ -67,7 +75,8 @@ ALLOWED_FUNCTIONS: frozenset[str] = frozenset({
         "dropout3d", "layer_norm", "group_norm", "batch_norm", "instance_norm", "normalize", "linear", "conv1d",
         "conv2d", "conv3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d",
         "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d",
-        "adaptive_max_pool2d", "interpolate", "pad", "scaled_dot_product_attention", "pixel_shuffle", "glu")),
+        "adaptive_max_pool2d", "interpolate", "pad", "scaled_dot_product_attention", "pixel_shuffle", "glu",
+        "embedding")),  # an index lookup in a weight tensor (export's form of an Embedding subclass's forward)
     *(f"torch._C._nn.{n}" for n in (
         "gelu", "silu", "mish", "hardswish", "hardsigmoid", "hardtanh", "leaky_relu", "elu", "softplus", "linear",
         "avg_pool2d", "avg_pool3d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "scaled_dot_product_attention",
@@ -183,6 +192,8 @@ def check_sizes(qualname_or_method: str, args: Any, kwargs: Any, node: str) -> N
     """A tensor constructor's constant sizes, multiplied, stay under MAX_CONSTANT_ELEMENTS (sizes read
     from tensors at run time are bounded by the input)."""
     name = qualname_or_method.rpartition(".")[2]
+    if qualname_or_method == "torch.arange":
+        return _check_arange(args, kwargs, node)
     if name not in CONSTRUCTORS and name not in NEW_METHODS:
         return
     sizes = list(args[1:] if name in NEW_METHODS else args)
@@ -199,3 +210,24 @@ def check_sizes(qualname_or_method: str, args: Any, kwargs: Any, node: str) -> N
             total *= max(v, 1)
         if total > MAX_CONSTANT_ELEMENTS:
             raise _refuse(node, f"builds a tensor of more than {MAX_CONSTANT_ELEMENTS:,} elements from constants")
+
+
+def _check_arange(args: Any, kwargs: Any, node: str) -> None:
+    """torch.arange(end) / (start, end[, step]): constant bounds at most MAX_CONSTANT_ELEMENTS in size and a
+    constant step; where a bound is computed at run time (a sequence length) the step is at least 1, so the
+    count stays within the run-time bound, as for the constructors' sizes."""
+    values = dict(zip(("end",) if len(args) == 1 else ("start", "end", "step"), args))
+    if isinstance(kwargs, dict):
+        values.update((k, kwargs[k]) for k in ("start", "end", "step") if k in kwargs)
+    for key, v in values.items():
+        if isinstance(v, fx.Node) and key != "step":
+            continue  # read at run time (bounded by the input, as above)
+        if type(v) not in (int, float) or not math.isfinite(v) or abs(v) > MAX_CONSTANT_ELEMENTS:
+            raise _refuse(node, f"calls torch.arange with the {key} {str(v)[:40]} (a constant of at most "
+                                f"{MAX_CONSTANT_ELEMENTS:,} expected)")
+    start, end, step = values.get("start", 0), values.get("end", 0), values.get("step", 1)
+    if step == 0:
+        raise _refuse(node, "calls torch.arange with the step 0")
+    known = not isinstance(start, fx.Node) and not isinstance(end, fx.Node)
+    if (known and abs(end - start) / abs(step) > MAX_CONSTANT_ELEMENTS) or (not known and abs(step) < 1):
+        raise _refuse(node, f"builds a tensor of more than {MAX_CONSTANT_ELEMENTS:,} elements with torch.arange")

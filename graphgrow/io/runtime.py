@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Literal
 import numpy as np
 import onnxruntime as ort
 
-from ..core.errors import first_line, RuntimeUnavailable
+from ..core.errors import first_line, InputError, RuntimeUnavailable
 
 Provider = Literal["auto", "cpu", "cuda"]
 CUDA = "CUDAExecutionProvider"
@@ -36,19 +36,34 @@ class Session:
     def input_names(self) -> list[str]:
         return [i.name for i in self.session.get_inputs()]
 
-    def run(self, x: np.ndarray) -> list[np.ndarray]:
-        wanted = _NUMPY_TYPES.get(self.session.get_inputs()[0].type)
-        if wanted is not None and x.dtype != wanted:
-            x = x.astype(wanted)  # a float64 model takes float64 input
+    @property
+    def output_names(self) -> list[str]:
+        return [o.name for o in self.session.get_outputs()]
+
+    @property
+    def input_dims(self) -> dict[str, list[int | str | None]]:
+        """Each input's dimensions: a size, or the name of a dynamic dimension (`batch`, `sequence`)."""
+        return {i.name: list(i.shape) for i in self.session.get_inputs()}
+
+    def run(self, x: np.ndarray | dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Run on one array (the model's one input) or on arrays by input name (every input named once)."""
+        feeds = x if isinstance(x, dict) else {self.input_names[0]: x}
+        if sorted(feeds) != sorted(self.input_names):
+            raise InputError(f"the ONNX model takes the inputs {self.input_names[:16]}, got {sorted(feeds)[:16]}",
+                             "give the input spec the model was exported with (graphgrow inspect FILE.onnx shows it)")
+        types = {i.name: _NUMPY_TYPES.get(i.type) for i in self.session.get_inputs()}
+        feeds = {k: v.astype(types[k]) if types[k] is not None and v.dtype != types[k] else v  # a float64 model takes float64
+                 for k, v in feeds.items()}
         try:
-            return self.session.run(None, {self.input_names[0]: x})
+            return self.session.run(None, feeds)
         except (ort.capi.onnxruntime_pybind11_state.NotImplemented,
                 ort.capi.onnxruntime_pybind11_state.InvalidArgument) as e:
             raise RuntimeUnavailable(f"onnxruntime ({self.provider}) cannot run this model: {first_line(e, 200)}",
                                      "export float32 models for onnxruntime (model.float()); the ONNX file itself is valid") from e
 
 
-_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16}
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+                "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
 
 
 def max_ir_version() -> int:
@@ -196,8 +211,8 @@ def optimized_op_counts(model: bytes | str | os.PathLike) -> dict[str, int]:
     return dict(collections.Counter(n.op_type for n in graph.node))
 
 
-def all_values(proto, x: np.ndarray) -> dict[str, np.ndarray]:
-    """Every node output of the ONNX model `proto` on input `x`, on the CPU provider: each one is
+def all_values(proto, x: np.ndarray | dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every node output of the ONNX model `proto` on input `x` (arrays by name for named inputs), on the CPU provider: each one is
     made a graph output of a copy (to find where a model first goes wrong)."""
     import copy
 

@@ -16,7 +16,8 @@ from torch import fx, nn
 
 from . import graph_policy
 from ..core import names
-from ..core.errors import LoadError, SaveError
+from ..core.errors import InputError, LoadError, SaveError
+from ..graph.inputs import parse_spec, records
 from .lineage import is_origin
 
 FORMAT = "graphgrow.graphmodule"
@@ -81,7 +82,9 @@ def _encode(value: Any, where: str) -> Any:
         return {"memory_format": str(value).removeprefix("torch.")}
     if isinstance(value, torch.layout):
         return {"layout": str(value).removeprefix("torch.")}
-    raise SaveError(f"node '{where}' has an argument of type {type(value).__name__} that graphgrow cannot save")
+    raise SaveError(f"cannot save the model: node '{where}) has an argument of type {type(value).__name__}, which "
+                    "graphgrow files cannot store (plain numbers, strings, tuples, lists, dicts, slices, dtypes, devices)",
+                    "mark the module that computes it a leaf (--leaf MODULE)")
 
 
 def _decode(value: Any, env: dict[str, fx.Node]) -> Any:
@@ -129,20 +132,66 @@ def to_payload(gm: fx.GraphModule) -> dict:
     if problem:  # never write a file that would be refused when read back
         raise SaveError(f"the model's {problem} is not a plain name ({names.RULE}), and graphgrow files store only such names",
                         "rename it in the model (module and parameter names: letters, digits, '_'), then grow it again")
+    check_readable(gm.graph, root, nodes)
     meta = dict(gm.meta.get("graphgrow", {}))
     training = {path: m.training for path, m in gm.named_modules()}
     return {"format": FORMAT, "version": VERSION, "class_name": type(gm).__name__, "root": root, "nodes": nodes,
             "meta": meta, "training": training}
 
 
+_OWN_NAMESPACES = frozenset({"torch", "operator", "math", "builtins", "torchvision"})  # what the closed list covers
+
+
+def check_readable(graph: fx.Graph, root: nn.Module, nodes: list[dict]) -> None:
+    """Never write a graph graphgrow would refuse to read back: each node is checked as the loader checks it
+    (graph_policy), now, and refused with a SaveError naming it. One exception, as for custom classes: a function
+    of an installed package outside torch (the user's own code, called through by the trace) is written, and
+    reading the file back needs --trust."""
+    for n, rec in zip(graph.nodes, nodes):
+        target = rec["target"]
+        try:
+            if n.op == "call_function":
+                _found_again(target, n.name)
+                if target.partition(".")[0] not in _OWN_NAMESPACES:
+                    continue
+            graph_policy.check_node_record(rec, root)
+            if n.op in ("call_function", "call_method"):
+                graph_policy.check_sizes(str(target), n.args, n.kwargs, n.name)
+            if n.op == "call_function" and n.target is getattr:
+                graph_policy.check_getattr_args(n.args, n.name)
+        except LoadError as e:  # the loader's reason, said of saving
+            why = e.message.removeprefix(f"the model graph (node '{n.name}') ").partition("; nothing was run")[0]
+            raise SaveError(f"cannot save the model: node '{n.name}' {why}, so graphgrow could not read the file back",
+                            "mark the module that computes it a leaf (--leaf MODULE), or report the operation to "
+                            "graphgrow so that it can be reviewed for its closed list") from e
+
+
+def _found_again(qualname: str, node: str) -> None:
+    """A function is stored by its qualified name: the loader must find it again by that name (trust or not)."""
+    try:
+        _resolve_function(qualname, True, node)
+    except LoadError as e:
+        raise SaveError(f"cannot save the model: node '{node}' calls '{qualname[:120]}', which cannot be found again by "
+                        "that name (a lambda or a local function?)", _UNNAMED_HINT) from e
+
+
+_UNNAMED_HINT = "make it a module-level function, or mark the module that calls it a leaf (--leaf MODULE)"
+
+
 def node_records(graph: fx.Graph) -> list[dict]:
-    """The graph as plain records (names, targets by qualified name, arguments as data)."""
+    """The graph as plain records (names, targets by qualified name, arguments as data). SaveError for a
+    function that has no importable name (a lambda, a local function) or a constant that is not plain data."""
     nodes = []
     for n in graph.nodes:
-        target = qualified_name(n.target) if n.op == "call_function" else n.target
+        try:
+            target = qualified_name(n.target) if n.op == "call_function" else n.target
+        except Exception as e:  # fx cannot name lambdas and local functions
+            raise SaveError(f"cannot save the model: node '{n.name}' calls {str(n.target)[:120]}, which has no importable "
+                            f"name (a lambda or a local function?): {e}", _UNNAMED_HINT) from e
+        where = f"{n.name}' ({target}"
         nodes.append({
             "name": n.name, "op": n.op, "target": target,
-            "args": _encode(n.args, n.name), "kwargs": _encode(n.kwargs, n.name),
+            "args": _encode(n.args, where), "kwargs": _encode(n.kwargs, where),
             "scope": list(n.meta.get("gg_scope", ())),
         })
     return nodes
@@ -291,5 +340,26 @@ def validate_meta(meta: Any) -> dict:
     out["log"] = log
     if "origin" in out and not is_origin(out["origin"]):
         raise LoadError("the graphgrow file's origin fingerprint is malformed", "the file is corrupted or hostile")
+    if out.get("inputs") is not None:
+        out["inputs"] = stored_inputs(out["inputs"])
     out.setdefault("input_shape", None)
     return out
+
+
+MAX_HIGH = 1 << 40  # an integer input's stored exclusive bound (a vocabulary size)
+
+
+def stored_inputs(value: Any) -> list[dict]:
+    """A stored input spec (graph_meta.store_shape's records) read back: names, shapes, dtypes and bounds
+    checked by the spec's own parser (graph.inputs: identifiers, bounded shapes, known dtypes); clean records."""
+    ok = isinstance(value, list) and 0 < len(value) <= 64 and all(
+        isinstance(r, dict) and type(r.get("name")) is str and isinstance(r.get("shape"), list) and len(r["shape"]) <= 8
+        and all(type(d) is int for d in r["shape"]) and type(r.get("dtype", "float32")) is str
+        and (r.get("high") is None or (type(r.get("high")) is int and 0 < r["high"] <= MAX_HIGH)) for r in value)
+    try:
+        if ok:
+            return records(parse_spec(value))
+        why = "not a list of input records (name, shape, dtype, high)"
+    except InputError as e:
+        why = e.message
+    raise LoadError(f"the graphgrow file stores a malformed input spec: {why[:200]}", "the file is corrupted or hostile; re-create it")

@@ -10,6 +10,7 @@ from torch import fx, nn
 
 from ..capture.input_shape import infer_input_shape, parse_example_input, require_single_input
 from ..capture.trace import graph_info, trace
+from ..graph.graph_meta import input_spec_of
 from ..core.errors import InputError, LoadError, ValidationError
 from ..graph.inputs import is_spec, records, Shape
 from ..graph.shapes import annotate
@@ -49,6 +50,8 @@ def open_model(source: str, input_shape=None, trust: bool = False, leaves: Seque
     shape = parse_example_input(input_shape if input_shape is not None else loaded.input_shape)  # flag or stored: one check
     progress("tracing" if capture == "auto" else f"tracing ({capture} capture)")
     gm = trace(loaded.module, shape, leaves, mode=trace_mode, check=False, capture=capture)  # fidelity checked below
+    if is_spec(shape):
+        shape = input_spec_of(gm)  # as trace fixed it: token ids' range taken from the model's embedding
     if shape is None:
         shape, why = infer_input_shape(gm)
         if shape is None:

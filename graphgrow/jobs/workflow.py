@@ -28,12 +28,15 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
            check: bool = False, input_shape=None, provider: str = "auto", trust: bool = False,
            leaves: Sequence[str] = (), seed: int = 0, progress: Progress = _noop, trace_mode: str = "eval",
            max_params=None, max_memory=None, suffix: str = ".grown.pt", dry_run: bool = False,
-           diagram: str | None = None, capture: str = "auto") -> dict:
+           diagram: str | None = None, capture: str = "auto", data: str | None = None) -> dict:
     """Load → run the pipeline with verification → save → (export) → (check). Returns the JSON report.
+    `data`: package.module:function giving (inputs, loss_fn) to the passes with init=gradmax.
     `diagram`: also draw the graph after growth against the one before (diagram.draw; .svg or .png).
     Without `out` the result goes beside the model as NAME`suffix`. `dry_run`: the passes run and are
     verified, nothing is written (the report says where it would have gone)."""
     pipeline = Pipeline.from_spec(list(specs), seed=seed)  # spec errors before any work
+    if data is not None:
+        pipeline.passes = with_data(pipeline.passes, data)
     pipeline.limits = _limits(max_params, max_memory)
     out_path = check_output_path(out or default_output_path(source, suffix), inputs=(source,))
     onnx_path = check_output_path(onnx_out, inputs=(source,)) if onnx_out else None
@@ -48,6 +51,17 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
     if out is None and out_path != plain:
         report["output_note"] = f"{plain} already exists: the result went to {out_path.name} (give -o to choose the name)"
     return report
+
+
+def with_data(passes: list, data: str) -> list:
+    """--data fills `data` of each pass with init=gradmax that does not name its own."""
+    import dataclasses
+
+    aimed = [p for p in passes if getattr(p, "init", None) == "gradmax"]
+    if not aimed:
+        raise SpecError("--data is read by passes with init=gradmax, and none of these has it",
+                        "e.g. --pass 'grow_width(init=gradmax)' --data mytask:batch")
+    return [dataclasses.replace(p, data=data) if p in aimed and p.data is None else p for p in passes]
 
 
 def _limits(max_params, max_memory):
@@ -270,8 +284,9 @@ def _read_log(log_source: str, trust: bool, need_shape: bool = True) -> tuple[li
 
 
 def targets(source: str, spec: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-            progress: Progress = _noop, trace_mode: str = "eval", capture: str = "auto") -> dict:
-    """Where one pass (its other arguments as given in `spec`) can apply, with what each place would add."""
+            progress: Progress = _noop, trace_mode: str = "eval", capture: str = "auto", data: str | None = None) -> dict:
+    """Where one pass (its other arguments as given in `spec`) can apply, with what each place would add;
+    with `data` (package.module:function → (inputs, loss_fn)) ranked by the first-order gain (rewrite.gain)."""
     from .pipeline import build_pipeline, spec_of
 
     passes = build_pipeline(spec)
@@ -283,9 +298,17 @@ def targets(source: str, spec: str, input_shape=None, trust: bool = False, leave
     found = p.candidates(opened.gm)
     total = param_count(opened.gm)
     given = parse_spec(spec_of(p))[0][1]
+    gains: dict[int, tuple[float | None, str | None]] = {}
+    if data is not None:
+        from ..rewrite.gain import rank_by_gain
+
+        progress(f"ranking {len(found)} places by the gradient on {data}")
+        ranked = rank_by_gain(opened.gm, p, found, data)
+        found, gains = [c for c, _, _ in ranked], {id(c): (g, why) for c, g, why in ranked}
     return {"model": source, "pass": p.name, "params": total, **shape_report(opened.input_shape),
             "candidates": [{"spec": Candidate({**given, **c.args}, c.where, c.params).spec(p.name), "where": c.where,
-                            "params": c.params, "fraction": c.params / max(total, 1), "default": c.default} for c in found]}
+                            "params": c.params, "fraction": c.params / max(total, 1), "default": c.default,
+                            **({"gain": gains[id(c)][0], "gain_note": gains[id(c)][1]} if gains else {})} for c in found]}
 
 
 def provenance(loaded: LoadedModel) -> dict[str, str]:

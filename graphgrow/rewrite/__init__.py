@@ -17,14 +17,18 @@ Where to grow (stages, targets, deployed): main_path, stages, Stage, stage_end, 
     deployed_nodes (what the deployed function computes: no train-only auxiliary head), train_only_note
 Channels (coupling: analysis; widen: planning and applying):
     analyze, Coupling, channel_axis, plan_growth, make_layout, Insertion, Layout, grow_group,
-    resize, columns, rows, set_module, identity_adapter, Init
+    resize, columns, rows, set_module, identity_adapter, Init,
+    conv_dims (a tensor's spatial dims when its channels are at dim 1: a Conv1d's (N, C, L) is 1)
 Merged blocks (a mode switch: per-path work of a block that branches on self.training):
     eval_passthrough (the input a switch hands back unchanged in eval mode, or None)
-New weights (initializers): kaiming_, zero_last_bn
-Layers and sizes: AverageMerge, param_count, input_shape_of (the example input a model was traced with)
+New weights (initializers): kaiming_, zero_last_bn; from data (gradmax): gradmax_init, group_layouts, adapter_layouts,
+    load_data
+Layers and sizes: AverageMerge, param_count, input_spec_of (the example input a model was traced with: its input spec
+    when it has one, else its float input shape), input_shape_of (the float input shape only)
 """
 from __future__ import annotations
 
+from ..analysis.axes import conv_dims
 from ..analysis.coupling import Coupling, analyze, channel_axis
 from ..analysis.deployed import deployed_nodes, train_only_note
 from ..analysis.opaque import eval_passthrough
@@ -33,6 +37,7 @@ from ..graph.fx_edit import (
     is_float_tensor, module_boundary, new_parameters, nodes_in_module, replace_uses, resolve_tensor, set_scope,
     tensor_shape, unique_attr,
 )
+from .gradmax import adapter_layouts, gradmax_init, group_layouts, load_data
 from .initializers import kaiming_, zero_last_bn
 from ..graph.layers import AverageMerge
 from ..graph.shapes import param_count
@@ -41,7 +46,7 @@ from ..analysis.stages import (
     Stage, stage_end, stage_end_candidates, stages,
 )
 from ..analysis.targets import tensor_or_feature_end
-from ..graph.graph_meta import input_shape_of
+from ..graph.graph_meta import input_shape_of, input_spec_of
 from .widen import (
     Init, Insertion, Layout, columns, grow_group, identity_adapter, make_layout, plan_growth, resize, rows, set_module,
 )
@@ -53,7 +58,7 @@ __all__ = [
     "main_path", "stages", "Stage", "stage_end", "stage_end_candidates", "default_point", "place", "graphgrow_modules",
     "is_graphgrow_node", "tensor_or_feature_end", "DEFAULT_BUDGET", "pick_within_budget", "deployed_nodes",
     "train_only_note",
-    "analyze", "Coupling", "channel_axis", "plan_growth", "make_layout", "Insertion", "Layout", "grow_group", "resize",
+    "analyze", "Coupling", "channel_axis", "conv_dims", "plan_growth", "make_layout", "Insertion", "Layout", "grow_group", "resize",
     "columns", "rows", "set_module", "identity_adapter", "Init",
-    "kaiming_", "zero_last_bn", "AverageMerge", "param_count", "input_shape_of",
+    "kaiming_", "zero_last_bn", "gradmax_init", "group_layouts", "adapter_layouts", "load_data", "AverageMerge", "param_count", "input_shape_of", "input_spec_of",
 ]

@@ -47,7 +47,8 @@ class PassResult:
     def log_entry(self) -> dict:
         """What goes into the mutation log (saved with the model and into ONNX metadata)."""
         return {
-            "pass": self.name, "args": self.args, "seed": self.seed, "targets": _plain(self.targets),
+            "pass": self.name, "args": {k: _named(v) for k, v in self.args.items()}, "seed": self.seed,
+            "targets": _plain(self.targets),
             "params_before": self.params_before, "params_after": self.params_after,
             "flops_before": self.flops_before, "flops_after": self.flops_after,
             "nodes_added": len(self.nodes_added), "nodes_removed": len(self.nodes_removed), "exact": self.exact,
@@ -71,6 +72,14 @@ class PassResult:
         lines.append(f"  FLOPs/example: {self.flops_before:,} → {self.flops_after:,}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _named(value: Any) -> Any:
+    """A pass argument as the log keeps it: a function given in Python (gradmax's `data`) by its import name,
+    never the object — a log holding a function could not be loaded without running code."""
+    if callable(value) and not isinstance(value, type):
+        return f"{getattr(value, '__module__', '?')}:{getattr(value, '__qualname__', type(value).__name__)}"
+    return value
 
 
 def _plain(value: Any) -> Any:

@@ -218,7 +218,7 @@ def resize_layernorm(m: nn.LayerNorm, layout: Layout, init: Init, generator) -> 
     with torch.no_grad():
         if m.weight is not None:
             _set_tensor(new, "weight", rows(m.weight, layout, init, generator, "one"))
-        if m.bias is not None:
+        if getattr(m, "bias", None) is not None:
             _set_tensor(new, "bias", rows(m.bias, layout, init, generator, "zero"))
     return new
 
@@ -258,7 +258,7 @@ def resize(m: nn.Module, in_layout: Layout | None, out_layout: Layout | None, in
         return resize_linear(m, in_layout, out_layout, init, generator)
     if isinstance(m, BATCHNORMS):
         return resize_batchnorm(m, out_layout or in_layout, init, generator)
-    if type(m) is nn.LayerNorm:
+    if type(m) in (nn.LayerNorm, nn.RMSNorm):  # an RMSNorm keeps its mean square under the same replication
         return resize_layernorm(m, out_layout or in_layout, init, generator)
     raise NotApplicable(f"cannot resize {type(m).__name__}", "this layer type is not supported by grow_width")
 

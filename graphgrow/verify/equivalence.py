@@ -1,15 +1,21 @@
-"""torch vs onnxruntime: seeded inputs (one at another batch size), DESIGN §5 tolerances, a report."""
+"""torch vs onnxruntime: seeded inputs (one at another batch size), DESIGN §5 tolerances, a report.
+
+With an input spec (named inputs, dtypes) the inputs are fed by name, every output leaf is compared
+with the ONNX output of the same name (io/onnx_spec.py names them), and a model whose ONNX sequence
+length is dynamic is also checked at a shorter length."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from ..core.errors import EquivalenceError
 from .preserve import flat_tensors
+from ..io.onnx_spec import named_leaves, with_shorter_sequence
 from ..io.runtime import Session
+from ..graph.inputs import batch_of, call, InputSpec, is_spec, Shape
 from ..graph.shapes import example_input
 from ..core.state import no_tf32, training_mode
 
@@ -30,6 +36,7 @@ class OutputStats:
     nan_torch: bool
     nan_ort: bool
     passed: bool
+    name: str = ""  # the ONNX output's name (`logits`, `hidden_states.0`)
 
 
 @dataclass
@@ -53,10 +60,20 @@ class EquivalenceReport:
     def max_rel_err(self) -> float:
         return max((o.max_rel for o in self.outputs), default=float("nan"))
 
+    @property
+    def per_output(self) -> dict[str, float]:
+        """Each output's largest absolute error over all inputs, by name (`#i` where it has none)."""
+        out: dict[str, float] = {}
+        for o in self.outputs:
+            key = o.name or f"#{o.output}"
+            out[key] = max(out.get(key, 0.0), o.max_abs)
+        return out
+
     def to_json(self) -> dict:
         return {
             "provider": self.provider, "note": self.note, "reference": self.reference,
             "max_abs_err": self.max_abs_err, "max_rel_err": self.max_rel_err, "passed": self.passed,
+            "per_output": self.per_output,
             "rtol": self.rtol, "atol": self.atol, "cases": [asdict(o) for o in self.outputs],
         }
 
@@ -68,18 +85,18 @@ class EquivalenceReport:
             t.add_column(col, justify="left" if col in ("input", "output") else "right", no_wrap=True)
         for o in self.outputs:
             nan = "torch" if o.nan_torch else ("ort" if o.nan_ort else "-")
-            t.add_row(o.case, f"#{o.output} {'×'.join(map(str, o.shape))}", f"{o.max_abs:.2e}", f"{o.mean_abs:.2e}",
+            t.add_row(o.case, f"{o.name or '#' + str(o.output)} {'×'.join(map(str, o.shape))}", f"{o.max_abs:.2e}", f"{o.mean_abs:.2e}",
                       f"{o.p99_abs:.2e}", f"{o.max_rel:.2e}", f"{o.cosine:.8f}", f"{o.min_atol:.1e}", nan,
                       "[green]yes[/]" if o.passed else "[red]NO[/]")
         return t
 
 
-def compare_arrays(ref: np.ndarray, got: np.ndarray, rtol: float, atol: float, case: str, index: int) -> OutputStats:
+def compare_arrays(ref: np.ndarray, got: np.ndarray, rtol: float, atol: float, case: str, index: int, name: str = "") -> OutputStats:
     ref64, got64 = ref.astype(np.float64), got.astype(np.float64)
     nan_ref, nan_got = not np.isfinite(ref64).all(), not np.isfinite(got64).all()
     if ref64.shape != got64.shape:
         return OutputStats(case, index, list(got.shape), float("inf"), float("inf"), float("inf"), float("inf"), 0.0,
-                           float("inf"), nan_ref, nan_got, False)
+                           float("inf"), nan_ref, nan_got, False, name)
     diff = np.abs(ref64 - got64)
     scale = float(np.abs(ref64).max()) if ref64.size else 0.0
     rel = diff / np.maximum(np.abs(ref64), 1e-12 * max(scale, 1e-30))
@@ -90,49 +107,87 @@ def compare_arrays(ref: np.ndarray, got: np.ndarray, rtol: float, atol: float, c
     passed = (not nan_ref and not nan_got and bool(np.all(diff <= atol * scale + rtol * np.abs(ref64))))
     return OutputStats(case, index, list(ref.shape), float(diff.max(initial=0)), float(diff.mean()) if diff.size else 0.0,
                        float(np.percentile(diff, 99)) if diff.size else 0.0, float(rel.max(initial=0)), cosine,
-                       min_atol, nan_ref, nan_got, passed)
+                       min_atol, nan_ref, nan_got, passed, name)
 
 
-def check_equivalence(model: torch.nn.Module, session: Session, input_shape: Sequence[int],
+def check_equivalence(model: torch.nn.Module, session: Session, input_shape: Shape,
                       seeds: Sequence[int] = (0, 1), other_batch: int = 3, reference: str = "grown model",
                       raise_on_failure: bool = False, rtol: float | None = None, atol: float | None = None) -> EquivalenceReport:
     """Run seeded inputs through PyTorch (eval, TF32 off) and onnxruntime and compare every output.
 
     Inputs: one per seed at the example batch size, plus one at `other_batch`
-    (the exported batch dimension is dynamic). `rtol`/`atol` replace the provider's tolerances.
+    (the exported batch dimension is dynamic), plus, for an input spec whose sequence
+    length the ONNX model keeps dynamic, one at a shorter length. `rtol`/`atol` replace
+    the provider's tolerances.
     """
     default_rtol, default_atol = TOLERANCES[session.provider]
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
     report = EquivalenceReport(session.provider, session.note, rtol, atol, reference=reference)
-    cases = [(s, int(input_shape[0])) for s in seeds] + [(max(seeds, default=0) + 1, other_batch)]
+    next_seed = max(seeds, default=0) + 1
+    cases: list[tuple[int, int, Shape]] = [(s, batch_of(input_shape), input_shape) for s in seeds] + [(next_seed, other_batch, input_shape)]
+    if is_spec(input_shape):
+        shorter = with_shorter_sequence(input_shape, {k: dict(enumerate(v)) for k, v in session.input_dims.items()})  # type: ignore[arg-type]
+        if shorter != input_shape:
+            cases.append((next_seed + 1, batch_of(input_shape), shorter))
     with torch.no_grad(), training_mode(model, False), no_tf32():
-        for seed, batch in cases:
-            x = example_input(model, input_shape, seed=seed, batch=batch)
-            refs = [t.detach().float().cpu().numpy() for t in flat_tensors(model(x))]
-            got = session.run(x.detach().float().cpu().numpy())
-            label = f"seed {seed}, batch {batch}"
+        for seed, batch, shape in cases:
+            label = f"seed {seed}, batch {batch}" + (_lengths(shape, input_shape) if shape is not input_shape else "")
+            x = example_input(model, shape, seed=seed, batch=batch)
+            refs = _reference(call(model, x), session, label, is_spec(input_shape))
+            got = session.run(feeds(x))
             if len(got) != len(refs):
                 raise EquivalenceError(f"onnxruntime gives {len(got)} outputs, PyTorch {len(refs)} ({label})")
-            report.outputs += [compare_arrays(r, g, rtol, atol, label, i) for i, (r, g) in enumerate(zip(refs, got))]
+            report.outputs += [compare_arrays(r, g, rtol, atol, label, i, name)
+                               for i, ((name, r), g) in enumerate(zip(refs, got))]
     if raise_on_failure and not report.passed:
         worst = max(report.outputs, key=lambda o: o.min_atol)
         raise EquivalenceError(
             f"onnxruntime ({session.provider}) and PyTorch disagree: max abs error {report.max_abs_err:.3g}, "
-            f"would need atol {worst.min_atol:.2g}·max|ref| at rtol {rtol:g}",
+            f"would need atol {worst.min_atol:.2g}·max|ref| at rtol {rtol:g}"
+            + (f" (output {worst.name})" if worst.name else ""),
             "see the report table; the exporter may have mistranslated an op",
         )
     return report
 
 
-def first_divergence(model: torch.nn.Module, proto, input_shape: Sequence[int], rtol: float, atol: float) -> dict | None:
+def _lengths(shape: InputSpec, example: InputSpec) -> str:
+    changed = sorted({t.shape[1] for t, e in zip(shape, example) if t.shape != e.shape})
+    return f", sequence {'/'.join(map(str, changed))}"
+
+
+def feeds(x: Any) -> Any:
+    """An example input as onnxruntime takes it: one float array, or arrays by input name (integers kept)."""
+    if isinstance(x, dict):
+        return {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().numpy() for k, v in x.items()}
+    return x.detach().float().cpu().numpy()
+
+
+def _reference(out: Any, session: Session, label: str, by_name: bool) -> list[tuple[str, np.ndarray]]:
+    """PyTorch's output leaves as arrays, in the ONNX outputs' order: by name for a spec's export (whose
+    outputs are named after the keys), else in pytree order (then named after the ONNX outputs)."""
+    onnx_names = session.output_names
+    if by_name:
+        leaves = [(n, t.detach().float().cpu().numpy()) for n, t in named_leaves(out)]
+        index = dict(leaves)
+        if len(index) == len(leaves) == len(onnx_names) and set(index) == set(onnx_names):
+            return [(n, index[n]) for n in onnx_names]
+        if len(leaves) != len(onnx_names):
+            raise EquivalenceError(f"onnxruntime gives {len(onnx_names)} outputs ({', '.join(onnx_names[:8])}), "
+                                   f"PyTorch {len(leaves)} ({', '.join(n for n, _ in leaves[:8])}) ({label})")
+    refs = [t.detach().float().cpu().numpy() for t in flat_tensors(out)]
+    names = onnx_names if len(onnx_names) == len(refs) else [""] * len(refs)
+    return list(zip(names, refs))
+
+
+def first_divergence(model: torch.nn.Module, proto, input_shape: Shape, rtol: float, atol: float) -> dict | None:
     """The first module, in the ONNX graph's order, whose output differs between onnxruntime (CPU)
     and PyTorch on the seed-0 input: the last ONNX node of each module's scope is that module's output.
     None when every module output that can be compared agrees."""
     from ..io.export import node_module
     from ..io.runtime import all_values
 
-    x = example_input(model, input_shape, seed=0, batch=int(input_shape[0]))
+    x = example_input(model, input_shape, seed=0, batch=batch_of(input_shape))
     recorded: dict[str, torch.Tensor] = {}
 
     def keep(path: str, out) -> None:
@@ -144,11 +199,11 @@ def first_divergence(model: torch.nn.Module, proto, input_shape: Sequence[int], 
              for path, m in model.named_modules() if path]
     try:
         with torch.no_grad(), training_mode(model, False), no_tf32():
-            model(x)
+            call(model, x)
     finally:
         for h in hooks:
             h.remove()
-    values = all_values(proto, x.detach().float().cpu().numpy())
+    values = all_values(proto, feeds(x))
     last: dict[str, object] = {}
     for node in proto.graph.node:
         path = node_module(node)

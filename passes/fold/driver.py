@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 from graphgrow import annotate, arg, Pass, Rewrite
-from graphgrow.rewrite import copy_graph_module, finish, input_shape_of
+from graphgrow.rewrite import copy_graph_module, finish, input_spec_of
 from graphgrow.passes.fold.algebra import reassociate  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.analysis import analyse  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.emit import describe_form, emit  # noqa: TID251 (the fold package's own module)
@@ -33,7 +33,7 @@ def fold(gm: fx.GraphModule, grow_kernels: bool = False, generator: torch.Genera
     code_before = gm.code
     gm = copy_graph_module(gm)
     gm.eval()
-    input_shape = input_shape_of(gm)
+    input_shape = input_spec_of(gm)  # named inputs with their dtypes where the graph has a spec (token ids)
     notes: list[str] = ["eval-mode semantics: BatchNorm uses running statistics; dropout and drop-path are off"]
     prepare(gm, notes)
     folded: list[str] = []

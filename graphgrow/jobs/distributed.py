@@ -1,0 +1,25 @@
+"""`graphgrow.distributed`: growth inside the training jobs people run — data-parallel (DDP under torchrun),
+PyTorch Lightning, checkpointed and resumed. One place to import it all from (docs/distributed.md):
+
+    grow(ddp, optimizer, spec, scheduler=...)   the growth step on every rank; a new DDP, optimiser carried (ddp.py)
+    grow_replica(model, optimizer, spec, ...)   the same for a bare replica (a trainer that wraps it itself)
+    carry_scheduler(scheduler, optimizer)       a learning-rate scheduler re-pointed at the carried optimiser
+    save_checkpoint / load_checkpoint           checkpoints that resume across growth, at any world size (checkpoint.py)
+    GrowthCallback                              Lightning's callback (lightning_callback.py; imports Lightning when used)
+"""
+from __future__ import annotations
+
+from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from .ddp import Grown, carry_scheduler, grow, grow_replica, rebuild_options
+
+
+def __getattr__(name: str):
+    if name == "GrowthCallback":  # Lightning is an optional extra: imported only when the callback is asked for
+        from .lightning_callback import GrowthCallback
+
+        return GrowthCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Checkpoint", "Grown", "carry_scheduler", "grow", "grow_replica", "load_checkpoint",
+           "rebuild_options", "save_checkpoint"]  # and GrowthCallback, on demand

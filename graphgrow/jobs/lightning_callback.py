@@ -1,0 +1,134 @@
+"""GrowthCallback: growth during `Trainer.fit` in PyTorch Lightning (optional extra: pip install 'graphgrow[lightning]').
+
+The LightningModule keeps the traced model in an attribute (`self.model = gg.trace(net, input_shape=...)`).
+At a scheduled step or epoch the callback runs the growth step of ddp.py on every rank (agreed
+seed, rank 0 verifies, a checksum of the new parameters on every rank), puts the grown model in that
+attribute, carries every optimiser Lightning holds by parameter name, re-points its schedulers, and
+rebuilds the DDP wrapper (strategy `ddp`) with the old wrapper's options. Growth runs in
+`on_train_batch_start` (or `on_train_epoch_start`), before Lightning reads the optimiser for that batch.
+
+Checkpoints: the callback writes the model's mutation log into every Lightning checkpoint; a LightningModule
+whose `on_load_checkpoint` calls `GrowthCallback.regrow(self, checkpoint)` grows its fresh model the same
+way (bit-identical: the seeds are in the log) before Lightning loads the grown weights and optimiser state.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Literal, Mapping
+
+import lightning.pytorch as pl
+from torch import fx, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..core.errors import InputError
+from .ddp import Verify, carry_scheduler, grow_replica, rebuild_options
+from .optim import carry_optimizer
+from .pipeline import from_log
+
+Decide = Callable[["pl.Trainer", "pl.LightningModule"], "str | None"]
+
+
+class GrowthCallback(pl.Callback):
+    """Grow `pl_module.<attr>` at the steps (or epochs) of `schedule` ({global step: spec}), or whenever `decide`
+    returns a spec (it must return the same on every rank). `events` lists what happened."""
+
+    def __init__(self, schedule: Mapping[int, str] | None = None, *, every: Literal["step", "epoch"] = "step",
+                 decide: Decide | None = None, attr: str = "model", seed: int | None = None, verify: Verify = "rank0",
+                 timeout: float = 300.0):
+        if (schedule is None) == (decide is None):
+            raise InputError("GrowthCallback takes a schedule or a decide function (one of them)",
+                             "e.g. GrowthCallback({100: 'grow_width(factor=2)'})")
+        if every not in ("step", "epoch"):
+            raise InputError(f"every must be 'step' or 'epoch', got {every!r}")
+        self.schedule = dict(schedule or {})
+        self.every, self.decide, self.attr = every, decide, attr
+        self.seed, self.verify, self.timeout = seed, verify, timeout
+        self.events: list[dict[str, Any]] = []
+        self._done: set[int] = set()
+
+    # --- when ---------------------------------------------------------------------------------------------------
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.every == "step":
+            self._maybe_grow(trainer, pl_module, trainer.global_step)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.every == "epoch":
+            self._maybe_grow(trainer, pl_module, trainer.current_epoch)
+
+    def _maybe_grow(self, trainer: pl.Trainer, pl_module: pl.LightningModule, when: int) -> None:
+        if when in self._done:  # gradient accumulation: one global step spans several batches
+            return
+        spec = self.schedule.get(when) if self.decide is None else self.decide(trainer, pl_module)
+        if spec:
+            self._done.add(when)
+            self.grow(trainer, pl_module, spec, when)
+
+    # --- how ----------------------------------------------------------------------------------------------------
+
+    def grow(self, trainer: pl.Trainer, pl_module: pl.LightningModule, spec: str, when: int = -1) -> None:
+        """One growth event now, on every rank."""
+        start = time.perf_counter()
+        old = getattr(pl_module, self.attr, None)
+        if not isinstance(old, fx.GraphModule):
+            raise InputError(f"{type(pl_module).__name__}.{self.attr} is {type(old).__name__}, not a traced model",
+                             f"set self.{self.attr} = gg.trace(net, input_shape=...) in the LightningModule's __init__ "
+                             "(or name the attribute: GrowthCallback(..., attr='net'))")
+        strategy = trainer.strategy
+        ddp = strategy.model if isinstance(strategy.model, DistributedDataParallel) else None
+        options = rebuild_options(ddp) if ddp is not None else {}
+        synced = options.get("forward_sync_buffers", options.get("broadcast_buffers", True))
+        grown = grow_replica(old, None, spec, seed=self.seed, verify=self.verify, timeout=self.timeout,
+                             sync_buffers=options.get("process_group") if synced else False)
+        before, after = _container(pl_module, self.attr, old), _container(pl_module, self.attr, grown.gm)
+        carried = {id(o): carry_optimizer(o, before, after) for o in strategy.optimizers}
+        for config in strategy.lr_scheduler_configs:
+            previous = config.scheduler.optimizer
+            carry_scheduler(config.scheduler, carried[id(previous)], previous)
+        setattr(pl_module, self.attr, grown.gm)
+        strategy.optimizers = [carried[id(o)] for o in strategy.optimizers]  # Lightning re-wraps them
+        if ddp is not None:
+            strategy.model = type(ddp)(pl_module, **options)
+        self.events.append({"when": when, "every": self.every, "spec": spec, "seed": grown.seed,
+                            "params_before": sum(p.numel() for p in old.parameters()),
+                            "params_after": sum(p.numel() for p in grown.gm.parameters()),
+                            "seconds": time.perf_counter() - start})
+
+    # --- checkpoints --------------------------------------------------------------------------------------------
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        gm = getattr(pl_module, self.attr)
+        checkpoint["graphgrow"] = {"attr": self.attr, "log": list(gm.meta.get("graphgrow", {}).get("log", []))}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"done": sorted(self._done), "events": list(self.events)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._done = set(state_dict.get("done", []))
+        self.events = list(state_dict.get("events", []))
+
+    @staticmethod
+    def regrow(pl_module: pl.LightningModule, checkpoint: Mapping[str, Any]) -> None:
+        """Grow a fresh module's model as the checkpoint's was grown (call it from `on_load_checkpoint`): the
+        passes in the checkpoint's mutation log beyond the fresh model's own, with their seeds, unverified (the
+        weights are replaced by the checkpoint's next)."""
+        saved = checkpoint.get("graphgrow")
+        if not saved:
+            return
+        attr = saved["attr"]
+        gm = getattr(pl_module, attr)
+        have = len(gm.meta.get("graphgrow", {}).get("log", []))
+        todo = list(saved["log"])[have:]
+        if todo:
+            setattr(pl_module, attr, from_log(todo, verify=False).run(gm).gm)
+
+
+def _container(pl_module: nn.Module, attr: str, model: nn.Module) -> nn.Module:
+    """A module with pl_module's parameter names where `attr` holds `model`: optimisers are carried by these names
+    (a LightningModule may train parameters outside the grown model too)."""
+    view = nn.Module()
+    for name, child in pl_module.named_children():
+        view.add_module(name, model if name == attr else child)
+    for name, p in pl_module.named_parameters(recurse=False):
+        view.register_parameter(name, p)
+    return view
