@@ -4,32 +4,68 @@ block=conv_bn_relu (feature maps (N, C, H, W), or (N, C, L) of a Conv1d stack): 
 (same channels) → BatchNorm → ReLU.
 block=linear_relu ((N, F) features, (N, T, F) tokens): Linear (same features) → ReLU, its units in
 pairs with opposite weights, so that some are active for any input.
+block=transformer (a token stream (N, T, C)): a whole pre-norm transformer block, exact without a gate
+(its output projections start at zero); see below.
 The gate is the zero last factor: exact in eval and train mode (an identity-
 initialised BatchNorm would be off by eps in eval and not the identity in train
 mode), the gate learns at once and the block's layers after one step.
+
+block=transformer: a whole pre-norm transformer block on a token stream (N, T, C), as the identity.
+
+    h = x + proj(attention(norm1(x)))        out = h + fc2(act(fc1(norm2(h))))
+
+proj (the attention's output projection) and fc2 (the MLP's down projection) start at zero, weight and bias,
+so out == x exactly, in eval and train mode (the block has no dropout). They learn at once; norm1, q, k, v,
+norm2 and fc1 learn from the next step. The block is written into the graph as torch layers and functions
+(nn.Linear, nn.LayerNorm or nn.RMSNorm, nn.GELU, F.scaled_dot_product_attention), so every later pass,
+the graphgrow file and the ONNX export see ordinary layers.
+
+Read from the model where the graph shows it: width C from the stream; the norm type and eps of the
+model's own norms of width C (LayerNorm with biases on the block's Linears, or RMSNorm without biases, as
+LLaMA has them); the head count from the query of the model's own scaled_dot_product_attention (else the
+largest divisor of C at most C // 64, at least 1); the MLP width from a Linear pair C → F → C (else 4·C).
+The MLP is a plain GELU MLP, the attention has as many key/value heads as query heads and no key bias
+(a key bias never gets a gradient: softmax ignores it).
+
+Causality (attention=auto): the model's stream at the place is probed — the example input is run twice,
+differing only at the last sequence position of each token-aligned input; if no earlier position of the
+stream changes, the model is causal there (GPT-2, LLaMA) and so is the new block, else it attends both
+ways (BERT). Where no input is aligned with the stream's tokens (pixels), the masks the model's own
+scaled_dot_product_attention calls get at run time decide: all open → both ways (ViT), all causal → causal;
+otherwise (or with no attention to read) the pass refuses with the reason: say attention=causal|bidirectional.
+The block does not read the model's attention mask (padding): it attends over all T positions.
+In a post-norm model (BERT) the block is still pre-norm and exactly the identity where it is inserted.
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
-    add_module, add_parameter, begin, conv_dims, default_point, factory_kwargs, finish, inserting_after,
-    is_float_tensor, kaiming_, replace_uses, set_scope, stage_end_candidates, tensor_or_feature_end,
-    tensor_shape,
+    add_module, add_parameter, begin, conv_dims, default_point, example_input, factory_kwargs, finish, input_spec_of,
+    inserting_after, is_float_tensor, kaiming_, param_count, pick_within_budget, place, replace_uses, set_scope,
+    stage_end_candidates, stages, tensor_or_feature_end, tensor_shape,
 )
 
 
 
-def deepen(gm: fx.GraphModule, after: str | None = None, block: Literal["auto", "conv_bn_relu", "linear_relu"] = "auto",
-           generator: torch.Generator | None = None) -> Rewrite:
+Block = Literal["auto", "conv_bn_relu", "linear_relu", "transformer"]
+
+
+def deepen(gm: fx.GraphModule, after: str | None = None, block: Block = "auto",
+           attention: Literal["auto", "causal", "bidirectional"] = "auto", generator: torch.Generator | None = None) -> Rewrite:
     """Insert `x + g·block(x)` (g = 0) after `after` (default: the last feature map before global pooling)."""
     gm, generator = begin(gm, generator)
+    if block == "transformer":
+        node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_place(gm)
+        return insert_block(gm, node, chosen, attention, generator)
     node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_point(gm, lambda n: block_params(n, block))
     shape = tensor_shape(node)
     if not is_float_tensor(node) or len(shape) < 2:
@@ -60,7 +96,7 @@ def deepen(gm: fx.GraphModule, after: str | None = None, block: Literal["auto", 
             lin.bias.zero_()
         module = nn.Sequential(lin, nn.ReLU())
     else:
-        raise NotApplicable(f"unknown block '{block}'", "use conv_bn_relu or linear_relu")
+        raise NotApplicable(f"unknown block '{block}'", "use conv_bn_relu, linear_relu or transformer")
     name = add_module(gm, f"deepen_{block}", module)
     gate = add_parameter(gm, f"{name}_gate", torch.zeros((), **kw))
     graph = gm.graph
@@ -93,8 +129,254 @@ class Deepen(Pass):
     name: ClassVar[str] = "deepen"
     function = deepen
     after: str | None = arg(None, "node name or module path (its output); default: the latest stage end within the budget")
-    block: Literal["auto", "conv_bn_relu", "linear_relu"] = arg("auto", "auto: conv_bn_relu for feature maps (N,C,H,W or a Conv1d's N,C,L), linear_relu otherwise")
+    block: Block = arg("auto", "auto: conv_bn_relu for feature maps (N,C,H,W or a Conv1d's N,C,L), linear_relu otherwise; "
+                               "transformer: a pre-norm attention + MLP block on a token stream (N,T,C), no gate")
+    attention: Literal["auto", "causal", "bidirectional"] = arg(
+        "auto", "block=transformer: auto probes whether the stream is causal at the place (refuses when it cannot tell)")
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
-        """The end of each backbone stage, the last first."""
+        """The end of each backbone stage, the last first (block=transformer: each block's output on the token stream)."""
+        if self.block == "transformer":
+            return candidates(gm)
         return stage_end_candidates(gm, lambda n: block_params(n, self.block))
+
+
+# --- block=transformer ------------------------------------------------------------------------------------
+
+ATTENTIONS = ("auto", "causal", "bidirectional")
+
+
+def is_token_stream(node: fx.Node) -> bool:
+    """A float (N, T, C) tensor with its channels last."""
+    shape = tensor_shape(node)
+    return is_float_tensor(node) and shape is not None and len(shape) == 3 and conv_dims(node) is None
+
+
+def _is_residual_add(node: fx.Node) -> bool:
+    """A sum of two tensors of the stream's shape: a block's output on the residual stream."""
+    is_add = (node.op == "call_function" and node.target in (operator.add, torch.add)) or (node.op == "call_method" and node.target == "add")
+    ins = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+    return is_add and len(ins) == 2 and all(tensor_shape(a) == tensor_shape(node) for a in ins)
+
+
+def stream_places(gm: fx.GraphModule) -> list[fx.Node]:
+    """Residual-stream places of the backbone's token stages (each block's output), the last first; the stage
+    ends when the stream has no residual sums."""
+    streams = [n for s in stages(gm) for n in s.nodes if is_token_stream(n)]
+    adds = [n for n in streams if _is_residual_add(n)]
+    return list(reversed(adds or streams[-1:]))
+
+
+def transformer_params(node: fx.Node, gm: fx.GraphModule | None = None) -> int:
+    """Parameters the block adds after `node` (LayerNorm form: norms, q/v/proj with bias, k without, MLP 4·C)."""
+    shape = tensor_shape(node) or ()
+    if len(shape) != 3:
+        return 0
+    c = shape[-1]
+    f = _mlp_width(gm, c) if gm is not None else 4 * c
+    return 4 * c + 4 * c * c + 3 * c + 2 * c * f + f + c
+
+
+def default_place(gm: fx.GraphModule) -> tuple[fx.Node, str]:
+    places = stream_places(gm)
+    if not places:
+        raise NotApplicable("the model has no token stream (N, T, C) on its main path",
+                            "name a (N, T, C) tensor with after=, or use block=conv_bn_relu / linear_relu")
+    total = max(param_count(gm), 1)
+    node, over = pick_within_budget(places, lambda n: transformer_params(n, gm), total)
+    which = "the last block's output on the token stream" if node is places[0] else "the latest block output within the budget"
+    return node, f"{which}{over}"
+
+
+def candidates(gm: fx.GraphModule) -> list[Candidate]:
+    places = stream_places(gm)
+    if not places:
+        return []
+    default, _ = default_place(gm)
+    return [Candidate({"after": n.name}, f"token stream {list(tensor_shape(n) or ())}, a residual sum in {place(gm, n)}",
+                      transformer_params(n, gm), n is default) for n in places]
+
+
+# --- what the model tells: norms, heads, MLP width ------------------------------------------------------
+
+def _stream_norm(gm: fx.GraphModule, c: int) -> tuple[type, float, bool]:
+    """(class, eps, bias) of the model's first norm of width C; LayerNorm(eps=1e-5) when it has none."""
+    for m in gm.modules():
+        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and tuple(m.normalized_shape) == (c,):
+            eps = m.eps if m.eps is not None else torch.finfo(torch.float32).eps
+            return type(m), float(eps), isinstance(m, nn.LayerNorm)
+    return nn.LayerNorm, 1e-5, True
+
+
+def _heads(gm: fx.GraphModule, c: int) -> tuple[int, str]:
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is F.scaled_dot_product_attention and isinstance(n.args[0], fx.Node):
+            q = tensor_shape(n.args[0])
+            if q is not None and len(q) == 4 and q[1] * q[3] == c:
+                return q[1], "the model's own attention"
+    h = max(d for d in range(1, max(c // 64, 1) + 1) if c % d == 0)
+    return h, "default: the largest divisor of C at most C // 64"
+
+
+def _mlp_width(gm: fx.GraphModule | None, c: int) -> int:
+    """F of a Linear pair C → F → C in the model (its MLP), else 4·C."""
+    linears = [m for m in gm.modules() if isinstance(m, nn.Linear)] if gm is not None else []
+    back = {m.in_features for m in linears if m.out_features == c}
+    ups = [m.out_features for m in linears if m.in_features == c and m.out_features != c and m.out_features in back]
+    return ups[0] if ups else 4 * c
+
+
+# --- causality -------------------------------------------------------------------------------------------
+
+def _stream_value(gm: fx.GraphModule, node: fx.Node, inputs) -> torch.Tensor:
+    interp = fx.Interpreter(gm, garbage_collect_values=False)
+    interp.run(*(inputs.values() if isinstance(inputs, dict) else (inputs,)))
+    return interp.env[node]
+
+
+def _changed_last(inputs, t: int):
+    """The inputs with their last sequence position changed, for each input aligned with T; None when none is."""
+    items = inputs if isinstance(inputs, dict) else {"x": inputs}
+    out, any_changed = {}, False
+    for name, x in items.items():
+        if x.dim() >= 2 and x.shape[1] == t and not name.endswith("mask") and name != "token_type_ids":
+            x = x.clone()
+            x[:, -1] = x[:, -1] + 1 if x.is_floating_point() else (x[:, -1] + 1) % max(int(x.max()) + 1, 2)
+            any_changed = True
+        out[name] = x
+    if not any_changed:
+        return None
+    return out if isinstance(inputs, dict) else out["x"]
+
+
+def probe_causal(gm: fx.GraphModule, node: fx.Node) -> tuple[bool | None, str]:
+    """Whether the stream at `node` is causal (no position reads a later one): True, False, or None (unknown)."""
+    t = (tensor_shape(node) or (0, 0))[1]
+    if any(p.is_meta for p in gm.parameters()):
+        return True, "not probed: the model is on the meta device (sized before it runs; same parameters either way)"
+    was = gm.training
+    gm.eval()
+    try:
+        with torch.no_grad():
+            x = example_input(gm, input_spec_of(gm), seed=0)
+            changed = _changed_last(x, t)
+            if changed is not None and t > 1:
+                a, b = _stream_value(gm, node, x), _stream_value(gm, node, changed)
+                if torch.equal(a[:, -1], b[:, -1]):
+                    return None, "changing the last token does not change the stream there"
+                causal = torch.allclose(a[:, :-1], b[:, :-1], rtol=1e-6, atol=1e-7)
+                return causal, ("probed: earlier positions do not see a later token" if causal
+                                else "probed: earlier positions see a later token")
+            return _own_attention(gm, x)
+    finally:
+        gm.train(was)
+
+
+def _own_attention(gm: fx.GraphModule, x) -> tuple[bool | None, str]:
+    """Causality from the masks the model's own scaled_dot_product_attention calls get at run time."""
+    attn = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is F.scaled_dot_product_attention]
+    if not attn:
+        return None, "no input is aligned with the tokens to probe, and the model has no scaled_dot_product_attention to read"
+    interp = fx.Interpreter(gm, garbage_collect_values=False)
+    interp.run(*(x.values() if isinstance(x, dict) else (x,)))
+    kinds = {_mask_kind(interp.env, n) for n in attn}
+    if len(kinds) == 1 and kinds != {None}:
+        causal = kinds == {True}
+        return causal, f"read from the model's own attention: {'causal' if causal else 'no'} mask (no input is aligned with the tokens)"
+    return None, "no input is aligned with the tokens to probe, and the model's attention masks are neither all causal nor all open"
+
+
+def _mask_kind(env: dict, n: fx.Node) -> bool | None:
+    """True: a causal attention call; False: every position sees every other; None: another mask."""
+    def value(i: int, key: str, default):
+        a = n.args[i] if len(n.args) > i else n.kwargs.get(key, default)
+        return env[a] if isinstance(a, fx.Node) else a
+
+    mask, is_causal = value(3, "attn_mask", None), value(5, "is_causal", False)
+    if mask is None:
+        return bool(is_causal)
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    t = allowed.shape[-1]
+    if allowed.shape[-2] != t:
+        return None
+    if bool(allowed.all()):
+        return bool(is_causal)
+    tril = torch.ones(t, t, dtype=torch.bool, device=allowed.device).tril()
+    return True if bool((allowed == tril).all()) else None
+
+
+# --- the block ------------------------------------------------------------------------------------------
+
+def _linear(c_in: int, c_out: int, bias: bool, generator: torch.Generator, kw: dict, zero: bool = False) -> nn.Linear:
+    lin = nn.Linear(c_in, c_out, bias=bias, **kw)
+    with torch.no_grad():
+        bound = 1 / math.sqrt(c_in)  # nn.Linear's own init, drawn from the pass's generator
+        lin.weight.copy_(torch.empty_like(lin.weight, device="cpu").uniform_(-bound, bound, generator=generator))
+        if zero:
+            lin.weight.zero_()
+        if lin.bias is not None:
+            lin.bias.zero_()
+    return lin
+
+
+def insert_block(gm: fx.GraphModule, node: fx.Node, chosen: str, attention: str, generator: torch.Generator) -> Rewrite:
+    if attention not in ATTENTIONS:
+        raise NotApplicable(f"unknown attention '{attention}'", "use auto, causal or bidirectional")
+    if not is_token_stream(node):
+        raise NotApplicable(f"block=transformer needs a token stream (N, T, C) with channels last; '{node.name}' is "
+                            f"{list(tensor_shape(node) or [])}" + (" with its channels at dim 1" if is_float_tensor(node) else ""),
+                            "pick a tensor between two transformer blocks, or use block=conv_bn_relu / linear_relu")
+    c = tensor_shape(node)[-1]  # type: ignore[index]
+    why = "given"
+    if attention == "auto":
+        causal, why = probe_causal(gm, node)
+        if causal is None:
+            raise NotApplicable(f"cannot tell whether attention at '{node.name}' must be causal: {why}",
+                                "say it: attention=causal (a language model) or attention=bidirectional")
+        attention = "causal" if causal else "bidirectional"
+    norm_cls, eps, bias = _stream_norm(gm, c)
+    heads, heads_why = _heads(gm, c)
+    f = _mlp_width(gm, c)
+    kw = factory_kwargs(gm, node)
+    block = nn.Module()
+    for name in ("norm1", "norm2"):
+        block.add_module(name, norm_cls(c, eps=eps, **kw))
+    for name, (i, o, b, zero) in {"q": (c, c, bias, False), "k": (c, c, False, False), "v": (c, c, bias, False),
+                                  "proj": (c, c, bias, True), "fc1": (c, f, bias, False), "fc2": (f, c, bias, True)}.items():
+        block.add_module(name, _linear(i, o, b, generator, kw, zero))
+    block.add_module("act", nn.GELU())
+    root = add_module(gm, "deepen_transformer", block)
+    new = _wire(gm, node, root, heads, attention == "causal")
+    set_scope(new, node)
+    targets = {"after": f"{node.name} {list(tensor_shape(node) or [])}", "chosen": chosen,
+               "block": (f"transformer ({root}): {norm_cls.__name__}(eps={eps:g}), {heads} heads ({heads_why}), MLP {c}→{f}→{c}, "
+                         f"{attention} attention ({why}); proj and fc2 = 0")}
+    return Rewrite(finish(gm), targets)
+
+
+def _wire(gm: fx.GraphModule, x: fx.Node, root: str, heads: int, causal: bool) -> list[fx.Node]:
+    graph = gm.graph
+    made: list[fx.Node] = []
+
+    def mod(name: str, arg: fx.Node) -> fx.Node:
+        made.append(graph.call_module(f"{root}.{name}", (arg,)))
+        return made[-1]
+
+    def meth(name: str, *args) -> fx.Node:
+        made.append(graph.call_method(name, args))
+        return made[-1]
+
+    def split_heads(t: fx.Node) -> fx.Node:  # (N, T, C) → (N, H, T, C/H)
+        return meth("transpose", meth("unflatten", t, -1, (heads, -1)), 1, 2)
+
+    with inserting_after(x):
+        h1 = mod("norm1", x)
+        q, k, v = (split_heads(mod(p, h1)) for p in ("q", "k", "v"))
+        made.append(graph.call_function(F.scaled_dot_product_attention, (q, k, v), {"is_causal": causal}))
+        att = mod("proj", meth("flatten", meth("transpose", made[-1], 1, 2), 2))
+        made.append(graph.call_function(operator.add, (x, att)))
+        h = made[-1]
+        mlp = mod("fc2", mod("act", mod("fc1", mod("norm2", h))))
+        made.append(graph.call_function(operator.add, (h, mlp)))
+    replace_uses(x, made[-1], keep=made)
+    return made

@@ -51,3 +51,18 @@ def test_capture_choice_reaches_the_trace(runner):
     res = invoke(runner, "inspect", MODEL, "--input", "input_ids:int64[1,8]", "--capture", "fx", "--json")
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["trace"]["capture"] == "fx"
+
+
+def test_named_sizes_declare_dynamic_dimensions_and_bad_ones_are_refused():
+    import pytest
+
+    from graphgrow.core.errors import InputError
+    from graphgrow.graph.inputs import parse_spec
+
+    spec = parse_spec("input_ids:int64[1,seq=128],attention_mask:int64[1,seq=128] pixel_values:float32[1,3,8,8]")
+    assert [t.dynamic for t in spec] == [((1, "seq"),), ((1, "seq"),), ()]
+    assert parse_spec([t.record() for t in spec]) == spec  # stored and read back as it was
+    for bad, why in (("x:int64[1,seq=1]", "which torch.export fixes"), ("x:int64[batch=2,4]", "cannot be declared dynamic"),
+                     ("a:int64[1,seq=4],b:int64[1,seq=5]", "one name, one size"), ("x:int64[1,se q=4]", "not integers")):
+        with pytest.raises(InputError, match=why):
+            parse_spec(bad)

@@ -218,9 +218,9 @@ def test_a_model_tied_to_its_length_is_exported_with_a_static_length_and_says_wh
     for a graph that no longer carries capture's example values, as after a file round trip): the length stays the
     example's, the metadata names the inputs and the reason; the check skips the second length."""
     spec = parse_spec(TOKENS)
-    for model, why, forget in ((FlatHead(), "torch.export fixed the sequence length of input_ids at 16", False),
-                               (FlatHead(), "the model fails at sequence length 8: mat1 and mat2", True),
-                               (LengthBranch(), "torch.export fixed the sequence length", False)):
+    for model, why, forget in ((FlatHead(), "torch.export fixed sequence (dim 1 of input_ids) at 16", False),
+                               (FlatHead(), "the model fails at sequence=8: mat1 and mat2", True),
+                               (LengthBranch(), "torch.export fixed sequence (dim 1", False)):
         gm = gg.trace(model.eval(), input_shape=spec)
         for n in gm.graph.nodes if forget else []:
             n.meta.pop("val", None)
@@ -244,3 +244,18 @@ def test_export_failing_with_a_dynamic_length_falls_back_to_the_static_one():
     static = json.loads(metadata(proto)["graphgrow.static_sequence"])
     assert "inferred a static shape of 16" in static["reason"] and _dims(proto.graph.input[0]) == ["batch", 16]
     assert check_equivalence(model, open_session(proto.SerializeToString(), "cpu"), spec).passed
+
+
+@pytest.mark.slow
+def test_declared_dynamic_dimensions_are_exported_and_checked_at_a_second_size():
+    """`input:float32[1,1,samples=400]`: a float waveform whose length the user declares dynamic (no rule would
+    guess it): the ONNX input keeps that name, the check runs a second, halved length."""
+    model = nn.Sequential(nn.Conv1d(1, 4, 9, stride=4, padding=4), nn.ReLU(), nn.AdaptiveAvgPool1d(1), nn.Flatten(),
+                          nn.Linear(4, 3)).eval()
+    spec = parse_spec("input:float32[1,1,samples=400]")
+    assert spec[0].dynamic == ((2, "samples"),) and spec[0].record()["dynamic"] == {"2": "samples"}
+    gm = gg.trace(model, input_shape=spec)
+    proto = export_onnx(gm, spec, max_ir_version=max_ir_version())
+    assert _dims(proto.graph.input[0]) == ["batch", 1, "samples"]
+    report = check_equivalence(model, open_session(proto.SerializeToString(), "cpu"), spec, raise_on_failure=True)
+    assert any("1×1×200" in o.case for o in report.outputs), [o.case for o in report.outputs]

@@ -26,8 +26,9 @@ INPUT_SHAPE_HELP = "example input shape N,C,H,W (needed when the model file cann
 DATA_HELP = "a function of yours returning (inputs, loss_fn): a batch of model inputs and the loss of the model's output"
 
 
-INPUT_HELP = ("one named model input NAME:DTYPE[SHAPE], e.g. input_ids:int64[1,128]; repeat for each input the forward "
-              "takes (int inputs are drawn below the model's vocabulary; *mask inputs are ones)")
+INPUT_HELP = ("one named model input NAME:DTYPE[SHAPE], e.g. input_ids:int64[1,seq=128]; repeat for each input the forward "
+              "takes (int inputs are drawn below the model's vocabulary; *mask inputs are ones; a named size such as "
+              "seq=128 stays dynamic in ONNX)")
 CAPTURE_HELP = ("how to capture the model: fx (symbolic tracing), export (torch.export: Hugging Face transformers) or "
                 "auto (fx, torch.export when fx cannot trace the model or an input is not one float tensor)")
 

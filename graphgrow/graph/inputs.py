@@ -36,9 +36,13 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str = "float32"
     high: int | None = None
+    dynamic: tuple[tuple[int, str], ...] = ()  # (dim, name) the user declared dynamic (`seq=128`); batch always is
 
     def record(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "high": self.high}
+        out: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "high": self.high}
+        if self.dynamic:
+            out["dynamic"] = {str(d): n for d, n in self.dynamic}
+        return out
 
 
 InputSpec = tuple[TensorSpec, ...]
@@ -54,19 +58,58 @@ def batch_of(shape: Shape) -> int:
     return int(shape[0].shape[0]) if is_spec(shape) else int(shape[0])  # type: ignore[union-attr, arg-type]
 
 
-def _tensor_spec(name: str, shape: Sequence[int], dtype: str, high: int | None = None) -> TensorSpec:
+def _tensor_spec(name: str, shape: Sequence[int], dtype: str, high: int | None = None, dynamic: Any = None) -> TensorSpec:
     if not is_identifier(name):
         raise InputError(f"input name {name[:40]!r} is not a plain identifier", "name inputs as the forward's arguments, e.g. input_ids")
     dims = tuple(int(d) for d in shape)
     if not dims or len(dims) > 8 or any(d <= 0 or d > 1 << 16 for d in dims) or torch.Size(dims).numel() > 1 << 26:
-        raise InputError(f"input {name}: shape {list(dims)} is not a valid example shape (1 to 8 positive sizes, at most 2^26 elements)",
+        raise InputError(f"input {name}: shape {list(dims)} is not a valid example shape (1 to 8 sizes, each 1 to 65,536, at most 2^26 elements)",
                          "e.g. input_ids:1x16:int64")
     if dtype not in DTYPES:
         raise InputError(f"input {name}: unknown dtype {dtype[:20]!r}", f"one of {', '.join(sorted(DTYPES))}")
-    return TensorSpec(name, dims, dtype, high)
+    return TensorSpec(name, dims, dtype, high, _dynamic(name, dims, dynamic))
 
 
-_BRACKETED = re.compile(r"^(?P<name>[^:\[\]]+):(?P<dtype>\w+)\[(?P<dims>[\d,\s]+)\]$")
+def _dynamic(name: str, dims: tuple[int, ...], declared: Any) -> tuple[tuple[int, str], ...]:
+    """Declared dynamic dimensions {dim: name} checked: a later dimension of the input, a plain name, a size ≥ 2
+    (torch.export fixes sizes 0 and 1, so such a dimension cannot stay dynamic)."""
+    if not declared:
+        return ()
+    if not isinstance(declared, Mapping) or len(declared) > len(dims):
+        raise InputError(f"input {name}: its dynamic dimensions are not a map dim → name", "e.g. input_ids:int64[1,seq=128]")
+    out = []
+    for d, dim_name in declared.items():
+        if not (isinstance(d, str) and d.isdigit() and 1 <= int(d) < len(dims)) or not is_identifier(str(dim_name)) \
+                or dim_name == "batch":
+            raise InputError(f"input {name}: dimension {str(d)[:8]}={str(dim_name)[:40]} cannot be declared dynamic "
+                             "(a later dimension than the batch, named by a plain name other than batch)",
+                             "e.g. input_ids:int64[1,seq=128]; the batch (dim 0) is always dynamic")
+        if dims[int(d)] < 2:
+            raise InputError(f"input {name}: the dynamic dimension {dim_name} has the example size {dims[int(d)]}, "
+                             "which torch.export fixes", f"give an example size of at least 2, e.g. {dim_name}=16")
+        out.append((int(d), str(dim_name)))
+    return tuple(sorted(out))
+
+
+def _items(text: str) -> list[str]:
+    """The inputs of a spec's text: split at commas or spaces outside brackets that start a new name."""
+    parts = [p for p in re.split(r"([\[\]])", text.strip()) if p]
+    items, depth, current = [], 0, ""
+    for p in parts:
+        depth += {"[": 1, "]": -1}.get(p, 0)
+        if depth == 0 and p not in "[]":
+            pieces = re.split(r"[,\s]+(?=[A-Za-z_])", p)
+            current += pieces[0]
+            for piece in pieces[1:]:
+                items.append(current)
+                current = piece
+        else:
+            current += p
+    items.append(current)
+    return [i.strip(", ") for i in items if i.strip(", ")]
+
+
+_BRACKETED = re.compile(r"^(?P<name>[^:\[\]]+):(?P<dtype>\w+)\[(?P<dims>(?:[A-Za-z_]\w*=)?\d+(?:[,\s]+(?:[A-Za-z_]\w*=)?\d+)*)\]$")
 
 
 def parse_spec(text: Any) -> InputSpec:
@@ -74,13 +117,18 @@ def parse_spec(text: Any) -> InputSpec:
     if is_spec(text):
         return text
     if isinstance(text, str):
-        items = [p for p in re.split(r"[,\s]+(?=[A-Za-z_])", text.strip()) if p]
+        items = _items(text)
         out = []
         for item in items:
             bracketed = _BRACKETED.match(item)
-            if bracketed:  # NAME:DTYPE[d0,d1,...], the issue's and torch's way of writing it
-                dims = [int(d) for d in re.split(r"[,\s]+", bracketed["dims"].strip()) if d]
-                out.append(_tensor_spec(bracketed["name"], dims, bracketed["dtype"]))
+            if bracketed:  # NAME:DTYPE[d0,seq=d1,...]: a named size is a dynamic dimension
+                sizes, dynamic = [], {}
+                for i, d in enumerate(p for p in re.split(r"[,\s]+", bracketed["dims"].strip()) if p):
+                    dim_name, _, size = d.rpartition("=")
+                    if dim_name:
+                        dynamic[str(i)] = dim_name
+                    sizes.append(int(size))
+                out.append(_tensor_spec(bracketed["name"], sizes, bracketed["dtype"], None, dynamic))
                 continue
             parts = item.split(":")
             if len(parts) not in (2, 3):
@@ -96,7 +144,7 @@ def parse_spec(text: Any) -> InputSpec:
         return _unique([_from_value(str(k), v) for k, v in text.items()])
     if isinstance(text, (list, tuple)) and text and all(isinstance(r, Mapping) for r in text):  # stored records
         return _unique([_tensor_spec(str(r["name"]), r["shape"], str(r.get("dtype", "float32")),
-                                     int(r["high"]) if r.get("high") is not None else None) for r in text])
+                                     int(r["high"]) if r.get("high") is not None else None, r.get("dynamic")) for r in text])
     raise InputError(f"cannot read an input spec from {type(text).__name__}", "give NAME:SHAPE:DTYPE,... or a dict name → shape")
 
 
@@ -116,6 +164,12 @@ def _unique(specs: list[TensorSpec]) -> InputSpec:
     names = [s.name for s in specs]
     if not specs or len(specs) > MAX_INPUTS or len(set(names)) != len(names):
         raise InputError(f"an input spec needs 1 to {MAX_INPUTS} inputs with distinct names, got {names[:20]}", "e.g. input_ids:1x16:int64")
+    sizes: dict[str, int] = {}
+    for t in specs:
+        for d, dim_name in t.dynamic:
+            if sizes.setdefault(dim_name, t.shape[d]) != t.shape[d]:
+                raise InputError(f"the dynamic dimension {dim_name} has the example sizes {sizes[dim_name]} and {t.shape[d]}",
+                                 "one name, one size: inputs sharing a dynamic dimension share its example size")
     return tuple(specs)
 
 

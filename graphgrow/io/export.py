@@ -23,7 +23,7 @@ from .serialize import is_stored_shape, validate_meta
 from ..graph.inputs import batch_of, call, InputSpec, is_spec, Shape, spec_inputs
 from ..graph.shapes import example_input
 from .onnx_spec import (captured_static, check_input_names, dynamic_dims, fails_shorter, INPUTS_KEY, is_token_input,
-                        name_dict_outputs, name_outputs, named_leaves, read_spec, sequence_groups, spec_metadata)
+                        name_dict_outputs, name_outputs, named_leaves, read_spec, dynamic_groups, spec_metadata)
 from ..core.state import training_mode
 
 LOG_KEY = "graphgrow.mutation_log"
@@ -107,7 +107,7 @@ def _export_named(gm: torch.nn.Module, spec: InputSpec, opset: int | None, isola
     torch.export cannot export with the length symbolic, is exported with the example's length."""
     check_input_names(gm, spec)
     feeds = spec_inputs(gm, spec, seed=0, batch=max(2, batch_of(spec)))  # batch ≥ 2: sizes 0 and 1 become constants
-    groups = sequence_groups(spec)
+    groups = dynamic_groups(spec)
     with training_mode(gm, False), torch.no_grad():
         names = [n for n, _ in named_leaves(call(gm, feeds))]
         reason = (captured_static(gm, groups) or fails_shorter(gm, spec, feeds, len(names))) if groups else None
@@ -127,9 +127,10 @@ def _export_named(gm: torch.nn.Module, spec: InputSpec, opset: int | None, isola
     name_outputs(proto, names)
     static, why = {}, []
     if reason is not None:
-        static.update({t.name: t.shape[1] for t in spec if any(t.name in g for g in groups.values())})
+        shapes = {t.name: t.shape for t in spec}
+        static.update({name: shapes[name][d] for members in groups.values() for name, d in members})
         why.append(reason)
-    short = {t.name: t.shape[1] for t in spec if is_token_input(t) and t.shape[1] < 2}
+    short = {} if any(t.dynamic for t in spec) else {t.name: t.shape[1] for t in spec if is_token_input(t) and t.shape[1] < 2}
     if short:
         static.update(short)
         why.append("an example sequence length of 1 cannot stay dynamic (torch.export fixes sizes 0 and 1): give a longer example")

@@ -44,39 +44,49 @@ def is_token_input(t: TensorSpec) -> bool:
     return len(t.shape) == 2 and not DTYPES[t.dtype].is_floating_point and DTYPES[t.dtype] != torch.bool
 
 
-def sequence_groups(spec: InputSpec) -> dict[str, list[str]]:
-    """Dim-1 names → the token inputs that share that example length (token ids and their mask).
+def dynamic_groups(spec: InputSpec) -> dict[str, list[tuple[str, int]]]:
+    """Each dynamic dimension but the batch, by name → the (input, dim) pairs it sizes.
 
-    A length below 2 is left out: torch.export fixes sizes 0 and 1, so it cannot stay dynamic."""
-    by_length: dict[int, list[str]] = {}
+    Declared in the spec (`input_ids:int64[1,seq=128]`) when any input declares one; otherwise dim 1 of the
+    token inputs, grouped by example length (token ids and their mask share one). A length below 2 is left
+    out: torch.export fixes sizes 0 and 1, so it cannot stay dynamic."""
+    if any(t.dynamic for t in spec):
+        declared: dict[str, list[tuple[str, int]]] = {}
+        for t in spec:
+            for d, dim_name in t.dynamic:
+                declared.setdefault(dim_name, []).append((t.name, d))
+        return declared
+    by_length: dict[int, list[tuple[str, int]]] = {}
     for t in spec:
         if is_token_input(t) and t.shape[1] >= 2:
-            by_length.setdefault(t.shape[1], []).append(t.name)
-    return {("sequence" if i == 0 else f"sequence_{i + 1}"): names for i, names in enumerate(by_length.values())}
+            by_length.setdefault(t.shape[1], []).append((t.name, 1))
+    return {("sequence" if i == 0 else f"sequence_{i + 1}"): members for i, members in enumerate(by_length.values())}
 
 
 def dynamic_dims(spec: InputSpec, sequence: bool) -> dict[str, dict[int, str]]:
-    """Per input, its dynamic dimensions by name (torch.onnx.export's dynamic_shapes with named dims)."""
+    """Per input, its dynamic dimensions by name (torch.onnx.export's dynamic_shapes with named dims);
+    without `sequence` only the batch."""
     dims: dict[str, dict[int, str]] = {t.name: {0: BATCH} for t in spec}
     if sequence:
-        for dim_name, names in sequence_groups(spec).items():
-            for name in names:
-                dims[name][1] = dim_name
+        for dim_name, members in dynamic_groups(spec).items():
+            for name, d in members:
+                dims[name][d] = dim_name
     return dims
 
 
 def shorter_length(length: int) -> int:
-    """The second sequence length checked (and probed before export): half the example's."""
+    """The second length checked for a dynamic dimension (and probed before export): half the example's."""
     return max(1, length // 2)
 
 
 def with_shorter_sequence(spec: InputSpec, dims: dict[str, Any]) -> InputSpec:
-    """`spec` with dim 1 halved in the token inputs whose dim 1 is dynamic (`dims`: input → {dim: name or size})."""
-    def dynamic(t: TensorSpec) -> bool:
+    """`spec` with every dynamic dimension but the batch halved (`dims`: input → {dim: name, or a size when fixed})."""
+    def shorter(t: TensorSpec) -> TensorSpec:
         d = dims.get(t.name) or {}
-        return is_token_input(t) and isinstance(d.get(1), str)
+        shape = tuple(shorter_length(n) if i > 0 and isinstance(d.get(i), str) else n for i, n in enumerate(t.shape))
+        return dataclasses.replace(t, shape=shape) if shape != t.shape else t
 
-    return tuple(dataclasses.replace(t, shape=(t.shape[0], shorter_length(t.shape[1]))) if dynamic(t) else t for t in spec)
+    return tuple(shorter(t) for t in spec)
 
 
 def check_input_names(gm: torch.nn.Module, spec: InputSpec) -> None:
@@ -89,29 +99,33 @@ def check_input_names(gm: torch.nn.Module, spec: InputSpec) -> None:
                          "name the spec's inputs after the forward's arguments")
 
 
-def captured_static(gm: torch.nn.Module, groups: dict[str, list[str]]) -> str | None:
+def captured_static(gm: torch.nn.Module, groups: dict[str, list[tuple[str, int]]]) -> str | None:
     """A length torch.export fixed when the model was captured: the graph holds only the code for that length
     (`if input_ids.shape[1] == 16: ...` kept one branch), so it must not be exported as dynamic. Read from the
     placeholders' example values, which a captured graph keeps until it is saved."""
-    grouped = {n for names in groups.values() for n in names}
+    dims = {(name, d): dim_name for dim_name, members in groups.items() for name, d in members}
     for n in gm.graph.nodes if isinstance(gm, fx.GraphModule) else []:
         val = n.meta.get("val") if n.op == "placeholder" else None
-        if str(n.target) in grouped and isinstance(val, torch.Tensor) and val.dim() == 2 and is_concrete_int(val.shape[1]):
-            return (f"torch.export fixed the sequence length of {n.target} at {val.shape[1]} when the model was captured "
-                    "(its code depends on the length)")
+        for (name, d), dim_name in dims.items():
+            if str(n.target) == name and isinstance(val, torch.Tensor) and val.dim() > d and is_concrete_int(val.shape[d]):
+                return (f"torch.export fixed {dim_name} (dim {d} of {name}) at {val.shape[d]} when the model was captured "
+                        "(its code depends on that size)")
     return None
 
 
 def fails_shorter(gm: torch.nn.Module, spec: InputSpec, feeds: dict, leaves: int) -> str | None:
-    """Why the model cannot take a shorter sequence (it fails there, or its output changes structure); None when it can."""
+    """Why the model cannot take shorter dynamic dimensions (it fails there, or its output changes structure);
+    None when it can."""
     shorter = with_shorter_sequence(spec, dynamic_dims(spec, True))
-    length = min(t.shape[1] for t, s in zip(shorter, spec) if t != s)
+    shapes = {t.name: t.shape for t in spec}
+    sizes = ", ".join(f"{dim_name}={shorter_length(shapes[members[0][0]][members[0][1]])}"
+                      for dim_name, members in dynamic_groups(spec).items())
     try:
         out = call(gm, spec_inputs(gm, shorter, seed=1, batch=next(iter(feeds.values())).shape[0]))
     except Exception as e:  # noqa: BLE001 - any failure means the length is fixed; the reason is recorded
-        return f"the model fails at sequence length {length}: {first_line(e, 200)}"
+        return f"the model fails at {sizes}: {first_line(e, 200)}"
     if len(named_leaves(out)) != leaves:
-        return f"the model's output changes structure at sequence length {length}"
+        return f"the model's output changes structure at {sizes}"
     return None
 
 

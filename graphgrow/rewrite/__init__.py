@@ -24,7 +24,8 @@ Merged blocks (a mode switch: per-path work of a block that branches on self.tra
 New weights (initializers): kaiming_, zero_last_bn; from data (gradmax): gradmax_init, group_layouts, adapter_layouts,
     load_data
 Layers and sizes: AverageMerge, param_count, input_spec_of (the example input a model was traced with: its input spec
-    when it has one, else its float input shape), input_shape_of (the float input shape only)
+    when it has one, else its float input shape), input_shape_of (the float input shape only),
+    example_input (seeded inputs for that shape or spec: a probe of the model's behaviour)
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from ..graph.fx_edit import (
 from .gradmax import adapter_layouts, gradmax_init, group_layouts, load_data
 from .initializers import kaiming_, zero_last_bn
 from ..graph.layers import AverageMerge
-from ..graph.shapes import param_count
+from ..graph.shapes import example_input, param_count
 from ..analysis.stages import (
     DEFAULT_BUDGET, default_point, graphgrow_modules, is_graphgrow_node, main_path, pick_within_budget, place,
     Stage, stage_end, stage_end_candidates, stages,
@@ -61,4 +62,5 @@ __all__ = [
     "analyze", "Coupling", "channel_axis", "conv_dims", "plan_growth", "make_layout", "Insertion", "Layout", "grow_group", "resize",
     "columns", "rows", "set_module", "identity_adapter", "Init",
     "kaiming_", "zero_last_bn", "gradmax_init", "group_layouts", "adapter_layouts", "load_data", "AverageMerge", "param_count", "input_shape_of", "input_spec_of",
+    "example_input",
 ]

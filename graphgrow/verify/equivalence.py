@@ -152,8 +152,11 @@ def check_equivalence(model: torch.nn.Module, session: Session, input_shape: Sha
 
 
 def _lengths(shape: InputSpec, example: InputSpec) -> str:
-    changed = sorted({t.shape[1] for t, e in zip(shape, example) if t.shape != e.shape})
-    return f", sequence {'/'.join(map(str, changed))}"
+    """The case label of a shorter run: the halved sizes (`, sequence 8`, or `, sizes 1×3×8` for other inputs)."""
+    changed = [(t, e) for t, e in zip(shape, example) if t.shape != e.shape]
+    if all(len(t.shape) == 2 for t, _ in changed):
+        return f", sequence {'/'.join(map(str, sorted({t.shape[1] for t, _ in changed})))}"
+    return ", sizes " + "/".join("×".join(map(str, t.shape)) for t, _ in changed)
 
 
 def feeds(x: Any) -> Any:
