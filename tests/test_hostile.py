@@ -81,7 +81,7 @@ MATRIX = [  # label, argv (after `graphgrow`), message
     ("custom class", ["mutate", "{custom}", "--pass", "add_residual"], "contains the custom class test_hostile.Custom"),
     ("unknown pass", ["mutate", "{good}", "--pass", "grow_depth", "--input-shape", "1,3,32,32"], "unknown pass 'grow_depth' (valid passes:"),
     ("unknown argument", ["mutate", "{good}", "--pass", "grow_width(size=3)", "--input-shape", "1,3,32,32"],
-     "pass grow_width has no argument 'size' (valid arguments: target, factor, to, mode, init)"),
+     "pass grow_width has no argument 'size' (valid arguments: target, factor, to, mode, init, data)"),
     ("wrong argument type", ["mutate", "{good}", "--pass", "grow_width(factor=big)", "--input-shape", "1,3,32,32"],
      "grow_width(factor=...) must be float, got 'big'"),
     ("wrong choice", ["mutate", "{good}", "--pass", "grow_width(mode=wide)", "--input-shape", "1,3,32,32"],
