@@ -103,6 +103,16 @@ def cnn_file(tmp_path, cnn):
     return p
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one thread is ten times faster than two fighting over a busy machine's cores (opt in per module:
+    pytestmark = pytest.mark.usefixtures("one_thread"))."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(was)
+
+
 @pytest.fixture
 def runner():
     return CliRunner()

@@ -18,12 +18,7 @@ ARCHS = {"gpt2": "causal", "llama": "causal", "bert": "bidirectional", "token_en
 _GROWN: dict[str, tuple] = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    was = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(was)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _build(arch: str) -> tuple[nn.Module, str]:

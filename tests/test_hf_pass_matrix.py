@@ -106,13 +106,7 @@ def build(arch: str) -> tuple[nn.Module, str]:
 _TRACED: dict[str, tuple[nn.Module, str, torch.fx.GraphModule, float]] = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: one thread is ten times faster than two fighting over a busy machine's cores."""
-    was = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(was)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def traced(arch: str):

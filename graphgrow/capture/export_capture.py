@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, TreeSpec
 
 from ..core.errors import first_line, InputError, TraceError
 from ..graph.graph_meta import META_KEY, store_shape
-from ..graph.inputs import DTYPES, InputSpec, is_spec, parse_spec, spec_inputs
+from ..graph.inputs import DTYPES, first_embedding, InputSpec, is_spec, parse_spec, spec_inputs
 from .aten_table import DROPPED, to_torch
 from .standins import standin, tied_parameters
 
@@ -365,7 +365,7 @@ def with_ranges(model: nn.Module, spec: InputSpec) -> InputSpec:
     """Token-id inputs with their range fixed now, from the model's first nn.Embedding (a subclass too): the
     graph may hold no nn.Embedding (BART's scaled embedding is a function there), yet every later check
     must draw ids the model accepts."""
-    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    emb = first_embedding(model)
     if emb is None:
         return spec
     return tuple(replace(t, high=int(emb.num_embeddings)) if t.high is None and not DTYPES[t.dtype].is_floating_point

@@ -177,12 +177,17 @@ def records(spec: InputSpec) -> list[dict]:
     return [t.record() for t in spec]
 
 
+def first_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The embedding whose vocabulary bounds drawn token ids: the model's first nn.Embedding (a subclass too)."""
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
 def _high(model: nn.Module, t: TensorSpec) -> int:
     if t.high is not None:
         return t.high
     if t.name.endswith("mask") or t.name == "token_type_ids":
         return 2
-    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    emb = first_embedding(model)
     if emb is None:
         raise InputError(f"input {t.name} is {t.dtype} but the model has no nn.Embedding to take a vocabulary size from",
                          "give the range in Python: TensorSpec(name, shape, dtype, high=N)")
