@@ -47,12 +47,10 @@ def check_growable_layer(gm: fx.GraphModule, node: fx.Node) -> nn.Module:
     if isinstance(m, nn.Linear):
         return m
     if isinstance(m, nn.modules.conv._ConvNd) and not isinstance(m, nn.modules.conv._ConvTransposeNd):
-        if m.groups == 1:
-            return m
-        if m.groups == m.in_channels == m.out_channels:
+        if m.groups > 1 and m.groups == m.in_channels == m.out_channels:
             raise NotApplicable(f"'{node.target}' is a depthwise conv: its width follows its input",
                                 "grow the layer that produces its input")
-        raise NotApplicable(f"'{node.target}' is a grouped conv (groups={m.groups})", "grow a conv with groups=1 or a Linear")
+        return m  # a grouped conv grows each of its groups by the same number of channels
     raise NotApplicable(f"'{node.target}' is {type(m).__name__}; grow_width widens a conv or Linear layer",
                         "name a conv or Linear layer (graphgrow inspect --groups lists them)")
 
@@ -76,7 +74,7 @@ def growable_layers(gm: fx.GraphModule, coupling: Coupling, replicates: bool = F
             continue
         m = gm.get_submodule(n.target)
         grp = coupling.group(n.name)
-        if n.name not in grp.sources or coupling.why_frozen(grp.id) or not (isinstance(m, nn.Linear) or getattr(m, "groups", 0) == 1):
+        if n.name not in grp.sources or coupling.why_frozen(grp.id) or not isinstance(m, (nn.Linear, nn.modules.conv._ConvNd)):
             continue
         if coupling.norms_reached(grp.id) and not replicates:
             skipped_norm = True

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..graph.fx_edit import tensor_shape
+from .reshapes import piece_axis, reshape_regroup, stack_axis
 
 # Modules whose output channel c depends only on input channel c.
 CHANNELWISE_MODULES = (
@@ -80,6 +81,8 @@ def assign_channel_axes(gm: fx.GraphModule) -> None:
             axis = flatten_keeps_axis(n)
         if axis is None:
             axis = reduced_axis(n)
+        if axis is None:
+            axis = _regrouped_axis(n)
         if axis is None and n.op == "call_module":
             m = gm.get_submodule(n.target)
             if isinstance(m, nn.Linear):
@@ -96,6 +99,27 @@ def assign_channel_axes(gm: fx.GraphModule) -> None:
                 axis = node_axis(same[0])
         if axis is not None:
             n.meta["gg_channel_axis"] = axis
+
+
+def _regrouped_axis(n: fx.Node) -> int | None:
+    """Where a reshape, a stack, a split piece or a slice puts its input's channel axis."""
+    x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if n.op == "call_function" and n.target is torch.stack and n.args and isinstance(n.args[0], (list, tuple)) and n.args[0]:
+        first = n.args[0][0]
+        return stack_axis(n, node_axis(first)) if isinstance(first, fx.Node) else None
+    if x is None:
+        return None
+    found = reshape_regroup(n, node_axis(x))
+    if found is not None:
+        return found.out_axis
+    piece = piece_axis(n, node_axis)
+    if piece is not None:
+        return piece
+    same_rank = len(tensor_shape(x) or ()) == len(tensor_shape(n) or (0,))
+    sliced = n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], (tuple, slice)) and \
+        all(isinstance(i, slice) or i is Ellipsis for i in (n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)))
+    narrowed = (n.op == "call_method" and n.target == "narrow") or (n.op == "call_function" and n.target is torch.narrow)
+    return node_axis(x) if same_rank and (sliced or narrowed) else None
 
 
 def _same_rank_axis(n: fx.Node, shape: tuple) -> int | None:

@@ -22,23 +22,31 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..graph.fx_edit import tensor_shape
+from ..graph.graph_meta import input_spec_of
 from ..graph.layers import AverageMerge
+from ..graph.shapes import annotate
 from ..io.mode_switch import ModeSwitch
 from .axes import (  # noqa: F401 (channel_axis and BATCHNORMS are read through this module)
     assign_channel_axes, BATCHNORMS, channel_axis, CHANNELWISE_FUNCTIONS, CHANNELWISE_METHODS, CHANNELWISE_MODULES,
     ELEMENTWISE, ELEMENTWISE_METHODS, flatten_keeps_axis, moved_axis, node_axis, reduced_axis, SHAPE_QUERIES,
 )
+from . import growth
+from .coupling_splits import Edit, split_rule
 from .opaque import slice_keeps_channels, switch_is_channelwise
 from .probe import function_is_channelwise, module_is_channelwise
 
 @dataclass
 class Link:
-    """A tensor derived from a group member: its channels [offset, offset + C·scale) come from it."""
+    """Channels of `dst` that are channels of `src`: for j < repeat, src channel c is dst channels
+    offset + j·stride + c·scale + q (q < scale). A cat input (offset), a flatten (scale), a slice or a split
+    piece (src is the piece), a reshape that splits the channel axis into blocks (repeat, stride)."""
 
     src: str  # member node of the source group
     dst: str  # member node of the derived group
     offset: int
     scale: int  # features per channel (flatten of H×W maps gives H·W)
+    repeat: int = 1
+    stride: int = 0
 
 
 @dataclass
@@ -52,6 +60,8 @@ class Group:
     frozen: list[str] = field(default_factory=list)  # why it cannot grow
     norms: list[str] = field(default_factory=list)  # LayerNorms over these channels: only uniform replication is exact
     tensors: list[str] = field(default_factory=list)  # per-channel parameters/buffers read by get_attr (layer scale, norm affine)
+    blocks: int = 1  # channels tied to this many equal blocks (grouped convs): each must gain the same number
+    block_reasons: list[str] = field(default_factory=list)
 
     @property
     def growable(self) -> bool:
@@ -60,7 +70,7 @@ class Group:
     def to_json(self) -> dict:
         return {"id": self.id, "channels": self.size, "members": self.members, "sources": self.sources,
                 "consumers": self.consumers, "channelwise": self.channelwise, "frozen": self.frozen,
-                "norms": self.norms, "tensors": self.tensors}
+                "norms": self.norms, "tensors": self.tensors, "blocks": self.blocks}
 
 
 @dataclass
@@ -68,45 +78,39 @@ class Coupling:
     groups: list[Group]
     group_of: dict[str, int]  # tensor node → group id
     links: list[Link]
+    edits: list[Edit] = field(default_factory=list)  # ops whose constants follow the channels (slices, splits, reshapes)
+    steps: dict[int, tuple[int, list[str]]] = field(default_factory=dict)  # growth.step's answers, per group
 
     def group(self, node: str) -> Group:
         return self.groups[self.group_of[node]]
 
     def why_frozen(self, gid: int) -> list[str]:
-        """Reasons a growth of group `gid` cannot happen: its own, and those of every group it reaches."""
-        reasons, seen, todo = [], set(), [gid]
-        while todo:
-            g = todo.pop()
-            if g in seen:
-                continue
-            seen.add(g)
-            grp = self.groups[g]
-            reasons += grp.frozen
-            todo += [self.group_of[l.dst] for l in self.links if self.group_of[l.src] == g]
-        if not self.groups[gid].sources:
-            reasons.append("no conv or Linear layer produces these channels")
-        derived = [l.dst for l in self.links if self.group_of[l.dst] == gid]
-        if derived:  # its channels are assembled from other groups; new ones would have no producer
-            reasons.append(f"'{derived[0]}' assembles these channels from other tensors (cat/flatten); "
-                           "grow one of those instead")
-        return list(dict.fromkeys(reasons))
+        """Reasons a growth of group `gid` cannot happen: its own, those of every group the growth reaches
+        through links, and links that cannot agree on where the new channels go."""
+        return growth.step(self, gid)[1]
+
+    def step(self, gid: int) -> int:
+        """Group `gid` grows by multiples of this (the blocks of grouped convs and channel splits it reaches)."""
+        return growth.step(self, gid)[0]
 
     def reached(self, gid: int) -> list[int]:
-        """Group `gid` and every group derived from it through links (what a growth of it changes)."""
-        seen, todo = [], [gid]
-        while todo:
-            g = todo.pop()
-            if g not in seen:
-                seen.append(g)
-                todo += [self.group_of[l.dst] for l in self.links if self.group_of[l.src] == g]
-        return seen
+        """Group `gid` and every group a growth of it changes (through links, both ways)."""
+        b = self.step(gid)
+        try:
+            found = growth.propagate(self, gid, growth.root_insertions(self.groups[gid].size, b, b, None))
+        except growth.Conflict:
+            return [gid]
+        return [gid] + [g for g in found.insertions if g != gid]
 
     def norms_reached(self, gid: int) -> list[str]:
         return [n for g in self.reached(gid) for n in self.groups[g].norms]
 
 
 def analyze(gm: fx.GraphModule) -> Coupling:
-    """Build the coupling groups of an annotated GraphModule (shapes from shapes.annotate)."""
+    """Build the coupling groups of a GraphModule (annotated here first when shapes.annotate has not run:
+    from the example input it was traced with; InputError when it has none)."""
+    if not any("gg_shape" in n.meta for n in gm.graph.nodes):
+        annotate(gm, input_spec_of(gm))
     g = nx.Graph()
     frozen: dict[str, list[str]] = {}
     sources: list[tuple[str, str | None]] = []
@@ -116,6 +120,8 @@ def analyze(gm: fx.GraphModule) -> Coupling:
     tensors: list[tuple[str, str]] = []  # (attribute path, group member that reads it per channel)
     assign_channel_axes(gm)
     links: list[Link] = []
+    edits: list[Edit] = []
+    blocks: dict[str, list[tuple[int, str]]] = {}  # node → (block count, why)
     modules = dict(gm.named_modules())
     calls: dict[str, int] = {}
     for n in gm.graph.nodes:
@@ -140,6 +146,16 @@ def analyze(gm: fx.GraphModule) -> Coupling:
         for a, b in zip(vs, vs[1:]):
             g.add_edge(a, b)
 
+    def link(src, dst, offset: int, repeat: int = 1, stride: int = 0, scale: int = 1) -> None:
+        if vertex(src) is None or vertex(dst) is None:
+            freeze([src, dst], f"'{dst.name}' takes channels from '{src.name}' without a channel axis on both sides")
+            return
+        links.append(Link(src.name, dst.name, offset, scale, repeat, stride))
+
+    def block(node, count: int, why: str) -> None:
+        if vertex(node) is not None:
+            blocks.setdefault(node.name, []).append((count, why))
+
     for n in gm.graph.nodes:
         out = vertex(n)
         tensor_inputs = [a for a in n.all_input_nodes if vertex(a) is not None]
@@ -153,8 +169,8 @@ def analyze(gm: fx.GraphModule) -> Coupling:
             if calls[n.target] > 1 and any(True for _ in modules[n.target].parameters()):
                 freeze(tensor_inputs + [n], f"module '{n.target}' is called {calls[n.target]} times (shared weights)")
                 continue
-            _module_rule(n, modules[n.target], out, tensor_inputs, join, freeze, sources, consumers, channelwise, links, norms)
-        elif n.op in ("call_function", "call_method"):
+            _module_rule(n, modules[n.target], out, tensor_inputs, join, freeze, sources, consumers, channelwise, links, norms, block)
+        elif n.op in ("call_function", "call_method") and not split_rule(n, out, join, freeze, link, edits):
             _function_rule(gm, n, out, tensor_inputs, join, freeze, links, norms, tensors)
 
     groups: list[Group] = []
@@ -168,6 +184,9 @@ def analyze(gm: fx.GraphModule) -> Coupling:
         for v in members:
             group_of[v] = grp.id
             grp.frozen += [f"'{v}': {r}" for r in frozen.get(v, [])]
+            for count, why in blocks.get(v, []):
+                grp.blocks = growth.lcm(grp.blocks, count)
+                grp.block_reasons.append(why)
         groups.append(grp)
     for name, _ in sources:
         groups[group_of[name]].sources.append(name)
@@ -181,7 +200,7 @@ def analyze(gm: fx.GraphModule) -> Coupling:
         if path not in groups[group_of[member]].tensors:
             groups[group_of[member]].tensors.append(path)
     _freeze_shared_tensors(gm, groups, group_of, tensors)
-    return Coupling(groups, group_of, links)
+    return Coupling(groups, group_of, links, edits)
 
 
 def _freeze_shared_tensors(gm, groups, group_of, tensors) -> None:
@@ -199,18 +218,21 @@ def _freeze_shared_tensors(gm, groups, group_of, tensors) -> None:
                 groups[gid].frozen.append(f"parameter '{path}' is also read elsewhere; resizing it would change that use")
 
 
-def _module_rule(n, m, out, inputs, join, freeze, sources, consumers, channelwise, links, norms) -> None:
+def _module_rule(n, m, out, inputs, join, freeze, sources, consumers, channelwise, links, norms, block) -> None:
     x = inputs[0] if inputs else None
     if isinstance(m, nn.modules.conv._ConvNd) and not isinstance(m, nn.modules.conv._ConvTransposeNd):
-        if m.groups == 1:
-            sources.append((n.name, None))
-            if x is not None:
-                consumers.append((n.name, x.name))
-        elif m.groups == m.in_channels == m.out_channels:  # depthwise: channel c → channel c
+        if m.groups > 1 and m.groups == m.in_channels == m.out_channels:  # depthwise: channel c → channel c
             join(x, n)
             channelwise.append(n.name)
-        else:
-            freeze([x, n], f"grouped conv '{n.target}' (groups={m.groups}) ties channels to groups")
+            return
+        sources.append((n.name, None))
+        if x is not None:
+            consumers.append((n.name, x.name))
+        if m.groups > 1:  # each group of inputs and of outputs grows by the same number of channels
+            why = f"grouped conv '{n.target}' (groups={m.groups})"
+            block(n, m.groups, why)
+            if x is not None:
+                block(x, m.groups, why)
     elif isinstance(m, nn.Linear):
         if x is not None and node_axis(x) != len(tensor_shape(x)) - 1:
             freeze([x], f"Linear '{n.target}' reads a non-channel axis")
@@ -325,6 +347,11 @@ def _function_rule(gm, n, out, inputs, join, freeze, links, norms, tensors) -> N
         return
     if n.op == "call_function" and x is not None and len(inputs) == 1 and out is not None and _probe_function(n, x):
         join(x, n)  # e.g. torchvision's stochastic_depth: acts on whole examples, so on each channel alone
+        return
+    if n.op == "call_function" and target in (F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d):
+        freeze(inputs + ([n] if out else []), f"'{n.name}' is a functional conv (its weight is a graph tensor, as in a "
+               "weight-standardised conv such as timm's StdConv2d, whose statistics new inputs would change): "
+               "not grown yet")
         return
     freeze(inputs + ([n] if out else []), f"'{n.name}' ({name}) is not understood by the coupling analysis")
 

@@ -11,80 +11,34 @@ exact but not symmetric).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import torch
 from torch import fx, nn
 
+from ..analysis import growth
 from ..analysis.coupling import BATCHNORMS, Coupling
+from ..analysis.growth import Insertion, Layout, make_layout  # noqa: F401 (part of this module's API)
 from ..core.errors import NotApplicable
 from .initializers import kaiming_
-
-@dataclass
-class Insertion:
-    """`count` new channels inserted before old channel `pos`; `src[i]` is the old channel new
-    channel i replicates (net2net) or None (fresh)."""
-
-    pos: int
-    count: int
-    src: list[int | None]
-
+from .widen_args import apply_edits, block_sources
 
 def plan_growth(c: Coupling, gid: int, count: int, src: list[int | None] | None = None) -> dict[int, list[Insertion]]:
-    """Every group's insertions when group `gid` gains `count` channels at its end.
+    """Every group's insertions when group `gid` gains `count` channels: at its end, or at the end of each of
+    its blocks (grouped convs, channel splits: see analysis.growth).
 
-    Links carry the insertion to derived groups: a `cat` shifts it by the input's
-    offset, a `flatten` scales it by the spatial size. Raises ValueError with the
-    reasons when any reached group is frozen.
+    Links carry the insertion to tied groups, both ways: a `cat` shifts it by the input's offset, a
+    `flatten` scales it by the spatial size, a slice or split piece takes the part in its span, a reshape
+    that splits channels into blocks repeats it per block. Raises ValueError with the reasons when a
+    reached group is frozen or the links cannot agree.
     """
-    reasons = c.why_frozen(gid)
-    if reasons:
-        raise ValueError("; ".join(reasons))
-    src = list(src) if src is not None else [None] * count
-    plan: dict[int, list[Insertion]] = {}
-    todo = [(gid, Insertion(c.groups[gid].size, count, src))]
-    while todo:
-        g, ins = todo.pop()
-        if any(i.pos == ins.pos and i.count == ins.count and i.src == ins.src for i in plan.get(g, [])):
-            continue  # reached twice through the same link path
-        plan.setdefault(g, []).append(ins)
-        for link in c.links:
-            if c.group_of[link.src] != g:
-                continue
-            s = link.scale
-            derived_src = [None if x is None else link.offset + x * s + q for x in ins.src for q in range(s)]
-            todo.append((c.group_of[link.dst], Insertion(link.offset + ins.pos * s, ins.count * s, derived_src)))
-    return plan
-
-
-@dataclass
-class Layout:
-    """Where old and new channels go when a dimension of size `old` receives insertions."""
-
-    old: int
-    new: int
-    old_to_new: list[int]
-    new_slots: list[int]
-    src: list[int | None]
-
-
-def make_layout(old: int, insertions: list[Insertion]) -> Layout:
-    ins = sorted(insertions, key=lambda i: i.pos)
-    old_to_new, new_slots, src = [], [], []
-    cursor, k = 0, 0
-    for i in ins:
-        while cursor < i.pos:
-            old_to_new.append(cursor + k)
-            cursor += 1
-        for j in range(i.count):
-            new_slots.append(cursor + k)
-            src.append(i.src[j])
-            k += 1
-    while cursor < old:
-        old_to_new.append(cursor + k)
-        cursor += 1
-    return Layout(old, old + k, old_to_new, new_slots, src)
+    try:
+        found = growth.plan(c, gid, count, src)
+    except growth.Conflict as e:
+        raise ValueError(str(e)) from e
+    if found.reasons:
+        raise ValueError("; ".join(found.reasons))
+    return found.insertions
 
 
 Init = Literal["zero", "net2net"]
@@ -171,7 +125,7 @@ def resize_conv(m: nn.modules.conv._ConvNd, in_layout: Layout | None, out_layout
     padding_mode, dtype, device and the class are kept. Depthwise convs grow in, out and groups together."""
     depthwise = m.groups > 1 and m.groups == m.in_channels == m.out_channels
     if m.groups > 1 and not depthwise:
-        raise NotApplicable(f"cannot resize grouped conv with groups={m.groups}", "grow a layer outside the grouped conv")
+        return resize_grouped_conv(m, in_layout, out_layout, init, generator)
     if depthwise:
         out_layout = out_layout or in_layout
         in_layout = None
@@ -179,6 +133,52 @@ def resize_conv(m: nn.modules.conv._ConvNd, in_layout: Layout | None, out_layout
     cout = out_layout.new if out_layout else m.out_channels
     new = _rebuilt(m, in_channels=cin, out_channels=cout, groups=cout if depthwise else 1)
     return _fill_weights(m, new, in_layout, out_layout, init, generator)
+
+
+def resize_grouped_conv(m: nn.modules.conv._ConvNd, in_layout: Layout | None, out_layout: Layout | None, init: Init,
+                        generator: torch.Generator) -> nn.Module:
+    """A grouped conv whose groups each gain the same number of input and/or output channels (groups kept):
+    the weight is laid out block-diagonally, widened like a dense conv, and its diagonal blocks taken back;
+    new rows are drawn at the grouped fan-in."""
+    g = m.groups
+    for layout in (in_layout, out_layout):
+        if layout is not None and not growth.keeps_blocks(layout, g):
+            raise NotApplicable(f"the {g} groups of this grouped conv would not each gain the same number of channels "
+                                f"({layout.old} → {layout.new})", f"grow by a multiple of {g}")
+    cin = in_layout.new if in_layout else m.in_channels
+    cout = out_layout.new if out_layout else m.out_channels
+    new = _rebuilt(m, in_channels=cin, out_channels=cout)
+    with torch.no_grad():
+        dense = _block_diagonal(m.weight, g)
+        w = rows(columns(dense, in_layout, init, generator), out_layout, init, generator, "zero")
+        weight = _diagonal_blocks(w, g)
+        for slot, src in zip(out_layout.new_slots if out_layout else [], out_layout.src if out_layout else []):
+            if init == "net2net" and src is not None:
+                if slot // (cout // g) != src // (m.out_channels // g):
+                    raise NotApplicable("a net2net replica would sit in another group of the grouped conv than its source",
+                                        "use init=zero")
+            else:
+                weight[slot] = kaiming_(torch.empty_like(weight[slot:slot + 1]), generator)[0]
+        _set_tensor(new, "weight", weight)
+        if m.bias is not None:
+            _set_tensor(new, "bias", rows(m.bias, out_layout, init, generator, "zero"))
+    return new
+
+
+def _block_diagonal(w: torch.Tensor, g: int) -> torch.Tensor:
+    """(out, in/g, k…) grouped weight → (out, in, k…) with zeros outside each group's block."""
+    out, per = w.shape[0], w.shape[1]
+    dense = torch.zeros((out, per * g) + tuple(w.shape[2:]), dtype=w.dtype, device=w.device)
+    rows_per = out // g
+    for j in range(g):
+        dense[j * rows_per:(j + 1) * rows_per, j * per:(j + 1) * per] = w[j * rows_per:(j + 1) * rows_per]
+    return dense
+
+
+def _diagonal_blocks(dense: torch.Tensor, g: int) -> torch.Tensor:
+    out, cin = dense.shape[0], dense.shape[1]
+    rows_per, per = out // g, cin // g
+    return torch.cat([dense[j * rows_per:(j + 1) * rows_per, j * per:(j + 1) * per] for j in range(g)], 0).contiguous()
 
 
 def _fill_weights(old: nn.Module, new: nn.Module, in_layout, out_layout, init: Init, generator) -> nn.Module:
@@ -267,10 +267,7 @@ def grow_group(gm: fx.GraphModule, coupling: Coupling, gid: int, count: int, ini
                generator: torch.Generator) -> list[str]:
     """Widen group `gid` (and every group it reaches) by `count` channels in place; returns the rebuilt layers."""
     group = coupling.groups[gid]
-    src = None
-    if init == "net2net":
-        perm = torch.randperm(group.size, generator=generator).tolist()
-        src = [perm[i % group.size] for i in range(count)]
+    src = block_sources(group.size, count, coupling.step(gid), generator) if init == "net2net" else None
     try:
         plan = plan_growth(coupling, gid, count, src)
     except ValueError as e:
@@ -299,6 +296,7 @@ def grow_group(gm: fx.GraphModule, coupling: Coupling, gid: int, count: int, ini
     for path, layout in tensor_layouts.items():
         resize_tensor_attr(gm, path, layout, init, generator)
         rebuilt.append(path)
+    apply_edits(gm, coupling, layouts)  # slices, splits and reshapes whose constants name channels
     for g, layout in layouts.items():  # a traced F.layer_norm carries its normalized_shape as a constant
         for name in coupling.groups[g].norms:
             n = nodes[name]

@@ -1,0 +1,174 @@
+"""Coupling rules for ops that take channels apart or put them together along the channel axis: slices,
+`narrow`, split/chunk/tensor_split/unbind, `stack`, reshapes that split or merge the channel axis, and a
+softmax over another axis. Each becomes a join (same channels), a link (a span of channels, repeated in
+blocks or scaled) or a freeze with the reason. Ops whose constant arguments name channel counts or
+offsets are recorded as *edits*, so that a growth can rewrite those constants.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from ..graph.fx_edit import tensor_shape
+from .axes import node_axis
+from .reshapes import is_reshape, reshape_regroup, split_call, stack_axis
+
+
+@dataclass
+class Edit:
+    """A node whose constant arguments follow the channels: kind 'slice' (getitem), 'narrow', 'split'
+    (the tuple-producing node), 'reshape' (a literal channel count at args path `where`)."""
+
+    kind: str
+    node: str
+    source: str  # the tensor whose channels it takes apart
+    where: tuple = ()
+
+
+SOFTMAXES = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax}
+
+
+def split_rule(n: fx.Node, out: str | None, join, freeze, link, edits: list[Edit]) -> bool:
+    """Apply the rule for `n` when it is one of these ops; False when it is none of them."""
+    x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if n.op == "call_function" and n.target is torch.stack:
+        return _stack(n, join, freeze)
+    if split_call(n) is not None:
+        return _split_tuple(n, freeze, edits)
+    if x is None:
+        return False
+    if n.op == "call_function" and n.target is operator.getitem and split_call(x) is not None:
+        return _piece(n, x, join, link)
+    if n.op == "call_function" and n.target is operator.getitem:
+        return _slice(n, x, out, link, edits)
+    if (n.op == "call_method" and n.target == "narrow") or (n.op == "call_function" and n.target is torch.narrow):
+        return _narrow(n, x, join, link, freeze, edits)
+    if is_reshape(n):
+        return _reshape(n, x, join, link, freeze, edits)
+    if _softmax_dim(n) is not None and out is not None and node_axis(x) is not None:
+        if _softmax_dim(n) % len(tensor_shape(x)) != node_axis(x):
+            join(x, n)  # normalises over another axis: each channel alone
+            return True
+    return False
+
+
+def _stack(n: fx.Node, join, freeze) -> bool:
+    tensors = n.args[0] if n.args else n.kwargs.get("tensors")
+    if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, fx.Node) for t in tensors) or not tensors:
+        return False
+    axes = {node_axis(t) for t in tensors}
+    if len(axes) != 1 or stack_axis(n, node_axis(tensors[0])) is None:
+        freeze(list(tensors) + [n], f"'{n.name}' stacks tensors whose channel axes differ")
+        return True
+    join(*tensors, n)  # a new axis: channel c of every input is channel c of the stack
+    return True
+
+
+def _split_tuple(n: fx.Node, freeze, edits: list[Edit]) -> bool:
+    kind, dim = split_call(n)  # type: ignore[misc]
+    x = n.args[0]
+    if not all(u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int) for u in n.users):
+        freeze([x], f"'{n.name}' ({kind}) is used as a whole; only its pieces taken one by one are followed")
+    elif dim == node_axis(x):
+        if kind == "unbind":
+            freeze([x], f"'{n.name}' unbinds the channel axis into separate tensors")
+        else:
+            edits.append(Edit("split", n.name, x.name))
+    return True
+
+
+def _piece(n: fx.Node, tup: fx.Node, join, link) -> bool:
+    kind, dim = split_call(tup)  # type: ignore[misc]
+    x = tup.args[0]
+    shapes = tup.meta.get("gg_shape")
+    if not isinstance(shapes, list) or not isinstance(n.args[1], int):
+        return False
+    if dim != node_axis(x):
+        join(x, n)  # pieces along another axis keep every channel
+        return True
+    if kind == "unbind":
+        return True  # frozen at the tuple
+    i = n.args[1] % len(shapes)
+    offset = sum(s[dim] for s in shapes[:i])
+    link(n, x, offset)  # piece i is channels [offset, offset + size) of x
+    return True
+
+
+def _slice(n: fx.Node, x: fx.Node, out, link, edits: list[Edit]) -> bool:
+    index = n.args[1]
+    index = index if isinstance(index, tuple) else (index,)
+    shape, axis = tensor_shape(x), node_axis(x)
+    if shape is None or axis is None or out is None or not all(isinstance(i, slice) or i is Ellipsis for i in index) \
+            or sum(i is Ellipsis for i in index) > 1:
+        return False
+    if any(isinstance(b, fx.Node) for i in index if isinstance(i, slice) for b in (i.start, i.stop, i.step)):
+        return False
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
+    if axis >= len(index):
+        return False
+    start, stop, step = slice.indices(index[axis], shape[axis])
+    if step != 1 or stop <= start:
+        return False
+    link(n, x, start)
+    edits.append(Edit("slice", n.name, x.name, (axis,)))
+    return True
+
+
+def _narrow(n: fx.Node, x: fx.Node, join, link, freeze, edits: list[Edit]) -> bool:
+    args = list(n.args[1:]) + [n.kwargs.get(k) for k in ("dim", "start", "length") if k in n.kwargs]
+    shape, axis = tensor_shape(x), node_axis(x)
+    if len(args) < 3 or not all(isinstance(a, int) for a in args[:3]) or shape is None or axis is None:
+        freeze([x, n], f"'{n.name}' (narrow) has arguments computed at run time")
+        return True
+    dim, start = args[0] % len(shape), args[1] % shape[args[0] % len(shape)]
+    if dim != axis:
+        join(x, n)
+        return True
+    link(n, x, start)
+    edits.append(Edit("narrow", n.name, x.name))
+    return True
+
+
+def _reshape(n: fx.Node, x: fx.Node, join, link, freeze, edits: list[Edit]) -> bool:
+    found = reshape_regroup(n, node_axis(x))
+    if found is None:
+        return False
+    where = _literal_at(n, found.out_axis)
+    if where is not None:
+        edits.append(Edit("reshape", n.name, x.name, where))
+    if found.kind == "keep":
+        join(x, n)
+    elif found.kind == "split":  # x's channel j·stride + t is n's channel t
+        link(n, x, 0, repeat=found.repeat, stride=found.stride)
+    else:  # n's channel j·stride + c·scale + q is x's channel c
+        link(x, n, 0, repeat=found.repeat, stride=found.stride, scale=found.scale)
+    return True
+
+
+def _literal_at(n: fx.Node, dim: int) -> tuple | None:
+    """Where in a reshape's arguments the size of output dim `dim` is a literal (not -1, not computed):
+    ("a", i) for args[i], ("a", i, j) for args[i][j], ("k", "shape", j) for kwargs["shape"][j]."""
+    where: tuple
+    if "shape" in n.kwargs:
+        shape, where = n.kwargs["shape"], ("k", "shape", dim)
+        value = shape[dim] if isinstance(shape, (tuple, list)) and dim < len(shape) else None
+    elif len(n.args) == 2 and isinstance(n.args[1], (tuple, list)):
+        value, where = (n.args[1][dim] if dim < len(n.args[1]) else None), ("a", 1, dim)
+    else:
+        value, where = (n.args[1 + dim] if 1 + dim < len(n.args) else None), ("a", 1 + dim)
+    return where if isinstance(value, int) and value != -1 else None
+
+
+def _softmax_dim(n: fx.Node) -> int | None:
+    is_fn = n.op == "call_function" and n.target in SOFTMAXES
+    is_method = n.op == "call_method" and n.target in ("softmax", "log_softmax")
+    if not (is_fn or is_method):
+        return None
+    dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+    return dim if isinstance(dim, int) else None

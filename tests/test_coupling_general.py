@@ -1,0 +1,145 @@
+"""Coupling beyond plain convs: grouped convs (channels per group), slices and splits along channels
+(offsets followed like cat's), stacks, reshapes that split channels into blocks (heads, radix), and the
+analysis on a graph that shapes.annotate has not seen. Each rule: exact growth in eval and train mode
+through grow_width's verification, and one onnxruntime check."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import graphgrow as gg
+from graphgrow.analysis.coupling import analyze
+from graphgrow.io.export import export_onnx
+from graphgrow.io.runtime import max_ir_version, open_session
+from graphgrow.passes.grow_width import GrowWidth
+from graphgrow.verify.equivalence import check_equivalence
+from conftest import randomize_bn
+
+SHAPE = (1, 3, 8, 8)
+
+
+class ResNeXtish(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn = nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8)
+        self.b, self.bn2 = nn.Conv2d(8, 8, 3, padding=1, groups=4), nn.BatchNorm2d(8)
+        self.c, self.head = nn.Conv2d(8, 6, 1), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.a(x)))
+        h = torch.relu(self.bn2(self.b(h)))
+        return self.head(self.c(h).mean((2, 3)))
+
+
+class Slices(nn.Module):
+    """Ghost module (cat + a slice that keeps every channel), a slice of a part, narrow, split, chunk,
+    tensor_split, and an unbind along another axis."""
+
+    def __init__(self):
+        super().__init__()
+        self.primary, self.cheap = nn.Conv2d(3, 4, 1), nn.Conv2d(4, 4, 3, padding=1, groups=4)
+        self.stem = nn.Conv2d(3, 8, 1)
+        self.p0, self.p1, self.p2 = nn.Conv2d(3, 3, 1), nn.Conv2d(5, 4, 1), nn.Conv2d(4, 4, 1)
+        self.q = nn.Conv2d(6, 6, 1)
+        self.head = nn.Conv2d(8 + 3 + 4 + 4 + 2 + 3 + 6, 5, 1)
+
+    def forward(self, x):
+        a = self.primary(x)
+        ghost = torch.cat([a, self.cheap(a)], 1)[:, :8] + self.stem(x)
+        s0, s1 = torch.split(ghost, [3, 5], 1)
+        c0, c1 = ghost.chunk(2, dim=1)
+        t0, _ = torch.tensor_split(ghost, [2], dim=1)
+        q = self.q(torch.cat([ghost[:, 2:5], ghost.narrow(1, 5, 3)], 1))
+        pieces = q.unbind(2)  # along height: every channel kept
+        rows = torch.stack([pieces[i] for i in range(8)], 2)
+        out = torch.cat([ghost, self.p0(s0), self.p1(s1), self.p2(c0) + c1, t0, ghost[:, 1:4], rows], 1)
+        return self.head(out)
+
+
+class SplitAttention(nn.Module):
+    """Selective-kernel / radix split attention: branch outputs stacked, a conv's output reshaped into
+    (radix, C) blocks, a softmax over the radix axis, weighted sum over it; a heads reshape and back."""
+
+    def __init__(self, c=8, radix=2):
+        super().__init__()
+        self.radix = radix
+        self.paths = nn.ModuleList([nn.Conv2d(3, c, 3, padding=1 + i, dilation=1 + i) for i in range(radix)])
+        self.bns = nn.ModuleList([nn.BatchNorm2d(c) for _ in range(radix)])
+        self.fc1, self.fc2 = nn.Conv2d(c, 4, 1), nn.Conv2d(4, c * radix, 1)
+        self.grouped = nn.Conv2d(c, c * radix, 1, groups=radix)
+        self.mix = nn.Conv2d(c, c, 1)
+        self.head = nn.Conv2d(c, 2, 1)
+
+    def forward(self, x):
+        paths = torch.stack([torch.relu(bn(p(x))) for p, bn in zip(self.paths, self.bns)], dim=1)
+        gap = paths.sum(1).mean((2, 3), keepdim=True)
+        attn = self.fc2(torch.relu(self.fc1(gap)))
+        b, rc, h, w = attn.shape
+        attn = torch.softmax(attn.view(b, self.radix, rc // self.radix, h, w), dim=1)
+        y = (paths * attn).sum(1)
+        r = self.grouped(y)
+        n, _, hh, ww = r.shape
+        r = r.reshape(n, self.radix, -1, hh, ww).sum(1)  # radix split of a grouped conv's output
+        heads = self.mix(r).reshape(n, 2, 4, hh * ww).softmax(-1).reshape(n, 8, hh, ww)  # 2 heads of 4
+        return self.head(heads + y)
+
+
+def grown(model, **kwargs):
+    torch.manual_seed(0)
+    r = GrowWidth(**kwargs)(gg.trace(randomize_bn(model), SHAPE))
+    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
+    return r
+
+
+def test_a_group_through_a_grouped_conv_grows_per_group_and_says_which_increments_work():
+    r = grown(ResNeXtish(), target="a", to=12)  # 4 groups × 1 new input channel each
+    b = r.gm.get_submodule("b")
+    assert (b.in_channels, b.out_channels, b.groups, tuple(b.weight.shape)) == (12, 8, 4, (8, 3, 3, 3))
+    assert b.weight[:, 2].abs().sum() == 0  # the new input channel of each group: zero outgoing weights
+    r = grown(ResNeXtish(), target="b", to=16)  # the grouped conv itself: 2 more outputs per group
+    assert r.gm.get_submodule("b").out_channels == 16 and r.gm.get_submodule("c").in_channels == 16
+    with pytest.raises(gg.NotApplicable, match=r"spread evenly over 4 blocks \(grouped conv 'b' \(groups=4\)\); "
+                                               r"grow by a multiple of 4 \(e\.g\. to=12\)"):
+        GrowWidth(target="a", to=10)(gg.trace(ResNeXtish(), SHAPE))
+
+
+@pytest.mark.parametrize("target", ["primary", "stem", "p1", "q"])
+def test_slices_and_splits_follow_channel_offsets(target):
+    r = grown(Slices(), target=target, factor=2)
+    if target == "stem":  # the ghost cat repeats the primary conv's channels: its group grows per half
+        assert r.gm.get_submodule("primary").out_channels == 8 and r.gm.get_submodule("p1").in_channels == 13
+
+
+def test_ghost_stream_and_split_pieces_are_growable():
+    gm = gg.trace(Slices(), SHAPE)
+    gg.annotate(gm, SHAPE)
+    c = analyze(gm)
+    stream = c.group("stem")
+    assert not c.why_frozen(stream.id) and c.step(stream.id) == 2  # new channels land in both halves of the cat
+    assert not c.why_frozen(c.group_of["primary"])
+
+
+@pytest.mark.parametrize("target", ["paths.0", "fc2", "grouped", "mix"])
+def test_stack_radix_split_and_heads_reshape_grow_exactly(target):
+    r = grown(SplitAttention(), target=target, factor=2)
+    if target == "paths.0":  # every stacked branch and the attention's radix blocks grow together
+        assert r.gm.get_submodule("paths.1").out_channels == 16 and r.gm.get_submodule("fc2").out_channels == 32
+
+
+def test_grown_split_attention_and_slices_match_in_onnxruntime(tmp_path):
+    for model, target in ((SplitAttention(), "paths.0"), (Slices(), "stem"), (ResNeXtish(), "a")):
+        model = randomize_bn(model).eval()
+        r = GrowWidth(target=target, factor=2)(gg.trace(model, SHAPE))
+        path = tmp_path / f"{type(model).__name__}.onnx"
+        export_onnx(r.gm, SHAPE, path, max_ir_version=max_ir_version())
+        report = check_equivalence(model, open_session(path, "cpu"), SHAPE, reference="original model")
+        assert report.passed, report.to_json()
+
+
+def test_analyze_annotates_an_unannotated_graph_or_says_what_is_missing():
+    gm = gg.trace(ResNeXtish(), input_shape=SHAPE, check=False)
+    assert analyze(gm).group("a").consumers == ["b"]  # annotated on demand from the traced input shape
+    bare = torch.fx.symbolic_trace(ResNeXtish())
+    with pytest.raises(gg.GraphgrowError, match="not made by graphgrow.trace"):
+        analyze(bare)
