@@ -2,7 +2,9 @@
 
 - per pass, default target: pass + verification ÷ one forward of the grown model at the
   verification batch (DESIGN §9, target ≤ 8). The model is traced first, as every job does;
-  the trace's fidelity check leaves the reference output that verification compares against.
+  the trace's fidelity check leaves the reference outputs that verification compares against.
+  The note counts what one pass runs on real tensors (counted once, outside the timed rounds):
+  forwards of a traced model by mode and batch, and backward passes.
 - graphgrow export (check and write included) ÷ a bare `torch.onnx.export` of the same
   GraphModule to a file with the same options (target ≤ 1.1).
 
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import graphgrow as gg  # noqa: E402
 from common import Row, print_table, ratio_row, timed  # noqa: E402
 from graphgrow.io.export import INPUT_NAME, export_onnx  # noqa: E402
+from graphgrow.graph.graph_meta import META_KEY  # noqa: E402
 from graphgrow.graph.shapes import example_input  # noqa: E402
 from graphgrow.verify.verify import BATCHES  # noqa: E402
 
@@ -49,12 +52,54 @@ def forward_seconds(gm: torch.nn.Module, x: torch.Tensor, repeat: int = 3) -> tu
     return min(r[0] for r in runs), min(r[1] for r in runs)
 
 
+class Forwards:
+    """Counts what a pass runs on real tensors: forwards of traced models (calls and fx.Interpreter runs,
+    meta-device size estimates left out; the batch of each) and backward passes."""
+
+    def __enter__(self) -> "Forwards":
+        self.runs: list[tuple[str, int]] = []  # ("eval"/"train", batch)
+        self.backwards = 0
+        top = lambda m: isinstance(m, torch.fx.GraphModule) and META_KEY in m.meta  # noqa: E731
+        self.saved = torch.fx.Interpreter.run, torch.Tensor.backward
+        run, backward, counter = *self.saved, self
+
+        def note(m, args) -> None:
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if top(m) and first is not None and not first.is_meta:
+                counter.runs.append(("train" if m.training else "eval", int(first.shape[0])))
+
+        def counted_run(interp, *args, **kwargs):
+            note(interp.module, args)
+            return run(interp, *args, **kwargs)
+
+        def counted_backward(t, *args, **kwargs):
+            counter.backwards += 1
+            return backward(t, *args, **kwargs)
+
+        self.hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, args: note(m, args))
+        torch.fx.Interpreter.run, torch.Tensor.backward = counted_run, counted_backward
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hook.remove()
+        torch.fx.Interpreter.run, torch.Tensor.backward = self.saved
+
+    def __str__(self) -> str:
+        shown = " ".join(f"{mode}@{b}" for mode, b in self.runs)
+        return f"{len(self.runs)} forwards ({shown}) + {self.backwards} backward"
+
+
 def pass_rows(name: str, gm: torch.fx.GraphModule, rounds: int, progress) -> list[Row]:
     x = example_input(gm, SHAPE, batch=BATCHES[0])
     rows = []
     for spec in PASSES:
         progress(f"{name}: {spec}")
         cpu, wall, fails = [], [], ""
+        with Forwards() as counted:  # once, outside the timed rounds (the hooks cost a little)
+            try:
+                gg.Pipeline.from_spec(spec).run(gm)
+            except gg.GraphgrowError:
+                pass
         for _ in range(rounds):
             try:
                 result, c, w = timed(lambda spec=spec: gg.Pipeline.from_spec(spec).run(gm).results[0])
@@ -68,7 +113,7 @@ def pass_rows(name: str, gm: torch.fx.GraphModule, rounds: int, progress) -> lis
             rows.append(Row("pass + verification ÷ forward (b=2)", name, spec, float("nan"), float("nan"), "×", "≤ 8", None, fails))
             continue
         where = next(iter(result.targets.items()), ("", ""))
-        note = f"wall {statistics.median(wall):.1f}×; {where[0]}: {str(where[1])[:50]}"
+        note = f"wall {statistics.median(wall):.1f}×; {counted}; {where[0]}: {str(where[1])[:50]}"
         rows.append(ratio_row("pass + verification ÷ forward (b=2)", name, spec, cpu, 8, note=note))
     return rows
 

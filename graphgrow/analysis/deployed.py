@@ -42,12 +42,14 @@ def used_paths(graph: fx.Graph) -> set[str]:
     return used
 
 
-def train_only_modules(train: fx.Graph, eval_graph: Callable[[], fx.Graph]) -> list[str] | None:
-    """Outermost module paths the train-mode graph uses and the eval-mode one (`eval_graph()`) does
-    not; None when the eval-mode code cannot be traced (then nothing is known). A path counts only
-    when no path under it is used in eval mode, so everything under a listed path is train-only."""
+def train_only_modules(train: fx.Graph, eval_graph: Callable[[], fx.Graph | set[str]]) -> list[str] | None:
+    """Outermost module paths the train-mode graph uses and the eval-mode one (`eval_graph()`, or the
+    paths it uses) does not; None when the eval-mode code cannot be traced (then nothing is known). A
+    path counts only when no path under it is used in eval mode, so everything under a listed path is
+    train-only."""
     try:
-        deployed = used_paths(eval_graph())
+        got = eval_graph()
+        deployed = got if isinstance(got, set) else used_paths(got)
     except Exception:  # noqa: BLE001 - the eval-mode code failing to trace only means "unknown" here
         return None
     only = used_paths(train) - deployed

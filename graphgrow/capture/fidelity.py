@@ -14,9 +14,11 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_structure
 
 from ..core.errors import first_line, InputError, TraceError
+from ..verify.preserve import TRAIN_PROTOCOL
 from ..verify.reference import remember
+from ..verify.threads import check_threads
 from ..graph.shapes import example_input
-from ..core.state import preserved_buffers, seeded, training_mode
+from ..core.state import dropout_off, preserved_buffers, seeded, training_mode
 from ..graph.graph_meta import graph_info, scope_of
 from ..graph.inputs import call, is_spec, positional, Shape
 
@@ -74,14 +76,20 @@ def check_fidelity(model: nn.Module, gm: fx.GraphModule, input_shape: Shape, see
     afterwards; neither module is changed. A top-level forward that branches on
     `self.training` was traced in one mode: in the other mode a different output
     *structure* (auxiliary heads) is expected and noted; different values are not.
-    Returns the fidelity report, also stored in the trace report.
+    Returns the fidelity report, also stored in the trace report. A small model is checked with one
+    intra-op thread (verify.threads).
     """
+    with check_threads(model, input_shape):
+        return _check(model, gm, input_shape, seed)
+
+
+def _check(model: nn.Module, gm: fx.GraphModule, input_shape: Shape, seed: int) -> dict:
     report = graph_info(gm).setdefault("trace", {})
     traced_mode = report.get("mode", "eval")
     top_dependent = bool(report.get("top_level_mode_dependent"))
     name = type(model).__name__
     checked: list[str] = []
-    kept = None
+    kept: dict[str, tuple[Any, Any]] = {}
     for mode in ("eval", "train"):
         for batch, s in zip(BATCHES, (seed, seed + 22)):  # eval at batch 2, seed 0 is verification's reference input
             x = example_input(model, input_shape, seed=s, batch=batch)
@@ -100,7 +108,8 @@ def check_fidelity(model: nn.Module, gm: fx.GraphModule, input_shape: Shape, see
             diff = _difference(ref, got)
             if diff is None:
                 checked.append(f"{mode}@{batch}")
-                kept = (x, got) if (mode, batch) == ("eval", BATCHES[0]) else kept
+                if batch == BATCHES[0]:
+                    kept[mode] = (x, got)
                 continue
             if top_dependent and mode != traced_mode:
                 if tree_structure(ref) != tree_structure(got) or len(_tensors(ref)) != len(_tensors(got)):
@@ -118,9 +127,19 @@ def check_fidelity(model: nn.Module, gm: fx.GraphModule, input_shape: Shape, see
                              "mark that submodule as a leaf with --leaf MODULE, or remove the Python-level state "
                              "its forward depends on")
     report["fidelity"] = checked
-    if kept is not None:  # the first pass's verification compares against this output; the graph is as it was then
-        remember(gm, "eval", *kept)
+    # the first pass's verification compares against these outputs; the graph is as it was then
+    if "eval" in kept:
+        remember(gm, "eval", *kept["eval"])
+    if "train" in kept and not _drops(gm):  # verification's train protocol turns dropout off: the same run here
+        remember(gm, f"{TRAIN_PROTOCOL} {seed}", *kept["train"])
     return report
+
+
+def _drops(gm: nn.Module) -> bool:
+    """Whether verification's dropout_off changes anything in `gm` (a dropout layer with p > 0, or a flag read as a
+    dropout probability): then train mode here differs from verification's."""
+    with training_mode(gm, True), dropout_off(gm):
+        return any(not m.training and not (isinstance(m, nn.modules.dropout._DropoutNd) and m.p == 0) for m in gm.modules())
 
 
 def locate_divergence(model: nn.Module, gm: fx.GraphModule, x: Any, mode: str, seed: int) -> str | None:

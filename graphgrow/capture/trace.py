@@ -26,7 +26,7 @@ from typing import AbstractSet, Any, Callable, Iterable, Literal, Sequence
 from torch import fx, nn
 
 from . import mode_merge
-from ..analysis.deployed import train_only_modules
+from ..analysis.deployed import train_only_modules, used_paths
 from ..core.errors import first_line, InputError, TraceError
 from .defaults import concrete_defaults, drop_fixed_placeholders
 from .watch import RecordConstructors, WatchModules
@@ -351,6 +351,24 @@ def _trace_graph(model: nn.Module, user_leaves: set[str], mode: Mode, auto_leave
     return graph, tracer, switches, report
 
 
+class _Shallow(_Tracer):
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return True  # the top-level forward only: every module it calls stays whole
+
+
+def _eval_paths(model: nn.Module, train: fx.Graph, leaves: set[str], auto_leaves: bool, live: bool) -> set[str] | fx.Graph:
+    """What the eval-mode code uses: its top-level forward traced one level deep, plus what the train graph
+    uses inside the modules it calls (below the top level both modes trace alike: mode branches there were
+    merged or made leaves) — a second full trace cost as much as the first. Falls back to that full trace.
+    `live`: number attributes are read at run time, as in the train trace."""
+    try:
+        top = _trace_once(model, _Shallow(set(), False, live=live), concrete_defaults(model))
+    except BaseException:  # noqa: BLE001 - any failure: the full eval-mode trace decides
+        return _trace_graph(model, leaves, "eval", auto_leaves)[0]
+    called = [str(n.target) for n in top.nodes if n.op == "call_module"]
+    return used_paths(top) | {p for p in used_paths(train) if any(p.startswith(c + ".") for c in called)}
+
+
 def _traces_alike_in_both_modes(module: nn.Module) -> bool:
     """True when `module`'s own forward, traced with its flag fixed to True and to False, gives the same
     graph (e.g. `dropout_p=self.drop.p if self.training else 0.` with p = 0): the branch does not matter."""
@@ -462,7 +480,8 @@ def trace(
                                                                 "with torch.export instead"])
         report["capture"] = "fx"
         if mode == "train" and report["top_level_mode_dependent"]:  # what the deployed function never runs
-            report["train_only_modules"] = train_only_modules(graph, lambda: _trace_graph(model, leaves, "eval", auto_leaves)[0])
+            report["train_only_modules"] = train_only_modules(
+                graph, lambda: _eval_paths(model, graph, leaves, auto_leaves, live=bool(report["live_attributes"])))
         for node in graph.nodes:
             stack = node.meta.get("nn_module_stack") or {}
             node.meta["gg_scope"] = tuple(stack.keys())

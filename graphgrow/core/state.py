@@ -33,7 +33,8 @@ def dropout_off(module: nn.Module) -> Iterator[nn.Module]:
     element, so a wider tensor draws different masks for the old channels too; the
     function is the same in distribution, not sample by sample.
     """
-    drops = [(m, m.training) for m in module.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    drops: list[tuple[nn.Module, bool]] = [(m, m.training) for m in module.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    drops += [(m, m.training) for m in _dropout_flags(module)]
     for m, _ in drops:
         m.training = False
     try:
@@ -41,6 +42,25 @@ def dropout_off(module: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m, flag in drops:
             m.training = flag
+
+
+def _dropout_flags(module: nn.Module) -> list[nn.Module]:
+    """Modules of a captured graph whose `training` flag is read only as a dropout probability (the attention
+    dropout inside scaled_dot_product_attention: `dropout_p = training * p`) and which are not called themselves:
+    their dropout goes off with the dropout layers (adding heads draws other masks for the old heads too)."""
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        return []
+    called = {n.target for n in graph.nodes if n.op == "call_module"}
+    reads: dict[str, bool] = {}
+    for n in graph.nodes:
+        if n.op == "get_attr" and str(n.target).rpartition(".")[2] == "training":
+            path = str(n.target).rpartition(".")[0]
+            reads[path] = reads.get(path, True) and path not in called and bool(n.users) and all(
+                u.op == "call_function" and getattr(u.target, "__name__", "") == "mul" and
+                all(getattr(v.target, "__name__", "") == "scaled_dot_product_attention" and v.args[4:5] == (u,)
+                    for v in u.users) for u in n.users)
+    return [module.get_submodule(p) for p, only_dropout in reads.items() if only_dropout]
 
 
 @contextlib.contextmanager
@@ -60,7 +80,11 @@ def seeded(seed: int) -> Iterator[None]:
     """Seed the global RNG (dropout draws from it) without disturbing the caller's."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+        # the generators fork_rng restores, not torch.manual_seed: with CUDA not initialised that queues a seeding
+        # (and formats a stack trace, ~1 ms) which would fire at CUDA's first use, long after this block
+        torch.random.default_generator.manual_seed(seed)
+        if devices:
+            torch.cuda.manual_seed(seed)
         yield
 
 

@@ -14,6 +14,7 @@ and they are checked like the main graph when a file is read (serialize.graph_fr
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from torch import fx, nn
@@ -80,6 +81,15 @@ class ModeSwitch(nn.Module):
         state = dict(self.__dict__)
         state.pop("_compiled", None)  # rebuilt from the records: a file never holds generated code
         return state
+
+    def __deepcopy__(self, memo: dict) -> "ModeSwitch":
+        """A copy in memory shares the built bodies (graphs of tensor functions, no state): a pass copies the
+        model twice, and rebuilding every body through the file checks each time cost more than the pass."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = value if key == "_compiled" else copy.deepcopy(value, memo)
+        return new
 
     def extra_repr(self) -> str:
         return f"conditions={self.conditions}, paths={len(self.table)}"

@@ -12,8 +12,10 @@ from torch import fx
 
 from ..analysis.budget import Limits
 from ..core.errors import GraphgrowError, SpecError, with_context
+from ..graph.graph_meta import input_spec_of
 from ..rewrite.pass_base import Pass, PassResult, require_traced
 from .registry import get_pass
+from ..verify.threads import check_threads
 
 
 def _split_top(text: str, sep: str = ",") -> list[str]:
@@ -213,6 +215,14 @@ def from_log(log: list[dict], verify: bool = True) -> Pipeline:
     return Pipeline(passes, verify=verify, seeds=seeds)
 
 
+def _example_shape(gm: fx.GraphModule) -> Any:
+    """The model's stored example input, or None (the pass itself says what is missing)."""
+    try:
+        return input_spec_of(gm)
+    except GraphgrowError:
+        return None
+
+
 @dataclass
 class PipelineResult:
     gm: fx.GraphModule
@@ -246,7 +256,8 @@ class Pipeline:
                 progress(i, p)
             seed = self.seeds[i] if self.seeds is not None else self.seed + i
             try:
-                r = p(current, verify_result=self.verify, seed=seed, limits=self.limits)
+                with check_threads(current, _example_shape(current)):  # a small model: one thread (verify.threads)
+                    r = p(current, verify_result=self.verify, seed=seed, limits=self.limits)
             except GraphgrowError as e:
                 if len(self.passes) == 1:
                     raise

@@ -19,6 +19,7 @@ from ..core.errors import NotApplicable, PreservationError, ValidationError
 from ..graph.shapes import example_input
 from ..graph.inputs import Shape, call
 from ..core.state import dropout_off, preserved_buffers, seeded, training_mode
+from .zero_factor import ZeroFactors, new_region as _new_region
 
 REL_TOL = 1e-5
 
@@ -183,17 +184,21 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                 loss.backward()
         return [n for n in names if params[n].grad is not None and _new_region(params[n].grad, new_params[n][0]).abs().sum() > 0]
 
+    # the model's own zero weights (torchvision's ViT head) move in step 0's SGD step, as in training: when they
+    # block every gradient at first, the steps that train everything then start one step earlier
+    blocking = {n for n, p in params.items() if n not in new_params and p.dim() >= 2 and not p.detach().any()}
     try:
         with training_mode(new, True), dropout_off(new), preserved_buffers(new), seeded(seed):
             step, last_step, had = -1, steps, 0
             while step < last_step:
                 step += 1
-                watched = set(params) if train_all else ({n for n in new_params if n not in got} | set(upstream) if step == 0
-                                                          else {n for n in new_params})
+                watched = set(params) if train_all else ({n for n in new_params if n not in got} | set(upstream) | blocking
+                                                          if step == 0 else {n for n in new_params})
                 for n, p in params.items():
                     p.requires_grad_(n in watched)
                     p.grad = None
-                out = call(new, x)
+                with ZeroFactors(new, new_params, params, enabled=len(got) < len(new_params)) as factors:
+                    out = factors.forward(x)
                 if step == 0 and first_output is not None:
                     first_output(out)
                 outs = [t for t in flat_tensors(out) if t.is_floating_point()]
@@ -202,7 +207,7 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                     proj = [torch.randn(t.shape, generator=g).to(t) for t in outs]
                 loss = torch.stack([(t * r).sum() for t, r in zip(outs, proj)]).sum() if outs else torch.zeros(())
                 if loss.requires_grad:
-                    loss.backward()
+                    loss.backward(retain_graph=factors.kept)
                 with torch.no_grad():
                     # any non-zero gradient counts: a real one can be tiny (a gate behind a head that has just started
                     # to move gets 1e-10), so a relative floor cannot tell it from rounding (a bias before a train-mode
@@ -211,6 +216,8 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                         grad = params[name].grad
                         if name not in got and grad is not None and _new_region(grad, old_shape).abs().sum() > 0:
                             got[name] = step
+                    if factors.kept:  # what the next SGD step would show, from this step's zero factors (zero_factor.py)
+                        got.update(factors.argue(params, got, step))
                     if step == 0 and not got and not train_all:
                         if any(_has_grad(params[n]) for n in upstream):
                             refuse_if_silent(new, list(new_params), x, old_nodes)
@@ -249,18 +256,6 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
 
 def _has_grad(p: torch.Tensor) -> bool:
     return p.grad is not None and bool((p.grad != 0).any())
-
-
-def _new_region(t: torch.Tensor, old_shape) -> torch.Tensor:
-    """Elements of a grown tensor outside the old shape's box (all of it for a new tensor)."""
-    if old_shape is None or len(old_shape) != t.dim():
-        return t
-    mask = torch.zeros(t.shape, dtype=torch.bool, device=t.device)
-    for d, n in enumerate(old_shape):
-        idx = [slice(None)] * t.dim()
-        idx[d] = slice(n, None)
-        mask[tuple(idx)] = True
-    return t[mask]
 
 
 def owner_calls(gm: nn.Module, names: list[str]) -> list:

@@ -12,6 +12,7 @@ from .preserve import (
     reads_old, refuse_if_silent, train_forward,
 )
 from .reference import recall, remember
+from .threads import check_threads
 from ..graph.fx_edit import new_parameters
 from ..graph.shapes import example_input, run_recording, validate_batch_sizes
 from ..graph.inputs import Shape, positional
@@ -26,7 +27,14 @@ def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Shape, seed: i
 
     `exact=False` (a pass that changes the function on purpose) measures the change without refusing it.
     `eval_only=True` (a deployment transform such as fold) checks eval mode only, and no trainability.
+    A small model is checked with one intra-op thread (threads.check_threads).
     """
+    with check_threads(new, input_shape):
+        return _verify(old, new, input_shape, seed, exact, eval_only)
+
+
+def _verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Shape, seed: int, exact: bool,
+            eval_only: bool) -> PreservationReport:
     try:
         new.graph.lint()
         new.recompile()
