@@ -22,9 +22,10 @@ demo: $(STAMP)
 search-demo: $(STAMP)
 	RAY_AUTH_MODE=$${RAY_AUTH_MODE:-disabled} $(BIN)/python examples/search_digits.py --out examples/search_population.png
 
-# two workers (CI has two cores); tests are handed out one by one so the slow real-model ones spread out
+# two workers (CI has two cores); tests are handed out one by one so the slow real-model ones spread out;
+# the 25 slowest are listed at the end, so a new slow test shows in CI
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist load
+	$(BIN)/python -m pytest -q -n 2 --dist load --durations=25
 
 # the edit-test loop: everything but the real-model and export tests
 test-quick: $(STAMP)

@@ -3,9 +3,10 @@
 Sections (each is also a script of its own):
   steps  bench_steps.py  pass + verification ÷ forward, per pass and model; export ÷ bare torch.onnx.export
   fold   bench_fold.py   onnxruntime latency of original / grown / folded; same kernels; ORT ÷ eager; peak memory
-  scale  bench_scale.py  graph-side cost per fx node on 1k / 4k / 12k-node chains
+  scale  bench_scale.py  graph-side cost per fx node on 1k / 4k / 12k-node chains; small models at 32×32 in seconds
   gpu    bench_gpu.py    onnxruntime CUDA vs PyTorch CUDA (one "skipped" row without a GPU)
   ddp    bench_ddp.py    a growth event in a 2-process DDP job (torchrun, gloo) ÷ one training step
+  tp     compare_tp.py   per model, the channel groups Torch-Pruning prunes that graphgrow grows (information only)
 
     python benchmarks/run.py [--only steps,fold] [--quick]
 """
@@ -26,7 +27,7 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Row, format_number, print_table  # noqa: E402
 
-SECTIONS = ("steps", "fold", "scale", "gpu", "ddp")
+SECTIONS = ("steps", "fold", "scale", "gpu", "ddp", "tp")
 
 
 def machine() -> dict:
@@ -56,6 +57,7 @@ def main(argv=None) -> int:
     import bench_gpu
     import bench_scale
     import bench_steps
+    import compare_tp
 
     quick = {"models": ("resnet18",)} if args.quick else {}
     jobs = {
@@ -64,6 +66,7 @@ def main(argv=None) -> int:
         "scale": lambda p: bench_scale.rows((300, 1000) if args.quick else (1000, 4000, 12000), progress=p),
         "gpu": lambda p: bench_gpu.rows(**quick, rounds=10 if args.quick else 50, progress=p),
         "ddp": lambda p: bench_ddp.rows(events=1 if args.quick else 3, steps=5 if args.quick else 20, progress=p),
+        "tp": lambda p: compare_tp.rows(**quick, progress=p),
     }
     console = Console(stderr=True)
     rows: list[Row] = []

@@ -19,6 +19,10 @@ Channels (coupling: analysis; widen: planning and applying):
     analyze, Coupling, channel_axis, plan_growth, make_layout, Insertion, Layout, grow_group,
     resize, columns, rows, set_module, identity_adapter, Init,
     conv_dims (a tensor's spatial dims when its channels are at dim 1: a Conv1d's (N, C, L) is 1)
+Residual streams (analysis.stream: what carries a transformer's hidden size; rewrite.stream: growing it exactly):
+    find_stream, Stream, grow_stream
+Attention heads (analysis.heads: every attention, its projections and head-size constants; rewrite.heads):
+    find_attentions, Attention, grow_attentions
 Merged blocks (a mode switch: per-path work of a block that branches on self.training):
     eval_passthrough (the input a switch hands back unchanged in eval mode, or None)
 New weights (initializers): kaiming_, zero_last_bn; from data (gradmax): gradmax_init, group_layouts, adapter_layouts,
@@ -42,12 +46,16 @@ from .gradmax import adapter_layouts, gradmax_init, group_layouts, load_data
 from .initializers import kaiming_, zero_last_bn
 from ..graph.layers import AverageMerge
 from ..graph.shapes import example_input, param_count
+from ..analysis.stream import Stream, find_stream
 from ..analysis.stages import (
     DEFAULT_BUDGET, default_point, graphgrow_modules, is_graphgrow_node, main_path, pick_within_budget, place,
     Stage, stage_end, stage_end_candidates, stages,
 )
 from ..analysis.targets import tensor_or_feature_end
 from ..graph.graph_meta import input_shape_of, input_spec_of
+from .stream import grow_stream
+from ..analysis.heads import Attention, find_attentions
+from .heads import grow_attentions
 from .widen import (
     Init, Insertion, Layout, columns, grow_group, identity_adapter, make_layout, plan_growth, resize, rows, set_module,
 )
@@ -62,5 +70,5 @@ __all__ = [
     "analyze", "Coupling", "channel_axis", "conv_dims", "plan_growth", "make_layout", "Insertion", "Layout", "grow_group", "resize",
     "columns", "rows", "set_module", "identity_adapter", "Init",
     "kaiming_", "zero_last_bn", "gradmax_init", "group_layouts", "adapter_layouts", "load_data", "AverageMerge", "param_count", "input_shape_of", "input_spec_of",
-    "example_input",
+    "example_input", "find_stream", "Stream", "grow_stream", "find_attentions", "Attention", "grow_attentions",
 ]

@@ -1,0 +1,355 @@
+"""Factor layouts for attention growth (analysis.heads): how the head count and head size sit in each tensor's
+axes between an attention's projections and the attention, and which reshape constants name them.
+
+Each axis is a list of factors, outermost first: `s` (q/k/v sections of a fused projection), `h` (key/value heads),
+`r` (query heads per key/value head), `d` (query/key head size), `e` (value head size), or "" (anything else: batch,
+tokens, a factor that does not grow). Growing factors must stay whole through every op; fixed ones may split.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from ..core.errors import NotApplicable
+from ..graph.fx_edit import tensor_shape
+
+Factor = tuple[str, int]  # (name, size); name "" is an anonymous factor (batch, tokens, a factor that does not grow)
+Axis = tuple[Factor, ...]
+Layout = tuple[Axis, ...]
+HEAD_FACTORS = ("h", "r")
+SDPA = F.scaled_dot_product_attention
+SAME = {"contiguous", "clone", "float", "to", "type_as", "dropout", "neg", "detach"}  # one data operand, same layout
+ELEMENTWISE = {"add", "sub", "mul", "div", "truediv", "iadd", "imul"}
+LAYOUT = {"reshape", "view", "unflatten", "flatten", "transpose", "permute", "unsqueeze", "squeeze", "expand",
+          "split", "chunk", "unbind", "select", "getitem", "cat"}
+NORMS = {"layer_norm", "rms_norm"}
+SHAPE_QUERIES = {"size", "dim", "numel", "shape", "dtype", "device"}
+HINT = "grow_heads grows attentions it fully understands (scaled_dot_product_attention fed by Linear projections)"
+
+
+
+
+@dataclass
+class Edit:
+    node: str
+    where: tuple  # ("args", i[, j]): the constant's place in the node's arguments
+    old: int
+    factors: Axis  # the constant is the product of these factors' sizes
+    via: int | None = None  # the value at `where` is mul(size, c): c (at this position of the mul) is the constant
+
+
+def _name(n: fx.Node) -> str:
+    if n.op == "call_module":
+        return f"module {n.target}"
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+
+
+def refuse(n: fx.Node, why: str, hint: str = HINT) -> NotApplicable:
+    return NotApplicable(f"attention growth reaches '{n.name}' ({_name(n)}), which {why}", hint)
+
+
+def op_kind(gm: fx.GraphModule, n: fx.Node) -> str | None:
+    """The op's kind by name (module type for call_module), or None for an op no layout rule covers."""
+    if n.op == "call_module":
+        m = gm.get_submodule(str(n.target))
+        if isinstance(m, (nn.Identity, nn.Dropout)) or type(m).__name__ in ("DropPath", "StochasticDepth"):
+            return "same"
+        return "norm" if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) else "linear" if isinstance(m, nn.Linear) else None
+    if n.op not in ("call_method", "call_function"):
+        return None
+    name = _name(n)
+    if n.op == "call_function" and n.target is F.linear:
+        return "linear"
+    for kind, names in (("same", SAME), ("elementwise", ELEMENTWISE), ("layout", LAYOUT), ("norm", NORMS)):
+        if name in names:
+            return kind
+    return None
+
+
+def data_args(n: fx.Node) -> list[fx.Node]:
+    """The operands that carry data into op `n` (not dtype donors, not sizes)."""
+    if _name(n) in ("to", "type_as", "expand", "reshape", "view") or n.op == "call_module":
+        return [n.args[0]] if n.args and isinstance(n.args[0], fx.Node) else []
+    if _name(n) == "cat":
+        return [a for a in n.args[0] if isinstance(a, fx.Node)]
+    if _name(n) in ELEMENTWISE:
+        return [a for a in n.args[:2] if isinstance(a, fx.Node) and tensor_shape(a) is not None]
+    return [n.args[0]] if n.args and isinstance(n.args[0], fx.Node) else []
+
+
+def canon(axis: Axis, growing: set[str]) -> tuple:
+    """An axis with its fixed factors merged (what must agree where two tensors meet)."""
+    out: list = []
+    for name, size in axis:
+        if name in growing:
+            out.append((name, size))
+        elif size > 1:
+            out.append(("", out.pop()[1] * size) if out and out[-1][0] == "" else ("", size))
+    return tuple(out)
+
+
+def size_of(axis: Axis) -> int:
+    return math.prod(s for _, s in axis)
+
+
+def plain(shape: tuple) -> Layout:
+    return tuple(((("", s),) if s != 1 else ()) for s in shape)
+
+
+class Flow:
+    """Factor layouts of the tensors between the projections and one attention (or its output and the reader)."""
+
+    def __init__(self, gm: fx.GraphModule, growing: set[str], region: set[str]):
+        self.gm, self.growing, self.region = gm, growing, region
+        self.layout: dict[str, object] = {}  # node → Layout, or a list of (Layout, section) for split/unbind
+        self.section: dict[str, int] = {}
+        self.edits: list[Edit] = []
+
+    def grows(self, axis: Axis) -> bool:
+        return any(f in self.growing for f, _ in axis)
+
+    def of(self, a: fx.Node) -> Layout:
+        return self.layout[a.name]  # type: ignore[return-value]
+
+    def run(self, nodes: list[fx.Node]) -> None:
+        for n in nodes:
+            if n.name in self.layout:
+                continue
+            self.layout[n.name] = self.step(n)
+            src = [a for a in data_args(n) if a.name in self.section]
+            if src and n.name not in self.section and _name(n) not in ("split", "chunk", "unbind"):
+                self.section[n.name] = self.section[src[0].name]
+
+    def step(self, n: fx.Node):
+        kind, name, shape = op_kind(self.gm, n), _name(n), tensor_shape(n)
+        x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if kind == "same":
+            return self.of(x)
+        if kind == "norm":
+            lay = self.of(x)
+            if self.grows(lay[-1]):
+                raise refuse(n, "normalises over a growing axis (a query/key norm over the head size)",
+                              "grow heads instead (heads=…), or value_dim=… (the value path has no such norm)")
+            return lay
+        if kind == "elementwise":
+            return self.broadcast(n, data_args(n), shape)
+        if name == "cat":
+            return self.cat(n, shape)
+        if name in ("split", "chunk", "unbind"):
+            return self.split(n, name)
+        if name == "getitem" and isinstance(self.layout.get(x.name), list):
+            lay, sec = self.layout[x.name][n.args[1]]  # type: ignore[index]
+            if sec is not None:
+                self.section[n.name] = sec
+            return lay
+        lay = self.of(x)
+        if name in ("reshape", "view", "flatten"):
+            if name == "flatten":
+                return self.regroup(n, lay, shape)
+            packed = len(n.args) == 2 and isinstance(n.args[1], (list, tuple))
+            sizes = n.args[1] if packed else n.args[1:]
+            out = self.regroup(n, lay, shape, list(sizes))
+            self.constants(n, out, sizes, ("args", 1) if packed else ("args",))
+            return out
+        if name == "unflatten":
+            dim = n.args[1] % len(lay)
+            part = self.regroup(n, (lay[dim],), shape[dim:dim + len(n.args[2])], list(n.args[2]))
+            self.constants(n, part, n.args[2], ("args", 2))
+            return lay[:dim] + part + lay[dim + 1:]
+        if name == "transpose":
+            i, j = (d % len(lay) for d in n.args[1:3])
+            swapped = list(lay)
+            swapped[i], swapped[j] = lay[j], lay[i]
+            return tuple(swapped)
+        if name == "permute":
+            dims = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
+            return tuple(lay[d % len(lay)] for d in dims)
+        if name == "unsqueeze":
+            d = n.args[1] % (len(lay) + 1)
+            return lay[:d] + ((),) + lay[d:]
+        if name == "squeeze":
+            dims = [n.args[1]] if len(n.args) > 1 else [i for i, s in enumerate(tensor_shape(x)) if s == 1]
+            dims = [d % len(lay) for d in (dims[0] if isinstance(dims[0], (list, tuple)) else dims)]
+            if any(self.grows(lay[d]) for d in dims):
+                raise refuse(n, "squeezes away an axis that grows (a single head)")
+            return tuple(a for i, a in enumerate(lay) if i not in dims)
+        if name == "select":
+            return self.index(n, lay, {n.args[1] % len(lay): n.args[2]})
+        if name == "getitem":
+            return self.index(n, lay, n.args[1])
+        if name == "expand":
+            return self.expand(n, lay, shape)
+        raise refuse(n, "is not an op the analysis follows (reshapes, transposes, slices, splits, expands, "
+                      "elementwise ops and norms are)")
+
+    # --- rules ---
+    def regroup(self, n: fx.Node, lay: Layout, shape: tuple, args=None) -> Layout:
+        """Factors of `lay` regrouped into axes of `shape` (a reshape): fixed factors may split, growing ones not.
+        A named factor of size 1 (one key/value head) fits several axes: it goes to the first whose size argument
+        in `args` is a constant (not a size read at run time: the batch)."""
+        seq = [f for axis in lay for f in axis if f[0] or f[1] != 1]
+
+        def home(j: int) -> int:
+            cands = [j] + [k for k in range(j + 1, len(shape)) if all(s == 1 for s in shape[j + 1:k])]
+            for c in cands if args is not None else []:
+                if isinstance(args[c], int):
+                    return c
+            return j if shape[j] == 1 or j + 1 == len(shape) or shape[j + 1] != 1 else j + 1
+
+        out, i = [], 0
+        for j, size in enumerate(shape):
+            axis, p = [], 1
+            while p < size:
+                if i >= len(seq):
+                    raise refuse(n, f"reshapes {tuple(size_of(a) for a in lay)} into {shape} in a way the analysis cannot follow")
+                name, s = seq[i]
+                if size % (p * s) == 0:
+                    axis.append(seq[i])
+                    p, i = p * s, i + 1
+                elif name in self.growing or s % (size // p):
+                    raise refuse(n, f"splits the {_FACTOR_WORDS.get(name, 'axis')} ({s}) across axes {shape}")
+                else:
+                    axis.append(("", size // p))
+                    seq[i] = ("", s // (size // p))
+                    p = size
+            while i < len(seq) and seq[i][1] == 1 and home(j) == j:
+                axis.append(seq[i])
+                i += 1
+            out.append(tuple(axis))
+        if i != len(seq):
+            raise refuse(n, f"reshapes {tuple(size_of(a) for a in lay)} into {shape} in a way the analysis cannot follow")
+        return tuple(out)
+
+    def constants(self, n: fx.Node, out: Layout, sizes, at: tuple) -> None:
+        """Every size argument of a growing axis: -1 needs nothing, a constant is an edit, mul(size, c) edits c."""
+        for j, (axis, a) in enumerate(zip(out, sizes)):
+            if not self.grows(axis) or a == -1:
+                continue
+            where = at + (j,) if len(at) == 2 else ("args", j + 1)
+            if isinstance(a, int):
+                self.edits.append(Edit(n.name, where, a, axis))
+                continue
+            c = _constant_factor(a)
+            grown = math.prod(s for f, s in axis if f in self.growing)
+            if c is None or c[1] % grown:
+                raise refuse(n, f"takes the size of a growing axis ({words(axis)}) from '{getattr(a, 'name', a)}', "
+                              "a computed value the analysis cannot scale")
+            self.edits.append(Edit(n.name, where, c[1], tuple((f, s) for f, s in axis if f in self.growing), c[0]))
+
+    def broadcast(self, n: fx.Node, operands: list[fx.Node], shape: tuple) -> Layout:
+        mine = [a for a in operands if a.name in self.layout]
+        lays = {a.name: self.of(a) for a in mine}
+        out = []
+        for j in range(len(shape)):
+            axes = [lays[a.name][j - len(shape) + len(lays[a.name])] for a in mine
+                    if j - len(shape) + len(lays[a.name]) >= 0 and size_of(lays[a.name][j - len(shape) + len(lays[a.name])]) == shape[j]]
+            axis = max(axes, key=lambda ax: sum(bool(f) for f, _ in ax), default=(("", shape[j]),) if shape[j] > 1 else ())
+            if any(canon(ax, self.growing) != canon(axis, self.growing) for ax in axes):
+                raise refuse(n, f"combines tensors whose axis {j} holds different heads or head sizes")
+            for side in operands + [a for a in n.args if isinstance(a, fx.Node) and a not in operands and tensor_shape(a)]:
+                s = tensor_shape(side)
+                k = j - len(shape) + len(s) if s is not None else -1
+                if side.name in self.layout or k < 0 or s[k] == 1 or not self.grows(axis):
+                    continue
+                if any(f == "d" for f, _ in axis) and _name(n) == "mul":
+                    raise refuse(n, f"multiplies the query/key by '{side.name}' {tuple(s)}, a table per head-size "
+                                  "coordinate (rotary position embedding): its frequencies depend on the head size, so "
+                                  "growing the query/key head size cannot keep the attention logits",
+                                  "grow value_dim=… (the value/output head size: exact with rotary embeddings) or add "
+                                  "heads (heads=…) instead")
+                raise refuse(n, f"combines it with '{side.name}' {tuple(s)}, which has the old size on a growing axis "
+                              f"({words(axis)})")
+            out.append(axis)
+        return tuple(out)
+
+    def cat(self, n: fx.Node, shape: tuple) -> Layout:
+        dim = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % len(shape)
+        parts = [a for a in n.args[0] if isinstance(a, fx.Node)]
+        if any(a.name in self.layout and self.grows(self.of(a)[dim]) for a in parts):
+            raise refuse(n, "concatenates along a growing axis")
+        lay = list(self.broadcast(n, [a for a in parts if a.name in self.layout], shape[:dim] + (1,) + shape[dim + 1:]))
+        lay[dim] = (("", shape[dim]),)
+        if any(a.name not in self.layout for a in parts) and any(self.grows(ax) for ax in lay):
+            raise refuse(n, "concatenates a tensor that does not grow with the heads")
+        return tuple(lay)
+
+    def split(self, n: fx.Node, name: str):
+        x = n.args[0]
+        lay = self.of(x)
+        dim = (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)) if name != "unbind" else \
+            (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0))
+        dim %= len(lay)
+        axis, width, sizes = lay[dim], tensor_shape(x)[dim], n.args[1]
+        count = (width // sizes if isinstance(sizes, int) else len(sizes)) if name == "split" else \
+            int(sizes) if name == "chunk" else width
+        sections: list[int | None]
+        if axis and axis[0][0] == "s" and axis[0][1] == count:
+            rest, sections = axis[1:], list(range(count))
+        elif not self.grows(axis) and (name != "split" or isinstance(n.args[1], int)) and size_of(axis) % count == 0:
+            rest, sections = ((("", size_of(axis) // count),) if name != "unbind" else ()), [None] * count
+        else:
+            raise refuse(n, f"splits an axis that grows ({words(axis)}) other than into equal q/k/v sections")
+        if name == "split" and self.grows(rest):
+            self.edits.append(Edit(n.name, ("args", 1), n.args[1], rest))
+        if name == "unbind":
+            return [(lay[:dim] + lay[dim + 1:], s) for s in sections]
+        return [(lay[:dim] + (rest,) + lay[dim + 1:], s) for s in sections]
+
+    def index(self, n: fx.Node, lay: Layout, index) -> Layout:
+        shape = tensor_shape(n.args[0])
+        if isinstance(index, dict):  # select(dim, i)
+            index = tuple(index.get(d, slice(None)) for d in range(len(lay)))
+        index = index if isinstance(index, tuple) else (index,)
+        if any(i is Ellipsis for i in index):
+            k = index.index(Ellipsis)
+            index = index[:k] + (slice(None),) * (len(lay) - len(index) + 1) + index[k + 1:]
+        out, d = [], 0
+        for i in index:
+            if i is None:
+                out.append(())
+                continue
+            axis = lay[d]
+            if isinstance(i, int):
+                if axis and axis[0][0] == "s" and len(axis) == 1:
+                    self.section[n.name] = i % axis[0][1]
+                elif self.grows(axis):
+                    raise refuse(n, f"picks one entry of a growing axis ({words(axis)})")
+            elif isinstance(i, slice) and i.step in (None, 1) and (i.start or 0) == 0 and (i.stop is None or i.stop >= shape[d]):
+                out.append(axis)
+            elif isinstance(i, slice) and not self.grows(axis):
+                out.append((("", len(range(*i.indices(shape[d])))),))
+            else:
+                raise refuse(n, f"indexes a growing axis ({words(axis)}) by {i!r}")
+            d += 1
+        return tuple(out) + lay[d:]
+
+    def expand(self, n: fx.Node, lay: Layout, shape: tuple) -> Layout:
+        sizes = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
+        at = ("args", 1) if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else ("args",)
+        lead = len(shape) - len(lay)
+        out = tuple((("", s),) if j < lead or (size_of(lay[j - lead]) == 1 and s > 1) else lay[j - lead]
+                    for j, s in enumerate(shape))
+        self.constants(n, out, sizes, at)
+        return out
+
+
+_FACTOR_WORDS = {"h": "heads", "r": "query heads per key/value head", "d": "head size", "e": "value head size",
+                 "s": "q/k/v sections"}
+
+
+def words(axis: Axis) -> str:
+    return " × ".join(f"{_FACTOR_WORDS.get(f, 'other')} {s}" for f, s in axis) or "size 1"
+
+
+def _constant_factor(a) -> tuple[int, int] | None:
+    """(position, c) when `a` is mul(size, c) or mul(c, size) with an int c."""
+    if isinstance(a, fx.Node) and a.op == "call_function" and a.target in (operator.mul, torch.mul):
+        for i, v in enumerate(a.args[:2]):
+            if isinstance(v, int) and not isinstance(v, bool):
+                return i, v
+    return None

@@ -1,0 +1,255 @@
+"""Attention heads of a transformer, found from the graph: for every `scaled_dot_product_attention`, the Linear
+layers that project its query, key and value, the one that reads its output, the reshapes between them, and which
+constants in those reshapes name the head count or head size — what grow_heads must change.
+
+An attention's projection output is a product of *factors*, outermost first: `s` (the sections of a fused q/k/v
+projection: GPT-2's c_attn, timm's qkv, nn.MultiheadAttention's in_proj), `h` (key/value heads; the heads when
+there is no grouped-query attention), `r` (query heads per key/value head, grouped-query attention only), `d`
+(query/key head size) and `e` (value head size). The analysis follows each tensor's axes as lists of factors
+through reshapes, transposes, slices, splits, expands and elementwise ops (RoPE's multiply by cos/sin) up to the
+attention, and from its output to the output projection. Factors that grow must stay whole: a reshape constant
+over them is rewritten (an edit), a `-1` needs nothing; a side operand (a cos/sin table, a mask) must broadcast
+over them. Anything else is refused with the node and the reason: a pass never guesses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import fx, nn
+
+from ..core.errors import NotApplicable
+from ..graph.fx_edit import tensor_shape
+from .head_layout import (
+    SDPA, SHAPE_QUERIES, Axis, Edit, Layout, canon, data_args, Flow, op_kind, plain, refuse, size_of, words,
+)
+
+
+@dataclass
+class Projection:
+    node: str
+    weight: str
+    bias: str | None
+    module: str | None  # the nn.Linear's path (None: F.linear on parameters)
+    factors: Axis  # of its output's last axis (its weight's rows)
+    roles: tuple[str, ...]  # per section: q | k | v (one entry when not fused)
+
+
+@dataclass
+class Attention:
+    node: str  # the scaled_dot_product_attention
+    heads: int
+    kv_heads: int
+    head_dim: int
+    value_dim: int
+    projections: list[Projection]
+    reader: Projection  # the output projection: its input columns
+    edits: list[Edit] = field(default_factory=list)
+    scale: float | None = None  # an explicit scale= (None: 1/sqrt(head_dim))
+
+    def summary(self) -> str:
+        gqa = f", {self.kv_heads} key/value head{'s' if self.kv_heads > 1 else ''}" if self.kv_heads != self.heads else ""
+        return f"{self.heads} heads × {self.head_dim}{gqa}" + (f", value size {self.value_dim}" if self.value_dim != self.head_dim else "")
+
+
+def _linear_params(gm: fx.GraphModule, n: fx.Node) -> tuple[str, str | None, str | None]:
+    """(weight path, bias path, module path) of a Linear node."""
+    if n.op == "call_module":
+        m = gm.get_submodule(str(n.target))
+        return f"{n.target}.weight", f"{n.target}.bias" if m.bias is not None else None, str(n.target)
+    w, b = n.args[1], n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+    if not (isinstance(w, fx.Node) and w.op == "get_attr") or (b is not None and not (isinstance(b, fx.Node) and b.op == "get_attr")):
+        raise refuse(n, "takes its weight from a computed tensor")
+    return str(w.target), str(b.target) if b is not None else None, None
+
+
+def _operands(n: fx.Node) -> list[fx.Node]:
+    names = ("query", "key", "value")
+    ops = [n.args[i] if len(n.args) > i else n.kwargs.get(k) for i, k in enumerate(names)]
+    return [a for a in ops if isinstance(a, fx.Node)]
+
+
+def _back(gm: fx.GraphModule, start: fx.Node) -> tuple[set[str], list[fx.Node]]:
+    """Nodes on the way back from an attention operand to its projections: (path, Linear nodes reached)."""
+    seen: set[str] = set()
+    found: list[fx.Node] = []
+    todo = [start]
+    while todo:
+        n = todo.pop()
+        if n.name in seen:
+            continue
+        kind = op_kind(gm, n)
+        if kind == "linear":
+            found += [n] if n not in found else []
+            continue
+        if kind is None:
+            continue
+        seen.add(n.name)
+        todo.extend(data_args(n))
+    return seen, found
+
+
+def _users_ok(n: fx.Node, allowed: set[str]) -> fx.Node | None:
+    """The first user of `n` outside `allowed` that is not a size query, else None."""
+    for u in n.users:
+        if u.name in allowed or (u.op == "call_method" and u.target in SHAPE_QUERIES):
+            continue
+        if u.op == "call_function" and u.target is getattr and u.args[1] in SHAPE_QUERIES:
+            continue
+        return u
+    return None
+
+
+def _factors(role: str, h: int, k: int, d: int, e: int) -> Axis:
+    head = (("h", k),) + ((("r", h // k),) if h != k else ())
+    return {"q": head + (("d", d),), "k": (("h", k), ("d", d)), "v": (("h", k), ("e", e))}[role]
+
+
+def find_attentions(gm: fx.GraphModule, growing: set[str], at: str | None = None) -> list[Attention]:
+    """Every scaled_dot_product_attention of an annotated graph, with the tensors between it and its projections
+    followed for the factors in `growing` (h, r, d, e); NotApplicable naming the node where that is not possible."""
+    nodes = list(gm.graph.nodes)
+    sdpas = [n for n in nodes if n.op == "call_function" and n.target is SDPA]
+    opaque = [n for n in nodes if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.MultiheadAttention)]
+    if opaque:
+        raise refuse(opaque[0], "is an nn.MultiheadAttention kept whole (a leaf): its heads are not in the graph",
+                      "capture the model with torch.export (graphgrow does for nn.TransformerEncoder) so its attention is decomposed")
+    if not sdpas:
+        raise NotApplicable("the model has no scaled_dot_product_attention: no attention heads found",
+                            "grow_heads grows attentions written with F.scaled_dot_product_attention (Hugging Face's "
+                            "default sdpa, timm, nn.MultiheadAttention); attention written as matmul + softmax is not supported")
+    out, failed = [], []
+    for n in sdpas:
+        try:
+            out.append(_attention(gm, n, growing))
+        except NotApplicable as e:
+            failed.append(e)
+    if at is not None:
+        out = [a for a in out if any(p.weight.startswith(f"{at}.") or p.node == at for p in a.projections + [a.reader])
+               or a.node == at]
+    if failed and (at is None or not out):
+        first = failed[0]
+        raise NotApplicable(first.message, f"{first.hint}; {len(out)} other attention(s) can grow: pick one with at=" if out
+                            else first.hint)
+    if not out:
+        raise NotApplicable(f"no attention at '{at}'", "give the module path of an attention (its projections'"
+                                " parent, e.g. model.layers.0.self_attn), or leave at= out to grow every attention")
+    return out
+
+
+def _attention(gm: fx.GraphModule, s: fx.Node, growing: set[str]) -> Attention:
+    q, k, v = (_operands(s) + [None, None, None])[:3]
+    if v is None:
+        raise refuse(s, "has no query, key and value the analysis can read")
+    shapes = [tensor_shape(t) for t in (q, k, v)]
+    if any(sh is None or len(sh) < 3 for sh in shapes):
+        raise refuse(s, f"takes query/key/value of shapes {shapes}, not (…, heads, tokens, head size)")
+    h, kv, d, e = shapes[0][-3], shapes[1][-3], shapes[0][-1], shapes[2][-1]
+    region: set[str] = set()
+    projs: dict[str, tuple[fx.Node, list[str]]] = {}
+    roles: dict[str, fx.Node] = {}
+    for role, t in zip("qkv", (q, k, v)):
+        seen, found = _back(gm, t)
+        if len(found) != 1:
+            what = "no Linear" if not found else f"{len(found)} Linear layers ({', '.join(f.name for f in found)})"
+            raise refuse(t, f"is the {dict(q='query', k='key', v='value')[role]} of '{s.name}' and comes from {what} "
+                          "through ops the analysis follows")
+        region |= seen
+        projs.setdefault(found[0].name, (found[0], []))[1].append(role)
+        roles[role] = found[0]
+    if roles["k"] is not roles["q"]:  # the key's own projection says how many key/value heads (k may be repeated)
+        kv = tensor_shape(roles["k"])[-1] // d
+    if h % kv:
+        raise refuse(s, f"has {h} query heads and {kv} key/value heads, not a multiple")
+    flow = Flow(gm, growing, region)
+    projections = []
+    for name, (p, rs) in projs.items():
+        weight, bias, module = _linear_params(gm, p)
+        width = tensor_shape(p)[-1]
+        if len(rs) == 1:
+            factors = _factors(rs[0], h, kv, d, e)
+        elif h == kv and d == e and width == len(rs) * h * d:
+            factors = (("s", len(rs)), ("h", h), ("d", d))
+        else:
+            raise refuse(p, f"projects {'/'.join(rs)} in one output of width {width}, not {len(rs)} equal sections "
+                          f"of {h} heads × {d}")
+        if size_of(factors) != width:
+            raise refuse(p, f"has {width} outputs, not {words(factors)} (the attention's heads and head size)")
+        flow.layout[name] = plain(tensor_shape(p)[:-1]) + (factors,)
+        projections.append(Projection(name, weight, bias, module, factors, tuple(rs)))
+        bad = _users_ok(p, region)
+        if bad is not None:
+            raise refuse(p, f"projects the attention '{s.name}' and is also read by '{bad.name}'")
+    fed = set(projs)  # the way back also met side inputs (cos/sin tables): keep what the projections feed
+    for n in gm.graph.nodes:
+        if n.name in region and any(a.name in fed for a in data_args(n)):
+            fed.add(n.name)
+    region &= fed
+    body = [n for n in gm.graph.nodes if n.name in region]
+    flow.region = region
+    flow.run(body)
+    for n in body:
+        bad = _users_ok(n, region | {s.name})
+        if bad is not None:
+            raise refuse(n, f"is on the way to the attention '{s.name}' and is also read by '{bad.name}'")
+    _fix_roles(flow, projections, roles, q, k, v, s)
+    lq, lk, lv = (flow.of(t) for t in (q, k, v))
+    for t, lay in ((q, lq), (k, lk), (v, lv)):
+        if any(flow.grows(ax) for ax in lay[:-3] + lay[-2:-1]):
+            raise refuse(t, "carries heads or head size on an axis other than the attention's heads or head size")
+    def heads(ax: Axis) -> tuple:  # the growing factors only: a key may lack the query's r (SDPA's enable_gqa)
+        return tuple(f for f in canon(ax, growing) if f[0] in growing)
+
+    if not heads(lq[-3]) == heads(lk[-3]) == heads(lv[-3]) or canon(lq[-1], growing) != canon(lk[-1], growing):
+        raise refuse(s, "gets query, key and value whose heads or head sizes the analysis cannot match up")
+    mask = s.args[3] if len(s.args) > 3 else s.kwargs.get("attn_mask")
+    ms = tensor_shape(mask) if isinstance(mask, fx.Node) else None
+    if ms and len(ms) >= 3 and ms[-3] > 1 and flow.grows(lq[-3]):
+        raise refuse(mask, f"is a mask or bias per head {tuple(ms)} (ALiBi, relative positions): new heads have none")
+    scale = s.kwargs.get("scale", s.args[6] if len(s.args) > 6 else None)
+    reader, edits = _reader(gm, s, lq[:-1] + (lv[-1],), growing)
+    return Attention(s.name, h, kv, d, e, projections, reader, flow.edits + edits, scale)
+
+
+def _fix_roles(flow: Flow, projections: list[Projection], roles: dict, q, k, v, s: fx.Node) -> None:
+    """A fused projection's sections in order of its output: which one reaches the query, key and value."""
+    for p in projections:
+        if len(p.roles) == 1:
+            continue
+        order = {}
+        for role, t in zip("qkv", (q, k, v)):
+            if roles[role].name == p.node:
+                if t.name not in flow.section:
+                    raise refuse(t, f"is the {role} of '{s.name}' but the analysis cannot tell which section of "
+                                  f"'{p.node}' it is")
+                order[flow.section[t.name]] = role
+        p.roles = tuple(order[i] for i in range(len(order)))
+
+
+def _reader(gm: fx.GraphModule, s: fx.Node, lay: Layout, growing: set[str]) -> tuple[Projection, list[Edit]]:
+    """The output projection reading the attention's output, the tensors between them followed."""
+    flow = Flow(gm, growing, set())
+    flow.layout[s.name] = lay
+    todo, region, readers = [s], {s.name}, []
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            kind = op_kind(gm, u)
+            if kind == "linear" and u.args[0] is n:
+                readers.append(u)
+            elif (u.op == "call_method" and u.target in SHAPE_QUERIES) or (u.op == "call_function" and u.target is getattr):
+                continue
+            elif kind is None or kind == "linear":
+                raise refuse(u, f"reads the output of attention '{s.name}' before any output projection")
+            elif u.name not in region:
+                region.add(u.name)
+                todo.append(u)
+    if len(readers) != 1:
+        raise refuse(s, f"has {len(readers)} output projections; the analysis needs one")
+    flow.region = region
+    flow.run([n for n in gm.graph.nodes if n.name in region and n is not s])
+    r = readers[0]
+    x = flow.of(r.args[0])
+    if any(flow.grows(ax) for ax in x[:-1]):
+        raise refuse(r, "reads heads or head size on an axis other than its input features")
+    weight, bias, module = _linear_params(gm, r)
+    return Projection(r.name, weight, bias, module, x[-1], ("o",)), flow.edits

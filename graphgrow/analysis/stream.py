@@ -1,0 +1,444 @@
+"""The residual stream of a transformer: every tensor that carries its hidden size, who writes it, who reads it,
+and the norms on it — what growing the hidden size (grow_hidden) must change, found from the graph.
+
+The stream is grown from its norms (LayerNorm, RMSNorm, F.layer_norm, F.rms_norm over the last dimension, of the
+width of the model's last such norm, its final norm): from each tensor on it the analysis walks to its producer and to its users, following the
+hidden axis through ops that act on every hidden coordinate alike and linearly (adds of stream tensors, a `cat`
+along the tokens, dropout, identities, scalar multiples, views, transposes, token selection and pooling). It stops
+at *writers* (a Linear's or conv's output rows, an Embedding's columns, a parameter tensor such as a position
+embedding or class token) and *readers* (a Linear's input columns). Anything else touching the stream is refused
+with the node and the reason: a pass never guesses.
+
+New hidden coordinates get one *fill* per stream tensor: `mean` (each new coordinate equals the mean of the old
+ones: what a LayerNorm's input needs) or `zero` (what an RMSNorm's input and every norm's output need — a norm's new
+outputs are its β = 0). Tensors joined by adds, views and the like share a fill; a norm separates its input from its
+output. When one tensor needs both (a post-norm stream: BERT, nn.TransformerEncoder with norm_first=False, where a
+LayerNorm's output is added to a sublayer's output that feeds the next LayerNorm) `conflict` says where, and only
+replicating every coordinate equally (an integer factor) stays exact.
+"""
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from ..core.errors import NotApplicable
+from ..graph.fx_edit import tensor_shape
+
+NORM_FUNCTIONS = (F.layer_norm, torch.layer_norm, F.rms_norm) + ((torch.rms_norm,) if hasattr(torch, "rms_norm") else ())
+ADDS = {operator.add, operator.sub, torch.add, torch.sub, operator.iadd}
+SCALINGS = {operator.mul, operator.truediv, torch.mul, torch.div}
+PASS_METHODS = {"contiguous", "clone", "float", "to", "type_as", "transpose", "permute", "reshape", "view", "flatten",
+                "expand", "mean", "sum", "select", "squeeze", "unsqueeze"}
+PASS_FUNCTIONS = {F.dropout, torch.transpose, torch.permute, torch.flatten, torch.reshape, torch.select, operator.getitem,
+                  torch.mean, torch.sum, torch.squeeze, torch.unsqueeze}
+SHAPE_QUERIES = {"size", "dim", "numel", "shape", "dtype", "device"}
+VIEWS = {"reshape", "view", "expand"}  # their shape arguments name the width: grown with it
+
+
+@dataclass
+class Writer:
+    node: str
+    what: str  # linear | conv | embedding | tensor
+    params: list[tuple[str, int]]  # (parameter path, dimension along the stream)
+    out: str  # the stream tensor it writes
+
+
+@dataclass
+class Reader:
+    node: str
+    params: list[tuple[str, int]]  # (weight path, its input dimension)
+    input: str
+
+
+@dataclass
+class Norm:
+    node: str
+    rms: bool
+    input: str
+    module: str | None  # module path for a call_module (normalized_shape and eps live there)
+    weight: str | None  # parameter paths (None: no affine)
+    bias: str | None
+    eps: float | None
+
+
+@dataclass
+class Stream:
+    width: int
+    axes: dict[str, int]  # stream tensor (node name) → its hidden axis
+    writers: list[Writer] = field(default_factory=list)
+    readers: list[Reader] = field(default_factory=list)
+    norms: list[Norm] = field(default_factory=list)
+    views: list[str] = field(default_factory=list)  # reshape/view/expand nodes on the stream
+    fill: dict[str, str] = field(default_factory=dict)  # stream tensor → mean | zero (empty when conflict)
+    conflict: str | None = None  # why no per-tensor fill is exact (a post-norm stream)
+
+    def summary(self) -> str:
+        kinds = Counter(w.what for w in self.writers)
+        return (f"{len(self.axes)} stream tensors, writers {dict(kinds)}, {len(self.readers)} readers, "
+                f"{len(self.norms)} norms ({'RMSNorm' if any(n.rms for n in self.norms) else 'LayerNorm'})")
+
+
+def _refuse(n: fx.Node, why: str) -> NotApplicable:
+    return NotApplicable(f"the residual stream reaches '{n.name}' ({_what(n)}), which {why}",
+                         "grow_hidden grows a stream it fully understands; grow the layers around it with grow_width")
+
+
+def _what(n: fx.Node) -> str:
+    if n.op == "call_module":
+        return f"module {n.target}"
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+
+
+def _arg(n: fx.Node, i: int, key: str, default=None):
+    return n.args[i] if len(n.args) > i else n.kwargs.get(key, default)
+
+
+def _norm_of(gm: fx.GraphModule, n: fx.Node) -> Norm | None:
+    """A LayerNorm / RMSNorm over the last dimension (module or function), else None."""
+    if n.op == "call_module":
+        m = gm.get_submodule(n.target)
+        if type(m) not in (nn.LayerNorm, nn.RMSNorm) or not n.args or not isinstance(n.args[0], fx.Node):
+            return None
+        w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+        return Norm(n.name, isinstance(m, nn.RMSNorm), n.args[0].name, n.target, f"{n.target}.weight" if w is not None else None,
+                    f"{n.target}.bias" if b is not None else None, m.eps)
+    if n.op != "call_function" or n.target not in NORM_FUNCTIONS or not isinstance(n.args[0], fx.Node):
+        return None
+    rms = n.target not in (F.layer_norm, torch.layer_norm)
+    weight = _arg(n, 2, "weight")
+    bias = None if rms else _arg(n, 3, "bias")
+    eps = _arg(n, 3 if rms else 4, "eps", None if rms else 1e-5)
+    paths = []
+    for a in (weight, bias):
+        if a is not None and not (isinstance(a, fx.Node) and a.op == "get_attr" and len(a.users) == 1):
+            return None
+        paths.append(a.target if a is not None else None)
+    return Norm(n.name, rms, n.args[0].name, None, paths[0], paths[1], eps)
+
+
+def _normalised(gm: fx.GraphModule, n: fx.Node) -> int | None:
+    """The width a last-dimension norm normalises, else None."""
+    if n.op == "call_module":
+        shape = getattr(gm.get_submodule(n.target), "normalized_shape", None)
+    else:
+        shape = _arg(n, 1, "normalized_shape")
+    shape = tuple(shape) if isinstance(shape, (list, tuple)) else (shape,)
+    x = tensor_shape(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+    return shape[0] if len(shape) == 1 and isinstance(shape[0], int) and x and x[-1] == shape[0] else None
+
+
+def find_stream(gm: fx.GraphModule) -> Stream:
+    """The residual stream of an annotated graph (shapes from shapes.annotate); NotApplicable when there is none
+    or when something on it is not understood."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    norms = [n for n in gm.graph.nodes if _norm_of(gm, n) is not None and _normalised(gm, n)]
+    if not norms:
+        raise NotApplicable("the model has no LayerNorm or RMSNorm over a last dimension: no residual stream found",
+                            "grow_hidden grows a transformer's stream; widen other layers with grow_width")
+    width = _normalised(gm, norms[-1])  # the last norm (a final norm) is on the stream; q/k norms over heads are not
+    stream = Stream(width, {})
+    walk = _Walk(gm, stream, nodes)
+    for n in norms:
+        if _normalised(gm, n) == width:
+            walk.add(n.args[0], len(tensor_shape(n.args[0])) - 1)
+    walk.run()
+    walk.check()
+    stream.fill, stream.conflict = walk.fills()
+    return stream
+
+
+class _Walk:
+    """The worklist over stream tensors, with a union-find of tensors that share a fill."""
+
+    def __init__(self, gm: fx.GraphModule, stream: Stream, nodes: dict[str, fx.Node]):
+        self.gm, self.s, self.nodes = gm, stream, nodes
+        self.todo: list[fx.Node] = []
+        self.parent: dict[str, str] = {}
+        self.needs: dict[str, str] = {}  # tensor → the fill a norm needs there
+        self.why: dict[str, str] = {}
+        self.done_users: set[str] = set()
+
+    # --- bookkeeping ---
+    def add(self, n: fx.Node, axis: int, like: fx.Node | None = None) -> None:
+        shape = tensor_shape(n)
+        if shape is None or shape[axis] != self.s.width:
+            raise _refuse(n, f"does not keep the hidden size {self.s.width} at its axis {axis} (shape {shape})")
+        old = self.s.axes.get(n.name)
+        if old is not None and old != axis:
+            raise _refuse(n, f"carries the hidden size on two axes ({old} and {axis})")
+        self.parent.setdefault(n.name, n.name)
+        if like is not None:
+            self.join(n, like)
+        if old is None:
+            self.s.axes[n.name] = axis
+            self.todo.append(n)
+
+    def find(self, a: str) -> str:
+        while self.parent[a] != a:
+            self.parent[a] = self.parent[self.parent[a]]
+            a = self.parent[a]
+        return a
+
+    def join(self, a: fx.Node, b: fx.Node) -> None:
+        self.parent.setdefault(a.name, a.name)
+        self.parent.setdefault(b.name, b.name)
+        self.parent[self.find(a.name)] = self.find(b.name)
+
+    def need(self, n: fx.Node, fill: str, why: str) -> None:
+        self.needs.setdefault(n.name, fill)
+        if self.needs[n.name] != fill:
+            self.needs[n.name] = "both"
+        self.why[f"{n.name}:{fill}"] = why
+
+    def run(self) -> None:
+        while self.todo:
+            n = self.todo.pop()
+            self.producer(n)
+            for u in list(n.users):
+                self.user(n, u)
+
+    def fills(self) -> tuple[dict[str, str], str | None]:
+        """One fill per class of tensors; the first class that needs both is the conflict."""
+        classes: dict[str, dict[str, str]] = {}
+        for name, fill in self.needs.items():
+            for f in ("mean", "zero") if fill == "both" else (fill,):
+                classes.setdefault(self.find(name), {}).setdefault(f, name)
+        for need in classes.values():
+            if len(need) == 2:
+                a, b = need["mean"], need["zero"]
+                return {}, (f"'{a}' must have new coordinates equal to the mean of the old ones ({self.why[f'{a}:mean']}) "
+                            f"and '{b}', joined with it through adds, zero ({self.why[f'{b}:zero']}): a post-norm stream")
+        return {t: next(iter(classes.get(self.find(t), {"zero": t}))) for t in self.s.axes}, None
+
+    # --- rules ---
+    def producer(self, n: fx.Node) -> None:
+        axis = self.s.axes[n.name]
+        norm = _norm_of(self.gm, n)
+        if norm is not None:
+            return self.norm(n, norm)
+        if n.op == "placeholder":
+            raise _refuse(n, "is the model's input (the hidden size is fixed by the caller)")
+        if n.op == "get_attr":
+            return self.tensor_writer(n, axis)
+        if n.op == "call_module":
+            m = self.gm.get_submodule(n.target)
+            if isinstance(m, nn.Linear) and axis == len(tensor_shape(n)) - 1:
+                return self.writer(n, "linear", [(f"{n.target}.weight", 0)] + ([(f"{n.target}.bias", 0)] if m.bias is not None else []))
+            if isinstance(m, nn.modules.conv._ConvNd) and m.groups == 1 and axis == 1:
+                return self.writer(n, "conv", [(f"{n.target}.weight", 0)] + ([(f"{n.target}.bias", 0)] if m.bias is not None else []))
+            if isinstance(m, nn.Embedding) and axis == len(tensor_shape(n)) - 1:
+                if m.max_norm is not None:
+                    raise _refuse(n, "renormalises its rows (max_norm): a wider row has another norm")
+                return self.writer(n, "embedding", [(f"{n.target}.weight", 1)])
+        if n.op == "call_function" and n.target is F.linear and axis == len(tensor_shape(n)) - 1:
+            params = [(a.target, 0) for a in n.args[1:3] if isinstance(a, fx.Node)]
+            if any(a.op != "get_attr" for a in n.args[1:3] if isinstance(a, fx.Node)):
+                raise _refuse(n, "takes its weight from a computed tensor")
+            return self.writer(n, "linear", params)
+        if self._is_add(n) or self._is_cat(n):
+            for a in self._operands(n):
+                self.add(a, self._operand_axis(n, a, axis), like=n)
+            return
+        x = self._passthrough_input(n)
+        if x is not None:
+            back = self._input_axis(n, x, axis)
+            if back is None:
+                raise _refuse(n, "moves the hidden axis in a way the analysis cannot follow back")
+            return self.add(x, back, like=n)
+        raise _refuse(n, "produces stream values the analysis does not understand")
+
+    def user(self, x: fx.Node, u: fx.Node) -> None:
+        key = f"{x.name}->{u.name}"
+        if key in self.done_users:
+            return
+        self.done_users.add(key)
+        axis = self.s.axes[x.name]
+        if u.op == "output":
+            raise _refuse(x, "is a model output (growing it would change the output's shape)")
+        if (u.op == "call_method" and u.target in SHAPE_QUERIES) or (u.op == "call_function" and u.target is getattr
+                                                                   and u.args[1] in SHAPE_QUERIES):
+            return
+        norm = _norm_of(self.gm, u)
+        if norm is not None and u.args[0] is x:
+            if axis != len(tensor_shape(x)) - 1 or _normalised(self.gm, u) != self.s.width:
+                raise _refuse(u, "normalises over more than the hidden axis")
+            return self.add(u, axis)
+        is_linear = (u.op == "call_module" and isinstance(self.gm.get_submodule(u.target), nn.Linear)) or \
+            (u.op == "call_function" and u.target is F.linear)
+        if is_linear and u.args[0] is x and all(a is not x for a in list(u.args[1:]) + list(u.kwargs.values())):
+            return self.reader(u, x, axis)
+        if self._is_add(u) or self._is_cat(u):
+            return self.add(u, self._user_axis(u, x, axis), like=x)
+        if self._passthrough_input(u) is x:
+            a = _forward_axis(u, x, axis)
+            if a is None:
+                raise _refuse(u, "mixes the hidden axis with others (a reshape or index across it)")
+            return self.add(u, a, like=x)
+        raise _refuse(u, "reads it in a way the analysis does not understand (only Linear layers, norms, adds, "
+                      "concatenation along the tokens, dropout, views and token selection are)")
+
+    def norm(self, n: fx.Node, norm: Norm) -> None:
+        if norm.node in {m.node for m in self.s.norms}:
+            return
+        x = n.args[0]
+        if _normalised(self.gm, n) != self.s.width:
+            raise _refuse(n, "normalises another width")
+        self.s.norms.append(norm)
+        self.add(x, len(tensor_shape(x)) - 1)
+        kind = "an RMSNorm's input: its mean square" if norm.rms else "a LayerNorm's input: its mean and variance"
+        self.need(x, "zero" if norm.rms else "mean", kind)
+        self.need(n, "zero", "a norm's output: its new outputs are β = 0")
+
+    def writer(self, n: fx.Node, what: str, params: list[tuple[str, int]]) -> None:
+        if n.name not in {w.node for w in self.s.writers}:
+            self.s.writers.append(Writer(n.name, what, params, n.name))
+
+    def tensor_writer(self, n: fx.Node, axis: int) -> None:
+        self.writer(n, "tensor", [(str(n.target), axis)])
+
+    def check(self) -> None:
+        """Every parameter tensor written onto the stream is read only there (checked once all is known)."""
+        for w in self.s.writers:
+            n = self.nodes[w.node]
+            others = [u for u in n.users if u.name not in self.s.axes] if w.what == "tensor" else []
+            if others:
+                raise _refuse(n, f"is also read by '{others[0].name}' off the stream")
+        self.s.views = [t for t in self.s.axes if self.nodes[t].op in ("call_method", "call_function")
+                        and _what(self.nodes[t]) in VIEWS]
+
+    def reader(self, u: fx.Node, x: fx.Node, axis: int) -> None:
+        if axis != len(tensor_shape(x)) - 1:
+            raise _refuse(u, "reads the stream along another axis than the hidden one")
+        if u.op == "call_module":
+            params = [(f"{u.target}.weight", 1)]
+        else:
+            w = u.args[1]
+            if not (isinstance(w, fx.Node) and w.op == "get_attr"):
+                raise _refuse(u, "takes its weight from a computed tensor")
+            params = [(str(w.target), 1)]
+        self.s.readers.append(Reader(u.name, params, x.name))
+
+    # --- ops ---
+    @staticmethod
+    def _is_add(n: fx.Node) -> bool:
+        return (n.op == "call_function" and n.target in ADDS) or (n.op == "call_method" and n.target in ("add", "sub"))
+
+    @staticmethod
+    def _is_cat(n: fx.Node) -> bool:
+        return n.op == "call_function" and n.target is torch.cat
+
+    def _operands(self, n: fx.Node) -> list[fx.Node]:
+        ops = list(n.args[0]) if self._is_cat(n) else list(n.args[:2])
+        if any(not isinstance(a, fx.Node) for a in ops) or len(ops) < 2:
+            raise _refuse(n, "adds a constant to the stream (its new coordinates would no longer be the mean or zero)")
+        if not self._is_cat(n) and n.kwargs.get("alpha", 1) != 1:
+            raise _refuse(n, "adds with a scale alpha")
+        return [a for a in ops if isinstance(a, fx.Node)]
+
+    def _operand_axis(self, n: fx.Node, a: fx.Node, axis: int) -> int:
+        out, shape = tensor_shape(n), tensor_shape(a)
+        if self._is_cat(n):
+            dim = _arg(n, 1, "dim", 0) % len(out)
+            if dim == axis:
+                raise _refuse(n, "concatenates along the hidden axis")
+            return axis
+        if shape is None:
+            raise _refuse(n, "adds a tensor of unknown shape")
+        k = axis - (len(out) - len(shape))
+        if k < 0 or shape[k] != self.s.width:
+            raise _refuse(n, f"broadcasts '{a.name}' {list(shape)} across the hidden axis")
+        return k
+
+    def _user_axis(self, u: fx.Node, x: fx.Node, axis: int) -> int:
+        out = tensor_shape(u)
+        if self._is_cat(u):
+            if _arg(u, 1, "dim", 0) % len(out) == axis:
+                raise _refuse(u, "concatenates along the hidden axis")
+            return axis
+        self._operands(u)
+        return axis + len(out) - len(tensor_shape(x))
+
+    def _passthrough_input(self, n: fx.Node) -> fx.Node | None:
+        """The stream input of an op that acts on every hidden coordinate alike and linearly, else None."""
+        x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if x is None:
+            return None
+        if n.op == "call_module":
+            m = self.gm.get_submodule(n.target)
+            linear = isinstance(m, (nn.Dropout, nn.Identity)) or type(m).__name__ in ("DropPath", "StochasticDepth")
+            return x if linear and len(n.args) == 1 else None
+        if n.op == "call_function" and n.target in SCALINGS or (n.op == "call_method" and n.target in ("mul", "div")):
+            other = n.args[1] if len(n.args) > 1 else None
+            return x if isinstance(other, (int, float)) else None
+        if n.op == "call_method" and n.target in PASS_METHODS or n.op == "call_function" and n.target in PASS_FUNCTIONS:
+            rest = [a for a in list(n.args[1:]) + list(n.kwargs.values()) if isinstance(a, fx.Node)]
+            return x if all(tensor_shape(a) is None for a in rest) else None  # sizes, not other tensors
+        return None
+
+    def _input_axis(self, n: fx.Node, x: fx.Node, axis: int) -> int | None:
+        shape = tensor_shape(x) or ()
+        fits = [a for a in range(len(shape)) if shape[a] == self.s.width and _forward_axis(n, x, a) == axis]
+        return fits[-1] if fits else None
+
+
+def _forward_axis(n: fx.Node, x: fx.Node, a: int) -> int | None:
+    """Where op `n` puts input `x`'s hidden axis `a` (None: it does not keep it whole)."""
+    xs, out = tensor_shape(x), tensor_shape(n)
+    if xs is None or out is None:
+        return None
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    rest = list(n.args[1:])
+    try:
+        if name in ("transpose",):
+            i, j = (int(d) % len(xs) for d in rest[:2])
+            return j if a == i else i if a == j else a
+        if name == "permute":
+            dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
+            return [int(d) % len(xs) for d in dims].index(a)
+        if name == "getitem":
+            return _index_axis(rest[0], xs, a)
+        if name == "select":
+            dim = int(_arg(n, 1, "dim")) % len(xs)
+            return None if dim == a else a - (dim < a)
+        if name in ("mean", "sum"):
+            dims = _arg(n, 1, "dim")
+            dims = [dims] if isinstance(dims, int) else list(dims or [])
+            dims = [d % len(xs) for d in dims]
+            if not dims or a in dims:
+                return None
+            return a if _arg(n, 2, "keepdim", False) else a - len([d for d in dims if d < a])
+    except (TypeError, ValueError, IndexError):
+        return None
+    if xs == out or name in ("dropout", "expand", "contiguous", "clone", "float", "to", "type_as", "mul", "div", "truediv"):
+        return a + len(out) - len(xs) if out[a + len(out) - len(xs)] == xs[a] else None
+    if a == len(xs) - 1 and out[-1] == xs[-1]:  # a view that regroups the leading dimensions only
+        return len(out) - 1
+    if out[:a + 1] == xs[:a + 1]:  # flatten(2) of (N, C, H, W): the axis and those before it kept
+        return a
+    return None
+
+
+def _index_axis(index, shape: tuple, a: int) -> int | None:
+    """The hidden axis after x[index]: it must be indexed by a full slice (or not at all)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if any(i is Ellipsis for i in index):
+        k = index.index(Ellipsis)
+        index = index[:k] + (slice(None),) * (len(shape) - len(index) + 1) + index[k + 1:]
+    out, dim = 0, 0
+    for i in index:
+        if i is None:
+            out += 1
+            continue
+        if dim == a:
+            full = isinstance(i, slice) and i.step in (None, 1) and (i.start or 0) == 0 and (i.stop is None or i.stop >= shape[a])
+            return out if full else None
+        out += 0 if isinstance(i, int) else 1
+        if not isinstance(i, (int, slice)):
+            return None
+        dim += 1
+    return out + (a - dim)

@@ -1,0 +1,162 @@
+"""Growing attention heads exactly: the rewrite behind grow_heads (analysis.heads finds what to change).
+
+New sizes per factor (analysis.head_layout): h (key/value heads), r (query heads per key/value head: kept), d
+(query/key head size), e (value head size). Every old row or column keeps its values at its new place (the same
+head, the same coordinate, in the new strides); what is new is initialised so that the function does not move:
+- a new head: random query, key and value rows, and *zero* output-projection columns (the zero last factor: its
+  gradient is the new heads' attention output, non-zero at once; the softmax is per head, so old heads do not move);
+- a larger query/key head size d → d': new key rows random, new query rows *zero* (every logit keeps its value and
+  the new query rows get a gradient at once, through the random key rows). The scale 1/sqrt(d) becomes 1/sqrt(d')
+  (SDPA's default from the query's last size, or an explicit scale=1/sqrt(d)); the old query rows are multiplied by
+  sqrt(d'/d) so that every logit stays. A custom explicit scale is kept as it is;
+- a larger value head size e → e': new value rows random, new output-projection columns zero.
+Biases: new entries zero; old query biases scaled with their rows.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..analysis.head_layout import Axis, Edit
+from ..analysis.heads import Attention, Projection
+from ..core.errors import NotApplicable
+from ..graph.fx_edit import finish
+from .stream import _owners, _set, _tensor
+
+HINT = "grow_heads grows attentions it fully understands; see docs/passes.md, Heads and head size"
+
+
+def places(factors: Axis, new: dict[str, int]) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(new index of every old index, the new size, the components of every index of the new axis by factor)."""
+    old_sizes = [s for _, s in factors]
+    new_sizes = [new.get(f, s) if f else s for f, s in factors]
+    strides = [math.prod(new_sizes[i + 1:]) for i in range(len(new_sizes))]
+    comps = torch.stack(torch.meshgrid(*[torch.arange(s) for s in old_sizes], indexing="ij")).reshape(len(old_sizes), -1)
+    old_to_new = (comps * torch.tensor(strides).unsqueeze(1)).sum(0)
+    all_comps = torch.stack(torch.meshgrid(*[torch.arange(s) for s in new_sizes], indexing="ij")).reshape(len(new_sizes), -1)
+    return old_to_new, math.prod(new_sizes), all_comps
+
+
+def _rows(p: Projection, weight: torch.Tensor, bias: torch.Tensor | None, new: dict[str, int], q_scale: float,
+          generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A projection's weight and bias with rows at their new places and new rows initialised by role."""
+    old_to_new, total, comps = places(p.factors, new)
+    names = [f for f, _ in p.factors]
+    olds = torch.tensor([s for _, s in p.factors]).unsqueeze(1)
+    is_new = (comps >= olds).any(0)
+    new_head = (comps >= olds)[[i for i, f in enumerate(names) if f in ("h", "r")]].any(0)
+    section = comps[names.index("s")] if "s" in names else torch.zeros(total, dtype=torch.long)
+    role = [p.roles[int(i)] for i in section]
+    scale = torch.tensor([q_scale if r == "q" else 1.0 for r in role], dtype=weight.dtype, device=weight.device)
+    w = weight.detach()
+    out = torch.zeros(total, w.shape[1], dtype=w.dtype, device=w.device)
+    out[old_to_new] = w * scale[old_to_new].unsqueeze(1)
+    std = w.std() if w.numel() > 1 else torch.ones((), dtype=w.dtype, device=w.device)
+    std = torch.where(std > 0, std, torch.full_like(std, 1 / math.sqrt(w.shape[1])))
+    random = (is_new & torch.tensor([r != "q" for r in role]) | is_new & new_head).nonzero().squeeze(1)  # new q rows of old heads stay 0
+    sample = torch.randn(len(random), w.shape[1], generator=generator, dtype=torch.float32).to(w) * std
+    out[random.to(w.device)] = sample
+    b = None
+    if bias is not None:
+        b = torch.zeros(total, dtype=bias.dtype, device=bias.device)
+        b[old_to_new] = bias.detach() * scale[old_to_new]
+    return out, b
+
+
+def _columns(p: Projection, weight: torch.Tensor, new: dict[str, int]) -> torch.Tensor:
+    old_to_new, total, _ = places(p.factors, new)
+    w = weight.detach()
+    out = torch.zeros(w.shape[0], total, dtype=w.dtype, device=w.device)
+    out[:, old_to_new] = w
+    return out
+
+
+def _put(gm: fx.GraphModule, path: str, value: torch.Tensor, owners: dict[int, list[str]]) -> None:
+    old = _tensor(gm, path)
+    tied = [q for q in owners.get(id(old), [path]) if q != path]
+    if tied:
+        raise NotApplicable(f"'{path}' is shared with '{tied[0]}' (tied weights): growing one would grow the other", HINT)
+    _set(gm, path, nn.Parameter(value.contiguous(), requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else value, old)
+
+
+def _set_at(node: fx.Node, where: tuple, value) -> None:
+    """node.args[i] = value, or node.args[i][j] = value (keeping the list or tuple)."""
+    args = list(node.args)
+    if len(where) == 2:
+        args[where[1]] = value
+    else:
+        inner = list(args[where[1]])
+        inner[where[2]] = value
+        args[where[1]] = type(args[where[1]])(inner)
+    node.args = tuple(args)
+
+
+def _get_at(node: fx.Node, where: tuple):
+    v = node.args[where[1]]
+    return v if len(where) == 2 else v[where[2]]
+
+
+def _apply_edit(gm: fx.GraphModule, nodes: dict[str, fx.Node], e: Edit, new: dict[str, int]) -> None:
+    before = math.prod(s for f, s in e.factors if f in new)
+    after = math.prod(new[f] for f, _ in e.factors if f in new)
+    value = e.old // before * after
+    n = nodes[e.node]
+    if e.via is None:
+        return _set_at(n, e.where, value)
+    mul = _get_at(n, e.where)  # mul(size, c), maybe shared by other attentions: a copy for this one
+    args = list(mul.args)
+    args[e.via] = value
+    with gm.graph.inserting_before(n):
+        copy = gm.graph.call_function(operator.mul, tuple(args))
+    _set_at(n, e.where, copy)
+
+
+def _resize(gm: fx.GraphModule, path: str | None) -> None:
+    if path is not None:
+        m: Any = gm.get_submodule(path)
+        m.out_features, m.in_features = m.weight.shape
+
+
+def grow_attention(gm: fx.GraphModule, att: Attention, new: dict[str, int], generator: torch.Generator) -> str:
+    """Grow one attention of `gm` in place to the factor sizes `new`; returns what its scale does."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    owners = _owners(gm)
+    q_scale, how = _scale(nodes[att.node], att, new)
+    for p in att.projections:
+        w, b = _rows(p, _tensor(gm, p.weight), _tensor(gm, p.bias) if p.bias else None, new, q_scale, generator)
+        _put(gm, p.weight, w, owners)
+        if p.bias is not None:
+            _put(gm, p.bias, b, owners)
+        _resize(gm, p.module)
+    _put(gm, att.reader.weight, _columns(att.reader, _tensor(gm, att.reader.weight), new), owners)
+    _resize(gm, att.reader.module)
+    for e in att.edits:
+        _apply_edit(gm, nodes, e, new)
+    return how
+
+
+def _scale(s: fx.Node, att: Attention, new: dict[str, int]) -> tuple[float, str]:
+    """(the factor for old query rows, what happened to the scale) when the query/key head size grows."""
+    d, d2 = att.head_dim, new.get("d", att.head_dim)
+    if d2 == d:
+        return 1.0, "unchanged"
+    if att.scale is None:
+        return math.sqrt(d2 / d), f"default 1/sqrt({d2}); old query rows × sqrt({d2}/{d})"
+    if abs(att.scale - 1 / math.sqrt(d)) > 1e-6 * att.scale:
+        return 1.0, f"explicit scale {att.scale:.6g} kept"
+    if "scale" in s.kwargs:
+        s.kwargs = {**s.kwargs, "scale": 1 / math.sqrt(d2)}
+    else:
+        _set_at(s, ("args", 6), 1 / math.sqrt(d2))
+    return math.sqrt(d2 / d), f"1/sqrt({d}) → 1/sqrt({d2}); old query rows × sqrt({d2}/{d})"
+
+
+def grow_attentions(gm: fx.GraphModule, plans: list[tuple[Attention, dict[str, int]]], generator: torch.Generator) -> list[str]:
+    """Grow every planned attention of `gm` in place; the graph is linted and recompiled."""
+    hows = [grow_attention(gm, att, new, generator) for att, new in plans]
+    finish(gm)
+    return hows

@@ -1,0 +1,224 @@
+"""Growing a transformer's residual stream (its hidden size) d → d + k, exactly: the rewrite behind grow_hidden.
+
+Pre-norm streams (analysis.stream finds one fill per tensor; any k):
+- writers (Linear/conv rows and biases, Embedding columns, position embeddings, class tokens) give their new
+  coordinates the *mean* of their old ones where a LayerNorm reads the stream, *zero* where an RMSNorm does. By
+  linearity every stream tensor then has new coordinates equal to the mean (or 0) of its old ones.
+- a LayerNorm's mean is then unchanged and its variance is σ²·d/(d+k); an RMSNorm's mean square is ms·d/(d+k).
+  With eps' = eps·d/(d+k) the normaliser is sqrt(d/(d+k))·sqrt(σ² + eps), so old outputs are exact with
+  γ'_old = γ·sqrt(d/(d+k)). New outputs are γ'_new·0 + β'_new = 0 with β'_new = 0; γ'_new = the mean |γ'_old|.
+- readers (Linear input columns) of a norm's output (new inputs 0) get random new columns: exact, and they start
+  learning once β'_new moves (β'_new gets a gradient at once). Readers of a stream whose new coordinates are the
+  mean get zero columns (their gradient is the mean, non-zero).
+Post-norm streams (a LayerNorm's output added to a sublayer's output): only replicating every coordinate the same
+number of times is exact (an integer factor): writers' rows are copied, norms' γ and β copied (mean, variance and
+mean square do not move; eps unchanged), readers' columns split among the replicas in random shares (net2net).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..analysis.stream import Stream
+from ..core.errors import NotApplicable
+from ..graph.fx_edit import finish
+from .widen import Insertion, Layout, columns, make_layout, rows
+
+HINT = "grow_hidden grows a stream it fully understands; grow the layers around it with grow_width"
+
+
+def plan_layout(stream: Stream, new: int, generator: torch.Generator) -> tuple[Layout, str]:
+    """The layout of the new coordinates (appended at the end) and the rule: 'mean/zero' or 'replicate'."""
+    d = stream.width
+    if new <= d:
+        raise NotApplicable(f"the hidden size is {d}; {new} does not grow it", f"give to= larger than {d} (or by= > 0)")
+    k = new - d
+    if stream.conflict is None:
+        return make_layout(d, [Insertion(d, k, [None] * k)]), "mean/zero"
+    if new % d:
+        raise NotApplicable(f"cannot grow the hidden size {d} → {new} exactly: {stream.conflict}",
+                            f"a post-norm stream stays exact only when every coordinate is replicated equally: "
+                            f"to={2 * d}, {3 * d}, …")
+    perm = torch.randperm(d, generator=generator).tolist()
+    return make_layout(d, [Insertion(d, k, [perm[j % d] for j in range(k)])]), "replicate"
+
+
+def grow_along(t: torch.Tensor, dim: int, layout: Layout, how: str, generator: torch.Generator) -> torch.Tensor:
+    """`t` with its dimension `dim` grown by the layout: new entries are the 'mean' of the old ones, 'zero',
+    'copy' (of the replicated coordinate), 'shares' (net2net split of input columns) or 'random'."""
+    t = t.detach()
+    if how in ("mean", "zero", "copy"):
+        moved = t.movedim(dim, 0)
+        return rows(moved, layout, "net2net" if how == "copy" else "zero", generator, how if how != "copy" else "zero").movedim(0, dim)
+    moved = t.movedim(dim, 1)
+    if how == "shares":
+        return columns(moved, layout, "net2net", generator).movedim(1, dim)
+    grown = columns(moved, layout, "zero", generator)
+    if how == "random":
+        std = moved.std() if moved.numel() > 1 else torch.ones((), device=t.device, dtype=t.dtype)
+        std = torch.where(std > 0, std, torch.full_like(std, 1 / math.sqrt(layout.new)))
+        shape = list(grown.shape)
+        shape[1] = len(layout.new_slots)
+        sample = torch.randn(shape, generator=generator, dtype=torch.float32).to(grown) * std
+        grown[:, layout.new_slots] = sample
+    return grown.movedim(1, dim)
+
+
+def _owners(gm: fx.GraphModule) -> dict[int, list[str]]:
+    """Tensor identity → every path it is reachable under (tied weights have several)."""
+    out: dict[int, list[str]] = {}
+    for path, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
+        out.setdefault(id(t), []).append(path)
+    return out
+
+
+def _tensor(gm: fx.GraphModule, path: str) -> torch.Tensor:
+    owner, _, name = path.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def _set(gm: fx.GraphModule, path: str, value: torch.Tensor, old: torch.Tensor) -> None:
+    """Put `value` at `path` (a Parameter when `old` was one; pass one Parameter to several paths to keep a tie)."""
+    owner_path, _, name = path.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    if name in owner._parameters:
+        owner._parameters[name] = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=old.requires_grad)
+    elif name in owner._buffers:
+        owner._buffers[name] = value
+    else:
+        setattr(owner, name, value)
+
+
+def plan_tensors(stream: Stream, rule: str) -> dict[str, list[tuple[int, str, str]]]:
+    """Parameter path → [(dim, how, role)] for every writer and reader of the stream."""
+    plans: dict[str, list[tuple[int, str, str]]] = {}
+    for w in stream.writers:
+        how = "copy" if rule == "replicate" else stream.fill[w.out]
+        for path, dim in w.params:
+            plans.setdefault(path, []).append((dim, how, f"written by '{w.node}'"))
+    for r in stream.readers:
+        how = "shares" if rule == "replicate" else {"mean": "zero", "zero": "random"}[stream.fill[r.input]]
+        for path, dim in r.params:
+            plans.setdefault(path, []).append((dim, how, f"read by '{r.node}'"))
+    return plans
+
+
+def _merge(path: str, steps: list[tuple[int, str, str]]) -> list[tuple[int, str]]:
+    """One rule per dimension; a tensor tied between a writer and a reader must agree on its new entries (a
+    reader of new coordinates that are 0 accepts anything: it multiplies zero)."""
+    out: dict[int, tuple[str, str]] = {}
+    for dim, how, role in steps:
+        if dim not in out or out[dim][0] == how or (out[dim][0] == "random" and how in ("mean", "zero")):
+            out[dim] = (how, role)
+        elif how != "random":
+            raise NotApplicable(f"'{path}' is {out[dim][1]} and {role} (tied weights): they need different new "
+                                f"entries ({out[dim][0]} and {how})", HINT)
+    return [(dim, how) for dim, (how, _) in sorted(out.items(), reverse=True)]  # columns before rows
+
+
+def grow_stream(gm: fx.GraphModule, stream: Stream, new: int, generator: torch.Generator) -> str:
+    """Grow `gm`'s stream (found on `gm` itself) to `new` in place; returns the rule used."""
+    layout, rule = plan_layout(stream, new, generator)
+    owners = _owners(gm)
+    plans = plan_tensors(stream, rule)
+    allowed = set(plans) | {p for n in stream.norms for p in (n.weight, n.bias) if p}
+    done: set[str] = set()  # paths already grown (a tied tensor is grown once, under its first path)
+    for path, steps in plans.items():
+        if path in done:
+            continue
+        old = _tensor(gm, path)
+        tied = [p for p in owners.get(id(old), [path]) if p != path]
+        strangers = [p for p in tied if p not in allowed]
+        if strangers:
+            raise NotApplicable(f"'{path}' is shared with '{strangers[0]}', which is not on the stream", HINT)
+        value = old.detach()
+        for dim, how in _merge(path, steps + [s for p in tied for s in plans.get(p, [])]):
+            value = grow_along(value, dim, layout, how, generator)
+        value = nn.Parameter(value.contiguous(), requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else value
+        for p in [path] + tied:  # one tensor for all its paths: a tie stays a tie
+            _set(gm, p, value, old)
+            done.add(p)
+    for norm in stream.norms:
+        _grow_norm(gm, stream, norm, layout, rule, generator)
+    _resize_modules(gm, {p.rpartition(".")[0] for p in allowed})
+    _grow_views(gm, stream, new)
+    finish(gm)
+    return rule
+
+
+def _grow_norm(gm: fx.GraphModule, stream: Stream, norm, layout: Layout, rule: str, generator: torch.Generator) -> None:
+    d, new = layout.old, layout.new
+    ratio = d / new
+    if rule != "replicate" and norm.weight is None:
+        raise NotApplicable(f"norm '{norm.node}' has no affine weight to absorb the factor sqrt({d}/{new}) its old "
+                            "outputs would change by", "give the norm elementwise_affine=True, or grow by an integer "
+                            "factor in a post-norm model")
+    for path, is_weight in ((norm.weight, True), (norm.bias, False)):
+        if path is None:
+            continue
+        old = _tensor(gm, path)
+        if rule == "replicate":
+            value = grow_along(old, 0, layout, "copy", generator)
+        else:
+            value = grow_along(old * math.sqrt(ratio) if is_weight else old, 0, layout, "zero", generator)
+            if is_weight:  # γ'_new: the scale of the old ones (it multiplies 0 at first; learns once the stream moves)
+                scale = value[:d].abs().mean()
+                value[d:] = torch.where(scale > 0, scale, torch.full_like(scale, math.sqrt(ratio)))
+        _set(gm, path, value, old)
+    eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+    eps = eps if rule == "replicate" else eps * ratio
+    node = next(n for n in gm.graph.nodes if n.name == norm.node)
+    if norm.module is not None:
+        m: Any = gm.get_submodule(norm.module)
+        m.normalized_shape, m.eps = (new,), eps
+        return
+    args = list(node.args)
+    if len(args) > 1:
+        args[1] = (new,)
+    else:
+        node.kwargs = {**node.kwargs, "normalized_shape": (new,)}
+    eps_at = 3 if norm.rms else 4
+    if len(args) > eps_at:
+        args[eps_at] = eps
+    else:
+        node.kwargs = {**node.kwargs, "eps": eps}
+    node.args = tuple(args)
+
+
+def _resize_modules(gm: fx.GraphModule, paths: set[str]) -> None:
+    """Size attributes follow the grown weights (in_features, embedding_dim, out_channels, …)."""
+    for path in paths:
+        try:
+            m = gm.get_submodule(path)
+        except AttributeError:
+            continue
+        w = getattr(m, "weight", None)
+        if w is None:
+            continue
+        if isinstance(m, nn.Linear):
+            m.out_features, m.in_features = w.shape
+        elif isinstance(m, nn.Embedding):
+            m.embedding_dim = w.shape[1]
+        elif isinstance(m, nn.modules.conv._ConvNd):
+            m.out_channels = w.shape[0]
+
+
+def _grow_views(gm: fx.GraphModule, stream: Stream, new: int) -> None:
+    """reshape/view/expand on the stream with the width written as a constant: the new width."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name in stream.views:
+        n, axis = nodes[name], stream.axes[name]
+        if n.op == "call_function":  # torch.reshape(x, shape)
+            shape = list(n.args[1])
+            if shape[axis] == stream.width:
+                shape[axis] = new
+                n.args = (n.args[0], tuple(shape), *n.args[2:])
+            continue
+        packed = len(n.args) == 2 and isinstance(n.args[1], (list, tuple))
+        shape = list(n.args[1]) if packed else list(n.args[1:])
+        if len(shape) > axis and shape[axis] == stream.width:
+            shape[axis] = new
+            n.args = (n.args[0], type(n.args[1])(shape)) if packed else (n.args[0], *shape)

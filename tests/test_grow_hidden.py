@@ -1,0 +1,200 @@
+"""grow_hidden: a transformer's hidden (residual-stream) size grown exactly (issue 23, item 1).
+
+Pre-norm streams by increments that are no integer factor (GPT-2 with tied embeddings, LLaMA with RMSNorm, RoPE,
+grouped-query attention and SwiGLU, a timm ViT with its class token and position embedding, nn.TransformerEncoder
+with norm_first=True whose head reads the raw stream); post-norm streams (BERT, norm_first=False) by an integer
+factor, other sizes refused with the reason. Exact in eval and train mode at two batch sizes and two sequence
+lengths, every grown parameter learning; the grown GPT-2 on onnxruntime; the CLI on an `hf:` LLaMA, 64 → 96.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphgrow as gg
+from graphgrow.graph.inputs import parse_spec, spec_inputs
+from test_hf_pass_matrix import _same_function, build
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+# architecture → (pass arguments, the hidden size before → after)
+ARCHS = {"gpt2": ({"to": 21}, 16, 21), "llama": ({"by": 8}, 16, 24), "bert": ({}, 16, 32),
+         "post_norm_encoder": ({"to": 48}, 16, 48), "pre_norm_encoder": ({"by": 3}, 16, 19), "timm_vit": ({"to": 45}, 32, 45)}
+_GROWN: dict[str, tuple] = {}
+
+
+class Encoder(nn.Module):
+    """Embedding → nn.TransformerEncoder (batch_first, pre- or post-norm, no final norm) → a per-token Linear."""
+
+    def __init__(self, norm_first: bool, vocab: int = 50, d: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, 2, dim_feedforward=32, dropout=0.1, batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 5)
+
+    def forward(self, input_ids):
+        return self.head(self.encoder(self.embed(input_ids)))
+
+
+def _build(arch: str) -> tuple[nn.Module, str]:
+    torch.manual_seed(0)
+    if arch.endswith("_norm_encoder"):
+        return Encoder(norm_first=arch.startswith("pre")), "input_ids:1x8:int64"
+    if arch != "timm_vit":
+        return build(arch)
+    timm = pytest.importorskip("timm")
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, embed_dim=32,
+                              num_heads=2, num_classes=3)
+    return model, "x:1x3x32x32"
+
+
+def traced(arch: str):
+    model, spec = _build(arch)
+    return model, spec, gg.trace(model, input_shape=parse_spec(spec))
+
+
+def grown(arch: str):
+    """(model, spec, traced graph, PassResult of grow_hidden), once per architecture."""
+    if arch not in _GROWN:
+        model, spec, gm = traced(arch)
+        _GROWN[arch] = (model, spec, gm, gg.get_pass("grow_hidden")(**ARCHS[arch][0])(gm))
+    return _GROWN[arch]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_exact_in_both_modes_and_learning(arch):
+    model, spec, gm, result = grown(arch)
+    _, old, new = ARCHS[arch]
+    assert result.targets["hidden"].startswith(f"{old} → {new}")
+    checked = result.preservation
+    assert checked.eval.ok and checked.train.ok and checked.trainable and not checked.dead
+    lengths = (8, 5) if "1x8:" in spec else (None,)  # an image's token count is fixed
+    for length in lengths:
+        s = parse_spec(spec.replace("1x8:", f"1x{length}:") if length else spec)
+        for batch in (2, 3):
+            inputs = spec_inputs(model, s, seed=batch, batch=batch)
+            for train in (False, True):
+                assert _same_function(gm, result.gm, inputs, train) <= 1e-6, (arch, length, batch, train)
+
+
+def test_heads_stay_and_the_stream_grows_everywhere():
+    _, _, _, result = grown("llama")
+    layer = result.gm.get_submodule("model.layers.0")
+    attn, mlp = layer.self_attn, layer.mlp
+    assert (attn.q_proj.in_features, attn.q_proj.out_features) == (24, 16)  # 4 heads × head_dim 4, as before
+    assert (attn.k_proj.in_features, attn.k_proj.out_features) == (24, 8)  # 2 key/value heads (GQA), as before
+    assert (attn.o_proj.in_features, attn.o_proj.out_features) == (16, 24)
+    assert mlp.gate_proj.in_features == mlp.up_proj.in_features == 24 and mlp.down_proj.out_features == 24
+    assert result.gm.model.embed_tokens.weight.shape == (50, 24) and result.gm.lm_head.in_features == 24
+    norm = result.gm.model.norm
+    assert isinstance(norm, nn.RMSNorm) and norm.normalized_shape == (24,) and norm.eps == pytest.approx(1e-6 * 16 / 24)
+    assert not result.gm.model.embed_tokens.weight[:, 16:].any()  # an RMSNorm stream: new coordinates start at zero
+    assert "zero" in result.targets["rule"] and "mean" not in result.targets["rule"]
+
+
+def test_tied_embeddings_grow_once():
+    _, _, _, result = grown("gpt2")
+    gm = result.gm
+    assert gm.lm_head.weight is gm.transformer.wte.weight and gm.lm_head.weight.shape == (50, 21)
+    wte = gm.transformer.wte.weight
+    assert torch.allclose(wte[:, 16:], wte[:, :16].mean(1, keepdim=True).expand(-1, 5))  # a LayerNorm stream: the mean
+    ln = gm.transformer.ln_f
+    assert ln.normalized_shape == (21,) and ln.eps == pytest.approx(1e-5 * 16 / 21) and not ln.bias[16:].any()
+
+
+def test_vit_class_token_and_position_embedding_grow():
+    _, _, _, result = grown("timm_vit")
+    gm = result.gm
+    assert gm.cls_token.shape == (1, 1, 45) and gm.pos_embed.shape == (1, 17, 45)
+    assert gm.patch_embed.proj.out_channels == 45 and gm.head.in_features == 45
+    assert torch.allclose(gm.pos_embed[..., 32:], gm.pos_embed[..., :32].mean(-1, keepdim=True).expand(1, 17, 13))
+
+
+def test_post_norm_replicates_and_refuses_other_sizes():
+    _, _, gm, result = grown("bert")
+    assert "replicated 2×" in result.targets["rule"] and "post-norm" in result.targets["rule"]
+    with pytest.raises(gg.NotApplicable, match=r"cannot grow the hidden size 16 → 24 exactly: .*post-norm.*to=32, 48"):
+        gg.get_pass("grow_hidden")(to=24)(gm)
+    with pytest.raises(gg.NotApplicable, match="does not grow it"):
+        gg.get_pass("grow_hidden")(to=16)(gm)
+
+
+class NoNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class NormOut(nn.Module):
+    """Returns the normalised stream itself (a bare backbone's last_hidden_state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.fc, self.norm = nn.Embedding(20, 8), nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        return self.norm(x + self.fc(self.norm(x)))
+
+
+class Gated(nn.Module):
+    """A tanh applied to the stream itself: its new coordinates would no longer be the mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = torch.tanh(x) + F.gelu(self.norm(x))
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("model,spec,why", [
+    (NoNorm(), (2, 8), "no LayerNorm or RMSNorm over a last dimension"),
+    (NormOut(), "ids:1x4:int64", r"'norm_1' \(module norm\), which is a model output"),
+    (Gated(), "ids:1x4:int64", r"reaches '\w+' \((tanh|gelu)\), which .* the analysis does not understand"),
+])
+def test_refusals_say_why(model, spec, why):
+    gm = gg.trace(model, input_shape=parse_spec(spec) if isinstance(spec, str) else spec)
+    with pytest.raises(gg.NotApplicable, match=why):
+        gg.get_pass("grow_hidden")()(gm)
+
+
+def test_grown_model_on_onnxruntime(tmp_path):
+    from graphgrow.io.export import export_onnx
+    from graphgrow.io.runtime import max_ir_version, open_session
+    from graphgrow.verify.equivalence import check_equivalence
+
+    _, spec, _, result = grown("gpt2")
+    path = tmp_path / "gpt2_wider.onnx"
+    export_onnx(result.gm, parse_spec(spec), path, max_ir_version=max_ir_version())
+    report = check_equivalence(result.gm, open_session(path, "cpu"), parse_spec(spec), raise_on_failure=True)
+    assert report.passed
+
+
+LLAMA = ("hf:llama/causal-lm(vocab_size=64,hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
+         "num_key_value_heads=2,max_position_embeddings=32)")
+
+
+def test_cli_grows_llama_hidden_64_to_96(runner, tmp_path):
+    from graphgrow.cli import main
+
+    pytest.importorskip("transformers")
+    res = runner.invoke(main, ["mutate", LLAMA, "--pass", "grow_hidden(to=96)", "-o", str(tmp_path / "wide.pt"),
+                               "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output[-2000:]
+    report = json.loads(res.output)
+    [grow] = report["passes"]
+    assert grow["targets"]["hidden"] == "64 → 96 (given)"
+    assert report["preservation"]["eval_ok"] and report["preservation"]["train_ok"]
+    wide = gg.load_model(tmp_path / "wide.pt").module
+    assert wide.model.embed_tokens.weight.shape == (64, 96) and wide.get_submodule("model.layers.1.self_attn.q_proj").out_features == 64
