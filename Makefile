@@ -31,7 +31,7 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# one table of every benchmark (BENCH_JSON=path also writes it as JSON); sections: --only steps,fold,scale,gpu,ddp
+# one table of every benchmark (BENCH_JSON=path also writes it as JSON); sections: --only steps,fold,scale,gpu,ddp,tp,gpt
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 

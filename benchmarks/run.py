@@ -7,6 +7,7 @@ Sections (each is also a script of its own):
   gpu    bench_gpu.py    onnxruntime CUDA vs PyTorch CUDA (one "skipped" row without a GPU)
   ddp    bench_ddp.py    a growth event in a 2-process DDP job (torchrun, gloo) ÷ one training step
   tp     compare_tp.py   per model, the channel groups Torch-Pruning prunes that graphgrow grows (information only)
+  gpt    bench_gpt.py    a GPT grown mid-training vs trained large: loss at growth, FLOPs/time to the same loss
 
     python benchmarks/run.py [--only steps,fold] [--quick]
 """
@@ -27,7 +28,7 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Row, format_number, print_table  # noqa: E402
 
-SECTIONS = ("steps", "fold", "scale", "gpu", "ddp", "tp")
+SECTIONS = ("steps", "fold", "scale", "gpu", "ddp", "tp", "gpt")
 
 
 def machine() -> dict:
@@ -54,6 +55,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     import bench_ddp
     import bench_fold
+    import bench_gpt
     import bench_gpu
     import bench_scale
     import bench_steps
@@ -67,6 +69,7 @@ def main(argv=None) -> int:
         "gpu": lambda p: bench_gpu.rows(**quick, rounds=10 if args.quick else 50, progress=p),
         "ddp": lambda p: bench_ddp.rows(events=1 if args.quick else 3, steps=5 if args.quick else 20, progress=p),
         "tp": lambda p: compare_tp.rows(**quick, progress=p),
+        "gpt": lambda p: bench_gpt.rows(quick=args.quick, progress=p),
     }
     console = Console(stderr=True)
     rows: list[Row] = []
