@@ -124,3 +124,19 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> sub
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "graphgrow.cli", *args], capture_output=True, text=True,
                           cwd=cwd, env=full_env, timeout=600)
+
+
+# a small LLaMA (RoPE, RMSNorm, grouped-query attention, SwiGLU) by name, as a user gives it to the CLI
+LLAMA = ("hf:llama/causal-lm(vocab_size=64,hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
+         "num_key_value_heads=2,max_position_embeddings=32)")
+
+
+def assert_onnx_agrees(gm, spec: str, path: Path) -> None:
+    """Export `gm` with the named-input `spec` to `path` and check it on onnxruntime's CPU provider."""
+    from graphgrow.graph.inputs import parse_spec
+    from graphgrow.io.export import export_onnx
+    from graphgrow.io.runtime import max_ir_version, open_session
+    from graphgrow.verify.equivalence import check_equivalence
+
+    export_onnx(gm, parse_spec(spec), path, max_ir_version=max_ir_version())
+    assert check_equivalence(gm, open_session(path, "cpu"), parse_spec(spec), raise_on_failure=True).passed

@@ -19,6 +19,7 @@ from torch import nn
 
 import graphgrow as gg
 from graphgrow.graph.inputs import parse_spec, spec_inputs
+from conftest import assert_onnx_agrees, LLAMA
 from test_grow_hidden import _build
 from test_hf_pass_matrix import _same_function
 
@@ -223,19 +224,8 @@ def test_fused_value_size_alone_is_refused():
 
 
 def test_grown_model_on_onnxruntime(tmp_path):
-    from graphgrow.io.export import export_onnx
-    from graphgrow.io.runtime import max_ir_version, open_session
-    from graphgrow.verify.equivalence import check_equivalence
-
     _, spec, _, result = grown("llama_heads_gqa")
-    path = tmp_path / "llama_heads.onnx"
-    export_onnx(result.gm, parse_spec(spec), path, max_ir_version=max_ir_version())
-    report = check_equivalence(result.gm, open_session(path, "cpu"), parse_spec(spec), raise_on_failure=True)
-    assert report.passed
-
-
-LLAMA = ("hf:llama/causal-lm(vocab_size=64,hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
-         "num_key_value_heads=2,max_position_embeddings=32)")
+    assert_onnx_agrees(result.gm, spec, tmp_path / "llama_heads.onnx")
 
 
 def test_cli_grows_llama_hidden_heads_and_depth(runner, tmp_path):

@@ -17,6 +17,7 @@ from torch import nn
 
 import graphgrow as gg
 from graphgrow.graph.inputs import parse_spec, spec_inputs
+from conftest import assert_onnx_agrees, LLAMA
 from test_hf_pass_matrix import _same_function, build
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -170,19 +171,8 @@ def test_refusals_say_why(model, spec, why):
 
 
 def test_grown_model_on_onnxruntime(tmp_path):
-    from graphgrow.io.export import export_onnx
-    from graphgrow.io.runtime import max_ir_version, open_session
-    from graphgrow.verify.equivalence import check_equivalence
-
     _, spec, _, result = grown("gpt2")
-    path = tmp_path / "gpt2_wider.onnx"
-    export_onnx(result.gm, parse_spec(spec), path, max_ir_version=max_ir_version())
-    report = check_equivalence(result.gm, open_session(path, "cpu"), parse_spec(spec), raise_on_failure=True)
-    assert report.passed
-
-
-LLAMA = ("hf:llama/causal-lm(vocab_size=64,hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
-         "num_key_value_heads=2,max_position_embeddings=32)")
+    assert_onnx_agrees(result.gm, spec, tmp_path / "gpt2_wider.onnx")
 
 
 def test_cli_grows_llama_hidden_64_to_96(runner, tmp_path):
