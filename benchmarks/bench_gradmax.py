@@ -6,18 +6,26 @@ k = 1, 10, 100 SGD steps is reported as mean ± spread (half the max − min) ov
 just before growth (both inits keep it exactly) and the seconds the data-driven step took.
 
     python benchmarks/bench_gradmax.py            # 3 seeds, both conv layers
+
+`rows()` (make bench --only gradmax) is the MLP comparison of examples/growth_init_compare.py as table
+rows: today's init, gradmax and gromo's TINY (when gromo is installed) on digits and diabetes.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import graphgrow as gg
-from examples.digits_task import BATCH, batch, digits, model
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # examples.digits_task; growth_init_compare (in rows())
+from examples.digits_task import BATCH, batch, digits, model  # noqa: E402
 
 STEPS = (1, 10, 100)
 
@@ -65,6 +73,37 @@ def run(seeds: int = 3, targets=("0", "3"), pretrain: int = 60) -> list[dict]:
                 row[init] = _train(grown, max(STEPS), seed, STEPS)
             rows.append(row)
     return rows
+
+
+def rows(quick: bool = False, progress=lambda s: None) -> list:
+    """The init comparison as `make bench` rows (information only): per task and init, the training loss 100
+    steps after a growth at step 300 and at the end of the growth schedule, the test metric, and the
+    data-driven step's seconds ÷ one forward + backward over its batch."""
+    import growth_init_compare as gic
+    from common import Row
+
+    progress("init comparison (examples/growth_init_compare.py)" + (" --quick" if quick else ""))
+    out = gic.run(quick=quick, seeds=3)
+    table = []
+    for name, task in out["tasks"].items():
+        model_name = f"{name} MLP {task.h}→{2 * task.h}"
+        ev = [r for r in out["event"] if r["task"] == name and r["at"] == max(r["at"] for r in out["event"])]
+        for init in dict.fromkeys(r["init"] for r in ev):
+            mine = [r for r in ev if r["init"] == init]
+            losses = [r["curve"][-1] for r in mine]
+            table.append(Row("gradmax", model_name, f"loss {len(mine[0]['curve'])} steps after growth: {init}",
+                             statistics.median(losses), min(losses), note=f"{len(mine)} seeds, grown at step {mine[0]['at']}"))
+            if init in out["cost"][name]:
+                ratio = out["cost"][name][init] / out["cost"][name]["fwd+bwd"]
+                table.append(Row("gradmax", model_name, f"data step ÷ fwd+bwd: {init}", ratio, ratio, "×", note="medians after a warm-up"))
+        sc = [r for r in out["schedule"] if r["task"] == name]
+        for init in dict.fromkeys(r["init"] for r in sc):
+            mine = [r for r in sc if r["init"] == init]
+            for key, what in (("loss", "schedule final loss"), ("score", f"schedule test {task.metric}")):
+                values = [r[key] for r in mine]
+                table.append(Row("gradmax", f"{name} MLP {task.h}→{mine[0]['width']}", f"{what}: {init}",
+                                 statistics.median(values), min(values), note=f"{len(mine)} seeds"))
+    return table
 
 
 def _pm(values: list[float]) -> str:

@@ -8,6 +8,7 @@ Sections (each is also a script of its own):
   ddp    bench_ddp.py    a growth event in a 2-process DDP job (torchrun, gloo) ÷ one training step
   tp     compare_tp.py   per model, the channel groups Torch-Pruning prunes that graphgrow grows (information only)
   gpt    bench_gpt.py    a GPT grown mid-training vs trained large: loss at growth, FLOPs/time to the same loss
+  gradmax bench_gradmax.py new units' init: today's, gradmax, gromo TINY on two MLP tasks (loss after growth, schedule)
 
     python benchmarks/run.py [--only steps,fold] [--quick]
 """
@@ -28,7 +29,7 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Row, format_number, print_table  # noqa: E402
 
-SECTIONS = ("steps", "fold", "scale", "gpu", "ddp", "tp", "gpt")
+SECTIONS = ("steps", "fold", "scale", "gpu", "ddp", "tp", "gpt", "gradmax")
 
 
 def machine() -> dict:
@@ -57,6 +58,7 @@ def main(argv=None) -> int:
     import bench_fold
     import bench_gpt
     import bench_gpu
+    import bench_gradmax
     import bench_scale
     import bench_steps
     import compare_tp
@@ -70,6 +72,7 @@ def main(argv=None) -> int:
         "ddp": lambda p: bench_ddp.rows(events=1 if args.quick else 3, steps=5 if args.quick else 20, progress=p),
         "tp": lambda p: compare_tp.rows(**quick, progress=p),
         "gpt": lambda p: bench_gpt.rows(quick=args.quick, progress=p),
+        "gradmax": lambda p: bench_gradmax.rows(quick=args.quick, progress=p),
     }
     console = Console(stderr=True)
     rows: list[Row] = []
