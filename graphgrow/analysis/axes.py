@@ -119,7 +119,29 @@ def _regrouped_axis(n: fx.Node) -> int | None:
     sliced = n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], (tuple, slice)) and \
         all(isinstance(i, slice) or i is Ellipsis for i in (n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)))
     narrowed = (n.op == "call_method" and n.target == "narrow") or (n.op == "call_function" and n.target is torch.narrow)
-    return node_axis(x) if same_rank and (sliced or narrowed) else None
+    if same_rank and (sliced or narrowed):
+        return node_axis(x)
+    return indexed_axis(n)
+
+
+def indexed_axis(n: fx.Node) -> int | None:
+    """Where `x[:, 0]`-style indexing puts x's channel axis: plain slices (at most one `...`) and integers on
+    other axes (each removes its axis; a ViT's class-token pooling), the channel axis not indexed by an
+    integer. None for any other op or index."""
+    if n.op != "call_function" or n.target is not operator.getitem or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    x, index = n.args[0], n.args[1]
+    shape, axis = tensor_shape(x), node_axis(x)
+    index = index if isinstance(index, tuple) else (index,)
+    if shape is None or axis is None or not isinstance(shape, tuple) or sum(i is Ellipsis for i in index) > 1 or \
+            not all(isinstance(i, (slice, int)) or i is Ellipsis for i in index) or isinstance(index[0], bool):
+        return None
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
+    if len(index) > len(shape) or (axis < len(index) and not isinstance(index[axis], slice)):
+        return None
+    return axis - sum(1 for i in index[:axis] if isinstance(i, int) and not isinstance(i, bool))
 
 
 def _same_rank_axis(n: fx.Node, shape: tuple) -> int | None:

@@ -31,6 +31,7 @@ from .axes import (  # noqa: F401 (channel_axis and BATCHNORMS are read through 
     ELEMENTWISE, ELEMENTWISE_METHODS, flatten_keeps_axis, moved_axis, node_axis, reduced_axis, SHAPE_QUERIES,
 )
 from . import growth
+from .coupling_layers import Functional, layer_rule
 from .coupling_splits import Edit, split_rule
 from .opaque import slice_keeps_channels, switch_is_channelwise
 from .probe import function_is_channelwise, module_is_channelwise
@@ -62,6 +63,8 @@ class Group:
     tensors: list[str] = field(default_factory=list)  # per-channel parameters/buffers read by get_attr (layer scale, norm affine)
     blocks: int = 1  # channels tied to this many equal blocks (grouped convs): each must gain the same number
     block_reasons: list[str] = field(default_factory=list)
+    attentions: list[str] = field(default_factory=list)  # attentions whose head size these channels are (coupling_layers)
+    unit: int = 1  # channels per GroupNorm group: new channels must form whole new groups (growth.step)
 
     @property
     def growable(self) -> bool:
@@ -70,7 +73,7 @@ class Group:
     def to_json(self) -> dict:
         return {"id": self.id, "channels": self.size, "members": self.members, "sources": self.sources,
                 "consumers": self.consumers, "channelwise": self.channelwise, "frozen": self.frozen,
-                "norms": self.norms, "tensors": self.tensors, "blocks": self.blocks}
+                "norms": self.norms, "tensors": self.tensors, "blocks": self.blocks, "attentions": self.attentions}
 
 
 @dataclass
@@ -80,6 +83,9 @@ class Coupling:
     links: list[Link]
     edits: list[Edit] = field(default_factory=list)  # ops whose constants follow the channels (slices, splits, reshapes)
     steps: dict[int, tuple[int, list[str]]] = field(default_factory=dict)  # growth.step's answers, per group
+    spread: dict[int, int] = field(default_factory=dict)  # growth.step's blocks (new channels at the end of each)
+    functional: dict[str, Functional] = field(default_factory=dict)  # F.linear / F.conv nodes on parameters
+    tensor_axes: dict[str, int] = field(default_factory=dict)  # a tensor's channel dim, where it is not its only one
 
     def group(self, node: str) -> Group:
         return self.groups[self.group_of[node]]
@@ -90,14 +96,15 @@ class Coupling:
         return growth.step(self, gid)[1]
 
     def step(self, gid: int) -> int:
-        """Group `gid` grows by multiples of this (the blocks of grouped convs and channel splits it reaches)."""
+        """Group `gid` grows by multiples of this (the blocks of grouped convs and channel splits it reaches, times
+        whole GroupNorm groups)."""
         return growth.step(self, gid)[0]
 
     def reached(self, gid: int) -> list[int]:
         """Group `gid` and every group a growth of it changes (through links, both ways)."""
         b = self.step(gid)
         try:
-            found = growth.propagate(self, gid, growth.root_insertions(self.groups[gid].size, b, b, None))
+            found = growth.propagate(self, gid, growth.root_insertions(self.groups[gid].size, b, self.spread.get(gid, b), None))
         except growth.Conflict:
             return [gid]
         return [gid] + [g for g in found.insertions if g != gid]
@@ -118,6 +125,10 @@ def analyze(gm: fx.GraphModule) -> Coupling:
     channelwise: list[str] = []
     norms: list[str] = []
     tensors: list[tuple[str, str]] = []  # (attribute path, group member that reads it per channel)
+    attr_tensors: list[tuple[str, str]] = []
+    functional: dict[str, Functional] = {}
+    attentions: list[tuple[str, str]] = []  # (attention node, member of the group it marks)
+    units: dict[str, int] = {}  # GroupNorm node → channels per group
     assign_channel_axes(gm)
     links: list[Link] = []
     edits: list[Edit] = []
@@ -163,14 +174,15 @@ def analyze(gm: fx.GraphModule) -> Coupling:
             freeze([n], "it is the model's input")
         elif n.op == "output":
             freeze(tensor_inputs, "it is the model's output")
-        elif n.op == "get_attr":
-            freeze([n], f"parameter tensor '{n.target}' has a fixed size")
+        elif n.op == "get_attr" and out is not None:  # a tensor on the stream (class token, position table) grows
+            attr_tensors.append((str(n.target), n.name))  # with its group along its channel dim, once joined to one
         elif n.op == "call_module":
             if calls[n.target] > 1 and any(True for _ in modules[n.target].parameters()):
                 freeze(tensor_inputs + [n], f"module '{n.target}' is called {calls[n.target]} times (shared weights)")
                 continue
-            _module_rule(n, modules[n.target], out, tensor_inputs, join, freeze, sources, consumers, channelwise, links, norms, block)
-        elif n.op in ("call_function", "call_method") and not split_rule(n, out, join, freeze, link, edits):
+            _module_rule(n, modules[n.target], out, tensor_inputs, join, freeze, sources, consumers, channelwise, links, norms, block, units)
+        elif n.op in ("call_function", "call_method") and not split_rule(n, out, join, freeze, link, edits) and \
+                not layer_rule(n, out, join, freeze, sources, consumers, functional, attentions, gm, (tensors, units, edits)):
             _function_rule(gm, n, out, tensor_inputs, join, freeze, links, norms, tensors)
 
     groups: list[Group] = []
@@ -187,6 +199,7 @@ def analyze(gm: fx.GraphModule) -> Coupling:
             for count, why in blocks.get(v, []):
                 grp.blocks = growth.lcm(grp.blocks, count)
                 grp.block_reasons.append(why)
+            grp.unit = growth.lcm(grp.unit, units.get(v, 1))
         groups.append(grp)
     for name, _ in sources:
         groups[group_of[name]].sources.append(name)
@@ -196,11 +209,17 @@ def analyze(gm: fx.GraphModule) -> Coupling:
         groups[group_of[name]].channelwise.append(name)
     for name in norms:
         groups[group_of[name]].norms.append(name)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    joined = [(path, member) for path, member in attr_tensors if len(groups[group_of[member]].members) > 1]
+    tensors += joined
+    tensor_axes = {path: node_axis(by_name[member]) for path, member in joined}
     for path, member in tensors:
         if path not in groups[group_of[member]].tensors:
             groups[group_of[member]].tensors.append(path)
+    for node, member in attentions:
+        groups[group_of[member]].attentions.append(node)
     _freeze_shared_tensors(gm, groups, group_of, tensors)
-    return Coupling(groups, group_of, links, edits)
+    return Coupling(groups, group_of, links, edits, functional=functional, tensor_axes=tensor_axes)
 
 
 def _freeze_shared_tensors(gm, groups, group_of, tensors) -> None:
@@ -218,7 +237,7 @@ def _freeze_shared_tensors(gm, groups, group_of, tensors) -> None:
                 groups[gid].frozen.append(f"parameter '{path}' is also read elsewhere; resizing it would change that use")
 
 
-def _module_rule(n, m, out, inputs, join, freeze, sources, consumers, channelwise, links, norms, block) -> None:
+def _module_rule(n, m, out, inputs, join, freeze, sources, consumers, channelwise, links, norms, block, units) -> None:
     x = inputs[0] if inputs else None
     if isinstance(m, nn.modules.conv._ConvNd) and not isinstance(m, nn.modules.conv._ConvTransposeNd):
         if m.groups > 1 and m.groups == m.in_channels == m.out_channels:  # depthwise: channel c → channel c
@@ -253,6 +272,10 @@ def _module_rule(n, m, out, inputs, join, freeze, sources, consumers, channelwis
         join(x, n)  # exact growth only by replicating every channel equally (see Group.norms)
         channelwise.append(n.name)
         norms.append(n.name)
+    elif type(m) is nn.GroupNorm and x is not None and node_axis(x) == 1 and tensor_shape(x)[1] == m.num_channels:
+        join(x, n)  # new channels grow as whole new groups: the old groups' statistics do not move
+        channelwise.append(n.name)
+        units[n.name] = m.num_channels // m.num_groups
     elif isinstance(m, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)):
         freeze([x, n], f"{type(m).__name__} '{n.target}' normalises across channels (growing would change its statistics)")
     elif isinstance(m, AverageMerge):  # main + mean(gate · branch): elementwise over all inputs
@@ -347,11 +370,6 @@ def _function_rule(gm, n, out, inputs, join, freeze, links, norms, tensors) -> N
         return
     if n.op == "call_function" and x is not None and len(inputs) == 1 and out is not None and _probe_function(n, x):
         join(x, n)  # e.g. torchvision's stochastic_depth: acts on whole examples, so on each channel alone
-        return
-    if n.op == "call_function" and target in (F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d):
-        freeze(inputs + ([n] if out else []), f"'{n.name}' is a functional conv (its weight is a graph tensor, as in a "
-               "weight-standardised conv such as timm's StdConv2d, whose statistics new inputs would change): "
-               "not grown yet")
         return
     freeze(inputs + ([n] if out else []), f"'{n.name}' ({name}) is not understood by the coupling analysis")
 

@@ -49,6 +49,8 @@ def split_rule(n: fx.Node, out: str | None, join, freeze, link, edits: list[Edit
         return _narrow(n, x, join, link, freeze, edits)
     if is_reshape(n):
         return _reshape(n, x, join, link, freeze, edits)
+    if n.op == "call_method" and n.target == "expand" and out is not None:
+        return _expand(n, x, join, edits)
     if _softmax_dim(n) is not None and out is not None and node_axis(x) is not None:
         if _softmax_dim(n) % len(tensor_shape(x)) != node_axis(x):
             join(x, n)  # normalises over another axis: each channel alone
@@ -148,6 +150,25 @@ def _reshape(n: fx.Node, x: fx.Node, join, link, freeze, edits: list[Edit]) -> b
         link(n, x, 0, repeat=found.repeat, stride=found.stride)
     else:  # n's channel j·stride + c·scale + q is x's channel c
         link(x, n, 0, repeat=found.repeat, stride=found.stride, scale=found.scale)
+    return True
+
+
+def _expand(n: fx.Node, x: fx.Node, join, edits: list[Edit]) -> bool:
+    """x.expand(B, -1, -1) (a class token broadcast over the batch): channels kept where the size there is -1,
+    computed, or the channel count as a literal (an edit, rewritten when the channels grow)."""
+    xs, os_, axis = tensor_shape(x), tensor_shape(n), node_axis(x)
+    if xs is None or os_ is None or axis is None or "size" in n.kwargs:
+        return False
+    out_axis = axis + len(os_) - len(xs)
+    if node_axis(n) != out_axis or os_[out_axis] != xs[axis]:
+        return False
+    sizes = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)) else n.args[1:]
+    if len(sizes) != len(os_):
+        return False
+    where = _literal_at(n, out_axis)
+    if where is not None:
+        edits.append(Edit("reshape", n.name, x.name, where))
+    join(x, n)
     return True
 
 

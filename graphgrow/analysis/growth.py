@@ -171,6 +171,9 @@ def _reasons(c: Coupling, grown: dict[int, list[Insertion]]) -> list[str]:
         reasons += grp.frozen
         if not grp.sources and g not in touched:
             reasons.append(f"no conv or Linear layer produces the channels of '{grp.members[0]}'")
+        if grp.unit > 1 and any(i.pos % grp.unit or i.count % grp.unit for i in ins):
+            reasons.append(f"GroupNorm over '{grp.members[0]}' normalises groups of {grp.unit} channels: new channels "
+                           f"must form whole new groups (grow by a multiple of {grp.unit})")
         if grp.blocks > 1 and not keeps_blocks(make_layout(grp.size, ins), grp.blocks):
             reasons.append(f"'{grp.members[0]}' is split into {grp.blocks} blocks ({'; '.join(grp.block_reasons[:2])}) "
                            "that would not each gain the same number of channels")
@@ -179,28 +182,43 @@ def _reasons(c: Coupling, grown: dict[int, list[Insertion]]) -> list[str]:
 
 def plan(c: Coupling, gid: int, count: int, src: list[int | None] | None = None) -> Plan:
     """Grow group `gid` by `count`: spread over its blocks (see `step`); raises Conflict when the links disagree."""
-    blocks, _ = step(c, gid)
-    if count % blocks:
-        raise Conflict(f"{count} new channels cannot be spread evenly over {blocks} blocks "
-                       f"({'; '.join(c.groups[gid].block_reasons[:2]) or 'channels repeated in blocks'}); "
-                       f"grow by a multiple of {blocks} (e.g. to={c.groups[gid].size + blocks})")
+    multiple, _ = step(c, gid)
+    blocks = c.spread.get(gid, multiple)
+    if count % multiple:
+        why = '; '.join(c.groups[gid].block_reasons[:2]) or 'channels repeated in blocks'
+        what = (f"spread evenly over {blocks} blocks ({why})" if multiple == blocks else
+                f"spread as whole GroupNorm groups over {blocks} block{'s' if blocks > 1 else ''}")
+        raise Conflict(f"{count} new channels cannot be {what}; grow by a multiple of {multiple} "
+                       f"(e.g. to={c.groups[gid].size + multiple})")
     return propagate(c, gid, root_insertions(c.groups[gid].size, count, blocks, src))
 
 
 def step(c: Coupling, gid: int) -> tuple[int, list[str]]:
-    """The smallest number of blocks (new channels spread at the end of each) with which group `gid` can grow
-    consistently, and the reasons it cannot grow (frozen groups on the way, or the first conflict)."""
+    """The smallest multiple by which group `gid` can grow consistently — new channels spread at the end of each
+    of its blocks (`c.spread[gid]` of them), whole GroupNorm groups in each where one is reached — and the
+    reasons it cannot grow (frozen groups on the way, or the first conflict)."""
     cache = c.steps
     if gid not in cache:
         size, base = c.groups[gid].size, max(c.groups[gid].blocks, 1)
         first: str | None = None
         for b in [d for d in range(base, size + 1, base) if size % d == 0][:12]:
-            try:
-                found = propagate(c, gid, root_insertions(size, b, b, None))
-            except Conflict as e:
-                first = first or str(e)
+            per, found = 1, None
+            for _ in range(3):  # one new channel per block; then whole GroupNorm groups of the groups reached
+                try:
+                    found = propagate(c, gid, root_insertions(size, b * per, b, None))
+                except Conflict as e:
+                    first, found = first or str(e), None
+                    break
+                unit = 1
+                for g in found.insertions:
+                    unit = lcm(unit, c.groups[g].unit)
+                if unit == 1 or not any(r.startswith("GroupNorm over") for r in found.reasons) or per % unit == 0:
+                    break
+                per = lcm(per, unit)
+            if found is None:
                 continue
-            cache[gid] = (b, found.reasons)
+            cache[gid] = (b * per, found.reasons)
+            c.spread[gid] = b
             break
         else:
             cache[gid] = (base, [first or "no even spread of new channels works"])

@@ -136,6 +136,12 @@ def find_attentions(gm: fx.GraphModule, growing: set[str], at: str | None = None
     return out
 
 
+def attention_of(gm: fx.GraphModule, s: fx.Node, growing: set[str]) -> Attention:
+    """The attention at scaled_dot_product_attention node `s`, followed for the factors in `growing`;
+    NotApplicable naming the node where that is not possible."""
+    return _attention(gm, s, growing)
+
+
 def _attention(gm: fx.GraphModule, s: fx.Node, growing: set[str]) -> Attention:
     q, k, v = (_operands(s) + [None, None, None])[:3]
     if v is None:

@@ -11,7 +11,7 @@ from torch import fx
 from ..core.state import seeded
 from ..graph.fx_edit import tensor_shape
 from ..io.mode_switch import ModeSwitch
-from .axes import node_axis
+from .axes import indexed_axis, node_axis
 from .probe import PROBE_SEED, is_channelwise
 
 
@@ -39,13 +39,14 @@ def switch_is_channelwise(m: ModeSwitch, x: fx.Node, n: fx.Node) -> bool:
 
 
 def slice_keeps_channels(n: fx.Node, x: fx.Node) -> bool:
-    """x[i0, i1, ...] with plain slices (and at most one `...`) that takes the channel axis whole."""
+    """x[i0, i1, ...] with plain slices (at most one `...`) and integers on other axes (`x[:, 0]`, a class
+    token), taking the channel axis whole."""
     if n.op != "call_function" or n.target is not operator.getitem or n.args[0] is not x:
         return False
     index, shape, axis = n.args[1], tensor_shape(x), node_axis(x)
+    out_axis = indexed_axis(n)
     index = index if isinstance(index, tuple) else (index,)
-    if shape is None or axis is None or not all(isinstance(i, slice) or i is Ellipsis for i in index) \
-            or sum(i is Ellipsis for i in index) > 1:
+    if shape is None or axis is None or out_axis is None or node_axis(n) != out_axis:
         return False
     if Ellipsis in index:
         at = index.index(Ellipsis)
@@ -53,8 +54,8 @@ def slice_keeps_channels(n: fx.Node, x: fx.Node) -> bool:
     whole = axis >= len(index) or (index[axis] == slice(None) or index[axis] == slice(None, None, 1)
                                    or index[axis] == slice(0, None, None))
     out = tensor_shape(n)
-    return bool(whole) and out is not None and len(out) == len(shape) and out[axis] == shape[axis] and \
-        all(not isinstance(b, fx.Node) for i in index for b in (i.start, i.stop, i.step) if isinstance(i, slice))
+    return bool(whole) and out is not None and out[out_axis] == shape[axis] and \
+        all(not isinstance(b, fx.Node) for i in index if isinstance(i, slice) for b in (i.start, i.stop, i.step))
 
 
 def eval_passthrough(gm: fx.GraphModule, n: fx.Node) -> fx.Node | None:

@@ -25,7 +25,7 @@ from ..analysis.head_layout import Axis, Edit
 from ..analysis.heads import Attention, Projection
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import finish
-from .stream import _owners, _set, _tensor
+from .tensor_paths import owners as _owners, put_tensor as _set, tensor_at as _tensor
 
 HINT = "grow_heads grows attentions it fully understands; see docs/passes.md, Heads and head size"
 

@@ -25,6 +25,7 @@ from torch import fx, nn
 from ..analysis.stream import Stream
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import finish
+from .tensor_paths import owners as _owners, put_tensor as _set, tensor_at as _tensor
 from .widen import Insertion, Layout, columns, make_layout, rows
 
 HINT = "grow_hidden grows a stream it fully understands; grow the layers around it with grow_width"
@@ -65,31 +66,6 @@ def grow_along(t: torch.Tensor, dim: int, layout: Layout, how: str, generator: t
         sample = torch.randn(shape, generator=generator, dtype=torch.float32).to(grown) * std
         grown[:, layout.new_slots] = sample
     return grown.movedim(1, dim)
-
-
-def _owners(gm: fx.GraphModule) -> dict[int, list[str]]:
-    """Tensor identity → every path it is reachable under (tied weights have several)."""
-    out: dict[int, list[str]] = {}
-    for path, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
-        out.setdefault(id(t), []).append(path)
-    return out
-
-
-def _tensor(gm: fx.GraphModule, path: str) -> torch.Tensor:
-    owner, _, name = path.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
-
-
-def _set(gm: fx.GraphModule, path: str, value: torch.Tensor, old: torch.Tensor) -> None:
-    """Put `value` at `path` (a Parameter when `old` was one; pass one Parameter to several paths to keep a tie)."""
-    owner_path, _, name = path.rpartition(".")
-    owner = gm.get_submodule(owner_path) if owner_path else gm
-    if name in owner._parameters:
-        owner._parameters[name] = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=old.requires_grad)
-    elif name in owner._buffers:
-        owner._buffers[name] = value
-    else:
-        setattr(owner, name, value)
 
 
 def plan_tensors(stream: Stream, rule: str) -> dict[str, list[tuple[int, str, str]]]:

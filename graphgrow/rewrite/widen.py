@@ -20,7 +20,10 @@ from ..analysis import growth
 from ..analysis.coupling import BATCHNORMS, Coupling
 from ..analysis.growth import Insertion, Layout, make_layout  # noqa: F401 (part of this module's API)
 from ..core.errors import NotApplicable
+from ..analysis.coupling_layers import Functional
+from .head_sizes import grow_head_sizes
 from .initializers import kaiming_
+from .tensor_paths import put_tensor, tensor_at as tensor_at_path
 from .widen_args import apply_edits, block_sources
 
 def plan_growth(c: Coupling, gid: int, count: int, src: list[int | None] | None = None) -> dict[int, list[Insertion]]:
@@ -223,24 +226,59 @@ def resize_layernorm(m: nn.LayerNorm, layout: Layout, init: Init, generator) -> 
     return new
 
 
-def resize_tensor_attr(gm: fx.GraphModule, path: str, layout: Layout, init: Init, generator) -> None:
-    """A per-channel parameter or buffer read by get_attr (layer scale, a traced LayerNorm's affine):
-    its channel dimension takes the layout; new channels copy their source (net2net) or the mean."""
+def resize_groupnorm(m: nn.GroupNorm, layout: Layout, generator) -> nn.Module:
+    """New channels as whole new groups (the coupling placed them so): γ=1, β=0 for them."""
+    unit = m.num_channels // m.num_groups
+    new = _rebuilt(m, num_channels=layout.new, num_groups=layout.new // unit)
+    with torch.no_grad():
+        if m.affine:
+            _set_tensor(new, "weight", rows(m.weight, layout, "zero", generator, "one"))
+            _set_tensor(new, "bias", rows(m.bias, layout, "zero", generator, "zero"))
+    return new
+
+
+def resize_tensor_attr(gm: fx.GraphModule, path: str, layout: Layout, init: Init, generator, dim: int | None = None) -> None:
+    """A parameter or buffer read by get_attr whose dim `dim` holds the channels (a layer scale, a traced
+    LayerNorm's affine, a class token, a position table): that dim takes the layout; new channels copy their
+    source (net2net) or the mean over the old ones."""
     owner_path, _, name = path.rpartition(".")
     owner = gm.get_submodule(owner_path) if owner_path else gm
     old = getattr(owner, name)
-    dim = max(i for i, d in enumerate(old.shape) if d == layout.old)
+    if dim is None:
+        dim = max(i for i, d in enumerate(old.shape) if d == layout.old)
     with torch.no_grad():
-        flat = rows(old.detach().reshape(layout.old), layout, init, generator, "mean")
-        shape = list(old.shape)
-        shape[dim] = layout.new
-        value = flat.reshape(shape).clone()
+        moved = old.detach().movedim(dim, 0)
+        value = rows(moved, layout, init, generator, "mean").movedim(0, dim).contiguous()
     if name in owner._parameters:
         owner._parameters[name] = nn.Parameter(value, requires_grad=old.requires_grad)
     elif name in owner._buffers:
         owner._buffers[name] = value
     else:
         setattr(owner, name, value)
+
+
+def resize_functional(gm: fx.GraphModule, f: Functional, in_layout: Layout | None, out_layout: Layout | None,
+                      init: Init, generator) -> list[str]:
+    """A layer written as F.linear / F.conv on parameters: its weight's columns (inputs) and rows (outputs) take
+    the layouts as a module's would; the owning module's size attributes follow when it has them."""
+    owner_path, _, name = f.weight.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    old = getattr(owner, name)
+    with torch.no_grad():
+        _replace(gm, f.weight, rows(columns(old, in_layout, init, generator), out_layout, init, generator, "kaiming"))
+        if f.bias is not None:
+            bias = gm.get_parameter(f.bias) if _is_parameter(gm, f.bias) else gm.get_buffer(f.bias)
+            _replace(gm, f.bias, rows(bias, out_layout, init, generator, "zero"))
+    if name == "weight":  # timm's Linear, a conv subclass: keep their repr and checks true
+        for attr, layout in (("in_features", in_layout), ("in_channels", in_layout), ("out_features", out_layout),
+                             ("out_channels", out_layout)):
+            if layout is not None and isinstance(getattr(owner, attr, None), int):
+                setattr(owner, attr, layout.new)
+    return [f.weight] + ([f.bias] if f.bias else [])
+
+
+def _replace(gm: fx.GraphModule, path: str, value: torch.Tensor) -> None:
+    put_tensor(gm, path, value.clone(), tensor_at_path(gm, path))
 
 
 _KNOWN_TENSORS = {"weight", "bias", "running_mean", "running_var", "num_batches_tracked"}
@@ -260,12 +298,15 @@ def resize(m: nn.Module, in_layout: Layout | None, out_layout: Layout | None, in
         return resize_batchnorm(m, out_layout or in_layout, init, generator)
     if type(m) in (nn.LayerNorm, nn.RMSNorm):  # an RMSNorm keeps its mean square under the same replication
         return resize_layernorm(m, out_layout or in_layout, init, generator)
+    if type(m) is nn.GroupNorm:
+        return resize_groupnorm(m, out_layout or in_layout, generator)
     raise NotApplicable(f"cannot resize {type(m).__name__}", "this layer type is not supported by grow_width")
 
 
 def grow_group(gm: fx.GraphModule, coupling: Coupling, gid: int, count: int, init: Init,
                generator: torch.Generator) -> list[str]:
-    """Widen group `gid` (and every group it reaches) by `count` channels in place; returns the rebuilt layers."""
+    """Widen group `gid` (and every group it reaches) by `count` channels in place; returns the rebuilt layers.
+    Channels that are attention head sizes grow through the attention rewrite (rewrite.heads.grow_head_sizes)."""
     group = coupling.groups[gid]
     src = block_sources(group.size, count, coupling.step(gid), generator) if init == "net2net" else None
     try:
@@ -273,9 +314,14 @@ def grow_group(gm: fx.GraphModule, coupling: Coupling, gid: int, count: int, ini
     except ValueError as e:
         raise NotApplicable(f"cannot grow the {group.size}-channel group of {', '.join(group.sources[:3]) or group.members[0]}: {e}",
                             "widen a layer whose group can grow (graphgrow inspect --groups), or use grow_width(mode=adapter)") from e
+    if any(coupling.groups[g].attentions for g in plan):
+        return grow_head_sizes(gm, coupling, plan, init, generator)
     layouts = {g: make_layout(coupling.groups[g].size, ins) for g, ins in plan.items()}
     for g, layout in layouts.items():
         _check_norms(coupling.groups[g], layout, init)
+        if coupling.groups[g].unit > 1 and init == "net2net":
+            raise NotApplicable(f"a GroupNorm normalises '{coupling.groups[g].members[0]}' in groups of {coupling.groups[g].unit} "
+                                "channels: new channels form new groups, whose statistics replicas would not keep", "use init=zero")
     in_layouts: dict[str, Layout] = {}
     out_layouts: dict[str, Layout] = {}
     for g, layout in layouts.items():
@@ -286,15 +332,21 @@ def grow_group(gm: fx.GraphModule, coupling: Coupling, gid: int, count: int, ini
             in_layouts[n] = layout
     nodes = {n.name: n for n in gm.graph.nodes}
     tensor_layouts = {path: layout for g, layout in layouts.items() for path in coupling.groups[g].tensors}
-    _refuse_tied(gm, [nodes[n].target for n in set(in_layouts) | set(out_layouts)], list(tensor_layouts))
+    layers = set(in_layouts) | set(out_layouts)
+    functional = [p for n in layers if n in coupling.functional for f in [coupling.functional[n]] for p in (f.weight, f.bias) if p]
+    _refuse_tied(gm, [nodes[n].target for n in layers if n not in coupling.functional], list(tensor_layouts) + functional)
     rebuilt = []
     for name in sorted(set(in_layouts) | set(out_layouts), key=list(nodes).index):
+        if name in coupling.functional:
+            rebuilt += resize_functional(gm, coupling.functional[name], in_layouts.get(name), out_layouts.get(name),
+                                         init, generator)
+            continue
         path = nodes[name].target
         old = gm.get_submodule(path)
         set_module(gm, path, resize(old, in_layouts.get(name), out_layouts.get(name), init, generator))
         rebuilt.append(path)
     for path, layout in tensor_layouts.items():
-        resize_tensor_attr(gm, path, layout, init, generator)
+        resize_tensor_attr(gm, path, layout, init, generator, coupling.tensor_axes.get(path))
         rebuilt.append(path)
     apply_edits(gm, coupling, layouts)  # slices, splits and reshapes whose constants name channels
     for g, layout in layouts.items():  # a traced F.layer_norm carries its normalized_shape as a constant

@@ -39,6 +39,8 @@ def apply_edits(gm: fx.GraphModule, coupling: Coupling, layouts: dict[int, Layou
             _narrow(n, edit, layout)
         elif edit.kind == "reshape":
             _reshape(n, edit, layout)
+        elif edit.kind == "groups":
+            _groups(n, edit, layout)
 
 
 def _span(n: fx.Node, edit: Edit, layout, start: int, length: int) -> tuple[int, int]:
@@ -89,6 +91,20 @@ def _split(n: fx.Node, edit: Edit, layout) -> None:
     moved = [0] + [src.old_to_new[p] if p < src.old else src.new for p in ends]
     sizes = [b - a for a, b in zip(moved, moved[1:])]
     n.op, n.target, n.args, n.kwargs = "call_function", torch.split, (n.args[0], sizes), {"dim": dim}
+
+
+def _groups(n: fx.Node, edit: Edit, layout) -> None:
+    """F.group_norm's num_groups: the old groups plus the whole new ones (coupling's unit)."""
+    mine = layout(edit.node)
+    if mine is None:
+        return
+    kind, key = edit.where
+    old = n.args[key] if kind == "a" else n.kwargs[key]
+    value = mine.new // (mine.old // old)
+    if kind == "a":
+        n.args = n.args[:key] + (value,) + n.args[key + 1:]
+    else:
+        n.kwargs = {**n.kwargs, key: value}
 
 
 def _reshape(n: fx.Node, edit: Edit, layout) -> None:
