@@ -11,13 +11,23 @@ examples/darts_net.py (traced in train mode, as examples/darts_growth.py does) a
 ResNet-20. Warm: one pass runs first, so the process's one-time imports are not counted (the
 first FLOP count imports torch._dynamo, about 2 s here).
 
-    python benchmarks/bench_scale.py [--nodes 1000,4000,12000] [--small-only]
+And at scale (issue 27): a decoder-only transformer of 125 M, 350 M and 1 B parameters (scale_decoder.py) grown by
+deepen, grow_width and grow_hidden through trace, each pass and its verification, the graphgrow file, the ONNX
+export and the onnxruntime check, one process per size: seconds per stage, and peak resident memory as a multiple of
+the grown model's weight bytes beside graphgrow's estimate (targets: ≤ 3× for pass + verification + save, ≤ 4× with
+the export), with Pipeline(share=True) as `graphgrow mutate` runs (--copy-input: without). A size whose process
+passes --limit-gib (default 16) of resident memory is stopped, and its row says so.
+
+    python benchmarks/bench_scale.py [--nodes 1000,4000,12000] [--small-only] [--decoder 125m,350m,1b] [--decoder-only]
+                                     [--copy-input] [--limit-gib 16]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -154,7 +164,98 @@ def _seconds_row(model: str, measure: str, times: list[float], note: str) -> Row
                med <= 2, note)
 
 
-def rows(sizes=(1000, 4000, 12000), progress=lambda _: None, small: bool = True) -> list[Row]:
+DECODER_SECTION = "decoder at scale: s per stage; peak memory ÷ grown weights"
+PASS_STAGES = (": pass", ": verification", "save")
+
+
+def decoder_rows(sizes=("125m", "350m", "1b"), progress=lambda _: None, limit_gib: float = 16.0, share_input: bool = True,
+                 out_dir: Path | None = None) -> list[Row]:
+    """The scale rows: one subprocess per size (scale_decoder.py), so each measures its own peak and a size that does
+    not fit ends alone. `share_input`: Pipeline(share=True), as `graphgrow mutate` runs (without it the 1 B decoder
+    does not fit in 16 GiB: docs/performance.md)."""
+    import tempfile
+
+    out: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="gg_scale_") as tmp:
+        for size in sizes:
+            progress(f"decoder {size} (a process of its own)")
+            cmd = [sys.executable, str(Path(__file__).with_name("scale_decoder.py")), size, str(out_dir or tmp),
+                   "--limit-gib", str(limit_gib)] + (["--share-input"] if share_input else [])
+            proc = _run_watched(cmd, int(limit_gib * 2**30))
+            for line in proc.stderr.splitlines():
+                if line.startswith("decoder "):
+                    progress(line)
+            if proc.returncode != 0:
+                last = [line for line in proc.stderr.splitlines() if line.strip()][-3:]
+                out.append(Row(DECODER_SECTION, f"decoder {size}", "did not complete", float("nan"), float("nan"),
+                               note=f"exit {proc.returncode}: {' | '.join(last)[-300:]}"))
+                continue
+            out += rows_of_run(size + ("" if share_input else ", input copied"), json.loads(proc.stdout.splitlines()[-1]))
+    return out
+
+
+RESERVE = 3 << 30  # bytes the machine keeps available: a decoder run is stopped first, before the kernel's OOM killer
+
+
+def _available() -> int:
+    """MemAvailable of this machine (Linux), or a large number where it cannot be read."""
+    try:
+        return next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                    if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 1 << 62
+
+
+def _run_watched(cmd: list[str], limit: int) -> subprocess.CompletedProcess:
+    """Run `cmd`, killing it when its resident memory passes `limit` bytes (checked from this process: a thread inside
+    the child cannot run while a C++ call holds the GIL, and the ONNX export of a 1 B model rose 10 GiB that way)."""
+    import tempfile
+    import time
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        note = ""
+        while proc.poll() is None:
+            try:
+                rss = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+                           if line.startswith("VmRSS:"))
+            except (OSError, StopIteration):
+                rss = 0
+            available = _available()
+            if rss > limit or available < RESERVE:
+                proc.kill()
+                note = (f"stopped: resident memory {rss / 2**30:.1f} GiB passed the limit {limit / 2**30:.1f} GiB\n"
+                        if rss > limit else f"stopped at {rss / 2**30:.1f} GiB resident: the machine had "
+                        f"{available / 2**30:.1f} GiB left (other processes run beside it)\n")
+            time.sleep(0.05)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read() + note)
+
+
+def rows_of_run(size: str, run: dict) -> list[Row]:
+    """Rows of one size's stages (scale_decoder.main's JSON): seconds, peak and estimate in the note; two target rows."""
+    facts, stages = run["facts"], run["stages"]
+    grown = facts["grown_bytes"]
+    model = f"decoder {size} ({facts['params_before'] / 1e6:,.0f} M → {facts['params_after'] / 1e6:,.0f} M)"
+    out = []
+    for s in stages:
+        est = f"; graphgrow's estimate {s['estimate'] / grown:.2f}×" if s.get("estimate") else ""
+        failed = f"; {s['note']}" if s.get("note") else ""
+        out.append(Row(DECODER_SECTION, model, s["name"], s["seconds"], s["seconds"], "s",
+                       note=f"peak {s['peak'] / grown:.2f}× ({s['peak'] / 2**30:.2f} GiB){est}{failed}"))
+    passes = [s["peak"] / grown for s in stages if any(k in s["name"] for k in PASS_STAGES)]
+    if passes:
+        out.append(ratio_row(DECODER_SECTION, model, "peak: passes + verification + save", [max(passes)], 3,
+                             note=f"grown weights {grown / 2**30:.2f} GiB"))
+    export = [s["peak"] / grown for s in stages if "ONNX" in s["name"] or "onnxruntime" in s["name"]]
+    if export:
+        out.append(ratio_row(DECODER_SECTION, model, "peak: ONNX export + onnxruntime check", [max(export)], 4))
+    return out
+
+
+def rows(sizes=(1000, 4000, 12000), progress=lambda _: None, small: bool = True,
+         decoder: tuple[str, ...] = ("125m", "350m", "1b")) -> list[Row]:
     torch.set_num_threads(1)
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 100_000))  # deep Sequential copies recurse per level
     measure(300)  # warm-up: first-call costs (imports, caches) are not per-node costs
@@ -171,7 +272,7 @@ def rows(sizes=(1000, 4000, 12000), progress=lambda _: None, small: bool = True)
     for key in ("trace", "pass", "verify"):
         out.append(ratio_row("per-node cost, largest ÷ smallest chain", f"{last['nodes']:,} ÷ {first['nodes']:,} nodes", key,
                              [last[f"{key}_us_per_node"] / first[f"{key}_us_per_node"]], 1.5))
-    return out + (small_rows(progress=progress) if small else [])
+    return out + (small_rows(progress=progress) if small else []) + decoder_rows(decoder, progress)
 
 
 def main() -> None:
@@ -179,10 +280,19 @@ def main() -> None:
     ap.add_argument("--nodes", default="1000,4000,12000")
     ap.add_argument("--small-only", action="store_true", help="only the small models at 32×32")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the small-model rows")
+    ap.add_argument("--decoder", default="125m,350m,1b", help="decoder sizes (125m, 350m, 1b, tiny; empty: none)")
+    ap.add_argument("--decoder-only", action="store_true", help="only the decoder rows")
+    ap.add_argument("--limit-gib", type=float, default=16.0, help="stop a decoder size past this resident memory")
+    ap.add_argument("--copy-input", action="store_true", help="Pipeline(share=False): the input's weights copied")
     args = ap.parse_args()
     progress = lambda s: print(s, file=sys.stderr)  # noqa: E731
-    print_table(small_rows(args.rounds, progress) if args.small_only
-                else rows([int(n) for n in args.nodes.split(",")], progress=progress))
+    decoder = tuple(d for d in args.decoder.split(",") if d)
+    if args.decoder_only:
+        print_table(decoder_rows(decoder, progress, args.limit_gib, not args.copy_input))
+    elif args.small_only:
+        print_table(small_rows(args.rounds, progress))
+    else:
+        print_table(rows([int(n) for n in args.nodes.split(",")], progress=progress, decoder=decoder))
 
 
 if __name__ == "__main__":

@@ -183,3 +183,13 @@ def test_a_small_model_is_checked_with_one_thread_and_the_setting_comes_back():
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(saved)
+
+
+def test_a_failed_check_on_named_inputs_is_reported_not_a_crash():
+    """The float64 re-check recasts a tensor input; named inputs (a dict of token ids) keep the fp32 verdict."""
+    from graphgrow.verify.preserve import compare_mode
+
+    m = torch.nn.Identity()
+    x = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
+    check = compare_mode(m, m, x, "eval", 0, torch.zeros(1, 3), torch.ones(1, 3))
+    assert not check.ok and check.fp64_ok is None

@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..graph.inputs import batch_of, DTYPES, is_spec, Shape
 from ..core.errors import first_line, InputError, NotApplicable, ValidationError
-from ..graph.shapes import _target_name, shape_of
+from ..graph.fx_edit import new_parameters, upstream_parameters
+from ..graph.shapes import _target_name, annotate, shape_of
 
 DEFAULT_MAX_NEW_PARAMS = 100_000_000  # parameters one pass may add
 DEFAULT_MAX_MEMORY = 8 << 30  # bytes of activations a model may need at the largest batch it is run at (estimate_batch)
@@ -257,12 +258,60 @@ def _refuse_unsized(name: str, grown: fx.GraphModule, input_shape: Shape, batch:
                           "a view/reshape probably bakes in the batch size") from e
 
 
+@dataclass(frozen=True)
+class PassMemory:
+    """What a pass allocates beyond the model it starts from (bytes), estimated on the meta device: the grown model's
+    new tensors (every one when the pass copies the model, only those it adds or rebuilds when it shares the rest),
+    verification's gradient and SGD-step copy of each parameter the trainability check watches (added, grown, and
+    the old ones just upstream: verify.check_trainability), and the grown model's activations
+    at the largest batch run. Measured on decoder-only transformers of 125 M–1 B parameters
+    (benchmarks/scale_decoder.py) the pass + verification peak stays within this, plus the input's own weights."""
+
+    weights: int
+    verification: int
+    activations: int
+    batch: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.verification + self.activations
+
+    def describe(self) -> str:
+        return (f"{human_bytes(self.activations)} of activations at batch {self.batch}, {human_bytes(self.weights)} of new "
+                f"weights, {human_bytes(self.verification)} for verification's gradients")
+
+
+def pass_memory(gm: fx.GraphModule, grown: fx.GraphModule, input_shape: Shape, share: bool = False,
+                activations: int | None = None) -> PassMemory:
+    """PassMemory of `grown` (a meta-device dry run) made from `gm`. A parameter counts as rebuilt when its name is new
+    or its shape changed (a pass that rewrites values in place of the same shape is not seen: none of the built-in
+    ones does). NoEstimate when the grown model cannot run on the meta device."""
+    old = {name: tuple(p.shape) for name, p in gm.named_parameters()}
+    params = dict(grown.named_parameters())
+    changed = sum(_nbytes(p) for name, p in params.items() if old.get(name) != tuple(p.shape))
+    # what the trainability check watches: the new and grown parameters and the old ones just upstream of them (on a
+    # residual stream, every writer into it before the new part), each with a gradient and an SGD-step copy
+    grew = new_parameters(gm, grown)
+    watched = sum(_nbytes(params[n]) for n in set(grew) | set(upstream_parameters(gm, grown, grew)))
+    buffers = sum(_nbytes(b) for b in grown.buffers())  # always copies (train-mode forwards write BatchNorm statistics)
+    weights = (changed if share else sum(_nbytes(p) for p in params.values())) + buffers
+    batch = estimate_batch(input_shape)
+    if activations is None:
+        activations = activation_bytes(grown, input_shape, batch)
+    return PassMemory(weights, 2 * watched, activations, batch)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def check_budget(name: str, apply: Callable[[fx.GraphModule], fx.GraphModule], gm: fx.GraphModule,
-                 input_shape: Shape, limits: Limits) -> str | None:
+                 input_shape: Shape, limits: Limits, share: bool = False) -> str | None:
     """Dry-run `apply` on a meta copy of `gm`; NotApplicable past the limits or, unless they were lifted
     (NO_LIMIT), when no estimate can be made (a pass that cannot dry-run: NotApplicable; a grown model the meta
-    device cannot run: ValidationError, as verification would say). Returns a note when a lifted limit left a
-    size unchecked."""
+    device cannot run: ValidationError, as verification would say). `limits.max_memory` bounds PassMemory.total:
+    what the pass allocates beyond `gm` (with `share`, untouched parameters cost nothing). Returns a note when a
+    lifted limit left a size unchecked."""
     try:
         meta = meta_copy(gm)
         grown = apply(meta)
@@ -283,11 +332,19 @@ def check_budget(name: str, apply: Callable[[fx.GraphModule], fx.GraphModule], g
         return None
     batch = estimate_batch(input_shape)
     try:
-        needed = activation_bytes(grown, input_shape, batch)
+        needed = pass_memory(gm, grown, input_shape, share)
     except NoEstimate as e:
         _refuse_unsized(name, grown, input_shape, batch, e)
-    if needed > limits.max_memory:
-        raise NotApplicable(f"{name} would need about {human_bytes(needed)} of activations at batch {batch} "
-                            f"(limit {human_bytes(limits.max_memory)})",
+    if needed.total > limits.max_memory:
+        raise NotApplicable(f"{name} would need about {human_bytes(needed.total)} beyond the model's own weights "
+                            f"({needed.describe()}; limit {human_bytes(limits.max_memory)})",
                             "choose a smaller growth or input shape, or raise the limit with --max-memory SIZE")
     return None
+
+
+def estimate_pass(apply: Callable[[fx.GraphModule], fx.GraphModule], gm: fx.GraphModule, input_shape: Shape,
+                  share: bool = False) -> PassMemory:
+    """PassMemory of one pass (`apply` runs on a meta copy of `gm`), as check_budget estimates it."""
+    if any("gg_shape" not in n.meta for n in gm.graph.nodes):
+        annotate(gm, input_shape)  # as Pass.__call__ does first: passes find their places from the shapes
+    return pass_memory(gm, apply(meta_copy(gm)), input_shape, share)

@@ -3,6 +3,8 @@
 Pass authors import them from graphgrow.rewrite (the public API), not from here."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -39,9 +41,34 @@ def factory_kwargs(gm: fx.GraphModule, node: fx.Node | None = None) -> dict[str,
     return {"device": next(gm.parameters(), torch.zeros(())).device, "dtype": dtype}
 
 
+_SHARING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphgrow_share_parameters", default=False)
+
+
+@contextlib.contextmanager
+def sharing_parameters(on: bool = True):
+    """Within it, copy_graph_module shares parameter storage with the model it copies (Pass(..., share=True), and a
+    Pipeline between its own intermediate models): a pass then costs the bytes of what it adds or rebuilds, not a
+    copy of the whole model."""
+    token = _SHARING.set(on)
+    try:
+        yield
+    finally:
+        _SHARING.reset(token)
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A deep copy: graph, modules, parameters, buffers and meta. The original is never touched."""
-    new = copy.deepcopy(gm)
+    """A copy to edit: graph, modules, buffers and meta deep-copied; parameters deep-copied too, or, inside
+    sharing_parameters(), new Parameter objects over the same storage. The original is never touched.
+
+    Shared storage is safe because passes replace the parameters they change (widen, stream) and write in place
+    only into tensors they created: an in-place write into a shared one bumps the input's version counter
+    (detach() shares it), which Pass's untouched-input check refuses. Buffers stay copies: train-mode forwards
+    (verification, gradmax) update BatchNorm statistics in place."""
+    memo: dict = {}
+    if _SHARING.get():
+        for p in gm.parameters():
+            memo[id(p)] = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+    new = copy.deepcopy(gm, memo)
     new.meta = copy.deepcopy(gm.meta)
     _out_of_place(new)
     return new
@@ -209,3 +236,34 @@ def new_parameters(old: nn.Module, new: nn.Module) -> dict[str, tuple[torch.Size
         return was is None or len(was) != len(shape) or any(a > b for a, b in zip(shape, was))
 
     return {n: (before.get(n), p.shape) for n, p in new.named_parameters() if grew(n, p.shape)}
+
+
+def upstream_parameters(old: fx.GraphModule, new: fx.GraphModule, grown: dict) -> list[str]:
+    """The old parameters nearest upstream of what the pass added or rebuilt, along the data path.
+
+    When the gradient reaches these at insertion, it reaches the new parts' inputs
+    too, so a new contribution that still gets none is dead.
+    """
+    old_names = {n.name for n in old.graph.nodes}
+    old_params = {n for n, _ in old.named_parameters()}
+
+    def params_of(n: fx.Node) -> list[str]:
+        if n.op == "call_module":
+            return [f"{n.target}.{p}" for p, _ in new.get_submodule(n.target).named_parameters()]
+        return [str(n.target)] if n.op == "get_attr" else []
+
+    touched = {n for n in new.graph.nodes if n.name not in old_names or any(p in grown for p in params_of(n))}
+    found: set[str] = set()
+    seen: set[fx.Node] = set()
+    todo = [a for t in touched for a in t.all_input_nodes if a not in touched]
+    while todo:
+        a = todo.pop()
+        if a in seen:
+            continue
+        seen.add(a)
+        mine = [p for p in params_of(a) if p in old_params]
+        if mine:
+            found.update(mine)  # the nearest parameterised ancestor on this path: stop here
+        else:
+            todo.extend(x for x in a.all_input_nodes if x not in touched)
+    return sorted(found)

@@ -62,6 +62,7 @@ def export_onnx(
     """
     start = time.perf_counter()
     out_path = check_output_path(path) if path is not None else None
+    _check_fits_one_file(gm)
     t_export = time.perf_counter()
     if is_spec(input_shape):
         proto, props = _export_named(gm, input_shape, opset, isolate)  # type: ignore[arg-type]
@@ -88,10 +89,8 @@ def export_onnx(
     if out_path is None:
         check_proto(proto)
     else:
-        data = proto.SerializeToString()
-
         def write_checked(tmp: Path) -> None:  # checked from the file: the checker would serialise a proto again
-            tmp.write_bytes(data)
+            tmp.write_bytes(proto.SerializeToString())  # the bytes are gone before the checker reads the file (memory)
             check_proto(str(tmp))
 
         atomic_write(out_path, write_checked)  # a failed write is SaveError (exit 2) naming the output
@@ -181,6 +180,19 @@ def _root_cause(e: BaseException, lines: int = 1) -> str:
     first = first_line(text) or type(e).__name__
     rest = [line.strip(" -") for line in text.strip().splitlines()[1:] if line.strip(" -")]
     return f"{first} {first_line(rest[0])}" if lines > 1 and first.endswith(":") and rest else first
+
+
+PROTOBUF_LIMIT = 2 << 30  # bytes: one protobuf message, so one self-contained .onnx file, holds less than 2 GiB
+
+
+def _check_fits_one_file(gm: torch.nn.Module) -> None:
+    """ExportError before torch.onnx.export runs when the weights alone pass protobuf's 2 GiB: the export would
+    build the whole model (several times its weights in memory; 21 GiB for a 1 B-parameter decoder) and then fail."""
+    size = sum(t.numel() * t.element_size() for t in gm.state_dict().values())
+    if size >= PROTOBUF_LIMIT:
+        raise ExportError(f"the model's weights are {size / 2**30:.1f} GiB: a self-contained ONNX file holds less than "
+                          "2 GiB (protobuf's limit), and graphgrow does not write external data yet",
+                          "export a smaller model, or keep this one as a graphgrow file (.pt)")
 
 
 def _torch_export(gm: torch.nn.Module, x: torch.Tensor, opset: int | None) -> onnx.ModelProto:

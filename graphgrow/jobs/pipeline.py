@@ -242,10 +242,11 @@ class Pipeline:
     seed: int = 0
     seeds: list[int] | None = None  # one per pass (replay); default: seed, seed + 1, ...
     limits: Limits | None = None  # what one pass may add (budget.Limits); None: the defaults
+    share: bool = False  # True: the result shares untouched parameters with the input too (Pass.__call__'s share)
 
     @classmethod
-    def from_spec(cls, specs: str | Sequence[str], verify: bool = True, seed: int = 0) -> "Pipeline":
-        return cls(build_pipeline(specs), verify=verify, seed=seed)
+    def from_spec(cls, specs: str | Sequence[str], verify: bool = True, seed: int = 0, share: bool = False) -> "Pipeline":
+        return cls(build_pipeline(specs), verify=verify, seed=seed, share=share)
 
     def run(self, gm: fx.GraphModule, progress: Callable[[int, Pass], None] | None = None) -> PipelineResult:
         require_traced(gm)
@@ -257,7 +258,9 @@ class Pipeline:
             seed = self.seeds[i] if self.seeds is not None else self.seed + i
             try:
                 with check_threads(current, _example_shape(current)):  # a small model: one thread (verify.threads)
-                    r = p(current, verify_result=self.verify, seed=seed, limits=self.limits)
+                    # a model the pipeline made itself shares what the next pass leaves alone; the caller's model only
+                    # when asked (training the result would move its weights too)
+                    r = p(current, verify_result=self.verify, seed=seed, limits=self.limits, share=self.share or i > 0)
             except GraphgrowError as e:
                 if len(self.passes) == 1:
                     raise

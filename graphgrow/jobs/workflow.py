@@ -38,6 +38,7 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
     if data is not None:
         pipeline.passes = with_data(pipeline.passes, data)
     pipeline.limits = _limits(max_params, max_memory)
+    pipeline.share = True  # the model loaded here is only read after the pipeline: the result shares what it leaves alone
     out_path = check_output_path(out or default_output_path(source, suffix), inputs=(source,))
     onnx_path = check_output_path(onnx_out, inputs=(source,)) if onnx_out else None
     diagram_path = check_output_path(diagram, inputs=(source,)) if diagram else None

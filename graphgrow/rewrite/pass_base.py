@@ -14,7 +14,7 @@ from ..analysis.budget import Limits, check_budget
 from ..analysis.targets import Candidate
 from ..core.errors import InputError, ValidationError
 from ..verify.preserve import PreservationReport
-from ..graph.fx_edit import Rewrite
+from ..graph.fx_edit import Rewrite, sharing_parameters
 from ..graph.shapes import annotate, param_count, total_flops
 from ..core.state import module_dtype
 from ..io.lineage import record_origin
@@ -141,11 +141,13 @@ class Pass:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def __call__(self, gm: fx.GraphModule, verify_result: bool = True, seed: int = 0,
-                 limits: Limits | None = None) -> PassResult:
+                 limits: Limits | None = None, share: bool = False) -> PassResult:
         """Apply to a copy of `gm`, verify, and return the result. `gm` is never modified.
 
         The pass first runs on a meta-device copy: past `limits` (parameters added, activation
-        memory) it is refused before anything real is allocated."""
+        memory) it is refused before anything real is allocated. `share=True`: the parameters the pass
+        does not change are the input's own tensors, not copies (the pass costs what it adds; training
+        the result then moves the input's weights too — for when the input is dropped, docs/performance.md)."""
         start = time.perf_counter()
         require_traced(gm)
         input_shape = input_spec_of(gm)
@@ -157,11 +159,12 @@ class Pass:
         if any("gg_shape" not in n.meta for n in gm.graph.nodes):
             annotate(gm, input_shape)
         budget_note = check_budget(self.name, lambda m: self.apply(m, torch.Generator().manual_seed(seed)).gm, gm,
-                                   input_shape, limits or Limits()) if self.grows else None
+                                   input_shape, limits or Limits(), share) if self.grows else None
         fingerprint = _fingerprint(gm)
         before_nodes = {n.name for n in gm.graph.nodes}
         generator = torch.Generator().manual_seed(seed)
-        rw = self.apply(gm, generator)
+        with sharing_parameters(share):
+            rw = self.apply(gm, generator)
         _check_untouched(gm, fingerprint, self.name)
         new = rw.gm
         if new is gm:

@@ -112,8 +112,8 @@ def compare_mode(old: nn.Module, new: nn.Module, x: torch.Tensor, mode: str, see
     decides; the fp32 error stays in the report.
     """
     check = compare_outputs(old_out, new_out, mode)
-    if check.ok or x.dtype != torch.float32:
-        return check
+    if check.ok or not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        return check  # named inputs (a dict: token ids, masks) are not recast; the fp32 verdict stands
     with torch.no_grad():
         old64, new64, x64 = copy.deepcopy(old).double(), copy.deepcopy(new).double(), x.double()
         if mode == "eval":
@@ -167,7 +167,9 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
     params = dict(new.named_parameters())
     cancelled: list[str] = []
     saved_flags = {n: p.requires_grad for n, p in params.items()}
-    saved_values = {n: p.detach().clone() for n, p in params.items()}
+    # SGD steps replace a parameter's data instead of writing into it, and the end puts the original back: no copy
+    # of the whole model, and storage shared with the input model (Pass(share=True)) is never written
+    saved_values = {n: p.data for n, p in params.items()}
     x = example_input(new, input_shape, seed=seed, batch=batch)
     got: dict[str, int] = {}
     proj: list[torch.Tensor] | None = None
@@ -232,7 +234,8 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                         break
                     for p in params.values():
                         if p.grad is not None:
-                            p.sub_(lr * p.grad / (p.grad.norm() + 1e-12) * (p.norm() + 1e-3))
+                            p.data = p.detach() - lr * p.grad / (p.grad.norm() + 1e-12) * (p.norm() + 1e-3)
+                            p.grad = None  # freed as the step goes: the new values and the gradients are not all held at once
                     # a step in which gradient reached new parameters before but no further ones: stop early if the
                     # rest is cancelled in train mode (learns in eval mode), rather than spending the remaining steps
                     if step >= 1 and got and len(got) == had:
@@ -247,7 +250,7 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
     finally:
         with torch.no_grad():
             for n, p in params.items():
-                p.copy_(saved_values[n])
+                p.data = saved_values[n]
                 p.grad = None
                 p.requires_grad_(saved_flags[n])
     dead = [n for n in new_params if n not in got and n not in cancelled]

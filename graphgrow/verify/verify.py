@@ -13,7 +13,7 @@ from .preserve import (
 )
 from .reference import recall, remember
 from .threads import check_threads
-from ..graph.fx_edit import new_parameters
+from ..graph.fx_edit import new_parameters, upstream_parameters
 from ..graph.shapes import example_input, run_recording, validate_batch_sizes
 from ..graph.inputs import Shape, positional
 from ..core.state import dropout_off, preserved_buffers, training_mode
@@ -141,34 +141,3 @@ def deaf_points(old: fx.GraphModule, new: fx.GraphModule, dead: list[str], x: to
                 sum((t * torch.randn(t.shape, generator=g).to(t)).sum() for t in outs).backward()
         heard |= {k for k, t in kept.items() if t.grad is not None and bool((t.grad != 0).any())}
     return [r for r in reads if r not in heard]
-
-
-def upstream_parameters(old: fx.GraphModule, new: fx.GraphModule, grown: dict) -> list[str]:
-    """The old parameters nearest upstream of what the pass added or rebuilt, along the data path.
-
-    When the gradient reaches these at insertion, it reaches the new parts' inputs
-    too, so a new contribution that still gets none is dead.
-    """
-    old_names = {n.name for n in old.graph.nodes}
-    old_params = {n for n, _ in old.named_parameters()}
-
-    def params_of(n: fx.Node) -> list[str]:
-        if n.op == "call_module":
-            return [f"{n.target}.{p}" for p, _ in new.get_submodule(n.target).named_parameters()]
-        return [str(n.target)] if n.op == "get_attr" else []
-
-    touched = {n for n in new.graph.nodes if n.name not in old_names or any(p in grown for p in params_of(n))}
-    found: set[str] = set()
-    seen: set[fx.Node] = set()
-    todo = [a for t in touched for a in t.all_input_nodes if a not in touched]
-    while todo:
-        a = todo.pop()
-        if a in seen:
-            continue
-        seen.add(a)
-        mine = [p for p in params_of(a) if p in old_params]
-        if mine:
-            found.update(mine)  # the nearest parameterised ancestor on this path: stop here
-        else:
-            todo.extend(x for x in a.all_input_nodes if x not in touched)
-    return sorted(found)
