@@ -136,13 +136,15 @@ def gg_view(model: nn.Module, shape: tuple[int, ...]) -> GGView:
         if n.op == "call_module" and _is_layer(gm.get_submodule(n.target)):
             group_of_layer[str(n.target)] = c.group_of[n.name]
         elif n.op == "call_function" and n.target in FUNCTIONAL_LAYERS and n.meta.get("nn_module_stack"):
-            # a layer subclass fx traced into (a weight-standardised conv): graphgrow sees its F.conv2d
+            # a layer subclass fx traced into (timm's Linear, a weight-standardised conv): graphgrow sees its call,
+            # as a layer when the call is on the layer's own (or standardised) weight (coupling.functional)
             path = list(n.meta["nn_module_stack"].values())[-1][0]
             m = model.get_submodule(path)
             if _is_layer(m) and path not in group_of_layer:
                 group_of_layer[path] = c.group_of[n.name]
-                extra.setdefault(c.group_of[n.name], []).append(
-                    f"'{path}' ({type(m).__name__}) is traced through: graphgrow sees its {n.target.__name__} call, not a layer")
+                if n.name not in c.functional:
+                    extra.setdefault(c.group_of[n.name], []).append(
+                        f"'{path}' ({type(m).__name__}) is traced through: graphgrow sees its {n.target.__name__} call, not a layer")
     own: dict[int, set[str]] = {}
     for path, gid in group_of_layer.items():
         own.setdefault(gid, set()).add(path)

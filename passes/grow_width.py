@@ -31,15 +31,38 @@ from graphgrow.rewrite import (
 
 
 
-def find_layer(gm: fx.GraphModule, target: str) -> fx.Node:
-    """A call_module node by node name or module path."""
+def find_layer(gm: fx.GraphModule, target: str, coupling: Coupling | None = None) -> fx.Node:
+    """A call_module node by node name or module path; or a layer written as a call on its parameters
+    (F.linear / F.conv) by its node name or the path of the module holding its weight."""
     for n in gm.graph.nodes:
         if n.op == "call_module" and (n.name == target or n.target == target):
+            return n
+    for n in gm.graph.nodes:
+        f = coupling.functional.get(n.name) if coupling is not None else None
+        if f is not None and (n.name == target or f.weight.rpartition(".")[0] == target):
             return n
     node = resolve_tensor(gm, target, "out")  # raises NotApplicable with suggestions
     what = "a container of several layers" if target in dict(gm.named_modules()) else f"a {node.op} node"
     raise NotApplicable(f"'{target}' is {what}, not one conv or Linear layer",
                         "name one conv or Linear layer (graphgrow inspect lists them)")
+
+
+def layer_path(node: fx.Node, coupling: Coupling) -> str:
+    """The module path a user names a layer by (a called layer: the module holding its weight)."""
+    f = coupling.functional.get(node.name)
+    return f.weight.rpartition(".")[0] if f is not None else str(node.target)
+
+
+def width_of(gm: fx.GraphModule, node: fx.Node, coupling: Coupling) -> tuple[int, str]:
+    """(output width, kind in words) of a conv/Linear module or of a layer written as a call on its parameters."""
+    f = coupling.functional.get(node.name)
+    if f is not None:
+        if f.kind == "conv" and not f.standardised and (tensor_shape(node.args[0]) or (0, 0))[1] != gm.get_parameter(f.weight).shape[1]:
+            raise NotApplicable(f"'{layer_path(node, coupling)}' is a grouped conv written as a call", "grow the layer that produces its input")
+        kind = "weight-standardised conv" if f.standardised else f"F.{f.kind}"
+        return int(gm.get_parameter(f.weight).shape[0]), kind
+    layer = check_growable_layer(gm, node)
+    return out_width(layer), type(layer).__name__
 
 
 def check_growable_layer(gm: fx.GraphModule, node: fx.Node) -> nn.Module:
@@ -70,11 +93,13 @@ def growable_layers(gm: fx.GraphModule, coupling: Coupling, replicates: bool = F
     has_maps = any(len(tensor_shape(n) or ()) == 4 and (tensor_shape(n) or (0, 0, 1, 1))[2:] != (1, 1) for n in gm.graph.nodes)
     found = []
     for n in gm.graph.nodes:
-        if n.op != "call_module" or n.name not in coupling.group_of or n not in deployed or is_graphgrow_node(gm, n, added):
+        called = n.name in coupling.functional
+        if (n.op != "call_module" and not called) or n.name not in coupling.group_of or n not in deployed or \
+                is_graphgrow_node(gm, n, added):
             continue
-        m = gm.get_submodule(n.target)
         grp = coupling.group(n.name)
-        if n.name not in grp.sources or coupling.why_frozen(grp.id) or not isinstance(m, (nn.Linear, nn.modules.conv._ConvNd)):
+        if n.name not in grp.sources or coupling.why_frozen(grp.id) or \
+                not (called or isinstance(gm.get_submodule(n.target), (nn.Linear, nn.modules.conv._ConvNd))):
             continue
         if coupling.norms_reached(grp.id) and not replicates:
             skipped_norm = True
@@ -112,7 +137,12 @@ def growth_params(gm: fx.GraphModule, coupling: Coupling, gid: int, factor: floa
         delta = max(int(round(g.size * (factor - 1))), 0)
         for role, names in (("out", g.sources), ("in", g.consumers), ("both", g.channelwise)):
             for name in names:
-                node = nodes.get(name)
+                node, f = nodes.get(name), coupling.functional.get(name)
+                if f is not None:  # a called layer: its weight's rows (outputs) or columns (inputs)
+                    w = gm.get_parameter(f.weight)
+                    total += (w.numel() // w.shape[0] + (role == "out" and f.bias is not None)) * delta \
+                        if role == "out" else w.numel() // w.shape[1] * delta
+                    continue
                 if node is None or node.op != "call_module":
                     continue
                 m = gm.get_submodule(node.target)
@@ -158,13 +188,11 @@ def grow_width(gm: fx.GraphModule, target: str | None = None, factor: float = 2.
         load_data(None)  # refused before any work: gradmax needs a batch
     coupling = analyze(gm)
     replicates = init == "net2net" and to is None and float(factor).is_integer()
-    node, why = (find_layer(gm, target), "given") if target is not None else default_target(gm, coupling, replicates, factor)
-    layer = check_growable_layer(gm, node)
-    old = out_width(layer)
-    width = new_width(str(node.target), old, factor, to)
+    node, why = (find_layer(gm, target, coupling), "given") if target is not None else default_target(gm, coupling, replicates, factor)
+    old, kind = width_of(gm, node, coupling)
+    width = new_width(layer_path(node, coupling), old, factor, to)
     count = width - old
-    targets: dict[str, object] = {"target": f"{node.target} ({type(layer).__name__}, {old} → {width})",
-               "chosen": why}
+    targets: dict[str, object] = {"target": f"{layer_path(node, coupling)} ({kind}, {old} → {width})", "chosen": why}
     if mode == "group":
         gid = coupling.group_of[node.name]
         group = coupling.groups[gid]
@@ -174,8 +202,11 @@ def grow_width(gm: fx.GraphModule, target: str | None = None, factor: float = 2.
         norms = coupling.norms_reached(gid)
         if norms:
             targets["layernorm"] = f"{len(norms)} LayerNorm(s) over the group; every channel replicated ×{width // old}"
+    elif node.name in coupling.functional:
+        raise NotApplicable(f"'{layer_path(node, coupling)}' is a layer written as a call (F.{coupling.functional[node.name].kind}): "
+                            "mode=adapter rebuilds a module layer", "use mode=group")
     else:
-        rebuilt = _grow_with_adapter(gm, node, layer, count, init, generator)
+        rebuilt = _grow_with_adapter(gm, node, check_growable_layer(gm, node), count, init, generator)
     targets["rebuilt"] = ", ".join(rebuilt)
     gm, notes = finish(gm), []
     if aim:  # after finish: the adapter's node is in the recompiled forward
@@ -232,4 +263,4 @@ class GrowWidth(Pass):
             default = default_target(gm, coupling, replicates, self.factor)[0]
         except NotApplicable:
             default = None
-        return [Candidate({"target": str(n.target)}, place(gm, n), cost, n is default) for n, cost in found]
+        return [Candidate({"target": layer_path(n, coupling)}, place(gm, n), cost, n is default) for n, cost in found]

@@ -15,6 +15,7 @@ import graphgrow as gg
 from graphgrow.analysis.coupling import analyze
 from graphgrow.io.export import export_onnx
 from graphgrow.io.runtime import max_ir_version, open_session
+from graphgrow.passes.add_branch import AddBranch, branch_sites
 from graphgrow.passes.grow_width import GrowWidth
 from graphgrow.verify.equivalence import check_equivalence
 from conftest import randomize_bn
@@ -175,20 +176,46 @@ def test_separate_projections_grow_query_key_or_value_head_size():
         GrowWidth(target="attn.v", factor=2, init="net2net")(gg.trace(TinyViT(fused=False), IMAGE))
 
 
-def test_weight_standardised_conv_inputs_are_refused_with_the_reason():
+class MixedStandardisation(nn.Conv2d):
+    """Standardised across filters (over dim 0): a new filter would move the old ones."""
+
+    def forward(self, x):
+        w = self.weight - self.weight.mean(0, keepdim=True)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+def test_weight_standardised_conv_grows_its_outputs_and_refuses_its_inputs_with_the_reason():
     gm = gg.trace(Standardised(), IMAGE)
     c = analyze(gm)
     reasons = c.why_frozen(c.group_of["a"])
     assert any("exact growth is impossible unless the new channels are identically zero" in r for r in reasons), reasons
     with pytest.raises(gg.NotApplicable, match="standardises its weight"):
         GrowWidth(target="a", factor=2)(gm)
-    assert not c.why_frozen(c.group_of["c"]) is None  # the analysis ran over the whole graph
+    assert {"target": "b"} in [cand.args for cand in GrowWidth().candidates(gm)]
+    r = grown(Standardised(), target="b", to=12)  # new filters standardised on their own; the reshape's 8 → 12
+    assert r.gm.get_parameter("b.weight").shape == (12, 8, 3, 3) and r.gm.get_submodule("c").in_channels == 12
+    assert any(n.op == "call_method" and n.target == "reshape" and 12 in n.args for n in r.gm.graph.nodes)
+    mixed = Standardised()
+    mixed.b = MixedStandardisation(8, 8, 3, padding=1)
+    with pytest.raises(gg.NotApplicable, match="mixes filters"):
+        GrowWidth(target="b", to=12)(gg.trace(mixed, IMAGE))
+
+
+def test_add_branch_sees_a_weight_standardised_conv_as_a_conv():
+    torch.manual_seed(0)
+    gm = gg.trace(Standardised(), IMAGE)
+    gg.annotate(gm, IMAGE)
+    sites = [n.name for *_, n, _ in branch_sites(gm, "conv3x3", 1)]
+    assert sites == ["conv2d", "c"], sites  # the standardised conv is a site (before: only c, the plain 1×1)
+    r = AddBranch(at="conv2d")(gm)
+    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
+    assert r.targets["span"].startswith("relu [1, 8, 8, 8] → conv2d [1, 8, 8, 8]"), r.targets
 
 
 def test_grown_calls_group_norms_and_token_stream_match_in_onnxruntime(tmp_path):
     for model, kw in ((Calls(), dict(target="a", to=12)), (GroupNorms(), dict(target="b", to=20)),
                       (TinyViT(), dict(target="attn.qkv", to=60)),
-                      (TinyViT(), dict(target="patch", to=32, init="net2net"))):
+                      (TinyViT(), dict(target="patch", to=32, init="net2net")), (Standardised(), dict(target="b", to=12))):
         model = randomize_bn(model).eval()
         r = GrowWidth(**kw)(gg.trace(model, IMAGE))
         path = tmp_path / f"{type(model).__name__}.onnx"

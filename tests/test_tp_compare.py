@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import sys
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -36,27 +35,22 @@ MODELS = ("resnet18", "mobilenet_v2", "densenet121", "regnet_y_400mf", "timm:gho
           "timm:resnetv2_50x1_bit", "timm:resnest14d", "timm:skresnet18")
 
 
-@lru_cache(maxsize=None)
 def compared(name: str) -> compare_tp.Compared:
     factory, shape = compare_tp.MODELS[name]
     torch.manual_seed(0)
     return compare_tp.compare(name, factory(), shape)
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_groups_both_sides_can_change_hold_the_same_layers(name):
+# one test per model (not one per property): the comparison is the cost, and test workers do not share a cache
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=NOT_YET[n]))
+                                  if n in NOT_YET else n for n in MODELS])
+def test_groups_agree_and_every_prunable_group_graphgrow_freezes_cannot_grow_exactly(name):
     r = compared(name)
     assert not r.tp_error and not r.gg_error and r.tp_prunable > 0, (r.tp_error, r.gg_error)
+    # where both sides can change a group, they see the same layers
     assert r.differ == [], f"{name}: groups both sides change but couple differently: {r.differ[:3]}"
     assert r.gg_only == [], f"{name}: graphgrow grows groups Torch-Pruning does not prune: {r.gg_only[:3]}"
     assert r.matched + len(r.tp_only) == r.tp_prunable
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=NOT_YET[n]))
-                                  if n in NOT_YET else n for n in MODELS])
-def test_every_prunable_group_graphgrow_freezes_cannot_grow_exactly(name):
-    r = compared(name)
-    assert not r.tp_error and r.tp_prunable > 0, r.tp_error
     for g in r.tp_only:
         assert g["reasons"], f"{name}: {g['layers'][:3]} frozen without a reason"
         assert any(p.search(x) for x in g["reasons"] for p in IMPOSSIBLE), \

@@ -4,8 +4,9 @@
   parameters read by get_attr for this call alone — timm's `Linear` classifier, any layer subclass whose
   forward calls the function — are sources and consumers like the modules they stand for; the coupling
   records their parameter paths (`Functional`) so that a growth resizes the tensors themselves.
-- A conv whose weight is *computed* from a parameter (weight standardisation: timm's StdConv2d, BiT) reads
-  new input channels through statistics over every input weight: zero new input weights would change them.
+- A conv whose weight is *standardised* from a parameter (timm's StdConv2d, BiT) grows its outputs (each new
+  filter is standardised alone) but not its inputs: each filter's statistics include every input weight, so zero
+  new input weights would change them.
 - `F.group_norm(x, G, self.weight, self.bias)` (timm's GroupNormAct): each group of C/G channels is normalised
   alone, so new channels grow as whole new groups (the group's `unit`), G rewritten (an edit), the affine resized.
 - `scaled_dot_product_attention(q, k, v)`: q and k share their last axis (the query/key head size), v and the
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,7 @@ class Functional:
     weight: str
     bias: str | None
     kind: str
+    standardised: bool = False  # the weight is standardised in the graph: outputs grow, inputs cannot
 
 
 def layer_rule(n: fx.Node, out: str | None, join, freeze, sources: list, consumers: list,
@@ -55,10 +58,36 @@ def layer_rule(n: fx.Node, out: str | None, join, freeze, sources: list, consume
     if n.target in (F.group_norm, torch.group_norm):
         return _group_norm(n, out, join, *more)
     if n.target in LINEARS or n.target in CONVS:
-        return _functional(n, out, freeze, sources, consumers, functional)
+        return _functional(gm, n, out, freeze, sources, consumers, functional)
     if n.target is SDPA:
         return _attention(gm, n, out, join, freeze, attentions)
     return False
+
+
+@dataclass
+class ConvFacts:
+    """What a 2-D conv computes, whether an nn.Conv2d module or a call (F.conv2d on its own or a standardised weight)."""
+
+    in_channels: int
+    out_channels: int
+    groups: int
+    kernel_size: tuple[int, ...]
+
+
+def conv2d_facts(gm: fx.GraphModule, n: fx.Node) -> ConvFacts | None:
+    """The facts of a 2-D conv node (a Conv2d module, or a conv2d call whose weight's shape is known), else None."""
+    if n.op == "call_module":
+        m = gm.get_submodule(str(n.target))
+        if not isinstance(m, torch.nn.Conv2d):
+            return None
+        return ConvFacts(m.in_channels, m.out_channels, m.groups, tuple(m.kernel_size))
+    if n.op != "call_function" or CONVS.get(n.target) != 2:
+        return None
+    w, groups = _arg(n, 1, "weight"), _arg(n, 6, "groups", 1)
+    shape = tensor_shape(w) if isinstance(w, fx.Node) else None
+    if shape is None or len(shape) != 4 or not isinstance(groups, int):
+        return None
+    return ConvFacts(shape[1] * groups, shape[0], groups, tuple(shape[2:]))
 
 
 def _arg(n: fx.Node, i: int, name: str, default=None):
@@ -69,21 +98,21 @@ def _own_parameter(a) -> bool:
     return isinstance(a, fx.Node) and a.op == "get_attr" and len(a.users) == 1
 
 
-def _functional(n: fx.Node, out, freeze, sources, consumers, functional) -> bool:
+def _functional(gm: fx.GraphModule, n: fx.Node, out, freeze, sources, consumers, functional) -> bool:
     x, weight, bias = _arg(n, 0, "input"), _arg(n, 1, "weight"), _arg(n, 2, "bias")
     if not isinstance(x, fx.Node) or node_axis(x) is None:
         return False
     conv = n.target in CONVS
     what = f"'{n.name}' (a functional {'conv' if conv else 'linear'})"
-    if not _own_parameter(weight):
-        if conv and _standardised(weight):
-            freeze([x], f"{what} standardises its weight: each filter's mean and variance include every input weight, "
-                   "so new input channels cannot enter with zero weights (exact growth is impossible unless the new "
-                   "channels are identically zero)")
-            freeze([n] if out else [], f"{what} standardises its weight (a weight-standardised conv such as timm's "
-                   "StdConv2d): growing its outputs is not supported yet")
-        else:
-            freeze([x] + ([n] if out else []), f"{what} takes its weight from a computed tensor, not a parameter")
+    standardised = conv and not _own_parameter(weight) and _standardised(weight)
+    if standardised:
+        freeze([x], f"{what} standardises its weight: each filter's mean and variance include every input weight, "
+               "so new input channels cannot enter with zero weights (exact growth is impossible unless the new "
+               "channels are identically zero)")
+        if out is not None and not filters_apart(gm, weight):
+            freeze([n], f"{what} computes its weight in a way that mixes filters: new filters would move the old ones")
+    elif not _own_parameter(weight):
+        freeze([x] + ([n] if out else []), f"{what} takes its weight from a computed tensor, not a parameter")
         return True
     if bias is not None and not _own_parameter(bias):
         freeze([x] + ([n] if out else []), f"{what} takes its bias from a computed tensor, not a parameter")
@@ -96,9 +125,11 @@ def _functional(n: fx.Node, out, freeze, sources, consumers, functional) -> bool
     if (conv and axis != 1) or (not conv and axis != len(tensor_shape(x) or ()) - 1):
         freeze([x], f"{what} reads a non-channel axis")
         return True
-    functional[n.name] = Functional(str(weight.target), str(bias.target) if bias is not None else None,
-                                    "conv" if conv else "linear")
-    consumers.append((n.name, x.name))
+    path = _parameter_of(weight) if standardised else str(weight.target)
+    functional[n.name] = Functional(path, str(bias.target) if bias is not None else None, "conv" if conv else "linear",
+                                    standardised)
+    if not standardised:
+        consumers.append((n.name, x.name))
     if out is not None:
         sources.append((n.name, None))
     return True
@@ -116,6 +147,61 @@ def _group_norm(n: fx.Node, out, join, tensors: list, units: dict, edits: list) 
     tensors += [(str(a.target), n.name) for a in affine]
     edits.append(Edit("groups", n.name, x.name, ("a", 1) if len(n.args) > 1 else ("k", "num_groups")))
     return True
+
+
+def filters_apart(gm: fx.GraphModule, w: fx.Node) -> bool:
+    """Run the weight's computation on its parameter with two extra random filters (rows), the literals naming the
+    filter count adjusted as the rewrite will: the old filters must come out unchanged."""
+    chain = _chain(w)
+    param = gm.get_parameter(_parameter_of(w)) if _parameter_of(w) in dict(gm.named_parameters()) else None
+    if param is None:
+        return False
+    if param.is_meta:
+        return True  # sizing a pass on the meta device (analysis.budget): the real run decides
+    old = param.shape[0]
+    with torch.no_grad():
+        grown = torch.cat([param, torch.randn((2,) + tuple(param.shape[1:]), dtype=param.dtype, device=param.device)])
+        try:
+            before, after = _run(chain, param, old, old), _run(chain, grown, old, old + 2)
+        except (RuntimeError, TypeError, ValueError):
+            return False
+    return after.shape[0] == old + 2 and torch.allclose(after[:old], before, rtol=1e-5, atol=1e-6)
+
+
+def _chain(w: fx.Node) -> list[fx.Node]:
+    seen, todo = {}, [w]
+    while todo:
+        a = todo.pop()
+        if a.name not in seen:
+            seen[a.name] = a
+            todo += a.all_input_nodes
+    return [n for n in w.graph.nodes if n.name in seen]
+
+
+def _run(chain: list[fx.Node], param: torch.Tensor, old: int, new: int) -> torch.Tensor:
+    env: dict[str, Any] = {}
+    for n in chain:
+        if n.op == "get_attr":
+            env[n.name] = param
+            continue
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a.name])
+        if n.op == "call_method" and n.target in ("reshape", "view"):
+            args = (args[0],) + tuple(new if a == old and isinstance(a, int) else a for a in args[1:])
+        env[n.name] = getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
+    out = env[chain[-1].name]
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def _parameter_of(w: fx.Node) -> str:
+    """The one parameter a standardised weight is computed from."""
+    todo = [w]
+    while todo:
+        a = todo.pop()
+        if a.op == "get_attr":
+            return str(a.target)
+        todo += a.all_input_nodes
+    raise AssertionError("a standardised weight without a parameter")
 
 
 def _standardised(w) -> bool:

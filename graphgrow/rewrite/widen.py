@@ -11,7 +11,7 @@ exact but not symmetric).
 from __future__ import annotations
 
 import copy
-from typing import Literal, Sequence
+from typing import Sequence
 
 import torch
 from torch import fx, nn
@@ -20,10 +20,10 @@ from ..analysis import growth
 from ..analysis.coupling import BATCHNORMS, Coupling
 from ..analysis.growth import Insertion, Layout, make_layout  # noqa: F401 (part of this module's API)
 from ..core.errors import NotApplicable
-from ..analysis.coupling_layers import Functional
+from .channel_fill import columns, Init, rows  # noqa: F401 (part of this module's API)
+from .functional_layers import resize_functional
 from .head_sizes import grow_head_sizes
 from .initializers import kaiming_
-from .tensor_paths import put_tensor, tensor_at as tensor_at_path
 from .widen_args import apply_edits, block_sources
 
 def plan_growth(c: Coupling, gid: int, count: int, src: list[int | None] | None = None) -> dict[int, list[Insertion]]:
@@ -44,64 +44,9 @@ def plan_growth(c: Coupling, gid: int, count: int, src: list[int | None] | None 
     return found.insertions
 
 
-Init = Literal["zero", "net2net"]
-
-
 def set_module(gm: fx.GraphModule, path: str, module: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(gm.get_submodule(parent) if parent else gm, name, module)
-
-
-def _like(t: torch.Tensor) -> dict:
-    return {"device": t.device, "dtype": t.dtype}
-
-
-def _shares(count: int, generator: torch.Generator) -> torch.Tensor:
-    """Random positive shares summing to one (never equal: equal shares keep replicas symmetric)."""
-    w = torch.rand(count, generator=generator, dtype=torch.float64) + 0.5
-    return w / w.sum()
-
-
-def rows(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch.Generator, fresh: str) -> torch.Tensor:
-    """Place old rows (dim 0) and fill new ones: random ('kaiming'), 'zero', 'one', the old rows' 'mean',
-    or copies for net2net."""
-    if layout is None:
-        return old
-    new = torch.empty((layout.new,) + tuple(old.shape[1:]), **_like(old))
-    new[layout.old_to_new] = old
-    for slot, src in zip(layout.new_slots, layout.src):
-        if init == "net2net" and src is not None:
-            new[slot] = old[src]
-        elif fresh == "kaiming":
-            row = torch.empty((1,) + tuple(old.shape[1:]), **_like(old))
-            new[slot] = kaiming_(row, generator)[0]
-        elif fresh == "mean":
-            new[slot] = old.mean(0)
-        else:
-            new[slot] = {"zero": 0.0, "one": 1.0}[fresh]
-    return new
-
-
-def columns(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch.Generator) -> torch.Tensor:
-    """Place old input columns (dim 1); new columns are zero, or net2net shares of their source column."""
-    if layout is None:
-        return old
-    shape = list(old.shape)
-    shape[1] = layout.new
-    new = torch.zeros(shape, **_like(old))
-    new[:, layout.old_to_new] = old
-    if init == "net2net":
-        replicas: dict[int, list[int]] = {}
-        for slot, src in zip(layout.new_slots, layout.src):
-            if src is not None:
-                replicas.setdefault(src, []).append(slot)
-        for src, slots in replicas.items():
-            share = _shares(len(slots) + 1, generator).to(old.dtype)
-            column = old[:, src]
-            new[:, layout.old_to_new[src]] = column * share[0]
-            for s, slot in zip(share[1:], slots):
-                new[:, slot] = column * s
-    return new
 
 
 def _rebuilt(m: nn.Module, **sizes) -> nn.Module:
@@ -257,30 +202,6 @@ def resize_tensor_attr(gm: fx.GraphModule, path: str, layout: Layout, init: Init
         setattr(owner, name, value)
 
 
-def resize_functional(gm: fx.GraphModule, f: Functional, in_layout: Layout | None, out_layout: Layout | None,
-                      init: Init, generator) -> list[str]:
-    """A layer written as F.linear / F.conv on parameters: its weight's columns (inputs) and rows (outputs) take
-    the layouts as a module's would; the owning module's size attributes follow when it has them."""
-    owner_path, _, name = f.weight.rpartition(".")
-    owner = gm.get_submodule(owner_path) if owner_path else gm
-    old = getattr(owner, name)
-    with torch.no_grad():
-        _replace(gm, f.weight, rows(columns(old, in_layout, init, generator), out_layout, init, generator, "kaiming"))
-        if f.bias is not None:
-            bias = gm.get_parameter(f.bias) if _is_parameter(gm, f.bias) else gm.get_buffer(f.bias)
-            _replace(gm, f.bias, rows(bias, out_layout, init, generator, "zero"))
-    if name == "weight":  # timm's Linear, a conv subclass: keep their repr and checks true
-        for attr, layout in (("in_features", in_layout), ("in_channels", in_layout), ("out_features", out_layout),
-                             ("out_channels", out_layout)):
-            if layout is not None and isinstance(getattr(owner, attr, None), int):
-                setattr(owner, attr, layout.new)
-    return [f.weight] + ([f.bias] if f.bias else [])
-
-
-def _replace(gm: fx.GraphModule, path: str, value: torch.Tensor) -> None:
-    put_tensor(gm, path, value.clone(), tensor_at_path(gm, path))
-
-
 _KNOWN_TENSORS = {"weight", "bias", "running_mean", "running_var", "num_batches_tracked"}
 
 
@@ -338,8 +259,8 @@ def grow_group(gm: fx.GraphModule, coupling: Coupling, gid: int, count: int, ini
     rebuilt = []
     for name in sorted(set(in_layouts) | set(out_layouts), key=list(nodes).index):
         if name in coupling.functional:
-            rebuilt += resize_functional(gm, coupling.functional[name], in_layouts.get(name), out_layouts.get(name),
-                                         init, generator)
+            rebuilt += resize_functional(gm, coupling.functional[name], nodes[name], in_layouts.get(name),
+                                         out_layouts.get(name), init, generator)
             continue
         path = nodes[name].target
         old = gm.get_submodule(path)

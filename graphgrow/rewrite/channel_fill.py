@@ -1,0 +1,65 @@
+"""Where old channels go and what fills the new ones, for any tensor whose dim 0 (rows: a layer's outputs) or dim 1
+(columns: its inputs) takes a channel layout: old values moved to their new places, new rows random / zero / one /
+the mean / net2net copies, new columns zero or net2net shares of their source column."""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from ..analysis.growth import Layout
+from .initializers import kaiming_
+
+Init = Literal["zero", "net2net"]
+
+
+def _like(t: torch.Tensor) -> dict:
+    return {"device": t.device, "dtype": t.dtype}
+
+
+def _shares(count: int, generator: torch.Generator) -> torch.Tensor:
+    """Random positive shares summing to one (never equal: equal shares keep replicas symmetric)."""
+    w = torch.rand(count, generator=generator, dtype=torch.float64) + 0.5
+    return w / w.sum()
+
+
+def rows(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch.Generator, fresh: str) -> torch.Tensor:
+    """Place old rows (dim 0) and fill new ones: random ('kaiming'), 'zero', 'one', the old rows' 'mean',
+    or copies for net2net."""
+    if layout is None:
+        return old
+    new = torch.empty((layout.new,) + tuple(old.shape[1:]), **_like(old))
+    new[layout.old_to_new] = old
+    for slot, src in zip(layout.new_slots, layout.src):
+        if init == "net2net" and src is not None:
+            new[slot] = old[src]
+        elif fresh == "kaiming":
+            row = torch.empty((1,) + tuple(old.shape[1:]), **_like(old))
+            new[slot] = kaiming_(row, generator)[0]
+        elif fresh == "mean":
+            new[slot] = old.mean(0)
+        else:
+            new[slot] = {"zero": 0.0, "one": 1.0}[fresh]
+    return new
+
+
+def columns(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch.Generator) -> torch.Tensor:
+    """Place old input columns (dim 1); new columns are zero, or net2net shares of their source column."""
+    if layout is None:
+        return old
+    shape = list(old.shape)
+    shape[1] = layout.new
+    new = torch.zeros(shape, **_like(old))
+    new[:, layout.old_to_new] = old
+    if init == "net2net":
+        replicas: dict[int, list[int]] = {}
+        for slot, src in zip(layout.new_slots, layout.src):
+            if src is not None:
+                replicas.setdefault(src, []).append(slot)
+        for src, slots in replicas.items():
+            share = _shares(len(slots) + 1, generator).to(old.dtype)
+            column = old[:, src]
+            new[:, layout.old_to_new[src]] = column * share[0]
+            for s, slot in zip(share[1:], slots):
+                new[:, slot] = column * s
+    return new
