@@ -8,6 +8,8 @@ output), or START:END. Every gate starts at 0, so adding a branch is exact in ev
 and train mode; the gate gets a gradient at once and the branch's layers after one
 step. Branch weights are random, so no two branches start (or stay) identical.
 Adding at a span that already ends in a merge adds one more input to that merge.
+init=gradmax: the branch's first conv is aimed from a batch (`data`) so the gradient on its zero gate is
+largest (graphgrow.rewrite.gradmax_gate); one branch at a time (aimed twins would stay identical).
 """
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ from torch import fx, nn
 
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
-    add_module, AverageMerge, begin, copy_graph_module, DEFAULT_BUDGET, deployed_nodes, factory_kwargs, finish,
+    add_module, AverageMerge, begin, conv2d_facts, copy_graph_module, DEFAULT_BUDGET, deployed_nodes, factory_kwargs, finish,
     graphgrow_modules, inserting_after, is_float_tensor, is_graphgrow_node, kaiming_, param_count,
     pick_within_budget, place, replace_uses, resolve_tensor, set_scope, stages, tensor_shape, train_only_note,
 )
+from graphgrow.rewrite import aim_gates, check_aimable, GatedBlock, load_data
 
 
 Op = Literal["conv3x3", "conv5x5", "sepconv3x3", "sepconv5x5", "dilconv3x3", "avgpool3x3", "maxpool3x3", "identity"]
@@ -55,7 +58,8 @@ def branch_sites(gm: fx.GraphModule, op: str, count: int) -> list[tuple[bool, bo
     kernel = {"conv3x3": 3, "conv5x5": 5, "sepconv3x3": 3, "sepconv5x5": 5, "dilconv3x3": 5}.get(op, 1)  # dilated 3×3 spans 5×5
     sites = []
     for i, n in enumerate(gm.graph.nodes):
-        if n.op != "call_module" or not isinstance(gm.get_submodule(n.target), nn.Conv2d) or not is_float_tensor(n):
+        m = conv2d_facts(gm, n)  # a Conv2d, or a layer that computes one (a weight-standardised conv)
+        if m is None or not is_float_tensor(n):
             continue
         shape, src = tensor_shape(n), n.args[0]
         if last is not None and i > last or n not in deployed or is_graphgrow_node(gm, n, added) or not isinstance(src, fx.Node) or \
@@ -64,7 +68,6 @@ def branch_sites(gm: fx.GraphModule, op: str, count: int) -> list[tuple[bool, bo
         src_shape = tensor_shape(src)
         if len(src_shape) != 4 or any(a < b or a % b for a, b in zip(src_shape[2:], shape[2:])):
             continue  # a branch needs an integer stride (factorized reduce's 15×15 → 8×8 conv has none)
-        m = gm.get_submodule(n.target)
         cost = branch_params(op, m.in_channels, m.out_channels, count)
         sites.append((cost <= DEFAULT_BUDGET * total, bool(m.groups == 1 and min(m.kernel_size) >= kernel), i, n, cost))
     return sites
@@ -75,7 +78,7 @@ def default_conv(gm: fx.GraphModule, op: str, count: int) -> tuple[fx.Node, str]
     adds the fewest parameters); with why in words."""
     sites = branch_sites(gm, op, count)
     if not sites:
-        convs = [n.target for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Conv2d)]
+        convs = [n.target if n.op == "call_module" else n.name for n in gm.graph.nodes if conv2d_facts(gm, n) is not None]
         if not convs:
             others = sorted({type(m).__name__ for m in gm.modules() if isinstance(m, nn.modules.conv._ConvNd)})
             what = f"its convs are {', '.join(others)}" if others else "it has no conv layers"
@@ -157,12 +160,14 @@ MAX_BRANCHES = 16  # each branch is a full conv beside the span; more is a typo,
 
 
 def add_branch(gm: fx.GraphModule, at: str | None = None, op: Op = "conv3x3", count: int = 1,
-               generator: torch.Generator | None = None) -> Rewrite:
-    """Add `count` branches of `op` beside the span `at`, merged by a gated average (gates start at 0)."""
+               init: Literal["zero", "gradmax"] = "zero", data=None, generator: torch.Generator | None = None) -> Rewrite:
+    """Add `count` branches of `op` beside the span `at`, merged by a gated average (gates start at 0).
+    init=gradmax: `data` is a callable (or `package.module:function`) returning (inputs, loss_fn)."""
     if op not in OPS:
         raise NotApplicable(f"unknown branch op '{op}'", f"valid ops: {', '.join(OPS)}")
     if count < 1 or count > MAX_BRANCHES:
         raise NotApplicable(f"count must be 1 to {MAX_BRANCHES}, got {count}", "add a few branches at a time")
+    _check_init(init, data, count)
     gm, generator = begin(gm, generator)
     start, end, chosen = resolve_span(gm, at, op, count)
     merge = existing_merge(gm, end)
@@ -205,9 +210,27 @@ def add_branch(gm: fx.GraphModule, at: str | None = None, op: Op = "conv3x3", co
             merged = f"added to merge '{merge.target}' ({n} → {n + count} branches; gates rescaled by {n + count}/{n})"
     set_scope(new_nodes, end)
     finish(gm)
-    targets = {"span": f"{start.name} {list(s)} → {end.name} {list(e)}", "chosen": chosen,
-               "branches": f"{count}× {op} ({', '.join(names)})", "merge": merged}
+    targets: dict[str, object] = {"span": f"{start.name} {list(s)} → {end.name} {list(e)}", "chosen": chosen,
+                                  "branches": f"{count}× {op} ({', '.join(names)})", "merge": merged}
+    if init == "gradmax":
+        last = gm.get_parameter(f"{merge.target}.gates").numel() - 1  # the new branch's gate
+        block = GatedBlock(names[0], f"{merge.target}.gates", last, check_aimable(gm, names[0], f"{op} branch"))
+        aimed = aim_gates(gm, [block], data, "add_branch")
+        if aimed is not None:
+            targets["gradmax"], targets["gain"] = aimed.describe(), float(f"{aimed.gain:.4g}")
     return Rewrite(gm, targets)
+
+
+def _check_init(init: str, data, count: int) -> None:
+    """init=gradmax needs data and aims one branch: refused before any work otherwise."""
+    if init not in ("zero", "gradmax"):
+        raise NotApplicable(f"unknown init '{init}'", "use init=zero or init=gradmax")
+    if init == "gradmax":
+        if data is None:
+            load_data(None, "add_branch")
+        if count != 1:
+            raise NotApplicable(f"init=gradmax aims one branch at a time; count={count} branches aimed at the same "
+                                "batch would start (and stay) identical", "use count=1 (and call again), or init=zero")
 
 
 def _node(gm: fx.GraphModule, name: str) -> fx.Node | None:
@@ -264,6 +287,8 @@ class AddBranch(Pass):
     at: str | None = arg(None, "node name, module path or START:END; default: beside the last main-path conv within the budget")
     op: Op = arg("conv3x3", "the branch's operation")
     count: int = arg(1, "how many branches")
+    init: Literal["zero", "gradmax"] = arg("zero", "zero: random branch weights behind the zero gate; gradmax: the branch's first conv aimed from `data` (count=1)")
+    data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data")
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """Every backbone conv a branch of `op` can run beside, the last first."""

@@ -9,6 +9,9 @@ block=transformer (a token stream (N, T, C)): a whole pre-norm transformer block
 The gate is the zero last factor: exact in eval and train mode (an identity-
 initialised BatchNorm would be off by eps in eval and not the identity in train
 mode), the gate learns at once and the block's layers after one step.
+init=gradmax: the block's first layer is aimed from a batch (`data`) so the gradient on the zero gate is
+largest (linear_relu keeps its ± pairs); block=transformer aims v and fc1 at the gradient on the zero
+proj and fc2 (graphgrow.rewrite.gradmax).
 
 block=transformer: a whole pre-norm transformer block on a token stream (N, T, C), as the identity.
 
@@ -49,7 +52,7 @@ from torch import fx, nn
 
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
-    add_module, add_parameter, begin, conv_dims, default_point, example_input, factory_kwargs, finish, input_spec_of,
+    add_module, add_parameter, aim_gates, aim_units, begin, GatedBlock, load_data, conv_dims, default_point, example_input, factory_kwargs, finish, input_spec_of,
     inserting_after, is_float_tensor, kaiming_, param_count, pick_within_budget, place, replace_uses, set_scope,
     stage_end_candidates, stages, tensor_or_feature_end, tensor_shape,
 )
@@ -60,12 +63,18 @@ Block = Literal["auto", "conv_bn_relu", "linear_relu", "transformer"]
 
 
 def deepen(gm: fx.GraphModule, after: str | None = None, block: Block = "auto",
-           attention: Literal["auto", "causal", "bidirectional"] = "auto", generator: torch.Generator | None = None) -> Rewrite:
-    """Insert `x + g·block(x)` (g = 0) after `after` (default: the last feature map before global pooling)."""
+           attention: Literal["auto", "causal", "bidirectional"] = "auto", init: Literal["zero", "gradmax"] = "zero",
+           data=None, generator: torch.Generator | None = None) -> Rewrite:
+    """Insert `x + g·block(x)` (g = 0) after `after` (default: the last feature map before global pooling).
+    init=gradmax: `data` is a callable (or `package.module:function`) returning (inputs, loss_fn)."""
+    if init not in ("zero", "gradmax"):
+        raise NotApplicable(f"unknown init '{init}'", "use init=zero or init=gradmax")
+    if init == "gradmax" and data is None:
+        load_data(None, "deepen")  # refused before any work: gradmax needs a batch
     gm, generator = begin(gm, generator)
     if block == "transformer":
         node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_place(gm)
-        return insert_block(gm, node, chosen, attention, generator)
+        return _aimed(insert_block(gm, node, chosen, attention, generator), init, data)
     node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_point(gm, lambda n: block_params(n, block))
     shape = tensor_shape(node)
     if not is_float_tensor(node) or len(shape) < 2:
@@ -108,7 +117,29 @@ def deepen(gm: fx.GraphModule, after: str | None = None, block: Block = "auto",
     replace_uses(node, out, keep=[b, scaled, out])
     set_scope([b, g, scaled, out], node)
     targets = {"after": f"{node.name} {list(shape)}", "chosen": chosen, "block": f"{block} ({name}), gate {gate} = 0"}
-    return Rewrite(finish(gm), targets)
+    rw = Rewrite(finish(gm), targets)
+    if init == "gradmax":
+        half = shape[-1] // 2 if block == "linear_relu" else 0
+        ties = [(half + i, i) for i in range(half)]  # linear_relu's pairs stay opposite
+        _report(rw, aim_gates(rw.gm, [GatedBlock(name, gate, None, f"{name}.0", ties)], data, "deepen"))
+    return rw
+
+
+def _aimed(rw: Rewrite, init: str, data) -> Rewrite:
+    """block=transformer with init=gradmax: v and fc1 aimed at the gradient on the zero proj and fc2."""
+    if init == "gradmax":
+        root = rw.targets["block"].split("(", 2)[1].split(")")[0]
+        mods = {k: rw.gm.get_submodule(f"{root}.{k}") for k in ("v", "fc1", "proj", "fc2")}
+        rows = {f"{root}.{k}": list(range(mods[k].out_features)) for k in ("v", "fc1")}
+        cols = {f"{root}.{k}": list(range(mods[k].in_features)) for k in ("proj", "fc2")}
+        _report(rw, aim_units(rw.gm, rows, cols, data, pass_name="deepen"))
+    return rw
+
+
+def _report(rw: Rewrite, aimed) -> None:
+    if aimed is not None:
+        rw.targets["gradmax"], rw.targets["gain"] = aimed.describe(), float(f"{aimed.gain:.4g}")
+        rw.notes.extend(aimed.notes)
 
 
 def block_params(node: fx.Node, block: str) -> int:
@@ -133,6 +164,8 @@ class Deepen(Pass):
                                "transformer: a pre-norm attention + MLP block on a token stream (N,T,C), no gate")
     attention: Literal["auto", "causal", "bidirectional"] = arg(
         "auto", "block=transformer: auto probes whether the stream is causal at the place (refuses when it cannot tell)")
+    init: Literal["zero", "gradmax"] = arg("zero", "zero: random block behind the zero gate (transformer: zero proj, fc2); gradmax: the first layer aimed from `data`")
+    data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data")
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """The end of each backbone stage, the last first (block=transformer: each block's output on the token stream)."""

@@ -3,7 +3,8 @@
 out_channels = width (default): the identity, exact.
 out_channels > width: identity rows for the old channels, random rows for the new
   ones, and the adapter's whole channel group widened (consumers get zero columns):
-  exact, and the new units learn.
+  exact, and the new units learn. init=gradmax aims the new rows from a batch (`data`) so the
+  gradient on the consumers' zero columns is largest (graphgrow.rewrite.gradmax).
 out_channels < width: narrowing drops channels and changes the function; refused
   unless allow_narrowing=true, which inserts a bottleneck (width → out → width,
   [I | 0] then [I ; 0]) and reports how far the output moved.
@@ -11,7 +12,7 @@ out_channels < width: narrowing drops channels and changes the function; refused
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from torch import fx
@@ -19,7 +20,7 @@ from torch import fx
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
     add_module, analyze, begin, channel_axis, conv_dims, default_point, factory_kwargs, finish,
-    grow_group, identity_adapter, inserting_after, is_float_tensor, replace_uses, set_scope,
+    gradmax_init, group_layouts, grow_group, load_data, identity_adapter, inserting_after, is_float_tensor, replace_uses, set_scope,
     stage_end_candidates, tensor_or_feature_end, tensor_shape,
 )
 
@@ -44,8 +45,14 @@ def adapter_params(node: fx.Node, out_channels: int | None) -> int:
 
 
 def insert_adapter(gm: fx.GraphModule, after: str | None = None, out_channels: int | None = None,
-                   allow_narrowing: bool = False, generator: torch.Generator | None = None) -> Rewrite:
-    """Insert an identity-initialised adapter after `after` (default: the last feature map before global pooling)."""
+                   allow_narrowing: bool = False, init: Literal["zero", "gradmax"] = "zero", data=None,
+                   generator: torch.Generator | None = None) -> Rewrite:
+    """Insert an identity-initialised adapter after `after` (default: the last feature map before global pooling).
+    init=gradmax (widening only): `data` is a callable (or `package.module:function`) returning (inputs, loss_fn)."""
+    if init not in ("zero", "gradmax"):
+        raise NotApplicable(f"unknown init '{init}'", "use init=zero or init=gradmax")
+    if init == "gradmax" and data is None:
+        load_data(None, "insert_adapter")  # refused before any work: gradmax needs a batch
     gm, generator = begin(gm, generator)
     node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_point(gm, lambda n: adapter_params(n, out_channels))
     shape = tensor_shape(node)
@@ -59,8 +66,12 @@ def insert_adapter(gm: fx.GraphModule, after: str | None = None, out_channels: i
         raise NotApplicable(f"out_channels must be positive, got {out}", "give out_channels ≥ 1")
     like = torch.zeros((), **factory_kwargs(gm, node))
     dims = conv_dims(node)  # a 1×1 conv over a feature map's spatial dims, else a Linear
-    targets = {"after": f"{node.name} {list(shape)}", "chosen": chosen}
+    targets: dict[str, object] = {"after": f"{node.name} {list(shape)}", "chosen": chosen}
     exact = True
+    if init == "gradmax" and out <= width:
+        raise NotApplicable(f"init=gradmax aims the new channels of a widening adapter; out_channels={out} on "
+                            f"'{node.name}' ({width} channels) adds none, so there is no zero last factor to aim at",
+                            f"give out_channels > {width}, or use init=zero")
     if out < width and not allow_narrowing:
         raise NotApplicable(
             f"narrowing '{node.name}' from {width} to {out} channels drops channels and changes the function",
@@ -86,9 +97,16 @@ def insert_adapter(gm: fx.GraphModule, after: str | None = None, out_channels: i
         targets["adapter"] = f"{type(gm.get_submodule(name)).__name__} {width}→{out}, [I | 0]"
         if out > width:
             coupling = analyze(gm)
-            rebuilt = grow_group(gm, coupling, coupling.group_of[a.name], out - width, "zero", generator)
+            gid = coupling.group_of[a.name]
+            rebuilt = grow_group(gm, coupling, gid, out - width, "zero", generator)
             targets["rebuilt"] = ", ".join(rebuilt)
-    return Rewrite(finish(gm), targets, exact=exact)
+    gm, notes = finish(gm), []
+    if init == "gradmax":  # after finish: the grown layers are in the recompiled forward
+        aimed = gradmax_init(gm, *group_layouts(coupling, gid, out - width), data, pass_name="insert_adapter")
+        if aimed is not None:
+            targets["gradmax"], targets["gain"] = aimed.describe(), float(f"{aimed.gain:.4g}")
+            notes += aimed.notes
+    return Rewrite(gm, targets, notes, exact=exact)
 
 
 @dataclass(frozen=True)
@@ -100,6 +118,8 @@ class InsertAdapter(Pass):
     after: str | None = arg(None, "node name or module path (its output); default: the latest stage end within the budget")
     out_channels: int | None = arg(None, "the adapter's width (default: the same width)")
     allow_narrowing: bool = arg(False, "allow fewer channels (changes the function; the report says how much)")
+    init: Literal["zero", "gradmax"] = arg("zero", "widening: zero: random new rows, zero columns in the consumers; gradmax: the new rows aimed from `data`")
+    data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data")
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """The end of each backbone stage, the last first."""

@@ -99,9 +99,9 @@ def test_refusals_say_what_to_do():
     with pytest.raises(InputError, match="not \\(inputs, loss_fn\\)"):
         GrowWidth(init="gradmax", data=lambda: torch.zeros(1))(gm)
     with pytest.raises(NotApplicable, match="cannot be ranked by gain"):
-        rank_by_gain(gm, gg.get_pass("add_branch")(), [], _batch((3, 8, 8), 5))
+        rank_by_gain(gm, gg.get_pass("add_residual")(), [], _batch((3, 8, 8), 5))
     with pytest.raises(SpecError, match="no argument 'init'"):
-        gg.Pipeline.from_spec("add_branch(init=gradmax)")
+        gg.Pipeline.from_spec("add_residual(init=gradmax)")
 
 
 def test_cli_targets_ranks_by_gain_and_mutate_refuses_data_without_gradmax():

@@ -70,8 +70,8 @@ def _common(f: Callable) -> Callable:
     return f
 
 
-MAX_MEMORY_HELP = ("refuse a model (or a pass's result) whose activations at the largest batch run would need more "
-                   "than this, or cannot be estimated (default 8G; none: no limit)")
+MAX_MEMORY_HELP = ("refuse a model whose activations at the largest batch run, or a pass whose new weights, verification "
+                   "gradients and activations, would need more than this, or cannot be estimated (default 8G; none: no limit)")
 
 
 def _set_max_memory(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
@@ -311,7 +311,8 @@ def inspect(model, show_all, groups, summary, depth, input_shape, trust, leaves,
 def targets(model, spec, data, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
     """List where a pass can apply on MODEL: the spec that picks each place, the place in words
     (module path, stage, resolution, channels) and the parameters it would add; * marks the default.
-    With --data (grow_width), ranked by gain: ‖∂L/∂W_out‖² per new unit with GradMax's directions."""
+    With --data (passes with init=gradmax), ranked by gain: ‖∂L/∂(zero last factor)‖² per new unit or block with
+    GradMax's directions."""
     from ..jobs import workflow
 
     def job(progress):
@@ -332,8 +333,9 @@ def targets(model, spec, data, input_shape, trust, leaves, trace_mode, capture, 
             t.add_row("*" if c["default"] else "", escape(c["spec"]), escape(c["where"]), f"{c['params']:,}",
                       f"{100 * c['fraction']:.1f}%", *gain)
         out.print(t)
-        out.print("* the default target (no target given)" + ("; gain: ‖∂L/∂W_out‖² per new unit on the --data batch, "
-                                                              "largest first" if ranked else ""))
+        out.print("* the default target (no target given)" + ("; gain: ‖∂L/∂(zero last factor)‖² per new unit "
+                                                              "(or per block, on its gate) on the --data batch, largest "
+                                                              "first" if ranked else ""))
         return 0
 
     run_command(job, as_json, debug)
@@ -346,6 +348,12 @@ def targets(model, spec, data, input_shape, trust, leaves, trace_mode, capture, 
 @click.option("--eval", "eval_fn", required=True, metavar="PKG.MOD:FN", help="evaluate(model): the metric, or a dict holding it")
 @click.option("--mutations", required=True, metavar="MOVES",
               help="architecture moves separated by ';', each a pass spec or noop, optionally *WEIGHT, e.g. 'grow_width(factor=2);deepen*2;add_residual;noop'")
+@click.option("--policy", type=click.Choice(["uniform", "gain", "gain-sample"]), default="uniform", show_default=True,
+              help="where a move grows: uniform (a random place), gain (the place with the largest first-order gain on the "
+                   "--data batch, as targets --data ranks them) or gain-sample (a place drawn in proportion to its gain); "
+                   "passes without a data-driven init (no init=gradmax) keep the random place")
+@click.option("--data", metavar="PKG.MOD:FN", help=DATA_HELP + ", read by --policy gain/gain-sample and by moves with init=gradmax "
+              "(the training function gives no batch)")
 @click.option("--population", type=click.IntRange(2), default=4, show_default=True, help="trials trained side by side")
 @click.option("--rounds", type=click.IntRange(1), default=5, show_default=True, help="exploit/explore points (each may grow the worse trials)")
 @click.option("--epochs-per-round", type=click.IntRange(1), default=1, show_default=True)
@@ -370,7 +378,7 @@ def targets(model, spec, data, input_shape, trust, leaves, trace_mode, capture, 
               help="checkpoints kept per trial (default: one per round, all kept; fewer saves disk, but PBT may then exploit one already deleted)")
 @click.option("--worker-logs", is_flag=True, help="show the trials' own output (prints of the training function, Ray's messages)")
 @_common
-def search(model, train_fn, eval_fn, mutations, population, rounds, epochs_per_round, metric, mode, lr, optimizer,
+def search(model, train_fn, eval_fn, mutations, policy, data, population, rounds, epochs_per_round, metric, mode, lr, optimizer,
            storage_path, name, address, num_cpus, cpus_per_trial, gpus_per_trial, max_params, seed, resume, output, plot,
            keep_checkpoints, worker_logs, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
     """Population-based growth of MODEL on Ray Tune: trials train side by side; at every round the
@@ -385,7 +393,8 @@ def search(model, train_fn, eval_fn, mutations, population, rounds, epochs_per_r
                                 num_cpus=num_cpus, cpus_per_trial=cpus_per_trial, gpus_per_trial=gpus_per_trial, seed=seed,
                                 resume=resume, output=output, keep_checkpoints=keep_checkpoints, worker_logs=worker_logs)
         report = run(model, train_fn, eval_fn, mutations, options, input_shape, trust, leaves, trace_mode, max_params, plot,
-                     say=lambda msg: err.print(msg, markup=False, highlight=False), progress=progress, capture=capture)
+                     say=lambda msg: err.print(msg, markup=False, highlight=False), progress=progress, capture=capture,
+                     policy=policy, data=data)
         if as_json:
             print(json.dumps(report, default=str))
             return 0

@@ -18,7 +18,9 @@ Where to grow (stages, targets, deployed): main_path, stages, Stage, stage_end, 
 Channels (coupling: analysis; widen: planning and applying):
     analyze, Coupling, channel_axis, plan_growth, make_layout, Insertion, Layout, grow_group,
     resize, columns, rows, set_module, identity_adapter, Init,
-    conv_dims (a tensor's spatial dims when its channels are at dim 1: a Conv1d's (N, C, L) is 1)
+    conv_dims (a tensor's spatial dims when its channels are at dim 1: a Conv1d's (N, C, L) is 1),
+    conv2d_facts, ConvFacts (in/out channels, groups, kernel of a Conv2d module or of a conv2d call on a layer's own
+    or standardised weight: timm's StdConv2d)
 Residual streams (analysis.stream: what carries a transformer's hidden size; rewrite.stream: growing it exactly):
     find_stream, Stream, grow_stream
 Attention heads (analysis.heads: every attention, its projections and head-size constants; rewrite.heads):
@@ -26,7 +28,7 @@ Attention heads (analysis.heads: every attention, its projections and head-size 
 Merged blocks (a mode switch: per-path work of a block that branches on self.training):
     eval_passthrough (the input a switch hands back unchanged in eval mode, or None)
 New weights (initializers): kaiming_, zero_last_bn; from data (gradmax): gradmax_init, group_layouts, adapter_layouts,
-    load_data
+    load_data, aim_units (rows read by zero columns), aim_gates / GatedBlock / check_aimable (a block behind a zero gate)
 Layers and sizes: AverageMerge, param_count, input_spec_of (the example input a model was traced with: its input spec
     when it has one, else its float input shape), input_shape_of (the float input shape only),
     example_input (seeded inputs for that shape or spec: a probe of the model's behaviour)
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 from ..analysis.axes import conv_dims
 from ..analysis.coupling import Coupling, analyze, channel_axis
+from ..analysis.coupling_layers import ConvFacts, conv2d_facts
 from ..analysis.deployed import deployed_nodes, train_only_note
 from ..analysis.opaque import eval_passthrough
 from ..graph.fx_edit import (
@@ -42,7 +45,9 @@ from ..graph.fx_edit import (
     is_float_tensor, module_boundary, new_parameters, nodes_in_module, replace_uses, resolve_tensor, set_scope,
     tensor_shape, unique_attr,
 )
-from .gradmax import adapter_layouts, gradmax_init, group_layouts, load_data
+from .gradmax import adapter_layouts, group_layouts, load_data
+from .gradmax_units import aim_units, gradmax_init
+from .gradmax_gate import aim_gates, check_aimable, GatedBlock
 from .initializers import kaiming_, zero_last_bn
 from ..graph.layers import AverageMerge
 from ..graph.shapes import example_input, param_count
@@ -67,8 +72,8 @@ __all__ = [
     "main_path", "stages", "Stage", "stage_end", "stage_end_candidates", "default_point", "place", "graphgrow_modules",
     "is_graphgrow_node", "tensor_or_feature_end", "DEFAULT_BUDGET", "pick_within_budget", "deployed_nodes",
     "train_only_note",
-    "analyze", "Coupling", "channel_axis", "conv_dims", "plan_growth", "make_layout", "Insertion", "Layout", "grow_group", "resize",
+    "analyze", "Coupling", "channel_axis", "conv_dims", "conv2d_facts", "ConvFacts", "plan_growth", "make_layout", "Insertion", "Layout", "grow_group", "resize",
     "columns", "rows", "set_module", "identity_adapter", "Init",
-    "kaiming_", "zero_last_bn", "gradmax_init", "group_layouts", "adapter_layouts", "load_data", "AverageMerge", "param_count", "input_shape_of", "input_spec_of",
+    "kaiming_", "zero_last_bn", "gradmax_init", "group_layouts", "adapter_layouts", "load_data", "aim_units", "aim_gates", "check_aimable", "GatedBlock", "AverageMerge", "param_count", "input_shape_of", "input_spec_of",
     "example_input", "find_stream", "Stream", "grow_stream", "find_attentions", "Attention", "grow_attentions",
 ]

@@ -1,9 +1,11 @@
 """Where to grow, ranked by the data: the first-order loss decrease a unit of growth at each place can give.
 
 For each candidate place a pass lists, the pass runs once with init=gradmax on the given batch (not
-verified, not kept); the place's gain is the squared gradient norm on the new (zero) outgoing weights
-per new unit at the aimed directions — one SGD step of learning rate lr on those weights lowers the
-loss by lr × gain × units, to first order. A starved layer (a bottleneck) has the largest gain.
+verified, not kept); the place's gain is the squared gradient norm on the zero last factor at the aimed
+directions: per new unit on the new outgoing weights (grow_width, insert_adapter, deepen's transformer
+block), per new block on its zero gate (add_branch, deepen) — one SGD step of learning rate lr on that
+factor lowers the loss by lr × gain per unit (or block), to first order. A starved layer (a bottleneck)
+has the largest gain. Gains compare places of one pass, not passes with each other.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ def rank_by_gain(gm: fx.GraphModule, p: Pass, candidates: list[Candidate], data:
     refuses gets None and the reason, last."""
     if not ranks_by_gain(p):
         raise NotApplicable(f"{p.name} has no data-driven init, so its places cannot be ranked by gain",
-                            "rank grow_width's places (targets --pass grow_width --data ...); other passes list "
-                            "their places without --data")
+                            "rank the places of a pass with init=gradmax (grow_width, insert_adapter, add_branch, "
+                            "deepen); other passes list their places without --data")
     load_data(data, p.name)  # a bad data function is refused once, not once per place
     ranked = []
     for c in candidates:

@@ -5,9 +5,9 @@ May import: core, graph, io, analysis, verify, capture, rewrite, jobs. Nothing i
 """
 from __future__ import annotations
 
-from .space import NOOP, Move, MutationSpace, Outcome, applied_moves
+from .space import NOOP, POLICIES, Move, MutationSpace, Outcome, applied_moves
 
-__all__ = ["NOOP", "Move", "MutationSpace", "Outcome", "applied_moves", "SearchOptions", "SearchResult", "search"]
+__all__ = ["NOOP", "POLICIES", "Move", "MutationSpace", "Outcome", "applied_moves", "SearchOptions", "SearchResult", "search"]
 
 
 def __getattr__(name: str):

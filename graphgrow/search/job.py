@@ -33,15 +33,18 @@ def _check_outputs(output: str | None, plot: str | None) -> None:
 
 def run(source: str, train: str, evaluate: str, mutations: str, options, input_shape=None, trust: bool = False,
         leaves: Sequence[str] = (), trace_mode: str = "eval", max_params: str | None = None, plot: str | None = None,
-        say: Callable[[str], None] = print, progress: Callable[[str], None] = lambda _: None, capture: str = "auto") -> dict:
-    """Everything `graphgrow search` does; returns the report (SearchResult.to_json() + plot path)."""
+        say: Callable[[str], None] = print, progress: Callable[[str], None] = lambda _: None, capture: str = "auto",
+        policy: str = "uniform", data: str | None = None) -> dict:
+    """Everything `graphgrow search` does; returns the report (SearchResult.to_json() + plot path).
+    `policy`: how a move's place is picked (space.POLICIES); `data`: package.module:function giving
+    (inputs, loss_fn), read by the gain policies and the moves with init=gradmax."""
     options.check()  # names and numbers first: nothing starts, nothing is written for a bad one
     _check_outputs(options.output, plot)
+    budget = parse_size(max_params, "--max-params") if max_params is not None else None
+    space = MutationSpace.parse(mutations, max_params=budget, policy=policy, data=data)
     _require_ray()
     from .runner import search
 
-    budget = parse_size(max_params, "--max-params") if max_params is not None else None
-    space = MutationSpace.parse(mutations, max_params=budget)
     train_fn, eval_fn = import_object(train), import_object(evaluate)
     if options.resume:
         model = None  # the search's own copy of the original is used (STORAGE/NAME/original.pt)

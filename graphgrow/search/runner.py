@@ -5,6 +5,7 @@ jump in the loss. Ray starts locally unless an address is given; nothing here sc
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -21,11 +22,12 @@ from torch import fx
 
 from ..analysis.budget import Limits
 from ..core.errors import InputError, SaveError, SearchError, SearchInterrupted, first_line
+from ..io.factory import import_object
 from ..io.save import save_model
 from ..io.outputs import is_staging_name
 from ..graph.shapes import param_count
 from ..capture.trace import graph_info
-from .space import MutationSpace
+from .space import MutationSpace, check_data
 from .trial import MODEL_FILE, OPTIMIZERS, STATE_FILE, TrialSetup, model_bytes, read_model_file, run_trial
 
 ORIGINAL = "original.pt"  # the model the search started from, beside Tune's files: `graphgrow replay` reads it
@@ -220,6 +222,7 @@ def search(model: fx.GraphModule | None, train: Callable, evaluate: Callable, sp
     With `options.resume` the model is the search's own copy of the original (`model` may be None).
     """
     options.check()
+    space = _resolved_data(space)  # a bad data function is refused before anything is written
     from ray import tune
 
     start = time.perf_counter()
@@ -239,8 +242,9 @@ def search(model: fx.GraphModule | None, train: Callable, evaluate: Callable, sp
         except OSError as e:
             raise SaveError(f"cannot create {experiment}: {e.strerror or e}", "choose a writable --storage-path") from e
         save_model(model, original_path)
-    for fn in (train, evaluate):
-        _ship_by_value(fn)
+    for fn in (train, evaluate, space.data):
+        if callable(fn):
+            _ship_by_value(fn)
     setup = TrialSetup(model_bytes(model), train, evaluate, options.metric, space, options.optimizer, options.limits,
                        "cuda" if options.gpus_per_trial > 0 else "cpu", options.epochs_per_round)
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup),
@@ -264,6 +268,18 @@ def search(model: fx.GraphModule | None, train: Callable, evaluate: Callable, sp
 
             ray.shutdown()
     return _collect(results, options, original_path, time.perf_counter() - start)
+
+
+def _resolved_data(space: MutationSpace) -> MutationSpace:
+    """The space with its data as a function (a `module:function` name imported here, so it travels to the
+    workers by value like train and evaluate), called once to check that it gives (inputs, loss_fn)."""
+    if space.data is None:
+        return space
+    data = import_object(space.data) if isinstance(space.data, str) else space.data
+    check_data(data)
+    resolved = copy.copy(space)
+    resolved.data = data
+    return resolved
 
 
 def _new_tuner(trainable, space: MutationSpace, options: SearchOptions, say: Callable[[str], None]):

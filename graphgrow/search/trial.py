@@ -220,7 +220,8 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     delta = 0.0
     if move is not None and move.id not in state.seen and move.id not in applied_moves(state.model):
         optimizer, record = grow(setup, state, optimizer, move, trial)
-        events.append(f"grow:{record['spec']}" if record["grew"] else f"keep:{record['spec']}")
+        aimed = f" at gain {record['gain']:.3g}" if record.get("gain") is not None else ""  # the gain policies' pick
+        events.append(f"grow:{record['spec']}{aimed}" if record["grew"] else f"keep:{record['spec']}")
         delta = abs(record["metric_after"] - record["metric_before"])
     state.writer = trial
     seed = zlib.crc32(trial.encode())
