@@ -156,6 +156,27 @@ def test_group_norm_grows_by_whole_new_groups_and_says_which_increments_work():
         GrowWidth(target="a", to=16, init="net2net")(gg.trace(GroupNorms(), IMAGE))
 
 
+class PoolFormerish(nn.Module):
+    """GroupNorm(1, C) (one group over every channel) and a layer scale viewed with the channel count as a literal."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.norm = nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(1, 8)
+        self.mix, self.scale = nn.Conv2d(8, 8, 1), nn.Parameter(torch.rand(8) + 0.5)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = h + self.scale.view(8, 1, 1) * self.mix(self.norm(h))
+        return self.head(h).mean((2, 3))
+
+
+def test_one_group_norm_grows_by_a_second_group_and_a_layer_scale_view_follows():
+    r = grown(PoolFormerish(), target="stem", to=16)  # the one group of 8 stays; 8 new channels form a second
+    assert (r.gm.get_submodule("norm").num_groups, r.gm.get_parameter("scale").shape) == (2, (16,))
+    assert any(n.op == "call_method" and n.target == "view" and n.args[1:] == (16, 1, 1) for n in r.gm.graph.nodes)
+
+
 @pytest.mark.parametrize("target,init,to", [("patch", "net2net", 32), ("attn.qkv", "zero", 60), ("fc1", "zero", 40)])
 def test_token_stream_with_class_token_position_table_and_heads(target, init, to):
     r = grown(TinyViT(), target=target, init=init, to=to)

@@ -32,7 +32,7 @@ from .axes import (  # noqa: F401 (channel_axis and BATCHNORMS are read through 
 )
 from . import growth
 from .coupling_layers import Functional, layer_rule
-from .coupling_splits import Edit, split_rule
+from .coupling_splits import Edit, literal_at, split_rule
 from .opaque import slice_keeps_channels, switch_is_channelwise
 from .probe import function_is_channelwise, module_is_channelwise
 
@@ -183,7 +183,7 @@ def analyze(gm: fx.GraphModule) -> Coupling:
             _module_rule(n, modules[n.target], out, tensor_inputs, join, freeze, sources, consumers, channelwise, links, norms, block, units)
         elif n.op in ("call_function", "call_method") and not split_rule(n, out, join, freeze, link, edits) and \
                 not layer_rule(n, out, join, freeze, sources, consumers, functional, attentions, gm, (tensors, units, edits)):
-            _function_rule(gm, n, out, tensor_inputs, join, freeze, links, norms, tensors)
+            _function_rule(gm, n, out, tensor_inputs, join, freeze, links, norms, tensors, edits)
 
     groups: list[Group] = []
     group_of: dict[str, int] = {}
@@ -322,7 +322,7 @@ def _flatten_is_identity(x, n) -> bool:
     return s is not None and len(s) >= 2 and all(d == 1 for d in s[2:])
 
 
-def _function_rule(gm, n, out, inputs, join, freeze, links, norms, tensors) -> None:
+def _function_rule(gm, n, out, inputs, join, freeze, links, norms, tensors, edits) -> None:
     target = n.target
     name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
     if n.op == "call_method" and target in SHAPE_QUERIES:
@@ -346,9 +346,10 @@ def _function_rule(gm, n, out, inputs, join, freeze, links, norms, tensors) -> N
     if (n.op == "call_function" and target in ELEMENTWISE) or (n.op == "call_method" and target in ELEMENTWISE_METHODS):
         out_shape = tensor_shape(n)
         axis = node_axis(n)
-        scales = {a: path for a in n.all_input_nodes if tensor_shape(a) != out_shape
-                  for path in [_per_channel_tensor(gm, a, out_shape, axis)] if path}
-        tensors += [(path, n.name) for path in scales.values()]  # a layer scale: resized with the group
+        scales = {a: found for a in n.all_input_nodes if tensor_shape(a) != out_shape
+                  for found in [_per_channel_tensor(gm, a, out_shape, axis)] if found}
+        tensors += [(path, n.name) for path, _ in scales.values()]  # a layer scale: resized with the group
+        edits += [Edit("view", v, n.name, where) for _, views in scales.values() for v, where in views]
         rest = [a for a in inputs if a not in scales]
         full = [a for a in rest if tensor_shape(a) is not None and len(tensor_shape(a)) == len(out_shape)
                 and tensor_shape(a)[axis] == out_shape[axis]]
@@ -395,22 +396,27 @@ def _layer_norm_call(n: fx.Node, join, norms, tensors) -> bool:
 VIEWS = {"reshape", "view", "unsqueeze", "expand", "expand_as", "squeeze"}
 
 
-def _per_channel_tensor(gm, a: fx.Node, out_shape, axis: int) -> str | None:
+def _per_channel_tensor(gm, a: fx.Node, out_shape, axis: int) -> tuple[str, list[tuple[str, tuple]]] | None:
     """The attribute path when `a` is a parameter/buffer with one value per channel, broadcast along the
-    channel axis (a layer scale γ, read as `x * self.gamma` or `x.mul(self.gamma.reshape(1, -1, 1, 1))`)."""
+    channel axis (a layer scale γ, read as `x * self.gamma` or `x.mul(self.gamma.reshape(1, -1, 1, 1))`), with
+    the views on the way whose literal arguments name the channel count (`gamma.view(64, 1, 1)`: rewritten)."""
     shape = tensor_shape(a)
     if shape is None or len(shape) > len(out_shape):
         return None
     lead = len(out_shape) - len(shape)
     if any(d != (out_shape[axis] if lead + i == axis else 1) for i, d in enumerate(shape)) or out_shape[axis] == 1:
         return None
+    views: list[tuple[str, tuple]] = []
     while a.op == "call_method" and a.target in VIEWS and len(a.users) == 1 and isinstance(a.args[0], fx.Node) \
             and all(not isinstance(x, fx.Node) for x in list(a.args[1:]) + list(a.kwargs.values())):
+        view_shape = tensor_shape(a) or ()
+        views += [(a.name, where) for d, size in enumerate(view_shape) if size == out_shape[axis]
+                  for where in [literal_at(a, d)] if where is not None]
         a = a.args[0]
     if a.op != "get_attr" or len(a.users) != 1:
         return None
     t = getattr(gm.get_submodule(a.target.rpartition(".")[0]) if "." in a.target else gm, a.target.rpartition(".")[2], None)
-    return str(a.target) if isinstance(t, torch.Tensor) and t.numel() == out_shape[axis] else None
+    return (str(a.target), views) if isinstance(t, torch.Tensor) and t.numel() == out_shape[axis] else None
 
 
 def _probe_function(n: fx.Node, x: fx.Node) -> bool:

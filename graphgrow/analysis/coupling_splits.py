@@ -21,7 +21,9 @@ from .reshapes import is_reshape, reshape_regroup, split_call, stack_axis
 @dataclass
 class Edit:
     """A node whose constant arguments follow the channels: kind 'slice' (getitem), 'narrow', 'split'
-    (the tuple-producing node), 'reshape' (a literal channel count at args path `where`)."""
+    (the tuple-producing node), 'reshape' (a literal channel count at args path `where`), 'groups' (F.group_norm's
+    num_groups), 'view' (a literal channel count in a per-channel tensor's view; `source` is the group member reading
+    the tensor)."""
 
     kind: str
     node: str
@@ -141,7 +143,7 @@ def _reshape(n: fx.Node, x: fx.Node, join, link, freeze, edits: list[Edit]) -> b
     found = reshape_regroup(n, node_axis(x))
     if found is None:
         return False
-    where = _literal_at(n, found.out_axis)
+    where = literal_at(n, found.out_axis)
     if where is not None:
         edits.append(Edit("reshape", n.name, x.name, where))
     if found.kind == "keep":
@@ -165,14 +167,14 @@ def _expand(n: fx.Node, x: fx.Node, join, edits: list[Edit]) -> bool:
     sizes = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)) else n.args[1:]
     if len(sizes) != len(os_):
         return False
-    where = _literal_at(n, out_axis)
+    where = literal_at(n, out_axis)
     if where is not None:
         edits.append(Edit("reshape", n.name, x.name, where))
     join(x, n)
     return True
 
 
-def _literal_at(n: fx.Node, dim: int) -> tuple | None:
+def literal_at(n: fx.Node, dim: int) -> tuple | None:
     """Where in a reshape's arguments the size of output dim `dim` is a literal (not -1, not computed):
     ("a", i) for args[i], ("a", i, j) for args[i][j], ("k", "shape", j) for kwargs["shape"][j]."""
     where: tuple

@@ -41,6 +41,8 @@ def apply_edits(gm: fx.GraphModule, coupling: Coupling, layouts: dict[int, Layou
             _reshape(n, edit, layout)
         elif edit.kind == "groups":
             _groups(n, edit, layout)
+        elif edit.kind == "view":  # a per-channel tensor's view: the channel count of the group reading it
+            _reshape(n, edit, layout, edit.source)
 
 
 def _span(n: fx.Node, edit: Edit, layout, start: int, length: int) -> tuple[int, int]:
@@ -107,8 +109,8 @@ def _groups(n: fx.Node, edit: Edit, layout) -> None:
         n.kwargs = {**n.kwargs, key: value}
 
 
-def _reshape(n: fx.Node, edit: Edit, layout) -> None:
-    mine = layout(edit.node)
+def _reshape(n: fx.Node, edit: Edit, layout, sized_by: str | None = None) -> None:
+    mine = layout(sized_by or edit.node)
     if mine is None:
         return
     kind, *path = edit.where
