@@ -63,7 +63,8 @@ class Calls(nn.Module):
     def forward(self, x):
         h = torch.relu(self.bn(self.a(x)))
         h = h + self.b(h)  # the called conv reads and writes the stream: its rows and columns grow
-        return self.head(h.mean((2, 3)))
+        # dropout as a call on the flag (timm's classifier): verification's train mode switches it off, as a layer's
+        return self.head(F.dropout(h.mean((2, 3)), 0.2, self.training))
 
 
 class GroupNorms(nn.Module):
@@ -135,10 +136,10 @@ def grown(model, **kwargs):
 
 
 def test_called_linear_and_conv_grow_their_own_parameters():
-    r = grown(Calls(), target="a", to=12)
+    r = grown(Calls(), target="a", to=24)  # 8 → 24: enough for other dropout masks, were dropout not switched off
     b, head = r.gm.get_submodule("b"), r.gm.get_submodule("head")
-    assert tuple(b.weight.shape) == (12, 12, 3, 3) and tuple(b.bias.shape) == (12,)  # traced through: parameters only
-    assert tuple(head.weight.shape) == (5, 12)
+    assert tuple(b.weight.shape) == (24, 24, 3, 3) and tuple(b.bias.shape) == (24,)  # traced through: parameters only
+    assert tuple(head.weight.shape) == (5, 24)
     assert head.weight[:, 8:].abs().sum() == 0  # new input columns: zero
     assert b.weight[8:].abs().sum() > 0  # new output rows of the called conv: random, so they learn
 

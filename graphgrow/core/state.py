@@ -45,9 +45,10 @@ def dropout_off(module: nn.Module) -> Iterator[nn.Module]:
 
 
 def _dropout_flags(module: nn.Module) -> list[nn.Module]:
-    """Modules of a captured graph whose `training` flag is read only as a dropout probability (the attention
-    dropout inside scaled_dot_product_attention: `dropout_p = training * p`) and which are not called themselves:
-    their dropout goes off with the dropout layers (adding heads draws other masks for the old heads too)."""
+    """Modules of a captured graph whose `training` flag is read only to drive dropout (the attention dropout
+    inside scaled_dot_product_attention: `dropout_p = training * p`; a traced-through `F.dropout(x, p,
+    training=self.training)`) and which are not called themselves: their dropout goes off with the dropout
+    layers (adding heads or channels draws other masks for the old ones too)."""
     graph = getattr(module, "graph", None)
     if graph is None:
         return []
@@ -57,10 +58,24 @@ def _dropout_flags(module: nn.Module) -> list[nn.Module]:
         if n.op == "get_attr" and str(n.target).rpartition(".")[2] == "training":
             path = str(n.target).rpartition(".")[0]
             reads[path] = reads.get(path, True) and path not in called and bool(n.users) and all(
-                u.op == "call_function" and getattr(u.target, "__name__", "") == "mul" and
-                all(getattr(v.target, "__name__", "") == "scaled_dot_product_attention" and v.args[4:5] == (u,)
-                    for v in u.users) for u in n.users)
+                _sdpa_dropout(u) or _dropout_call(u, n) for u in n.users)
     return [module.get_submodule(p) for p, only_dropout in reads.items() if only_dropout]
+
+
+DROPOUT_CALLS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"}
+
+
+def _sdpa_dropout(u) -> bool:
+    """`training * p` read only as scaled_dot_product_attention's dropout_p."""
+    return u.op == "call_function" and getattr(u.target, "__name__", "") == "mul" and \
+        all(getattr(v.target, "__name__", "") == "scaled_dot_product_attention" and v.args[4:5] == (u,) for v in u.users)
+
+
+def _dropout_call(u, flag) -> bool:
+    """F.dropout(x, p, training=self.training) of a layer fx traced through (timm's classifier dropout)."""
+    return u.op == "call_function" and getattr(u.target, "__name__", "") in DROPOUT_CALLS and \
+        (u.kwargs.get("training") is flag or u.args[2:3] == (flag,)) and \
+        all(a is not flag for a in list(u.args[:2]) + [v for k, v in u.kwargs.items() if k != "training"])
 
 
 @contextlib.contextmanager
