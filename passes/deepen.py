@@ -74,7 +74,8 @@ def deepen(gm: fx.GraphModule, after: str | None = None, block: Block = "auto",
     gm, generator = begin(gm, generator)
     if block == "transformer":
         node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_place(gm)
-        return _aimed(insert_block(gm, node, chosen, attention, generator), init, data)
+        rw, root = insert_block(gm, node, chosen, attention, generator)
+        return _aimed(rw, root, init, data)
     node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_point(gm, lambda n: block_params(n, block))
     shape = tensor_shape(node)
     if not is_float_tensor(node) or len(shape) < 2:
@@ -125,10 +126,10 @@ def deepen(gm: fx.GraphModule, after: str | None = None, block: Block = "auto",
     return rw
 
 
-def _aimed(rw: Rewrite, init: str, data) -> Rewrite:
-    """block=transformer with init=gradmax: v and fc1 aimed at the gradient on the zero proj and fc2."""
+def _aimed(rw: Rewrite, root: str, init: str, data) -> Rewrite:
+    """block=transformer (at module path `root`) with init=gradmax: v and fc1 aimed at the gradient on the zero proj
+    and fc2."""
     if init == "gradmax":
-        root = rw.targets["block"].split("(", 2)[1].split(")")[0]
         mods = {k: rw.gm.get_submodule(f"{root}.{k}") for k in ("v", "fc1", "proj", "fc2")}
         rows = {f"{root}.{k}": list(range(mods[k].out_features)) for k in ("v", "fc1")}
         cols = {f"{root}.{k}": list(range(mods[k].in_features)) for k in ("proj", "fc2")}
@@ -352,7 +353,9 @@ def _linear(c_in: int, c_out: int, bias: bool, generator: torch.Generator, kw: d
     return lin
 
 
-def insert_block(gm: fx.GraphModule, node: fx.Node, chosen: str, attention: str, generator: torch.Generator) -> Rewrite:
+def insert_block(gm: fx.GraphModule, node: fx.Node, chosen: str, attention: str,
+                 generator: torch.Generator) -> tuple[Rewrite, str]:
+    """A transformer block after `node`: the rewrite and the block's module path."""
     if attention not in ATTENTIONS:
         raise NotApplicable(f"unknown attention '{attention}'", "use auto, causal or bidirectional")
     if not is_token_stream(node):
@@ -384,7 +387,7 @@ def insert_block(gm: fx.GraphModule, node: fx.Node, chosen: str, attention: str,
     targets = {"after": f"{node.name} {list(tensor_shape(node) or [])}", "chosen": chosen,
                "block": (f"transformer ({root}): {norm_cls.__name__}(eps={eps:g}), {heads} heads ({heads_why}), MLP {c}→{f}→{c}, "
                          f"{attention} attention ({why}); proj and fc2 = 0")}
-    return Rewrite(finish(gm), targets)
+    return Rewrite(finish(gm), targets), root
 
 
 def _wire(gm: fx.GraphModule, x: fx.Node, root: str, heads: int, causal: bool) -> list[fx.Node]:

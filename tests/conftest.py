@@ -140,3 +140,14 @@ def assert_onnx_agrees(gm, spec: str, path: Path) -> None:
 
     export_onnx(gm, parse_spec(spec), path, max_ir_version=max_ir_version())
     assert check_equivalence(gm, open_session(path, "cpu"), parse_spec(spec), raise_on_failure=True).passed
+
+
+def grown(model: nn.Module, shape: tuple[int, ...], **kw):
+    """GrowWidth(**kw) on the traced `model` (BatchNorm randomized first), asserting the growth preserved behaviour."""
+    import graphgrow as gg
+    from graphgrow.passes.grow_width import GrowWidth
+
+    torch.manual_seed(0)
+    r = GrowWidth(**kw)(gg.trace(randomize_bn(model), shape))
+    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
+    return r

@@ -14,7 +14,7 @@ from graphgrow.io.export import export_onnx
 from graphgrow.io.runtime import max_ir_version, open_session
 from graphgrow.passes.grow_width import GrowWidth
 from graphgrow.verify.equivalence import check_equivalence
-from conftest import randomize_bn
+from conftest import grown, randomize_bn
 
 SHAPE = (1, 3, 8, 8)
 
@@ -85,19 +85,12 @@ class SplitAttention(nn.Module):
         return self.head(heads + y)
 
 
-def grown(model, **kwargs):
-    torch.manual_seed(0)
-    r = GrowWidth(**kwargs)(gg.trace(randomize_bn(model), SHAPE))
-    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
-    return r
-
-
 def test_a_group_through_a_grouped_conv_grows_per_group_and_says_which_increments_work():
-    r = grown(ResNeXtish(), target="a", to=12)  # 4 groups × 1 new input channel each
+    r = grown(ResNeXtish(), SHAPE, target="a", to=12)  # 4 groups × 1 new input channel each
     b = r.gm.get_submodule("b")
     assert (b.in_channels, b.out_channels, b.groups, tuple(b.weight.shape)) == (12, 8, 4, (8, 3, 3, 3))
     assert b.weight[:, 2].abs().sum() == 0  # the new input channel of each group: zero outgoing weights
-    r = grown(ResNeXtish(), target="b", to=16)  # the grouped conv itself: 2 more outputs per group
+    r = grown(ResNeXtish(), SHAPE, target="b", to=16)  # the grouped conv itself: 2 more outputs per group
     assert r.gm.get_submodule("b").out_channels == 16 and r.gm.get_submodule("c").in_channels == 16
     with pytest.raises(gg.NotApplicable, match=r"spread evenly over 4 blocks \(grouped conv 'b' \(groups=4\)\); "
                                                r"grow by a multiple of 4 \(e\.g\. to=12\)"):
@@ -106,7 +99,7 @@ def test_a_group_through_a_grouped_conv_grows_per_group_and_says_which_increment
 
 @pytest.mark.parametrize("target", ["primary", "stem", "p1", "q"])
 def test_slices_and_splits_follow_channel_offsets(target):
-    r = grown(Slices(), target=target, factor=2)
+    r = grown(Slices(), SHAPE, target=target, factor=2)
     if target == "stem":  # the ghost cat repeats the primary conv's channels: its group grows per half
         assert r.gm.get_submodule("primary").out_channels == 8 and r.gm.get_submodule("p1").in_channels == 13
 
@@ -122,7 +115,7 @@ def test_ghost_stream_and_split_pieces_are_growable():
 
 @pytest.mark.parametrize("target", ["paths.0", "fc2", "grouped", "mix"])
 def test_stack_radix_split_and_heads_reshape_grow_exactly(target):
-    r = grown(SplitAttention(), target=target, factor=2)
+    r = grown(SplitAttention(), SHAPE, target=target, factor=2)
     if target == "paths.0":  # every stacked branch and the attention's radix blocks grow together
         assert r.gm.get_submodule("paths.1").out_channels == 16 and r.gm.get_submodule("fc2").out_channels == 32
 

@@ -18,7 +18,7 @@ from graphgrow.io.runtime import max_ir_version, open_session
 from graphgrow.passes.add_branch import AddBranch, branch_sites
 from graphgrow.passes.grow_width import GrowWidth
 from graphgrow.verify.equivalence import check_equivalence
-from conftest import randomize_bn
+from conftest import grown, randomize_bn
 
 IMAGE = (1, 3, 8, 8)
 
@@ -128,15 +128,8 @@ class Standardised(nn.Module):
         return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
 
 
-def grown(model, **kwargs):
-    torch.manual_seed(0)
-    r = GrowWidth(**kwargs)(gg.trace(randomize_bn(model), IMAGE))
-    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
-    return r
-
-
 def test_called_linear_and_conv_grow_their_own_parameters():
-    r = grown(Calls(), target="a", to=24)  # 8 → 24: enough for other dropout masks, were dropout not switched off
+    r = grown(Calls(), IMAGE, target="a", to=24)  # 8 → 24: enough for other dropout masks, were dropout not switched off
     b, head = r.gm.get_submodule("b"), r.gm.get_submodule("head")
     assert tuple(b.weight.shape) == (24, 24, 3, 3) and tuple(b.bias.shape) == (24,)  # traced through: parameters only
     assert tuple(head.weight.shape) == (5, 24)
@@ -145,10 +138,10 @@ def test_called_linear_and_conv_grow_their_own_parameters():
 
 
 def test_group_norm_grows_by_whole_new_groups_and_says_which_increments_work():
-    r = grown(GroupNorms(), target="a", to=12)  # 2 channels per group: two new groups
+    r = grown(GroupNorms(), IMAGE, target="a", to=12)  # 2 channels per group: two new groups
     gn = r.gm.get_submodule("gn")
     assert (gn.num_groups, gn.num_channels) == (6, 12)
-    r = grown(GroupNorms(), target="b", to=20)  # the called group_norm: 4 per group, 2 new groups; G rewritten
+    r = grown(GroupNorms(), IMAGE, target="b", to=20)  # the called group_norm: 4 per group, 2 new groups; G rewritten
     assert r.gm.get_submodule("gn2").weight.shape == (20,)
     assert any(n.target is F.group_norm and 5 in n.args for n in r.gm.graph.nodes)
     with pytest.raises(gg.NotApplicable, match=r"whole GroupNorm groups.*grow by a multiple of 4 \(e\.g\. to=16\)"):
@@ -173,14 +166,14 @@ class PoolFormerish(nn.Module):
 
 
 def test_one_group_norm_grows_by_a_second_group_and_a_layer_scale_view_follows():
-    r = grown(PoolFormerish(), target="stem", to=16)  # the one group of 8 stays; 8 new channels form a second
+    r = grown(PoolFormerish(), IMAGE, target="stem", to=16)  # the one group of 8 stays; 8 new channels form a second
     assert (r.gm.get_submodule("norm").num_groups, r.gm.get_parameter("scale").shape) == (2, (16,))
     assert any(n.op == "call_method" and n.target == "view" and n.args[1:] == (16, 1, 1) for n in r.gm.graph.nodes)
 
 
 @pytest.mark.parametrize("target,init,to", [("patch", "net2net", 32), ("attn.qkv", "zero", 60), ("fc1", "zero", 40)])
 def test_token_stream_with_class_token_position_table_and_heads(target, init, to):
-    r = grown(TinyViT(), target=target, init=init, to=to)
+    r = grown(TinyViT(), IMAGE, target=target, init=init, to=to)
     if target == "patch":  # the stream (under LayerNorms): every channel replicated, tokens and tables with it
         assert r.gm.get_parameter("cls_token").shape == (1, 1, 32) and r.gm.get_parameter("pos_embed").shape == (1, 5, 32)
     if target == "attn.qkv":  # 2 heads × (8 → 10) for q, k and v; the output projection reads 20
@@ -188,9 +181,9 @@ def test_token_stream_with_class_token_position_table_and_heads(target, init, to
 
 
 def test_separate_projections_grow_query_key_or_value_head_size():
-    r = grown(TinyViT(fused=False), target="attn.q", to=20)  # q and k: head size 8 → 10, v kept
+    r = grown(TinyViT(fused=False), IMAGE, target="attn.q", to=20)  # q and k: head size 8 → 10, v kept
     assert r.gm.get_submodule("attn.k").out_features == 20 and r.gm.get_submodule("attn.v").out_features == 16
-    r = grown(TinyViT(fused=False), target="attn.v", to=24)  # value size 8 → 12, read by the output projection
+    r = grown(TinyViT(fused=False), IMAGE, target="attn.v", to=24)  # value size 8 → 12, read by the output projection
     assert r.gm.get_submodule("attn.proj").in_features == 24 and r.gm.get_submodule("attn.q").out_features == 16
     with pytest.raises(gg.NotApplicable, match="grow by a multiple of 2"):
         GrowWidth(target="attn.q", to=17)(gg.trace(TinyViT(fused=False), IMAGE))
@@ -214,7 +207,7 @@ def test_weight_standardised_conv_grows_its_outputs_and_refuses_its_inputs_with_
     with pytest.raises(gg.NotApplicable, match="standardises its weight"):
         GrowWidth(target="a", factor=2)(gm)
     assert {"target": "b"} in [cand.args for cand in GrowWidth().candidates(gm)]
-    r = grown(Standardised(), target="b", to=12)  # new filters standardised on their own; the reshape's 8 → 12
+    r = grown(Standardised(), IMAGE, target="b", to=12)  # new filters standardised on their own; the reshape's 8 → 12
     assert r.gm.get_parameter("b.weight").shape == (12, 8, 3, 3) and r.gm.get_submodule("c").in_channels == 12
     assert any(n.op == "call_method" and n.target == "reshape" and 12 in n.args for n in r.gm.graph.nodes)
     mixed = Standardised()

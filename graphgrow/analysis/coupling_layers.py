@@ -153,8 +153,9 @@ def filters_apart(gm: fx.GraphModule, w: fx.Node) -> bool:
     """Run the weight's computation on its parameter with two extra random filters (rows), the literals naming the
     filter count adjusted as the rewrite will: the old filters must come out unchanged."""
     chain = _chain(w)
-    param = gm.get_parameter(_parameter_of(w)) if _parameter_of(w) in dict(gm.named_parameters()) else None
-    if param is None:
+    try:
+        param = gm.get_parameter(_parameter_of(w))
+    except AttributeError:  # no such parameter (a buffer, a plain tensor attribute)
         return False
     if param.is_meta:
         return True  # sizing a pass on the meta device (analysis.budget): the real run decides

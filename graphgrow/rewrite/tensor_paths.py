@@ -19,13 +19,16 @@ def tensor_at(gm: fx.GraphModule, path: str) -> torch.Tensor:
     return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
-def put_tensor(gm: fx.GraphModule, path: str, value: torch.Tensor, old: torch.Tensor) -> None:
-    """Put `value` at `path` (a Parameter when `old` was one, with its requires_grad; pass one Parameter to several
-    paths to keep a tie)."""
+def put_tensor(gm: nn.Module, path: str, value: torch.Tensor, old: torch.Tensor | None = None) -> None:
+    """Put `value` at `path` (a Parameter when `old` was one, with its requires_grad; `old` defaults to the tensor now
+    there; pass one Parameter to several paths to keep a tie)."""
     owner_path, _, name = path.rpartition(".")
     owner = gm.get_submodule(owner_path) if owner_path else gm
     if name in owner._parameters:
-        owner._parameters[name] = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=old.requires_grad)
+        if not isinstance(value, nn.Parameter):
+            was = owner._parameters[name] if old is None else old
+            value = nn.Parameter(value, requires_grad=True if was is None else was.requires_grad)
+        owner._parameters[name] = value
     elif name in owner._buffers:
         owner._buffers[name] = value
     else:

@@ -24,6 +24,7 @@ from .channel_fill import columns, Init, rows  # noqa: F401 (part of this module
 from .functional_layers import resize_functional
 from .head_sizes import grow_head_sizes
 from .initializers import kaiming_
+from .tensor_paths import owners, put_tensor
 from .widen_args import apply_edits, block_sources
 
 def plan_growth(c: Coupling, gid: int, count: int, src: list[int | None] | None = None) -> dict[int, list[Insertion]]:
@@ -58,13 +59,6 @@ def _rebuilt(m: nn.Module, **sizes) -> nn.Module:
     for key, value in sizes.items():
         setattr(new, key, value)
     return new
-
-
-def _set_tensor(m: nn.Module, name: str, value: torch.Tensor) -> None:
-    if name in m._parameters:
-        m._parameters[name] = nn.Parameter(value, requires_grad=m._parameters[name].requires_grad)
-    else:
-        m._buffers[name] = value
 
 
 def resize_conv(m: nn.modules.conv._ConvNd, in_layout: Layout | None, out_layout: Layout | None, init: Init,
@@ -107,9 +101,9 @@ def resize_grouped_conv(m: nn.modules.conv._ConvNd, in_layout: Layout | None, ou
                                         "use init=zero")
             else:
                 weight[slot] = kaiming_(torch.empty_like(weight[slot:slot + 1]), generator)[0]
-        _set_tensor(new, "weight", weight)
+        put_tensor(new, "weight", weight)
         if m.bias is not None:
-            _set_tensor(new, "bias", rows(m.bias, out_layout, init, generator, "zero"))
+            put_tensor(new, "bias", rows(m.bias.detach(), out_layout, init, generator, "zero"))  # detached: see _fill_weights
     return new
 
 
@@ -131,11 +125,11 @@ def _diagonal_blocks(dense: torch.Tensor, g: int) -> torch.Tensor:
 
 def _fill_weights(old: nn.Module, new: nn.Module, in_layout, out_layout, init: Init, generator) -> nn.Module:
     """Put a conv's or Linear's weight and bias into `new` at the layouts' positions."""
-    with torch.no_grad():
-        w = columns(old.weight, in_layout, init, generator)
-        _set_tensor(new, "weight", rows(w, out_layout, init, generator, "kaiming"))
+    with torch.no_grad():  # detached: a side that keeps its size still gets a fresh Parameter, not the old object
+        w = columns(old.weight.detach(), in_layout, init, generator)
+        put_tensor(new, "weight", rows(w, out_layout, init, generator, "kaiming"))
         if old.bias is not None:
-            _set_tensor(new, "bias", rows(old.bias, out_layout, init, generator, "zero"))
+            put_tensor(new, "bias", rows(old.bias.detach(), out_layout, init, generator, "zero"))
     return new
 
 
@@ -151,12 +145,12 @@ def resize_batchnorm(m: nn.modules.batchnorm._BatchNorm, layout: Layout, init: I
     new = _rebuilt(m, num_features=layout.new)
     with torch.no_grad():
         if m.affine:
-            _set_tensor(new, "weight", rows(m.weight, layout, init, generator, "one"))
-            _set_tensor(new, "bias", rows(m.bias, layout, init, generator, "zero"))
+            put_tensor(new, "weight", rows(m.weight, layout, init, generator, "one"))
+            put_tensor(new, "bias", rows(m.bias, layout, init, generator, "zero"))
         if m.track_running_stats and m.running_mean is not None:
-            _set_tensor(new, "running_mean", rows(m.running_mean, layout, init, generator, "zero"))
-            _set_tensor(new, "running_var", rows(m.running_var, layout, init, generator, "one"))
-            _set_tensor(new, "num_batches_tracked", m.num_batches_tracked.clone())
+            put_tensor(new, "running_mean", rows(m.running_mean, layout, init, generator, "zero"))
+            put_tensor(new, "running_var", rows(m.running_var, layout, init, generator, "one"))
+            put_tensor(new, "num_batches_tracked", m.num_batches_tracked.clone())
     return new
 
 
@@ -165,9 +159,9 @@ def resize_layernorm(m: nn.LayerNorm, layout: Layout, init: Init, generator) -> 
     new = _rebuilt(m, normalized_shape=(layout.new,))
     with torch.no_grad():
         if m.weight is not None:
-            _set_tensor(new, "weight", rows(m.weight, layout, init, generator, "one"))
+            put_tensor(new, "weight", rows(m.weight, layout, init, generator, "one"))
         if getattr(m, "bias", None) is not None:
-            _set_tensor(new, "bias", rows(m.bias, layout, init, generator, "zero"))
+            put_tensor(new, "bias", rows(m.bias, layout, init, generator, "zero"))
     return new
 
 
@@ -177,8 +171,8 @@ def resize_groupnorm(m: nn.GroupNorm, layout: Layout, generator) -> nn.Module:
     new = _rebuilt(m, num_channels=layout.new, num_groups=layout.new // unit)
     with torch.no_grad():
         if m.affine:
-            _set_tensor(new, "weight", rows(m.weight, layout, "zero", generator, "one"))
-            _set_tensor(new, "bias", rows(m.bias, layout, "zero", generator, "zero"))
+            put_tensor(new, "weight", rows(m.weight, layout, "zero", generator, "one"))
+            put_tensor(new, "bias", rows(m.bias, layout, "zero", generator, "zero"))
     return new
 
 
@@ -299,14 +293,11 @@ def _check_norms(group, layout: Layout, init: Init) -> None:
 
 def _refuse_tied(gm: fx.GraphModule, paths: list[str], tensor_paths: Sequence[str] = ()) -> None:
     """Rebuilding a layer whose parameter another module shares (tied weights) would silently untie them."""
-    owners: dict[int, list[str]] = {}
-    for path, m in gm.named_modules(remove_duplicate=False):
-        for name, p in m.named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append(f"{path}.{name}" if path else name)
+    by_id = owners(gm)
     mine = [(f"{path}.{name}", p) for path in paths for name, p in gm.get_submodule(path).named_parameters(recurse=False)]
     mine += [(path, gm.get_parameter(path)) for path in tensor_paths if _is_parameter(gm, path)]
     for full, p in mine:
-        shared = [o for o in owners.get(id(p), []) if o != full]
+        shared = [o for o in by_id.get(id(p), []) if o != full]
         if shared:
             raise NotApplicable(f"'{full}' is the same parameter as '{shared[0]}' (tied weights); "
                                 "growing one would untie them",
