@@ -534,7 +534,7 @@ def test_check_refuses_external_data_anywhere_in_an_onnx_file(tmp_path, where):
     leak = _leaky_folder(tmp_path, where)
     before = digest(tmp_path)
     proc = run_cli("check", str(leak), "m.pt", "--input-shape", "1,4", cwd=tmp_path)  # run from the model's folder
-    _refused_without_reading(proc, tmp_path, before, "tensor(s) in external files")
+    _refused_without_reading(proc, tmp_path, before, "external file")
 
 
 @pytest.mark.parametrize("where", ["constant", "if branch", "function"])
@@ -544,13 +544,13 @@ def test_inspect_and_replay_refuse_external_data_outside_the_initializers(tmp_pa
     before = digest(tmp_path)
     argv = ["inspect", "leak.onnx"] if command == "inspect" else ["replay", "m.pt", "leak.onnx", "--input-shape", "1,4"]
     proc = run_cli(*argv, cwd=tmp_path)
-    _refused_without_reading(proc, tmp_path, before, "tensor(s) in external files")
+    _refused_without_reading(proc, tmp_path, before, "external file")
 
 
 def test_every_place_a_tensor_can_sit_is_searched():
     import onnx
 
-    from graphgrow.io.export import MAX_GRAPH_DEPTH, external_tensors
+    from graphgrow.io.onnx_external import MAX_GRAPH_DEPTH, external_tensors
 
     for where in LEAKS:
         assert external_tensors(leaky_onnx(where)), where
@@ -580,15 +580,18 @@ def test_every_place_a_tensor_can_sit_is_searched():
 @pytest.mark.parametrize("where", ["initializer", "constant"])
 def test_onnxruntime_sessions_cannot_resolve_external_data_even_past_the_reader(tmp_path, monkeypatch, where):
     """Defence in depth: a model that names external data reaches onnxruntime (the API, or a reader bug); from the
-    model's folder, with a path, the session still finds nothing (bytes + an empty external-data folder)."""
+    model's folder the session still finds nothing: bytes get an empty external-data folder, and a path is
+    checked like a file graphgrow reads (only NAME.onnx.data, which this one does not name)."""
     from graphgrow.core.errors import RuntimeUnavailable
     from graphgrow.io.runtime import open_session
 
     leak = _leaky_folder(tmp_path, where)
     monkeypatch.chdir(tmp_path)
-    for model in (leak, "leak.onnx", leak.read_bytes()):
-        with pytest.raises(RuntimeUnavailable, match="cannot load this model"):
+    for model in (leak, "leak.onnx"):
+        with pytest.raises(gg.LoadError, match="external file"):
             open_session(model, "cpu")
+    with pytest.raises(RuntimeUnavailable, match="cannot load this model"):
+        open_session(leak.read_bytes(), "cpu")
 
 
 def _peak_rss_of(*argv: str, cwd: Path) -> tuple[int, str]:

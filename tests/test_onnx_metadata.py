@@ -1,6 +1,7 @@
 """An ONNX file handed to graphgrow (check, inspect, replay) is untrusted input like a model file: its
 metadata is validated (a malformed value is exit 2 naming it, never an internal error or a huge
-allocation) and tensors kept in external files are refused (they would name other files to read)."""
+allocation) and tensors kept in external files are refused unless in NAME.onnx.data beside NAME.onnx
+(test_onnx_external.py): a name read from the file must not choose what is read."""
 from __future__ import annotations
 
 import onnx
@@ -68,5 +69,5 @@ def test_tensors_in_external_files_are_refused(exported, tmp_path):
               location="weights.bin", size_threshold=0)
     for run in (lambda: workflow.check(str(tmp_path / "ext.onnx"), str(exported / "m.pt")),
                 lambda: workflow.inspect(str(tmp_path / "ext.onnx"))):
-        with pytest.raises(LoadError, match="external files"):
+        with pytest.raises(LoadError, match="only from ext.onnx.data beside it"):
             run()

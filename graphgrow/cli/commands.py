@@ -196,17 +196,20 @@ def fold(model, output, onnx_out, check, provider, grow_kernels, input_shape, tr
 @click.option("-o", "--output", "output", required=True, metavar="OUT.onnx", help="ONNX file to write")
 @click.option("--fold", "fold_first", is_flag=True, help="fold growth's linear structure into plain layers first (eval mode; see `graphgrow fold`)")
 @click.option("--opset", type=int, metavar="N", help="ONNX opset to write (18–23; default: the exporter's)")
+@click.option("--external-data", "external_data", is_flag=True,
+              help="write the weights to OUT.onnx.data beside OUT.onnx (done anyway past 1.75 GiB of weights)")
 @_common
-def export(model, output, fold_first, opset, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
+def export(model, output, fold_first, opset, external_data, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
     """Export MODEL to one self-contained ONNX file with a dynamic batch dimension.
 
-    A factory MODEL is built with its random weights seeded; the seed goes into the file's
-    metadata so that `graphgrow check` rebuilds the same weights."""
+    Weights past 1.75 GiB (protobuf's 2 GiB limit, less room for the graph) go to OUT.onnx.data
+    beside OUT.onnx; keep the two together. A factory MODEL is built with its random weights
+    seeded; the seed goes into the file's metadata so that `graphgrow check` rebuilds the same weights."""
     from ..jobs import workflow
 
     def job(progress):
         report = workflow.export(model, output, input_shape, trust, leaves, progress, trace_mode=trace_mode, capture=capture, fold=fold_first,
-                                 opset=opset)
+                                 opset=opset, external_data=external_data or None)
         if as_json:
             print(json.dumps(report, default=str))
         else:
@@ -214,7 +217,7 @@ def export(model, output, fold_first, opset, input_shape, trust, leaves, trace_m
                 f = report["fold"]
                 out.print(f"folded: params {f['params_before']:,} → {f['params_after']:,}, FLOPs/example "
                           f"{f['flops_before']:,} → {f['flops_after']:,}", markup=False, highlight=False)
-            out.print(f"wrote {output} (IR {report['ir_version']}, opset {report['opset'][0] if report['opset'] else '?'}, "
+            out.print(f"wrote {' + '.join(report['outputs'])} (IR {report['ir_version']}, opset {report['opset'][0] if report['opset'] else '?'}, "
                       f"{len(report['log'])} logged mutations) in {report['timings']['export']:.1f}s")
         return 0
 

@@ -93,6 +93,9 @@ def print_onnx(report: dict) -> None:
             out.print(f"{kind[:-1]} {v['name']}: {v['dtype']} [{', '.join(map(str, v['shape']))}]", markup=False, highlight=False)
     ops = ", ".join(f"{op} {n}" for op, n in report["ops"].items())
     out.print(f"{report['nodes']:,} nodes ({ops}); {report['params']:,} parameters", markup=False, highlight=False)
+    if report.get("external_data"):
+        ext = report["external_data"]
+        out.print(f"weights in {', '.join(ext['files'])} ({ext['bytes']:,} bytes)", markup=False, highlight=False)
     for k, v in report["metadata"].items():
         out.print(f"metadata {k}: {v}", markup=False, highlight=False)
     print_log(report["log"])

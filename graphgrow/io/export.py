@@ -1,4 +1,5 @@
-"""ONNX export (the only importer of torch.onnx): dynamo exporter, dynamic batch, one self-contained file."""
+"""ONNX export (the only importer of torch.onnx): dynamo exporter, dynamic batch, one self-contained file, or
+the graph and a data file beside it past protobuf's 2 GiB (onnx_external.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +12,7 @@ import time
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import onnx
 import torch
@@ -18,6 +20,7 @@ from torch import fx
 
 from ..core.errors import ExportError, first_line, LoadError
 from .lineage import is_origin, origin_of
+from .onnx_external import check_external, data_path, ExternalWrite, external_tensors
 from .save import atomic_write, check_output_path
 from .serialize import is_stored_shape, validate_meta
 from ..graph.inputs import batch_of, call, InputSpec, is_spec, Shape, spec_inputs
@@ -43,6 +46,7 @@ def export_onnx(
     opset: int | None = None,
     timings: dict[str, float] | None = None,
     isolate: bool = False,
+    external_data: bool | None = None,
 ) -> onnx.ModelProto:
     """Export `gm` (in eval mode) with a dynamic batch dimension, check it, and write it atomically.
 
@@ -59,47 +63,77 @@ def export_onnx(
     `input_shape` is one float input's shape, or an input spec (named inputs with dtypes): then the
     ONNX inputs carry the spec's names and dtypes, the sequence length of token inputs is dynamic
     where the model allows it, and the outputs are named after the output's keys (onnx_spec.py).
+
+    `external_data=True` writes the weights to `PATH.data` beside `path` (and returns the graph without
+    them); None does so when the weights pass ONE_FILE_MAX, which a self-contained file cannot hold.
     """
     start = time.perf_counter()
     out_path = check_output_path(path) if path is not None else None
-    _check_fits_one_file(gm)
+    stage = None
+    if _wants_external(gm, external_data, out_path):
+        check_output_path(data_path(out_path))  # type: ignore[arg-type]
+        stage = ExternalWrite.stage(out_path)  # type: ignore[arg-type]
+    try:
+        proto, t_export = _exported(gm, input_shape, opset, isolate, stage)
+        _finish(gm, proto, input_shape, max_ir_version, metadata)
+        if stage is not None:
+            stage.finish(proto, check_proto)
+        elif out_path is None:
+            check_proto(proto)
+        else:
+            def write_checked(tmp: Path) -> None:  # checked from the file: the checker would serialise a proto again
+                tmp.write_bytes(proto.SerializeToString())  # the bytes are gone before the checker reads the file (memory)
+                check_proto(str(tmp))
+
+            atomic_write(out_path, write_checked)  # a failed write is SaveError (exit 2) naming the output
+    except BaseException:
+        if stage is not None:
+            stage.discard()
+        raise
+    if timings is not None:
+        timings.update(torch_onnx_export=t_export, total=time.perf_counter() - start)
+    return proto
+
+
+def _exported(gm: torch.nn.Module, input_shape: Shape, opset: int | None, isolate: bool,
+              stage: ExternalWrite | None) -> tuple[onnx.ModelProto, float]:
+    """torch.onnx.export on the example input or the spec's named inputs; the model and the seconds it took."""
     t_export = time.perf_counter()
     if is_spec(input_shape):
-        proto, props = _export_named(gm, input_shape, opset, isolate)  # type: ignore[arg-type]
+        proto, props = _export_named(gm, input_shape, opset, isolate, stage)  # type: ignore[arg-type]
     else:
         # Export at batch ≥ 2: torch.export specialises sizes 0 and 1 to constants.
         x = example_input(gm, input_shape, seed=0, batch=max(2, int(input_shape[0])))  # type: ignore[arg-type]
-        proto = _in_child(_torch_export, gm, x, opset) if isolate else _torch_export(gm, x, opset)
+        proto = _in_child(_torch_export, gm, x, opset, stage) if isolate else _torch_export(gm, x, opset, stage)
         name_dict_outputs(gm, proto)
         props = {}
-    t_export = time.perf_counter() - t_export
+    for k, v in props.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = k, v
+    return proto, time.perf_counter() - t_export
+
+
+def _finish(gm: torch.nn.Module, proto: onnx.ModelProto, input_shape: Shape, max_ir_version: int | None,
+            metadata: dict[str, str] | None) -> None:
+    """The IR version clamped, nodes named after their modules, graphgrow's metadata (log, origin, input shape)."""
     if max_ir_version is not None and proto.ir_version > max_ir_version:
         proto.ir_version = max_ir_version
     name_nodes(proto)
-    props = {**props, **(metadata or {})}
+    props = {p.key: p.value for p in proto.metadata_props} | (metadata or {})
     info = gm.meta.get("graphgrow", {}) if isinstance(gm, fx.GraphModule) else {}
     props.setdefault(LOG_KEY, json.dumps(info.get("log", [])))
     origin = origin_of(gm) if info else None  # info only when gm is a graphgrow GraphModule
     if origin:
         props.setdefault(ORIGIN_KEY, origin)
     props.setdefault(INPUT_SHAPE_KEY, json.dumps(list(input_shape[0].shape) if is_spec(input_shape) else list(input_shape)))  # type: ignore[union-attr]
+    del proto.metadata_props[:]
     for k, v in props.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = k, v
-    if out_path is None:
-        check_proto(proto)
-    else:
-        def write_checked(tmp: Path) -> None:  # checked from the file: the checker would serialise a proto again
-            tmp.write_bytes(proto.SerializeToString())  # the bytes are gone before the checker reads the file (memory)
-            check_proto(str(tmp))
-
-        atomic_write(out_path, write_checked)  # a failed write is SaveError (exit 2) naming the output
-    if timings is not None:
-        timings.update(torch_onnx_export=t_export, total=time.perf_counter() - start)
-    return proto
 
 
-def _export_named(gm: torch.nn.Module, spec: InputSpec, opset: int | None, isolate: bool) -> tuple[onnx.ModelProto, dict[str, str]]:
+def _export_named(gm: torch.nn.Module, spec: InputSpec, opset: int | None, isolate: bool,
+                  stage: ExternalWrite | None) -> tuple[onnx.ModelProto, dict[str, str]]:
     """Export on the spec's named inputs (onnx_spec.py has the plan); returns the model and its metadata.
 
     The sequence length is tried dynamic first; a model that fails at a shorter length, or that
@@ -114,11 +148,11 @@ def _export_named(gm: torch.nn.Module, spec: InputSpec, opset: int | None, isola
     proto = None
     if groups and reason is None:
         try:
-            proto = run(gm, feeds, dynamic_dims(spec, True), opset)
+            proto = run(gm, feeds, dynamic_dims(spec, True), opset, stage)
         except ExportError as e:
             reason = f"with a dynamic sequence length, {e.message}"
     if proto is None:
-        proto = run(gm, feeds, dynamic_dims(spec, False), opset)
+        proto = run(gm, feeds, dynamic_dims(spec, False), opset, stage)
     exported = sorted(i.name for i in proto.graph.input)
     if exported != sorted(t.name for t in spec):
         raise ExportError(f"the exported model's inputs are {exported}, the input spec names {[t.name for t in spec]}",
@@ -183,19 +217,29 @@ def _root_cause(e: BaseException, lines: int = 1) -> str:
 
 
 PROTOBUF_LIMIT = 2 << 30  # bytes: one protobuf message, so one self-contained .onnx file, holds less than 2 GiB
+ONE_FILE_MAX = PROTOBUF_LIMIT - (256 << 20)  # weights up to here go in one file; the rest of the graph needs room too
 
 
-def _check_fits_one_file(gm: torch.nn.Module) -> None:
-    """ExportError before torch.onnx.export runs when the weights alone pass protobuf's 2 GiB: the export would
-    build the whole model (several times its weights in memory; 21 GiB for a 1 B-parameter decoder) and then fail."""
+def _wants_external(gm: torch.nn.Module, asked: bool | None, out_path: Path | None) -> bool:
+    """Whether the weights go to a data file: as asked, else when they pass ONE_FILE_MAX. Refused before
+    torch.onnx.export runs when they cannot go where asked (the export would build the whole model first)."""
     size = sum(t.numel() * t.element_size() for t in gm.state_dict().values())
-    if size >= PROTOBUF_LIMIT:
-        raise ExportError(f"the model's weights are {size / 2**30:.1f} GiB: a self-contained ONNX file holds less than "
-                          "2 GiB (protobuf's limit), and graphgrow does not write external data yet",
-                          "export a smaller model, or keep this one as a graphgrow file (.pt)")
+    external = asked if asked is not None else size >= ONE_FILE_MAX
+    if not external and size >= ONE_FILE_MAX:
+        raise ExportError(f"the model's weights are {size / 2**30:.2f} GiB: a self-contained ONNX file holds less than "
+                          "2 GiB (protobuf's limit) with its graph", "export with external data (--external-data)")
+    if external and out_path is None:
+        raise ExportError("an ONNX model with external data is written as two files, and no output path was given",
+                          "give an output path: NAME.onnx and NAME.onnx.data are written")
+    return external
 
 
-def _torch_export(gm: torch.nn.Module, x: torch.Tensor, opset: int | None) -> onnx.ModelProto:
+def _saved(program: Any, stage: ExternalWrite | None) -> onnx.ModelProto:
+    """The exported model as one proto, or (with external data) its weights written to the staged data file."""
+    return program.model_proto if stage is None else stage.save(program.model)
+
+
+def _torch_export(gm: torch.nn.Module, x: torch.Tensor, opset: int | None, stage: ExternalWrite | None) -> onnx.ModelProto:
     captured = io.StringIO()
     batch = torch.export.Dim("batch", min=1)
     try:
@@ -205,16 +249,16 @@ def _torch_export(gm: torch.nn.Module, x: torch.Tensor, opset: int | None) -> on
                 gm, (x,), dynamo=True, dynamic_shapes=({0: batch},), input_names=[INPUT_NAME],
                 opset_version=opset, optimize=True, verbose=False, report=False,
             )
-        return program.model_proto
     except Exception as e:
         raise ExportError(
             f"torch.onnx.export failed: {_root_cause(e)}",
             "an op in the model may have no ONNX equivalent; run with --debug for the full report",
         ) from e
+    return _saved(program, stage)
 
 
 def _torch_export_named(gm: torch.nn.Module, feeds: dict[str, torch.Tensor], dims: dict[str, dict[int, str]],
-                        opset: int | None) -> onnx.ModelProto:
+                        opset: int | None, stage: ExternalWrite | None) -> onnx.ModelProto:
     """torch.onnx.export on named inputs (passed by keyword), with named dynamic dimensions."""
     captured = io.StringIO()
     try:
@@ -222,10 +266,10 @@ def _torch_export_named(gm: torch.nn.Module, feeds: dict[str, torch.Tensor], dim
             warnings.simplefilter("ignore")
             program = torch.onnx.export(gm, (), kwargs=feeds, dynamo=True, dynamic_shapes=dims, opset_version=opset,
                                         optimize=True, verbose=False, report=False)
-        return program.model_proto
     except Exception as e:
         raise ExportError(f"torch.onnx.export failed: {_root_cause(e, lines=2)}",
                           "an op in the model may have no ONNX equivalent; run with --debug for the full report") from e
+    return _saved(program, stage)
 
 
 def _in_child(fn, *args) -> onnx.ModelProto:
@@ -330,65 +374,8 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
         raise LoadError(f"{p} is not a readable ONNX model: {first_line(e, 200)}", "pass a file written by graphgrow export") from e
     external = external_tensors(proto)
     if external:
-        raise LoadError(f"{p} keeps {len(external)} tensor(s) in external files ({external[0]}{', …' if len(external) > 1 else ''}); "
-                        "graphgrow reads self-contained ONNX files only",
-                        "export it again with graphgrow export (one self-contained file)")
+        check_external(proto, p, external)  # only NAME.onnx.data beside NAME.onnx, at the lengths the tensors need
     return proto
-
-
-MAX_GRAPH_DEPTH = 16  # If/Loop/Scan bodies nested deeper than this are refused (real models nest a few; protobuf stops near 30)
-
-
-def _names_external(t: onnx.TensorProto) -> bool:
-    """A tensor whose bytes live elsewhere: EXTERNAL, or any external_data entry at all (a DEFAULT tensor with
-    entries is malformed, and a runtime might still follow them)."""
-    return t.data_location == onnx.TensorProto.EXTERNAL or len(t.external_data) > 0
-
-
-def _sparse_external(s: onnx.SparseTensorProto) -> bool:
-    return _names_external(s.values) or _names_external(s.indices)
-
-
-def _show(name: str) -> str:
-    return repr(name[:80])
-
-
-def external_tensors(proto: onnx.ModelProto) -> list[str]:
-    """Where every tensor that names external data sits, anywhere in the model: initializers, sparse
-    initializers, node attributes (t, tensors, sparse_tensor(s)), If/Loop/Scan bodies at any depth up to
-    MAX_GRAPH_DEPTH, functions (their nodes and attribute defaults) and training graphs. External data names
-    a file (or memory) to read: a self-contained model has none."""
-    found: list[str] = []
-    graphs: list[tuple[onnx.GraphProto, str, int]] = [(proto.graph, "graph", 0)]
-    graphs += [(g, f"training graph {i}", 0) for i, info in enumerate(proto.training_info)
-               for g in (info.initialization, info.algorithm)]
-
-    def attributes(attrs, where: str, depth: int) -> None:
-        for a in attrs:
-            at = f"{where} attribute {_show(a.name)}"
-            if _names_external(a.t) or any(_names_external(t) for t in a.tensors):
-                found.append(at)
-            if _sparse_external(a.sparse_tensor) or any(_sparse_external(s) for s in a.sparse_tensors):
-                found.append(at)
-            graphs.extend((g, f"{at} subgraph", depth + 1) for g in [a.g, *a.graphs])
-
-    def nodes(ns, where: str, depth: int) -> None:
-        for n in ns:
-            attributes(n.attribute, f"{where} node {_show(n.name or n.op_type)}", depth)
-
-    for f in proto.functions:
-        where = f"function {_show(f.name)}"
-        attributes(f.attribute_proto, where, 0)
-        nodes(f.node, where, 0)
-    while graphs:
-        g, where, depth = graphs.pop()
-        if depth > MAX_GRAPH_DEPTH:
-            raise LoadError(f"the ONNX model nests subgraphs more than {MAX_GRAPH_DEPTH} deep ({where})",
-                            "the file is corrupted or hostile")
-        found += [f"{where} initializer {_show(t.name)}" for t in g.initializer if _names_external(t)]
-        found += [f"{where} sparse initializer {_show(s.values.name)}" for s in g.sparse_initializer if _sparse_external(s)]
-        nodes(g.node, where, depth)
-    return found
 
 
 def onnx_input_shape(proto) -> Shape | None:
@@ -436,10 +423,18 @@ def describe_onnx(path: str) -> dict:
         "inputs": [{"name": i.name, "shape": dims(i), "dtype": elem(i)} for i in proto.graph.input],
         "outputs": [{"name": o.name, "shape": dims(o), "dtype": elem(o)} for o in proto.graph.output],
         "nodes": len(proto.graph.node), "ops": dict(collections.Counter(n.op_type for n in proto.graph.node).most_common()),
-        "params": params, **_described_input(proto, meta),
+        "params": params, **_described_input(proto, meta), **_described_external(proto),
         "log": mutation_log(proto),
         "metadata": {k: v for k, v in meta.items() if k != LOG_KEY},
     }
+
+
+def _described_external(proto: onnx.ModelProto) -> dict:
+    """The data files beside the model and the bytes they hold (nothing for a self-contained file)."""
+    from .onnx_external import external_bytes, external_files
+
+    files = external_files(proto)
+    return {"external_data": {"files": files, "bytes": external_bytes(proto)}} if files else {}
 
 
 def _described_input(proto: onnx.ModelProto, meta: dict[str, str]) -> dict:

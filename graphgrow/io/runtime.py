@@ -4,8 +4,9 @@ Asking onnxruntime for CUDA where it cannot load silently gives the CPU provider
 with only a log line; graphgrow reads session.get_providers()[0] and says so.
 
 Every session is made from the model's bytes, with onnxruntime's external-data folder set to an
-empty temporary folder: a tensor that names external data (which graphgrow's reader refuses
-anyway) can resolve against neither the current folder nor the model's.
+empty temporary folder: a tensor that names external data can resolve against neither the current
+folder nor the model's. A model whose external data passed graphgrow's checks (load_onnx, or the
+export that wrote it) names its folder instead (`external_folder`).
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def max_ir_version() -> int:
 
 
 def open_session(model: bytes | str | os.PathLike, provider: Provider = "auto", threads: int | None = None,
-                 tf32: bool = False) -> Session:
+                 tf32: bool = False, external_folder: Path | None = None) -> Session:
     """An InferenceSession on the provider asked for; 'auto' takes CUDA only when it really loads.
 
     `tf32=False` turns TF32 off in the CUDA provider (it is on by default), as the
@@ -86,19 +87,37 @@ def open_session(model: bytes | str | os.PathLike, provider: Provider = "auto", 
     """
     state = ort.capi.onnxruntime_pybind11_state
     try:
-        return _open_session(model, provider, threads, tf32)
+        return _open_session(model, provider, threads, tf32, external_folder)
     except (state.NotImplemented, state.InvalidGraph, state.InvalidArgument, state.Fail) as e:
         raise RuntimeUnavailable(f"onnxruntime cannot load this model: {first_line(e, 200)}",
                                  "export float32 models for onnxruntime (model.float()); the ONNX file itself is valid") from e
 
 
-def _open_session(model: bytes | str | os.PathLike, provider: Provider, threads: int | None, tf32: bool) -> Session:
+def _open_session(model: bytes | str | os.PathLike, provider: Provider, threads: int | None, tf32: bool,
+                  external_folder: Path | None) -> Session:
     if provider not in ("auto", "cpu", "cuda"):
         raise RuntimeUnavailable(f"unknown provider '{provider}'", "use auto, cpu or cuda")
-    with _sealed_options() as opts:
+    src = model_bytes(model)
+    if external_folder is None and isinstance(model, (str, os.PathLike)):
+        external_folder = _external_folder(src, model)
+    with _sealed_options(external_folder) as opts:
         if threads:
             opts.intra_op_num_threads = threads
-        return _session_on(model_bytes(model), opts, provider, tf32)
+        return _session_on(src, opts, provider, tf32)
+
+
+def _external_folder(src: bytes, path: str | os.PathLike) -> Path | None:
+    """The folder a model file's external data is read from, once its entries passed graphgrow's checks
+    (only PATH.data beside PATH); None for a self-contained model, or bytes onnx cannot parse (onnxruntime says why)."""
+    import onnx
+
+    from .onnx_external import checked_folder
+
+    try:
+        proto = onnx.load_model_from_string(src)
+    except Exception:
+        return None
+    return checked_folder(proto, path)
 
 
 EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"  # kOrtSessionOptionsModelExternalInitializersFileFolderPath
@@ -110,13 +129,14 @@ def model_bytes(model: bytes | str | os.PathLike) -> bytes:
 
 
 @contextlib.contextmanager
-def _sealed_options() -> Iterator[ort.SessionOptions]:
-    """SessionOptions whose external-data folder is an empty temporary one for as long as sessions are made:
-    onnxruntime reads initializers when the session is created, so nothing can be found (defence in depth)."""
+def _sealed_options(external_folder: Path | None = None) -> Iterator[ort.SessionOptions]:
+    """SessionOptions whose external-data folder is `external_folder` (checked by the caller), else an empty
+    temporary one for as long as sessions are made: onnxruntime reads initializers when the session is
+    created, so nothing can be found (defence in depth)."""
     with tempfile.TemporaryDirectory(prefix="graphgrow-no-external-") as empty:
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        opts.add_session_config_entry(EXTERNAL_FOLDER_KEY, empty)
+        opts.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(external_folder) if external_folder else empty)
         yield opts
 
 
@@ -211,7 +231,7 @@ def optimized_op_counts(model: bytes | str | os.PathLike) -> dict[str, int]:
     return dict(collections.Counter(n.op_type for n in graph.node))
 
 
-def all_values(proto, x: np.ndarray | dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def all_values(proto, x: np.ndarray | dict[str, np.ndarray], external_folder: Path | None = None) -> dict[str, np.ndarray]:
     """Every node output of the ONNX model `proto` on input `x` (arrays by name for named inputs), on the CPU provider: each one is
     made a graph output of a copy (to find where a model first goes wrong)."""
     import copy
@@ -223,6 +243,6 @@ def all_values(proto, x: np.ndarray | dict[str, np.ndarray]) -> dict[str, np.nda
             if name and name not in outputs:
                 model.graph.output.add().name = name
                 outputs.add(name)
-    session = open_session(model.SerializeToString(), "cpu")
+    session = open_session(model.SerializeToString(), "cpu", external_folder=external_folder)
     names = [o.name for o in session.session.get_outputs()]
     return dict(zip(names, session.run(x)))

@@ -25,17 +25,22 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         raise outputs.write_error(path, e) from e
     try:
         write(tmp_path)
-        with open(tmp_path, "rb+") as f:
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; a saved model gets the modes any new file gets
+        settle(tmp_path)
         outputs.commit([(tmp_path, path)])
     except BaseException as e:
         outputs.discard(tmp_path)
         if outputs.is_write_error(e):
             raise outputs.write_error(path, e) from e
         raise
+
+
+def settle(staged: Path) -> None:
+    """A staged file on the disk for good (fsync), with the modes any new file gets (mkstemp makes 0600)."""
+    with open(staged, "rb+") as f:
+        os.fsync(f.fileno())
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staged, 0o666 & ~umask)
 
 
 def check_output_path(path: str | os.PathLike, inputs: tuple = ()) -> Path:

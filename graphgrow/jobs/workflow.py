@@ -203,17 +203,19 @@ def export_and_check(gm: fx.GraphModule, opened: OpenedModel, onnx_path: Path | 
                      progress: Progress, timings: dict) -> dict:
     from ..verify.equivalence import check_equivalence
     from ..io.export import export_onnx
+    from ..io.onnx_external import data_path, external_folder, external_initializers
     from ..io.runtime import max_ir_version, open_session
 
     progress("exporting to ONNX (torch.onnx.export, then the ONNX checker)")
     t = time.perf_counter()
     proto = export_onnx(gm, opened.input_shape, onnx_path, metadata=provenance(opened.loaded), max_ir_version=max_ir_version())
     timings["export"] = time.perf_counter() - t
-    result: dict = {"outputs": [str(onnx_path)] if onnx_path else []}
+    written = [onnx_path, data_path(onnx_path)] if onnx_path and external_initializers(proto) else [onnx_path]
+    result: dict = {"outputs": [str(p) for p in written if p]}
     if check:
         progress("checking onnxruntime against PyTorch")
         t = time.perf_counter()
-        session = open_session(proto.SerializeToString(), provider)
+        session = open_session(proto.SerializeToString(), provider, external_folder=external_folder(proto, onnx_path))
         grown = check_equivalence(gm, session, opened.input_shape, reference="grown model")
         original = check_equivalence(opened.loaded.module, session, opened.input_shape, reference="original model")
         timings["check"] = time.perf_counter() - t
@@ -323,9 +325,11 @@ def provenance(loaded: LoadedModel) -> dict[str, str]:
 
 def export(source: str, out: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
            progress: Progress = _noop, trace_mode: str = "eval", fold: bool = False, opset: int | None = None,
-           capture: str = "auto") -> dict:
-    """Export the model to ONNX; with `fold`, through the `fold` transform first (verified, logged)."""
+           capture: str = "auto", external_data: bool | None = None) -> dict:
+    """Export the model to ONNX; with `fold`, through the `fold` transform first (verified, logged);
+    `external_data` as export_onnx takes it."""
     from ..io.export import export_onnx, mutation_log
+    from ..io.onnx_external import data_path, external_initializers
     from ..io.runtime import max_ir_version
 
     out_path = check_output_path(out, inputs=(source,))
@@ -342,8 +346,9 @@ def export(source: str, out: str, input_shape=None, trust: bool = False, leaves:
     progress("exporting to ONNX (torch.onnx.export, then the ONNX checker)")
     t = time.perf_counter()
     proto = export_onnx(gm, opened.input_shape, out_path, metadata=provenance(opened.loaded),
-                        max_ir_version=max_ir_version(), opset=opset)
-    return {"model": source, **shape_report(opened.input_shape), "outputs": [str(out_path)],
+                        max_ir_version=max_ir_version(), opset=opset, external_data=external_data)
+    written = [out_path, data_path(out_path)] if external_initializers(proto) else [out_path]
+    return {"model": source, **shape_report(opened.input_shape), "outputs": [str(p) for p in written],
             "fold": folded.to_json() if folded is not None else None,
             "ir_version": proto.ir_version, "opset": [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")][:1],
             "log": mutation_log(proto),
@@ -363,6 +368,7 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
     it is refused."""
     from ..verify.equivalence import check_equivalence
     from ..io.export import SOURCE_KEY, load_onnx, metadata, onnx_factory_seed, onnx_input_shape
+    from ..io.onnx_external import external_folder
     from ..io.runtime import open_session
 
     proto = load_onnx(onnx_file)
@@ -379,14 +385,15 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
         factory_seed = recorded
     opened = open_model(source, shape, trust, leaves, progress, trace_mode, factory_seed=factory_seed, capture=capture)
     progress("checking onnxruntime against PyTorch")
-    session = open_session(proto.SerializeToString(), provider)  # the bytes that were checked, not the path again
+    folder = external_folder(proto, onnx_file)  # load_onnx checked every location against it
+    session = open_session(proto.SerializeToString(), provider, external_folder=folder)  # the bytes that were checked
     report = check_equivalence(opened.gm, session, opened.input_shape, reference=source, rtol=rtol, atol=atol)
     out: dict = {"onnx": str(onnx_file), "model": source, "equivalence": report.to_json()}
     if not report.passed:
         from ..verify.equivalence import first_divergence
 
         progress("finding the first ONNX node whose output diverges")
-        out["first_divergence"] = first_divergence(opened.gm, proto, opened.input_shape, report.rtol, report.atol)
+        out["first_divergence"] = first_divergence(opened.gm, proto, opened.input_shape, report.rtol, report.atol, folder)
     if is_factory_name(source):
         out["factory_seed"] = factory_seed
     if meta.get(SOURCE_KEY) not in (None, source):

@@ -183,7 +183,8 @@ def _reference(out: Any, session: Session, label: str, by_name: bool) -> list[tu
     return list(zip(names, refs))
 
 
-def first_divergence(model: torch.nn.Module, proto, input_shape: Shape, rtol: float, atol: float) -> dict | None:
+def first_divergence(model: torch.nn.Module, proto, input_shape: Shape, rtol: float, atol: float,
+                     external_folder=None) -> dict | None:
     """The first module, in the ONNX graph's order, whose output differs between onnxruntime (CPU)
     and PyTorch on the seed-0 input: the last ONNX node of each module's scope is that module's output.
     None when every module output that can be compared agrees."""
@@ -206,7 +207,7 @@ def first_divergence(model: torch.nn.Module, proto, input_shape: Shape, rtol: fl
     finally:
         for h in hooks:
             h.remove()
-    values = all_values(proto, feeds(x))
+    values = all_values(proto, feeds(x), external_folder)
     last: dict[str, object] = {}
     for node in proto.graph.node:
         path = node_module(node)
