@@ -19,6 +19,8 @@ from ..core.errors import NotApplicable, PreservationError, ValidationError
 from ..graph.shapes import example_input
 from ..graph.inputs import Shape, call
 from ..core.state import dropout_off, preserved_buffers, seeded, training_mode
+from . import gradient_sink
+from .gradient_sink import gradient_bytes, GradientSink, restore_rng, rng_state
 from .zero_factor import ZeroFactors, new_region as _new_region
 
 REL_TOL = 1e-5
@@ -160,7 +162,8 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
     (PreservationError). Only the parameters under test require grad, so backward
     stops where they end; when nothing gets a gradient at first (a zero-initialised
     head, as in torchvision's ViT) every parameter trains, as it would in real
-    training. `new` is restored exactly afterwards.
+    training. `new` is restored exactly afterwards. Large step-0 gradients are read as backward makes them
+    and freed (gradient_sink.py): step 0 runs again, keeping them, only when an SGD step must follow.
     """
     if not new_params:
         return {}, [], []
@@ -191,7 +194,7 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
     blocking = {n for n, p in params.items() if n not in new_params and p.dim() >= 2 and not p.detach().any()}
     try:
         with training_mode(new, True), dropout_off(new), preserved_buffers(new), seeded(seed):
-            step, last_step, had = -1, steps, 0
+            step, last_step, had, again = -1, steps, 0, False
             while step < last_step:
                 step += 1
                 watched = set(params) if train_all else ({n for n in new_params if n not in got} | set(upstream) | blocking
@@ -199,15 +202,26 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                 for n, p in params.items():
                     p.requires_grad_(n in watched)
                     p.grad = None
+                # not when the model's own zero weights block gradients: SGD steps follow, step 0 would run twice
+                lean = (step == 0 and not again and not blocking
+                        and gradient_bytes(params, watched) >= gradient_sink.LEAN_BYTES)
+                start = rng_state() if lean else None
                 with ZeroFactors(new, new_params, params, enabled=len(got) < len(new_params)) as factors:
                     out = factors.forward(x)
-                if step == 0 and first_output is not None:
+                if step == 0 and first_output is not None and not again:
                     first_output(out)
                 outs = [t for t in flat_tensors(out) if t.is_floating_point()]
                 if proj is None:
                     g = torch.Generator().manual_seed(seed + 2)
                     proj = [torch.randn(t.shape, generator=g).to(t) for t in outs]
                 loss = torch.stack([(t * r).sum() for t, r in zip(outs, proj)]).sum() if outs else torch.zeros(())
+                del out, outs
+                if lean:  # the zero factors' own gradients stay: the argument for step 1 needs them
+                    if _settled_lean(params, watched, new_params, factors, loss, got):
+                        break
+                    restore_rng(start)  # an SGD step follows and needs every gradient: step 0 again, keeping them
+                    step, again = -1, True
+                    continue
                 if loss.requires_grad:
                     loss.backward(retain_graph=factors.kept)
                 with torch.no_grad():
@@ -255,6 +269,29 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                 p.requires_grad_(saved_flags[n])
     dead = [n for n in new_params if n not in got and n not in cancelled]
     return got, dead, cancelled
+
+
+def _settled_lean(params: dict, watched: set[str], new_params: dict, factors: ZeroFactors, loss: torch.Tensor,
+                  got: dict[str, int]) -> bool:
+    """Step 0's backward with each gradient read and freed as it comes; True (and `got` filled) when every new
+    parameter gets a gradient at once or, by the zero-factor argument, at step 1, so no SGD step is needed."""
+    old_shapes = {n: old for n, (old, _) in new_params.items()}
+    sink = GradientSink(params, watched, old_shapes, keep=set(factors.layers) | set(factors.gates))
+    try:
+        if loss.requires_grad:
+            loss.backward(retain_graph=factors.kept)
+    finally:
+        sink.remove()
+    found = {n: 0 for n in new_params if n in sink.reached}
+    with torch.no_grad():
+        if factors.kept:
+            found.update(factors.argue(params, found, 0))
+    for p in params.values():
+        p.grad = None
+    if len(found) < len(new_params):
+        return False
+    got.update(found)
+    return True
 
 
 def _has_grad(p: torch.Tensor) -> bool:

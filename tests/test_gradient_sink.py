@@ -1,0 +1,106 @@
+"""The trainability check reads large step-0 gradients as backward makes them and frees them (issue 27: grow_hidden's
+verification held one gradient per weight, 3.2x the grown weights at 1 B parameters). The same answers either way;
+step 0 runs again, keeping the gradients, only when an SGD step must follow (a model whose own zero head blocks
+every gradient at first); and while backward runs, no more than the zero factors' gradients are alive at once."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import graphgrow as gg
+from graphgrow.verify import gradient_sink, preserve
+from graphgrow.verify.gradient_sink import GradientSink
+from conftest import small_cnn
+
+SHAPE = (1, 3, 16, 16)
+SETTLE = preserve._settled_lean
+
+
+def zero_head_cnn() -> nn.Module:
+    """A classifier whose own head starts at zero (as torchvision's ViT): the lean step 0 is not tried (SGD steps
+    will follow, and it would run twice)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    nn.init.zeros_(m[-1].weight)
+    return m
+
+
+class Gated(nn.Module):
+    """features → a zero gate multiplied in → classifier: nothing before the gate gets a gradient at step 0, so
+    SGD steps must follow."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        self.gate = nn.Parameter(torch.zeros(8))  # one-dimensional: not a zero weight the check watches at step 0
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        return self.head(self.features(x) * self.gate.view(1, 8, 1, 1))
+
+
+def pixel_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+
+
+CASES = {"deepen": (small_cnn, "deepen"), "grow_width": (small_cnn, "grow_width"),
+         "insert_adapter": (small_cnn, "insert_adapter"), "blocked by its own zero head": (zero_head_cnn, "deepen"), "gated": (Gated, "deepen(after=features.1)"),
+         "deepen an MLP": (pixel_mlp, "deepen")}
+
+
+def _run(build, spec: str, lean_bytes: int, monkeypatch) -> tuple[dict, list[bool]]:
+    """The preservation report's trainability answers, and what each lean step 0 decided (settled or not)."""
+    decisions: list[bool] = []
+
+    def recorded(*args, **kw):
+        decisions.append(SETTLE(*args, **kw))
+        return decisions[-1]
+
+    monkeypatch.setattr(gradient_sink, "LEAN_BYTES", lean_bytes)
+    monkeypatch.setattr(preserve, "_settled_lean", recorded)
+    gm = gg.trace(build().eval(), SHAPE)
+    report = gg.Pipeline.from_spec(spec).run(gm).results[0].preservation
+    assert report is not None
+    return {"trainable": report.trainable, "dead": report.dead, "cancelled": report.cancelled}, decisions
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_reading_gradients_as_they_come_gives_the_same_answers(case, monkeypatch):
+    build, spec = CASES[case]
+    held, never = _run(build, spec, 1 << 62, monkeypatch)
+    lean, decisions = _run(build, spec, 0, monkeypatch)
+    assert never == [], "the lean step runs only past LEAN_BYTES"
+    assert lean == held
+    assert held["trainable"] and not held["dead"]
+    if case == "blocked by its own zero head":
+        assert decisions == []  # SGD steps follow anyway: step 0 is not run twice
+    elif case == "gated":
+        assert decisions == [False]  # an SGD step had to follow: step 0 ran again with its gradients kept
+        assert max(held["trainable"].values()) >= 1
+    else:
+        assert decisions[0] is True  # settled at step 0 (directly or by the zero-factor argument): no SGD step
+
+
+def test_while_backward_runs_only_the_kept_gradients_are_alive(monkeypatch):
+    """After every gradient a hook of its own, counting the parameters that still hold one: never more than the zero
+    factors kept for the step-1 argument (without the sink, all watched ones are alive at the end)."""
+    alive: list[int] = []
+    sizes: list[tuple[int, int]] = []
+    init = GradientSink.__init__
+
+    def counting(self, params, watched, old_shapes, keep):
+        init(self, params, watched, old_shapes, keep)
+        sizes.append((len(watched), len(keep & watched)))
+        for n in watched:
+            self.handles.append(params[n].register_post_accumulate_grad_hook(
+                lambda p: alive.append(sum(q.grad is not None for q in params.values()))))
+
+    monkeypatch.setattr(GradientSink, "__init__", counting)
+    _run(small_cnn, "deepen", 0, monkeypatch)
+    (watched, kept), = sizes
+    assert watched > kept + 1 and alive
+    assert max(alive) <= kept
