@@ -69,5 +69,5 @@ def test_tensors_in_external_files_are_refused(exported, tmp_path):
               location="weights.bin", size_threshold=0)
     for run in (lambda: workflow.check(str(tmp_path / "ext.onnx"), str(exported / "m.pt")),
                 lambda: workflow.inspect(str(tmp_path / "ext.onnx"))):
-        with pytest.raises(LoadError, match="only from ext.onnx.data beside it"):
+        with pytest.raises(LoadError, match="only from 'ext.onnx.data' beside it"):
             run()

@@ -69,6 +69,9 @@ def export_onnx(
     """
     start = time.perf_counter()
     out_path = check_output_path(path) if path is not None else None
+    if out_path is not None and not _utf8(out_path.name):
+        raise ExportError(f"the output name {out_path.name!r} is not UTF-8: ONNX stores names as UTF-8 text",
+                          "choose an output name in UTF-8")
     stage = None
     if _wants_external(gm, external_data, out_path):
         check_output_path(data_path(out_path))  # type: ignore[arg-type]
@@ -232,6 +235,14 @@ def _wants_external(gm: torch.nn.Module, asked: bool | None, out_path: Path | No
         raise ExportError("an ONNX model with external data is written as two files, and no output path was given",
                           "give an output path: NAME.onnx and NAME.onnx.data are written")
     return external
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")  # a name read from bytes that are not UTF-8 holds surrogates (os.fsdecode)
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _saved(program: Any, stage: ExternalWrite | None) -> onnx.ModelProto:

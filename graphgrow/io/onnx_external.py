@@ -2,10 +2,11 @@
 the only form in which it reads them back.
 
 An export with external data is two files side by side: `NAME.onnx` (the graph, small) and
-`NAME.onnx.data` (every initializer over 256 bytes, 64 KiB-aligned so onnxruntime can map them), the
-names torch.onnx uses too. A file's external-data entries name other files to read, so no name read
-from a file chooses what is read: a model file NAME.onnx may keep initializers only in NAME.onnx.data
-beside it (a regular file, not a link out of the folder), at offsets and lengths inside that file and
+`NAME.onnx.data` (every initializer over 256 bytes; those past 1 MiB 64 KiB-aligned, so onnxruntime can
+map them), the names torch.onnx uses too. A file's external-data entries name other files to read, so no
+name read from a file chooses what is read: a model file NAME.onnx may keep initializers only in
+NAME.onnx.data beside it (a regular file, not a link: graphgrow never writes one, and a link could lead
+anywhere below the folder), at offsets and lengths inside that file and
 of the size each tensor's shape and type need; never in attributes, subgraphs, functions or sparse
 tensors, which graphgrow does not write.
 """
@@ -14,18 +15,19 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import onnx
 
-from ..core.errors import LoadError
+from ..core.errors import first_line, LoadError
 from . import outputs
 
 DATA_SUFFIX = ".data"
 KEYS = ("location", "offset", "length", "checksum")
-_DIGITS = re.compile(r"\d{1,19}")
+_DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII only: re's \d takes any script's digits, which int() reads and onnxruntime refuses
 _T = onnx.TensorProto
 ITEM_BYTES = {_T.FLOAT: 4, _T.DOUBLE: 8, _T.FLOAT16: 2, _T.BFLOAT16: 2, _T.INT8: 1, _T.UINT8: 1, _T.INT16: 2,
               _T.UINT16: 2, _T.INT32: 4, _T.UINT32: 4, _T.INT64: 8, _T.UINT64: 8, _T.BOOL: 1}
@@ -143,7 +145,10 @@ def check_external(proto: onnx.ModelProto, onnx_path: Path, everywhere: list[str
         raise LoadError(f"{onnx_path} keeps a tensor in an external file outside the main graph's initializers ({where}); "
                         "graphgrow reads external data only for initializers",
                         "export it again with graphgrow export")
-    real = onnx_path.resolve()  # a link to the model: its data lies beside the file linked to
+    try:
+        real = onnx_path.resolve(strict=True)  # a link to the model: its data lies beside the file linked to
+    except (OSError, RuntimeError) as e:  # RuntimeError: a link loop (Python 3.11)
+        raise LoadError(f"cannot find where {str(onnx_path)[:120]!r} lies: {first_line(e)}", "open the model file itself") from None
     root, expected = real.parent, data_path(real).name
     sizes: dict[Path, int] = {}
     for t in own:
@@ -175,17 +180,22 @@ def _entries(t: onnx.TensorProto, name: str) -> dict[str, str]:
 
 def _inside(root: Path, location: str | None, expected: str, name: str) -> Path:
     """The data file, refused unless `location` is `expected` (the model file's name plus .data) and it is a
-    regular file in `root` (a link may not lead out of it)."""
+    regular file in `root` (`root` is resolved already, so only the file itself could be a link)."""
     if location != expected:
         raise LoadError(f"{name} names the external file {(location or '')[:80]!r}; graphgrow reads a model's external "
-                        f"data only from {expected} beside it",
-                        f"keep the weights in {expected} (graphgrow export writes them so), or export the model again")
-    target = (root / location).resolve()
-    if not target.is_relative_to(root):
-        raise LoadError(f"{name}'s external file {location[:80]!r} is a link out of the model's folder",
-                        "graphgrow reads external data only from files beside the model")
-    if not target.is_file():
-        raise LoadError(f"{name}'s external file {location[:80]!r} is missing from {root} or not a regular file",
+                        f"data only from {expected[:80]!r} beside it",
+                        f"keep the weights in {expected[:80]!r} (graphgrow export writes them so), or export the model again")
+    target = root / expected
+    try:
+        st = os.lstat(target)
+    except OSError as e:  # missing, or a name too long for the file system
+        raise LoadError(f"{name}'s external file {expected[:80]!r} cannot be read beside the model: {e.strerror or e}",
+                        "keep NAME.onnx.data beside NAME.onnx (move and copy them together)") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise LoadError(f"{name}'s external file {expected[:80]!r} is a link",
+                        "graphgrow reads external data only from a regular file beside the model (copy it there)")
+    if not stat.S_ISREG(st.st_mode):
+        raise LoadError(f"{name}'s external file {expected[:80]!r} is not a regular file",
                         "keep NAME.onnx.data beside NAME.onnx (move and copy them together)")
     return target
 

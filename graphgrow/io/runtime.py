@@ -125,7 +125,11 @@ EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"  # 
 
 def model_bytes(model: bytes | str | os.PathLike) -> bytes:
     """The model as bytes: onnxruntime given a path resolves external data against the path's folder."""
-    return Path(model).read_bytes() if isinstance(model, (str, os.PathLike)) else bytes(model)
+    if not isinstance(model, (str, os.PathLike)):
+        return bytes(model)
+    if not Path(model).is_file():  # a pipe would block, a device would never end
+        raise InputError(f"{str(model)[:200]!r} is not a regular file", "give the path of an .onnx file")
+    return Path(model).read_bytes()
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ from typing import Callable
 from torch import fx
 
 from . import serialize
-from ..core.errors import SaveError
+from ..core.errors import first_line, SaveError
 from .factory import is_factory_name
 
 
@@ -46,9 +46,17 @@ def settle(staged: Path) -> None:
 def check_output_path(path: str | os.PathLike, inputs: tuple = ()) -> Path:
     """Refuse outputs over an input, into missing or read-only folders, or spelled like another run's
     staging file (the next run would remove it). Returns the path."""
+    out = Path(path)
+    try:
+        return _checked_output(out, inputs)
+    except OSError as e:  # a name too long for the file system, a link loop, an unreadable folder
+        raise SaveError(f"output {str(out)[:200]!r} cannot be written: {e.strerror or first_line(e)}",
+                        "choose another output path") from None
+
+
+def _checked_output(out: Path, inputs: tuple) -> Path:
     from . import outputs
 
-    out = Path(path)
     if outputs.is_staging_name(out.name) and not outputs.is_own_staging(out):
         raise SaveError(f"output {out} is named like a graphgrow staging file (.NAME.gg-PID-….part), which a later run "
                         "may remove", "choose another output name")
