@@ -77,8 +77,8 @@ def export_onnx(
         check_output_path(data_path(out_path))  # type: ignore[arg-type]
         stage = ExternalWrite.stage(out_path)  # type: ignore[arg-type]
     try:
-        proto, t_export = _exported(gm, input_shape, opset, isolate, stage)
-        _finish(gm, proto, input_shape, max_ir_version, metadata)
+        proto, props, t_export = _exported(gm, input_shape, opset, isolate, stage)
+        _finish(gm, proto, input_shape, max_ir_version, {**props, **(metadata or {})})
         if stage is not None:
             stage.finish(proto, check_proto)
         elif out_path is None:
@@ -99,8 +99,9 @@ def export_onnx(
 
 
 def _exported(gm: torch.nn.Module, input_shape: Shape, opset: int | None, isolate: bool,
-              stage: ExternalWrite | None) -> tuple[onnx.ModelProto, float]:
-    """torch.onnx.export on the example input or the spec's named inputs; the model and the seconds it took."""
+              stage: ExternalWrite | None) -> tuple[onnx.ModelProto, dict[str, str], float]:
+    """torch.onnx.export on the example input or the spec's named inputs; the model, the metadata the export
+    adds (the input spec) and the seconds it took."""
     t_export = time.perf_counter()
     if is_spec(input_shape):
         proto, props = _export_named(gm, input_shape, opset, isolate, stage)  # type: ignore[arg-type]
@@ -110,26 +111,23 @@ def _exported(gm: torch.nn.Module, input_shape: Shape, opset: int | None, isolat
         proto = _in_child(_torch_export, gm, x, opset, stage) if isolate else _torch_export(gm, x, opset, stage)
         name_dict_outputs(gm, proto)
         props = {}
-    for k, v in props.items():
-        entry = proto.metadata_props.add()
-        entry.key, entry.value = k, v
-    return proto, time.perf_counter() - t_export
+    return proto, props, time.perf_counter() - t_export
 
 
 def _finish(gm: torch.nn.Module, proto: onnx.ModelProto, input_shape: Shape, max_ir_version: int | None,
-            metadata: dict[str, str] | None) -> None:
-    """The IR version clamped, nodes named after their modules, graphgrow's metadata (log, origin, input shape)."""
+            props: dict[str, str]) -> None:
+    """The IR version clamped, nodes named after their modules, `props` and graphgrow's metadata (log, origin,
+    input shape) added to the model's."""
     if max_ir_version is not None and proto.ir_version > max_ir_version:
         proto.ir_version = max_ir_version
     name_nodes(proto)
-    props = {p.key: p.value for p in proto.metadata_props} | (metadata or {})
+    props = dict(props)
     info = gm.meta.get("graphgrow", {}) if isinstance(gm, fx.GraphModule) else {}
     props.setdefault(LOG_KEY, json.dumps(info.get("log", [])))
     origin = origin_of(gm) if info else None  # info only when gm is a graphgrow GraphModule
     if origin:
         props.setdefault(ORIGIN_KEY, origin)
     props.setdefault(INPUT_SHAPE_KEY, json.dumps(list(input_shape[0].shape) if is_spec(input_shape) else list(input_shape)))  # type: ignore[union-attr]
-    del proto.metadata_props[:]
     for k, v in props.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = k, v

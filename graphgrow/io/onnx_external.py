@@ -29,7 +29,7 @@ DATA_SUFFIX = ".data"
 KEYS = ("location", "offset", "length", "checksum")
 _DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII only: re's \d takes any script's digits, which int() reads and onnxruntime refuses
 _T = onnx.TensorProto
-ITEM_BYTES = {_T.FLOAT: 4, _T.DOUBLE: 8, _T.FLOAT16: 2, _T.BFLOAT16: 2, _T.INT8: 1, _T.UINT8: 1, _T.INT16: 2,
+ITEM_BYTES: dict[int, int] = {_T.FLOAT: 4, _T.DOUBLE: 8, _T.FLOAT16: 2, _T.BFLOAT16: 2, _T.INT8: 1, _T.UINT8: 1, _T.INT16: 2,
               _T.UINT16: 2, _T.INT32: 4, _T.UINT32: 4, _T.INT64: 8, _T.UINT64: 8, _T.BOOL: 1}
 
 
@@ -112,6 +112,11 @@ def external_bytes(proto: onnx.ModelProto) -> int:
 
 def external_files(proto: onnx.ModelProto) -> list[str]:
     return sorted({_entries(t, "?").get("location", "") for t in external_initializers(proto)})
+
+
+def written(proto: onnx.ModelProto, onnx_path: Path) -> list[Path]:
+    """The files an export of `proto` to `onnx_path` wrote: the model, and its data file when it has one."""
+    return [onnx_path, data_path(onnx_path)] if external_initializers(proto) else [onnx_path]
 
 
 def external_folder(proto: onnx.ModelProto, onnx_path: str | os.PathLike | None) -> Path | None:
@@ -211,7 +216,7 @@ def _number(entries: dict[str, str], key: str, name: str) -> int | None:
 
 
 def _tensor_bytes(t: onnx.TensorProto, name: str) -> int:
-    item = ITEM_BYTES.get(onnx.TensorProto.DataType.ValueType(t.data_type))
+    item = ITEM_BYTES.get(t.data_type)
     if item is None:
         raise LoadError(f"{name} keeps a tensor of type {t.data_type} in external data, which graphgrow does not read",
                         "the file is corrupted or hostile")

@@ -108,11 +108,15 @@ def _open_session(model: bytes | str | os.PathLike, provider: Provider, threads:
 
 def _external_folder(src: bytes, path: str | os.PathLike) -> Path | None:
     """The folder a model file's external data is read from, once its entries passed graphgrow's checks
-    (only PATH.data beside PATH); None for a self-contained model, or bytes onnx cannot parse (onnxruntime says why)."""
+    (only PATH.data beside PATH); None for a self-contained model, or bytes onnx cannot parse (onnxruntime says why).
+    Bytes without an external-data `location` key are not parsed (a large self-contained file would be, for nothing):
+    a session without a folder finds no external data anyway."""
     import onnx
 
     from .onnx_external import checked_folder
 
+    if b"location" not in src:
+        return None
     try:
         proto = onnx.load_model_from_string(src)
     except Exception:

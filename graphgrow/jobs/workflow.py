@@ -203,15 +203,14 @@ def export_and_check(gm: fx.GraphModule, opened: OpenedModel, onnx_path: Path | 
                      progress: Progress, timings: dict) -> dict:
     from ..verify.equivalence import check_equivalence
     from ..io.export import export_onnx
-    from ..io.onnx_external import data_path, external_folder, external_initializers
+    from ..io.onnx_external import external_folder, written
     from ..io.runtime import max_ir_version, open_session
 
     progress("exporting to ONNX (torch.onnx.export, then the ONNX checker)")
     t = time.perf_counter()
     proto = export_onnx(gm, opened.input_shape, onnx_path, metadata=provenance(opened.loaded), max_ir_version=max_ir_version())
     timings["export"] = time.perf_counter() - t
-    written = [onnx_path, data_path(onnx_path)] if onnx_path and external_initializers(proto) else [onnx_path]
-    result: dict = {"outputs": [str(p) for p in written if p]}
+    result: dict = {"outputs": [str(p) for p in written(proto, onnx_path)] if onnx_path else []}
     if check:
         progress("checking onnxruntime against PyTorch")
         t = time.perf_counter()
@@ -329,7 +328,7 @@ def export(source: str, out: str, input_shape=None, trust: bool = False, leaves:
     """Export the model to ONNX; with `fold`, through the `fold` transform first (verified, logged);
     `external_data` as export_onnx takes it."""
     from ..io.export import export_onnx, mutation_log
-    from ..io.onnx_external import data_path, external_initializers
+    from ..io.onnx_external import written
     from ..io.runtime import max_ir_version
 
     out_path = check_output_path(out, inputs=(source,))
@@ -347,8 +346,7 @@ def export(source: str, out: str, input_shape=None, trust: bool = False, leaves:
     t = time.perf_counter()
     proto = export_onnx(gm, opened.input_shape, out_path, metadata=provenance(opened.loaded),
                         max_ir_version=max_ir_version(), opset=opset, external_data=external_data)
-    written = [out_path, data_path(out_path)] if external_initializers(proto) else [out_path]
-    return {"model": source, **shape_report(opened.input_shape), "outputs": [str(p) for p in written],
+    return {"model": source, **shape_report(opened.input_shape), "outputs": [str(p) for p in written(proto, out_path)],
             "fold": folded.to_json() if folded is not None else None,
             "ir_version": proto.ir_version, "opset": [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")][:1],
             "log": mutation_log(proto),
