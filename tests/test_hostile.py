@@ -660,25 +660,17 @@ def test_the_estimate_covers_a_batch_larger_than_verifications(tmp_path):
     assert run_cli("inspect", str(src), "--input-shape", "2,3,64,64", "--max-memory", "32M", cwd=tmp_path).returncode == 0
 
 
-def test_a_pass_that_cannot_be_sized_is_refused_unless_both_limits_are_lifted(cnn):
-    from graphgrow.analysis.budget import NO_LIMIT, Limits, check_budget
+def test_a_grown_model_that_cannot_be_sized_is_refused_unless_the_memory_limit_is_lifted(cnn):
+    from graphgrow.analysis.budget import NO_LIMIT, Limits, check_grown
 
     gm = gg.trace(cnn, (1, 3, 32, 32))
-
-    def meta_fails(m):
-        raise RuntimeError("needs real tensors")
-
-    with pytest.raises(gg.NotApplicable, match=r"cannot be sized before it runs.*needs real tensors"):
-        check_budget("p", meta_fails, gm, (1, 3, 32, 32), Limits(max_memory=NO_LIMIT))
-    assert "limits lifted" in check_budget("p", meta_fails, gm, (1, 3, 32, 32), Limits(NO_LIMIT, NO_LIMIT))
-
-    def grows_data_dependent(m):
-        out = gg.trace(NeedsData(), (1, 4))
-        return out
-
+    grown = gg.trace(NeedsData(), (1, 4))  # what a pass might make: it reads a number from the data
     with pytest.raises(gg.ValidationError, match=r"the model p would make cannot be sized: node 'item' .* on the meta device"):
-        check_budget("p", grows_data_dependent, gm, (1, 4), Limits())
-    assert check_budget("p", grows_data_dependent, gm, (1, 4), Limits(max_memory=NO_LIMIT)) is None
+        check_grown("p", gm, grown, (1, 4), Limits())
+    before = {k: v.data_ptr() for k, v in grown.state_dict().items()}
+    check_grown("p", gm, grown, (1, 4), Limits(max_memory=NO_LIMIT))
+    assert {k: v.data_ptr() for k, v in grown.state_dict().items()} == before  # the meta-device estimate put them back
+    assert all(not t.is_meta for t in grown.state_dict().values())
 
 
 def test_meta_estimates_cover_tensor_constants_and_leaves_that_make_tensors():

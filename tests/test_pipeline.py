@@ -178,10 +178,37 @@ class _BakesBatch(gg.Pass):
         return Rewrite(finish(gm))
 
 
+@_register
+@dataclass(frozen=True)
+class _MixesExamples(gg.Pass):
+    """Rolls the outputs along the batch: each example gets its neighbour's (the same at batch 1)."""
+
+    name: ClassVar[str] = "test_mixes_examples"
+
+    def apply(self, gm, generator):
+        gm = copy_graph_module(gm)
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        last = out.args[0]
+        with inserting_after(last):
+            v = gm.graph.call_method("roll", (last, 1, 0))
+        replace_uses(last, v, keep=[v])
+        return Rewrite(finish(gm))
+
+
 def _mlp_gm():
     from conftest import mlp
 
     return gg.trace(mlp(), (1, 20))
+
+
+@pytest.mark.parametrize("examples", [1, 2])
+def test_a_pass_that_mixes_the_examples_of_a_batch_is_refused(examples):
+    # at example batch 1 the annotation's run is verification's second batch size; at 2, batch 3 is run
+    from conftest import mlp
+
+    gm = gg.trace(mlp(), (examples, 20))
+    with pytest.raises(gg.ValidationError, match="examples in a batch influence each other"):
+        gg.Pipeline.from_spec("test_mixes_examples").run(gm)
 
 
 @pytest.mark.parametrize("spec, error, message", [

@@ -1,17 +1,20 @@
-"""How much a pass may add, estimated before anything real is allocated.
+"""How much a pass may add, checked before it is allocated.
 
-A pass first runs on a meta-device copy of the model (shapes, no storage): the parameters
-it would add and the activation memory the grown model would need for verification are
-counted there, and the real pass runs only when both are within the limits. The
-defaults keep a typo (`factor=1e9`, `count=100000`) from allocating for minutes; raise
-them with `--max-params` / `--max-memory` (Python: `Pipeline(..., limits=Limits(...))`).
+A pass runs once, for real, under an allocation guard (allocation.py): the allocation that would take
+what the pass holds past `--max-memory` is refused before it happens. The grown model is then sized
+before anything else runs on it: the parameters it added (`--max-params`), and what verification
+will allocate (its activations at the largest batch, estimated on the meta device, and the
+trainability check's gradients) plus the new weights. The defaults keep a typo or a growth far too
+large from allocating for minutes; raise them with `--max-params` / `--max-memory` (Python:
+`Pipeline(..., limits=Limits(...))`).
 
-Fail closed: where no estimate can be made (a graph the meta device cannot run, a pass that
-cannot dry-run), the command is refused with the reason unless the user lifted the limit
-explicitly (`--max-memory none`, `--max-params none`: NO_LIMIT); nothing real is run unbounded.
+Fail closed: where no estimate can be made (a grown model the meta device cannot run), the command is
+refused with the reason unless the user lifted the limit explicitly (`--max-memory none`,
+`--max-params none`: NO_LIMIT); nothing real is run unbounded.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
 import re
@@ -22,6 +25,7 @@ import torch
 from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .allocation import AllocationGuard
 from ..graph.inputs import batch_of, DTYPES, is_spec, Shape
 from ..core.errors import first_line, InputError, NotApplicable, ValidationError
 from ..graph.fx_edit import new_parameters, upstream_parameters
@@ -49,6 +53,10 @@ def set_max_memory(text: str | int | None) -> None:
 class Limits:
     max_new_params: int = DEFAULT_MAX_NEW_PARAMS
     max_memory: int = field(default_factory=default_max_memory)
+
+    @classmethod
+    def lifted(cls) -> "Limits":
+        return cls(NO_LIMIT, NO_LIMIT)
 
 
 BYTE_SIZES = ("--max-memory", "--max-load")  # sizes in bytes count in powers of 1024
@@ -283,7 +291,8 @@ class PassMemory:
 
 def pass_memory(gm: fx.GraphModule, grown: fx.GraphModule, input_shape: Shape, share: bool = False,
                 activations: int | None = None) -> PassMemory:
-    """PassMemory of `grown` (a meta-device dry run) made from `gm`. A parameter counts as rebuilt when its name is new
+    """PassMemory of `grown` made from `gm` (`activations`: already estimated on the meta device; without them
+    `grown` must be a meta-device dry run's result). A parameter counts as rebuilt when its name is new
     or its shape changed (a pass that rewrites values in place of the same shape is not seen: none of the built-in
     ones does). NoEstimate when the grown model cannot run on the meta device."""
     old = {name: tuple(p.shape) for name, p in gm.named_parameters()}
@@ -305,46 +314,86 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def check_budget(name: str, apply: Callable[[fx.GraphModule], fx.GraphModule], gm: fx.GraphModule,
-                 input_shape: Shape, limits: Limits, share: bool = False) -> str | None:
-    """Dry-run `apply` on a meta copy of `gm`; NotApplicable past the limits or, unless they were lifted
-    (NO_LIMIT), when no estimate can be made (a pass that cannot dry-run: NotApplicable; a grown model the meta
-    device cannot run: ValidationError, as verification would say). `limits.max_memory` bounds PassMemory.total:
-    what the pass allocates beyond `gm` (with `share`, untouched parameters cost nothing). Returns a note when a
-    lifted limit left a size unchecked."""
+@contextlib.contextmanager
+def pass_allocations(name: str, limits: Limits):
+    """The pass runs for real within: under an AllocationGuard at `limits.max_memory` (what it may hold beyond the
+    model it starts from), whose refusal becomes NotApplicable, even when the pass caught it or raised another error
+    on its way out. Nothing is guarded when the limit was lifted (NO_LIMIT)."""
+    if limits.max_memory >= NO_LIMIT:
+        yield
+        return
+    guard = AllocationGuard(limits.max_memory)
     try:
-        meta = meta_copy(gm)
-        grown = apply(meta)
-    except NotApplicable:
-        raise
-    except Exception as e:  # a pass that cannot run on meta tensors: neither size is known
-        if limits.max_new_params < NO_LIMIT or limits.max_memory < NO_LIMIT:
-            raise NotApplicable(f"{name} cannot be sized before it runs: it fails on the meta device "
-                                f"({type(e).__name__}: {first_line(e, 200)})",
-                                "lift both limits explicitly with --max-params none --max-memory none if you trust the pass") from e
-        return f"no size estimate before the pass ({type(e).__name__} on the meta device; limits lifted)"
-    before = sum(p.numel() for p in gm.parameters())
-    after = sum(p.numel() for p in grown.parameters())
-    if after - before > limits.max_new_params:
-        raise NotApplicable(f"{name} would add {after - before:,} parameters (limit {limits.max_new_params:,})",
+        with guard:
+            yield
+    except BaseException as e:
+        if guard.refusal is None:
+            raise
+        raise _over_limit(name, limits, guard) from e
+    if guard.refusal is not None:
+        raise _over_limit(name, limits, guard) from guard.refusal
+
+
+def _over_limit(name: str, limits: Limits, guard: AllocationGuard) -> NotApplicable:
+    asked = getattr(guard.refusal, "needed", 0) + getattr(guard.refusal, "held", 0)
+    return NotApplicable(f"{name} would hold more than {human_bytes(limits.max_memory)} beyond the model's own weights "
+                         f"while it runs (about {human_bytes(asked)} at its largest request; limit {human_bytes(limits.max_memory)})",
+                         "choose a smaller growth, or raise the limit with --max-memory SIZE")
+
+
+@contextlib.contextmanager
+def on_meta(gm: nn.Module):
+    """Within it, `gm`'s parameters, buffers and plain tensor attributes are meta tensors of the same shapes (no
+    copy of the model, for a size estimate); the originals are put back on the way out."""
+    saved: list[tuple[dict, str, torch.Tensor]] = []
+    try:
+        for m in gm.modules():
+            stores: tuple[dict, dict] = (m._parameters, m._buffers)
+            for store in stores:
+                for key, t in list(store.items()):
+                    if t is not None:
+                        saved.append((store, key, t))
+                        meta = torch.empty_like(t, device="meta")
+                        store[key] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+            for key, t in list(vars(m).items()):
+                if isinstance(t, torch.Tensor):
+                    saved.append((m.__dict__, key, t))
+                    m.__dict__[key] = torch.empty_like(t, device="meta")
+        yield gm
+    finally:
+        for store, key, t in reversed(saved):
+            store[key] = t
+
+
+def check_grown(name: str, gm: fx.GraphModule, grown: fx.GraphModule, input_shape: Shape, limits: Limits,
+                share: bool = False) -> None:
+    """Before verification runs `grown` (what `name` made from `gm`): NotApplicable past the limits — parameters
+    added, or PassMemory.total (new weights, verification's gradients and activations); ValidationError when the
+    grown model cannot be sized on the meta device, unless the memory limit was lifted (NO_LIMIT)."""
+    added = sum(p.numel() for p in grown.parameters()) - sum(p.numel() for p in gm.parameters())
+    if added > limits.max_new_params:
+        raise NotApplicable(f"{name} would add {added:,} parameters (limit {limits.max_new_params:,})",
                             "choose a smaller growth, or raise the limit with --max-params N")
     if limits.max_memory >= NO_LIMIT:
-        return None
+        return
     batch = estimate_batch(input_shape)
     try:
-        needed = pass_memory(gm, grown, input_shape, share)
+        with on_meta(grown):
+            activations = activation_bytes(grown, input_shape, batch)
     except NoEstimate as e:
-        _refuse_unsized(name, grown, input_shape, batch, e)
+        with on_meta(grown):
+            _refuse_unsized(name, grown, input_shape, batch, e)
+    needed = pass_memory(gm, grown, input_shape, share, activations)
     if needed.total > limits.max_memory:
         raise NotApplicable(f"{name} would need about {human_bytes(needed.total)} beyond the model's own weights "
                             f"({needed.describe()}; limit {human_bytes(limits.max_memory)})",
                             "choose a smaller growth or input shape, or raise the limit with --max-memory SIZE")
-    return None
 
 
 def estimate_pass(apply: Callable[[fx.GraphModule], fx.GraphModule], gm: fx.GraphModule, input_shape: Shape,
                   share: bool = False) -> PassMemory:
-    """PassMemory of one pass (`apply` runs on a meta copy of `gm`), as check_budget estimates it."""
+    """PassMemory of one pass before it runs (`apply` runs on a meta copy of `gm`): what check_grown will find, for
+    planning (the scale benchmark prints it beside the measured peaks)."""
     if any("gg_shape" not in n.meta for n in gm.graph.nodes):
         annotate(gm, input_shape)  # as Pass.__call__ does first: passes find their places from the shapes
     return pass_memory(gm, apply(meta_copy(gm)), input_shape, share)

@@ -97,6 +97,7 @@ class ShapeRun:
     shapes: dict[str, Any]
     dtypes: dict[str, Any]
     flops: dict[str, int]
+    inputs: Any = None  # what it ran on (annotate's run: verification reuses it when these are its first examples)
 
 
 def run_recording(gm: fx.GraphModule, x: Any, count_flops: bool = False) -> ShapeRun:
@@ -104,18 +105,20 @@ def run_recording(gm: fx.GraphModule, x: Any, count_flops: bool = False) -> Shap
     rec = _Recorder(gm, count_flops)
     with torch.no_grad():
         out = rec.run(*positional(x))
-    return ShapeRun(out, rec.shapes, rec.dtypes, rec.flops)
+    return ShapeRun(out, rec.shapes, rec.dtypes, rec.flops, x)
 
 
-def annotate(gm: fx.GraphModule, input_shape: Shape, previous: fx.GraphModule | None = None) -> ShapeRun:
+def annotate(gm: fx.GraphModule, input_shape: Shape, previous: fx.GraphModule | None = None, example: Any = None) -> ShapeRun:
     """Store shape, dtype, params and FLOPs (per example) on every node's meta.
 
     Runs once in eval mode at the example batch size; meta keys: gg_shape, gg_dtype,
     gg_flops, gg_params. Raises ValidationError naming the node that fails. With
     `previous` (the annotated model a pass started from), nodes that compute the same
     thing on the same shapes keep their FLOP count instead of being counted again.
+    `example`: the input to run at the example batch (default: example_input's, seed 0); what is
+    recorded does not depend on the values, so verification can reuse the run (validate_batch_sizes).
     """
-    x = example_input(gm, input_shape)
+    x = example_input(gm, input_shape) if example is None else example
     batch = max(batch_of(input_shape), 1)
     known: dict[str, tuple[tuple, int]] = {}
     if previous is not None:
@@ -126,7 +129,7 @@ def annotate(gm: fx.GraphModule, input_shape: Shape, previous: fx.GraphModule | 
         rec = _Recorder(gm, True, known)
         with torch.no_grad():
             out = rec.run(*positional(x))
-        run = ShapeRun(out, rec.shapes, rec.dtypes, rec.flops)
+        run = ShapeRun(out, rec.shapes, rec.dtypes, rec.flops, x)
     for n in gm.graph.nodes:
         n.meta["gg_shape"] = run.shapes.get(n.name)
         n.meta["gg_dtype"] = run.dtypes.get(n.name)
@@ -157,7 +160,7 @@ def total_flops(gm: fx.GraphModule) -> int:
 
 
 def validate_batch_sizes(gm: fx.GraphModule, input_shape: Shape, batches=(2, 3), first: ShapeRun | None = None,
-                         first_input: Any = None) -> None:
+                         first_input: Any = None, second: ShapeRun | None = None) -> None:
     """Run at two batch sizes and refuse a graph that bakes in the batch size.
 
     Between the runs a node's dimensions may stay equal or scale with the batch (the
@@ -165,17 +168,22 @@ def validate_batch_sizes(gm: fx.GraphModule, input_shape: Shape, batches=(2, 3),
     (3, B, heads, N, d) do); each output must lead with the batch; and the examples
     both runs share (the second run's first examples are the first run's input) must
     get the same outputs, so no example's result depends on the batch it came in.
-    `first` reuses a run already made on `first_input` at batches[0] (in eval mode).
+    `first` reuses a run already made on `first_input` at batches[0] (in eval mode); `second` one made at
+    batches[1] < batches[0] on the first batches[1] examples of `first_input` (the annotation's run at the
+    example batch, which then costs nothing more).
     """
     b1, b2 = batches
     if first is not None and first_input is None:
         raise ValueError("validate_batch_sizes: pass first_input with first")
+    if second is not None and (first_input is None or b2 >= b1):
+        raise ValueError("validate_batch_sizes: a second run is the first b2 < b1 examples of first_input")
     x1 = first_input if first_input is not None else example_input(gm, input_shape, seed=11, batch=b1)
-    extra = example_input(gm, input_shape, seed=12, batch=b2)
-    x2 = _joined(x1, extra, b1, b2)
     with training_mode(gm, False):
         r1 = first if first is not None else run_recording(gm, x1)
-        r2 = run_recording(gm, x2)
+        if second is not None:
+            r2 = second
+        else:
+            r2 = run_recording(gm, _joined(x1, example_input(gm, input_shape, seed=12, batch=b2), b1, b2))
     hint = "a view/reshape probably bakes in the batch size; use x.flatten(1) or x.view(x.size(0), -1)"
     for n in gm.graph.nodes:
         s1, s2 = r1.shapes.get(n.name), r2.shapes.get(n.name)
@@ -194,6 +202,21 @@ def validate_batch_sizes(gm: fx.GraphModule, input_shape: Shape, batches=(2, 3),
                 )
     if b2 >= b1:
         _check_examples_independent(r1.output, r2.output, b1, hint)
+    elif second is not None:  # the second run's examples are the first run's first ones
+        _check_examples_independent(r2.output, r1.output, b2, hint)
+
+
+def first_examples(x: Any, n: int) -> Any:
+    """The first `n` examples of an input (each named input alike)."""
+    return {k: v[:n] for k, v in x.items()} if isinstance(x, dict) else x[:n]
+
+
+def same_inputs(a: Any, b: Any) -> bool:
+    """Two inputs (tensors, or dicts of named tensors) with equal shapes, dtypes and values."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_inputs(a[k], b[k]) for k in a)
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+            and bool(torch.equal(a, b)))
 
 
 def _joined(x1: Any, extra: Any, b1: int, b2: int) -> Any:

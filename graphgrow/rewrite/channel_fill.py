@@ -30,16 +30,18 @@ def rows(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch.
         return old
     new = torch.empty((layout.new,) + tuple(old.shape[1:]), **_like(old))
     new[layout.old_to_new] = old
-    for slot, src in zip(layout.new_slots, layout.src):
-        if init == "net2net" and src is not None:
-            new[slot] = old[src]
-        elif fresh == "kaiming":
-            row = torch.empty((1,) + tuple(old.shape[1:]), **_like(old))
-            new[slot] = kaiming_(row, generator)[0]
+    copies = [(slot, src) for slot, src in zip(layout.new_slots, layout.src) if init == "net2net" and src is not None]
+    filled = [slot for slot, src in zip(layout.new_slots, layout.src) if not (init == "net2net" and src is not None)]
+    if copies:
+        new[[slot for slot, _ in copies]] = old[[src for _, src in copies]]
+    if filled:
+        if fresh == "kaiming":  # one draw for all of them: the generator yields the same values as row by row
+            shape = (len(filled),) + (tuple(old.shape[1:]) or (1,))  # a row of a 1-d tensor has fan-in 1
+            new[filled] = kaiming_(torch.empty(shape, **_like(old)), generator).view((len(filled),) + tuple(old.shape[1:]))
         elif fresh == "mean":
-            new[slot] = old.mean(0)
+            new[filled] = old.mean(0)
         else:
-            new[slot] = {"zero": 0.0, "one": 1.0}[fresh]
+            new[filled] = {"zero": 0.0, "one": 1.0}[fresh]
     return new
 
 

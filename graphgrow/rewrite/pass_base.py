@@ -10,7 +10,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import fx
 
-from ..analysis.budget import Limits, check_budget
+from ..analysis.budget import Limits, check_grown, pass_allocations
 from ..analysis.targets import Candidate
 from ..core.errors import InputError, ValidationError
 from ..verify.preserve import PreservationReport
@@ -19,7 +19,7 @@ from ..graph.shapes import annotate, param_count, total_flops
 from ..core.state import module_dtype
 from ..io.lineage import record_origin
 from ..graph.graph_meta import graph_info, input_spec_of
-from ..verify.verify import verify
+from ..verify.verify import annotation_input, verify
 
 
 @dataclass
@@ -144,8 +144,9 @@ class Pass:
                  limits: Limits | None = None, share: bool = False) -> PassResult:
         """Apply to a copy of `gm`, verify, and return the result. `gm` is never modified.
 
-        The pass first runs on a meta-device copy: past `limits` (parameters added, activation
-        memory) it is refused before anything real is allocated. `share=True`: the parameters the pass
+        The pass runs under `limits`: an allocation that would take what it holds past `limits.max_memory`
+        is refused before it happens, and the grown model is sized (parameters added; new weights, verification's
+        gradients and activations, on the meta device) before verification runs it. `share=True`: the parameters the pass
         does not change are the input's own tensors, not copies (the pass costs what it adds; training
         the result then moves the input's weights too — for when the input is dropped, docs/performance.md)."""
         start = time.perf_counter()
@@ -158,26 +159,28 @@ class Pass:
                              "grow a float32 copy (model.float()), then convert the result back with .half()/.bfloat16()")
         if any("gg_shape" not in n.meta for n in gm.graph.nodes):
             annotate(gm, input_shape)
-        budget_note = check_budget(self.name, lambda m: self.apply(m, torch.Generator().manual_seed(seed)).gm, gm,
-                                   input_shape, limits or Limits(), share) if self.grows else None
+        limits = limits or Limits()
         fingerprint = _fingerprint(gm)
         before_nodes = {n.name for n in gm.graph.nodes}
         generator = torch.Generator().manual_seed(seed)
-        with sharing_parameters(share):
+        with sharing_parameters(share), pass_allocations(self.name, limits if self.grows else Limits.lifted()):
             rw = self.apply(gm, generator)
         _check_untouched(gm, fingerprint, self.name)
         new = rw.gm
         if new is gm:
             raise ValidationError(f"pass {self.name} returned its input instead of a copy", "passes must be functional; see rewrite.copy_graph_module")
+        if self.grows:
+            check_grown(self.name, gm, new, input_shape, limits, share)
         if rw.eval_only:
             new.eval()
         else:
             _follow_modes(gm, new)
-        annotate(new, input_shape, previous=gm)
+        checked = verify_result and rw.changed
+        example_run = annotate(new, input_shape, previous=gm, example=annotation_input(new, input_shape) if checked else None)
         after_nodes = {n.name for n in new.graph.nodes}
         # verification's input does not depend on the pass seed: the next pass of a pipeline reuses these outputs
-        report = verify(gm, new, input_shape, exact=rw.exact, eval_only=rw.eval_only) if verify_result and rw.changed else None
-        notes = list(rw.notes) + ([budget_note] if budget_note else [])
+        report = verify(gm, new, input_shape, exact=rw.exact, eval_only=rw.eval_only, example_run=example_run) if checked else None
+        notes = list(rw.notes)
         if report is not None and not rw.exact:
             train_err = f", train rel err {report.train.rel_err:.3g}" if report.train is not None else ""
             notes.append(f"function changed on purpose: eval rel err {report.eval.rel_err:.3g}{train_err}")

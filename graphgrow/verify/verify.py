@@ -14,27 +14,38 @@ from .preserve import (
 from .reference import recall, remember
 from .threads import check_threads
 from ..graph.fx_edit import new_parameters, upstream_parameters
-from ..graph.shapes import example_input, run_recording, validate_batch_sizes
-from ..graph.inputs import Shape, positional
+from ..graph.shapes import ShapeRun, example_input, first_examples, run_recording, same_inputs, validate_batch_sizes
+from ..graph.inputs import Shape, batch_of, positional
 from ..core.state import dropout_off, preserved_buffers, training_mode
 
 BATCHES = (2, 3)  # two sizes: a batch size baked into a view/reshape shows up
 
 
+def annotation_input(new: fx.GraphModule, input_shape: Shape, seed: int = 0) -> Any:
+    """What `shapes.annotate` should run the grown model on so that verification can reuse the run as its second
+    batch size: the first examples of verification's own input (the example batch is below BATCHES[0]); None
+    otherwise (annotate's own input)."""
+    examples = max(batch_of(input_shape), 1)
+    if examples >= BATCHES[0]:
+        return None
+    return first_examples(example_input(new, input_shape, seed=seed, batch=BATCHES[0]), examples)
+
+
 def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Shape, seed: int = 0,
-           exact: bool = True, eval_only: bool = False) -> PreservationReport:
+           exact: bool = True, eval_only: bool = False, example_run: ShapeRun | None = None) -> PreservationReport:
     """Raise ValidationError / PreservationError unless `new` is a valid, exact, trainable growth of `old`.
 
     `exact=False` (a pass that changes the function on purpose) measures the change without refusing it.
     `eval_only=True` (a deployment transform such as fold) checks eval mode only, and no trainability.
-    A small model is checked with one intra-op thread (threads.check_threads).
+    A small model is checked with one intra-op thread (threads.check_threads). `example_run`: annotate's run of
+    `new` in eval mode on annotation_input's examples, reused as the second batch size (instead of BATCHES[1]).
     """
     with check_threads(new, input_shape):
-        return _verify(old, new, input_shape, seed, exact, eval_only)
+        return _verify(old, new, input_shape, seed, exact, eval_only, example_run)
 
 
 def _verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Shape, seed: int, exact: bool,
-            eval_only: bool) -> PreservationReport:
+            eval_only: bool, example_run: ShapeRun | None = None) -> PreservationReport:
     try:
         new.graph.lint()
         new.recompile()
@@ -44,7 +55,13 @@ def _verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Shape, seed: 
     x = example_input(new, input_shape, seed=seed, batch=b1)
     with training_mode(new, False):
         first = run_recording(new, x)
-    validate_batch_sizes(new, input_shape, BATCHES, first=first, first_input=x)
+    examples = max(batch_of(input_shape), 1)
+    if example_run is not None and examples < b1 and same_inputs(example_run.inputs, first_examples(x, examples)):
+        # the example batch's run (made by annotate just before) is the second batch size: a size baked into the graph
+        # shows up between it and b1 as between b1 and BATCHES[1], and its examples are the first of x
+        validate_batch_sizes(new, input_shape, (b1, examples), first=first, first_input=x, second=example_run)
+    else:
+        validate_batch_sizes(new, input_shape, BATCHES, first=first, first_input=x)
     train_protocol = f"{TRAIN_PROTOCOL} {seed}"
     old_eval = recall(old, "eval", x)
     if old_eval is None:
