@@ -82,7 +82,7 @@ def test_a_pass_that_would_allocate_past_the_limit_is_refused_before_it_does(cnn
     gm = gg.trace(cnn, (1, 3, 32, 32))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with pytest.raises(gg.NotApplicable, match=r"huge_layer would hold more than 8.0 GiB beyond the model's own weights "
-                                               r"while it runs \(about 37.3 GiB at its largest request"):
+                                               r"while it runs \(it asked for 37.3 GiB more with"):
         HugeLayer()(gm)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 512 * 1024  # KiB: nothing near 40 GB was touched
     with pytest.raises(gg.NotApplicable, match="would hold more than 1.0 MiB"):
@@ -104,3 +104,15 @@ def test_the_guard_counts_a_real_pass_and_the_check_after_it_sizes_the_grown_mod
     with pytest.raises(gg.NotApplicable, match=r"grow_width would need about .* beyond the model's own weights"):
         grow_width(gm, limits=Limits(max_memory=guard.peak + 1))
     assert grow_width(gm).preservation is not None
+
+
+def test_operators_returning_no_tensor_and_common_ones_are_sized_without_the_meta_device():
+    from graphgrow.analysis.allocation import _kind
+
+    aten = torch.ops.aten
+    x = torch.zeros(6, 4)
+    assert _kind(aten.allclose.default) == "alias"  # a bool: nothing held (its meta decomposition cost ~2 ms a call)
+    assert requested_bytes(aten.index_select.default, (x, 0, torch.tensor([0, 2, 2])), {}) == 3 * 4 * 4
+    assert requested_bytes(aten.cat.default, ([x, torch.zeros(0)],), {}) == 96
+    assert requested_bytes(aten.randperm.default, (10,), {}) == 80
+    assert requested_bytes(aten.arange.default, (2.5,), {}) == 3 * 4  # a float end: sized on the meta device

@@ -104,3 +104,73 @@ def test_while_backward_runs_only_the_kept_gradients_are_alive(monkeypatch):
     (watched, kept), = sizes
     assert watched > kept + 1 and alive
     assert max(alive) <= kept
+
+
+class GatedBranch(nn.Module):
+    """A zero head, and a branch behind a zero one-dimensional gate: step 1 (the head has moved) still gives a layer
+    grown in the branch no gradient, so an SGD step follows and step 1 is taken again with every gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.branch = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        self.gate = nn.Parameter(torch.zeros(8))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+        nn.init.zeros_(self.head[-1].weight)
+
+    def forward(self, x):
+        f = self.features(x)
+        return self.head(f + self.branch(f) * self.gate.view(1, 8, 1, 1))
+
+
+NARROW_CASES = {"gate and zero head, insert_adapter": (GatedBranch, "insert_adapter(after=branch.1)"),
+                "zero head, deepen": (zero_head_cnn, "deepen"), "zero head, grow_width": (zero_head_cnn, "grow_width(target=0)"),
+                "zero head, insert_adapter": (zero_head_cnn, "insert_adapter"),
+                "gated, deepen": (Gated, "deepen(after=features.1)"), "gated, grow_width": (Gated, "grow_width(target=features.0)")}
+
+
+def _watched_per_backward(build, spec: str, narrow: bool, monkeypatch) -> tuple[dict, list[tuple[int, int]]]:
+    """The trainability answers, and for each backward of the check (parameters requiring a gradient, all of them)."""
+    monkeypatch.setattr(preserve, "NARROW_STEPS", narrow)
+    models: list[nn.Module] = []
+    seen: list[tuple[int, int]] = []
+    check, backward = preserve.check_trainability, torch.Tensor.backward
+
+    def keeping(new, *args, **kw):
+        models.append(new)
+        return check(new, *args, **kw)
+
+    def counted(t, *args, **kw):
+        params = list(models[-1].parameters()) if models else []
+        seen.append((sum(p.requires_grad for p in params), len(params)))
+        return backward(t, *args, **kw)
+
+    monkeypatch.setattr("graphgrow.verify.verify.check_trainability", keeping)
+    monkeypatch.setattr(torch.Tensor, "backward", counted)
+    gm = gg.trace(build().eval(), SHAPE)
+    report = gg.Pipeline.from_spec(spec).run(gm).results[0].preservation
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
+    assert report is not None
+    return {"trainable": report.trainable, "dead": report.dead, "cancelled": report.cancelled}, seen
+
+
+@pytest.mark.parametrize("case", sorted(NARROW_CASES))
+def test_training_everything_a_step_first_takes_only_the_new_parameters_gradients(case, monkeypatch):
+    """A model whose own zero weights block its gradients at first trains every parameter from step 1; the step is
+    first taken with the new parameters' gradients alone (the same gradients), and again with all only when an SGD
+    step follows."""
+    build, spec = NARROW_CASES[case]
+    full, full_seen = _watched_per_backward(build, spec, False, monkeypatch)
+    narrow, narrow_seen = _watched_per_backward(build, spec, True, monkeypatch)
+    assert narrow == full and full["trainable"] and not full["dead"]
+    assert max(full["trainable"].values()) >= 1  # steps were taken: the case trains everything
+    assert all(watched == total for watched, total in full_seen[1:])  # without it, every step after 0 takes all
+    if case.startswith("zero head"):  # its zero weights moved in step 0: step 1 settles with the new gradients alone
+        assert narrow_seen[0] == full_seen[0] and all(watched < total for watched, total in narrow_seen[1:])
+        assert len(narrow_seen) == len(full_seen)
+    elif case.startswith("gate and zero head"):  # step 1 narrow, not settled: again with all; step 2 narrow settles
+        assert [watched < total for watched, total in narrow_seen[1:]] == [True, False, True]
+        assert len(narrow_seen) == len(full_seen) + 1
+    else:  # a one-dimensional gate is not such a weight: steps after 0 take every gradient, as before
+        assert narrow_seen == full_seen

@@ -22,6 +22,7 @@ aten = torch.ops.aten
 # factories whose first argument is the size (their output's bytes follow from it and the dtype)
 _SIZED_FACTORIES = {aten.empty.memory_format, aten.empty_strided.default, aten.zeros.default, aten.ones.default,
                     aten.full.default, aten.rand.default, aten.randn.default, aten.rand.generator, aten.randn.generator}
+_INT64_FACTORIES = {aten.randperm.default, aten.randperm.generator, aten.arange.default}  # size n, int64 unless told
 _SIZED_FROM_SELF = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
                     aten.new_empty_strided.default}
 _RESIZE = {aten.resize_.default}  # in place, and may grow the storage
@@ -65,6 +66,8 @@ def _kind(func: Any) -> str:
     if kind is None:
         if func in _SIZED_FACTORIES:
             kind = "factory"
+        elif func in _INT64_FACTORIES:
+            kind = "count"
         elif func in _SIZED_FROM_SELF:
             kind = "new"
         elif func in _RESIZE:
@@ -73,6 +76,12 @@ def _kind(func: Any) -> str:
             kind = "like"
         elif func in _BROADCAST:
             kind = "broadcast"
+        elif func is aten.index_select.default:
+            kind = "index_select"
+        elif func is aten.cat.default:
+            kind = "cat"
+        elif not any("Tensor" in str(r.type) for r in func._schema.returns):
+            kind = "alias"  # returns no tensor (allclose, equal, item): nothing to hold
         elif all(r.alias_info is not None for r in func._schema.returns):
             kind = "alias"  # views and in-place operators make no new tensor
         else:
@@ -87,8 +96,12 @@ def requested_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:
     kind = _kind(func)
     if kind == "alias":
         return 0
+    if kind == "after":
+        return None
     if kind == "factory":
         return _numel(args[0]) * _dtype_size(kwargs.get("dtype"))
+    if kind == "count" and isinstance(args[0], int):
+        return args[0] * (kwargs.get("dtype") or torch.int64).itemsize
     if kind == "new":
         return _numel(args[1]) * _dtype_size(kwargs.get("dtype") or args[0].dtype)
     if kind == "resize":
@@ -96,6 +109,12 @@ def requested_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:
     if kind == "like" and isinstance(args[0], torch.Tensor):
         dtype = kwargs.get("dtype")
         return args[0].numel() * (_dtype_size(dtype) if dtype is not None else args[0].element_size())
+    if kind == "index_select":
+        self_, dim, index = args[0], args[1], args[2]
+        return self_.numel() // max(self_.shape[dim], 1) * index.numel() * self_.element_size() if self_.dim() else index.numel() * self_.element_size()
+    if kind == "cat":
+        tensors = [t for t in args[0] if t.numel()]
+        return sum(t.numel() for t in tensors) * max((t.element_size() for t in tensors), default=0)
     if kind == "broadcast":
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         shape = torch.broadcast_shapes(*(t.shape for t in tensors))
@@ -104,6 +123,7 @@ def requested_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:
     try:
         out = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
     except Exception:
+        _KIND[func] = "after"  # the meta device cannot size it (a data-dependent size): counted once it has run
         return None
     return sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
 

@@ -335,9 +335,9 @@ def pass_allocations(name: str, limits: Limits):
 
 
 def _over_limit(name: str, limits: Limits, guard: AllocationGuard) -> NotApplicable:
-    asked = getattr(guard.refusal, "needed", 0) + getattr(guard.refusal, "held", 0)
+    needed, held = getattr(guard.refusal, "needed", 0), getattr(guard.refusal, "held", 0)
     return NotApplicable(f"{name} would hold more than {human_bytes(limits.max_memory)} beyond the model's own weights "
-                         f"while it runs (about {human_bytes(asked)} at its largest request; limit {human_bytes(limits.max_memory)})",
+                         f"while it runs (it asked for {human_bytes(needed)} more with {human_bytes(held)} held)",
                          "choose a smaller growth, or raise the limit with --max-memory SIZE")
 
 

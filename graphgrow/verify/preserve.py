@@ -142,6 +142,9 @@ def train_forward(m: nn.Module, x: torch.Tensor, seed: int):
         return call(m, x)
 
 
+NARROW_STEPS = True  # training everything, take a step with the new parameters' gradients first (tests turn it off)
+
+
 def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], input_shape: Shape,
                        seed: int = 0, batch: int = 2, steps: int = 3,
                        lr: float = 0.01, train_all: bool = False, old_nodes: set[str] | None = None,
@@ -194,18 +197,24 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
     blocking = {n for n, p in params.items() if n not in new_params and p.dim() >= 2 and not p.detach().any()}
     try:
         with training_mode(new, True), dropout_off(new), preserved_buffers(new), seeded(seed):
-            step, last_step, had, again = -1, steps, 0, False
+            step, last_step, had, again, full_at = -1, steps, 0, False, -1
             while step < last_step:
                 step += 1
-                watched = set(params) if train_all else ({n for n in new_params if n not in got} | set(upstream) | blocking
-                                                          if step == 0 else {n for n in new_params})
+                # training everything because the model's own zero weights blocked step 0 (they have moved since), a
+                # step is first taken with the new parameters' gradients only (the same gradients: which other leaves
+                # require one does not change them); only when an SGD step must follow is it taken again with every
+                # gradient, which that step moves
+                narrow = NARROW_STEPS and train_all and bool(blocking) and step >= 1 and step != full_at
+                waiting = {n for n in new_params if n not in got}
+                watched = ((waiting if narrow else set(params)) if train_all else
+                           (waiting | set(upstream) | blocking if step == 0 else set(new_params)))
                 for n, p in params.items():
                     p.requires_grad_(n in watched)
                     p.grad = None
                 # not when the model's own zero weights block gradients: SGD steps follow, step 0 would run twice
                 lean = (step == 0 and not again and not blocking
                         and gradient_bytes(params, watched) >= gradient_sink.LEAN_BYTES)
-                start = rng_state() if lean else None
+                start = rng_state() if lean or narrow else None
                 with ZeroFactors(new, new_params, params, enabled=len(got) < len(new_params)) as factors:
                     out = factors.forward(x)
                 if step == 0 and first_output is not None and not again:
@@ -246,6 +255,10 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                         last_step += 1  # step 0 only watched the new parameters; give the full budget
                     if len(got) == len(new_params) or step == last_step:
                         break
+                    if narrow:  # not settled: the SGD step needs every gradient, so this step again with them
+                        restore_rng(start)
+                        full_at, step = step, step - 1
+                        continue
                     for p in params.values():
                         if p.grad is not None:
                             p.data = p.detach() - lr * p.grad / (p.grad.norm() + 1e-12) * (p.norm() + 1e-3)
