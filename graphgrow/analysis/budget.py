@@ -390,6 +390,34 @@ def check_grown(name: str, gm: fx.GraphModule, grown: fx.GraphModule, input_shap
                             "choose a smaller growth or input shape, or raise the limit with --max-memory SIZE")
 
 
+# Peak memory of the ONNX stages beyond the model's own weights, per byte of them (measured on the 125 M–1 B
+# decoders of benchmarks/scale_decoder.py, docs/performance.md): a self-contained file holds the protobuf, its bytes
+# and the checker's copy (up to 5.0×); with external data the weights stream to the data file (1.1×); onnxruntime's
+# session and the check beside PyTorch (2.3×). Fixed costs (torch.export itself, a few hundred MiB) are not counted.
+EXPORT_PEAK = {False: 5.0, True: 1.1}
+CHECK_PEAK = 2.3
+
+
+def check_onnx_memory(gm: nn.Module, external: bool | None, check: bool, max_memory: int | None = None) -> None:
+    """Before an ONNX export (`external`: how it writes the weights; None: no export) and an onnxruntime check of it:
+    InputError when either stage would need more than `max_memory` (default: --max-memory) beyond the model's
+    weights, by the measured factors above."""
+    limit = default_max_memory() if max_memory is None else max_memory
+    if limit >= NO_LIMIT:
+        return
+    weights = sum(_nbytes(t) for t in gm.state_dict().values())
+    stages = ([(f"exporting it to ONNX ({'with external data' if external else 'one file'})", EXPORT_PEAK[external])]
+              if external is not None else []) + ([("checking it in onnxruntime", CHECK_PEAK)] if check else [])
+    for what, factor in stages:
+        needed = int(factor * weights)
+        if needed > limit:
+            hint = ("export with --external-data (the weights stream to NAME.onnx.data: about "
+                    f"{EXPORT_PEAK[True]}× them), or raise the limit with --max-memory SIZE" if external is False and not
+                    check else "raise the limit with --max-memory SIZE")
+            raise InputError(f"{what} would need about {human_bytes(needed)} beyond the model's {human_bytes(weights)} of "
+                             f"weights ({factor}× them; limit {human_bytes(limit)})", hint)
+
+
 def estimate_pass(apply: Callable[[fx.GraphModule], fx.GraphModule], gm: fx.GraphModule, input_shape: Shape,
                   share: bool = False) -> PassMemory:
     """PassMemory of one pass before it runs (`apply` runs on a meta copy of `gm`): what check_grown will find, for

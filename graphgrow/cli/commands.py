@@ -70,8 +70,9 @@ def _common(f: Callable) -> Callable:
     return f
 
 
-MAX_MEMORY_HELP = ("refuse a model whose activations at the largest batch run, or a pass whose new weights, verification "
-                   "gradients and activations, would need more than this, or cannot be estimated (default 8G; none: no limit)")
+MAX_MEMORY_HELP = ("refuse a model whose activations at the largest batch run, a pass whose allocations, new weights, "
+                   "verification gradients and activations, or an ONNX export or check, would need more than this beyond "
+                   "the model's weights, or cannot be estimated (default 8G; none: no limit)")
 
 
 def _set_max_memory(ctx: click.Context, param: click.Parameter, value: str | None) -> None:

@@ -73,7 +73,7 @@ def export_onnx(
         raise ExportError(f"the output name {out_path.name!r} is not UTF-8: ONNX stores names as UTF-8 text",
                           "choose an output name in UTF-8")
     stage = None
-    if _wants_external(gm, external_data, out_path):
+    if wants_external(gm, external_data, out_path):
         check_output_path(data_path(out_path))  # type: ignore[arg-type]
         stage = ExternalWrite.stage(out_path)  # type: ignore[arg-type]
     try:
@@ -221,7 +221,7 @@ PROTOBUF_LIMIT = 2 << 30  # bytes: one protobuf message, so one self-contained .
 ONE_FILE_MAX = PROTOBUF_LIMIT - (256 << 20)  # weights up to here go in one file; the rest of the graph needs room too
 
 
-def _wants_external(gm: torch.nn.Module, asked: bool | None, out_path: Path | None) -> bool:
+def wants_external(gm: torch.nn.Module, asked: bool | None, out_path: Path | None) -> bool:
     """Whether the weights go to a data file: as asked, else when they pass ONE_FILE_MAX. Refused before
     torch.onnx.export runs when they cannot go where asked (the export would build the whole model first)."""
     size = sum(t.numel() * t.element_size() for t in gm.state_dict().values())

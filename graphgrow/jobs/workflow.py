@@ -15,6 +15,7 @@ from ..core.errors import InputError, LoadError, SaveError, SpecError
 from ..io.load import FACTORY_SEED, LoadedModel, custom_classes, load_model
 from ..io.save import check_output_path, default_output_path, plain_output_path, save_model
 from ..io.factory import is_factory_name
+from ..analysis.budget import check_onnx_memory
 from ..analysis.targets import Candidate
 from .pipeline import Pipeline, PipelineResult, parse_spec
 from ..capture.input_shape import parse_example_input
@@ -104,6 +105,11 @@ def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs
                 _draw(opened.gm, result.gm, staged.reserve(diagram), diagram, title, progress)
                 report["outputs"] = [str(p) for p in staged.commit()]
         return report
+    if onnx_path or check:  # before anything is written: the export and the check must fit too
+        from ..io.export import wants_external
+
+        check_onnx_memory(result.gm, wants_external(result.gm, None, onnx_path), check,
+                          pipeline.limits.max_memory if pipeline.limits else None)
     with StagedOutputs() as staged:  # every output appears at the end, together, or none does
         progress(f"saving {out_path}")
         save_model(result.gm, staged.reserve(out_path), inputs=inputs)
@@ -327,7 +333,7 @@ def export(source: str, out: str, input_shape=None, trust: bool = False, leaves:
            capture: str = "auto", external_data: bool | None = None) -> dict:
     """Export the model to ONNX; with `fold`, through the `fold` transform first (verified, logged);
     `external_data` as export_onnx takes it."""
-    from ..io.export import export_onnx, mutation_log
+    from ..io.export import export_onnx, mutation_log, wants_external
     from ..io.onnx_external import written
     from ..io.runtime import max_ir_version
 
@@ -342,6 +348,7 @@ def export(source: str, out: str, input_shape=None, trust: bool = False, leaves:
         progress("folding (+ verification)")
         folded = Pipeline.from_spec("fold").run(gm).results[0]
         gm = folded.gm
+    check_onnx_memory(gm, wants_external(gm, external_data, out_path), check=False)
     progress("exporting to ONNX (torch.onnx.export, then the ONNX checker)")
     t = time.perf_counter()
     proto = export_onnx(gm, opened.input_shape, out_path, metadata=provenance(opened.loaded),
@@ -382,6 +389,7 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
                              "the seed the factory was built with")
         factory_seed = recorded
     opened = open_model(source, shape, trust, leaves, progress, trace_mode, factory_seed=factory_seed, capture=capture)
+    check_onnx_memory(opened.gm, None, check=True)
     progress("checking onnxruntime against PyTorch")
     folder = external_folder(proto, onnx_file)  # load_onnx checked every location against it
     session = open_session(proto.SerializeToString(), provider, external_folder=folder)  # the bytes that were checked
