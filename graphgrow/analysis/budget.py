@@ -411,9 +411,10 @@ def check_onnx_memory(gm: nn.Module, external: bool | None, check: bool, max_mem
     for what, factor in stages:
         needed = int(factor * weights)
         if needed > limit:
-            hint = ("export with --external-data (the weights stream to NAME.onnx.data: about "
-                    f"{EXPORT_PEAK[True]}× them), or raise the limit with --max-memory SIZE" if external is False and not
-                    check else "raise the limit with --max-memory SIZE")
+            hint = "raise the limit with --max-memory SIZE"
+            if factor == EXPORT_PEAK[False]:
+                hint = (f"export with external data (graphgrow export --external-data: about {EXPORT_PEAK[True]}× the "
+                        "weights, streamed to NAME.onnx.data), or " + hint)
             raise InputError(f"{what} would need about {human_bytes(needed)} beyond the model's {human_bytes(weights)} of "
                              f"weights ({factor}× them; limit {human_bytes(limit)})", hint)
 
