@@ -130,6 +130,37 @@ def test_a_block_whose_one_mode_work_calls_a_submodule_stays_a_leaf_with_the_rea
     assert "branches on self.training" in auto["0"] and "noise" in auto["0"]
 
 
+class MaybeNoisy(NoisyBlock):
+    """NoisyBlock's train-only work behind a flag of its own."""
+
+    def __init__(self, noisy: bool, width: int):
+        super().__init__()
+        self.noisy, self.width = noisy, width
+
+    def forward(self, x):
+        x = self.conv(x)
+        if self.training and self.noisy:
+            x = self.noise(x) + x
+        return x
+
+
+def test_blocks_of_one_class_and_settings_that_cannot_be_merged_become_leaves_in_one_retry(monkeypatch):
+    """timm's efficientnet_b0 has 49 BatchNormAct2d: one retrace per block took 52 traces of the model (98 s)."""
+    import graphgrow.capture.trace as trace_module
+
+    attempts = []
+    attempt = trace_module._Plan.attempt
+    monkeypatch.setattr(trace_module._Plan, "attempt", lambda self: attempts.append(1) or attempt(self))
+    model = nn.Sequential(*[MaybeNoisy(noisy=i % 3 != 2, width=8 * i) for i in range(9)], nn.Conv2d(3, 2, 1))
+    gm = gg.trace(model, SHAPE)  # widths differ; flags: six noisy blocks, three quiet ones
+    auto = trace_report(gm)["auto_leaves"]
+    assert set(auto) == {str(i) for i in range(9) if i % 3 != 2}  # the quiet ones still merge: a flag is a setting
+    assert all("branches on self.training" in why for why in auto.values())
+    assert len(attempts) <= 4, len(attempts)
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(gm.eval()(x), model.eval()(x))
+
+
 def test_without_automatic_leaves_an_unmergeable_branch_is_a_trace_error_naming_the_module():
     with pytest.raises(gg.TraceError, match=r"cannot merge the train- and eval-mode code of 0 \(NoisyBlock\)"):
         gg.trace(nn.Sequential(NoisyBlock(), nn.Conv2d(3, 2, 1)), SHAPE, auto_leaves=False)

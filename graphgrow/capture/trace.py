@@ -29,7 +29,9 @@ from . import mode_merge
 from ..analysis.deployed import train_only_modules, used_paths
 from ..core.errors import first_line, InputError, TraceError
 from .defaults import concrete_defaults, drop_fixed_placeholders
-from .watch import RecordConstructors, WatchModules
+from .attr_index import IndexedGetattr
+from .watch import RecordConstructors, settings, WatchModules
+from ..graph.fx_edit import computed_from, reads_flag
 from ..graph.inputs import check_names, InputSpec
 from .export_capture import as_spec, capture_by_export, needs_export, with_ranges
 from ..graph.graph_meta import META_KEY, graph_info, input_shape_of, scope_of, store_shape, trace_report  # noqa: F401 (re-exported)
@@ -65,7 +67,7 @@ class _CondProxy(fx.Proxy):
     __index__ = __int__ = __float__ = __len__ = __iter__ = _needs_value  # type: ignore[assignment]
 
 
-class _Tracer(fx.Tracer):
+class _Tracer(IndexedGetattr):
     """Symbolic tracer that honours leaves, remembers where it is and traces `training` reads.
 
     `split` names modules whose forward branches on their mode: there every branch on a flag or a
@@ -155,13 +157,13 @@ class _Tracer(fx.Tracer):
         return self.proxy(node)
 
     def live_sources(self, node: fx.Node) -> set[tuple[type, str]]:
-        return {self.live_nodes[n] for n in _upstream(node) if n in self.live_nodes}
+        return {self.live_nodes[n] for n in computed_from(node) if n in self.live_nodes}
 
     def decide(self, proxy: fx.Proxy, location: Any = None) -> bool:
         """Python branches on a flag or live number: answered inside a block being merged, else refused."""
         reader = self.stack[-1][0] if self.stack else ""
         if reader not in self.split or self.policy is None:
-            if self.live_sources(proxy.node) and not _reads_flag(proxy.node):
+            if self.live_sources(proxy.node) and not reads_flag(proxy.node):
                 raise _Frozen(self.live_sources(proxy.node))
             raise _ModeBranch()
         if len(self.conditions) >= mode_merge.MAX_CONDITIONS:
@@ -176,21 +178,6 @@ class _Tracer(fx.Tracer):
                                                     answer, self.site_location))
         self.history.append(answer)
         return answer
-
-
-def _upstream(node: fx.Node) -> set[fx.Node]:
-    """`node` and every node it is computed from."""
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return seen
-
-
-def _reads_flag(node: fx.Node) -> bool:
-    return any(n.op == "get_attr" and str(n.target).split(".")[-1] == "training" for n in _upstream(node))
 
 
 def _trace_once(model: nn.Module, tracer: _Tracer, fixed: dict[str, Any]) -> fx.Graph:
@@ -264,6 +251,11 @@ class _Plan:
         # every block of this class is merged: one retry per class, not per block
         self.split.update(p for p, m in self.model.named_modules() if type(m) is type(module) and not self.inside_leaf(p))
 
+    def alike(self, where: str) -> list[str]:
+        """The other merged blocks of `where`'s class with its settings (the same code, traced the same way)."""
+        mine = settings(self.model.get_submodule(where))
+        return sorted(p for p in self.split if p != where and settings(self.model.get_submodule(p)) == mine)
+
     def inside_leaf(self, path: str) -> bool:
         return any(path == leaf or path.startswith(leaf + ".") for leaf in self.leaves)
 
@@ -325,7 +317,8 @@ def _trace_graph(model: nn.Module, user_leaves: set[str], mode: Mode, auto_leave
             if not where or not auto_leaves:
                 raise TraceError(f"cannot merge the train- and eval-mode code of {where or plan.name} ({cls}): {m.why}",
                                  f"mark it as a leaf: --leaf {where}" if where else "") from None
-            plan.make_leaf(where, f"{cls}: branches on self.training and {m.why}")
+            for block in [where] + plan.alike(where):  # its class with its settings fails alike: one retry, not one each
+                plan.make_leaf(block, f"{cls}: branches on self.training and {m.why}")
         except Exception as e:  # fx raises many kinds; all mean "cannot trace"
             plan.on_failure(plan.current, e)
     else:

@@ -27,6 +27,15 @@ def scalar_attributes(m: nn.Module) -> tuple[str, ...]:
     return tuple(sorted(k for k, v in vars(m).items() if type(v) in SCALAR_TYPES and k != "training"))
 
 
+def settings(m: nn.Module) -> tuple:
+    """A module's class and the settings that choose its code path: flags, strings and which attributes are None
+    (sizes and rates only count by their type: blocks of one class at different widths take the same branches)."""
+    def kind(v: Any) -> Any:
+        return type(v) if type(v) in (int, float) else v
+    plain = (bool, int, float, str, type(None))
+    return type(m), tuple(sorted((k, kind(v)) for k, v in vars(m).items() if type(v) in plain and not k.startswith("_")))
+
+
 def _watched(base: type, scalars: tuple[str, ...], box: list) -> type:
     def flag_get(self):
         value = self.__dict__.get("training", True)

@@ -282,3 +282,19 @@ def upstream_parameters(old: fx.GraphModule, new: fx.GraphModule, grown: dict) -
         else:
             todo.extend(x for x in a.all_input_nodes if x not in touched)
     return sorted(found)
+
+
+def computed_from(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node it is computed from."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+def reads_flag(node: fx.Node) -> bool:
+    """Whether `node` is computed from a module's `training` flag (a get_attr of it, as graphgrow traces them)."""
+    return any(n.op == "get_attr" and str(n.target).split(".")[-1] == "training" for n in computed_from(node))
