@@ -161,6 +161,16 @@ class _MutatesInput(gg.Pass):
         return Rewrite(copy_graph_module(gm))
 
 
+def _on_the_output(gm, method: str, *args) -> Rewrite:
+    """A copy of `gm` whose output goes through `output.method(*args)`."""
+    gm = copy_graph_module(gm)
+    last = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    with inserting_after(last):
+        v = gm.graph.call_method(method, (last, *args))
+    replace_uses(last, v, keep=[v])
+    return Rewrite(finish(gm))
+
+
 @_register
 @dataclass(frozen=True)
 class _BakesBatch(gg.Pass):
@@ -169,13 +179,7 @@ class _BakesBatch(gg.Pass):
     name: ClassVar[str] = "test_bakes_batch"
 
     def apply(self, gm, generator):
-        gm = copy_graph_module(gm)
-        out = next(n for n in gm.graph.nodes if n.op == "output")
-        last = out.args[0]
-        with inserting_after(last):
-            v = gm.graph.call_method("reshape", (last, 2, 5))
-        replace_uses(last, v, keep=[v])
-        return Rewrite(finish(gm))
+        return _on_the_output(gm, "reshape", 2, 5)
 
 
 @_register
@@ -186,13 +190,7 @@ class _MixesExamples(gg.Pass):
     name: ClassVar[str] = "test_mixes_examples"
 
     def apply(self, gm, generator):
-        gm = copy_graph_module(gm)
-        out = next(n for n in gm.graph.nodes if n.op == "output")
-        last = out.args[0]
-        with inserting_after(last):
-            v = gm.graph.call_method("roll", (last, 1, 0))
-        replace_uses(last, v, keep=[v])
-        return Rewrite(finish(gm))
+        return _on_the_output(gm, "roll", 1, 0)
 
 
 def _mlp_gm():

@@ -58,35 +58,20 @@ _LIKE_FIRST = {aten.clone.default, aten.neg.default, aten.abs.default, aten.sqrt
                aten.randn_like.default}
 _BROADCAST = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar,
               aten.mul.Scalar, aten.div.Scalar}
-_KIND: dict[Any, str] = {}  # operator → how it is sized
+# operator → how it is sized; other operators are classed from their schema on first use
+_KIND: dict[Any, str] = {**dict.fromkeys(_SIZED_FACTORIES, "factory"), **dict.fromkeys(_INT64_FACTORIES, "count"),
+                         **dict.fromkeys(_SIZED_FROM_SELF, "new"), **dict.fromkeys(_RESIZE, "resize"),
+                         **dict.fromkeys(_LIKE_FIRST, "like"), **dict.fromkeys(_BROADCAST, "broadcast"),
+                         aten.index_select.default: "index_select", aten.cat.default: "cat"}
 
 
 def _kind(func: Any) -> str:
     kind = _KIND.get(func)
     if kind is None:
-        if func in _SIZED_FACTORIES:
-            kind = "factory"
-        elif func in _INT64_FACTORIES:
-            kind = "count"
-        elif func in _SIZED_FROM_SELF:
-            kind = "new"
-        elif func in _RESIZE:
-            kind = "resize"
-        elif func in _LIKE_FIRST:
-            kind = "like"
-        elif func in _BROADCAST:
-            kind = "broadcast"
-        elif func is aten.index_select.default:
-            kind = "index_select"
-        elif func is aten.cat.default:
-            kind = "cat"
-        elif not any("Tensor" in str(r.type) for r in func._schema.returns):
-            kind = "alias"  # returns no tensor (allclose, equal, item): nothing to hold
-        elif all(r.alias_info is not None for r in func._schema.returns):
-            kind = "alias"  # views and in-place operators make no new tensor
-        else:
-            kind = "meta"
-        _KIND[func] = kind
+        returns = func._schema.returns
+        # no tensor returned (allclose, item), or only views and in-place results: nothing new to hold
+        fresh = any("Tensor" in str(r.type) for r in returns) and not all(r.alias_info is not None for r in returns)
+        kind = _KIND[func] = "meta" if fresh else "alias"
     return kind
 
 

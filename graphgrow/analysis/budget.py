@@ -29,7 +29,7 @@ from .allocation import AllocationGuard
 from ..graph.inputs import batch_of, DTYPES, is_spec, Shape
 from ..core.errors import first_line, InputError, NotApplicable, ValidationError
 from ..graph.fx_edit import new_parameters, upstream_parameters
-from ..graph.shapes import _target_name, annotate, shape_of
+from ..graph.shapes import _target_name, annotate, shape_of, state_bytes
 
 DEFAULT_MAX_NEW_PARAMS = 100_000_000  # parameters one pass may add
 DEFAULT_MAX_MEMORY = 8 << 30  # bytes of activations a model may need at the largest batch it is run at (estimate_batch)
@@ -405,7 +405,7 @@ def check_onnx_memory(gm: nn.Module, external: bool | None, check: bool, max_mem
     limit = default_max_memory() if max_memory is None else max_memory
     if limit >= NO_LIMIT:
         return
-    weights = sum(_nbytes(t) for t in gm.state_dict().values())
+    weights = state_bytes(gm)
     stages = ([(f"exporting it to ONNX ({'with external data' if external else 'one file'})", EXPORT_PEAK[external])]
               if external is not None else []) + ([("checking it in onnxruntime", CHECK_PEAK)] if check else [])
     for what, factor in stages:

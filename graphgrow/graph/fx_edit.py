@@ -3,6 +3,7 @@
 Pass authors import them from graphgrow.rewrite (the public API), not from here."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import copy
@@ -67,12 +68,9 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     memo: dict = {}
     share = _SHARING.get()
     tensors = [*gm.parameters(), *gm.buffers()]
-    storages: dict[int, int] = {}
-    for t in tensors:
-        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
-        storages[key] = storages.get(key, 0) + 1
-    for t in tensors:
-        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
+    keys = [t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t) for t in tensors]
+    storages = collections.Counter(keys)
+    for t, key in zip(tensors, keys):
         # a tensor alone in its storage and of a plain type is copied with one clone (deepcopy takes ~10 operators a
         # tensor); tensors that share a storage are left to deepcopy, which keeps them sharing in the copy
         if isinstance(t, nn.Parameter) and share:

@@ -154,6 +154,11 @@ def param_count(gm: torch.nn.Module) -> int:
     return sum(p.numel() for p in gm.parameters())
 
 
+def state_bytes(m: torch.nn.Module) -> int:
+    """Bytes of a module's weights: every tensor of its state dict (parameters and buffers)."""
+    return sum(t.numel() * t.element_size() for t in m.state_dict().values())
+
+
 def total_flops(gm: fx.GraphModule) -> int:
     """FLOPs per example, from the last `annotate` (0 for unannotated nodes)."""
     return sum(n.meta.get("gg_flops", 0) for n in gm.graph.nodes)
@@ -212,11 +217,11 @@ def first_examples(x: Any, n: int) -> Any:
 
 
 def same_inputs(a: Any, b: Any) -> bool:
-    """Two inputs (tensors, or dicts of named tensors) with equal shapes, dtypes and values."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same_inputs(a[k], b[k]) for k in a)
+    """Two inputs (tensors, or dicts of named tensors) with equal shapes, dtypes, devices and values."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        return isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(same_inputs(a[k], b[k]) for k in a)
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
-            and bool(torch.equal(a, b)))
+            and a.device == b.device and bool(torch.equal(a, b)))
 
 
 def _joined(x1: Any, extra: Any, b1: int, b2: int) -> Any:

@@ -24,7 +24,7 @@ from .onnx_external import check_external, data_path, ExternalWrite, external_te
 from .save import atomic_write, check_output_path
 from .serialize import is_stored_shape, validate_meta
 from ..graph.inputs import batch_of, call, InputSpec, is_spec, Shape, spec_inputs
-from ..graph.shapes import example_input
+from ..graph.shapes import example_input, state_bytes
 from .onnx_spec import (captured_static, check_input_names, dynamic_dims, fails_shorter, INPUTS_KEY, is_token_input,
                         name_dict_outputs, name_outputs, named_leaves, read_spec, dynamic_groups, spec_metadata)
 from ..core.state import training_mode
@@ -224,7 +224,7 @@ ONE_FILE_MAX = PROTOBUF_LIMIT - (256 << 20)  # weights up to here go in one file
 def wants_external(gm: torch.nn.Module, asked: bool | None, out_path: Path | None) -> bool:
     """Whether the weights go to a data file: as asked, else when they pass ONE_FILE_MAX. Refused before
     torch.onnx.export runs when they cannot go where asked (the export would build the whole model first)."""
-    size = sum(t.numel() * t.element_size() for t in gm.state_dict().values())
+    size = state_bytes(gm)
     external = asked if asked is not None else size >= ONE_FILE_MAX
     if not external and size >= ONE_FILE_MAX:
         raise ExportError(f"the model's weights are {size / 2**30:.2f} GiB: a self-contained ONNX file holds less than "

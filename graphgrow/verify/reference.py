@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..graph.shapes import same_inputs
+
 _kept: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[tuple, torch.Tensor, Any]]]" = weakref.WeakKeyDictionary()
 
 
@@ -39,18 +41,12 @@ def remember(model: nn.Module, protocol: str, x: Any, output: Any) -> None:
     _kept.setdefault(model, {})[protocol] = (fingerprint(model), _detached(x), _detached(output))
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, dict) or isinstance(b, dict):
-        return isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
-
-
 def recall(model: nn.Module, protocol: str, x: Any) -> Any | None:
     """The output `model` gave on `x` under `protocol`, if it is known and the model has not changed since."""
     entry = _kept.get(model, {}).get(protocol)
     if entry is None:
         return None
     fp, x_then, out = entry
-    if not _same(x_then, x):
+    if not same_inputs(x_then, x):
         return None
     return out if fp == fingerprint(model) else None
