@@ -26,6 +26,7 @@ from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .allocation import AllocationGuard
+from ..io.mode_switch import ModeSwitch
 from ..graph.inputs import batch_of, DTYPES, is_spec, Shape
 from ..core.errors import first_line, InputError, NotApplicable, ValidationError
 from ..graph.fx_edit import new_parameters, upstream_parameters
@@ -137,6 +138,19 @@ class NoEstimate(Exception):
 def activation_bytes(gm: fx.GraphModule, input_shape: Shape, batch: int | None = None) -> int:
     """Sum of every node's output size on the meta device (an upper bound of what a forward keeps), at `batch`
     (default: estimate_batch). NoEstimate names the node the meta device cannot run."""
+    b = estimate_batch(input_shape) if batch is None else batch
+    dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
+    specs = [(list(t.shape), DTYPES[t.dtype]) for t in input_shape] if is_spec(input_shape) else [(list(input_shape), None)]
+    inputs = [torch.empty([b] + s[1:], device="meta", dtype=dtype if d in (None, torch.float32) else d) for s, d in specs]
+    # Tensors a leaf creates without naming a device are made on the meta device too.
+    with torch.no_grad(), torch.device("meta"):
+        return _node_bytes(gm, inputs)
+
+
+def _node_bytes(gm: fx.GraphModule, inputs: Sequence, body: bool = False) -> int:
+    """activation_bytes on meta `inputs`. A mode switch's bodies are graphs of their own, read from the file as data
+    (a hostile one can hold any temporary): each is counted node by node and the largest adds to the switch's
+    output (`body`: counting one, whose inputs and output are already counted outside)."""
     total = 0
 
     class Count(fx.Interpreter):
@@ -155,7 +169,11 @@ def activation_bytes(gm: fx.GraphModule, input_shape: Shape, batch: int | None =
                 out = self.both_ways(n) if n.op == "call_module" else None
                 if out is None:
                     raise NoEstimate(n, [shape_of(self.env.get(a)) for a in n.all_input_nodes], e) from e
-            total += _bytes(out)
+            if not (body and n.op in ("placeholder", "output")):
+                total += _bytes(out)
+            if n.op == "call_module" and isinstance(switch := gm.get_submodule(n.target), ModeSwitch):  # type: ignore[arg-type]
+                values = self.fetch_args_kwargs_from_env(n)[0][switch.conditions:]
+                total += max(_node_bytes(b, values, body=True) for b in switch.bodies())
             return out
 
         def both_ways(self, n):
@@ -173,13 +191,7 @@ def activation_bytes(gm: fx.GraphModule, input_shape: Shape, batch: int | None =
                     return None
             return max(outs, key=_bytes)
 
-    b = estimate_batch(input_shape) if batch is None else batch
-    dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
-    specs = [(list(t.shape), DTYPES[t.dtype]) for t in input_shape] if is_spec(input_shape) else [(list(input_shape), None)]
-    inputs = [torch.empty([b] + s[1:], device="meta", dtype=dtype if d in (None, torch.float32) else d) for s, d in specs]
-    # Tensors a leaf creates without naming a device are made on the meta device too.
-    with torch.no_grad(), torch.device("meta"):
-        Count(gm).run(*inputs)
+    Count(gm).run(*inputs)
     return total
 
 

@@ -26,6 +26,7 @@ from . import serialize
 from ..core.errors import first_line, LoadError
 from ..graph.layers import FORMER_NAMES
 from .factory import cwd_importable, import_object, is_factory_name, refuse_before_import
+from .mode_switch import check_node_total
 
 
 @dataclass
@@ -262,6 +263,7 @@ def _interpret(obj: Any, name: str, trust: bool) -> LoadedModel:
         return LoadedModel(gm, name, "graphgrow", info.get("inputs") or info.get("input_shape"), list(info.get("log", [])))
     if isinstance(obj, nn.Module):
         _check_module_names(obj, name)
+        check_node_total(obj, 0, serialize.MAX_NODES)  # mode switches in a pickled tree: their bodies are graphs too
         return LoadedModel(obj, name, "file")
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise LoadError(

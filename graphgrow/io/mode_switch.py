@@ -35,6 +35,10 @@ class ModeSwitch(nn.Module):
         self.table = [[[int(i), bool(a)] for i, a in row] for row in table]
         self.body_records = bodies
 
+    def bodies(self) -> list[fx.GraphModule]:
+        """Every path's body, built (through the file checks) on first use."""
+        return self._bodies()
+
     def _bodies(self) -> list[fx.GraphModule]:
         compiled = self.__dict__.get("_compiled")
         if compiled is None:
@@ -50,6 +54,13 @@ class ModeSwitch(nn.Module):
         empty = nn.Module()
         self.__dict__["_compiled"] = [fx.GraphModule(empty, graph_from_records(records, empty, trusted), "ModeBody")
                                       for records in self.body_records]
+
+    def record_count(self) -> int:
+        """How many node records building every body means (a list several bodies share counts for each)."""
+        bodies = self.body_records
+        if not (isinstance(bodies, list) and len(bodies) <= MAX_PATHS and all(isinstance(b, list) for b in bodies)):
+            raise LoadError("a mode switch in the saved model has a malformed table of paths", "the file is corrupted or hostile")
+        return sum(len(b) for b in bodies)
 
     def _check_table(self) -> None:
         table, bodies, count = self.table, self.body_records, self.conditions
@@ -93,3 +104,16 @@ class ModeSwitch(nn.Module):
 
     def extra_repr(self) -> str:
         return f"conditions={self.conditions}, paths={len(self.table)}"
+
+
+def check_node_total(root: nn.Module, graph_nodes: int, limit: int) -> None:
+    """The node limit is for the whole file: the main graph's `graph_nodes` plus every body of every switch in
+    `root`, counted before any of them is built (a pickle stores a list once however often it is used, so many
+    bodies sharing one long list cost the file nothing and the loader each time)."""
+    total = graph_nodes
+    for m in root.modules():
+        if isinstance(m, ModeSwitch):
+            total += m.record_count()
+            if total > limit:
+                raise LoadError(f"the saved model has more than {limit:,} graph nodes, counting its mode switches' bodies",
+                                "the file is corrupted or hostile")

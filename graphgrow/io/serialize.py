@@ -19,6 +19,7 @@ from ..core import names
 from ..core.errors import InputError, LoadError, SaveError
 from ..graph.inputs import parse_spec, records
 from .lineage import is_origin
+from .mode_switch import check_node_total
 
 FORMAT = "graphgrow.graphmodule"
 VERSION = 1
@@ -251,6 +252,7 @@ def from_payload(payload: dict, trusted: bool = False) -> fx.GraphModule:
         raise LoadError("the graphgrow file has no module tree or no graph", "the file is corrupted; re-create it")
     if len(nodes) > MAX_NODES:
         raise LoadError(f"the saved graph has {len(nodes):,} nodes (limit {MAX_NODES:,})", "the file is corrupted or hostile")
+    check_node_total(root, len(nodes), MAX_NODES)
     # Names first, trusted or not: no stored string reaches the code fx generates (names.py)
     _check_names(payload, nodes, root)
     meta = validate_meta(payload.get("meta"))

@@ -1,0 +1,117 @@
+"""Issue 38 item 5: every bound counts the whole file and the real sizes. Each case through the real CLI:
+exit 2 with one line, nothing written, and (where it is cheap to measure) the peak memory under the limit."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import graphgrow as gg
+from graphgrow.io import serialize
+from conftest import ROOT
+
+E = {"dict": []}
+
+
+def _cli(*argv: str, cwd: Path, env: dict | None = None, limit_kb: int | None = None) -> tuple[subprocess.CompletedProcess, int]:
+    """The real CLI in a wrapper process: (its result, its peak resident memory in KiB). `limit_kb`: an address-space
+    limit (ulimit -v), so a case that would allocate far more fails instead of taking the machine's memory."""
+    import os
+
+    wrapper = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+               "sys.stdout.write(p.stdout + '\\n' + str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+               "sys.stderr.write(p.stderr); sys.exit(p.returncode)")
+    argv_all = [sys.executable, "-c", wrapper, sys.executable, "-m", "graphgrow.cli", *argv]
+    if limit_kb is not None:
+        argv_all = ["bash", "-c", f'ulimit -v {limit_kb}; exec "$0" "$@"', *argv_all]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), **(env or {})}
+    proc = subprocess.run(argv_all, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=600)
+    out, _, peak = proc.stdout.rpartition("\n")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, proc.stderr), int(peak)
+
+
+def refused(proc: subprocess.CompletedProcess, message: str) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    assert message in lines[0], lines[0]
+    return lines[0]
+
+
+def _files(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+# --- a model with a mode switch (a drop-path block), and its saved payload to edit as an attacker would ---
+
+class Drop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = 0.5
+
+    def forward(self, x):
+        if self.training and self.p > 0:
+            return x * (torch.rand_like(x[:, :1]) > self.p).float()
+        return x
+
+
+class SwitchNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.drops = nn.Sequential(Drop())
+
+    def forward(self, x):
+        return self.drops(self.conv(x))
+
+
+def _payload() -> tuple[dict, list]:
+    payload = serialize.to_payload(gg.trace(SwitchNet(), (1, 3, 8, 8)))
+    switches = [m for m in payload["root"].modules() if hasattr(m, "body_records")]
+    assert len(switches) == 1
+    return payload, switches
+
+
+def _record(name: str, op: str, target: str, *args) -> dict:
+    return {"name": name, "op": op, "target": target, "args": {"tuple": list(args)}, "kwargs": E, "scope": []}
+
+
+def test_a_temporary_inside_a_switch_body_counts_in_the_activation_estimate(tmp_path):
+    """S1: a body (data in the file) makes torch.ones(x.size(0) * 256, 2**19): 512 MiB at batch 1, never an output.
+    Before, the estimate counted only the switch's output, and inspect/export/fold ran it under --max-memory 256M
+    (peaks of 1.45/1.49/1.99 GB against 1.1 GB for the CLI itself)."""
+    payload, (switch,) = _payload()
+    torch.save(payload, tmp_path / "plain.pt")
+    _, base = _cli("inspect", "plain.pt", "--input-shape", "1,3,8,8", cwd=tmp_path)
+    body = [r for r in switch.body_records[0] if r["op"] == "placeholder"]  # the switch's inputs: x first
+    body += [_record("size", "call_method", "size", {"node": "input_0"}, 0),
+            _record("mul", "call_function", "operator.mul", {"node": "size"}, 256),
+            _record("ones", "call_function", "torch.ones", {"node": "mul"}, 1 << 19),
+            _record("output", "output", "output", {"node": "input_0"})]
+    switch.body_records = [body] * len(switch.body_records)  # every path, the eval one too
+    torch.save(payload, tmp_path / "m.pt")
+    before = _files(tmp_path)
+    for argv in (["inspect", "m.pt"], ["export", "m.pt", "-o", "m.onnx"], ["fold", "m.pt", "-o", "f.pt"]):
+        proc, peak = _cli(*argv, "--input-shape", "1,3,8,8", "--max-memory", "256M", cwd=tmp_path)
+        refused(proc, "activations on an input of shape (1, 3, 8, 8) at batch 3 (limit 256.0 MiB)")
+        assert peak < base + (128 << 10), f"{(peak - base) >> 10} MiB more than the untouched model: the body ran"
+    assert _files(tmp_path) == before
+
+
+def test_the_node_limit_counts_every_body_of_every_switch_in_the_file(tmp_path):
+    """S2: a pickle stores a list once, however often it is used: 64 paths sharing one list of 3,200 records made a
+    file of a few hundred KB that built 204,800 nodes (each graph under the 200,000 limit; a 5 MB file took 93 s)."""
+    payload, (switch,) = _payload()
+    body = [r for r in switch.body_records[0] if r["op"] == "placeholder"]
+    body += [_record(f"n{i}", "call_method", "relu", {"node": body[-1]["name"]}) for i in range(3_200)]
+    body.append(_record("output", "output", "output", {"node": body[-1]["name"]}))
+    switch.table = [switch.table[0]] * 64
+    switch.body_records = [body] * 64
+    torch.save(payload, tmp_path / "m.pt")
+    assert (tmp_path / "m.pt").stat().st_size < 1 << 20
+    proc, _ = _cli("inspect", "m.pt", "--input-shape", "1,3,8,8", cwd=tmp_path)
+    refused(proc, "more than 200,000 graph nodes, counting its mode switches' bodies")
