@@ -115,3 +115,19 @@ def test_the_node_limit_counts_every_body_of_every_switch_in_the_file(tmp_path):
     assert (tmp_path / "m.pt").stat().st_size < 1 << 20
     proc, _ = _cli("inspect", "m.pt", "--input-shape", "1,3,8,8", cwd=tmp_path)
     refused(proc, "more than 200,000 graph nodes, counting its mode switches' bodies")
+
+
+@pytest.mark.parametrize("value, message", [
+    ([["x" * 100] * 1000] * 1000, "more than 4 MiB of text"),  # a 7 KB file: inspect --json wrote 104 MB
+    ([[0] * 1000] * 1000, "more than 100,000 list items"),
+    (["x" * (5 << 20)], "more than 4 MiB of text"),
+])
+def test_metadata_lists_and_strings_are_bounded_counting_every_use(tmp_path, value, message):
+    """S5: metadata had a depth limit only; a list shared a thousand times costs the pickle nothing."""
+    payload = serialize.to_payload(gg.trace(nn.Sequential(nn.Linear(4, 4)), (1, 4)))
+    payload["meta"]["trace"] = {"notes": value}
+    torch.save(payload, tmp_path / "m.pt")
+    proc, _ = _cli("inspect", "m.pt", "--json", cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stdout and len(proc.stdout) < 1000, proc.stdout[:500]
+    proc, _ = _cli("inspect", "m.pt", cwd=tmp_path)
+    refused(proc, f"the graphgrow file's metadata holds {message}")

@@ -299,6 +299,32 @@ def _restore_modes(gm: fx.GraphModule, flags: Any) -> None:
             m.training = flag
 
 
+MAX_META_ITEMS = 100_000  # list/tuple elements and dict entries in all the metadata, each time one is reached
+MAX_META_TEXT = 4 << 20  # characters of all its strings and keys, likewise
+
+
+def _too_large(value: Any) -> str | None:
+    """What is too large in plain data, stopping as soon as it is (no recursion). A pickle stores a list once however
+    often it is used, so every use counts: a few hundred KB can otherwise name more items than memory holds."""
+    items, text, todo = 0, 0, [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            text += len(v)
+        elif isinstance(v, dict):
+            items += len(v)
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            items += len(v)
+            todo.extend(v)
+        if items > MAX_META_ITEMS:
+            return f"holds more than {MAX_META_ITEMS:,} list items and record fields"
+        if text > MAX_META_TEXT:
+            return f"holds more than {MAX_META_TEXT >> 20} MiB of text"
+    return None
+
+
 def _depth(value: Any, limit: int) -> int:
     """Nesting depth of plain data, stopping past `limit` (no recursion: a hostile file may nest deeply)."""
     deepest, todo = 0, [(value, 1)]
@@ -326,6 +352,8 @@ def validate_meta(meta: Any) -> dict:
         meta = {}
     if not isinstance(meta, dict):
         raise LoadError("the graphgrow file's metadata is not a record", "the file is corrupted")
+    if (problem := _too_large(meta)) is not None:  # before anything else walks it
+        raise LoadError(f"the graphgrow file's metadata {problem}", "the file is corrupted or hostile")
     out = dict(meta)
     shape = out.get("input_shape")
     if shape is not None:
