@@ -38,9 +38,11 @@ bench: $(STAMP)
 clean:
 	rm -rf demo_out .pytest_cache .hypothesis
 
-# a long property-based campaign (GRAPHGROW_FUZZ_EXAMPLES cases; count and time printed at the end)
+# a long property-based campaign (GRAPHGROW_FUZZ_EXAMPLES cases, GRAPHGROW_SEQUENCES growth sequences per architecture;
+# counts and time printed at the end)
 fuzz: $(STAMP)
-	GRAPHGROW_FUZZ_EXAMPLES=$${GRAPHGROW_FUZZ_EXAMPLES:-2000} $(BIN)/python -m pytest -q -s -p no:randomly tests/test_fuzz.py tests/test_safe_graph.py
+	GRAPHGROW_FUZZ_EXAMPLES=$${GRAPHGROW_FUZZ_EXAMPLES:-2000} GRAPHGROW_SEQUENCES=$${GRAPHGROW_SEQUENCES:-20} \
+		$(BIN)/python -m pytest -q -s -p no:randomly tests/test_fuzz.py tests/test_safe_graph.py tests/test_growth_sequences.py
 
 # 200 mutate-export-check cycles in one process; resident memory printed along the way
 soak: $(STAMP)

@@ -147,27 +147,41 @@ class NormOut(nn.Module):
 
 
 class Gated(nn.Module):
-    """A tanh applied to the stream itself: its new coordinates would no longer be the mean."""
+    """An activation applied to the stream itself (`act`): a sigmoid (σ(0) ≠ 0) keeps neither a zero nor a mean
+    fill; tanh and GELU (f(0) = 0) keep zeros, which the LayerNorm's input cannot have: copies only (×2)."""
 
-    def __init__(self):
+    def __init__(self, act=torch.sigmoid):
         super().__init__()
+        self.act = act
         self.embed, self.norm, self.head = nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 3)
 
     def forward(self, ids):
         x = self.embed(ids)
-        x = torch.tanh(x) + F.gelu(self.norm(x))
+        x = self.act(x) + F.gelu(self.norm(x))
         return self.head(self.norm(x))
 
 
 @pytest.mark.parametrize("model,spec,why", [
     (NoNorm(), (2, 8), "no LayerNorm or RMSNorm over a last dimension"),
     (NormOut(), "ids:1x4:int64", r"'norm_1' \(module norm\), which is a model output"),
-    (Gated(), "ids:1x4:int64", r"reaches '\w+' \((tanh|gelu)\), which .* the analysis does not understand"),
+    (Gated(), "ids:1x4:int64", r"reaches '\w+' \(sigmoid\), which .* the analysis does not understand"),
 ])
 def test_refusals_say_why(model, spec, why):
     gm = gg.trace(model, input_shape=parse_spec(spec) if isinstance(spec, str) else spec)
     with pytest.raises(gg.NotApplicable, match=why):
         gg.get_pass("grow_hidden")()(gm)
+
+
+def test_activations_with_f0_zero_on_the_stream_grow_by_copies():
+    """tanh and GELU on the stream (one norm module called twice): new coordinates must be zero for them and the mean
+    for the LayerNorm's input, so the default is ×2 by replication, exact; +50 % is refused with both reasons."""
+    gm = gg.trace(Gated(torch.tanh), input_shape=parse_spec("ids:1x4:int64"))
+    r = gg.get_pass("grow_hidden")()(gm)
+    assert r.targets["hidden"].startswith("8 → 16") and "replicated 2×" in r.targets["rule"]
+    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
+    assert r.gm.get_submodule("norm").normalized_shape == (16,)  # the shared norm grown once
+    with pytest.raises(gg.NotApplicable, match=r"8 → 12 exactly: .*elementwise activation"):
+        gg.get_pass("grow_hidden")(to=12)(gm)
 
 
 def test_grown_model_on_onnxruntime(tmp_path):

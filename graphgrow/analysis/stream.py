@@ -38,6 +38,12 @@ PASS_FUNCTIONS = {F.dropout, torch.transpose, torch.permute, torch.flatten, torc
                   torch.mean, torch.sum, torch.squeeze, torch.unsqueeze}
 SHAPE_QUERIES = {"size", "dim", "numel", "shape", "dtype", "device"}
 VIEWS = {"reshape", "view", "expand"}  # their shape arguments name the width: grown with it
+# elementwise activations with f(0) = 0: a stream tensor may pass through one when its new coordinates are zero (or
+# every coordinate is replicated), as in a gated block deepen inserts on a token stream
+ZERO_ACTIVATION_MODULES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.LeakyReLU, nn.Hardswish, nn.Mish, nn.ELU)
+ZERO_ACTIVATION_FUNCTIONS = {F.relu, F.relu6, F.gelu, F.silu, F.leaky_relu, F.hardswish, F.mish, F.elu, torch.relu, torch.tanh}
+ZERO_ACTIVATION_METHODS = {"relu", "tanh"}
+FLAT_AT_ZERO = (nn.ReLU, nn.ReLU6, F.relu, F.relu6, torch.relu, "relu")  # f'(0) = 0: a new unit at 0 would never learn
 
 
 @dataclass
@@ -212,7 +218,8 @@ class _Walk:
             if len(need) == 2:
                 a, b = need["mean"], need["zero"]
                 return {}, (f"'{a}' must have new coordinates equal to the mean of the old ones ({self.why[f'{a}:mean']}) "
-                            f"and '{b}', joined with it through adds, zero ({self.why[f'{b}:zero']}): a post-norm stream")
+                            f"and '{b}', joined with it through adds, zero ({self.why[f'{b}:zero']})"
+                            + ("" if "ReLU" in self.why[f'{a}:mean'] else ": a post-norm stream"))
         return {t: next(iter(classes.get(self.find(t), {"zero": t}))) for t in self.s.axes}, None
 
     # --- rules ---
@@ -244,6 +251,8 @@ class _Walk:
             for a in self._operands(n):
                 self.add(a, self._operand_axis(n, a, axis), like=n)
             return
+        if _zero_activation_input(self.gm, n) is not None:
+            return self.activation(n.args[0], n)
         x = self._passthrough_input(n)
         if x is not None:
             back = self._input_axis(n, x, axis)
@@ -274,6 +283,8 @@ class _Walk:
             return self.reader(u, x, axis)
         if self._is_add(u) or self._is_cat(u):
             return self.add(u, self._user_axis(u, x, axis), like=x)
+        if _zero_activation_input(self.gm, u) is x:
+            return self.activation(x, u)
         if self._passthrough_input(u) is x:
             a = _forward_axis(u, x, axis)
             if a is None:
@@ -293,6 +304,18 @@ class _Walk:
         kind = "an RMSNorm's input: its mean square" if norm.rms else "a LayerNorm's input: its mean and variance"
         self.need(x, "zero" if norm.rms else "mean", kind)
         self.need(n, "zero", "a norm's output: its new outputs are β = 0")
+
+    def activation(self, x: fx.Node, n: fx.Node) -> None:
+        """`n` = f(x) elementwise with f(0) = 0: new coordinates zero on both sides (or every coordinate replicated)."""
+        axis = self.s.axes.get(x.name, self.s.axes.get(n.name))
+        self.add(x, axis)
+        self.add(n, axis)
+        why = f"'{n.name}' is an elementwise activation: f(0) = 0, but not f(mean) = mean(f)"
+        self.need(x, "zero", why)
+        self.need(n, "zero", why)
+        kind = type(self.gm.get_submodule(n.target)) if n.op == "call_module" else n.target
+        if kind in FLAT_AT_ZERO:  # new units must be copies of old ones (replication), as on a post-norm stream
+            self.need(n, "mean", f"'{n.name}' is a ReLU: a new unit held at 0 gets no gradient, a copy of an old one does")
 
     def writer(self, n: fx.Node, what: str, params: list[tuple[str, int]]) -> None:
         if n.name not in {w.node for w in self.s.writers}:
@@ -373,8 +396,13 @@ class _Walk:
             linear = isinstance(m, (nn.Dropout, nn.Identity)) or type(m).__name__ in ("DropPath", "StochasticDepth")
             return x if linear and len(n.args) == 1 else None
         if n.op == "call_function" and n.target in SCALINGS or (n.op == "call_method" and n.target in ("mul", "div")):
+            # a scalar multiple: a number, or a one-element tensor that does not depend on the input (a gate such as
+            # add_residual's or deepen's, a learned scale), on either side of a product
             other = n.args[1] if len(n.args) > 1 else None
-            return x if isinstance(other, (int, float)) else None
+            if _is_scalar_factor(other):
+                return x
+            divide = n.target in (operator.truediv, torch.div) or n.target == "div"
+            return other if not divide and isinstance(other, fx.Node) and _is_scalar_factor(x) else None
         if n.op == "call_method" and n.target in PASS_METHODS or n.op == "call_function" and n.target in PASS_FUNCTIONS:
             rest = [a for a in list(n.args[1:]) + list(n.kwargs.values()) if isinstance(a, fx.Node)]
             return x if all(tensor_shape(a) is None for a in rest) else None  # sizes, not other tensors
@@ -384,6 +412,39 @@ class _Walk:
         shape = tensor_shape(x) or ()
         fits = [a for a in range(len(shape)) if shape[a] == self.s.width and _forward_axis(n, x, a) == axis]
         return fits[-1] if fits else None
+
+
+def _zero_activation_input(gm: fx.GraphModule, n: fx.Node) -> fx.Node | None:
+    """x when `n` is an elementwise activation f(x) with f(0) = 0 and nothing else tensor-valued in its arguments."""
+    x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if x is None or any(isinstance(a, fx.Node) for a in list(n.args[1:]) + list(n.kwargs.values())):
+        return None
+    if n.op == "call_module":
+        return x if type(gm.get_submodule(n.target)) in ZERO_ACTIVATION_MODULES else None
+    if n.op == "call_function":
+        return x if n.target in ZERO_ACTIVATION_FUNCTIONS else None
+    return x if n.op == "call_method" and n.target in ZERO_ACTIVATION_METHODS else None
+
+
+def _is_scalar_factor(v) -> bool:
+    """A number, or a one-element tensor computed from parameters and constants only (never from the input: a
+    factor read from the stream would change when the stream grows)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return True
+    if not isinstance(v, fx.Node):
+        return False
+    shape = tensor_shape(v)
+    if shape is None or any(d != 1 for d in shape):
+        return False
+    seen, todo = set(), [v]
+    while todo:
+        m = todo.pop()
+        if m.op == "placeholder":
+            return False
+        if m.name not in seen:
+            seen.add(m.name)
+            todo.extend(m.all_input_nodes)
+    return True
 
 
 def _forward_axis(n: fx.Node, x: fx.Node, a: int) -> int | None:

@@ -25,6 +25,7 @@ from torch import fx, nn
 from ..analysis.stream import Stream
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import finish
+from .size_reads import hold_size_reads
 from .tensor_paths import owners as _owners, put_tensor as _set, tensor_at as _tensor
 from .widen import Insertion, Layout, columns, make_layout, rows
 
@@ -41,7 +42,7 @@ def plan_layout(stream: Stream, new: int, generator: torch.Generator) -> tuple[L
         return make_layout(d, [Insertion(d, k, [None] * k)]), "mean/zero"
     if new % d:
         raise NotApplicable(f"cannot grow the hidden size {d} → {new} exactly: {stream.conflict}",
-                            f"a post-norm stream stays exact only when every coordinate is replicated equally: "
+                            f"such a stream stays exact only when every coordinate is replicated equally: "
                             f"to={2 * d}, {3 * d}, …")
     perm = torch.randperm(d, generator=generator).tolist()
     return make_layout(d, [Insertion(d, k, [perm[j % d] for j in range(k)])]), "replicate"
@@ -117,10 +118,18 @@ def grow_stream(gm: fx.GraphModule, stream: Stream, new: int, generator: torch.G
         for p in [path] + tied:  # one tensor for all its paths: a tie stays a tie
             _set(gm, p, value, old)
             done.add(p)
+    norms_done: set = set()  # a norm module (or its parameters) called at several places is grown once
     for norm in stream.norms:
+        key = norm.module or (norm.weight, norm.bias)
+        if norm.module is None and norm.weight is None and norm.bias is None:
+            key = norm.node
+        if key in norms_done:
+            continue
+        norms_done.add(key)
         _grow_norm(gm, stream, norm, layout, rule, generator)
     _resize_modules(gm, {p.rpartition(".")[0] for p in allowed})
     _grow_views(gm, stream, new)
+    hold_size_reads(gm, {t: (axis, stream.width) for t, axis in stream.axes.items()})
     finish(gm)
     return rule
 

@@ -17,6 +17,7 @@ import torch
 from torch import fx, nn
 
 from ..analysis import growth
+from ..analysis.axes import node_axis
 from ..analysis.coupling import BATCHNORMS, Coupling
 from ..analysis.growth import Insertion, Layout, make_layout  # noqa: F401 (part of this module's API)
 from ..core.errors import NotApplicable
@@ -24,6 +25,7 @@ from .channel_fill import columns, Init, rows  # noqa: F401 (part of this module
 from .functional_layers import resize_functional
 from .head_sizes import grow_head_sizes
 from .initializers import kaiming_
+from .size_reads import hold_size_reads
 from .tensor_paths import owners, put_tensor
 from .widen_args import apply_edits, block_sources
 
@@ -264,6 +266,8 @@ def grow_group(gm: fx.GraphModule, coupling: Coupling, gid: int, count: int, ini
         resize_tensor_attr(gm, path, layout, init, generator, coupling.tensor_axes.get(path))
         rebuilt.append(path)
     apply_edits(gm, coupling, layouts)  # slices, splits and reshapes whose constants name channels
+    hold_size_reads(gm, {m: (axis, coupling.groups[g].size) for g in layouts for m in coupling.groups[g].members
+                         if m in nodes for axis in [node_axis(nodes[m])] if axis is not None})
     for g, layout in layouts.items():  # a traced F.layer_norm carries its normalized_shape as a constant
         for name in coupling.groups[g].norms:
             n = nodes[name]
