@@ -131,3 +131,21 @@ def test_metadata_lists_and_strings_are_bounded_counting_every_use(tmp_path, val
     assert proc.returncode == 2 and message in proc.stdout and len(proc.stdout) < 1000, proc.stdout[:500]
     proc, _ = _cli("inspect", "m.pt", cwd=tmp_path)
     refused(proc, f"the graphgrow file's metadata holds {message}")
+
+
+VIT = "hf:vit(hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=32,{})"
+
+
+@pytest.mark.parametrize("name, message", [
+    (VIT.format("image_size=[32,32,32]"), "hf:vit: image_size=[32, 32, 32] is not a size or a (height, width) pair"),
+    (VIT.format("image_size=0"), "hf:vit: image_size=0 is not a positive integer"),
+    ("hf:gpt2(vocab_size=0,n_layer=1,n_embd=32,n_head=2)", "hf:gpt2: vocab_size=0 is not a positive integer"),
+    # S4: the default input 1×3×12000×12000 was built before its bound was checked (4.47 GB peak, 1.18 GB now)
+    (VIT.format("image_size=12000"), "the default input its image_size and num_channels give is too large"),
+])
+def test_a_hugging_face_config_is_sized_and_checked_before_anything_is_built(tmp_path, name, message):
+    """Minors and S4: settings that were exit 3 "internal error" (a TypeError in int(), randint below 0)."""
+    pytest.importorskip("transformers")
+    proc, peak = _cli("inspect", name, "--max-memory", "256M", cwd=tmp_path)
+    refused(proc, message)
+    assert peak < 1_500_000, f"{peak >> 10} MiB"  # importing transformers takes about 1.2 GB; the input was 1.6 GiB

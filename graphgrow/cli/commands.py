@@ -15,6 +15,7 @@ from rich.table import Table
 
 from ..core.errors import GraphgrowError
 from .run import err, out, run_command
+from .safe_text import printable
 from .show import (
     input_text, passes_markdown, print_equivalence, print_groups, print_log, print_mutation, print_onnx, print_search,
     print_summary, print_trace, type_name,
@@ -145,7 +146,7 @@ def _growth_job(make_report: Callable[[Callable[[str], None]], dict], as_json: b
         if as_json:
             print(json.dumps(report, default=str))
         else:
-            print_mutation(report)
+            print_mutation(printable(report))  # names and log entries from files: no raw control characters
         eq = report.get("equivalence")
         return 1 if eq is not None and not eq["passed"] else 0
 
@@ -214,6 +215,7 @@ def export(model, output, fold_first, opset, external_data, input_shape, trust, 
         if as_json:
             print(json.dumps(report, default=str))
         else:
+            report = printable(report)
             if report["fold"] is not None:
                 f = report["fold"]
                 out.print(f"folded: params {f['params_before']:,} → {f['params_after']:,}, FLOPs/example "
@@ -246,6 +248,7 @@ def check(onnx_file, model, provider, rtol, atol, seed, input_shape, trust, leav
         if as_json:
             print(json.dumps(report, default=str))
         else:
+            report = printable(report)
             print_equivalence(report["equivalence"])
             if "factory_seed" in report:
                 out.print(f"{model} built with weight seed {report['factory_seed']}", markup=False, highlight=False)
@@ -280,6 +283,7 @@ def inspect(model, show_all, groups, summary, depth, input_shape, trust, leaves,
         if as_json:
             print(json.dumps(report, default=str))
             return 0
+        report = printable(report)  # names, log entries and metadata from the file: no raw control characters
         if report.get("format") == "onnx":
             print_onnx(report)
             return 0
@@ -325,6 +329,7 @@ def targets(model, spec, data, input_shape, trust, leaves, trace_mode, capture, 
         if as_json:
             print(json.dumps(report, default=str))
             return 0
+        report = printable(report)
         if not report["candidates"]:
             out.print(f"{report['pass']} does not list places (it takes no target, or none applies)", markup=False)
             return 0
@@ -402,7 +407,7 @@ def search(model, train_fn, eval_fn, mutations, policy, data, population, rounds
         if as_json:
             print(json.dumps(report, default=str))
             return 0
-        print_search(report)
+        print_search(printable(report))
         return 0
 
     run_command(job, as_json, debug)
@@ -429,6 +434,7 @@ def diff(model_a, model_b, diagram, trust, as_json, debug):
         if as_json:
             print(json.dumps(report, default=str))
             return 0
+        report = printable(report)
         out.print(f"{model_b} against {model_a}: {', '.join(report['passes']) or 'no passes'}; parameters "
                   f"{report['params'][0]:,} → {report['params'][1]:,}", markup=False)
         for key in ("added", "rebuilt", "reshaped", "removed"):

@@ -2,12 +2,16 @@
 
 Exit codes: 0 success; 1 a check failed; 2 bad input or a pass that cannot apply (GraphgrowError's own code);
 3 an internal error (a bug). A signal (Ctrl-C, SIGTERM, SIGHUP) discards staged outputs and says which
-outputs were complete; the exit code is then 128 + the signal.
+outputs were complete; the exit code is then 128 + the signal. Standard output that cannot be written is not a
+bug: a reader that went away (`graphgrow inspect M | head`) ends the command quietly with 141 (128 + SIGPIPE,
+what the shell shows for a tool SIGPIPE ended); any other failure (a full disk: `--json > /dev/full`) is exit 2
+with one line naming it and any outputs already written.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -19,6 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..core.errors import GraphgrowError, SpecError, first_line
+from .safe_text import printable
 
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True, soft_wrap=True)
@@ -27,7 +32,7 @@ MAX_MESSAGE = 500  # user-supplied text in messages is cut: a 2 MB argument is n
 
 
 def cut(text: str) -> str:
-    text = " ".join(text.split())
+    text = printable(" ".join(text.split()))  # names from files may hold terminal escapes
     return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + f"… ({len(text) - MAX_MESSAGE:,} more characters)"
 
 
@@ -91,7 +96,68 @@ def _interrupted(signum: int) -> None:
     _exit(128 + signum)
 
 
+class _StdoutFailed(Exception):
+    """Writing to standard output failed (a closed pipe, a full disk): the user's setup, not a bug."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+
+class _GuardedStdout:
+    """sys.stdout while a command runs (print and the rich console both write through it): a failed write
+    is _StdoutFailed, told apart from the OSErrors of the command's own files."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise _StdoutFailed(e) from e
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            raise _StdoutFailed(e) from e
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _stdout_failed(e: OSError) -> None:
+    """Standard output cannot take the report: what is still buffered goes nowhere (os.devnull on fd 1, so
+    Python's own flush at exit fails no more), then exit 141 quietly for a closed pipe, else exit 2 naming it."""
+    from ..io.outputs import committed
+
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.__stdout__.fileno())  # type: ignore[union-attr]
+        os.close(fd)
+    if e.errno == errno.EPIPE:
+        _exit(128 + signal.SIGPIPE)
+    written = committed()
+    done = f"; the outputs were written whole: {cut(', '.join(map(str, written)))}" if written else ""
+    err.print(f"error: cannot write to standard output: {e.strerror or first_line(e)}{done} "
+              "(check where standard output goes: free space, a closed pipe or terminal)", markup=False, highlight=False)
+    _exit(2)
+
+
 def run_command(job: Callable[[Callable[[str], None]], int], as_json: bool, debug: bool) -> None:
+    real = sys.stdout
+    sys.stdout = _GuardedStdout(real)  # type: ignore[assignment]
+    try:
+        try:
+            _run_command(job, as_json, debug)
+        except _StdoutFailed as e:  # the report, or the JSON of an error, could not be printed
+            _stdout_failed(e.error)
+    finally:
+        sys.stdout = real
+
+
+def _run_command(job: Callable[[Callable[[str], None]], int], as_json: bool, debug: bool) -> None:
     from ..io.outputs import forget_committed
 
     _received.clear()
@@ -106,6 +172,9 @@ def run_command(job: Callable[[Callable[[str], None]], int], as_json: bool, debu
     try:
         with _progress() as progress:
             code = job(progress)
+        sys.stdout.flush()  # a report that cannot be written fails here, not at the interpreter's exit
+    except _StdoutFailed:
+        raise
     except GraphgrowError as e:
         if _received:  # the signal surfaced wrapped in one of our errors
             _interrupted(_received[0])

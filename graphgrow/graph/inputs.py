@@ -38,6 +38,13 @@ class TensorSpec:
     high: int | None = None
     dynamic: tuple[tuple[int, str], ...] = ()  # (dim, name) the user declared dynamic (`seq=128`); batch always is
 
+    def __repr__(self) -> str:
+        """As the user writes it (NAME:DTYPE[SHAPE], a dynamic size as seq=128): messages show a spec, or a tuple
+        of them, in the notation of --input, never as a dataclass."""
+        named = dict(self.dynamic)
+        dims = ",".join(f"{named[i]}={d}" if i in named else str(d) for i, d in enumerate(self.shape))
+        return f"{self.name}:{self.dtype}[{dims}]"
+
     def record(self) -> dict:
         out: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "high": self.high}
         if self.dynamic:

@@ -377,6 +377,9 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
     p = Path(path)
     if not p.is_file():
         raise LoadError(f"no such ONNX file: {p}", "check the path")
+    from .outputs import protect
+
+    protect(p)  # no output of this run replaces it, under any name
     try:
         proto = onnx.load(str(p), load_external_data=False)  # external data would name other files to read
     except Exception as e:

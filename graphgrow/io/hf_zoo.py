@@ -21,8 +21,8 @@ import difflib
 import re
 from typing import Any, Callable, ContextManager, Mapping
 
-from ..core.errors import LoadError
-from ..graph.inputs import InputSpec, TensorSpec
+from ..core.errors import InputError, LoadError
+from ..graph.inputs import InputSpec, parse_spec
 
 # task → transformers' Auto class; the bare model (no head) when a name gives no task
 TASKS = {
@@ -63,12 +63,13 @@ def builder(target: str, kwargs: Mapping[str, Any], sealed: Callable[[], Context
     `sealed`: zoo.sealed_caches (passed in: zoo imports this module)."""
     model_type, task = split_target(target)
     _refuse_arguments(target, kwargs)
+    _check_sizes(target, kwargs)
     transformers = _import_transformers()  # imported outside sealed(): hub settings are read at import
     auto = getattr(transformers, TASKS[task] if task else BASE)
     with sealed():
         config = _config(transformers, target, kwargs, model_type)
     model_class = _model_class(transformers, auto, config, target, model_type, task)
-    spec = default_spec(config, model_class)
+    spec = default_spec(config, model_class, target)  # sized before anything is built
 
     def build_hf() -> Any:  # load.py builds it inside sealed_caches, on the meta device first
         return auto.from_config(copy.deepcopy(config), trust_remote_code=False)
@@ -133,32 +134,60 @@ def _model_class(transformers: Any, auto: Any, config: Any, target: str, model_t
     return mapping[type(config)]
 
 
-def default_spec(config: Any, model_class: type) -> InputSpec | None:
+def default_spec(config: Any, model_class: type, target: str = "the model") -> InputSpec | None:
     """The inputs the model's forward needs, from its config (module docstring); None for an input kind not
-    known here (then give --input)."""
+    known here (then give --input). Sized and checked here, before the model or any input is built: a setting
+    that is not a positive size, or a default input past the example bound (graph.inputs), is a LoadError
+    naming the setting."""
     main = getattr(model_class, "main_input_name", "input_ids")
     if main == "input_ids":
-        spec: list[TensorSpec] = [_token_ids("input_ids", config)]
+        records, settings = [_token_ids("input_ids", config, target)], "vocab_size"
     elif main == "pixel_values":
-        size = _pair(getattr(config, "image_size", IMAGE_SIZE))
-        spec = [TensorSpec("pixel_values", (1, int(getattr(config, "num_channels", 3)), *size))]
+        size = _pair(getattr(config, "image_size", IMAGE_SIZE), target)
+        channels = _positive(getattr(config, "num_channels", 3), "num_channels", target)
+        records, settings = [{"name": "pixel_values", "shape": [1, channels, *size]}], "image_size and num_channels"
     elif main == "input_values":
-        spec = [TensorSpec("input_values", (1, AUDIO_SAMPLES))]
+        records, settings = [{"name": "input_values", "shape": [1, AUDIO_SAMPLES]}], "the audio input"
     else:
         return None
     if getattr(config, "is_encoder_decoder", False):
-        spec.append(_token_ids("decoder_input_ids", config))
-    return tuple(spec)
+        records.append(_token_ids("decoder_input_ids", config, target))
+    try:
+        return parse_spec(records)  # the bounds every example input has: per dimension and in all
+    except InputError as e:
+        raise LoadError(f"{target}: the default input its {settings} give is too large: {e.message}",
+                        "give smaller settings, or the input explicitly with --input") from e
 
 
-def _token_ids(name: str, config: Any) -> TensorSpec:
+def _check_sizes(target: str, kwargs: Mapping[str, Any]) -> None:
+    """The settings the default input is made from, as given: checked before the config sees them (its own
+    validation only warns about some, e.g. token ids past a vocabulary of 0)."""
+    for setting in ("vocab_size", "num_channels"):
+        if setting in kwargs:
+            _positive(kwargs[setting], setting, target)
+    if "image_size" in kwargs:
+        _pair(kwargs["image_size"], target)
+
+
+def _positive(value: Any, setting: str, target: str) -> int:
+    if type(value) is not int or value <= 0:
+        raise LoadError(f"{target}: {setting}={str(value)[:60]} is not a positive integer", f"give {setting} as a positive integer")
+    return value
+
+
+def _token_ids(name: str, config: Any, target: str) -> dict:
     vocab = getattr(config, "vocab_size", None)
     positions = getattr(config, "max_position_embeddings", None)
     length = min(SEQ_LEN, positions) if isinstance(positions, int) and positions > 0 else SEQ_LEN
-    return TensorSpec(name, (1, length), "int64", int(vocab) if isinstance(vocab, int) and vocab > 0 else None)
+    high = None if vocab is None else _positive(vocab, "vocab_size", target)  # token ids are drawn below it
+    return {"name": name, "shape": [1, length], "dtype": "int64", "high": high}
 
 
-def _pair(size: Any) -> tuple[int, int]:
-    if isinstance(size, (list, tuple)) and len(size) == 2:
-        return int(size[0]), int(size[1])
-    return int(size), int(size)
+def _pair(size: Any, target: str) -> tuple[int, int]:
+    if isinstance(size, (list, tuple)):
+        if len(size) != 2:
+            raise LoadError(f"{target}: image_size={str(size)[:60]} is not a size or a (height, width) pair",
+                            "give image_size=N or image_size=[H,W]")
+        return _positive(size[0], "image_size", target), _positive(size[1], "image_size", target)
+    side = _positive(size, "image_size", target)
+    return side, side

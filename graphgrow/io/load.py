@@ -90,6 +90,9 @@ def load_model(source: str | os.PathLike, trust: bool = False, factory_seed: int
         raise LoadError(f"{text} is a directory, not a model file", "pass the .pt file inside it")
     if path.stat().st_size == 0:
         raise LoadError(f"{text} is empty", "the file was not written completely; save the model again")
+    from .outputs import protect
+
+    protect(path)  # no output of this run replaces it, under any name
     obj = _torch_load(path, trust)
     return _interpret(obj, text, trust)
 

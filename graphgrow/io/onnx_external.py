@@ -5,8 +5,8 @@ An export with external data is two files side by side: `NAME.onnx` (the graph, 
 `NAME.onnx.data` (every initializer over 256 bytes; those past 1 MiB 64 KiB-aligned, so onnxruntime can
 map them), the names torch.onnx uses too. A file's external-data entries name other files to read, so no
 name read from a file chooses what is read: a model file NAME.onnx may keep initializers only in
-NAME.onnx.data beside it (a regular file, not a link: graphgrow never writes one, and a link could lead
-anywhere below the folder), at offsets and lengths inside that file and
+NAME.onnx.data beside it (a regular file, not a link nor a hard link: graphgrow never writes one, and a link
+could lead anywhere below the folder), at offsets and lengths inside that file and
 of the size each tensor's shape and type need; never in attributes, subgraphs, functions or sparse
 tensors, which graphgrow does not write.
 """
@@ -164,6 +164,7 @@ def check_external(proto: onnx.ModelProto, onnx_path: Path, everywhere: list[str
         if t.raw_data or t.float_data or t.int32_data or t.int64_data or t.double_data or t.uint64_data or t.string_data:
             raise LoadError(f"{name} holds data both inline and in an external file", "the file is corrupted or hostile")
         target = _inside(root, entries.get("location"), expected, name)
+        outputs.protect(target)  # an input too: no output of this run replaces it
         size = sizes.setdefault(target, target.stat().st_size)
         offset, length = (_number(entries, k, name) for k in ("offset", "length"))
         need = _tensor_bytes(t, name)
@@ -202,6 +203,9 @@ def _inside(root: Path, location: str | None, expected: str, name: str) -> Path:
     if not stat.S_ISREG(st.st_mode):
         raise LoadError(f"{name}'s external file {expected[:80]!r} is not a regular file",
                         "keep NAME.onnx.data beside NAME.onnx (move and copy them together)")
+    if st.st_nlink > 1:  # a hard link is a link too: the same bytes may be another file of anyone's, anywhere
+        raise LoadError(f"{name}'s external file {expected[:80]!r} is a hard link ({st.st_nlink} names)",
+                        "graphgrow reads external data only from a regular file of its own beside the model (copy it there)")
     return target
 
 

@@ -6,10 +6,16 @@ file's name says who wrote it — `.NAME.gg-PID-START-HOST-XXXXXXXX.part` (or `.
 the writer's pid, its start time (so a reused pid is not mistaken for it) and a key of the
 machine and pid namespace — so that the next run writing to the folder removes those of a killed
 run, keeps those of a run still alive, and touches nothing else.
+
+No output replaces an input (`protect` records each file read, by device and inode, so a link or a
+hard link to it is caught too) or anything but a regular file (`check_replaceable`, at the check before
+the work and again before the renames); a name graphgrow chooses itself is claimed when the output
+is renamed into place, never one another run took meanwhile (`claim`).
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import os
@@ -20,7 +26,7 @@ import stat
 import tempfile
 import threading
 from pathlib import Path
-from typing import IO, Any, Iterator, Sequence
+from typing import IO, Any, Iterator, Mapping, Sequence
 
 from ..core.errors import SaveError, first_line
 
@@ -32,6 +38,7 @@ _NAME_BYTES = 60  # of the output's name kept in a staging name: a long output n
 _own: dict[Path, Path] = {}  # this process's staging files → the output each stands for
 _committed: list[Path] = []  # outputs this process renamed into place (the CLI names them when a signal ends it)
 _swept: set[str] = set()  # folders already cleaned by this process
+_inputs: dict[tuple[int, int], str] = {}  # (device, inode) of each file this process read as an input → its name
 
 
 def is_staging_name(name: str) -> bool:
@@ -54,8 +61,65 @@ def committed() -> list[Path]:
 
 
 def forget_committed() -> None:
-    """A new command starts (the CLI runs one per process; tests run many)."""
+    """A new command starts (the CLI runs one per process; tests run many): its inputs are its own."""
     _committed.clear()
+    _inputs.clear()
+
+
+def protect(path: str | os.PathLike) -> None:
+    """`path` is read as an input: no output of this process may replace it, under whatever name reaches it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return  # nothing there: nothing to protect (the reader reports it)
+    _inputs[(st.st_dev, st.st_ino)] = os.fspath(path)
+
+
+def input_named_by(path: str | os.PathLike, inputs: Sequence[str | os.PathLike] = ()) -> str | None:
+    """The input file (one of `inputs`, or one `protect`ed) that `path` reaches, by device and inode: through a
+    symlink, a hard link or another spelling; None when it reaches none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = (st.st_dev, st.st_ino)
+    for src in inputs:
+        try:
+            other = os.stat(src)
+        except (OSError, ValueError):
+            continue  # a factory name, or a file not there
+        if (other.st_dev, other.st_ino) == key:
+            return os.fspath(src)
+    name = _inputs.get(key)
+    if name is not None:
+        try:  # still that file: an input deleted since, its inode reused by a new file, is no longer an input
+            again = os.stat(name)
+        except OSError:
+            return None
+        if (again.st_dev, again.st_ino) != key:
+            return None
+    return name
+
+
+def check_replaceable(path: Path, inputs: Sequence[str | os.PathLike] = ()) -> None:
+    """Refuse (SaveError) an output `path` that exists and is not a regular file — a symlink (even to a
+    file), a directory, a device, a fifo, a socket — or that is an input (`input_named_by`)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return  # a new name
+    if stat.S_ISLNK(st.st_mode):
+        raise SaveError(f"output {path} is a symbolic link; graphgrow replaces only regular files, never a link",
+                        "name the file itself, or a new name")
+    if stat.S_ISDIR(st.st_mode):
+        raise SaveError(f"output {path} is a directory", "give a file name, e.g. grown.pt")
+    if not stat.S_ISREG(st.st_mode):
+        raise SaveError(f"output {path} is not a regular file (a device, pipe or socket); graphgrow only writes files",
+                        "choose a file name")
+    source = input_named_by(path, inputs)
+    if source is not None:
+        same = "the input file" if os.path.abspath(source) == os.path.abspath(path) else f"the input file {source} (the same file under another name)"
+        raise SaveError(f"output {path} is {same}", "graphgrow never overwrites its input; choose another -o")
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
@@ -199,14 +263,54 @@ def held_signals() -> Iterator[None]:
             signal.raise_signal(sig)
 
 
-def commit(pairs: Sequence[tuple[Path, Path]]) -> list[Path]:
-    """Rename each staged file onto its final path, signals held until all are in place. A rename that
-    fails is SaveError naming its output."""
+def fresh_names(first: Path) -> Iterator[Path]:
+    """NAME.SUFFIX, then NAME-1.SUFFIX, NAME-2.SUFFIX, ...: the names a default output may take."""
+    yield first
+    i = 1
+    while True:
+        yield first.with_name(f"{first.stem}-{i}{first.suffix}")
+        i += 1
+
+
+def claim(tmp: Path, first: Path) -> Path:
+    """Put the staged `tmp` under the first of `fresh_names(first)` that nothing has, atomically: a hard link
+    fails when the name exists (as O_EXCL does), so two runs never take one name and none is replaced.
+    Where the file system has no hard links, the name is created with O_CREAT|O_EXCL and `tmp` renamed onto it."""
+    for name in fresh_names(first):
+        try:
+            os.link(tmp, name)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+                raise
+            try:
+                os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            except FileExistsError:
+                continue
+            os.replace(tmp, name)
+            return name
+        os.unlink(tmp)
+        return name
+    raise AssertionError("unreachable")
+
+
+def commit(pairs: Sequence[tuple[Path, Path]], fresh: Mapping[Path, Path] | None = None) -> list[Path]:
+    """Rename each staged file onto its final path, signals held until all are in place; a final in `fresh`
+    (a name graphgrow chose) goes to the first free name from `fresh[final]` on (`claim`). Every final is checked first
+    (`check_replaceable`): none is renamed when one cannot be. A rename that fails is SaveError naming its output."""
+    fresh = fresh or {}
+    for _, final in pairs:
+        if not is_own_staging(final) and final not in fresh:  # a claimed name replaces nothing
+            check_replaceable(final)
     done = []
     with held_signals():
         for tmp, final in pairs:
             try:
-                os.replace(tmp, final)
+                if final in fresh:
+                    final = claim(tmp, fresh[final])
+                else:
+                    os.replace(tmp, final)
             except OSError as e:
                 raise write_error(final, e) from e
             forget(tmp)

@@ -60,7 +60,7 @@ class Session:
         except (ort.capi.onnxruntime_pybind11_state.NotImplemented,
                 ort.capi.onnxruntime_pybind11_state.InvalidArgument) as e:
             raise RuntimeUnavailable(f"onnxruntime ({self.provider}) cannot run this model: {first_line(e, 200)}",
-                                     "export float32 models for onnxruntime (model.float()); the ONNX file itself is valid") from e
+                                     why_not_runnable(e)) from e
 
 
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
@@ -89,8 +89,19 @@ def open_session(model: bytes | str | os.PathLike, provider: Provider = "auto", 
     try:
         return _open_session(model, provider, threads, tf32, external_folder)
     except (state.NotImplemented, state.InvalidGraph, state.InvalidArgument, state.Fail) as e:
-        raise RuntimeUnavailable(f"onnxruntime cannot load this model: {first_line(e, 200)}",
-                                 "export float32 models for onnxruntime (model.float()); the ONNX file itself is valid") from e
+        raise RuntimeUnavailable(f"onnxruntime cannot load this model: {first_line(e, 200)}", why_not_runnable(e)) from e
+
+
+def why_not_runnable(e: BaseException) -> str:
+    """The way out for a model onnxruntime refuses, by what it said: weights that do not fit the graph (a data file
+    from another export), a type without kernels (float64, float16 on the CPU), or neither."""
+    text = str(e).lower()
+    if any(w in text for w in ("external", "initializer", "tensorproto", "deserialize", "out of bounds", "data file")):
+        return ("the weights do not fit the graph: keep NAME.onnx.data from the same export beside NAME.onnx "
+                "(moved or swapped?), or export the model again")
+    if any(w in text for w in ("double", "float16", "bfloat16", "tensor(float64)", "not implemented", "could not find an implementation")):
+        return "export float32 models for onnxruntime (model.float()); the ONNX file itself is valid"
+    return "onnxruntime refused a file the ONNX checker accepted: export the model again, or try --provider cpu"
 
 
 def _open_session(model: bytes | str | os.PathLike, provider: Provider, threads: int | None, tf32: bool,

@@ -60,14 +60,7 @@ def _checked_output(out: Path, inputs: tuple) -> Path:
     if outputs.is_staging_name(out.name) and not outputs.is_own_staging(out):
         raise SaveError(f"output {out} is named like a graphgrow staging file (.NAME.gg-PID-….part), which a later run "
                         "may remove", "choose another output name")
-    if out.is_dir():
-        raise SaveError(f"output {out} is a directory", "give a file name, e.g. grown.pt")
-    if out.exists() and not out.is_file():
-        raise SaveError(f"output {out} is not a regular file (a device, pipe or socket); graphgrow only writes files",
-                        "choose a file name")
-    for src in inputs:
-        if src and Path(str(src)).exists() and out.resolve() == Path(str(src)).resolve():
-            raise SaveError(f"output {out} is the input file", "graphgrow never overwrites its input; choose another -o")
+    outputs.check_replaceable(out, [str(src) for src in inputs if src])  # a new name, or a regular file no input
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         what = "is a file, not a folder" if parent.exists() else "does not exist"
@@ -103,11 +96,11 @@ def plain_output_path(source: str, suffix: str = ".grown.pt") -> Path:
 
 def default_output_path(source: str, suffix: str = ".grown.pt") -> Path:
     """Beside the input under a new name (never the input itself, never an earlier result):
-    NAME.grown.pt, else NAME.grown-1.pt, NAME.grown-2.pt, ..."""
-    candidate = plain_output_path(source, suffix)
-    stem = candidate.name.removesuffix(".pt")
-    i = 1
-    while candidate.exists():
-        candidate = candidate.with_name(f"{stem}-{i}.pt")
-        i += 1
-    return candidate
+    NAME.grown.pt, else NAME.grown-1.pt, NAME.grown-2.pt, ... — the first free one now. Another run may take
+    it before this one writes: the output is claimed when written (outputs.commit with `fresh`, outputs.claim)."""
+    from . import outputs
+
+    for candidate in outputs.fresh_names(plain_output_path(source, suffix)):
+        if not os.path.lexists(candidate):
+            return candidate
+    raise AssertionError("unreachable")

@@ -348,6 +348,8 @@ def is_stored_shape(shape: Any) -> bool:
 
 def validate_meta(meta: Any) -> dict:
     """graphgrow's stored metadata is untrusted: check its types and sizes; return a clean copy."""
+    from .meta_schema import check_log, check_trace
+
     if meta is None:
         meta = {}
     if not isinstance(meta, dict):
@@ -367,6 +369,8 @@ def validate_meta(meta: Any) -> dict:
                         "the file is corrupted or hostile")
     if _depth(log, MAX_META_DEPTH) > MAX_META_DEPTH or _depth(out.get("trace"), MAX_META_DEPTH) > MAX_META_DEPTH:
         raise LoadError("the graphgrow file's metadata is nested too deeply", "the file is corrupted or hostile")
+    check_log(log, "the stored mutation log")  # each field its readers use, of its type
+    check_trace(out.get("trace"), "the stored trace report")
     out["log"] = log
     if "origin" in out and not is_origin(out["origin"]):
         raise LoadError("the graphgrow file's origin fingerprint is malformed", "the file is corrupted or hostile")

@@ -11,7 +11,7 @@ from typing import Any, Literal, Sequence
 from torch import fx
 
 from ..io import outputs
-from ..core.errors import InputError, LoadError, SaveError, SpecError
+from ..core.errors import InputError, LoadError, SaveError, SpecError, with_context
 from ..io.load import FACTORY_SEED, LoadedModel, custom_classes, load_model
 from ..io.save import check_output_path, default_output_path, plain_output_path, save_model
 from ..io.factory import is_factory_name
@@ -40,7 +40,7 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
         pipeline.passes = with_data(pipeline.passes, data)
     pipeline.limits = _limits(max_params, max_memory)
     pipeline.share = True  # the model loaded here is only read after the pipeline: the result shares what it leaves alone
-    out_path = check_output_path(out or default_output_path(source, suffix), inputs=(source,))
+    out_path = check_output_path(out or default_output_path(source, suffix), inputs=(source,))  # default: claimed when written
     onnx_path = check_output_path(onnx_out, inputs=(source,)) if onnx_out else None
     diagram_path = check_output_path(diagram, inputs=(source,)) if diagram else None
     if diagram_path is not None:
@@ -48,10 +48,12 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
     _distinct_outputs(out_path, onnx_path, diagram_path)
     opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, pipeline.limits.max_memory, capture=capture)
     report = _grow_and_write(pipeline, opened, source, (source,), out_path, onnx_path, check, provider, progress, "pass",
-                             dry_run=dry_run, diagram=diagram_path)
+                             dry_run=dry_run, diagram=diagram_path,
+                             fresh=plain_output_path(source, suffix) if out is None else None)
     plain = plain_output_path(source, suffix)
-    if out is None and out_path != plain:
-        report["output_note"] = f"{plain} already exists: the result went to {out_path.name} (give -o to choose the name)"
+    went = Path(report["outputs"][0]) if report["outputs"] and not dry_run else out_path
+    if out is None and went != plain:
+        report["output_note"] = f"{plain} already exists: the result went to {went.name} (give -o to choose the name)"
     return report
 
 
@@ -81,8 +83,10 @@ def _distinct_outputs(*paths: Path | None) -> None:
 
 def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs: tuple, out_path: Path,
                     onnx_path: Path | None, check: bool, provider: str, progress: Progress, verb: str,
-                    dry_run: bool = False, diagram: Path | None = None) -> dict:
-    """Run `pipeline` on the opened model, save the result, export and check it when asked (not when `dry_run`)."""
+                    dry_run: bool = False, diagram: Path | None = None, fresh: Path | None = None) -> dict:
+    """Run `pipeline` on the opened model, save the result, export and check it when asked (not when `dry_run`).
+    `fresh`: `out_path` is a default name: the model goes to the first free one of `fresh`, `fresh`-1, … as it is
+    written (another run may have taken `out_path` meanwhile)."""
     timings: dict[str, float] = {}
     t = time.perf_counter()
     count = len(pipeline.passes)
@@ -112,7 +116,7 @@ def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs
                           pipeline.limits.max_memory if pipeline.limits else None)
     with StagedOutputs() as staged:  # every output appears at the end, together, or none does
         progress(f"saving {out_path}")
-        save_model(result.gm, staged.reserve(out_path), inputs=inputs)
+        save_model(result.gm, staged.reserve(out_path, fresh=fresh), inputs=inputs)
         if onnx_path or check:
             exported = export_and_check(result.gm, opened, staged.reserve(onnx_path) if onnx_path else None, check,
                                         provider, progress, timings)
@@ -124,6 +128,7 @@ def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs
         if diagram is not None:
             _draw(opened.gm, result.gm, staged.reserve(diagram), diagram, title, progress)
         report["outputs"] = [str(p) for p in staged.commit()]
+        out_path = Path(report["outputs"][0])  # the model's name, as claimed
     custom = custom_classes(result.gm)
     if custom:  # said now, not discovered at the next command's refusal
         shown = ", ".join(custom[:3]) + (f" and {len(custom) - 3} more" if len(custom) > 3 else "")
@@ -174,20 +179,25 @@ class StagedOutputs:
 
     def __init__(self) -> None:
         self.staged: list[tuple[Path, Path]] = []
+        self.fresh: dict[Path, Path] = {}
 
-    def reserve(self, final: Path) -> Path:
+    def reserve(self, final: Path, fresh: Path | None = None) -> Path:
+        """A staging file for `final`; `fresh`: `final` is a name graphgrow chose, and the output goes to the first
+        free name from `fresh` on, claimed at the commit (outputs.claim)."""
         final = Path(final)
         try:
             tmp = outputs.staging_file(final, "part")
         except OSError as e:
             raise outputs.write_error(final, e) from e
         self.staged.append((tmp, final))
+        if fresh is not None:
+            self.fresh[final] = fresh
         return tmp
 
     def commit(self) -> list[Path]:
         staged, self.staged = self.staged, []
         try:
-            return outputs.commit(staged)
+            return outputs.commit(staged, self.fresh)
         except BaseException:
             self.staged = [(tmp, final) for tmp, final in staged if tmp.exists()]  # those not renamed are removed
             raise
@@ -253,7 +263,7 @@ def replay(source: str, log_source: str, out: str | None = None, onnx_out: str |
     log, grown_shape, grown_origin = _read_log(log_source, trust, need_shape=input_shape is None)
     pipeline = from_log(log)  # a malformed log is refused before the model is loaded
     inputs = (source, log_source)
-    out_path = check_output_path(out or default_output_path(source, ".replayed.pt"), inputs=inputs)
+    out_path = check_output_path(out or default_output_path(source, ".replayed.pt"), inputs=inputs)  # default: claimed when written
     onnx_path = check_output_path(onnx_out, inputs=inputs) if onnx_out else None
     _distinct_outputs(out_path, onnx_path)
     limits = _limits(max_params, max_memory)
@@ -272,7 +282,8 @@ def replay(source: str, log_source: str, out: str | None = None, onnx_out: str |
                          "replay onto an earlier model of its lineage")
     pipeline = from_log(log[len(done):])  # a model part of the way there gets the rest
     pipeline.limits = limits
-    report = _grow_and_write(pipeline, opened, source, inputs, out_path, onnx_path, check, provider, progress, "replaying")
+    report = _grow_and_write(pipeline, opened, source, inputs, out_path, onnx_path, check, provider, progress, "replaying",
+                             fresh=plain_output_path(source, ".replayed.pt") if out is None else None)
     report["log_from"] = log_source
     return report
 
@@ -338,6 +349,13 @@ def export(source: str, out: str, input_shape=None, trust: bool = False, leaves:
     from ..io.runtime import max_ir_version
 
     out_path = check_output_path(out, inputs=(source,))
+    if external_data:  # the data file beside it is an output too (a model named NAME.data exported to NAME)
+        from ..io.onnx_external import data_path
+
+        try:
+            check_output_path(data_path(out_path), inputs=(source,))
+        except SaveError as e:
+            raise with_context(e, f"--external-data writes the weights of {out_path} to {data_path(out_path)}") from None
     if opset is not None and not MIN_OPSET <= opset <= MAX_OPSET:
         raise InputError(f"--opset {opset} is outside what the exporter writes ({MIN_OPSET}–{MAX_OPSET})",
                          "leave it out for the exporter's default")
