@@ -288,7 +288,8 @@ class AddBranch(Pass):
     op: Op = arg("conv3x3", "the branch's operation")
     count: int = arg(1, "how many branches")
     init: Literal["zero", "gradmax"] = arg("zero", "zero: random branch weights behind the zero gate; gradmax: the branch's first conv aimed from `data` (count=1)")
-    data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data")
+    data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data",
+                           names_code=True)
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """Every backbone conv a branch of `op` can run beside, the last first."""

@@ -166,7 +166,8 @@ class Deepen(Pass):
     attention: Literal["auto", "causal", "bidirectional"] = arg(
         "auto", "block=transformer: auto probes whether the stream is causal at the place (refuses when it cannot tell)")
     init: Literal["zero", "gradmax"] = arg("zero", "zero: random block behind the zero gate (transformer: zero proj, fc2); gradmax: the first layer aimed from `data`")
-    data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data")
+    data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data",
+                           names_code=True)
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """The end of each backbone stage, the last first (block=transformer: each block's output on the token stream)."""

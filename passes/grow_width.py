@@ -252,7 +252,8 @@ class GrowWidth(Pass):
     to: int | None = arg(None, "the new width")
     mode: Literal["group", "adapter"] = arg("group", "group: widen the whole channel group; adapter: the target only, projected back by [I | 0]")
     init: Literal["zero", "net2net", "gradmax"] = arg("zero", "zero: random in, zero out; net2net: copies sharing their outgoing weights; gradmax: zero out, in aimed from `data`")
-    data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data")
+    data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data",
+                           names_code=True)
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """Every layer whose channel group can grow (mode=group), in graph order."""

@@ -119,7 +119,8 @@ class InsertAdapter(Pass):
     out_channels: int | None = arg(None, "the adapter's width (default: the same width)")
     allow_narrowing: bool = arg(False, "allow fewer channels (changes the function; the report says how much)")
     init: Literal["zero", "gradmax"] = arg("zero", "widening: zero: random new rows, zero columns in the consumers; gradmax: the new rows aimed from `data`")
-    data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data")
+    data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data",
+                           names_code=True)
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """The end of each backbone stage, the last first."""

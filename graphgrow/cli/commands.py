@@ -58,7 +58,7 @@ def _common(f: Callable) -> Callable:
     f = click.option("--input", "inputs", multiple=True, metavar="NAME:DTYPE[SHAPE]", help=INPUT_HELP)(f)
     f = click.option("--capture", type=click.Choice(["auto", "fx", "export"]), default="auto", show_default=True,
                      help=CAPTURE_HELP)(f)
-    f = click.option("--trust", is_flag=True, help="allow loading pickles with custom classes (runs code from the file; only for files you trust)")(f)
+    f = click.option("--trust", is_flag=True, help="allow loading pickles with custom classes, and using the code names a file stores (replay's logged data function, search --resume's folder): runs code from them; only for files you trust")(f)
     f = click.option("--leaf", "leaves", multiple=True, metavar="MODULE", help="keep this submodule as one opaque call when tracing (repeatable; untraceable submodules, and mode-branching ones that cannot be merged, become leaves automatically)")(f)
     f = click.option("--trace-mode", "trace_mode", type=click.Choice(["eval", "train"]), default="eval", show_default=True,
                      help="structure to trace when the model's top-level forward branches on self.training "
@@ -161,8 +161,10 @@ def _growth_job(make_report: Callable[[Callable[[str], None]], dict], as_json: b
 @click.option("--check", is_flag=True, help="run the ONNX model in onnxruntime and compare with PyTorch")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--max-params", "max_params", metavar="N", help="refuse a pass that would add more parameters, or cannot be sized before it runs (default 100M; e.g. 500M; none: no limit)")
+@click.option("--data", metavar="PKG.MOD:FN", help=DATA_HELP + "; used by the logged steps grown with one "
+              "(a name stored in GROWN is never imported: name it again, or pass --trust)")
 @_common
-def replay(model, log_from, output, onnx_out, check, provider, max_params, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
+def replay(model, log_from, output, onnx_out, check, provider, max_params, data, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
     """Re-apply the mutation log of GROWN (a graphgrow .pt or exported .onnx) to MODEL, seed for seed.
 
     MODEL is the network GROWN was grown from, or a model part of the way (its log the start of
@@ -171,7 +173,7 @@ def replay(model, log_from, output, onnx_out, check, provider, max_params, input
 
     run_command(_growth_job(lambda progress: workflow.replay(
         model, log_from, output, onnx_out, check, input_shape, provider, trust, leaves, progress, trace_mode=trace_mode, capture=capture,
-        max_params=max_params), as_json), as_json, debug)
+        max_params=max_params, data=data), as_json), as_json, debug)
 
 
 @main.command()
@@ -380,7 +382,7 @@ def targets(model, spec, data, input_shape, trust, leaves, trace_mode, capture, 
 @click.option("--gpus-per-trial", type=click.FloatRange(min=0), default=0.0, show_default=True, help="GPU share of each trial (e.g. 0.5: two per GPU)")
 @click.option("--max-params", "max_params", metavar="N", help="parameter budget of a grown model (e.g. 2M); moves past it are skipped")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="seed of the moves and the starting learning rates")
-@click.option("--resume", is_flag=True, help="continue the search in --storage-path/--name from its checkpoints (give the arguments of the first run: the schedule and the original model come from the saved search)")
+@click.option("--resume", is_flag=True, help="continue the search in --storage-path/--name from its checkpoints (give the arguments of the first run: the schedule and the original model come from the saved search); Ray Tune restores it from pickles, so it needs --trust: only for a folder of your own")
 @click.option("-o", "--output", "output", metavar="OUT.pt", help="where to write the best model (default: DIR/NAME/best.pt)")
 @click.option("--plot", metavar="OUT.png", help="also draw the metric of every trial over time, with growths and exploits marked")
 @click.option("--keep-checkpoints", type=click.IntRange(2), metavar="N",
@@ -400,7 +402,7 @@ def search(model, train_fn, eval_fn, mutations, policy, data, population, rounds
         options = SearchOptions(population=population, rounds=rounds, epochs_per_round=epochs_per_round, metric=metric,
                                 mode=mode, lr=lr, optimizer=optimizer, storage_path=storage_path, name=name, address=address,
                                 num_cpus=num_cpus, cpus_per_trial=cpus_per_trial, gpus_per_trial=gpus_per_trial, seed=seed,
-                                resume=resume, output=output, keep_checkpoints=keep_checkpoints, worker_logs=worker_logs)
+                                resume=resume, trust=trust, output=output, keep_checkpoints=keep_checkpoints, worker_logs=worker_logs)
         report = run(model, train_fn, eval_fn, mutations, options, input_shape, trust, leaves, trace_mode, max_params, plot,
                      say=lambda msg: err.print(msg, markup=False, highlight=False), progress=progress, capture=capture,
                      policy=policy, data=data)

@@ -162,7 +162,11 @@ def print_search(report: dict) -> None:
             args = ",".join(f"{k}={v}" for k, v in e.get("args", {}).items() if v is not None)
             out.print(f"  {i}. {e['pass']}({args}) seed {e['seed']}: {e['params_before']:,} → {e['params_after']:,} parameters",
                       markup=False)
-        out.print(f"replay it: graphgrow replay {report['original']} {report['best']}", markup=False)
+        from ..jobs.pipeline import logged_code
+
+        names = sorted({name for _, _, name in logged_code(report["lineage"])})  # named again: a file's names are not imported
+        data = f" --data {names[0]}" if len(names) == 1 else " --data PKG.MOD:FN" if names else ""
+        out.print(f"replay it: graphgrow replay {report['original']} {report['best']}{data}", markup=False)
     else:
         out.print("lineage: the best trial did not grow (the original architecture won)", markup=False)
     out.print(f"deploy it: graphgrow export {report['best']} -o best.onnx", markup=False)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ..core.errors import LoadError
+from ..core.user_code import calling
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -56,26 +57,41 @@ def cwd_importable():
 
 _WAY_OUT = ("name a zoo model (timm:NAME, torchvision:NAME), an nn.Module class, or a function of your own code: "
             "in the current folder, on PYTHONPATH or installed with pip install -e")
+MODEL_FACTORY = "model factory"  # what a name is asked to be (import_object's `role`): each says its own way out
+_YOUR_FUNCTION = "name a function of your own code: in the current folder, on PYTHONPATH or installed with pip install -e"
 
 
-def import_object(name: str, zoo_builders: bool = False) -> Callable:
-    """The callable named `package.module:function`, when a name may call it: an nn.Module subclass, a
-    function or class of the user's own code, or (with `zoo_builders`) a zoo's registered model builder.
+def _way_out(role: str) -> str:
+    return _WAY_OUT if role == MODEL_FACTORY else _YOUR_FUNCTION
+
+
+def import_object(name: str, zoo_builders: bool = False, role: str = MODEL_FACTORY) -> Callable:
+    """The callable named `package.module:function`, when a name may call it: for a model factory an nn.Module
+    subclass, a function or class of the user's own code, or (with `zoo_builders`) a zoo's registered model
+    builder; for any other `role` ("data function", "training function") only the user's own code.
     Installed packages come first; the current folder is searched last, so a user's own module is found
-    but cannot shadow an installed one. Raises LoadError."""
+    but cannot shadow an installed one. The import runs as the user's code (core.user_code: its prints go to
+    stderr, a sys.exit there is an error). Raises LoadError.
+
+    Only names the user gave reach here: a name read from a file (a mutation log's `data`) is never imported
+    unless the user trusts the file (pipeline.from_log)."""
     if not _FACTORY.match(name):
-        raise LoadError(f"{name!r} does not name a function", "write package.module:function, e.g. mytask:train_epoch")
-    refuse_before_import(name)
+        raise LoadError(f"{name[:200]!r} does not name a function", "write package.module:function, e.g. mytask:train_epoch")
+    refuse_before_import(name, role)
     module_name, attr = name.split(":")
     try:
-        with cwd_importable():
+        with cwd_importable(), calling(f"importing {module_name} (for {name})", "fix the module, or check the name",
+                                       LoadError):
             module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise LoadError(f"cannot import '{module_name}' for {name}: {e}", "install the package or check the name") from e
+    except LoadError as e:
+        if isinstance(e.__cause__, ImportError):
+            raise LoadError(f"cannot import '{module_name}' for {name}: {e.__cause__}",
+                            "install the package or check the name") from e.__cause__
+        raise
     obj = getattr(module, attr, None)
     if not callable(obj):
         raise LoadError(f"'{module_name}' has no callable '{attr}'", f"see dir({module_name}) for the names it offers")
-    if isinstance(obj, type) and issubclass(obj, nn.Module):
+    if role == MODEL_FACTORY and isinstance(obj, type) and issubclass(obj, nn.Module):
         return obj
     if zoo_builders:
         from .zoo import registered_model
@@ -86,18 +102,19 @@ def import_object(name: str, zoo_builders: bool = False) -> Callable:
     if library is not None:
         what = getattr(obj, "__name__", None) or attr  # its own name: a re-export says what it really is
         whose = f"{what} from {library}" if " " in library else f"{library}'s own {what}"
-        raise LoadError(f"{name} is {whose}, not a model factory: a name calls only nn.Module classes, a zoo's "
-                        "registered models and the user's own code", _WAY_OUT)
+        calls = ("nn.Module classes, a zoo's registered models and the user's own code" if role == MODEL_FACTORY
+                 else "the user's own code")
+        raise LoadError(f"{name} is {whose}, not a {role}: a {role} name calls only {calls}", _way_out(role))
     return obj
 
 
-def refuse_before_import(name: str) -> None:
+def refuse_before_import(name: str, role: str = MODEL_FACTORY) -> None:
     """Names refused from their spelling alone, before anything is imported (importing can act too)."""
     top = name.split(":")[0].split(".")[0]
     if top in sys.stdlib_module_names:
-        raise LoadError(f"{name} is in Python's standard library, not a model factory: graphgrow does not call it", _WAY_OUT)
+        raise LoadError(f"{name} is in Python's standard library, not a {role}: graphgrow does not call it", _way_out(role))
     if top in _NEVER_FACTORIES:
-        raise LoadError(f"{name} is in {top}, not a model factory: graphgrow does not call it", _WAY_OUT)
+        raise LoadError(f"{name} is in {top}, not a {role}: graphgrow does not call it", _way_out(role))
 
 
 def library_of(obj: Any) -> str | None:

@@ -171,6 +171,51 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     if shapes != state.get("params"):
         raise LoadError(f"{folder}: model.pt's parameters are not the ones state.pt was saved with",
                         "the two files of a checkpoint belong together; do not mix folders")
+    _check_state(state, folder / "state.pt")
     gm.to(map_location)
-    return Checkpoint(gm, int(state["step"]), dict(state.get("extra") or {}), state.get("optimizer"), state.get("scheduler"),
+    return Checkpoint(gm, state["step"], dict(state.get("extra") or {}), state.get("optimizer"), state.get("scheduler"),
                       folder, state["params"])
+
+
+def _check_state(state: dict, where: Path) -> None:
+    """state.pt's fields have the types save_checkpoint writes (LoadError naming the field otherwise), and the
+    optimiser state fits the model's parameters — all before anything is restored, so a damaged or crafted file
+    never leaves an optimiser half-loaded or holding state of the wrong shape (found only at opt.step())."""
+    def bad(field: str, why: str) -> LoadError:
+        return LoadError(f"{where}: {field} {why}", "the checkpoint is damaged; use an earlier one")
+
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise bad("step", f"is {type(step).__name__} {repr(step)[:40]}, not a step number (0 or more)")
+    for key in ("extra", "scheduler"):
+        if state.get(key) is not None and not isinstance(state[key], dict):
+            raise bad(key, f"is {type(state[key]).__name__}, not a dict")
+    saved = state.get("optimizer")
+    if saved is None:
+        return
+    groups, per_param = (saved.get("param_groups"), saved.get("state")) if isinstance(saved, dict) else (None, None)
+    if not isinstance(groups, list) or not isinstance(per_param, dict) \
+            or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        raise bad("optimizer", "is not an optimiser state by parameter name (param_groups with params, state)")
+    shapes = {n: torch.Size(s) for n, s in state["params"].items()}
+    names = [n for g in groups for n in g["params"]]
+    if len(set(names)) != len(names) or not set(names) <= shapes.keys() or not set(per_param) <= set(names):
+        raise bad("optimizer", "names parameters the model does not have, or one twice")
+    total = sum(shapes[n].numel() for n in names)
+    for name, entry in per_param.items():
+        if not isinstance(entry, dict):
+            raise bad(f"optimizer state of {name[:100]}", f"is {type(entry).__name__}, not a dict")
+        for key, value in entry.items():
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, torch.Tensor) and not _fits(t.shape, shapes[name], total):
+                    raise bad(f"optimizer state {key}[{str(name)[:100]}]", f"has shape {list(t.shape)}, which does not "
+                              f"fit the parameter's {list(shapes[name])}")
+
+
+def _fits(shape: torch.Size, param: torch.Size, total: int) -> bool:
+    """An optimiser's state tensor for `param`: its shape (momentum, Adam's averages), one that broadcasts to it
+    (a step count, Adafactor's row and column factors), or one flat vector over every parameter (LBFGS keeps
+    its history on the first parameter)."""
+    if len(shape) <= len(param) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(param))):
+        return True
+    return len(shape) == 1 and shape[0] == total

@@ -108,19 +108,28 @@ class GrowthCallback(pl.Callback):
         self.events = list(state_dict.get("events", []))
 
     @staticmethod
-    def regrow(pl_module: pl.LightningModule, checkpoint: Mapping[str, Any]) -> None:
+    def regrow(pl_module: pl.LightningModule, checkpoint: Mapping[str, Any], *, data: Any = None,
+               trust: bool = False) -> None:
         """Grow a fresh module's model as the checkpoint's was grown (call it from `on_load_checkpoint`): the
         passes in the checkpoint's mutation log beyond the fresh model's own, with their seeds, unverified (the
-        weights are replaced by the checkpoint's next)."""
+        weights are replaced by the checkpoint's next). A checkpoint is a file: a step grown with a data function
+        (init=gradmax) runs with the `data` you pass (the function or its name), never with the name the log
+        holds unless `trust` (InputError otherwise, before anything is grown)."""
         saved = checkpoint.get("graphgrow")
         if not saved:
             return
+        if not isinstance(saved, Mapping) or not isinstance(saved.get("attr"), str) or not isinstance(saved.get("log"), list):
+            raise InputError("the checkpoint's graphgrow record is malformed (it needs attr and log)",
+                             "the checkpoint should come from a run with GrowthCallback")
         attr = saved["attr"]
-        gm = getattr(pl_module, attr)
+        gm = getattr(pl_module, attr, None)
+        if not isinstance(gm, fx.GraphModule):
+            raise InputError(f"{type(pl_module).__name__}.{attr[:100]} is {type(gm).__name__}, not a traced model",
+                             "the checkpoint names the attribute GrowthCallback grew; build the module as that run did")
         have = len(gm.meta.get("graphgrow", {}).get("log", []))
         todo = list(saved["log"])[have:]
         if todo:
-            setattr(pl_module, attr, from_log(todo, verify=False).run(gm).gm)
+            setattr(pl_module, attr, from_log(todo, verify=False, data=data, trust=trust).run(gm).gm)
 
 
 def _container(pl_module: nn.Module, attr: str, model: nn.Module) -> nn.Module:

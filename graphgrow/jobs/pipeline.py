@@ -11,7 +11,7 @@ from typing import Any, Callable, Literal, Sequence
 from torch import fx
 
 from ..analysis.budget import Limits
-from ..core.errors import GraphgrowError, SpecError, with_context
+from ..core.errors import GraphgrowError, InputError, SpecError, with_context
 from ..graph.graph_meta import input_spec_of
 from ..rewrite.pass_base import Pass, PassResult, require_traced
 from .registry import get_pass
@@ -200,19 +200,52 @@ def spec_of(p: Pass) -> str:
     return f"{p.name}({','.join(args)})" if args else p.name
 
 
-def from_log(log: list[dict], verify: bool = True) -> Pipeline:
+def from_log(log: list[dict], verify: bool = True, *, data: Any = None, trust: bool = False) -> Pipeline:
     """The pipeline that a mutation log records, with each pass's own seed: replaying it on the
-    original model gives a bit-identical result."""
+    original model gives a bit-identical result.
+
+    A log is read from a file, so a name in it is data: an argument that names code (gradmax's `data`,
+    `package.module:function`; Pass.code_arguments) is never imported from the log. A step that logged one
+    runs with the user's own `data` (a name or a function: the user names it again), or with the logged
+    name only when the user trusts the file (`trust`); otherwise the step is refused (InputError)."""
     if not log:
         raise SpecError("the mutation log is empty: nothing to replay", "replay a model that graphgrow grew")
     try:
-        passes = [make_pass(e["pass"], dict(e.get("args", {}))) for e in log]
+        steps = [(e["pass"], dict(e.get("args", {}))) for e in log]
         seeds = [int(e["seed"]) for e in log]
         if any(not 0 <= s < 2**63 for s in seeds):
             raise ValueError("a seed is outside 0 … 2**63 − 1")
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise SpecError(f"the mutation log is malformed: {e}", "it should come from a graphgrow output file") from e
+    given = {"data": data} if data is not None else {}
+    again: dict[int, dict[str, Any]] = {}  # step → the user's values: set on the pass as given (a function too)
+    for i, key, value in logged_code(log):
+        if key in given:
+            again.setdefault(i - 1, {})[key] = given[key]
+            del steps[i - 1][1][key]
+        elif not trust:
+            raise InputError(f"step {i} of the mutation log ({steps[i - 1][0]}) was grown with {key}={value[:200]}, a "
+                             "function the file names: graphgrow never imports a name read from a file",
+                             f"name it again to replay the step: --{key} {value[:200]} ({key}=... in Python), "
+                             "or pass --trust if you trust the file")
+    passes = [make_pass(name, args) for name, args in steps]
+    passes = [dataclasses.replace(p, **again[i]) if i in again else p for i, p in enumerate(passes)]
     return Pipeline(passes, verify=verify, seeds=seeds)
+
+
+def logged_code(log: list[dict]) -> list[tuple[int, str, str]]:
+    """(step from 1, argument, the logged name) for every argument of the log that names code (Pass.code_arguments)
+    with a value: what replaying the log needs the user to name again."""
+    found = []
+    for i, entry in enumerate(log, 1):
+        args = entry.get("args") if isinstance(entry, dict) else None
+        if not isinstance(args, dict) or not isinstance(entry.get("pass"), str):
+            continue  # from_log says what is malformed
+        for key in get_pass(entry["pass"]).code_arguments():
+            if args.get(key) is not None:
+                shown = "".join(c if c.isprintable() else "?" for c in str(args[key])[:200])  # echoed: no escapes
+                found.append((i, key, shown))
+    return found
 
 
 def _example_shape(gm: fx.GraphModule) -> Any:

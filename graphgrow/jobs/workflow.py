@@ -256,12 +256,17 @@ def _preservation_json(result: PipelineResult) -> dict:
 def replay(source: str, log_source: str, out: str | None = None, onnx_out: str | None = None, check: bool = False,
            input_shape=None, provider: str = "auto", trust: bool = False, leaves: Sequence[str] = (),
            progress: Progress = _noop, trace_mode: str = "eval",
-           max_params=None, max_memory=None, capture: str = "auto") -> dict:
-    """Re-apply the mutation log of `log_source` (a graphgrow .pt or an exported .onnx) to the model `source`."""
-    from .pipeline import from_log
+           max_params=None, max_memory=None, capture: str = "auto", data=None) -> dict:
+    """Re-apply the mutation log of `log_source` (a graphgrow .pt or an exported .onnx) to the model `source`.
+    `data`: the data function (a name or the function) for the steps that logged one; the logged name itself
+    is used only with `trust` (pipeline.from_log)."""
+    from .pipeline import from_log, logged_code
 
     log, grown_shape, grown_origin = _read_log(log_source, trust, need_shape=input_shape is None)
-    pipeline = from_log(log)  # a malformed log is refused before the model is loaded
+    if data is not None and not logged_code(log):
+        raise InputError(f"--data was given, and no step of {log_source}'s mutation log was grown with data",
+                         "leave --data out")
+    pipeline = from_log(log, data=data, trust=trust)  # a malformed log, or a logged name to import, refused first
     inputs = (source, log_source)
     out_path = check_output_path(out or default_output_path(source, ".replayed.pt"), inputs=inputs)  # default: claimed when written
     onnx_path = check_output_path(onnx_out, inputs=inputs) if onnx_out else None
@@ -280,7 +285,7 @@ def replay(source: str, log_source: str, out: str | None = None, onnx_out: str |
     if len(done) == len(log):
         raise InputError(f"{source} already has every mutation of {log_source}: nothing to replay",
                          "replay onto an earlier model of its lineage")
-    pipeline = from_log(log[len(done):])  # a model part of the way there gets the rest
+    pipeline = from_log(log[len(done):], data=data, trust=trust)  # a model part of the way there gets the rest
     pipeline.limits = limits
     report = _grow_and_write(pipeline, opened, source, inputs, out_path, onnx_path, check, provider, progress, "replaying",
                              fresh=plain_output_path(source, ".replayed.pt") if out is None else None)

@@ -32,6 +32,7 @@ import torch
 from torch import fx, nn
 
 from ..core.errors import InputError, NotApplicable
+from ..core.user_code import calling, guarded
 from .widen import Layout
 
 Data = Union[str, Callable[[], Any]]  # "package.module:function" or the function: () -> (inputs, loss_fn)
@@ -62,18 +63,24 @@ def load_data(data: Data | None, pass_name: str = "grow_width") -> tuple[tuple, 
     """(model inputs as a tuple, loss_fn) from a callable or a `package.module:function` name."""
     if data is None:
         raise NotApplicable(f"{pass_name}(init=gradmax) chooses new weights from data, and none was given", DATA_HINT)
+    what = f"the data function {data}" if isinstance(data, str) else f"the data function {_name_of(data)}"
     if isinstance(data, str):
         from ..io.factory import import_object
 
-        data = import_object(data)
-    got = data()
+        data = import_object(data, role="data function")
+    with calling(what, DATA_HINT):  # the user's code: its prints go to stderr, a sys.exit there is an error
+        got = data()
     if not (isinstance(got, (tuple, list)) and len(got) == 2 and callable(got[1])):
         raise InputError(f"the data function returned {type(got).__name__}, not (inputs, loss_fn)", DATA_HINT)
     inputs, loss_fn = got
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
         raise InputError("the data function's inputs are not a tensor or a tuple of tensors", DATA_HINT)
-    return inputs, loss_fn
+    return inputs, guarded(loss_fn, f"the loss_fn of {what.removeprefix('the ')}", DATA_HINT)
+
+
+def _name_of(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def scalar_loss(loss: Any) -> torch.Tensor:

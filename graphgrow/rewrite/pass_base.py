@@ -93,9 +93,12 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def arg(default: Any, help: str) -> Any:
-    """A pass argument: its default and one line of help (shown by `graphgrow passes` and docs/passes.md's table)."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def arg(default: Any, help: str, names_code: bool = False) -> Any:
+    """A pass argument: its default and one line of help (shown by `graphgrow passes` and docs/passes.md's table).
+    `names_code`: its value names code the pass imports and calls (gradmax's `data`, `package.module:function`):
+    a value read back from a mutation log is then never used unless the user names it again or trusts the file
+    (pipeline.from_log)."""
+    return dataclasses.field(default=default, metadata={"help": help, "names_code": names_code})
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,11 @@ class Pass:
     def argument_help(cls) -> dict[str, str]:
         """Each argument's help line (from `arg(default, help)`; empty when declared without)."""
         return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def code_arguments(cls) -> list[str]:
+        """The arguments whose value names code to import and call (declared `arg(..., names_code=True)`)."""
+        return [f.name for f in dataclasses.fields(cls) if f.metadata.get("names_code")]
 
     @classmethod
     def help(cls) -> str:

@@ -45,7 +45,7 @@ def run(source: str, train: str, evaluate: str, mutations: str, options, input_s
     _require_ray()
     from .runner import search
 
-    train_fn, eval_fn = import_object(train), import_object(evaluate)
+    train_fn, eval_fn = import_object(train, role="training function"), import_object(evaluate, role="evaluation function")
     if options.resume:
         model = None  # the search's own copy of the original is used (STORAGE/NAME/original.pt)
     else:

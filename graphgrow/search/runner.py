@@ -51,6 +51,7 @@ class SearchOptions:
     gpus_per_trial: float = 0.0
     seed: int = 0
     resume: bool = False
+    trust: bool = False  # resuming restores Ray Tune's pickled state from the folder: only a folder the user trusts
     limits: Limits = field(default_factory=Limits)
     output: str | None = None  # where the best model goes (default: STORAGE/NAME/best.pt)
     keep_checkpoints: int | None = None  # per trial (≥ 2); None keeps every round's (see check())
@@ -75,6 +76,13 @@ class SearchOptions:
         if self.cpus_per_trial <= 0 or self.gpus_per_trial < 0:
             raise InputError("--cpus-per-trial must be positive and --gpus-per-trial not negative")
         check_folder_name(self.name, "--name")
+        if self.resume and not self.trust:
+            # Tune.restore unpickles tuner.pkl and the trial states: a pickle placed in the folder would run. Tune
+            # keeps no other form of its state, so a resumed folder is trusted like a file given with --trust.
+            raise InputError(f"--resume restores the search in {self.experiment} from Ray Tune's pickles there (tuner.pkl, "
+                             "the trial states): a pickle in that folder would run code",
+                             "pass --trust as well if the folder is yours and no one else can write to it, or start a "
+                             "new search with another --name")
 
     @property
     def experiment(self) -> Path:
@@ -275,7 +283,7 @@ def _resolved_data(space: MutationSpace) -> MutationSpace:
     workers by value like train and evaluate), called once to check that it gives (inputs, loss_fn)."""
     if space.data is None:
         return space
-    data = import_object(space.data) if isinstance(space.data, str) else space.data
+    data = import_object(space.data, role="data function") if isinstance(space.data, str) else space.data
     check_data(data)
     resolved = copy.copy(space)
     resolved.data = data
