@@ -149,3 +149,30 @@ def test_a_hugging_face_config_is_sized_and_checked_before_anything_is_built(tmp
     proc, peak = _cli("inspect", name, "--max-memory", "256M", cwd=tmp_path)
     refused(proc, message)
     assert peak < 1_500_000, f"{peak >> 10} MiB"  # importing transformers takes about 1.2 GB; the input was 1.6 GiB
+
+
+def big_factory(n: int = 11585) -> nn.Module:
+    """About 512 MiB of weights, built on the real device only: it reads a number from them (no value on meta)."""
+    m = nn.Linear(n, n, bias=False)
+    if m.weight.abs().sum().item() < 0:
+        raise RuntimeError("unreachable")
+    return m
+
+
+def small_on_meta(n: int = 11585) -> nn.Module:
+    """Builds something else on the meta device (it catches the error there), the large model for real."""
+    try:
+        return big_factory(n)
+    except Exception:
+        return nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("factory", ["big_factory", "small_on_meta"])
+def test_a_factory_the_meta_device_cannot_size_is_built_under_the_load_limit(tmp_path, factory):
+    """S9: the --max-load check was skipped when the meta build failed (a 1 GiB model built under 256M); and a
+    factory that builds a small model on meta passed it. The real build runs under the allocation guard."""
+    argv = ("inspect", f"test_hostile_bounds:{factory}", "--input-shape", "1,64", "--max-load", "256M")
+    proc, peak = _cli(*argv, cwd=tmp_path)
+    refused(proc, f"test_hostile_bounds:{factory} would hold more than 256.0 MiB while it is built")
+    _, small = _cli(*argv[:1], f"test_hostile_bounds:{factory}(n=64)", *argv[2:], cwd=tmp_path)
+    assert peak < small + (128 << 10), f"{(peak - small) >> 10} MiB more than the same factory at n=64"

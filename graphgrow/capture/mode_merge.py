@@ -31,6 +31,7 @@ from typing import Any, Callable
 from torch import fx
 
 from ..io.mode_switch import ModeSwitch
+from .makers import describe
 
 Path = tuple[bool, ...]
 MAX_PATHS = 16  # traces per merge; every one re-runs the model's forward symbolically
@@ -180,8 +181,18 @@ def _assign(gap: list[_Site], pending: list[fx.Node]) -> None:
     if not pending:
         return
     if not gap:
-        raise MergeError(_scope(pending[0]), f"'{pending[0].name}' runs on one path only but no condition comes before it")
+        raise MergeError(_scope(pending[0]), f"{_named(pending[0])} runs on one path only but no condition comes before it")
     gap[-1].nodes.extend(pending)
+
+
+def _named(n: fx.Node) -> str:
+    """A node as a merge failure names it: its name and the model's line that made it."""
+    return f"'{n.name}'{_at(n)}"
+
+
+def _at(n: fx.Node) -> str:
+    where = n.meta.get("gg_source")
+    return f" at {describe(where)}" if where else ""
 
 
 def _scope(n: fx.Node) -> str:
@@ -217,11 +228,11 @@ def _clone_mutated(graph: fx.Graph, site: _Site, where: str) -> None:
         if not _is_in_place(n):
             continue
         if n.op != "call_method" or not n.args or not isinstance(n.args[0], fx.Node):
-            raise MergeError(where, f"'{n.name}' works in place on one path only")
+            raise MergeError(where, f"{_named(n)} works in place on one path only")
         x = n.args[0]
         if x not in site.nodes:
             if _may_alias(x):
-                raise MergeError(where, f"'{n.name}' works in place on '{x.name}', which may share memory with another tensor")
+                raise MergeError(where, f"{_named(n)} works in place on '{x.name}', which may share memory with another tensor")
             with graph.inserting_before(n):
                 clone = graph.call_method("clone", (x,))
             clone.meta = dict(n.meta)
@@ -293,7 +304,7 @@ class _Builder:
             self.env[r] = node
         leftover = [n for t in self.found.values() for gap in t.gaps for s in gap for n in s.nodes if n not in self.claimed]
         if leftover:
-            raise MergeError(_scope(leftover[0]), f"work it does on one path only ('{leftover[0].name}') has no result "
+            raise MergeError(_scope(leftover[0]), f"work it does on one path only ({_named(leftover[0])}) has no result "
                                                   "the rest of the forward reads")
         self.merged.lint()
         return self.merged, self.switches
@@ -310,7 +321,7 @@ class _Builder:
                 return self._value_read(dict(zip(keys, others)), r, gap)
             if isinstance(ref_arg, (list, tuple)):
                 if not all(isinstance(o, (list, tuple)) and len(o) == len(ref_arg) for o in others):
-                    raise MergeError(_scope(r), f"'{r.name}' reads differently shaped arguments on different paths")
+                    raise MergeError(_scope(r), f"{_named(r)} reads differently shaped arguments on different paths")
                 out = [walk(a, [o[i] for o in others]) for i, a in enumerate(ref_arg)]
                 return tuple(out) if isinstance(ref_arg, tuple) else out
             if isinstance(ref_arg, dict):
@@ -339,7 +350,7 @@ class _Builder:
                     return copies.pop()
         elif not all(type(v) in (bool, int, float, type(None)) or (isinstance(v, fx.Node) and self._is_value(k, v))
                      for k, v in per_trace.items()):
-            raise MergeError(self._gap_reader(gap) or _scope(r), f"'{r.name}' reads a tensor on one path and a constant on another")
+            raise MergeError(self._gap_reader(gap) or _scope(r), f"{_named(r)} reads a tensor on one path and a constant on another")
         request = (gap, tuple(per_trace.values()))
         if self.collecting:
             if request not in self.requests:
@@ -379,7 +390,7 @@ class _Builder:
             if not self._is_value(key, n):
                 mapped = self.found[key].to_ref.get(n)
                 if mapped is None:
-                    raise MergeError(_scope(n), f"'{n.name}' is read outside the path it runs on")
+                    raise MergeError(_scope(n), f"{_named(n)} is read outside the path it runs on")
                 return self.env[mapped]
             for a in n.all_input_nodes:
                 self._copy_value(key, a)
@@ -418,13 +429,18 @@ class _Builder:
         conditions: list[fx.Node] = []
         table: list[list[tuple[int, bool]]] = []
         chosen: list[tuple[list[fx.Node], fx.Node, dict[fx.Node, fx.Node]]] = []
-        for k in paths.values():
+        for k in site_per_trace:
+            # Traces that took the same path here did the same work (a policy for an `if` that joined an earlier
+            # chain — a nested `if` asked right after another — changes nothing): the first one's work is the body,
+            # the others' is accounted for by it.
             site, value = site_per_trace[k], per_trace[k]
             nodes = [n for n in site.nodes if n in _ancestors_in(value, site.nodes)] if isinstance(value, fx.Node) else []
             shared = [n for n in nodes if n in self.claimed and not _pure(n)]
             if shared:  # two switches would each run it: random draws or in-place steps twice
-                raise MergeError(where, f"two values it computes on one path share the step '{shared[0].name}'")
+                raise MergeError(where, f"two values it computes on one path share the step {_named(shared[0])}")
             self.claimed.update(nodes)
+            if paths[site.path] != k:
+                continue
             outside = {x: self._copy_value(k, x) for x in _outside_inputs(nodes, value)} if isinstance(value, fx.Node) else {}
             inputs += [m for m in outside.values() if m not in inputs]
             chosen.append((nodes, value, outside))
@@ -480,7 +496,7 @@ def _body(nodes: list[fx.Node], value: Any, inputs: list[fx.Node], outside: dict
     env: dict[fx.Node, fx.Node] = {x: placeholders[m] for x, m in outside.items()}
     for n in nodes:
         if n.op not in ("call_function", "call_method"):
-            raise MergeError(where, f"the work it does on one path only uses '{n.target}' (only tensor functions and "
+            raise MergeError(where, f"the work it does on one path only uses '{n.target}'{_at(n)} (only tensor functions and "
                                     "methods can be switched, not submodules or parameters)")
         env[n] = graph.node_copy(n, lambda a: env[a])
     graph.output(env[value] if isinstance(value, fx.Node) else value)

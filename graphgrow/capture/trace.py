@@ -27,10 +27,12 @@ from torch import fx, nn
 
 from . import mode_merge
 from ..analysis.deployed import train_only_modules, used_paths
+from ..core import codegen
 from ..core.errors import first_line, InputError, TraceError
 from .defaults import concrete_defaults, drop_fixed_placeholders
 from .attr_index import IndexedGetattr
 from .watch import RecordConstructors, settings, WatchModules
+from .makers import RecordLegacyMakers, rewrite_new, user_frame
 from ..graph.fx_edit import computed_from, reads_flag
 from ..graph.inputs import check_names, InputSpec
 from .export_capture import as_spec, capture_by_export, needs_export, with_ranges
@@ -107,7 +109,10 @@ class _Tracer(IndexedGetattr):
         return out
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        target, args = rewrite_new(kind, target, args, kwargs)  # x.new(*sizes) → x.new_empty(sizes)
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if self.policy is not None:  # merging: a merge failure names the model's line that made the node
+            node.meta["gg_source"] = user_frame()
         inputs = node.all_input_nodes
         if kind in ("call_function", "call_method") and inputs and all(a in self.values for a in inputs):
             self.values.add(node)
@@ -181,7 +186,7 @@ class _Tracer(IndexedGetattr):
 
 
 def _trace_once(model: nn.Module, tracer: _Tracer, fixed: dict[str, Any]) -> fx.Graph:
-    with WatchModules(model, tracer), RecordConstructors(tracer):
+    with WatchModules(model, tracer), RecordConstructors(tracer), RecordLegacyMakers(tracer, model):
         return tracer.trace(model, concrete_args=fixed or None)
 
 
@@ -478,7 +483,7 @@ def trace(
         for node in graph.nodes:
             stack = node.meta.get("nn_module_stack") or {}
             node.meta["gg_scope"] = tuple(stack.keys())
-        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        gm = fx.GraphModule(tracer.root, codegen.adopt(graph), type(model).__name__)  # names reach code as data
         mode_merge.install(gm, switches)
         _remove_parked(model, before)
         gm.train(model.training)

@@ -27,6 +27,7 @@ from ..core.user_code import calling
 from ..graph.layers import FORMER_NAMES
 from .factory import cwd_importable, import_object, is_factory_name, refuse_before_import
 from .mode_switch import check_node_total
+from ..analysis.allocation import AllocationGuard
 
 
 @dataclass
@@ -110,14 +111,31 @@ def _from_factory(text: str, seed: int) -> LoadedModel:
                         f"{_mib(MAX_LOAD_BYTES)}); nothing was allocated", "check the arguments, or raise the limit with --max-load SIZE")
     hint = "check the arguments" if name.kwargs else "the factory must build a model with no arguments (or give them: factory(key=value))"
     call = text[:200] if name.kwargs else f"{text[:200]}()"
+    # the real build runs under an allocation guard too: a factory the meta device cannot build, or one that builds
+    # something else there (it caught the meta device's error), is held to --max-load as it allocates
+    guard = AllocationGuard(MAX_LOAD_BYTES)
     # the user's code: prints to stderr (--json stays parseable), anything raised — sys.exit too — one LoadError;
     # no cache of stored weights is in reach
-    with calling(call, hint, LoadError), torch.random.fork_rng(devices=[]), cwd_importable(), sealed_caches():
-        torch.manual_seed(seed)
-        model = build()
+    try:
+        with calling(call, hint, LoadError), torch.random.fork_rng(devices=[]), cwd_importable(), sealed_caches():
+            torch.manual_seed(seed)
+            with guard:
+                model = build()
+    except BaseException as e:  # the guard's refusal passes calling() as graphgrow's own
+        _refuse_over_load(text, guard, e)
+        raise
+    _refuse_over_load(text, guard, None)  # the factory may have caught the refusal and gone on
     if not isinstance(model, nn.Module):
         raise LoadError(f"{text[:200]}{'' if name.kwargs else '()'} returned {type(model).__name__}, not a torch.nn.Module")
     return LoadedModel(model, text, "factory", input_shape=shape or zoo_input_shape(model), factory_seed=seed)
+
+
+def _refuse_over_load(text: str, guard: AllocationGuard, error: BaseException | None) -> None:
+    refusal = guard.refusal
+    if refusal is not None:
+        raise LoadError(f"{text[:200]} would hold more than {_mib(MAX_LOAD_BYTES)} while it is built (it asked for "
+                        f"{_mib(getattr(refusal, 'needed', 0))} more with {_mib(getattr(refusal, 'held', 0))} held; the build was stopped before that allocation)",
+                        "check the arguments, or raise the limit with --max-load SIZE") from error or refusal
 
 
 class _NotOnMeta(LoadError):
@@ -127,7 +145,8 @@ class _NotOnMeta(LoadError):
 def _size_on_meta(build: Callable[[], Any]) -> tuple[int, int] | None:
     """(bytes of parameters and buffers, parameters) of the factory's model, built on the meta device (shapes,
     no storage), so an argument like num_classes=10**8 is refused before memory is touched. None when the
-    factory cannot build on meta (it computes with real tensors): then the real build is not pre-checked."""
+    factory cannot build on meta (it computes with real tensors): then only the real build's allocation guard holds
+    the limit."""
     from .zoo import sealed_caches
 
     try:  # graphgrow's own refusal (a download asked for) passes: building again would only ask again

@@ -1,0 +1,194 @@
+"""Issue 37, item 3: a DARTS network written as published NAS code writes it (tests/darts_published.py) traces
+with no leaf in train and eval mode whatever spelling draws its drop-path mask — legacy typed constructors
+(torch.cuda.FloatTensor, torch.FloatTensor, an alias of one), x.new / new_empty / new_zeros / new_full,
+torch.empty / full / rand / ones with the input's device, bernoulli_ / torch.bernoulli / uniform_ / rand < p,
+with and without Variable, in place or not — and the graph computes what the model computes, saves and
+loads without trust and exports to ONNX in eval mode."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+
+import darts_published as dp
+import graphgrow as gg
+from graphgrow.capture.trace import trace_report
+from graphgrow.core.errors import TraceError
+from graphgrow.io.mode_switch import ModeSwitch
+
+SHAPE = (2, 3, 16, 16)
+IDIOMS = list(dp.DROP_PATHS)
+
+
+@pytest.fixture(autouse=True)
+def cuda_masks_on_cpu(monkeypatch):
+    """The published mask is a torch.cuda.FloatTensor: without CUDA, the *eager* model (the reference the traced
+    graph is compared with) draws it on the CPU instead. Tracing never calls the class: the mask is read as
+    the call it amounts to, whatever the name holds."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "FloatTensor", torch.FloatTensor)
+
+
+def _train_logits(model: nn.Module, p: float, seed: int = 0) -> torch.Tensor:
+    model.train()
+    model.drop_path_prob = p
+    torch.manual_seed(seed)
+    x = torch.randn(*SHAPE)
+    torch.manual_seed(seed + 1)
+    with torch.no_grad():
+        out = model(x)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _calls(gm: fx.GraphModule) -> list[fx.Node]:
+    """Every call node of the graph and of its switches' bodies."""
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    for m in gm.modules():
+        if isinstance(m, ModeSwitch):
+            nodes += [n for body in m.bodies() for n in body.graph.nodes if n.op in ("call_function", "call_method")]
+    return nodes
+
+
+_TRACED: dict[tuple[str, str], tuple[nn.Module, fx.GraphModule]] = {}
+
+
+def _traced(idiom: str, mode: str) -> tuple[nn.Module, fx.GraphModule]:
+    """The network with its auxiliary head (so the top-level forward differs between modes), traced in `mode`
+    (and checked against the model in both modes by trace's fidelity check); once per module."""
+    if (idiom, mode) not in _TRACED:
+        model = dp.network(idiom, auxiliary=True)
+        _TRACED[idiom, mode] = model, gg.trace(model, SHAPE, mode=mode)
+    return _TRACED[idiom, mode]
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("idiom", IDIOMS)
+def test_every_mask_idiom_traces_with_no_leaf_computes_what_the_model_computes_and_loads_without_trust(
+        idiom, mode, tmp_path):
+    model, gm = _traced(idiom, mode)
+    report = trace_report(gm)
+    assert report["auto_leaves"] == {}
+    assert {f"cells.{i}" for i in range(4)} <= set(report["merged_blocks"])
+    assert report["live_attributes"] == ["drop_path_prob"]
+    assert report["top_level_mode_dependent"]
+    calls = _calls(gm)
+    # no typed class, no Variable and no x.new in the graph: the device-agnostic calls they amount to
+    assert not any(n.target in torch._tensor_classes or n.target == "new" for n in calls), idiom
+    assert any(n.target in ("bernoulli_", "bernoulli", "uniform_") or n.target is torch.bernoulli or n.target is torch.rand
+               for n in calls), idiom
+    for p in (0.0, 0.3):  # train mode with drop-path on: the same draws, the same output
+        assert torch.equal(_train_logits(gm, p), _train_logits(model, p)), (idiom, p)
+    assert not torch.equal(_train_logits(gm, 0.0), _train_logits(gm, 0.5))  # the mask is drawn, not frozen
+
+    path = tmp_path / "m.pt"
+    gg.save_model(gm, path)
+    loaded = gg.load_model(path).module  # no trust: every node, switch bodies included, on the closed list
+    assert torch.equal(_train_logits(loaded, 0.3), _train_logits(model, 0.3))
+
+
+# onnxruntime for every idiom in the slow set; the published one always (the switches' eval path is the same
+# identity whatever the mask, so the file does not depend on the spelling — that is what is checked)
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("idiom", [i if i == "cuda_typed" else pytest.param(i, marks=pytest.mark.slow) for i in IDIOMS])
+def test_every_mask_idiom_exports_in_eval_mode_and_agrees_on_onnxruntime(idiom, mode, tmp_path):
+    from graphgrow.io.runtime import open_session
+
+    _, gm = _traced(idiom, mode)
+    gm.drop_path_prob = 0.3  # eval mode takes the switches' eval path: no random op reaches the file
+    onnx_path = tmp_path / "m.onnx"
+    gg.export_onnx(gm, SHAPE, onnx_path)
+    result = gg.check_equivalence(gm, open_session(onnx_path, "cpu"), SHAPE)
+    assert result.passed, result
+    gm.drop_path_prob = 0.2
+
+
+def test_the_published_mask_becomes_a_mask_on_the_inputs_device_with_the_classs_dtype():
+    gm = gg.trace(dp.network("cuda_typed"), SHAPE, check=False)
+    empties = [n for n in _calls(gm) if n.target is torch.empty]
+    assert empties
+    for n in empties:
+        assert n.kwargs["dtype"] is torch.float32
+        device = n.kwargs["device"]
+        assert device.target is getattr and device.args[1] == "device"  # read from the input at run time
+    gm.to("meta").train()  # a device the source never named: the masks follow the input there
+    gm.drop_path_prob = 0.3
+    assert gm(torch.randn(*SHAPE, device="meta"))[0].device.type == "meta"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_model_traced_on_one_device_runs_on_the_other():
+    """Traced on CUDA (where the published code runs), the graph runs on CPU, where the eager model cannot (its mask
+    is a CUDA tensor); traced on CPU, it runs on CUDA and draws what the eager model draws there."""
+    model = dp.network("cuda_typed").cuda()
+    x = torch.randn(*SHAPE, device="cuda")
+    gm = gg.trace(model, x.shape)
+    for device in ("cpu", "cuda"):
+        gm.to(device).train()
+        torch.manual_seed(0)
+        out = gm(x.to(device))[0]
+        assert out.device.type == device
+    model.train()
+    gm.to("cuda")
+    torch.manual_seed(3)
+    want = model(x)[0]
+    torch.manual_seed(3)
+    assert torch.equal(gm(x)[0], want)
+
+
+class _DataMask(nn.Module):
+    """A tensor made from data, not sizes: `torch.FloatTensor([n, 1])` holds the numbers n and 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        if self.training:
+            h = h * torch.FloatTensor([h.size(0), 1]).sum()
+        return h
+
+
+class _ConstantOnOnePath(nn.Module):
+    """One path reads a tensor made at trace time (a constant), which a switch body cannot hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        if self.training:
+            h = h * torch.tensor([0.5])
+        return h
+
+
+def test_a_legacy_call_that_cannot_be_read_is_refused_naming_the_call_and_the_line():
+    model = nn.Sequential(_DataMask(), nn.Conv2d(3, 2, 1))
+    gm = gg.trace(model, SHAPE)
+    reason = trace_report(gm)["auto_leaves"]["0"]
+    assert "torch.FloatTensor(...) at test_darts_idioms.py:" in reason and "torch.FloatTensor([h.size(0), 1])" in reason
+    with pytest.raises(TraceError, match=r"torch\.FloatTensor\(\.\.\.\) at test_darts_idioms\.py:\d+"):
+        gg.trace(model, SHAPE, auto_leaves=False)
+
+
+def test_a_merge_failure_names_the_line_of_the_models_code():
+    gm = gg.trace(nn.Sequential(_ConstantOnOnePath(), nn.Conv2d(3, 2, 1)), SHAPE)
+    reason = trace_report(gm)["auto_leaves"]["0"]
+    assert "at test_darts_idioms.py:" in reason and "h = h * torch.tensor([0.5])" in reason, reason
+
+
+def test_typed_classes_and_variable_behave_as_before_outside_and_inside_a_trace():
+    """While a trace runs, the stand-ins still make tensors from plain arguments and answer isinstance."""
+
+    class Checks(nn.Module):
+        def forward(self, x):
+            t = torch.FloatTensor(2, 3)
+            assert isinstance(t, torch.FloatTensor) and not isinstance(t, torch.DoubleTensor)
+            assert dp.Variable(t) is not t
+            return x + 1
+
+    gg.trace(Checks(), (2, 3))
+    assert isinstance(torch.zeros(1), torch.FloatTensor) and type(torch.FloatTensor) is not type(lambda: 0)
+    assert "__new__" not in vars(dp.Variable)
