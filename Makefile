@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.graphgrow-installed
 # torch/torchvision pinned to the builds this machine carries (CUDA 13, matches onnxruntime-gpu).
 TORCH  := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test test-quick bench fuzz soak clean search-demo docs
+.PHONY: demo test test-quick bench fuzz soak clean search-demo docs sweep
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,3 +51,8 @@ soak: $(STAMP)
 # the generated parts of README.md and docs/ (CLI reference, pass arguments); tests/test_docs.py checks them
 docs: $(STAMP)
 	$(BIN)/python tools/docs.py
+
+# every model of a registry × every built-in pass through the CLI with --check (one niced process per run, a time
+# limit each, resumable from tools/sweep_state.jsonl); writes docs/sweep.md. SWEEP_ARGS='--registry hf --limit 20'
+sweep: $(STAMP)
+	$(BIN)/python tools/sweep.py $${SWEEP_ARGS:---registry torchvision,timm,hf}

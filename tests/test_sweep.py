@@ -1,0 +1,60 @@
+"""The registry sweep (tools/sweep.py, issue 39): on a fixed subset of tiny models it runs the real CLI, classifies
+the exits (a run that verifies, a forced refusal, a run past its time limit), resumes from its state file without
+running anything again, and writes the table. The classification of reasons is checked on its own too."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+from sweep_report import broken_kind, reason_class, status_of  # noqa: E402
+
+
+def sweep(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "sweep.py"), "--registry", "smoke", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_sweep_runs_classifies_resumes_and_writes_the_table(tmp_path):
+    state, table = tmp_path / "state.jsonl", tmp_path / "sweep.md"
+    # small_cnn grows a branch; token_classifier has no conv, so add_branch is refused there (the forced refusal)
+    proc = sweep("--passes", "add_branch", "--state", str(state), "--table", str(table))
+    assert proc.returncode == 0, proc.stderr
+    runs = {r["model"]: r for r in map(json.loads, state.read_text().splitlines())}
+    assert runs["small_cnn"]["status"] == "verified" and runs["small_cnn"]["rc"] == 0
+    refused = runs["token_classifier"]
+    assert (refused["status"], refused["rc"], refused["class"]) == ("refused", 2, "no place"), refused
+    assert "has none" in refused["message"] and "\n" not in refused["message"]
+    text = table.read_text()
+    assert "2 runs over 2 models: **1 verified, 1 refused, 0 broken**" in text
+    assert "| small_cnn | ✓ |" in text and "| token_classifier | R: no place |" in text
+
+    # resuming runs nothing the state holds (a run would take seconds and add a line)
+    again = sweep("--passes", "add_branch", "--state", str(state), "--table", str(table))
+    assert again.returncode == 0 and len(state.read_text().splitlines()) == 2
+    assert "small_cnn" not in again.stdout
+
+    # a run past its time limit is killed and counted as broken; the table lists it with its message
+    late = sweep("--passes", "grow_width", "--only", "small_cnn", "--timeout", "0.5", "--state", str(state), "--table", str(table))
+    assert late.returncode == 0, late.stderr
+    last = json.loads(state.read_text().splitlines()[-1])
+    assert (last["status"], last["class"], last["rc"]) == ("broken", "timeout", None)
+    text = table.read_text()
+    assert "3 runs over 2 models: **1 verified, 1 refused, 1 broken**" in text
+    assert "| small_cnn | grow_width | timeout | no result after 0.5 s |" in text
+
+
+def test_exit_codes_and_reason_classes():
+    assert [status_of(rc, False) for rc in (0, 1, 2, 3, -9)] == ["verified", "broken", "refused", "broken", "broken"]
+    assert status_of(None, True) == "broken" and broken_kind(None, True) == "timeout"
+    assert broken_kind(3, False) == "internal error (exit 3)" and broken_kind(-11, False) == "crash (exit -11)"
+    assert reason_class("cannot save the model: the stored-graph allow-list lacks aten.topk") == "cannot save"
+    assert reason_class("add_branch runs 2-D conv branches beside a Conv2d; this model has none") == "no place"
+    assert reason_class("hf:x/causal-lm: the config refused the arguments: ValueError") == "model does not build"
+    assert reason_class("something nobody wrote a pattern for") == "other"

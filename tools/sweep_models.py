@@ -1,0 +1,186 @@
+"""The models a sweep runs (tools/sweep.py): each registry as a list of Runs' model halves — a model name the CLI
+builds (`torchvision:NAME`, `timm:NAME`, `hf:TYPE/TASK(config)`), the extra CLI arguments it needs (a small input
+shape), nothing else. Listing a registry builds nothing: torchvision and timm are read from their registries,
+transformers' configs are instantiated with their defaults (no weights, no download) to see which size fields they
+have, and shrunk by setting those that exist.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+PASSES = ("grow_width", "add_residual", "deepen", "add_branch", "insert_adapter", "grow_hidden", "grow_heads")
+
+
+@dataclass(frozen=True)
+class Model:
+    registry: str
+    key: str  # short, unique within the registry: the table's row
+    name: str  # what `graphgrow mutate` is given
+    args: tuple[str, ...] = field(default=())  # extra CLI arguments (input shape)
+
+
+# ---------------------------------------------------------------- torchvision
+def _torchvision_args(name: str, kind: str) -> tuple[str, tuple[str, ...]]:
+    """(name with arguments, CLI arguments): the smallest input the builder takes, found by reading its code."""
+    if kind == "video":
+        if name.startswith("mvit"):  # fixed 16 × 224 × 224 positional embeddings
+            return f"torchvision:{name}", ("--input-shape", "1,3,16,224,224")
+        if name == "s3d":  # a 2 × 7 × 7 average pool at the end: 16 frames of 224 / 32 = 7
+            return f"torchvision:{name}", ("--input-shape", "1,3,16,224,224")
+        return f"torchvision:{name}", ("--input-shape", "1,3,4,32,32")
+    if kind == "optical_flow":  # two frames, sides a multiple of 8 (128: its correlation pyramid has 4 levels)
+        return f"torchvision:{name}", ("--input", "image1:float32[1,3,128,128]", "--input", "image2:float32[1,3,128,128]")
+    if kind == "detection":  # the transform resizes every image to min_size: keep it small
+        if name.startswith("ssd"):
+            return f"torchvision:{name}", ("--input-shape", "1,3,128,128")
+        return f"torchvision:{name}(min_size=128, max_size=128)", ("--input-shape", "1,3,128,128")
+    if kind == "segmentation":
+        return f"torchvision:{name}", ("--input-shape", "1,3,64,64")
+    if name.startswith("vit_h"):  # patch 14
+        return f"torchvision:{name}(image_size=56)", ("--input-shape", "1,3,56,56")
+    if name.startswith("vit_"):  # fixed positional embeddings: the image size is an argument
+        return f"torchvision:{name}(image_size=64)", ("--input-shape", "1,3,64,64")
+    if name == "maxvit_t":  # partitions of 7 at every stage: 224 is the smallest
+        return f"torchvision:{name}", ("--input-shape", "1,3,224,224")
+    if "inception_v3" in name:  # 75 is the smallest its stem takes
+        return f"torchvision:{name}", ("--input-shape", "1,3,96,96")
+    return f"torchvision:{name}", ("--input-shape", "1,3,64,64")
+
+
+def torchvision_models() -> list[Model]:
+    import torchvision.models as tvm
+
+    kinds = {"detection": tvm.detection, "segmentation": tvm.segmentation, "video": tvm.video,
+             "optical_flow": tvm.optical_flow, "quantization": tvm.quantization}
+    kind_of = {n: k for k, mod in kinds.items() for n in tvm.list_models(module=mod)}
+    order = {"classification": 0, "quantization": 1, "segmentation": 2, "detection": 3, "video": 4, "optical_flow": 5}
+    names = sorted(tvm.list_models(), key=lambda n: (order[kind_of.get(n, "classification")], n))
+    out = []
+    for n in names:
+        name, args = _torchvision_args(n, kind_of.get(n, "classification"))
+        out.append(Model("torchvision", n, name, args))
+    return out
+
+
+# ---------------------------------------------------------------- timm
+_SIZE_WORDS = ["atto", "femto", "pico", "nano", "xxxs", "xxs", "xs", "tiny", "mini", "micro", "small", "s", "lite"]
+
+
+def _size_rank(name: str) -> tuple:
+    """Smaller variants first: a size word early in the list, then small numbers in the name, then a short name."""
+    parts = re.split(r"[_\-]", name)
+    word = min((_SIZE_WORDS.index(p) for p in parts if p in _SIZE_WORDS), default=len(_SIZE_WORDS))
+    nums = [int(x) for x in re.findall(r"\d+", name)] or [0]
+    return (word, nums[0] if len(nums) else 0, len(name), name)
+
+
+def timm_models() -> list[Model]:
+    import timm
+    from timm.models import get_pretrained_cfg
+
+    out = []
+    for module in sorted(timm.list_modules()):
+        names = timm.list_models(module=module)
+        if not names:
+            continue
+        name = min(names, key=_size_rank)
+        cfg = get_pretrained_cfg(name)
+        fixed = bool(getattr(cfg, "fixed_input_size", False)) if cfg is not None else False
+        channels = (getattr(cfg, "input_size", None) or (3,))[0] if cfg is not None else 3
+        # a model that takes any size gets 64×64; a fixed one keeps its own size (the CLI reads it from the cfg)
+        args = () if fixed else ("--input-shape", f"1,{channels},64,64")
+        out.append(Model("timm", f"{module}/{name}", f"timm:{name}", args))
+    return out
+
+
+# ---------------------------------------------------------------- transformers
+HF_TASKS = (("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"), ("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+            ("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+            ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"))
+HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB, IMAGE = 64, 2, 4, 2, 256, 32
+# field → value for every scalar size field a config may have (set only where the config class has it)
+_SCALARS = {
+    "hidden_size": HIDDEN, "n_embd": HIDDEN, "d_model": HIDDEN, "dim": HIDDEN, "embed_dim": HIDDEN,
+    "num_hidden_layers": LAYERS, "n_layer": LAYERS, "n_layers": LAYERS, "num_layers": LAYERS,
+    "encoder_layers": LAYERS, "decoder_layers": LAYERS,
+    "num_attention_heads": HEADS, "n_head": HEADS, "n_heads": HEADS, "num_heads": HEADS,
+    "encoder_attention_heads": HEADS, "decoder_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS, "head_dim": HIDDEN // HEADS,
+    "intermediate_size": 2 * HIDDEN, "n_inner": 2 * HIDDEN, "ffn_dim": 2 * HIDDEN, "d_ff": 2 * HIDDEN,
+    "encoder_ffn_dim": 2 * HIDDEN, "decoder_ffn_dim": 2 * HIDDEN, "moe_intermediate_size": HIDDEN,
+    "shared_expert_intermediate_size": HIDDEN,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "vocab_size": VOCAB, "image_size": IMAGE, "embedding_size": HIDDEN,
+}
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id")
+
+
+def _shrunk(config_class: type) -> dict:
+    """The config arguments that make a small model: the size fields the class has, token ids kept inside the small
+    vocabulary, per-stage lists (hidden_sizes, depths, stage heads) shortened to small values of the same length."""
+    import dataclasses
+
+    try:
+        default = config_class()
+    except Exception:
+        return {}
+    fields = {f.name for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else set(vars(default))
+    fields |= set(getattr(config_class, "attribute_map", {}))
+    real = {k for k in fields if k not in getattr(config_class, "attribute_map", {})}
+    kw: dict = {}
+
+    def value(k: str) -> object:
+        try:
+            return getattr(default, k, None)
+        except Exception:  # a per-layer field read as one value (heterogeneous configs)
+            return None
+
+    for k, v in _SCALARS.items():
+        if k in real and isinstance(value(k), int) and not isinstance(value(k), bool):
+            kw[k] = v
+    for k in _TOKEN_IDS:
+        token = value(k)
+        if k in real and isinstance(token, int) and token >= VOCAB:
+            kw[k] = _TOKEN_IDS.index(k) % 3
+    for k in ("hidden_sizes", "depths", "num_heads", "embed_dims"):
+        stages = value(k)
+        if k in real and isinstance(stages, (list, tuple)) and stages and all(isinstance(x, int) for x in stages):
+            n = len(stages)
+            kw[k] = {"hidden_sizes": [16 * 2 ** i for i in range(n)], "embed_dims": [16 * 2 ** i for i in range(n)],
+                     "depths": [1] * n, "num_heads": [2 ** i for i in range(n)]}[k]
+            if k == "num_heads" and "embed_dim" in kw:
+                kw["embed_dim"] = 16  # stage i has embed_dim · 2^i channels and 2^i heads
+    return kw
+
+
+def _literal(kw: dict) -> str:
+    return ",".join(f"{k}={v!r}".replace(" ", "") for k, v in kw.items())
+
+
+def hf_models() -> list[Model]:
+    import transformers
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    out = []
+    for model_type in sorted(configuration_auto.CONFIG_MAPPING_NAMES):
+        task = next((t for t, mapping in HF_TASKS if model_type in getattr(modeling_auto, mapping)), None)
+        if task is None:
+            continue
+        try:
+            config_class = transformers.CONFIG_MAPPING[model_type]
+        except Exception:
+            continue
+        kw = _shrunk(config_class)
+        args = f"({_literal(kw)})" if kw else ""
+        out.append(Model("hf", model_type, f"hf:{model_type}/{task}{args}"))
+    return out
+
+
+def smoke_models() -> list[Model]:
+    """The fixed subset `make test` sweeps (tests/test_sweep.py): tiny models of tests/factories.py."""
+    return [Model("smoke", "small_cnn", "tests.factories:small_cnn", ("--input-shape", "1,3,16,16")),
+            Model("smoke", "token_classifier", "tests.factories:token_classifier", ("--input", "input_ids:int64[1,16]"))]
+
+
+REGISTRIES = {"torchvision": torchvision_models, "timm": timm_models, "hf": hf_models, "smoke": smoke_models}
