@@ -431,6 +431,18 @@ def check_onnx_memory(gm: nn.Module, external: bool | None, check: bool, max_mem
                              f"weights ({factor}× them; limit {human_bytes(limit)})", hint)
 
 
+def check_session_memory(declared: int, max_memory: int | None = None) -> None:
+    """Before an onnxruntime session is made from a file graphgrow did not just write: its `declared` tensor bytes
+    (onnx_external.declared_bytes) by the check's measured factor must stay under `max_memory` (default:
+    --max-memory). Sized from the file, not from the PyTorch model it is compared with: the two may differ."""
+    limit = default_max_memory() if max_memory is None else max_memory
+    needed = int(CHECK_PEAK * declared)
+    if limit < NO_LIMIT and needed > limit:
+        raise InputError(f"checking it in onnxruntime would need about {human_bytes(needed)} for the ONNX file's "
+                         f"{human_bytes(declared)} of declared tensors ({CHECK_PEAK}× them; limit {human_bytes(limit)})",
+                         "raise the limit with --max-memory SIZE")
+
+
 def estimate_pass(apply: Callable[[fx.GraphModule], fx.GraphModule], gm: fx.GraphModule, input_shape: Shape,
                   share: bool = False) -> PassMemory:
     """PassMemory of one pass before it runs (`apply` runs on a meta copy of `gm`): what check_grown will find, for

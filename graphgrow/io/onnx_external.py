@@ -93,6 +93,40 @@ def external_tensors(proto: onnx.ModelProto) -> list[str]:
     return found
 
 
+def declared_bytes(proto: onnx.ModelProto) -> int:
+    """The bytes every tensor of the model declares by its shape and type, wherever it sits (as external_tensors
+    searches), inline or external, a sparse one at its dense shape (a runtime may densify it): what a session
+    holds, known before one is made, whatever the files take on disk (a data file may be sparse, all holes)."""
+    total = 0
+    graphs: list[tuple[onnx.GraphProto, int]] = [(proto.graph, 0)]
+    graphs += [(g, 0) for info in proto.training_info for g in (info.initialization, info.algorithm)]
+
+    def dense(t: onnx.TensorProto, dims: Any = None) -> int:
+        return math.prod(max(int(d), 0) for d in (t.dims if dims is None else dims)) * ITEM_BYTES.get(t.data_type, 8) \
+            + sum(len(b) for b in t.string_data)
+
+    def sparse(sp: onnx.SparseTensorProto) -> int:
+        return dense(sp.values, sp.dims) + dense(sp.values) + dense(sp.indices)
+
+    def attributes(attrs: Any, depth: int) -> int:
+        n = 0
+        for a in attrs:
+            n += (dense(a.t) if a.HasField("t") else 0) + sum(map(dense, a.tensors)) + sum(map(sparse, a.sparse_tensors))
+            n += sparse(a.sparse_tensor) if a.HasField("sparse_tensor") else 0
+            graphs.extend((g, depth + 1) for g in [a.g, *a.graphs])
+        return n
+
+    for f in proto.functions:
+        total += attributes(f.attribute_proto, 0) + sum(attributes(n.attribute, 0) for n in f.node)
+    while graphs:
+        g, depth = graphs.pop()
+        if depth > MAX_GRAPH_DEPTH:
+            raise LoadError(f"the ONNX model nests subgraphs more than {MAX_GRAPH_DEPTH} deep", "the file is corrupted or hostile")
+        total += sum(map(dense, g.initializer)) + sum(map(sparse, g.sparse_initializer))
+        total += sum(attributes(n.attribute, depth) for n in g.node)
+    return total
+
+
 def external_initializers(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
     return [t for t in proto.graph.initializer if is_external(t)]
 

@@ -15,7 +15,7 @@ from ..core.errors import InputError, LoadError, SaveError, SpecError, with_cont
 from ..io.load import FACTORY_SEED, LoadedModel, custom_classes, load_model
 from ..io.save import check_output_path, default_output_path, plain_output_path, save_model
 from ..io.factory import is_factory_name
-from ..analysis.budget import check_onnx_memory
+from ..analysis.budget import check_onnx_memory, check_session_memory
 from ..analysis.targets import Candidate
 from .pipeline import Pipeline, PipelineResult, parse_spec
 from ..capture.input_shape import parse_example_input
@@ -396,10 +396,11 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
     it is refused."""
     from ..verify.equivalence import check_equivalence
     from ..io.export import SOURCE_KEY, load_onnx, metadata, onnx_factory_seed, onnx_input_shape
-    from ..io.onnx_external import external_folder
+    from ..io.onnx_external import declared_bytes, external_folder
     from ..io.runtime import open_session
 
     proto = load_onnx(onnx_file)
+    check_session_memory(declared_bytes(proto))  # the session holds the file's tensors, at their declared sizes
     shape = parse_example_input(input_shape) or onnx_input_shape(proto)
     meta = metadata(proto)
     factory_seed = FACTORY_SEED
