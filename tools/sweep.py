@@ -44,6 +44,9 @@ def run_one(model: Model, pass_name: str, timeout: float, cwd: Path) -> dict:
             timed_out = True
             os.killpg(proc.pid, signal.SIGKILL)  # the group this run started: graphgrow and its children
             out, err = proc.communicate()
+        except BaseException:  # the sweep itself stopped (Ctrl-C, SIGTERM): leave no run behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
         seconds = round(time.monotonic() - start, 1)
     rc = None if timed_out else proc.returncode
     status = status_of(rc, timed_out)
@@ -105,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table-only", action="store_true", help="write the table from the state file, run nothing")
     ap.add_argument("--cwd", default=str(ROOT), help="folder the runs start in (model factories are found there)")
     a = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SystemExit through run_one: its run is killed too
     if a.jobs != 1:
         ap.error("--jobs: only 1 is supported")
     registries = [r for r in a.registry.split(",") if r]
