@@ -192,3 +192,24 @@ def test_typed_classes_and_variable_behave_as_before_outside_and_inside_a_trace(
     gg.trace(Checks(), (2, 3))
     assert isinstance(torch.zeros(1), torch.FloatTensor) and type(torch.FloatTensor) is not type(lambda: 0)
     assert "__new__" not in vars(dp.Variable)
+
+
+# each built-in growth pass, placed inside the published network's cells (a preprocessing conv's group, beside a
+# reduction cell's pooling edge, after a separable conv, after a dilated conv's BN, across a cell's first node)
+CELL_SPECS = [
+    "grow_width(target=cells.1.preprocess1.op.1)",
+    "add_branch(op=sepconv3x3,at=cells_1__ops_0)",
+    "deepen(after=cells_0__ops_0_op_7)",
+    "insert_adapter(after=cells_3__ops_2_op_3)",
+    "add_residual(start=cells_0_preprocess1_op_2,end=cells_0__ops_2_op_3)",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", CELL_SPECS)
+def test_growth_inside_the_published_cells_is_exact_with_drop_path_running(spec):
+    model, gm = _traced("cuda_typed", "train")
+    r = gg.Pipeline.from_spec(spec, seed=1).run(gm).results[0]  # verified in eval and train mode
+    assert r.params_after > r.params_before
+    for p in (0.0, 0.4):
+        assert torch.allclose(_train_logits(r.gm, p), _train_logits(model, p), rtol=1e-5, atol=1e-6), (spec, p)
