@@ -167,8 +167,10 @@ def test_resume_without_a_search_says_so(monkeypatch, tmp_path):
     from conftest import ROOT
 
     monkeypatch.chdir(ROOT)
-    result = _cli("--mutations", "deepen", "--storage-path", str(tmp_path), "--resume")
+    result = _cli("--mutations", "deepen", "--storage-path", str(tmp_path), "--resume", "--trust")
     assert result.exit_code == 2 and "nothing to resume" in result.output, result.output
+    result = _cli("--mutations", "deepen", "--storage-path", str(tmp_path), "--resume")  # Tune's pickles: --trust first
+    assert result.exit_code == 2 and "a pickle in that folder would run code" in result.output, result.output
 
 
 @pytest.mark.parametrize("name, message", [
