@@ -22,7 +22,7 @@ from torch import fx, nn
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
     add_module, AverageMerge, begin, conv2d_facts, copy_graph_module, DEFAULT_BUDGET, deployed_nodes, factory_kwargs, finish,
-    graphgrow_modules, inserting_after, is_float_tensor, is_graphgrow_node, kaiming_, param_count,
+    graphgrow_modules, inline_containers, inserting_after, is_float_tensor, is_graphgrow_node, kaiming_, param_count,
     pick_within_budget, place, replace_uses, resolve_tensor, set_scope, stages, tensor_shape, train_only_note,
 )
 from graphgrow.rewrite import aim_gates, check_aimable, GatedBlock, load_data
@@ -124,6 +124,24 @@ def existing_merge(gm: fx.GraphModule, end: fx.Node) -> fx.Node | None:
     return None
 
 
+def branch_input(merge: fx.Node) -> fx.Node:
+    """The tensor every branch of `merge` reads: the latest node that the main input and each branch all derive
+    from (a branch is its layers' nodes once inlined, or the input itself for an identity branch)."""
+    order = {n: i for i, n in enumerate(merge.graph.nodes)}
+
+    def upstream(n: fx.Node) -> set[fx.Node]:
+        seen, todo = {n}, [n]
+        while todo:
+            for a in todo.pop().all_input_nodes:
+                if a not in seen:
+                    seen.add(a)
+                    todo.append(a)
+        return seen
+
+    common = set.intersection(*(upstream(a) for a in merge.args if isinstance(a, fx.Node)))
+    return max(common, key=order.__getitem__)
+
+
 def build_branch(op: Op, cin: int, cout: int, stride: tuple[int, int], like: torch.Tensor, g: torch.Generator) -> nn.Module:
     """A branch module for 4-D features: cin×H×W → cout×(H/stride)×(W/stride)."""
     kw = {"device": like.device, "dtype": like.dtype}
@@ -172,7 +190,7 @@ def add_branch(gm: fx.GraphModule, at: str | None = None, op: Op = "conv3x3", co
     start, end, chosen = resolve_span(gm, at, op, count)
     merge = existing_merge(gm, end)
     if merge is not None:
-        start = merge.args[1].args[0]  # type: ignore[assignment]  # every branch of a merge reads the same input
+        start = branch_input(merge)  # every branch of a merge reads the same input
         end = merge.args[0]  # type: ignore[assignment]
     s, e = tensor_shape(start), tensor_shape(end)
     if s is None or e is None or len(s) != 4 or len(e) != 4:
@@ -218,6 +236,8 @@ def add_branch(gm: fx.GraphModule, at: str | None = None, op: Op = "conv3x3", co
         aimed = aim_gates(gm, [block], data, "add_branch")
         if aimed is not None:
             targets["gradmax"], targets["gain"] = aimed.describe(), float(f"{aimed.gain:.4g}")
+    if inline_containers(gm, names):  # after the aim, which hooks the branch module: its layers as graph nodes
+        finish(gm)
     return Rewrite(gm, targets)
 
 
@@ -273,7 +293,7 @@ def remove_branch(gm: fx.GraphModule, at: str | None = None, index: int = -1, al
         merge.args = (merge.args[0], *(merge.args[1 + j] for j in keep))
     gm.graph.eliminate_dead_code()
     finish(gm)
-    targets = {"merge": merge.name, "removed": f"branch {i} ({branch.target if branch.op == 'call_module' else branch.name}), gate {gate:.3g}",
+    targets = {"merge": merge.name, "removed": f"branch {i} ({str(branch.target).split('.')[0] if branch.op == 'call_module' else branch.name}), gate {gate:.3g}",
                "left": f"{n - 1} branch(es)" if n > 1 else "merge removed"}
     return Rewrite(gm, targets, exact=gate == 0.0)
 

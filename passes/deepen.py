@@ -53,7 +53,7 @@ from torch import fx, nn
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
     add_module, add_parameter, aim_gates, aim_units, begin, GatedBlock, load_data, conv_dims, default_point, example_input, factory_kwargs, finish, input_spec_of,
-    inserting_after, is_float_tensor, kaiming_, param_count, pick_within_budget, place, replace_uses, set_scope,
+    inline_containers, inserting_after, is_float_tensor, kaiming_, param_count, pick_within_budget, place, replace_uses, set_scope,
     stage_end_candidates, stages, tensor_or_feature_end, tensor_shape,
 )
 
@@ -123,6 +123,8 @@ def deepen(gm: fx.GraphModule, after: str | None = None, block: Block = "auto",
         half = shape[-1] // 2 if block == "linear_relu" else 0
         ties = [(half + i, i) for i in range(half)]  # linear_relu's pairs stay opposite
         _report(rw, aim_gates(rw.gm, [GatedBlock(name, gate, None, f"{name}.0", ties)], data, "deepen"))
+    if inline_containers(rw.gm, [name]):  # after the aim, which hooks the block module: its layers as graph nodes
+        finish(rw.gm)
     return rw
 
 

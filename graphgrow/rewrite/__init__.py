@@ -11,7 +11,8 @@ as keyword arguments and a generator, and returns a `Rewrite`. Built-in passes i
 Editing the graph (fx_edit):
     begin, factory_kwargs, copy_graph_module, find_node, resolve_tensor, nodes_in_module,
     module_boundary, tensor_shape, is_float_tensor, unique_attr, add_module, add_parameter,
-    inserting_after, replace_uses, set_scope, finish, new_parameters, Rewrite
+    inserting_after, replace_uses, set_scope, finish, new_parameters, Rewrite,
+    inline_containers (graph.inline: the calls of containers a pass inserted become their layers' calls)
 Where to grow (stages, targets, deployed): main_path, stages, Stage, stage_end, stage_end_candidates, default_point,
     place, graphgrow_modules, is_graphgrow_node, tensor_or_feature_end, DEFAULT_BUDGET, pick_within_budget,
     deployed_nodes (what the deployed function computes: no train-only auxiliary head), train_only_note
@@ -45,6 +46,7 @@ from ..graph.fx_edit import (
     is_float_tensor, module_boundary, new_parameters, nodes_in_module, replace_uses, resolve_tensor, set_scope,
     tensor_shape, unique_attr,
 )
+from ..graph.inline import inline_containers
 from .gradmax import adapter_layouts, group_layouts, load_data
 from .gradmax_units import aim_units, gradmax_init
 from .gradmax_gate import aim_gates, check_aimable, GatedBlock
@@ -68,7 +70,7 @@ from .widen import (
 __all__ = [
     "begin", "factory_kwargs", "copy_graph_module", "find_node", "resolve_tensor", "nodes_in_module", "module_boundary",
     "tensor_shape", "is_float_tensor", "unique_attr", "add_module", "add_parameter", "inserting_after", "replace_uses",
-    "set_scope", "finish", "new_parameters", "Rewrite", "eval_passthrough",
+    "set_scope", "finish", "new_parameters", "Rewrite", "eval_passthrough", "inline_containers",
     "main_path", "stages", "Stage", "stage_end", "stage_end_candidates", "default_point", "place", "graphgrow_modules",
     "is_graphgrow_node", "tensor_or_feature_end", "DEFAULT_BUDGET", "pick_within_budget", "deployed_nodes",
     "train_only_note",

@@ -14,7 +14,8 @@ from ..analysis.budget import Limits, check_grown, pass_allocations
 from ..analysis.targets import Candidate
 from ..core.errors import InputError, ValidationError
 from ..verify.preserve import PreservationReport
-from ..graph.fx_edit import Rewrite, sharing_parameters
+from ..graph.fx_edit import finish, Rewrite, sharing_parameters
+from ..graph.inline import inline_containers
 from ..graph.shapes import annotate, param_count, total_flops
 from ..core.state import module_dtype
 from ..io.lineage import record_origin
@@ -177,6 +178,8 @@ class Pass:
         new = rw.gm
         if new is gm:
             raise ValidationError(f"pass {self.name} returned its input instead of a copy", "passes must be functional; see rewrite.copy_graph_module")
+        if inline_containers(new, set(dict(new.named_children())) - set(dict(gm.named_children()))):
+            finish(new)  # a block the pass inserted as one module is read by every analysis as its layers
         if self.grows:
             check_grown(self.name, gm, new, input_shape, limits, share)
         if rw.eval_only:
