@@ -24,7 +24,8 @@ it. So before any of it runs, every node is checked against exact lists:
 graphs fx produces for torchvision's classification models, a sample of timm models and
 graphgrow's passes, and those torch.export captures of Hugging Face transformers models (GPT-2,
 LLaMA, BERT, ViT, BART) written as torch functions (capture/aten_table.py), and then read one by one.
-ATen operators (torch.ops.aten.*) are never on it: capture writes the ones it knows as torch functions.
+ATen operators (torch.ops.aten.NAME.OVERLOAD) that capture keeps are not picked one by one: aten_policy.py
+derives their list from torch's op metadata (pure tensor computations; excluded classes named with reasons).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from torch import fx, nn
 
 from ..core.errors import LoadError
 from ..core.names import is_segment
+from . import aten_policy
 
 CONSTRUCTORS = ("empty", "zeros", "ones", "full", "rand", "randn")  # torch.NAME(*sizes or sizes, ...)
 NEW_METHODS = ("new_zeros", "new_ones", "new_empty", "new_full")  # x.NAME(sizes, ...)
@@ -153,6 +155,10 @@ def check_call_module(root: nn.Module, target: Any, node: str) -> None:
 
 
 def check_function(qualname: Any, node: str) -> None:
+    if isinstance(qualname, str) and qualname.startswith(aten_policy.PREFIX):  # derived, not listed (aten_policy)
+        if (why := aten_policy.refusal(qualname)) is not None:
+            raise _refuse(node, why)
+        return
     if not isinstance(qualname, str) or qualname not in ALLOWED_FUNCTIONS:
         raise _refuse(node, f"calls '{str(qualname)[:120]}'")
 
@@ -194,6 +200,8 @@ def check_sizes(qualname_or_method: str, args: Any, kwargs: Any, node: str) -> N
     name = qualname_or_method.rpartition(".")[2]
     if qualname_or_method == "torch.arange":
         return _check_arange(args, kwargs, node)
+    if qualname_or_method.startswith(aten_policy.PREFIX):
+        return _check_aten_sizes(qualname_or_method, args, kwargs, node)
     if name not in CONSTRUCTORS and name not in NEW_METHODS:
         return
     sizes = list(args[1:] if name in NEW_METHODS else args)
@@ -231,3 +239,21 @@ def _check_arange(args: Any, kwargs: Any, node: str) -> None:
     known = not isinstance(start, fx.Node) and not isinstance(end, fx.Node)
     if (known and abs(end - start) / abs(step) > MAX_CONSTANT_ELEMENTS) or (not known and abs(step) < 1):
         raise _refuse(node, f"builds a tensor of more than {MAX_CONSTANT_ELEMENTS:,} elements with torch.arange")
+
+
+_ATEN_RANGES = tuple(aten_policy.PREFIX + n for n in ("arange.", "range."))
+
+
+def _check_aten_sizes(qualname: str, args: Any, kwargs: Any, node: str) -> None:
+    """An ATen op kept by capture: arange/range as torch.arange (their arguments come in the same order); a factory
+    or a `size` argument by the elements its constants ask for (aten_policy.constant_elements)."""
+    args, kwargs = tuple(args) if isinstance(args, (list, tuple)) else (), kwargs if isinstance(kwargs, dict) else {}
+    if qualname.startswith(_ATEN_RANGES):
+        return _check_arange(args, {k: v for k, v in kwargs.items() if k in ("start", "end", "step")}, node)
+    try:
+        total = aten_policy.constant_elements(qualname, args, kwargs)
+    except ValueError as e:
+        raise _refuse(node, f"calls the ATen operator '{qualname.removeprefix(aten_policy.PREFIX)}' with constants "
+                            f"that do not fit it ({e})") from e
+    if total is not None and total > MAX_CONSTANT_ELEMENTS:
+        raise _refuse(node, f"builds a tensor of more than {MAX_CONSTANT_ELEMENTS:,} elements from constants")

@@ -110,6 +110,10 @@ def _config(transformers: Any, target: str, arguments: Mapping[str, Any], model_
     kwargs = dict(arguments)
     if "use_cache" in known:
         kwargs.setdefault("use_cache", False)  # a DynamicCache output cannot be captured by torch.export
+    # mixture-of-experts layers computed with torch's own operators (bmm over the routed experts): the default,
+    # grouped_mm, falls back on CPU to a custom operator transformers registers at import (opaque to the capture,
+    # unknown to a process that has not imported it, so a graphgrow file could not hold it)
+    kwargs["experts_implementation"] = "batched_mm"
     try:
         return transformers.AutoConfig.for_model(model_type, **kwargs)
     except Exception as e:  # the config's own validation: a size that does not divide, a bad option
