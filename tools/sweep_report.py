@@ -28,8 +28,9 @@ REASON_CLASSES: list[tuple[str, re.Pattern]] = [(c, re.compile(p, re.I)) for c, 
                              r"cannot build|example input|needs --input|give the input|does not take|input .* (refused|needs)"),
     ("cannot capture", r"cannot (trace|capture|export)|torch\.export|symbolic trac|untraceable|data-dependent|"
                        r"differ in|cannot merge|mode-branch|graph break"),
-    ("no place", r"has none|no place|no branch merge|nothing to|found no|has no (conv|attention|residual|stream|"
-                 r"hidden|head|layer|norm|linear)|no (residual stream|attention|layer|conv|candidate|target)"),
+    ("no place", r"has none|no place|no branch merge|nothing to|found no|the model has no|no layer in this model|"
+                 r"has no (conv|attention|residual|stream|hidden|head|layer|norm|linear|token stream)|"
+                 r"no (residual stream|attention|layer|conv|candidate|target)"),
     ("impossible by construction", r"impossib|by construction|cannot grow|would not be exact|not exact|fixed by|"
                                    r"tied|reads? the (grown|raw)|fixes the size|cannot change"),
     ("not understood", r"not understood|does not understand|unsupported|not supported|unknown|cannot follow|"
