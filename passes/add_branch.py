@@ -26,6 +26,7 @@ from graphgrow.rewrite import (
     pick_within_budget, place, replace_uses, resolve_tensor, set_scope, stages, tensor_shape, train_only_note,
 )
 from graphgrow.rewrite import aim_gates, check_aimable, GatedBlock, load_data
+from graphgrow.rewrite import dead_places
 
 
 Op = Literal["conv3x3", "conv5x5", "sepconv3x3", "sepconv5x5", "dilconv3x3", "avgpool3x3", "maxpool3x3", "identity"]
@@ -89,10 +90,18 @@ def default_conv(gm: fx.GraphModule, op: str, count: int) -> tuple[fx.Node, str]
         raise NotApplicable(f"the model has no Conv2d on a feature map to run a branch beside{why}",
                             f"give at={convs[0]} (or at=START:END) to put a branch there anyway"
                             + train_only_note(gm, "name a conv there with at="))
+    dead = dead_places(gm, [site[3] for site in sites])  # a zero factor after them: the new gate would never train
+    if len(dead) == len(sites):
+        name, why = next(iter(dead.items()))
+        raise NotApplicable(f"every conv a branch could run beside is dead for it ({len(dead)}; e.g. '{name}': {why})",
+                            "train the model first (its zero gains move), or give at=START:END where a gradient reaches")
+    sites = [site for site in sites if site[3].name not in dead]
     total = max(param_count(gm), 1)
     (_, _, _, n, cost), over = pick_within_budget(sorted(sites, key=lambda c: (c[1], c[2]), reverse=True), lambda c: c[4], total)
     what = "the main-path conv where it adds the fewest parameters" if over else "the last main-path conv"
-    return n, f"beside {what} {place(gm, n)}; adds {cost:,} parameters ({100 * cost / total:.1f}% of the model){over}"
+    skipped = (f"; skipped {len(dead)} conv(s) where a branch would be dead (e.g. '{next(iter(dead))}': "
+               f"{next(iter(dead.values()))})") if dead else ""
+    return n, f"beside {what} {place(gm, n)}; adds {cost:,} parameters ({100 * cost / total:.1f}% of the model){over}{skipped}"
 
 
 def resolve_span(gm: fx.GraphModule, at: str | None, op: str = "conv3x3", count: int = 1) -> tuple[fx.Node, fx.Node, str]:
@@ -192,6 +201,10 @@ def add_branch(gm: fx.GraphModule, at: str | None = None, op: Op = "conv3x3", co
     if merge is not None:
         start = branch_input(merge)  # every branch of a merge reads the same input
         end = merge.args[0]  # type: ignore[assignment]
+    if at is not None and (dead := dead_places(gm, [end])):  # the default place skips these already
+        raise NotApplicable(f"a branch at '{at}' would be dead: '{end.name}': {dead[end.name]}; its zero gate would "
+                            "never get a gradient", "put it where a gradient reaches (add_branch's default place skips "
+                            "such convs), or train the model first so that the zero factor moves")
     s, e = tensor_shape(start), tensor_shape(end)
     if s is None or e is None or len(s) != 4 or len(e) != 4:
         raise NotApplicable(f"add_branch needs 4-D feature maps; '{start.name}' is {list(s or [])} and '{end.name}' {list(e or [])}",

@@ -196,6 +196,10 @@ def grow_width(gm: fx.GraphModule, target: str | None = None, factor: float = 2.
     if mode == "group":
         gid = coupling.group_of[node.name]
         group = coupling.groups[gid]
+        if node.name not in group.sources:  # a Linear that maps tokens: the channels pass through it unchanged
+            raise NotApplicable(f"'{layer_path(node, coupling)}' maps another axis of its input than the channels (a "
+                                "token-mixing Linear): its features are that axis, which no channel group holds",
+                                "widen a layer that makes channels, or use mode=adapter")
         rebuilt = grow_group(gm, coupling, gid, count, init, generator)
         targets["group"] = (f"#{gid}: {group.size} channels, {len(group.members)} tensors, "
                             f"sources {', '.join(group.sources)}")

@@ -86,7 +86,7 @@ def assign_channel_axes(gm: fx.GraphModule) -> None:
         if axis is None and n.op == "call_module":
             m = gm.get_submodule(n.target)
             if isinstance(m, nn.Linear):
-                axis = len(shape) - 1
+                axis = across_axis(n) if across_axis(n) is not None else len(shape) - 1
             elif isinstance(m, nn.modules.conv._ConvNd):
                 axis = 1
             elif isinstance(m, CHANNELWISE_MODULES + BATCHNORMS):  # pooling changes the size, not the layout
@@ -99,6 +99,21 @@ def assign_channel_axes(gm: fx.GraphModule) -> None:
                 axis = node_axis(same[0])
         if axis is not None:
             n.meta["gg_channel_axis"] = axis
+
+
+def across_axis(n: fx.Node) -> int | None:
+    """The channel axis a Linear call keeps when it maps another axis: its input's channels were found elsewhere
+    than the last axis (a transpose moved them there, as a gMLP spatial gating unit or an MLP-Mixer token MLP
+    does), so the Linear mixes tokens with the same weights for every channel, and its output has them at the
+    same place. None when the input's channels are last, or only guessed from the layout."""
+    x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if x is None or x.meta.get("gg_channel_axis") is None:
+        return None
+    shape, axis = tensor_shape(x), x.meta["gg_channel_axis"]
+    out = tensor_shape(n)
+    if shape is None or out is None or len(shape) != len(out) or axis == len(shape) - 1 or shape[:-1] != out[:-1]:
+        return None
+    return axis
 
 
 def _regrouped_axis(n: fx.Node) -> int | None:

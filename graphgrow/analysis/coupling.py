@@ -27,7 +27,7 @@ from ..graph.layers import AverageMerge
 from ..graph.shapes import annotate
 from ..io.mode_switch import ModeSwitch
 from .axes import (  # noqa: F401 (channel_axis and BATCHNORMS are read through this module)
-    assign_channel_axes, BATCHNORMS, channel_axis, CHANNELWISE_FUNCTIONS, CHANNELWISE_METHODS, CHANNELWISE_MODULES,
+    across_axis, assign_channel_axes, BATCHNORMS, channel_axis, CHANNELWISE_FUNCTIONS, CHANNELWISE_METHODS, CHANNELWISE_MODULES,
     ELEMENTWISE, ELEMENTWISE_METHODS, flatten_keeps_axis, moved_axis, node_axis, reduced_axis, SHAPE_QUERIES,
 )
 from . import growth
@@ -252,9 +252,11 @@ def _module_rule(n, m, out, inputs, join, freeze, sources, consumers, channelwis
             block(n, m.groups, why)
             if x is not None:
                 block(x, m.groups, why)
+    elif isinstance(m, nn.Linear) and x is not None and across_axis(n) is not None:
+        join(x, n)  # it maps another axis (tokens) with the same weights for every channel: channel c stays c
     elif isinstance(m, nn.Linear):
-        if x is not None and node_axis(x) != len(tensor_shape(x)) - 1:
-            freeze([x], f"Linear '{n.target}' reads a non-channel axis")
+        if x is not None and node_axis(x) != len(tensor_shape(x)) - 1:  # and no tracked axis says where channels are
+            freeze([x, n], f"Linear '{n.target}' reads a non-channel axis")
         if x is not None:
             consumers.append((n.name, x.name))
         sources.append((n.name, None))

@@ -12,7 +12,8 @@ Editing the graph (fx_edit):
     begin, factory_kwargs, copy_graph_module, find_node, resolve_tensor, nodes_in_module,
     module_boundary, tensor_shape, is_float_tensor, unique_attr, add_module, add_parameter,
     inserting_after, replace_uses, set_scope, finish, new_parameters, Rewrite,
-    inline_containers (graph.inline: the calls of containers a pass inserted become their layers' calls)
+    inline_containers (graph.inline: the calls of containers a pass inserted become their layers' calls),
+    dead_places (verify.dead_ends: tensors no gradient reaches, where a new zero-gated contribution would be dead)
 Where to grow (stages, targets, deployed): main_path, stages, Stage, stage_end, stage_end_candidates, default_point,
     place, graphgrow_modules, is_graphgrow_node, tensor_or_feature_end, DEFAULT_BUDGET, pick_within_budget,
     deployed_nodes (what the deployed function computes: no train-only auxiliary head), train_only_note
@@ -47,6 +48,7 @@ from ..graph.fx_edit import (
     tensor_shape, unique_attr,
 )
 from ..graph.inline import inline_containers
+from ..verify.dead_ends import dead_places
 from .gradmax import adapter_layouts, group_layouts, load_data
 from .gradmax_units import aim_units, gradmax_init
 from .gradmax_gate import aim_gates, check_aimable, GatedBlock
@@ -70,7 +72,7 @@ from .widen import (
 __all__ = [
     "begin", "factory_kwargs", "copy_graph_module", "find_node", "resolve_tensor", "nodes_in_module", "module_boundary",
     "tensor_shape", "is_float_tensor", "unique_attr", "add_module", "add_parameter", "inserting_after", "replace_uses",
-    "set_scope", "finish", "new_parameters", "Rewrite", "eval_passthrough", "inline_containers",
+    "set_scope", "finish", "new_parameters", "Rewrite", "eval_passthrough", "inline_containers", "dead_places",
     "main_path", "stages", "Stage", "stage_end", "stage_end_candidates", "default_point", "place", "graphgrow_modules",
     "is_graphgrow_node", "tensor_or_feature_end", "DEFAULT_BUDGET", "pick_within_budget", "deployed_nodes",
     "train_only_note",
