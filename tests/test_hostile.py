@@ -413,30 +413,41 @@ NAME_CASES = [(c, "module_name") for c in NAME_COMMANDS] + [(c, f) for c in ("in
 
 @pytest.mark.parametrize("command, field", NAME_CASES)
 def test_code_in_a_stored_name_runs_nothing_on_any_command(tmp_path, field, command):
+    """A module name is data (issue 38): the command runs, the name reached through a generated identifier. An
+    input or keyword name is Python syntax in the forward: one that is not a plain name is refused."""
     marker = tmp_path / "pwned"
     bad = _hostile_graphgrow_file(tmp_path, field, marker)
     before = digest(tmp_path)
+    source = bad.read_bytes()
     proc = run_cli(*NAME_COMMANDS[command](bad, tmp_path), cwd=tmp_path)
+    assert not marker.exists() and bad.read_bytes() == source
+    if field == "module_name":
+        assert proc.returncode == 0, proc.stderr
+        return
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "not a plain name" in lines[0], proc.stderr
-    assert not marker.exists() and digest(tmp_path) == before and not proc.stdout
+    assert digest(tmp_path) == before and not proc.stdout
 
 
 def test_code_in_a_pickled_module_name_runs_nothing(tmp_path):
-    """A plain torch.save file of standard layers: its module names become code when fx traces it."""
+    """A plain torch.save file of standard layers: its module names are data when fx traces it (issue 38)."""
+    import json
+
     marker = tmp_path / "pwned"
     model = small_cnn()
     evil = f'0")if(getattr(__import__("os"),"system")("touch\\x20{marker}"))else(getattr)(self,"0'
     model._modules = type(model._modules)((evil if k == "0" else k, v) for k, v in model._modules.items())
     f = tmp_path / "evil.pt"
     torch.save(model, f)
-    before = digest(tmp_path)
-    for argv in (["inspect", str(f)], ["mutate", str(f), "--pass", "deepen", "--input-shape", "1,3,16,16"]):
-        proc = run_cli(*argv, cwd=tmp_path)
-        assert proc.returncode == 2, proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1 and "not a plain name" in proc.stderr, proc.stderr
-    assert not marker.exists() and digest(tmp_path) == before
+    source = f.read_bytes()
+    for argv in (["inspect", str(f), "--input-shape", "1,3,16,16"],
+                 ["mutate", str(f), "--pass", "deepen", "--input-shape", "1,3,16,16"]):
+        proc = run_cli(*argv, cwd=tmp_path)  # kept as data (issue 38): traced through generated identifiers
+        assert proc.returncode == 0, proc.stderr
+    shown = run_cli("inspect", str(tmp_path / "evil.grown.pt"), "--json", cwd=tmp_path).stdout
+    assert json.dumps(evil)[1:-1] in shown  # the name came back as it was
+    assert not marker.exists() and f.read_bytes() == source
 
 
 # --- issue 20: ONNX external data anywhere, sessions sealed; memory estimates fail closed ---

@@ -311,12 +311,18 @@ def inject(p: dict, field: str, s: str) -> None:
 
 
 def _assert_code_is_clean(code: str, s: str, field: str) -> None:
-    """The answer when a file loads: its generated code shows no drawn string except as a quoted constant."""
+    """The answer when a file loads: its generated code shows no drawn string except as a quoted constant (a
+    name that is not a plain identifier is kept as data and reached through a generated identifier)."""
     import ast as pyast
 
-    if field not in ("string_constant", "dict_constant_key") and not graph_names.is_identifier(s) and len(s) >= 4:
-        assert s not in code, (field, s)  # (a short string such as '"' or '' occurs in any code)
-    for sub in pyast.walk(pyast.parse(code)):
+    tree = pyast.parse(code)
+    if field not in ("string_constant", "dict_constant_key") and not graph_names.is_identifier(s):
+        for sub in pyast.walk(tree):  # neither as a name, an attribute, a parameter, a keyword nor a quoted string
+            assert s not in (getattr(sub, "id", None), getattr(sub, "attr", None), getattr(sub, "arg", None),
+                             getattr(sub, "value", None)), (field, s)
+        if len(s) >= 4 and s.strip():
+            assert s not in code, (field, s)  # nor pasted anywhere (a short string such as '"' occurs in any code)
+    for sub in pyast.walk(tree):
         for text in (getattr(sub, "id", None), getattr(sub, "attr", None), getattr(sub, "arg", None)):
             assert not (isinstance(text, str) and ("system" in text or "import" in text or "exec" in text)), (field, text)
 
@@ -348,7 +354,14 @@ def test_drawn_names_never_reach_generated_code(tmp_path, field, s, trusted):
 
 
 def test_the_second_wall_catches_what_the_first_would_miss(monkeypatch):
-    """With the name checks switched off, the parsed-code check alone refuses each injection of the issue."""
+    """With the name checks and the generated identifiers (core/codegen.py) switched off — fx pasting every name
+    as it writes it — the parsed-code check alone refuses each injection of the issue."""
+    import torch.fx.graph as fx_graph
+
+    from graphgrow.core import codegen
+
+    monkeypatch.setattr(codegen, "adopt", lambda graph: graph)
+    monkeypatch.setattr(fx_graph, "_format_target", codegen._fx_format_target)  # fx's own: pasted between quotes
     monkeypatch.setattr(graph_names, "bad_name_in_record", lambda rec: None)
     monkeypatch.setattr(graph_names, "bad_name_in_tree", lambda root: None)
     monkeypatch.setattr(graph_names, "bad_keywords", lambda kwargs: None)
@@ -364,9 +377,11 @@ def test_the_second_wall_catches_what_the_first_would_miss(monkeypatch):
 
 
 def test_graphgrow_never_writes_a_file_it_would_refuse(tmp_path):
+    """Names are data (`conv-1` is saved, tests/test_hostile_names.py), but not unbounded: one PyTorch accepts
+    and a file may not hold is refused when saving, not written to be refused when read."""
     model = nn.Sequential()
-    model.add_module("conv-1", nn.Conv2d(3, 4, 3))
+    model.add_module("c" * (graph_names.MAX_NAME + 1), nn.Conv2d(3, 4, 3))
     gm = gg.trace(model, (1, 3, 8, 8))
-    with pytest.raises(gg.SaveError, match="'conv-1'.*not a plain name"):
+    with pytest.raises(gg.SaveError, match=f"longer than {graph_names.MAX_NAME} characters"):
         gg.save_model(gm, tmp_path / "m.pt")
     assert not list(tmp_path.iterdir())

@@ -31,6 +31,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten, TreeSpec
 
+from ..core import codegen
 from ..core.errors import first_line, InputError, TraceError
 from ..graph.graph_meta import META_KEY, store_shape
 from ..graph.inputs import DTYPES, first_embedding, InputSpec, is_spec, parse_spec, spec_inputs
@@ -319,7 +320,7 @@ def export_capture(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[f
             root[str(n.target)] = standins.get(str(n.target)) or model.get_submodule(str(n.target))
         elif n.op == "get_attr" and str(n.target) not in root:
             root[str(n.target)] = _attr(model, n.target)
-    gm = fx.GraphModule(root, g, name)
+    gm = fx.GraphModule(root, codegen.adopt(g), name)  # module paths reach the code through generated identifiers
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()

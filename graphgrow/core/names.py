@@ -3,15 +3,20 @@
 torch.fx turns a graph into Python source and runs it: placeholder targets become the
 forward's parameters, node names become variables, module and attribute paths become
 `self.a.b` — or `getattr(self, "NAME")`, pasted unescaped, for segments that are not
-identifiers — and keyword-argument names are written as `key = value`. So every name a
-graphgrow file or a pickled module tree supplies is checked here before fx sees it:
+identifiers — and keyword-argument names are written as `key = value`. Two kinds of name,
+two rules:
 
-- identifiers: ASCII letters, digits and `_`, not starting with a digit, not a Python
-  keyword, no leading `__` (ASCII only: Python folds look-alike letters with NFKC, so
-  `ｓｅｌｆ` would *be* `self` in generated code);
-- module-path segments: identifiers, or decimal indices the way `nn.Sequential` names
-  its children;
-- at most `MAX_NAME` characters each.
+- names of the model's parts — module, parameter and buffer names, whatever PyTorch
+  accepts (`block4-0`, `class`, `名前`, `0`): kept as strings, and written into code only
+  through generated identifiers (codegen.py). The only ones refused are those PyTorch
+  itself refuses when a module is built — empty, holding a `.`, or the name of an
+  attribute the module already has (`forward`, `__class__`: reached through getattr they
+  would not be the child) — and those over `MAX_NAME` characters. Node names are data too:
+  one that is not a plain identifier is replaced by a generated one on load;
+- names that are Python syntax in the forward — input (parameter) names, keyword-argument
+  names, method names, attributes read with getattr — are identifiers there: ASCII letters,
+  digits and `_`, not starting with a digit, not a Python keyword, no leading `__` (ASCII
+  only: Python folds look-alike letters with NFKC, so `ｓｅｌｆ` would *be* `self`).
 
 `check_source` is the second wall: the forward fx generated from a stored graph is parsed
 and must consist only of the statement and expression forms fx itself writes, naming only
@@ -33,8 +38,6 @@ MAX_SEGMENTS = 64
 MAX_MODULES = 1_000_000  # a bound on the walk over a module tree read from a file
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_INDEX = re.compile(r"[0-9]{1,12}")
-_CALL_SUFFIX = re.compile(r"@[0-9]{1,9}\Z")
 
 
 def is_identifier(name: Any) -> bool:
@@ -44,16 +47,22 @@ def is_identifier(name: Any) -> bool:
 
 
 def is_segment(name: Any) -> bool:
-    """One part of a module, parameter or buffer path: an identifier or a decimal index."""
-    return is_identifier(name) or (isinstance(name, str) and _INDEX.fullmatch(name) is not None)
+    """One part of a module, parameter or buffer path, as PyTorch names one: a non-empty string without `.`
+    (any other spelling: codegen.py writes it through a generated identifier), at most MAX_NAME characters."""
+    return isinstance(name, str) and 0 < len(name) <= MAX_NAME and "." not in name
 
 
 def is_path(path: Any) -> bool:
-    """A dotted module/attribute path whose every segment is safe."""
+    """A dotted module/attribute path of at most MAX_SEGMENTS segments, each a segment."""
     if not isinstance(path, str) or not path or len(path) > MAX_SEGMENTS * (MAX_NAME + 1):
         return False
     parts = path.split(".")
     return len(parts) <= MAX_SEGMENTS and all(is_segment(p) for p in parts)
+
+
+def is_class_name(name: Any) -> bool:
+    """A stored class name: data fx only sets as the class's `__name__` (no NUL, which Python refuses there)."""
+    return isinstance(name, str) and 0 < len(name) <= MAX_NAME and "\0" not in name
 
 
 def to_identifier(text: str) -> str:
@@ -75,7 +84,7 @@ def shown(name: Any) -> str:
 
 
 def bad_name_in_tree(root: nn.Module) -> str | None:
-    """The first module, parameter or buffer path under `root` with an unsafe segment (shown), or None.
+    """The first module, parameter or buffer name under `root` PyTorch would not register (shown, with why), or None.
 
     Iterative and bounded: a hostile tree may nest deeply or share children in a lattice."""
     seen: set[int] = set()
@@ -89,8 +98,12 @@ def bad_name_in_tree(root: nn.Module) -> str | None:
             return f"more than {MAX_MODULES:,} modules"
         for table, what in ((module._parameters, "parameter"), (module._buffers, "buffer"), (module._modules, "module")):
             for key in table:
+                if not isinstance(key, str):
+                    return f"{what} key {shown(key)} is not a string"
                 if not is_segment(key):
-                    return f"{what} {shown(prefix + str(key))}" if isinstance(key, str) else f"{what} key {shown(key)}"
+                    return f"{what} {shown(prefix + key)} is empty, holds a '.' or is longer than {MAX_NAME} characters"
+                if key in module.__dict__ or hasattr(type(module), key):
+                    return f"{what} {shown(prefix + key)} is named like an attribute of its module (PyTorch refuses such names)"
         for key, child in module._modules.items():
             if child is not None:
                 todo.append((f"{prefix}{key}.", child))
@@ -98,24 +111,25 @@ def bad_name_in_tree(root: nn.Module) -> str | None:
 
 
 def bad_name_in_record(rec: dict) -> str | None:
-    """The first unsafe name of one stored node record (name, target, keyword names, scope), or None."""
+    """The first unusable name of one stored node record (shown, with why), or None. Node names, module paths and
+    scopes are data (any string of bounded length); input and method names are identifiers in the code."""
     op, target = rec.get("op"), rec.get("target")
-    if not is_identifier(rec.get("name")):
-        return f"node name {shown(rec.get('name'))}"
+    if not isinstance(rec.get("name"), str) or not 0 < len(rec["name"]) <= MAX_NAME:
+        return f"node name {shown(rec.get('name'))} is not a string of 1 to {MAX_NAME} characters"
     if op == "placeholder" and (not is_identifier(target) or target == "self"):
-        return f"input name {shown(target)}"
+        return f"input name {shown(target)} is not a plain name ({RULE})"
     if op == "output" and target != "output":
-        return f"output target {shown(target)}"
+        return f"output target {shown(target)} is not 'output'"
     if op in ("get_attr", "call_module") and not is_path(target):
-        return f"module path {shown(target)}"
+        return f"module path {shown(target)} is not a path of at most {MAX_SEGMENTS} names of 1 to {MAX_NAME} characters"
     if op == "call_method" and not is_identifier(target):
-        return f"method name {shown(target)}"
+        return f"method name {shown(target)} is not a plain name ({RULE})"
     scope = rec.get("scope", ())
     if not isinstance(scope, (list, tuple)) or len(scope) > MAX_SEGMENTS:
         return "scope (not a short list of module paths)"
-    for path in scope:  # fx's module-stack keys: a path, `@N` for the N-th call of the same module
-        if path != "" and not (isinstance(path, str) and is_path(_CALL_SUFFIX.sub("", path))):
-            return f"scope path {shown(path)}"
+    for path in scope:  # fx's module-stack keys: a path, `@N` for the N-th call of the same module; shown, never run
+        if not (isinstance(path, str) and len(path) <= MAX_SEGMENTS * (MAX_NAME + 1) + 12):
+            return f"scope path {shown(path)} is not a module path"
     return None
 
 
@@ -125,7 +139,7 @@ def bad_keywords(kwargs: Any) -> str | None:
         return "keyword arguments (not a record)"
     for key in kwargs:
         if not is_identifier(key):
-            return f"keyword argument {shown(key)}"
+            return f"keyword argument {shown(key)} is not a plain name ({RULE})"
     return None
 
 

@@ -295,13 +295,13 @@ def _interpret(obj: Any, name: str, trust: bool) -> LoadedModel:
 
 
 def _check_module_names(model: nn.Module, name: str) -> None:
-    """Module, parameter and buffer names of a pickled tree become code when fx traces it: identifiers only."""
-    from ..core.names import RULE, bad_name_in_tree
+    """Module, parameter and buffer names of a pickled tree are data (tracing writes them into code through
+    generated identifiers, core/codegen.py): only names PyTorch itself would not register are refused."""
+    from ..core.names import bad_name_in_tree
 
     problem = bad_name_in_tree(model)
     if problem is not None:
-        raise LoadError(f"{name}: the {problem} is not a plain name ({RULE}); tracing would write it into generated "
-                        "code, so graphgrow reads names from files only as such; nothing was run",
-                        "rename it in the model (letters, digits, '_'), or name the model by its factory, package.module:function")
+        raise LoadError(f"{name}: the {problem}; nothing was run",
+                        "rename it in the model, or name the model by its factory, package.module:function")
 
 

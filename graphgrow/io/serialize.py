@@ -15,7 +15,7 @@ import torch
 from torch import fx, nn
 
 from . import graph_policy
-from ..core import names
+from ..core import codegen, names
 from ..core.errors import InputError, LoadError, SaveError
 from ..graph.inputs import parse_spec, records
 from .lineage import is_origin
@@ -128,11 +128,10 @@ def to_payload(gm: fx.GraphModule) -> dict:
             setattr(root, n.target, getattr(gm, n.target))  # a plain tensor or number attribute
     nodes = node_records(gm.graph)
     problem = names.bad_name_in_tree(root) or next(filter(None, map(names.bad_name_in_record, nodes)), None)
-    if problem is None and not names.is_identifier(type(gm).__name__):
-        problem = f"class name {names.shown(type(gm).__name__)}"
+    if problem is None and not names.is_class_name(type(gm).__name__):
+        problem = f"class name {names.shown(type(gm).__name__)} is not a string of 1 to {names.MAX_NAME} characters"
     if problem:  # never write a file that would be refused when read back
-        raise SaveError(f"the model's {problem} is not a plain name ({names.RULE}), and graphgrow files store only such names",
-                        "rename it in the model (module and parameter names: letters, digits, '_'), then grow it again")
+        raise SaveError(f"cannot save the model: its {problem}", "rename it in the model, then grow it again")
     check_readable(gm.graph, root, nodes)
     meta = dict(gm.meta.get("graphgrow", {}))
     training = {path: m.training for path, m in gm.named_modules()}
@@ -212,7 +211,7 @@ def graph_from_records(nodes: Any, root: nn.Module, trusted: bool) -> fx.Graph:
     if not trusted:  # the whole graph is checked before any of it is built or run
         for rec in nodes:
             graph_policy.check_node_record(rec, root)
-    graph = fx.Graph()
+    graph = codegen.adopt(fx.Graph())  # module paths reach the code through generated identifiers only
     env: dict[str, fx.Node] = {}
     try:
         for rec in nodes:
@@ -227,8 +226,9 @@ def graph_from_records(nodes: Any, root: nn.Module, trusted: bool) -> fx.Graph:
                 if target is getattr and not trusted:
                     graph_policy.check_getattr_args(args, rec["name"])
                 if target is getattr and len(args) > 1 and isinstance(args[1], str) and not names.is_identifier(args[1]):
-                    raise _bad_name(f"attribute name {names.shown(args[1])}", rec["name"])  # fx writes x.NAME raw
-            node = graph.create_node(op, target, args, kwargs, name=rec["name"])
+                    raise _bad_name(f"attribute name {names.shown(args[1])} is not a plain name ({names.RULE})", rec["name"])
+            # a stored node name that is not a plain identifier is data: the node gets a generated one
+            node = graph.create_node(op, target, args, kwargs, name=rec["name"] if names.is_identifier(rec["name"]) else "node")
             node.meta["gg_scope"] = tuple(rec.get("scope", ()))
             env[rec["name"]] = node
         graph.lint()
@@ -270,9 +270,8 @@ def from_payload(payload: dict, trusted: bool = False) -> fx.GraphModule:
 
 
 def _bad_name(problem: str, node: Any) -> LoadError:
-    where = f" (node {names.shown(node)})" if names.is_identifier(node) else ""
-    return LoadError(f"the saved model's {problem}{where} is not a plain name ({names.RULE}); graphgrow reads names "
-                     "from files only as such, so no stored text reaches generated code; nothing was run",
+    where = f" (node {names.shown(node)})" if isinstance(node, str) and not problem.startswith("node name") else ""
+    return LoadError(f"the saved model's {problem}{where}; nothing was run",
                      "the file was edited by hand or is hostile; re-create it from the original model")
 
 
@@ -285,8 +284,9 @@ def _check_names(payload: dict, nodes: list, root: nn.Module) -> None:
             raise LoadError("the saved graph holds a node that is not a complete record", "the file is corrupted")
         if (problem := names.bad_name_in_record(rec)) is not None:
             raise _bad_name(problem, rec.get("name"))
-    if not names.is_identifier(payload.get("class_name", "GraphModule")):
-        raise _bad_name(f"class name {names.shown(payload.get('class_name'))}", None)
+    if not names.is_class_name(payload.get("class_name", "GraphModule")):
+        raise _bad_name(f"class name {names.shown(payload.get('class_name'))} is not a string of 1 to {names.MAX_NAME} "
+                        "characters", None)
 
 
 def _restore_modes(gm: fx.GraphModule, flags: Any) -> None:
