@@ -71,7 +71,19 @@ def deepen(gm: fx.GraphModule, after: str | None = None, block: Block = "auto",
         raise NotApplicable(f"unknown init '{init}'", "use init=zero or init=gradmax")
     if init == "gradmax" and data is None:
         load_data(None, "deepen")  # refused before any work: gradmax needs a batch
+    source = gm
     gm, generator = begin(gm, generator)
+    fallback = None
+    if block == "auto" and _transformer_place(gm, after):
+        # a transformer's token stream grows by a transformer block: a gated Linear-ReLU there would be a foreign
+        # block in the stack (its ReLU units could then only be copied when the stream grows)
+        try:
+            node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_place(gm)
+            rw, root = insert_block(gm, node, chosen, attention, generator)
+            return _aimed(rw, root, init, data)
+        except NotApplicable as e:
+            fallback = f"block=auto: no transformer block here ({e.message}), a linear_relu block instead"
+            gm, generator = begin(source, generator)
     if block == "transformer":
         node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_place(gm)
         rw, root = insert_block(gm, node, chosen, attention, generator)
@@ -125,7 +137,24 @@ def deepen(gm: fx.GraphModule, after: str | None = None, block: Block = "auto",
         _report(rw, aim_gates(rw.gm, [GatedBlock(name, gate, None, f"{name}.0", ties)], data, "deepen"))
     if inline_containers(rw.gm, [name]):  # after the aim, which hooks the block module: its layers as graph nodes
         finish(rw.gm)
+    if fallback:
+        rw.notes.append(fallback)
     return rw
+
+
+def _transformer_place(gm: fx.GraphModule, after: str | None) -> bool:
+    """Where block=auto inserts a transformer block: on a token stream (N, T, C) of a model whose stream is built of
+    residual sums (a transformer), at the given place or, by default, anywhere."""
+    places = stream_places(gm)
+    if not any(_is_residual_add(n) for n in places):
+        return False
+    if after is None:
+        return True
+    try:
+        node, _ = tensor_or_feature_end(gm, after)
+    except NotApplicable:
+        return False
+    return is_token_stream(node)
 
 
 def _aimed(rw: Rewrite, root: str, init: str, data) -> Rewrite:
@@ -163,7 +192,8 @@ class Deepen(Pass):
     name: ClassVar[str] = "deepen"
     function = deepen
     after: str | None = arg(None, "node name or module path (its output); default: the latest stage end within the budget")
-    block: Block = arg("auto", "auto: conv_bn_relu for feature maps (N,C,H,W or a Conv1d's N,C,L), linear_relu otherwise; "
+    block: Block = arg("auto", "auto: transformer on a transformer's token stream, conv_bn_relu for feature maps (N,C,H,W "
+                               "or a Conv1d's N,C,L), linear_relu otherwise; "
                                "transformer: a pre-norm attention + MLP block on a token stream (N,T,C), no gate")
     attention: Literal["auto", "causal", "bidirectional"] = arg(
         "auto", "block=transformer: auto probes whether the stream is causal at the place (refuses when it cannot tell)")
@@ -173,7 +203,7 @@ class Deepen(Pass):
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """The end of each backbone stage, the last first (block=transformer: each block's output on the token stream)."""
-        if self.block == "transformer":
+        if self.block == "transformer" or (self.block == "auto" and _transformer_place(gm, None)):
             return candidates(gm)
         return stage_end_candidates(gm, lambda n: block_params(n, self.block))
 

@@ -28,6 +28,7 @@ from torch import fx, nn
 
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import tensor_shape
+from .stream_ops import arg as _arg, FLAT_AT_ZERO, forward_axis as _forward_axis, is_scalar_factor as _is_scalar_factor, zero_activation_input as _zero_activation_input
 
 NORM_FUNCTIONS = (F.layer_norm, torch.layer_norm, F.rms_norm) + ((torch.rms_norm,) if hasattr(torch, "rms_norm") else ())
 ADDS = {operator.add, operator.sub, torch.add, torch.sub, operator.iadd}
@@ -38,12 +39,6 @@ PASS_FUNCTIONS = {F.dropout, torch.transpose, torch.permute, torch.flatten, torc
                   torch.mean, torch.sum, torch.squeeze, torch.unsqueeze}
 SHAPE_QUERIES = {"size", "dim", "numel", "shape", "dtype", "device"}
 VIEWS = {"reshape", "view", "expand"}  # their shape arguments name the width: grown with it
-# elementwise activations with f(0) = 0: a stream tensor may pass through one when its new coordinates are zero (or
-# every coordinate is replicated), as in a gated block deepen inserts on a token stream
-ZERO_ACTIVATION_MODULES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.LeakyReLU, nn.Hardswish, nn.Mish, nn.ELU)
-ZERO_ACTIVATION_FUNCTIONS = {F.relu, F.relu6, F.gelu, F.silu, F.leaky_relu, F.hardswish, F.mish, F.elu, torch.relu, torch.tanh}
-ZERO_ACTIVATION_METHODS = {"relu", "tanh"}
-FLAT_AT_ZERO = (nn.ReLU, nn.ReLU6, F.relu, F.relu6, torch.relu, "relu")  # f'(0) = 0: a new unit at 0 would never learn
 
 
 @dataclass
@@ -98,10 +93,6 @@ def _what(n: fx.Node) -> str:
     if n.op == "call_module":
         return f"module {n.target}"
     return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-
-
-def _arg(n: fx.Node, i: int, key: str, default=None):
-    return n.args[i] if len(n.args) > i else n.kwargs.get(key, default)
 
 
 def _norm_of(gm: fx.GraphModule, n: fx.Node) -> Norm | None:
@@ -412,94 +403,3 @@ class _Walk:
         shape = tensor_shape(x) or ()
         fits = [a for a in range(len(shape)) if shape[a] == self.s.width and _forward_axis(n, x, a) == axis]
         return fits[-1] if fits else None
-
-
-def _zero_activation_input(gm: fx.GraphModule, n: fx.Node) -> fx.Node | None:
-    """x when `n` is an elementwise activation f(x) with f(0) = 0 and nothing else tensor-valued in its arguments."""
-    x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-    if x is None or any(isinstance(a, fx.Node) for a in list(n.args[1:]) + list(n.kwargs.values())):
-        return None
-    if n.op == "call_module":
-        return x if type(gm.get_submodule(n.target)) in ZERO_ACTIVATION_MODULES else None
-    if n.op == "call_function":
-        return x if n.target in ZERO_ACTIVATION_FUNCTIONS else None
-    return x if n.op == "call_method" and n.target in ZERO_ACTIVATION_METHODS else None
-
-
-def _is_scalar_factor(v) -> bool:
-    """A number, or a one-element tensor computed from parameters and constants only (never from the input: a
-    factor read from the stream would change when the stream grows)."""
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return True
-    if not isinstance(v, fx.Node):
-        return False
-    shape = tensor_shape(v)
-    if shape is None or any(d != 1 for d in shape):
-        return False
-    seen, todo = set(), [v]
-    while todo:
-        m = todo.pop()
-        if m.op == "placeholder":
-            return False
-        if m.name not in seen:
-            seen.add(m.name)
-            todo.extend(m.all_input_nodes)
-    return True
-
-
-def _forward_axis(n: fx.Node, x: fx.Node, a: int) -> int | None:
-    """Where op `n` puts input `x`'s hidden axis `a` (None: it does not keep it whole)."""
-    xs, out = tensor_shape(x), tensor_shape(n)
-    if xs is None or out is None:
-        return None
-    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-    rest = list(n.args[1:])
-    try:
-        if name in ("transpose",):
-            i, j = (int(d) % len(xs) for d in rest[:2])
-            return j if a == i else i if a == j else a
-        if name == "permute":
-            dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
-            return [int(d) % len(xs) for d in dims].index(a)
-        if name == "getitem":
-            return _index_axis(rest[0], xs, a)
-        if name == "select":
-            dim = int(_arg(n, 1, "dim")) % len(xs)
-            return None if dim == a else a - (dim < a)
-        if name in ("mean", "sum"):
-            dims = _arg(n, 1, "dim")
-            dims = [dims] if isinstance(dims, int) else list(dims or [])
-            dims = [d % len(xs) for d in dims]
-            if not dims or a in dims:
-                return None
-            return a if _arg(n, 2, "keepdim", False) else a - len([d for d in dims if d < a])
-    except (TypeError, ValueError, IndexError):
-        return None
-    if xs == out or name in ("dropout", "expand", "contiguous", "clone", "float", "to", "type_as", "mul", "div", "truediv"):
-        return a + len(out) - len(xs) if out[a + len(out) - len(xs)] == xs[a] else None
-    if a == len(xs) - 1 and out[-1] == xs[-1]:  # a view that regroups the leading dimensions only
-        return len(out) - 1
-    if out[:a + 1] == xs[:a + 1]:  # flatten(2) of (N, C, H, W): the axis and those before it kept
-        return a
-    return None
-
-
-def _index_axis(index, shape: tuple, a: int) -> int | None:
-    """The hidden axis after x[index]: it must be indexed by a full slice (or not at all)."""
-    index = index if isinstance(index, tuple) else (index,)
-    if any(i is Ellipsis for i in index):
-        k = index.index(Ellipsis)
-        index = index[:k] + (slice(None),) * (len(shape) - len(index) + 1) + index[k + 1:]
-    out, dim = 0, 0
-    for i in index:
-        if i is None:
-            out += 1
-            continue
-        if dim == a:
-            full = isinstance(i, slice) and i.step in (None, 1) and (i.start or 0) == 0 and (i.stop is None or i.stop >= shape[a])
-            return out if full else None
-        out += 0 if isinstance(i, int) else 1
-        if not isinstance(i, (int, slice)):
-            return None
-        dim += 1
-    return out + (a - dim)
