@@ -49,6 +49,11 @@ def test_sweep_runs_classifies_resumes_and_writes_the_table(tmp_path):
     assert "3 runs over 2 models: **1 verified, 1 refused, 1 broken**" in text
     assert "| small_cnn | grow_width | timeout | no result after 0.5 s |" in text
 
+    # --retry-timeouts runs it again; its new record replaces the old one in the counts
+    retry = sweep("--passes", "grow_width", "--only", "small_cnn", "--retry-timeouts", "--state", str(state), "--table", str(table))
+    assert retry.returncode == 0, retry.stderr
+    assert "3 runs over 2 models: **2 verified, 1 refused, 0 broken**" in table.read_text()
+
 
 def test_exit_codes_and_reason_classes():
     assert [status_of(rc, False) for rc in (0, 1, 2, 3, -9)] == ["verified", "broken", "refused", "broken", "broken"]

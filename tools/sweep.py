@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (only 1 is implemented: the CPUs are shared)")
     ap.add_argument("--table", default="docs/sweep.md", help="markdown table to write (empty: none)")
     ap.add_argument("--header", default="", help="a file whose text replaces the generated header of the table")
+    ap.add_argument("--retry-timeouts", action="store_true", help="run again the runs that timed out (e.g. with a longer --timeout)")
     ap.add_argument("--table-only", action="store_true", help="write the table from the state file, run nothing")
     ap.add_argument("--cwd", default=str(ROOT), help="folder the runs start in (model factories are found there)")
     a = ap.parse_args(argv)
@@ -117,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or any(p not in PASSES for p in passes):
         ap.error(f"registries are {', '.join(REGISTRIES)}; passes are {', '.join(PASSES)}")
     state = Path(a.state)
-    results = load_state(state)
-    done = {(r["registry"], r["model"], r["pass"]) for r in results}
+    latest = {(r["registry"], r["model"], r["pass"]): r for r in load_state(state)}  # a rerun's record replaces the old one
+    results = list(latest.values())
+    done = {k for k, r in latest.items() if not (a.retry_timeouts and r["class"] == "timeout")}
     only = [o for o in a.only.split(",") if o]
     if not a.table_only:
         state.parent.mkdir(parents=True, exist_ok=True)
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                     rec = run_one(model, p, a.timeout, Path(a.cwd))
                     with state.open("a") as f:  # one line per run, written at once: a killed sweep resumes here
                         f.write(json.dumps(rec) + "\n")
-                    results.append(rec)
+                    results = [r for r in results if (r["registry"], r["model"], r["pass"]) != (registry, model.key, p)] + [rec]
                     done.add((registry, model.key, p))
                     print(f"{registry:11} {model.key:40} {p:15} {rec['status']:8} {rec['seconds']:6.1f}s "
                           f"{rec['class']} {rec['message'][:100]}", flush=True)
