@@ -1,4 +1,4 @@
-"""The memory limit on a pass as it runs (analysis/allocation.py): each allocation is sized before it happens."""
+"""The memory limit on a pass as it runs (core/allocation.py): each allocation is sized before it happens."""
 from __future__ import annotations
 
 import resource
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.analysis.allocation import AllocationGuard, MemoryLimitExceeded, requested_bytes
+from graphgrow.core.allocation import AllocationGuard, MemoryLimitExceeded, requested_bytes
 from graphgrow.analysis.budget import Limits, pass_allocations
 from graphgrow.rewrite import Rewrite, begin
 from graphgrow.rewrite.pass_base import Pass
@@ -107,7 +107,7 @@ def test_the_guard_counts_a_real_pass_and_the_check_after_it_sizes_the_grown_mod
 
 
 def test_operators_returning_no_tensor_and_common_ones_are_sized_without_the_meta_device():
-    from graphgrow.analysis.allocation import _kind
+    from graphgrow.core.allocation import _kind
 
     aten = torch.ops.aten
     x = torch.zeros(6, 4)

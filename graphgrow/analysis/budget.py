@@ -25,7 +25,7 @@ import torch
 from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .allocation import AllocationGuard
+from ..core.allocation import AllocationGuard
 from ..io.mode_switch import ModeSwitch
 from ..graph.inputs import batch_of, DTYPES, is_spec, Shape
 from ..core.errors import first_line, InputError, NotApplicable, ValidationError

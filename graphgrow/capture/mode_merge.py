@@ -32,6 +32,7 @@ from torch import fx
 
 from ..io.mode_switch import ModeSwitch
 from .makers import describe
+from .regions import ancestors_in as _ancestors_in, outside_inputs as _outside_inputs, pure as _pure
 
 Path = tuple[bool, ...]
 MAX_PATHS = 16  # traces per merge; every one re-runs the model's forward symbolically
@@ -458,33 +459,6 @@ class _Builder:
         node.meta = dict(next((v.meta for v in per_trace.values() if isinstance(v, fx.Node)), {}))
         self.switches.append(Switch(node, f"{where}.mode_switch_{n}", ModeSwitch(len(conditions), table, bodies)))
         return node
-
-def _pure(n: fx.Node) -> bool:
-    """Safe to compute twice: reading a size, dtype or device, or arithmetic on such values."""
-    return (n.op == "call_method" and n.target in ("size", "dim")) or \
-        (n.op == "call_function" and (n.target is getattr or getattr(n.target, "__module__", "") in ("_operator", "operator")))
-
-
-def _ancestors_in(value: fx.Node, nodes: list[fx.Node]) -> set[fx.Node]:
-    inside, found, todo = set(nodes), set(), [value]
-    while todo:
-        n = todo.pop()
-        if n in inside and n not in found:
-            found.add(n)
-            todo.extend(n.all_input_nodes)
-    return found
-
-
-def _outside_inputs(nodes: list[fx.Node], value: fx.Node) -> list[fx.Node]:
-    """What a body reads from outside: its nodes' inputs, or the value itself when the body is the identity."""
-    inside = set(nodes)
-    if value not in inside:
-        return [value]
-    out: list[fx.Node] = []
-    for n in nodes:
-        out += [a for a in n.all_input_nodes if a not in inside and a not in out]
-    return out
-
 
 def _body(nodes: list[fx.Node], value: Any, inputs: list[fx.Node], outside: dict[fx.Node, fx.Node],
           where: str) -> list[dict]:

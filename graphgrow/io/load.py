@@ -27,7 +27,7 @@ from ..core.user_code import calling
 from ..graph.layers import FORMER_NAMES
 from .factory import cwd_importable, import_object, is_factory_name, refuse_before_import
 from .mode_switch import check_node_total
-from ..analysis.allocation import AllocationGuard
+from ..core.allocation import AllocationGuard
 
 
 @dataclass
@@ -279,6 +279,9 @@ def _module_lacks(qualname: str) -> bool:
 
 def _interpret(obj: Any, name: str, trust: bool) -> LoadedModel:
     if isinstance(obj, dict) and obj.get("format") == serialize.FORMAT:
+        root, nodes = obj.get("root"), obj.get("nodes")
+        if isinstance(root, nn.Module) and isinstance(nodes, list):  # the whole file's nodes, before any is built
+            check_node_total(root, len(nodes), serialize.MAX_NODES)
         gm = serialize.from_payload(obj, trusted=trust)
         info = gm.meta["graphgrow"]
         return LoadedModel(gm, name, "graphgrow", info.get("inputs") or info.get("input_shape"), list(info.get("log", [])))

@@ -19,7 +19,6 @@ from ..core import codegen, names
 from ..core.errors import InputError, LoadError, SaveError
 from ..graph.inputs import parse_spec, records
 from .lineage import is_origin
-from .mode_switch import check_node_total
 
 FORMAT = "graphgrow.graphmodule"
 VERSION = 1
@@ -244,7 +243,8 @@ def graph_from_records(nodes: Any, root: nn.Module, trusted: bool) -> fx.Graph:
 
 
 def from_payload(payload: dict, trusted: bool = False) -> fx.GraphModule:
-    """Rebuild a GraphModule from `to_payload` output, resolving functions safely."""
+    """Rebuild a GraphModule from `to_payload` output, resolving functions safely (load.py has counted the nodes of
+    the whole file, mode switches' bodies included, before this builds any)."""
     if payload.get("version") != VERSION:
         raise LoadError(f"graphgrow file format version {payload.get('version')} is not supported (this graphgrow reads {VERSION})")
     root, nodes = payload.get("root"), payload.get("nodes")
@@ -252,7 +252,6 @@ def from_payload(payload: dict, trusted: bool = False) -> fx.GraphModule:
         raise LoadError("the graphgrow file has no module tree or no graph", "the file is corrupted; re-create it")
     if len(nodes) > MAX_NODES:
         raise LoadError(f"the saved graph has {len(nodes):,} nodes (limit {MAX_NODES:,})", "the file is corrupted or hostile")
-    check_node_total(root, len(nodes), MAX_NODES)
     # Names first, trusted or not: no stored string reaches the code fx generates (names.py)
     _check_names(payload, nodes, root)
     meta = validate_meta(payload.get("meta"))
