@@ -50,7 +50,7 @@ def run_one(model: Model, pass_name: str, timeout: float, cwd: Path) -> dict:
         seconds = round(time.monotonic() - start, 1)
     rc = None if timed_out else proc.returncode
     status = status_of(rc, timed_out)
-    message = _message(err) if not timed_out else f"no result after {timeout:g} s"
+    message = _message(err, out) if not timed_out else f"no result after {timeout:g} s"
     cls = reason_class(message) if status == "refused" else broken_kind(rc, timed_out) if status == "broken" else ""
     return {"registry": model.registry, "model": model.key, "pass": pass_name, "name": model.name,
             "args": list(model.args), "rc": rc, "status": status, "class": cls,
@@ -58,9 +58,13 @@ def run_one(model: Model, pass_name: str, timeout: float, cwd: Path) -> dict:
             "when": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
 
-def _message(stderr: str) -> str:
-    """The CLI's one-line error (`error: …`), else the last line it wrote (a crash's exception)."""
+def _message(stderr: str, stdout: str = "") -> str:
+    """The CLI's one-line error (`error: …`), else the checks its report marks FAIL (exit 1 says it there), else the
+    last line it wrote (a crash's exception)."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    failed = [ln.strip() for ln in stdout.splitlines() if "FAIL" in ln]
+    if failed and not any(ln.lower().startswith("error") for ln in lines):
+        return "; ".join(failed)
     errors = [ln for ln in lines if ln.lower().startswith("error")]
     text = errors[-1] if errors else (lines[-1] if lines else "(nothing on stderr)")
     return text[len("error:"):].strip() if text.lower().startswith("error:") else text
@@ -139,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{registry:11} {model.key:40} {p:15} {rec['status']:8} {rec['seconds']:6.1f}s "
                           f"{rec['class']} {rec['message'][:100]}", flush=True)
     if a.table:
-        # every run the state holds, whichever registries this call ran: one table per state file
+        # every run the state holds, whichever registries this call ran: one table per state file; refusals are
+        # classified again from their messages, so the classes follow the current patterns
+        results = [{**r, "class": reason_class(r["message"])} if r["status"] == "refused" else r for r in results]
         text = Path(a.header).read_text() if a.header else header(results, sorted({r["registry"] for r in results}))
         Path(a.table).write_text(render(results, text, PASSES))
         print(f"wrote {a.table}: {len(results)} runs")

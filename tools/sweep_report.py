@@ -23,16 +23,17 @@ def broken_kind(rc: int | None, timed_out: bool) -> str:
 # (class, pattern) in order: the first that matches a refusal's message names its class
 REASON_CLASSES: list[tuple[str, re.Pattern]] = [(c, re.compile(p, re.I)) for c, p in [
     ("cannot save", r"cannot save|cannot be saved|allow-?list|not allowed in a (saved|stored)|stored graph"),
+    ("cannot capture", r"cannot (trace|capture|export)|torch\.export|symbolic trac|untraceable|data-dependent|"
+                       r"graphs .* differ in|cannot merge|mode-branch|graph break"),
+    ("cannot estimate", r"cannot estimate|cannot be (sized|estimated)"),
     ("limit", r"--max-(params|memory|load)|past the limit|more than \S+ (of memory|parameters)|too large"),
     ("model does not build", r"\(\) failed|config refused|has no field|has no \S+ model for|no model type|"
                              r"cannot build|example input|needs --input|give the input|does not take|input .* (refused|needs)"),
-    ("cannot capture", r"cannot (trace|capture|export)|torch\.export|symbolic trac|untraceable|data-dependent|"
-                       r"differ in|cannot merge|mode-branch|graph break"),
     ("no place", r"has none|no place|no branch merge|nothing to|found no|the model has no|no layer in this model|"
                  r"has no (conv|attention|residual|stream|hidden|head|layer|norm|linear|token stream)|"
                  r"no (residual stream|attention|layer|conv|candidate|target)"),
     ("impossible by construction", r"impossib|by construction|cannot grow|would not be exact|not exact|fixed by|"
-                                   r"tied|reads? the (grown|raw)|fixes the size|cannot change"),
+                                   r"tied|reads? the (grown|raw)|fixes the size|cannot change|cannot connect"),
     ("not understood", r"not understood|does not understand|unsupported|not supported|unknown|cannot follow|"
                        r"not recogni[sz]ed|cannot (tell|find|analy[sz]e|see)"),
 ]]
