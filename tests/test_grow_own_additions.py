@@ -209,3 +209,25 @@ def test_darts_network_grows_through_a_branch_inside_a_cell():
     p = grown.preservation
     assert p.eval.ok and p.train.ok and p.trainable_ok
     assert {"branch_sepconv3x3.2", "branch_conv5x5.1"} <= set(grown.targets["rebuilt"].split(", "))
+
+
+def test_a_file_saved_with_opaque_branches_grows_through_them_once_loaded(tmp_path, monkeypatch):
+    """Files written before passes inlined their blocks hold each branch as one container call: loading looks
+    through the modules the log says graphgrow added, so grow_width grows through the branch again."""
+    import graphgrow.passes.add_branch as add_branch_module
+    import graphgrow.rewrite.pass_base as pass_base
+
+    with monkeypatch.context() as m:  # the old behaviour: the branch stays one call_module node
+        m.setattr(pass_base, "inline_containers", lambda gm, paths: [])
+        m.setattr(add_branch_module, "inline_containers", lambda gm, paths: [])
+        old = AddBranch(op="sepconv3x3")(traced()).gm
+    assert any("branch_sepconv3x3" in why for why in not_understood(old))
+    path = gg.save_model(old, tmp_path / "old.pt")
+    loaded = gg.load_model(path).module
+    assert not not_understood(loaded)
+    x = torch.randn(2, 3, 16, 16)
+    old.eval(), loaded.eval()
+    assert torch.equal(old(x), loaded(x))
+    r = GrowWidth(target="branch_sepconv3x3.2")(loaded)
+    assert_exact(loaded, r)
+    assert "branch_sepconv3x3.3" in r.targets["rebuilt"]

@@ -24,6 +24,8 @@ from torch import fx, nn
 from . import serialize
 from ..core.errors import first_line, LoadError
 from ..core.user_code import calling
+from ..graph.fx_edit import finish
+from ..graph.inline import inline_containers
 from ..graph.layers import FORMER_NAMES
 from .factory import cwd_importable, import_object, is_factory_name, refuse_before_import
 from .mode_switch import check_node_total
@@ -277,6 +279,15 @@ def _module_lacks(qualname: str) -> bool:
     return module in sys.modules and not hasattr(sys.modules[module], attr)
 
 
+def _inline_added(gm: fx.GraphModule, log: list) -> None:
+    """A file written before passes inlined their blocks holds each branch or deepen block as one call of a
+    container, which the analyses cannot read: the modules its log says graphgrow added are looked through now, as
+    a pass does when it inserts them (graph.inline; same module tree, same function)."""
+    added = [m for entry in log for m in entry.get("modules_added", []) if isinstance(m, str)]
+    if added and inline_containers(gm, added):
+        finish(gm)
+
+
 def _interpret(obj: Any, name: str, trust: bool) -> LoadedModel:
     if isinstance(obj, dict) and obj.get("format") == serialize.FORMAT:
         root, nodes = obj.get("root"), obj.get("nodes")
@@ -284,6 +295,7 @@ def _interpret(obj: Any, name: str, trust: bool) -> LoadedModel:
             check_node_total(root, len(nodes), serialize.MAX_NODES)
         gm = serialize.from_payload(obj, trusted=trust)
         info = gm.meta["graphgrow"]
+        _inline_added(gm, info.get("log", []))
         return LoadedModel(gm, name, "graphgrow", info.get("inputs") or info.get("input_shape"), list(info.get("log", [])))
     if isinstance(obj, nn.Module):
         _check_module_names(obj, name)
