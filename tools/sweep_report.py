@@ -23,9 +23,9 @@ def broken_kind(rc: int | None, timed_out: bool) -> str:
 # (class, pattern) in order: the first that matches a refusal's message names its class
 REASON_CLASSES: list[tuple[str, re.Pattern]] = [(c, re.compile(p, re.I)) for c, p in [
     ("cannot save", r"cannot save|cannot be saved|allow-?list|not allowed in a (saved|stored)|stored graph"),
+    ("cannot estimate", r"cannot estimate|cannot be (sized|estimated)"),
     ("cannot capture", r"cannot (trace|capture|export)|torch\.export|symbolic trac|untraceable|data-dependent|"
                        r"graphs .* differ in|cannot merge|mode-branch|graph break"),
-    ("cannot estimate", r"cannot estimate|cannot be (sized|estimated)"),
     ("limit", r"--max-(params|memory|load)|past the limit|more than \S+ (of memory|parameters)|too large"),
     ("model does not build", r"\(\) failed|config refused|has no field|has no \S+ model for|no model type|"
                              r"cannot build|example input|needs --input|give the input|does not take|input .* (refused|needs)"),
