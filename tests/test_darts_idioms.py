@@ -6,6 +6,8 @@ with and without Variable, in place or not — and the graph computes what the m
 loads without trust and exports to ONNX in eval mode."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import fx, nn
@@ -213,3 +215,55 @@ def test_growth_inside_the_published_cells_is_exact_with_drop_path_running(spec)
     assert r.params_after > r.params_before
     for p in (0.0, 0.4):
         assert torch.allclose(_train_logits(r.gm, p), _train_logits(model, p), rtol=1e-5, atol=1e-6), (spec, p)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train: bool) -> float:
+    """The training loss (logits + 0.4 · auxiliary in train mode) on a fixed batch, drop-path drawn from seed 7; a
+    train-mode probe runs on a copy (it would move BatchNorm's running statistics)."""
+    model = copy.deepcopy(model) if train else model
+    model.train(train)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        logits, aux = model(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        return float(loss + 0.4 * nn.functional.cross_entropy(aux, y)) if aux is not None else float(loss)
+
+
+@pytest.mark.slow
+def test_the_seeds_scenario_grows_a_published_style_network_four_times_while_it_trains(tmp_path):
+    """Issue 37 item 4: the published spelling (torch.cuda.FloatTensor + Variable, in place), traced in train mode
+    with its auxiliary head and no leaf; four growth events during training (grow_width, add_branch, deepen,
+    grow_width again) with drop_path_prob changed every epoch and the optimiser carried; the loss identical at
+    each event in eval and train mode; the result exported and checked on onnxruntime."""
+    from graphgrow.io.runtime import open_session
+
+    gm = gg.trace(dp.network("cuda_typed", auxiliary=True), SHAPE, mode="train")
+    assert trace_report(gm)["auto_leaves"] == {}
+    events = {1: "grow_width(target=cells.1.preprocess1.op.1)", 2: "add_branch(op=sepconv3x3)",
+              3: "deepen", 4: "grow_width"}
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 3, 16, 16, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+    probe_x, probe_y = x[:8], y[:8]
+    opt = torch.optim.SGD(gm.parameters(), lr=0.05, momentum=0.9)
+    for epoch in range(6):
+        gm.drop_path_prob = 0.3 * epoch / 6
+        if epoch in events:
+            before = _loss(gm, probe_x, probe_y, False), _loss(gm, probe_x, probe_y, True)
+            result = gg.Pipeline.from_spec(events[epoch], seed=epoch).run(gm).results[0]
+            assert result.params_after > result.params_before, events[epoch]
+            opt = gg.carry_optimizer(opt, gm, result.gm)
+            gm = result.gm
+            after = _loss(gm, probe_x, probe_y, False), _loss(gm, probe_x, probe_y, True)
+            assert after == pytest.approx(before, rel=1e-5, abs=1e-6), (events[epoch], before, after)
+        gm.train()
+        for i in range(0, 16, 8):
+            opt.zero_grad()
+            logits, aux = gm(x[i:i + 8])
+            loss = nn.functional.cross_entropy(logits, y[i:i + 8]) + 0.4 * nn.functional.cross_entropy(aux, y[i:i + 8])
+            loss.backward()
+            opt.step()
+    assert trace_report(gm)["auto_leaves"] == {}
+    gm.eval()
+    onnx_path = tmp_path / "grown.onnx"
+    gg.export_onnx(gm, SHAPE, onnx_path)
+    assert gg.check_equivalence(gm, open_session(onnx_path, "cpu"), SHAPE).passed
