@@ -42,6 +42,8 @@ def _format_target(base: str, target: str) -> str:
     for segment in target.split("."):
         if is_identifier(segment):
             out = f"{out}.{segment}"
+        elif _is_index(segment):  # nn.Sequential's "0", "1", …: ASCII digits say nothing, written as fx writes them
+            out = f'getattr({out}, "{segment}")'
         else:
             out = f"getattr({out}, {name_for(segment) if name_for is not None else repr(segment)})"
     return out
@@ -72,12 +74,16 @@ class NamedByData(fx.graph.CodeGen):
             code = super()._gen_python_code(nodes, root_module, namespace, **kwargs)
         finally:
             _local.name_for = outer
-        missing = [s for s in _segments(nodes) if not is_identifier(s) and s not in bound]
+        missing = [s for s in _segments(nodes) if not is_identifier(s) and not _is_index(s) and s not in bound]
         if missing:
             raise CodegenError(f"torch.fx wrote the path segment {missing[0][:80]!r} without a generated name; this torch "
                                "version writes code in a way graphgrow does not know, so no code was made from it")
         code.globals.update({name: segment for segment, name in bound.items()})
         return code
+
+
+def _is_index(segment: str) -> bool:
+    return segment.isascii() and segment.isdigit()
 
 
 def _segments(nodes: Any) -> list[str]:
