@@ -108,8 +108,9 @@ def test_an_interrupted_search_resumes_from_its_checkpoints(tmp_path, local_ray)
     proc.send_signal(signal.SIGINT)
     _, rest = proc.communicate(timeout=120)
     assert proc.returncode == 130, rest[-2000:]
-    assert "--resume" in rest
-    options = SearchOptions(population=4, rounds=5, epochs_per_round=1, storage_path=str(tmp_path), name="r", resume=True)
+    assert "--resume --trust" in rest
+    options = SearchOptions(population=4, rounds=5, epochs_per_round=1, storage_path=str(tmp_path), name="r", resume=True,
+                            trust=True)
     result = search(None, task.train_epoch, task.evaluate, MutationSpace.parse(GROWTH + ";noop"), options, say=lambda m: None)
     for trial, rows in result.history.items():
         epochs = [r["epoch"] for r in rows]

@@ -2,8 +2,8 @@
 
 Such a value meant the old size wherever it is used off the grown tensors — to split an attention's fused
 projection into heads (`C // heads`), to merge heads back (`reshape(B, N, C)`) — because those tensors keep
-their size. Only a view of a grown tensor (`x.view(B, N, C)` of x itself) must read the new size. So after a
-pass grows an axis, every other use of such a read gets the old size as a constant.
+their size. Only a view of a grown tensor (`x.view(B, N, C)` of x itself, or `x.view(B, r, C // r)`) must read the new
+size. So after a pass grows an axis, every other use of such a read gets the old size as a constant.
 """
 from __future__ import annotations
 
@@ -31,6 +31,26 @@ def _reads(q: fx.Node, axis: int, rank: int) -> list[fx.Node]:
             and isinstance(g.args[1], int) and g.args[1] % rank == axis]
 
 
+def _sinks(n: fx.Node) -> list[fx.Node]:
+    """What a value computed from sizes reaches through more arithmetic on sizes (C // heads, C * 2): the nodes that
+    use it for something else. [] for a node that is not such arithmetic."""
+    if not _is_size_arithmetic(n):
+        return []
+    out: list[fx.Node] = []
+    seen, todo = {n}, [n]
+    while todo:
+        for u in todo.pop().users:
+            if u not in seen:
+                seen.add(u)
+                (todo if _is_size_arithmetic(u) else out).append(u)
+    return out
+
+
+def _is_size_arithmetic(n: fx.Node) -> bool:
+    return n.op == "call_function" and getattr(n.target, "__module__", "") in ("_operator", "operator") and \
+        n.target is not operator.getitem and tensor_shape(n) is None
+
+
 def _views_a_grown_tensor(user: fx.Node, growing: Mapping[str, tuple[int, int]]) -> bool:
     tensor = user.args[0] if user.args and isinstance(user.args[0], fx.Node) else None
     is_view = (user.op == "call_method" and user.target in _VIEW_METHODS) or \
@@ -56,8 +76,9 @@ def hold_size_reads(gm: fx.GraphModule, growing: Mapping[str, tuple[int, int]]) 
         for q in list(x.users):
             for value in _reads(q, axis % len(shape), len(shape)):
                 for user in list(value.users):
-                    if _views_a_grown_tensor(user, growing):
-                        continue
+                    if _views_a_grown_tensor(user, growing) or any(_views_a_grown_tensor(sink, growing)
+                                                                   for sink in _sinks(user)):
+                        continue  # the size, or a size computed from it (C // radix), shapes a view of a grown tensor
                     user.args, user.kwargs = _replaced((user.args, user.kwargs), value, old)
                     held += 1
     return held

@@ -241,7 +241,7 @@ def search(model: fx.GraphModule | None, train: Callable, evaluate: Callable, sp
             raise InputError(f"nothing to resume at {experiment}", "start the search without --resume")
         model = read_model_file(original_path)
     elif experiment.exists() and any(not is_staging_name(p.name) for p in experiment.iterdir()):
-        raise InputError(f"{experiment} already holds a search", "pass --resume to continue it, or choose another --name")
+        raise InputError(f"{experiment} already holds a search", "pass --resume --trust to continue it (its state is Ray Tune's pickles: a folder of your own), or choose another --name")
     elif model is None:
         raise InputError("no model to search from", "pass the traced model (graphgrow.trace)")
     else:
@@ -356,7 +356,7 @@ def _collect(results, options: SearchOptions, original_path: Path, seconds: floa
     if behind:  # Tune stops gracefully on Ctrl-C and returns what it has
         done = min(int(r.metrics.get("training_iteration", 0)) for r in results)
         raise SearchInterrupted(f"the search stopped after {done} of {target} epochs; its checkpoints are in {options.experiment}",
-                                "run the same command with --resume to continue it")
+                                "run the same command with --resume --trust to continue it (a folder of your own: its state is Ray Tune's pickles)")
     trials, history = [], {}
     for r in results:
         tid = str(r.metrics.get("trial_id", r.path))
