@@ -72,7 +72,7 @@ def _cites_an_addition(message: str, added: set[str]) -> str | None:
     return None
 
 
-def _run_sequence(arch: str, seed: int, tmp_path):
+def _run_sequence(arch: str, seed: int):
     factory, spec = ARCHITECTURES[arch]
     rng = random.Random(f"{arch}-{seed}")
     torch.manual_seed(seed)
@@ -113,7 +113,7 @@ def test_growth_sequences_verify_or_refuse_for_the_users_model(arch, seed, tmp_p
     from graphgrow.io.runtime import max_ir_version, open_session
     from graphgrow.verify.equivalence import check_equivalence
 
-    gm, spec, history = _run_sequence(arch, seed, tmp_path)
+    gm, spec, history = _run_sequence(arch, seed)
     assert any(not h.endswith("✗") for h in history), f"{arch}: nothing grew in {history}"
     path = gg.save_model(gm, tmp_path / f"{arch}.pt")
     loaded = gg.load_model(path).module  # no trust: only graphgrow's own data
