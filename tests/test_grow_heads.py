@@ -158,6 +158,41 @@ def test_sdpa_grouped_query_attention(args, sizes):
     assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
 
 
+class SingleHead(nn.Module):
+    """One head (graphgrow's own deepen block picks one on a narrow stream): the merge back to (N, T, C) spelled as
+    people spell it. A head axis of size 1 must stay with the features, not slide onto the tokens."""
+
+    def __init__(self, merge: str):
+        super().__init__()
+        self.merge = merge
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        q, k, v = (p(x).unflatten(-1, (1, -1)).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        if self.merge == "flatten":
+            a = a.flatten(2)
+        elif self.merge == "flatten_negative":
+            a = a.flatten(-2, -1)
+        elif self.merge == "torch_flatten":
+            a = torch.flatten(a, start_dim=2)
+        else:
+            a = a.reshape(x.size(0), x.size(1), -1)
+        return self.o(a)
+
+
+@pytest.mark.parametrize("merge", ["flatten", "flatten_negative", "torch_flatten", "reshape"])
+@pytest.mark.parametrize("args,width", [({"heads": 2}, 16), ({"value_dim": 12}, 12)])
+def test_a_single_head_grows(merge, args, width):
+    torch.manual_seed(0)
+    gm = gg.trace(SingleHead(merge), input_shape=(1, 5, 8))
+    result = gg.get_pass("grow_heads")(**args)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok and not result.preservation.dead
+    assert result.gm.get_submodule("v").out_features == width and result.gm.get_submodule("o").in_features == width
+    x = torch.randn(3, 7, 8)
+    assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
+
+
 class Manual(nn.Module):
     """Attention written as matmul + softmax (no scaled_dot_product_attention)."""
 

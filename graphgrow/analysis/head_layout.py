@@ -149,8 +149,13 @@ class Flow:
             return lay
         lay = self.of(x)
         if name in ("reshape", "view", "flatten"):
-            if name == "flatten":
-                return self.regroup(n, lay, shape)
+            if name == "flatten":  # merges whole axes: exact, even for a factor of size 1 (a single head)
+                start = n.args[1] if len(n.args) > 1 else n.kwargs.get("start_dim", 0)
+                end = n.args[2] if len(n.args) > 2 else n.kwargs.get("end_dim", -1)
+                if not lay:
+                    return lay
+                start, end = start % len(lay), end % len(lay)
+                return lay[:start] + (tuple(f for axis in lay[start:end + 1] for f in axis),) + lay[end + 1:]
             packed = len(n.args) == 2 and isinstance(n.args[1], (list, tuple))
             sizes = n.args[1] if packed else n.args[1:]
             out = self.regroup(n, lay, shape, list(sizes))

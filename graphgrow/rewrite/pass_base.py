@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import typing
 from dataclasses import dataclass
@@ -124,9 +125,26 @@ class Pass:
         return function(gm, **self.args(), generator=generator)
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
-        """Where this pass (with its other arguments as given) can apply on `gm` (annotated), most useful
-        first; [] when the pass does not list them. Each candidate's `args` select it in a spec."""
+        """Where this pass (with its other arguments as given) can apply on `gm`, most useful first; [] when the
+        pass does not list them. Each candidate's `args` select it in a spec. A graph not yet annotated with shapes
+        (straight from graphgrow.trace) is annotated first: every subclass's own `candidates` is wrapped so."""
         return []
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("candidates")
+        if own is None or getattr(own, "annotates_first", False):
+            return
+
+        @functools.wraps(own)
+        def candidates(self: Pass, gm: fx.GraphModule) -> list[Candidate]:
+            require_traced(gm)
+            if any("gg_shape" not in n.meta for n in gm.graph.nodes):
+                annotate(gm, input_spec_of(gm))  # the analyses read shapes: without them a pass would list nothing
+            return own(self, gm)
+
+        candidates.annotates_first = True  # type: ignore[attr-defined]
+        cls.candidates = candidates  # type: ignore[method-assign]
 
     @classmethod
     def argument_types(cls) -> dict[str, Any]:
