@@ -1,6 +1,6 @@
 """Sweep a model registry: every model × every built-in pass at its default place, through the real CLI with the
 full check (`graphgrow mutate MODEL --pass P --check --onnx OUT.onnx`: verification, save, ONNX, onnxruntime), one
-process per run with a time limit; results appended to a JSONL state file (a rerun skips the runs it holds), then a
+process per model (tools/sweep_worker.py runs the CLI in it once per pass) with a time limit per run; results appended to a JSONL state file (a rerun skips the runs it holds), then a
 generated table written to docs/sweep.md (tools/sweep_report.py). `make sweep` runs it.
 
     python tools/sweep.py --registry torchvision --passes grow_width,add_residual --limit 20 --timeout 120
@@ -14,8 +14,6 @@ import platform
 import signal
 import subprocess
 import sys
-import tempfile
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -24,38 +22,55 @@ from sweep_models import PASSES, REGISTRIES, Model  # noqa: E402
 from sweep_report import broken_kind, reason_class, render, status_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-GRAPHGROW = [sys.executable, "-m", "graphgrow.cli"]
+STARTUP = 60.0  # seconds a model's process may take to import torch, the registry and the model's code
 
 
-def run_one(model: Model, pass_name: str, timeout: float, cwd: Path) -> dict:
-    """One `graphgrow mutate` in its own process group (killed whole at the time limit), niced; its outputs go to a
-    temporary folder removed afterwards. The record: exit, status, class, the one-line message."""
-    with tempfile.TemporaryDirectory(prefix="sweep-") as tmp:
-        cmd = ["nice", "-n", "10", *GRAPHGROW, "mutate", model.name, "--pass", pass_name, "--check",
-               "--onnx", f"{tmp}/out.onnx", "-o", f"{tmp}/out.pt", *model.args]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-        start = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        timed_out = False
+def run_model(model: Model, passes: list[str], timeout: float, cwd: Path) -> list[dict]:
+    """Every pass of one model in one process (tools/sweep_worker.py: the CLI in-process, each pass under its own
+    time limit), niced, in its own process group, killed whole when the passes' limits plus start-up are spent. The
+    records, one per pass: exit, status, class, the one-line message."""
+    cmd = ["nice", "-n", "10", sys.executable, str(ROOT / "tools" / "sweep_worker.py"), "--passes", ",".join(passes),
+           "--timeout", str(timeout), "--", model.name, *model.args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    deadline = timeout * len(passes) + STARTUP
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    killed = False
+    try:
+        out, err = proc.communicate(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        killed = True
+        os.killpg(proc.pid, signal.SIGKILL)  # the group this model started: the worker and its children
+        out, err = proc.communicate()
+    except BaseException:  # the sweep itself stopped (Ctrl-C, SIGTERM): leave no run behind
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    reported = {}
+    for line in out.splitlines():
         try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)  # the group this run started: graphgrow and its children
-            out, err = proc.communicate()
-        except BaseException:  # the sweep itself stopped (Ctrl-C, SIGTERM): leave no run behind
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
-        seconds = round(time.monotonic() - start, 1)
-    rc = None if timed_out else proc.returncode
-    status = status_of(rc, timed_out)
-    message = _message(err, out) if not timed_out else f"no result after {timeout:g} s"
-    cls = reason_class(message) if status == "refused" else broken_kind(rc, timed_out) if status == "broken" else ""
-    return {"registry": model.registry, "model": model.key, "pass": pass_name, "name": model.name,
-            "args": list(model.args), "rc": rc, "status": status, "class": cls,
-            "message": message if status != "verified" else "", "seconds": seconds,
-            "when": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(r, dict) and r.get("pass") in passes:
+            reported[r["pass"]] = r
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    records = []
+    for p in passes:
+        r = reported.get(p)
+        if r is None:  # the process stopped before this pass ended: the time limit, or a crash (its last words)
+            why = (f"no result after {deadline:g} s for the model's process" if killed
+                   else f"the model's process ended (exit {proc.returncode}): {_message(err)}")
+            r = {"rc": None if killed else proc.returncode, "timed_out": killed, "stdout": "", "stderr": why,
+                 "seconds": 0.0}
+        timed_out = bool(r["timed_out"])
+        rc = None if timed_out else r["rc"]
+        status = status_of(rc, timed_out) if p in reported else "broken"
+        message = _message(r["stderr"], r["stdout"]) if not timed_out or r["stderr"] else f"no result after {timeout:g} s"
+        cls = reason_class(message) if status == "refused" else broken_kind(rc, timed_out) if status == "broken" else ""
+        records.append({"registry": model.registry, "model": model.key, "pass": p, "name": model.name,
+                        "args": list(model.args), "rc": rc, "status": status, "class": cls,
+                        "message": message if status != "verified" else "", "seconds": r["seconds"], "when": when})
+    return records
 
 
 def _message(stderr: str, stdout: str = "") -> str:
@@ -104,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="model keys to run (comma-separated; 'resnet*' for every key starting so)")
     ap.add_argument("--passes", default=",".join(PASSES), help="passes to run (comma-separated)")
     ap.add_argument("--limit", type=int, default=0, help="at most this many models per registry (0: all)")
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per run before it counts as broken")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per run (one pass of one model) before it counts as broken")
     ap.add_argument("--state", default="tools/sweep_state.jsonl", help="JSONL results; runs it holds are skipped")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (only 1 is implemented: the CPUs are shared)")
     ap.add_argument("--table", default="docs/sweep.md", help="markdown table to write (empty: none)")
@@ -132,15 +147,16 @@ def main(argv: list[str] | None = None) -> int:
             models = [m for m in REGISTRIES[registry]() if not only or any(m.key == o or (o.endswith("*") and m.key.startswith(o[:-1])) for o in only)]
             models = models[: a.limit] if a.limit else models
             for model in models:
-                for p in passes:
-                    if (registry, model.key, p) in done:
-                        continue
-                    rec = run_one(model, p, a.timeout, Path(a.cwd))
+                todo = [p for p in passes if (registry, model.key, p) not in done]
+                if not todo:
+                    continue
+                for rec in run_model(model, todo, a.timeout, Path(a.cwd)):
                     with state.open("a") as f:  # one line per run, written at once: a killed sweep resumes here
                         f.write(json.dumps(rec) + "\n")
-                    results = [r for r in results if (r["registry"], r["model"], r["pass"]) != (registry, model.key, p)] + [rec]
-                    done.add((registry, model.key, p))
-                    print(f"{registry:11} {model.key:40} {p:15} {rec['status']:8} {rec['seconds']:6.1f}s "
+                    key = (registry, model.key, rec["pass"])
+                    results = [r for r in results if (r["registry"], r["model"], r["pass"]) != key] + [rec]
+                    done.add(key)
+                    print(f"{registry:11} {model.key:40} {rec['pass']:15} {rec['status']:8} {rec['seconds']:6.1f}s "
                           f"{rec['class']} {rec['message'][:100]}", flush=True)
     if a.table:
         # every run the state holds, whichever registries this call ran: one table per state file; refusals are
