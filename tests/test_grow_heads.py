@@ -280,3 +280,63 @@ def test_cli_grows_llama_hidden_heads_and_depth(runner, tmp_path):
     attn = grown_model.get_submodule("model.layers.1.self_attn")
     assert (attn.q_proj.in_features, attn.q_proj.out_features, attn.k_proj.out_features) == (96, 96, 48)  # 6 × 16, 3 × 16
     assert attn.o_proj.in_features == 96 and grown_model.model.embed_tokens.weight.shape == (64, 96)
+
+
+class BeitAttention(nn.Module):
+    """timm's BEiT attention (fused path, qkv_bias=True): the projection is `F.linear(x, weight=…, bias=…)`, its
+    weight and bias given by name, the bias concatenated from the query's and value's parameters and a zero key
+    buffer. `own_bias`: one bias parameter instead, still passed by name, and the heads merged with -1 (BEiT's
+    reshape(B, N, C) keeps the old width, which grow_heads refuses on its own)."""
+
+    def __init__(self, own_bias: bool, dim: int = 8, num_heads: int = 2):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, dim * 3, bias=False)
+        if own_bias:
+            self.qkv_bias = nn.Parameter(torch.randn(dim * 3) * 0.1)
+        else:
+            self.q_bias = nn.Parameter(torch.randn(dim) * 0.1)
+            self.register_buffer("k_bias", torch.zeros(dim), persistent=False)
+            self.v_bias = nn.Parameter(torch.randn(dim) * 0.1)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        own = getattr(self, "qkv_bias", None)
+        qkv_bias = own if own is not None else torch.cat((self.q_bias, self.k_bias, self.v_bias))
+        qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
+        qkv = qkv.reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v)
+        x = x.transpose(1, 2).reshape(B, N, -1 if own is not None else C)
+        return self.proj(x)
+
+
+def test_projection_with_weight_and_bias_by_name_grows():
+    """F.linear(x, weight=…, bias=…) was an IndexError (exit 3): the analysis read them by position only."""
+    torch.manual_seed(0)
+    gm = gg.trace(BeitAttention(own_bias=True), input_shape=(1, 5, 8))
+    result = gg.get_pass("grow_heads")(heads=3)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok and not result.preservation.dead
+    assert result.gm.get_parameter("qkv_bias").shape == (36,) and result.gm.get_submodule("proj").in_features == 12
+    x = torch.randn(3, 7, 8)
+    assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
+
+
+def test_projection_with_a_computed_bias_is_refused():
+    """timm's BEiT (beitv2_base_patch16_224): the bias is torch.cat of q/k/v pieces, no parameter to widen."""
+    gm = gg.trace(BeitAttention(own_bias=False), input_shape=(1, 5, 8))
+    with pytest.raises(gg.NotApplicable, match=r"'linear' \(linear\), which takes its bias from a computed tensor \('cat"):
+        gg.get_pass("grow_heads")(heads=3)(gm)
+
+
+def test_timm_beit_is_refused_by_grow_heads_and_grown_by_grow_width():
+    """Issue 39: beitv2_base_patch16_224 stopped both passes with an IndexError (exit 3) in the attention analysis."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("beitv2_base_patch16_224", depth=1, embed_dim=32, num_heads=2, img_size=32, patch_size=16)
+    gm = gg.trace(model.eval(), input_shape=(1, 3, 32, 32))
+    with pytest.raises(gg.NotApplicable, match=r"takes its bias from a computed tensor \('cat"):
+        gg.get_pass("grow_heads")()(gm)
+    r = gg.get_pass("grow_width")()(gm)  # the attention analysis no longer stops it; the MLP grows
+    assert r.preservation.eval.ok and r.preservation.train.ok and not r.preservation.dead

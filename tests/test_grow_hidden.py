@@ -202,3 +202,31 @@ def test_cli_grows_llama_hidden_64_to_96(runner, tmp_path):
     assert report["preservation"]["eval_ok"] and report["preservation"]["train_ok"]
     wide = gg.load_model(tmp_path / "wide.pt").module
     assert wide.model.embed_tokens.weight.shape == (64, 96) and wide.get_submodule("model.layers.1.self_attn.q_proj").out_features == 64
+
+
+class NamedLinear(nn.Module):
+    """Layers on the stream called as F.linear(x, weight=…, bias=…), their parameters given by name (timm's BEiT
+    calls its qkv projection so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.head = nn.LayerNorm(8), nn.Linear(8, 3)
+        self.w_in, self.b_in = nn.Parameter(torch.randn(16, 8) * 0.3), nn.Parameter(torch.randn(16) * 0.1)
+        self.w_out, self.b_out = nn.Parameter(torch.randn(8, 16) * 0.3), nn.Parameter(torch.randn(8) * 0.1)
+        self.w_stem, self.b_stem = nn.Parameter(torch.randn(8, 5) * 0.3), nn.Parameter(torch.randn(8) * 0.1)
+
+    def forward(self, x):
+        x = F.linear(x, weight=self.w_stem, bias=self.b_stem)  # writes the stream
+        h = F.gelu(F.linear(self.norm(x), weight=self.w_in, bias=self.b_in))
+        x = x + F.linear(h, weight=self.w_out, bias=self.b_out)
+        return self.head(self.norm(x))
+
+
+def test_functional_linear_with_parameters_by_name_grows():
+    """Its reader was an IndexError (the weight read by position), its writer's parameters left out of the growth."""
+    gm = gg.trace(NamedLinear(), input_shape=(1, 4, 5))
+    assert all(n.kwargs for n in gm.graph.nodes if n.target is F.linear)  # traced as written: by name
+    r = gg.get_pass("grow_hidden")(to=12)(gm)
+    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
+    assert r.gm.get_parameter("w_in").shape == (16, 12) and r.gm.get_parameter("w_out").shape == (12, 16)
+    assert r.gm.get_parameter("b_out").shape == (12,) and r.gm.get_parameter("w_stem").shape == (12, 5)

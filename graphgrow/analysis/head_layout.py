@@ -71,6 +71,15 @@ def op_kind(gm: fx.GraphModule, n: fx.Node) -> str | None:
     return None
 
 
+_LINEAR_ARGS = ("input", "weight", "bias")
+
+
+def linear_arg(n: fx.Node, i: int):
+    """Argument `i` (0 input, 1 weight, 2 bias) of an nn.Linear call or F.linear call, given by position or by
+    name: timm's BEiT calls F.linear(x, weight=…, bias=…)."""
+    return n.args[i] if len(n.args) > i else n.kwargs.get(_LINEAR_ARGS[i])
+
+
 def data_args(n: fx.Node) -> list[fx.Node]:
     """The operands that carry data into op `n` (not dtype donors, not sizes)."""
     if _name(n) in ("to", "type_as", "expand", "reshape", "view") or n.op == "call_module":

@@ -20,7 +20,7 @@ from torch import fx, nn
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import tensor_shape
 from .head_layout import (
-    SDPA, SHAPE_QUERIES, Axis, Edit, Layout, canon, data_args, Flow, op_kind, plain, refuse, size_of, words,
+    SDPA, SHAPE_QUERIES, Axis, Edit, Layout, canon, data_args, Flow, linear_arg, op_kind, plain, refuse, size_of, words,
 )
 
 
@@ -56,9 +56,12 @@ def _linear_params(gm: fx.GraphModule, n: fx.Node) -> tuple[str, str | None, str
     if n.op == "call_module":
         m = gm.get_submodule(str(n.target))
         return f"{n.target}.weight", f"{n.target}.bias" if m.bias is not None else None, str(n.target)
-    w, b = n.args[1], n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
-    if not (isinstance(w, fx.Node) and w.op == "get_attr") or (b is not None and not (isinstance(b, fx.Node) and b.op == "get_attr")):
+    w, b = linear_arg(n, 1), linear_arg(n, 2)  # F.linear(x, weight=…, bias=…) passes them by name (timm's BEiT)
+    if not (isinstance(w, fx.Node) and w.op == "get_attr"):
         raise refuse(n, "takes its weight from a computed tensor")
+    if b is not None and not (isinstance(b, fx.Node) and b.op == "get_attr"):
+        raise refuse(n, f"takes its bias from a computed tensor ('{b.name if isinstance(b, fx.Node) else b}'): "
+                        "new heads' bias entries have no parameter to go into")
     return str(w.target), str(b.target) if b is not None else None, None
 
 
@@ -240,7 +243,7 @@ def _reader(gm: fx.GraphModule, s: fx.Node, lay: Layout, growing: set[str]) -> t
         n = todo.pop()
         for u in n.users:
             kind = op_kind(gm, u)
-            if kind == "linear" and u.args[0] is n:
+            if kind == "linear" and linear_arg(u, 0) is n:
                 readers.append(u)
             elif (u.op == "call_method" and u.target in SHAPE_QUERIES) or (u.op == "call_function" and u.target is getattr):
                 continue

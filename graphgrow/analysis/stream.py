@@ -234,8 +234,9 @@ class _Walk:
                     raise _refuse(n, "renormalises its rows (max_norm): a wider row has another norm")
                 return self.writer(n, "embedding", [(f"{n.target}.weight", 1)])
         if n.op == "call_function" and n.target is F.linear and axis == len(tensor_shape(n)) - 1:
-            params = [(a.target, 0) for a in n.args[1:3] if isinstance(a, fx.Node)]
-            if any(a.op != "get_attr" for a in n.args[1:3] if isinstance(a, fx.Node)):
+            given = [_arg(n, 1, "weight"), _arg(n, 2, "bias")]  # by position or by name (F.linear(x, weight=…))
+            params = [(a.target, 0) for a in given if isinstance(a, fx.Node)]
+            if any(a.op != "get_attr" for a in given if isinstance(a, fx.Node)):
                 raise _refuse(n, "takes its weight from a computed tensor")
             return self.writer(n, "linear", params)
         if self._is_add(n) or self._is_cat(n):
@@ -270,7 +271,8 @@ class _Walk:
             return self.add(u, axis)
         is_linear = (u.op == "call_module" and isinstance(self.gm.get_submodule(u.target), nn.Linear)) or \
             (u.op == "call_function" and u.target is F.linear)
-        if is_linear and u.args[0] is x and all(a is not x for a in list(u.args[1:]) + list(u.kwargs.values())):
+        if is_linear and _arg(u, 0, "input") is x and all(a is not x for a in list(u.args[1:]) + [
+                v for k, v in u.kwargs.items() if k != "input"]):
             return self.reader(u, x, axis)
         if self._is_add(u) or self._is_cat(u):
             return self.add(u, self._user_axis(u, x, axis), like=x)
@@ -331,7 +333,7 @@ class _Walk:
         if u.op == "call_module":
             params = [(f"{u.target}.weight", 1)]
         else:
-            w = u.args[1]
+            w = _arg(u, 1, "weight")
             if not (isinstance(w, fx.Node) and w.op == "get_attr"):
                 raise _refuse(u, "takes its weight from a computed tensor")
             params = [(str(w.target), 1)]
