@@ -141,3 +141,47 @@ def test_a_cuda_provider_that_does_not_load_says_why(monkeypatch):
     assert "preload_dlls" in mismatch and "do not match" in mismatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert "no CUDA device is visible" in runtime.cuda_failure_reason(None)
+
+
+class RelPosAttention(torch.nn.Module):
+    """timm's BEiT attention (fused path): a per-head relative position bias gathered from a table — a mask
+    computed from parameters — into scaled_dot_product_attention, then x.transpose(1, 2).reshape(B, N, C)."""
+
+    def __init__(self, dim: int = 16, num_heads: int = 2, window: int = 2):
+        super().__init__()
+        self.num_heads, self.window = num_heads, window
+        self.qkv, self.proj = torch.nn.Linear(dim, dim * 3), torch.nn.Linear(dim, dim)
+        tokens = window * window + 1
+        self.relative_position_bias_table = torch.nn.Parameter(torch.randn(3 * tokens, num_heads))
+        self.register_buffer("relative_position_index", torch.randint(0, 3 * tokens, (tokens, tokens)), persistent=False)
+
+    def _get_rel_pos_bias(self):
+        n = self.window * self.window + 1
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
+        return bias.permute(2, 0, 1).contiguous().unsqueeze(0)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        x = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self._get_rel_pos_bias())
+        return self.proj(x.transpose(1, 2).reshape(B, N, C))
+
+
+def test_attention_with_a_computed_mask_exports_and_agrees(tmp_path):
+    """Issue 39 (beitv2_base_patch16_224, exit 1 "Cannot view a tensor ... as a tensor with shape (s77, 197, 768)"):
+    the exporter's two passes disagreed on SDPA's output layout; export now runs without autograd."""
+    torch.manual_seed(0)
+    gm = gg.trace(RelPosAttention(), (1, 5, 16))
+    export_onnx(gm, (1, 5, 16), tmp_path / "beit_attention.onnx", max_ir_version=max_ir_version())
+    assert check_equivalence(gm, open_session(tmp_path / "beit_attention.onnx", "cpu"), (3, 5, 16)).passed
+    assert torch.is_grad_enabled()  # the caller's grad mode is back
+
+
+def test_timm_beit_grown_exports_and_agrees(tmp_path):
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("beitv2_base_patch16_224", depth=1, embed_dim=32, num_heads=2, img_size=32, patch_size=16)
+    r = gg.get_pass("deepen")()(gg.trace(model.eval(), (1, 3, 32, 32)))
+    export_onnx(r.gm, (1, 3, 32, 32), tmp_path / "beit.onnx", max_ir_version=max_ir_version())
+    assert check_equivalence(r.gm, open_session(tmp_path / "beit.onnx", "cpu"), (2, 3, 32, 32)).passed

@@ -252,7 +252,7 @@ def _torch_export(gm: torch.nn.Module, x: torch.Tensor, opset: int | None, stage
     captured = io.StringIO()
     batch = torch.export.Dim("batch", min=1)
     try:
-        with training_mode(gm, False), warnings.catch_warnings(), _quiet(captured):
+        with _inference(gm), warnings.catch_warnings(), _quiet(captured):
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 gm, (x,), dynamo=True, dynamic_shapes=({0: batch},), input_names=[INPUT_NAME],
@@ -271,7 +271,7 @@ def _torch_export_named(gm: torch.nn.Module, feeds: dict[str, torch.Tensor], dim
     """torch.onnx.export on named inputs (passed by keyword), with named dynamic dimensions."""
     captured = io.StringIO()
     try:
-        with training_mode(gm, False), warnings.catch_warnings(), _quiet(captured):
+        with _inference(gm), warnings.catch_warnings(), _quiet(captured):
             warnings.simplefilter("ignore")
             program = torch.onnx.export(gm, (), kwargs=feeds, dynamo=True, dynamic_shapes=dims, opset_version=opset,
                                         optimize=True, verbose=False, report=False)
@@ -354,6 +354,18 @@ def onnx_origin(proto: onnx.ModelProto) -> str | None:
     if value is not None and not is_origin(value):
         raise LoadError("the ONNX file's origin fingerprint is malformed", "the file is corrupted or hostile")
     return value
+
+
+@contextlib.contextmanager
+def _inference(gm: torch.nn.Module):
+    """Eval mode and no autograd for the whole of torch.onnx.export. Without no_grad the exporter traces its graph
+    twice in different grad modes: the decomposition without grad, the type-promotion pass that re-runs it with the
+    caller's. scaled_dot_product_attention's CPU kernel depends on it (flash, output laid out (B, N, H, D), for a mask
+    that needs no grad; math, (B, H, N, D), for one that does), so a mask computed from parameters (BEiT's relative
+    position bias gathered from its table) got one layout in the first pass and the other in the second, and the
+    view the first pass made of x.transpose(1, 2).reshape(B, N, C) failed in the second ("Cannot view a tensor")."""
+    with training_mode(gm, False), torch.no_grad():
+        yield
 
 
 @contextlib.contextmanager
