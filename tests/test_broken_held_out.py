@@ -7,6 +7,9 @@ A. gMLP's spatial gating unit: a Linear across the tokens (v.transpose(-1, -2) â
 B. add_branch's default place beside a weight-standardised conv whose block output is scaled by a zero gain
    (NF-ResNet's last conv, gain 0) was dead: "no new parameter gets a gradient at insertion" (exit 1). Now the
    default skips places no gradient reaches (verify/dead_ends.py), and a given one is refused naming the zero gain.
+C. CoaT (sweep, add_branch exit 1 'the new contribution is dead'): the default sat beside a conv whose output reaches
+   only image tokens after the last token mixing, and the head reads the class token. No zero weight, so the probe
+   did not run; it now also runs when the model keeps part of a tensor (x[:, 0], x[:, :1], select, gather).
 """
 from __future__ import annotations
 
@@ -120,3 +123,45 @@ def test_add_branch_default_place_skips_convs_a_zero_gain_kills():
 def test_add_branch_at_a_dead_conv_is_refused_naming_the_zero_gain():
     with pytest.raises(gg.NotApplicable, match=r"would be dead: .*'stages\.3\.0\.conv3\.gain' is all zeros"):
         gg.get_pass("add_branch")(at="stages.3.0.conv2")(_nf_resnet())
+
+
+class _ClassTokenHead(nn.Module):
+    """CoaT's idiom (timm coat_tiny, add_branch exit 1 'the new contribution is dead'): a conv position encoding on
+    the image tokens after the last token mixing, and a head that reads the class token only (x[:, 0]). Nothing the
+    last conv computes reaches the output, with no zero weight anywhere."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.stem, self.conv = nn.Conv2d(3, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=1)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, c))
+        self.mix = nn.Linear(c, c)
+        self.pos = nn.Conv2d(c, c, 3, padding=1)
+        self.head = nn.Linear(c, 4)
+
+    def forward(self, x):
+        x = self.conv(self.stem(x))
+        B, C, H, W = x.shape
+        x = torch.cat((self.cls_token.expand(B, -1, -1), x.flatten(2).transpose(1, 2)), dim=1)
+        x = x + self.mix(x).mean(1, keepdim=True)  # the image tokens reach the class token here, not after
+        cls, img = x[:, :1], x[:, 1:]
+        img = img + self.pos(img.transpose(1, 2).reshape(B, C, H, W)).flatten(2).transpose(1, 2)
+        return self.head(torch.cat((cls, img), dim=1)[:, 0])
+
+
+def test_add_branch_skips_a_conv_whose_output_the_head_drops():
+    torch.manual_seed(0)
+    gm = gg.trace(_ClassTokenHead(), (1, 3, 8, 8))
+    r = gg.get_pass("add_branch")()(gm)  # was exit 1: the default sat beside 'pos'
+    assert _verified(r) and "'conv'" in r.targets["chosen"] and "skipped 1 conv" in r.targets["chosen"]
+    with pytest.raises(gg.NotApplicable, match=r"a branch at 'pos' would be dead: .*no gradient reaches its output"):
+        gg.get_pass("add_branch")(at="pos")(gm)
+
+
+def test_timm_coat_add_branch_is_verified():
+    from timm.models.coat import CoaT
+
+    torch.manual_seed(0)
+    model = CoaT(img_size=64, patch_size=4, embed_dims=(64, 64, 64, 64), serial_depths=(1, 1, 1, 1), parallel_depth=1, num_heads=8,
+                 mlp_ratios=(2, 2, 2, 2), num_classes=10).eval()
+    r = gg.get_pass("add_branch")()(gg.trace(model, (1, 3, 64, 64)))
+    assert _verified(r) and "skipped" in r.targets["chosen"]

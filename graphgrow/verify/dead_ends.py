@@ -26,10 +26,12 @@ MAX_LOOK = 64  # nodes after a place searched for the zero factor that blocks it
 
 
 def dead_places(gm: fx.GraphModule, nodes: list[fx.Node], seed: int = 0) -> dict[str, str]:
-    """Node name → why, for each of `nodes` whose tensor gets no gradient from the model's output. A model with no
-    all-zero weight has no zero factor to find: the probe (a forward and a backward) runs only when one exists."""
+    """Node name → why, for each of `nodes` whose tensor gets no gradient from the model's output. The probe (a
+    forward and a backward) runs only where a place can be dead: the model has an all-zero weight (a zero factor),
+    or it keeps part of a tensor and drops the rest (a class-token head, x[:, 0]: what reaches only the dropped
+    tokens — CoaT's last convolutional position encoding — is not in the output at all)."""
     if not any(name.rpartition(".")[2] != "bias" and p.is_floating_point() and p.numel() and not p.detach().any()
-               for name, p in gm.named_parameters()):
+               for name, p in gm.named_parameters()) and not any(_selects(n) for n in gm.graph.nodes):
         return {}
     wanted = {n.name for n in nodes}
     leaves: dict[str, torch.Tensor] = {}
@@ -60,11 +62,29 @@ def dead_places(gm: fx.GraphModule, nodes: list[fx.Node], seed: int = 0) -> dict
     return {k: _why(gm, by_name[k]) for k, grad in zip(names, grads) if grad is None or not grad.any()}
 
 
+_SELECT = {"select", "narrow", "index_select", "gather", "take", "take_along_dim", "masked_select"}
+
+
+def _selects(n: fx.Node) -> bool:
+    """Whether `n` keeps part of a tensor: indexing with slices (x[:, :1], x[:, 0]) or an int on a tensor, or a
+    selecting op. A tuple's element picked by an int (split, unbind) is not: every part stays a tensor."""
+    if n.op not in ("call_function", "call_method"):
+        return False
+    if n.target is operator.getitem and len(n.args) > 1:
+        index, src = n.args[1], n.args[0]
+        if isinstance(index, (slice, tuple)):
+            return True
+        return isinstance(index, int) and isinstance(src, fx.Node) and isinstance(src.meta.get("gg_shape"), tuple)
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    return name in _SELECT
+
+
 def _why(gm: fx.GraphModule, n: fx.Node) -> str:
     zero = _zero_factor_after(gm, n)
     if zero is not None:
         return f"its output is multiplied by zero downstream ('{zero}' is all zeros), so no gradient reaches it"
-    return "no gradient reaches its output from the model's output"
+    return ("no gradient reaches its output from the model's output on a random batch (the output may keep only "
+            "part of what it reaches, e.g. a class token)")
 
 
 def _zero_factor_after(gm: fx.GraphModule, n: fx.Node) -> str | None:
