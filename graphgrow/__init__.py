@@ -39,6 +39,9 @@ def __getattr__(name: str):
     if name == "check_equivalence":
         from .verify.equivalence import check_equivalence
         return check_equivalence
+    if name == "as_native":  # the grown model as the original's own class (Hugging Face): transformers loads only when used
+        from .jobs.native import as_native
+        return as_native
     if name == "distributed":  # growth in DDP jobs, checkpoints, Lightning: torch.distributed loads only when used
         from .jobs import distributed
         return distributed

@@ -108,7 +108,7 @@ def main() -> None:
     torchvision:resnet18, hf:MODEL_TYPE[/TASK] for Hugging Face transformers; random
     weights, input shape from the zoo) or a factory (package.module:factory), each
     optionally with literal arguments: 'timm:resnet26d(num_classes=10,drop_path_rate=0.1)',
-    'hf:gpt2(n_layer=2,n_embd=64,n_head=4)'.
+    'hf:gpt2(n_layer=2,n_embd=64,n_head=4)', or a save_pretrained folder (safetensors).
 
     Exit codes: 0 ok, 1 a check failed, 2 bad input or a pass that cannot apply,
     3 internal error.
@@ -119,7 +119,8 @@ def main() -> None:
 @click.argument("model")
 @click.option("--pass", "specs", multiple=True, required=True, metavar="SPEC",
               help="pass spec, e.g. add_residual or 'add_residual(start=layer1,end=layer2)'; repeat or comma-separate to chain")
-@click.option("-o", "--output", "output", metavar="OUT.pt", help="where to save the grown model (default: beside MODEL as NAME.grown.pt)")
+@click.option("-o", "--output", "output", metavar="OUT.pt", help="where to save the grown model (default: beside MODEL as NAME.grown.pt); "
+              "for a Hugging Face folder MODEL, a new folder name (no .pt) writes the model's own class with the grown config (save_pretrained)")
 @click.option("--onnx", "onnx_out", metavar="OUT.onnx", help="also export the grown model to this ONNX file")
 @click.option("--check", is_flag=True, help="run the ONNX model in onnxruntime and compare with PyTorch (grown and original)")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,

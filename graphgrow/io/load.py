@@ -27,6 +27,7 @@ from ..core.user_code import calling
 from ..graph.fx_edit import finish
 from ..graph.inline import inline_containers
 from ..graph.layers import FORMER_NAMES
+from .hf_folder import is_hf_folder, load_folder
 from .factory import cwd_importable, import_object, is_factory_name, refuse_before_import
 from .mode_switch import check_node_total
 from ..core.allocation import AllocationGuard
@@ -36,10 +37,12 @@ from ..core.allocation import AllocationGuard
 class LoadedModel:
     module: nn.Module
     source: str
-    kind: str  # "file", "graphgrow" (a graphgrow output) or "factory"
+    kind: str  # "file", "graphgrow" (a graphgrow output), "factory" or "hf-folder" (a save_pretrained folder)
     input_shape: Any = None  # a float input's shape (list), or an input spec's records / spec (graph.inputs)
     log: list = field(default_factory=list)
     factory_seed: int | None = None  # the seed a factory's random weights were drawn with
+    stored_dtype: torch.dtype | None = None  # a Hugging Face folder's weights' dtype (it loads as float32)
+    use_cache: bool | None = None  # a Hugging Face folder's own use_cache (it loads with the cache off)
 
 
 def standard_layer_classes() -> list[type]:
@@ -90,7 +93,10 @@ def load_model(source: str | os.PathLike, trust: bool = False, factory_seed: int
         hint = "check the path" if ":" not in text else "name a factory as package.module:function, e.g. torchvision.models:resnet18"
         raise LoadError(f"no such file: {text}", hint)
     if path.is_dir():
-        raise LoadError(f"{text} is a directory, not a model file", "pass the .pt file inside it")
+        if is_hf_folder(path):
+            return _from_hf_folder(path, text)
+        raise LoadError(f"{text} is a directory, not a model file (nor a Hugging Face folder: it has no config.json)",
+                        "pass the .pt file inside it, or a folder save_pretrained wrote")
     if path.stat().st_size == 0:
         raise LoadError(f"{text} is empty", "the file was not written completely; save the model again")
     from .outputs import protect
@@ -98,6 +104,17 @@ def load_model(source: str | os.PathLike, trust: bool = False, factory_seed: int
     protect(path)  # no output of this run replaces it, under any name
     obj = _torch_load(path, trust)
     return _interpret(obj, text, trust)
+
+
+def _from_hf_folder(path: Path, text: str) -> LoadedModel:
+    from .hf_zoo import default_spec
+    from .outputs import protect
+
+    for f in [path, *path.iterdir()]:
+        protect(f)  # no output of this run replaces the folder or a file in it
+    model, stored, use_cache = load_folder(path, MAX_LOAD_BYTES)
+    return LoadedModel(model, text, "hf-folder", input_shape=default_spec(model.config, type(model), text),
+                       stored_dtype=stored, use_cache=use_cache)
 
 
 def _from_factory(text: str, seed: int) -> LoadedModel:

@@ -15,6 +15,8 @@ from ..core.errors import InputError, LoadError, SaveError, SpecError, with_cont
 from ..io.load import FACTORY_SEED, LoadedModel, custom_classes, load_model
 from ..io.save import check_output_path, default_output_path, plain_output_path, save_model
 from ..io.factory import is_factory_name
+from ..io.hf_folder import check_new_folder, is_hf_folder
+from .native import native_of, native_report
 from ..analysis.budget import check_onnx_memory, check_session_memory
 from ..analysis.targets import Candidate
 from .pipeline import Pipeline, PipelineResult, parse_spec
@@ -40,6 +42,8 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
         pipeline.passes = with_data(pipeline.passes, data)
     pipeline.limits = _limits(max_params, max_memory)
     pipeline.share = True  # the model loaded here is only read after the pipeline: the result shares what it leaves alone
+    if out is not None and is_hf_folder(Path(source)):
+        check_new_folder(Path(out))
     out_path = check_output_path(out or default_output_path(source, suffix), inputs=(source,))  # default: claimed when written
     onnx_path = check_output_path(onnx_out, inputs=(source,)) if onnx_out else None
     diagram_path = check_output_path(diagram, inputs=(source,)) if diagram else None
@@ -47,9 +51,11 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
         diagram_format(diagram_path)  # a wrong extension is refused before the passes run
     _distinct_outputs(out_path, onnx_path, diagram_path)
     opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, pipeline.limits.max_memory, capture=capture)
+    # a Hugging Face folder grown into a folder (-o without .pt): the model's own class, written by save_pretrained
+    native = out_path if out is not None and opened.loaded.kind == "hf-folder" and out_path.suffix not in (".pt", ".pth") else None
     report = _grow_and_write(pipeline, opened, source, (source,), out_path, onnx_path, check, provider, progress, "pass",
                              dry_run=dry_run, diagram=diagram_path,
-                             fresh=plain_output_path(source, suffix) if out is None else None)
+                             fresh=plain_output_path(source, suffix) if out is None else None, native=native)
     plain = plain_output_path(source, suffix)
     went = Path(report["outputs"][0]) if report["outputs"] and not dry_run else out_path
     if out is None and went != plain:
@@ -83,10 +89,12 @@ def _distinct_outputs(*paths: Path | None) -> None:
 
 def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs: tuple, out_path: Path,
                     onnx_path: Path | None, check: bool, provider: str, progress: Progress, verb: str,
-                    dry_run: bool = False, diagram: Path | None = None, fresh: Path | None = None) -> dict:
+                    dry_run: bool = False, diagram: Path | None = None, fresh: Path | None = None,
+                    native: Path | None = None) -> dict:
     """Run `pipeline` on the opened model, save the result, export and check it when asked (not when `dry_run`).
     `fresh`: `out_path` is a default name: the model goes to the first free one of `fresh`, `fresh`-1, … as it is
-    written (another run may have taken `out_path` meanwhile)."""
+    written (another run may have taken `out_path` meanwhile). `native`: write the result as a Hugging Face folder
+    there, the original's own class (jobs/native.py), instead of graphgrow's file."""
     timings: dict[str, float] = {}
     t = time.perf_counter()
     count = len(pipeline.passes)
@@ -114,9 +122,11 @@ def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs
 
         check_onnx_memory(result.gm, wants_external(result.gm, None, onnx_path), check,
                           pipeline.limits.max_memory if pipeline.limits else None)
+    own = native_of(result.gm, opened.loaded, progress) if native is not None else None  # refused before anything is written
     with StagedOutputs() as staged:  # every output appears at the end, together, or none does
-        progress(f"saving {out_path}")
-        save_model(result.gm, staged.reserve(out_path, fresh=fresh), inputs=inputs)
+        if own is None:
+            progress(f"saving {out_path}")
+            save_model(result.gm, staged.reserve(out_path, fresh=fresh), inputs=inputs)
         if onnx_path or check:
             exported = export_and_check(result.gm, opened, staged.reserve(onnx_path) if onnx_path else None, check,
                                         provider, progress, timings)
@@ -128,8 +138,14 @@ def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs
         if diagram is not None:
             _draw(opened.gm, result.gm, staged.reserve(diagram), diagram, title, progress)
         report["outputs"] = [str(p) for p in staged.commit()]
+        if own is not None and native is not None:
+            from ..io.hf_folder import write_folder
+
+            progress(f"writing {native} (save_pretrained)")
+            report["outputs"].insert(0, str(write_folder(own, native, Path(source))))
+            report["native"] = native_report(opened.loaded.module, own)
         out_path = Path(report["outputs"][0])  # the model's name, as claimed
-    custom = custom_classes(result.gm)
+    custom = custom_classes(result.gm) if own is None else []
     if custom:  # said now, not discovered at the next command's refusal
         shown = ", ".join(custom[:3]) + (f" and {len(custom) - 3} more" if len(custom) > 3 else "")
         report["trust_note"] = (f"reading {out_path.name} back needs --trust: it keeps modules of custom classes whole "

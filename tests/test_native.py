@@ -1,0 +1,177 @@
+"""Native results (issue 40, items 1-2 and part of 4): a Hugging Face folder in, the model's own class back.
+
+`graphgrow.as_native` turns a grown graph into an instance of the original's class with a solved config; the CLI
+reads a save_pretrained folder and, given `-o FOLDER`, writes one that `from_pretrained` loads. Checked per family:
+the native model's logits equal the original's on a left-padded batch (attention_mask), greedy `generate()` with
+the KV cache gives the same tokens, `labels=` gives a loss. Refusals say what the class cannot express.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphgrow as gg
+from graphgrow.io.hf_zoo import default_spec
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+H = 64
+# family → (config class, config arguments, model class, passes the class can hold)
+FAMILIES = {
+    "llama": ("LlamaConfig", {"num_key_value_heads": 2, "intermediate_size": 128}, "LlamaForCausalLM",
+              ["grow_hidden(by=64)", "grow_heads(heads=8)"]),
+    "qwen2": ("Qwen2Config", {"num_key_value_heads": 2, "intermediate_size": 128}, "Qwen2ForCausalLM",
+              ["grow_heads(heads=8)"]),
+    "mistral": ("MistralConfig", {"num_key_value_heads": 2, "intermediate_size": 128}, "MistralForCausalLM",
+                ["grow_hidden(by=16)"]),
+    "gpt2": ("GPT2Config", {}, "GPT2LMHeadModel", ["grow_hidden(by=16)", "grow_heads(heads=5)"]),  # Conv1D, n_inner=None
+}
+
+
+def _model(family: str, seed: int = 0):
+    config_name, extra, model_name, _ = FAMILIES[family]
+    sizes = {"n_embd": H, "n_layer": 2, "n_head": 4} if family == "gpt2" else \
+        {"hidden_size": H, "num_hidden_layers": 2, "num_attention_heads": 4}
+    config = getattr(transformers, config_name)(vocab_size=256, use_cache=False, bos_token_id=1, eos_token_id=2, **sizes, **extra)
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(config).eval()
+
+
+def _grow(model, passes):
+    gm = gg.trace(model, input_shape=default_spec(model.config, type(model)))
+    return gg.Pipeline.from_spec(passes).run(gm).gm
+
+
+def _same_behaviour(a, b) -> None:
+    x = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0  # a left-padded row
+    with torch.no_grad():
+        la = a(input_ids=x, attention_mask=mask).logits
+        lb = b(input_ids=x, attention_mask=mask).logits
+    assert (la - lb)[mask.bool()].abs().max().item() <= 1e-5 * max(1.0, la.abs().max().item())
+    a.generation_config.use_cache = b.generation_config.use_cache = True
+    kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    assert a.generate(x, attention_mask=mask, **kw).tolist() == b.generate(x, attention_mask=mask, **kw).tolist()
+    assert torch.isfinite(b(input_ids=x, attention_mask=mask, labels=x).loss)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_native_class_computes_what_the_original_did(family):
+    model = _model(family)
+    grown = _grow(model, FAMILIES[family][3])
+    native = gg.as_native(grown, model)
+    assert type(native) is type(model)
+    assert sum(p.numel() for p in native.parameters()) > sum(p.numel() for p in model.parameters())
+    _same_behaviour(model, native)
+
+
+def test_native_config_holds_the_grown_sizes():
+    model = _model("llama")
+    native = gg.as_native(_grow(model, ["grow_hidden(by=64)", "grow_heads(heads=8)"]), model)
+    c = native.config
+    assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size) == (128, 8, 4, 16, 128)
+    assert c.rms_norm_eps == pytest.approx(model.config.rms_norm_eps * 64 / 128)  # grow_hidden rescaled the norms' eps
+    gpt2 = _model("gpt2")
+    c2 = gg.as_native(_grow(gpt2, FAMILIES["gpt2"][3]), gpt2).config
+    assert (c2.n_embd, c2.n_head, c2.n_inner) == (80, 5, 256)  # the MLP width GPT-2 derived (4 × 64) written down
+
+
+@pytest.mark.parametrize("passes,why", [
+    (["grow_width"], r"needs intermediate_size=\d+ and .* needs intermediate_size=\d+"),  # one layer's MLP only
+    (["grow_hidden(by=16)", "grow_heads(heads=6)"], "refuses the grown sizes: The hidden size .80. is not a multiple"),
+    (["deepen"], "adds deepen_transformer"),
+])
+def test_what_the_class_cannot_hold_is_refused(passes, why):
+    model = _model("llama")
+    with pytest.raises(gg.NotApplicable, match=why):
+        gg.as_native(_grow(model, passes), model)
+
+
+def test_a_model_that_is_not_hugging_face_is_refused():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    gm = gg.trace(net, input_shape=(1, 4))
+    with pytest.raises(gg.NotApplicable, match="not a Hugging Face model"):
+        gg.as_native(gm, net)
+
+
+def _folder(tmp_path: Path, dtype=torch.float32) -> Path:
+    model = _model("llama").to(dtype)
+    model.config.use_cache = True  # as transformers writes it by default
+    folder = tmp_path / "my-llama"
+    model.save_pretrained(folder)
+    (folder / "tokenizer_config.json").write_text('{"model_max_length": 64}')  # a companion file, carried untouched
+    return folder
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cli_folder_in_folder_out(runner, tmp_path, dtype):
+    from graphgrow.cli.commands import main
+
+    folder, out = _folder(tmp_path, dtype), tmp_path / "grown"
+    result = runner.invoke(main, ["mutate", str(folder), "--pass", "grow_hidden(by=64)", "--pass", "grow_heads(heads=8)",
+                                  "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["outputs"][0] == str(out) and report["native"]["class"] == "LlamaForCausalLM"
+    assert report["native"]["config"]["hidden_size"] == [64, 128]
+    assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 64}'
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True  # the folder's own setting, not capture's
+    original = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    grown = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert grown.dtype == dtype
+    if dtype == torch.float32:
+        _same_behaviour(original, grown)
+    else:  # the same weights rounded to bfloat16: logits within its rounding, the same greedy tokens
+        x = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            la, lb = original(input_ids=x).logits.float(), grown(input_ids=x).logits.float()
+        assert (la - lb).abs().max().item() <= 2 ** -7 * la.abs().max().item() * 2
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert not leftovers  # the staging folder was renamed into place
+
+
+def test_cli_folder_refusals(runner, tmp_path):
+    from graphgrow.cli.commands import main
+
+    folder = _folder(tmp_path)
+    exists = tmp_path / "taken"
+    exists.mkdir()
+    result = runner.invoke(main, ["mutate", str(folder), "--pass", "grow_hidden(by=64)", "-o", str(exists)])
+    assert result.exit_code == 2 and "exists" in result.output
+    cannot = runner.invoke(main, ["mutate", str(folder), "--pass", "grow_width", "-o", str(tmp_path / "new")])
+    assert cannot.exit_code == 2 and "the growth verified, but" in cannot.output and "-o NAME.pt" in cannot.output
+    assert not (tmp_path / "new").exists()
+    pt = runner.invoke(main, ["mutate", str(folder), "--pass", "grow_width", "-o", str(tmp_path / "g.pt")])
+    assert pt.exit_code == 0 and (tmp_path / "g.pt").is_file()  # graphgrow's own file keeps any growth
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((folder / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"not read")
+    bad = runner.invoke(main, ["mutate", str(pickled), "--pass", "grow_width"])
+    assert bad.exit_code == 2 and "pytorch_model.bin, which graphgrow does not read" in bad.output
+
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    config = json.loads((folder / "config.json").read_text())
+    (remote / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "x.Y"}}))
+    (remote / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    code = runner.invoke(main, ["mutate", str(remote), "--pass", "grow_width"])
+    assert code.exit_code == 2 and "needs remote code" in code.output
+
+
+def test_the_example_trains_grows_and_trains_on(tmp_path, monkeypatch):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    monkeypatch.chdir(tmp_path)
+    from grow_hf_folder import main
+
+    out = main(["--steps", "4", "--workdir", str(tmp_path)])
+    assert out["before"] == pytest.approx(out["after"], rel=1e-5) and out["same_text"]
+    assert out["trained"] < out["after"]  # the grown model learns on under the Trainer
