@@ -53,5 +53,5 @@ __all__ = [
     "PreservationError", "RuntimeUnavailable", "SaveError", "SearchError", "SearchInterrupted", "SpecError", "TraceError", "ValidationError",
     "LoadedModel", "load_model", "save_model", "Candidate", "Pass", "PassResult", "arg", "Pipeline", "PipelineResult",
     "build_pipeline", "parse_spec", "all_passes", "get_pass", "pass_names", "register_pass", "Rewrite",
-    "annotate", "trace", "export_onnx", "check_equivalence", "fold", "carry_optimizer", "distributed",
+    "annotate", "trace", "export_onnx", "check_equivalence", "fold", "carry_optimizer", "distributed", "as_native",
 ]

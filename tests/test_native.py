@@ -175,3 +175,60 @@ def test_the_example_trains_grows_and_trains_on(tmp_path, monkeypatch):
     out = main(["--steps", "4", "--workdir", str(tmp_path)])
     assert out["before"] == pytest.approx(out["after"], rel=1e-5) and out["same_text"]
     assert out["trained"] < out["after"]  # the grown model learns on under the Trainer
+
+
+class UserNet(torch.nn.Module):
+    """A user's own class with a method of its own besides forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                            torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU())
+        self.head = torch.nn.Linear(16, 4)
+
+    def embed(self, x):
+        return self.features(x).mean((2, 3))
+
+    def forward(self, x):
+        return self.head(self.embed(x))
+
+
+def _resized(factory, shape, passes):
+    torch.manual_seed(0)
+    model = factory().eval()
+    grown = gg.Pipeline.from_spec(passes).run(gg.trace(model, input_shape=shape)).gm
+    return model, grown, gg.as_native(grown, model)
+
+
+@pytest.mark.parametrize("name", ["user", "timm_resnet", "torchvision_mobilenet"])
+def test_width_growth_comes_back_as_the_users_class(name):
+    import timm
+    import torchvision
+
+    factory = {"user": UserNet, "timm_resnet": lambda: timm.create_model("resnet10t", num_classes=5),
+               "torchvision_mobilenet": lambda: torchvision.models.mobilenet_v3_small(num_classes=5)}[name]
+    model, grown, native = _resized(factory, (1, 3, 32, 32), ["grow_width"])
+    assert type(native) is type(model) and native is not model
+    assert sum(p.numel() for p in native.parameters()) > sum(p.numel() for p in model.parameters())
+    x = torch.randn(3, 3, 32, 32)
+    native.eval()
+    grown.eval()
+    model.eval()
+    with torch.no_grad():
+        assert torch.allclose(native(x), grown(x), atol=1e-6) and torch.allclose(native(x), model(x), atol=1e-5)
+    if name == "user":
+        assert native.embed(x).shape[1] >= 16  # the class's own method runs on the grown layers
+    if name == "timm_resnet":
+        assert native.forward_features(x).shape[1] == native.num_features  # the feature count follows the head
+        native.reset_classifier(7)
+        assert native(x).shape == (3, 7)
+
+
+def test_structural_and_baked_sizes_are_refused():
+    import timm
+
+    with pytest.raises(gg.NotApplicable, match="has no place for it"):
+        _resized(UserNet, (1, 3, 16, 16), ["add_residual"])
+    vit = lambda: timm.create_model("vit_tiny_patch16_224", num_classes=5, img_size=32, depth=1)  # noqa: E731
+    with pytest.raises(gg.NotApplicable, match="with the grown layers does not run"):  # C = heads × head size, baked
+        _resized(vit, (1, 3, 32, 32), ["grow_heads(heads=4)"])

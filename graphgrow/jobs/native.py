@@ -1,6 +1,8 @@
 """The grown model back in the user's world: `as_native(grown, original)` returns an instance of the original's own
 class — for a Hugging Face model, the same class with a new config and the grown weights — so `generate`,
-`save_pretrained`, `labels=`, `attention_mask=`, the Trainer and PEFT work on it as on the original.
+`save_pretrained`, `labels=`, `attention_mask=`, the Trainer and PEFT work on it as on the original. Any other
+model (timm, torchvision, a user's class) comes back as a copy with its resized layers swapped in
+(native_resized.py).
 
 The new config is solved, not guessed:
 1. Attention: the grown graph's attentions (analysis/heads.py) give heads, key/value heads and head size; all
@@ -41,12 +43,12 @@ def is_hf_model(model: Any) -> bool:
 
 def as_native(grown: fx.GraphModule, original: nn.Module, stored_dtype: torch.dtype | None = None,
               use_cache: bool | None = None) -> nn.Module:
-    """The grown graph as an instance of `original`'s class (Hugging Face models); NotApplicable naming what the
-    class cannot express. `stored_dtype`: the dtype to hand it back in (float32 otherwise); `use_cache`: the
+    """The grown graph as an instance of `original`'s class; NotApplicable naming what the class cannot express. `stored_dtype`: the dtype to hand it back in (float32 otherwise); `use_cache`: the
     config's cache setting (default: the original's generation config, else True — graphgrow captures with it off)."""
-    if not is_hf_model(original):
-        raise NotApplicable(f"{type(original).__name__} is not a Hugging Face model: only those come back as their own "
-                            "class so far", "keep the GraphModule (it saves, loads and exports as it is)")
+    if not is_hf_model(original):  # timm, torchvision, a user's class: the resized layers swapped into a copy
+        from .native_resized import resized_copy
+
+        return resized_copy(grown, original)
     cls = type(original)
     grown_state = _class_layout(grown, original)
     persistent = set(original.state_dict())
