@@ -232,3 +232,40 @@ def test_structural_and_baked_sizes_are_refused():
     vit = lambda: timm.create_model("vit_tiny_patch16_224", num_classes=5, img_size=32, depth=1)  # noqa: E731
     with pytest.raises(gg.NotApplicable, match="with the grown layers does not run"):  # C = heads × head size, baked
         _resized(vit, (1, 3, 32, 32), ["grow_heads(heads=4)"])
+
+
+def test_hostile_folders_are_refused_before_anything_is_built(tmp_path):
+    import struct
+
+    from graphgrow.io import load
+
+    def folder(name: str, files: dict) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+        for f, data in files.items():
+            (d / f).write_bytes(data if isinstance(data, bytes) else data.encode())
+        return d
+
+    def safetensors(header: dict) -> bytes:
+        raw = json.dumps(header).encode()
+        return struct.pack("<Q", len(raw)) + raw
+
+    outside = folder("outside", {"model.safetensors.index.json": json.dumps({"weight_map": {"w": "../stolen.safetensors"}})})
+    huge = folder("huge", {"model.safetensors": safetensors({"w": {"dtype": "BF16", "shape": [1 << 20, 1 << 20], "data_offsets": [0, 0]}})})
+    lying = folder("lying", {"model.safetensors": struct.pack("<Q", 1 << 40) + b"{}"})
+    garbage = folder("garbage", {"model.safetensors": struct.pack("<Q", 4) + b"\xff\xfe{]"})
+    cases = [(outside, "names shards that are not files in the folder"),
+             (huge, r"1,099,511,627,776 values .* limit"),
+             (lying, "not a safetensors file"),
+             (garbage, "not a safetensors file")]
+    for path, why in cases:
+        with pytest.raises(gg.LoadError, match=why):
+            load.load_model(str(path))
+    (tmp_path / "nocfg").mkdir()
+    with pytest.raises(gg.LoadError, match="no config.json"):
+        load.load_model(str(tmp_path / "nocfg"))
+    notjson = folder("notjson", {})
+    (notjson / "config.json").write_text("[1, 2")
+    with pytest.raises(gg.LoadError, match="not valid JSON"):
+        load.load_model(str(notjson))
