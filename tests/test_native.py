@@ -92,11 +92,12 @@ def test_what_the_class_cannot_hold_is_refused(passes, why):
         gg.as_native(_grow(model, passes), model)
 
 
-def test_a_model_that_is_not_hugging_face_is_refused():
+def test_a_model_that_is_not_hugging_face_comes_back_as_a_copy():
     net = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    gm = gg.trace(net, input_shape=(1, 4))
-    with pytest.raises(gg.NotApplicable, match="not a Hugging Face model"):
-        gg.as_native(gm, net)
+    native = gg.as_native(gg.trace(net, input_shape=(1, 4)), net)
+    x = torch.randn(2, 4)
+    assert type(native) is torch.nn.Sequential and native is not net and torch.equal(native(x), net(x))
+    assert native[0].weight is not net[0].weight  # a copy: training it leaves the original alone
 
 
 def _folder(tmp_path: Path, dtype=torch.float32) -> Path:
@@ -269,3 +270,47 @@ def test_hostile_folders_are_refused_before_anything_is_built(tmp_path):
     (notjson / "config.json").write_text("[1, 2")
     with pytest.raises(gg.LoadError, match="not valid JSON"):
         load.load_model(str(notjson))
+
+
+# family → (config class, config arguments, model class, the MLP's first layer in layer {i}); every layer's MLP is
+# widened alike (grow_width at each), which any of these classes holds as one intermediate size
+WIDENED = {
+    "llama": ("LlamaConfig", {"intermediate_size": 128, "num_key_value_heads": 2}, "LlamaForCausalLM", "model.layers.{i}.mlp.up_proj"),
+    "qwen3": ("Qwen3Config", {"intermediate_size": 128, "num_key_value_heads": 2, "head_dim": 16}, "Qwen3ForCausalLM", "model.layers.{i}.mlp.up_proj"),
+    "gemma": ("GemmaConfig", {"intermediate_size": 128, "num_key_value_heads": 2, "head_dim": 16}, "GemmaForCausalLM", "model.layers.{i}.mlp.up_proj"),
+    "phi3": ("Phi3Config", {"intermediate_size": 128, "num_key_value_heads": 2, "pad_token_id": 0}, "Phi3ForCausalLM", "model.layers.{i}.mlp.gate_up_proj"),
+    "opt": ("OPTConfig", {"ffn_dim": 128, "word_embed_proj_dim": H}, "OPTForCausalLM", "model.decoder.layers.{i}.fc1"),
+    "gpt_neox": ("GPTNeoXConfig", {"intermediate_size": 128}, "GPTNeoXForCausalLM", "gpt_neox.layers.{i}.mlp.dense_h_to_4h"),
+    "olmo": ("OlmoConfig", {"intermediate_size": 128, "pad_token_id": 0}, "OlmoForCausalLM", "model.layers.{i}.mlp.up_proj"),
+    "granite": ("GraniteConfig", {"intermediate_size": 128}, "GraniteForCausalLM", "model.layers.{i}.mlp.up_proj"),
+    "bert": ("BertConfig", {"intermediate_size": 128}, "BertForMaskedLM", "bert.encoder.layer.{i}.intermediate.dense"),
+    "roberta": ("RobertaConfig", {"intermediate_size": 128, "pad_token_id": 1}, "RobertaForMaskedLM", "roberta.encoder.layer.{i}.intermediate.dense"),
+    "electra": ("ElectraConfig", {"intermediate_size": 128, "embedding_size": H}, "ElectraForMaskedLM", "electra.encoder.layer.{i}.intermediate.dense"),
+    "vit": ("ViTConfig", {"intermediate_size": 128, "image_size": 32, "patch_size": 8}, "ViTForImageClassification", "vit.layers.{i}.mlp.fc1"),
+}
+
+
+@pytest.mark.parametrize("family", list(WIDENED))
+def test_every_layers_mlp_widened_comes_back_native(family):
+    config_name, extra, model_name, target = WIDENED[family]
+    sizes = {"hidden_size": H, "num_hidden_layers": 2, "num_attention_heads": 4}
+    vocab = {} if family == "vit" else {"vocab_size": 256}
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(use_cache=False, **vocab, **sizes, **extra)).eval()
+    grown = _grow(model, [f"grow_width(target={target.format(i=i)})" for i in range(2)])
+    native = gg.as_native(grown, model)
+    changed = {k: v for k, v in (native.config.to_dict().items()) if model.config.to_dict().get(k) != v and k not in ("use_cache", "dtype")}
+    assert list(changed.values()) == [256], changed  # one field: the intermediate size, doubled
+    if family == "vit":
+        x = {"pixel_values": torch.randn(2, 3, 32, 32)}
+        with torch.no_grad():
+            assert torch.allclose(model(**x).logits, native(**x).logits, atol=1e-5)
+    elif "CausalLM" in model_name:
+        _same_behaviour(model, native)
+    else:  # an encoder: the padded batch only
+        x = torch.randint(3, 256, (2, 12))
+        mask = torch.ones_like(x)
+        mask[0, :3] = 0
+        with torch.no_grad():
+            a, b = model(input_ids=x, attention_mask=mask).logits, native(input_ids=x, attention_mask=mask).logits
+        assert (a - b)[mask.bool()].abs().max().item() <= 1e-5

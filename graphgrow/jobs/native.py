@@ -50,7 +50,7 @@ def as_native(grown: fx.GraphModule, original: nn.Module, stored_dtype: torch.dt
 
         return resized_copy(grown, original)
     cls = type(original)
-    grown_state = _class_layout(grown, original)
+    grown_state = _with_aliases(_class_layout(grown, original), original)
     persistent = set(original.state_dict())
     _refuse_structure(grown_state, persistent, original, cls)
     shapes = {k: tuple(v.shape) for k, v in grown_state.items() if k in persistent}
@@ -120,6 +120,21 @@ def _validate(config: Any, cls: type) -> None:
                             f"grow sizes {cls.__name__}'s config accepts (e.g. a hidden size that is a multiple of the heads)") from e
 
 
+def _with_aliases(state: dict[str, torch.Tensor], original: nn.Module) -> dict[str, torch.Tensor]:
+    """Names the original holds for one tensor (tied embeddings, BERT's prediction bias = its decoder's bias): the
+    grown graph keeps one of them; the others get its tensor."""
+    groups: dict[int, list[str]] = {}
+    for k, v in original.state_dict(keep_vars=True).items():
+        groups.setdefault(id(v), []).append(k)
+    out = dict(state)
+    for names in groups.values():
+        present = [k for k in names if k in state]
+        for k in names:
+            if k not in out and present:
+                out[k] = state[present[0]]
+    return out
+
+
 def _param_name(model: nn.Module, p: torch.Tensor) -> str | None:
     return next((k for k, v in model.state_dict(keep_vars=True).items() if v is p), None)
 
@@ -150,6 +165,11 @@ def _solve_config(old: Any, grown: fx.GraphModule, cls: type, shapes: dict[str, 
                 _solve_sizes(config, cls, shapes)
                 _set_attention(config, grown, cls)
             _solve_sizes(config, cls, shapes)
+            if getattr(old, "head_dim", None) is None and getattr(config, "head_dim", None) is not None:
+                derived = copy.deepcopy(config)  # say head_dim only where the class would not derive the same
+                _unset_head_dim(derived, old)
+                if _meta_shapes(cls, derived) == _meta_shapes(cls, config):
+                    _unset_head_dim(config, old)
             return config
         except NotApplicable as e:
             failures.append(e)
@@ -175,6 +195,14 @@ def _pin_derived(config: Any, cls: type) -> None:
             v = derived.pop()
             if v > 0 and math.isclose(v, round(v)):
                 setattr(config, field, int(round(v)))
+
+
+def _unset_head_dim(config: Any, old: Any) -> None:
+    """head_dim back as the original config had it: None, or no such attribute at all."""
+    if hasattr(old, "head_dim"):
+        config.head_dim = None
+    elif "head_dim" in vars(config):
+        delattr(config, "head_dim")
 
 
 def _set_attention(config: Any, grown: fx.GraphModule, cls: type) -> None:
