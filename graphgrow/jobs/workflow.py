@@ -60,6 +60,8 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
     went = Path(report["outputs"][0]) if report["outputs"] and not dry_run else out_path
     if out is None and went != plain:
         report["output_note"] = f"{plain} already exists: the result went to {went.name} (give -o to choose the name)"
+    elif out is None and opened.loaded.kind == "hf-folder":
+        report["output_note"] = "graphgrow's own file; -o NEWFOLDER (no .pt) writes a Hugging Face folder of the model's own class"
     return report
 
 
@@ -93,8 +95,7 @@ def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs
                     native: Path | None = None) -> dict:
     """Run `pipeline` on the opened model, save the result, export and check it when asked (not when `dry_run`).
     `fresh`: `out_path` is a default name: the model goes to the first free one of `fresh`, `fresh`-1, … as it is
-    written (another run may have taken `out_path` meanwhile). `native`: write the result as a Hugging Face folder
-    there, the original's own class (jobs/native.py), instead of graphgrow's file."""
+    written (another run may have taken `out_path` meanwhile). `native`: a Hugging Face folder to write (native.py)."""
     timings: dict[str, float] = {}
     t = time.perf_counter()
     count = len(pipeline.passes)
