@@ -314,3 +314,12 @@ def test_every_layers_mlp_widened_comes_back_native(family):
         with torch.no_grad():
             a, b = model(input_ids=x, attention_mask=mask).logits, native(input_ids=x, attention_mask=mask).logits
         assert (a - b)[mask.bool()].abs().max().item() <= 1e-5
+
+
+def test_a_model_with_its_cache_on_is_captured_with_it_off_and_gets_it_back():
+    model = _model("llama")
+    model.config.use_cache = True  # transformers' default: a DynamicCache in the output, which export cannot capture
+    grown = _grow(model, ["grow_heads(heads=8)"])
+    assert model.config.use_cache is True  # restored after capture
+    assert any("use_cache=False" in n for n in grown.meta["graphgrow"]["trace"]["notes"])
+    assert gg.as_native(grown, model).config.use_cache is True

@@ -21,11 +21,12 @@ computes both modes; any other difference is refused, naming the module.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import replace
 import operator
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import fx, nn
@@ -387,13 +388,30 @@ def capture_by_export(model: nn.Module, input_shape: Any, spec: InputSpec | None
         params = [p for p in inspect.signature(model.forward).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         spec = parse_spec({params[0].name if params else "x": list(input_shape)})
     batch = max(2, int(spec[0].shape[0]))  # a size-1 dimension would be fixed by export, not kept dynamic
-    gm, report = export_capture(model, spec_inputs(model, spec, seed=0, batch=batch))
-    report["notes"] = notes + report["notes"]
-    report.update(mode="eval", auto_leaves={}, user_leaves=[], mode_reads=[], top_level_mode_dependent=False)
-    gm.meta[META_KEY] = {"input_shape": None, "log": [], "trace": report}
-    if check:
-        from .fidelity import check_fidelity
+    with _cache_off(model, notes):
+        gm, report = export_capture(model, spec_inputs(model, spec, seed=0, batch=batch))
+        report["notes"] = notes + report["notes"]
+        report.update(mode="eval", auto_leaves={}, user_leaves=[], mode_reads=[], top_level_mode_dependent=False)
+        gm.meta[META_KEY] = {"input_shape": None, "log": [], "trace": report}
+        if check:
+            from .fidelity import check_fidelity
 
-        check_fidelity(model, gm, input_shape)
+            check_fidelity(model, gm, input_shape)
     store_shape(gm, input_shape)
     return gm
+
+
+@contextlib.contextmanager
+def _cache_off(model: nn.Module, notes: list[str]) -> Iterator[None]:
+    """A Hugging Face model's key/value cache off while it is captured and checked (torch.export cannot return a
+    DynamicCache; a growth graph has no use for one), its setting restored after (as_native gives it back)."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        yield
+        return
+    config.use_cache = False
+    notes.append("captured with use_cache=False (the model's key/value cache is not part of its function)")
+    try:
+        yield
+    finally:
+        config.use_cache = True

@@ -44,7 +44,7 @@ def is_hf_model(model: Any) -> bool:
 def as_native(grown: fx.GraphModule, original: nn.Module, stored_dtype: torch.dtype | None = None,
               use_cache: bool | None = None) -> nn.Module:
     """The grown graph as an instance of `original`'s class; NotApplicable naming what the class cannot express. `stored_dtype`: the dtype to hand it back in (float32 otherwise); `use_cache`: the
-    config's cache setting (default: the original's generation config, else True — graphgrow captures with it off)."""
+    config's cache setting (default: the original config's, else True)."""
     if not is_hf_model(original):  # timm, torchvision, a user's class: the resized layers swapped into a copy
         from .native_resized import resized_copy
 
@@ -64,8 +64,8 @@ def as_native(grown: fx.GraphModule, original: nn.Module, stored_dtype: torch.dt
         o_name = _param_name(original, out.weight)
         if e_name and o_name and not torch.equal(grown_state[e_name], grown_state[o_name]):
             config.tie_word_embeddings = False  # the growth gave them different new rows: they are two tensors now
-    if use_cache is None:
-        use_cache = getattr(getattr(original, "generation_config", None), "use_cache", None)
+    if use_cache is None:  # the original's own setting (capture turns it off only while it captures)
+        use_cache = getattr(original.config, "use_cache", None)
     config.use_cache = True if use_cache is None else bool(use_cache)
     native = _build(cls, config)
     missing, unexpected = native.load_state_dict({k: v for k, v in grown_state.items() if k in persistent}, strict=False)
