@@ -323,3 +323,15 @@ def test_a_model_with_its_cache_on_is_captured_with_it_off_and_gets_it_back():
     assert model.config.use_cache is True  # restored after capture
     assert any("use_cache=False" in n for n in grown.meta["graphgrow"]["trace"]["notes"])
     assert gg.as_native(grown, model).config.use_cache is True
+
+
+def test_a_capture_failure_after_export_is_typed_and_names_the_versions(monkeypatch):
+    from graphgrow.capture import export_capture as ec
+
+    def broken(model, inputs):  # as torch 2.11 + transformers 5.17 failed: a raw RuntimeError from the program
+        raise RuntimeError("Node submod_3 target submod_3 references nonexistent attribute")
+
+    monkeypatch.setattr(ec, "export_capture", broken)
+    model = _model("llama")
+    with pytest.raises(gg.TraceError, match=r"failed after torch.export on torch [\d.]+.* and transformers [\d.]+: RuntimeError: Node submod_3"):
+        gg.trace(model, input_shape=default_spec(model.config, type(model)))

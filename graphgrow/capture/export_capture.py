@@ -33,7 +33,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten, TreeSpec
 
 from ..core import codegen
-from ..core.errors import first_line, InputError, TraceError
+from ..core.errors import first_line, GraphgrowError, InputError, TraceError
 from ..graph.graph_meta import META_KEY, store_shape
 from ..graph.inputs import DTYPES, first_embedding, InputSpec, is_spec, parse_spec, spec_inputs
 from .aten_table import DROPPED, to_torch
@@ -389,7 +389,14 @@ def capture_by_export(model: nn.Module, input_shape: Any, spec: InputSpec | None
         spec = parse_spec({params[0].name if params else "x": list(input_shape)})
     batch = max(2, int(spec[0].shape[0]))  # a size-1 dimension would be fixed by export, not kept dynamic
     with _cache_off(model, notes):
-        gm, report = export_capture(model, spec_inputs(model, spec, seed=0, batch=batch))
+        try:
+            gm, report = export_capture(model, spec_inputs(model, spec, seed=0, batch=batch))
+        except GraphgrowError:
+            raise
+        except Exception as e:  # what graphgrow does with the exported program, failing on a version it was not run on
+            raise TraceError(f"capturing {type(model).__name__} failed after torch.export on {_versions()}: "
+                             f"{type(e).__name__}: {first_line(e)}",
+                             "graphgrow's tests run on torch 2.14 and transformers 5.24: try those, or --capture fx") from e
         report["notes"] = notes + report["notes"]
         report.update(mode="eval", auto_leaves={}, user_leaves=[], mode_reads=[], top_level_mode_dependent=False)
         gm.meta[META_KEY] = {"input_shape": None, "log": [], "trace": report}
@@ -399,6 +406,15 @@ def capture_by_export(model: nn.Module, input_shape: Any, spec: InputSpec | None
             check_fidelity(model, gm, input_shape)
     store_shape(gm, input_shape)
     return gm
+
+
+def _versions() -> str:
+    import sys
+
+    found = [f"torch {torch.__version__}"]
+    if "transformers" in sys.modules:
+        found.append(f"transformers {getattr(sys.modules['transformers'], '__version__', '?')}")
+    return " and ".join(found)
 
 
 @contextlib.contextmanager
