@@ -156,6 +156,15 @@ def refusal(qualname: str) -> str | None:
     return f"calls the ATen operator '{qualname.removeprefix(PREFIX)[:120]}' ({cls}: {CLASSES[cls]})"
 
 
+def binding_allowed(name: str) -> bool:
+    """Whether `torch.NAME`, the Python binding of ATen's NAME, may be stored: ATen has NAME, each overload is
+    allowed or excluded only for writing into an `out=` tensor (which a stored call may not pass), and none is a
+    factory (a factory's sizes are bounded by graph_policy's constructor rules, which name them)."""
+    overloads = [q for q in table() if q.startswith(f"{PREFIX}{name}.")]
+    return bool(overloads) and any(table()[q] is None for q in overloads) and \
+        all(table()[q] in (None, "mutating") and not is_factory(q) for q in overloads)
+
+
 def is_factory(qualname: str) -> bool:
     """An allowed op with no tensor argument that returns a tensor: its sizes come from constants."""
     op = _op(qualname)

@@ -25,7 +25,9 @@ graphs fx produces for torchvision's classification models, a sample of timm mod
 graphgrow's passes, and those torch.export captures of Hugging Face transformers models (GPT-2,
 LLaMA, BERT, ViT, BART) written as torch functions (capture/aten_table.py), and then read one by one.
 ATen operators (torch.ops.aten.NAME.OVERLOAD) that capture keeps are not picked one by one: aten_policy.py
-derives their list from torch's op metadata (pure tensor computations; excluded classes named with reasons).
+derives their list from torch's op metadata (pure tensor computations; excluded classes named with reasons), and a
+torch-level function not listed here is allowed when it binds such an operator (`torch.addcmul` → aten.addcmul:
+every overload pure or an out= form, none a factory; a stored call passing out= is refused).
 """
 from __future__ import annotations
 
@@ -159,8 +161,26 @@ def check_function(qualname: Any, node: str) -> None:
         if (why := aten_policy.refusal(qualname)) is not None:
             raise _refuse(node, why)
         return
-    if not isinstance(qualname, str) or qualname not in ALLOWED_FUNCTIONS:
+    if not allowed_function(qualname):
         raise _refuse(node, f"calls '{str(qualname)[:120]}'")
+
+
+def allowed_function(qualname: Any) -> bool:
+    """A stored torch-level function may be called: listed, or a binding of pure ATen operators (_derived)."""
+    return isinstance(qualname, str) and (qualname in ALLOWED_FUNCTIONS or _derived(qualname))
+
+
+def _passes_out(kwargs: Any) -> bool:
+    """Whether an encoded keyword dict (serialize: {"dict": [[key, value], ...]}) or a plain one names `out`."""
+    pairs = kwargs.get("dict") if isinstance(kwargs, dict) and set(kwargs) == {"dict"} else \
+        list(kwargs.items()) if isinstance(kwargs, dict) else []
+    return any(isinstance(p, (list, tuple)) and len(p) == 2 and p[0] == "out" for p in pairs or [])
+
+
+def _derived(qualname: str) -> bool:
+    """`torch.NAME` that binds a pure ATen operator (aten_policy.binding_allowed): derived, not listed."""
+    base, _, name = qualname.partition(".")
+    return base == "torch" and name.isidentifier() and aten_policy.binding_allowed(name)
 
 
 def check_getattr_args(args: Any, node: str) -> None:
@@ -188,6 +208,8 @@ def check_node_record(rec: Any, root: nn.Module) -> None:
         check_call_module(root, target, name)
     elif op == "call_function":
         check_function(target, name)
+        if _passes_out(rec.get("kwargs")) and not (isinstance(target, str) and target in ALLOWED_FUNCTIONS):
+            raise _refuse(name, f"calls '{str(target)[:120]}' with out=: a stored call may not write into a tensor")
     elif op == "call_method":
         check_method(target, name)
     else:
