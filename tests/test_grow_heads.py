@@ -193,6 +193,33 @@ def test_a_single_head_grows(merge, args, width):
     assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
 
 
+class ComputedSizes(nn.Module):
+    """timm's Attention as CaiT and DaViT write it: head size C // heads and the merge back to C, both computed from
+    the input's shape at run time (no constant to edit)."""
+
+    def __init__(self, dim: int = 24, heads: int = 3):
+        super().__init__()
+        self.num_heads = heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, C))
+
+
+@pytest.mark.parametrize("args,width", [({"heads": 4}, 32), ({"head_dim": 12}, 36)])
+def test_sizes_computed_from_the_input_become_inferred(args, width):
+    torch.manual_seed(0)
+    gm = gg.trace(ComputedSizes(), input_shape=(1, 5, 24))
+    result = gg.get_pass("grow_heads")(**args)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok and not result.preservation.dead
+    assert result.gm.get_submodule("proj").in_features == width
+    x = torch.randn(3, 7, 24)
+    assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
+
+
 class Manual(nn.Module):
     """Attention written as matmul + softmax (no scaled_dot_product_attention)."""
 

@@ -41,6 +41,7 @@ class Edit:
     old: int
     factors: Axis  # the constant is the product of these factors' sizes
     via: int | None = None  # the value at `where` is mul(size, c): c (at this position of the mul) is the constant
+    infer: bool = False  # the value is computed (C read from an input's shape): it becomes -1, the one size inferred
 
 
 def _name(n: fx.Node) -> str:
@@ -240,7 +241,9 @@ class Flow:
         return tuple(out)
 
     def constants(self, n: fx.Node, out: Layout, sizes, at: tuple) -> None:
-        """Every size argument of a growing axis: -1 needs nothing, a constant is an edit, mul(size, c) edits c."""
+        """Every size argument of a growing axis: -1 needs nothing, a constant is an edit, mul(size, c) edits c; a
+        size computed some other way (C from an input's shape) becomes -1 when no other size of the reshape is."""
+        free = sum(1 for a in sizes if a == -1)
         for j, (axis, a) in enumerate(zip(out, sizes)):
             if not self.grows(axis) or a == -1:
                 continue
@@ -250,6 +253,10 @@ class Flow:
                 continue
             c = _constant_factor(a)
             grown = math.prod(s for f, s in axis if f in self.growing)
+            if (c is None or c[1] % grown) and free == 0 and isinstance(a, fx.Node):
+                free = 1  # reshape infers this one size from the others and the element count: exact
+                self.edits.append(Edit(n.name, where, -1, axis, infer=True))
+                continue
             if c is None or c[1] % grown:
                 raise refuse(n, f"takes the size of a growing axis ({words(axis)}) from '{getattr(a, 'name', a)}', "
                               "a computed value the analysis cannot scale")

@@ -105,6 +105,8 @@ def _apply_edit(gm: fx.GraphModule, nodes: dict[str, fx.Node], e: Edit, new: dic
     after = math.prod(new[f] for f, _ in e.factors if f in new)
     value = e.old // before * after
     n = nodes[e.node]
+    if e.infer:
+        return _set_at(n, e.where, -1)
     if e.via is None:
         return _set_at(n, e.where, value)
     mul = _get_at(n, e.where)  # mul(size, c), maybe shared by other attentions: a copy for this one
