@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--header", default="", help="a file whose text replaces the generated header of the table")
     ap.add_argument("--retry-timeouts", action="store_true", help="run again the runs that timed out (e.g. with a longer --timeout)")
     ap.add_argument("--retry-broken", action="store_true", help="run again every broken run (after a fix)")
+    ap.add_argument("--again", action="store_true", help="run again the runs of the --only models even when the state holds them")
     ap.add_argument("--table-only", action="store_true", help="write the table from the state file, run nothing")
     ap.add_argument("--cwd", default=str(ROOT), help="folder the runs start in (model factories are found there)")
     a = ap.parse_args(argv)
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     latest = {(r["registry"], r["model"], r["pass"]): r for r in load_state(state)}  # a rerun's record replaces the old one
     results = list(latest.values())
     done = {k for k, r in latest.items() if not (a.retry_timeouts and r["class"] == "timeout")
-            and not (a.retry_broken and r["status"] == "broken")}
+            and not (a.retry_broken and r["status"] == "broken")
+            and not (a.again and a.only and any(k[1] == o or (o.endswith("*") and k[1].startswith(o[:-1])) for o in a.only.split(",")))}
     only = [o for o in a.only.split(",") if o]
     if not a.table_only:
         state.parent.mkdir(parents=True, exist_ok=True)
