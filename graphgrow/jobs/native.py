@@ -43,8 +43,9 @@ def is_hf_model(model: Any) -> bool:
 
 def as_native(grown: fx.GraphModule, original: nn.Module, stored_dtype: torch.dtype | None = None,
               use_cache: bool | None = None) -> nn.Module:
-    """The grown graph as an instance of `original`'s class; NotApplicable naming what the class cannot express. `stored_dtype`: the dtype to hand it back in (float32 otherwise); `use_cache`: the
-    config's cache setting (default: the original config's, else True)."""
+    """The grown graph as an instance of `original`'s class; NotApplicable naming what the class cannot express.
+    `stored_dtype`: the dtype to hand it back in (float32 otherwise); `use_cache`: the config's cache setting
+    (default: the original config's, else True)."""
     if not is_hf_model(original):  # timm, torchvision, a user's class: the resized layers swapped into a copy
         from .native_resized import resized_copy
 
