@@ -335,3 +335,21 @@ def test_a_capture_failure_after_export_is_typed_and_names_the_versions(monkeypa
     model = _model("llama")
     with pytest.raises(gg.TraceError, match=r"failed after torch.export on torch [\d.]+.* and transformers [\d.]+: RuntimeError: Node submod_3"):
         gg.trace(model, input_shape=default_spec(model.config, type(model)))
+
+
+def test_a_folder_whose_class_has_no_cache_loads_and_comes_back_without_one(runner, tmp_path):
+    from graphgrow.cli.commands import main
+
+    torch.manual_seed(0)
+    vit = transformers.ViTForImageClassification(transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8))
+    vit.save_pretrained(tmp_path / "vit")
+    out = tmp_path / "vit-grown"
+    result = runner.invoke(main, ["mutate", str(tmp_path / "vit"), "--pass", "grow_width(target=vit.layers.0.mlp.fc1)", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["intermediate_size"] == 128 and "use_cache" not in config  # ViT has no cache: none is invented
+    grown = transformers.AutoModelForImageClassification.from_pretrained(out).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(grown(pixel_values=x).logits, vit.eval()(pixel_values=x).logits, atol=1e-5)

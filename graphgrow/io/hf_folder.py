@@ -3,8 +3,8 @@ index), as `save_pretrained` writes it. The class is the config's own (`architec
 ships; never remote code: a config with `auto_map` is refused), built from the config and filled by
 `from_pretrained` from the local folder only (`local_files_only`, `use_safetensors`): a pickled `pytorch_model.bin`
 is never read. The weights' size is read from the safetensors headers and checked against `--max-load` before
-anything is allocated. The cache is off (`use_cache=False`: torch.export cannot capture a DynamicCache); the native
-result gets the folder's own setting back (jobs/native.py). A bfloat16 or float16 folder loads as float32 (the
+anything is allocated. The cache is turned off while the model is captured (torch.export cannot capture a
+DynamicCache); the native result gets the folder's own setting back (jobs/native.py). A bfloat16 or float16 folder loads as float32 (the
 growth is verified to 1e-5), and the native result is written in the folder's dtype again.
 
 Files beside the weights that describe how to use the model (tokenizer, generation config, chat template, README)
@@ -120,9 +120,9 @@ def model_class(folder: Path, config: dict) -> Any:
     return cls
 
 
-def load_folder(folder: Path, max_bytes: int) -> tuple[Any, torch.dtype, bool]:
-    """The model of the folder in float32 and eval mode (its cache off), the dtype its weights are stored in, and
-    the folder's own use_cache (the native result gets it back)."""
+def load_folder(folder: Path, max_bytes: int) -> tuple[Any, torch.dtype, bool | None]:
+    """The model of the folder in float32 and eval mode, the dtype its weights are stored in, and the folder's own
+    use_cache (None when its config has none; the native result gets it back)."""
     config = read_config(folder)
     files = weight_files(folder)
     cls = model_class(folder, config)
@@ -140,13 +140,13 @@ def load_folder(folder: Path, max_bytes: int) -> tuple[Any, torch.dtype, bool]:
     with sealed_caches():
         try:
             model = cls.from_pretrained(str(folder), local_files_only=True, use_safetensors=True, trust_remote_code=False,
-                                        dtype=torch.float32, use_cache=False)
+                                        dtype=torch.float32)  # the cache is turned off while it is captured
         except LoadError:
             raise
         except Exception as e:
             raise LoadError(f"{folder}: {cls.__name__}.from_pretrained failed: {type(e).__name__}: {str(e)[:300]}",
                             "check that the folder is complete (config.json and every shard)") from e
-    return model.eval(), stored_dtype, bool(config.get("use_cache", True))
+    return model.eval(), stored_dtype, (bool(config["use_cache"]) if "use_cache" in config else None)
 
 
 def companion_files(folder: Path) -> list[Path]:

@@ -67,7 +67,8 @@ def as_native(grown: fx.GraphModule, original: nn.Module, stored_dtype: torch.dt
             config.tie_word_embeddings = False  # the growth gave them different new rows: they are two tensors now
     if use_cache is None:  # the original's own setting (capture turns it off only while it captures)
         use_cache = getattr(original.config, "use_cache", None)
-    config.use_cache = True if use_cache is None else bool(use_cache)
+    if use_cache is not None or hasattr(config, "use_cache"):  # a class without a cache gets no such field
+        config.use_cache = True if use_cache is None else bool(use_cache)
     native = _build(cls, config)
     missing, unexpected = native.load_state_dict({k: v for k, v in grown_state.items() if k in persistent}, strict=False)
     if missing or unexpected:
