@@ -135,7 +135,7 @@ def _with_node(gm: fx.GraphModule, target, args_of) -> fx.GraphModule:
 @pytest.mark.parametrize("target, args_of, named", [
     (torch.ops.aten.as_strided.default, lambda ids: (ids, [1], [1]), "'as_strided.default' (storage: "),  # an ATen class
     # the principle excludes (io/aten_policy.py); ATen ops it allows, such as full_like, are saved
-    (torch.numel, lambda ids: (ids,), "torch.numel"),  # a torch function the closed list lacks
+    (torch.is_tensor, lambda ids: (ids,), "torch.is_tensor"),  # a torch function the closed list lacks, binding no ATen op
     (lambda t: t + 1, lambda ids: (ids,), "a lambda or a local function"),  # nothing a file can name
 ])
 def test_what_cannot_be_read_back_is_refused_at_save_time(target, args_of, named, tmp_path):
