@@ -15,8 +15,8 @@ The new config is solved, not guessed:
 4. Tied input and output embeddings stay tied only when the grown tensors are still equal.
 The class is built from that config, the grown state dict loaded strictly (every parameter name must match: a
 structural change the class cannot express — deepen's inserted block, a branch — is refused naming it), and the
-result checked against the grown graph on the recorded inputs in eval mode (relative error ≤ 1e-5). A model stored
-in bfloat16 or float16 comes back in that dtype (checked in float32 first).
+result checked against the grown graph on the recorded inputs in eval mode (verify.preserve's tolerance). A model
+stored in bfloat16 or float16 comes back in that dtype (checked in float32 first).
 """
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ from typing import Any, Callable
 import torch
 from torch import fx, nn
 
-from ..core.errors import NotApplicable
+from ..core.errors import GraphgrowError, NotApplicable
 from ..graph.graph_meta import input_spec_of
 from ..graph.shapes import example_input
+from ..verify.preserve import compare_outputs
 
-REL_TOL = 1e-5
 _NOT_SIZES = {"vocab_size", "max_position_embeddings", "num_labels", "pad_token_id", "bos_token_id", "eos_token_id",
               "decoder_start_token_id", "sep_token_id", "cls_token_id", "type_vocab_size", "n_positions", "n_ctx",
               "image_size", "patch_size", "num_channels", "max_window_layers", "sliding_window", "chunk_size_feed_forward"}
@@ -367,10 +367,14 @@ def _check(grown: fx.GraphModule, native: nn.Module, cls: type) -> None:
                 got = _main(native(**kwargs))
         finally:
             grown.train(was)
-        err = ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
-        if got.shape != want.shape or not err <= REL_TOL:
+        try:  # the project's one check protocol (verify.preserve): its tolerance, relative and max-abs
+            check = compare_outputs(want, got, "eval")
+        except GraphgrowError as e:
+            raise NotApplicable(f"{cls.__name__} with the solved config gives another output shape than the grown "
+                                f"graph ({e.message})", "keep the GraphModule") from e
+        if not check.ok:
             raise NotApplicable(f"{cls.__name__} with the solved config does not compute what the grown graph does "
-                                f"(relative error {err:.3g} at batch {batch})", "keep the GraphModule")
+                                f"(relative error {check.rel_err:.3g} at batch {batch})", "keep the GraphModule")
 
 
 def _main(out: Any) -> torch.Tensor:

@@ -18,11 +18,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..core.errors import NotApplicable
+from ..core.errors import GraphgrowError, NotApplicable
 from ..graph.graph_meta import input_spec_of
 from ..graph.shapes import example_input
-
-REL_TOL = 1e-5
+from ..verify.preserve import compare_outputs
 
 
 def resized_copy(grown: fx.GraphModule, original: nn.Module) -> nn.Module:
@@ -135,26 +134,24 @@ def _compare(grown: fx.GraphModule, native: nn.Module, spec: Any) -> None:
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
-                want = _first(grown(**x) if isinstance(x, dict) else grown(x))
+                want = grown(**x) if isinstance(x, dict) else grown(x)
                 torch.manual_seed(0)
-                got = _first(native(**x) if isinstance(x, dict) else native(x))
+                got = native(**x) if isinstance(x, dict) else native(x)
         except Exception as e:  # noqa: BLE001 - the class's forward refuses the grown sizes
             raise NotApplicable(f"{type(native).__name__} with the grown layers does not run: {type(e).__name__}: "
                                 f"{' '.join(str(e).split())[:200]}", "keep the GraphModule") from e
         finally:
             grown.train(was_g)
             native.train(was_n)
-        err = ((got - want).norm() / want.norm().clamp_min(1e-12)).item() if got.shape == want.shape else float("inf")
-        if not err <= REL_TOL:
+        mode = "train" if train else "eval"
+        try:  # the project's one check protocol (verify.preserve): every output tensor, its tolerance
+            check = compare_outputs(want, got, mode)
+        except GraphgrowError as e:
+            raise NotApplicable(f"{type(native).__name__} with the grown layers gives other outputs than the grown "
+                                f"graph ({e.message})", "keep the GraphModule") from e
+        if not check.ok:
             raise NotApplicable(f"{type(native).__name__} with the grown layers does not compute what the grown graph "
-                                f"does in {'train' if train else 'eval'} mode (relative error {err:.3g}): its forward "
-                                "holds a size the layers do not", "keep the GraphModule")
+                                f"does in {mode} mode (relative error {check.rel_err:.3g}): its forward holds a size "
+                                "the layers do not", "keep the GraphModule")
     native.train(grown.training)
 
-
-def _first(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, dict):
-        return next(v for v in out.values() if isinstance(v, torch.Tensor))
-    return next(v for v in out if isinstance(v, torch.Tensor))
