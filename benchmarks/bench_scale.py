@@ -1,7 +1,7 @@
 """How graph-side costs scale with graph size: synthetic residual chains of about 1,000, 4,000 and
 12,000 fx nodes (tiny 1×1 convs on a 4×4 map, so tensor arithmetic is negligible and what is
 measured is graphgrow's own work), time per node of trace (with its fidelity check), one pass
-(deepen, default target) and that pass's verification. DESIGN §9's target: the per-node cost at
+(deepen, default target) and that pass's verification. architecture.md §9's target: the per-node cost at
 12,000 nodes within 1.5× of that at 1,000.
 
 And the other way (issue 27): small models at 32×32, as growth during training meets them —

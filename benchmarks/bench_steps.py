@@ -1,7 +1,7 @@
 """What graphgrow's own steps cost on torchvision models (random weights, 1×3×224×224, one thread).
 
 - per pass, default target: pass + verification ÷ one forward of the grown model at the
-  verification batch (DESIGN §9, target ≤ 8). The model is traced first, as every job does;
+  verification batch (architecture.md §9, target ≤ 8). The model is traced first, as every job does;
   the trace's fidelity check leaves the reference outputs that verification compares against.
   The note counts what one pass runs on real tensors (counted once, outside the timed rounds):
   forwards of a traced model by mode and batch, and backward passes.

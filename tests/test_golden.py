@@ -1,4 +1,4 @@
-"""A golden printout per pass (DESIGN §8): the pass's report and the graph's code before → after as a
+"""A golden printout per pass (architecture.md §8): the pass's report and the graph's code before → after as a
 diff, on the small CNN, compared exactly. A change in what a pass builds shows up here as a reviewable
 diff; after reviewing it, regenerate with GRAPHGROW_UPDATE_GOLDEN=1."""
 from __future__ import annotations

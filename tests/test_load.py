@@ -1,4 +1,4 @@
-"""Model files (DESIGN §7): safe loading, refusing code, graphgrow's own format, atomic writes."""
+"""Model files (architecture.md §7): safe loading, refusing code, graphgrow's own format, atomic writes."""
 from __future__ import annotations
 
 import io

@@ -1,5 +1,5 @@
 """Static checks run with the tests, so CI enforces them: ruff (pyflakes, bugbear, banned imports for
-DESIGN §2's boundaries) over the whole tree, mypy over the package (configured in pyproject.toml), the
+architecture.md §2's boundaries) over the whole tree, mypy over the package (configured in pyproject.toml), the
 pass author's API as the only way passes reach the core (the docs' generated parts: tests/test_docs.py)."""
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_every_built_in_pass_argument_has_help():
     ("passes/fold/rules/relus.py", "import onnxruntime\n"),  # a pass package's own modules are checked too
 ])
 def test_the_layout_boundaries_are_enforced_by_ruff(where, code):
-    """DESIGN §2: one module owns onnxruntime, one torch.onnx; the core never imports a pass; Ray stays in search/."""
+    """architecture.md §2: one module owns onnxruntime, one torch.onnx; the core never imports a pass; Ray stays in search/."""
     proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--stdin-filename", where, "-"],
                           cwd=ROOT, input=code, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "TID251" in proc.stdout, proc.stdout + proc.stderr

@@ -1,4 +1,4 @@
-"""Names read from a file are data, never code (DESIGN §10: no stored string reaches generated code).
+"""Names read from a file are data, never code (architecture.md §10: no stored string reaches generated code).
 
 torch.fx turns a graph into Python source and runs it: placeholder targets become the
 forward's parameters, node names become variables, module and attribute paths become

@@ -1,4 +1,4 @@
-"""What a model name may call (DESIGN §7): `package.module:factory` imports installed code, so a name calls
+"""What a model name may call (architecture.md §7): `package.module:factory` imports installed code, so a name calls
 only a model's code — an nn.Module subclass, a zoo's registered builder (routed through zoo.py), or a function
 or class of the user's own code. Everything an installed library offers otherwise is refused (an allow-list).
 """

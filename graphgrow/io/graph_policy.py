@@ -1,4 +1,4 @@
-"""What a graph read from a file may do: a closed, audited list (DESIGN §7, "a stored graph is code").
+"""What a graph read from a file may do: a closed, audited list (architecture.md §7, "a stored graph is code").
 
 A graphgrow file stores its graph as data; shape propagation and every later step run
 it. So before any of it runs, every node is checked against exact lists:

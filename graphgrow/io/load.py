@@ -1,4 +1,4 @@
-"""Read model files safely (DESIGN §7): files written by torch.save, graphgrow's own files, and models built from names.
+"""Read model files safely (architecture.md §7): files written by torch.save, graphgrow's own files, and models built from names.
 
 A model file is untrusted input: it is read with torch.load(weights_only=True) and
 only torch.nn's own layer classes allow-listed, so loading runs no code from the

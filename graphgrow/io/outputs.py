@@ -1,4 +1,4 @@
-"""How outputs reach the disk (DESIGN §7): staging files, renames that a signal cannot split, and
+"""How outputs reach the disk (architecture.md §7): staging files, renames that a signal cannot split, and
 write errors as one-line refusals.
 
 Every output is written to a hidden staging file beside it and renamed into place. A staging

@@ -1,4 +1,4 @@
-"""Function-preserving initialisers shared by passes (DESIGN §4: the zero last factor)."""
+"""Function-preserving initialisers shared by passes (architecture.md §4: the zero last factor)."""
 from __future__ import annotations
 
 import math

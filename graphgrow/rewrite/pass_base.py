@@ -1,4 +1,4 @@
-"""The pass contract (DESIGN §3): frozen dataclass passes, PassResult, verify after each."""
+"""The pass contract (architecture.md §3): frozen dataclass passes, PassResult, verify after each."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""torch vs onnxruntime: seeded inputs (one at another batch size), DESIGN §5 tolerances, a report.
+"""torch vs onnxruntime: seeded inputs (one at another batch size), architecture.md §5 tolerances, a report.
 
 With an input spec (named inputs, dtypes) the inputs are fed by name, every output leaf is compared
 with the ONNX output of the same name (io/onnx_spec.py names them), and a model whose ONNX sequence

@@ -1,4 +1,4 @@
-"""Function preservation and trainability checks (torch vs torch), DESIGN §4–§5.
+"""Function preservation and trainability checks (torch vs torch), architecture.md §4–5.
 
 Preservation: ‖new − old‖/‖old‖ ≤ 1e-5 and max|Δ| ≤ 1e-5·max|old| on seeded random
 inputs, in eval and in train mode (same dropout draws, buffers restored afterwards).
@@ -249,7 +249,7 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                             raise PreservationError(
                                 "no new parameter gets a gradient at insertion although the layers before it do: "
                                 "the new contribution is dead",
-                                "the last factor of a new path must be zero and the others non-zero (DESIGN §4)",
+                                "the last factor of a new path must be zero and the others non-zero (docs/architecture.md §4)",
                             )
                         train_all = True  # the model blocks its own gradient at first: train everything
                         last_step += 1  # step 0 only watched the new parameters; give the full budget

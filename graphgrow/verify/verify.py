@@ -104,7 +104,7 @@ def _verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Shape, seed: 
                                 "grow at another place, or train the model first")
         raise PreservationError(
             f"new parameters get no gradient after 3 SGD steps, in train or eval mode: {', '.join(dead)}",
-            "never zero both the incoming and the outgoing weights of new units (DESIGN §4)",
+            "never zero both the incoming and the outgoing weights of new units (docs/architecture.md §4)",
         )
     # the next pass of a pipeline compares against exactly these outputs (the models are as they were when computed)
     remember(old, "eval", x, old_eval)

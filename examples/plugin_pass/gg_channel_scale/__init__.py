@@ -1,6 +1,6 @@
 """channel_scale: multiply a feature map by (1 + s) per channel, with s learnable and starting at 0.
 
-Exact when inserted (s = 0), and s gets a gradient at once: the zero last factor of DESIGN §4.
+Exact when inserted (s = 0), and s gets a gradient at once: the zero last factor of architecture.md §4.
 Uses only graphgrow's public API: graphgrow (Pass, arg, NotApplicable, Candidate) and graphgrow.rewrite.
 """
 from __future__ import annotations
