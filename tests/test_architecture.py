@@ -24,8 +24,8 @@ LAYERS = [
     "graph",     # the traced model as data: metadata, editing nodes, shapes, graphgrow's own layers
     "io",        # models in and out: files, names, safe formats, outputs, lineage, ONNX, onnxruntime
     "analysis",  # what a graph allows: channel coupling, stages and places (Candidate), budgets
-    "verify",    # a change proven: reference outputs, preservation, the check after a pass, equivalence
-    "capture",   # nn.Module → GraphModule, checked (fidelity uses verify's reference outputs)
+    "capture",   # nn.Module → GraphModule, checked against the module (core.protocol's comparison)
+    "verify",    # a change proven: preservation, the check after a pass, equivalence
     "rewrite",   # the pass contract, growth over coupling groups, initialisers; the pass author's API
     "jobs",      # registry, pipeline, workflow: what a user runs, as functions
     "search",    # population-based growth on Ray Tune, over the jobs
@@ -113,6 +113,36 @@ def test_the_layer_check_finds_an_upward_import(tmp_path, monkeypatch):
     (tmp_path / "graphgrow" / "io" / "b.py").write_text("from ..core import a\nx = 1\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert upward_imports(import_graph()) == ["graphgrow.core.a (core) imports graphgrow.io.b (io)"]
+
+
+def test_capture_never_imports_verify():
+    """One check protocol (core.protocol) serves capture's fidelity and verification: capture takes nothing from
+    verify, directly or through another module it imports."""
+    g = import_graph()
+    capture = [m for m in g.nodes if m.startswith("graphgrow.capture.")]
+    assert len(capture) > 5  # the reader sees capture's modules (a broken reader would pass vacuously)
+    reached = {b for m in capture for b in nx.descendants(g, m)}
+    bad = sorted(b for b in reached if b.startswith("graphgrow.verify"))
+    assert not bad, f"capture reaches verify through its imports: {bad}"
+    assert LAYERS.index("capture") < LAYERS.index("verify")
+
+
+def test_the_capture_rule_sees_an_import_of_verify(tmp_path, monkeypatch):
+    """The check can fail: a capture module importing verify lazily, through a helper of its own."""
+    for pkg in ("capture", "verify"):
+        (tmp_path / "graphgrow" / pkg).mkdir(parents=True)
+        (tmp_path / "graphgrow" / pkg / "__init__.py").write_text("")
+    (tmp_path / "graphgrow" / "__init__.py").write_text("")
+    for i in range(5):
+        (tmp_path / "graphgrow" / "capture" / f"m{i}.py").write_text("")
+    (tmp_path / "graphgrow" / "capture" / "a.py").write_text("from . import b\n")
+    (tmp_path / "graphgrow" / "capture" / "b.py").write_text("def f():\n    from ..verify.c import x\n")
+    (tmp_path / "graphgrow" / "verify" / "c.py").write_text("x = 1\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    import pytest
+
+    with pytest.raises(AssertionError, match=r"graphgrow\.verify\.c"):
+        test_capture_never_imports_verify()
 
 
 def test_each_layer_says_its_job_and_what_it_may_import():

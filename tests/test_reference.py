@@ -1,11 +1,11 @@
-"""Outputs kept between verifications (graphgrow.verify.reference): reused only while the model is unchanged."""
+"""Outputs kept between verifications (graphgrow.graph.reference): reused only while the model is unchanged."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.verify import reference
+from graphgrow.graph import reference
 from graphgrow.verify import verify as verify_module
 from graphgrow.verify.preserve import eval_forward
 from graphgrow.graph.shapes import example_input

@@ -18,9 +18,11 @@ from conftest import mlp, small_cnn
 from graphgrow.graph.graph_meta import META_KEY
 from graphgrow.graph.shapes import example_input
 from graphgrow.rewrite import Rewrite, add_module, copy_graph_module, finish, inserting_after, replace_uses
-from graphgrow.verify import reference, zero_factor
-from graphgrow.verify.preserve import TRAIN_PROTOCOL, train_forward
-from graphgrow.verify.threads import check_threads
+from graphgrow.graph import reference
+from graphgrow.verify import zero_factor
+from graphgrow.core.protocol import TRAIN_PROTOCOL
+from graphgrow.verify.preserve import train_forward
+from graphgrow.core.threads import check_threads
 
 SHAPE = (1, 3, 32, 32)
 PASSES = ("grow_width", "insert_adapter", "add_residual", "add_branch", "deepen")

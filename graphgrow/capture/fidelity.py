@@ -11,20 +11,16 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten, tree_structure
+from torch.utils._pytree import tree_structure
 
 from ..core.errors import first_line, InputError, TraceError
-from ..verify.preserve import TRAIN_PROTOCOL
-from ..verify.reference import remember
-from ..verify.threads import check_threads
+from ..core.protocol import BATCHES, TRAIN_PROTOCOL, flat_tensors, measure
+from ..core.threads import check_threads
+from ..graph.reference import remember
 from ..graph.shapes import example_input
 from ..core.state import dropout_off, preserved_buffers, seeded, training_mode
 from ..graph.graph_meta import graph_info, scope_of
 from ..graph.inputs import call, is_spec, positional, Shape
-
-REL_TOL = 1e-5
-BATCHES = (2, 3)
-
 
 def _run(m: nn.Module, x: Any, mode: str, seed: int) -> Any:
     with torch.no_grad(), training_mode(m, mode == "train"), preserved_buffers(m), seeded(seed):
@@ -35,14 +31,12 @@ def _shown(shape: Shape) -> str:
     return ", ".join(f"{t.name}:{list(t.shape)}:{t.dtype}" for t in shape) if is_spec(shape) else str(tuple(shape))  # type: ignore[union-attr]
 
 
-def _tensors(out: Any) -> list[torch.Tensor]:
-    flat, _ = tree_flatten(out)
-    return [t for t in flat if isinstance(t, torch.Tensor)]
-
-
-def _difference(ref: Any, got: Any) -> str | None:
-    """None when `got` matches `ref` (structure, shapes, dtypes, values within REL_TOL); else what differs."""
-    a, b = _tensors(ref), _tensors(got)
+def _difference(ref: Any, got: Any, mode: str = "eval") -> str | None:
+    """None when `got` matches `ref` (structure, shapes, dtypes, values within the check protocol's tolerance);
+    else what differs. Each output tensor is measured on its own (core.protocol.measure), to name the first that
+    differs; dtypes, integer outputs and NaN where the model gives NaN are checked here too (a trace must keep
+    them, which preservation's comparison of a graph with its own growth need not ask)."""
+    a, b = flat_tensors(ref), flat_tensors(got)
     if len(a) != len(b):
         return f"{len(a)} output tensors in the model, {len(b)} in the graph"
     for i, (x, y) in enumerate(zip(a, b)):
@@ -57,15 +51,12 @@ def _difference(ref: Any, got: Any) -> str | None:
         xd, yd = x.detach().double(), y.detach().double()
         both_nan = torch.isnan(xd) & torch.isnan(yd)
         xd, yd = torch.where(both_nan, 0.0, xd), torch.where(both_nan, 0.0, yd)
-        diff = (xd - yd).abs()
-        if not torch.isfinite(diff).all() and not torch.equal(xd, yd):
+        if not torch.isfinite(yd - xd).all() and not torch.equal(xd, yd):
             return f"output {i} has NaN/Inf in one and not the other"
-        scale = xd.abs().max().item() if xd.numel() else 0.0
-        norm = xd.norm().item()
-        max_abs = diff.max().item() if diff.numel() else 0.0
-        rel = (xd - yd).norm().item() / norm if norm > 0 else (0.0 if max_abs == 0 else float("inf"))
-        if rel > REL_TOL or max_abs > REL_TOL * max(scale, 1e-30):
-            return f"output {i} differs: relative error {rel:.3g}, max |Δ| {max_abs:.3g} (max |out| {scale:.3g})"
+        check = measure(xd, yd, mode)
+        if not check.fp32_ok:
+            return (f"output {i} differs: relative error {check.rel_err:.3g}, max |Δ| {check.max_abs_err:.3g} "
+                    f"(max |out| {check.max_abs_ref:.3g})")
     return None
 
 
@@ -77,7 +68,7 @@ def check_fidelity(model: nn.Module, gm: fx.GraphModule, input_shape: Shape, see
     `self.training` was traced in one mode: in the other mode a different output
     *structure* (auxiliary heads) is expected and noted; different values are not.
     Returns the fidelity report, also stored in the trace report. A small model is checked with one
-    intra-op thread (verify.threads).
+    intra-op thread (core.threads).
     """
     with check_threads(model, input_shape):
         return _check(model, gm, input_shape, seed)
@@ -105,17 +96,17 @@ def _check(model: nn.Module, gm: fx.GraphModule, input_shape: Shape, seed: int) 
                 raise TraceError(f"the traced graph of {name} fails in {mode} mode at batch {batch} where the model runs: "
                                  f"{first_line(e)}",
                                  "mark the submodule involved as a leaf with --leaf MODULE") from e
-            diff = _difference(ref, got)
+            diff = _difference(ref, got, mode)
             if diff is None:
                 checked.append(f"{mode}@{batch}")
                 if batch == BATCHES[0]:
                     kept[mode] = (x, got)
                 continue
             if top_dependent and mode != traced_mode:
-                if tree_structure(ref) != tree_structure(got) or len(_tensors(ref)) != len(_tensors(got)):
+                if tree_structure(ref) != tree_structure(got) or len(flat_tensors(ref)) != len(flat_tensors(got)):
                     report.setdefault("notes", []).append(
-                        f"in {mode} mode {name} returns {len(_tensors(ref))} output tensors; the graph keeps the "
-                        f"{traced_mode}-mode outputs ({len(_tensors(got))})")
+                        f"in {mode} mode {name} returns {len(flat_tensors(ref))} output tensors; the graph keeps the "
+                        f"{traced_mode}-mode outputs ({len(flat_tensors(got))})")
                     break
                 raise TraceError(
                     f"the top-level forward of {name} branches on self.training and computes differently in {mode} "
@@ -183,7 +174,7 @@ def locate_divergence(model: nn.Module, gm: fx.GraphModule, x: Any, mode: str, s
         got = values.get(node_of[path])
         if got is None:
             continue
-        diff = _difference(out, got)
+        diff = _difference(out, got, mode)
         if diff is not None:
             cls = type(model.get_submodule(path)).__name__
             why = " (it reads self.training)" if path in reads else ""

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..core.errors import first_line, ValidationError
+from ..core.protocol import BATCHES
 from ..core.state import module_device, module_dtype, training_mode
 from .inputs import batch_of, is_spec, positional, Shape, spec_inputs
 
@@ -164,7 +165,7 @@ def total_flops(gm: fx.GraphModule) -> int:
     return sum(n.meta.get("gg_flops", 0) for n in gm.graph.nodes)
 
 
-def validate_batch_sizes(gm: fx.GraphModule, input_shape: Shape, batches=(2, 3), first: ShapeRun | None = None,
+def validate_batch_sizes(gm: fx.GraphModule, input_shape: Shape, batches=BATCHES, first: ShapeRun | None = None,
                          first_input: Any = None, second: ShapeRun | None = None) -> None:
     """Run at two batch sizes and refuse a graph that bakes in the batch size.
 

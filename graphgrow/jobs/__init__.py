@@ -3,5 +3,5 @@ verification (pipeline), the CLI's jobs as functions returning plain data (workf
 change (diagram), an optimiser carried across a growth event (optim); growth inside data-parallel training
 jobs (distributed: the public face; ddp, replicas, checkpoint, and lightning_callback, which alone imports Lightning).
 
-May import: core, graph, io, analysis, verify, capture, rewrite.
+May import: core, graph, io, analysis, capture, verify, rewrite.
 """

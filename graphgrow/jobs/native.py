@@ -15,7 +15,7 @@ The new config is solved, not guessed:
 4. Tied input and output embeddings stay tied only when the grown tensors are still equal.
 The class is built from that config, the grown state dict loaded strictly (every parameter name must match: a
 structural change the class cannot express — deepen's inserted block, a branch — is refused naming it), and the
-result checked against the grown graph on the recorded inputs in eval mode (verify.preserve's tolerance). A model
+result checked against the grown graph on the recorded inputs in eval mode (core.protocol's tolerance). A model
 stored in bfloat16 or float16 comes back in that dtype (checked in float32 first).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import fx, nn
 from ..core.errors import GraphgrowError, NotApplicable
 from ..graph.graph_meta import input_spec_of
 from ..graph.shapes import example_input
-from ..verify.preserve import compare_outputs
+from ..core.protocol import compare_outputs
 
 _NOT_SIZES = {"vocab_size", "max_position_embeddings", "num_labels", "pad_token_id", "bos_token_id", "eos_token_id",
               "decoder_start_token_id", "sep_token_id", "cls_token_id", "type_vocab_size", "n_positions", "n_ctx",
@@ -367,7 +367,7 @@ def _check(grown: fx.GraphModule, native: nn.Module, cls: type) -> None:
                 got = _main(native(**kwargs))
         finally:
             grown.train(was)
-        try:  # the project's one check protocol (verify.preserve): its tolerance, relative and max-abs
+        try:  # the project's one check protocol (core.protocol): its tolerance, relative and max-abs
             check = compare_outputs(want, got, "eval")
         except GraphgrowError as e:
             raise NotApplicable(f"{cls.__name__} with the solved config gives another output shape than the grown "

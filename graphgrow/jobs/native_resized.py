@@ -21,7 +21,7 @@ from torch import fx, nn
 from ..core.errors import GraphgrowError, NotApplicable
 from ..graph.graph_meta import input_spec_of
 from ..graph.shapes import example_input
-from ..verify.preserve import compare_outputs
+from ..core.protocol import compare_outputs
 
 
 def resized_copy(grown: fx.GraphModule, original: nn.Module) -> nn.Module:
@@ -144,7 +144,7 @@ def _compare(grown: fx.GraphModule, native: nn.Module, spec: Any) -> None:
             grown.train(was_g)
             native.train(was_n)
         mode = "train" if train else "eval"
-        try:  # the project's one check protocol (verify.preserve): every output tensor, its tolerance
+        try:  # the project's one check protocol (core.protocol): every output tensor, its tolerance
             check = compare_outputs(want, got, mode)
         except GraphgrowError as e:
             raise NotApplicable(f"{type(native).__name__} with the grown layers gives other outputs than the grown "

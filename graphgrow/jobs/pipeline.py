@@ -15,7 +15,7 @@ from ..core.errors import GraphgrowError, InputError, SpecError, with_context
 from ..graph.graph_meta import input_spec_of
 from ..rewrite.pass_base import Pass, PassResult, require_traced
 from .registry import get_pass
-from ..verify.threads import check_threads
+from ..core.threads import check_threads
 
 
 def _split_top(text: str, sep: str = ",") -> list[str]:
@@ -290,7 +290,7 @@ class Pipeline:
                 progress(i, p)
             seed = self.seeds[i] if self.seeds is not None else self.seed + i
             try:
-                with check_threads(current, _example_shape(current)):  # a small model: one thread (verify.threads)
+                with check_threads(current, _example_shape(current)):  # a small model: one thread (core.threads)
                     # a model the pipeline made itself shares what the next pass leaves alone; the caller's model only
                     # when asked (training the result would move its weights too)
                     r = p(current, verify_result=self.verify, seed=seed, limits=self.limits, share=self.share or i > 0)

@@ -1,6 +1,6 @@
 """rewrite: the pass layer — the pass contract (pass_base: Pass, arg, PassResult; verify after each), growth
 over coupling's groups (widen), function-preserving initialisers (initializers). May import:
-core, graph, io, analysis, verify, capture.
+core, graph, io, analysis, capture, verify.
 
 This package is the pass author's API: everything a pass (built-in or plugin) needs to rewrite a graph, in one place.
 

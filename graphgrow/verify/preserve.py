@@ -1,7 +1,8 @@
 """Function preservation and trainability checks (torch vs torch), architecture.md §4–5.
 
-Preservation: ‖new − old‖/‖old‖ ≤ 1e-5 and max|Δ| ≤ 1e-5·max|old| on seeded random
-inputs, in eval and in train mode (same dropout draws, buffers restored afterwards).
+Preservation: the check protocol's comparison (core.protocol: ‖new − old‖/‖old‖ ≤ 1e-5 and
+max|Δ| ≤ 1e-5·max|old|) on seeded random inputs, in eval and in train mode (same dropout draws,
+buffers restored afterwards).
 Trainability: the new parameters get a non-zero gradient at once (the zero last
 factor) and every one of them within two SGD steps on a random batch.
 """
@@ -13,36 +14,15 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
-from ..core.errors import NotApplicable, PreservationError, ValidationError
+from ..core.errors import NotApplicable, PreservationError
+from ..core.protocol import ModeCheck, compare_outputs, flat_tensors
 from ..graph.shapes import example_input
 from ..graph.inputs import Shape, call
 from ..core.state import dropout_off, preserved_buffers, seeded, training_mode
 from . import gradient_sink
 from .gradient_sink import gradient_bytes, GradientSink, restore_rng, rng_state
 from .zero_factor import ZeroFactors, new_region as _new_region
-
-REL_TOL = 1e-5
-
-
-@dataclass
-class ModeCheck:
-    mode: str
-    rel_err: float
-    max_abs_err: float
-    max_abs_ref: float
-    fp64_rel_err: float | None = None  # set when the fp32 comparison missed and float64 was asked
-    fp64_ok: bool | None = None
-
-    @property
-    def fp32_ok(self) -> bool:
-        return self.rel_err <= REL_TOL and self.max_abs_err <= REL_TOL * max(self.max_abs_ref, 1e-30)
-
-    @property
-    def ok(self) -> bool:
-        return self.fp32_ok or bool(self.fp64_ok)
-
 
 @dataclass
 class PreservationReport:
@@ -79,32 +59,6 @@ class PreservationReport:
         }
 
 
-def flat_tensors(out: Any) -> list[torch.Tensor]:
-    flat, _ = tree_flatten(out)
-    return [t for t in flat if isinstance(t, torch.Tensor)]
-
-
-def compare_outputs(old_out: Any, new_out: Any, mode: str) -> ModeCheck:
-    a, b = flat_tensors(old_out), flat_tensors(new_out)
-    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
-        raise PreservationError(
-            f"{mode}-mode outputs changed structure: {[tuple(t.shape) for t in a]} → {[tuple(t.shape) for t in b]}"
-        )
-    old = torch.cat([t.detach().double().flatten() for t in a]) if a else torch.zeros(1, dtype=torch.float64)
-    new = torch.cat([t.detach().double().flatten() for t in b]) if b else torch.zeros(1, dtype=torch.float64)
-    if not torch.isfinite(old).all():
-        raise ValidationError(
-            f"the model's own {mode}-mode output has NaN or Inf before the pass",
-            "check the weights for NaN/Inf (graphgrow inspect shows them) and fix them first",
-        )
-    diff = new - old
-    norm = old.norm().item()
-    rel = diff.norm().item() / norm if norm > 0 else (0.0 if diff.norm().item() == 0 else float("inf"))
-    if not torch.isfinite(new).all():
-        rel = float("inf")
-    return ModeCheck(mode, rel, diff.abs().max().item(), old.abs().max().item())
-
-
 def compare_mode(old: nn.Module, new: nn.Module, x: torch.Tensor, mode: str, seed: int, old_out: Any, new_out: Any) -> ModeCheck:
     """Compare two outputs of one mode (neither model is changed).
 
@@ -133,11 +87,9 @@ def eval_forward(m: nn.Module, x: torch.Tensor):
         return call(m, x)
 
 
-TRAIN_PROTOCOL = "train, dropout off, seeded"  # how train_forward runs (a name for reference.remember)
-
-
 def train_forward(m: nn.Module, x: torch.Tensor, seed: int):
-    """`m`'s train-mode output on `x`: dropout off, global RNG seeded, buffers restored afterwards; no gradient."""
+    """`m`'s train-mode output on `x`: dropout off, global RNG seeded, buffers restored afterwards; no gradient
+    (core.protocol.TRAIN_PROTOCOL names this run)."""
     with torch.no_grad(), training_mode(m, True), dropout_off(m), preserved_buffers(m), seeded(seed):
         return call(m, x)
 

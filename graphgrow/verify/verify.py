@@ -7,19 +7,17 @@ import torch
 from torch import fx
 
 from ..core.errors import NotApplicable, PreservationError, ValidationError
+from ..core.protocol import BATCHES, TRAIN_PROTOCOL, ModeCheck, flat_tensors
+from ..core.threads import check_threads
 from .preserve import (
-    TRAIN_PROTOCOL, ModeCheck, PreservationReport, check_trainability, compare_mode, eval_forward, flat_tensors, owner_calls,
-    reads_old, refuse_if_silent, train_forward,
+    PreservationReport, check_trainability, compare_mode, eval_forward, owner_calls, reads_old, refuse_if_silent,
+    train_forward,
 )
-from .reference import recall, remember
-from .threads import check_threads
+from ..graph.reference import recall, remember
 from ..graph.fx_edit import new_parameters, upstream_parameters
 from ..graph.shapes import ShapeRun, example_input, first_examples, run_recording, same_inputs, validate_batch_sizes
 from ..graph.inputs import Shape, batch_of, positional
 from ..core.state import dropout_off, preserved_buffers, training_mode
-
-BATCHES = (2, 3)  # two sizes: a batch size baked into a view/reshape shows up
-
 
 def annotation_input(new: fx.GraphModule, input_shape: Shape, seed: int = 0) -> Any:
     """What `shapes.annotate` should run the grown model on so that verification can reuse the run as its second
@@ -37,7 +35,7 @@ def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Shape, seed: i
 
     `exact=False` (a pass that changes the function on purpose) measures the change without refusing it.
     `eval_only=True` (a deployment transform such as fold) checks eval mode only, and no trainability.
-    A small model is checked with one intra-op thread (threads.check_threads). `example_run`: annotate's run of
+    A small model is checked with one intra-op thread (core.threads.check_threads). `example_run`: annotate's run of
     `new` in eval mode on annotation_input's examples, reused as the second batch size (instead of BATCHES[1]).
     """
     with check_threads(new, input_shape):

@@ -1,0 +1,93 @@
+"""The check protocol: one tolerance, the check batch sizes, one output comparison.
+
+Every check that says "this module computes what that one computes" in torch — the trace's fidelity
+(capture), a pass's preservation (verify), the batch-size check (graph.shapes), the native model's
+check (jobs) — reads its numbers from here, so they cannot drift apart:
+
+- REL_TOL: outputs agree when ‖new − old‖/‖old‖ ≤ REL_TOL and max|Δ| ≤ REL_TOL·max|old| (measured in float64).
+- BATCHES: the two batch sizes of a check; a batch size baked into a view/reshape shows up between them. The
+  first is the check input's batch (the reference outputs are kept for it, graph.reference).
+- TRAIN_PROTOCOL: how a train-mode check runs (dropout off, RNG seeded); its name keys kept outputs.
+
+ONNX export's equivalence (verify.equivalence) is another protocol on purpose: onnxruntime's kernels are not
+torch's, so it compares element by element with per-provider rtol/atol and keeps its own tolerances there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .errors import PreservationError, ValidationError
+
+REL_TOL = 1e-5
+BATCHES = (2, 3)
+TRAIN_PROTOCOL = "train, dropout off, seeded"  # how verify.preserve.train_forward runs (a name for kept outputs)
+
+
+def within_tolerance(rel_err: float, max_abs_err: float, max_abs_ref: float) -> bool:
+    """Whether an error measured by `measure` is within the protocol's tolerance."""
+    return rel_err <= REL_TOL and max_abs_err <= REL_TOL * max(max_abs_ref, 1e-30)
+
+
+@dataclass
+class ModeCheck:
+    mode: str
+    rel_err: float
+    max_abs_err: float
+    max_abs_ref: float
+    fp64_rel_err: float | None = None  # set when the fp32 comparison missed and float64 was asked
+    fp64_ok: bool | None = None
+
+    @property
+    def fp32_ok(self) -> bool:
+        return within_tolerance(self.rel_err, self.max_abs_err, self.max_abs_ref)
+
+    @property
+    def ok(self) -> bool:
+        return self.fp32_ok or bool(self.fp64_ok)
+
+
+def flat_tensors(out: Any) -> list[torch.Tensor]:
+    """Every tensor of an output (a tensor, tuple, dict, dataclass of tensors), in pytree order."""
+    flat, _ = tree_flatten(out)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def measure(old: torch.Tensor, new: torch.Tensor, mode: str) -> ModeCheck:
+    """The relative and max-abs error of `new` against `old` (same shape), in float64.
+
+    Equal tensors measure 0 (also where both hold the same Inf); a non-finite value in `new` otherwise makes the
+    relative error infinite."""
+    old, new = old.detach().double(), new.detach().double()
+    max_ref = old.abs().max().item() if old.numel() else 0.0
+    if torch.equal(old, new):
+        return ModeCheck(mode, 0.0, 0.0, max_ref)
+    diff = new - old
+    norm = old.norm().item()
+    rel = diff.norm().item() / norm if norm > 0 else (0.0 if diff.norm().item() == 0 else float("inf"))
+    if not torch.isfinite(new).all():
+        rel = float("inf")
+    return ModeCheck(mode, rel, diff.abs().max().item() if diff.numel() else 0.0, max_ref)
+
+
+def compare_outputs(old_out: Any, new_out: Any, mode: str) -> ModeCheck:
+    """The protocol's comparison: every output tensor of `new_out` against `old_out`'s, measured together.
+
+    A different number or shape of output tensors raises PreservationError; NaN/Inf in the old output
+    raises ValidationError (the comparison would say nothing)."""
+    a, b = flat_tensors(old_out), flat_tensors(new_out)
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        raise PreservationError(
+            f"{mode}-mode outputs changed structure: {[tuple(t.shape) for t in a]} → {[tuple(t.shape) for t in b]}"
+        )
+    old = torch.cat([t.detach().double().flatten() for t in a]) if a else torch.zeros(1, dtype=torch.float64)
+    new = torch.cat([t.detach().double().flatten() for t in b]) if b else torch.zeros(1, dtype=torch.float64)
+    if not torch.isfinite(old).all():
+        raise ValidationError(
+            f"the model's own {mode}-mode output has NaN or Inf before the pass",
+            "check the weights for NaN/Inf (graphgrow inspect shows them) and fix them first",
+        )
+    return measure(old, new, mode)
