@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.graphgrow-installed
 # torch/torchvision pinned to the builds this machine carries (CUDA 13, matches onnxruntime-gpu).
 TORCH  := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test test-quick bench fuzz soak clean search-demo docs sweep
+.PHONY: demo test test-quick lint bench fuzz soak clean search-demo docs sweep
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,9 +27,15 @@ search-demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist load --durations=25
 
-# the edit-test loop: everything but the real-model and export tests
+# the edit-test loop (a few minutes on two cores): the tests marked `fast` (tests/conftest.py says which: no real
+# models, no process or model family per test, no mypy); every module still imported, every pass run once
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist load -m fast
+
+# the static checks tests/test_static.py runs (also a pre-commit hook: .pre-commit-config.yaml)
+lint: $(STAMP)
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m mypy
 
 # one table of every benchmark (BENCH_JSON=path also writes it as JSON); sections: --only steps,fold,scale,gpu,ddp,tp,gpt
 bench: $(STAMP)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,20 @@ from torch import nn
 from graphgrow.graph.layers import AverageMerge
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist, give each of the n workers its share of the cores (and the CLI processes it starts, through
+    OMP_NUM_THREADS): torch's default, every core per process, makes n workers' kernels wait at each other's barriers
+    (core/threads.py measured 4-15× on a busy 2-core machine). A thread count set by the user is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+_share_the_cores()
 
 
 def small_cnn(first: int = 32) -> nn.Sequential:
@@ -118,12 +133,19 @@ def runner():
     return CliRunner()
 
 
+def as_from_a_terminal() -> None:
+    """A child's preexec_fn: SIGINT at its default, as a terminal starts a command. A background launch (`cmd &` in a
+    script, CI runners) starts pytest with SIGINT ignored, and an ignored signal is inherited across exec: the CLI
+    would then rightly ignore a Ctrl-C, and the tests of what a Ctrl-C does would fail for the launcher's reason."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     """The real `graphgrow` process (exit codes and stderr exactly as a user sees them)."""
     full_env = dict(os.environ)
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "graphgrow.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, env=full_env, timeout=600)
+                          cwd=cwd, env=full_env, timeout=600, preexec_fn=as_from_a_terminal)
 
 
 # a small LLaMA (RoPE, RMSNorm, grouped-query attention, SwiGLU) by name, as a user gives it to the CLI
@@ -151,3 +173,21 @@ def grown(model: nn.Module, shape: tuple[int, ...], **kw):
     r = GrowWidth(**kw)(gg.trace(randomize_bn(model), shape))
     assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
     return r
+
+
+# `make test-quick` runs `pytest -m fast`; this is the one place that says what is fast: every test not marked slow
+# (real models, ONNX export of them, whole docs blocks, mypy over the tree) outside the files below, which start a
+# process per test or build a model family per test. tests/test_imports.py keeps every module imported and every
+# pass run in the fast set.
+NOT_FAST_FILES = {
+    "test_hostile.py", "test_hostile_code.py", "test_hostile_outputs.py", "test_hostile_names.py",  # CLI processes:
+    "test_hostile_bounds.py", "test_cli.py", "test_export_names.py", "test_plugin_example.py",  # exit codes, signals
+    "test_distributed.py",  # torchrun jobs
+    "test_hf_pass_matrix.py", "test_zoo_hf.py", "test_hf_cli.py", "test_model_names.py",  # model families × passes
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("slow") is None and item.path.name not in NOT_FAST_FILES:
+            item.add_marker(pytest.mark.fast)

@@ -18,6 +18,7 @@ def test_ruff_finds_nothing():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # a minute on two busy cores: `make lint` runs it in the edit loop
 def test_mypy_finds_nothing():
     proc = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
