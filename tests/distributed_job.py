@@ -136,7 +136,7 @@ def run_grow(out: Path, rank: int, world: int) -> dict:
                 sync_buffers(ddp.module)
                 r["probe_before"] = probe(ddp.module, kind)
                 r["lr_before"] = sched.get_last_lr()
-                g = gg.distributed.grow(ddp, opt, spec, sched, timeout=60)
+                g = gg.distributed.grow(ddp, opt, spec, sched, timeout=300)
                 ddp, opt, sched = g.model, g.optimizer, g.scheduler
                 r["probe_after"] = probe(ddp.module, kind)
                 r["lr_after"] = sched.get_last_lr()
@@ -167,7 +167,7 @@ def disagreements(ddp, opt, sched, rank: int, world: int) -> dict:
     out = {}
     gm, before = ddp.module, fingerprint(ddp.module)
     try:
-        gg.distributed.grow(ddp, opt, "deepen" if rank == 0 else "insert_adapter", sched, timeout=60)
+        gg.distributed.grow(ddp, opt, "deepen" if rank == 0 else "insert_adapter", sched, timeout=300)
     except gg.DistributedError as e:
         out["spec"] = str(e)
     real_run = gg.Pipeline.run
@@ -181,7 +181,7 @@ def disagreements(ddp, opt, sched, rank: int, world: int) -> dict:
     if rank == 1:
         gg.Pipeline.run = perturbed  # type: ignore[method-assign]
     try:
-        gg.distributed.grow(ddp, opt, "deepen", sched, timeout=60)
+        gg.distributed.grow(ddp, opt, "deepen", sched, timeout=300)
     except gg.DistributedError as e:
         out["weights"] = str(e)
     gg.Pipeline.run = real_run  # type: ignore[method-assign]

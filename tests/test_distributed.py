@@ -35,7 +35,7 @@ def torchrun(scenario: str, out: Path, nproc: int = 2) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def finish(proc: subprocess.Popen, timeout: float = 120) -> str:
+def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -157,15 +157,16 @@ def test_a_rank_killed_or_hung_during_growth_gives_the_others_a_clear_error(tmp_
     jobs = {how: _fault_job(how, tmp_path) for how in ("die", "hang")}
     try:
         for how, procs in jobs.items():
-            output = finish(procs[0], timeout=90)
+            output = finish(procs[0], timeout=300)
             report = json.loads((tmp_path / f"{how}-w2-rank0.json").read_text())
             assert report["type"] == "DistributedError", (how, report, output[-2000:])
             assert "not every rank answered" in report["error"] and "resume from the last checkpoint" in report["error"], report
             assert report["model_kept"], how
-            assert report["seconds"] < 4 + 10, (how, report["seconds"])
+            # the 4 s timeout, not the process group's 1800 s; the margin is rank 0's own growth on a busy machine
+            assert report["seconds"] < 4 + 120, (how, report["seconds"])
             if how == "hang":
                 assert report["seconds"] >= 3.5, report  # it waited for the hung rank, up to the timeout
-        assert jobs["die"][1].wait(timeout=30) == -9  # rank 1 did die by SIGKILL, inside the growth step
+        assert jobs["die"][1].wait(timeout=120) == -9  # rank 1 did die by SIGKILL, inside the growth step
     finally:
         for procs in jobs.values():
             for p in procs:

@@ -151,7 +151,7 @@ def test_trace_is_exact_in_both_modes(arch):
     report = gm.meta["graphgrow"]["trace"]
     assert report["capture"] == EXPECTED[arch][0]
     assert report["fidelity"] == ["eval@2", "eval@3", "train@2", "train@3"]
-    assert seconds < 30, f"tracing {arch} took {seconds:.1f} s"
+    assert seconds < 120, f"tracing {arch} took {seconds:.1f} s"  # a few seconds idle: catches minutes, not a busy machine
     inputs = spec_inputs(model, parse_spec(spec), seed=3, batch=2)
     assert _same_function(model, gm, inputs, train=False) <= 1e-5
 

@@ -17,7 +17,7 @@ from graphgrow.io.load import load_model
 from graphgrow.io.save import save_model
 from graphgrow.capture.input_shape import parse_input_shape
 from graphgrow.jobs.workflow import mutate, open_model
-from conftest import ROOT, run_cli, small_cnn
+from conftest import ROOT, as_from_a_terminal, run_cli, small_cnn
 
 READ_ONLY = Path("/sys")  # not writable even for root (the CI user)
 
@@ -708,7 +708,7 @@ def _graphgrow(*args: str, cwd: Path, setup: str = "", fsize_kb: int | None = No
     argv = [sys.executable, "-c", code, *args]
     if fsize_kb is not None:
         argv = ["bash", "-c", f'ulimit -f {fsize_kb}; exec "$0" "$@"', *argv]
-    return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=600)
+    return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=600, preexec_fn=as_from_a_terminal)
 
 
 def _staging(folder: Path) -> list[str]:

@@ -88,7 +88,7 @@ def test_a_default_config_too_large_is_refused_on_the_meta_device_naming_its_par
     with pytest.raises(gg.LoadError, match=r"hf:llama would hold .* MiB of parameters and buffers \(6,607,343,616 parameters; limit"):
         gg.load_model("hf:llama")  # transformers' default LLaMA backbone: 6.6B parameters, 25 GiB in float32
     assert devices == ["meta"]  # sized without storage, never built for real
-    assert time.perf_counter() - start < 10
+    assert time.perf_counter() - start < 60  # building 25 GiB for real would take minutes (or fail); a margin for load
 
 
 def test_without_transformers_the_name_says_how_to_install_it(monkeypatch):
