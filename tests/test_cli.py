@@ -167,9 +167,10 @@ def test_input_sizes_are_never_guessed(tmp_path, cnn_file):
     torch.save(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 9 * 9, 2)), exact)
     nothing = tmp_path / "nothing.pt"
     torch.save(nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(7, 2)), nothing)  # 4·s² is never 7
+    from graphgrow.graph.inputs import plain_spec
     from graphgrow.jobs.workflow import open_model
 
-    assert open_model(str(exact)).input_shape == [1, 1, 9, 9]
+    assert open_model(str(exact)).input_shape == plain_spec([1, 1, 9, 9], "input")  # inferred: a bare shape's spec
     for path, message in [(nothing, "takes 7 features, which no square input gives"),
                           (cnn_file, "takes any image size")]:
         proc = run_cli("mutate", str(path), "--pass", "add_residual")

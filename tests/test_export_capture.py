@@ -13,7 +13,8 @@ from torch.utils._pytree import tree_flatten
 
 from graphgrow.capture.trace import trace
 from graphgrow.core.errors import InputError
-from graphgrow.graph.inputs import parse_spec, spec_inputs, TensorSpec
+from graphgrow.graph.graph_meta import input_spec_of
+from graphgrow.graph.inputs import parse_spec, plain_spec, spec_inputs, TensorSpec
 
 tf = pytest.importorskip("transformers")
 
@@ -123,7 +124,7 @@ def test_vit_falls_back_from_fx_to_export():
     gm = trace(model, (1, 3, 16, 16))
     report = gm.meta["graphgrow"]["trace"]
     assert report["capture"] == "export" and "symbolic tracing failed" in report["notes"][0]
-    assert gm.meta["graphgrow"]["input_shape"] == [1, 3, 16, 16] and "inputs" not in gm.meta["graphgrow"]
+    assert input_spec_of(gm) == plain_spec([1, 3, 16, 16], "pixel_values")  # still a bare shape, named as the forward's input
     assert isinstance(_layer(gm, "vit.embeddings.patch_embeddings.projection"), nn.Conv2d)
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad():

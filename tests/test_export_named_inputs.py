@@ -17,7 +17,7 @@ from torch import nn
 
 import graphgrow as gg
 from graphgrow.core.errors import LoadError
-from graphgrow.graph.inputs import parse_spec
+from graphgrow.graph.inputs import parse_spec, plain_spec
 from graphgrow.io.export import describe_onnx, export_onnx, metadata, onnx_input_shape
 from graphgrow.io.onnx_spec import INPUTS_KEY, name_outputs, named_leaves, read_spec
 from graphgrow.io.runtime import max_ir_version, open_session
@@ -136,7 +136,7 @@ def test_one_float_input_is_exported_as_before(tmp_path):
     assert isinstance(_dims(inp)[0], str) and len(proto.graph.output) == 1 and proto.graph.output[0].name != "output"
     meta = metadata(proto)
     assert json.loads(meta["graphgrow.input_shape"]) == [1, 3, 8, 8] and INPUTS_KEY not in meta
-    assert "graphgrow.dynamic_dims" not in meta and onnx_input_shape(proto) == [1, 3, 8, 8]
+    assert "graphgrow.dynamic_dims" not in meta and onnx_input_shape(proto) == plain_spec([1, 3, 8, 8], "input")
     rep = check_equivalence(gm, open_session(tmp_path / "cnn.onnx", "cpu"), (1, 3, 8, 8))
     assert rep.passed and [o.case for o in rep.outputs] == ["seed 0, batch 1", "seed 1, batch 1", "seed 2, batch 3"]
     assert describe_onnx(str(tmp_path / "cnn.onnx"))["input_shape"] == [1, 3, 8, 8]

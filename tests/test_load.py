@@ -13,6 +13,7 @@ from torch import nn
 import graphgrow as gg
 from graphgrow.io.save import atomic_write, default_output_path, save_model
 from graphgrow.io.load import load_model, standard_layer_classes
+from graphgrow.graph.inputs import plain_spec
 from graphgrow.passes.add_residual import AddResidual
 from conftest import small_cnn
 
@@ -118,7 +119,7 @@ def test_graphgrow_outputs_reload_without_trust_and_keep_the_log(tmp_path, cnn):
     path = save_model(r.gm, tmp_path / "grown.pt")
     loaded = load_model(path)  # weights_only, no trust
     assert loaded.kind == "graphgrow"
-    assert loaded.input_shape == [1, 3, 32, 32]
+    assert loaded.input_shape == plain_spec([1, 3, 32, 32], "input")  # the one input of nn.Sequential's forward
     assert [e["pass"] for e in loaded.log] == ["add_residual"]
     x = torch.randn(3, 3, 32, 32)
     r.gm.eval(), loaded.module.eval()

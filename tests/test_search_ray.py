@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 sys.path.insert(0, str(ROOT / "examples"))
 import digits_task as task  # noqa: E402
 
+from graphgrow.graph.graph_meta import input_shape_of  # noqa: E402
 from graphgrow.jobs.pipeline import from_log  # noqa: E402
 from graphgrow.search import MutationSpace, SearchOptions, search  # noqa: E402
 from graphgrow.search.trial import MODEL_FILE, STATE_FILE  # noqa: E402
@@ -116,4 +117,4 @@ def test_an_interrupted_search_resumes_from_its_checkpoints(tmp_path, local_ray)
         epochs = [r["epoch"] for r in rows]
         assert epochs[-1] == 5, (trial, epochs)
         assert epochs.count(1) == 1, (trial, epochs)  # resumed from checkpoints: no trial started over
-    assert gg.load_model(result.best_path).module.meta["graphgrow"]["input_shape"] == [1, 1, 8, 8]
+    assert input_shape_of(gg.load_model(result.best_path).module) == [1, 1, 8, 8]

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.allocation import AllocationGuard
 from ..io.mode_switch import ModeSwitch
-from ..graph.inputs import batch_of, DTYPES, is_spec, Shape
+from ..graph.inputs import batch_of, DTYPES, InputSpec, is_positional
 from ..core.errors import first_line, InputError, NotApplicable, ValidationError
 from ..graph.fx_edit import new_parameters, upstream_parameters
 from ..graph.shapes import _target_name, annotate, shape_of, state_bytes
@@ -117,9 +117,9 @@ def _fast_shape(gm: fx.GraphModule, n: fx.Node, args: tuple) -> torch.Tensor | N
     return None
 
 
-def estimate_batch(input_shape: Shape) -> int:
+def estimate_batch(input_shape: InputSpec) -> int:
     """The largest batch a command runs the model at: verification's, or the example's own when larger."""
-    return max(VERIFY_BATCH, batch_of(input_shape) if len(input_shape) else 1)
+    return max(VERIFY_BATCH, batch_of(input_shape))
 
 
 class NoEstimate(Exception):
@@ -135,12 +135,12 @@ class NoEstimate(Exception):
         return self.message
 
 
-def activation_bytes(gm: fx.GraphModule, input_shape: Shape, batch: int | None = None) -> int:
+def activation_bytes(gm: fx.GraphModule, input_shape: InputSpec, batch: int | None = None) -> int:
     """Sum of every node's output size on the meta device (an upper bound of what a forward keeps), at `batch`
     (default: estimate_batch). NoEstimate names the node the meta device cannot run."""
     b = estimate_batch(input_shape) if batch is None else batch
     dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
-    specs = [(list(t.shape), DTYPES[t.dtype]) for t in input_shape] if is_spec(input_shape) else [(list(input_shape), None)]
+    specs = [(list(t.shape), DTYPES[t.dtype]) for t in input_shape]
     inputs = [torch.empty([b] + s[1:], device="meta", dtype=dtype if d in (None, torch.float32) else d) for s, d in specs]
     # Tensors a leaf creates without naming a device are made on the meta device too.
     with torch.no_grad(), torch.device("meta"):
@@ -237,7 +237,7 @@ def meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
 LIFT_MEMORY = "lift the limit explicitly with --max-memory none if you trust the model and the input shape"
 
 
-def check_input_memory(gm: fx.GraphModule, input_shape: Sequence[int], max_memory: int | None = None) -> None:
+def check_input_memory(gm: fx.GraphModule, input_shape: InputSpec, max_memory: int | None = None) -> None:
     """Before any real forward: the activations the model needs at the largest batch it will run, estimated on
     the meta device, must stay under the limit (an input shape can ask for any amount of memory). Fails closed:
     a model the meta device cannot run is refused unless the limit was lifted (NO_LIMIT)."""
@@ -248,15 +248,20 @@ def check_input_memory(gm: fx.GraphModule, input_shape: Sequence[int], max_memor
     try:
         needed = activation_bytes(meta_copy(gm), input_shape, batch)
     except NoEstimate as e:
-        raise InputError(f"cannot estimate the model's activation memory on an input of shape {tuple(input_shape)} at "
+        raise InputError(f"cannot estimate the model's activation memory on an input of shape {_shown(input_shape)} at "
                          f"batch {batch} before running it: {e}", _no_estimate_hint(gm, input_shape, batch)) from e
     if needed > limit:
         raise InputError(f"the model needs about {human_bytes(needed)} of activations on an input of shape "
-                         f"{tuple(input_shape)} at batch {batch} (limit {human_bytes(limit)})",
+                         f"{_shown(input_shape)} at batch {batch} (limit {human_bytes(limit)})",
                          "give a smaller --input-shape, or raise the limit with --max-memory SIZE")
 
 
-def _no_estimate_hint(gm: fx.GraphModule, input_shape: Sequence[int], batch: int) -> str:
+def _shown(spec: InputSpec) -> str:
+    """As messages always showed the example input: a bare shape as (1, 3, 32, 32), named inputs as specs."""
+    return str(tuple(spec[0].shape)) if is_positional(spec) else str(tuple(spec))
+
+
+def _no_estimate_hint(gm: fx.GraphModule, input_shape: InputSpec, batch: int) -> str:
     """Say whether the shape or batch is the problem (it runs at batch 1) or the model needs real data."""
     try:
         activation_bytes(meta_copy(gm), input_shape, 1)
@@ -266,7 +271,7 @@ def _no_estimate_hint(gm: fx.GraphModule, input_shape: Sequence[int], batch: int
             "e.g. x.flatten(1) for x.view(1, -1); or " + LIFT_MEMORY)
 
 
-def _refuse_unsized(name: str, grown: fx.GraphModule, input_shape: Shape, batch: int, e: NoEstimate) -> None:
+def _refuse_unsized(name: str, grown: fx.GraphModule, input_shape: InputSpec, batch: int, e: NoEstimate) -> None:
     """The grown model cannot be sized: refuse, saying what the verifier would have (the graph is broken at the
     smallest batch, or bakes in the batch size), without running it for real."""
     try:
@@ -301,7 +306,7 @@ class PassMemory:
                 f"weights, {human_bytes(self.verification)} for verification's gradients")
 
 
-def pass_memory(gm: fx.GraphModule, grown: fx.GraphModule, input_shape: Shape, share: bool = False,
+def pass_memory(gm: fx.GraphModule, grown: fx.GraphModule, input_shape: InputSpec, share: bool = False,
                 activations: int | None = None) -> PassMemory:
     """PassMemory of `grown` made from `gm` (`activations`: already estimated on the meta device; without them
     `grown` must be a meta-device dry run's result). A parameter counts as rebuilt when its name is new
@@ -377,7 +382,7 @@ def on_meta(gm: nn.Module):
             store[key] = t
 
 
-def check_grown(name: str, gm: fx.GraphModule, grown: fx.GraphModule, input_shape: Shape, limits: Limits,
+def check_grown(name: str, gm: fx.GraphModule, grown: fx.GraphModule, input_shape: InputSpec, limits: Limits,
                 share: bool = False) -> None:
     """Before verification runs `grown` (what `name` made from `gm`): NotApplicable past the limits — parameters
     added, or PassMemory.total (new weights, verification's gradients and activations); ValidationError when the
@@ -443,7 +448,7 @@ def check_session_memory(declared: int, max_memory: int | None = None) -> None:
                          "raise the limit with --max-memory SIZE")
 
 
-def estimate_pass(apply: Callable[[fx.GraphModule], fx.GraphModule], gm: fx.GraphModule, input_shape: Shape,
+def estimate_pass(apply: Callable[[fx.GraphModule], fx.GraphModule], gm: fx.GraphModule, input_shape: InputSpec,
                   share: bool = False) -> PassMemory:
     """PassMemory of one pass before it runs (`apply` runs on a meta copy of `gm`): what check_grown will find, for
     planning (the scale benchmark prints it beside the measured peaks)."""

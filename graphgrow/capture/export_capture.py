@@ -22,7 +22,6 @@ computes both modes; any other difference is refused, naming the module.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from dataclasses import replace
 import operator
 import time
@@ -35,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, TreeSpec
 from ..core import codegen
 from ..core.errors import first_line, GraphgrowError, InputError, TraceError
 from ..graph.graph_meta import META_KEY, store_shape
-from ..graph.inputs import DTYPES, first_embedding, InputSpec, is_spec, parse_spec, spec_inputs
+from ..graph.inputs import DTYPES, first_embedding, InputSpec, spec_inputs
 from .aten_table import DROPPED, to_torch
 from .standins import standin, tied_parameters
 
@@ -354,15 +353,6 @@ def _kinds(model: nn.Module, raised: dict[str, nn.Module]) -> str:
     return ", ".join(f"{k} ×{v}" for k, v in counts.items())
 
 
-def as_spec(input_shape: Any) -> InputSpec | None:
-    """An input spec when `input_shape` is one (text with names, a dict, TensorSpecs); None for a plain shape."""
-    if input_shape is None:
-        return None
-    if is_spec(input_shape) or isinstance(input_shape, dict) or (isinstance(input_shape, str) and ":" in input_shape):
-        return parse_spec(input_shape)
-    return None
-
-
 def with_ranges(model: nn.Module, spec: InputSpec) -> InputSpec:
     """Token-id inputs with their range fixed now, from the model's first nn.Embedding (a subclass too): the
     graph may hold no nn.Embedding (BART's scaled embedding is a function there), yet every later check
@@ -379,14 +369,12 @@ def needs_export(spec: InputSpec) -> bool:
     return len(spec) > 1 or any(t.dtype != "float32" for t in spec)
 
 
-def capture_by_export(model: nn.Module, input_shape: Any, spec: InputSpec | None, check: bool, notes: list[str]) -> fx.GraphModule:
-    """Capture with torch.export (export_capture.py) on seeded example inputs, then check as a trace is checked."""
-    if input_shape is None:
+def capture_by_export(model: nn.Module, spec: InputSpec | None, check: bool, notes: list[str]) -> fx.GraphModule:
+    """Capture with torch.export (export_capture.py) on seeded example inputs, then check as a trace is checked.
+    A bare shape's input is passed by its name, the forward's first parameter's (graph.inputs.named_for)."""
+    if spec is None:
         raise InputError(f"capturing {type(model).__name__} with torch.export needs an example input",
                          "give --input-shape (e.g. input_ids:1x16:int64), Python: trace(model, input_shape=...)")
-    if spec is None:  # one float input: named after the forward's first argument
-        params = [p for p in inspect.signature(model.forward).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        spec = parse_spec({params[0].name if params else "x": list(input_shape)})
     batch = max(2, int(spec[0].shape[0]))  # a size-1 dimension would be fixed by export, not kept dynamic
     with _cache_off(model, notes):
         try:
@@ -399,12 +387,12 @@ def capture_by_export(model: nn.Module, input_shape: Any, spec: InputSpec | None
                              "graphgrow's tests run on torch 2.14 and transformers 5.24: try those, or --capture fx") from e
         report["notes"] = notes + report["notes"]
         report.update(mode="eval", auto_leaves={}, user_leaves=[], mode_reads=[], top_level_mode_dependent=False)
-        gm.meta[META_KEY] = {"input_shape": None, "log": [], "trace": report}
+        gm.meta[META_KEY] = {"log": [], "trace": report}
         if check:
             from .fidelity import check_fidelity
 
-            check_fidelity(model, gm, input_shape)
-    store_shape(gm, input_shape)
+            check_fidelity(model, gm, spec)
+    store_shape(gm, spec)
     return gm
 
 

@@ -20,15 +20,11 @@ from ..graph.reference import remember
 from ..graph.shapes import example_input
 from ..core.state import dropout_off, preserved_buffers, seeded, training_mode
 from ..graph.graph_meta import graph_info, scope_of
-from ..graph.inputs import call, is_spec, positional, Shape
+from ..graph.inputs import as_spec, call, ExampleInput, InputSpec, positional, shown
 
 def _run(m: nn.Module, x: Any, mode: str, seed: int) -> Any:
     with torch.no_grad(), training_mode(m, mode == "train"), preserved_buffers(m), seeded(seed):
         return call(m, x)
-
-
-def _shown(shape: Shape) -> str:
-    return ", ".join(f"{t.name}:{list(t.shape)}:{t.dtype}" for t in shape) if is_spec(shape) else str(tuple(shape))  # type: ignore[union-attr]
 
 
 def _difference(ref: Any, got: Any, mode: str = "eval") -> str | None:
@@ -60,7 +56,7 @@ def _difference(ref: Any, got: Any, mode: str = "eval") -> str | None:
     return None
 
 
-def check_fidelity(model: nn.Module, gm: fx.GraphModule, input_shape: Shape, seed: int = 0) -> dict:
+def check_fidelity(model: nn.Module, gm: fx.GraphModule, input_shape: ExampleInput, seed: int = 0) -> dict:
     """Compare `gm` with `model` in eval and train mode at two batch sizes; raise TraceError on a mismatch.
 
     Same inputs, same RNG state (dropout draws alike on both sides), buffers restored
@@ -70,11 +66,12 @@ def check_fidelity(model: nn.Module, gm: fx.GraphModule, input_shape: Shape, see
     Returns the fidelity report, also stored in the trace report. A small model is checked with one
     intra-op thread (core.threads).
     """
-    with check_threads(model, input_shape):
-        return _check(model, gm, input_shape, seed)
+    spec = as_spec(input_shape, model)
+    with check_threads(model, spec):
+        return _check(model, gm, spec, seed)
 
 
-def _check(model: nn.Module, gm: fx.GraphModule, input_shape: Shape, seed: int) -> dict:
+def _check(model: nn.Module, gm: fx.GraphModule, input_shape: InputSpec, seed: int) -> dict:
     report = graph_info(gm).setdefault("trace", {})
     traced_mode = report.get("mode", "eval")
     top_dependent = bool(report.get("top_level_mode_dependent"))
@@ -87,7 +84,7 @@ def _check(model: nn.Module, gm: fx.GraphModule, input_shape: Shape, seed: int) 
             try:
                 ref = _run(model, x, mode, seed)
             except Exception as e:
-                raise InputError(f"{name} cannot run on an input of shape {_shown(input_shape)} (at batch {batch}, {mode} mode): "
+                raise InputError(f"{name} cannot run on an input of shape {shown(input_shape)} (at batch {batch}, {mode} mode): "
                                  f"{first_line(e)}",
                                  "give the shape the model expects with --input-shape N,C,H,W") from e
             try:

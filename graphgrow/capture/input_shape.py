@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import fx, nn
 
 from ..core.errors import InputError
-from ..graph.inputs import is_spec, parse_spec, Shape
+from ..graph.inputs import first_input_name, InputSpec, named_for, parse_spec, plain_spec, TensorSpec
 
 MAX_INPUT_ELEMENTS = 1 << 26  # 256 MiB of float32 for one example input; verification makes a few more
 MAX_SIDE = 1 << 16
@@ -41,16 +41,50 @@ def parse_input_shape(text: str | Sequence[int] | None) -> list[int] | None:
     return dims
 
 
-def parse_example_input(value) -> Shape | None:
-    """What --input-shape/--input or a file gives → a plain float shape (list) or an input spec.
+def parse_example_input(value: Any, model: Any = None) -> InputSpec | None:
+    """Any description of the example input → an input spec (graph.inputs), None when none is given.
 
-    A spec is text with a `:` (`input_ids:1x16:int64`), a dict, stored records or a spec already."""
-    if value is None or is_spec(value):
-        return value
-    if isinstance(value, dict) or (isinstance(value, str) and ":" in value) \
-            or (isinstance(value, (list, tuple)) and value and all(isinstance(r, dict) for r in value)):
-        return parse_spec(value)
-    return parse_input_shape(value)
+    Accepted: a bare shape (ints, or text `1,3,224,224` / `1x3x224x224`: one float32 input passed positionally);
+    spec text with a `:` (`input_ids:1x16:int64`); a TensorSpec or a tuple of them; a dict name → TensorSpec, shape,
+    (shape, dtype) or example tensor; stored records; an example tensor (its shape and dtype, as a bare shape's
+    spec: the model's one positional input) or a tuple of them (named after the forward's parameters, in order).
+    Example tensors give shapes and dtypes only: the checks draw their own seeded values. With `model`, a bare
+    shape's input is named after the forward's first parameter (else `x`). InputError on anything else."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        value = (value,)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        if len(value) == 1:
+            one = parse_spec({first_input_name(model) if model is not None else "x": value[0]})[0]
+            return plain_spec(one.shape, one.name, one.dtype)
+        names = _forward_names(model, len(value))
+        return parse_spec(dict(zip(names, value)))
+    if isinstance(value, str) and ":" not in value:
+        spec = plain_spec(parse_input_shape(value) or [])
+    elif isinstance(value, (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+        spec = plain_spec(parse_input_shape(value) or [])  # the bounds of a bare shape (parse_input_shape)
+    elif isinstance(value, (dict, str, TensorSpec, list, tuple)):
+        spec = parse_spec(value)  # TensorSpecs, dicts, spec text, stored records; InputError on anything else
+    else:
+        raise InputError(f"cannot read an example input from {type(value).__name__} {str(value)[:60]}",
+                         "give a shape [N, C, H, W], a TensorSpec or a tuple of them, a dict name → shape / "
+                         "(shape, dtype) / TensorSpec / tensor, or example tensors")
+    return named_for(model, spec) if model is not None else spec
+
+
+def _forward_names(model: Any, count: int) -> list[str]:
+    """The names of `count` example tensors passed in order: the forward's first `count` parameters."""
+    import inspect
+
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError, AttributeError):
+        params = []
+    if len(params) < count:
+        raise InputError(f"{count} example tensors given, but the forward names {len(params)} positional inputs",
+                         "pass a dict name → tensor")
+    return [p.name for p in params[:count]]
 
 
 def infer_input_shape(gm: fx.GraphModule) -> tuple[list[int] | None, str]:

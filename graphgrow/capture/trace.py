@@ -21,7 +21,7 @@ The result is then checked against the module (see fidelity.py) before any pass 
 from __future__ import annotations
 
 import sys
-from typing import AbstractSet, Any, Callable, Iterable, Literal, Sequence
+from typing import AbstractSet, Any, Callable, Iterable, Literal
 
 from torch import fx, nn
 
@@ -34,8 +34,9 @@ from .attr_index import IndexedGetattr
 from .watch import RecordConstructors, settings, WatchModules
 from .makers import RecordLegacyMakers, rewrite_new, user_frame
 from ..graph.fx_edit import computed_from, reads_flag
-from ..graph.inputs import check_names, InputSpec
-from .export_capture import as_spec, capture_by_export, needs_export, with_ranges
+from ..graph.inputs import check_names
+from .export_capture import capture_by_export, needs_export, with_ranges
+from .input_shape import parse_example_input
 from ..graph.graph_meta import META_KEY, graph_info, input_shape_of, scope_of, store_shape, trace_report  # noqa: F401 (re-exported)
 
 Mode = Literal["eval", "train"]
@@ -418,7 +419,7 @@ def _drop_unused_mode_reads(graph: fx.Graph) -> None:
 
 def trace(
     model: nn.Module,
-    input_shape: Sequence[int] | InputSpec | str | dict | None = None,
+    input_shape: Any = None,
     leaves: Iterable[str] = (),
     mode: Mode = "eval",
     auto_leaves: bool = True,
@@ -431,11 +432,11 @@ def trace(
     trace, or whose forward branches on `self.training`, become leaves automatically
     (`auto_leaves=False` turns that off). `mode` picks the structure of a top-level
     forward that itself branches on `self.training` (auxiliary outputs): "eval" (the
-    deployed function, default) or "train". `input_shape` (e.g. (1, 3, 224, 224)) is
-    the example input used for shape propagation and verification; it is stored in
-    `gm.meta["graphgrow"]`; it may also be an input spec (several named inputs with dtypes:
-    'input_ids:1x16:int64,attention_mask:1x16:int64', a dict name → shape / (shape, dtype) /
-    tensor; graph.inputs). `capture` picks the way in: "fx" (symbolic tracing), "export"
+    deployed function, default) or "train". `input_shape`, the example input for shape propagation and
+    checks, stored as an input spec (`gm.meta["graphgrow"]["inputs"]`), is a shape ((1, 3, 224, 224): one
+    float32 input), TensorSpecs, a dict name → TensorSpec / shape / (shape, dtype) / tensor, spec text, or
+    example tensors, of which the shape and dtype are used, not the values (input_shape.parse_example_input).
+    `capture` picks the way in: "fx" (symbolic tracing), "export"
     (torch.export, export_capture.py; needs the example input) or "auto": fx, and export when
     fx cannot trace the top level or the spec has several or integer inputs; the trace report's
     "capture" says which. With an input shape and `check=True`, the graph is
@@ -450,14 +451,14 @@ def trace(
         raise InputError(f"trace mode must be 'eval' or 'train', got {mode!r}", "--trace-mode eval|train")
     if capture not in ("auto", "fx", "export"):
         raise InputError(f"capture must be 'auto', 'fx' or 'export', got {capture!r}", "--capture auto|fx|export")
-    spec = as_spec(input_shape)
-    if spec is not None:  # a spec written as text or a dict; token ids' range fixed from the model
-        input_shape = spec = with_ranges(model, spec)
+    spec = parse_example_input(input_shape, model)
+    if spec is not None:  # token ids' range fixed from the model
+        spec = with_ranges(model, spec)
         check_names(model, spec)
     if isinstance(model, fx.GraphModule) and META_KEY in model.meta:
         gm = model
     elif capture == "export" or (capture == "auto" and spec is not None and needs_export(spec)):
-        gm = capture_by_export(model, input_shape, spec, check, [])
+        gm = capture_by_export(model, spec, check, [])
     else:
         leaves = set(leaves)
         names = {n for n, _ in model.named_modules()}
@@ -472,9 +473,9 @@ def trace(
             graph, tracer, switches, report = _trace_graph(model, leaves, mode, auto_leaves)
         except TraceError as e:
             _remove_parked(model, before)
-            if capture != "auto" or input_shape is None or not str(e).startswith("cannot trace the top-level"):
+            if capture != "auto" or spec is None or not str(e).startswith("cannot trace the top-level"):
                 raise
-            return capture_by_export(model, input_shape, spec, check, [f"symbolic tracing failed ({first_line(e)}): captured "
+            return capture_by_export(model, spec, check, [f"symbolic tracing failed ({first_line(e)}): captured "
                                                                 "with torch.export instead"])
         report["capture"] = "fx"
         if mode == "train" and report["top_level_mode_dependent"]:  # what the deployed function never runs
@@ -487,11 +488,11 @@ def trace(
         mode_merge.install(gm, switches)
         _remove_parked(model, before)
         gm.train(model.training)
-        gm.meta[META_KEY] = {"input_shape": None, "log": [], "trace": report}
-        if input_shape is not None and check:
+        gm.meta[META_KEY] = {"log": [], "trace": report}
+        if spec is not None and check:
             from .fidelity import check_fidelity
 
-            check_fidelity(model, gm, input_shape)
-    store_shape(gm, input_shape)
+            check_fidelity(model, gm, spec)
+    store_shape(gm, spec)
     return gm
 

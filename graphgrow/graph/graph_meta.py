@@ -5,12 +5,10 @@ does not depend on the tracer, and the tracer can call the fidelity check withou
 """
 from __future__ import annotations
 
-from typing import Any
-
 from torch import fx
 
 from ..core.errors import InputError, TraceError
-from .inputs import is_spec, parse_spec, records, Shape
+from .inputs import first_shape, InputSpec, named_for, parse_spec, plain_spec, records
 
 META_KEY = "graphgrow"
 
@@ -33,27 +31,29 @@ def graph_info(gm: fx.GraphModule) -> dict:
 
 
 def input_shape_of(gm: fx.GraphModule) -> list[int]:
-    shape = graph_info(gm).get("input_shape")
-    if not shape:
-        raise InputError(
-            "the model has no example input shape",
-            "pass input_shape to graphgrow.trace(...) or --input-shape N,C,H,W on the command line",
-        )
-    return list(shape)
+    """The (first) input's shape of the example input a graph was traced with."""
+    return first_shape(input_spec_of(gm))
 
 
-def input_spec_of(gm: fx.GraphModule) -> Shape:
-    """The example input a graph is checked on: its input spec (named inputs, dtypes) when it has one,
-    else its one float input shape."""
-    stored = graph_info(gm).get("inputs")
-    return parse_spec(stored) if stored else input_shape_of(gm)
+def input_spec_of(gm: fx.GraphModule) -> InputSpec:
+    """The example input a graph is checked on, as its input spec: the stored `inputs` records, or, in a file
+    written before they were the one key, its `input_shape` (a bare shape, named after the graph's first input)."""
+    info = graph_info(gm)
+    if info.get("inputs"):
+        return parse_spec(info["inputs"])
+    if info.get("input_shape"):
+        return named_for(gm, plain_spec(info["input_shape"]))
+    raise InputError(
+        "the model has no example input shape",
+        "pass input_shape to graphgrow.trace(...) or --input-shape N,C,H,W on the command line",
+    )
 
 
-def store_shape(gm: fx.GraphModule, input_shape: Any) -> None:
-    """Record the example input: a plain shape as `input_shape`; a spec as `inputs` (records) and its first shape."""
+def store_shape(gm: fx.GraphModule, spec: InputSpec | None) -> None:
+    """Record the example input as the one metadata key `inputs` (its records; older files' `input_shape` is
+    dropped: input_spec_of reads either)."""
+    if spec is None:
+        return
     info = gm.meta[META_KEY]
-    if is_spec(input_shape):
-        info["input_shape"] = list(input_shape[0].shape)  # the first input's shape: what older readers show
-        info["inputs"] = records(input_shape)
-    elif input_shape is not None:
-        info["input_shape"] = [int(d) for d in input_shape]
+    info.pop("input_shape", None)
+    info["inputs"] = records(spec)

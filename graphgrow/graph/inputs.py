@@ -1,9 +1,10 @@
-"""Model inputs beyond one float N,C,H,W tensor: named inputs with their own shapes and dtypes (issue 22).
+"""The example input a model is traced and checked on: an input spec, a tuple of TensorSpec (issues 22, 41).
 
-An input spec is a tuple of TensorSpec (name, shape, dtype, high). The old single shape stays what
-it was: a plain list of ints, one float input. A spec comes from text
-(`input_ids:1x16:int64,attention_mask:1x16:int64`) or from Python (a dict of name → shape,
-(shape, dtype) or an example tensor). Example inputs for a spec are a dict name → tensor, drawn
+Every input description becomes one (`input_spec`): a plain shape N,C,H,W is a one-tensor spec, float32,
+marked `positional` (the model's one input, passed positionally, reported as a shape: what `--input-shape`
+always meant); named inputs with their own shapes and dtypes come from text
+(`input_ids:1x16:int64,attention_mask:1x16:int64`) or from Python (TensorSpecs, a dict of name → TensorSpec,
+shape, (shape, dtype) or an example tensor, example tensors). Example inputs for a spec are a dict name → tensor, drawn
 seeded: floats standard normal; integers in [0, high) — `high` from the spec, else 2 for a
 `*mask` or `token_type_ids` input (masks are all ones: every position attends), else the vocabulary of
 the model's first nn.Embedding.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence, Union
 
 import torch
@@ -37,6 +38,7 @@ class TensorSpec:
     dtype: str = "float32"
     high: int | None = None
     dynamic: tuple[tuple[int, str], ...] = ()  # (dim, name) the user declared dynamic (`seq=128`); batch always is
+    positional: bool = False  # given as a bare shape: the model's one input, passed positionally, shown as a shape
 
     def __repr__(self) -> str:
         """As the user writes it (NAME:DTYPE[SHAPE], a dynamic size as seq=128): messages show a spec, or a tuple
@@ -49,20 +51,48 @@ class TensorSpec:
         out: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "high": self.high}
         if self.dynamic:
             out["dynamic"] = {str(d): n for d, n in self.dynamic}
+        if self.positional:
+            out["positional"] = True
         return out
 
 
 InputSpec = tuple[TensorSpec, ...]
-Shape = Union[Sequence[int], InputSpec]  # what graphgrow's checks take: the old one float shape, or a spec
+ExampleInput = Union[InputSpec, Sequence[int]]  # what the public functions take: normalised at once (as_spec)
 
 
-def is_spec(shape: Any) -> bool:
-    return isinstance(shape, tuple) and bool(shape) and all(isinstance(t, TensorSpec) for t in shape)
+def batch_of(spec: InputSpec) -> int:
+    """The example batch size: the first dimension of the first input."""
+    return int(spec[0].shape[0])
 
 
-def batch_of(shape: Shape) -> int:
-    """The example batch size: the first dimension of the (first) input."""
-    return int(shape[0].shape[0]) if is_spec(shape) else int(shape[0])  # type: ignore[union-attr, arg-type]
+def first_shape(spec: InputSpec) -> list[int]:
+    """The first input's shape: what reports and files show as `input_shape` (older readers read only that)."""
+    return list(spec[0].shape)
+
+
+def is_positional(spec: InputSpec) -> bool:
+    """A bare shape's spec: one input passed positionally, reported as `input_shape` alone."""
+    return len(spec) == 1 and spec[0].positional
+
+
+def shown(spec: InputSpec) -> str:
+    """A spec in messages: a bare shape as a tuple `(1, 3, 32, 32)`, named inputs as `name:[1, 16]:int64, ...`."""
+    if is_positional(spec):
+        return str(tuple(spec[0].shape))
+    return ", ".join(f"{t.name}:{list(t.shape)}:{t.dtype}" for t in spec)
+
+
+def report_fields(spec: InputSpec) -> dict:
+    """A report's input fields: `input_shape` (the first input's shape), and `inputs` (each input's record) unless
+    the spec is a bare shape."""
+    if is_positional(spec):
+        return {"input_shape": first_shape(spec)}
+    return {"input_shape": first_shape(spec), "inputs": records(spec)}
+
+
+def plain_spec(shape: Sequence[int], name: str = "x", dtype: str = "float32") -> InputSpec:
+    """A bare shape (N,C,H,W …) as a one-tensor spec: float32 unless given, passed positionally."""
+    return (replace(_tensor_spec(name, shape, dtype), positional=True),)
 
 
 def _tensor_spec(name: str, shape: Sequence[int], dtype: str, high: int | None = None, dynamic: Any = None) -> TensorSpec:
@@ -120,9 +150,12 @@ _BRACKETED = re.compile(r"^(?P<name>[^:\[\]]+):(?P<dtype>\w+)\[(?P<dims>(?:[A-Za
 
 
 def parse_spec(text: Any) -> InputSpec:
-    """`name:1x16:int64,name2:1x16` (dtype float32 when left out) or `name:int64[1,16]`, a dict, or records → an input spec."""
-    if is_spec(text):
-        return text
+    """`name:1x16:int64,name2:1x16` (dtype float32 when left out) or `name:int64[1,16]`, a dict, records or
+    TensorSpecs → an input spec."""
+    if isinstance(text, TensorSpec):
+        text = (text,)
+    if isinstance(text, (list, tuple)) and text and all(isinstance(t, TensorSpec) for t in text):
+        return _unique([_checked(t) for t in text])
     if isinstance(text, str):
         items = _items(text)
         out = []
@@ -150,21 +183,48 @@ def parse_spec(text: Any) -> InputSpec:
     if isinstance(text, Mapping):
         return _unique([_from_value(str(k), v) for k, v in text.items()])
     if isinstance(text, (list, tuple)) and text and all(isinstance(r, Mapping) for r in text):  # stored records
-        return _unique([_tensor_spec(str(r["name"]), r["shape"], str(r.get("dtype", "float32")),
-                                     int(r["high"]) if r.get("high") is not None else None, r.get("dynamic")) for r in text])
-    raise InputError(f"cannot read an input spec from {type(text).__name__}", "give NAME:SHAPE:DTYPE,... or a dict name → shape")
+        specs = [_tensor_spec(str(r["name"]), r["shape"], str(r.get("dtype", "float32")),
+                              int(r["high"]) if r.get("high") is not None else None, r.get("dynamic")) for r in text]
+        if len(text) == 1 and text[0].get("positional") is True:
+            specs = [replace(specs[0], positional=True)]
+        return _unique(specs)
+    raise InputError(f"cannot read an example input from {type(text).__name__} {str(text)[:60]}",
+                     "give a shape [N, C, H, W], NAME:SHAPE:DTYPE,..., TensorSpecs or a dict name → shape")
+
+
+def _checked(t: TensorSpec) -> TensorSpec:
+    """A TensorSpec built in Python, checked as one parsed from text is."""
+    out = _tensor_spec(t.name, t.shape, t.dtype, t.high, {str(d): n for d, n in t.dynamic})
+    return replace(out, positional=t.positional)
+
+
+def _dtype_name(name: str, dtype: torch.dtype) -> str:
+    found = next((k for k, d in DTYPES.items() if d == dtype), None)
+    if found is None:
+        raise InputError(f"input {name}: dtype {dtype} is not supported", f"one of {', '.join(sorted(DTYPES))}")
+    return found
 
 
 def _from_value(name: str, v: Any) -> TensorSpec:
+    if isinstance(v, TensorSpec):
+        if v.name != name:
+            raise InputError(f"input {name[:40]!r} is given a TensorSpec named {v.name[:40]!r}",
+                             "name each TensorSpec as its key, or pass a tuple of TensorSpecs")
+        return _checked(v)
     if isinstance(v, torch.Tensor):
-        dtype = next((k for k, d in DTYPES.items() if d == v.dtype), None)
-        if dtype is None:
-            raise InputError(f"input {name}: dtype {v.dtype} is not supported", f"one of {', '.join(sorted(DTYPES))}")
-        return _tensor_spec(name, tuple(v.shape), dtype)
+        return _tensor_spec(name, tuple(v.shape), _dtype_name(name, v.dtype))
     if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], (str, torch.dtype)):
-        dtype = v[1] if isinstance(v[1], str) else next((k for k, d in DTYPES.items() if d == v[1]), str(v[1]))
-        return _tensor_spec(name, v[0], dtype)
-    return _tensor_spec(name, v, "float32")
+        dtype = v[1] if isinstance(v[1], str) else _dtype_name(name, v[1])
+        return _tensor_spec(name, _dims(name, v[0]), dtype)
+    return _tensor_spec(name, _dims(name, v), "float32")
+
+
+def _dims(name: str, value: Any) -> tuple[int, ...]:
+    """A shape given in Python: a flat list or tuple of ints (torch.Size too); InputError on anything else."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+        raise InputError(f"input {name}: {str(value)[:60]} is not a shape (a flat list of ints)",
+                         "e.g. [1, 3, 32, 32], (shape, dtype), a TensorSpec or an example tensor")
+    return tuple(value)
 
 
 def _unique(specs: list[TensorSpec]) -> InputSpec:
@@ -221,8 +281,39 @@ def spec_inputs(model: nn.Module, spec: InputSpec, seed: int = 0, batch: int | N
     return out
 
 
+def first_input_name(model: Any) -> str:
+    """What a bare shape's input is named: the forward's first parameter (a GraphModule's placeholder), else x."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError, AttributeError):
+        return "x"
+    return next((p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)), "x")
+
+
+def named_for(model: Any, spec: InputSpec) -> InputSpec:
+    """A bare shape's spec named after `model`'s first input (the name shows in files; the call is positional)."""
+    if not is_positional(spec):
+        return spec
+    name = first_input_name(model)
+    return spec if spec[0].name == name or not is_identifier(name) else (replace(spec[0], name=name),)
+
+
+def as_spec(value: Any, model: Any = None) -> InputSpec:
+    """An entry point's example input as its spec: TensorSpecs as they are; a bare shape (ints) as its one-tensor
+    spec (named after `model`'s first input when given); a dict, spec text or records parsed (parse_spec)."""
+    if isinstance(value, tuple) and value and all(isinstance(t, TensorSpec) for t in value):
+        return value
+    if isinstance(value, (list, tuple, torch.Size)) and value and all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+        spec = plain_spec(value)
+        return named_for(model, spec) if model is not None else spec
+    return parse_spec(value)
+
+
 def check_names(model: nn.Module, spec: InputSpec) -> None:
-    """Every input of a spec must be a parameter of the model's forward: a mismatch would fail deep inside torch."""
+    """Every input of a spec must be a parameter of the model's forward: a mismatch would fail deep inside torch.
+    A bare shape's one input is passed positionally: its name is not checked."""
+    if is_positional(spec):
+        return
     try:
         params = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):

@@ -15,23 +15,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..core.errors import first_line, ValidationError
 from ..core.protocol import BATCHES
-from ..core.state import module_device, module_dtype, training_mode
-from .inputs import batch_of, is_spec, positional, Shape, spec_inputs
+from ..core.state import training_mode
+from .inputs import as_spec, batch_of, ExampleInput, is_positional, positional, spec_inputs
 
 
-def example_input(gm: torch.nn.Module, shape: Shape, seed: int = 0, batch: int | None = None) -> Any:
-    """A seeded standard-normal input of `shape` (batch replaced when given), on the model's device.
-
-    For an input spec (several named inputs, dtypes): a dict name → tensor (graph.inputs).
-    """
-    if is_spec(shape):
-        return spec_inputs(gm, shape, seed, batch)  # type: ignore[arg-type]
-    shape = list(shape)
-    if batch is not None:
-        shape[0] = batch
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g, dtype=torch.float32)
-    return x.to(device=module_device(gm), dtype=module_dtype(gm))
+def example_input(gm: torch.nn.Module, spec: ExampleInput, seed: int = 0, batch: int | None = None) -> Any:
+    """Seeded example inputs for `spec` (batch replaced when given), on the model's device (graph.inputs.spec_inputs):
+    a dict name → tensor, or, for a bare shape's spec (one input passed positionally), that one tensor."""
+    spec = as_spec(spec)
+    x = spec_inputs(gm, spec, seed, batch)
+    return x[spec[0].name] if is_positional(spec) else x
 
 
 def shape_of(value: Any):
@@ -109,7 +102,7 @@ def run_recording(gm: fx.GraphModule, x: Any, count_flops: bool = False) -> Shap
     return ShapeRun(out, rec.shapes, rec.dtypes, rec.flops, x)
 
 
-def annotate(gm: fx.GraphModule, input_shape: Shape, previous: fx.GraphModule | None = None, example: Any = None) -> ShapeRun:
+def annotate(gm: fx.GraphModule, input_shape: ExampleInput, previous: fx.GraphModule | None = None, example: Any = None) -> ShapeRun:
     """Store shape, dtype, params and FLOPs (per example) on every node's meta.
 
     Runs once in eval mode at the example batch size; meta keys: gg_shape, gg_dtype,
@@ -119,6 +112,7 @@ def annotate(gm: fx.GraphModule, input_shape: Shape, previous: fx.GraphModule | 
     `example`: the input to run at the example batch (default: example_input's, seed 0); what is
     recorded does not depend on the values, so verification can reuse the run (validate_batch_sizes).
     """
+    input_shape = as_spec(input_shape)
     x = example_input(gm, input_shape) if example is None else example
     batch = max(batch_of(input_shape), 1)
     known: dict[str, tuple[tuple, int]] = {}
@@ -165,7 +159,7 @@ def total_flops(gm: fx.GraphModule) -> int:
     return sum(n.meta.get("gg_flops", 0) for n in gm.graph.nodes)
 
 
-def validate_batch_sizes(gm: fx.GraphModule, input_shape: Shape, batches=BATCHES, first: ShapeRun | None = None,
+def validate_batch_sizes(gm: fx.GraphModule, input_shape: ExampleInput, batches=BATCHES, first: ShapeRun | None = None,
                          first_input: Any = None, second: ShapeRun | None = None) -> None:
     """Run at two batch sizes and refuse a graph that bakes in the batch size.
 
@@ -179,6 +173,7 @@ def validate_batch_sizes(gm: fx.GraphModule, input_shape: Shape, batches=BATCHES
     example batch, which then costs nothing more).
     """
     b1, b2 = batches
+    input_shape = as_spec(input_shape)
     if first is not None and first_input is None:
         raise ValueError("validate_batch_sizes: pass first_input with first")
     if second is not None and (first_input is None or b2 >= b1):

@@ -19,11 +19,12 @@ import torch
 from torch import fx
 
 from ..core.errors import ExportError, first_line, LoadError
+from ..core.names import is_identifier
 from .lineage import is_origin, origin_of
 from .onnx_external import check_external, data_path, ExternalWrite, external_tensors
 from .save import atomic_write, check_output_path
 from .serialize import is_stored_shape, validate_meta
-from ..graph.inputs import batch_of, call, InputSpec, is_spec, Shape, spec_inputs
+from ..graph.inputs import as_spec, batch_of, call, ExampleInput, first_shape, InputSpec, is_positional, plain_spec, spec_inputs
 from ..graph.shapes import example_input, state_bytes
 from .onnx_spec import (captured_static, check_input_names, dynamic_dims, fails_shorter, INPUTS_KEY, is_token_input,
                         name_dict_outputs, name_outputs, named_leaves, read_spec, dynamic_groups, spec_metadata)
@@ -39,7 +40,7 @@ INPUT_NAME = "input"
 
 def export_onnx(
     gm: torch.nn.Module,
-    input_shape: Shape,
+    input_shape: ExampleInput,
     path: str | os.PathLike | None = None,
     metadata: dict[str, str] | None = None,
     max_ir_version: int | None = None,
@@ -60,14 +61,15 @@ def export_onnx(
     references sit outside Python's reach), which a growth loop exporting hundreds of
     times should not pay. Linux/macOS only (fork).
 
-    `input_shape` is one float input's shape, or an input spec (named inputs with dtypes): then the
-    ONNX inputs carry the spec's names and dtypes, the sequence length of token inputs is dynamic
+    `input_shape` is the example input: a bare shape (its one-tensor spec: one input, passed positionally), or an
+    input spec of named inputs with dtypes (graph.inputs): then the ONNX inputs carry the spec's names and dtypes, the sequence length of token inputs is dynamic
     where the model allows it, and the outputs are named after the output's keys (onnx_spec.py).
 
     `external_data=True` writes the weights to `PATH.data` beside `path` (and returns the graph without
     them); None does so when the weights pass ONE_FILE_MAX, which a self-contained file cannot hold.
     """
     start = time.perf_counter()
+    input_shape = as_spec(input_shape, gm)
     out_path = check_output_path(path) if path is not None else None
     if out_path is not None and not _utf8(out_path.name):
         raise ExportError(f"the output name {out_path.name!r} is not UTF-8: ONNX stores names as UTF-8 text",
@@ -98,23 +100,23 @@ def export_onnx(
     return proto
 
 
-def _exported(gm: torch.nn.Module, input_shape: Shape, opset: int | None, isolate: bool,
+def _exported(gm: torch.nn.Module, input_shape: InputSpec, opset: int | None, isolate: bool,
               stage: ExternalWrite | None) -> tuple[onnx.ModelProto, dict[str, str], float]:
     """torch.onnx.export on the example input or the spec's named inputs; the model, the metadata the export
     adds (the input spec) and the seconds it took."""
     t_export = time.perf_counter()
-    if is_spec(input_shape):
-        proto, props = _export_named(gm, input_shape, opset, isolate, stage)  # type: ignore[arg-type]
-    else:
+    if not is_positional(input_shape):
+        proto, props = _export_named(gm, input_shape, opset, isolate, stage)
+    else:  # a bare shape: the one input passed positionally, only the batch dynamic
         # Export at batch ≥ 2: torch.export specialises sizes 0 and 1 to constants.
-        x = example_input(gm, input_shape, seed=0, batch=max(2, int(input_shape[0])))  # type: ignore[arg-type]
+        x = example_input(gm, input_shape, seed=0, batch=max(2, batch_of(input_shape)))
         proto = _in_child(_torch_export, gm, x, opset, stage) if isolate else _torch_export(gm, x, opset, stage)
         name_dict_outputs(gm, proto)
         props = {}
     return proto, props, time.perf_counter() - t_export
 
 
-def _finish(gm: torch.nn.Module, proto: onnx.ModelProto, input_shape: Shape, max_ir_version: int | None,
+def _finish(gm: torch.nn.Module, proto: onnx.ModelProto, input_shape: InputSpec, max_ir_version: int | None,
             props: dict[str, str]) -> None:
     """The IR version clamped, nodes named after their modules, `props` and graphgrow's metadata (log, origin,
     input shape) added to the model's."""
@@ -127,7 +129,7 @@ def _finish(gm: torch.nn.Module, proto: onnx.ModelProto, input_shape: Shape, max
     origin = origin_of(gm) if info else None  # info only when gm is a graphgrow GraphModule
     if origin:
         props.setdefault(ORIGIN_KEY, origin)
-    props.setdefault(INPUT_SHAPE_KEY, json.dumps(list(input_shape[0].shape) if is_spec(input_shape) else list(input_shape)))  # type: ignore[union-attr]
+    props.setdefault(INPUT_SHAPE_KEY, json.dumps(first_shape(input_shape)))
     for k, v in props.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = k, v
@@ -402,9 +404,10 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
     return proto
 
 
-def onnx_input_shape(proto) -> Shape | None:
+def onnx_input_shape(proto) -> InputSpec | None:
     """The example input: the input spec an export with named inputs stored; else the one input's
-    shape from graphgrow's metadata, or from the ONNX input (dynamic dims → 1)."""
+    shape (as its one-tensor spec, named as the ONNX input) from graphgrow's metadata, or from the ONNX input
+    (dynamic dims → 1)."""
     spec = read_spec(metadata(proto))
     if spec is not None:
         return spec
@@ -417,11 +420,14 @@ def onnx_input_shape(proto) -> Shape | None:
         if not is_stored_shape(shape):
             raise LoadError(f"the ONNX file stores the input shape {stored[:80]!r}, which is not a shape",
                             "pass --input-shape N,C,H,W, or export the model again")
-        return shape
-    if not proto.graph.input:
+    elif not proto.graph.input:
         return None
-    dims = proto.graph.input[0].type.tensor_type.shape.dim
-    return [d.dim_value if d.dim_value > 0 else 1 for d in dims] or None
+    else:
+        shape = [d.dim_value if d.dim_value > 0 else 1 for d in proto.graph.input[0].type.tensor_type.shape.dim]
+    if not shape:
+        return None
+    name = proto.graph.input[0].name if proto.graph.input else "x"
+    return plain_spec(shape, name if is_identifier(name) else "x")
 
 
 def describe_onnx(path: str) -> dict:
@@ -464,6 +470,8 @@ def _described_external(proto: onnx.ModelProto) -> dict:
 def _described_input(proto: onnx.ModelProto, meta: dict[str, str]) -> dict:
     """describe_onnx's input fields: the (first) input's shape, and the spec's records when one is stored."""
     shape = onnx_input_shape(proto) if INPUT_SHAPE_KEY in meta or INPUTS_KEY in meta else None
-    if is_spec(shape):
-        return {"input_shape": list(shape[0].shape), "input_spec": [t.record() for t in shape]}  # type: ignore[index, union-attr]
-    return {"input_shape": shape}
+    if shape is None:
+        return {"input_shape": None}
+    if is_positional(shape):
+        return {"input_shape": first_shape(shape)}
+    return {"input_shape": first_shape(shape), "input_spec": [t.record() for t in shape]}

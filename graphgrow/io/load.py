@@ -25,6 +25,7 @@ from . import serialize
 from ..core.errors import first_line, LoadError
 from ..core.user_code import calling
 from ..graph.fx_edit import finish
+from ..graph.graph_meta import input_spec_of
 from ..graph.inline import inline_containers
 from ..graph.layers import FORMER_NAMES
 from .hf_folder import is_hf_folder, load_folder
@@ -38,7 +39,7 @@ class LoadedModel:
     module: nn.Module
     source: str
     kind: str  # "file", "graphgrow" (a graphgrow output), "factory" or "hf-folder" (a save_pretrained folder)
-    input_shape: Any = None  # a float input's shape (list), or an input spec's records / spec (graph.inputs)
+    input_shape: Any = None  # the example input the source gives: a bare shape (list) or an input spec (graph.inputs)
     log: list = field(default_factory=list)
     factory_seed: int | None = None  # the seed a factory's random weights were drawn with
     stored_dtype: torch.dtype | None = None  # a Hugging Face folder's weights' dtype (it loads as float32)
@@ -313,7 +314,8 @@ def _interpret(obj: Any, name: str, trust: bool) -> LoadedModel:
         gm = serialize.from_payload(obj, trusted=trust)
         info = gm.meta["graphgrow"]
         _inline_added(gm, info.get("log", []))
-        return LoadedModel(gm, name, "graphgrow", info.get("inputs") or info.get("input_shape"), list(info.get("log", [])))
+        spec = input_spec_of(gm) if info.get("inputs") or info.get("input_shape") else None  # either key: older files
+        return LoadedModel(gm, name, "graphgrow", spec, list(info.get("log", [])))
     if isinstance(obj, nn.Module):
         _check_module_names(obj, name)
         check_node_total(obj, 0, serialize.MAX_NODES)  # mode switches in a pickled tree: their bodies are graphs too

@@ -373,9 +373,8 @@ def validate_meta(meta: Any) -> dict:
     out["log"] = log
     if "origin" in out and not is_origin(out["origin"]):
         raise LoadError("the graphgrow file's origin fingerprint is malformed", "the file is corrupted or hostile")
-    if out.get("inputs") is not None:
+    if out.get("inputs") is not None:  # the example input (graph_meta.input_spec_of reads it, or an older `input_shape`)
         out["inputs"] = stored_inputs(out["inputs"])
-    out.setdefault("input_shape", None)
     return out
 
 

@@ -10,9 +10,9 @@ from torch import fx, nn
 
 from ..capture.input_shape import infer_input_shape, parse_example_input, require_single_input
 from ..capture.trace import graph_info, trace
-from ..graph.graph_meta import input_spec_of
+from ..graph.graph_meta import input_spec_of, store_shape
 from ..core.errors import InputError, LoadError, ValidationError
-from ..graph.inputs import is_spec, records, Shape
+from ..graph.inputs import InputSpec, is_positional, named_for, plain_spec, report_fields
 from ..graph.shapes import annotate
 from ..io.load import FACTORY_SEED, LoadedModel, load_model
 
@@ -27,16 +27,14 @@ def _noop(_: str) -> None:
 class OpenedModel:
     loaded: LoadedModel
     gm: fx.GraphModule
-    input_shape: Shape  # one float input's shape, or an input spec (named inputs with dtypes; graph.inputs)
+    input_shape: InputSpec  # the example input (graph.inputs): a bare shape's one-tensor spec, or named inputs
     inferred_from: str | None = None  # how the input shape was inferred, when it was not given
 
 
-def shape_report(shape: Shape) -> dict:
-    """A report's input fields: `input_shape` (the first input's shape, what older readers show) and, for an
-    input spec, `inputs` (name, shape, dtype of each)."""
-    if is_spec(shape):
-        return {"input_shape": list(shape[0].shape), "inputs": records(shape)}  # type: ignore[union-attr]
-    return {"input_shape": shape}
+def shape_report(shape: InputSpec) -> dict:
+    """A report's input fields: `input_shape` (the first input's shape, what older readers show) and, unless the
+    example input is a bare shape, `inputs` (name, shape, dtype of each)."""
+    return report_fields(shape)
 
 
 def open_model(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
@@ -47,26 +45,27 @@ def open_model(source: str, input_shape=None, trust: bool = False, leaves: Seque
     remember it), the zoo or the first layer. `capture`: "auto", "fx" or "export" (trace())."""
     progress(f"loading {source}")
     loaded = load_model(source, trust=trust, factory_seed=factory_seed)
-    shape = parse_example_input(input_shape if input_shape is not None else loaded.input_shape)  # flag or stored: one check
+    given = parse_example_input(input_shape if input_shape is not None else loaded.input_shape,
+                                loaded.module)  # flag or stored: one check
     progress("tracing" if capture == "auto" else f"tracing ({capture} capture)")
-    gm = trace(loaded.module, shape, leaves, mode=trace_mode, check=False, capture=capture)  # fidelity checked below
-    if is_spec(shape):
-        shape = input_spec_of(gm)  # as trace fixed it: token ids' range taken from the model's embedding
-    if shape is None:
-        shape, why = infer_input_shape(gm)
-        if shape is None:
+    gm = trace(loaded.module, given, leaves, mode=trace_mode, check=False, capture=capture)  # fidelity checked below
+    if given is None:
+        inferred_shape, why = infer_input_shape(gm)
+        if inferred_shape is None:
             raise InputError(
                 f"cannot tell the example input shape of {source}: {why}",
                 "pass --input-shape N,C,H,W (e.g. 1,3,224,224), or --input NAME:DTYPE[SHAPE] per input",
             )
-        progress(f"input shape {'×'.join(map(str, shape))} inferred: {why}")
-        graph_info(gm)["input_shape"] = shape
-        inferred = why
+        progress(f"input shape {'×'.join(map(str, inferred_shape))} inferred: {why}")
+        store_shape(gm, named_for(gm, plain_spec(inferred_shape)))
+        inferred: str | None = why
     else:
-        if not is_spec(shape):
+        if is_positional(given):  # a bare shape: the model's one input
             require_single_input(gm)
-            _refuse_float_token_ids(gm)
+            if given[0].dtype == "float32":
+                _refuse_float_token_ids(gm)
         inferred = None
+    shape = input_spec_of(gm)  # as trace stored it: token ids' range taken from the model's embedding
     if graph_info(gm).get("trace", {}).get("capture") == "export":
         progress("captured with torch.export")
     _check_finite(loaded.module, source)
@@ -87,10 +86,10 @@ def open_model(source: str, input_shape=None, trust: bool = False, leaves: Seque
     return OpenedModel(loaded, gm, shape, inferred)
 
 
-def _shown(shape: Shape) -> str:
-    if is_spec(shape):
-        return "inputs " + ", ".join(f"{t.name}:{t.dtype}{list(t.shape)}" for t in shape)  # type: ignore[union-attr]
-    return f"shape {tuple(shape)}"
+def _shown(shape: InputSpec) -> str:
+    if is_positional(shape):
+        return f"shape {tuple(shape[0].shape)}"
+    return "inputs " + ", ".join(f"{t.name}:{t.dtype}{list(t.shape)}" for t in shape)
 
 
 def _check_finite(model: nn.Module, source: str) -> None:

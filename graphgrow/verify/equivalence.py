@@ -15,7 +15,7 @@ from ..core.errors import EquivalenceError
 from ..core.protocol import flat_tensors
 from ..io.onnx_spec import named_leaves, with_shorter_sequence
 from ..io.runtime import Session
-from ..graph.inputs import batch_of, call, InputSpec, is_spec, Shape
+from ..graph.inputs import as_spec, batch_of, call, ExampleInput, InputSpec, is_positional
 from ..graph.shapes import example_input
 from ..core.state import no_tf32, training_mode
 
@@ -112,7 +112,7 @@ def compare_arrays(ref: np.ndarray, got: np.ndarray, rtol: float, atol: float, c
                        min_atol, nan_ref, nan_got, passed, name)
 
 
-def check_equivalence(model: torch.nn.Module, session: Session, input_shape: Shape,
+def check_equivalence(model: torch.nn.Module, session: Session, input_shape: ExampleInput,
                       seeds: Sequence[int] = (0, 1), other_batch: int = 3, reference: str = "grown model",
                       raise_on_failure: bool = False, rtol: float | None = None, atol: float | None = None) -> EquivalenceReport:
     """Run seeded inputs through PyTorch (eval, TF32 off) and onnxruntime and compare every output.
@@ -122,21 +122,21 @@ def check_equivalence(model: torch.nn.Module, session: Session, input_shape: Sha
     length the ONNX model keeps dynamic, one at a shorter length. `rtol`/`atol` replace
     the provider's tolerances.
     """
+    input_shape = as_spec(input_shape, model)
     default_rtol, default_atol = TOLERANCES[session.provider]
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
     report = EquivalenceReport(session.provider, session.note, rtol, atol, reference=reference)
     next_seed = max(seeds, default=0) + 1
-    cases: list[tuple[int, int, Shape]] = [(s, batch_of(input_shape), input_shape) for s in seeds] + [(next_seed, other_batch, input_shape)]
-    if is_spec(input_shape):
-        shorter = with_shorter_sequence(input_shape, {k: dict(enumerate(v)) for k, v in session.input_dims.items()})  # type: ignore[arg-type]
-        if shorter != input_shape:
-            cases.append((next_seed + 1, batch_of(input_shape), shorter))
+    cases: list[tuple[int, int, InputSpec]] = [(s, batch_of(input_shape), input_shape) for s in seeds] + [(next_seed, other_batch, input_shape)]
+    shorter = with_shorter_sequence(input_shape, {k: dict(enumerate(v)) for k, v in session.input_dims.items()})
+    if shorter != input_shape:  # the ONNX model keeps a sequence length dynamic (a bare shape's keeps only the batch)
+        cases.append((next_seed + 1, batch_of(input_shape), shorter))
     with torch.no_grad(), training_mode(model, False), no_tf32():
         for seed, batch, shape in cases:
             label = f"seed {seed}, batch {batch}" + (_lengths(shape, input_shape) if shape is not input_shape else "")
             x = example_input(model, shape, seed=seed, batch=batch)
-            refs = _reference(call(model, x), session, label, is_spec(input_shape))
+            refs = _reference(call(model, x), session, label, not is_positional(input_shape))
             got = session.run(feeds(x))
             if len(got) != len(refs):
                 raise EquivalenceError(f"onnxruntime gives {len(got)} outputs, PyTorch {len(refs)} ({label})")
@@ -162,10 +162,10 @@ def _lengths(shape: InputSpec, example: InputSpec) -> str:
 
 
 def feeds(x: Any) -> Any:
-    """An example input as onnxruntime takes it: one float array, or arrays by input name (integers kept)."""
+    """An example input as onnxruntime takes it: one array, or arrays by input name (floats as float32, integers kept)."""
     if isinstance(x, dict):
         return {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().numpy() for k, v in x.items()}
-    return x.detach().float().cpu().numpy()
+    return (x.detach().float() if x.is_floating_point() else x.detach()).cpu().numpy()
 
 
 def _reference(out: Any, session: Session, label: str, by_name: bool) -> list[tuple[str, np.ndarray]]:
@@ -185,7 +185,7 @@ def _reference(out: Any, session: Session, label: str, by_name: bool) -> list[tu
     return list(zip(names, refs))
 
 
-def first_divergence(model: torch.nn.Module, proto, input_shape: Shape, rtol: float, atol: float,
+def first_divergence(model: torch.nn.Module, proto, input_shape: ExampleInput, rtol: float, atol: float,
                      external_folder=None) -> dict | None:
     """The first module, in the ONNX graph's order, whose output differs between onnxruntime (CPU)
     and PyTorch on the seed-0 input: the last ONNX node of each module's scope is that module's output.
@@ -193,6 +193,7 @@ def first_divergence(model: torch.nn.Module, proto, input_shape: Shape, rtol: fl
     from ..io.export import node_module
     from ..io.runtime import all_values
 
+    input_shape = as_spec(input_shape, model)
     x = example_input(model, input_shape, seed=0, batch=batch_of(input_shape))
     recorded: dict[str, torch.Tensor] = {}
 

@@ -18,7 +18,7 @@ from torch import nn
 from ..core.errors import NotApplicable, PreservationError
 from ..core.protocol import ModeCheck, compare_outputs, flat_tensors
 from ..graph.shapes import example_input
-from ..graph.inputs import Shape, call
+from ..graph.inputs import InputSpec, call
 from ..core.state import dropout_off, preserved_buffers, seeded, training_mode
 from . import gradient_sink
 from .gradient_sink import gradient_bytes, GradientSink, restore_rng, rng_state
@@ -97,7 +97,7 @@ def train_forward(m: nn.Module, x: torch.Tensor, seed: int):
 NARROW_STEPS = True  # training everything, take a step with the new parameters' gradients first (tests turn it off)
 
 
-def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], input_shape: Shape,
+def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], input_shape: InputSpec,
                        seed: int = 0, batch: int = 2, steps: int = 3,
                        lr: float = 0.01, train_all: bool = False, old_nodes: set[str] | None = None,
                        first_output: Callable[[Any], None] | None = None) -> tuple[dict[str, int], list[str], list[str]]:

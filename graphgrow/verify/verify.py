@@ -16,10 +16,10 @@ from .preserve import (
 from ..graph.reference import recall, remember
 from ..graph.fx_edit import new_parameters, upstream_parameters
 from ..graph.shapes import ShapeRun, example_input, first_examples, run_recording, same_inputs, validate_batch_sizes
-from ..graph.inputs import Shape, batch_of, positional
+from ..graph.inputs import InputSpec, batch_of, positional
 from ..core.state import dropout_off, preserved_buffers, training_mode
 
-def annotation_input(new: fx.GraphModule, input_shape: Shape, seed: int = 0) -> Any:
+def annotation_input(new: fx.GraphModule, input_shape: InputSpec, seed: int = 0) -> Any:
     """What `shapes.annotate` should run the grown model on so that verification can reuse the run as its second
     batch size: the first examples of verification's own input (the example batch is below BATCHES[0]); None
     otherwise (annotate's own input)."""
@@ -29,7 +29,7 @@ def annotation_input(new: fx.GraphModule, input_shape: Shape, seed: int = 0) -> 
     return first_examples(example_input(new, input_shape, seed=seed, batch=BATCHES[0]), examples)
 
 
-def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Shape, seed: int = 0,
+def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: InputSpec, seed: int = 0,
            exact: bool = True, eval_only: bool = False, example_run: ShapeRun | None = None) -> PreservationReport:
     """Raise ValidationError / PreservationError unless `new` is a valid, exact, trainable growth of `old`.
 
@@ -42,7 +42,7 @@ def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Shape, seed: i
         return _verify(old, new, input_shape, seed, exact, eval_only, example_run)
 
 
-def _verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: Shape, seed: int, exact: bool,
+def _verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: InputSpec, seed: int, exact: bool,
             eval_only: bool, example_run: ShapeRun | None = None) -> PreservationReport:
     try:
         new.graph.lint()
