@@ -75,7 +75,7 @@ def _kind(func: Any) -> str:
     return kind
 
 
-def requested_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:
+def requested_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     """Bytes of the new tensors `func(*args, **kwargs)` would make, without making them; None when the meta
     device cannot tell (an operator whose output size depends on the data: its output is counted after)."""
     kind = _kind(func)
@@ -90,21 +90,22 @@ def requested_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:
     if kind == "new":
         return _numel(args[1]) * _dtype_size(kwargs.get("dtype") or args[0].dtype)
     if kind == "resize":
-        return _numel(args[1]) * args[0].element_size()
+        return _numel(args[1]) * int(args[0].element_size())
     if kind == "like" and isinstance(args[0], torch.Tensor):
         dtype = kwargs.get("dtype")
         return args[0].numel() * (_dtype_size(dtype) if dtype is not None else args[0].element_size())
     if kind == "index_select":
         self_, dim, index = args[0], args[1], args[2]
-        return self_.numel() // max(self_.shape[dim], 1) * index.numel() * self_.element_size() if self_.dim() else index.numel() * self_.element_size()
+        size = int(self_.element_size()) * int(index.numel())
+        return int(self_.numel()) // max(int(self_.shape[dim]), 1) * size if self_.dim() else size
     if kind == "cat":
         tensors = [t for t in args[0] if t.numel()]
-        return sum(t.numel() for t in tensors) * max((t.element_size() for t in tensors), default=0)
+        return sum(int(t.numel()) for t in tensors) * max((int(t.element_size()) for t in tensors), default=0)
     if kind == "broadcast":
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         shape = torch.broadcast_shapes(*(t.shape for t in tensors))
         floats = [_dtype_size(None)] if any(isinstance(a, float) for a in args) else []  # an int/bool tensor × 0.5
-        return _numel(shape) * max([t.element_size() for t in tensors] + floats)
+        return _numel(shape) * max([int(t.element_size()) for t in tensors] + floats)
     try:
         out = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
     except Exception:
@@ -120,14 +121,14 @@ class AllocationGuard(TorchDispatchMode):
     Meta-device tensors cost nothing; `peak` is the most the guarded code held at once."""
 
     def __init__(self, limit: int):
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.limit = limit
         self.live = 0
         self.peak = 0
         self.refusal: MemoryLimitExceeded | None = None
         self._storages: dict[int, int] = {}  # StorageImpl address → bytes, while it lives
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         needed = requested_bytes(func, args, kwargs)
         if needed and self.live + needed > self.limit:

@@ -50,7 +50,7 @@ def _format_target(base: str, target: str) -> str:
 
 
 if _fx_format_target is not None:
-    fx_graph._format_target = _format_target  # type: ignore[attr-defined]
+    fx_graph._format_target = _format_target
 
 
 class CodegenError(RuntimeError):

@@ -110,7 +110,7 @@ def bad_name_in_tree(root: nn.Module) -> str | None:
     return None
 
 
-def bad_name_in_record(rec: dict) -> str | None:
+def bad_name_in_record(rec: dict[str, Any]) -> str | None:
     """The first unusable name of one stored node record (shown, with why), or None. Node names, module paths and
     scopes are data (any string of bounded length); input and method names are identifiers in the code."""
     op, target = rec.get("op"), rec.get("target")
@@ -207,7 +207,7 @@ def _check_expression(stmt: ast.AST, known: set[str]) -> str | None:
     return None
 
 
-def _is_fx_wrap(stmt: Any, fx_globals: dict) -> bool:
+def _is_fx_wrap(stmt: Any, fx_globals: dict[str, Any]) -> bool:
     """fx's module-level `torch.fx._symbolic_trace.wrap("NAME")` for a wrapped function it registered as a global."""
     return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and not stmt.value.keywords
             and ast.unparse(stmt.value.func) == "torch.fx._symbolic_trace.wrap" and len(stmt.value.args) == 1

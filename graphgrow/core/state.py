@@ -10,7 +10,7 @@ import contextlib
 from typing import Iterator
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 
 @contextlib.contextmanager
@@ -65,13 +65,13 @@ def _dropout_flags(module: nn.Module) -> list[nn.Module]:
 DROPOUT_CALLS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"}
 
 
-def _sdpa_dropout(u) -> bool:
+def _sdpa_dropout(u: fx.Node) -> bool:
     """`training * p` read only as scaled_dot_product_attention's dropout_p."""
     return u.op == "call_function" and getattr(u.target, "__name__", "") == "mul" and \
         all(getattr(v.target, "__name__", "") == "scaled_dot_product_attention" and v.args[4:5] == (u,) for v in u.users)
 
 
-def _dropout_call(u, flag) -> bool:
+def _dropout_call(u: fx.Node, flag: fx.Node) -> bool:
     """F.dropout(x, p, training=self.training) of a layer fx traced through (timm's classifier dropout)."""
     return u.op == "call_function" and getattr(u.target, "__name__", "") in DROPOUT_CALLS and \
         (u.kwargs.get("training") is flag or u.args[2:3] == (flag,)) and \

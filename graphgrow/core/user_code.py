@@ -75,7 +75,7 @@ def _what_happened(what: str, e: BaseException) -> str:
     return f"{what} failed: {type(e).__name__}" + (f": {text[:300]}" if text else "")
 
 
-def guarded(fn: Callable, what: str, hint: str | None = None) -> Callable:
+def guarded(fn: Callable[..., Any], what: str, hint: str | None = None) -> Callable[..., Any]:
     """`fn` whose every call runs under `calling(what, hint)` (a loss function called once per step)."""
     def call(*args: Any, **kwargs: Any) -> Any:
         with calling(what, hint):

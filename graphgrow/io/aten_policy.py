@@ -25,6 +25,8 @@ torch gives the same list (tests/test_aten_policy.py fuzzes it).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import functools
 import re
 
@@ -113,7 +115,7 @@ def _in_place_form(op: torch._ops.OpOverload) -> bool:
 
 
 @functools.cache
-def _decomposed() -> frozenset:
+def _decomposed() -> frozenset[torch._ops.OpOverload]:
     from torch._decomp import core_aten_decompositions
 
     return frozenset(k for k in core_aten_decompositions() if isinstance(k, torch._ops.OpOverload))
@@ -176,7 +178,8 @@ def _op(qualname: str) -> torch._ops.OpOverload | None:
     if table().get(qualname, "unknown") is not None:
         return None
     base, _, overload = qualname.removeprefix(PREFIX).partition(".")
-    return getattr(getattr(torch.ops.aten, base), overload)
+    op: torch._ops.OpOverload = getattr(getattr(torch.ops.aten, base), overload)
+    return op
 
 
 def schema_of(qualname: str) -> torch.FunctionSchema | None:
@@ -184,7 +187,7 @@ def schema_of(qualname: str) -> torch.FunctionSchema | None:
     return op._schema if op is not None else None
 
 
-def constant_elements(qualname: str, args: tuple, kwargs: dict) -> int | None:
+def constant_elements(qualname: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     """How many elements an allowed op builds from constants: a factory is run on the meta device with every
     run-time value (an fx node: a size read from a tensor, bounded by the input) taken as 1; an op with a `size`
     argument that returns a new tensor (new_zeros, ...) multiplies its constant sizes. None: no such op. Raises

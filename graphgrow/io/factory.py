@@ -10,7 +10,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from torch import nn
 
@@ -40,7 +40,7 @@ _NEVER_FACTORIES = {"graphgrow", "__main__"}  # graphgrow's own functions, and t
 
 
 @contextlib.contextmanager
-def cwd_importable():
+def cwd_importable() -> Iterator[None]:
     """The current folder on sys.path — last, so installed packages win — only while a named factory is
     imported and called: a stray .py file there is never picked up by a later import (an optional
     dependency probed lazily during tracing or export)."""
@@ -65,7 +65,7 @@ def _way_out(role: str) -> str:
     return _WAY_OUT if role == MODEL_FACTORY else _YOUR_FUNCTION
 
 
-def import_object(name: str, zoo_builders: bool = False, role: str = MODEL_FACTORY) -> Callable:
+def import_object(name: str, zoo_builders: bool = False, role: str = MODEL_FACTORY) -> Callable[..., Any]:
     """The callable named `package.module:function`, when a name may call it: for a model factory an nn.Module
     subclass, a function or class of the user's own code, or (with `zoo_builders`) a zoo's registered model
     builder; for any other `role` ("data function", "training function") only the user's own code.
@@ -88,7 +88,7 @@ def import_object(name: str, zoo_builders: bool = False, role: str = MODEL_FACTO
             raise LoadError(f"cannot import '{module_name}' for {name}: {e.__cause__}",
                             "install the package or check the name") from e.__cause__
         raise
-    obj = getattr(module, attr, None)
+    obj: Callable[..., Any] | None = getattr(module, attr, None)
     if not callable(obj):
         raise LoadError(f"'{module_name}' has no callable '{attr}'", f"see dir({module_name}) for the names it offers")
     if role == MODEL_FACTORY and isinstance(obj, type) and issubclass(obj, nn.Module):
@@ -122,7 +122,7 @@ def library_of(obj: Any) -> str | None:
     installed distribution's name. None for the user's code: a module outside every installation folder
     that no installed (non-editable) distribution owns — the current folder, PYTHONPATH, an editable
     install of the user's project. Looks where obj is defined (__module__), not where it was imported from."""
-    home = getattr(obj, "__module__", None)
+    home: str | None = getattr(obj, "__module__", None)
     module = sys.modules.get(home) if isinstance(home, str) else None
     if module is None:  # a builtin without a home, a partial, a module that is gone: cannot tell, so refused
         return f"an unknown module ({str(home)[:60]})"
@@ -139,7 +139,7 @@ def library_of(obj: Any) -> str | None:
         return _distribution_name(top)
     for dist in _distributions(top):
         if not _is_editable(dist) and _owns(dist, path):
-            return dist.metadata["Name"] or top
+            return str(dist.metadata["Name"] or top)
     return None
 
 
@@ -155,7 +155,7 @@ def _installation_folders() -> list[Path]:
     return [Path(f).resolve() for f in folders if f]
 
 
-def _distributions(top: str) -> list:
+def _distributions(top: str) -> list[Any]:
     from importlib import metadata
 
     names = metadata.packages_distributions().get(top, [])

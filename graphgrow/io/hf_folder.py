@@ -40,7 +40,7 @@ def is_hf_folder(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
-def read_config(folder: Path) -> dict:
+def read_config(folder: Path) -> dict[str, Any]:
     f = folder / "config.json"
     if f.stat().st_size > MAX_CONFIG_BYTES:
         raise LoadError(f"{f} is {f.stat().st_size:,} bytes: not a model config", "check the folder")
@@ -106,7 +106,7 @@ def stored_bytes(files: list[Path]) -> tuple[int, int, set[str]]:
     return total, count, dtypes
 
 
-def model_class(folder: Path, config: dict) -> Any:
+def model_class(folder: Path, config: dict[str, Any]) -> Any:
     import transformers
 
     names = config.get("architectures") or []

@@ -57,7 +57,7 @@ def split_target(target: str) -> tuple[str, str | None]:
     return model_type, task or None
 
 
-def builder(target: str, kwargs: Mapping[str, Any], sealed: Callable[[], ContextManager]) -> tuple[Callable[[], Any], InputSpec | None]:
+def builder(target: str, kwargs: Mapping[str, Any], sealed: Callable[[], ContextManager[Any]]) -> tuple[Callable[[], Any], InputSpec | None]:
     """A function building the model `target(**kwargs)` names (random weights, a fresh copy of the config each
     call, so a build on the meta device and the real one see the same config) and its default input spec.
     `sealed`: zoo.sealed_caches (passed in: zoo imports this module)."""
@@ -135,7 +135,8 @@ def _model_class(transformers: Any, auto: Any, config: Any, target: str, model_t
         tasks = [t for t, cls in TASKS.items() if type(config) in getattr(transformers, cls)._model_mapping]
         raise LoadError(f"{target}: transformers has no {task or 'bare'} model for {model_type}",
                         f"its tasks: {', '.join(tasks)}" if tasks else "this model type has no model graphgrow can build from a name")
-    return mapping[type(config)]
+    model_class: type = mapping[type(config)]
+    return model_class
 
 
 def default_spec(config: Any, model_class: type, target: str = "the model") -> InputSpec | None:
@@ -179,7 +180,7 @@ def _positive(value: Any, setting: str, target: str) -> int:
     return value
 
 
-def _token_ids(name: str, config: Any, target: str) -> dict:
+def _token_ids(name: str, config: Any, target: str) -> dict[str, Any]:
     vocab = getattr(config, "vocab_size", None)
     positions = getattr(config, "max_position_embeddings", None)
     length = min(SEQ_LEN, positions) if isinstance(positions, int) and positions > 0 else SEQ_LEN

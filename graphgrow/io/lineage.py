@@ -35,7 +35,7 @@ def origin_of(gm: fx.GraphModule) -> str | None:
     None for a grown model saved before origins were recorded."""
     info = graph_info(gm)
     if info.get(ORIGIN_KEY):
-        return info[ORIGIN_KEY]
+        return str(info[ORIGIN_KEY])
     return None if info.get("log") else structure_fingerprint(gm)
 
 

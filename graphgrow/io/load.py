@@ -40,7 +40,7 @@ class LoadedModel:
     source: str
     kind: str  # "file", "graphgrow" (a graphgrow output), "factory" or "hf-folder" (a save_pretrained folder)
     input_shape: Any = None  # the example input the source gives: a bare shape (list) or an input spec (graph.inputs)
-    log: list = field(default_factory=list)
+    log: list[Any] = field(default_factory=list)
     factory_seed: int | None = None  # the seed a factory's random weights were drawn with
     stored_dtype: torch.dtype | None = None  # a Hugging Face folder's weights' dtype (it loads as float32)
     use_cache: bool | None = None  # a Hugging Face folder's own use_cache (it loads with the cache off)
@@ -83,7 +83,7 @@ def _is_graphgrow_file(path: Path) -> bool:
 FACTORY_SEED = 0  # factories build random weights: seeded, so a factory name means the same weights every time
 
 
-def load_model(source: str | os.PathLike, trust: bool = False, factory_seed: int = FACTORY_SEED) -> LoadedModel:
+def load_model(source: str | os.PathLike[str], trust: bool = False, factory_seed: int = FACTORY_SEED) -> LoadedModel:
     """Load a model from a file or a `package.module:factory` name (built with the global RNG seeded
     with `factory_seed`, restored afterwards). Raises LoadError."""
     text = str(source)
@@ -297,7 +297,7 @@ def _module_lacks(qualname: str) -> bool:
     return module in sys.modules and not hasattr(sys.modules[module], attr)
 
 
-def _inline_added(gm: fx.GraphModule, log: list) -> None:
+def _inline_added(gm: fx.GraphModule, log: list[Any]) -> None:
     """A file written before passes inlined their blocks holds each branch or deepen block as one call of a
     container, which the analyses cannot read: the modules its log says graphgrow added are looked through now, as
     a pass does when it inserts them (graph.inline; same module tree, same function)."""

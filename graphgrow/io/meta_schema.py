@@ -64,7 +64,7 @@ def _refuse(where: str, field: str, check: Callable[[Any], bool], value: Any) ->
     return LoadError(f"{where} has {field!r} as {type(value).__name__}, not {_KINDS[check]}", _HINT)
 
 
-def check_log(log: list, where: str = "the mutation log") -> None:
+def check_log(log: list[Any], where: str = "the mutation log") -> None:
     """Each entry of a stored mutation log has the fields its readers use, of their types (LoadError otherwise)."""
     for i, entry in enumerate(log, 1):
         at = f"{where}'s entry {i}"

@@ -29,7 +29,7 @@ class ModeSwitch(nn.Module):
 
     _is_impure = True  # a body may draw random numbers or mutate: fx must not drop an unused call
 
-    def __init__(self, conditions: int, table: list[list[tuple[int, bool]]], bodies: list[list[dict]]):
+    def __init__(self, conditions: int, table: list[list[tuple[int, bool]]], bodies: list[list[dict[str, Any]]]):
         super().__init__()
         self.conditions = conditions
         self.table = [[[int(i), bool(a)] for i, a in row] for row in table]
@@ -40,10 +40,11 @@ class ModeSwitch(nn.Module):
         return self._bodies()
 
     def _bodies(self) -> list[fx.GraphModule]:
-        compiled = self.__dict__.get("_compiled")
+        compiled: list[fx.GraphModule] | None = self.__dict__.get("_compiled")
         if compiled is None:
             self.load_bodies(trusted=False)
             compiled = self.__dict__["_compiled"]
+        assert compiled is not None
         return compiled
 
     def load_bodies(self, trusted: bool) -> None:
@@ -88,12 +89,12 @@ class ModeSwitch(nn.Module):
                 return inputs.index(out) if out in inputs else None
         return None
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_compiled", None)  # rebuilt from the records: a file never holds generated code
         return state
 
-    def __deepcopy__(self, memo: dict) -> "ModeSwitch":
+    def __deepcopy__(self, memo: dict[str, Any]) -> "ModeSwitch":
         """A copy in memory shares the built bodies (graphs of tensor functions, no state): a pass copies the
         model twice, and rebuilding every body through the file checks each time cost more than the pass."""
         new = type(self).__new__(type(self))

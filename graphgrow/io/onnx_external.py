@@ -18,7 +18,7 @@ import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import onnx
 
@@ -65,7 +65,7 @@ def external_tensors(proto: onnx.ModelProto) -> list[str]:
     graphs += [(g, f"training graph {i}", 0) for i, info in enumerate(proto.training_info)
                for g in (info.initialization, info.algorithm)]
 
-    def attributes(attrs, where: str, depth: int) -> None:
+    def attributes(attrs: Iterable[onnx.AttributeProto], where: str, depth: int) -> None:
         for a in attrs:
             at = f"{where} attribute {_show(a.name)}"
             if is_external(a.t) or any(is_external(t) for t in a.tensors):
@@ -74,7 +74,7 @@ def external_tensors(proto: onnx.ModelProto) -> list[str]:
                 found.append(at)
             graphs.extend((g, f"{at} subgraph", depth + 1) for g in [a.g, *a.graphs])
 
-    def nodes(ns, where: str, depth: int) -> None:
+    def nodes(ns: Iterable[onnx.NodeProto], where: str, depth: int) -> None:
         for n in ns:
             attributes(n.attribute, f"{where} node {_show(n.name or n.op_type)}", depth)
 
@@ -153,7 +153,7 @@ def written(proto: onnx.ModelProto, onnx_path: Path) -> list[Path]:
     return [onnx_path, data_path(onnx_path)] if external_initializers(proto) else [onnx_path]
 
 
-def external_folder(proto: onnx.ModelProto, onnx_path: str | os.PathLike | None) -> Path | None:
+def external_folder(proto: onnx.ModelProto, onnx_path: str | os.PathLike[str] | None) -> Path | None:
     """The folder onnxruntime resolves the external data of `proto` against: the model file's own (None when
     the model is self-contained). The locations must have passed `check_external` (load_onnx, or the export)."""
     if not external_initializers(proto):
@@ -164,7 +164,7 @@ def external_folder(proto: onnx.ModelProto, onnx_path: str | os.PathLike | None)
     return Path(onnx_path).resolve().parent
 
 
-def checked_folder(proto: onnx.ModelProto, onnx_path: str | os.PathLike) -> Path | None:
+def checked_folder(proto: onnx.ModelProto, onnx_path: str | os.PathLike[str]) -> Path | None:
     """The folder of `onnx_path` once every external tensor of `proto` (read from it) passed check_external;
     None when the model is self-contained."""
     everywhere = external_tensors(proto)
@@ -260,7 +260,7 @@ def _tensor_bytes(t: onnx.TensorProto, name: str) -> int:
                         "the file is corrupted or hostile")
     if any(d < 0 for d in t.dims):
         raise LoadError(f"{name} has a negative dimension", "the file is corrupted or hostile")
-    return math.prod(t.dims) * item
+    return int(math.prod(t.dims)) * int(item)
 
 
 ALIGNMENT = 65536  # bytes: onnxruntime maps (rather than copies) external initializers at aligned offsets

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, Iterator
 
 import onnx
 import torch
@@ -113,7 +113,7 @@ def captured_static(gm: torch.nn.Module, groups: dict[str, list[tuple[str, int]]
     return None
 
 
-def fails_shorter(gm: torch.nn.Module, spec: InputSpec, feeds: dict, leaves: int) -> str | None:
+def fails_shorter(gm: torch.nn.Module, spec: InputSpec, feeds: dict[str, Any], leaves: int) -> str | None:
     """Why the model cannot take shorter dynamic dimensions (it fails there, or its output changes structure);
     None when it can."""
     shorter = with_shorter_sequence(spec, dynamic_dims(spec, True))
@@ -195,7 +195,7 @@ def _fresh(base: str, taken: set[str]) -> str:
     return f"{base}_{i}"
 
 
-def _subgraphs(graph: onnx.GraphProto):
+def _subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     for node in graph.node:
         for a in node.attribute:
             if a.HasField("g"):
@@ -226,7 +226,7 @@ def _rename(graph: onnx.GraphProto, mapping: dict[str, str]) -> None:
         _rename(g, mapping)
 
 
-def spec_metadata(spec: InputSpec, dims: dict[str, dict[int, str]], static: dict | None) -> dict[str, str]:
+def spec_metadata(spec: InputSpec, dims: dict[str, dict[int, str]], static: dict[str, Any] | None) -> dict[str, str]:
     """The metadata_props an export with named inputs writes (see the module doc)."""
     props = {INPUTS_KEY: json.dumps([t.record() for t in spec]),
              DYNAMIC_KEY: json.dumps({k: {str(d): n for d, n in v.items()} for k, v in dims.items()})}

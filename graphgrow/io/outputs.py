@@ -26,7 +26,7 @@ import stat
 import tempfile
 import threading
 from pathlib import Path
-from typing import IO, Any, Iterator, Mapping, Sequence
+from typing import IO, Any, Callable, Iterator, Mapping, Sequence
 
 from ..core.errors import SaveError, first_line
 
@@ -66,7 +66,7 @@ def forget_committed() -> None:
     _inputs.clear()
 
 
-def protect(path: str | os.PathLike) -> None:
+def protect(path: str | os.PathLike[str]) -> None:
     """`path` is read as an input: no output of this process may replace it, under whatever name reaches it."""
     try:
         st = os.stat(path)
@@ -75,7 +75,7 @@ def protect(path: str | os.PathLike) -> None:
     _inputs[(st.st_dev, st.st_ino)] = os.fspath(path)
 
 
-def input_named_by(path: str | os.PathLike, inputs: Sequence[str | os.PathLike] = ()) -> str | None:
+def input_named_by(path: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str]] = ()) -> str | None:
     """The input file (one of `inputs`, or one `protect`ed) that `path` reaches, by device and inode: through a
     symlink, a hard link or another spelling; None when it reaches none."""
     try:
@@ -101,7 +101,7 @@ def input_named_by(path: str | os.PathLike, inputs: Sequence[str | os.PathLike] 
     return name
 
 
-def check_replaceable(path: Path, inputs: Sequence[str | os.PathLike] = ()) -> None:
+def check_replaceable(path: Path, inputs: Sequence[str | os.PathLike[str]] = ()) -> None:
     """Refuse (SaveError) an output `path` that exists and is not a regular file — a symlink (even to a
     file), a directory, a device, a fifo, a socket — or that is an input (`input_named_by`)."""
     try:
@@ -142,8 +142,9 @@ def _start() -> int:
 def _host_key() -> str:
     """This machine (boot id, host name) and pid namespace: a pid means this process only here."""
     parts = [socket.gethostname()]
-    for read in (lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
-                 lambda: str(os.stat("/proc/self/ns/pid").st_ino)):
+    reads: tuple[Callable[[], str], ...] = (lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+                 lambda: str(os.stat("/proc/self/ns/pid").st_ino))
+    for read in reads:
         try:
             parts.append(read())
         except OSError:

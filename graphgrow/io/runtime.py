@@ -15,7 +15,7 @@ import os
 import tempfile
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 import onnxruntime as ort
@@ -56,7 +56,8 @@ class Session:
         feeds = {k: v.astype(types[k]) if types[k] is not None and v.dtype != types[k] else v  # a float64 model takes float64
                  for k, v in feeds.items()}
         try:
-            return self.session.run(None, feeds)
+            outputs: list[np.ndarray] = self.session.run(None, feeds)
+            return outputs
         except (ort.capi.onnxruntime_pybind11_state.NotImplemented,
                 ort.capi.onnxruntime_pybind11_state.InvalidArgument) as e:
             raise RuntimeUnavailable(f"onnxruntime ({self.provider}) cannot run this model: {first_line(e, 200)}",
@@ -77,7 +78,7 @@ def max_ir_version() -> int:
     return 9
 
 
-def open_session(model: bytes | str | os.PathLike, provider: Provider = "auto", threads: int | None = None,
+def open_session(model: bytes | str | os.PathLike[str], provider: Provider = "auto", threads: int | None = None,
                  tf32: bool = False, external_folder: Path | None = None) -> Session:
     """An InferenceSession on the provider asked for; 'auto' takes CUDA only when it really loads.
 
@@ -104,7 +105,7 @@ def why_not_runnable(e: BaseException) -> str:
     return "onnxruntime refused a file the ONNX checker accepted: export the model again, or try --provider cpu"
 
 
-def _open_session(model: bytes | str | os.PathLike, provider: Provider, threads: int | None, tf32: bool,
+def _open_session(model: bytes | str | os.PathLike[str], provider: Provider, threads: int | None, tf32: bool,
                   external_folder: Path | None) -> Session:
     if provider not in ("auto", "cpu", "cuda"):
         raise RuntimeUnavailable(f"unknown provider '{provider}'", "use auto, cpu or cuda")
@@ -117,7 +118,7 @@ def _open_session(model: bytes | str | os.PathLike, provider: Provider, threads:
         return _session_on(src, opts, provider, tf32)
 
 
-def _external_folder(src: bytes, path: str | os.PathLike) -> Path | None:
+def _external_folder(src: bytes, path: str | os.PathLike[str]) -> Path | None:
     """The folder a model file's external data is read from, once its entries passed graphgrow's checks
     (only PATH.data beside PATH); None for a self-contained model, or bytes onnx cannot parse (onnxruntime says why).
     Bytes without an external-data `location` key are not parsed (a large self-contained file would be, for nothing):
@@ -138,7 +139,7 @@ def _external_folder(src: bytes, path: str | os.PathLike) -> Path | None:
 EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"  # kOrtSessionOptionsModelExternalInitializersFileFolderPath
 
 
-def model_bytes(model: bytes | str | os.PathLike) -> bytes:
+def model_bytes(model: bytes | str | os.PathLike[str]) -> bytes:
     """The model as bytes: onnxruntime given a path resolves external data against the path's folder."""
     if not isinstance(model, (str, os.PathLike)):
         return bytes(model)
@@ -224,7 +225,7 @@ def cuda_bound_run(s: Session, data_ptr: int, shape: tuple[int, ...]) -> Callabl
 
 
 @contextlib.contextmanager
-def _quiet_ort():
+def _quiet_ort() -> Iterator[None]:
     """onnxruntime logs a red error when CUDA fails to load; graphgrow reports the fallback itself."""
     ort.set_default_logger_severity(4)
     try:
@@ -233,7 +234,7 @@ def _quiet_ort():
         ort.set_default_logger_severity(2)
 
 
-def optimized_op_counts(model: bytes | str | os.PathLike) -> dict[str, int]:
+def optimized_op_counts(model: bytes | str | os.PathLike[str]) -> dict[str, int]:
     """Op type → count in the graph onnxruntime (CPU, all graph optimisations) actually runs.
 
     Deterministic: it says whether two models deploy as the same kernels (fold's target for
@@ -250,7 +251,7 @@ def optimized_op_counts(model: bytes | str | os.PathLike) -> dict[str, int]:
     return dict(collections.Counter(n.op_type for n in graph.node))
 
 
-def all_values(proto, x: np.ndarray | dict[str, np.ndarray], external_folder: Path | None = None) -> dict[str, np.ndarray]:
+def all_values(proto: Any, x: np.ndarray | dict[str, np.ndarray], external_folder: Path | None = None) -> dict[str, np.ndarray]:
     """Every node output of the ONNX model `proto` on input `x` (arrays by name for named inputs), on the CPU provider: each one is
     made a graph output of a copy (to find where a model first goes wrong)."""
     import copy

@@ -43,7 +43,7 @@ def settle(staged: Path) -> None:
     os.chmod(staged, 0o666 & ~umask)
 
 
-def check_output_path(path: str | os.PathLike, inputs: tuple = ()) -> Path:
+def check_output_path(path: str | os.PathLike[str], inputs: tuple[str | os.PathLike[str], ...] = ()) -> Path:
     """Refuse outputs over an input, into missing or read-only folders, or spelled like another run's
     staging file (the next run would remove it). Returns the path."""
     out = Path(path)
@@ -54,7 +54,7 @@ def check_output_path(path: str | os.PathLike, inputs: tuple = ()) -> Path:
                         "choose another output path") from None
 
 
-def _checked_output(out: Path, inputs: tuple) -> Path:
+def _checked_output(out: Path, inputs: tuple[str | os.PathLike[str], ...]) -> Path:
     from . import outputs
 
     if outputs.is_staging_name(out.name) and not outputs.is_own_staging(out):
@@ -72,7 +72,7 @@ def _checked_output(out: Path, inputs: tuple) -> Path:
     return out
 
 
-def save_model(gm: fx.GraphModule, path: str | os.PathLike, inputs: tuple = ()) -> Path:
+def save_model(gm: fx.GraphModule, path: str | os.PathLike[str], inputs: tuple[str | os.PathLike[str], ...] = ()) -> Path:
     """Save a graphgrow GraphModule atomically in the safe format; returns the path. A failed write is SaveError."""
     from .outputs import torch_save
 

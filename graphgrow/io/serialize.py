@@ -28,7 +28,7 @@ MAX_LOG_ENTRIES = 1_000
 MAX_META_DEPTH = 12
 
 
-def qualified_name(fn: Callable) -> str:
+def qualified_name(fn: Callable[..., Any]) -> str:
     if getattr(fn, "__module__", None) == "_operator":
         return f"operator.{fn.__name__}"
     if getattr(fn, "__module__", None) == "builtins":  # torch.fx names builtins bare ("len"); the allow-list and loader want builtins.len
@@ -36,7 +36,7 @@ def qualified_name(fn: Callable) -> str:
     return fx.node._get_qualified_name(fn)
 
 
-def _resolve_function(qualname: str, trusted: bool, node: str = "?") -> Callable:
+def _resolve_function(qualname: str, trusted: bool, node: str = "?") -> Callable[..., Any]:
     if not trusted:
         graph_policy.check_function(qualname, node)
     if not isinstance(qualname, str) or not re.fullmatch(r"[A-Za-z_][\w.]*", qualname):
@@ -53,7 +53,7 @@ def _resolve_function(qualname: str, trusted: bool, node: str = "?") -> Callable
                 obj = getattr(obj, part)
         except (ImportError, AttributeError):
             obj = None
-    fn = getattr(obj, attr, None)
+    fn: Callable[..., Any] | None = getattr(obj, attr, None)
     if not callable(fn):
         raise LoadError(f"the model graph calls '{qualname}', which does not exist here", "was it saved by a newer torch?")
     return fn
@@ -113,7 +113,7 @@ def _decode(value: Any, env: dict[str, fx.Node]) -> Any:
     raise LoadError(f"unknown value tag '{tag}' in the model graph", "the file is corrupted or from a newer graphgrow")
 
 
-def to_payload(gm: fx.GraphModule) -> dict:
+def to_payload(gm: fx.GraphModule) -> dict[str, Any]:
     """The saveable form of a GraphModule: module tree, graph as data, graphgrow meta."""
     root = nn.Module()
     for name, child in gm.named_children():
@@ -141,7 +141,7 @@ def to_payload(gm: fx.GraphModule) -> dict:
 _OWN_NAMESPACES = frozenset({"torch", "operator", "math", "builtins", "torchvision"})  # what the closed list covers
 
 
-def check_readable(graph: fx.Graph, root: nn.Module, nodes: list[dict]) -> None:
+def check_readable(graph: fx.Graph, root: nn.Module, nodes: list[dict[str, Any]]) -> None:
     """Never write a graph graphgrow would refuse to read back: each node is checked as the loader checks it
     (graph_policy), now, and refused with a SaveError naming it. One exception, as for custom classes: a function
     of an installed package outside torch (the user's own code, called through by the trace) is written, and
@@ -177,7 +177,7 @@ def _found_again(qualname: str, node: str) -> None:
 _UNNAMED_HINT = "make it a module-level function, or mark the module that calls it a leaf (--leaf MODULE)"
 
 
-def node_records(graph: fx.Graph) -> list[dict]:
+def node_records(graph: fx.Graph) -> list[dict[str, Any]]:
     """The graph as plain records (names, targets by qualified name, arguments as data). SaveError for a
     function that has no importable name (a lambda, a local function) or a constant that is not plain data."""
     nodes = []
@@ -242,7 +242,7 @@ def graph_from_records(nodes: Any, root: nn.Module, trusted: bool) -> fx.Graph:
     return graph
 
 
-def from_payload(payload: dict, trusted: bool = False) -> fx.GraphModule:
+def from_payload(payload: dict[str, Any], trusted: bool = False) -> fx.GraphModule:
     """Rebuild a GraphModule from `to_payload` output, resolving functions safely (load.py has counted the nodes of
     the whole file, mode switches' bodies included, before this builds any)."""
     if payload.get("version") != VERSION:
@@ -274,7 +274,7 @@ def _bad_name(problem: str, node: Any) -> LoadError:
                      "the file was edited by hand or is hostile; re-create it from the original model")
 
 
-def _check_names(payload: dict, nodes: list, root: nn.Module) -> None:
+def _check_names(payload: dict[str, Any], nodes: list[Any], root: nn.Module) -> None:
     """Every name the file supplies — module tree, node records, class name — before anything is built."""
     if (problem := names.bad_name_in_tree(root)) is not None:
         raise _bad_name(problem, None)
@@ -345,7 +345,7 @@ def is_stored_shape(shape: Any) -> bool:
             and all(type(d) is int and 0 < d <= 1 << 20 for d in shape))
 
 
-def validate_meta(meta: Any) -> dict:
+def validate_meta(meta: Any) -> dict[str, Any]:
     """graphgrow's stored metadata is untrusted: check its types and sizes; return a clean copy."""
     from .meta_schema import check_log, check_trace
 
@@ -381,7 +381,7 @@ def validate_meta(meta: Any) -> dict:
 MAX_HIGH = 1 << 40  # an integer input's stored exclusive bound (a vocabulary size)
 
 
-def stored_inputs(value: Any) -> list[dict]:
+def stored_inputs(value: Any) -> list[dict[str, Any]]:
     """A stored input spec (graph_meta.store_shape's records) read back: names, shapes, dtypes and bounds
     checked by the spec's own parser (graph.inputs: identifiers, bounded shapes, known dtypes); clean records."""
     ok = isinstance(value, list) and 0 < len(value) <= 64 and all(

@@ -207,7 +207,7 @@ def builder(name: ModelName, import_object: Callable[..., Any]) -> tuple[Callabl
             raise LoadError(f"timm has no model {model!r}", f"did you mean {', '.join(close)}?" if close else "see timm.list_models()")
         kwargs = {**name.kwargs, "pretrained": False}
 
-        def build_timm():
+        def build_timm() -> Any:
             return timm.create_model(model, **kwargs)
         return build_timm, None  # the shape is read from the built model's pretrained_cfg (zoo_input_shape)
     models = _import("torchvision.models")
@@ -217,7 +217,7 @@ def builder(name: ModelName, import_object: Callable[..., Any]) -> tuple[Callabl
     if "weights_backbone" in inspect.signature(models.get_model_builder(model)).parameters:
         kwargs["weights_backbone"] = None  # its default is ImageNet weights (detection, segmentation): random here too
 
-    def build_torchvision():
+    def build_torchvision() -> Any:
         return models.get_model(model, **kwargs)
     return build_torchvision, _torchvision_shape(models, model)
 
