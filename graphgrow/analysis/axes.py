@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 from .reshapes import piece_axis, reshape_regroup, stack_axis
 
@@ -30,11 +31,14 @@ CHANNELWISE_FUNCTIONS = {
     F.adaptive_avg_pool2d, F.adaptive_max_pool2d, F.avg_pool2d, F.max_pool2d, F.interpolate, F.pad,
     torch.relu, torch.sigmoid, torch.tanh, torch.exp, torch.abs, torch.neg, operator.neg,
 }
-CHANNELWISE_METHODS = {"relu", "sigmoid", "tanh", "contiguous", "clone", "float", "to", "type_as", "exp", "abs", "neg", "relu_", "sigmoid_"}
-ELEMENTWISE = {operator.add, operator.sub, operator.mul, operator.truediv, operator.iadd, operator.imul,
-               torch.add, torch.sub, torch.mul, torch.div}
-ELEMENTWISE_METHODS = {"add", "sub", "mul", "div", "add_", "mul_"}
-SHAPE_QUERIES = {"size", "dim", "numel"}  # read a shape, produce no tensor
+# unary elementwise ops and the value-keeping casts/copies, plus the two in-place activations models use
+CHANNELWISE_METHODS = ops.UNARY_METHODS | ops.SAME_VALUES | {"relu_", "sigmoid_"}
+ELEMENTWISE = ops.BINARY_FUNCTIONS
+# the methods' names: x.add(y) …; "truediv" is an operator, never a method, and of the in-place ones only
+# add_ and mul_ are followed (x.sub_(y), x.div_(y) freeze: not seen in a model yet)
+ELEMENTWISE_METHODS = (ops.BINARY_NAMES - {"truediv"}) | {"add_", "mul_"}
+# only the called ones: the coupling checks call_method nodes, and shape/dtype/device are attributes, never called
+SHAPE_QUERIES = ops.SHAPE_METHODS
 
 
 def channel_axis(shape) -> int | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import operator
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -29,6 +28,7 @@ from ..core.allocation import AllocationGuard
 from ..io.mode_switch import ModeSwitch
 from ..graph.inputs import batch_of, DTYPES, InputSpec, is_positional
 from ..core.errors import first_line, InputError, NotApplicable, ValidationError
+from ..graph import ops
 from ..graph.fx_edit import new_parameters, upstream_parameters
 from ..graph.shapes import _target_name, annotate, shape_of, state_bytes
 
@@ -90,7 +90,8 @@ def parse_size(text: str | int, what: str) -> int:
 
 _SAME_SHAPE = (nn.modules.batchnorm._NormBase, nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid,
                nn.Tanh, nn.LeakyReLU, nn.Identity, nn.modules.dropout._DropoutNd, nn.LayerNorm, nn.GroupNorm)
-_ELEMENTWISE = (operator.add, operator.mul, operator.sub, torch.add, torch.mul, torch.sub)
+# the binary ops whose output shape is the broadcast of their inputs' (division left out: its meta kernel is used)
+_ELEMENTWISE = ops.ADD_FUNCTIONS | ops.PRODUCT_FUNCTIONS
 
 
 def _fast_shape(gm: fx.GraphModule, n: fx.Node, args: tuple) -> torch.Tensor | None:

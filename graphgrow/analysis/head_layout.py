@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..core.errors import NotApplicable
+from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 
 Factor = tuple[str, int]  # (name, size); name "" is an anonymous factor (batch, tokens, a factor that does not grow)
@@ -23,19 +24,23 @@ Axis = tuple[Factor, ...]
 Layout = tuple[Axis, ...]
 HEAD_FACTORS = ("h", "r")
 SDPA = F.scaled_dot_product_attention
-SAME = {"contiguous", "clone", "float", "to", "type_as", "dropout", "neg", "detach"}  # one data operand, same layout
-ELEMENTWISE = {"add", "sub", "mul", "div", "truediv", "iadd", "imul"}
-LAYOUT = {"reshape", "view", "unflatten", "flatten", "transpose", "permute", "unsqueeze", "squeeze", "expand",
-          "split", "chunk", "unbind", "select", "getitem", "cat"}
-NORMS = {"layer_norm", "rms_norm"}
-SHAPE_QUERIES = {"size", "dim", "numel", "shape", "dtype", "device"}
+SAME = ops.SAME_VALUES | {"dropout", "neg", "detach"}  # one data operand, same layout
+ELEMENTWISE = ops.BINARY_NAMES | ops.IN_PLACE_OPERATORS
+# ops whose factor layout rules Flow knows: expand_as, the *_as reshapes and the other reorderings are not among them
+LAYOUT = ops.RESHAPES | ops.FLATTENS | ops.TRANSPOSES | ops.UNIT_DIMS | ops.SPLITS | ops.INDEXING | {"expand", "cat"}
+NORMS = ops.NORMS
+SHAPE_QUERIES = ops.SHAPE_QUERIES
 HINT = "grow_heads grows attentions it fully understands (scaled_dot_product_attention fed by Linear projections)"
 
 
 
 
 @dataclass
-class Edit:
+class FactorEdit:
+    """A literal size in a reshape/view/split that is a product of head-layout factors (heads × head size …): the
+    attention growth rewrites it to the product of the grown factors. (Not coupling's ChannelEdit, which marks an op
+    whose constants follow a channel group.)"""
+
     node: str
     where: tuple  # ("args", i[, j]): the constant's place in the node's arguments
     old: int
@@ -118,7 +123,7 @@ class Flow:
         self.gm, self.growing, self.region = gm, growing, region
         self.layout: dict[str, object] = {}  # node → Layout, or a list of (Layout, section) for split/unbind
         self.section: dict[str, int] = {}
-        self.edits: list[Edit] = []
+        self.edits: list[FactorEdit] = []
 
     def grows(self, axis: Axis) -> bool:
         return any(f in self.growing for f, _ in axis)
@@ -249,18 +254,18 @@ class Flow:
                 continue
             where = at + (j,) if len(at) == 2 else ("args", j + 1)
             if isinstance(a, int):
-                self.edits.append(Edit(n.name, where, a, axis))
+                self.edits.append(FactorEdit(n.name, where, a, axis))
                 continue
             c = _constant_factor(a)
             grown = math.prod(s for f, s in axis if f in self.growing)
             if (c is None or c[1] % grown) and free == 0 and isinstance(a, fx.Node):
                 free = 1  # reshape infers this one size from the others and the element count: exact
-                self.edits.append(Edit(n.name, where, -1, axis, infer=True))
+                self.edits.append(FactorEdit(n.name, where, -1, axis, infer=True))
                 continue
             if c is None or c[1] % grown:
                 raise refuse(n, f"takes the size of a growing axis ({words(axis)}) from '{getattr(a, 'name', a)}', "
                               "a computed value the analysis cannot scale")
-            self.edits.append(Edit(n.name, where, c[1], tuple((f, s) for f, s in axis if f in self.growing), c[0]))
+            self.edits.append(FactorEdit(n.name, where, c[1], tuple((f, s) for f, s in axis if f in self.growing), c[0]))
 
     def broadcast(self, n: fx.Node, operands: list[fx.Node], shape: tuple) -> Layout:
         mine = [a for a in operands if a.name in self.layout]
@@ -316,7 +321,7 @@ class Flow:
         else:
             raise refuse(n, f"splits an axis that grows ({words(axis)}) other than into equal q/k/v sections")
         if name == "split" and self.grows(rest):
-            self.edits.append(Edit(n.name, ("args", 1), n.args[1], rest))
+            self.edits.append(FactorEdit(n.name, ("args", 1), n.args[1], rest))
         if name == "unbind":
             return [(lay[:dim] + lay[dim + 1:], s) for s in sections]
         return [(lay[:dim] + (rest,) + lay[dim + 1:], s) for s in sections]

@@ -20,7 +20,7 @@ from torch import fx, nn
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import tensor_shape
 from .head_layout import (
-    SDPA, SHAPE_QUERIES, Axis, Edit, Layout, canon, data_args, Flow, linear_arg, op_kind, plain, refuse, size_of, words,
+    SDPA, SHAPE_QUERIES, Axis, FactorEdit, Layout, canon, data_args, Flow, linear_arg, op_kind, plain, refuse, size_of, words,
 )
 
 
@@ -43,7 +43,7 @@ class Attention:
     value_dim: int
     projections: list[Projection]
     reader: Projection  # the output projection: its input columns
-    edits: list[Edit] = field(default_factory=list)
+    edits: list[FactorEdit] = field(default_factory=list)
     scale: float | None = None  # an explicit scale= (None: 1/sqrt(head_dim))
 
     def summary(self) -> str:
@@ -234,7 +234,7 @@ def _fix_roles(flow: Flow, projections: list[Projection], roles: dict, q, k, v, 
         p.roles = tuple(order[i] for i in range(len(order)))
 
 
-def _reader(gm: fx.GraphModule, s: fx.Node, lay: Layout, growing: set[str]) -> tuple[Projection, list[Edit]]:
+def _reader(gm: fx.GraphModule, s: fx.Node, lay: Layout, growing: set[str]) -> tuple[Projection, list[FactorEdit]]:
     """The output projection reading the attention's output, the tensors between them followed."""
     flow = Flow(gm, growing, set())
     flow.layout[s.name] = lay

@@ -27,18 +27,22 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..core.errors import NotApplicable
+from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 from .stream_ops import arg as _arg, FLAT_AT_ZERO, forward_axis as _forward_axis, is_scalar_factor as _is_scalar_factor, zero_activation_input as _zero_activation_input
 
 NORM_FUNCTIONS = (F.layer_norm, torch.layer_norm, F.rms_norm) + ((torch.rms_norm,) if hasattr(torch, "rms_norm") else ())
-ADDS = {operator.add, operator.sub, torch.add, torch.sub, operator.iadd}
-SCALINGS = {operator.mul, operator.truediv, torch.mul, torch.div}
-PASS_METHODS = {"contiguous", "clone", "float", "to", "type_as", "transpose", "permute", "reshape", "view", "flatten",
-                "expand", "mean", "sum", "select", "squeeze", "unsqueeze"}
+ADDS = ops.ADD_FUNCTIONS | {operator.iadd}  # x += y writes the stream like x + y (x *= y is not followed)
+SCALINGS = ops.MUL_FUNCTIONS
+# methods the hidden axis passes through (moved or kept); unflatten, the *_as forms, expand_as, split and the moments
+# past the mean are not followed (the axis's place after them is not worked out here). ("getitem" is never a method:
+# x[i] is operator.getitem, in PASS_FUNCTIONS.)
+PASS_METHODS = ops.SAME_VALUES | ops.TRANSPOSES | ops.RESHAPES | ops.UNIT_DIMS | ops.LINEAR_REDUCTIONS | ops.INDEXING | \
+    {"flatten", "expand"}
 PASS_FUNCTIONS = {F.dropout, torch.transpose, torch.permute, torch.flatten, torch.reshape, torch.select, operator.getitem,
                   torch.mean, torch.sum, torch.squeeze, torch.unsqueeze}
-SHAPE_QUERIES = {"size", "dim", "numel", "shape", "dtype", "device"}
-VIEWS = {"reshape", "view", "expand"}  # their shape arguments name the width: grown with it
+SHAPE_QUERIES = ops.SHAPE_QUERIES
+VIEWS = ops.RESHAPES | {"expand"}  # their shape arguments name the width: grown with it
 
 
 @dataclass

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from torch import fx
 
+from ..graph import ops
 from ..io.mode_switch import ModeSwitch
 from .makers import describe
 from .regions import ancestors_in as _ancestors_in, outside_inputs as _outside_inputs, pure as _pure
@@ -203,9 +204,7 @@ def _scope(n: fx.Node) -> str:
 
 # --- in-place work on skeleton tensors -----------------------------------------------------------
 
-_VIEWS = {"view", "reshape", "flatten", "transpose", "permute", "t", "squeeze", "unsqueeze", "expand", "narrow",
-          "select", "unflatten", "as_strided", "split", "chunk", "unbind", "contiguous", "detach", "view_as",
-          "expand_as", "movedim", "diagonal", "getitem", "unfold", "swapaxes", "real", "imag"}
+_VIEWS = ops.MAY_ALIAS
 
 
 def _name(n: fx.Node) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..analysis.head_layout import Axis, Edit
+from ..analysis.head_layout import Axis, FactorEdit
 from ..analysis.heads import Attention, Projection
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import finish
@@ -100,7 +100,7 @@ def _get_at(node: fx.Node, where: tuple):
     return v if len(where) == 2 else v[where[2]]
 
 
-def _apply_edit(gm: fx.GraphModule, nodes: dict[str, fx.Node], e: Edit, new: dict[str, int]) -> None:
+def _apply_edit(gm: fx.GraphModule, nodes: dict[str, fx.Node], e: FactorEdit, new: dict[str, int]) -> None:
     before = math.prod(s for f, s in e.factors if f in new)
     after = math.prod(new[f] for f, _ in e.factors if f in new)
     value = e.old // before * after

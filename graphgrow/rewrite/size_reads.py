@@ -13,9 +13,10 @@ from typing import Mapping
 import torch
 from torch import fx
 
+from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 
-_VIEW_METHODS = {"reshape", "view", "expand"}
+_VIEW_METHODS = ops.RESHAPES | {"expand"}  # their size arguments may be read from a shape
 
 
 def _reads(q: fx.Node, axis: int, rank: int) -> list[fx.Node]:

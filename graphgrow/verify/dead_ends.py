@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
+from ..graph import ops
 from ..graph.graph_meta import input_spec_of
 from ..graph.inputs import positional
 from ..graph.shapes import example_input
@@ -109,7 +110,7 @@ def _zero_factor_after(gm: fx.GraphModule, n: fx.Node) -> str | None:
     return None
 
 
-_MUL = {operator.mul, operator.imul, torch.mul, "mul", "mul_"}
+_MUL = ops.PRODUCT_FUNCTIONS | {operator.imul, "mul", "mul_"}  # x · y as a function, x *= y, x.mul(y), x.mul_(y)
 _WEIGHTED = {F.linear, F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d}
 
 

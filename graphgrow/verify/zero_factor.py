@@ -19,17 +19,17 @@ after the one at which the new zero factor first got a gradient.
 """
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from ..graph import ops
 from ..graph.inputs import call, positional
 from ..graph.layers import AverageMerge
 
-_MUL = {operator.mul, torch.mul, "mul"}
+_MUL = ops.PRODUCT_FUNCTIONS | {"mul"}  # x · y as a function or x.mul(y)
 
 
 def new_region(t: torch.Tensor, old_shape) -> torch.Tensor:
