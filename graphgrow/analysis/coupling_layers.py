@@ -24,18 +24,20 @@ import torch.nn.functional as F
 from torch import fx
 
 from ..core.errors import NotApplicable
+from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 from .axes import node_axis
-from .coupling_splits import Edit
+from .coupling_build import Build, Site
+from .coupling_splits import ChannelEdit
 from .heads import attention_of
 
 LINEARS = {F.linear}
 CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
 SDPA = F.scaled_dot_product_attention
 # ops a weight standardisation is made of: views of the weight and statistics over its input dims
-_STANDARDISE = {"reshape", "view", "reshape_as", "view_as", "flatten", "batch_norm", "mean", "var", "std", "var_mean",
-                "std_mean", "sub", "div", "mul", "add", "rsqrt", "sqrt", "pow", "truediv", "sub_", "add_"}
-_STATISTICS = {"batch_norm", "mean", "var", "std", "var_mean", "std_mean"}
+_STATISTICS = ops.MOMENTS | {"batch_norm"}  # F.batch_norm(w, None, None, training=True): a moment over the weight
+_STANDARDISE = ops.RESHAPES | ops.RESHAPES_AS | _STATISTICS | ops.BINARY_NAMES | {"flatten", "rsqrt", "sqrt", "pow", "sub_",
+                                                                                  "add_"}
 
 
 @dataclass
@@ -48,19 +50,18 @@ class Functional:
     standardised: bool = False  # the weight is standardised in the graph: outputs grow, inputs cannot
 
 
-def layer_rule(n: fx.Node, out: str | None, join, freeze, sources: list, consumers: list,
-               functional: dict[str, Functional], attentions: list[tuple[str, str]], gm: fx.GraphModule,
-               more: tuple[list, dict, list]) -> bool:
-    """Apply the rule for `n` when it is a functional layer, a group norm or an attention; False when it is none.
-    `more`: (per-channel tensors, GroupNorm units, edits) of the analysis, appended to."""
+def layer_rule(b: Build, s: Site) -> bool:
+    """Apply the rule for the site's node when it is a functional layer, a group norm or an attention; False when it
+    is none."""
+    n, out, gm = s.node, s.out, b.gm
     if n.op != "call_function":
         return False
     if n.target in (F.group_norm, torch.group_norm):
-        return _group_norm(n, out, join, *more)
+        return _group_norm(n, out, b.join, b.tensors, b.units, b.edits)
     if n.target in LINEARS or n.target in CONVS:
-        return _functional(gm, n, out, freeze, sources, consumers, functional)
+        return _functional(gm, n, out, b.freeze, b.sources, b.consumers, b.functional)
     if n.target is SDPA:
-        return _attention(gm, n, out, join, freeze, attentions)
+        return _attention(gm, n, out, b.join, b.freeze, b.attentions)
     return False
 
 
@@ -145,7 +146,7 @@ def _group_norm(n: fx.Node, out, join, tensors: list, units: dict, edits: list) 
     join(x, n)
     units[n.name] = shape[1] // groups
     tensors += [(str(a.target), n.name) for a in affine]
-    edits.append(Edit("groups", n.name, x.name, ("a", 1) if len(n.args) > 1 else ("k", "num_groups")))
+    edits.append(ChannelEdit("groups", n.name, x.name, ("a", 1) if len(n.args) > 1 else ("k", "num_groups")))
     return True
 
 

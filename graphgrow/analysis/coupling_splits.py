@@ -10,20 +10,21 @@ import operator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import fx
 
+from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 from .axes import node_axis
+from .coupling_build import Build, Site
 from .reshapes import is_reshape, reshape_regroup, split_call, stack_axis
 
 
 @dataclass
-class Edit:
+class ChannelEdit:
     """A node whose constant arguments follow the channels: kind 'slice' (getitem), 'narrow', 'split'
     (the tuple-producing node), 'reshape' (a literal channel count at args path `where`), 'groups' (F.group_norm's
     num_groups), 'view' (a literal channel count in a per-channel tensor's view; `source` is the group member reading
-    the tensor)."""
+    the tensor). (Not head_layout's FactorEdit, a literal that is a product of head-layout factors.)"""
 
     kind: str
     node: str
@@ -31,11 +32,12 @@ class Edit:
     where: tuple = ()
 
 
-SOFTMAXES = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax}
+SOFTMAXES = ops.SOFTMAX_FUNCTIONS
 
 
-def split_rule(n: fx.Node, out: str | None, join, freeze, link, edits: list[Edit]) -> bool:
-    """Apply the rule for `n` when it is one of these ops; False when it is none of them."""
+def split_rule(b: Build, s: Site) -> bool:
+    """Apply the rule for the site's node when it is one of these ops; False when it is none of them."""
+    n, out, join, freeze, link, edits = s.node, s.out, b.join, b.freeze, b.link, b.edits
     x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
     if n.op == "call_function" and n.target is torch.stack:
         return _stack(n, join, freeze)
@@ -72,7 +74,7 @@ def _stack(n: fx.Node, join, freeze) -> bool:
     return True
 
 
-def _split_tuple(n: fx.Node, freeze, edits: list[Edit]) -> bool:
+def _split_tuple(n: fx.Node, freeze, edits: list[ChannelEdit]) -> bool:
     kind, dim = split_call(n)  # type: ignore[misc]
     x = n.args[0]
     if not all(u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int) for u in n.users):
@@ -81,7 +83,7 @@ def _split_tuple(n: fx.Node, freeze, edits: list[Edit]) -> bool:
         if kind == "unbind":
             freeze([x], f"'{n.name}' unbinds the channel axis into separate tensors")
         else:
-            edits.append(Edit("split", n.name, x.name))
+            edits.append(ChannelEdit("split", n.name, x.name))
     return True
 
 
@@ -102,7 +104,7 @@ def _piece(n: fx.Node, tup: fx.Node, join, link) -> bool:
     return True
 
 
-def _slice(n: fx.Node, x: fx.Node, out, link, edits: list[Edit]) -> bool:
+def _slice(n: fx.Node, x: fx.Node, out, link, edits: list[ChannelEdit]) -> bool:
     index = n.args[1]
     index = index if isinstance(index, tuple) else (index,)
     shape, axis = tensor_shape(x), node_axis(x)
@@ -120,11 +122,11 @@ def _slice(n: fx.Node, x: fx.Node, out, link, edits: list[Edit]) -> bool:
     if step != 1 or stop <= start:
         return False
     link(n, x, start)
-    edits.append(Edit("slice", n.name, x.name, (axis,)))
+    edits.append(ChannelEdit("slice", n.name, x.name, (axis,)))
     return True
 
 
-def _narrow(n: fx.Node, x: fx.Node, join, link, freeze, edits: list[Edit]) -> bool:
+def _narrow(n: fx.Node, x: fx.Node, join, link, freeze, edits: list[ChannelEdit]) -> bool:
     args = list(n.args[1:]) + [n.kwargs.get(k) for k in ("dim", "start", "length") if k in n.kwargs]
     shape, axis = tensor_shape(x), node_axis(x)
     if len(args) < 3 or not all(isinstance(a, int) for a in args[:3]) or shape is None or axis is None:
@@ -135,17 +137,17 @@ def _narrow(n: fx.Node, x: fx.Node, join, link, freeze, edits: list[Edit]) -> bo
         join(x, n)
         return True
     link(n, x, start)
-    edits.append(Edit("narrow", n.name, x.name))
+    edits.append(ChannelEdit("narrow", n.name, x.name))
     return True
 
 
-def _reshape(n: fx.Node, x: fx.Node, join, link, freeze, edits: list[Edit]) -> bool:
+def _reshape(n: fx.Node, x: fx.Node, join, link, freeze, edits: list[ChannelEdit]) -> bool:
     found = reshape_regroup(n, node_axis(x))
     if found is None:
         return False
     where = literal_at(n, found.out_axis)
     if where is not None:
-        edits.append(Edit("reshape", n.name, x.name, where))
+        edits.append(ChannelEdit("reshape", n.name, x.name, where))
     if found.kind == "keep":
         join(x, n)
     elif found.kind == "split":  # x's channel j·stride + t is n's channel t
@@ -155,7 +157,7 @@ def _reshape(n: fx.Node, x: fx.Node, join, link, freeze, edits: list[Edit]) -> b
     return True
 
 
-def _expand(n: fx.Node, x: fx.Node, join, edits: list[Edit]) -> bool:
+def _expand(n: fx.Node, x: fx.Node, join, edits: list[ChannelEdit]) -> bool:
     """x.expand(B, -1, -1) (a class token broadcast over the batch): channels kept where the size there is -1,
     computed, or the channel count as a literal (an edit, rewritten when the channels grow)."""
     xs, os_, axis = tensor_shape(x), tensor_shape(n), node_axis(x)
@@ -169,7 +171,7 @@ def _expand(n: fx.Node, x: fx.Node, join, edits: list[Edit]) -> bool:
         return False
     where = literal_at(n, out_axis)
     if where is not None:
-        edits.append(Edit("reshape", n.name, x.name, where))
+        edits.append(ChannelEdit("reshape", n.name, x.name, where))
     join(x, n)
     return True
 

@@ -7,7 +7,7 @@ import torch
 from torch import fx
 
 from ..analysis.coupling import Coupling
-from ..analysis.coupling_splits import Edit
+from ..analysis.coupling_splits import ChannelEdit
 from ..analysis.growth import Layout
 from ..analysis.reshapes import split_call
 
@@ -45,14 +45,14 @@ def apply_edits(gm: fx.GraphModule, coupling: Coupling, layouts: dict[int, Layou
             _reshape(n, edit, layout, edit.source)
 
 
-def _span(n: fx.Node, edit: Edit, layout, start: int, length: int) -> tuple[int, int]:
+def _span(n: fx.Node, edit: ChannelEdit, layout, start: int, length: int) -> tuple[int, int]:
     """The new (start, length) of a span of the source's channels that node `n` takes."""
     src, mine = layout(edit.source), layout(edit.node)
     new_start = start if src is None else (src.old_to_new[start] if start < src.old else src.new)
     return new_start, (mine.new if mine is not None else length)
 
 
-def _slice(n: fx.Node, edit: Edit, layout) -> None:
+def _slice(n: fx.Node, edit: ChannelEdit, layout) -> None:
     axis = edit.where[0]
     index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
     x_shape = n.args[0].meta["gg_shape"]
@@ -65,7 +65,7 @@ def _slice(n: fx.Node, edit: Edit, layout) -> None:
     n.args = (n.args[0], index) + tuple(n.args[2:])
 
 
-def _narrow(n: fx.Node, edit: Edit, layout) -> None:
+def _narrow(n: fx.Node, edit: ChannelEdit, layout) -> None:
     args = list(n.args)
     dim, start, length = (args[1:4] + [n.kwargs.get(k) for k in ("dim", "start", "length")])[:3]
     start %= n.args[0].meta["gg_shape"][dim]
@@ -79,7 +79,7 @@ def _narrow(n: fx.Node, edit: Edit, layout) -> None:
     n.args, n.kwargs = tuple(args), kwargs
 
 
-def _split(n: fx.Node, edit: Edit, layout) -> None:
+def _split(n: fx.Node, edit: ChannelEdit, layout) -> None:
     """Any split along the channel axis becomes torch.split with the pieces' new sizes (new channels at a
     boundary belong to the piece before it, as in the coupling's links)."""
     src = layout(edit.source)
@@ -95,7 +95,7 @@ def _split(n: fx.Node, edit: Edit, layout) -> None:
     n.op, n.target, n.args, n.kwargs = "call_function", torch.split, (n.args[0], sizes), {"dim": dim}
 
 
-def _groups(n: fx.Node, edit: Edit, layout) -> None:
+def _groups(n: fx.Node, edit: ChannelEdit, layout) -> None:
     """F.group_norm's num_groups: the old groups plus the whole new ones (coupling's unit)."""
     mine = layout(edit.node)
     if mine is None:
@@ -109,7 +109,7 @@ def _groups(n: fx.Node, edit: Edit, layout) -> None:
         n.kwargs = {**n.kwargs, key: value}
 
 
-def _reshape(n: fx.Node, edit: Edit, layout, sized_by: str | None = None) -> None:
+def _reshape(n: fx.Node, edit: ChannelEdit, layout, sized_by: str | None = None) -> None:
     mine = layout(sized_by or edit.node)
     if mine is None:
         return
