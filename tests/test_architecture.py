@@ -166,3 +166,63 @@ def test_modules_stay_small():
     assert not too_big, f"modules over {MAX_LINES} lines (split them): {too_big}"
     shrunk = {f for f in OVERSIZE if sizes.get(f, 0) <= MAX_LINES}
     assert not shrunk, f"{shrunk} are within {MAX_LINES} lines now: take them off OVERSIZE"
+
+
+# --- the op vocabulary (issue 41, item 6) ------------------------------------------------------------------------
+VOCABULARY = "graphgrow/graph/ops.py"
+MIN_SHARED = 3  # two names in common can be chance ("add", "mul"); three are a copy of a vocabulary class
+# tables that list op names on purpose, with why
+OWN_TABLES = {
+    "graphgrow/io/graph_policy.py": "what a loaded file may call is a safety allowlist: it must not widen when an "
+                                    "analysis learns an op",
+}
+
+
+def _table_names(value: ast.AST) -> list[set[str]]:
+    """The op names of each set, list or tuple literal inside a module-level value: strings as they are, functions as
+    written (operator.add, F.softmax)."""
+    found = []
+    for node in ast.walk(value):
+        if isinstance(node, (ast.Set, ast.List, ast.Tuple)):
+            names = {e.value if isinstance(e, ast.Constant) and isinstance(e.value, str) else ast.unparse(e)
+                     for e in node.elts if isinstance(e, (ast.Constant, ast.Attribute))}
+            found.append(names)
+    return found
+
+
+def op_tables(root: Path) -> list[str]:
+    """Module-level tables outside the vocabulary module that repeat MIN_SHARED or more of its op names."""
+    vocabulary = {name for node in ast.parse((root / VOCABULARY).read_text()).body
+                  if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None
+                  for names in _table_names(node.value) for name in names}
+    assert len(vocabulary) > 40  # the reader sees the vocabulary (an empty one would pass vacuously)
+    bad = []
+    for f in sorted((root / "graphgrow").rglob("*.py")):
+        rel = str(f.relative_to(root))
+        if rel == VOCABULARY or rel in OWN_TABLES:
+            continue
+        for node in ast.parse(f.read_text(), rel).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                for names in _table_names(node.value):
+                    shared = names & vocabulary
+                    if len(shared) >= MIN_SHARED:
+                        bad.append(f"{rel}:{node.lineno} repeats {sorted(shared)}")
+    return bad
+
+
+def test_the_op_vocabulary_lives_in_one_module():
+    """Which ops only read a shape, only change a view, act elementwise or reduce is said once, in graph/ops.py:
+    an analysis derives its own narrower set from those classes (ops.RESHAPES | {"expand"}), never lists them again."""
+    bad = op_tables(ROOT)
+    assert not bad, f"op tables outside {VOCABULARY} (import the classes from it):\n" + "\n".join(bad)
+
+
+def test_the_op_vocabulary_rule_finds_a_copied_table(tmp_path):
+    """The check can fail: a module with its own table of shape queries, and one of arithmetic functions."""
+    (tmp_path / "graphgrow" / "graph").mkdir(parents=True)
+    (tmp_path / VOCABULARY).write_text((ROOT / VOCABULARY).read_text())
+    (tmp_path / "graphgrow" / "graph" / "mine.py").write_text(
+        'import operator, torch\nfrom . import ops\nQUERIES = {"size", "dim", "numel"}\nOK = ops.RESHAPES | {"expand"}\n'
+        "ADDS: set = frozenset((operator.add, operator.sub, torch.add))\n")
+    assert op_tables(tmp_path) == ["graphgrow/graph/mine.py:3 repeats ['dim', 'numel', 'size']",
+                                   "graphgrow/graph/mine.py:5 repeats ['operator.add', 'operator.sub', 'torch.add']"]
