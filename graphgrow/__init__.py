@@ -20,6 +20,7 @@ from .jobs.registry import all_passes, get_pass, pass_names, register_pass
 from .graph.fx_edit import Rewrite
 from .graph.shapes import annotate
 from .capture.trace import trace
+from .graph.inputs import TensorSpec  # one named example input: gg.trace(model, {name: TensorSpec(...)})
 
 __version__ = "0.1.0"
 
@@ -53,5 +54,5 @@ __all__ = [
     "PreservationError", "RuntimeUnavailable", "SaveError", "SearchError", "SearchInterrupted", "SpecError", "TraceError", "ValidationError",
     "LoadedModel", "load_model", "save_model", "Candidate", "Pass", "PassResult", "arg", "Pipeline", "PipelineResult",
     "build_pipeline", "parse_spec", "all_passes", "get_pass", "pass_names", "register_pass", "Rewrite",
-    "annotate", "trace", "export_onnx", "check_equivalence", "fold", "carry_optimizer", "distributed", "as_native",
+    "annotate", "trace", "TensorSpec", "export_onnx", "check_equivalence", "fold", "carry_optimizer", "distributed", "as_native",
 ]

@@ -65,7 +65,7 @@ def test_a_bare_shape_in_any_form_is_the_one_positional_spec(given):
 
 @pytest.mark.parametrize("given", [
     {"input": (1, 3, 8, 8)}, {"input": ((1, 3, 8, 8), "float32")}, {"input": ((1, 3, 8, 8), torch.float32)},
-    {"input": TensorSpec("input", (1, 3, 8, 8))}, {"input": torch.zeros(1, 3, 8, 8)},
+    {"input": gg.TensorSpec("input", (1, 3, 8, 8))}, {"input": torch.zeros(1, 3, 8, 8)},  # the public class
     TensorSpec("input", (1, 3, 8, 8)), (TensorSpec("input", (1, 3, 8, 8)),), "input:1x3x8x8", "input:float32[1,3,8,8]",
 ], ids=["dict-shape", "dict-dtype-name", "dict-dtype", "dict-spec", "dict-tensor", "spec", "specs", "text", "bracketed"])
 def test_named_forms_store_the_equivalent_spec(given):
