@@ -25,11 +25,11 @@ from .graph.inputs import TensorSpec  # one named example input: gg.trace(model,
 __version__ = "0.1.0"
 
 
-def fold(gm, grow_kernels: bool = False, verify_result: bool = True, seed: int = 0) -> PassResult:
+def fold(gm, *, verify_result: bool = True, seed: int = 0, **args) -> PassResult:
     """Fold growth's linear structure (BatchNorm, gates, parallel branches, adapters) into plain layers,
-    in eval-mode semantics; verified and logged like a pass. The transform is the registered `fold`."""
-    transform = get_pass("fold")(grow_kernels=grow_kernels)  # type: ignore[call-arg]  # fold's own field
-    return transform(gm, verify_result=verify_result, seed=seed)
+    in eval-mode semantics; verified and logged like a pass. The transform is the registered `fold`; `args` are
+    its own arguments (grow_kernels=...), declared there once with their defaults."""
+    return get_pass("fold")(**args)(gm, verify_result=verify_result, seed=seed)
 
 
 def __getattr__(name: str):

@@ -14,7 +14,7 @@ largest (graphgrow.rewrite.gradmax_gate); one branch at a time (aimed twins woul
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, get_args, Literal
 
 import torch
 from torch import fx, nn
@@ -27,10 +27,11 @@ from graphgrow.rewrite import (
 )
 from graphgrow.rewrite import aim_gates, check_aimable, GatedBlock, load_data
 from graphgrow.rewrite import dead_places
+from graphgrow.rewrite import ADDS_PARAMETERS, pass_function, REMOVES_PARAMETERS, Requirement
 
 
 Op = Literal["conv3x3", "conv5x5", "sepconv3x3", "sepconv5x5", "dilconv3x3", "avgpool3x3", "maxpool3x3", "identity"]
-OPS = ("conv3x3", "conv5x5", "sepconv3x3", "sepconv5x5", "dilconv3x3", "avgpool3x3", "maxpool3x3", "identity")
+OPS: tuple[str, ...] = get_args(Op)
 
 
 
@@ -186,14 +187,11 @@ def build_branch(op: Op, cin: int, cout: int, stride: tuple[int, int], like: tor
 MAX_BRANCHES = 16  # each branch is a full conv beside the span; more is a typo, not a design
 
 
-def add_branch(gm: fx.GraphModule, at: str | None = None, op: Op = "conv3x3", count: int = 1,
-               init: Literal["zero", "gradmax"] = "zero", data=None, generator: torch.Generator | None = None) -> Rewrite:
+@pass_function  # the arguments' defaults and allowed values: AddBranch's declaration
+def add_branch(gm: fx.GraphModule, at: str | None, op: Op, count: int, init: Literal["zero", "gradmax"], data,
+               generator: torch.Generator | None = None) -> Rewrite:
     """Add `count` branches of `op` beside the span `at`, merged by a gated average (gates start at 0).
     init=gradmax: `data` is a callable (or `package.module:function`) returning (inputs, loss_fn)."""
-    if op not in OPS:
-        raise NotApplicable(f"unknown branch op '{op}'", f"valid ops: {', '.join(OPS)}")
-    if count < 1 or count > MAX_BRANCHES:
-        raise NotApplicable(f"count must be 1 to {MAX_BRANCHES}, got {count}", "add a few branches at a time")
     _check_init(init, data, count)
     gm, generator = begin(gm, generator)
     start, end, chosen = resolve_span(gm, at, op, count)
@@ -256,8 +254,6 @@ def add_branch(gm: fx.GraphModule, at: str | None = None, op: Op = "conv3x3", co
 
 def _check_init(init: str, data, count: int) -> None:
     """init=gradmax needs data and aims one branch: refused before any work otherwise."""
-    if init not in ("zero", "gradmax"):
-        raise NotApplicable(f"unknown init '{init}'", "use init=zero or init=gradmax")
     if init == "gradmax":
         if data is None:
             load_data(None, "add_branch")
@@ -266,17 +262,21 @@ def _check_init(init: str, data, count: int) -> None:
                                 "batch would start (and stay) identical", "use count=1 (and call again), or init=zero")
 
 
+def _merges(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), AverageMerge)]
+
+
 def _node(gm: fx.GraphModule, name: str) -> fx.Node | None:
     return next((n for n in gm.graph.nodes if n.name == name), None)
 
 
-def remove_branch(gm: fx.GraphModule, at: str | None = None, index: int = -1, allow_change: bool = False,
+@pass_function  # the arguments' defaults: RemoveBranch's declaration
+def remove_branch(gm: fx.GraphModule, at: str | None, index: int, allow_change: bool,
                   generator: torch.Generator | None = None) -> Rewrite:
     """Drop branch `index` from the merge at `at`; exact when its gate is 0, else only with allow_change."""
     gm = copy_graph_module(gm)
-    merges = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), AverageMerge)]
-    if not merges:
-        raise NotApplicable("the model has no branch merge to remove from", "add_branch creates one")
+    merges = _merges(gm)  # at least one: RemoveBranch.requires
+    merge: fx.Node | None
     if at is None:
         merge = merges[-1]
     else:
@@ -317,9 +317,10 @@ class AddBranch(Pass):
 
     name: ClassVar[str] = "add_branch"
     function = add_branch
+    ensures = (ADDS_PARAMETERS,)
     at: str | None = arg(None, "node name, module path or START:END; default: beside the last main-path conv within the budget")
     op: Op = arg("conv3x3", "the branch's operation")
-    count: int = arg(1, "how many branches")
+    count: int = arg(1, "how many branches (each one a full conv beside the span)", low=1, high=MAX_BRANCHES)
     init: Literal["zero", "gradmax"] = arg("zero", "zero: random branch weights behind the zero gate; gradmax: the branch's first conv aimed from `data` (count=1)")
     data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data",
                            names_code=True)
@@ -338,6 +339,9 @@ class RemoveBranch(Pass):
     name: ClassVar[str] = "remove_branch"
     grows: ClassVar[bool] = False  # only removes: nothing to size (it reads the gate's value, which meta tensors lack)
     function = remove_branch
+    requires = (Requirement("a branch merge (add_branch's)", lambda gm: bool(_merges(gm)),
+                            "the model has no branch merge to remove from", "add_branch creates one"),)
+    ensures = (REMOVES_PARAMETERS,)
     at: str | None = arg(None, "the merge node, or the span it ends; default: the last merge")
     index: int = arg(-1, "which branch (-1: the last added)")
     allow_change: bool = arg(False, "drop a branch whose gate is not 0 (changes the function; the report says how much)")

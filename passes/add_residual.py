@@ -22,13 +22,14 @@ from torch import fx, nn
 
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
-    add_module, add_parameter, begin, conv_dims, factory_kwargs, finish, inserting_after, is_float_tensor,
+    ADDS_PARAMETERS, add_module, add_parameter, begin, conv_dims, factory_kwargs, finish, inserting_after, is_float_tensor,
     kaiming_, main_path, param_count, pick_within_budget, place, replace_uses, resolve_tensor,
-    set_scope, Stage, stage_end, stages, tensor_shape, zero_last_bn,
+    pass_function, set_scope, Stage, stage_end, stages, tensor_shape, zero_last_bn,
 )
 
 
-def add_residual(gm: fx.GraphModule, start: str | None = None, end: str | None = None,
+@pass_function  # the arguments' defaults: AddResidual's declaration
+def add_residual(gm: fx.GraphModule, start: str | None, end: str | None,
                  generator: torch.Generator | None = None) -> Rewrite:
     """Add `end + skip(start)` to a copy of `gm` (module paths or node names; defaults: the feature extractor)."""
     gm, generator = begin(gm, generator)
@@ -194,6 +195,7 @@ class AddResidual(Pass):
 
     name: ClassVar[str] = "add_residual"
     function = add_residual
+    ensures = (ADDS_PARAMETERS,)
     start: str | None = arg(None, "node name (its output) or module path (its input); default: the end of the backbone's stage before the last")
     end: str | None = arg(None, "node name (its output) or module path (its output); default: the backbone's last feature map")
 

@@ -54,7 +54,7 @@ from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
     add_module, add_parameter, aim_gates, aim_units, begin, GatedBlock, load_data, conv_dims, default_point, example_input, factory_kwargs, finish, input_spec_of,
     inline_containers, inserting_after, is_float_tensor, kaiming_, param_count, pick_within_budget, place, replace_uses, set_scope,
-    stage_end_candidates, stages, tensor_or_feature_end, tensor_shape,
+    stage_end_candidates, stages, tensor_or_feature_end, tensor_shape, ADDS_PARAMETERS, pass_function,
 )
 
 
@@ -62,13 +62,11 @@ from graphgrow.rewrite import (
 Block = Literal["auto", "conv_bn_relu", "linear_relu", "transformer"]
 
 
-def deepen(gm: fx.GraphModule, after: str | None = None, block: Block = "auto",
-           attention: Literal["auto", "causal", "bidirectional"] = "auto", init: Literal["zero", "gradmax"] = "zero",
-           data=None, generator: torch.Generator | None = None) -> Rewrite:
+@pass_function  # the arguments' defaults and allowed values: Deepen's declaration
+def deepen(gm: fx.GraphModule, after: str | None, block: Block, attention: Literal["auto", "causal", "bidirectional"],
+           init: Literal["zero", "gradmax"], data, generator: torch.Generator | None = None) -> Rewrite:
     """Insert `x + g·block(x)` (g = 0) after `after` (default: the last feature map before global pooling).
     init=gradmax: `data` is a callable (or `package.module:function`) returning (inputs, loss_fn)."""
-    if init not in ("zero", "gradmax"):
-        raise NotApplicable(f"unknown init '{init}'", "use init=zero or init=gradmax")
     if init == "gradmax" and data is None:
         load_data(None, "deepen")  # refused before any work: gradmax needs a batch
     source = gm
@@ -191,6 +189,7 @@ class Deepen(Pass):
 
     name: ClassVar[str] = "deepen"
     function = deepen
+    ensures = (ADDS_PARAMETERS,)
     after: str | None = arg(None, "node name or module path (its output); default: the latest stage end within the budget")
     block: Block = arg("auto", "auto: transformer on a transformer's token stream, conv_bn_relu for feature maps (N,C,H,W "
                                "or a Conv1d's N,C,L), linear_relu otherwise; "
@@ -209,8 +208,6 @@ class Deepen(Pass):
 
 
 # --- block=transformer ------------------------------------------------------------------------------------
-
-ATTENTIONS = ("auto", "causal", "bidirectional")
 
 
 def is_token_stream(node: fx.Node) -> bool:
@@ -389,8 +386,6 @@ def _linear(c_in: int, c_out: int, bias: bool, generator: torch.Generator, kw: d
 def insert_block(gm: fx.GraphModule, node: fx.Node, chosen: str, attention: str,
                  generator: torch.Generator) -> tuple[Rewrite, str]:
     """A transformer block after `node`: the rewrite and the block's module path."""
-    if attention not in ATTENTIONS:
-        raise NotApplicable(f"unknown attention '{attention}'", "use auto, causal or bidirectional")
     if not is_token_stream(node):
         raise NotApplicable(f"block=transformer needs a token stream (N, T, C) with channels last; '{node.name}' is "
                             f"{list(tensor_shape(node) or [])}" + (" with its channels at dim 1" if is_float_tensor(node) else ""),

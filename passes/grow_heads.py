@@ -20,14 +20,16 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch import fx
+import torch.nn.functional as F
+from torch import fx, nn
 
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
-from graphgrow.rewrite import begin, find_attentions, grow_attentions
+from graphgrow.rewrite import ADDS_PARAMETERS, begin, find_attentions, grow_attentions, pass_function, Requirement
 
 
-def grow_heads(gm: fx.GraphModule, heads: int | None = None, by: int | None = None, head_dim: int | None = None,
-               value_dim: int | None = None, at: str | None = None, generator: torch.Generator | None = None) -> Rewrite:
+@pass_function  # the arguments' defaults and allowed values: GrowHeads's declaration
+def grow_heads(gm: fx.GraphModule, heads: int | None, by: int | None, head_dim: int | None,
+               value_dim: int | None, at: str | None, generator: torch.Generator | None = None) -> Rewrite:
     """Grow the attentions of `gm`: heads to `heads` (or by `by`), head size to `head_dim`, value size to `value_dim`;
     with no argument, +50 % heads (rounded to keep a grouped-query ratio)."""
     gm, generator = begin(gm, generator)
@@ -49,6 +51,14 @@ def grow_heads(gm: fx.GraphModule, heads: int | None = None, by: int | None = No
     if any(len(p.roles) > 1 for a, _ in plans for p in a.projections) and new["d"] != first.head_dim:
         notes.append("fused q/k/v projections hold equal sections: the value head size grew with the query/key head size")
     return Rewrite(gm, targets, notes)
+
+
+def _has_attention(gm: fx.GraphModule) -> bool:
+    """A scaled_dot_product_attention, or an nn.MultiheadAttention kept whole (find_attentions says how to decompose
+    it)."""
+    return any((n.op == "call_function" and n.target is F.scaled_dot_product_attention)
+               or (n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.MultiheadAttention))
+               for n in gm.graph.nodes)
 
 
 def _change(old: int, new: int, default: bool = False) -> str:
@@ -113,12 +123,17 @@ class GrowHeads(Pass):
 
     name: ClassVar[str] = "grow_heads"
     function = grow_heads
+    requires = (Requirement("an attention (F.scaled_dot_product_attention)", lambda gm: _has_attention(gm),
+        "the model has no scaled_dot_product_attention: no attention heads found",
+        "grow_heads grows attentions written with F.scaled_dot_product_attention (Hugging Face's default sdpa, timm, "
+        "nn.MultiheadAttention); attention written as matmul + softmax is not supported"),)
+    ensures = (ADDS_PARAMETERS,)
     heads: int | None = arg(None, "the new number of query heads in every attention (default: +50 %; grouped-query "
-                                  "attention keeps its ratio)")
-    by: int | None = arg(None, "query heads to add (instead of heads=)")
+                                  "attention keeps its ratio)", low=1)
+    by: int | None = arg(None, "query heads to add (instead of heads=)", low=1)
     head_dim: int | None = arg(None, "the new query/key head size (the value head size grows with it unless value_dim= "
-                                     "is given); refused under rotary embeddings")
-    value_dim: int | None = arg(None, "the new value/output head size only (exact with rotary embeddings)")
+                                     "is given); refused under rotary embeddings", low=1)
+    value_dim: int | None = arg(None, "the new value/output head size only (exact with rotary embeddings)", low=1)
     at: str | None = arg(None, "module path of one attention (e.g. model.layers.0.self_attn); default: every attention")
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:

@@ -21,11 +21,11 @@ import torch
 from torch import fx, nn
 
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
-from graphgrow.rewrite import begin, find_stream, grow_stream
+from graphgrow.rewrite import ADDS_PARAMETERS, begin, find_stream, grow_stream, pass_function
 
 
-def grow_hidden(gm: fx.GraphModule, to: int | None = None, by: int | None = None,
-                generator: torch.Generator | None = None) -> Rewrite:
+@pass_function  # the arguments' defaults and allowed values: GrowHidden's declaration
+def grow_hidden(gm: fx.GraphModule, to: int | None, by: int | None, generator: torch.Generator | None = None) -> Rewrite:
     """Grow the hidden size to `to` (or by `by`); default: +50 % (pre-norm), ×2 (post-norm)."""
     gm, generator = begin(gm, generator)
     stream = find_stream(gm)
@@ -65,8 +65,9 @@ class GrowHidden(Pass):
 
     name: ClassVar[str] = "grow_hidden"
     function = grow_hidden
-    to: int | None = arg(None, "the new hidden size (default: +50 %, or ×2 on a post-norm stream)")
-    by: int | None = arg(None, "hidden units to add (instead of to=)")
+    ensures = (ADDS_PARAMETERS,)
+    to: int | None = arg(None, "the new hidden size (default: +50 %, or ×2 on a post-norm stream)", low=1)
+    by: int | None = arg(None, "hidden units to add (instead of to=)", low=1)
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """The model's residual stream, at the size this pass's arguments (or the default) give."""

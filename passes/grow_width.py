@@ -25,7 +25,7 @@ from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
     add_module, adapter_layouts, analyze, begin, columns, Coupling, deployed_nodes, finish, graphgrow_modules,
     gradmax_init, group_layouts, grow_group, identity_adapter, Init, inserting_after, Insertion, is_graphgrow_node, load_data, make_layout,
-    param_count,
+    ADDS_PARAMETERS, param_count, pass_function,
     pick_within_budget, place, replace_uses, resize, resolve_tensor, set_module, set_scope, tensor_shape, train_only_note,
 )
 
@@ -163,8 +163,6 @@ MAX_FACTOR = 16  # one growth step; larger steps are almost always a typo (facto
 
 
 def new_width(target: str, old: int, factor: float, to: int | None) -> int:
-    if to is None and not (0 < factor <= MAX_FACTOR):
-        raise NotApplicable(f"factor must be in (0, {MAX_FACTOR}], got {factor}", "grow in steps of at most 16×")
     width = to if to is not None else int(round(old * factor))
     if width > max(old * MAX_FACTOR, 1):
         raise NotApplicable(f"'{target}' would grow from {old} to {width} channels, more than {MAX_FACTOR}× at once",
@@ -177,9 +175,10 @@ def new_width(target: str, old: int, factor: float, to: int | None) -> int:
     return width
 
 
-def grow_width(gm: fx.GraphModule, target: str | None = None, factor: float = 2.0, to: int | None = None,
-               mode: Literal["group", "adapter"] = "group", init: Init | Literal["gradmax"] = "zero",
-               data=None, generator: torch.Generator | None = None) -> Rewrite:
+@pass_function  # the arguments' defaults and allowed values: GrowWidth's declaration
+def grow_width(gm: fx.GraphModule, target: str | None, factor: float, to: int | None,
+               mode: Literal["group", "adapter"], init: Init | Literal["gradmax"],
+               data, generator: torch.Generator | None = None) -> Rewrite:
     """Widen `target` (default: the first growable layer) to `to` channels or `factor`× its width.
     init=gradmax: `data` is a callable (or `package.module:function`) returning (inputs, loss_fn)."""
     gm, generator = begin(gm, generator)
@@ -251,9 +250,11 @@ class GrowWidth(Pass):
 
     name: ClassVar[str] = "grow_width"
     function = grow_width
+    ensures = (ADDS_PARAMETERS,)
     target: str | None = arg(None, "node name or module path of a conv or Linear; default: the first main-path layer whose group can grow")
-    factor: float = arg(2.0, "new width = round(factor × old width), unless `to` is given")
-    to: int | None = arg(None, "the new width")
+    factor: float = arg(2.0, "new width = round(factor × old width), unless `to` is given; one step grows at most 16×",
+                        above=0, high=MAX_FACTOR)
+    to: int | None = arg(None, "the new width", low=1)
     mode: Literal["group", "adapter"] = arg("group", "group: widen the whole channel group; adapter: the target only, projected back by [I | 0]")
     init: Literal["zero", "net2net", "gradmax"] = arg("zero", "zero: random in, zero out; net2net: copies sharing their outgoing weights; gradmax: zero out, in aimed from `data`")
     data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data",

@@ -19,9 +19,9 @@ from torch import fx
 
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
-    add_module, analyze, begin, channel_axis, conv_dims, default_point, factory_kwargs, finish,
+    ADDS_PARAMETERS, add_module, analyze, begin, channel_axis, conv_dims, default_point, factory_kwargs, finish,
     gradmax_init, group_layouts, grow_group, load_data, identity_adapter, inserting_after, is_float_tensor, replace_uses, set_scope,
-    stage_end_candidates, tensor_or_feature_end, tensor_shape,
+    pass_function, stage_end_candidates, tensor_or_feature_end, tensor_shape,
 )
 
 
@@ -44,13 +44,11 @@ def adapter_params(node: fx.Node, out_channels: int | None) -> int:
     return c * (out_channels or c) + (out_channels or c)
 
 
-def insert_adapter(gm: fx.GraphModule, after: str | None = None, out_channels: int | None = None,
-                   allow_narrowing: bool = False, init: Literal["zero", "gradmax"] = "zero", data=None,
-                   generator: torch.Generator | None = None) -> Rewrite:
+@pass_function  # the arguments' defaults and allowed values: InsertAdapter's declaration
+def insert_adapter(gm: fx.GraphModule, after: str | None, out_channels: int | None, allow_narrowing: bool,
+                   init: Literal["zero", "gradmax"], data, generator: torch.Generator | None = None) -> Rewrite:
     """Insert an identity-initialised adapter after `after` (default: the last feature map before global pooling).
     init=gradmax (widening only): `data` is a callable (or `package.module:function`) returning (inputs, loss_fn)."""
-    if init not in ("zero", "gradmax"):
-        raise NotApplicable(f"unknown init '{init}'", "use init=zero or init=gradmax")
     if init == "gradmax" and data is None:
         load_data(None, "insert_adapter")  # refused before any work: gradmax needs a batch
     gm, generator = begin(gm, generator)
@@ -62,8 +60,6 @@ def insert_adapter(gm: fx.GraphModule, after: str | None = None, out_channels: i
                             "pick a node with a (N, C, …) or (N, …, C) tensor")
     width = shape[axis]
     out = width if out_channels is None else out_channels
-    if out <= 0:
-        raise NotApplicable(f"out_channels must be positive, got {out}", "give out_channels ≥ 1")
     like = torch.zeros((), **factory_kwargs(gm, node))
     dims = conv_dims(node)  # a 1×1 conv over a feature map's spatial dims, else a Linear
     targets: dict[str, object] = {"after": f"{node.name} {list(shape)}", "chosen": chosen}
@@ -115,8 +111,9 @@ class InsertAdapter(Pass):
 
     name: ClassVar[str] = "insert_adapter"
     function = insert_adapter
+    ensures = (ADDS_PARAMETERS,)
     after: str | None = arg(None, "node name or module path (its output); default: the latest stage end within the budget")
-    out_channels: int | None = arg(None, "the adapter's width (default: the same width)")
+    out_channels: int | None = arg(None, "the adapter's width (default: the same width)", low=1)
     allow_narrowing: bool = arg(False, "allow fewer channels (changes the function; the report says how much)")
     init: Literal["zero", "gradmax"] = arg("zero", "widening: zero: random new rows, zero columns in the consumers; gradmax: the new rows aimed from `data`")
     data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data",

@@ -457,6 +457,7 @@ def diff(model_a, model_b, diagram, trust, as_json, debug):
 def passes(as_json, markdown):
     """List the installed passes with their arguments, defaults and what each argument means."""
     from ..jobs.registry import all_passes
+    from .show import argument_type, contract
 
     found = all_passes()
     if markdown:
@@ -468,10 +469,11 @@ def passes(as_json, markdown):
             if isinstance(cls, GraphgrowError):
                 data[name] = {"error": str(cls)}
             else:
-                hints, helps = cls.argument_types(), cls.argument_help()
+                hints, helps, allowed = cls.argument_types(), cls.argument_help(), cls.argument_allowed()
                 data[name] = {"help": cls.help(), "args": [
-                    {"name": f.name, "type": type_name(hints[f.name]), "default": f.default, "help": helps[f.name]}
-                    for f in dataclasses.fields(cls)]}
+                    {"name": f.name, "type": type_name(hints[f.name]), "default": f.default, "help": helps[f.name],
+                     "allowed": allowed[f.name].describe()} for f in dataclasses.fields(cls)],
+                    "requires": [r.name for r in cls.requires], "ensures": [g.name for g in cls.ensures]}
         print(json.dumps(data, default=str))
         return
     for name, cls in found.items():
@@ -479,9 +481,11 @@ def passes(as_json, markdown):
             out.print(f"[bold]{name}[/]  [red]unavailable:[/] {cls}")
             continue
         out.print(f"[bold]{name}[/]  {escape(cls.help())}")
-        hints, helps = cls.argument_types(), cls.argument_help()
+        if contract(cls):
+            out.print(f"    ({escape(contract(cls))})")
+        helps = cls.argument_help()
         for f in dataclasses.fields(cls):
-            out.print(f"    {f.name}: {escape(type_name(hints[f.name]))} = {f.default!r}" + (f"  — {escape(helps[f.name])}" if helps[f.name] else ""))
+            out.print(f"    {f.name}: {escape(argument_type(cls, f.name))} = {f.default!r}" + (f"  — {escape(helps[f.name])}" if helps[f.name] else ""))
 
 
 def cli_reference(width: int = 100) -> str:

@@ -179,14 +179,37 @@ def passes_markdown(found: dict) -> str:
     for name, cls in found.items():
         if isinstance(cls, GraphgrowError):
             continue
-        hints, helps = cls.argument_types(), cls.argument_help()
+        helps = cls.argument_help()
         fields = dataclasses.fields(cls)
         if not fields:
             rows.append(f"| `{name}` | none | | | |")
         for f in fields:
-            cells = [f"`{name}`", f"`{f.name}`", type_name(hints[f.name]), f"`{f.default!r}`", helps[f.name]]
+            cells = [f"`{name}`", f"`{f.name}`", argument_type(cls, f.name), f"`{f.default!r}`", helps[f.name]]
             rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    return "\n".join(rows)
+    contracts = ["| pass | requires (checked before it runs) | ensures (checked after it changed the graph) |", "|---|---|---|"]
+    for name, cls in found.items():
+        if not isinstance(cls, GraphgrowError) and (cls.requires or cls.ensures):
+            contracts.append(f"| `{name}` | {'; '.join(r.name for r in cls.requires)} | {'; '.join(g.name for g in cls.ensures)} |")
+    return "\n".join(rows) + "\n\n" + "\n".join(contracts)
+
+
+def argument_type(cls, name: str) -> str:
+    """An argument's type as `graphgrow passes` and docs/passes.md show it: the annotation with the values its
+    declaration allows (`float, in (0, 16]`, `int | None, ≥ 1`; choices as `one of a|b`)."""
+    from ..rewrite.arguments import admits_none
+
+    hint, allowed = cls.argument_types()[name], cls.argument_allowed()[name]
+    if allowed.choices is not None:
+        return allowed.describe() + (" | None" if admits_none(hint) else "")
+    said = allowed.describe()
+    return type_name(hint) + (f", {said}" if said else "")
+
+
+def contract(cls) -> str:
+    """What a pass requires and ensures, in words ("" when it declares neither)."""
+    parts = [f"requires {', '.join(r.name for r in cls.requires)}"] if cls.requires else []
+    parts += [f"ensures it {', '.join(g.name for g in cls.ensures)}"] if cls.ensures else []
+    return "; ".join(parts)
 
 def type_name(t) -> str:
     """int, float | None, one of conv3x3|conv5x5|... (a Literal's choices spelled out)."""

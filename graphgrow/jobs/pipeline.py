@@ -188,7 +188,7 @@ def build_pipeline(specs: str | Sequence[str]) -> list[Pass]:
             try:
                 passes.append(make_pass(step.name, step.args))
             except SpecError as e:  # point at the argument, else at the pass
-                raise SpecError(e.message, e.hint, spec, step.arg_at.get(e.argument or "", step.at)) from None
+                raise SpecError(e.message, e.hint, spec, step.arg_at.get(e.argument or "", step.at), e.argument) from None
     if not passes:
         raise SpecError("no pass given", "e.g. --pass add_residual")
     return passes

@@ -31,6 +31,9 @@ Merged blocks (a mode switch: per-path work of a block that branches on self.tra
     eval_passthrough (the input a switch hands back unchanged in eval mode, or None)
 New weights (initializers): kaiming_, zero_last_bn; from data (gradmax): gradmax_init, group_layouts, adapter_layouts,
     load_data, aim_units (rows read by zero columns), aim_gates / GatedBlock / check_aimable (a block behind a zero gate)
+The pass's declarations (arguments, contract): pass_function (a plain function whose argument defaults and allowed
+    values the Pass declares, with arg()), Requirement (a precondition: Pass.requires), Guarantee (a postcondition:
+    Pass.ensures), ADDS_PARAMETERS, REMOVES_PARAMETERS
 Layers and sizes: AverageMerge, param_count, input_spec_of (the example input a model was traced with: its input spec
     when it has one, else its float input shape), input_shape_of (the float input shape only),
     example_input (seeded inputs for that shape or spec: a probe of the model's behaviour)
@@ -65,6 +68,8 @@ from ..graph.graph_meta import input_shape_of, input_spec_of
 from .stream import grow_stream
 from ..analysis.heads import Attention, find_attentions
 from .heads import grow_attentions
+from .arguments import pass_function
+from .contract import ADDS_PARAMETERS, Guarantee, REMOVES_PARAMETERS, Requirement
 from .widen import (
     Init, Insertion, Layout, columns, grow_group, identity_adapter, make_layout, plan_growth, resize, rows, set_module,
 )
@@ -80,4 +85,5 @@ __all__ = [
     "columns", "rows", "set_module", "identity_adapter", "Init",
     "kaiming_", "zero_last_bn", "gradmax_init", "group_layouts", "adapter_layouts", "load_data", "aim_units", "aim_gates", "check_aimable", "GatedBlock", "AverageMerge", "param_count", "input_shape_of", "input_spec_of",
     "example_input", "find_stream", "Stream", "grow_stream", "find_attentions", "Attention", "grow_attentions",
+    "pass_function", "Requirement", "Guarantee", "ADDS_PARAMETERS", "REMOVES_PARAMETERS",
 ]

@@ -22,6 +22,10 @@ from ..core.state import module_dtype
 from ..io.lineage import record_origin
 from ..graph.graph_meta import graph_info, input_spec_of
 from ..verify.verify import annotation_input, verify
+from .arguments import Allowed, allowed_values, arg, check_arguments, PassFunction, pass_function
+from .contract import Guarantee, Requirement
+
+__all__ = ["Pass", "PassResult", "arg", "pass_function", "Requirement", "Guarantee", "require_traced"]
 
 
 @dataclass
@@ -95,33 +99,41 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def arg(default: Any, help: str, names_code: bool = False) -> Any:
-    """A pass argument: its default and one line of help (shown by `graphgrow passes` and docs/passes.md's table).
-    `names_code`: its value names code the pass imports and calls (gradmax's `data`, `package.module:function`):
-    a value read back from a mutation log is then never used unless the user names it again or trusts the file
-    (pipeline.from_log)."""
-    return dataclasses.field(default=default, metadata={"help": help, "names_code": names_code})
-
-
 @dataclass(frozen=True)
 class Pass:
     """Base of all passes. Subclasses are frozen dataclasses; every field has a default.
 
     Set `function` to the pass's plain function, which works on a copy and takes the fields
-    as keyword arguments plus `generator` (or override `apply(gm, generator) -> Rewrite`).
-    Declare each argument with `arg(default, help)`. `name` is the CLI name; the class
-    docstring's first line is the one-line help shown by `graphgrow passes`.
+    as keyword arguments plus `generator` (or override `apply(gm, generator) -> Rewrite`);
+    decorated with `@pass_function`, it gives its arguments no defaults: a call that leaves one out
+    gets the default declared here. Declare each argument once, with `arg(default, help, ...)`
+    (and what values it allows: arguments.py); values are checked when the pass is constructed
+    (SpecError). `requires`/`ensures` declare what the pass needs of its input graph and promises of
+    its result (contract.py). `name` is the CLI name; the class docstring's first line is the
+    one-line help shown by `graphgrow passes`.
     """
 
     name: ClassVar[str] = ""
     grows: ClassVar[bool] = True  # False for transforms that never add parameters (fold): no size estimate first
     function: ClassVar[Callable[..., Rewrite] | None] = None  # the plain function: function(gm, **fields, generator=g)
+    requires: ClassVar[tuple[Requirement, ...]] = ()  # checked before the pass runs: NotApplicable with the reason
+    ensures: ClassVar[tuple[Guarantee, ...]] = ()  # checked after it changed the graph: ValidationError (a bug)
+
+    def __post_init__(self) -> None:
+        check_arguments(self)  # bad values are refused here: a spec is checked before any model is loaded
+
+    def check_requires(self, gm: fx.GraphModule) -> None:
+        """NotApplicable unless every requirement of this pass holds on `gm`."""
+        for requirement in type(self).requires:
+            requirement.check(gm)
 
     def apply(self, gm: fx.GraphModule, generator: torch.Generator) -> Rewrite:
         """Call `function` with the fields as keyword arguments (override for anything else)."""
         function = type(self).function
         if function is None:
             raise NotImplementedError(f"{type(self).__name__} sets neither `function` nor `apply`")
+        if isinstance(function, PassFunction):
+            function = function.raw  # this pass's own values: already checked
         return function(gm, **self.args(), generator=generator)
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
@@ -132,6 +144,9 @@ class Pass:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        function = cls.__dict__.get("function")
+        if isinstance(function, PassFunction):
+            function.bind(cls)  # its defaults and checks: this class's declaration
         own = cls.__dict__.get("candidates")
         if own is None or getattr(own, "annotates_first", False):
             return
@@ -154,6 +169,11 @@ class Pass:
     def argument_help(cls) -> dict[str, str]:
         """Each argument's help line (from `arg(default, help)`; empty when declared without)."""
         return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def argument_allowed(cls) -> dict[str, Allowed]:
+        """Each argument's allowed values (declared choices or range, a Literal's choices)."""
+        return allowed_values(cls)
 
     @classmethod
     def code_arguments(cls) -> list[str]:
@@ -186,6 +206,7 @@ class Pass:
                              "grow a float32 copy (model.float()), then convert the result back with .half()/.bfloat16()")
         if any("gg_shape" not in n.meta for n in gm.graph.nodes):
             annotate(gm, input_shape)
+        self.check_requires(gm)
         limits = limits or Limits()
         fingerprint = _fingerprint(gm)
         before_nodes = {n.name for n in gm.graph.nodes}
@@ -198,6 +219,9 @@ class Pass:
             raise ValidationError(f"pass {self.name} returned its input instead of a copy", "passes must be functional; see rewrite.copy_graph_module")
         if inline_containers(new, set(dict(new.named_children())) - set(dict(gm.named_children()))):
             finish(new)  # a block the pass inserted as one module is read by every analysis as its layers
+        if rw.changed:
+            for guarantee in type(self).ensures:
+                guarantee.check(self.name, gm, new)
         if self.grows:
             check_grown(self.name, gm, new, input_shape, limits, share)
         if rw.eval_only:

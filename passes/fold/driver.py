@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 from graphgrow import annotate, arg, Pass, Rewrite
-from graphgrow.rewrite import copy_graph_module, finish, input_spec_of
+from graphgrow.rewrite import copy_graph_module, finish, input_spec_of, pass_function
 from graphgrow.passes.fold.algebra import reassociate  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.analysis import analyse  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.emit import describe_form, emit  # noqa: TID251 (the fold package's own module)
@@ -25,7 +25,8 @@ def _refresh(gm: fx.GraphModule, input_shape) -> None:
     annotate(gm, input_shape)
 
 
-def fold(gm: fx.GraphModule, grow_kernels: bool = False, generator: torch.Generator | None = None) -> Rewrite:
+@pass_function  # the argument's default: Fold's declaration
+def fold(gm: fx.GraphModule, grow_kernels: bool, generator: torch.Generator | None = None) -> Rewrite:
     """Fold linear structure into plain layers, in eval-mode semantics (see the package docstring).
     `grow_kernels`: a branch with a larger kernel than the main conv's may enlarge it (more FLOPs than
     before growth, fewer than unfolded); off by default."""

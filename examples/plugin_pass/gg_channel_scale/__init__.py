@@ -13,8 +13,8 @@ import torch
 
 from graphgrow import Candidate, NotApplicable, Pass, arg
 from graphgrow.rewrite import (
-    Rewrite, add_parameter, begin, channel_axis, default_point, factory_kwargs, finish, inserting_after, place,
-    replace_uses, resolve_tensor, set_scope, stage_end_candidates, tensor_shape,
+    Rewrite, add_parameter, begin, channel_axis, default_point, factory_kwargs, finish, inserting_after, pass_function,
+    place, replace_uses, resolve_tensor, set_scope, stage_end_candidates, tensor_shape,
 )
 
 
@@ -24,7 +24,8 @@ def channels(node) -> int:  # the parameters channel_scale adds at `node`
     return 0 if axis is None else shape[axis]
 
 
-def channel_scale(gm, after=None, generator=None) -> Rewrite:
+@pass_function  # `after` is declared once, by ChannelScale below: its default fills a call that leaves it out
+def channel_scale(gm, after, generator=None) -> Rewrite:
     gm, generator = begin(gm, generator)  # a copy to edit, and the generator for new weights (none here)
     node, why = (resolve_tensor(gm, after, "out"), "given") if after else default_point(gm, channels)
     shape = tensor_shape(node)
