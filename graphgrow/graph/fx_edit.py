@@ -8,7 +8,7 @@ import contextlib
 import contextvars
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, ContextManager, Iterable, Iterator
 
 import torch
 from torch import fx, nn
@@ -46,7 +46,7 @@ _SHARING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphgrow_share
 
 
 @contextlib.contextmanager
-def sharing_parameters(on: bool = True):
+def sharing_parameters(on: bool = True) -> Iterator[None]:
     """Within it, copy_graph_module shares parameter storage with the model it copies (Pass(..., share=True), and a
     Pipeline between its own intermediate models): a pass then costs the bytes of what it adds or rebuilds, not a
     copy of the whole model."""
@@ -65,7 +65,7 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     only into tensors they created: an in-place write into a shared one bumps the input's version counter
     (detach() shares it), which Pass's untouched-input check refuses. Buffers stay copies: train-mode forwards
     (verification, gradmax) update BatchNorm statistics in place."""
-    memo: dict = {}
+    memo: dict[int, Any] = {}
     share = _SHARING.get()
     tensors = [*gm.parameters(), *gm.buffers()]
     keys = [t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t) for t in tensors]
@@ -118,9 +118,10 @@ def is_float_tensor(node: fx.Node) -> bool:
 
 
 def find_node(gm: fx.GraphModule, name: str) -> fx.Node | None:
-    for n in gm.graph.nodes:
-        if n.name == name:
-            return n
+    node: fx.Node
+    for node in gm.graph.nodes:
+        if node.name == name:
+            return node
     return None
 
 
@@ -205,7 +206,7 @@ def add_parameter(gm: fx.GraphModule, base: str, value: torch.Tensor) -> str:
     return name
 
 
-def inserting_after(node: fx.Node):
+def inserting_after(node: fx.Node) -> ContextManager[None]:
     """Insert new nodes after `node`, in creation order.
 
     (fx's Graph.inserting_after puts each new node directly after `node`, which
@@ -251,7 +252,7 @@ def new_parameters(old: nn.Module, new: nn.Module) -> dict[str, tuple[torch.Size
     return {n: (before.get(n), p.shape) for n, p in new.named_parameters() if grew(n, p.shape)}
 
 
-def upstream_parameters(old: fx.GraphModule, new: fx.GraphModule, grown: dict) -> list[str]:
+def upstream_parameters(old: fx.GraphModule, new: fx.GraphModule, grown: dict[str, Any]) -> list[str]:
     """The old parameters nearest upstream of what the pass added or rebuilt, along the data path.
 
     When the gradient reaches these at insertion, it reaches the new parts' inputs

@@ -5,6 +5,8 @@ does not depend on the tracer, and the tracer can call the fidelity check withou
 """
 from __future__ import annotations
 
+from typing import Any
+
 from torch import fx
 
 from ..core.errors import InputError, TraceError
@@ -18,16 +20,17 @@ def scope_of(node: fx.Node) -> tuple[str, ...]:
     return tuple(node.meta.get("gg_scope", ()))
 
 
-def trace_report(gm: fx.GraphModule) -> dict:
+def trace_report(gm: fx.GraphModule) -> dict[str, Any]:
     """What tracing did: automatic leaves and why, the mode, notes (empty for older files)."""
     return dict(graph_info(gm).get("trace") or {})
 
 
-def graph_info(gm: fx.GraphModule) -> dict:
+def graph_info(gm: fx.GraphModule) -> dict[str, Any]:
     """graphgrow's metadata on a traced module (input shape, mutation log)."""
     if META_KEY not in gm.meta:
         raise TraceError("this GraphModule was not made by graphgrow.trace", "call graphgrow.trace(model, input_shape) first")
-    return gm.meta[META_KEY]
+    info: dict[str, Any] = gm.meta[META_KEY]
+    return info
 
 
 def input_shape_of(gm: fx.GraphModule) -> list[int]:

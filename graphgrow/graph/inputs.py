@@ -47,7 +47,7 @@ class TensorSpec:
         dims = ",".join(f"{named[i]}={d}" if i in named else str(d) for i, d in enumerate(self.shape))
         return f"{self.name}:{self.dtype}[{dims}]"
 
-    def record(self) -> dict:
+    def record(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "high": self.high}
         if self.dynamic:
             out["dynamic"] = {str(d): n for d, n in self.dynamic}
@@ -82,7 +82,7 @@ def shown(spec: InputSpec) -> str:
     return ", ".join(f"{t.name}:{list(t.shape)}:{t.dtype}" for t in spec)
 
 
-def report_fields(spec: InputSpec) -> dict:
+def report_fields(spec: InputSpec) -> dict[str, Any]:
     """A report's input fields: `input_shape` (the first input's shape), and `inputs` (each input's record) unless
     the spec is a bare shape."""
     if is_positional(spec):
@@ -240,7 +240,7 @@ def _unique(specs: list[TensorSpec]) -> InputSpec:
     return tuple(specs)
 
 
-def records(spec: InputSpec) -> list[dict]:
+def records(spec: InputSpec) -> list[dict[str, Any]]:
     return [t.record() for t in spec]
 
 
@@ -333,6 +333,6 @@ def call(model: Any, x: Any) -> Any:
     return model(**x) if isinstance(x, dict) else model(x)
 
 
-def positional(x: Any) -> tuple:
+def positional(x: Any) -> tuple[Any, ...]:
     """An example input as the captured graph's placeholders take it (fx.Interpreter.run(*...))."""
     return tuple(x.values()) if isinstance(x, dict) else (x,)

@@ -14,7 +14,7 @@ class AverageMerge(nn.Module):
     rescales the existing gates by (n+1)/n so the mean stays the same function.
     """
 
-    def __init__(self, branches: int, device=None, dtype=None):
+    def __init__(self, branches: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.gates = nn.Parameter(torch.zeros(branches, device=device, dtype=dtype))
 

@@ -18,10 +18,10 @@ from torch import nn
 
 from ..graph.shapes import same_inputs
 
-_kept: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[tuple, torch.Tensor, Any]]]" = weakref.WeakKeyDictionary()
+_kept: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[tuple[Any, ...], torch.Tensor, Any]]]" = weakref.WeakKeyDictionary()
 
 
-def fingerprint(model: nn.Module) -> tuple:
+def fingerprint(model: nn.Module) -> tuple[Any, ...]:
     """Cheap identity of a module's function: its code, its modules' types and settings (stride,
     padding, eps, ...), and its tensors' storage, version and shape."""
     code = getattr(model, "code", None)

@@ -27,7 +27,7 @@ def example_input(gm: torch.nn.Module, spec: ExampleInput, seed: int = 0, batch:
     return x[spec[0].name] if is_positional(spec) else x
 
 
-def shape_of(value: Any):
+def shape_of(value: Any) -> Any:
     """A tensor's shape as a tuple; nested shapes for tuples/lists; None otherwise."""
     if isinstance(value, torch.Tensor):
         return tuple(value.shape)
@@ -39,7 +39,7 @@ def shape_of(value: Any):
 class _Recorder(fx.Interpreter):
     """Runs the graph and records each node's output shape and dtype (and FLOPs when asked)."""
 
-    def __init__(self, gm: fx.GraphModule, count_flops: bool = False, known_flops: dict[str, tuple[tuple, int]] | None = None):
+    def __init__(self, gm: fx.GraphModule, count_flops: bool = False, known_flops: dict[str, tuple[tuple[Any, ...], int]] | None = None) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.shapes: dict[str, Any] = {}
         self.dtypes: dict[str, torch.dtype | None] = {}
@@ -47,7 +47,7 @@ class _Recorder(fx.Interpreter):
         self.count_flops = count_flops
         self.known_flops = known_flops or {}
 
-    def run_node(self, n: fx.Node):
+    def run_node(self, n: fx.Node) -> Any:
         try:
             known = self.known_flops.get(n.name)
             if known is not None and self.count_flops and known[0] == _flop_key(self.module, n, self.shapes):
@@ -71,9 +71,9 @@ class _Recorder(fx.Interpreter):
         return out
 
 
-def _flop_key(gm: fx.GraphModule, n: fx.Node, shapes: dict[str, Any]) -> tuple:
+def _flop_key(gm: fx.GraphModule, n: fx.Node, shapes: dict[str, Any]) -> tuple[Any, ...]:
     """What a node's FLOP count depends on: op, target, the module's settings and weight shapes, input shapes."""
-    module: tuple = ()
+    module: tuple[Any, ...] = ()
     if n.op == "call_module":
         m = gm.get_submodule(str(n.target))
         module = (type(m), m.extra_repr(), tuple(tuple(p.shape) for p in m.parameters()))
@@ -115,7 +115,7 @@ def annotate(gm: fx.GraphModule, input_shape: ExampleInput, previous: fx.GraphMo
     input_shape = as_spec(input_shape)
     x = example_input(gm, input_shape) if example is None else example
     batch = max(batch_of(input_shape), 1)
-    known: dict[str, tuple[tuple, int]] = {}
+    known: dict[str, tuple[tuple[Any, ...], int]] = {}
     if previous is not None:
         old_shapes = {n.name: n.meta.get("gg_shape") for n in previous.graph.nodes}
         known = {n.name: (_flop_key(previous, n, old_shapes), int(n.meta["gg_flops"]) * batch)
@@ -159,7 +159,7 @@ def total_flops(gm: fx.GraphModule) -> int:
     return sum(n.meta.get("gg_flops", 0) for n in gm.graph.nodes)
 
 
-def validate_batch_sizes(gm: fx.GraphModule, input_shape: ExampleInput, batches=BATCHES, first: ShapeRun | None = None,
+def validate_batch_sizes(gm: fx.GraphModule, input_shape: ExampleInput, batches: tuple[int, int] = BATCHES, first: ShapeRun | None = None,
                          first_input: Any = None, second: ShapeRun | None = None) -> None:
     """Run at two batch sizes and refuse a graph that bakes in the batch size.
 
@@ -227,7 +227,7 @@ def _joined(x1: Any, extra: Any, b1: int, b2: int) -> Any:
     return torch.cat([x1, extra[: max(b2 - b1, 0)]])[:b2] if b2 >= b1 else extra
 
 
-def _scales_with_batch(s1, s2, b1, b2) -> bool:
+def _scales_with_batch(s1: tuple[int, ...], s2: tuple[int, ...], b1: int, b2: int) -> bool:
     """Same rank; every dimension equal or grown in proportion to the batch (d1·b2 = d2·b1)."""
     if isinstance(s1, tuple) and isinstance(s2, tuple):
         if len(s1) != len(s2) or not s1:
@@ -239,7 +239,7 @@ def _scales_with_batch(s1, s2, b1, b2) -> bool:
     return False
 
 
-def _check_examples_independent(out1, out2, b1: int, hint: str) -> None:
+def _check_examples_independent(out1: Any, out2: Any, b1: int, hint: str) -> None:
     """The first b1 examples of the second run are the first run's input: their outputs must agree."""
     for a, b in zip(_flat(out1), _flat(out2)):
         if not (a.is_floating_point() and b.is_floating_point()) or a.dim() == 0 or b.shape[1:] != a.shape[1:]:
@@ -255,11 +255,11 @@ def _check_examples_independent(out1, out2, b1: int, hint: str) -> None:
                 "examples in a batch influence each other", hint)
 
 
-def _flat(out) -> list[torch.Tensor]:
+def _flat(out: Any) -> list[torch.Tensor]:
     flat, _ = tree_flatten(out)
     return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
-def _output_shapes(out) -> list[tuple]:
+def _output_shapes(out: Any) -> list[tuple[int, ...]]:
     flat, _ = tree_flatten(out)
     return [tuple(t.shape) for t in flat if isinstance(t, torch.Tensor)]

@@ -12,7 +12,7 @@ import time
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import onnx
 import torch
@@ -41,7 +41,7 @@ INPUT_NAME = "input"
 def export_onnx(
     gm: torch.nn.Module,
     input_shape: ExampleInput,
-    path: str | os.PathLike | None = None,
+    path: str | os.PathLike[str] | None = None,
     metadata: dict[str, str] | None = None,
     max_ir_version: int | None = None,
     opset: int | None = None,
@@ -76,8 +76,8 @@ def export_onnx(
                           "choose an output name in UTF-8")
     stage = None
     if wants_external(gm, external_data, out_path):
-        check_output_path(data_path(out_path))  # type: ignore[arg-type]
-        stage = ExternalWrite.stage(out_path)  # type: ignore[arg-type]
+        check_output_path(data_path(out_path))
+        stage = ExternalWrite.stage(out_path)
     try:
         proto, props, t_export = _exported(gm, input_shape, opset, isolate, stage)
         _finish(gm, proto, input_shape, max_ir_version, {**props, **(metadata or {})})
@@ -283,7 +283,7 @@ def _torch_export_named(gm: torch.nn.Module, feeds: dict[str, torch.Tensor], dim
     return _saved(program, stage)
 
 
-def _in_child(fn, *args) -> onnx.ModelProto:
+def _in_child(fn: Callable[..., onnx.ModelProto], *args: Any) -> onnx.ModelProto:
     """Run `fn(*args)` in a forked process (the model is inherited, not pickled); bytes come back."""
     import multiprocessing as mp
 
@@ -327,7 +327,7 @@ def metadata(proto: onnx.ModelProto) -> dict[str, str]:
     return {p.key: p.value for p in proto.metadata_props}
 
 
-def mutation_log(proto: onnx.ModelProto) -> list[dict]:
+def mutation_log(proto: onnx.ModelProto) -> list[dict[str, Any]]:
     """The mutation log stored in an exported model ([] when none), checked like a graphgrow file's."""
     value = metadata(proto).get(LOG_KEY)
     if not value:
@@ -336,7 +336,8 @@ def mutation_log(proto: onnx.ModelProto) -> list[dict]:
         log = json.loads(value)
     except (ValueError, RecursionError) as e:
         raise LoadError(f"the ONNX file's mutation log is not readable JSON: {first_line(e)}", "the file is corrupted or hostile") from e
-    return validate_meta({"log": log})["log"]
+    checked: list[dict[str, Any]] = validate_meta({"log": log})["log"]
+    return checked
 
 
 def onnx_factory_seed(proto: onnx.ModelProto) -> int | None:
@@ -359,7 +360,7 @@ def onnx_origin(proto: onnx.ModelProto) -> str | None:
 
 
 @contextlib.contextmanager
-def _inference(gm: torch.nn.Module):
+def _inference(gm: torch.nn.Module) -> Iterator[None]:
     """Eval mode and no autograd for the whole of torch.onnx.export. Without no_grad the exporter traces its graph
     twice in different grad modes: the decomposition without grad, the type-promotion pass that re-runs it with the
     caller's. scaled_dot_product_attention's CPU kernel depends on it (flash, output laid out (B, N, H, D), for a mask
@@ -371,7 +372,7 @@ def _inference(gm: torch.nn.Module):
 
 
 @contextlib.contextmanager
-def _quiet(sink: io.StringIO):
+def _quiet(sink: io.StringIO) -> Iterator[None]:
     """The exporter prints progress to stdout and logs; keep both off the user's terminal (and --json)."""
     loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript", "torch.fx")]
     levels = [l.level for l in loggers]
@@ -385,7 +386,7 @@ def _quiet(sink: io.StringIO):
             l.setLevel(lv)
 
 
-def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
+def load_onnx(path: str | os.PathLike[str]) -> onnx.ModelProto:
     from ..core.errors import LoadError
 
     p = Path(path)
@@ -404,7 +405,7 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
     return proto
 
 
-def onnx_input_shape(proto) -> InputSpec | None:
+def onnx_input_shape(proto: onnx.ModelProto) -> InputSpec | None:
     """The example input: the input spec an export with named inputs stored; else the one input's
     shape (as its one-tensor spec, named as the ONNX input) from graphgrow's metadata, or from the ONNX input
     (dynamic dims → 1)."""
@@ -430,7 +431,7 @@ def onnx_input_shape(proto) -> InputSpec | None:
     return plain_spec(shape, name if is_identifier(name) else "x")
 
 
-def describe_onnx(path: str) -> dict:
+def describe_onnx(path: str) -> dict[str, Any]:
     """An exported ONNX file: inputs, outputs, op histogram, parameters, graphgrow's metadata and mutation log."""
     import collections
 
@@ -438,11 +439,11 @@ def describe_onnx(path: str) -> dict:
 
     proto = load_onnx(path)
 
-    def dims(value_info) -> list:
+    def dims(value_info: onnx.ValueInfoProto) -> list[int | str]:
         return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
 
-    def elem(value_info) -> str:
-        return onnx.TensorProto.DataType.Name(value_info.type.tensor_type.elem_type).lower()
+    def elem(value_info: onnx.ValueInfoProto) -> str:
+        return str(onnx.TensorProto.DataType.Name(value_info.type.tensor_type.elem_type)).lower()
 
     meta = metadata(proto)
     params = sum(math.prod(t.dims) for t in proto.graph.initializer)  # Python ints: np.prod would overflow on hostile dims
@@ -459,7 +460,7 @@ def describe_onnx(path: str) -> dict:
     }
 
 
-def _described_external(proto: onnx.ModelProto) -> dict:
+def _described_external(proto: onnx.ModelProto) -> dict[str, Any]:
     """The data files beside the model and the bytes they hold (nothing for a self-contained file)."""
     from .onnx_external import external_bytes, external_files
 
@@ -467,7 +468,7 @@ def _described_external(proto: onnx.ModelProto) -> dict:
     return {"external_data": {"files": files, "bytes": external_bytes(proto)}} if files else {}
 
 
-def _described_input(proto: onnx.ModelProto, meta: dict[str, str]) -> dict:
+def _described_input(proto: onnx.ModelProto, meta: dict[str, str]) -> dict[str, Any]:
     """describe_onnx's input fields: the (first) input's shape, and the spec's records when one is stored."""
     shape = onnx_input_shape(proto) if INPUT_SHAPE_KEY in meta or INPUTS_KEY in meta else None
     if shape is None:
