@@ -120,6 +120,20 @@ def test_good_values_still_work_and_the_plain_function_takes_the_declared_defaul
     assert gg.build_pipeline("grow_width(factor=0.5e1,to=None,mode=adapter)")[0].factor == 5.0
 
 
+def test_graphgrow_passes_shows_what_each_argument_allows_and_the_contract():
+    import json
+
+    proc = run_cli("passes", "--json")
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout)
+    factor = next(a for a in found["grow_width"]["args"] if a["name"] == "factor")
+    assert factor["allowed"] == "in (0, 16]" and factor["default"] == 2.0
+    assert found["grow_heads"]["requires"] == ["an attention (F.scaled_dot_product_attention)"]
+    assert found["remove_branch"]["ensures"] == ["removes parameters"] and found["fold"]["ensures"] == []
+    text = run_cli("passes").stdout
+    assert "count: int, in [1, 16] = 1" in text and "(requires a branch merge (add_branch's); ensures it removes parameters)" in text
+
+
 def test_requires_refuses_before_any_work_and_ensures_is_checked():
     from graphgrow.passes.add_branch import RemoveBranch, remove_branch
     from graphgrow.passes.grow_heads import GrowHeads
