@@ -62,6 +62,6 @@ NORMS = frozenset({"layer_norm", "rms_norm"})
 SOFTMAX_FUNCTIONS = frozenset({F.softmax, F.log_softmax, torch.softmax, torch.log_softmax})  # normalise along one dim
 
 
-def op_name(target) -> str:
+def op_name(target: object) -> str:
     """The vocabulary name of a node's target: a method name as is, a function by its __name__."""
     return target if isinstance(target, str) else getattr(target, "__name__", "")
