@@ -118,6 +118,9 @@ def test_good_values_still_work_and_the_plain_function_takes_the_declared_defaul
     rw = grow_width(gm, target="3")  # factor, mode, init: the defaults GrowWidth declares
     assert "8 → 16" in rw.targets["target"]
     assert gg.build_pipeline("grow_width(factor=0.5e1,to=None,mode=adapter)")[0].factor == 5.0
+    import pickle
+
+    assert pickle.loads(pickle.dumps(grow_width)) is grow_width  # by reference, as a plain function (search workers)
 
 
 def test_graphgrow_passes_shows_what_each_argument_allows_and_the_contract():

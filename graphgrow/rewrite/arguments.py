@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import math
 import types
@@ -167,6 +168,16 @@ class PassFunction:
 
     def __repr__(self) -> str:
         return f"<pass function {self.raw.__module__}.{self.raw.__qualname__}>"
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled by reference, as the plain function it replaces was
+        return _by_name, (self.raw.__module__, self.raw.__qualname__)
+
+
+def _by_name(module: str, qualname: str) -> Any:
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
 
 
 def pass_function(function: Callable[..., Any]) -> PassFunction:
