@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -36,28 +36,24 @@ DEFAULT_MAX_NEW_PARAMS = 100_000_000  # parameters one pass may add
 DEFAULT_MAX_MEMORY = 8 << 30  # bytes of activations a model may need at the largest batch it is run at (estimate_batch)
 VERIFY_BATCH = 3
 NO_LIMIT = 1 << 62  # a limit the user lifted (`none`): nothing is estimated against it
-_max_memory: str | int | None = None  # the process-wide --max-memory (one command per process); None: the default
-
-
-def default_max_memory() -> int:
-    """The activation-memory limit when none is passed: `--max-memory` as given to the command, or 8G
-    (parsed here, where a bad value is an InputError, not while the command line is read)."""
-    return DEFAULT_MAX_MEMORY if _max_memory is None else parse_limit(_max_memory, "--max-memory")
-
-
-def set_max_memory(text: str | int | None) -> None:
-    global _max_memory
-    _max_memory = text
 
 
 @dataclass(frozen=True)
 class Limits:
+    """The limits of one command (--max-params, --max-memory), passed to every place that reads them: no global."""
     max_new_params: int = DEFAULT_MAX_NEW_PARAMS
-    max_memory: int = field(default_factory=default_max_memory)
+    max_memory: int = DEFAULT_MAX_MEMORY
 
     @classmethod
     def lifted(cls) -> "Limits":
         return cls(NO_LIMIT, NO_LIMIT)
+
+    @classmethod
+    def parse(cls, max_params: str | int | None = None, max_memory: str | int | None = None) -> "Limits":
+        """From the command's flags (None: the default); a bad value is an InputError naming the flag, raised
+        where the job starts, not while the command line is read."""
+        return cls(DEFAULT_MAX_NEW_PARAMS if max_params is None else parse_limit(max_params, "--max-params"),
+                   DEFAULT_MAX_MEMORY if max_memory is None else parse_limit(max_memory, "--max-memory"))
 
 
 BYTE_SIZES = ("--max-memory", "--max-load")  # sizes in bytes count in powers of 1024
@@ -242,7 +238,7 @@ def check_input_memory(gm: fx.GraphModule, input_shape: InputSpec, max_memory: i
     """Before any real forward: the activations the model needs at the largest batch it will run, estimated on
     the meta device, must stay under the limit (an input shape can ask for any amount of memory). Fails closed:
     a model the meta device cannot run is refused unless the limit was lifted (NO_LIMIT)."""
-    limit = default_max_memory() if max_memory is None else max_memory
+    limit = DEFAULT_MAX_MEMORY if max_memory is None else max_memory
     if limit >= NO_LIMIT:
         return
     batch = estimate_batch(input_shape)
@@ -418,9 +414,9 @@ CHECK_PEAK = 2.3
 
 def check_onnx_memory(gm: nn.Module, external: bool | None, check: bool, max_memory: int | None = None) -> None:
     """Before an ONNX export (`external`: how it writes the weights; None: no export) and an onnxruntime check of it:
-    InputError when either stage would need more than `max_memory` (default: --max-memory) beyond the model's
+    InputError when either stage would need more than `max_memory` (None: the default, 8G) beyond the model's
     weights, by the measured factors above."""
-    limit = default_max_memory() if max_memory is None else max_memory
+    limit = DEFAULT_MAX_MEMORY if max_memory is None else max_memory
     if limit >= NO_LIMIT:
         return
     weights = state_bytes(gm)
@@ -439,9 +435,9 @@ def check_onnx_memory(gm: nn.Module, external: bool | None, check: bool, max_mem
 
 def check_session_memory(declared: int, max_memory: int | None = None) -> None:
     """Before an onnxruntime session is made from a file graphgrow did not just write: its `declared` tensor bytes
-    (onnx_external.declared_bytes) by the check's measured factor must stay under `max_memory` (default:
-    --max-memory). Sized from the file, not from the PyTorch model it is compared with: the two may differ."""
-    limit = default_max_memory() if max_memory is None else max_memory
+    (onnx_external.declared_bytes) by the check's measured factor must stay under `max_memory` (None:
+    the default, 8G). Sized from the file, not from the PyTorch model it is compared with: the two may differ."""
+    limit = DEFAULT_MAX_MEMORY if max_memory is None else max_memory
     needed = int(CHECK_PEAK * declared)
     if limit < NO_LIMIT and needed > limit:
         raise InputError(f"checking it in onnxruntime would need about {human_bytes(needed)} for the ONNX file's "

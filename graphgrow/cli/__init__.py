@@ -1,5 +1,5 @@
-"""cli: the `graphgrow` command — options and commands (commands), printing reports (show), running one
-command with its exit code, signals and staged outputs (run). `main` is the console script
+"""cli: the `graphgrow` command — options and commands (commands), the flags they share (flags), printing
+reports (show), running one command with its exit code, signals and staged outputs (run). `main` is the console script
 (pyproject: graphgrow = "graphgrow.cli:main"); `python -m graphgrow.cli` runs it too.
 
 Exit codes: 0 success; 1 a check failed (verification, export, equivalence); 2 bad input or a pass that

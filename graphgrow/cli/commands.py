@@ -4,7 +4,6 @@ passes — their options, the job each runs (graphgrow.jobs.workflow does the wo
 from __future__ import annotations
 
 import dataclasses
-import functools
 import html
 import json
 from typing import Callable
@@ -14,88 +13,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..core.errors import GraphgrowError
+from .flags import DATA_HELP, MAX_MEMORY_HELP, _common, _memory
 from .run import err, out, run_command
 from .safe_text import printable
 from .show import (
     input_text, passes_markdown, print_equivalence, print_groups, print_log, print_mutation, print_onnx, print_search,
     print_summary, print_trace, type_name,
 )
-
-INPUT_SHAPE_HELP = "example input shape N,C,H,W (needed when the model file cannot tell it), e.g. 1,3,224,224"
-
-
-DATA_HELP = "a function of yours returning (inputs, loss_fn): a batch of model inputs and the loss of the model's output"
-
-
-INPUT_HELP = ("one named model input NAME:DTYPE[SHAPE], e.g. input_ids:int64[1,seq=128]; repeat for each input the forward "
-              "takes (int inputs are drawn below the model's vocabulary; *mask inputs are ones; a named size such as "
-              "seq=128 stays dynamic in ONNX)")
-CAPTURE_HELP = ("how to capture the model: fx (symbolic tracing), export (torch.export: Hugging Face transformers) or "
-                "auto (fx, torch.export when fx cannot trace the model or an input is not one float tensor)")
-
-
-def _inputs_into_shape(f: Callable) -> Callable:
-    """--input values become the command's example input (an input spec); given with --input-shape they clash."""
-    @functools.wraps(f)
-    def wrapper(*args, inputs: tuple[str, ...] = (), **kwargs):
-        if inputs:
-            if kwargs.get("input_shape"):
-                raise click.UsageError("give --input-shape (one float input) or --input (named inputs), not both")
-            from ..graph.inputs import parse_spec
-
-            try:
-                kwargs["input_shape"] = parse_spec(",".join(inputs))
-            except GraphgrowError as e:
-                raise click.BadParameter(str(e), param_hint="--input") from e
-        return f(*args, **kwargs)
-
-    return wrapper
-
-
-def _common(f: Callable) -> Callable:
-    f = _inputs_into_shape(f)
-    f = click.option("--input-shape", "input_shape", metavar="N,C,H,W", help=INPUT_SHAPE_HELP)(f)
-    f = click.option("--input", "inputs", multiple=True, metavar="NAME:DTYPE[SHAPE]", help=INPUT_HELP)(f)
-    f = click.option("--capture", type=click.Choice(["auto", "fx", "export"]), default="auto", show_default=True,
-                     help=CAPTURE_HELP)(f)
-    f = click.option("--trust", is_flag=True, help="allow loading pickles with custom classes, and using the code names a file stores (replay's logged data function, search --resume's folder): runs code from them; only for files you trust")(f)
-    f = click.option("--leaf", "leaves", multiple=True, metavar="MODULE", help="keep this submodule as one opaque call when tracing (repeatable; untraceable submodules, and mode-branching ones that cannot be merged, become leaves automatically)")(f)
-    f = click.option("--trace-mode", "trace_mode", type=click.Choice(["eval", "train"]), default="eval", show_default=True,
-                     help="structure to trace when the model's top-level forward branches on self.training "
-                          "(eval: the deployed function; train: keeps auxiliary outputs)")(f)
-    f = click.option("--max-load", metavar="SIZE", expose_value=False, callback=_set_max_load,
-                     help="refuse a model file that would unpack to more than this (default 16G)")(f)
-    f = click.option("--max-memory", metavar="SIZE", expose_value=False, callback=_set_max_memory, help=MAX_MEMORY_HELP)(f)
-    f = click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout instead of tables")(f)
-    f = click.option("--debug", is_flag=True, help="show tracebacks")(f)
-    return f
-
-
-MAX_MEMORY_HELP = ("refuse a model whose activations at the largest batch run, a pass whose allocations, new weights, "
-                   "verification gradients and activations, or an ONNX export or check, would need more than this beyond "
-                   "the model's weights, or cannot be estimated (default 8G; none: no limit)")
-
-
-def _set_max_memory(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    """Process-wide like --max-load; checked where it is used (a bad value is the usual one-line error)."""
-    if value is not None:
-        from ..analysis.budget import set_max_memory
-
-        set_max_memory(value)
-
-
-def _set_max_load(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    """The load-size cap is process-wide (one command per process), so the flag sets it directly."""
-    if value is None:
-        return
-    from ..io import load
-    from ..analysis.budget import parse_size
-
-    try:
-        load.MAX_LOAD_BYTES = parse_size(value, "--max-load")
-    except GraphgrowError as e:
-        raise click.BadParameter(e.message) from e
-
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="graphgrow")
@@ -131,13 +55,16 @@ def main() -> None:
 @click.option("--diagram", metavar="OUT.svg", help="also draw the graph after growth against before (added, rebuilt, reshaped highlighted; .svg or .png)")
 @click.option("--data", metavar="PKG.MOD:FN", help=DATA_HELP + " for the passes with init=gradmax")
 @_common
-def mutate(model, specs, output, onnx_out, check, provider, max_params, seed, dry_run, diagram, data, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
+def mutate(model, specs, output, onnx_out, check, provider, max_params, seed, dry_run, diagram, data, load, max_memory, as_json, debug):
     """Apply passes to MODEL, verify each, save the result (and ONNX, and check it)."""
+    from ..analysis.budget import Limits
     from ..jobs import workflow
+    from ..jobs.options import OutputOptions
 
-    run_command(_growth_job(lambda progress: workflow.mutate(
-        model, specs, output, onnx_out, check, input_shape, provider, trust, leaves, seed, progress, trace_mode=trace_mode, capture=capture,
-        max_params=max_params, dry_run=dry_run, diagram=diagram, data=data), as_json), as_json, debug)
+    run_command(_growth_job(lambda progress: workflow.grow(
+        model, specs, load=load, output=OutputOptions(out=output, onnx_out=onnx_out, dry_run=dry_run, diagram=diagram),
+        limits=Limits.parse(max_params, max_memory), check=check, provider=provider, seed=seed, progress=progress,
+        data=data), as_json), as_json, debug)
 
 
 def _growth_job(make_report: Callable[[Callable[[str], None]], dict], as_json: bool) -> Callable:
@@ -165,7 +92,7 @@ def _growth_job(make_report: Callable[[Callable[[str], None]], dict], as_json: b
 @click.option("--data", metavar="PKG.MOD:FN", help=DATA_HELP + "; used by the logged steps grown with one "
               "(a name stored in GROWN is never imported: name it again, or pass --trust)")
 @_common
-def replay(model, log_from, output, onnx_out, check, provider, max_params, data, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
+def replay(model, log_from, output, onnx_out, check, provider, max_params, data, load, max_memory, as_json, debug):
     """Re-apply the mutation log of GROWN (a graphgrow .pt or exported .onnx) to MODEL, seed for seed.
 
     MODEL is the network GROWN was grown from, or a model part of the way (its log the start of
@@ -173,8 +100,9 @@ def replay(model, log_from, output, onnx_out, check, provider, max_params, data,
     from ..jobs import workflow
 
     run_command(_growth_job(lambda progress: workflow.replay(
-        model, log_from, output, onnx_out, check, input_shape, provider, trust, leaves, progress, trace_mode=trace_mode, capture=capture,
-        max_params=max_params, data=data), as_json), as_json, debug)
+        model, log_from, out=output, onnx_out=onnx_out, check=check, input_shape=load.input_shape, provider=provider,
+        trust=load.trust, leaves=load.leaves, progress=progress, trace_mode=load.trace_mode, capture=load.capture,
+        max_params=max_params, max_memory=max_memory, data=data), as_json), as_json, debug)
 
 
 @main.command()
@@ -186,14 +114,17 @@ def replay(model, log_from, output, onnx_out, check, provider, max_params, data,
               help="onnxruntime execution provider for --check")
 @click.option("--grow-kernels", is_flag=True, help="let a branch with a larger kernel enlarge the main conv (fewer FLOPs than unfolded, more than before growth)")
 @_common
-def fold(model, output, onnx_out, check, provider, grow_kernels, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
+def fold(model, output, onnx_out, check, provider, grow_kernels, load, max_memory, as_json, debug):
     """Fold growth's linear structure into plain layers for deployment (eval-mode semantics, verified, logged)."""
+    from ..analysis.budget import Limits
     from ..jobs import workflow
+    from ..jobs.options import OutputOptions
 
     spec = "fold(grow_kernels=true)" if grow_kernels else "fold"
-    run_command(_growth_job(lambda progress: workflow.mutate(
-        model, [spec], output, onnx_out, check, input_shape, provider, trust, leaves, 0, progress, trace_mode=trace_mode, capture=capture,
-        suffix=".folded.pt"), as_json), as_json, debug)
+    run_command(_growth_job(lambda progress: workflow.grow(
+        model, [spec], load=load, output=OutputOptions(out=output, onnx_out=onnx_out, suffix=".folded.pt"),
+        limits=Limits.parse(max_memory=max_memory), check=check, provider=provider, seed=0, progress=progress),
+        as_json), as_json, debug)
 
 
 @main.command()
@@ -204,7 +135,7 @@ def fold(model, output, onnx_out, check, provider, grow_kernels, input_shape, tr
 @click.option("--external-data", "external_data", is_flag=True,
               help="write the weights to OUT.onnx.data beside OUT.onnx (done anyway past 1.75 GiB of weights)")
 @_common
-def export(model, output, fold_first, opset, external_data, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
+def export(model, output, fold_first, opset, external_data, load, max_memory, as_json, debug):
     """Export MODEL to one self-contained ONNX file with a dynamic batch dimension.
 
     Weights past 1.75 GiB (protobuf's 2 GiB limit, less room for the graph) go to OUT.onnx.data
@@ -213,8 +144,9 @@ def export(model, output, fold_first, opset, external_data, input_shape, trust, 
     from ..jobs import workflow
 
     def job(progress):
-        report = workflow.export(model, output, input_shape, trust, leaves, progress, trace_mode=trace_mode, capture=capture, fold=fold_first,
-                                 opset=opset, external_data=external_data or None)
+        report = workflow.export(model, output, input_shape=load.input_shape, trust=load.trust, leaves=load.leaves,
+                                 progress=progress, trace_mode=load.trace_mode, capture=load.capture, fold=fold_first,
+                                 opset=opset, external_data=external_data or None, max_memory=_memory(max_memory))
         if as_json:
             print(json.dumps(report, default=str))
         else:
@@ -238,7 +170,7 @@ def export(model, output, fold_first, opset, external_data, input_shape, trust, 
 @click.option("--atol", type=click.FloatRange(0, 1), help="absolute tolerance as a fraction of max|output| (default 1e-5 on CPU, 1e-4 on CUDA)")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), help="seed of a factory MODEL's random weights (default: the one the export recorded)")
 @_common
-def check(onnx_file, model, provider, rtol, atol, seed, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
+def check(onnx_file, model, provider, rtol, atol, seed, load, max_memory, as_json, debug):
     """Run MODEL.onnx in onnxruntime and compare it with the PyTorch MODEL.
 
     A factory MODEL is rebuilt with the weight seed the export recorded; without one
@@ -246,8 +178,9 @@ def check(onnx_file, model, provider, rtol, atol, seed, input_shape, trust, leav
     from ..jobs import workflow
 
     def job(progress):
-        report, rep = workflow.check(onnx_file, model, input_shape, provider, trust, leaves, progress, trace_mode=trace_mode, capture=capture,
-                                     seed=seed, rtol=rtol, atol=atol)
+        report, rep = workflow.check(onnx_file, model, input_shape=load.input_shape, provider=provider, trust=load.trust,
+                                     leaves=load.leaves, progress=progress, trace_mode=load.trace_mode,
+                                     capture=load.capture, seed=seed, rtol=rtol, atol=atol, max_memory=_memory(max_memory))
         if as_json:
             print(json.dumps(report, default=str))
         else:
@@ -275,14 +208,16 @@ def check(onnx_file, model, provider, rtol, atol, seed, input_shape, trust, leav
 @click.option("--summary", is_flag=True, help="one row per module (torchinfo-like) instead of one per node: fits a large model on a screen")
 @click.option("--depth", type=click.IntRange(1, 10), default=1, show_default=True, help="module depth of --summary rows")
 @_common
-def inspect(model, show_all, groups, summary, depth, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
+def inspect(model, show_all, groups, summary, depth, load, max_memory, as_json, debug):
     """Show MODEL's nodes with shapes, parameters and FLOPs, and its mutation log.
 
     An exported .onnx file shows its inputs, outputs, op counts, metadata and mutation log."""
     from ..jobs import workflow
 
     def job(progress):
-        report = workflow.inspect(model, input_shape, trust, leaves, progress, groups=groups, trace_mode=trace_mode, depth=depth, capture=capture)
+        report = workflow.inspect(model, input_shape=load.input_shape, trust=load.trust, leaves=load.leaves, progress=progress,
+                                  groups=groups, trace_mode=load.trace_mode, depth=depth, capture=load.capture,
+                                  max_memory=_memory(max_memory))
         if as_json:
             print(json.dumps(report, default=str))
             return 0
@@ -319,7 +254,7 @@ def inspect(model, show_all, groups, summary, depth, input_shape, trust, leaves,
 @click.option("--pass", "spec", required=True, metavar="SPEC", help="the pass, with any arguments other than its target, e.g. add_branch or 'add_branch(op=sepconv3x3)'")
 @click.option("--data", metavar="PKG.MOD:FN", help=DATA_HELP + ": rank the places by the first-order gain of growing there")
 @_common
-def targets(model, spec, data, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
+def targets(model, spec, data, load, max_memory, as_json, debug):
     """List where a pass can apply on MODEL: the spec that picks each place, the place in words
     (module path, stage, resolution, channels) and the parameters it would add; * marks the default.
     With --data (passes with init=gradmax), ranked by gain: ‖∂L/∂(zero last factor)‖² per new unit or block with
@@ -327,8 +262,9 @@ def targets(model, spec, data, input_shape, trust, leaves, trace_mode, capture, 
     from ..jobs import workflow
 
     def job(progress):
-        report = workflow.targets(model, spec, input_shape, trust, leaves, progress, trace_mode=trace_mode, capture=capture,
-                                  data=data)
+        report = workflow.targets(model, spec, input_shape=load.input_shape, trust=load.trust, leaves=load.leaves,
+                                  progress=progress, trace_mode=load.trace_mode, capture=load.capture, data=data,
+                                  max_memory=_memory(max_memory))
         if as_json:
             print(json.dumps(report, default=str))
             return 0
@@ -392,21 +328,23 @@ def targets(model, spec, data, input_shape, trust, leaves, trace_mode, capture, 
 @_common
 def search(model, train_fn, eval_fn, mutations, policy, data, population, rounds, epochs_per_round, metric, mode, lr, optimizer,
            storage_path, name, address, num_cpus, cpus_per_trial, gpus_per_trial, max_params, seed, resume, output, plot,
-           keep_checkpoints, worker_logs, input_shape, trust, leaves, trace_mode, capture, as_json, debug):
+           keep_checkpoints, worker_logs, load, max_memory, as_json, debug):
     """Population-based growth of MODEL on Ray Tune: trials train side by side; at every round the
     worse ones continue from a better one's checkpoint and grow by one move (exactly: no jump in
     the loss). Prints progress, then the best model's path, its metric and its lineage."""
     def job(progress):
+        from ..analysis.budget import Limits
         from ..search.job import run
         from ..search.runner import SearchOptions
 
         options = SearchOptions(population=population, rounds=rounds, epochs_per_round=epochs_per_round, metric=metric,
                                 mode=mode, lr=lr, optimizer=optimizer, storage_path=storage_path, name=name, address=address,
                                 num_cpus=num_cpus, cpus_per_trial=cpus_per_trial, gpus_per_trial=gpus_per_trial, seed=seed,
-                                resume=resume, trust=trust, output=output, keep_checkpoints=keep_checkpoints, worker_logs=worker_logs)
-        report = run(model, train_fn, eval_fn, mutations, options, input_shape, trust, leaves, trace_mode, max_params, plot,
-                     say=lambda msg: err.print(msg, markup=False, highlight=False), progress=progress, capture=capture,
-                     policy=policy, data=data)
+                                resume=resume, trust=load.trust, output=output, keep_checkpoints=keep_checkpoints,
+                                worker_logs=worker_logs, limits=Limits(max_memory=_memory(max_memory)))
+        report = run(model, train=train_fn, evaluate=eval_fn, mutations=mutations, options=options, load=load,
+                     max_params=max_params, plot=plot, say=lambda msg: err.print(msg, markup=False, highlight=False),
+                     progress=progress, policy=policy, data=data)
         if as_json:
             print(json.dumps(report, default=str))
             return 0
@@ -421,10 +359,10 @@ def search(model, train_fn, eval_fn, mutations, policy, data, population, rounds
 @click.argument("model_b", metavar="B")
 @click.option("--diagram", metavar="OUT.svg", help="draw B against A (added, rebuilt, reshaped highlighted; .svg or .png)")
 @click.option("--trust", is_flag=True, help="allow loading pickles with custom classes (only for files you trust)")
-@click.option("--max-memory", metavar="SIZE", expose_value=False, callback=_set_max_memory, help=MAX_MEMORY_HELP)
+@click.option("--max-memory", "max_memory", metavar="SIZE", help=MAX_MEMORY_HELP)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
 @click.option("--debug", is_flag=True, help="show tracebacks")
-def diff(model_a, model_b, diagram, trust, as_json, debug):
+def diff(model_a, model_b, diagram, trust, max_memory, as_json, debug):
     """What B changed against A (two graphgrow files of one lineage): the passes between them, nodes added,
     layers rebuilt, shapes changed, nodes removed; --diagram draws it.
 
@@ -433,7 +371,7 @@ def diff(model_a, model_b, diagram, trust, as_json, debug):
     from ..jobs import workflow
 
     def job(progress):
-        report = workflow.diff(model_a, model_b, diagram, trust, progress)
+        report = workflow.diff(model_a, model_b, diagram=diagram, trust=trust, progress=progress, max_memory=_memory(max_memory))
         if as_json:
             print(json.dumps(report, default=str))
             return 0

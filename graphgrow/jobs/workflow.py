@@ -17,11 +17,13 @@ from ..io.save import check_output_path, default_output_path, plain_output_path,
 from ..io.factory import is_factory_name
 from ..io.hf_folder import check_new_folder, is_hf_folder
 from .native import native_of, native_report
-from ..analysis.budget import check_onnx_memory, check_session_memory
+from ..analysis.budget import Limits, check_onnx_memory, check_session_memory
 from ..analysis.targets import Candidate
 from .pipeline import Pipeline, PipelineResult, parse_spec
 from ..capture.input_shape import parse_example_input
 from .opening import _noop, OpenedModel, open_model, Progress, shape_report  # noqa: F401 (open_model, OpenedModel re-exported)
+from .options import LoadOptions, OutputOptions
+from .summary import module_summary
 from .diagram import diagram_format
 from ..io.lineage import origin_of, require_lineage
 from ..graph.shapes import param_count, total_flops
@@ -32,15 +34,28 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
            leaves: Sequence[str] = (), seed: int = 0, progress: Progress = _noop, trace_mode: str = "eval",
            max_params=None, max_memory=None, suffix: str = ".grown.pt", dry_run: bool = False,
            diagram: str | None = None, capture: str = "auto", data: str | None = None) -> dict:
+    """grow() with its options as keyword arguments (the Python convenience; the CLI builds the options itself).
+    `max_params`/`max_memory`: sizes as the flags take them ('500M', '8G', 'none'), or None for the defaults."""
+    return grow(source, specs, load=LoadOptions(input_shape=input_shape, trust=trust, leaves=tuple(leaves),
+                                                trace_mode=trace_mode, capture=capture),
+                output=OutputOptions(out=out, onnx_out=onnx_out, suffix=suffix, dry_run=dry_run, diagram=diagram),
+                limits=Limits.parse(max_params, max_memory), check=check, provider=provider, seed=seed,
+                progress=progress, data=data)
+
+
+def grow(source: str, specs: Sequence[str], *, load: LoadOptions, output: OutputOptions, limits: Limits,
+         check: bool = False, provider: str = "auto", seed: int = 0, progress: Progress = _noop,
+         data: str | None = None) -> dict:
     """Load → run the pipeline with verification → save → (export) → (check). Returns the JSON report.
     `data`: package.module:function giving (inputs, loss_fn) to the passes with init=gradmax.
-    `diagram`: also draw the graph after growth against the one before (diagram.draw; .svg or .png).
-    Without `out` the result goes beside the model as NAME`suffix`. `dry_run`: the passes run and are
-    verified, nothing is written (the report says where it would have gone)."""
+    `output.diagram`: also draw the graph after growth against the one before (diagram.draw; .svg or .png).
+    Without `output.out` the result goes beside the model as NAME`output.suffix`. `output.dry_run`: the passes
+    run and are verified, nothing is written (the report says where it would have gone)."""
+    out, onnx_out, suffix, diagram = output.out, output.onnx_out, output.suffix, output.diagram
     pipeline = Pipeline.from_spec(list(specs), seed=seed)  # spec errors before any work
     if data is not None:
         pipeline.passes = with_data(pipeline.passes, data)
-    pipeline.limits = _limits(max_params, max_memory)
+    pipeline.limits = limits
     pipeline.share = True  # the model loaded here is only read after the pipeline: the result shares what it leaves alone
     if out is not None and is_hf_folder(Path(source)):
         check_new_folder(Path(out))
@@ -50,14 +65,14 @@ def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: 
     if diagram_path is not None:
         diagram_format(diagram_path)  # a wrong extension is refused before the passes run
     _distinct_outputs(out_path, onnx_path, diagram_path)
-    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, pipeline.limits.max_memory, capture=capture)
+    opened = _open(source, load, progress, limits.max_memory)
     # a Hugging Face folder grown into a folder (-o without .pt): the model's own class, written by save_pretrained
     native = out_path if out is not None and opened.loaded.kind == "hf-folder" and out_path.suffix not in (".pt", ".pth") else None
     report = _grow_and_write(pipeline, opened, source, (source,), out_path, onnx_path, check, provider, progress, "pass",
-                             dry_run=dry_run, diagram=diagram_path,
+                             dry_run=output.dry_run, diagram=diagram_path,
                              fresh=plain_output_path(source, suffix) if out is None else None, native=native)
     plain = plain_output_path(source, suffix)
-    went = Path(report["outputs"][0]) if report["outputs"] and not dry_run else out_path
+    went = Path(report["outputs"][0]) if report["outputs"] and not output.dry_run else out_path
     if out is None and went != plain:
         report["output_note"] = f"{plain} already exists: the result went to {went.name} (give -o to choose the name)"
     elif out is None and opened.loaded.kind == "hf-folder":
@@ -76,11 +91,10 @@ def with_data(passes: list, data: str) -> list:
     return [dataclasses.replace(p, data=data) if p in aimed and p.data is None else p for p in passes]
 
 
-def _limits(max_params, max_memory):
-    from ..analysis.budget import DEFAULT_MAX_NEW_PARAMS, Limits, default_max_memory, parse_limit
-
-    return Limits(parse_limit(max_params, "--max-params") if max_params is not None else DEFAULT_MAX_NEW_PARAMS,
-                  parse_limit(max_memory, "--max-memory") if max_memory is not None else default_max_memory())
+def _open(source: str, load: LoadOptions, progress: Progress, max_memory: int | None, **extra: Any) -> OpenedModel:
+    """open_model with the command's load options, every argument by name (max_memory None: the default, 8G)."""
+    return open_model(source, input_shape=load.input_shape, trust=load.trust, leaves=load.leaves, progress=progress,
+                      trace_mode=load.trace_mode, max_memory=max_memory, capture=load.capture, **extra)
 
 
 def _distinct_outputs(*paths: Path | None) -> None:
@@ -161,14 +175,15 @@ def _draw(before: fx.GraphModule, after: fx.GraphModule, tmp: Path, final: Path,
     draw(before, after, tmp, title, fmt=final.suffix)
 
 
-def diff(source_a: str, source_b: str, diagram: str | None = None, trust: bool = False, progress: Progress = _noop) -> dict:
+def diff(source_a: str, source_b: str, diagram: str | None = None, trust: bool = False, progress: Progress = _noop,
+         max_memory: int | None = None) -> dict:
     """What B changed against A, where B was grown from A (lineage.require_lineage: A's mutation log is the
-    start of B's and both start from the same network)."""
+    start of B's and both start from the same network). `max_memory` (None: 8G) bounds each model's activations."""
     if diagram:
         check_output_path(diagram, inputs=(source_a, source_b))
         diagram_format(diagram)  # refused before the models are loaded
-    b = open_model(source_b, None, trust, (), progress)
-    a = open_model(source_a, b.input_shape, trust, (), progress)  # B (a graphgrow file) knows the shape; A may not
+    b = _open(source_b, LoadOptions(trust=trust), progress, max_memory)
+    a = _open(source_a, LoadOptions(input_shape=b.input_shape, trust=trust), progress, max_memory)  # B knows the shape; A may not
     lineage = require_lineage(a.gm, source_a, b.gm, source_b)
     log_a, log_b = graph_info(a.gm).get("log", []), graph_info(b.gm).get("log", [])
     from .diagram import node_changes
@@ -288,9 +303,9 @@ def replay(source: str, log_source: str, out: str | None = None, onnx_out: str |
     out_path = check_output_path(out or default_output_path(source, ".replayed.pt"), inputs=inputs)  # default: claimed when written
     onnx_path = check_output_path(onnx_out, inputs=inputs) if onnx_out else None
     _distinct_outputs(out_path, onnx_path)
-    limits = _limits(max_params, max_memory)
-    opened = open_model(source, input_shape or grown_shape, trust, leaves, progress, trace_mode, limits.max_memory,
-                        capture=capture)
+    limits = Limits.parse(max_params, max_memory)
+    opened = _open(source, LoadOptions(input_shape=input_shape or grown_shape, trust=trust, leaves=tuple(leaves),
+                                       trace_mode=trace_mode, capture=capture), progress, limits.max_memory)
     done = graph_info(opened.gm).get("log", [])
     if log[:len(done)] != done:
         raise InputError(f"{source} was not grown on the way to {log_source}: its mutation log is not the start of that one",
@@ -325,7 +340,8 @@ def _read_log(log_source: str, trust: bool, need_shape: bool = True) -> tuple[li
 
 
 def targets(source: str, spec: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-            progress: Progress = _noop, trace_mode: str = "eval", capture: str = "auto", data: str | None = None) -> dict:
+            progress: Progress = _noop, trace_mode: str = "eval", capture: str = "auto", data: str | None = None,
+            max_memory: int | None = None) -> dict:
     """Where one pass (its other arguments as given in `spec`) can apply, with what each place would add;
     with `data` (package.module:function → (inputs, loss_fn)) ranked by the first-order gain (rewrite.gain)."""
     from .pipeline import build_pipeline, spec_of
@@ -334,7 +350,8 @@ def targets(source: str, spec: str, input_shape=None, trust: bool = False, leave
     if len(passes) != 1:
         raise SpecError(f"targets lists the places of one pass, got {len(passes)}", "give one pass, e.g. --pass add_branch")
     p = passes[0]
-    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, capture=capture)
+    opened = open_model(source, input_shape=input_shape, trust=trust, leaves=leaves, progress=progress,
+                        trace_mode=trace_mode, max_memory=max_memory, capture=capture)
     progress(f"finding where {p.name} can apply")
     found = p.candidates(opened.gm)
     total = param_count(opened.gm)
@@ -363,7 +380,7 @@ def provenance(loaded: LoadedModel) -> dict[str, str]:
 
 def export(source: str, out: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
            progress: Progress = _noop, trace_mode: str = "eval", fold: bool = False, opset: int | None = None,
-           capture: str = "auto", external_data: bool | None = None) -> dict:
+           capture: str = "auto", external_data: bool | None = None, max_memory: int | None = None) -> dict:
     """Export the model to ONNX; with `fold`, through the `fold` transform first (verified, logged);
     `external_data` as export_onnx takes it."""
     from ..io.export import export_onnx, mutation_log, wants_external
@@ -381,14 +398,15 @@ def export(source: str, out: str, input_shape=None, trust: bool = False, leaves:
     if opset is not None and not MIN_OPSET <= opset <= MAX_OPSET:
         raise InputError(f"--opset {opset} is outside what the exporter writes ({MIN_OPSET}–{MAX_OPSET})",
                          "leave it out for the exporter's default")
-    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, capture=capture)
+    opened = open_model(source, input_shape=input_shape, trust=trust, leaves=leaves, progress=progress,
+                        trace_mode=trace_mode, max_memory=max_memory, capture=capture)
     gm = opened.gm
     folded = None
     if fold:
         progress("folding (+ verification)")
         folded = Pipeline.from_spec("fold").run(gm).results[0]
         gm = folded.gm
-    check_onnx_memory(gm, wants_external(gm, external_data, out_path), check=False)
+    check_onnx_memory(gm, wants_external(gm, external_data, out_path), check=False, max_memory=max_memory)
     progress("exporting to ONNX (torch.onnx.export, then the ONNX checker)")
     t = time.perf_counter()
     proto = export_onnx(gm, opened.input_shape, out_path, metadata=provenance(opened.loaded),
@@ -405,7 +423,7 @@ MIN_OPSET, MAX_OPSET = 18, 23  # the dynamo exporter writes opset 18 and newer
 
 def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto", trust: bool = False,
           leaves: Sequence[str] = (), progress: Progress = _noop, trace_mode: str = "eval", seed: int | None = None,
-          rtol: float | None = None, atol: float | None = None, capture: str = "auto"):
+          rtol: float | None = None, atol: float | None = None, capture: str = "auto", max_memory: int | None = None):
     """onnxruntime on `onnx_file` vs PyTorch on the model `source`. Returns (json, report).
 
     A factory name builds random weights: they are the exported ones only when built with the
@@ -417,7 +435,7 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
     from ..io.runtime import open_session
 
     proto = load_onnx(onnx_file)
-    check_session_memory(declared_bytes(proto))  # the session holds the file's tensors, at their declared sizes
+    check_session_memory(declared_bytes(proto), max_memory)  # the session holds the file's tensors, at their declared sizes
     shape = parse_example_input(input_shape) or onnx_input_shape(proto)
     meta = metadata(proto)
     factory_seed = FACTORY_SEED
@@ -429,8 +447,9 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
                              "compare against the model file it was exported from, or pass --seed N if you know "
                              "the seed the factory was built with")
         factory_seed = recorded
-    opened = open_model(source, shape, trust, leaves, progress, trace_mode, factory_seed=factory_seed, capture=capture)
-    check_onnx_memory(opened.gm, None, check=True)
+    opened = open_model(source, input_shape=shape, trust=trust, leaves=leaves, progress=progress, trace_mode=trace_mode,
+                        max_memory=max_memory, factory_seed=factory_seed, capture=capture)
+    check_onnx_memory(opened.gm, None, check=True, max_memory=max_memory)
     progress("checking onnxruntime against PyTorch")
     folder = external_folder(proto, onnx_file)  # load_onnx checked every location against it
     session = open_session(proto.SerializeToString(), provider, external_folder=folder)  # the bytes that were checked
@@ -448,29 +467,9 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
     return out, report
 
 
-def module_summary(gm: fx.GraphModule, depth: int = 1) -> list[dict]:
-    """One row per module at `depth` levels below the model (torchinfo-like): its output shape (the
-    last node inside it), parameters, FLOPs and node count, in graph order; top-level ops get their own row."""
-    from ..graph.graph_meta import scope_of
-
-    rows: dict[str, dict] = {}
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "output"):
-            continue
-        path = str(n.target) if n.op == "call_module" else (scope_of(n)[-1] if scope_of(n) else "")
-        key = ".".join(path.split(".")[:depth]) if path else n.name
-        kind = type(gm.get_submodule(key)).__name__ if path and key in dict(gm.named_modules()) else n.op
-        row = rows.setdefault(key, {"module": key, "type": kind, "shape": None, "params": 0, "flops": 0, "nodes": 0})
-        row["shape"] = n.meta.get("gg_shape") or row["shape"]
-        row["params"] += n.meta.get("gg_params", 0) or 0
-        row["flops"] += n.meta.get("gg_flops", 0) or 0
-        row["nodes"] += 1
-    return list(rows.values())
-
-
 def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
             progress: Progress = _noop, groups: bool = False, trace_mode: str = "eval", depth: int = 1,
-            capture: str = "auto") -> dict:
+            capture: str = "auto", max_memory: int | None = None) -> dict:
     if str(source).lower().endswith(".onnx") and Path(source).is_file():
         if groups:
             raise InputError("--groups needs the PyTorch model (channel groups are a graph analysis)",
@@ -479,7 +478,8 @@ def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence
         from ..io.export import describe_onnx
 
         return describe_onnx(str(source))
-    opened = open_model(source, input_shape, trust, leaves, progress, trace_mode, capture=capture)
+    opened = open_model(source, input_shape=input_shape, trust=trust, leaves=leaves, progress=progress,
+                        trace_mode=trace_mode, max_memory=max_memory, capture=capture)
     gm = opened.gm
     nodes = []
     for n in gm.graph.nodes:

@@ -3,12 +3,13 @@ the search, write the best model (and the plot), and report what was found."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 from ..analysis.budget import parse_size
 from ..core.errors import SearchError
 from ..io.save import check_output_path
 from ..io.factory import import_object
+from ..jobs.options import LoadOptions
 from ..jobs.workflow import open_model
 from .space import MutationSpace
 
@@ -31,13 +32,13 @@ def _check_outputs(output: str | None, plot: str | None) -> None:
         plot_format(check_output_path(plot))
 
 
-def run(source: str, train: str, evaluate: str, mutations: str, options, input_shape=None, trust: bool = False,
-        leaves: Sequence[str] = (), trace_mode: str = "eval", max_params: str | None = None, plot: str | None = None,
-        say: Callable[[str], None] = print, progress: Callable[[str], None] = lambda _: None, capture: str = "auto",
-        policy: str = "uniform", data: str | None = None) -> dict:
+def run(source: str, *, train: str, evaluate: str, mutations: str, options, load: LoadOptions,
+        max_params: str | None = None, plot: str | None = None, say: Callable[[str], None] = print,
+        progress: Callable[[str], None] = lambda _: None, policy: str = "uniform", data: str | None = None) -> dict:
     """Everything `graphgrow search` does; returns the report (SearchResult.to_json() + plot path).
-    `policy`: how a move's place is picked (space.POLICIES); `data`: package.module:function giving
-    (inputs, loss_fn), read by the gain policies and the moves with init=gradmax."""
+    `load`: how the model is opened (its memory limit is `options.limits`'); `policy`: how a move's place is
+    picked (space.POLICIES); `data`: package.module:function giving (inputs, loss_fn), read by the gain policies
+    and the moves with init=gradmax."""
     options.check()  # names and numbers first: nothing starts, nothing is written for a bad one
     _check_outputs(options.output, plot)
     budget = parse_size(max_params, "--max-params") if max_params is not None else None
@@ -49,7 +50,8 @@ def run(source: str, train: str, evaluate: str, mutations: str, options, input_s
     if options.resume:
         model = None  # the search's own copy of the original is used (STORAGE/NAME/original.pt)
     else:
-        opened = open_model(source, input_shape, trust, leaves, progress, trace_mode=trace_mode, capture=capture)
+        opened = open_model(source, input_shape=load.input_shape, trust=load.trust, leaves=load.leaves, progress=progress,
+                            trace_mode=load.trace_mode, max_memory=options.limits.max_memory, capture=load.capture)
         model = opened.gm
     progress("searching")
     result = search(model, train_fn, eval_fn, space, options, say)

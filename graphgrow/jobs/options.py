@@ -1,0 +1,28 @@
+"""What a command was asked, as options objects passed cli → jobs → search, every field by name.
+
+LoadOptions: how to open the model (the example input, --trust, --leaf, --trace-mode, --capture).
+OutputOptions: what to write (-o, --onnx, the default name's suffix, --dry-run, --diagram).
+Limits (analysis.budget): --max-params and --max-memory, carried to each place that reads them (no global).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    input_shape: Any = None  # text ("1,3,32,32"), a shape, an input spec, or None: the file or the zoo tells it
+    trust: bool = False
+    leaves: Sequence[str] = ()
+    trace_mode: str = "eval"
+    capture: str = "auto"
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    out: str | None = None  # None: beside the model as NAME`suffix`
+    onnx_out: str | None = None
+    suffix: str = ".grown.pt"
+    dry_run: bool = False  # run and verify, write nothing (a diagram is still drawn)
+    diagram: str | None = None

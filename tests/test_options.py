@@ -1,0 +1,55 @@
+"""Options objects (issue 41): what a command was asked travels cli → jobs → search in LoadOptions, OutputOptions
+and Limits, every argument by name; no limit lives in a global."""
+from __future__ import annotations
+
+import ast
+
+import pytest
+import torch
+
+from conftest import ROOT, small_cnn
+from graphgrow.analysis.budget import DEFAULT_MAX_MEMORY, NO_LIMIT, Limits
+from graphgrow.core.errors import InputError
+
+
+def test_one_commands_memory_limit_does_not_reach_the_next(runner, tmp_path):
+    """Two commands in one process (as tests, notebooks and the search's driver run them): the first one's
+    --max-memory must not stay behind (a click callback used to set a process-wide limit)."""
+    from graphgrow.cli.commands import main
+
+    src = tmp_path / "m.pt"
+    torch.save(small_cnn(), src)
+    refused = runner.invoke(main, ["inspect", str(src), "--input-shape", "1,3,32,32", "--max-memory", "1K", "--json"])
+    assert refused.exit_code == 2, refused.output
+    again = runner.invoke(main, ["inspect", str(src), "--input-shape", "1,3,32,32", "--json"])
+    assert again.exit_code == 0, again.output
+
+
+def test_limits_parse_the_flags_values():
+    assert Limits.parse() == Limits() and Limits().max_memory == DEFAULT_MAX_MEMORY
+    assert Limits.parse("2M", "512M") == Limits(2_000_000, 512 << 20)
+    assert Limits.parse(max_memory="none").max_memory == NO_LIMIT
+    with pytest.raises(InputError, match="--max-memory"):
+        Limits.parse(max_memory="lots")
+
+
+def test_mutate_passes_its_memory_limit_to_the_model_it_opens(tmp_path):
+    from graphgrow.jobs import workflow
+
+    src = tmp_path / "m.pt"
+    torch.save(small_cnn(), src)
+    with pytest.raises(InputError, match="activations"):
+        workflow.mutate(str(src), ["add_residual"], input_shape="1,3,32,32", max_memory="1K", dry_run=True)
+
+
+def test_the_cli_calls_its_jobs_by_keyword():
+    """A job of graphgrow.jobs.workflow or the search is called with at most its subject(s) by position: eleven
+    positional arguments (mutate's, before) let a swapped pair pass unnoticed."""
+    tree = ast.parse((ROOT / "graphgrow" / "cli" / "commands.py").read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and isinstance(n.func.value, ast.Name) and n.func.value.id == "workflow"]
+    calls += [n for n in ast.walk(tree)
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "run"]
+    assert len(calls) >= 9  # mutate, replay, fold, export, check, inspect, targets, diff, search
+    crowded = [f"line {c.lineno}: {len(c.args)} positional" for c in calls if len(c.args) > 2]
+    assert not crowded, crowded
