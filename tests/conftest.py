@@ -183,6 +183,7 @@ NOT_FAST_FILES = {
     "test_hostile.py", "test_hostile_code.py", "test_hostile_outputs.py", "test_hostile_names.py",  # CLI processes:
     "test_hostile_bounds.py", "test_cli.py", "test_export_names.py", "test_plugin_example.py",  # exit codes, signals
     "test_distributed.py",  # torchrun jobs
+    "test_bench_scale_decoder.py",  # the scale benchmark's every stage, ONNX export included
     "test_hf_pass_matrix.py", "test_zoo_hf.py", "test_hf_cli.py", "test_model_names.py",  # model families × passes
 }
 

@@ -120,6 +120,7 @@ def test_stack_radix_split_and_heads_reshape_grow_exactly(target):
         assert r.gm.get_submodule("paths.1").out_channels == 16 and r.gm.get_submodule("fc2").out_channels == 32
 
 
+@pytest.mark.slow  # ONNX exports: make test runs it, not the edit loop
 def test_grown_split_attention_and_slices_match_in_onnxruntime(tmp_path):
     for model, target in ((SplitAttention(), "paths.0"), (Slices(), "stem"), (ResNeXtish(), "a")):
         model = randomize_bn(model).eval()

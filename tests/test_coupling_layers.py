@@ -227,6 +227,7 @@ def test_add_branch_sees_a_weight_standardised_conv_as_a_conv():
     assert r.targets["span"].startswith("relu [1, 8, 8, 8] → conv2d [1, 8, 8, 8]"), r.targets
 
 
+@pytest.mark.slow  # ONNX exports: make test runs it, not the edit loop
 def test_grown_calls_group_norms_and_token_stream_match_in_onnxruntime(tmp_path):
     for model, kw in ((Calls(), dict(target="a", to=12)), (GroupNorms(), dict(target="b", to=20)),
                       (TinyViT(), dict(target="attn.qkv", to=60)),

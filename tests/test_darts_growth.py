@@ -145,6 +145,7 @@ def test_a_huge_constant_mask_in_a_body_is_refused(traced):
         serialize.from_payload(payload)
 
 
+@pytest.mark.slow  # ONNX exports: make test runs it, not the edit loop
 def test_fold_drops_the_train_only_work_and_onnx_has_none_of_it(traced, tmp_path):
     import onnx
 

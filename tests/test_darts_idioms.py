@@ -64,7 +64,7 @@ def _traced(idiom: str, mode: str) -> tuple[nn.Module, fx.GraphModule]:
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
-@pytest.mark.parametrize("idiom", IDIOMS)
+@pytest.mark.parametrize("idiom", [i if i == "cuda_typed" else pytest.param(i, marks=pytest.mark.slow) for i in IDIOMS])
 def test_every_mask_idiom_traces_with_no_leaf_computes_what_the_model_computes_and_loads_without_trust(
         idiom, mode, tmp_path):
     model, gm = _traced(idiom, mode)

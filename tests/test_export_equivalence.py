@@ -178,6 +178,7 @@ def test_attention_with_a_computed_mask_exports_and_agrees(tmp_path):
     assert torch.is_grad_enabled()  # the caller's grad mode is back
 
 
+@pytest.mark.slow  # a real timm model exported: make test runs it, not the edit loop
 def test_timm_beit_grown_exports_and_agrees(tmp_path):
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)

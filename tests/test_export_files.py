@@ -93,7 +93,7 @@ def _identical(a, b) -> bool:
     return la[1] == lb[1] and all(torch.equal(x, y) for x, y in zip(la[0], lb[0]))
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [n if n == "bert" else pytest.param(n, marks=pytest.mark.slow) for n in MODELS])  # one fast
 def test_a_captured_model_comes_back_bit_identical(name, tmp_path):
     gm = traced(name)
     assert gm.meta["graphgrow"]["trace"]["capture"] == "export"
