@@ -192,7 +192,7 @@ def add_branch(gm: fx.GraphModule, at: str | None, op: Op, count: int, init: Lit
                generator: torch.Generator | None = None) -> Rewrite:
     """Add `count` branches of `op` beside the span `at`, merged by a gated average (gates start at 0).
     init=gradmax: `data` is a callable (or `package.module:function`) returning (inputs, loss_fn)."""
-    _check_init(init, data, count)
+    _check_init(init, data)
     gm, generator = begin(gm, generator)
     start, end, chosen = resolve_span(gm, at, op, count)
     merge = existing_merge(gm, end)
@@ -252,14 +252,10 @@ def add_branch(gm: fx.GraphModule, at: str | None, op: Op, count: int, init: Lit
     return Rewrite(gm, targets)
 
 
-def _check_init(init: str, data, count: int) -> None:
-    """init=gradmax needs data and aims one branch: refused before any work otherwise."""
-    if init == "gradmax":
-        if data is None:
-            load_data(None, "add_branch")
-        if count != 1:
-            raise NotApplicable(f"init=gradmax aims one branch at a time; count={count} branches aimed at the same "
-                                "batch would start (and stay) identical", "use count=1 (and call again), or init=zero")
+def _check_init(init: str, data) -> None:
+    """init=gradmax needs data: refused before any work otherwise (one branch at a time: AddBranch.conflict)."""
+    if init == "gradmax" and data is None:
+        load_data(None, "add_branch")
 
 
 def _merges(gm: fx.GraphModule) -> list[fx.Node]:
@@ -324,6 +320,12 @@ class AddBranch(Pass):
     init: Literal["zero", "gradmax"] = arg("zero", "zero: random branch weights behind the zero gate; gradmax: the branch's first conv aimed from `data` (count=1)")
     data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data",
                            names_code=True)
+
+    def conflict(self) -> tuple[str, str, str] | None:
+        if self.init == "gradmax" and self.count != 1:
+            return ("count", f"init=gradmax aims one branch at a time; {self.count} branches aimed at the same batch "
+                    "would start (and stay) identical", "use count=1 (and call again), or init=zero")
+        return None
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """Every backbone conv a branch of `op` can run beside, the last first."""

@@ -141,8 +141,8 @@ def test_places_with_nothing_to_aim_say_so():
     gm, data = _traced(_cnn(), "1x3x8x8"), _batch(IMAGES, 5)
     with pytest.raises(NotApplicable, match="adds none"):
         gg.get_pass("insert_adapter")(after="3", init="gradmax", data=data)(gm)
-    with pytest.raises(NotApplicable, match="one branch at a time"):
-        gg.get_pass("add_branch")(at="3", count=2, init="gradmax", data=data)(gm)
+    with pytest.raises(gg.SpecError, match="one branch at a time"):  # refused with the arguments, before any model
+        gg.get_pass("add_branch")(at="3", count=2, init="gradmax", data=data)
     same_width = _traced(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
                                        nn.Flatten(), nn.Linear(256, 5)), "1x3x8x8")
     with pytest.raises(NotApplicable, match="has none"):  # a max-pool branch between equal widths has no weights

@@ -73,6 +73,7 @@ BAD = [
     ("grow_heads(by=0)", "grow_heads(by=...) must be ≥ 1, got 0", "by"),
     ("grow_hidden(to=0)", "grow_hidden(to=...) must be ≥ 1, got 0", "to"),
     ("deepen(attention=sideways)", "must be one of auto, causal, bidirectional", "attention"),
+    ("add_branch(init=gradmax,count=2)", "add_branch(count=...): init=gradmax aims one branch at a time", "count"),
 ]
 
 

@@ -13,7 +13,7 @@ from torch import fx
 
 from ..analysis.budget import Limits, check_grown, pass_allocations
 from ..analysis.targets import Candidate
-from ..core.errors import InputError, ValidationError
+from ..core.errors import InputError, SpecError, ValidationError
 from ..verify.preserve import PreservationReport
 from ..graph.fx_edit import finish, Rewrite, sharing_parameters
 from ..graph.inline import inline_containers
@@ -121,6 +121,16 @@ class Pass:
 
     def __post_init__(self) -> None:
         check_arguments(self)  # bad values are refused here: a spec is checked before any model is loaded
+        found = self.conflict()
+        if found is not None:
+            argument, why, hint = found
+            raise SpecError(f"{self.name}({argument}=...): {why}", hint, argument=argument)
+
+    def conflict(self) -> tuple[str, str, str] | None:
+        """A rule over several arguments that no model can satisfy (add_branch: init=gradmax aims one branch, so
+        count=1): (the argument to point at, why, what to do), or None. Checked with the values, at parse time;
+        override it only for such rules (what depends on the model is the pass's NotApplicable)."""
+        return None
 
     def check_requires(self, gm: fx.GraphModule) -> None:
         """NotApplicable unless every requirement of this pass holds on `gm`."""
