@@ -185,6 +185,7 @@ NOT_FAST_FILES = {
     "test_distributed.py",  # torchrun jobs
     "test_bench_scale_decoder.py",  # the scale benchmark's every stage, ONNX export included
     "test_hf_pass_matrix.py", "test_zoo_hf.py", "test_hf_cli.py", "test_model_names.py",  # model families × passes
+    "test_native.py",  # Hugging Face classes × grown sizes, and folders through the CLI
 }
 
 
