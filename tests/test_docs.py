@@ -36,7 +36,7 @@ def test_there_are_docs_and_blocks():
 
 
 def test_every_code_block_has_a_check():
-    known = {"run", "make", "layout", "generated"}
+    known = {"run", "make", "layout", "generated", "install"}
     unchecked = [f"{b.where} ({b.lang or 'no language'}: {b.kind or 'nothing says how it is checked'})"
                  for b in ALL if b.kind not in known and not b.kind.startswith("in ")]
     bad_language = [b.where for b in ALL if b.kind == "run" and b.lang not in ("sh", "python")]
@@ -123,6 +123,29 @@ def test_make_blocks_name_real_targets_and_the_demo_runs(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "equivalence vs original model: PASS" in proc.stdout
+
+
+def test_install_blocks_name_real_extras_and_commands():
+    """An install block cannot run here (it would install); what it names must exist: the extras in
+    pyproject.toml, and every other command is graphgrow's own."""
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    blocks = [b for b in ALL if b.kind == "install"]
+    assert blocks
+    for b in blocks:
+        for line in b.code.splitlines():
+            words = shlex.split(line, comments=True)
+            if not words:
+                continue
+            if words[:2] == ["pip", "install"]:
+                named = {e for w in words[2:] for e in re.findall(r"\[([\w,]+)\]", w) for e in e.split(",")}
+                assert named <= extras, f"{b.where}: extras pyproject.toml lacks: {named - extras}"
+            else:
+                assert words[0] == "graphgrow", f"{b.where}: not an install or graphgrow line: {line}"
+                proc = subprocess.run([str(Path(sys.executable).parent / "graphgrow"), *words[1:]],
+                                      capture_output=True, text=True, timeout=120)
+                assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_excerpts_match_their_files():

@@ -8,7 +8,8 @@ A generated region sits between `<!-- generated: NAME -->` and `<!-- /generated 
 GENERATORS. A code block is checked according to a `<!-- docs-test: KIND -->` comment on the line before
 its fence, or by its language when there is none: `sh` and `python` blocks run (KIND `run`); KIND
 `make` checks `make` lines against the Makefile; `in FILE` says the block is an excerpt of FILE;
-`layout` checks the module map against the tree. A block with no known check fails the tests.
+`layout` checks the module map against the tree; `install` checks that its `pip install` lines name
+extras pyproject.toml declares and that the other commands are graphgrow's. A block with no known check fails the tests.
 """
 from __future__ import annotations
 
