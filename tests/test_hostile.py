@@ -310,12 +310,13 @@ def test_an_input_shape_whose_activations_exceed_the_limit_is_refused_before_any
 
 def test_a_pass_whose_grown_model_needs_more_memory_is_refused_before_it_runs(cnn):
     from graphgrow.analysis.budget import Limits, activation_bytes, meta_copy
+    from graphgrow.graph.inputs import plain_spec
     from graphgrow.jobs.pipeline import Pipeline
 
     gm = gg.trace(cnn, (1, 3, 32, 32))
     gg.annotate(gm, (1, 3, 32, 32))
     pipeline = Pipeline.from_spec(["deepen"])
-    pipeline.limits = Limits(max_memory=activation_bytes(meta_copy(gm), (1, 3, 32, 32)) + 1)  # the model fits, deepened it does not
+    pipeline.limits = Limits(max_memory=activation_bytes(meta_copy(gm), plain_spec((1, 3, 32, 32))) + 1)  # the model fits, deepened it does not
     with pytest.raises(gg.NotApplicable, match=r"deepen would need about .* MiB of activations at batch 3"):
         pipeline.run(gm)
 
@@ -673,28 +674,30 @@ def test_the_estimate_covers_a_batch_larger_than_verifications(tmp_path):
 
 def test_a_grown_model_that_cannot_be_sized_is_refused_unless_the_memory_limit_is_lifted(cnn):
     from graphgrow.analysis.budget import NO_LIMIT, Limits, check_grown
+    from graphgrow.graph.inputs import plain_spec
 
     gm = gg.trace(cnn, (1, 3, 32, 32))
     grown = gg.trace(NeedsData(), (1, 4))  # what a pass might make: it reads a number from the data
     with pytest.raises(gg.ValidationError, match=r"the model p would make cannot be sized: node 'item' .* on the meta device"):
-        check_grown("p", gm, grown, (1, 4), Limits())
+        check_grown("p", gm, grown, plain_spec((1, 4)), Limits())
     before = {k: v.data_ptr() for k, v in grown.state_dict().items()}
-    check_grown("p", gm, grown, (1, 4), Limits(max_memory=NO_LIMIT))
+    check_grown("p", gm, grown, plain_spec((1, 4)), Limits(max_memory=NO_LIMIT))
     assert {k: v.data_ptr() for k, v in grown.state_dict().items()} == before  # the meta-device estimate put them back
     assert all(not t.is_meta for t in grown.state_dict().values())
 
 
 def test_meta_estimates_cover_tensor_constants_and_leaves_that_make_tensors():
     from graphgrow.analysis.budget import activation_bytes, meta_copy
+    from graphgrow.graph.inputs import plain_spec
 
     class MakesTensors(nn.Module):
         def forward(self, x):
             return x + torch.arange(x.shape[-1]) + torch.tensor([1.0, 2.0, 3.0, 4.0])  # created without a device
 
     gm = gg.trace(nn.Sequential(nn.Linear(4, 4), MakesTensors()), (1, 4), leaves=["1"])
-    assert activation_bytes(meta_copy(gm), (1, 4)) > 0
+    assert activation_bytes(meta_copy(gm), plain_spec((1, 4))) > 0
     gm = gg.trace(nn.Sequential(nn.Linear(4, 4), MakesTensors()), (1, 4))  # traced: a _tensor_constant attribute
-    assert activation_bytes(meta_copy(gm), (1, 4)) > 0
+    assert activation_bytes(meta_copy(gm), plain_spec((1, 4))) > 0
 
 
 # --- issue 20: outputs (write errors, staging files, signals after commit) ---
@@ -966,9 +969,10 @@ class BranchesOnData(nn.Module):
 
 def test_a_leaf_that_branches_on_its_data_is_sized_by_its_larger_branch():
     from graphgrow.analysis.budget import activation_bytes, meta_copy
+    from graphgrow.graph.inputs import plain_spec
     from graphgrow.capture.trace import trace_report
 
     gm = gg.trace(nn.Sequential(nn.Linear(4, 4), BranchesOnData()), (1, 4))
     assert "1" in trace_report(gm)["auto_leaves"]
     # batch 3, float32: input 3×4, Linear 3×4, the leaf's larger branch 3×32, the output node (the same 3×32)
-    assert activation_bytes(meta_copy(gm), (1, 4)) == 4 * (12 + 12 + 96 + 96)
+    assert activation_bytes(meta_copy(gm), plain_spec((1, 4))) == 4 * (12 + 12 + 96 + 96)
