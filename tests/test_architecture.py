@@ -226,3 +226,46 @@ def test_the_op_vocabulary_rule_finds_a_copied_table(tmp_path):
         "ADDS: set = frozenset((operator.add, operator.sub, torch.add))\n")
     assert op_tables(tmp_path) == ["graphgrow/graph/mine.py:3 repeats ['dim', 'numel', 'size']",
                                    "graphgrow/graph/mine.py:5 repeats ['operator.add', 'operator.sub', 'torch.add']"]
+
+
+def doubled_declarations(root: Path) -> list[str]:
+    """Pass functions (decorated @pass_function) that write a default of their own, and Pass classes whose
+    `function` is not such a function: a second place for an argument's default, which can drift from arg()."""
+    bad = []
+    for f in sorted((root / "passes").rglob("*.py")):
+        rel = str(f.relative_to(root))
+        tree = ast.parse(f.read_text(), rel)
+        declared = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and any(
+                    (d.id if isinstance(d, ast.Name) else getattr(d, "attr", "")) == "pass_function" for d in node.decorator_list):
+                declared.add(node.name)
+                a = node.args
+                named = [p.arg for p in a.args[len(a.args) - len(a.defaults):]] + \
+                    [p.arg for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+                named = [n for n in named if n != "generator"]  # the contract's generator, not a pass argument
+                if named:
+                    bad.append(f"{rel}:{node.lineno} {node.name}() gives {named} defaults")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for stmt in node.body:
+                    if isinstance(stmt, ast.Assign) and any(getattr(t, "id", "") == "function" for t in stmt.targets) \
+                            and isinstance(stmt.value, ast.Name) and stmt.value.id not in declared:
+                        bad.append(f"{rel}:{stmt.lineno} {node.name}.function = {stmt.value.id}, not a @pass_function")
+    return bad
+
+
+def test_every_pass_argument_is_declared_once():
+    """A built-in pass declares each argument in its Pass class (arg()); its plain function is @pass_function and
+    writes no defaults (tests/test_pass_args.py checks the same on the imported classes, plugins included)."""
+    bad = doubled_declarations(ROOT)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_declaration_rule_finds_a_second_default(tmp_path):
+    (tmp_path / "passes").mkdir()
+    (tmp_path / "passes" / "mine.py").write_text(
+        "@pass_function\ndef grow(gm, factor=2.0, *, init=None, generator=None):\n    pass\n\n"
+        "def plain(gm, target):\n    pass\n\nclass Grow(Pass):\n    function = plain\n")
+    assert doubled_declarations(tmp_path) == ["passes/mine.py:2 grow() gives ['factor', 'init'] defaults",
+                                              "passes/mine.py:9 Grow.function = plain, not a @pass_function"]
