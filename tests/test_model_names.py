@@ -227,14 +227,11 @@ def test_an_argument_given_twice_is_refused():
         parse_name("timm:resnet26d(num_classes=10, num_classes=5)")
 
 
-def test_a_model_too_large_to_hold_is_refused_before_anything_is_allocated(monkeypatch):
-    from graphgrow.io import load
-
+def test_a_model_too_large_to_hold_is_refused_before_anything_is_allocated():
     with pytest.raises(gg.LoadError, match="would hold 3,814,701.1 MiB of parameters and buffers"):
         gg.load_model("factories:square_linear(n=1000000)")  # 4 TB: a real build would not even get to fail cleanly
-    monkeypatch.setattr(load, "MAX_LOAD_BYTES", 10 << 20)  # --max-load 10M
     with pytest.raises(gg.LoadError, match="limit 10.0 MiB"):
-        gg.load_model("torchvision:resnet18")
+        gg.load_model("torchvision:resnet18", max_load=10 << 20)  # --max-load 10M
     assert gg.load_model("factories:square_linear(n=100)").module.weight.shape == (100, 100)
     assert gg.load_model("factories:needs_real_tensors").module.in_features == 3  # not pre-checkable: built as before
 

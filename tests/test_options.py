@@ -25,6 +25,22 @@ def test_one_commands_memory_limit_does_not_reach_the_next(runner, tmp_path):
     assert again.exit_code == 0, again.output
 
 
+
+def test_one_commands_load_limit_does_not_reach_the_next(runner, tmp_path):
+    """--max-load likewise: it travels in LoadOptions to load_model, and no module attribute keeps it."""
+    from graphgrow.cli.commands import main
+    from graphgrow.io import load
+
+    src = tmp_path / "m.pt"
+    torch.save(small_cnn(), src)
+    refused = runner.invoke(main, ["inspect", str(src), "--input-shape", "1,3,32,32", "--max-load", "1K", "--json"])
+    assert refused.exit_code == 2 and "would unpack to" in refused.output, refused.output
+    assert not hasattr(load, "MAX_LOAD_BYTES")
+    again = runner.invoke(main, ["inspect", str(src), "--input-shape", "1,3,32,32", "--json"])
+    assert again.exit_code == 0, again.output
+    bad = runner.invoke(main, ["inspect", str(src), "--input-shape", "1,3,32,32", "--max-load", "lots"])
+    assert bad.exit_code == 2 and "--max-load" in bad.output, bad.output
+
 def test_limits_parse_the_flags_values():
     assert Limits.parse() == Limits() and Limits().max_memory == DEFAULT_MAX_MEMORY
     assert Limits.parse("2M", "512M") == Limits(2_000_000, 512 << 20)

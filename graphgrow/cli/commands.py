@@ -102,7 +102,7 @@ def replay(model, log_from, output, onnx_out, check, provider, max_params, data,
     run_command(_growth_job(lambda progress: workflow.replay(
         model, log_from, out=output, onnx_out=onnx_out, check=check, input_shape=load.input_shape, provider=provider,
         trust=load.trust, leaves=load.leaves, progress=progress, trace_mode=load.trace_mode, capture=load.capture,
-        max_params=max_params, max_memory=max_memory, data=data), as_json), as_json, debug)
+        max_params=max_params, max_memory=max_memory, data=data, max_load=load.max_load), as_json), as_json, debug)
 
 
 @main.command()
@@ -146,7 +146,8 @@ def export(model, output, fold_first, opset, external_data, load, max_memory, as
     def job(progress):
         report = workflow.export(model, output, input_shape=load.input_shape, trust=load.trust, leaves=load.leaves,
                                  progress=progress, trace_mode=load.trace_mode, capture=load.capture, fold=fold_first,
-                                 opset=opset, external_data=external_data or None, max_memory=_memory(max_memory))
+                                 opset=opset, external_data=external_data or None, max_memory=_memory(max_memory),
+                                 max_load=load.max_load)
         if as_json:
             print(json.dumps(report, default=str))
         else:
@@ -180,7 +181,8 @@ def check(onnx_file, model, provider, rtol, atol, seed, load, max_memory, as_jso
     def job(progress):
         report, rep = workflow.check(onnx_file, model, input_shape=load.input_shape, provider=provider, trust=load.trust,
                                      leaves=load.leaves, progress=progress, trace_mode=load.trace_mode,
-                                     capture=load.capture, seed=seed, rtol=rtol, atol=atol, max_memory=_memory(max_memory))
+                                     capture=load.capture, seed=seed, rtol=rtol, atol=atol, max_memory=_memory(max_memory),
+                                     max_load=load.max_load)
         if as_json:
             print(json.dumps(report, default=str))
         else:
@@ -217,7 +219,7 @@ def inspect(model, show_all, groups, summary, depth, load, max_memory, as_json, 
     def job(progress):
         report = workflow.inspect(model, input_shape=load.input_shape, trust=load.trust, leaves=load.leaves, progress=progress,
                                   groups=groups, trace_mode=load.trace_mode, depth=depth, capture=load.capture,
-                                  max_memory=_memory(max_memory))
+                                  max_memory=_memory(max_memory), max_load=load.max_load)
         if as_json:
             print(json.dumps(report, default=str))
             return 0
@@ -264,7 +266,7 @@ def targets(model, spec, data, load, max_memory, as_json, debug):
     def job(progress):
         report = workflow.targets(model, spec, input_shape=load.input_shape, trust=load.trust, leaves=load.leaves,
                                   progress=progress, trace_mode=load.trace_mode, capture=load.capture, data=data,
-                                  max_memory=_memory(max_memory))
+                                  max_memory=_memory(max_memory), max_load=load.max_load)
         if as_json:
             print(json.dumps(report, default=str))
             return 0

@@ -1,5 +1,5 @@
 """The flags every command shares (_common): the loading flags, gathered into one `load` argument
-(jobs.options.LoadOptions), --max-memory (passed to the job, parsed there) and --max-load, --json, --debug."""
+(jobs.options.LoadOptions), --max-load (into it, as bytes), --max-memory (passed to the job, parsed there), --json, --debug."""
 from __future__ import annotations
 
 import functools
@@ -27,7 +27,7 @@ def _load_options(f: Callable) -> Callable:
     input (an input spec), and given with --input-shape they clash."""
     @functools.wraps(f)
     def wrapper(*args, input_shape: Any, inputs: tuple[str, ...], trust: bool, leaves: tuple[str, ...],
-                trace_mode: str, capture: str, **kwargs):
+                trace_mode: str, capture: str, max_load: str | None, **kwargs):
         from ..jobs.options import LoadOptions
 
         if inputs:
@@ -39,7 +39,8 @@ def _load_options(f: Callable) -> Callable:
                 input_shape = parse_spec(",".join(inputs))
             except GraphgrowError as e:
                 raise click.BadParameter(str(e), param_hint="--input") from e
-        load = LoadOptions(input_shape=input_shape, trust=trust, leaves=leaves, trace_mode=trace_mode, capture=capture)
+        load = LoadOptions(input_shape=input_shape, trust=trust, leaves=leaves, trace_mode=trace_mode, capture=capture,
+                           max_load=_load_bytes(max_load))
         return f(*args, load=load, **kwargs)
 
     return wrapper
@@ -63,7 +64,7 @@ def _common(f: Callable) -> Callable:
     f = click.option("--trace-mode", "trace_mode", type=click.Choice(["eval", "train"]), default="eval", show_default=True,
                      help="structure to trace when the model's top-level forward branches on self.training "
                           "(eval: the deployed function; train: keeps auxiliary outputs)")(f)
-    f = click.option("--max-load", metavar="SIZE", expose_value=False, callback=_set_max_load,
+    f = click.option("--max-load", "max_load", metavar="SIZE",
                      help="refuse a model file that would unpack to more than this (default 16G)")(f)
     f = click.option("--max-memory", "max_memory", metavar="SIZE", help=MAX_MEMORY_HELP)(f)
     f = click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout instead of tables")(f)
@@ -76,14 +77,13 @@ MAX_MEMORY_HELP = ("refuse a model whose activations at the largest batch run, a
                    "the model's weights, or cannot be estimated (default 8G; none: no limit)")
 
 
-def _set_max_load(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    """The load-size cap is process-wide (one command per process), so the flag sets it directly."""
+def _load_bytes(value: str | None) -> int | None:
+    """--max-load in bytes (None when not given: io.load's default); a bad value is the flag's usage error (exit 2)."""
     if value is None:
-        return
-    from ..io import load
+        return None
     from ..analysis.budget import parse_size
 
     try:
-        load.MAX_LOAD_BYTES = parse_size(value, "--max-load")
+        return parse_size(value, "--max-load")
     except GraphgrowError as e:
-        raise click.BadParameter(e.message) from e
+        raise click.BadParameter(e.message, param_hint="'--max-load'") from e

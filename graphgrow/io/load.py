@@ -83,19 +83,22 @@ def _is_graphgrow_file(path: Path) -> bool:
 FACTORY_SEED = 0  # factories build random weights: seeded, so a factory name means the same weights every time
 
 
-def load_model(source: str | os.PathLike[str], trust: bool = False, factory_seed: int = FACTORY_SEED) -> LoadedModel:
+def load_model(source: str | os.PathLike[str], trust: bool = False, factory_seed: int = FACTORY_SEED,
+               max_load: int | None = None) -> LoadedModel:
     """Load a model from a file or a `package.module:factory` name (built with the global RNG seeded
-    with `factory_seed`, restored afterwards). Raises LoadError."""
+    with `factory_seed`, restored afterwards). `max_load` (--max-load; None: DEFAULT_MAX_LOAD) bounds what a
+    file may unpack to and what a factory may allocate, before it happens. Raises LoadError."""
     text = str(source)
+    limit = DEFAULT_MAX_LOAD if max_load is None else max_load
     if is_factory_name(text):
-        return _from_factory(text, factory_seed)
+        return _from_factory(text, factory_seed, limit)
     path = Path(text)
     if not path.exists():
         hint = "check the path" if ":" not in text else "name a factory as package.module:function, e.g. torchvision.models:resnet18"
         raise LoadError(f"no such file: {text}", hint)
     if path.is_dir():
         if is_hf_folder(path):
-            return _from_hf_folder(path, text)
+            return _from_hf_folder(path, text, limit)
         raise LoadError(f"{text} is a directory, not a model file (nor a Hugging Face folder: it has no config.json)",
                         "pass the .pt file inside it, or a folder save_pretrained wrote")
     if path.stat().st_size == 0:
@@ -103,22 +106,22 @@ def load_model(source: str | os.PathLike[str], trust: bool = False, factory_seed
     from .outputs import protect
 
     protect(path)  # no output of this run replaces it, under any name
-    obj = _torch_load(path, trust)
+    obj = _torch_load(path, trust, limit)
     return _interpret(obj, text, trust)
 
 
-def _from_hf_folder(path: Path, text: str) -> LoadedModel:
+def _from_hf_folder(path: Path, text: str, limit: int) -> LoadedModel:
     from .hf_zoo import default_spec
     from .outputs import protect
 
     for f in [path, *path.iterdir()]:
         protect(f)  # no output of this run replaces the folder or a file in it
-    model, stored, use_cache = load_folder(path, MAX_LOAD_BYTES)
+    model, stored, use_cache = load_folder(path, limit)
     return LoadedModel(model, text, "hf-folder", input_shape=default_spec(model.config, type(model), text),
                        stored_dtype=stored, use_cache=use_cache)
 
 
-def _from_factory(text: str, seed: int) -> LoadedModel:
+def _from_factory(text: str, seed: int, limit: int) -> LoadedModel:
     from .zoo import builder, parse_name, sealed_caches, zoo_input_shape
 
     name = parse_name(text)
@@ -126,14 +129,14 @@ def _from_factory(text: str, seed: int) -> LoadedModel:
         refuse_before_import(name.target)  # os:system says "standard library" before its arguments are read
     build, shape = builder(name, import_object)
     size = _size_on_meta(build)
-    if size is not None and size[0] > MAX_LOAD_BYTES:
+    if size is not None and size[0] > limit:
         raise LoadError(f"{text[:200]} would hold {_mib(size[0])} of parameters and buffers ({size[1]:,} parameters; limit "
-                        f"{_mib(MAX_LOAD_BYTES)}); nothing was allocated", "check the arguments, or raise the limit with --max-load SIZE")
+                        f"{_mib(limit)}); nothing was allocated", "check the arguments, or raise the limit with --max-load SIZE")
     hint = "check the arguments" if name.kwargs else "the factory must build a model with no arguments (or give them: factory(key=value))"
     call = text[:200] if name.kwargs else f"{text[:200]}()"
     # the real build runs under an allocation guard too: a factory the meta device cannot build, or one that builds
     # something else there (it caught the meta device's error), is held to --max-load as it allocates
-    guard = AllocationGuard(MAX_LOAD_BYTES)
+    guard = AllocationGuard(limit)
     # the user's code: prints to stderr (--json stays parseable), anything raised — sys.exit too — one LoadError;
     # no cache of stored weights is in reach
     try:
@@ -142,18 +145,18 @@ def _from_factory(text: str, seed: int) -> LoadedModel:
             with guard:
                 model = build()
     except BaseException as e:  # the guard's refusal passes calling() as graphgrow's own
-        _refuse_over_load(text, guard, e)
+        _refuse_over_load(text, guard, e, limit)
         raise
-    _refuse_over_load(text, guard, None)  # the factory may have caught the refusal and gone on
+    _refuse_over_load(text, guard, None, limit)  # the factory may have caught the refusal and gone on
     if not isinstance(model, nn.Module):
         raise LoadError(f"{text[:200]}{'' if name.kwargs else '()'} returned {type(model).__name__}, not a torch.nn.Module")
     return LoadedModel(model, text, "factory", input_shape=shape or zoo_input_shape(model), factory_seed=seed)
 
 
-def _refuse_over_load(text: str, guard: AllocationGuard, error: BaseException | None) -> None:
+def _refuse_over_load(text: str, guard: AllocationGuard, error: BaseException | None, limit: int) -> None:
     refusal = guard.refusal
     if refusal is not None:
-        raise LoadError(f"{text[:200]} would hold more than {_mib(MAX_LOAD_BYTES)} while it is built (it asked for "
+        raise LoadError(f"{text[:200]} would hold more than {_mib(limit)} while it is built (it asked for "
                         f"{_mib(getattr(refusal, 'needed', 0))} more with {_mib(getattr(refusal, 'held', 0))} held; the build was stopped before that allocation)",
                         "check the arguments, or raise the limit with --max-load SIZE") from error or refusal
 
@@ -181,12 +184,12 @@ def _size_on_meta(build: Callable[[], Any]) -> tuple[int, int] | None:
             sum(p.numel() for p in model.parameters()))
 
 
-def _torch_load(path: Path, trust: bool) -> Any:
+def _torch_load(path: Path, trust: bool, limit: int) -> Any:
     name = str(path)
     head = path.open("rb").read(8)
     if path.suffix == ".onnx":
         raise LoadError(f"{name} is an ONNX file", "graphgrow mutates PyTorch models: pass the .pt model it was exported from")
-    _check_zip(path)
+    _check_zip(path, limit)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -200,11 +203,11 @@ def _torch_load(path: Path, trust: bool) -> Any:
         raise _explain(name, head, e, trust, _is_graphgrow_file(path)) from e
 
 
-MAX_LOAD_BYTES = int(os.environ.get("GRAPHGROW_MAX_LOAD_BYTES", 16 << 30))  # what a model file may unpack to
+DEFAULT_MAX_LOAD = int(os.environ.get("GRAPHGROW_MAX_LOAD_BYTES", 16 << 30))  # what a model file may unpack to
 MAX_INFLATION = 50  # a compressed member may not grow more than this; torch.save stores tensors uncompressed
 
 
-def _check_zip(path: Path) -> None:
+def _check_zip(path: Path, limit: int) -> None:
     """Integrity and size of a torch zip file before torch.load reads it: torch.load does not check
     CRCs (corrupted tensor bytes load silently as wrong weights) and would inflate any member."""
     if not zipfile.is_zipfile(path):
@@ -214,8 +217,8 @@ def _check_zip(path: Path) -> None:
         with zipfile.ZipFile(path) as z:
             members = z.infolist()
             total = sum(m.file_size for m in members)
-            if total > MAX_LOAD_BYTES:
-                raise LoadError(f"{name} would unpack to {_mib(total)} (limit {_mib(MAX_LOAD_BYTES)})",
+            if total > limit:
+                raise LoadError(f"{name} would unpack to {_mib(total)} (limit {_mib(limit)})",
                                 "raise the limit with --max-load SIZE (or GRAPHGROW_MAX_LOAD_BYTES) if the model really is that large")
             for m in members:
                 if m.compress_type != zipfile.ZIP_STORED and m.file_size > MAX_INFLATION * m.compress_size + (1 << 20):

@@ -39,12 +39,13 @@ def shape_report(shape: InputSpec) -> dict:
 
 def open_model(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
                progress: Progress = _noop, trace_mode: str = "eval", max_memory: int | None = None,
-               factory_seed: int = FACTORY_SEED, capture: str = "auto") -> OpenedModel:
+               factory_seed: int = FACTORY_SEED, capture: str = "auto", max_load: int | None = None) -> OpenedModel:
     """Load (safely), trace, check the trace against the model, and annotate shapes. The
     example input (a shape or an input spec) comes from the argument, the file (graphgrow outputs
-    remember it), the zoo or the first layer. `capture`: "auto", "fx" or "export" (trace())."""
+    remember it), the zoo or the first layer. `capture`: "auto", "fx" or "export" (trace()). `max_load`:
+    load_model's bound on what the file unpacks to (None: its default)."""
     progress(f"loading {source}")
-    loaded = load_model(source, trust=trust, factory_seed=factory_seed)
+    loaded = load_model(source, trust=trust, factory_seed=factory_seed, max_load=max_load)
     given = parse_example_input(input_shape if input_shape is not None else loaded.input_shape,
                                 loaded.module)  # flag or stored: one check
     progress("tracing" if capture == "auto" else f"tracing ({capture} capture)")

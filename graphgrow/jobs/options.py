@@ -1,6 +1,6 @@
 """What a command was asked, as options objects passed cli → jobs → search, every field by name.
 
-LoadOptions: how to open the model (the example input, --trust, --leaf, --trace-mode, --capture).
+LoadOptions: how to open the model (the example input, --trust, --leaf, --trace-mode, --capture, --max-load).
 OutputOptions: what to write (-o, --onnx, the default name's suffix, --dry-run, --diagram).
 Limits (analysis.budget): --max-params and --max-memory, carried to each place that reads them (no global).
 """
@@ -17,6 +17,7 @@ class LoadOptions:
     leaves: Sequence[str] = ()
     trace_mode: str = "eval"
     capture: str = "auto"
+    max_load: int | None = None  # bytes a model file may unpack to (--max-load); None: io.load.DEFAULT_MAX_LOAD
 
 
 @dataclass(frozen=True)

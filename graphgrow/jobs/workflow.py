@@ -94,7 +94,8 @@ def with_data(passes: list, data: str) -> list:
 def _open(source: str, load: LoadOptions, progress: Progress, max_memory: int | None, **extra: Any) -> OpenedModel:
     """open_model with the command's load options, every argument by name (max_memory None: the default, 8G)."""
     return open_model(source, input_shape=load.input_shape, trust=load.trust, leaves=load.leaves, progress=progress,
-                      trace_mode=load.trace_mode, max_memory=max_memory, capture=load.capture, **extra)
+                      trace_mode=load.trace_mode, max_memory=max_memory, capture=load.capture, max_load=load.max_load,
+                      **extra)
 
 
 def _distinct_outputs(*paths: Path | None) -> None:
@@ -288,7 +289,7 @@ def _preservation_json(result: PipelineResult) -> dict:
 def replay(source: str, log_source: str, out: str | None = None, onnx_out: str | None = None, check: bool = False,
            input_shape=None, provider: str = "auto", trust: bool = False, leaves: Sequence[str] = (),
            progress: Progress = _noop, trace_mode: str = "eval",
-           max_params=None, max_memory=None, capture: str = "auto", data=None) -> dict:
+           max_params=None, max_memory=None, capture: str = "auto", data=None, max_load: int | None = None) -> dict:
     """Re-apply the mutation log of `log_source` (a graphgrow .pt or an exported .onnx) to the model `source`.
     `data`: the data function (a name or the function) for the steps that logged one; the logged name itself
     is used only with `trust` (pipeline.from_log)."""
@@ -305,7 +306,8 @@ def replay(source: str, log_source: str, out: str | None = None, onnx_out: str |
     _distinct_outputs(out_path, onnx_path)
     limits = Limits.parse(max_params, max_memory)
     opened = _open(source, LoadOptions(input_shape=input_shape or grown_shape, trust=trust, leaves=tuple(leaves),
-                                       trace_mode=trace_mode, capture=capture), progress, limits.max_memory)
+                                       trace_mode=trace_mode, capture=capture, max_load=max_load), progress,
+                   limits.max_memory)
     done = graph_info(opened.gm).get("log", [])
     if log[:len(done)] != done:
         raise InputError(f"{source} was not grown on the way to {log_source}: its mutation log is not the start of that one",
@@ -341,7 +343,7 @@ def _read_log(log_source: str, trust: bool, need_shape: bool = True) -> tuple[li
 
 def targets(source: str, spec: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
             progress: Progress = _noop, trace_mode: str = "eval", capture: str = "auto", data: str | None = None,
-            max_memory: int | None = None) -> dict:
+            max_memory: int | None = None, max_load: int | None = None) -> dict:
     """Where one pass (its other arguments as given in `spec`) can apply, with what each place would add;
     with `data` (package.module:function → (inputs, loss_fn)) ranked by the first-order gain (rewrite.gain)."""
     from .pipeline import build_pipeline, spec_of
@@ -351,7 +353,7 @@ def targets(source: str, spec: str, input_shape=None, trust: bool = False, leave
         raise SpecError(f"targets lists the places of one pass, got {len(passes)}", "give one pass, e.g. --pass add_branch")
     p = passes[0]
     opened = open_model(source, input_shape=input_shape, trust=trust, leaves=leaves, progress=progress,
-                        trace_mode=trace_mode, max_memory=max_memory, capture=capture)
+                        trace_mode=trace_mode, max_memory=max_memory, capture=capture, max_load=max_load)
     progress(f"finding where {p.name} can apply")
     found = p.candidates(opened.gm)
     total = param_count(opened.gm)
@@ -380,7 +382,8 @@ def provenance(loaded: LoadedModel) -> dict[str, str]:
 
 def export(source: str, out: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
            progress: Progress = _noop, trace_mode: str = "eval", fold: bool = False, opset: int | None = None,
-           capture: str = "auto", external_data: bool | None = None, max_memory: int | None = None) -> dict:
+           capture: str = "auto", external_data: bool | None = None, max_memory: int | None = None,
+           max_load: int | None = None) -> dict:
     """Export the model to ONNX; with `fold`, through the `fold` transform first (verified, logged);
     `external_data` as export_onnx takes it."""
     from ..io.export import export_onnx, mutation_log, wants_external
@@ -399,7 +402,7 @@ def export(source: str, out: str, input_shape=None, trust: bool = False, leaves:
         raise InputError(f"--opset {opset} is outside what the exporter writes ({MIN_OPSET}–{MAX_OPSET})",
                          "leave it out for the exporter's default")
     opened = open_model(source, input_shape=input_shape, trust=trust, leaves=leaves, progress=progress,
-                        trace_mode=trace_mode, max_memory=max_memory, capture=capture)
+                        trace_mode=trace_mode, max_memory=max_memory, capture=capture, max_load=max_load)
     gm = opened.gm
     folded = None
     if fold:
@@ -423,7 +426,8 @@ MIN_OPSET, MAX_OPSET = 18, 23  # the dynamo exporter writes opset 18 and newer
 
 def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto", trust: bool = False,
           leaves: Sequence[str] = (), progress: Progress = _noop, trace_mode: str = "eval", seed: int | None = None,
-          rtol: float | None = None, atol: float | None = None, capture: str = "auto", max_memory: int | None = None):
+          rtol: float | None = None, atol: float | None = None, capture: str = "auto", max_memory: int | None = None,
+          max_load: int | None = None):
     """onnxruntime on `onnx_file` vs PyTorch on the model `source`. Returns (json, report).
 
     A factory name builds random weights: they are the exported ones only when built with the
@@ -448,7 +452,7 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
                              "the seed the factory was built with")
         factory_seed = recorded
     opened = open_model(source, input_shape=shape, trust=trust, leaves=leaves, progress=progress, trace_mode=trace_mode,
-                        max_memory=max_memory, factory_seed=factory_seed, capture=capture)
+                        max_memory=max_memory, factory_seed=factory_seed, capture=capture, max_load=max_load)
     check_onnx_memory(opened.gm, None, check=True, max_memory=max_memory)
     progress("checking onnxruntime against PyTorch")
     folder = external_folder(proto, onnx_file)  # load_onnx checked every location against it
@@ -469,7 +473,7 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
 
 def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
             progress: Progress = _noop, groups: bool = False, trace_mode: str = "eval", depth: int = 1,
-            capture: str = "auto", max_memory: int | None = None) -> dict:
+            capture: str = "auto", max_memory: int | None = None, max_load: int | None = None) -> dict:
     if str(source).lower().endswith(".onnx") and Path(source).is_file():
         if groups:
             raise InputError("--groups needs the PyTorch model (channel groups are a graph analysis)",
@@ -479,7 +483,7 @@ def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence
 
         return describe_onnx(str(source))
     opened = open_model(source, input_shape=input_shape, trust=trust, leaves=leaves, progress=progress,
-                        trace_mode=trace_mode, max_memory=max_memory, capture=capture)
+                        trace_mode=trace_mode, max_memory=max_memory, capture=capture, max_load=max_load)
     gm = opened.gm
     nodes = []
     for n in gm.graph.nodes:

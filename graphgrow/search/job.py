@@ -51,7 +51,8 @@ def run(source: str, *, train: str, evaluate: str, mutations: str, options, load
         model = None  # the search's own copy of the original is used (STORAGE/NAME/original.pt)
     else:
         opened = open_model(source, input_shape=load.input_shape, trust=load.trust, leaves=load.leaves, progress=progress,
-                            trace_mode=load.trace_mode, max_memory=options.limits.max_memory, capture=load.capture)
+                            trace_mode=load.trace_mode, max_memory=options.limits.max_memory, capture=load.capture,
+                            max_load=load.max_load)
         model = opened.gm
     progress("searching")
     result = search(model, train_fn, eval_fn, space, options, say)
