@@ -80,7 +80,7 @@ def trainer(steps: int, callbacks, out) -> pl.Trainer:
 
 def run_lightning(out, rank: int, world: int) -> dict:
     record: dict = {}
-    growth = gg.distributed.GrowthCallback({GROW_AT: "grow_width(factor=2),add_residual"}, timeout=300)
+    growth = gg.distributed.GrowthCallback({GROW_AT: "grow_width(factor=2),add_residual"}, timeout=60)
     net = Net()
     t = trainer(6, [Probe("before", record), growth, Probe("after", record)], out)
     t.fit(net, DataLoader(data(), batch_size=8))
