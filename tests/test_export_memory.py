@@ -33,6 +33,7 @@ def test_each_stage_is_sized_by_its_own_peak():
     assert EXPORT_PEAK[True] < CHECK_PEAK < EXPORT_PEAK[False]
 
 
+@pytest.mark.slow  # a CLI process that exports: make test runs it, not the edit loop
 def test_graphgrow_export_is_refused_before_it_writes_anything(tmp_path):
     src = tmp_path / "mlp.pt"
     torch.save(wide_mlp(), src)

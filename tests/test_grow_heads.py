@@ -290,6 +290,7 @@ def test_grown_model_on_onnxruntime(tmp_path):
     assert_onnx_agrees(result.gm, spec, tmp_path / "llama_heads.onnx")
 
 
+@pytest.mark.slow  # three passes and an export through the CLI: make test runs it, not the edit loop
 def test_cli_grows_llama_hidden_heads_and_depth(runner, tmp_path):
     """The issue's pipeline: hidden 64 → 96, heads 4 → 6 (key/value heads 2 → 3), layers 2 → 3, then onnxruntime."""
     from graphgrow.cli import main

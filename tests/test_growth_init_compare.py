@@ -33,6 +33,7 @@ def _check(out: dict, inits: tuple[str, ...]) -> None:
     assert all(set(c) == {"fwd+bwd", *inits} - {"zero"} and min(c.values()) > 0 for c in out["cost"].values())
 
 
+@pytest.mark.slow  # the comparison example end to end: make test runs it, not the edit loop
 def test_graphgrow_inits_keep_the_function_with_finite_tables():
     _check(gic.run(quick=True, seeds=2, inits=("zero", "gradmax")), ("zero", "gradmax"))
 

@@ -54,6 +54,7 @@ def test_the_weights_go_beside_the_graph_and_onnxruntime_agrees(pair):
     assert report.passed, report.to_json()
 
 
+@pytest.mark.slow  # CLI processes that export and check: make test runs it, not the edit loop
 def test_the_cli_writes_checks_and_shows_the_pair(tmp_path):
     torch.save(_model(), tmp_path / "m.pt")
     proc = run_cli("export", "m.pt", "-o", "m.onnx", "--input-shape", "1,3,8,8", "--external-data", "--json", cwd=tmp_path)
