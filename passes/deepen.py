@@ -23,10 +23,11 @@ norm2 and fc1 learn from the next step. The block is written into the graph as t
 (nn.Linear, nn.LayerNorm or nn.RMSNorm, nn.GELU, F.scaled_dot_product_attention), so every later pass,
 the graphgrow file and the ONNX export see ordinary layers.
 
-Read from the model where the graph shows it: width C from the stream; the norm type and eps of the
-model's own norms of width C (LayerNorm with biases on the block's Linears, or RMSNorm without biases, as
-LLaMA has them); the head count from the query of the model's own scaled_dot_product_attention (else the
-largest divisor of C at most C // 64, at least 1); the MLP width from a Linear pair C → F → C (else 4·C).
+Read from the model by the analyses grow_hidden and grow_heads trust: from the residual stream (find_stream) the
+norm type and eps of its first norm (LayerNorm with biases on the block's Linears, or RMSNorm without biases, as LLaMA
+has them) and the MLP width F of a reader C → F paired with a Linear writer F → C (else 4·C); the head count of the
+model's first attention over width C (find_attentions; else the largest divisor of C at most C // 64, at least 1).
+Where an analysis refuses, the model's modules of width C and its attention's query shapes are read instead.
 The MLP is a plain GELU MLP, the attention has as many key/value heads as query heads and no key bias
 (a key bias never gets a gradient: softmax ignores it).
 
@@ -52,7 +53,7 @@ from torch import fx, nn
 
 from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
 from graphgrow.rewrite import (
-    add_module, add_parameter, aim_gates, aim_units, begin, GatedBlock, load_data, conv_dims, default_point, example_input, factory_kwargs, finish, input_spec_of,
+    find_attentions, find_stream, Stream, add_module, add_parameter, aim_gates, aim_units, begin, GatedBlock, load_data, conv_dims, default_point, example_input, factory_kwargs, finish, input_spec_of,
     inline_containers, inserting_after, is_float_tensor, kaiming_, param_count, pick_within_budget, place, replace_uses, set_scope,
     stage_end_candidates, stages, tensor_or_feature_end, tensor_shape, ADDS_PARAMETERS, pass_function,
 )
@@ -231,13 +232,17 @@ def stream_places(gm: fx.GraphModule) -> list[fx.Node]:
     return list(reversed(adds or streams[-1:]))
 
 
-def transformer_params(node: fx.Node, gm: fx.GraphModule | None = None) -> int:
-    """Parameters the block adds after `node` (LayerNorm form: norms, q/v/proj with bias, k without, MLP 4·C)."""
+def transformer_params(node: fx.Node, gm: fx.GraphModule | None = None, widths: dict[int, int] | None = None) -> int:
+    """Parameters the block adds after `node` (LayerNorm form: norms, q/v/proj with bias, k without, MLP C → F → C
+    with F the model's MLP width, 4·C without `gm`); `widths` caches F per C (one stream analysis per width)."""
     shape = tensor_shape(node) or ()
     if len(shape) != 3:
         return 0
     c = shape[-1]
-    f = _mlp_width(gm, c) if gm is not None else 4 * c
+    widths = {} if widths is None else widths
+    if c not in widths:
+        widths[c] = _mlp_width(gm, c, _stream_of(gm, c)) if gm is not None else 4 * c
+    f = widths[c]
     return 4 * c + 4 * c * c + 3 * c + 2 * c * f + f + c
 
 
@@ -247,7 +252,8 @@ def default_place(gm: fx.GraphModule) -> tuple[fx.Node, str]:
         raise NotApplicable("the model has no token stream (N, T, C) on its main path",
                             "name a (N, T, C) tensor with after=, or use block=conv_bn_relu / linear_relu")
     total = max(param_count(gm), 1)
-    node, over = pick_within_budget(places, lambda n: transformer_params(n, gm), total)
+    widths: dict[int, int] = {}
+    node, over = pick_within_budget(places, lambda n: transformer_params(n, gm, widths), total)
     which = "the last block's output on the token stream" if node is places[0] else "the latest block output within the budget"
     return node, f"{which}{over}"
 
@@ -257,36 +263,77 @@ def candidates(gm: fx.GraphModule) -> list[Candidate]:
     if not places:
         return []
     default, _ = default_place(gm)
+    widths: dict[int, int] = {}
     return [Candidate({"after": n.name}, f"token stream {list(tensor_shape(n) or ())}, a residual sum in {place(gm, n)}",
-                      transformer_params(n, gm), n is default) for n in places]
+                      transformer_params(n, gm, widths), n is default) for n in places]
 
 
 # --- what the model tells: norms, heads, MLP width ------------------------------------------------------
+# From the analyses growth passes trust (analysis.stream, analysis.heads): deepen sees the model as grow_hidden and
+# grow_heads do. Where an analysis does not answer, the model's own modules and query shapes are read as before: the
+# stream analysis refuses what it could not *grow* (a stream that is the model's input or output, BART's position
+# embedding), and deepen grows no stream, so refusing there would take away blocks these models get today.
 
-def _stream_norm(gm: fx.GraphModule, c: int) -> tuple[type, float, bool]:
-    """(class, eps, bias) of the model's first norm of width C; LayerNorm(eps=1e-5) when it has none."""
-    for m in gm.modules():
-        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and tuple(m.normalized_shape) == (c,):
-            eps = m.eps if m.eps is not None else torch.finfo(torch.float32).eps
-            return type(m), float(eps), isinstance(m, nn.LayerNorm)
-    return nn.LayerNorm, 1e-5, True
+
+def _stream_of(gm: fx.GraphModule, c: int) -> Stream | None:
+    """The model's residual stream when the analysis finds one of width C, else None."""
+    try:
+        stream = find_stream(gm)
+    except NotApplicable:
+        return None
+    return stream if stream.width == c else None
+
+
+def _in_graph_order(gm: fx.GraphModule, items: list) -> list:
+    """Analysis records (each naming its `.node`) in the graph's order: "the first" is the model's first."""
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(items, key=lambda x: order.get(x.node, len(order)))
+
+
+def _stream_norm(gm: fx.GraphModule, c: int, stream: Stream | None) -> tuple[type, float, bool]:
+    """(class, eps, bias) of the stream's first norm (module or F.layer_norm / F.rms_norm), else of the model's first
+    norm module of width C; LayerNorm(eps=1e-5) when it has none. RMSNorm's eps=None is float32's eps."""
+    if stream is not None and stream.norms:
+        norm = _in_graph_order(gm, stream.norms)[0]
+        rms, eps = norm.rms, norm.eps
+    else:
+        m = next((m for m in gm.modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and tuple(m.normalized_shape) == (c,)),
+                 None)
+        rms, eps = isinstance(m, nn.RMSNorm), (1e-5 if m is None else m.eps)
+    return (nn.RMSNorm if rms else nn.LayerNorm), float(torch.finfo(torch.float32).eps if eps is None else eps), not rms
 
 
 def _heads(gm: fx.GraphModule, c: int) -> tuple[int, str]:
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is F.scaled_dot_product_attention and isinstance(n.args[0], fx.Node):
-            q = tensor_shape(n.args[0])
-            if q is not None and len(q) == 4 and q[1] * q[3] == c:
-                return q[1], "the model's own attention"
+    """The heads of the model's first attention over width C (analysis.heads; the first query shape (N, H, T, C/H)
+    when the analysis cannot follow an attention), else a default."""
+    try:
+        found = [(a.heads, a.head_dim) for a in _in_graph_order(gm, find_attentions(gm, set()))]
+    except NotApplicable:
+        found = [(q[1], q[3]) for n in gm.graph.nodes if n.op == "call_function" and n.target is F.scaled_dot_product_attention
+                 and isinstance(n.args[0], fx.Node) for q in [tensor_shape(n.args[0])] if q is not None and len(q) == 4]
+    for h, d in found:
+        if h * d == c:
+            return h, "the model's own attention"
     h = max(d for d in range(1, max(c // 64, 1) + 1) if c % d == 0)
     return h, "default: the largest divisor of C at most C // 64"
 
 
-def _mlp_width(gm: fx.GraphModule | None, c: int) -> int:
-    """F of a Linear pair C → F → C in the model (its MLP), else 4·C."""
-    linears = [m for m in gm.modules() if isinstance(m, nn.Linear)] if gm is not None else []
-    back = {m.in_features for m in linears if m.out_features == c}
-    ups = [m.out_features for m in linears if m.in_features == c and m.out_features != c and m.out_features in back]
+def _mlp_width(gm: fx.GraphModule, c: int, stream: Stream | None) -> int:
+    """F of the stream's MLP: a reader C → F whose F is the input of a Linear writer F → C (without a stream: a Linear
+    module pair C → F → C); else 4·C."""
+    if stream is None:
+        linears = [(m.in_features, m.out_features) for m in gm.modules() if isinstance(m, nn.Linear)]
+    else:
+        params = dict(gm.named_parameters(remove_duplicate=False))
+
+        def across(path: str, dim: int) -> int:  # a 2-D weight's size across the stream (0: none)
+            w = params.get(path)
+            return int(w.shape[1 - dim]) if w is not None and w.dim() == 2 and dim in (0, 1) else 0
+
+        linears = [(c, across(*r.params[0])) for r in _in_graph_order(gm, stream.readers) if r.params]
+        linears += [(across(*w.params[0]), c) for w in stream.writers if w.what == "linear" and w.params]
+    back = {i for i, o in linears if o == c}
+    ups = [o for i, o in linears if i == c and o not in (c, 0) and o in back]
     return ups[0] if ups else 4 * c
 
 
@@ -398,9 +445,10 @@ def insert_block(gm: fx.GraphModule, node: fx.Node, chosen: str, attention: str,
             raise NotApplicable(f"cannot tell whether attention at '{node.name}' must be causal: {why}",
                                 "say it: attention=causal (a language model) or attention=bidirectional")
         attention = "causal" if causal else "bidirectional"
-    norm_cls, eps, bias = _stream_norm(gm, c)
+    stream = _stream_of(gm, c)
+    norm_cls, eps, bias = _stream_norm(gm, c, stream)
     heads, heads_why = _heads(gm, c)
-    f = _mlp_width(gm, c)
+    f = _mlp_width(gm, c, stream)
     kw = factory_kwargs(gm, node)
     block = nn.Module()
     for name in ("norm1", "norm2"):
