@@ -9,6 +9,7 @@ steps. Reported: the median event, the median step, and their ratio.
 
     python benchmarks/bench_ddp.py [--events 3] [--steps 20]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,8 +85,14 @@ def worker(out: Path, events: int, steps: int) -> None:
                 event_s.append(time.perf_counter() - start)
                 parts.append(grown.seconds)
             sched.optimizer = opt  # undo the re-pointing: the next event grows the same model again
-        results[name] = {"step_s": step_s, "event_s": event_s, "parts": parts, "spec": spec, "batch": list(shape),
-                         "params": [sum(p.numel() for p in gm.parameters()), sum(p.numel() for p in grown.gm.parameters())]}
+        results[name] = {
+            "step_s": step_s,
+            "event_s": event_s,
+            "parts": parts,
+            "spec": spec,
+            "batch": list(shape),
+            "params": [sum(p.numel() for p in gm.parameters()), sum(p.numel() for p in grown.gm.parameters())],
+        }
     gathered: list = [None, None]
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -97,8 +104,20 @@ def rows(events: int = 3, steps: int = 20, progress=lambda _: None) -> list[Row]
     progress(f"2-process DDP job (torchrun, gloo): {steps} training steps and {events} growth events per model")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-               "--worker", str(out), "--events", str(events), "--steps", str(steps)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            __file__,
+            "--worker",
+            str(out),
+            "--events",
+            str(events),
+            "--steps",
+            str(steps),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
@@ -114,10 +133,27 @@ def rows(events: int = 3, steps: int = 20, progress=lambda _: None) -> list[Row]
         wait = statistics.median(p["wait"] for p in r1["parts"])
         rebuild = statistics.median(p["rebuild"] for p in r0["parts"])
         model = f"{name} ({r0['params'][0]:,} → {r0['params'][1]:,} params)"
-        out_rows.append(Row(section, model, f"one training step (batch {r0['batch'][0]} per rank)", step * 1000,
-                            min(r0["step_s"]) * 1000, "ms"))
-        out_rows.append(Row(section, model, f"growth event: {r0['spec']}", statistics.median(event), min(event), "s",
-                            note=f"rank 0 grows + verifies {verify:.2f} s; rank 1 waits {wait:.2f} s; DDP rebuilt {rebuild * 1000:.1f} ms"))
+        out_rows.append(
+            Row(
+                section,
+                model,
+                f"one training step (batch {r0['batch'][0]} per rank)",
+                step * 1000,
+                min(r0["step_s"]) * 1000,
+                "ms",
+            )
+        )
+        out_rows.append(
+            Row(
+                section,
+                model,
+                f"growth event: {r0['spec']}",
+                statistics.median(event),
+                min(event),
+                "s",
+                note=f"rank 0 grows + verifies {verify:.2f} s; rank 1 waits {wait:.2f} s; DDP rebuilt {rebuild * 1000:.1f} ms",
+            )
+        )
         out_rows.append(ratio_row(section, model, "growth event ÷ one training step", [e / step for e in event], None))
     return out_rows
 

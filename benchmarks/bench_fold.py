@@ -12,6 +12,7 @@ peak memory of one `graphgrow mutate … --onnx --check` process.
 
     python benchmarks/bench_fold.py [--rounds 20] [--models resnet18,mobilenet_v2]
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,21 +27,22 @@ import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import graphgrow as gg  # noqa: E402
 from common import Row, model_rounds_main, ratio_row, timed  # noqa: E402
 from conftest import randomize_bn, trained_looking  # noqa: E402
+
+import graphgrow as gg  # noqa: E402
 from graphgrow.io.export import export_onnx  # noqa: E402
 from graphgrow.io.runtime import max_ir_version, open_session, optimized_op_counts  # noqa: E402
 
 SPECS = {
     "resnet18": "add_branch(op=conv3x3),add_branch(op=identity),add_branch(op=avgpool3x3),insert_adapter,"
-                "grow_width(target=layer2.0.conv1,to=160,mode=adapter)",
+    "grow_width(target=layer2.0.conv1,to=160,mode=adapter)",
     "resnet50": "add_branch(at=layer4.2.conv2,op=conv3x3),add_branch(at=layer4.2.conv2,op=identity),"
-                "add_branch(at=layer4.2.conv2,op=avgpool3x3),insert_adapter,grow_width(target=layer2.0.conv1,to=160,mode=adapter)",
+    "add_branch(at=layer4.2.conv2,op=avgpool3x3),insert_adapter,grow_width(target=layer2.0.conv1,to=160,mode=adapter)",
     "mobilenet_v2": "add_branch(at=features.17.conv.1.0,op=avgpool3x3),add_branch(at=features.17.conv.1.0,op=identity),"
-                    "insert_adapter,grow_width(target=features.18.0,to=1400,mode=adapter)",
+    "insert_adapter,grow_width(target=features.18.0,to=1400,mode=adapter)",
     "vit_b_16": "insert_adapter,grow_width(target=encoder.layers.encoder_layer_0.mlp.0,to=3200,mode=adapter),"
-                "insert_adapter(after=encoder_layers_encoder_layer_5_ln_2)",
+    "insert_adapter(after=encoder_layers_encoder_layer_5_ln_2)",
 }
 SHAPE = (1, 3, 224, 224)
 SECTION = "onnxruntime CPU latency, batch 1 (ms)"
@@ -56,7 +58,9 @@ def built_directly(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return randomize_bn(fresh, 6).eval()
 
 
-def grow_and_fold(name: str, spec: str, capacity: bool = False, report: dict | None = None) -> dict[str, torch.fx.GraphModule]:
+def grow_and_fold(
+    name: str, spec: str, capacity: bool = False, report: dict | None = None
+) -> dict[str, torch.fx.GraphModule]:
     """{reference, grown, folded}: the reference is the original, or for capacity growth the folded
     architecture built directly. Random weights; gates and BatchNorm statistics look trained."""
     model = randomize_bn(getattr(torchvision.models, name)(), 5).eval()
@@ -103,19 +107,54 @@ def bench(name: str, spec: str, rounds: int, tmp: Path, capacity: bool = False, 
                 ort_wall[k].append(1e3 * w)
                 eager_cpu[k].append(1e3 * timed(lambda k=k: modules[k](xt))[1])
     kind = "capacity growth" if capacity else "linear-only growth"
-    rows = [Row(SECTION, name, f"{k} ({kind})" if k != ref_name else k, statistics.median(v), min(v), "ms CPU",
-                note=f"wall {statistics.median(ort_wall[k]):.1f} ms; {sum(p.numel() for p in modules[k].parameters()):,} params")
-            for k, v in ort_cpu.items()]
+    rows = [
+        Row(
+            SECTION,
+            name,
+            f"{k} ({kind})" if k != ref_name else k,
+            statistics.median(v),
+            min(v),
+            "ms CPU",
+            note=f"wall {statistics.median(ort_wall[k]):.1f} ms; {sum(p.numel() for p in modules[k].parameters()):,} params",
+        )
+        for k, v in ort_cpu.items()
+    ]
     ratios = [f / r for f, r in zip(ort_cpu["folded"], ort_cpu[ref_name])]
-    rows.append(ratio_row("folded ÷ reference (onnxruntime CPU time)", name, f"{kind} vs {ref_name}", ratios, 1.02,
-                          note=f"fold: {len(folded['targets'].get('folded') or [])} sites folded, "
-                               f"{len(folded['targets'].get('kept') or [])} kept"))
+    rows.append(
+        ratio_row(
+            "folded ÷ reference (onnxruntime CPU time)",
+            name,
+            f"{kind} vs {ref_name}",
+            ratios,
+            1.02,
+            note=f"fold: {len(folded['targets'].get('folded') or [])} sites folded, "
+            f"{len(folded['targets'].get('kept') or [])} kept",
+        )
+    )
     same = counts["folded"] == counts[ref_name]
-    rows.append(Row("same kernels after onnxruntime's fusions", name, f"{kind}: folded vs {ref_name}", float(same), float(same),
-                    "bool", "= 1", same, "op histogram of the optimised graph"))
+    rows.append(
+        Row(
+            "same kernels after onnxruntime's fusions",
+            name,
+            f"{kind}: folded vs {ref_name}",
+            float(same),
+            float(same),
+            "bool",
+            "= 1",
+            same,
+            "op histogram of the optimised graph",
+        )
+    )
     for k in sessions:
-        rows.append(ratio_row("onnxruntime ÷ PyTorch eager (CPU time)", name, k,
-                              [o / e for o, e in zip(ort_cpu[k], eager_cpu[k])], None))
+        rows.append(
+            ratio_row(
+                "onnxruntime ÷ PyTorch eager (CPU time)",
+                name,
+                k,
+                [o / e for o, e in zip(ort_cpu[k], eager_cpu[k])],
+                None,
+            )
+        )
     return rows
 
 
@@ -125,19 +164,40 @@ def mutate_peak_memory(tmp: Path) -> tuple[float, float]:
     Measured from a small intermediate process: a child forked straight from this (large) process would
     count this process's pages as its own until it execs."""
     exe = Path(sys.executable).with_name("graphgrow")
-    cmd = [str(exe), "mutate", "torchvision.models:resnet18", "--pass", "grow_width", "--input-shape", "1,3,224,224",
-           "-o", str(tmp / "m.pt"), "--onnx", str(tmp / "m.onnx"), "--check"]
-    probe = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
-             "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
-             "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    cmd = [
+        str(exe),
+        "mutate",
+        "torchvision.models:resnet18",
+        "--pass",
+        "grow_width",
+        "--input-shape",
+        "1,3,224,224",
+        "-o",
+        str(tmp / "m.pt"),
+        "--onnx",
+        str(tmp / "m.onnx"),
+        "--check",
+    ]
+    probe = (
+        "import resource, subprocess, sys, time; t = time.perf_counter(); "
+        "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+        "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    )
     out = subprocess.run([sys.executable, "-c", probe, *cmd], check=True, capture_output=True, text=True).stdout.split()
     return float(out[0]), int(out[1]) / 1024
 
 
 def memory_row(tmp: Path) -> Row:
     seconds, mib = mutate_peak_memory(tmp)
-    return Row("peak memory of graphgrow mutate", "resnet18", "grow_width --onnx --check, 224²", mib, mib, "MiB",
-               note=f"{seconds:.1f} s wall, one process")
+    return Row(
+        "peak memory of graphgrow mutate",
+        "resnet18",
+        "grow_width --onnx --check, 224²",
+        mib,
+        mib,
+        "MiB",
+        note=f"{seconds:.1f} s wall, one process",
+    )
 
 
 def rows(models=tuple(SPECS), rounds: int = 20, progress=lambda _: None) -> list[Row]:

@@ -7,19 +7,19 @@ and wall time (a) needs to reach the best validation loss both reach, as a fract
 
     python benchmarks/bench_gpt.py [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import grow_gpt  # noqa: E402
-
-from common import print_table, Row  # noqa: E402
+from common import Row, print_table  # noqa: E402
 
 
 def rows(quick: bool = False, progress: Callable[[str], None] = lambda s: None) -> list[Row]:
@@ -34,14 +34,36 @@ def rows(quick: bool = False, progress: Callable[[str], None] = lambda s: None) 
     g = s["growth"]
     change = abs(g["val_after"] - g["val_before"]) / abs(g["val_before"])
     model = f"byte GPT d32→48, {s['steps']} steps"
-    out = [Row("gpt", model, "val. loss change at growth (relative)", change, change, "", "≤ 1e-6", change <= 1e-6,
-               f"{g['val_before']:.7f} → {g['val_after']:.7f}")]
+    out = [
+        Row(
+            "gpt",
+            model,
+            "val. loss change at growth (relative)",
+            change,
+            change,
+            "",
+            "≤ 1e-6",
+            change <= 1e-6,
+            f"{g['val_before']:.7f} → {g['val_after']:.7f}",
+        )
+    ]
     reach = s["to_target"]
     if {"grown", "large"} <= set(reach):
         for key, what in (("flops", "FLOPs"), ("seconds", "wall time")):
             ratio = reach["grown"][key] / reach["large"][key]
-            out.append(Row("gpt", model, f"{what} to val. loss {s['target_val_loss']:.3f}: grown ÷ large", ratio, ratio,
-                           "×", "", None, f"steps {reach['grown']['step']} vs {reach['large']['step']}"))
+            out.append(
+                Row(
+                    "gpt",
+                    model,
+                    f"{what} to val. loss {s['target_val_loss']:.3f}: grown ÷ large",
+                    ratio,
+                    ratio,
+                    "×",
+                    "",
+                    None,
+                    f"steps {reach['grown']['step']} vs {reach['large']['step']}",
+                )
+            )
     return out
 
 

@@ -10,6 +10,7 @@ PyTorch (PyTorch time ÷ onnxruntime time ≥ 1.0).
 
     python benchmarks/bench_gpu.py [--rounds 50] [--models resnet18,...]
 """
+
 from __future__ import annotations
 
 import statistics
@@ -21,13 +22,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import graphgrow as gg  # noqa: E402
 from bench_fold import SHAPE, SPECS, grow_and_fold  # noqa: E402
 from common import Row, model_rounds_main, ratio_row  # noqa: E402
+
+import graphgrow as gg  # noqa: E402
 from graphgrow.core.errors import RuntimeUnavailable  # noqa: E402
+from graphgrow.graph.shapes import total_flops  # noqa: E402
 from graphgrow.io.export import export_onnx  # noqa: E402
 from graphgrow.io.runtime import cuda_bound_run, max_ir_version, open_session  # noqa: E402
-from graphgrow.graph.shapes import total_flops  # noqa: E402
 
 SECTION = "GPU latency, batch 1 (ms)"
 
@@ -74,10 +76,27 @@ def bench(name: str, rounds: int, tmp: Path, progress) -> list[Row]:
     for k in models:
         for side, label in (("ort", "onnxruntime CUDA"), ("torch", "PyTorch CUDA")):
             med = statistics.median(times[(k, side)])
-            rows.append(Row(SECTION, name, f"{k}: {label}", med, min(times[(k, side)]), "ms",
-                            note=f"{flops[k] / med / 1e6:.0f} GFLOPS"))
-        rows.append(ratio_row("PyTorch CUDA ÷ onnxruntime CUDA", name, k,
-                              [t / o for t, o in zip(times[(k, "torch")], times[(k, "ort")])], 1.0, at_least=True))
+            rows.append(
+                Row(
+                    SECTION,
+                    name,
+                    f"{k}: {label}",
+                    med,
+                    min(times[(k, side)]),
+                    "ms",
+                    note=f"{flops[k] / med / 1e6:.0f} GFLOPS",
+                )
+            )
+        rows.append(
+            ratio_row(
+                "PyTorch CUDA ÷ onnxruntime CUDA",
+                name,
+                k,
+                [t / o for t, o in zip(times[(k, "torch")], times[(k, "ort")])],
+                1.0,
+                at_least=True,
+            )
+        )
     return rows
 
 

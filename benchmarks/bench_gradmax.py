@@ -10,6 +10,7 @@ just before growth (both inits keep it exactly) and the seconds the data-driven 
 `rows()` (make bench --only gradmax) is the MLP comparison of examples/growth_init_compare.py as table
 rows: today's init, gradmax and gromo's TINY (when gromo is installed) on digits and diabetes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,7 @@ def _train(m, steps: int, seed: int, record=()) -> dict[int, float]:
     order = torch.cat([torch.randperm(len(y), generator=g) for _ in range(steps * BATCH // len(y) + 1)])
     out = {}
     for i in range(steps):
-        idx = order[i * BATCH:(i + 1) * BATCH]
+        idx = order[i * BATCH : (i + 1) * BATCH]
         m.train()
         opt.zero_grad()
         F.cross_entropy(m(x[idx]), y[idx]).backward()
@@ -91,18 +92,44 @@ def rows(quick: bool = False, progress=lambda s: None) -> list:
         for init in dict.fromkeys(r["init"] for r in ev):
             mine = [r for r in ev if r["init"] == init]
             losses = [r["curve"][-1] for r in mine]
-            table.append(Row("gradmax", model_name, f"loss {len(mine[0]['curve'])} steps after growth: {init}",
-                             statistics.median(losses), min(losses), note=f"{len(mine)} seeds, grown at step {mine[0]['at']}"))
+            table.append(
+                Row(
+                    "gradmax",
+                    model_name,
+                    f"loss {len(mine[0]['curve'])} steps after growth: {init}",
+                    statistics.median(losses),
+                    min(losses),
+                    note=f"{len(mine)} seeds, grown at step {mine[0]['at']}",
+                )
+            )
             if init in out["cost"][name]:
                 ratio = out["cost"][name][init] / out["cost"][name]["fwd+bwd"]
-                table.append(Row("gradmax", model_name, f"data step ÷ fwd+bwd: {init}", ratio, ratio, "×", note="medians after a warm-up"))
+                table.append(
+                    Row(
+                        "gradmax",
+                        model_name,
+                        f"data step ÷ fwd+bwd: {init}",
+                        ratio,
+                        ratio,
+                        "×",
+                        note="medians after a warm-up",
+                    )
+                )
         sc = [r for r in out["schedule"] if r["task"] == name]
         for init in dict.fromkeys(r["init"] for r in sc):
             mine = [r for r in sc if r["init"] == init]
             for key, what in (("loss", "schedule final loss"), ("score", f"schedule test {task.metric}")):
                 values = [r[key] for r in mine]
-                table.append(Row("gradmax", f"{name} MLP {task.h}→{mine[0]['width']}", f"{what}: {init}",
-                                 statistics.median(values), min(values), note=f"{len(mine)} seeds"))
+                table.append(
+                    Row(
+                        "gradmax",
+                        f"{name} MLP {task.h}→{mine[0]['width']}",
+                        f"{what}: {init}",
+                        statistics.median(values),
+                        min(values),
+                        note=f"{len(mine)} seeds",
+                    )
+                )
     return table
 
 
@@ -121,8 +148,10 @@ def main() -> None:
         mine = [r for r in rows if r["target"] == target]
         for init in ("zero", "gradmax"):
             cells = [_pm([r[init][k] for r in mine]) for k in STEPS]
-            print(f"| {target} | {init} | {_pm([r['before'] for r in mine])} | {' | '.join(cells)} | "
-                  f"{statistics.mean(r[init + '_s'] for r in mine):.2f} |")
+            print(
+                f"| {target} | {init} | {_pm([r['before'] for r in mine])} | {' | '.join(cells)} | "
+                f"{statistics.mean(r[init + '_s'] for r in mine):.2f} |"
+            )
 
 
 if __name__ == "__main__":

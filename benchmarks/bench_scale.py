@@ -21,6 +21,7 @@ passes --limit-gib (default 16) of resident memory is stopped, and its row says 
     python benchmarks/bench_scale.py [--nodes 1000,4000,12000] [--small-only] [--decoder 125m,350m,1b] [--decoder-only]
                                      [--copy-input] [--limit-gib 16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import graphgrow as gg  # noqa: E402
 from common import Row, print_table, ratio_row  # noqa: E402
 from graphgrow.passes.deepen import deepen  # noqa: E402
+
+import graphgrow as gg  # noqa: E402
 from graphgrow.verify.verify import verify  # noqa: E402
 
 
@@ -78,8 +80,15 @@ def measure(nodes: int) -> dict:
     t = time.perf_counter()
     verify(gm, rw.gm, shape)
     t_verify = time.perf_counter() - t
-    return {"nodes": n, "trace_s": t_trace, "pass_s": t_pass, "verify_s": t_verify,
-            "trace_us_per_node": 1e6 * t_trace / n, "pass_us_per_node": 1e6 * t_pass / n, "verify_us_per_node": 1e6 * t_verify / n}
+    return {
+        "nodes": n,
+        "trace_s": t_trace,
+        "pass_s": t_pass,
+        "verify_s": t_verify,
+        "trace_us_per_node": 1e6 * t_trace / n,
+        "pass_us_per_node": 1e6 * t_pass / n,
+        "verify_us_per_node": 1e6 * t_verify / n,
+    }
 
 
 class _Basic(nn.Module):
@@ -87,8 +96,11 @@ class _Basic(nn.Module):
         super().__init__()
         self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
         self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
-        self.short = nn.Sequential() if stride == 1 and cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        self.short = (
+            nn.Sequential()
+            if stride == 1 and cin == cout
+            else nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        )
 
     def forward(self, x):
         return torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))) + self.short(x))
@@ -102,8 +114,15 @@ def resnet20() -> nn.Module:
         for j in range(3):
             blocks.append(_Basic(cin, c, 2 if i and not j else 1))
             cin = c
-    return nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(), *blocks,
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, 1, 1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        *blocks,
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, 10),
+    )
 
 
 def small_models() -> dict:
@@ -111,14 +130,20 @@ def small_models() -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     import darts_net as dn
 
-    return {"DARTS 5 cells C=8": (lambda: dn.small_darts(seed=0), "train"),
-            "DARTS 8 cells C=16": (lambda: dn.NetworkCIFAR(C=16, layers=8), "train"),
-            "ResNet-20 (CIFAR)": (lambda: resnet20().eval(), "eval")}
+    return {
+        "DARTS 5 cells C=8": (lambda: dn.small_darts(seed=0), "train"),
+        "DARTS 8 cells C=16": (lambda: dn.NetworkCIFAR(C=16, layers=8), "train"),
+        "ResNet-20 (CIFAR)": (lambda: resnet20().eval(), "eval"),
+    }
 
 
 SMALL_PASSES = ("grow_width", "insert_adapter", "add_residual", "add_branch", "deepen")
-DARTS_EVENTS = ("grow_width(target=cells.1.preprocess1.1)", "add_branch(op=sepconv3x3,at=cells_2__ops_0_1_3)",
-                "grow_width(target=cells.2._ops.2.1.2)", "deepen(after=cells_2__ops_0_1_3)")  # examples/darts_growth.py
+DARTS_EVENTS = (
+    "grow_width(target=cells.1.preprocess1.1)",
+    "add_branch(op=sepconv3x3,at=cells_2__ops_0_1_3)",
+    "grow_width(target=cells.2._ops.2.1.2)",
+    "deepen(after=cells_2__ops_0_1_3)",
+)  # examples/darts_growth.py
 
 
 def small_rows(rounds: int = 3, progress=lambda _: None) -> list[Row]:
@@ -160,16 +185,22 @@ def _try(fn) -> str:
 
 def _seconds_row(model: str, measure: str, times: list[float], note: str) -> Row:
     med = statistics.median(times)
-    return Row("small models at 32×32 (s, API, default threads)", model, measure, med, min(times), "s", "≤ 2",
-               med <= 2, note)
+    return Row(
+        "small models at 32×32 (s, API, default threads)", model, measure, med, min(times), "s", "≤ 2", med <= 2, note
+    )
 
 
 DECODER_SECTION = "decoder at scale: s per stage; peak memory ÷ grown weights"
 PASS_STAGES = (": pass", ": verification", "save")
 
 
-def decoder_rows(sizes=("125m", "350m", "1b"), progress=lambda _: None, limit_gib: float = 16.0, share_input: bool = True,
-                 out_dir: Path | None = None) -> list[Row]:
+def decoder_rows(
+    sizes=("125m", "350m", "1b"),
+    progress=lambda _: None,
+    limit_gib: float = 16.0,
+    share_input: bool = True,
+    out_dir: Path | None = None,
+) -> list[Row]:
     """The scale rows: one subprocess per size (scale_decoder.py), so each measures its own peak and a size that does
     not fit ends alone. `share_input`: Pipeline(share=True), as `graphgrow mutate` runs (without it the 1 B decoder
     does not fit in 16 GiB: docs/performance.md)."""
@@ -179,18 +210,34 @@ def decoder_rows(sizes=("125m", "350m", "1b"), progress=lambda _: None, limit_gi
     with tempfile.TemporaryDirectory(prefix="gg_scale_") as tmp:
         for size in sizes:
             progress(f"decoder {size} (a process of its own)")
-            cmd = [sys.executable, str(Path(__file__).with_name("scale_decoder.py")), size, str(out_dir or tmp),
-                   "--limit-gib", str(limit_gib)] + (["--share-input"] if share_input else [])
+            cmd = [
+                sys.executable,
+                str(Path(__file__).with_name("scale_decoder.py")),
+                size,
+                str(out_dir or tmp),
+                "--limit-gib",
+                str(limit_gib),
+            ] + (["--share-input"] if share_input else [])
             proc = _run_watched(cmd, int(limit_gib * 2**30))
             for line in proc.stderr.splitlines():
                 if line.startswith("decoder "):
                     progress(line)
             if proc.returncode != 0:
                 last = [line for line in proc.stderr.splitlines() if line.strip()][-3:]
-                out.append(Row(DECODER_SECTION, f"decoder {size}", "did not complete", float("nan"), float("nan"),
-                               note=f"exit {proc.returncode}: {' | '.join(last)[-300:]}"))
+                out.append(
+                    Row(
+                        DECODER_SECTION,
+                        f"decoder {size}",
+                        "did not complete",
+                        float("nan"),
+                        float("nan"),
+                        note=f"exit {proc.returncode}: {' | '.join(last)[-300:]}",
+                    )
+                )
                 continue
-            out += rows_of_run(size + ("" if share_input else ", input copied"), json.loads(proc.stdout.splitlines()[-1]))
+            out += rows_of_run(
+                size + ("" if share_input else ", input copied"), json.loads(proc.stdout.splitlines()[-1])
+            )
     return out
 
 
@@ -200,8 +247,11 @@ RESERVE = 3 << 30  # bytes the machine keeps available: a decoder run is stopped
 def _available() -> int:
     """MemAvailable of this machine (Linux), or a large number where it cannot be read."""
     try:
-        return next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                    if line.startswith("MemAvailable:"))
+        return next(
+            int(line.split()[1]) * 1024
+            for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.startswith("MemAvailable:")
+        )
     except (OSError, StopIteration):
         return 1 << 62
 
@@ -217,16 +267,22 @@ def _run_watched(cmd: list[str], limit: int) -> subprocess.CompletedProcess:
         note = ""
         while proc.poll() is None:
             try:
-                rss = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
-                           if line.startswith("VmRSS:"))
+                rss = next(
+                    int(line.split()[1]) * 1024
+                    for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+                    if line.startswith("VmRSS:")
+                )
             except (OSError, StopIteration):
                 rss = 0
             available = _available()
             if rss > limit or available < RESERVE:
                 proc.kill()
-                note = (f"stopped: resident memory {rss / 2**30:.1f} GiB passed the limit {limit / 2**30:.1f} GiB\n"
-                        if rss > limit else f"stopped at {rss / 2**30:.1f} GiB resident: the machine had "
-                        f"{available / 2**30:.1f} GiB left (other processes run beside it)\n")
+                note = (
+                    f"stopped: resident memory {rss / 2**30:.1f} GiB passed the limit {limit / 2**30:.1f} GiB\n"
+                    if rss > limit
+                    else f"stopped at {rss / 2**30:.1f} GiB resident: the machine had "
+                    f"{available / 2**30:.1f} GiB left (other processes run beside it)\n"
+                )
             time.sleep(0.05)
         out.seek(0)
         err.seek(0)
@@ -242,20 +298,41 @@ def rows_of_run(size: str, run: dict) -> list[Row]:
     for s in stages:
         est = f"; graphgrow's estimate {s['estimate'] / grown:.2f}×" if s.get("estimate") else ""
         failed = f"; {s['note']}" if s.get("note") else ""
-        out.append(Row(DECODER_SECTION, model, s["name"], s["seconds"], s["seconds"], "s",
-                       note=f"peak {s['peak'] / grown:.2f}× ({s['peak'] / 2**30:.2f} GiB){est}{failed}"))
+        out.append(
+            Row(
+                DECODER_SECTION,
+                model,
+                s["name"],
+                s["seconds"],
+                s["seconds"],
+                "s",
+                note=f"peak {s['peak'] / grown:.2f}× ({s['peak'] / 2**30:.2f} GiB){est}{failed}",
+            )
+        )
     passes = [s["peak"] / grown for s in stages if any(k in s["name"] for k in PASS_STAGES)]
     if passes:
-        out.append(ratio_row(DECODER_SECTION, model, "peak: passes + verification + save", [max(passes)], 3,
-                             note=f"grown weights {grown / 2**30:.2f} GiB"))
+        out.append(
+            ratio_row(
+                DECODER_SECTION,
+                model,
+                "peak: passes + verification + save",
+                [max(passes)],
+                3,
+                note=f"grown weights {grown / 2**30:.2f} GiB",
+            )
+        )
     export = [s["peak"] / grown for s in stages if "ONNX" in s["name"] or "onnxruntime" in s["name"]]
     if export:
         out.append(ratio_row(DECODER_SECTION, model, "peak: ONNX export + onnxruntime check", [max(export)], 4))
     return out
 
 
-def rows(sizes=(1000, 4000, 12000), progress=lambda _: None, small: bool = True,
-         decoder: tuple[str, ...] = ("125m", "350m", "1b")) -> list[Row]:
+def rows(
+    sizes=(1000, 4000, 12000),
+    progress=lambda _: None,
+    small: bool = True,
+    decoder: tuple[str, ...] = ("125m", "350m", "1b"),
+) -> list[Row]:
     torch.set_num_threads(1)
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 100_000))  # deep Sequential copies recurse per level
     measure(300)  # warm-up: first-call costs (imports, caches) are not per-node costs
@@ -266,12 +343,28 @@ def rows(sizes=(1000, 4000, 12000), progress=lambda _: None, small: bool = True,
     out = []
     for r in runs:
         for key in ("trace", "pass", "verify"):
-            out.append(Row("graph-side µs per fx node", f"chain of {r['nodes']:,} nodes", key, r[f"{key}_us_per_node"],
-                           r[f"{key}_us_per_node"], "µs", note=f"{r[f'{key}_s']:.2f} s in all"))
+            out.append(
+                Row(
+                    "graph-side µs per fx node",
+                    f"chain of {r['nodes']:,} nodes",
+                    key,
+                    r[f"{key}_us_per_node"],
+                    r[f"{key}_us_per_node"],
+                    "µs",
+                    note=f"{r[f'{key}_s']:.2f} s in all",
+                )
+            )
     first, last = runs[0], runs[-1]
     for key in ("trace", "pass", "verify"):
-        out.append(ratio_row("per-node cost, largest ÷ smallest chain", f"{last['nodes']:,} ÷ {first['nodes']:,} nodes", key,
-                             [last[f"{key}_us_per_node"] / first[f"{key}_us_per_node"]], 1.5))
+        out.append(
+            ratio_row(
+                "per-node cost, largest ÷ smallest chain",
+                f"{last['nodes']:,} ÷ {first['nodes']:,} nodes",
+                key,
+                [last[f"{key}_us_per_node"] / first[f"{key}_us_per_node"]],
+                1.5,
+            )
+        )
     return out + (small_rows(progress=progress) if small else []) + decoder_rows(decoder, progress)
 
 

@@ -10,6 +10,7 @@
 
     python benchmarks/bench_steps.py [model ...] [--rounds 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,11 +26,12 @@ import torch
 import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import graphgrow as gg  # noqa: E402
 from common import Row, print_table, ratio_row, timed  # noqa: E402
-from graphgrow.io.export import INPUT_NAME, export_onnx  # noqa: E402
+
+import graphgrow as gg  # noqa: E402
 from graphgrow.graph.graph_meta import META_KEY  # noqa: E402
 from graphgrow.graph.shapes import example_input  # noqa: E402
+from graphgrow.io.export import INPUT_NAME, export_onnx  # noqa: E402
 from graphgrow.verify.verify import BATCHES  # noqa: E402
 
 MODELS = ("resnet18", "resnet50", "mobilenet_v2", "vit_b_16")
@@ -56,7 +58,7 @@ class Forwards:
     """Counts what a pass runs on real tensors: forwards of traced models (calls and fx.Interpreter runs,
     meta-device size estimates left out; the batch of each) and backward passes."""
 
-    def __enter__(self) -> "Forwards":
+    def __enter__(self) -> Forwards:
         self.runs: list[tuple[str, int]] = []  # ("eval"/"train", batch)
         self.backwards = 0
         top = lambda m: isinstance(m, torch.fx.GraphModule) and META_KEY in m.meta  # noqa: E731
@@ -95,11 +97,9 @@ def pass_rows(name: str, gm: torch.fx.GraphModule, rounds: int, progress) -> lis
     for spec in PASSES:
         progress(f"{name}: {spec}")
         cpu, wall, fails = [], [], ""
-        with Forwards() as counted:  # once, outside the timed rounds (the hooks cost a little)
-            try:
-                gg.Pipeline.from_spec(spec).run(gm)
-            except gg.GraphgrowError:
-                pass
+        # once, outside the timed rounds (the hooks cost a little)
+        with Forwards() as counted, contextlib.suppress(gg.GraphgrowError):
+            gg.Pipeline.from_spec(spec).run(gm)
         for _ in range(rounds):
             try:
                 result, c, w = timed(lambda spec=spec: gg.Pipeline.from_spec(spec).run(gm).results[0])
@@ -110,7 +110,19 @@ def pass_rows(name: str, gm: torch.fx.GraphModule, rounds: int, progress) -> lis
             cpu.append(c / fc)
             wall.append(w / fw)
         if fails:
-            rows.append(Row("pass + verification ÷ forward (b=2)", name, spec, float("nan"), float("nan"), "×", "≤ 8", None, fails))
+            rows.append(
+                Row(
+                    "pass + verification ÷ forward (b=2)",
+                    name,
+                    spec,
+                    float("nan"),
+                    float("nan"),
+                    "×",
+                    "≤ 8",
+                    None,
+                    fails,
+                )
+            )
             continue
         where = next(iter(result.targets.items()), ("", ""))
         note = f"wall {statistics.median(wall):.1f}×; {counted}; {where[0]}: {str(where[1])[:50]}"
@@ -121,10 +133,23 @@ def pass_rows(name: str, gm: torch.fx.GraphModule, rounds: int, progress) -> lis
 def bare_export(gm: torch.nn.Module, path: Path) -> None:
     """torch.onnx.export alone, with graphgrow's options (dynamo, dynamic batch, optimize), to a file."""
     x = example_input(gm, SHAPE, batch=2)
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with (
+        warnings.catch_warnings(),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+    ):
         warnings.simplefilter("ignore")
-        torch.onnx.export(gm, (x,), str(path), dynamo=True, dynamic_shapes=({0: torch.export.Dim("batch", min=1)},),
-                          input_names=[INPUT_NAME], optimize=True, verbose=False, report=False)
+        torch.onnx.export(
+            gm,
+            (x,),
+            str(path),
+            dynamo=True,
+            dynamic_shapes=({0: torch.export.Dim("batch", min=1)},),
+            input_names=[INPUT_NAME],
+            optimize=True,
+            verbose=False,
+            report=False,
+        )
 
 
 def export_row(name: str, gm: torch.fx.GraphModule, rounds: int, tmp: Path, progress) -> Row:
@@ -136,8 +161,14 @@ def export_row(name: str, gm: torch.fx.GraphModule, rounds: int, tmp: Path, prog
         _, gc, gw = timed(lambda: export_onnx(grown, SHAPE, tmp / "gg.onnx"))
         ratios.append(gw / bw)
         cpu_ratios.append(gc / bc)
-    return ratio_row("graphgrow export ÷ bare torch.onnx.export", name, "add_residual", ratios, 1.1,
-                     note=f"bare {bw:.1f} s wall; CPU-time ratio {min(cpu_ratios):.2f}")
+    return ratio_row(
+        "graphgrow export ÷ bare torch.onnx.export",
+        name,
+        "add_residual",
+        ratios,
+        1.1,
+        note=f"bare {bw:.1f} s wall; CPU-time ratio {min(cpu_ratios):.2f}",
+    )
 
 
 def rows(models=MODELS, rounds: int = 3, export_rounds: int = 2, progress=lambda _: None) -> list[Row]:

@@ -4,6 +4,7 @@ CPU time is `time.thread_time` of the calling thread: with one torch thread and 
 onnxruntime intra-op thread, all of the work runs there, so it is steadier than wall time
 on a shared machine. Both are reported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,9 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -41,8 +43,15 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
     return out, time.thread_time() - c, time.perf_counter() - w
 
 
-def ratio_row(section: str, model: str, measure: str, values: list[float], limit: float | None, note: str = "",
-              at_least: bool = False) -> Row:
+def ratio_row(
+    section: str,
+    model: str,
+    measure: str,
+    values: list[float],
+    limit: float | None,
+    note: str = "",
+    at_least: bool = False,
+) -> Row:
     """A row of ratios with its target (≤ limit, or ≥ limit when at_least), met on the median."""
     med = statistics.median(values)
     if limit is None:
@@ -51,7 +60,9 @@ def ratio_row(section: str, model: str, measure: str, values: list[float], limit
     return Row(section, model, measure, med, min(values), "×", f"{'≥' if at_least else '≤'} {limit:g}", met, note)
 
 
-def model_rounds_main(doc: str, rows: Callable[..., list[Row]], models: tuple[str, ...] | list[str], rounds: int) -> None:
+def model_rounds_main(
+    doc: str, rows: Callable[..., list[Row]], models: tuple[str, ...] | list[str], rounds: int
+) -> None:
     """The command line of a benchmark over models and rounds: `--rounds N --models a,b`, one table."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=rounds)
@@ -78,6 +89,15 @@ def print_table(rows: list[Row], title: str = "graphgrow benchmarks") -> None:
             if section is not None:
                 t.add_section()
             section = r.section
-        t.add_row(r.section, r.model, r.measure, format_number(r.median, r.unit), format_number(r.minimum, r.unit),
-                  "" if r.unit == "bool" else r.unit, r.target, "" if r.met is None else ("yes" if r.met else "NO"), r.note)
+        t.add_row(
+            r.section,
+            r.model,
+            r.measure,
+            format_number(r.median, r.unit),
+            format_number(r.minimum, r.unit),
+            "" if r.unit == "bool" else r.unit,
+            r.target,
+            "" if r.met is None else ("yes" if r.met else "NO"),
+            r.note,
+        )
     Console(width=230).print(t)

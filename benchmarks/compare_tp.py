@@ -15,6 +15,7 @@ its reasons grouped by kind below the table); graphgrow-only (growable, not a pr
 
     python benchmarks/compare_tp.py [--models resnet18,timm:ghostnet_100] [--json now.json] [--before earlier.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,8 @@ import re
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,14 +36,18 @@ from torch import nn
 def _tv(name: str) -> Callable[[], nn.Module]:
     def make() -> nn.Module:
         import torchvision
+
         return torchvision.models.get_model(name, weights=None)
+
     return make
 
 
 def _timm(name: str, **kw) -> Callable[[], nn.Module]:
     def make() -> nn.Module:
         import timm
+
         return timm.create_model(name, pretrained=False, **kw)
+
     return make
 
 
@@ -94,15 +99,22 @@ def _is_layer(m: nn.Module) -> bool:
 def tp_groups(model: nn.Module, example: torch.Tensor) -> list[frozenset[str]]:
     """TP's prunable groups, each as the layers whose output channels it prunes."""
     import torch_pruning as tp
+
     dg = tp.DependencyGraph().build_dependency(model, example_inputs=example)
-    ignored = [m for m in model.modules()  # TP's README: do not prune the final classifier
-               if (isinstance(m, nn.Linear) and m.out_features == CLASSES)
-               or (isinstance(m, nn.modules.conv._ConvNd) and m.out_channels == CLASSES)]
+    ignored = [
+        m
+        for m in model.modules()  # TP's README: do not prune the final classifier
+        if (isinstance(m, nn.Linear) and m.out_features == CLASSES)
+        or (isinstance(m, nn.modules.conv._ConvNd) and m.out_channels == CLASSES)
+    ]
     names = {m: n for n, m in model.named_modules()}
     out = []
     for group in dg.get_all_groups(ignored_layers=ignored, root_module_types=(tp.ops.TORCH_CONV, tp.ops.TORCH_LINEAR)):
-        layers = {names[d.target.module] for d, _ in group
-                  if dg.is_out_channel_pruning_fn(d.handler) and d.target.module in names and _is_layer(d.target.module)}
+        layers = {
+            names[d.target.module]
+            for d, _ in group
+            if dg.is_out_channel_pruning_fn(d.handler) and d.target.module in names and _is_layer(d.target.module)
+        }
         if layers:
             out.append(frozenset(layers))
     return list(dict.fromkeys(out))
@@ -112,6 +124,7 @@ def tp_groups(model: nn.Module, example: torch.Tensor) -> list[frozenset[str]]:
 class GGView:
     """graphgrow's growth units keyed by layers: layer path → unit id, per unit its layers and why it is frozen.
     A unit is what growing one layer's coupling group changes: the group and every group it reaches."""
+
     group_of_layer: dict[str, int]
     layers: dict[int, frozenset[str]]
     reasons: dict[int, list[str]]
@@ -125,6 +138,7 @@ FUNCTIONAL_LAYERS = {F.conv1d, F.conv2d, F.conv3d, F.linear, torch.conv1d, torch
 def gg_view(model: nn.Module, shape: tuple[int, ...]) -> GGView:
     import graphgrow as gg
     from graphgrow.analysis.coupling import analyze
+
     gm = gg.trace(model, shape, check=False)
     gg.annotate(gm, shape)
     c = analyze(gm)
@@ -144,7 +158,8 @@ def gg_view(model: nn.Module, shape: tuple[int, ...]) -> GGView:
                 group_of_layer[path] = c.group_of[n.name]
                 if n.name not in c.functional:
                     extra.setdefault(c.group_of[n.name], []).append(
-                        f"'{path}' ({type(m).__name__}) is traced through: graphgrow sees its {n.target.__name__} call, not a layer")
+                        f"'{path}' ({type(m).__name__}) is traced through: graphgrow sees its {n.target.__name__} call, not a layer"
+                    )
     own: dict[int, set[str]] = {}
     for path, gid in group_of_layer.items():
         own.setdefault(gid, set()).add(path)
@@ -165,8 +180,7 @@ def gg_view(model: nn.Module, shape: tuple[int, ...]) -> GGView:
             norm_only.add(uid)
     group_of_layer = {path: uid_of_gid[gid] for path, gid in group_of_layer.items()}
     leaves = gm.meta["graphgrow"]["trace"].get("auto_leaves") or {}
-    return GGView(group_of_layer, layers, reasons, norm_only,
-                  leaves if isinstance(leaves, dict) else {})
+    return GGView(group_of_layer, layers, reasons, norm_only, leaves if isinstance(leaves, dict) else {})
 
 
 def unseen_reason(view: GGView, layer: str) -> str:
@@ -206,12 +220,19 @@ def compare(name: str, model: nn.Module, shape: tuple[int, ...]) -> Compared:
             if gid in growable:
                 r.matched += 1
             else:
-                r.tp_only.append({"layers": sorted(layers), "reasons": view.reasons[gid], "graphgrow": [sorted(layers)]})
+                r.tp_only.append(
+                    {"layers": sorted(layers), "reasons": view.reasons[gid], "graphgrow": [sorted(layers)]}
+                )
             continue
         reasons = [x for g in sorted(gids) for x in view.reasons[g]] + [unseen_reason(view, p) for p in unseen]
         if reasons:  # frozen; a freeze also cuts the group where graphgrow does not follow an op
-            r.tp_only.append({"layers": sorted(layers), "reasons": list(dict.fromkeys(reasons)),
-                              "graphgrow": [sorted(view.layers[g]) for g in sorted(gids)]})
+            r.tp_only.append(
+                {
+                    "layers": sorted(layers),
+                    "reasons": list(dict.fromkeys(reasons)),
+                    "graphgrow": [sorted(view.layers[g]) for g in sorted(gids)],
+                }
+            )
         else:  # both sides can change these layers, but they couple them differently
             r.differ.append({"tp": sorted(layers), "graphgrow": [sorted(view.layers[g]) for g in sorted(gids)]})
     r.gg_only = [sorted(view.layers[g]) for g in sorted(growable - touched)]
@@ -237,21 +258,27 @@ def kinds(r: Compared) -> dict[str, int]:
 def markdown(results: list[Compared], before: dict[str, dict] | None = None) -> str:
     """The table; with `before` (model → an earlier run's row, from --json) a column of its growable counts."""
     was = "growable before | " if before is not None else ""
-    lines = [f"| model | TP prunable | {was}graphgrow growable [LN] | matched | TP-only | graphgrow-only | differ | s |",
-             "|---|---:|" + ("---:|" if was else "") + "---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| model | TP prunable | {was}graphgrow growable [LN] | matched | TP-only | graphgrow-only | differ | s |",
+        "|---|---:|" + ("---:|" if was else "") + "---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         tp = f"crash ({r.tp_error[:60]})" if r.tp_error else str(r.tp_prunable)
         gg_ = f"error ({r.gg_error[:60]})" if r.gg_error else f"{r.gg_growable} [{r.gg_norm_only}]"
         old = "" if before is None else f"{before[r.model]['gg_growable'] if r.model in before else '–'} | "
-        lines.append(f"| {r.model} | {tp} | {old}{gg_} | {r.matched} | {len(r.tp_only)} | {len(r.gg_only)} | "
-                     f"{len(r.differ)} | {r.seconds:.0f} |")
+        lines.append(
+            f"| {r.model} | {tp} | {old}{gg_} | {r.matched} | {len(r.tp_only)} | {len(r.gg_only)} | "
+            f"{len(r.differ)} | {r.seconds:.0f} |"
+        )
     lines.append("")
     for r in results:
         if r.tp_only or r.differ or r.gg_only:
             lines.append(f"**{r.model}**")
             lines += [f"- TP-only ×{n}: {k}" for k, n in kinds(r).items()]
             lines += [f"- graphgrow-only: {', '.join(g[:3])}{' …' if len(g) > 3 else ''}" for g in r.gg_only[:5]]
-            lines += [f"- differ: TP {d['tp'][:3]} vs graphgrow {[g[:3] for g in d['graphgrow']]}" for d in r.differ[:5]]
+            lines += [
+                f"- differ: TP {d['tp'][:3]} vs graphgrow {[g[:3] for g in d['graphgrow']]}" for d in r.differ[:5]
+            ]
     return "\n".join(lines)
 
 
@@ -270,11 +297,16 @@ def run(models: list[str], progress: Callable[[str], None] = lambda s: None) -> 
 def rows(models=tuple(MODELS), progress: Callable[[str], None] = lambda s: None) -> list:
     """benchmarks/run.py's section `tp`: per model, the TP-prunable groups graphgrow grows (information only)."""
     from common import Row
+
     result = []
     for r in run(list(models), progress):
-        note = (f"TP {r.tp_error or r.tp_prunable}, graphgrow {r.gg_error or r.gg_growable}, TP-only {len(r.tp_only)}"
-                + "".join(f"; {k} ×{n}" for k, n in list(kinds(r).items())[:3]))
-        result.append(Row("tp", r.model, "TP-prunable groups graphgrow grows", r.matched, r.matched, "groups", note=note))
+        note = (
+            f"TP {r.tp_error or r.tp_prunable}, graphgrow {r.gg_error or r.gg_growable}, TP-only {len(r.tp_only)}"
+            + "".join(f"; {k} ×{n}" for k, n in list(kinds(r).items())[:3])
+        )
+        result.append(
+            Row("tp", r.model, "TP-prunable groups graphgrow grows", r.matched, r.matched, "groups", note=note)
+        )
     return result
 
 

@@ -13,6 +13,7 @@ Sections (each is also a script of its own):
 
     python benchmarks/run.py [--only steps,fold] [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,6 @@ from importlib import metadata
 from pathlib import Path
 
 from rich.console import Console
-
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Row, format_number, print_table  # noqa: E402
@@ -41,9 +41,16 @@ def machine() -> dict:
             except metadata.PackageNotFoundError:
                 continue
         return "-"
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "torch": version("torch"), "onnxruntime": version("onnxruntime-gpu", "onnxruntime"),
-            "onnx": version("onnx")}
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "onnxruntime": version("onnxruntime-gpu", "onnxruntime"),
+        "onnx": version("onnx"),
+    }
 
 
 def main(argv=None) -> int:
@@ -66,10 +73,15 @@ def main(argv=None) -> int:
 
     quick = {"models": ("resnet18",)} if args.quick else {}
     jobs = {
-        "steps": lambda p: bench_steps.rows(**quick, rounds=1 if args.quick else 3, export_rounds=1 if args.quick else 2, progress=p),
+        "steps": lambda p: bench_steps.rows(
+            **quick, rounds=1 if args.quick else 3, export_rounds=1 if args.quick else 2, progress=p
+        ),
         "fold": lambda p: bench_fold.rows(**quick, rounds=5 if args.quick else 20, progress=p),
-        "scale": lambda p: bench_scale.rows((300, 1000) if args.quick else (1000, 4000, 12000), progress=p,
-                                            decoder=("125m",) if args.quick else ("125m", "350m", "1b")),
+        "scale": lambda p: bench_scale.rows(
+            (300, 1000) if args.quick else (1000, 4000, 12000),
+            progress=p,
+            decoder=("125m",) if args.quick else ("125m", "350m", "1b"),
+        ),
         "gpu": lambda p: bench_gpu.rows(**quick, rounds=10 if args.quick else 50, progress=p),
         "ddp": lambda p: bench_ddp.rows(events=1 if args.quick else 3, steps=5 if args.quick else 20, progress=p),
         "tp": lambda p: compare_tp.rows(**quick, progress=p),
@@ -83,18 +95,33 @@ def main(argv=None) -> int:
     with console.status("starting") as status:
         for name in wanted:
             t = time.perf_counter()
-            rows += jobs[name](lambda s, name=name: status.update(f"[{name}] {s}  ({time.perf_counter() - start:.0f} s so far)"))
+            rows += jobs[name](
+                lambda s, name=name: status.update(f"[{name}] {s}  ({time.perf_counter() - start:.0f} s so far)")
+            )
             seconds[name] = round(time.perf_counter() - t, 1)
             console.log(f"{name}: {seconds[name]:.0f} s")
     info = machine()
-    print_table(rows, f"graphgrow benchmarks — {info['processor']}, {info['cpus']} CPUs, torch {info['torch']}, "
-                      f"onnxruntime {info['onnxruntime']}; one thread unless said; {time.perf_counter() - start:.0f} s")
+    print_table(
+        rows,
+        f"graphgrow benchmarks — {info['processor']}, {info['cpus']} CPUs, torch {info['torch']}, "
+        f"onnxruntime {info['onnxruntime']}; one thread unless said; {time.perf_counter() - start:.0f} s",
+    )
     missed = [r for r in rows if r.met is False]
-    print(f"targets: {sum(r.met is True for r in rows)} met, {len(missed)} missed" +
-          ("".join(f"\n  missed: {r.section} — {r.model} {r.measure}: {format_number(r.median, r.unit)} (target {r.target})" for r in missed)))
+    print(
+        f"targets: {sum(r.met is True for r in rows)} met, {len(missed)} missed"
+        + (
+            "".join(
+                f"\n  missed: {r.section} — {r.model} {r.measure}: {format_number(r.median, r.unit)} (target {r.target})"
+                for r in missed
+            )
+        )
+    )
     if os.environ.get("BENCH_JSON"):
-        Path(os.environ["BENCH_JSON"]).write_text(json.dumps(
-            {"machine": info, "seconds": seconds, "rows": [r.to_json() for r in rows]}, indent=2, allow_nan=True))
+        Path(os.environ["BENCH_JSON"]).write_text(
+            json.dumps(
+                {"machine": info, "seconds": seconds, "rows": [r.to_json() for r in rows]}, indent=2, allow_nan=True
+            )
+        )
         print(f"rows written to {os.environ['BENCH_JSON']}")
     return 0
 

@@ -9,14 +9,16 @@ weight bytes; beside it, graphgrow's own estimate of what the run needs (analysi
 Plain torch, random weights, nothing downloaded: token embedding, pre-norm blocks (LayerNorm, attention through
 F.scaled_dot_product_attention, a GELU MLP), a final LayerNorm and an untied LM head.
 """
+
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +26,12 @@ from torch import nn
 
 VOCAB = 32000
 # name → (hidden size, layers, heads); MLP 4× hidden, vocabulary 32,000, untied head
-SIZES = {"tiny": (32, 2, 2, 64), "125m": (768, 12, 12, VOCAB), "350m": (1024, 24, 16, VOCAB),
-         "1b": (2048, 18, 16, VOCAB)}
+SIZES = {
+    "tiny": (32, 2, 2, 64),
+    "125m": (768, 12, 12, VOCAB),
+    "350m": (1024, 24, 16, VOCAB),
+    "1b": (2048, 18, 16, VOCAB),
+}
 
 
 class Attention(nn.Module):
@@ -94,11 +100,16 @@ def decoder(size: str, seed: int = 0) -> Decoder:
 def pipeline_spec(size: str) -> list[str]:
     """deepen by one transformer block, widen the MLP of block 0 by half, grow the hidden size by 1/16."""
     d = SIZES[size][0]
-    return ["deepen(block=transformer)", f"grow_width(target=blocks.0.mlp.fc1,to={6 * d})", f"grow_hidden(to={d + d // 16})"]
+    return [
+        "deepen(block=transformer)",
+        f"grow_width(target=blocks.0.mlp.fc1,to={6 * d})",
+        f"grow_hidden(to={d + d // 16})",
+    ]
 
 
 def input_spec(seq: int = 16):
     from graphgrow.graph.inputs import parse_spec
+
     return parse_spec(f"input_ids:1x{seq}:int64")
 
 
@@ -124,13 +135,12 @@ class Peak:
         gc.collect()
         try:
             import ctypes
+
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):
             pass
-        try:
+        with contextlib.suppress(OSError):
             Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            pass
 
     @staticmethod
     def _status(key: str) -> int:
@@ -141,6 +151,7 @@ class Peak:
         except OSError:
             pass
         import resource
+
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     def high(self) -> int:
@@ -159,16 +170,25 @@ class Stage:
     note: str = ""
 
 
-def run(size: str, out_dir: Path, seq: int = 16, export: bool = True, share_input: bool = False,
-        max_memory: int | None = None, progress: Callable[[str], None] = lambda _: None) -> tuple[list[Stage], dict]:
+def run(
+    size: str,
+    out_dir: Path,
+    seq: int = 16,
+    export: bool = True,
+    share_input: bool = False,
+    max_memory: int | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> tuple[list[Stage], dict]:
     """Every stage on the decoder of `size`; (stages, facts: parameters before/after, grown weight bytes, baseline)."""
     import graphgrow as gg
-    from graphgrow.analysis.budget import estimate_pass, Limits
+    from graphgrow.analysis.budget import Limits, estimate_pass
     from graphgrow.io.runtime import open_session
     from graphgrow.verify.verify import verify
 
     peak, stages = Peak(), []
-    limits = Limits(max_memory=max_memory) if max_memory else None  # --max-memory: what a pass may need beyond its input
+    limits = (
+        Limits(max_memory=max_memory) if max_memory else None
+    )  # --max-memory: what a pass may need beyond its input
     spec = input_spec(seq)
     peak.reset()
     baseline = peak.now()
@@ -196,10 +216,14 @@ def run(size: str, out_dir: Path, seq: int = 16, export: bool = True, share_inpu
         name, p = text.split("(")[0], gg.Pipeline.from_spec(text).passes[0]
         share = share_input or i > 0  # as Pipeline.run shares: its own intermediate models, the input when asked
         # graphgrow's estimate (what --max-memory is checked against) plus what is alive already: every model so far
-        estimate = estimate_pass(lambda m, p=p: p.apply(m, torch.Generator().manual_seed(0)).gm, chain[-1], spec, share).total
+        estimate = estimate_pass(
+            lambda m, p=p: p.apply(m, torch.Generator().manual_seed(0)).gm, chain[-1], spec, share
+        ).total
         estimate += _distinct_bytes(chain)
-        if not stage(f"{name}: pass", lambda p=p, share=share: state.update(result=p(
-                chain[-1], verify_result=False, share=share, limits=limits))):
+        if not stage(
+            f"{name}: pass",
+            lambda p=p, share=share: state.update(result=p(chain[-1], verify_result=False, share=share, limits=limits)),
+        ):
             break
         new = state.pop("result").gm
         verified = stage(f"{name}: verification", lambda new=new: verify(chain[-1], new, spec))
@@ -208,8 +232,12 @@ def run(size: str, out_dir: Path, seq: int = 16, export: bool = True, share_inpu
             break
         chain.append(new)
     grown = chain[-1]
-    facts = {"params_before": params_before, "params_after": sum(p.numel() for p in grown.parameters()),
-             "grown_bytes": weight_bytes(grown), "baseline": baseline}
+    facts = {
+        "params_before": params_before,
+        "params_after": sum(p.numel() for p in grown.parameters()),
+        "grown_bytes": weight_bytes(grown),
+        "baseline": baseline,
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     stage("save (graphgrow file)", lambda: gg.save_model(grown, out_dir / f"decoder_{size}.pt"))
     if export:
@@ -238,8 +266,11 @@ def watchdog(limit: int, peak: Peak | None = None) -> None:
         while True:
             rss = peak.now()
             if rss > limit:
-                print(f"stopped: resident memory {rss / 2**30:.1f} GiB passed the limit {limit / 2**30:.1f} GiB",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"stopped: resident memory {rss / 2**30:.1f} GiB passed the limit {limit / 2**30:.1f} GiB",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(3)
             time.sleep(0.1)
 
@@ -263,11 +294,19 @@ def main() -> None:
     args = ap.parse_args()
     watchdog(int(args.limit_gib * 2**30))
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    if args.size != "tiny":  # the one-time imports and caches of every stage, so that they are not counted as the model's
+    if (
+        args.size != "tiny"
+    ):  # the one-time imports and caches of every stage, so that they are not counted as the model's
         run("tiny", args.out_dir / "warm-up", seq=args.seq, export=not args.no_export)
-    stages, facts = run(args.size, args.out_dir, seq=args.seq, export=not args.no_export, share_input=args.share_input,
-                        max_memory=int(args.limit_gib * 2**30),
-                        progress=lambda s: print(s, file=sys.stderr, flush=True))
+    stages, facts = run(
+        args.size,
+        args.out_dir,
+        seq=args.seq,
+        export=not args.no_export,
+        share_input=args.share_input,
+        max_memory=int(args.limit_gib * 2**30),
+        progress=lambda s: print(s, file=sys.stderr, flush=True),
+    )
     print(json.dumps({"facts": facts, "stages": [vars(s) for s in stages]}))
 
 

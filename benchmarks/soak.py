@@ -6,6 +6,7 @@ loop does; every 10 cycles the model is reset to the original so it stays small.
 Prints the resident set size (RSS) at chosen cycles. --no-isolate exports in-process.
 Usage: python benchmarks/soak.py [--cycles 200]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,9 +19,9 @@ import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.verify.equivalence import check_equivalence
 from graphgrow.io.export import export_onnx
 from graphgrow.io.runtime import max_ir_version, open_session
+from graphgrow.verify.equivalence import check_equivalence
 
 SPECS = ["add_residual", "grow_width(factor=1.25)", "deepen", "add_branch(op=sepconv3x3)", "insert_adapter"]
 
@@ -35,15 +36,28 @@ def rss_mb() -> float:
 
 def model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 32, 3, 2, 1),
-                         nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, 2, 1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cycles", type=int, default=200)
-    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
-                    help="export in a forked child (torch.export leaks about 0.3 MiB per export in-process)")
+    ap.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="export in a forked child (torch.export leaks about 0.3 MiB per export in-process)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     shape = (1, 3, 16, 16)

@@ -10,6 +10,7 @@ mode and in train mode (drop-path on, the same random draws) and must agree to 1
 
     python examples/darts_growth.py [--epochs 8] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,7 @@ def digits(n_train: int = 600, n_test: int = 300, seed: int = 0):
     y = torch.tensor(d.target, dtype=torch.long)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     x, y = x[perm], y[perm]
-    return (x[:n_train], y[:n_train]), (x[n_train:n_train + n_test], y[n_train:n_train + n_test])
+    return (x[:n_train], y[:n_train]), (x[n_train : n_train + n_test], y[n_train : n_train + n_test])
 
 
 def probe_loss(model: nn.Module, x, y, train: bool, seed: int = 7) -> float:
@@ -84,19 +85,28 @@ def run(epochs: int = 8, lr: float = 0.05, seed: int = 0, log=print) -> dict:
             opt = gg.carry_optimizer(opt, model, result.gm)
             model = result.gm
             after = (probe_loss(model, probe_x, probe_y, False), probe_loss(model, probe_x, probe_y, True))
-            events.append({"epoch": epoch, "pass": spec, "params": [result.params_before, result.params_after],
-                           "drop_path_prob": model.drop_path_prob, "loss_eval": [before[0], after[0]],
-                           "loss_train": [before[1], after[1]]})
-            log(f"epoch {epoch}: {spec}: params {result.params_before:,} → {result.params_after:,}; probe loss "
+            events.append(
+                {
+                    "epoch": epoch,
+                    "pass": spec,
+                    "params": [result.params_before, result.params_after],
+                    "drop_path_prob": model.drop_path_prob,
+                    "loss_eval": [before[0], after[0]],
+                    "loss_train": [before[1], after[1]],
+                }
+            )
+            log(
+                f"epoch {epoch}: {spec}: params {result.params_before:,} → {result.params_after:,}; probe loss "
                 f"{before[0]:.6f} → {after[0]:.6f} (eval), {before[1]:.6f} → {after[1]:.6f} (train, drop-path "
-                f"{model.drop_path_prob:.3f})")
+                f"{model.drop_path_prob:.3f})"
+            )
             if abs(before[0] - after[0]) > 1e-5 or abs(before[1] - after[1]) > 1e-5:
                 raise SystemExit(f"growth changed the loss at epoch {epoch}")
         model.train()
         perm = torch.randperm(len(ytr), generator=gen)
         total = 0.0
         for i in range(0, len(ytr), 50):
-            idx = perm[i:i + 50]
+            idx = perm[i : i + 50]
             opt.zero_grad()
             loss = dn.darts_loss(model(xtr[idx]), ytr[idx])
             loss.backward()
@@ -104,13 +114,22 @@ def run(epochs: int = 8, lr: float = 0.05, seed: int = 0, log=print) -> dict:
             opt.step()
             total += loss.item() * len(idx)
         losses.append(total / len(ytr))
-        log(f"epoch {epoch}: training loss {losses[-1]:.4f}, drop-path {model.drop_path_prob:.3f}, "
-            f"test accuracy {accuracy(model, xte, yte):.3f}")
+        log(
+            f"epoch {epoch}: training loss {losses[-1]:.4f}, drop-path {model.drop_path_prob:.3f}, "
+            f"test accuracy {accuracy(model, xte, yte):.3f}"
+        )
     acc = accuracy(model, xte, yte)
-    summary = {"events": events, "train_loss": losses, "test_accuracy": acc,
-               "params": sum(p.numel() for p in model.parameters()), "seconds": time.perf_counter() - start}
-    log(f"final test accuracy {acc:.3f} after {epochs} epochs; {summary['params']:,} parameters; "
-        f"{summary['seconds']:.0f} s")
+    summary = {
+        "events": events,
+        "train_loss": losses,
+        "test_accuracy": acc,
+        "params": sum(p.numel() for p in model.parameters()),
+        "seconds": time.perf_counter() - start,
+    }
+    log(
+        f"final test accuracy {acc:.3f} after {epochs} epochs; {summary['params']:,} parameters; "
+        f"{summary['seconds']:.0f} s"
+    )
     return summary
 
 

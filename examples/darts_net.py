@@ -63,19 +63,38 @@ Details kept on purpose, because they are what made real DARTS networks hard to 
 * The top-level forward reads `self.training` (auxiliary head) and `self.drop_path_prob`; each
   cell reads `self.training` and the `drop_prob` argument.
 """
+
 from __future__ import annotations
 
 from collections import namedtuple
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 __all__ = [
-    "PRIMITIVES", "OPS", "Genotype", "DARTS_V2", "ALL_OPS", "LOOSE_ENDS_3", "GENOTYPES",
-    "ReLUConvBN", "SepConv", "DilConv", "FactorizedReduce", "Zero", "Identity",
-    "drop_path", "drop_path_outofplace", "Cell", "AuxiliaryHeadCIFAR", "NetworkCIFAR",
-    "small_darts", "split_output", "darts_loss", "count_parameters",
+    "PRIMITIVES",
+    "OPS",
+    "Genotype",
+    "DARTS_V2",
+    "ALL_OPS",
+    "LOOSE_ENDS_3",
+    "GENOTYPES",
+    "ReLUConvBN",
+    "SepConv",
+    "DilConv",
+    "FactorizedReduce",
+    "Zero",
+    "Identity",
+    "drop_path",
+    "drop_path_outofplace",
+    "Cell",
+    "AuxiliaryHeadCIFAR",
+    "NetworkCIFAR",
+    "small_darts",
+    "split_output",
+    "darts_loss",
+    "count_parameters",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -83,8 +102,14 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 
 PRIMITIVES = [
-    "none", "max_pool_3x3", "avg_pool_3x3", "skip_connect",
-    "sep_conv_3x3", "sep_conv_5x5", "dil_conv_3x3", "dil_conv_5x5",
+    "none",
+    "max_pool_3x3",
+    "avg_pool_3x3",
+    "skip_connect",
+    "sep_conv_3x3",
+    "sep_conv_5x5",
+    "dil_conv_3x3",
+    "dil_conv_5x5",
 ]
 
 Identity = nn.Identity  # the cell tests `isinstance(op, Identity)` to spare the identity drop-path
@@ -107,7 +132,9 @@ class DilConv(nn.Sequential):
     def __init__(self, C_in: int, C_out: int, kernel_size: int, stride: int, padding: int, dilation: int):
         super().__init__(
             nn.ReLU(inplace=False),
-            nn.Conv2d(C_in, C_in, kernel_size, stride=stride, padding=padding, dilation=dilation, groups=C_in, bias=False),
+            nn.Conv2d(
+                C_in, C_in, kernel_size, stride=stride, padding=padding, dilation=dilation, groups=C_in, bias=False
+            ),
             nn.Conv2d(C_in, C_out, 1, bias=False),
             nn.BatchNorm2d(C_out),
         )
@@ -174,6 +201,7 @@ OPS: dict[str, Callable[[int, int], nn.Module]] = {
 # Drop-path
 # ---------------------------------------------------------------------------------------------
 
+
 def _keep_mask(x: torch.Tensor, keep_prob: float) -> torch.Tensor:
     # One Bernoulli draw per sample from the global RNG, on x's device and dtype (no CUDA-only types).
     return torch.empty(x.size(0), 1, 1, 1, dtype=x.dtype, device=x.device).bernoulli_(keep_prob)
@@ -207,17 +235,25 @@ Genotype = namedtuple("Genotype", "normal normal_concat reduce reduce_concat")
 # The cell DARTS found with its second-order search (the paper's appendix figure, CIFAR-10).
 DARTS_V2 = Genotype(
     normal=[
-        ("sep_conv_3x3", 0), ("sep_conv_3x3", 1),
-        ("sep_conv_3x3", 0), ("sep_conv_3x3", 1),
-        ("sep_conv_3x3", 1), ("skip_connect", 0),
-        ("skip_connect", 0), ("dil_conv_3x3", 2),
+        ("sep_conv_3x3", 0),
+        ("sep_conv_3x3", 1),
+        ("sep_conv_3x3", 0),
+        ("sep_conv_3x3", 1),
+        ("sep_conv_3x3", 1),
+        ("skip_connect", 0),
+        ("skip_connect", 0),
+        ("dil_conv_3x3", 2),
     ],
     normal_concat=list(range(2, 6)),
     reduce=[
-        ("max_pool_3x3", 0), ("max_pool_3x3", 1),
-        ("skip_connect", 2), ("max_pool_3x3", 1),
-        ("max_pool_3x3", 0), ("skip_connect", 2),
-        ("skip_connect", 2), ("max_pool_3x3", 1),
+        ("max_pool_3x3", 0),
+        ("max_pool_3x3", 1),
+        ("skip_connect", 2),
+        ("max_pool_3x3", 1),
+        ("max_pool_3x3", 0),
+        ("skip_connect", 2),
+        ("skip_connect", 2),
+        ("max_pool_3x3", 1),
     ],
     reduce_concat=list(range(2, 6)),
 )
@@ -228,17 +264,25 @@ DARTS_V2 = Genotype(
 # on intermediate nodes in the normal cell.
 ALL_OPS = Genotype(
     normal=[
-        ("sep_conv_5x5", 0), ("dil_conv_5x5", 1),
-        ("avg_pool_3x3", 1), ("skip_connect", 2),
-        ("none", 2), ("sep_conv_3x3", 3),
-        ("dil_conv_3x3", 0), ("max_pool_3x3", 4),
+        ("sep_conv_5x5", 0),
+        ("dil_conv_5x5", 1),
+        ("avg_pool_3x3", 1),
+        ("skip_connect", 2),
+        ("none", 2),
+        ("sep_conv_3x3", 3),
+        ("dil_conv_3x3", 0),
+        ("max_pool_3x3", 4),
     ],
     normal_concat=list(range(2, 6)),
     reduce=[
-        ("sep_conv_5x5", 0), ("skip_connect", 1),
-        ("dil_conv_5x5", 1), ("none", 0),
-        ("avg_pool_3x3", 0), ("sep_conv_3x3", 3),
-        ("max_pool_3x3", 1), ("dil_conv_3x3", 2),
+        ("sep_conv_5x5", 0),
+        ("skip_connect", 1),
+        ("dil_conv_5x5", 1),
+        ("none", 0),
+        ("avg_pool_3x3", 0),
+        ("sep_conv_3x3", 3),
+        ("max_pool_3x3", 1),
+        ("dil_conv_3x3", 2),
     ],
     reduce_concat=list(range(2, 6)),
 )
@@ -249,15 +293,21 @@ ALL_OPS = Genotype(
 # Reduce: node 2 feeds node 4, output = cat(3, 4).
 LOOSE_ENDS_3 = Genotype(
     normal=[
-        ("sep_conv_3x3", 1), ("skip_connect", 0),
-        ("dil_conv_3x3", 0), ("avg_pool_3x3", 1),
-        ("sep_conv_5x5", 2), ("skip_connect", 3),
+        ("sep_conv_3x3", 1),
+        ("skip_connect", 0),
+        ("dil_conv_3x3", 0),
+        ("avg_pool_3x3", 1),
+        ("sep_conv_5x5", 2),
+        ("skip_connect", 3),
     ],
     normal_concat=[4],
     reduce=[
-        ("max_pool_3x3", 0), ("sep_conv_3x3", 1),
-        ("skip_connect", 1), ("dil_conv_5x5", 0),
-        ("sep_conv_3x3", 2), ("avg_pool_3x3", 0),
+        ("max_pool_3x3", 0),
+        ("sep_conv_3x3", 1),
+        ("skip_connect", 1),
+        ("dil_conv_5x5", 0),
+        ("sep_conv_3x3", 2),
+        ("avg_pool_3x3", 0),
     ],
     reduce_concat=[3, 4],
 )
@@ -285,17 +335,22 @@ def _check_genotype_half(ops: Sequence[tuple[str, int]], concat: Sequence[int], 
 # Cells and network
 # ---------------------------------------------------------------------------------------------
 
+
 class Cell(nn.Module):
     """One DARTS cell. Inputs: s0 (output of the cell two back) and s1 (previous cell);
     output: the concatenation of the genotype's concat states, `multiplier`·C channels."""
 
-    def __init__(self, genotype: Genotype, C_prev_prev: int, C_prev: int, C: int, reduction: bool, reduction_prev: bool):
+    def __init__(
+        self, genotype: Genotype, C_prev_prev: int, C_prev: int, C: int, reduction: bool, reduction_prev: bool
+    ):
         super().__init__()
         self.reduction = reduction
         # s0 is at twice s1's resolution when the previous cell reduced: bring it down losslessly.
         self.preprocess0 = FactorizedReduce(C_prev_prev, C) if reduction_prev else ReLUConvBN(C_prev_prev, C, 1, 1, 0)
         self.preprocess1 = ReLUConvBN(C_prev, C, 1, 1, 0)
-        ops, concat = (genotype.reduce, genotype.reduce_concat) if reduction else (genotype.normal, genotype.normal_concat)
+        ops, concat = (
+            (genotype.reduce, genotype.reduce_concat) if reduction else (genotype.normal, genotype.normal_concat)
+        )
         self._steps = _check_genotype_half(ops, concat, "reduce" if reduction else "normal")
         self._concat = list(concat)
         self.multiplier = len(self._concat)
@@ -351,8 +406,16 @@ class NetworkCIFAR(nn.Module):
     Set `model.drop_path_prob` (float) from the training loop; it is read at every forward.
     """
 
-    def __init__(self, C: int = 16, num_classes: int = 10, layers: int = 8, auxiliary: bool = True,
-                 genotype: Genotype = DARTS_V2, stem_multiplier: int = 3, return_aux: bool = True):
+    def __init__(
+        self,
+        C: int = 16,
+        num_classes: int = 10,
+        layers: int = 8,
+        auxiliary: bool = True,
+        genotype: Genotype = DARTS_V2,
+        stem_multiplier: int = 3,
+        return_aux: bool = True,
+    ):
         super().__init__()
         if layers < 3:
             raise ValueError(f"layers must be at least 3 (two reduction cells and a normal one), got {layers}")
@@ -391,9 +454,8 @@ class NetworkCIFAR(nn.Module):
         s0 = s1 = self.stem(x)
         for i, cell in enumerate(self.cells):
             s0, s1 = s1, cell(s0, s1, self.drop_path_prob)
-            if i == self._aux_after:
-                if self._auxiliary and self.training:
-                    logits_aux = self.auxiliary_head(s1)
+            if i == self._aux_after and self._auxiliary and self.training:
+                logits_aux = self.auxiliary_head(s1)
         out = self.global_pooling(s1)
         logits = self.classifier(out.view(out.size(0), -1))
         if not self._return_aux:
@@ -401,8 +463,15 @@ class NetworkCIFAR(nn.Module):
         return logits, logits_aux
 
 
-def small_darts(layers: int = 5, C: int = 8, genotype: Genotype = DARTS_V2, auxiliary: bool = True, seed: int = 0,
-                num_classes: int = 10, return_aux: bool | None = None) -> NetworkCIFAR:
+def small_darts(
+    layers: int = 5,
+    C: int = 8,
+    genotype: Genotype = DARTS_V2,
+    auxiliary: bool = True,
+    seed: int = 0,
+    num_classes: int = 10,
+    return_aux: bool | None = None,
+) -> NetworkCIFAR:
     """A small NetworkCIFAR for fast tests: 5 cells (reductions at cells 1 and 3, auxiliary head
     after cell 3), C=8; a 2×3×32×32 batch runs in milliseconds on CPU. Weights come from `seed`
     without disturbing the caller's global RNG. `return_aux` defaults to `auxiliary` (the paper's
@@ -411,13 +480,15 @@ def small_darts(layers: int = 5, C: int = 8, genotype: Genotype = DARTS_V2, auxi
         return_aux = auxiliary
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return NetworkCIFAR(C=C, num_classes=num_classes, layers=layers, auxiliary=auxiliary,
-                            genotype=genotype, return_aux=return_aux)
+        return NetworkCIFAR(
+            C=C, num_classes=num_classes, layers=layers, auxiliary=auxiliary, genotype=genotype, return_aux=return_aux
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # Training helpers that accept either output form (an original or a grown model)
 # ---------------------------------------------------------------------------------------------
+
 
 def split_output(output) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logits, logits_aux or None) from a tensor, a 1-tuple or a (logits, aux) pair."""
@@ -440,5 +511,6 @@ def darts_loss(output, target: torch.Tensor, auxiliary_weight: float = 0.4) -> t
 
 def count_parameters(model: nn.Module, include_auxiliary: bool = False) -> int:
     """Trainable parameters; the auxiliary head is left out by default, as the paper reports sizes."""
-    return sum(p.numel() for name, p in model.named_parameters()
-               if include_auxiliary or not name.startswith("auxiliary_head."))
+    return sum(
+        p.numel() for name, p in model.named_parameters() if include_auxiliary or not name.startswith("auxiliary_head.")
+    )

@@ -3,6 +3,7 @@
 Runs the real CLI (the same command a user types) and then replays the steps with
 the Python API, so both entry points are shown working.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -19,10 +20,18 @@ def build_model() -> nn.Sequential:
     """Features mapping 3×32×32 → 128×8×8, then global pooling and a classifier."""
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
-        nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.BatchNorm2d(128), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10),
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, stride=2, padding=1),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.Conv2d(64, 128, 3, stride=2, padding=1),
+        nn.BatchNorm2d(128),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(128, 10),
     )
 
 
@@ -32,8 +41,22 @@ def main() -> int:
     torch.save(build_model(), model_path)
     print(f"built {model_path}: a Sequential of standard layers (loads without --trust)\n")
 
-    cmd = [sys.executable, "-m", "graphgrow.cli", "mutate", str(model_path), "--pass", "add_residual",
-           "--input-shape", "1,3,32,32", "-o", str(OUT / "model.grown.pt"), "--onnx", str(OUT / "model.grown.onnx"), "--check"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "graphgrow.cli",
+        "mutate",
+        str(model_path),
+        "--pass",
+        "add_residual",
+        "--input-shape",
+        "1,3,32,32",
+        "-o",
+        str(OUT / "model.grown.pt"),
+        "--onnx",
+        str(OUT / "model.grown.onnx"),
+        "--check",
+    ]
     print("$ graphgrow " + " ".join(cmd[3:]))
     rc = subprocess.call(cmd)
     if rc != 0:

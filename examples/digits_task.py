@@ -5,6 +5,7 @@ functions `graphgrow search` calls: `train_epoch(model, optimizer)` and `evaluat
     graphgrow search examples.digits_task:model --train examples.digits_task:train_epoch \\
         --eval examples.digits_task:evaluate --input-shape 1,1,8,8 --mutations "grow_width(factor=2);deepen;add_residual;noop"
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,9 +19,15 @@ def model() -> nn.Sequential:
     """4 and 8 channels, then global pooling: room to grow."""
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-        nn.Conv2d(4, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10),
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 8, 3, stride=2, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
     )
 
 
@@ -62,13 +69,16 @@ def evaluate(model: nn.Module) -> dict:
     model.eval()
     with torch.no_grad():
         out = model(x)
-    return {"val_loss": nn.functional.cross_entropy(out, y).item(), "val_acc": (out.argmax(1) == y).float().mean().item()}
+    return {
+        "val_loss": nn.functional.cross_entropy(out, y).item(),
+        "val_acc": (out.argmax(1) == y).float().mean().item(),
+    }
 
 
 def batch(size: int = 256) -> tuple:
     """A training batch and its loss, what init=gradmax and `graphgrow targets --data` read: (inputs, loss_fn).
 
-        graphgrow targets examples.digits_task:model --input-shape 1,1,8,8 --pass grow_width --data examples.digits_task:batch
+    graphgrow targets examples.digits_task:model --input-shape 1,1,8,8 --pass grow_width --data examples.digits_task:batch
     """
     (x, y), _ = digits()
     return x[:size], lambda out: nn.functional.cross_entropy(out, y[:size])

@@ -8,6 +8,7 @@ new job of any size.
 gloo on the CPU, NCCL when every rank has a GPU. Every epoch sees the same 64-example global batches whatever
 the number of processes (each rank takes its share), so a resumed job continues the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,10 @@ def evaluate(model: nn.Module, device) -> dict:
     model.eval()
     with torch.no_grad():
         out = model(x.to(device))
-    return {"val_loss": nn.functional.cross_entropy(out, y.to(device)).item(), "val_acc": (out.argmax(1) == y.to(device)).float().mean().item()}
+    return {
+        "val_loss": nn.functional.cross_entropy(out, y.to(device)).item(),
+        "val_acc": (out.argmax(1) == y.to(device)).float().mean().item(),
+    }
 
 
 def train_epoch(ddp, opt, epoch: int, rank: int, world: int, device) -> tuple[float, float]:
@@ -82,7 +86,9 @@ def main(argv=None) -> int:
         gm, first = ck.model.to(device), ck.step
         opt, sched = optimiser(gm.parameters())
         ck.restore(opt, sched)
-        say(f"resumed {args.resume} at epoch {first} with {world} process(es): {sum(p.numel() for p in gm.parameters()):,} parameters")
+        say(
+            f"resumed {args.resume} at epoch {first} with {world} process(es): {sum(p.numel() for p in gm.parameters()):,} parameters"
+        )
     else:
         gm, first = gg.trace(base_model(), input_shape=INPUT_SHAPE).to(device), 0
         opt, sched = optimiser(gm.parameters())
@@ -94,14 +100,18 @@ def main(argv=None) -> int:
             g = gg.distributed.grow(ddp, opt, EVENTS[epoch], sched, seed=epoch, timeout=120)
             ddp, opt, sched = g.model, g.optimizer, g.scheduler
             after = evaluate(ddp.module, device)["val_loss"]
-            say(f"epoch {epoch}: {EVENTS[epoch]} on {world} rank(s) in {g.seconds['total']:.2f} s "
+            say(
+                f"epoch {epoch}: {EVENTS[epoch]} on {world} rank(s) in {g.seconds['total']:.2f} s "
                 f"({', '.join(f'{k} {v:.3f}' for k, v in g.seconds.items() if k != 'total')}); "
-                f"val loss {before:.6f} → {after:.6f}")
+                f"val loss {before:.6f} → {after:.6f}"
+            )
         loss, step_s = train_epoch(ddp, opt, epoch, rank, world, device)
         sched.step()
         metrics = evaluate(ddp.module, device)
-        say(f"epoch {epoch}: train loss {loss:.4f}, val loss {metrics['val_loss']:.4f}, val acc {metrics['val_acc']:.3f}, "
-            f"{step_s * 1000:.1f} ms per step, lr {sched.get_last_lr()[0]:.4f}")
+        say(
+            f"epoch {epoch}: train loss {loss:.4f}, val loss {metrics['val_loss']:.4f}, val acc {metrics['val_acc']:.3f}, "
+            f"{step_s * 1000:.1f} ms per step, lr {sched.get_last_lr()[0]:.4f}"
+        )
         gg.distributed.save_checkpoint(args.out / f"epoch-{epoch + 1}", ddp, opt, sched, step=epoch + 1)
     dist.destroy_process_group()
     return 0

@@ -8,6 +8,7 @@ steps, and writes a PNG of loss and accuracy with each growth event marked.
 
     python examples/grow_during_training.py [--out growth_training.png] [--epochs 40]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,7 +58,9 @@ def batch_loss(model: nn.Module, x, y, train: bool) -> float:
         return nn.functional.cross_entropy(m(x), y).item()
 
 
-def train(model: nn.Module, epochs: int, data, grow: bool, lr: float, seed: int = 0, log=print) -> tuple[nn.Module, History]:
+def train(
+    model: nn.Module, epochs: int, data, grow: bool, lr: float, seed: int = 0, log=print
+) -> tuple[nn.Module, History]:
     (xtr, ytr), (xte, yte) = data
     gen = torch.Generator().manual_seed(seed)
     hist = History()
@@ -74,16 +77,26 @@ def train(model: nn.Module, epochs: int, data, grow: bool, lr: float, seed: int 
             opt = gg.carry_optimizer(opt, model, result.gm)
             model = result.gm
             after = (batch_loss(model, probe_x, probe_y, False), batch_loss(model, probe_x, probe_y, True))
-            hist.events.append({"epoch": epoch, "pass": spec, "params": [result.params_before, result.params_after],
-                                "loss_eval": before[0], "loss_eval_after": after[0],
-                                "loss_train": before[1], "loss_train_after": after[1]})
-            log(f"epoch {epoch:2d}: {spec}: params {result.params_before:,} → {result.params_after:,}; "
-                f"loss on the probe batch {before[0]:.6f} → {after[0]:.6f} (eval), {before[1]:.6f} → {after[1]:.6f} (train)")
+            hist.events.append(
+                {
+                    "epoch": epoch,
+                    "pass": spec,
+                    "params": [result.params_before, result.params_after],
+                    "loss_eval": before[0],
+                    "loss_eval_after": after[0],
+                    "loss_train": before[1],
+                    "loss_train_after": after[1],
+                }
+            )
+            log(
+                f"epoch {epoch:2d}: {spec}: params {result.params_before:,} → {result.params_after:,}; "
+                f"loss on the probe batch {before[0]:.6f} → {after[0]:.6f} (eval), {before[1]:.6f} → {after[1]:.6f} (train)"
+            )
         model.train()
         perm = torch.randperm(len(ytr), generator=gen)
         total = 0.0
         for i in range(0, len(ytr), 64):
-            idx = perm[i:i + 64]
+            idx = perm[i : i + 64]
             opt.zero_grad()
             loss = nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
             loss.backward()
@@ -107,8 +120,15 @@ def plot(grown: History, base: History, path: Path) -> None:
         ax.plot(epochs, getattr(grown, key), label="grown with graphgrow", color="tab:blue")
         for e in grown.events:
             ax.axvline(e["epoch"] + 0.5, color="tab:orange", linestyle="--", linewidth=1)
-            ax.text(e["epoch"] + 0.7, ax.get_ylim()[1], e["pass"].split("(")[0], rotation=90, va="top", fontsize=8,
-                    color="tab:orange")
+            ax.text(
+                e["epoch"] + 0.7,
+                ax.get_ylim()[1],
+                e["pass"].split("(")[0],
+                rotation=90,
+                va="top",
+                fontsize=8,
+                color="tab:orange",
+            )
         ax.set_xlabel("epoch")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -126,12 +146,19 @@ def run(out: Path, epochs: int = 30, lr: float = 0.05, log=print) -> dict:
     grown_model, grown = train(base_model(), epochs, data, grow=True, lr=lr, log=log)
     _, base = train(base_model(), epochs, data, grow=False, lr=lr, log=log)
     plot(grown, base, out)
-    summary = {"final_acc_grown": grown.acc[-1], "final_acc_base": base.acc[-1],
-               "params_base": sum(p.numel() for p in base_model().parameters()),
-               "params_grown": sum(p.numel() for p in grown_model.parameters()),
-               "events": grown.events, "seconds": time.perf_counter() - start, "plot": str(out)}
-    log(f"final test accuracy: grown {grown.acc[-1]:.3f}, not grown {base.acc[-1]:.3f} "
-        f"(same {epochs} epochs of SGD); plot: {out}")
+    summary = {
+        "final_acc_grown": grown.acc[-1],
+        "final_acc_base": base.acc[-1],
+        "params_base": sum(p.numel() for p in base_model().parameters()),
+        "params_grown": sum(p.numel() for p in grown_model.parameters()),
+        "events": grown.events,
+        "seconds": time.perf_counter() - start,
+        "plot": str(out),
+    }
+    log(
+        f"final test accuracy: grown {grown.acc[-1]:.3f}, not grown {base.acc[-1]:.3f} "
+        f"(same {epochs} epochs of SGD); plot: {out}"
+    )
     return summary
 
 

@@ -15,6 +15,7 @@ training FLOPs and wall time with the growth point marked.
 
     python examples/grow_gpt.py [--out examples/gpt_growth.png] [--steps 3000] [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,30 @@ from torch import nn
 import graphgrow as gg
 
 # A fixed, sorted list of pure-Python stdlib modules: the corpus is the same on every machine with this Python.
-MODULES = ("argparse.py", "ast.py", "calendar.py", "configparser.py", "dataclasses.py", "difflib.py", "enum.py",
-           "fractions.py", "functools.py", "heapq.py", "inspect.py", "ipaddress.py", "pathlib.py", "pprint.py",
-           "shutil.py", "statistics.py", "string.py", "subprocess.py", "tarfile.py", "textwrap.py", "typing.py",
-           "zipfile.py")
+MODULES = (
+    "argparse.py",
+    "ast.py",
+    "calendar.py",
+    "configparser.py",
+    "dataclasses.py",
+    "difflib.py",
+    "enum.py",
+    "fractions.py",
+    "functools.py",
+    "heapq.py",
+    "inspect.py",
+    "ipaddress.py",
+    "pathlib.py",
+    "pprint.py",
+    "shutil.py",
+    "statistics.py",
+    "string.py",
+    "subprocess.py",
+    "tarfile.py",
+    "textwrap.py",
+    "typing.py",
+    "zipfile.py",
+)
 
 SMALL = dict(d=32, heads=2, layers=2)
 LARGE = dict(d=48, heads=3, layers=3)
@@ -61,8 +82,8 @@ def corpus(limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
 
 def batch(data: torch.Tensor, gen: torch.Generator, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     at = torch.randint(0, len(data) - CONTEXT - 1, (size,), generator=gen)
-    x = torch.stack([data[i:i + CONTEXT] for i in at])
-    y = torch.stack([data[i + 1:i + CONTEXT + 1] for i in at])
+    x = torch.stack([data[i : i + CONTEXT] for i in at])
+    y = torch.stack([data[i + 1 : i + CONTEXT + 1] for i in at])
     return x, y
 
 
@@ -157,8 +178,9 @@ def step_flops(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return float(counter.get_total_flops())
 
 
-def train(name: str, model: nn.Module, data, total: int, grow_at: int | None, lr: float, every: int,
-          seed: int, log=print) -> tuple[nn.Module, Run]:
+def train(
+    name: str, model: nn.Module, data, total: int, grow_at: int | None, lr: float, every: int, seed: int, log=print
+) -> tuple[nn.Module, Run]:
     (train_data, val_data) = data
     gen = torch.Generator().manual_seed(seed)  # the same batches for both runs
     val_batches = [batch(val_data, torch.Generator().manual_seed(10_000 + i)) for i in range(8)]
@@ -187,12 +209,21 @@ def train(name: str, model: nn.Module, data, total: int, grow_at: int | None, lr
             seconds += grow_seconds
             after = (loss_on(model, probe), loss_on(model, val_batches))
             per_step = step_flops(model, *probe[0])
-            run.growth = {"step": step, "train_before": before[0], "train_after": after[0], "val_before": before[1],
-                          "val_after": after[1], "params_before": old_params,
-                          "params_after": sum(p.numel() for p in model.parameters()), "seconds": grow_seconds}
-            log(f"[{name}] step {step}: grew {old_params:,} → {run.growth['params_after']:,} parameters in "
+            run.growth = {
+                "step": step,
+                "train_before": before[0],
+                "train_after": after[0],
+                "val_before": before[1],
+                "val_after": after[1],
+                "params_before": old_params,
+                "params_after": sum(p.numel() for p in model.parameters()),
+                "seconds": grow_seconds,
+            }
+            log(
+                f"[{name}] step {step}: grew {old_params:,} → {run.growth['params_after']:,} parameters in "
                 f"{run.growth['seconds']:.1f} s; training loss {before[0]:.7f} → {after[0]:.7f}, "
-                f"validation loss {before[1]:.7f} → {after[1]:.7f}")
+                f"validation loss {before[1]:.7f} → {after[1]:.7f}"
+            )
         start = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, lr, warmup=max(total // 20, 1))
@@ -205,8 +236,10 @@ def train(name: str, model: nn.Module, data, total: int, grow_at: int | None, lr
         flops += per_step
         if (step + 1) % every == 0 or step + 1 == total:
             evaluate(step + 1)
-            log(f"[{name}] step {step + 1}: train {loss.item():.4f}, val {run.val[-1]:.4f}, "
-                f"{seconds:.1f} s, {flops / 1e12:.3f} TFLOP")
+            log(
+                f"[{name}] step {step + 1}: train {loss.item():.4f}, val {run.val[-1]:.4f}, "
+                f"{seconds:.1f} s, {flops / 1e12:.3f} TFLOP"
+            )
     return model, run
 
 
@@ -226,7 +259,10 @@ def plot(runs: list[Run], target: float, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     labels = {"grown": ("grown mid-training (a)", "tab:blue"), "large": ("large from scratch (b)", "tab:gray")}
-    for ax, key, label in ((axes[0], "flops", "training FLOPs (×10¹²)"), (axes[1], "seconds", "training wall time (s)")):
+    for ax, key, label in (
+        (axes[0], "flops", "training FLOPs (×10¹²)"),
+        (axes[1], "seconds", "training wall time (s)"),
+    ):
         scale = 1e12 if key == "flops" else 1.0
         for r in runs:
             xs = [v / scale for v in getattr(r, key)]
@@ -234,7 +270,9 @@ def plot(runs: list[Run], target: float, path: Path) -> None:
             if r.growth and r.growth["step"] in r.steps:
                 x = xs[r.steps.index(r.growth["step"])]
                 ax.axvline(x, color="tab:orange", linestyle="--", linewidth=1)
-                ax.text(x, 0.97, " growth", transform=ax.get_xaxis_transform(), va="top", fontsize=8, color="tab:orange")
+                ax.text(
+                    x, 0.97, " growth", transform=ax.get_xaxis_transform(), va="top", fontsize=8, color="tab:orange"
+                )
         ax.axhline(target, color="tab:green", linestyle=":", linewidth=1, label=f"loss both reach ({target:.3f})")
         ax.set_ylim(min(min(r.val) for r in runs) - 0.05, 3.0)
         ax.set_xlabel(label)
@@ -247,13 +285,23 @@ def plot(runs: list[Run], target: float, path: Path) -> None:
     plt.close(fig)
 
 
-def run(out: Path | None, steps: int = 3000, grow_at: int | None = None, lr: float = 3e-3, every: int = 50,
-        seed: int = 0, limit: int | None = None, log=print) -> dict:
+def run(
+    out: Path | None,
+    steps: int = 3000,
+    grow_at: int | None = None,
+    lr: float = 3e-3,
+    every: int = 50,
+    seed: int = 0,
+    limit: int | None = None,
+    log=print,
+) -> dict:
     torch.manual_seed(seed)
     data = corpus(limit)
     grow_at = steps // 3 if grow_at is None else grow_at
-    log(f"corpus: {len(data[0]):,} training bytes, {len(data[1]):,} validation bytes; {steps} steps of "
-        f"{BATCH}×{CONTEXT} tokens; growth at step {grow_at}: {growth_spec()}")
+    log(
+        f"corpus: {len(data[0]):,} training bytes, {len(data[1]):,} validation bytes; {steps} steps of "
+        f"{BATCH}×{CONTEXT} tokens; growth at step {grow_at}: {growth_spec()}"
+    )
     torch.manual_seed(seed)
     grown_model, grown = train("grown", GPT(**SMALL), data, steps, grow_at, lr, every, seed, log)
     torch.manual_seed(seed)
@@ -261,18 +309,28 @@ def run(out: Path | None, steps: int = 3000, grow_at: int | None = None, lr: flo
     # the best validation loss both runs reach (evaluated every `every` steps)
     target = max(min(grown.val), min(large.val))
     reach = {r.name: first_reach(r, target) for r in (grown, large)}
-    summary = {"target_val_loss": target, "growth": grown.growth, "steps": steps,
-               "params": {"grown_final": sum(p.numel() for p in grown_model.parameters()),
-                          "large": sum(p.numel() for p in large_model.parameters())},
-               "final_val": {"grown": grown.val[-1], "large": large.val[-1]},
-               "total": {r.name: {"seconds": r.seconds[-1], "flops": r.flops[-1]} for r in (grown, large)},
-               "to_target": {k: {"step": v[0], "seconds": v[1], "flops": v[2]} for k, v in reach.items() if v}}
+    summary = {
+        "target_val_loss": target,
+        "growth": grown.growth,
+        "steps": steps,
+        "params": {
+            "grown_final": sum(p.numel() for p in grown_model.parameters()),
+            "large": sum(p.numel() for p in large_model.parameters()),
+        },
+        "final_val": {"grown": grown.val[-1], "large": large.val[-1]},
+        "total": {r.name: {"seconds": r.seconds[-1], "flops": r.flops[-1]} for r in (grown, large)},
+        "to_target": {k: {"step": v[0], "seconds": v[1], "flops": v[2]} for k, v in reach.items() if v},
+    }
     log(f"\nvalidation loss both reach: {target:.4f}")
-    log(f"{'run':<7}{'final val':>10}{'total s':>9}{'TFLOP':>8}  | to reach {target:.4f}:{'step':>6}{'wall s':>8}{'TFLOP':>8}")
+    log(
+        f"{'run':<7}{'final val':>10}{'total s':>9}{'TFLOP':>8}  | to reach {target:.4f}:{'step':>6}{'wall s':>8}{'TFLOP':>8}"
+    )
     for r in (grown, large):
         s, t, f = reach[r.name]
-        log(f"{r.name:<7}{r.val[-1]:>10.4f}{r.seconds[-1]:>9.1f}{r.flops[-1] / 1e12:>8.3f}  | {'':>16}{s:>6}{t:>8.1f}"
-            f"{f / 1e12:>8.3f}")
+        log(
+            f"{r.name:<7}{r.val[-1]:>10.4f}{r.seconds[-1]:>9.1f}{r.flops[-1] / 1e12:>8.3f}  | {'':>16}{s:>6}{t:>8.1f}"
+            f"{f / 1e12:>8.3f}"
+        )
     g, la = reach["grown"], reach["large"]
     log(f"grown ÷ large to reach it: wall time {g[1] / la[1]:.2f}×, FLOPs {g[2] / la[2]:.2f}×")
     if out is not None:

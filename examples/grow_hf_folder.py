@@ -12,6 +12,7 @@ The growth step is the CLI, as from a shell in the work folder:
 
     graphgrow mutate ./my-llama --pass "grow_hidden(by=64)" --pass "grow_heads(heads=8)" -o ./my-llama-grown
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,7 @@ def byte_batches(n: int, batch: int, seed: int) -> torch.Tensor:
     data = torch.tensor(list(inspect.getsource(inspect).encode()), dtype=torch.long)
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(data) - SEQ, (n * batch,), generator=g)
-    return torch.stack([data[s:s + SEQ] for s in starts]).view(n, batch, SEQ)
+    return torch.stack([data[s : s + SEQ] for s in starts]).view(n, batch, SEQ)
 
 
 def train(model, steps: int, seed: int, lr: float = 3e-3) -> float:
@@ -79,27 +80,61 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="grow-hf-"))
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     small = transformers.LlamaForCausalLM(config)
     print(f"training the small model ({sum(p.numel() for p in small.parameters()):,} parameters, {a.steps} steps)")
     train(small, a.steps, seed=1)
     small.save_pretrained(work / "my-llama")
 
     grown_dir = work / "my-llama-grown"
-    subprocess.run([sys.executable, "-m", "graphgrow.cli", "mutate", str(work / "my-llama"), "--pass", "grow_hidden(by=64)",
-                    "--pass", "grow_heads(heads=8)", "-o", str(grown_dir)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "graphgrow.cli",
+            "mutate",
+            str(work / "my-llama"),
+            "--pass",
+            "grow_hidden(by=64)",
+            "--pass",
+            "grow_heads(heads=8)",
+            "-o",
+            str(grown_dir),
+        ],
+        check=True,
+    )
     grown = transformers.AutoModelForCausalLM.from_pretrained(grown_dir)
     before, after = eval_loss(small), eval_loss(grown)
     text_before, text_after = greedy(small), greedy(grown)
-    print(f"{type(grown).__name__}: {sum(p.numel() for p in grown.parameters()):,} parameters, hidden "
-          f"{grown.config.hidden_size}, {grown.config.num_attention_heads} heads")
-    print(f"loss before growth {before:.4f}, after {after:.4f}; generate() the same: {text_before == text_after} "
-          f"({text_after!r})")
+    print(
+        f"{type(grown).__name__}: {sum(p.numel() for p in grown.parameters()):,} parameters, hidden "
+        f"{grown.config.hidden_size}, {grown.config.num_attention_heads} heads"
+    )
+    print(
+        f"loss before growth {before:.4f}, after {after:.4f}; generate() the same: {text_before == text_after} "
+        f"({text_after!r})"
+    )
 
-    args = transformers.TrainingArguments(output_dir=str(work / "trainer"), per_device_train_batch_size=16,
-                                          max_steps=max(a.steps // 2, 1), learning_rate=3e-3, report_to=[],
-                                          logging_steps=10, save_strategy="no", use_cpu=True, disable_tqdm=True)
+    args = transformers.TrainingArguments(
+        output_dir=str(work / "trainer"),
+        per_device_train_batch_size=16,
+        max_steps=max(a.steps // 2, 1),
+        learning_rate=3e-3,
+        report_to=[],
+        logging_steps=10,
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     transformers.Trainer(model=grown, args=args, train_dataset=Bytes(16 * args.max_steps)).train()
     trained = eval_loss(grown)
     print(f"after {args.max_steps} Trainer steps on the grown model: loss {trained:.4f}")

@@ -27,6 +27,7 @@ disease progression: a noisy regression, harder than digits). Three measurements
     python examples/growth_init_compare.py --quick    # 2 seeds, short runs (seconds)
     python examples/growth_init_compare.py --plot docs/growth_init_compare.png
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,8 @@ import re
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +46,13 @@ import graphgrow as gg
 
 INITS = ("zero", "gradmax", "tiny", "tiny0", "tinyls")
 EXACT = INITS[:4]  # tinyls changes the function on purpose
-LABELS = {"zero": "zero (today)", "gradmax": "gradmax", "tiny": "gromo TINY (α in, 0 out)",
-          "tiny0": "gromo TINY, amplitude 0", "tinyls": "gromo TINY, line-searched γ (not exact)"}
+LABELS = {
+    "zero": "zero (today)",
+    "gradmax": "gradmax",
+    "tiny": "gromo TINY (α in, 0 out)",
+    "tiny0": "gromo TINY, amplitude 0",
+    "tinyls": "gromo TINY, line-searched γ (not exact)",
+}
 KS = (1, 10, 100)
 MOMENTUM, MINIBATCH, STAT_BATCH = 0.9, 64, 256
 
@@ -157,8 +163,9 @@ def _grow_gromo(task: Task, m: nn.Sequential, init: str, seed: int) -> tuple[nn.
             top.apply_change(scaling_factor=_line_search(g, x, loss_fn), extension_size=got)
         else:
             top.normalize_optimal_updates(normalization_type="match_extending_layer")
-            top.apply_change(optimal_delta_scaling=0.0, input_extension_scaling=0.0, output_extension_scaling=1.0,
-                             extension_size=got)
+            top.apply_change(
+                optimal_delta_scaling=0.0, input_extension_scaling=0.0, output_extension_scaling=1.0, extension_size=got
+            )
         top.delete_update()
     info = {"data_s": time.perf_counter() - t, "units": got}
     w0, b0 = g.layers[0].layer.weight.detach(), g.layers[0].layer.bias.detach()
@@ -166,7 +173,7 @@ def _grow_gromo(task: Task, m: nn.Sequential, init: str, seed: int) -> tuple[nn.
     if got < h:  # TINY keeps only significant directions: the rest get today's init (random in, zero out)
         extra = mlp(task.n_in, h - got, task.n_out)
         torch.manual_seed(seed)
-        nn.init.kaiming_uniform_(extra[0].weight, a=5 ** 0.5)
+        nn.init.kaiming_uniform_(extra[0].weight, a=5**0.5)
         w0, b0 = torch.cat([w0, extra[0].weight.detach()]), torch.cat([b0, torch.zeros(h - got)])
         w2 = torch.cat([w2, torch.zeros(task.n_out, h - got)], 1)
     return _from_weights(w0, b0, w2, b2), info
@@ -232,9 +239,21 @@ def event(task: Task, seeds: int, ats: tuple[int, ...], after: int, inits: tuple
             before = train(task, base, at, seed + 1000, curve=True)
             for init in inits:
                 grown, info = grow(task, base, init, seed)
-                rows.append({"task": task.name, "h": task.h, "at": at, "seed": seed, "init": init, "pre": before,
-                             "change": max_change(task, base, grown), "gain": new_gain(task, grown, task.h), "at0": full_loss(task, grown),
-                             "curve": train(task, grown, after, seed, curve=True), **info})
+                rows.append(
+                    {
+                        "task": task.name,
+                        "h": task.h,
+                        "at": at,
+                        "seed": seed,
+                        "init": init,
+                        "pre": before,
+                        "change": max_change(task, base, grown),
+                        "gain": new_gain(task, grown, task.h),
+                        "at0": full_loss(task, grown),
+                        "curve": train(task, grown, after, seed, curve=True),
+                        **info,
+                    }
+                )
     return rows
 
 
@@ -245,7 +264,7 @@ def schedule(task: Task, seeds: int, events: int, every: int, tail: int, inits: 
     for seed in range(seeds):
         for init in inits + ("large",):
             torch.manual_seed(seed)
-            h = task.h * 2 ** events if init == "large" else task.h
+            h = task.h * 2**events if init == "large" else task.h
             m, changes, spent = mlp(task.n_in, h, task.n_out), [], 0.0
             for e in range(events + 1):
                 train(task, m, every if e < events else tail, seed * 100 + e)
@@ -254,9 +273,18 @@ def schedule(task: Task, seeds: int, events: int, every: int, tail: int, inits: 
                     changes.append(max_change(task, m, grown))
                     spent += info["data_s"]
                     m = grown
-            rows.append({"task": task.name, "seed": seed, "init": init, "loss": full_loss(task, m),
-                         "score": task.score(m), "change": max(changes, default=0.0), "data_s": spent,
-                         "width": m[0].out_features})
+            rows.append(
+                {
+                    "task": task.name,
+                    "seed": seed,
+                    "init": init,
+                    "loss": full_loss(task, m),
+                    "score": task.score(m),
+                    "change": max(changes, default=0.0),
+                    "data_s": spent,
+                    "width": m[0].out_features,
+                }
+            )
     return rows
 
 
@@ -292,30 +320,42 @@ def pm(values: list[float]) -> str:
 
 
 def event_table(rows: list[dict]) -> list[str]:
-    lines = ["| task | grown at step | init | loss before growth | just after | after 1 step | after 10 | after 100 "
-             f"| below zero's at {len(rows[0]['curve'])} "
-             "| gain per new unit | max output change |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| task | grown at step | init | loss before growth | just after | after 1 step | after 10 | after 100 "
+        f"| below zero's at {len(rows[0]['curve'])} "
+        "| gain per new unit | max output change |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for task, at in dict.fromkeys((r["task"], r["at"]) for r in rows):
         for init in dict.fromkeys(r["init"] for r in rows):
             mine = [r for r in rows if r["task"] == task and r["at"] == at and r["init"] == init]
             cells = [pm([r["curve"][k - 1] for r in mine]) if k <= len(mine[0]["curve"]) else "–" for k in KS]
-            zero = {r["seed"]: r["curve"][-1] for r in rows if r["task"] == task and r["at"] == at and r["init"] == "zero"}
-            wins = f"{sum(r['curve'][-1] < zero[r['seed']] for r in mine)}/{len(mine)}" if zero and init != "zero" else "–"
-            lines.append(f"| {task} | {at} | {LABELS[init]} | {pm([r['pre'][-1] for r in mine])} | {pm([r['at0'] for r in mine])} | {' | '.join(cells)} | {wins} | "
-                         f"{statistics.mean(r['gain'] for r in mine):.2e} | {max(r['change'] for r in mine):.1e} |")
+            zero = {
+                r["seed"]: r["curve"][-1] for r in rows if r["task"] == task and r["at"] == at and r["init"] == "zero"
+            }
+            wins = (
+                f"{sum(r['curve'][-1] < zero[r['seed']] for r in mine)}/{len(mine)}" if zero and init != "zero" else "–"
+            )
+            lines.append(
+                f"| {task} | {at} | {LABELS[init]} | {pm([r['pre'][-1] for r in mine])} | {pm([r['at0'] for r in mine])} | {' | '.join(cells)} | {wins} | "
+                f"{statistics.mean(r['gain'] for r in mine):.2e} | {max(r['change'] for r in mine):.1e} |"
+            )
     return lines
 
 
 def schedule_table(rows: list[dict], tasks: dict[str, Task]) -> list[str]:
-    lines = ["| task | init | final width | final training loss | test metric | max output change |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| task | init | final width | final training loss | test metric | max output change |",
+        "|---|---|---|---|---|---|",
+    ]
     for task in dict.fromkeys(r["task"] for r in rows):
         for init in dict.fromkeys(r["init"] for r in rows):
             mine = [r for r in rows if r["task"] == task and r["init"] == init]
             label = "trained at the final width" if init == "large" else LABELS[init]
-            lines.append(f"| {task} | {label} | {mine[0]['width']} | {pm([r['loss'] for r in mine])} | "
-                         f"{tasks[task].metric} {pm([r['score'] for r in mine])} | {max(r['change'] for r in mine):.1e} |")
+            lines.append(
+                f"| {task} | {label} | {mine[0]['width']} | {pm([r['loss'] for r in mine])} | "
+                f"{tasks[task].metric} {pm([r['score'] for r in mine])} | {max(r['change'] for r in mine):.1e} |"
+            )
     return lines
 
 
@@ -328,8 +368,13 @@ def plot(rows: list[dict], path: str) -> None:
 
     panels = list(dict.fromkeys((r["task"], r["at"]) for r in rows))
     cols = min(2, len(panels))
-    fig, axes = plt.subplots((len(panels) + cols - 1) // cols, cols, figsize=(5 * cols, 3.2 * ((len(panels) + cols - 1) // cols)),
-                             dpi=64, squeeze=False)
+    fig, axes = plt.subplots(
+        (len(panels) + cols - 1) // cols,
+        cols,
+        figsize=(5 * cols, 3.2 * ((len(panels) + cols - 1) // cols)),
+        dpi=64,
+        squeeze=False,
+    )
     for ax, (task, at) in zip(axes.flat, panels):
         for init in dict.fromkeys(r["init"] for r in rows):
             mine = [r for r in rows if r["task"] == task and r["at"] == at and r["init"] == init]
@@ -339,7 +384,9 @@ def plot(rows: list[dict], path: str) -> None:
             ax.plot(range(-n + 1, 1), pre[-n:], color="grey", lw=1)
             ax.plot(range(len(post)), post, label=LABELS[init], lw=1.2)
         ax.axvline(0, color="black", ls=":", lw=0.8)
-        ax.set_title(f"{task}: hidden {mine[0]['h']} → {2 * mine[0]['h']} at step {at}, mean of {len(mine)} seeds", fontsize=9)
+        ax.set_title(
+            f"{task}: hidden {mine[0]['h']} → {2 * mine[0]['h']} at step {at}, mean of {len(mine)} seeds", fontsize=9
+        )
         ax.set(xlabel="steps after growth", ylabel="training-set loss", yscale="log")
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -355,7 +402,9 @@ def available_inits() -> tuple[str, ...]:
     return INITS
 
 
-def run(quick: bool = False, seeds: int = 5, tasks: str = "digits,diabetes", inits: tuple[str, ...] | None = None) -> dict:
+def run(
+    quick: bool = False, seeds: int = 5, tasks: str = "digits,diabetes", inits: tuple[str, ...] | None = None
+) -> dict:
     """The three measurements: {"event": rows, "schedule": rows, "cost": {task: seconds}, "tasks": {name: Task}}."""
     inits = inits or available_inits()
     seeds = 2 if quick else seeds
@@ -365,7 +414,12 @@ def run(quick: bool = False, seeds: int = 5, tasks: str = "digits,diabetes", ini
         ev += event(task, seeds, (20,) if quick else (50, 300), 10 if quick else 100, inits)
         sc += schedule(task, seeds, 3, 10 if quick else 200, 10 if quick else 400, inits)
     rounds = 2 if quick else 7
-    return {"event": ev, "schedule": sc, "tasks": chosen, "cost": {n: data_cost(t, inits, rounds) for n, t in chosen.items()}}
+    return {
+        "event": ev,
+        "schedule": sc,
+        "tasks": chosen,
+        "cost": {n: data_cost(t, inits, rounds) for n, t in chosen.items()},
+    }
 
 
 def main(argv=None) -> None:
@@ -383,8 +437,11 @@ def main(argv=None) -> None:
     print("\n".join(schedule_table(out["schedule"], out["tasks"])), "\n")
     for name, cost in out["cost"].items():
         base = cost["fwd+bwd"]
-        print(f"{name}: one forward + backward over {STAT_BATCH} rows at h = {2 * out['tasks'][name].h}: {base * 1e3:.2f} ms; "
-              "data-driven step: " + ", ".join(f"{LABELS[i]} {s * 1e3:.1f} ms ({s / base:.0f}×)" for i, s in cost.items() if i in LABELS))
+        print(
+            f"{name}: one forward + backward over {STAT_BATCH} rows at h = {2 * out['tasks'][name].h}: {base * 1e3:.2f} ms; "
+            "data-driven step: "
+            + ", ".join(f"{LABELS[i]} {s * 1e3:.1f} ms ({s / base:.0f}×)" for i, s in cost.items() if i in LABELS)
+        )
     if args.plot:
         plot(out["event"], args.plot)
 

@@ -12,6 +12,7 @@ growths and exploits marked) with the un-grown model's curve for comparison.
 
     python examples/search_digits.py [--population 8] [--rounds 12] [--epochs-per-round 2] [--seeds 3] [--out search_population.png]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,7 +70,7 @@ class PeakMemory:
             self.peak = max(self.peak, tree_rss(os.getpid()))
             self._stop.wait(self.every)
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         self._thread.start()
         return self
 
@@ -92,12 +93,25 @@ def baseline(epochs: int, lr: float) -> list[dict]:
 
 def final(result) -> dict:
     rows = result.history[result.best_trial]
-    return {"val_loss": result.best_value, "val_acc": rows[-1].get("val_acc"), "params": int(rows[-1]["params"]),
-            "seconds": round(result.seconds, 1)}
+    return {
+        "val_loss": result.best_value,
+        "val_acc": rows[-1].get("val_acc"),
+        "params": int(rows[-1]["params"]),
+        "seconds": round(result.seconds, 1),
+    }
 
 
-def run(population: int, rounds: int, epochs_per_round: int, out: Path, storage: Path, seeds: int = 1, lr: float = 0.05,
-        num_cpus: int = 2, log=print) -> dict:
+def run(
+    population: int,
+    rounds: int,
+    epochs_per_round: int,
+    out: Path,
+    storage: Path,
+    seeds: int = 1,
+    lr: float = 0.05,
+    num_cpus: int = 2,
+    log=print,
+) -> dict:
     """The growth search and the learning-rate-only control for each seed, the un-grown baseline, the plot (seed 0)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     gm = gg.trace(task.model(), input_shape=task.INPUT_SHAPE)
@@ -108,37 +122,72 @@ def run(population: int, rounds: int, epochs_per_round: int, out: Path, storage:
         for seed in range(seeds):
             for label, moves in (("growth", MOVES), ("control", "noop")):
                 log(f"--- seed {seed}, {label}: PBT with moves {moves!r}")
-                options = SearchOptions(population=population, rounds=rounds, epochs_per_round=epochs_per_round,
-                                        metric="val_loss", mode="min", lr=lr, storage_path=str(storage),
-                                        name=f"{label}-{seed}", num_cpus=num_cpus, seed=seed)
-                runs[label].append(search(gm, task.train_epoch, task.evaluate, MutationSpace.parse(moves, MAX_PARAMS),
-                                          options, say=log))
+                options = SearchOptions(
+                    population=population,
+                    rounds=rounds,
+                    epochs_per_round=epochs_per_round,
+                    metric="val_loss",
+                    mode="min",
+                    lr=lr,
+                    storage_path=str(storage),
+                    name=f"{label}-{seed}",
+                    num_cpus=num_cpus,
+                    seed=seed,
+                )
+                runs[label].append(
+                    search(
+                        gm, task.train_epoch, task.evaluate, MutationSpace.parse(moves, MAX_PARAMS), options, say=log
+                    )
+                )
     grown = runs["growth"][0]
-    plot_population(grown.history, "val_loss", out, baseline=[r["val_loss"] for r in base],
-                    title=f"digits: population-based growth ({population} trials, {epochs} epochs; dashed: not grown)")
-    summary = {"growth_search": [final(r) for r in runs["growth"]], "lr_search_only": [final(r) for r in runs["control"]],
-               "not_grown": {"val_loss": base[-1]["val_loss"], "val_acc": base[-1]["val_acc"], "params": param_count(gm)},
-               "lineage": [{"pass": e["pass"], "args": e["args"], "seed": e["seed"], "params_after": e["params_after"]}
-                           for e in grown.lineage],
-               "growths_in_population": [sum("grow:" in str(row.get("event")) for rows in r.history.values() for row in rows)
-                                         for r in runs["growth"]],
-               "best_model": str(grown.best_path), "original": str(grown.original_path), "plot": str(out),
-               "peak_memory_mib": round(memory.peak / 2**20), "epochs": epochs, "population": population}
+    plot_population(
+        grown.history,
+        "val_loss",
+        out,
+        baseline=[r["val_loss"] for r in base],
+        title=f"digits: population-based growth ({population} trials, {epochs} epochs; dashed: not grown)",
+    )
+    summary = {
+        "growth_search": [final(r) for r in runs["growth"]],
+        "lr_search_only": [final(r) for r in runs["control"]],
+        "not_grown": {"val_loss": base[-1]["val_loss"], "val_acc": base[-1]["val_acc"], "params": param_count(gm)},
+        "lineage": [
+            {"pass": e["pass"], "args": e["args"], "seed": e["seed"], "params_after": e["params_after"]}
+            for e in grown.lineage
+        ],
+        "growths_in_population": [
+            sum("grow:" in str(row.get("event")) for rows in r.history.values() for row in rows) for r in runs["growth"]
+        ],
+        "best_model": str(grown.best_path),
+        "original": str(grown.original_path),
+        "plot": str(out),
+        "peak_memory_mib": round(memory.peak / 2**20),
+        "epochs": epochs,
+        "population": population,
+    }
     log(f"lineage of the best model of seed 0 (replay: graphgrow replay {grown.original_path} {grown.best_path}):")
     for i, e in enumerate(summary["lineage"], 1):
-        log(f"  {i}. {e['pass']}({','.join(f'{k}={v}' for k, v in e['args'].items() if v is not None)}) "
-            f"seed {e['seed']} → {e['params_after']:,} parameters")
+        log(
+            f"  {i}. {e['pass']}({','.join(f'{k}={v}' for k, v in e['args'].items() if v is not None)}) "
+            f"seed {e['seed']} → {e['params_after']:,} parameters"
+        )
     if not summary["lineage"]:
         log("  (none: the best trial kept the original architecture)")
     for label in ("growth_search", "lr_search_only"):
         for seed, r in enumerate(summary[label]):
-            log(f"{label:>15} (seed {seed}): best val_loss {r['val_loss']:.4f}, val_acc {r['val_acc']:.3f}, "
-                f"{r['params']:,} parameters, {r['seconds']:.0f} s")
+            log(
+                f"{label:>15} (seed {seed}): best val_loss {r['val_loss']:.4f}, val_acc {r['val_acc']:.3f}, "
+                f"{r['params']:,} parameters, {r['seconds']:.0f} s"
+            )
     nb = summary["not_grown"]
-    log(f"{'not_grown':>15}: val_loss {nb['val_loss']:.4f}, val_acc {nb['val_acc']:.3f}, {nb['params']:,} parameters "
-        f"(one run at lr {lr})")
-    log(f"growth events in the population: {summary['growths_in_population']}; peak memory of all processes "
-        f"{summary['peak_memory_mib']:,} MiB; plot: {out}")
+    log(
+        f"{'not_grown':>15}: val_loss {nb['val_loss']:.4f}, val_acc {nb['val_acc']:.3f}, {nb['params']:,} parameters "
+        f"(one run at lr {lr})"
+    )
+    log(
+        f"growth events in the population: {summary['growths_in_population']}; peak memory of all processes "
+        f"{summary['peak_memory_mib']:,} MiB; plot: {out}"
+    )
     return summary
 
 

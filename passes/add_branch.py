@@ -11,37 +11,65 @@ Adding at a span that already ends in a merge adds one more input to that merge.
 init=gradmax: the branch's first conv is aimed from a batch (`data`) so the gradient on its zero gate is
 largest (graphgrow.rewrite.gradmax_gate); one branch at a time (aimed twins would stay identical).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, get_args, Literal
+from typing import ClassVar, Literal, get_args
 
 import torch
 from torch import fx, nn
 
-from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
+from graphgrow import Candidate, NotApplicable, Pass, Rewrite, arg
 from graphgrow.rewrite import (
-    add_module, AverageMerge, begin, conv2d_facts, copy_graph_module, DEFAULT_BUDGET, deployed_nodes, factory_kwargs, finish,
-    graphgrow_modules, inline_containers, inserting_after, is_float_tensor, is_graphgrow_node, kaiming_, param_count,
-    pick_within_budget, place, replace_uses, resolve_tensor, set_scope, stages, tensor_shape, train_only_note,
+    ADDS_PARAMETERS,
+    DEFAULT_BUDGET,
+    REMOVES_PARAMETERS,
+    AverageMerge,
+    GatedBlock,
+    Requirement,
+    add_module,
+    aim_gates,
+    begin,
+    check_aimable,
+    conv2d_facts,
+    copy_graph_module,
+    dead_places,
+    deployed_nodes,
+    factory_kwargs,
+    finish,
+    graphgrow_modules,
+    inline_containers,
+    inserting_after,
+    is_float_tensor,
+    is_graphgrow_node,
+    kaiming_,
+    load_data,
+    param_count,
+    pass_function,
+    pick_within_budget,
+    place,
+    replace_uses,
+    resolve_tensor,
+    set_scope,
+    stages,
+    tensor_shape,
+    train_only_note,
 )
-from graphgrow.rewrite import aim_gates, check_aimable, GatedBlock, load_data
-from graphgrow.rewrite import dead_places
-from graphgrow.rewrite import ADDS_PARAMETERS, pass_function, REMOVES_PARAMETERS, Requirement
-
 
 Op = Literal["conv3x3", "conv5x5", "sepconv3x3", "sepconv5x5", "dilconv3x3", "avgpool3x3", "maxpool3x3", "identity"]
 OPS: tuple[str, ...] = get_args(Op)
-
-
 
 
 def branch_params(op: str, cin: int, cout: int, count: int = 1) -> int:
     """Parameters `count` branches of `op` add (build_branch's layers, BatchNorm included)."""
     adapter = cin * cout + 2 * cout if cin != cout else 0
     k = {"conv3x3": 3, "conv5x5": 5, "sepconv3x3": 3, "sepconv5x5": 5, "dilconv3x3": 3}.get(op, 0)
-    one = {"conv": cin * cout * k * k + 2 * cout, "sepc": cin * k * k + cin * cout + 2 * cout,
-           "dilc": cin * k * k + cin * cout + 2 * cout}.get(op[:4], adapter)
+    one = {
+        "conv": cin * cout * k * k + 2 * cout,
+        "sepc": cin * k * k + cin * cout + 2 * cout,
+        "dilc": cin * k * k + cin * cout + 2 * cout,
+    }.get(op[:4], adapter)
     return count * one + count  # and a gate each
 
 
@@ -57,15 +85,25 @@ def branch_sites(gm: fx.GraphModule, op: str, count: int) -> list[tuple[bool, bo
     backbone_nodes = {n for s in stages(gm) for n in s.nodes}
     last = max((i for i, n in enumerate(gm.graph.nodes) if n in backbone_nodes), default=None)
     total = max(param_count(gm), 1)
-    kernel = {"conv3x3": 3, "conv5x5": 5, "sepconv3x3": 3, "sepconv5x5": 5, "dilconv3x3": 5}.get(op, 1)  # dilated 3×3 spans 5×5
+    kernel = {"conv3x3": 3, "conv5x5": 5, "sepconv3x3": 3, "sepconv5x5": 5, "dilconv3x3": 5}.get(
+        op, 1
+    )  # dilated 3×3 spans 5×5
     sites = []
     for i, n in enumerate(gm.graph.nodes):
         m = conv2d_facts(gm, n)  # a Conv2d, or a layer that computes one (a weight-standardised conv)
         if m is None or not is_float_tensor(n):
             continue
         shape, src = tensor_shape(n), n.args[0]
-        if last is not None and i > last or n not in deployed or is_graphgrow_node(gm, n, added) or not isinstance(src, fx.Node) or \
-                not is_float_tensor(src) or shape[2:] == (1, 1) or src.op == "placeholder":
+        if (
+            last is not None
+            and i > last
+            or n not in deployed
+            or is_graphgrow_node(gm, n, added)
+            or not isinstance(src, fx.Node)
+            or not is_float_tensor(src)
+            or shape[2:] == (1, 1)
+            or src.op == "placeholder"
+        ):
             continue
         src_shape = tensor_shape(src)
         if len(src_shape) != 4 or any(a < b or a % b for a, b in zip(src_shape[2:], shape[2:])):
@@ -80,32 +118,56 @@ def default_conv(gm: fx.GraphModule, op: str, count: int) -> tuple[fx.Node, str]
     adds the fewest parameters); with why in words."""
     sites = branch_sites(gm, op, count)
     if not sites:
-        convs = [n.target if n.op == "call_module" else n.name for n in gm.graph.nodes if conv2d_facts(gm, n) is not None]
+        convs = [
+            n.target if n.op == "call_module" else n.name for n in gm.graph.nodes if conv2d_facts(gm, n) is not None
+        ]
         if not convs:
             others = sorted({type(m).__name__ for m in gm.modules() if isinstance(m, nn.modules.conv._ConvNd)})
             what = f"its convs are {', '.join(others)}" if others else "it has no conv layers"
-            raise NotApplicable(f"add_branch runs 2-D conv branches beside a Conv2d on (N, C, H, W) feature maps; this model "
-                                f"has none ({what})", "grow it with deepen, insert_adapter, add_residual or grow_width instead")
-        why = (f": its Conv2d layers ({', '.join(map(str, convs[:3]))}{', …' if len(convs) > 3 else ''}) read the raw input "
-               "(a patch embedding), work on 1×1 maps or lie outside the backbone")
-        raise NotApplicable(f"the model has no Conv2d on a feature map to run a branch beside{why}",
-                            f"give at={convs[0]} (or at=START:END) to put a branch there anyway"
-                            + train_only_note(gm, "name a conv there with at="))
+            raise NotApplicable(
+                f"add_branch runs 2-D conv branches beside a Conv2d on (N, C, H, W) feature maps; this model "
+                f"has none ({what})",
+                "grow it with deepen, insert_adapter, add_residual or grow_width instead",
+            )
+        why = (
+            f": its Conv2d layers ({', '.join(map(str, convs[:3]))}{', …' if len(convs) > 3 else ''}) read the raw input "
+            "(a patch embedding), work on 1×1 maps or lie outside the backbone"
+        )
+        raise NotApplicable(
+            f"the model has no Conv2d on a feature map to run a branch beside{why}",
+            f"give at={convs[0]} (or at=START:END) to put a branch there anyway"
+            + train_only_note(gm, "name a conv there with at="),
+        )
     dead = dead_places(gm, [site[3] for site in sites])  # a zero factor after them: the new gate would never train
     if len(dead) == len(sites):
         name, why = next(iter(dead.items()))
-        raise NotApplicable(f"every conv a branch could run beside is dead for it ({len(dead)}; e.g. '{name}': {why})",
-                            "train the model first (its zero gains move), or give at=START:END where a gradient reaches")
+        raise NotApplicable(
+            f"every conv a branch could run beside is dead for it ({len(dead)}; e.g. '{name}': {why})",
+            "train the model first (its zero gains move), or give at=START:END where a gradient reaches",
+        )
     sites = [site for site in sites if site[3].name not in dead]
     total = max(param_count(gm), 1)
-    (_, _, _, n, cost), over = pick_within_budget(sorted(sites, key=lambda c: (c[1], c[2]), reverse=True), lambda c: c[4], total)
+    (_, _, _, n, cost), over = pick_within_budget(
+        sorted(sites, key=lambda c: (c[1], c[2]), reverse=True), lambda c: c[4], total
+    )
     what = "the main-path conv where it adds the fewest parameters" if over else "the last main-path conv"
-    skipped = (f"; skipped {len(dead)} conv(s) where a branch would be dead (e.g. '{next(iter(dead))}': "
-               f"{next(iter(dead.values()))})") if dead else ""
-    return n, f"beside {what} {place(gm, n)}; adds {cost:,} parameters ({100 * cost / total:.1f}% of the model){over}{skipped}"
+    skipped = (
+        (
+            f"; skipped {len(dead)} conv(s) where a branch would be dead (e.g. '{next(iter(dead))}': "
+            f"{next(iter(dead.values()))})"
+        )
+        if dead
+        else ""
+    )
+    return (
+        n,
+        f"beside {what} {place(gm, n)}; adds {cost:,} parameters ({100 * cost / total:.1f}% of the model){over}{skipped}",
+    )
 
 
-def resolve_span(gm: fx.GraphModule, at: str | None, op: str = "conv3x3", count: int = 1) -> tuple[fx.Node, fx.Node, str]:
+def resolve_span(
+    gm: fx.GraphModule, at: str | None, op: str = "conv3x3", count: int = 1
+) -> tuple[fx.Node, fx.Node, str]:
     """(input tensor, output tensor, how chosen) of the span a branch runs beside."""
     if at is None:
         n, why = default_conv(gm, op, count)
@@ -152,7 +214,9 @@ def branch_input(merge: fx.Node) -> fx.Node:
     return max(common, key=order.__getitem__)
 
 
-def build_branch(op: Op, cin: int, cout: int, stride: tuple[int, int], like: torch.Tensor, g: torch.Generator) -> nn.Module:
+def build_branch(
+    op: Op, cin: int, cout: int, stride: tuple[int, int], like: torch.Tensor, g: torch.Generator
+) -> nn.Module:
     """A branch module for 4-D features: cin×H×W → cout×(H/stride)×(W/stride)."""
     kw = {"device": like.device, "dtype": like.dtype}
 
@@ -188,8 +252,15 @@ MAX_BRANCHES = 16  # each branch is a full conv beside the span; more is a typo,
 
 
 @pass_function  # the arguments' defaults and allowed values: AddBranch's declaration
-def add_branch(gm: fx.GraphModule, at: str | None, op: Op, count: int, init: Literal["zero", "gradmax"], data,
-               generator: torch.Generator | None = None) -> Rewrite:
+def add_branch(
+    gm: fx.GraphModule,
+    at: str | None,
+    op: Op,
+    count: int,
+    init: Literal["zero", "gradmax"],
+    data,
+    generator: torch.Generator | None = None,
+) -> Rewrite:
     """Add `count` branches of `op` beside the span `at`, merged by a gated average (gates start at 0).
     init=gradmax: `data` is a callable (or `package.module:function`) returning (inputs, loss_fn)."""
     _check_init(init, data)
@@ -200,16 +271,23 @@ def add_branch(gm: fx.GraphModule, at: str | None, op: Op, count: int, init: Lit
         start = branch_input(merge)  # every branch of a merge reads the same input
         end = merge.args[0]  # type: ignore[assignment]
     if at is not None and (dead := dead_places(gm, [end])):  # the default place skips these already
-        raise NotApplicable(f"a branch at '{at}' would be dead: '{end.name}': {dead[end.name]}; its zero gate would "
-                            "never get a gradient", "put it where a gradient reaches (add_branch's default place skips "
-                            "such convs), or train the model first so that the zero factor moves")
+        raise NotApplicable(
+            f"a branch at '{at}' would be dead: '{end.name}': {dead[end.name]}; its zero gate would "
+            "never get a gradient",
+            "put it where a gradient reaches (add_branch's default place skips "
+            "such convs), or train the model first so that the zero factor moves",
+        )
     s, e = tensor_shape(start), tensor_shape(end)
     if s is None or e is None or len(s) != 4 or len(e) != 4:
-        raise NotApplicable(f"add_branch needs 4-D feature maps; '{start.name}' is {list(s or [])} and '{end.name}' {list(e or [])}",
-                            "pick a span of conv layers (graphgrow inspect shows shapes)")
+        raise NotApplicable(
+            f"add_branch needs 4-D feature maps; '{start.name}' is {list(s or [])} and '{end.name}' {list(e or [])}",
+            "pick a span of conv layers (graphgrow inspect shows shapes)",
+        )
     if e[2] > s[2] or e[3] > s[3] or s[2] % e[2] or s[3] % e[3]:
-        raise NotApplicable(f"the span '{start.name}' {list(s)} → '{end.name}' {list(e)} does not downsample by an integer stride",
-                            "pick a span whose output size divides its input size")
+        raise NotApplicable(
+            f"the span '{start.name}' {list(s)} → '{end.name}' {list(e)} does not downsample by an integer stride",
+            "pick a span whose output size divides its input size",
+        )
     stride = (s[2] // e[2], s[3] // e[3])
     like = torch.zeros((), **factory_kwargs(gm, end))
     graph = gm.graph
@@ -231,16 +309,24 @@ def add_branch(gm: fx.GraphModule, at: str | None, op: Op, count: int, init: Lit
             module = gm.get_submodule(merge.target)
             n = module.branches
             with torch.no_grad():
-                gates = torch.cat([torch.as_tensor(module.gates * (n + count) / n),
-                                   torch.zeros(count, dtype=like.dtype, device=like.device)])
+                gates = torch.cat(
+                    [
+                        torch.as_tensor(module.gates * (n + count) / n),
+                        torch.zeros(count, dtype=like.dtype, device=like.device),
+                    ]
+                )
             module.gates = nn.Parameter(gates)
             merge.args = (*merge.args, *branch_nodes)
             new_nodes = branch_nodes
             merged = f"added to merge '{merge.target}' ({n} → {n + count} branches; gates rescaled by {n + count}/{n})"
     set_scope(new_nodes, end)
     finish(gm)
-    targets: dict[str, object] = {"span": f"{start.name} {list(s)} → {end.name} {list(e)}", "chosen": chosen,
-                                  "branches": f"{count}× {op} ({', '.join(names)})", "merge": merged}
+    targets: dict[str, object] = {
+        "span": f"{start.name} {list(s)} → {end.name} {list(e)}",
+        "chosen": chosen,
+        "branches": f"{count}× {op} ({', '.join(names)})",
+        "merge": merged,
+    }
     if init == "gradmax":
         last = gm.get_parameter(f"{merge.target}.gates").numel() - 1  # the new branch's gate
         block = GatedBlock(names[0], f"{merge.target}.gates", last, check_aimable(gm, names[0], f"{op} branch"))
@@ -267,8 +353,9 @@ def _node(gm: fx.GraphModule, name: str) -> fx.Node | None:
 
 
 @pass_function  # the arguments' defaults: RemoveBranch's declaration
-def remove_branch(gm: fx.GraphModule, at: str | None, index: int, allow_change: bool,
-                  generator: torch.Generator | None = None) -> Rewrite:
+def remove_branch(
+    gm: fx.GraphModule, at: str | None, index: int, allow_change: bool, generator: torch.Generator | None = None
+) -> Rewrite:
     """Drop branch `index` from the merge at `at`; exact when its gate is 0, else only with allow_change."""
     gm = copy_graph_module(gm)
     merges = _merges(gm)  # at least one: RemoveBranch.requires
@@ -283,7 +370,9 @@ def remove_branch(gm: fx.GraphModule, at: str | None, index: int, allow_change: 
     module = gm.get_submodule(merge.target)
     n = module.branches
     if not -n <= index < n:
-        raise NotApplicable(f"merge '{merge.name}' has {n} branches; there is no branch {index}", f"use an index from 0 to {n - 1}")
+        raise NotApplicable(
+            f"merge '{merge.name}' has {n} branches; there is no branch {index}", f"use an index from 0 to {n - 1}"
+        )
     i = index % n
     gate = module.gates[i].item()
     if gate != 0.0 and not allow_change:
@@ -302,8 +391,11 @@ def remove_branch(gm: fx.GraphModule, at: str | None, index: int, allow_change: 
         merge.args = (merge.args[0], *(merge.args[1 + j] for j in keep))
     gm.graph.eliminate_dead_code()
     finish(gm)
-    targets = {"merge": merge.name, "removed": f"branch {i} ({str(branch.target).split('.')[0] if branch.op == 'call_module' else branch.name}), gate {gate:.3g}",
-               "left": f"{n - 1} branch(es)" if n > 1 else "merge removed"}
+    targets = {
+        "merge": merge.name,
+        "removed": f"branch {i} ({str(branch.target).split('.')[0] if branch.op == 'call_module' else branch.name}), gate {gate:.3g}",
+        "left": f"{n - 1} branch(es)" if n > 1 else "merge removed",
+    }
     return Rewrite(gm, targets, exact=gate == 0.0)
 
 
@@ -314,24 +406,36 @@ class AddBranch(Pass):
     name: ClassVar[str] = "add_branch"
     function = add_branch
     ensures = (ADDS_PARAMETERS,)
-    at: str | None = arg(None, "node name, module path or START:END; default: beside the last main-path conv within the budget")
+    at: str | None = arg(
+        None, "node name, module path or START:END; default: beside the last main-path conv within the budget"
+    )
     op: Op = arg("conv3x3", "the branch's operation")
     count: int = arg(1, "how many branches (each one a full conv beside the span)", low=1, high=MAX_BRANCHES)
-    init: Literal["zero", "gradmax"] = arg("zero", "zero: random branch weights behind the zero gate; gradmax: the branch's first conv aimed from `data` (count=1)")
-    data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data",
-                           names_code=True)
+    init: Literal["zero", "gradmax"] = arg(
+        "zero",
+        "zero: random branch weights behind the zero gate; gradmax: the branch's first conv aimed from `data` (count=1)",
+    )
+    data: str | None = arg(
+        None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data", names_code=True
+    )
 
     def conflict(self) -> tuple[str, str, str] | None:
         if self.init == "gradmax" and self.count != 1:
-            return ("count", f"init=gradmax aims one branch at a time; {self.count} branches aimed at the same batch "
-                    "would start (and stay) identical", "use count=1 (and call again), or init=zero")
+            return (
+                "count",
+                f"init=gradmax aims one branch at a time; {self.count} branches aimed at the same batch "
+                "would start (and stay) identical",
+                "use count=1 (and call again), or init=zero",
+            )
         return None
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """Every backbone conv a branch of `op` can run beside, the last first."""
         sites = branch_sites(gm, self.op, self.count)
         default = default_conv(gm, self.op, self.count)[0] if sites else None
-        return [Candidate({"at": str(n.target)}, place(gm, n), cost, n is default) for _, _, _, n, cost in reversed(sites)]
+        return [
+            Candidate({"at": str(n.target)}, place(gm, n), cost, n is default) for _, _, _, n, cost in reversed(sites)
+        ]
 
 
 @dataclass(frozen=True)
@@ -341,9 +445,17 @@ class RemoveBranch(Pass):
     name: ClassVar[str] = "remove_branch"
     grows: ClassVar[bool] = False  # only removes: nothing to size (it reads the gate's value, which meta tensors lack)
     function = remove_branch
-    requires = (Requirement("a branch merge (add_branch's)", lambda gm: bool(_merges(gm)),
-                            "the model has no branch merge to remove from", "add_branch creates one"),)
+    requires = (
+        Requirement(
+            "a branch merge (add_branch's)",
+            lambda gm: bool(_merges(gm)),
+            "the model has no branch merge to remove from",
+            "add_branch creates one",
+        ),
+    )
     ensures = (REMOVES_PARAMETERS,)
     at: str | None = arg(None, "the merge node, or the span it ends; default: the last merge")
     index: int = arg(-1, "which branch (-1: the last added)")
-    allow_change: bool = arg(False, "drop a branch whose gate is not 0 (changes the function; the report says how much)")
+    allow_change: bool = arg(
+        False, "drop a branch whose gate is not 0 (changes the function; the report says how much)"
+    )

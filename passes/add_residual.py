@@ -10,27 +10,50 @@ where skip is zero at insertion and has a non-zero gradient at once:
 - features last ((N, F), (N, T, F) tokens), different feature size: a Linear on the last dimension
   with zero weights.
 """
+
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
 import operator
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
+from graphgrow import Candidate, NotApplicable, Pass, Rewrite, arg
 from graphgrow.rewrite import (
-    ADDS_PARAMETERS, add_module, add_parameter, begin, conv_dims, factory_kwargs, finish, inserting_after, is_float_tensor,
-    kaiming_, main_path, param_count, pick_within_budget, place, replace_uses, resolve_tensor,
-    pass_function, set_scope, Stage, stage_end, stages, tensor_shape, zero_last_bn,
+    ADDS_PARAMETERS,
+    Stage,
+    add_module,
+    add_parameter,
+    begin,
+    conv_dims,
+    factory_kwargs,
+    finish,
+    inserting_after,
+    is_float_tensor,
+    kaiming_,
+    main_path,
+    param_count,
+    pass_function,
+    pick_within_budget,
+    place,
+    replace_uses,
+    resolve_tensor,
+    set_scope,
+    stage_end,
+    stages,
+    tensor_shape,
+    zero_last_bn,
 )
 
 
 @pass_function  # the arguments' defaults: AddResidual's declaration
-def add_residual(gm: fx.GraphModule, start: str | None, end: str | None,
-                 generator: torch.Generator | None = None) -> Rewrite:
+def add_residual(
+    gm: fx.GraphModule, start: str | None, end: str | None, generator: torch.Generator | None = None
+) -> Rewrite:
     """Add `end + skip(start)` to a copy of `gm` (module paths or node names; defaults: the feature extractor)."""
     gm, generator = begin(gm, generator)
     s: fx.Node | None
@@ -41,7 +64,11 @@ def add_residual(gm: fx.GraphModule, start: str | None, end: str | None,
         ds, de, why = default_span(gm) if start is None or end is None else (None, None, "")
         s = resolve_tensor(gm, start, "in") if start is not None else ds
         e = resolve_tensor(gm, end, "out") if end is not None else de
-        why = "given" if start is not None and end is not None else f"given {'start' if start else 'end'}; the other end: {why}"
+        why = (
+            "given"
+            if start is not None and end is not None
+            else f"given {'start' if start else 'end'}; the other end: {why}"
+        )
     _check_span(gm, s, e)
     s_shape, e_shape = tensor_shape(s), tensor_shape(e)
     graph = gm.graph
@@ -58,8 +85,13 @@ def add_residual(gm: fx.GraphModule, start: str | None, end: str | None,
             skip_nodes, kind = _conv_skip(gm, s, s_shape, e_shape, like, generator)
             skip = skip_nodes[-1]
             new_nodes += skip_nodes
-        elif conv_dims(s) is None and conv_dims(e) is None and len(s_shape) in (2, 3) and len(s_shape) == len(e_shape) \
-                and s_shape[:-1] == e_shape[:-1]:
+        elif (
+            conv_dims(s) is None
+            and conv_dims(e) is None
+            and len(s_shape) in (2, 3)
+            and len(s_shape) == len(e_shape)
+            and s_shape[:-1] == e_shape[:-1]
+        ):
             lin = nn.Linear(s_shape[-1], e_shape[-1], device=like.device, dtype=like.dtype)
             with torch.no_grad():
                 lin.weight.zero_()
@@ -83,8 +115,6 @@ def add_residual(gm: fx.GraphModule, start: str | None, end: str | None,
     return Rewrite(gm, targets)
 
 
-
-
 def default_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
     """One stage of the backbone, never from the raw input: from the end of the stage before the last
     (one downsampling step) to the backbone's last feature map, else over the last stage itself, else the
@@ -97,8 +127,10 @@ def default_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
         return path[0], path[-1], f"main path: {place(gm, path[0], found)} → {place(gm, path[-1], found)}"
     spans = stage_spans(gm, found)
     if not spans:
-        raise NotApplicable(f"no two main-path tensors of the backbone ({len(found)} stage(s) of one tensor each) can be "
-                            "connected", "give start=... and end=...")
+        raise NotApplicable(
+            f"no two main-path tensors of the backbone ({len(found)} stage(s) of one tensor each) can be connected",
+            "give start=... and end=...",
+        )
     total = max(param_count(gm), 1)
     (start, end, cost, why), over = pick_within_budget(spans, lambda t: t[2], total)
     if over:
@@ -113,10 +145,21 @@ def stage_spans(gm: fx.GraphModule, found: list[Stage]) -> list[tuple[fx.Node, f
     out = []
     for i in reversed(range(len(found))):
         stage, end = found[i], found[i].nodes[-1]
-        spans = [(stage_end(found, i - 1), f"one stage, with its downsampling: from {place(gm, stage_end(found, i - 1), found)} "
-                                           f"to the end of {stage.describe(gm, len(found))}")] if i else []
+        spans = (
+            [
+                (
+                    stage_end(found, i - 1),
+                    f"one stage, with its downsampling: from {place(gm, stage_end(found, i - 1), found)} "
+                    f"to the end of {stage.describe(gm, len(found))}",
+                )
+            ]
+            if i
+            else []
+        )
         if len(stage.nodes) >= 2:
-            spans.append((stage.nodes[0], f"over {stage.describe(gm, len(found))}, from its first to its last main-path tensor"))
+            spans.append(
+                (stage.nodes[0], f"over {stage.describe(gm, len(found))}, from its first to its last main-path tensor")
+            )
         for start, why in spans:
             cost = skip_params(tensor_shape(start) or (), tensor_shape(end) or (), conv_dims(start), conv_dims(end))
             if cost is not None:
@@ -140,15 +183,19 @@ def skip_params(s_shape: tuple, e_shape: tuple, s_dims: int | None = None, e_dim
 def _check_span(gm: fx.GraphModule, s: fx.Node, e: fx.Node) -> None:
     for n, role in ((s, "start"), (e, "end")):
         if not is_float_tensor(n):
-            raise NotApplicable(f"{role} '{n.name}' is not a single floating-point tensor (shape {n.meta.get('gg_shape')})",
-                                "pick a node whose output is one tensor")
+            raise NotApplicable(
+                f"{role} '{n.name}' is not a single floating-point tensor (shape {n.meta.get('gg_shape')})",
+                "pick a node whose output is one tensor",
+            )
     if s is e:
         raise NotApplicable(f"start and end are the same tensor '{s.name}'", "pick an end after the start")
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     if order[s] > order[e]:
         raise NotApplicable(f"start '{s.name}' comes after end '{e.name}' in the graph", "swap them")
     if tensor_shape(s)[0] != tensor_shape(e)[0]:
-        raise NotApplicable(f"start '{s.name}' and end '{e.name}' have different batch sizes", "pick tensors of the same batch")
+        raise NotApplicable(
+            f"start '{s.name}' and end '{e.name}' have different batch sizes", "pick tensors of the same batch"
+        )
 
 
 def _conv_skip(gm, s, s_shape, e_shape, like, generator):
@@ -173,7 +220,9 @@ def _conv_skip(gm, s, s_shape, e_shape, like, generator):
         nodes.append(src)
         stride = (1,) * dims
         pooled = f"adaptive avg pool {_size(src_size)}→{_size(end_size)}, "
-    conv = (nn.Conv2d if dims == 2 else nn.Conv1d)(cin, cout, 1, stride=stride, bias=False, device=like.device, dtype=like.dtype)
+    conv = (nn.Conv2d if dims == 2 else nn.Conv1d)(
+        cin, cout, 1, stride=stride, bias=False, device=like.device, dtype=like.dtype
+    )
     kaiming_(conv.weight, generator)
     bn = zero_last_bn(cout, like, dims)
     down = nn.Sequential(conv, bn)
@@ -196,16 +245,21 @@ class AddResidual(Pass):
     name: ClassVar[str] = "add_residual"
     function = add_residual
     ensures = (ADDS_PARAMETERS,)
-    start: str | None = arg(None, "node name (its output) or module path (its input); default: the end of the backbone's stage before the last")
-    end: str | None = arg(None, "node name (its output) or module path (its output); default: the backbone's last feature map")
+    start: str | None = arg(
+        None,
+        "node name (its output) or module path (its input); default: the end of the backbone's stage before the last",
+    )
+    end: str | None = arg(
+        None, "node name (its output) or module path (its output); default: the backbone's last feature map"
+    )
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """A skip over each backbone stage, and from each stage's end to the next stage's end, the last first."""
         ds: fx.Node | None = None
         de: fx.Node | None = None
-        try:
+        with contextlib.suppress(NotApplicable):
             ds, de, _ = default_span(gm)
-        except NotApplicable:
-            pass
-        return [Candidate({"start": s.name, "end": e.name}, where, cost, (s, e) == (ds, de))
-                for s, e, cost, where in stage_spans(gm, stages(gm))]
+        return [
+            Candidate({"start": s.name, "end": e.name}, where, cost, (s, e) == (ds, de))
+            for s, e, cost, where in stage_spans(gm, stages(gm))
+        ]

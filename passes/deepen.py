@@ -40,6 +40,7 @@ otherwise (or with no attention to read) the pass refuses with the reason: say a
 The block does not read the model's attention mask (padding): it attends over all T positions.
 In a post-norm model (BERT) the block is still pre-norm and exactly the identity where it is inserted.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,21 +52,54 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
+from graphgrow import Candidate, NotApplicable, Pass, Rewrite, arg
 from graphgrow.rewrite import (
-    find_attentions, find_stream, Stream, add_module, add_parameter, aim_gates, aim_units, begin, GatedBlock, load_data, conv_dims, default_point, example_input, factory_kwargs, finish, input_spec_of,
-    inline_containers, inserting_after, is_float_tensor, kaiming_, param_count, pick_within_budget, place, replace_uses, set_scope,
-    stage_end_candidates, stages, tensor_or_feature_end, tensor_shape, ADDS_PARAMETERS, pass_function,
+    ADDS_PARAMETERS,
+    GatedBlock,
+    Stream,
+    add_module,
+    add_parameter,
+    aim_gates,
+    aim_units,
+    begin,
+    conv_dims,
+    default_point,
+    example_input,
+    factory_kwargs,
+    find_attentions,
+    find_stream,
+    finish,
+    inline_containers,
+    input_spec_of,
+    inserting_after,
+    is_float_tensor,
+    kaiming_,
+    load_data,
+    param_count,
+    pass_function,
+    pick_within_budget,
+    place,
+    replace_uses,
+    set_scope,
+    stage_end_candidates,
+    stages,
+    tensor_or_feature_end,
+    tensor_shape,
 )
-
-
 
 Block = Literal["auto", "conv_bn_relu", "linear_relu", "transformer"]
 
 
 @pass_function  # the arguments' defaults and allowed values: Deepen's declaration
-def deepen(gm: fx.GraphModule, after: str | None, block: Block, attention: Literal["auto", "causal", "bidirectional"],
-           init: Literal["zero", "gradmax"], data, generator: torch.Generator | None = None) -> Rewrite:
+def deepen(
+    gm: fx.GraphModule,
+    after: str | None,
+    block: Block,
+    attention: Literal["auto", "causal", "bidirectional"],
+    init: Literal["zero", "gradmax"],
+    data,
+    generator: torch.Generator | None = None,
+) -> Rewrite:
     """Insert `x + g·block(x)` (g = 0) after `after` (default: the last feature map before global pooling).
     init=gradmax: `data` is a callable (or `package.module:function`) returning (inputs, loss_fn)."""
     if init == "gradmax" and data is None:
@@ -87,33 +121,44 @@ def deepen(gm: fx.GraphModule, after: str | None, block: Block, attention: Liter
         node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_place(gm)
         rw, root = insert_block(gm, node, chosen, attention, generator)
         return _aimed(rw, root, init, data)
-    node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_point(gm, lambda n: block_params(n, block))
+    node, chosen = (
+        tensor_or_feature_end(gm, after) if after is not None else default_point(gm, lambda n: block_params(n, block))
+    )
     shape = tensor_shape(node)
     if not is_float_tensor(node) or len(shape) < 2:
-        raise NotApplicable(f"'{node.name}' (shape {node.meta.get('gg_shape')}) is not a feature tensor", "pick a node with a (N, C, …) tensor")
+        raise NotApplicable(
+            f"'{node.name}' (shape {node.meta.get('gg_shape')}) is not a feature tensor",
+            "pick a node with a (N, C, …) tensor",
+        )
     dims = conv_dims(node)
     if block == "auto":
         block = "conv_bn_relu" if dims in (1, 2) else "linear_relu"
     kw = factory_kwargs(gm, node)
     if block == "conv_bn_relu":
         if dims not in (1, 2):
-            raise NotApplicable(f"conv_bn_relu needs a feature map (N, C, H, W) or (N, C, L); '{node.name}' is {list(shape)}"
-                                + (" with its channels last" if dims is None else ""), "use block=linear_relu")
+            raise NotApplicable(
+                f"conv_bn_relu needs a feature map (N, C, H, W) or (N, C, L); '{node.name}' is {list(shape)}"
+                + (" with its channels last" if dims is None else ""),
+                "use block=linear_relu",
+            )
         c = shape[1]
         conv = (nn.Conv2d if dims == 2 else nn.Conv1d)(c, c, 3, padding=1, bias=False, **kw)
         kaiming_(conv.weight, generator)
         module = nn.Sequential(conv, (nn.BatchNorm2d if dims == 2 else nn.BatchNorm1d)(c, **kw), nn.ReLU())
     elif block == "linear_relu":
         if len(shape) not in (2, 3) or dims is not None:
-            raise NotApplicable(f"linear_relu needs (N, F) or (N, T, F) features (channels last); '{node.name}' is {list(shape)}"
-                                + (" with its channels at dim 1 (a conv's feature map)" if dims else ""), "use block=conv_bn_relu")
+            raise NotApplicable(
+                f"linear_relu needs (N, F) or (N, T, F) features (channels last); '{node.name}' is {list(shape)}"
+                + (" with its channels at dim 1 (a conv's feature map)" if dims else ""),
+                "use block=conv_bn_relu",
+            )
         lin = nn.Linear(shape[-1], shape[-1], **kw)
         kaiming_(lin.weight, generator)
         with torch.no_grad():
             # Units in pairs with opposite weights: one of each pair is active for any input,
             # so the ReLU can never silence the whole block (and the gate always learns).
             half = shape[-1] // 2
-            lin.weight[half:2 * half] = -lin.weight[:half]
+            lin.weight[half : 2 * half] = -lin.weight[:half]
             lin.bias.zero_()
         module = nn.Sequential(lin, nn.ReLU())
     else:
@@ -191,15 +236,25 @@ class Deepen(Pass):
     name: ClassVar[str] = "deepen"
     function = deepen
     ensures = (ADDS_PARAMETERS,)
-    after: str | None = arg(None, "node name or module path (its output); default: the latest stage end within the budget")
-    block: Block = arg("auto", "auto: transformer on a transformer's token stream, conv_bn_relu for feature maps (N,C,H,W "
-                               "or a Conv1d's N,C,L), linear_relu otherwise; "
-                               "transformer: a pre-norm attention + MLP block on a token stream (N,T,C), no gate")
+    after: str | None = arg(
+        None, "node name or module path (its output); default: the latest stage end within the budget"
+    )
+    block: Block = arg(
+        "auto",
+        "auto: transformer on a transformer's token stream, conv_bn_relu for feature maps (N,C,H,W "
+        "or a Conv1d's N,C,L), linear_relu otherwise; "
+        "transformer: a pre-norm attention + MLP block on a token stream (N,T,C), no gate",
+    )
     attention: Literal["auto", "causal", "bidirectional"] = arg(
-        "auto", "block=transformer: auto probes whether the stream is causal at the place (refuses when it cannot tell)")
-    init: Literal["zero", "gradmax"] = arg("zero", "zero: random block behind the zero gate (transformer: zero proj, fc2); gradmax: the first layer aimed from `data`")
-    data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data",
-                           names_code=True)
+        "auto", "block=transformer: auto probes whether the stream is causal at the place (refuses when it cannot tell)"
+    )
+    init: Literal["zero", "gradmax"] = arg(
+        "zero",
+        "zero: random block behind the zero gate (transformer: zero proj, fc2); gradmax: the first layer aimed from `data`",
+    )
+    data: str | None = arg(
+        None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data", names_code=True
+    )
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """The end of each backbone stage, the last first (block=transformer: each block's output on the token stream)."""
@@ -219,7 +274,9 @@ def is_token_stream(node: fx.Node) -> bool:
 
 def _is_residual_add(node: fx.Node) -> bool:
     """A sum of two tensors of the stream's shape: a block's output on the residual stream."""
-    is_add = (node.op == "call_function" and node.target in (operator.add, torch.add)) or (node.op == "call_method" and node.target == "add")
+    is_add = (node.op == "call_function" and node.target in (operator.add, torch.add)) or (
+        node.op == "call_method" and node.target == "add"
+    )
     ins = [a for a in node.args[:2] if isinstance(a, fx.Node)]
     return is_add and len(ins) == 2 and all(tensor_shape(a) == tensor_shape(node) for a in ins)
 
@@ -249,12 +306,18 @@ def transformer_params(node: fx.Node, gm: fx.GraphModule | None = None, widths: 
 def default_place(gm: fx.GraphModule) -> tuple[fx.Node, str]:
     places = stream_places(gm)
     if not places:
-        raise NotApplicable("the model has no token stream (N, T, C) on its main path",
-                            "name a (N, T, C) tensor with after=, or use block=conv_bn_relu / linear_relu")
+        raise NotApplicable(
+            "the model has no token stream (N, T, C) on its main path",
+            "name a (N, T, C) tensor with after=, or use block=conv_bn_relu / linear_relu",
+        )
     total = max(param_count(gm), 1)
     widths: dict[int, int] = {}
     node, over = pick_within_budget(places, lambda n: transformer_params(n, gm, widths), total)
-    which = "the last block's output on the token stream" if node is places[0] else "the latest block output within the budget"
+    which = (
+        "the last block's output on the token stream"
+        if node is places[0]
+        else "the latest block output within the budget"
+    )
     return node, f"{which}{over}"
 
 
@@ -264,8 +327,15 @@ def candidates(gm: fx.GraphModule) -> list[Candidate]:
         return []
     default, _ = default_place(gm)
     widths: dict[int, int] = {}
-    return [Candidate({"after": n.name}, f"token stream {list(tensor_shape(n) or ())}, a residual sum in {place(gm, n)}",
-                      transformer_params(n, gm, widths), n is default) for n in places]
+    return [
+        Candidate(
+            {"after": n.name},
+            f"token stream {list(tensor_shape(n) or ())}, a residual sum in {place(gm, n)}",
+            transformer_params(n, gm, widths),
+            n is default,
+        )
+        for n in places
+    ]
 
 
 # --- what the model tells: norms, heads, MLP width ------------------------------------------------------
@@ -297,8 +367,14 @@ def _stream_norm(gm: fx.GraphModule, c: int, stream: Stream | None) -> tuple[typ
         norm = _in_graph_order(gm, stream.norms)[0]
         rms, eps = norm.rms, norm.eps
     else:
-        m = next((m for m in gm.modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and tuple(m.normalized_shape) == (c,)),
-                 None)
+        m = next(
+            (
+                m
+                for m in gm.modules()
+                if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and tuple(m.normalized_shape) == (c,)
+            ),
+            None,
+        )
         rms, eps = isinstance(m, nn.RMSNorm), (1e-5 if m is None else m.eps)
     return (nn.RMSNorm if rms else nn.LayerNorm), float(torch.finfo(torch.float32).eps if eps is None else eps), not rms
 
@@ -309,8 +385,13 @@ def _heads(gm: fx.GraphModule, c: int) -> tuple[int, str]:
     try:
         found = [(a.heads, a.head_dim) for a in _in_graph_order(gm, find_attentions(gm, set()))]
     except NotApplicable:
-        found = [(q[1], q[3]) for n in gm.graph.nodes if n.op == "call_function" and n.target is F.scaled_dot_product_attention
-                 and isinstance(n.args[0], fx.Node) for q in [tensor_shape(n.args[0])] if q is not None and len(q) == 4]
+        found = [
+            (q[1], q[3])
+            for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is F.scaled_dot_product_attention and isinstance(n.args[0], fx.Node)
+            for q in [tensor_shape(n.args[0])]
+            if q is not None and len(q) == 4
+        ]
     for h, d in found:
         if h * d == c:
             return h, "the model's own attention"
@@ -338,6 +419,7 @@ def _mlp_width(gm: fx.GraphModule, c: int, stream: Stream | None) -> int:
 
 
 # --- causality -------------------------------------------------------------------------------------------
+
 
 def _stream_value(gm: fx.GraphModule, node: fx.Node, inputs) -> torch.Tensor:
     interp = fx.Interpreter(gm, garbage_collect_values=False)
@@ -376,8 +458,11 @@ def probe_causal(gm: fx.GraphModule, node: fx.Node) -> tuple[bool | None, str]:
                 if torch.equal(a[:, -1], b[:, -1]):
                     return None, "changing the last token does not change the stream there"
                 causal = torch.allclose(a[:, :-1], b[:, :-1], rtol=1e-6, atol=1e-7)
-                return causal, ("probed: earlier positions do not see a later token" if causal
-                                else "probed: earlier positions see a later token")
+                return causal, (
+                    "probed: earlier positions do not see a later token"
+                    if causal
+                    else "probed: earlier positions see a later token"
+                )
             return _own_attention(gm, x)
     finally:
         gm.train(was)
@@ -387,18 +472,28 @@ def _own_attention(gm: fx.GraphModule, x) -> tuple[bool | None, str]:
     """Causality from the masks the model's own scaled_dot_product_attention calls get at run time."""
     attn = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is F.scaled_dot_product_attention]
     if not attn:
-        return None, "no input is aligned with the tokens to probe, and the model has no scaled_dot_product_attention to read"
+        return (
+            None,
+            "no input is aligned with the tokens to probe, and the model has no scaled_dot_product_attention to read",
+        )
     interp = fx.Interpreter(gm, garbage_collect_values=False)
     interp.run(*(x.values() if isinstance(x, dict) else (x,)))
     kinds = {_mask_kind(interp.env, n) for n in attn}
     if len(kinds) == 1 and kinds != {None}:
         causal = kinds == {True}
-        return causal, f"read from the model's own attention: {'causal' if causal else 'no'} mask (no input is aligned with the tokens)"
-    return None, "no input is aligned with the tokens to probe, and the model's attention masks are neither all causal nor all open"
+        return (
+            causal,
+            f"read from the model's own attention: {'causal' if causal else 'no'} mask (no input is aligned with the tokens)",
+        )
+    return (
+        None,
+        "no input is aligned with the tokens to probe, and the model's attention masks are neither all causal nor all open",
+    )
 
 
 def _mask_kind(env: dict, n: fx.Node) -> bool | None:
     """True: a causal attention call; False: every position sees every other; None: another mask."""
+
     def value(i: int, key: str, default):
         a = n.args[i] if len(n.args) > i else n.kwargs.get(key, default)
         return env[a] if isinstance(a, fx.Node) else a
@@ -418,6 +513,7 @@ def _mask_kind(env: dict, n: fx.Node) -> bool | None:
 
 # --- the block ------------------------------------------------------------------------------------------
 
+
 def _linear(c_in: int, c_out: int, bias: bool, generator: torch.Generator, kw: dict, zero: bool = False) -> nn.Linear:
     lin = nn.Linear(c_in, c_out, bias=bias, **kw)
     with torch.no_grad():
@@ -430,20 +526,25 @@ def _linear(c_in: int, c_out: int, bias: bool, generator: torch.Generator, kw: d
     return lin
 
 
-def insert_block(gm: fx.GraphModule, node: fx.Node, chosen: str, attention: str,
-                 generator: torch.Generator) -> tuple[Rewrite, str]:
+def insert_block(
+    gm: fx.GraphModule, node: fx.Node, chosen: str, attention: str, generator: torch.Generator
+) -> tuple[Rewrite, str]:
     """A transformer block after `node`: the rewrite and the block's module path."""
     if not is_token_stream(node):
-        raise NotApplicable(f"block=transformer needs a token stream (N, T, C) with channels last; '{node.name}' is "
-                            f"{list(tensor_shape(node) or [])}" + (" with its channels at dim 1" if is_float_tensor(node) else ""),
-                            "pick a tensor between two transformer blocks, or use block=conv_bn_relu / linear_relu")
+        raise NotApplicable(
+            f"block=transformer needs a token stream (N, T, C) with channels last; '{node.name}' is "
+            f"{list(tensor_shape(node) or [])}" + (" with its channels at dim 1" if is_float_tensor(node) else ""),
+            "pick a tensor between two transformer blocks, or use block=conv_bn_relu / linear_relu",
+        )
     c = tensor_shape(node)[-1]  # type: ignore[index]
     why = "given"
     if attention == "auto":
         causal, why = probe_causal(gm, node)
         if causal is None:
-            raise NotApplicable(f"cannot tell whether attention at '{node.name}' must be causal: {why}",
-                                "say it: attention=causal (a language model) or attention=bidirectional")
+            raise NotApplicable(
+                f"cannot tell whether attention at '{node.name}' must be causal: {why}",
+                "say it: attention=causal (a language model) or attention=bidirectional",
+            )
         attention = "causal" if causal else "bidirectional"
     stream = _stream_of(gm, c)
     norm_cls, eps, bias = _stream_norm(gm, c, stream)
@@ -453,16 +554,27 @@ def insert_block(gm: fx.GraphModule, node: fx.Node, chosen: str, attention: str,
     block = nn.Module()
     for name in ("norm1", "norm2"):
         block.add_module(name, norm_cls(c, eps=eps, **kw))
-    for name, (i, o, b, zero) in {"q": (c, c, bias, False), "k": (c, c, False, False), "v": (c, c, bias, False),
-                                  "proj": (c, c, bias, True), "fc1": (c, f, bias, False), "fc2": (f, c, bias, True)}.items():
+    for name, (i, o, b, zero) in {
+        "q": (c, c, bias, False),
+        "k": (c, c, False, False),
+        "v": (c, c, bias, False),
+        "proj": (c, c, bias, True),
+        "fc1": (c, f, bias, False),
+        "fc2": (f, c, bias, True),
+    }.items():
         block.add_module(name, _linear(i, o, b, generator, kw, zero))
     block.add_module("act", nn.GELU())
     root = add_module(gm, "deepen_transformer", block)
     new = _wire(gm, node, root, heads, attention == "causal")
     set_scope(new, node)
-    targets = {"after": f"{node.name} {list(tensor_shape(node) or [])}", "chosen": chosen,
-               "block": (f"transformer ({root}): {norm_cls.__name__}(eps={eps:g}), {heads} heads ({heads_why}), MLP {c}→{f}→{c}, "
-                         f"{attention} attention ({why}); proj and fc2 = 0")}
+    targets = {
+        "after": f"{node.name} {list(tensor_shape(node) or [])}",
+        "chosen": chosen,
+        "block": (
+            f"transformer ({root}): {norm_cls.__name__}(eps={eps:g}), {heads} heads ({heads_why}), MLP {c}→{f}→{c}, "
+            f"{attention} attention ({why}); proj and fc2 = 0"
+        ),
+    }
     return Rewrite(finish(gm), targets), root
 
 

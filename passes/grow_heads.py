@@ -13,6 +13,7 @@ attention and rotary embeddings are understood; anything else is refused with th
 - `value_dim=`: the value/output head size only: new value rows random, new output-projection columns zero; exact
   with rotary embeddings too.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,13 +24,20 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
-from graphgrow.rewrite import ADDS_PARAMETERS, begin, find_attentions, grow_attentions, pass_function, Requirement
+from graphgrow import Candidate, NotApplicable, Pass, Rewrite, arg
+from graphgrow.rewrite import ADDS_PARAMETERS, Requirement, begin, find_attentions, grow_attentions, pass_function
 
 
 @pass_function  # the arguments' defaults and allowed values: GrowHeads's declaration
-def grow_heads(gm: fx.GraphModule, heads: int | None, by: int | None, head_dim: int | None,
-               value_dim: int | None, at: str | None, generator: torch.Generator | None = None) -> Rewrite:
+def grow_heads(
+    gm: fx.GraphModule,
+    heads: int | None,
+    by: int | None,
+    head_dim: int | None,
+    value_dim: int | None,
+    at: str | None,
+    generator: torch.Generator | None = None,
+) -> Rewrite:
     """Grow the attentions of `gm`: heads to `heads` (or by `by`), head size to `head_dim`, value size to `value_dim`;
     with no argument, +50 % heads (rounded to keep a grouped-query ratio)."""
     gm, generator = begin(gm, generator)
@@ -38,27 +46,42 @@ def grow_heads(gm: fx.GraphModule, heads: int | None, by: int | None, head_dim: 
     plans = [(a, new_sizes(a, heads, by, head_dim, value_dim)) for a in attentions]
     hows = grow_attentions(gm, plans, generator)
     first, new = plans[0]
-    targets = {"attentions": f"{len(plans)} ({'at ' + at if at else 'every one'})",
-               "heads": _change(first.heads, new["h"] * (first.heads // first.kv_heads), heads is None and by is None
-                                and head_dim is None and value_dim is None),
-               "head_dim": _change(first.head_dim, new["d"]),
-               "value_dim": _change(first.value_dim, new["e"]), "scale": hows[0],
-               "each": "; ".join(f"{attention_path(a) or a.node}: {a.heads}×{a.head_dim} → {n['h'] * n['r']}×{n['d']}"
-                                 + (f" (value {a.value_dim} → {n['e']})" if n["e"] != a.value_dim else "") for a, n in plans)}
+    targets = {
+        "attentions": f"{len(plans)} ({'at ' + at if at else 'every one'})",
+        "heads": _change(
+            first.heads,
+            new["h"] * (first.heads // first.kv_heads),
+            heads is None and by is None and head_dim is None and value_dim is None,
+        ),
+        "head_dim": _change(first.head_dim, new["d"]),
+        "value_dim": _change(first.value_dim, new["e"]),
+        "scale": hows[0],
+        "each": "; ".join(
+            f"{attention_path(a) or a.node}: {a.heads}×{a.head_dim} → {n['h'] * n['r']}×{n['d']}"
+            + (f" (value {a.value_dim} → {n['e']})" if n["e"] != a.value_dim else "")
+            for a, n in plans
+        ),
+    }
     if first.kv_heads != first.heads:
-        targets["kv_heads"] = _change(first.kv_heads, new["h"]) + f" (grouped-query: {first.heads // first.kv_heads} query heads each)"
+        targets["kv_heads"] = (
+            _change(first.kv_heads, new["h"]) + f" (grouped-query: {first.heads // first.kv_heads} query heads each)"
+        )
     notes = []
     if any(len(p.roles) > 1 for a, _ in plans for p in a.projections) and new["d"] != first.head_dim:
-        notes.append("fused q/k/v projections hold equal sections: the value head size grew with the query/key head size")
+        notes.append(
+            "fused q/k/v projections hold equal sections: the value head size grew with the query/key head size"
+        )
     return Rewrite(gm, targets, notes)
 
 
 def _has_attention(gm: fx.GraphModule) -> bool:
     """A scaled_dot_product_attention, or an nn.MultiheadAttention kept whole (find_attentions says how to decompose
     it)."""
-    return any((n.op == "call_function" and n.target is F.scaled_dot_product_attention)
-               or (n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.MultiheadAttention))
-               for n in gm.graph.nodes)
+    return any(
+        (n.op == "call_function" and n.target is F.scaled_dot_product_attention)
+        or (n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.MultiheadAttention))
+        for n in gm.graph.nodes
+    )
 
 
 def _change(old: int, new: int, default: bool = False) -> str:
@@ -81,7 +104,9 @@ def new_sizes(a, heads: int | None, by: int | None, head_dim: int | None, value_
     h, kv, d, e = a.heads, a.kv_heads, a.head_dim, a.value_dim
     ratio = h // kv
     if heads is not None and by is not None and heads != h + by:
-        raise NotApplicable(f"heads={heads} and by={by} disagree (attention '{a.node}' has {h} heads)", "give one of them")
+        raise NotApplicable(
+            f"heads={heads} and by={by} disagree (attention '{a.node}' has {h} heads)", "give one of them"
+        )
     target = heads if heads is not None else h + by if by is not None else None
     if target is None and head_dim is None and value_dim is None:
         target = h + max(ratio, -(-h // 2 // ratio) * ratio)
@@ -90,19 +115,28 @@ def new_sizes(a, heads: int | None, by: int | None, head_dim: int | None, value_
     if target < h:
         raise NotApplicable(f"{where}: heads={target} would remove heads", f"give heads= above {h}")
     if target % ratio:
-        raise NotApplicable(f"{where}: {h} query heads share {kv} key/value head{'s' if kv > 1 else ''} ({ratio} each); {target} query heads "
-                            "cannot keep that ratio", f"heads={h + ratio}, {h + 2 * ratio}, … (key/value heads grow "
-                            f"by heads / {ratio})")
+        raise NotApplicable(
+            f"{where}: {h} query heads share {kv} key/value head{'s' if kv > 1 else ''} ({ratio} each); {target} query heads "
+            "cannot keep that ratio",
+            f"heads={h + ratio}, {h + 2 * ratio}, … (key/value heads grow by heads / {ratio})",
+        )
     fused = any(len(p.roles) > 1 for p in a.projections)
     d2 = int(head_dim) if head_dim is not None else d
     e2 = int(value_dim) if value_dim is not None else d2 if head_dim is not None and e == d else e
     if d2 < d or e2 < e:
-        raise NotApplicable(f"{where}: head_dim={d2}, value_dim={e2} would shrink heads", "give sizes above the current ones")
+        raise NotApplicable(
+            f"{where}: head_dim={d2}, value_dim={e2} would shrink heads", "give sizes above the current ones"
+        )
     if fused and d2 != e2:
-        raise NotApplicable(f"{where}: its query, key and value come from one fused projection in equal sections, so "
-                            f"their head sizes grow together", f"give head_dim={max(d2, e2)} (query, key and value)")
+        raise NotApplicable(
+            f"{where}: its query, key and value come from one fused projection in equal sections, so "
+            f"their head sizes grow together",
+            f"give head_dim={max(d2, e2)} (query, key and value)",
+        )
     if (target, d2, e2) == (h, d, e):
-        raise NotApplicable(f"{where}: nothing to grow", "give heads= (or by=), head_dim= or value_dim= above the current sizes")
+        raise NotApplicable(
+            f"{where}: nothing to grow", "give heads= (or by=), head_dim= or value_dim= above the current sizes"
+        )
     return {"h": target // ratio, "r": ratio if ratio > 1 else 1, "d": d2, "e": e2}
 
 
@@ -123,16 +157,28 @@ class GrowHeads(Pass):
 
     name: ClassVar[str] = "grow_heads"
     function = grow_heads
-    requires = (Requirement("an attention (F.scaled_dot_product_attention)", lambda gm: _has_attention(gm),
-        "the model has no scaled_dot_product_attention: no attention heads found",
-        "grow_heads grows attentions written with F.scaled_dot_product_attention (Hugging Face's default sdpa, timm, "
-        "nn.MultiheadAttention); attention written as matmul + softmax is not supported"),)
+    requires = (
+        Requirement(
+            "an attention (F.scaled_dot_product_attention)",
+            lambda gm: _has_attention(gm),
+            "the model has no scaled_dot_product_attention: no attention heads found",
+            "grow_heads grows attentions written with F.scaled_dot_product_attention (Hugging Face's default sdpa, timm, "
+            "nn.MultiheadAttention); attention written as matmul + softmax is not supported",
+        ),
+    )
     ensures = (ADDS_PARAMETERS,)
-    heads: int | None = arg(None, "the new number of query heads in every attention (default: +50 %; grouped-query "
-                                  "attention keeps its ratio)", low=1)
+    heads: int | None = arg(
+        None,
+        "the new number of query heads in every attention (default: +50 %; grouped-query attention keeps its ratio)",
+        low=1,
+    )
     by: int | None = arg(None, "query heads to add (instead of heads=)", low=1)
-    head_dim: int | None = arg(None, "the new query/key head size (the value head size grows with it unless value_dim= "
-                                     "is given); refused under rotary embeddings", low=1)
+    head_dim: int | None = arg(
+        None,
+        "the new query/key head size (the value head size grows with it unless value_dim= "
+        "is given); refused under rotary embeddings",
+        low=1,
+    )
     value_dim: int | None = arg(None, "the new value/output head size only (exact with rotary embeddings)", low=1)
     at: str | None = arg(None, "module path of one attention (e.g. model.layers.0.self_attn); default: every attention")
 
@@ -149,8 +195,13 @@ class GrowHeads(Pass):
             except NotApplicable:
                 continue
             path = attention_path(a)
-            out.append(Candidate({"at": path} if path else {}, f"{a.node} ({path}): {a.summary()} → "
-                                 f"{new['h'] * new['r']} heads × {new['d']}", _added(gm, a, new)))
+            out.append(
+                Candidate(
+                    {"at": path} if path else {},
+                    f"{a.node} ({path}): {a.summary()} → {new['h'] * new['r']} heads × {new['d']}",
+                    _added(gm, a, new),
+                )
+            )
         if len(out) > 1 and self.at is None:
             out.insert(0, Candidate({}, f"every attention ({len(out)})", sum(c.params for c in out), True))
         elif out:

@@ -12,6 +12,7 @@ eps and old γ are rescaled by d/d' and sqrt(d/d') so its old outputs do not mov
 (every coordinate replicated equally, readers' columns split in random shares); other sizes are refused with the
 reason. Tied input/output embeddings get their new columns once, right for both uses.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,27 +21,41 @@ from typing import ClassVar
 import torch
 from torch import fx, nn
 
-from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
+from graphgrow import Candidate, NotApplicable, Pass, Rewrite, arg
 from graphgrow.rewrite import ADDS_PARAMETERS, begin, find_stream, grow_stream, pass_function
 
 
 @pass_function  # the arguments' defaults and allowed values: GrowHidden's declaration
-def grow_hidden(gm: fx.GraphModule, to: int | None, by: int | None, generator: torch.Generator | None = None) -> Rewrite:
+def grow_hidden(
+    gm: fx.GraphModule, to: int | None, by: int | None, generator: torch.Generator | None = None
+) -> Rewrite:
     """Grow the hidden size to `to` (or by `by`); default: +50 % (pre-norm), ×2 (post-norm)."""
     gm, generator = begin(gm, generator)
     stream = find_stream(gm)
     new, chosen = target_width(stream.width, stream.conflict is None, to, by)
     rule = grow_stream(gm, stream, new, generator)
     fills = sorted(set(stream.fill.values()))
-    how = (f"new coordinates start as {' or '.join(FILLS[f] for f in fills)}; norms' eps and old γ rescaled, new norm "
-           "outputs β = 0" if rule == "mean/zero" else f"every coordinate replicated {new // stream.width}× ({stream.conflict})")
+    how = (
+        f"new coordinates start as {' or '.join(FILLS[f] for f in fills)}; norms' eps and old γ rescaled, new norm "
+        "outputs β = 0"
+        if rule == "mean/zero"
+        else f"every coordinate replicated {new // stream.width}× ({stream.conflict})"
+    )
     targets = {"hidden": f"{stream.width} → {new} ({chosen})", "rule": how, "stream": stream.summary()}
     notes = []
-    dropped = [n for n in gm.graph.nodes if n.name in stream.axes and n.op == "call_module"
-               and isinstance(gm.get_submodule(n.target), nn.Dropout) and gm.get_submodule(n.target).p > 0]
+    dropped = [
+        n
+        for n in gm.graph.nodes
+        if n.name in stream.axes
+        and n.op == "call_module"
+        and isinstance(gm.get_submodule(n.target), nn.Dropout)
+        and gm.get_submodule(n.target).p > 0
+    ]
     if dropped and rule == "mean/zero" and any(v == "mean" for v in stream.fill.values()):
-        notes.append(f"dropout on the stream ({dropped[0].target}, …) drops new coordinates on their own: exact in eval "
-                     "mode and in train mode with dropout off (as verified); with dropout on, the new coordinates are dropped independently of the old ones, so a LayerNorm after it sees slightly other statistics")
+        notes.append(
+            f"dropout on the stream ({dropped[0].target}, …) drops new coordinates on their own: exact in eval "
+            "mode and in train mode with dropout off (as verified); with dropout on, the new coordinates are dropped independently of the old ones, so a LayerNorm after it sees slightly other statistics"
+        )
     return Rewrite(gm, targets, notes)
 
 
@@ -77,5 +92,8 @@ class GrowHidden(Pass):
         except NotApplicable:
             return []
         added = sum(p.numel() for p in gm.parameters()) * (new - stream.width) // max(stream.width, 1)  # roughly
-        return [Candidate({"to": str(new)}, f"residual stream {stream.width} → {new} ({chosen}); {stream.summary()}",
-                          added, True)]
+        return [
+            Candidate(
+                {"to": str(new)}, f"residual stream {stream.width} → {new} ({chosen}); {stream.summary()}", added, True
+            )
+        ]

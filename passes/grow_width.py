@@ -13,6 +13,7 @@ A group normalised by a LayerNorm (ConvNeXt/transformer streams) grows exactly o
 by replicating every channel the same number of times: init=net2net with an integer
 factor; layer scales and norm affines are replicated with it. Anything else is refused.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,14 +22,40 @@ from typing import ClassVar, Literal
 import torch
 from torch import fx, nn
 
-from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
+from graphgrow import Candidate, NotApplicable, Pass, Rewrite, arg
 from graphgrow.rewrite import (
-    add_module, adapter_layouts, analyze, begin, columns, Coupling, deployed_nodes, finish, graphgrow_modules,
-    gradmax_init, group_layouts, grow_group, identity_adapter, Init, inserting_after, Insertion, is_graphgrow_node, load_data, make_layout,
-    ADDS_PARAMETERS, param_count, pass_function,
-    pick_within_budget, place, replace_uses, resize, resolve_tensor, set_module, set_scope, tensor_shape, train_only_note,
+    ADDS_PARAMETERS,
+    Coupling,
+    Init,
+    Insertion,
+    adapter_layouts,
+    add_module,
+    analyze,
+    begin,
+    columns,
+    deployed_nodes,
+    finish,
+    gradmax_init,
+    graphgrow_modules,
+    group_layouts,
+    grow_group,
+    identity_adapter,
+    inserting_after,
+    is_graphgrow_node,
+    load_data,
+    make_layout,
+    param_count,
+    pass_function,
+    pick_within_budget,
+    place,
+    replace_uses,
+    resize,
+    resolve_tensor,
+    set_module,
+    set_scope,
+    tensor_shape,
+    train_only_note,
 )
-
 
 
 def find_layer(gm: fx.GraphModule, target: str, coupling: Coupling | None = None) -> fx.Node:
@@ -43,8 +70,10 @@ def find_layer(gm: fx.GraphModule, target: str, coupling: Coupling | None = None
             return n
     node = resolve_tensor(gm, target, "out")  # raises NotApplicable with suggestions
     what = "a container of several layers" if target in dict(gm.named_modules()) else f"a {node.op} node"
-    raise NotApplicable(f"'{target}' is {what}, not one conv or Linear layer",
-                        "name one conv or Linear layer (graphgrow inspect lists them)")
+    raise NotApplicable(
+        f"'{target}' is {what}, not one conv or Linear layer",
+        "name one conv or Linear layer (graphgrow inspect lists them)",
+    )
 
 
 def layer_path(node: fx.Node, coupling: Coupling) -> str:
@@ -57,8 +86,15 @@ def width_of(gm: fx.GraphModule, node: fx.Node, coupling: Coupling) -> tuple[int
     """(output width, kind in words) of a conv/Linear module or of a layer written as a call on its parameters."""
     f = coupling.functional.get(node.name)
     if f is not None:
-        if f.kind == "conv" and not f.standardised and (tensor_shape(node.args[0]) or (0, 0))[1] != gm.get_parameter(f.weight).shape[1]:
-            raise NotApplicable(f"'{layer_path(node, coupling)}' is a grouped conv written as a call", "grow the layer that produces its input")
+        if (
+            f.kind == "conv"
+            and not f.standardised
+            and (tensor_shape(node.args[0]) or (0, 0))[1] != gm.get_parameter(f.weight).shape[1]
+        ):
+            raise NotApplicable(
+                f"'{layer_path(node, coupling)}' is a grouped conv written as a call",
+                "grow the layer that produces its input",
+            )
         kind = "weight-standardised conv" if f.standardised else f"F.{f.kind}"
         return int(gm.get_parameter(f.weight).shape[0]), kind
     layer = check_growable_layer(gm, node)
@@ -71,17 +107,20 @@ def check_growable_layer(gm: fx.GraphModule, node: fx.Node) -> nn.Module:
         return m
     if isinstance(m, nn.modules.conv._ConvNd) and not isinstance(m, nn.modules.conv._ConvTransposeNd):
         if m.groups > 1 and m.groups == m.in_channels == m.out_channels:
-            raise NotApplicable(f"'{node.target}' is a depthwise conv: its width follows its input",
-                                "grow the layer that produces its input")
+            raise NotApplicable(
+                f"'{node.target}' is a depthwise conv: its width follows its input",
+                "grow the layer that produces its input",
+            )
         return m  # a grouped conv grows each of its groups by the same number of channels
-    raise NotApplicable(f"'{node.target}' is {type(m).__name__}; grow_width widens a conv or Linear layer",
-                        "name a conv or Linear layer (graphgrow inspect --groups lists them)")
+    raise NotApplicable(
+        f"'{node.target}' is {type(m).__name__}; grow_width widens a conv or Linear layer",
+        "name a conv or Linear layer (graphgrow inspect --groups lists them)",
+    )
 
 
-
-
-def growable_layers(gm: fx.GraphModule, coupling: Coupling, replicates: bool = False,
-                    factor: float = 2.0) -> tuple[list[tuple[fx.Node, int]], bool]:
+def growable_layers(
+    gm: fx.GraphModule, coupling: Coupling, replicates: bool = False, factor: float = 2.0
+) -> tuple[list[tuple[fx.Node, int]], bool]:
     """Main-path conv/Linear layers (graph order) whose whole channel group can grow, with the parameters
     growing by `factor` adds; not ones working on pooled 1×1 maps (squeeze-excitation, a head conv) when
     the model has larger maps, nor ones graphgrow added, nor ones the deployed function does not run (a
@@ -90,16 +129,25 @@ def growable_layers(gm: fx.GraphModule, coupling: Coupling, replicates: bool = F
     skipped_norm = False
     added = graphgrow_modules(gm)
     deployed = deployed_nodes(gm)
-    has_maps = any(len(tensor_shape(n) or ()) == 4 and (tensor_shape(n) or (0, 0, 1, 1))[2:] != (1, 1) for n in gm.graph.nodes)
+    has_maps = any(
+        len(tensor_shape(n) or ()) == 4 and (tensor_shape(n) or (0, 0, 1, 1))[2:] != (1, 1) for n in gm.graph.nodes
+    )
     found = []
     for n in gm.graph.nodes:
         called = n.name in coupling.functional
-        if (n.op != "call_module" and not called) or n.name not in coupling.group_of or n not in deployed or \
-                is_graphgrow_node(gm, n, added):
+        if (
+            (n.op != "call_module" and not called)
+            or n.name not in coupling.group_of
+            or n not in deployed
+            or is_graphgrow_node(gm, n, added)
+        ):
             continue
         grp = coupling.group(n.name)
-        if n.name not in grp.sources or coupling.why_frozen(grp.id) or \
-                not (called or isinstance(gm.get_submodule(n.target), (nn.Linear, nn.modules.conv._ConvNd))):
+        if (
+            n.name not in grp.sources
+            or coupling.why_frozen(grp.id)
+            or not (called or isinstance(gm.get_submodule(n.target), (nn.Linear, nn.modules.conv._ConvNd)))
+        ):
             continue
         if coupling.norms_reached(grp.id) and not replicates:
             skipped_norm = True
@@ -111,20 +159,30 @@ def growable_layers(gm: fx.GraphModule, coupling: Coupling, replicates: bool = F
     return found, skipped_norm
 
 
-def default_target(gm: fx.GraphModule, coupling: Coupling, replicates: bool = False, factor: float = 2.0) -> tuple[fx.Node, str]:
+def default_target(
+    gm: fx.GraphModule, coupling: Coupling, replicates: bool = False, factor: float = 2.0
+) -> tuple[fx.Node, str]:
     """The first of `growable_layers` within the parameter budget (else the one that adds the fewest
     parameters: a small model has no growth that small), with why in words."""
     found, skipped_norm = growable_layers(gm, coupling, replicates, factor)
     total = max(param_count(gm), 1)
     if found:
         (node, cost), over = pick_within_budget(found, lambda c: c[1], total)
-        what = "main-path layer whose channel group grows the least" if over else "first main-path layer whose channel group can grow"
-        return node, (f"{what}: {place(gm, node)}; adds about {cost:,} parameters ({100 * cost / total:.0f}% of the "
-                      f"model){over}")
+        what = (
+            "main-path layer whose channel group grows the least"
+            if over
+            else "first main-path layer whose channel group can grow"
+        )
+        return node, (
+            f"{what}: {place(gm, node)}; adds about {cost:,} parameters ({100 * cost / total:.0f}% of the model){over}"
+        )
     hint = "graphgrow inspect --groups shows why each group is frozen; mode=adapter widens one layer"
     if skipped_norm:
         hint = "groups under a LayerNorm grow with init=net2net and an integer factor; " + hint
-    raise NotApplicable("no layer in this model has a channel group that can grow", hint + train_only_note(gm, "name a layer with target="))
+    raise NotApplicable(
+        "no layer in this model has a channel group that can grow",
+        hint + train_only_note(gm, "name a layer with target="),
+    )
 
 
 def growth_params(gm: fx.GraphModule, coupling: Coupling, gid: int, factor: float) -> int:
@@ -140,16 +198,21 @@ def growth_params(gm: fx.GraphModule, coupling: Coupling, gid: int, factor: floa
                 node, f = nodes.get(name), coupling.functional.get(name)
                 if f is not None:  # a called layer: its weight's rows (outputs) or columns (inputs)
                     w = gm.get_parameter(f.weight)
-                    total += (w.numel() // w.shape[0] + (role == "out" and f.bias is not None)) * delta \
-                        if role == "out" else w.numel() // w.shape[1] * delta
+                    total += (
+                        (w.numel() // w.shape[0] + (role == "out" and f.bias is not None)) * delta
+                        if role == "out"
+                        else w.numel() // w.shape[1] * delta
+                    )
                     continue
                 if node is None or node.op != "call_module":
                     continue
                 m = gm.get_submodule(node.target)
                 own = sum(p.numel() for p in m.parameters(recurse=False))
-                channels = {"out": getattr(m, "out_channels", getattr(m, "out_features", 0)),
-                            "in": getattr(m, "in_channels", getattr(m, "in_features", 0)),
-                            "both": getattr(m, "num_features", getattr(m, "out_channels", g.size))}[role]
+                channels = {
+                    "out": getattr(m, "out_channels", getattr(m, "out_features", 0)),
+                    "in": getattr(m, "in_channels", getattr(m, "in_features", 0)),
+                    "both": getattr(m, "num_features", getattr(m, "out_channels", g.size)),
+                }[role]
                 if channels:
                     total += own * delta // channels
     return total
@@ -165,20 +228,31 @@ MAX_FACTOR = 16  # one growth step; larger steps are almost always a typo (facto
 def new_width(target: str, old: int, factor: float, to: int | None) -> int:
     width = to if to is not None else int(round(old * factor))
     if width > max(old * MAX_FACTOR, 1):
-        raise NotApplicable(f"'{target}' would grow from {old} to {width} channels, more than {MAX_FACTOR}× at once",
-                            "grow in smaller steps")
+        raise NotApplicable(
+            f"'{target}' would grow from {old} to {width} channels, more than {MAX_FACTOR}× at once",
+            "grow in smaller steps",
+        )
     if width < old:
-        raise NotApplicable(f"'{target}' has {old} channels; {width} would narrow it and grow_width only grows",
-                            "use insert_adapter(out_channels=..., allow_narrowing=true) to narrow on purpose")
+        raise NotApplicable(
+            f"'{target}' has {old} channels; {width} would narrow it and grow_width only grows",
+            "use insert_adapter(out_channels=..., allow_narrowing=true) to narrow on purpose",
+        )
     if width == old:
         raise NotApplicable(f"'{target}' already has {old} channels", "give factor > 1 or to > the current width")
     return width
 
 
 @pass_function  # the arguments' defaults and allowed values: GrowWidth's declaration
-def grow_width(gm: fx.GraphModule, target: str | None, factor: float, to: int | None,
-               mode: Literal["group", "adapter"], init: Init | Literal["gradmax"],
-               data, generator: torch.Generator | None = None) -> Rewrite:
+def grow_width(
+    gm: fx.GraphModule,
+    target: str | None,
+    factor: float,
+    to: int | None,
+    mode: Literal["group", "adapter"],
+    init: Init | Literal["gradmax"],
+    data,
+    generator: torch.Generator | None = None,
+) -> Rewrite:
     """Widen `target` (default: the first growable layer) to `to` channels or `factor`× its width.
     init=gradmax: `data` is a callable (or `package.module:function`) returning (inputs, loss_fn)."""
     gm, generator = begin(gm, generator)
@@ -187,7 +261,11 @@ def grow_width(gm: fx.GraphModule, target: str | None, factor: float, to: int | 
         load_data(None)  # refused before any work: gradmax needs a batch
     coupling = analyze(gm)
     replicates = init == "net2net" and to is None and float(factor).is_integer()
-    node, why = (find_layer(gm, target, coupling), "given") if target is not None else default_target(gm, coupling, replicates, factor)
+    node, why = (
+        (find_layer(gm, target, coupling), "given")
+        if target is not None
+        else default_target(gm, coupling, replicates, factor)
+    )
     old, kind = width_of(gm, node, coupling)
     width = new_width(layer_path(node, coupling), old, factor, to)
     count = width - old
@@ -196,25 +274,34 @@ def grow_width(gm: fx.GraphModule, target: str | None, factor: float, to: int | 
         gid = coupling.group_of[node.name]
         group = coupling.groups[gid]
         if node.name not in group.sources:  # a Linear that maps tokens: the channels pass through it unchanged
-            raise NotApplicable(f"'{layer_path(node, coupling)}' maps another axis of its input than the channels (a "
-                                "token-mixing Linear): its features are that axis, which no channel group holds",
-                                "widen a layer that makes channels, or use mode=adapter")
+            raise NotApplicable(
+                f"'{layer_path(node, coupling)}' maps another axis of its input than the channels (a "
+                "token-mixing Linear): its features are that axis, which no channel group holds",
+                "widen a layer that makes channels, or use mode=adapter",
+            )
         rebuilt = grow_group(gm, coupling, gid, count, init, generator)
-        targets["group"] = (f"#{gid}: {group.size} channels, {len(group.members)} tensors, "
-                            f"sources {', '.join(group.sources)}")
+        targets["group"] = (
+            f"#{gid}: {group.size} channels, {len(group.members)} tensors, sources {', '.join(group.sources)}"
+        )
         norms = coupling.norms_reached(gid)
         if norms:
             targets["layernorm"] = f"{len(norms)} LayerNorm(s) over the group; every channel replicated ×{width // old}"
     elif node.name in coupling.functional:
-        raise NotApplicable(f"'{layer_path(node, coupling)}' is a layer written as a call (F.{coupling.functional[node.name].kind}): "
-                            "mode=adapter rebuilds a module layer", "use mode=group")
+        raise NotApplicable(
+            f"'{layer_path(node, coupling)}' is a layer written as a call (F.{coupling.functional[node.name].kind}): "
+            "mode=adapter rebuilds a module layer",
+            "use mode=group",
+        )
     else:
         rebuilt = _grow_with_adapter(gm, node, check_growable_layer(gm, node), count, init, generator)
     targets["rebuilt"] = ", ".join(rebuilt)
     gm, notes = finish(gm), []
     if aim:  # after finish: the adapter's node is in the recompiled forward
-        outs, ins = (group_layouts(coupling, gid, count) if mode == "group"
-                     else adapter_layouts(gm, rebuilt[0], rebuilt[1], old, count))
+        outs, ins = (
+            group_layouts(coupling, gid, count)
+            if mode == "group"
+            else adapter_layouts(gm, rebuilt[0], rebuilt[1], old, count)
+        )
         aimed = gradmax_init(gm, outs, ins, data)
         if aimed is not None:
             targets["gradmax"] = aimed.describe()
@@ -251,14 +338,26 @@ class GrowWidth(Pass):
     name: ClassVar[str] = "grow_width"
     function = grow_width
     ensures = (ADDS_PARAMETERS,)
-    target: str | None = arg(None, "node name or module path of a conv or Linear; default: the first main-path layer whose group can grow")
-    factor: float = arg(2.0, "new width = round(factor × old width), unless `to` is given; one step grows at most 16×",
-                        above=0, high=MAX_FACTOR)
+    target: str | None = arg(
+        None, "node name or module path of a conv or Linear; default: the first main-path layer whose group can grow"
+    )
+    factor: float = arg(
+        2.0,
+        "new width = round(factor × old width), unless `to` is given; one step grows at most 16×",
+        above=0,
+        high=MAX_FACTOR,
+    )
     to: int | None = arg(None, "the new width", low=1)
-    mode: Literal["group", "adapter"] = arg("group", "group: widen the whole channel group; adapter: the target only, projected back by [I | 0]")
-    init: Literal["zero", "net2net", "gradmax"] = arg("zero", "zero: random in, zero out; net2net: copies sharing their outgoing weights; gradmax: zero out, in aimed from `data`")
-    data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data",
-                           names_code=True)
+    mode: Literal["group", "adapter"] = arg(
+        "group", "group: widen the whole channel group; adapter: the target only, projected back by [I | 0]"
+    )
+    init: Literal["zero", "net2net", "gradmax"] = arg(
+        "zero",
+        "zero: random in, zero out; net2net: copies sharing their outgoing weights; gradmax: zero out, in aimed from `data`",
+    )
+    data: str | None = arg(
+        None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data", names_code=True
+    )
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """Every layer whose channel group can grow (mode=group), in graph order."""

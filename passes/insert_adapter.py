@@ -9,6 +9,7 @@ out_channels < width: narrowing drops channels and changes the function; refused
   unless allow_narrowing=true, which inserts a bottleneck (width → out → width,
   [I | 0] then [I ; 0]) and reports how far the output moved.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,13 +18,31 @@ from typing import ClassVar, Literal
 import torch
 from torch import fx
 
-from graphgrow import arg, Candidate, NotApplicable, Pass, Rewrite
+from graphgrow import Candidate, NotApplicable, Pass, Rewrite, arg
 from graphgrow.rewrite import (
-    ADDS_PARAMETERS, add_module, analyze, begin, channel_axis, conv_dims, default_point, factory_kwargs, finish,
-    gradmax_init, group_layouts, grow_group, load_data, identity_adapter, inserting_after, is_float_tensor, replace_uses, set_scope,
-    pass_function, stage_end_candidates, tensor_or_feature_end, tensor_shape,
+    ADDS_PARAMETERS,
+    add_module,
+    analyze,
+    begin,
+    channel_axis,
+    conv_dims,
+    default_point,
+    factory_kwargs,
+    finish,
+    gradmax_init,
+    group_layouts,
+    grow_group,
+    identity_adapter,
+    inserting_after,
+    is_float_tensor,
+    load_data,
+    pass_function,
+    replace_uses,
+    set_scope,
+    stage_end_candidates,
+    tensor_or_feature_end,
+    tensor_shape,
 )
-
 
 
 def adapter_axis(node: fx.Node) -> int | None:
@@ -45,19 +64,32 @@ def adapter_params(node: fx.Node, out_channels: int | None) -> int:
 
 
 @pass_function  # the arguments' defaults and allowed values: InsertAdapter's declaration
-def insert_adapter(gm: fx.GraphModule, after: str | None, out_channels: int | None, allow_narrowing: bool,
-                   init: Literal["zero", "gradmax"], data, generator: torch.Generator | None = None) -> Rewrite:
+def insert_adapter(
+    gm: fx.GraphModule,
+    after: str | None,
+    out_channels: int | None,
+    allow_narrowing: bool,
+    init: Literal["zero", "gradmax"],
+    data,
+    generator: torch.Generator | None = None,
+) -> Rewrite:
     """Insert an identity-initialised adapter after `after` (default: the last feature map before global pooling).
     init=gradmax (widening only): `data` is a callable (or `package.module:function`) returning (inputs, loss_fn)."""
     if init == "gradmax" and data is None:
         load_data(None, "insert_adapter")  # refused before any work: gradmax needs a batch
     gm, generator = begin(gm, generator)
-    node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_point(gm, lambda n: adapter_params(n, out_channels))
+    node, chosen = (
+        tensor_or_feature_end(gm, after)
+        if after is not None
+        else default_point(gm, lambda n: adapter_params(n, out_channels))
+    )
     shape = tensor_shape(node)
     axis = adapter_axis(node) if is_float_tensor(node) else None
     if axis is None:
-        raise NotApplicable(f"'{node.name}' (shape {node.meta.get('gg_shape')}) has no channel dimension to adapt",
-                            "pick a node with a (N, C, …) or (N, …, C) tensor")
+        raise NotApplicable(
+            f"'{node.name}' (shape {node.meta.get('gg_shape')}) has no channel dimension to adapt",
+            "pick a node with a (N, C, …) or (N, …, C) tensor",
+        )
     width = shape[axis]
     out = width if out_channels is None else out_channels
     like = torch.zeros((), **factory_kwargs(gm, node))
@@ -65,9 +97,11 @@ def insert_adapter(gm: fx.GraphModule, after: str | None, out_channels: int | No
     targets: dict[str, object] = {"after": f"{node.name} {list(shape)}", "chosen": chosen}
     exact = True
     if init == "gradmax" and out <= width:
-        raise NotApplicable(f"init=gradmax aims the new channels of a widening adapter; out_channels={out} on "
-                            f"'{node.name}' ({width} channels) adds none, so there is no zero last factor to aim at",
-                            f"give out_channels > {width}, or use init=zero")
+        raise NotApplicable(
+            f"init=gradmax aims the new channels of a widening adapter; out_channels={out} on "
+            f"'{node.name}' ({width} channels) adds none, so there is no zero last factor to aim at",
+            f"give out_channels > {width}, or use init=zero",
+        )
     if out < width and not allow_narrowing:
         raise NotApplicable(
             f"narrowing '{node.name}' from {width} to {out} channels drops channels and changes the function",
@@ -112,12 +146,18 @@ class InsertAdapter(Pass):
     name: ClassVar[str] = "insert_adapter"
     function = insert_adapter
     ensures = (ADDS_PARAMETERS,)
-    after: str | None = arg(None, "node name or module path (its output); default: the latest stage end within the budget")
+    after: str | None = arg(
+        None, "node name or module path (its output); default: the latest stage end within the budget"
+    )
     out_channels: int | None = arg(None, "the adapter's width (default: the same width)", low=1)
     allow_narrowing: bool = arg(False, "allow fewer channels (changes the function; the report says how much)")
-    init: Literal["zero", "gradmax"] = arg("zero", "widening: zero: random new rows, zero columns in the consumers; gradmax: the new rows aimed from `data`")
-    data: str | None = arg(None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data",
-                           names_code=True)
+    init: Literal["zero", "gradmax"] = arg(
+        "zero",
+        "widening: zero: random new rows, zero columns in the consumers; gradmax: the new rows aimed from `data`",
+    )
+    data: str | None = arg(
+        None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data", names_code=True
+    )
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """The end of each backbone stage, the last first."""

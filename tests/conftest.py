@@ -1,4 +1,5 @@
 """Shared fixtures: small models, a CLI runner, and helpers that check the promise independently."""
+
 from __future__ import annotations
 
 import copy
@@ -36,10 +37,18 @@ def small_cnn(first: int = 32) -> nn.Sequential:
     """3×32×32 → 128×8×8 features, global pooling, classifier (the issue's example); `first`: the first conv's width."""
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, first, 3, padding=1), nn.BatchNorm2d(first), nn.ReLU(),
-        nn.Conv2d(first, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
-        nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.BatchNorm2d(128), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10),
+        nn.Conv2d(3, first, 3, padding=1),
+        nn.BatchNorm2d(first),
+        nn.ReLU(),
+        nn.Conv2d(first, 64, 3, stride=2, padding=1),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.Conv2d(64, 128, 3, stride=2, padding=1),
+        nn.BatchNorm2d(128),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(128, 10),
     )
 
 
@@ -144,13 +153,22 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> sub
     """The real `graphgrow` process (exit codes and stderr exactly as a user sees them)."""
     full_env = dict(os.environ)
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "graphgrow.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, env=full_env, timeout=600, preexec_fn=as_from_a_terminal)
+    return subprocess.run(
+        [sys.executable, "-m", "graphgrow.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=full_env,
+        timeout=600,
+        preexec_fn=as_from_a_terminal,
+    )
 
 
 # a small LLaMA (RoPE, RMSNorm, grouped-query attention, SwiGLU) by name, as a user gives it to the CLI
-LLAMA = ("hf:llama/causal-lm(vocab_size=64,hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
-         "num_key_value_heads=2,max_position_embeddings=32)")
+LLAMA = (
+    "hf:llama/causal-lm(vocab_size=64,hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
+    "num_key_value_heads=2,max_position_embeddings=32)"
+)
 
 
 def assert_onnx_agrees(gm, spec: str, path: Path) -> None:
@@ -166,8 +184,9 @@ def assert_onnx_agrees(gm, spec: str, path: Path) -> None:
 
 def grown(model: nn.Module, shape: tuple[int, ...], **kw):
     """GrowWidth(**kw) on the traced `model` (BatchNorm randomized first), asserting the growth preserved behaviour."""
-    import graphgrow as gg
     from graphgrow.passes.grow_width import GrowWidth
+
+    import graphgrow as gg
 
     torch.manual_seed(0)
     r = GrowWidth(**kw)(gg.trace(randomize_bn(model), shape))
@@ -180,11 +199,20 @@ def grown(model: nn.Module, shape: tuple[int, ...], **kw):
 # process per test or build a model family per test. tests/test_imports.py keeps every module imported and every
 # pass run in the fast set.
 NOT_FAST_FILES = {
-    "test_hostile.py", "test_hostile_code.py", "test_hostile_outputs.py", "test_hostile_names.py",  # CLI processes:
-    "test_hostile_bounds.py", "test_cli.py", "test_export_names.py", "test_plugin_example.py",  # exit codes, signals
+    "test_hostile.py",
+    "test_hostile_code.py",
+    "test_hostile_outputs.py",
+    "test_hostile_names.py",  # CLI processes:
+    "test_hostile_bounds.py",
+    "test_cli.py",
+    "test_export_names.py",
+    "test_plugin_example.py",  # exit codes, signals
     "test_distributed.py",  # torchrun jobs
     "test_bench_scale_decoder.py",  # the scale benchmark's every stage, ONNX export included
-    "test_hf_pass_matrix.py", "test_zoo_hf.py", "test_hf_cli.py", "test_model_names.py",  # model families × passes
+    "test_hf_pass_matrix.py",
+    "test_zoo_hf.py",
+    "test_hf_cli.py",
+    "test_model_names.py",  # model families × passes
     "test_native.py",  # Hugging Face classes × grown sizes, and folders through the CLI
 }
 

@@ -14,9 +14,10 @@ as other code bases spell them, in place or not (the `idiom` argument of `networ
 global generator of the input's device; `cuda_typed` (and `cuda_typed_bare`)
 needs CUDA in eager mode (tests that run it on CPU patch `torch.cuda.FloatTensor` to the CPU class).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -27,6 +28,7 @@ Tensor = torch.cuda.FloatTensor if torch.cuda.is_available() else torch.FloatTen
 
 
 # --- the masks, one spelling each -----------------------------------------------------------------------------
+
 
 def _cuda_typed_bare(x, keep_prob):
     return torch.cuda.FloatTensor(x.size(0), 1, 1, 1).bernoulli_(keep_prob)
@@ -75,8 +77,8 @@ def _ones_bernoulli(x, keep_prob):
 
 def drop_path(x, drop_prob):
     """The published form: a CUDA mask wrapped in Variable, the input scaled and masked in place."""
-    if drop_prob > 0.:
-        keep_prob = 1. - drop_prob
+    if drop_prob > 0.0:
+        keep_prob = 1.0 - drop_prob
         mask = Variable(torch.cuda.FloatTensor(x.size(0), 1, 1, 1).bernoulli_(keep_prob))
         x.div_(keep_prob)
         x.mul_(mask)
@@ -85,21 +87,23 @@ def drop_path(x, drop_prob):
 
 def _in_place(mask_of):
     def drop_path(x, drop_prob):
-        if drop_prob > 0.:
-            keep_prob = 1. - drop_prob
+        if drop_prob > 0.0:
+            keep_prob = 1.0 - drop_prob
             mask = mask_of(x, keep_prob)
             x.div_(keep_prob)
             x.mul_(mask)
         return x
+
     return drop_path
 
 
 def _out_of_place(mask_of):
     def drop_path(x, drop_prob):
-        if drop_prob > 0.:
-            keep_prob = 1. - drop_prob
+        if drop_prob > 0.0:
+            keep_prob = 1.0 - drop_prob
             x = x / keep_prob * mask_of(x, keep_prob)
         return x
+
     return drop_path
 
 
@@ -123,6 +127,7 @@ DROP_PATHS: dict[str, Callable] = {
 
 
 # --- operations -------------------------------------------------------------------------------------------------
+
 
 class ReLUConvBN(nn.Module):
     def __init__(self, C_in, C_out, kernel_size, stride, padding, affine=True):
@@ -199,14 +204,27 @@ OPS = {
 }
 
 # Our cell: (op, input) pairs, two per intermediate node; inputs 0 and 1 are the cell's inputs.
-NORMAL = [("sep_conv_3x3", 0), ("skip_connect", 1), ("dil_conv_3x3", 1), ("sep_conv_3x3", 2),
-          ("skip_connect", 0), ("avg_pool_3x3", 3)]
-REDUCE = [("max_pool_3x3", 0), ("sep_conv_5x5", 1), ("skip_connect", 2), ("skip_connect", 0),
-          ("dil_conv_3x3", 2), ("max_pool_3x3", 1)]
+NORMAL = [
+    ("sep_conv_3x3", 0),
+    ("skip_connect", 1),
+    ("dil_conv_3x3", 1),
+    ("sep_conv_3x3", 2),
+    ("skip_connect", 0),
+    ("avg_pool_3x3", 3),
+]
+REDUCE = [
+    ("max_pool_3x3", 0),
+    ("sep_conv_5x5", 1),
+    ("skip_connect", 2),
+    ("skip_connect", 0),
+    ("dil_conv_3x3", 2),
+    ("max_pool_3x3", 1),
+]
 CONCAT = [2, 3, 4]
 
 
 # --- cells and the network --------------------------------------------------------------------------------------
+
 
 class Cell(nn.Module):
     def __init__(self, C_prev_prev, C_prev, C, reduction, reduction_prev, idiom):
@@ -239,7 +257,7 @@ class Cell(nn.Module):
             op2 = self._ops[2 * i + 1]
             h1 = op1(h1)
             h2 = op2(h2)
-            if self.training and drop_prob > 0.:
+            if self.training and drop_prob > 0.0:
                 if not isinstance(op1, Identity):
                     h1 = DROP_PATHS[self._idiom](h1, drop_prob)
                 if not isinstance(op2, Identity):
@@ -308,8 +326,14 @@ class Network(nn.Module):
         return logits, logits_aux
 
 
-def network(idiom: str = "cuda_typed", auxiliary: bool = False, layers: int = 4, C: int = 6, seed: int = 0,
-            drop_path_prob: float = 0.2) -> Network:
+def network(
+    idiom: str = "cuda_typed",
+    auxiliary: bool = False,
+    layers: int = 4,
+    C: int = 6,
+    seed: int = 0,
+    drop_path_prob: float = 0.2,
+) -> Network:
     """A small network (4 cells, reductions at cells 1 and 2; a 2×3×16×16 batch runs in milliseconds on CPU),
     weights from `seed` without touching the caller's generator, `drop_path_prob` set as a training loop would."""
     if idiom not in DROP_PATHS:

@@ -9,6 +9,7 @@ Each rank writes OUT/<scenario>-rank<r>.json with what the test checks. The data
 batch drawn with seed s and split evenly across the ranks, so a run with 1 process sees the same examples
 per step as one with 2.
 """
+
 from __future__ import annotations
 
 import copy
@@ -34,9 +35,17 @@ SPECS = {"cnn": "grow_width(factor=2),add_residual", "transformer": "deepen"}
 
 
 def cnn() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                         nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 5),
+    )
 
 
 class Transformer(nn.Module):
@@ -47,7 +56,9 @@ class Transformer(nn.Module):
     def __init__(self, vocab: int = 50, width: int = 32):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        layer = nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=64, dropout=0.0, activation=nn.ReLU(), batch_first=True)
+        layer = nn.TransformerEncoderLayer(
+            width, nhead=4, dim_feedforward=64, dropout=0.0, activation=nn.ReLU(), batch_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
         self.head = nn.Linear(width, 5)
 
@@ -71,9 +82,12 @@ def batch(kind: str, step: int, rank: int, world: int):
     if kind == "cnn":
         x, y = torch.randn(GLOBAL_BATCH, 3, 12, 12, generator=g), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)
     else:
-        x, y = torch.randint(0, 50, (GLOBAL_BATCH, 12), generator=g), torch.randint(0, 5, (GLOBAL_BATCH, 12), generator=g)
+        x, y = (
+            torch.randint(0, 50, (GLOBAL_BATCH, 12), generator=g),
+            torch.randint(0, 5, (GLOBAL_BATCH, 12), generator=g),
+        )
     per = GLOBAL_BATCH // world
-    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
 
 def loss_of(model: nn.Module, x, y) -> torch.Tensor:
@@ -141,7 +155,9 @@ def run_grow(out: Path, rank: int, world: int) -> dict:
                 r["probe_after"] = probe(ddp.module, kind)
                 r["lr_after"] = sched.get_last_lr()
                 r["params_after"] = sum(p.numel() for p in ddp.module.parameters())
-                r["opt_covers_model"] = {id(p) for grp in opt.param_groups for p in grp["params"]} == {id(p) for p in ddp.module.parameters()}
+                r["opt_covers_model"] = {id(p) for grp in opt.param_groups for p in grp["params"]} == {
+                    id(p) for p in ddp.module.parameters()
+                }
                 r["momentum_carried"] = sum(1 for p in opt.state.values() if "momentum_buffer" in p)
                 r["seconds"] = g.seconds
                 r["seed"] = g.seed
@@ -185,7 +201,9 @@ def disagreements(ddp, opt, sched, rank: int, world: int) -> dict:
     except gg.DistributedError as e:
         out["weights"] = str(e)
     gg.Pipeline.run = real_run  # type: ignore[method-assign]
-    out["kept"] = ddp.module is gm and fingerprint(gm) == before and opt.param_groups[0]["params"][0] is next(gm.parameters())
+    out["kept"] = (
+        ddp.module is gm and fingerprint(gm) == before and opt.param_groups[0]["params"][0] is next(gm.parameters())
+    )
     out["step_after"] = step_once(ddp, opt, sched, "transformer", STEPS, rank, world)
     return out
 
@@ -213,17 +231,23 @@ def run_fault(out: Path, rank: int, world: int, how: str) -> dict:
     opt, sched = optimiser(ddp.parameters())
     step_once(ddp, opt, sched, "cnn", 0, rank, world)
     if rank == 1:
+
         def stop(*args, **kwargs):
             if how == "die":
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(600)
+
         gg.Pipeline.run = stop  # type: ignore[method-assign]
     start = time.perf_counter()
     try:
         gg.distributed.grow(ddp, opt, "deepen", sched, timeout=float(os.environ.get("GROW_TIMEOUT", "8")))
     except gg.DistributedError as e:
-        return {"error": str(e), "type": type(e).__name__, "seconds": time.perf_counter() - start,
-                "model_kept": ddp.module is gm and fingerprint(gm) == fingerprint(ddp.module)}
+        return {
+            "error": str(e),
+            "type": type(e).__name__,
+            "seconds": time.perf_counter() - start,
+            "model_kept": ddp.module is gm and fingerprint(gm) == fingerprint(ddp.module),
+        }
     return {"error": None, "seconds": time.perf_counter() - start}
 
 
@@ -238,6 +262,7 @@ def main() -> int:
         report = run_resume(out, rank, world)
     elif scenario == "lightning":
         from distributed_lightning import run_lightning
+
         report = run_lightning(out, rank, world)
     else:
         report = run_fault(out, rank, world, scenario)

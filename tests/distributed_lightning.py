@@ -4,6 +4,7 @@ A CNN grows at global step 3 (grow_width, then add_residual); probes on each sid
 loss on a fixed batch just before and just after. After fit, a Lightning checkpoint is written and loaded into a
 fresh module whose on_load_checkpoint regrows it; a second fit continues from it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -11,11 +12,11 @@ import copy
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from distributed_job import cnn, fingerprint, probe
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import graphgrow as gg
-from distributed_job import cnn, fingerprint, probe
 
 GROW_AT = 3
 
@@ -32,7 +33,10 @@ class Net(pl.LightningModule):
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5), "interval": "step"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5), "interval": "step"},
+        }
 
     def on_load_checkpoint(self, checkpoint):
         gg.distributed.GrowthCallback.regrow(self, checkpoint)  # the fresh model grows as the saved one did
@@ -51,7 +55,9 @@ class Probe(pl.Callback):
             self.record[self.key] = probe(pl_module.model, "cnn")
             self.record[self.key + "_params"] = sum(p.numel() for p in pl_module.model.parameters())
             opt = trainer.optimizers[0]
-            self.record[self.key + "_opt_is_model"] = {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in pl_module.parameters()}
+            self.record[self.key + "_opt_is_model"] = {id(p) for g in opt.param_groups for p in g["params"]} == {
+                id(p) for p in pl_module.parameters()
+            }
             self.record[self.key + "_sched_follows"] = trainer.lr_scheduler_configs[0].scheduler.optimizer is opt
             self.record[self.key + "_ddp_params"] = sum(p.numel() for p in trainer.strategy.model.parameters())
 
@@ -73,9 +79,19 @@ def data():
 
 
 def trainer(steps: int, callbacks, out) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=steps, callbacks=callbacks, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      default_root_dir=str(out), num_sanity_val_steps=0)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out),
+        num_sanity_val_steps=0,
+    )
 
 
 def run_lightning(out, rank: int, world: int) -> dict:

@@ -1,4 +1,5 @@
 """Tiny model factories for tests that name a model as `module:factory` (random weights, like torchvision's)."""
+
 import torch
 from torch import nn
 
@@ -6,8 +7,16 @@ load_weights = torch.load  # a re-exported loader: naming it as a factory must b
 
 
 def small_cnn() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1),
-                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)).eval()
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 5),
+    ).eval()
 
 
 class ModeGate(nn.Module):
@@ -23,8 +32,15 @@ class ModeGate(nn.Module):
 
 
 def cnn_with_custom_leaf() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), ModeGate(), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)).eval()
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        ModeGate(),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 5),
+    ).eval()
 
 
 def exits() -> nn.Module:
@@ -65,8 +81,10 @@ def token_classifier() -> nn.Module:
 
 def audio_cnn() -> nn.Module:
     """A 1-D conv net over a raw waveform [N, 1, samples]: strided Conv1d + BatchNorm stack, pooled, classified."""
+
     def block(cin: int, cout: int, stride: int) -> list[nn.Module]:
         return [nn.Conv1d(cin, cout, 9, stride=stride, padding=4), nn.BatchNorm1d(cout), nn.ReLU()]
 
-    return nn.Sequential(*block(1, 8, 4), *block(8, 16, 4), *block(16, 16, 2), nn.AdaptiveAvgPool1d(1), nn.Flatten(),
-                         nn.Linear(16, 6)).eval()
+    return nn.Sequential(
+        *block(1, 8, 4), *block(8, 16, 4), *block(16, 16, 2), nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(16, 6)
+    ).eval()

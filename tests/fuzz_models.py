@@ -1,4 +1,5 @@
 """Random small architectures and random pass pipelines for property-based fuzzing (hypothesis)."""
+
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,11 @@ class FuzzNet(nn.Module):
             if kind == "conv":
                 _, out, k, stride, grouping = op
                 stride = stride if s >= 2 else 1
-                groups = c if grouping == "depthwise" else (2 if grouping == "grouped" and c % 2 == 0 and out % 2 == 0 else 1)
+                groups = (
+                    c
+                    if grouping == "depthwise"
+                    else (2 if grouping == "grouped" and c % 2 == 0 and out % 2 == 0 else 1)
+                )
                 out = c if grouping == "depthwise" else out
                 self.layers.append(nn.Conv2d(c, out, k, stride=stride, padding=k // 2, groups=groups, bias=k == 1))
                 c, s = out, (s + 2 * (k // 2) - k) // stride + 1
@@ -56,16 +61,22 @@ class FuzzNet(nn.Module):
 
 
 ops = st.one_of(
-    st.tuples(st.just("conv"), st.integers(2, 8), st.sampled_from([1, 3]), st.sampled_from([1, 2]),
-              st.sampled_from(["full", "full", "depthwise", "grouped"])),
+    st.tuples(
+        st.just("conv"),
+        st.integers(2, 8),
+        st.sampled_from([1, 3]),
+        st.sampled_from([1, 2]),
+        st.sampled_from(["full", "full", "depthwise", "grouped"]),
+    ),
     st.tuples(st.just("bn")),
     st.tuples(st.just("act"), st.sampled_from(["relu", "gelu", "hardswish"])),
     st.tuples(st.just("res")),
     st.tuples(st.just("cat"), st.integers(1, 4), st.integers(1, 4)),
     st.tuples(st.just("pool"), st.sampled_from(["max", "avg"])),
 )
-architectures = st.tuples(st.lists(ops, min_size=1, max_size=6),
-                          st.tuples(st.sampled_from(["gap", "flat"]), st.booleans()))
+architectures = st.tuples(
+    st.lists(ops, min_size=1, max_size=6), st.tuples(st.sampled_from(["gap", "flat"]), st.booleans())
+)
 
 PASSES = ["add_residual", "grow_width", "insert_adapter", "add_branch", "remove_branch", "deepen"]
 
@@ -97,13 +108,15 @@ def pass_spec(draw, node_names: list[str], module_names: list[str], layer_names:
     elif name == "add_branch":
         if draw(st.booleans()):
             args["at"] = draw(ref)
-        args["op"] = draw(st.sampled_from(["conv3x3", "conv5x5", "sepconv3x3", "sepconv5x5", "dilconv3x3",
-                                           "avgpool3x3", "maxpool3x3", "identity"]))
+        args["op"] = draw(
+            st.sampled_from(
+                ["conv3x3", "conv5x5", "sepconv3x3", "sepconv5x5", "dilconv3x3", "avgpool3x3", "maxpool3x3", "identity"]
+            )
+        )
         args["count"] = draw(st.integers(1, 2))
     elif name == "remove_branch":
         args["index"] = draw(st.integers(-2, 1))
-    elif name == "deepen":
-        if draw(st.booleans()):
-            args["after"] = draw(ref)
+    elif name == "deepen" and draw(st.booleans()):
+        args["after"] = draw(ref)
     body = ",".join(f"{k}={v}" for k, v in args.items())
     return f"{name}({body})" if body else name

@@ -4,6 +4,7 @@ usually written elsewhere (not in graphgrow's own style): a Sequential CNN, a re
 ViT-style encoder (patch conv, class token, fused qkv split by `unbind`, SDPA) and a decoder-style
 transformer (tied embeddings, eager causal attention with `masked_fill` + softmax, RMSNorm written by hand,
 SwiGLU MLP). Each has an input spec and a factory the CLI can name (`growth_models:NAME`)."""
+
 from __future__ import annotations
 
 import math
@@ -17,10 +18,19 @@ from torch import nn
 
 def plain_cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-        nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-        nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
-        nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(), nn.Linear(16, 10),
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d((1, 1)),
+        nn.Flatten(),
+        nn.Linear(16, 10),
     )
 
 
@@ -98,7 +108,9 @@ class EncoderBlock(nn.Module):
 
 
 class TinyViT(nn.Module):
-    def __init__(self, image: int = 16, patch: int = 4, dim: int = 32, depth: int = 2, heads: int = 4, classes: int = 10):
+    def __init__(
+        self, image: int = 16, patch: int = 4, dim: int = 32, depth: int = 2, heads: int = 4, classes: int = 10
+    ):
         super().__init__()
         self.patch_embed = nn.Conv2d(3, dim, patch, patch)
         self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)

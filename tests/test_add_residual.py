@@ -1,5 +1,6 @@
 """add_residual: golden graph, exactness in eval and train mode (checked here, not only by verify),
 trainability, the skip kinds, refusals, and the input left untouched."""
+
 from __future__ import annotations
 
 import copy
@@ -7,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_snapshot, mlp, outputs_both_modes, randomize_bn, rel_err, small_cnn, snapshot
+from graphgrow.passes.add_residual import AddResidual, add_residual
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.passes.add_residual import AddResidual, add_residual
-from conftest import assert_same_snapshot, mlp, outputs_both_modes, randomize_bn, rel_err, small_cnn, snapshot
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -66,8 +67,11 @@ def test_new_parameters_learn(cnn):
     m.zero_grad()
     m(x).pow(2).sum().backward()
     assert conv.weight.grad.abs().sum() > 0  # ... and learns after one step
-    assert r.preservation.trainable == {"residual_downsample.1.weight": 0, "residual_downsample.1.bias": 0,
-                                        "residual_downsample.0.weight": 1}
+    assert r.preservation.trainable == {
+        "residual_downsample.1.weight": 0,
+        "residual_downsample.1.bias": 0,
+        "residual_downsample.0.weight": 1,
+    }
 
 
 def test_same_shape_uses_a_zero_gate():
@@ -90,7 +94,9 @@ def test_module_path_means_its_input_and_output():
 
 def test_non_integer_ratio_pools_adaptively():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 4 * 4, 3))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 4 * 4, 3)
+    )
     _, r = grow(model, (1, 3, 12, 12), start="input_1", end="_3")  # 12×12 → 4×4 is integer: stride 3
     assert "stride 3" in r.targets["skip"]
     _, r = grow(model, (1, 3, 11, 11), start="_1", end="_3")  # 9×9 → 4×4 is not
@@ -106,13 +112,16 @@ def test_2d_features_get_a_zero_linear():
     assert set(r.preservation.trainable) == {"residual_proj.weight", "residual_proj.bias"}
 
 
-@pytest.mark.parametrize("args, message", [
-    ({"start": "_8", "end": "_8"}, "start and end are the same tensor '_8'"),
-    ({"start": "_8", "end": "_2"}, "start '_8' comes after end '_2'"),
-    ({"start": "nope", "end": "_8"}, "no node or module named 'nope'"),
-    ({"start": "_11", "end": "_11"}, "same tensor"),
-    ({"start": "_8", "end": "_11"}, "differ in rank"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"start": "_8", "end": "_8"}, "start and end are the same tensor '_8'"),
+        ({"start": "_8", "end": "_2"}, "start '_8' comes after end '_2'"),
+        ({"start": "nope", "end": "_8"}, "no node or module named 'nope'"),
+        ({"start": "_11", "end": "_11"}, "same tensor"),
+        ({"start": "_8", "end": "_11"}, "differ in rank"),
+    ],
+)
 def test_refusals_are_typed_and_explain(cnn, args, message):
     gm = gg.trace(cnn, (1, 3, 32, 32))
     before = snapshot(gm)

@@ -1,6 +1,8 @@
 """The memory limit on a pass as it runs (core/allocation.py): each allocation is sized before it happens."""
+
 from __future__ import annotations
 
+import contextlib
 import resource
 from dataclasses import dataclass
 from typing import ClassVar
@@ -10,8 +12,8 @@ import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.core.allocation import AllocationGuard, MemoryLimitExceeded, requested_bytes
 from graphgrow.analysis.budget import Limits, pass_allocations
+from graphgrow.core.allocation import AllocationGuard, MemoryLimitExceeded, requested_bytes
 from graphgrow.rewrite import Rewrite, begin
 from graphgrow.rewrite.pass_base import Pass
 
@@ -71,23 +73,26 @@ class HugeLayer(Pass):
 
     def apply(self, gm, generator):
         new, _ = begin(gm, generator)
-        try:
+        with contextlib.suppress(Exception):  # a pass that tries alternatives: the refusal must still stand
             new.add_module("huge", nn.Linear(100_000, 100_000))
-        except Exception:  # noqa: BLE001 - a pass that tries alternatives: the refusal must still stand
-            pass
         return Rewrite(new)
 
 
 def test_a_pass_that_would_allocate_past_the_limit_is_refused_before_it_does(cnn):
     gm = gg.trace(cnn, (1, 3, 32, 32))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with pytest.raises(gg.NotApplicable, match=r"huge_layer would hold more than 8.0 GiB beyond the model's own weights "
-                                               r"while it runs \(it asked for 37.3 GiB more with"):
+    with pytest.raises(
+        gg.NotApplicable,
+        match=r"huge_layer would hold more than 8.0 GiB beyond the model's own weights "
+        r"while it runs \(it asked for 37.3 GiB more with",
+    ):
         HugeLayer()(gm)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 512 * 1024  # KiB: nothing near 40 GB was touched
-    with pytest.raises(gg.NotApplicable, match="would hold more than 1.0 MiB"):
-        with pass_allocations("p", Limits(max_memory=MIB)):
-            torch.zeros(MIB)
+    with (
+        pytest.raises(gg.NotApplicable, match="would hold more than 1.0 MiB"),
+        pass_allocations("p", Limits(max_memory=MIB)),
+    ):
+        torch.zeros(MIB)
 
 
 def test_the_guard_counts_a_real_pass_and_the_check_after_it_sizes_the_grown_model(cnn):

@@ -8,28 +8,28 @@ functions: a lazy import is still a dependency); a circle fails with its modules
 Modules stay under 500 lines; the ones still over it are listed here by name as known debt,
 and the list may only shrink (a listed module that got small must leave the list).
 """
+
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 import networkx as nx
-
 from conftest import ROOT
 
 # The layers, lowest first: a module may import its own layer and the ones above it in this list, never one below.
 # `graphgrow` itself (its __init__: the public API) sits on top of them all.
 LAYERS = [
-    "core",      # errors, names, state: the words every layer shares
-    "graph",     # the traced model as data: metadata, editing nodes, shapes, graphgrow's own layers
-    "io",        # models in and out: files, names, safe formats, outputs, lineage, ONNX, onnxruntime
+    "core",  # errors, names, state: the words every layer shares
+    "graph",  # the traced model as data: metadata, editing nodes, shapes, graphgrow's own layers
+    "io",  # models in and out: files, names, safe formats, outputs, lineage, ONNX, onnxruntime
     "analysis",  # what a graph allows: channel coupling, stages and places (Candidate), budgets
-    "capture",   # nn.Module → GraphModule, checked against the module (core.protocol's comparison)
-    "verify",    # a change proven: preservation, the check after a pass, equivalence
-    "rewrite",   # the pass contract, growth over coupling groups, initialisers; the pass author's API
-    "jobs",      # registry, pipeline, workflow: what a user runs, as functions
-    "search",    # population-based growth on Ray Tune, over the jobs
-    "cli",       # the `graphgrow` command
+    "capture",  # nn.Module → GraphModule, checked against the module (core.protocol's comparison)
+    "verify",  # a change proven: preservation, the check after a pass, equivalence
+    "rewrite",  # the pass contract, growth over coupling groups, initialisers; the pass author's API
+    "jobs",  # registry, pipeline, workflow: what a user runs, as functions
+    "search",  # population-based growth on Ray Tune, over the jobs
+    "cli",  # the `graphgrow` command
 ]
 MAX_LINES = 500
 OVERSIZE: set[str] = set()  # debt: modules still over the limit (none now)
@@ -87,13 +87,18 @@ def layer_of(module: str) -> int:
     parts = module.split(".")
     if len(parts) == 1:
         return len(LAYERS)
-    assert parts[1] in LAYERS, f"{module} is in no layer: move it into one of graphgrow/{{{','.join(LAYERS)}}}/ (or add a layer to LAYERS)"
+    assert parts[1] in LAYERS, (
+        f"{module} is in no layer: move it into one of graphgrow/{{{','.join(LAYERS)}}}/ (or add a layer to LAYERS)"
+    )
     return LAYERS.index(parts[1])
 
 
 def upward_imports(g: nx.DiGraph) -> list[str]:
-    return [f"{a} ({LAYERS[layer_of(a)]}) imports {b} ({LAYERS[layer_of(b)]})"
-            for a, b in g.edges if layer_of(a) < layer_of(b)]
+    return [
+        f"{a} ({LAYERS[layer_of(a)]}) imports {b} ({LAYERS[layer_of(b)]})"
+        for a, b in g.edges
+        if layer_of(a) < layer_of(b)
+    ]
 
 
 def test_lower_layers_never_import_higher_ones():
@@ -156,12 +161,16 @@ def test_each_layer_says_its_job_and_what_it_may_import():
         said = re.search(r"May import:([^.;]*)", doc)
         assert said, f"graphgrow/{name}/__init__.py does not say what it may import ('May import: …')"
         named = [w for w in re.findall(r"\w+", said.group(1)) if w in LAYERS]
-        assert named == LAYERS[:i], f"graphgrow/{name}/__init__.py says it may import {named}; the table says {LAYERS[:i]}"
+        assert named == LAYERS[:i], (
+            f"graphgrow/{name}/__init__.py says it may import {named}; the table says {LAYERS[:i]}"
+        )
 
 
 def test_modules_stay_small():
-    sizes = {str(f.relative_to(ROOT)): len(f.read_text().splitlines())
-             for f in [*(ROOT / "graphgrow").rglob("*.py"), *(ROOT / "passes").rglob("*.py")]}
+    sizes = {
+        str(f.relative_to(ROOT)): len(f.read_text().splitlines())
+        for f in [*(ROOT / "graphgrow").rglob("*.py"), *(ROOT / "passes").rglob("*.py")]
+    }
     too_big = {f: n for f, n in sizes.items() if n > MAX_LINES and f not in OVERSIZE}
     assert not too_big, f"modules over {MAX_LINES} lines (split them): {too_big}"
     shrunk = {f for f in OVERSIZE if sizes.get(f, 0) <= MAX_LINES}
@@ -174,7 +183,7 @@ MIN_SHARED = 3  # two names in common can be chance ("add", "mul"); three are a 
 # tables that list op names on purpose, with why
 OWN_TABLES = {
     "graphgrow/io/graph_policy.py": "what a loaded file may call is a safety allowlist: it must not widen when an "
-                                    "analysis learns an op",
+    "analysis learns an op",
 }
 
 
@@ -184,17 +193,24 @@ def _table_names(value: ast.AST) -> list[set[str]]:
     found = []
     for node in ast.walk(value):
         if isinstance(node, (ast.Set, ast.List, ast.Tuple)):
-            names = {e.value if isinstance(e, ast.Constant) and isinstance(e.value, str) else ast.unparse(e)
-                     for e in node.elts if isinstance(e, (ast.Constant, ast.Attribute))}
+            names = {
+                e.value if isinstance(e, ast.Constant) and isinstance(e.value, str) else ast.unparse(e)
+                for e in node.elts
+                if isinstance(e, (ast.Constant, ast.Attribute))
+            }
             found.append(names)
     return found
 
 
 def op_tables(root: Path) -> list[str]:
     """Module-level tables outside the vocabulary module that repeat MIN_SHARED or more of its op names."""
-    vocabulary = {name for node in ast.parse((root / VOCABULARY).read_text()).body
-                  if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None
-                  for names in _table_names(node.value) for name in names}
+    vocabulary = {
+        name
+        for node in ast.parse((root / VOCABULARY).read_text()).body
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None
+        for names in _table_names(node.value)
+        for name in names
+    }
     assert len(vocabulary) > 40  # the reader sees the vocabulary (an empty one would pass vacuously)
     bad = []
     for f in sorted((root / "graphgrow").rglob("*.py")):
@@ -223,9 +239,12 @@ def test_the_op_vocabulary_rule_finds_a_copied_table(tmp_path):
     (tmp_path / VOCABULARY).write_text((ROOT / VOCABULARY).read_text())
     (tmp_path / "graphgrow" / "graph" / "mine.py").write_text(
         'import operator, torch\nfrom . import ops\nQUERIES = {"size", "dim", "numel"}\nOK = ops.RESHAPES | {"expand"}\n'
-        "ADDS: set = frozenset((operator.add, operator.sub, torch.add))\n")
-    assert op_tables(tmp_path) == ["graphgrow/graph/mine.py:3 repeats ['dim', 'numel', 'size']",
-                                   "graphgrow/graph/mine.py:5 repeats ['operator.add', 'operator.sub', 'torch.add']"]
+        "ADDS: set = frozenset((operator.add, operator.sub, torch.add))\n"
+    )
+    assert op_tables(tmp_path) == [
+        "graphgrow/graph/mine.py:3 repeats ['dim', 'numel', 'size']",
+        "graphgrow/graph/mine.py:5 repeats ['operator.add', 'operator.sub', 'torch.add']",
+    ]
 
 
 def doubled_declarations(root: Path) -> list[str]:
@@ -238,19 +257,26 @@ def doubled_declarations(root: Path) -> list[str]:
         declared = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and any(
-                    (d.id if isinstance(d, ast.Name) else getattr(d, "attr", "")) == "pass_function" for d in node.decorator_list):
+                (d.id if isinstance(d, ast.Name) else getattr(d, "attr", "")) == "pass_function"
+                for d in node.decorator_list
+            ):
                 declared.add(node.name)
                 a = node.args
-                named = [p.arg for p in a.args[len(a.args) - len(a.defaults):]] + \
-                    [p.arg for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+                named = [p.arg for p in a.args[len(a.args) - len(a.defaults) :]] + [
+                    p.arg for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None
+                ]
                 named = [n for n in named if n != "generator"]  # the contract's generator, not a pass argument
                 if named:
                     bad.append(f"{rel}:{node.lineno} {node.name}() gives {named} defaults")
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 for stmt in node.body:
-                    if isinstance(stmt, ast.Assign) and any(getattr(t, "id", "") == "function" for t in stmt.targets) \
-                            and isinstance(stmt.value, ast.Name) and stmt.value.id not in declared:
+                    if (
+                        isinstance(stmt, ast.Assign)
+                        and any(getattr(t, "id", "") == "function" for t in stmt.targets)
+                        and isinstance(stmt.value, ast.Name)
+                        and stmt.value.id not in declared
+                    ):
                         bad.append(f"{rel}:{stmt.lineno} {node.name}.function = {stmt.value.id}, not a @pass_function")
     return bad
 
@@ -266,6 +292,9 @@ def test_the_declaration_rule_finds_a_second_default(tmp_path):
     (tmp_path / "passes").mkdir()
     (tmp_path / "passes" / "mine.py").write_text(
         "@pass_function\ndef grow(gm, factor=2.0, *, init=None, generator=None):\n    pass\n\n"
-        "def plain(gm, target):\n    pass\n\nclass Grow(Pass):\n    function = plain\n")
-    assert doubled_declarations(tmp_path) == ["passes/mine.py:2 grow() gives ['factor', 'init'] defaults",
-                                              "passes/mine.py:9 Grow.function = plain, not a @pass_function"]
+        "def plain(gm, target):\n    pass\n\nclass Grow(Pass):\n    function = plain\n"
+    )
+    assert doubled_declarations(tmp_path) == [
+        "passes/mine.py:2 grow() gives ['factor', 'init'] defaults",
+        "passes/mine.py:9 Grow.function = plain, not a @pass_function",
+    ]

@@ -1,6 +1,7 @@
 """The scale benchmark's stage code (benchmarks/scale_decoder.py, issue 27 item 1) at a tiny size: every stage runs
 (trace, each pass and its verification, the graphgrow file, the ONNX export, the onnxruntime check), the grown model
 is what the pipeline says, and bench_scale turns the stages into rows with their targets."""
+
 from __future__ import annotations
 
 import math
@@ -27,9 +28,19 @@ def tiny_run(tmp_path_factory):
 def test_every_stage_runs_and_the_files_are_written(tiny_run):
     out, stages, facts = tiny_run
     names = [s.name for s in stages]
-    assert names == ["build (random weights)", "trace + fidelity", "deepen: pass", "deepen: verification",
-                     "grow_width: pass", "grow_width: verification", "grow_hidden: pass", "grow_hidden: verification",
-                     "save (graphgrow file)", "ONNX export (external data)", "onnxruntime check"]
+    assert names == [
+        "build (random weights)",
+        "trace + fidelity",
+        "deepen: pass",
+        "deepen: verification",
+        "grow_width: pass",
+        "grow_width: verification",
+        "grow_hidden: pass",
+        "grow_hidden: verification",
+        "save (graphgrow file)",
+        "ONNX export (external data)",
+        "onnxruntime check",
+    ]
     assert not [s for s in stages if s.note], [s.note for s in stages if s.note]  # no stage failed
     assert all(s.seconds > 0 and s.peak >= 0 for s in stages)
     assert all(s.estimate and s.estimate > 0 for s in stages if ":" in s.name)  # graphgrow's estimate beside each pass
@@ -53,9 +64,9 @@ def test_the_grown_file_is_the_pipeline_s_model(tiny_run):
 def test_rows_carry_the_stages_and_the_targets(tiny_run):
     _, stages, facts = tiny_run
     rows = bench_scale.rows_of_run("tiny", {"facts": facts, "stages": [vars(s) for s in stages]})
-    assert [r.measure for r in rows[:len(stages)]] == [s.name for s in stages]
-    assert all(r.unit == "s" and "peak" in r.note for r in rows[:len(stages)])
-    targets = {r.measure: r for r in rows[len(stages):]}
+    assert [r.measure for r in rows[: len(stages)]] == [s.name for s in stages]
+    assert all(r.unit == "s" and "peak" in r.note for r in rows[: len(stages)])
+    targets = {r.measure: r for r in rows[len(stages) :]}
     assert set(targets) == {"peak: passes + verification + save", "peak: ONNX export + onnxruntime check"}
     assert targets["peak: passes + verification + save"].target == "≤ 3"
     assert targets["peak: ONNX export + onnxruntime check"].target == "≤ 4"

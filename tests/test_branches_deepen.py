@@ -1,4 +1,5 @@
 """add_branch, remove_branch, deepen, five-pass pipelines with replay, and growth during training."""
+
 from __future__ import annotations
 
 import copy
@@ -8,16 +9,16 @@ import sys
 import pytest
 import torch
 import torchvision
+from conftest import ROOT, assert_same_snapshot, outputs_both_modes, randomize_bn, rel_err, run_cli, small_cnn, snapshot
+from graphgrow.passes.add_branch import OPS, AddBranch, RemoveBranch
+from graphgrow.passes.deepen import Deepen
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.verify.equivalence import check_equivalence
-from graphgrow.io.export import export_onnx
 from graphgrow.graph.layers import AverageMerge
-from graphgrow.passes.add_branch import OPS, AddBranch, RemoveBranch
-from graphgrow.passes.deepen import Deepen
+from graphgrow.io.export import export_onnx
 from graphgrow.io.runtime import max_ir_version, open_session
-from conftest import ROOT, assert_same_snapshot, outputs_both_modes, randomize_bn, rel_err, run_cli, small_cnn, snapshot
+from graphgrow.verify.equivalence import check_equivalence
 
 
 def traced():
@@ -59,7 +60,11 @@ def test_adding_to_a_merge_extends_it_exactly_even_with_trained_gates():
         r.gm.get_submodule("merge").gates.fill_(0.7)  # as after training: the branch contributes
     gm = gg.trace(r.gm)
     r2 = AddBranch(at="_3", op="maxpool3x3")(gm)
-    merges = [n for n in r2.gm.graph.nodes if n.op == "call_module" and isinstance(r2.gm.get_submodule(n.target), AverageMerge)]
+    merges = [
+        n
+        for n in r2.gm.graph.nodes
+        if n.op == "call_module" and isinstance(r2.gm.get_submodule(n.target), AverageMerge)
+    ]
     assert len(merges) == 1 and len(merges[0].args) == 3  # main + 2 branches, not a nested merge
     assert torch.allclose(r2.gm.get_submodule("merge").gates, torch.tensor([1.4, 0.0]))
     assert r2.preservation.eval.ok and r2.preservation.train.ok
@@ -83,12 +88,15 @@ def test_remove_branch_exact_at_zero_refused_otherwise():
     assert changed.preservation.eval.rel_err > 0 and any("function changed on purpose" in n for n in changed.notes)
 
 
-@pytest.mark.parametrize("args, message", [
-    ({"at": "_3", "op": "conv7x7"}, "must be one of conv3x3"),
-    ({"at": "_11"}, "add_branch needs 4-D feature maps"),
-    ({"at": "nope"}, "no node or module named 'nope'"),
-    ({"at": "_3", "count": 0}, r"add_branch\(count=\.\.\.\) must be in \[1, 16\]"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"at": "_3", "op": "conv7x7"}, "must be one of conv3x3"),
+        ({"at": "_11"}, "add_branch needs 4-D feature maps"),
+        ({"at": "nope"}, "no node or module named 'nope'"),
+        ({"at": "_3", "count": 0}, r"add_branch\(count=\.\.\.\) must be in \[1, 16\]"),
+    ],
+)
 def test_add_branch_refusals(args, message):
     with pytest.raises((gg.NotApplicable, gg.SpecError), match=message):
         spec = "add_branch(" + ",".join(f"{k}={v}" for k, v in args.items()) + ")"
@@ -114,7 +122,9 @@ def test_deepen_refuses_the_wrong_block():
 
 def build(name):
     torch.manual_seed(0)
-    kwargs = {"image_size": 64} if name.startswith("vit") else {}  # the full ViT-B/16 at 17 tokens: same layers, quicker
+    kwargs = (
+        {"image_size": 64} if name.startswith("vit") else {}
+    )  # the full ViT-B/16 at 17 tokens: same layers, quicker
     model = randomize_bn(getattr(torchvision.models, name)(**kwargs), seed=3)
     if name.startswith("vit"):
         nn.init.normal_(model.heads.head.weight, std=0.02)
@@ -122,7 +132,11 @@ def build(name):
 
 
 TV = [
-    ("resnet18", (1, 3, 64, 64), "add_branch(at=layer3,op=sepconv3x3),add_branch(at=layer3,op=avgpool3x3),deepen(after=layer2),remove_branch"),
+    (
+        "resnet18",
+        (1, 3, 64, 64),
+        "add_branch(at=layer3,op=sepconv3x3),add_branch(at=layer3,op=avgpool3x3),deepen(after=layer2),remove_branch",
+    ),
     ("mobilenet_v2", (1, 3, 64, 64), "add_branch(at=features.5:features.7,op=dilconv3x3,count=2),deepen"),
     ("vit_b_16", (1, 3, 64, 64), "deepen(after=encoder.layers.encoder_layer_3)"),
 ]
@@ -135,7 +149,12 @@ def test_torchvision_branches_and_depth_export_and_match(name, shape, spec, tmp_
     before = snapshot(model)
     result = gg.Pipeline.from_spec(spec).run(gg.trace(model, shape))
     for r in result.results:
-        assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok and not r.preservation.degenerate
+        assert (
+            r.preservation.eval.ok
+            and r.preservation.train.ok
+            and r.preservation.trainable_ok
+            and not r.preservation.degenerate
+        )
     assert_same_snapshot(before, snapshot(model))
     path = tmp_path / "m.onnx"
     export_onnx(result.gm, shape, path, max_ir_version=max_ir_version())
@@ -146,12 +165,37 @@ def test_torchvision_branches_and_depth_export_and_match(name, shape, spec, tmp_
 @pytest.mark.slow
 def test_five_pass_cli_pipeline_verifies_each_and_replays_bit_identically(tmp_path, cnn_file):
     grown, onnx_path = tmp_path / "grown.pt", tmp_path / "grown.onnx"
-    proc = run_cli("mutate", str(cnn_file), "--input-shape", "1,3,32,32", "--pass", "grow_width,add_residual",
-                   "--pass", "add_branch(op=sepconv3x3,count=2)", "--pass", "deepen", "--pass", "insert_adapter(out_channels=160)",
-                   "-o", str(grown), "--onnx", str(onnx_path), "--check", "--json", "--seed", "5")
+    proc = run_cli(
+        "mutate",
+        str(cnn_file),
+        "--input-shape",
+        "1,3,32,32",
+        "--pass",
+        "grow_width,add_residual",
+        "--pass",
+        "add_branch(op=sepconv3x3,count=2)",
+        "--pass",
+        "deepen",
+        "--pass",
+        "insert_adapter(out_channels=160)",
+        "-o",
+        str(grown),
+        "--onnx",
+        str(onnx_path),
+        "--check",
+        "--json",
+        "--seed",
+        "5",
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert [p["name"] for p in report["passes"]] == ["grow_width", "add_residual", "add_branch", "deepen", "insert_adapter"]
+    assert [p["name"] for p in report["passes"]] == [
+        "grow_width",
+        "add_residual",
+        "add_branch",
+        "deepen",
+        "insert_adapter",
+    ]
     assert all(p["preservation"]["eval_ok"] and p["preservation"]["trainable_ok"] for p in report["passes"])
     assert report["equivalence"]["passed"]
     for log_from in (grown, onnx_path):  # the log is in the .pt and in the ONNX metadata
@@ -175,7 +219,12 @@ def test_growth_during_training_example(tmp_path):
     import grow_during_training as example
 
     summary = example.run(tmp_path / "plot.png", log=lambda *a: None)
-    assert [e["pass"].split("(")[0] for e in summary["events"]] == ["grow_width", "add_residual", "add_branch", "deepen"]
+    assert [e["pass"].split("(")[0] for e in summary["events"]] == [
+        "grow_width",
+        "add_residual",
+        "add_branch",
+        "deepen",
+    ]
     for e in summary["events"]:
         for mode in ("eval", "train"):
             before, after = e[f"loss_{mode}"], e[f"loss_{mode}_after"]

@@ -11,6 +11,7 @@ C. CoaT (sweep, add_branch exit 1 'the new contribution is dead'): the default s
    only image tokens after the last token mixing, and the head reads the class token. No zero weight, so the probe
    did not run; it now also runs when the model keeps part of a tensor (x[:, 0], x[:, :1], select, gather).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -29,8 +30,16 @@ def _gmlp():
     from timm.models.mlp_mixer import MlpMixer, SpatialGatingBlock
 
     torch.manual_seed(0)
-    model = MlpMixer(img_size=64, patch_size=16, num_blocks=2, embed_dim=32, mlp_ratio=6, block_layer=SpatialGatingBlock,
-                     mlp_layer=GatedMlp, num_classes=10).eval()
+    model = MlpMixer(
+        img_size=64,
+        patch_size=16,
+        num_blocks=2,
+        embed_dim=32,
+        mlp_ratio=6,
+        block_layer=SpatialGatingBlock,
+        mlp_layer=GatedMlp,
+        num_classes=10,
+    ).eval()
     return gg.trace(model, (1, 3, 64, 64))
 
 
@@ -91,8 +100,9 @@ class _ZeroGainBlock(nn.Module):
 
 def test_dead_places_finds_what_a_zero_gain_blocks_and_names_it():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), _ZeroGainBlock(8), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                          nn.Linear(8, 4))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), _ZeroGainBlock(8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)
+    )
     gm = gg.trace(model, (1, 3, 16, 16))
     gg.annotate(gm, (1, 3, 16, 16))
     by_target = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
@@ -105,7 +115,7 @@ def test_dead_places_finds_what_a_zero_gain_blocks_and_names_it():
 
 
 def _nf_resnet():
-    from timm.models.nfnet import _nfres_cfg, NormFreeNet
+    from timm.models.nfnet import NormFreeNet, _nfres_cfg
 
     torch.manual_seed(0)
     model = NormFreeNet(_nfres_cfg(depths=(1, 1, 1, 1), channels=(32, 64, 96, 128)), num_classes=10).eval()
@@ -161,7 +171,15 @@ def test_timm_coat_add_branch_is_verified():
     from timm.models.coat import CoaT
 
     torch.manual_seed(0)
-    model = CoaT(img_size=64, patch_size=4, embed_dims=(64, 64, 64, 64), serial_depths=(1, 1, 1, 1), parallel_depth=1, num_heads=8,
-                 mlp_ratios=(2, 2, 2, 2), num_classes=10).eval()
+    model = CoaT(
+        img_size=64,
+        patch_size=4,
+        embed_dims=(64, 64, 64, 64),
+        serial_depths=(1, 1, 1, 1),
+        parallel_depth=1,
+        num_heads=8,
+        mlp_ratios=(2, 2, 2, 2),
+        num_classes=10,
+    ).eval()
     r = gg.get_pass("add_branch")()(gg.trace(model, (1, 3, 64, 64)))
     assert _verified(r) and "skipped" in r.targets["chosen"]

@@ -1,4 +1,5 @@
 """Named model inputs on the command line (issue 22): --input NAME:DTYPE[SHAPE], --capture, and files that remember them."""
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,23 @@ def invoke(runner, *args):
 
 def test_mutate_a_token_model_with_a_named_int_input(runner, tmp_path):
     out = tmp_path / "g.pt"
-    res = invoke(runner, "mutate", MODEL, "--input", "input_ids:int64[2,12]", "--pass", "insert_adapter", "-o", str(out), "--json")
+    res = invoke(
+        runner,
+        "mutate",
+        MODEL,
+        "--input",
+        "input_ids:int64[2,12]",
+        "--pass",
+        "insert_adapter",
+        "-o",
+        str(out),
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     report = json.loads(res.output)
-    assert report["inputs"] == [{"name": "input_ids", "shape": [2, 12], "dtype": "int64", "high": 50}]  # the embedding's vocabulary
+    assert report["inputs"] == [
+        {"name": "input_ids", "shape": [2, 12], "dtype": "int64", "high": 50}
+    ]  # the embedding's vocabulary
     assert report["input_shape"] == [2, 12]
     assert report["preservation"]["eval_ok"] and report["preservation"]["train_ok"]
     # the file remembers its inputs: no --input needed to open it again, and the text report names them
@@ -62,7 +76,11 @@ def test_named_sizes_declare_dynamic_dimensions_and_bad_ones_are_refused():
     spec = parse_spec("input_ids:int64[1,seq=128],attention_mask:int64[1,seq=128] pixel_values:float32[1,3,8,8]")
     assert [t.dynamic for t in spec] == [((1, "seq"),), ((1, "seq"),), ()]
     assert parse_spec([t.record() for t in spec]) == spec  # stored and read back as it was
-    for bad, why in (("x:int64[1,seq=1]", "which torch.export fixes"), ("x:int64[batch=2,4]", "cannot be declared dynamic"),
-                     ("a:int64[1,seq=4],b:int64[1,seq=5]", "one name, one size"), ("x:int64[1,se q=4]", "not integers")):
+    for bad, why in (
+        ("x:int64[1,seq=1]", "which torch.export fixes"),
+        ("x:int64[batch=2,4]", "cannot be declared dynamic"),
+        ("a:int64[1,seq=4],b:int64[1,seq=5]", "one name, one size"),
+        ("x:int64[1,se q=4]", "not integers"),
+    ):
         with pytest.raises(InputError, match=why):
             parse_spec(bad)

@@ -1,4 +1,5 @@
 """Channel-coupling analysis on small graphs whose answer is known."""
+
 from __future__ import annotations
 
 import torch
@@ -86,7 +87,9 @@ def test_cat_offsets_and_flatten_scales_carry_growth_to_the_right_places():
 
 def test_layouts_place_old_and_new_channels():
     lay = make_layout(5, [Insertion(2, 2, [None, None]), Insertion(5, 1, [0])])
-    assert lay.old_to_new == [0, 1, 4, 5, 6] and lay.new_slots == [2, 3, 7] and lay.new == 8 and lay.src == [None, None, 0]
+    assert (
+        lay.old_to_new == [0, 1, 4, 5, 6] and lay.new_slots == [2, 3, 7] and lay.new == 8 and lay.src == [None, None, 0]
+    )
 
 
 def test_layernorm_grouped_conv_and_unknown_ops_freeze_with_reasons():
@@ -109,4 +112,6 @@ def test_layernorm_grouped_conv_and_unknown_ops_freeze_with_reasons():
     # a LayerNorm over the channels joins its group (growable by equal replication only) ...
     assert c.group_of["lin"] == c.group_of["ln"] and c.group("lin").norms == ["ln"]
     # ... and the unknown op after it freezes the whole group
-    assert any("'cumsum' (cumsum) is not understood by the coupling analysis" in r for r in c.why_frozen(c.group_of["ln"]))
+    assert any(
+        "'cumsum' (cumsum) is not understood by the coupling analysis" in r for r in c.why_frozen(c.group_of["ln"])
+    )

@@ -2,19 +2,20 @@
 (offsets followed like cat's), stacks, reshapes that split channels into blocks (heads, radix), and the
 analysis on a graph that shapes.annotate has not seen. Each rule: exact growth in eval and train mode
 through grow_width's verification, and one onnxruntime check."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import grown, randomize_bn
+from graphgrow.passes.grow_width import GrowWidth
 from torch import nn
 
 import graphgrow as gg
 from graphgrow.analysis.coupling import analyze
 from graphgrow.io.export import export_onnx
 from graphgrow.io.runtime import max_ir_version, open_session
-from graphgrow.passes.grow_width import GrowWidth
 from graphgrow.verify.equivalence import check_equivalence
-from conftest import grown, randomize_bn
 
 SHAPE = (1, 3, 8, 8)
 
@@ -92,8 +93,11 @@ def test_a_group_through_a_grouped_conv_grows_per_group_and_says_which_increment
     assert b.weight[:, 2].abs().sum() == 0  # the new input channel of each group: zero outgoing weights
     r = grown(ResNeXtish(), SHAPE, target="b", to=16)  # the grouped conv itself: 2 more outputs per group
     assert r.gm.get_submodule("b").out_channels == 16 and r.gm.get_submodule("c").in_channels == 16
-    with pytest.raises(gg.NotApplicable, match=r"spread evenly over 4 blocks \(grouped conv 'b' \(groups=4\)\); "
-                                               r"grow by a multiple of 4 \(e\.g\. to=12\)"):
+    with pytest.raises(
+        gg.NotApplicable,
+        match=r"spread evenly over 4 blocks \(grouped conv 'b' \(groups=4\)\); "
+        r"grow by a multiple of 4 \(e\.g\. to=12\)",
+    ):
         GrowWidth(target="a", to=10)(gg.trace(ResNeXtish(), SHAPE))
 
 

@@ -4,21 +4,22 @@ layer's own parameters, GroupNorm (new channels as whole new groups), a token st
 (q/k and v/output channels of `scaled_dot_product_attention`), and weight-standardised convs (refused on their
 input side with the reason). Each rule: exact growth in eval and train mode through grow_width's verification
 (`grown`), and an onnxruntime check."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import grown, randomize_bn
+from graphgrow.passes.add_branch import AddBranch, branch_sites
+from graphgrow.passes.grow_width import GrowWidth
 from torch import nn
 
 import graphgrow as gg
 from graphgrow.analysis.coupling import analyze
 from graphgrow.io.export import export_onnx
 from graphgrow.io.runtime import max_ir_version, open_session
-from graphgrow.passes.add_branch import AddBranch, branch_sites
-from graphgrow.passes.grow_width import GrowWidth
 from graphgrow.verify.equivalence import check_equivalence
-from conftest import grown, randomize_bn
 
 IMAGE = (1, 3, 8, 8)
 
@@ -39,8 +40,9 @@ class StdConv(nn.Conv2d):
     """Weight standardisation as timm's StdConv2d computes it."""
 
     def forward(self, x):
-        w = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None, training=True, momentum=0.0,
-                         eps=1e-6).reshape_as(self.weight)
+        w = F.batch_norm(
+            self.weight.reshape(1, self.out_channels, -1), None, None, training=True, momentum=0.0, eps=1e-6
+        ).reshape_as(self.weight)
         return F.conv2d(x, w, self.bias, self.stride, self.padding)
 
 
@@ -129,7 +131,9 @@ class Standardised(nn.Module):
 
 
 def test_called_linear_and_conv_grow_their_own_parameters():
-    r = grown(Calls(), IMAGE, target="a", to=24)  # 8 → 24: enough for other dropout masks, were dropout not switched off
+    r = grown(
+        Calls(), IMAGE, target="a", to=24
+    )  # 8 → 24: enough for other dropout masks, were dropout not switched off
     b, head = r.gm.get_submodule("b"), r.gm.get_submodule("head")
     assert tuple(b.weight.shape) == (24, 24, 3, 3) and tuple(b.bias.shape) == (24,)  # traced through: parameters only
     assert tuple(head.weight.shape) == (5, 24)
@@ -175,7 +179,11 @@ def test_one_group_norm_grows_by_a_second_group_and_a_layer_scale_view_follows()
 def test_token_stream_with_class_token_position_table_and_heads(target, init, to):
     r = grown(TinyViT(), IMAGE, target=target, init=init, to=to)
     if target == "patch":  # the stream (under LayerNorms): every channel replicated, tokens and tables with it
-        assert r.gm.get_parameter("cls_token").shape == (1, 1, 32) and r.gm.get_parameter("pos_embed").shape == (1, 5, 32)
+        assert r.gm.get_parameter("cls_token").shape == (1, 1, 32) and r.gm.get_parameter("pos_embed").shape == (
+            1,
+            5,
+            32,
+        )
     if target == "attn.qkv":  # 2 heads × (8 → 10) for q, k and v; the output projection reads 20
         assert r.gm.get_submodule("attn.proj").in_features == 20
 
@@ -229,9 +237,13 @@ def test_add_branch_sees_a_weight_standardised_conv_as_a_conv():
 
 @pytest.mark.slow  # ONNX exports: make test runs it, not the edit loop
 def test_grown_calls_group_norms_and_token_stream_match_in_onnxruntime(tmp_path):
-    for model, kw in ((Calls(), dict(target="a", to=12)), (GroupNorms(), dict(target="b", to=20)),
-                      (TinyViT(), dict(target="attn.qkv", to=60)),
-                      (TinyViT(), dict(target="patch", to=32, init="net2net")), (Standardised(), dict(target="b", to=12))):
+    for model, kw in (
+        (Calls(), dict(target="a", to=12)),
+        (GroupNorms(), dict(target="b", to=20)),
+        (TinyViT(), dict(target="attn.qkv", to=60)),
+        (TinyViT(), dict(target="patch", to=32, init="net2net")),
+        (Standardised(), dict(target="b", to=12)),
+    ):
         model = randomize_bn(model).eval()
         r = GrowWidth(**kw)(gg.trace(model, IMAGE))
         path = tmp_path / f"{type(model).__name__}.onnx"

@@ -1,5 +1,6 @@
 """Issue 25: DARTS-style cells are traced through (every path of their drop-path branch merged into run-time
 switches), their drop-path schedule stays live, and growth lands inside cells, verified and checked on onnxruntime."""
+
 from __future__ import annotations
 
 import copy
@@ -7,15 +8,14 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.io import serialize
 from graphgrow import LoadError
-from graphgrow.io.mode_switch import ModeSwitch
 from graphgrow.capture.trace import trace_report
-
-from conftest import ROOT
+from graphgrow.io import serialize
+from graphgrow.io.mode_switch import ModeSwitch
 
 sys.path.insert(0, str(ROOT / "examples"))
 import darts_net as dn  # noqa: E402

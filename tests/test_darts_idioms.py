@@ -4,15 +4,16 @@ with no leaf in train and eval mode whatever spelling draws its drop-path mask â
 torch.empty / full / rand / ones with the input's device, bernoulli_ / torch.bernoulli / uniform_ / rand < p,
 with and without Variable, in place or not â€” and the graph computes what the model computes, saves and
 loads without trust and exports to ONNX in eval mode."""
+
 from __future__ import annotations
 
 import copy
 
+import darts_published as dp
 import pytest
 import torch
 from torch import fx, nn
 
-import darts_published as dp
 import graphgrow as gg
 from graphgrow.capture.trace import trace_report
 from graphgrow.core.errors import TraceError
@@ -66,7 +67,8 @@ def _traced(idiom: str, mode: str) -> tuple[nn.Module, fx.GraphModule]:
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("idiom", [i if i == "cuda_typed" else pytest.param(i, marks=pytest.mark.slow) for i in IDIOMS])
 def test_every_mask_idiom_traces_with_no_leaf_computes_what_the_model_computes_and_loads_without_trust(
-        idiom, mode, tmp_path):
+    idiom, mode, tmp_path
+):
     model, gm = _traced(idiom, mode)
     report = trace_report(gm)
     assert report["auto_leaves"] == {}
@@ -76,8 +78,10 @@ def test_every_mask_idiom_traces_with_no_leaf_computes_what_the_model_computes_a
     calls = _calls(gm)
     # no typed class, no Variable and no x.new in the graph: the device-agnostic calls they amount to
     assert not any(n.target in torch._tensor_classes or n.target == "new" for n in calls), idiom
-    assert any(n.target in ("bernoulli_", "bernoulli", "uniform_") or n.target is torch.bernoulli or n.target is torch.rand
-               for n in calls), idiom
+    assert any(
+        n.target in ("bernoulli_", "bernoulli", "uniform_") or n.target is torch.bernoulli or n.target is torch.rand
+        for n in calls
+    ), idiom
     for p in (0.0, 0.3):  # train mode with drop-path on: the same draws, the same output
         assert torch.equal(_train_logits(gm, p), _train_logits(model, p)), (idiom, p)
     assert not torch.equal(_train_logits(gm, 0.0), _train_logits(gm, 0.5))  # the mask is drawn, not frozen
@@ -239,8 +243,12 @@ def test_the_seeds_scenario_grows_a_published_style_network_four_times_while_it_
 
     gm = gg.trace(dp.network("cuda_typed", auxiliary=True), SHAPE, mode="train")
     assert trace_report(gm)["auto_leaves"] == {}
-    events = {1: "grow_width(target=cells.1.preprocess1.op.1)", 2: "add_branch(op=sepconv3x3)",
-              3: "deepen", 4: "grow_width"}
+    events = {
+        1: "grow_width(target=cells.1.preprocess1.op.1)",
+        2: "add_branch(op=sepconv3x3)",
+        3: "deepen",
+        4: "grow_width",
+    }
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(16, 3, 16, 16, generator=gen), torch.randint(0, 10, (16,), generator=gen)
     probe_x, probe_y = x[:8], y[:8]
@@ -258,8 +266,10 @@ def test_the_seeds_scenario_grows_a_published_style_network_four_times_while_it_
         gm.train()
         for i in range(0, 16, 8):
             opt.zero_grad()
-            logits, aux = gm(x[i:i + 8])
-            loss = nn.functional.cross_entropy(logits, y[i:i + 8]) + 0.4 * nn.functional.cross_entropy(aux, y[i:i + 8])
+            logits, aux = gm(x[i : i + 8])
+            loss = nn.functional.cross_entropy(logits, y[i : i + 8]) + 0.4 * nn.functional.cross_entropy(
+                aux, y[i : i + 8]
+            )
             loss.backward()
             opt.step()
     assert trace_report(gm)["auto_leaves"] == {}

@@ -1,12 +1,12 @@
 """The DARTS-style evaluation network in examples/darts_net.py (issue 25's test bed): built from the paper's
 description, it must behave as the paper's network does before graphgrow is asked to grow it."""
+
 from __future__ import annotations
 
 import sys
 
 import pytest
 import torch
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "examples"))
@@ -53,7 +53,11 @@ def test_the_paper_sized_network_has_the_papers_size():
 
 
 def test_a_malformed_genotype_is_refused():
-    bad = dn.Genotype(normal=[("sep_conv_3x3", 5)] * 2, normal_concat=[2], reduce=dn.DARTS_V2.reduce,
-                      reduce_concat=dn.DARTS_V2.reduce_concat)
+    bad = dn.Genotype(
+        normal=[("sep_conv_3x3", 5)] * 2,
+        normal_concat=[2],
+        reduce=dn.DARTS_V2.reduce,
+        reduce_concat=dn.DARTS_V2.reduce_concat,
+    )
     with pytest.raises(ValueError):
         dn.small_darts(genotype=bad)

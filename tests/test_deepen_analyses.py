@@ -5,6 +5,7 @@ attention analysis (analysis.heads, whatever the attention module calls its head
 a hand-written functional pre-norm block, and nn.TransformerEncoderLayer(norm_first=True) captured by torch.export
 (whose modules show the same: the analyses agree with them), and timm's ViT. The scan of norm and Linear modules
 deepen did before gave the functional block LayerNorm(eps=1e-5) and MLP 4·C, and the ViT eps=1e-5."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,13 +30,16 @@ class FunctionalBlock(nn.Module):
         super().__init__()
         self.groups = HEADS
         self.n1, self.n2 = nn.Parameter(torch.ones(C)), nn.Parameter(torch.ones(C))
-        self.wq, self.wk, self.wv, self.wo = (nn.Parameter(torch.randn(C, C) / C ** 0.5) for _ in range(4))
-        self.up, self.down = nn.Parameter(torch.randn(MLP, C) / C ** 0.5), nn.Parameter(torch.randn(C, MLP) / MLP ** 0.5)
+        self.wq, self.wk, self.wv, self.wo = (nn.Parameter(torch.randn(C, C) / C**0.5) for _ in range(4))
+        self.up, self.down = nn.Parameter(torch.randn(MLP, C) / C**0.5), nn.Parameter(torch.randn(C, MLP) / MLP**0.5)
 
     def forward(self, x):
         n, t, _ = x.shape
         h = F.rms_norm(x, (C,), self.n1, eps=1e-3)
-        q, k, v = (F.linear(h, w).view(n, t, self.groups, C // self.groups).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (
+            F.linear(h, w).view(n, t, self.groups, C // self.groups).transpose(1, 2)
+            for w in (self.wq, self.wk, self.wv)
+        )
         a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, t, C)
         x = x + F.linear(a, self.wo)
         return x + F.linear(F.gelu(F.linear(F.rms_norm(x, (C,), self.n2, eps=1e-3), self.up)), self.down)
@@ -44,9 +48,9 @@ class FunctionalBlock(nn.Module):
 class Functional(nn.Module):
     def __init__(self):
         super().__init__()
-        self.embed = nn.Parameter(torch.randn(C, IN) / IN ** 0.5)
+        self.embed = nn.Parameter(torch.randn(C, IN) / IN**0.5)
         self.blocks = nn.Sequential(FunctionalBlock(), FunctionalBlock())
-        self.head = nn.Parameter(torch.randn(3, C) / C ** 0.5)
+        self.head = nn.Parameter(torch.randn(3, C) / C**0.5)
 
     def forward(self, x):
         return F.linear(F.rms_norm(self.blocks(F.linear(x, self.embed)), (C,), eps=1e-3), self.head)
@@ -57,8 +61,9 @@ class Encoder(nn.Module):
 
     def __init__(self):
         super().__init__()
-        layer = nn.TransformerEncoderLayer(C, HEADS, dim_feedforward=MLP, dropout=0.0, layer_norm_eps=1e-3, norm_first=True,
-                                           batch_first=True)
+        layer = nn.TransformerEncoderLayer(
+            C, HEADS, dim_feedforward=MLP, dropout=0.0, layer_norm_eps=1e-3, norm_first=True, batch_first=True
+        )
         self.embed = nn.Linear(IN, C)
         self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(C, 3)
@@ -75,8 +80,14 @@ def test_block_is_read_from_the_stream_and_heads_analyses(make, norm, capture):
     result = gg.get_pass("deepen")(block="transformer", attention="bidirectional")(gm)
     assert result.preservation.eval.ok and result.preservation.train.ok
     block = result.targets["block"]
-    assert f"{norm}(eps=0.001)" in block and f"{HEADS} heads (the model's own attention)" in block and f"MLP {C}→{MLP}→{C}" in block
-    root = next(name for name, m in result.gm.named_modules() if name.startswith("deepen_transformer") and hasattr(m, "fc1"))
+    assert (
+        f"{norm}(eps=0.001)" in block
+        and f"{HEADS} heads (the model's own attention)" in block
+        and f"MLP {C}→{MLP}→{C}" in block
+    )
+    root = next(
+        name for name, m in result.gm.named_modules() if name.startswith("deepen_transformer") and hasattr(m, "fc1")
+    )
     new = result.gm.get_submodule(root)
     assert type(new.norm1) is getattr(nn, norm) and new.norm1.eps == 1e-3 and new.fc1.out_features == MLP
     assert (new.q.bias is None) == (norm == "RMSNorm")  # biases as the model's norms have them (LLaMA: none)
@@ -87,8 +98,16 @@ def test_timm_vit_norm_eps_comes_from_its_stream():
     the stream's norms do (a scan of the modules found none and fell back to LayerNorm(eps=1e-5))."""
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=1, embed_dim=32,
-                              num_heads=2, num_classes=3)
+    model = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=32,
+        patch_size=8,
+        depth=1,
+        embed_dim=32,
+        num_heads=2,
+        num_classes=3,
+    )
     gm = gg.trace(model.eval(), input_shape=(1, 3, 32, 32))
     assert not any(isinstance(m, nn.LayerNorm) for m in gm.modules())
     result = gg.get_pass("deepen")(block="transformer")(gm)

@@ -2,19 +2,25 @@
 item 4). GPT-2 and LLaMA (causal, found by probing the stream), BERT (post-norm, bidirectional), a plain
 nn.TransformerEncoder and a timm ViT: exact in eval and train mode at two batch sizes and two sequence lengths, every
 new parameter learning, the graphgrow file and the ONNX export on onnxruntime; refusals with their reasons."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_hf_pass_matrix import _same_function, build
 from torch import nn
 
 import graphgrow as gg
 from graphgrow.graph.inputs import parse_spec, spec_inputs
-from test_hf_pass_matrix import _same_function, build
 
-ARCHS = {"gpt2": "causal", "llama": "causal", "bert": "bidirectional", "token_encoder": "bidirectional",
-         "timm_vit": "bidirectional"}
+ARCHS = {
+    "gpt2": "causal",
+    "llama": "causal",
+    "bert": "bidirectional",
+    "token_encoder": "bidirectional",
+    "timm_vit": "bidirectional",
+}
 _GROWN: dict[str, tuple] = {}
 
 
@@ -26,8 +32,16 @@ def _build(arch: str) -> tuple[nn.Module, str]:
         return build(arch)
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, embed_dim=32,
-                              num_heads=2, num_classes=3)
+    model = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=32,
+        patch_size=8,
+        depth=2,
+        embed_dim=32,
+        num_heads=2,
+        num_classes=3,
+    )
     return model, "x:1x3x32x32"
 
 
@@ -97,10 +111,13 @@ def test_any_depth_and_onnx_and_file(tmp_path):
     path = gg.save_model(result.gm, tmp_path / "bert_deeper.pt")
     loaded = gg.load_model(path).module
     inputs = spec_inputs(gm, parse_spec(spec), seed=4, batch=2)
-    assert _same_function(result.gm, loaded, inputs, train=False) == 0.0 and "deepen_transformer.q" in dict(loaded.named_modules())
+    assert _same_function(result.gm, loaded, inputs, train=False) == 0.0 and "deepen_transformer.q" in dict(
+        loaded.named_modules()
+    )
     export_onnx(result.gm, parse_spec(spec), tmp_path / "bert_deeper.onnx", max_ir_version=max_ir_version())
-    report = check_equivalence(result.gm, open_session(tmp_path / "bert_deeper.onnx", "cpu"), parse_spec(spec),
-                               raise_on_failure=True)
+    report = check_equivalence(
+        result.gm, open_session(tmp_path / "bert_deeper.onnx", "cpu"), parse_spec(spec), raise_on_failure=True
+    )
     assert report.passed
 
 

@@ -1,4 +1,5 @@
 """Default targets a practitioner would pick (issue: sensible defaults), and the candidates behind them."""
+
 from __future__ import annotations
 
 import re
@@ -56,7 +57,9 @@ def test_add_branch_never_lands_on_graphgrows_own_modules():
     branch = grown.results[1]
     assert "residual_downsample" not in branch.targets["span"] and "'layer4.1.conv2'" in branch.targets["chosen"]
     assert grown.log[0]["modules_added"] == ["residual_downsample"]
-    assert not any("residual_downsample" in c.args["at"] for c in gg.get_pass("add_branch")().candidates(grown.results[0].gm))
+    assert not any(
+        "residual_downsample" in c.args["at"] for c in gg.get_pass("add_branch")().candidates(grown.results[0].gm)
+    )
 
 
 def test_grow_width_skips_squeeze_excitation_bottlenecks():
@@ -73,7 +76,9 @@ def test_main_path_and_stages_of_a_transformer():
     found = stages(gm)
     assert found[-1].resolution == (17,) and found[-1].nodes[-1].name == "encoder_ln"
     path = [n.name for n in main_path(gm)]
-    assert sum(n.startswith("add") for n in path) == 1 + 2 * 12  # position embedding, then each block's two residual adds
+    assert (
+        sum(n.startswith("add") for n in path) == 1 + 2 * 12
+    )  # position embedding, then each block's two residual adds
     assert not any("ln_1" in n or "mlp" in n or "self_attention" in n for n in path)  # nothing inside a block
     r = gg.Pipeline.from_spec("add_residual").run(gm).results[0]
     assert r.targets["skip"] == "identity × gate (gate = 0)" and r.targets["end"].startswith("encoder_ln ")
@@ -82,8 +87,19 @@ def test_main_path_and_stages_of_a_transformer():
 def test_candidates_list_the_default_and_what_each_adds(runner):
     from graphgrow.cli import main
 
-    res = runner.invoke(main, ["targets", "torchvision.models:resnet18", "--pass", "add_branch(op=sepconv3x3)",
-                               "--input-shape", "1,3,64,64", "--json"], catch_exceptions=False)
+    res = runner.invoke(
+        main,
+        [
+            "targets",
+            "torchvision.models:resnet18",
+            "--pass",
+            "add_branch(op=sepconv3x3)",
+            "--input-shape",
+            "1,3,64,64",
+            "--json",
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     import json
 
@@ -105,8 +121,21 @@ def test_dry_run_writes_nothing(runner, tmp_path, monkeypatch):
     from graphgrow.cli import main
 
     monkeypatch.chdir(tmp_path)
-    res = runner.invoke(main, ["mutate", "factories:small_cnn", "--pass", "insert_adapter", "--input-shape", "1,3,16,16",
-                               "--onnx", "m.onnx", "--dry-run"], catch_exceptions=False)
+    res = runner.invoke(
+        main,
+        [
+            "mutate",
+            "factories:small_cnn",
+            "--pass",
+            "insert_adapter",
+            "--input-shape",
+            "1,3,16,16",
+            "--onnx",
+            "m.onnx",
+            "--dry-run",
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     assert "dry run: no model written (would write" in res.output and "insert_adapter" in res.output
     assert list(tmp_path.iterdir()) == []

@@ -1,6 +1,7 @@
 """The design the code cites is in the repository (issue 41): every "architecture.md §n" in the code, tests,
 tools, benchmarks and examples names a section that docs/architecture.md has, and nothing cites the old
 DESIGN document, which is not in the tree."""
+
 from __future__ import annotations
 
 import re

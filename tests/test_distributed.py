@@ -5,6 +5,7 @@ two of them with a timeout, each on a port of its own (torchrun --standalone pic
 hand-launched fault jobs bind port 0 to find one), so two pytest workers never collide. Every rank writes
 a JSON report; the assertions are here.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,16 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
 
 
 def torchrun(scenario: str, out: Path, nproc: int = 2) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(JOB), scenario, str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(JOB),
+        scenario,
+        str(out),
+    ]
     return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -77,7 +87,11 @@ def test_every_rank_grows_the_same_model_without_a_jump_in_the_loss(grown_job):
         assert r0["params_after"] > r0["params_before"], kind
         for r in (r0, r1):
             for mode in ("eval", "train"):  # exact: the same loss before and after, on every rank
-                assert abs(r["probe_after"][mode] - r["probe_before"][mode]) <= 1e-6 * abs(r["probe_before"][mode]), (kind, mode, r)
+                assert abs(r["probe_after"][mode] - r["probe_before"][mode]) <= 1e-6 * abs(r["probe_before"][mode]), (
+                    kind,
+                    mode,
+                    r,
+                )
             assert r["opt_covers_model"] and r["momentum_carried"] > 0, kind
             assert r["lr_after"] == r["lr_before"], kind
         assert r0["probe_after"] == r1["probe_after"] and r0["seed"] == r1["seed"], kind
@@ -144,10 +158,24 @@ def _fault_job(how: str, out: Path) -> list[subprocess.Popen]:
     port = str(_free_port())
     procs = []
     for rank in (0, 1):
-        env = {**ENV, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, "GROW_TIMEOUT": "4"}
-        procs.append(subprocess.Popen([sys.executable, str(JOB), how, str(out)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        env = {
+            **ENV,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "GROW_TIMEOUT": "4",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(JOB), how, str(out)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -160,7 +188,9 @@ def test_a_rank_killed_or_hung_during_growth_gives_the_others_a_clear_error(tmp_
             output = finish(procs[0], timeout=300)
             report = json.loads((tmp_path / f"{how}-w2-rank0.json").read_text())
             assert report["type"] == "DistributedError", (how, report, output[-2000:])
-            assert "not every rank answered" in report["error"] and "resume from the last checkpoint" in report["error"], report
+            assert (
+                "not every rank answered" in report["error"] and "resume from the last checkpoint" in report["error"]
+            ), report
             assert report["model_kept"], how
             # the 4 s timeout, not the process group's 1800 s; the margin is rank 0's own growth on a busy machine
             assert report["seconds"] < 4 + 120, (how, report["seconds"])
@@ -187,10 +217,13 @@ def test_lightning_growth_callback_under_ddp(tmp_path):
         for mode in ("eval", "train"):
             assert abs(r["after"][mode] - r["before"][mode]) <= 1e-6 * abs(r["before"][mode]), r
         assert r["after_opt_is_model"] and r["after_sched_follows"]
-        assert [e["when"] for e in r["events"]] == [3] and r["lr"] == [pytest.approx(0.05 * 0.5 ** 3)]
+        assert [e["when"] for e in r["events"]] == [3] and r["lr"] == [pytest.approx(0.05 * 0.5**3)]
         assert r["loaded_fingerprint"] == r["fingerprint"] and r["loaded_step"] == 6
         assert r["resumed_params"] == r["after_params"] and r["resumed_keys_match"] and r["resumed_global_step"] == 8
-    assert ranks[0]["fingerprint"] == ranks[1]["fingerprint"] and ranks[0]["resumed_fingerprint"] == ranks[1]["resumed_fingerprint"]
+    assert (
+        ranks[0]["fingerprint"] == ranks[1]["fingerprint"]
+        and ranks[0]["resumed_fingerprint"] == ranks[1]["resumed_fingerprint"]
+    )
     assert ranks[0]["events"][0]["seed"] == ranks[1]["events"][0]["seed"]
 
 
@@ -209,8 +242,10 @@ def world_of_one(tmp_path):
 
 def _small():
     torch.manual_seed(0)
-    return gg.trace(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3)),
-                    input_shape=(1, 3, 6, 6))
+    return gg.trace(
+        nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3)),
+        input_shape=(1, 3, 6, 6),
+    )
 
 
 def test_the_rebuilt_wrapper_keeps_the_old_wrappers_options(world_of_one):
@@ -246,7 +281,9 @@ def test_the_scheduler_follows_the_carried_optimiser():
     gm = _small()
     opt = torch.optim.SGD(gm.parameters(), lr=0.1, momentum=0.9)
     warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=2)
-    sched = torch.optim.lr_scheduler.SequentialLR(opt, [warm, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)], milestones=[2])
+    sched = torch.optim.lr_scheduler.SequentialLR(
+        opt, [warm, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)], milestones=[2]
+    )
     for _ in range(3):
         opt.step()
         sched.step()
@@ -273,7 +310,9 @@ def test_checkpoint_refuses_mixed_folders_and_wrong_optimisers(tmp_path):
     assert ck.step == 3 and ck.extra == {"epoch": 1}
     fresh = torch.optim.SGD(ck.model.parameters(), lr=1.0)
     ck.restore(fresh)
-    assert fresh.param_groups[0]["lr"] == 0.1 and sum("momentum_buffer" in s for s in fresh.state.values()) == len(list(gm.parameters()))
+    assert fresh.param_groups[0]["lr"] == 0.1 and sum("momentum_buffer" in s for s in fresh.state.values()) == len(
+        list(gm.parameters())
+    )
     with pytest.raises(gg.InputError):
         ck.restore(torch.optim.SGD(gm.parameters(), lr=0.1))
     (tmp_path / "a" / "model.pt").write_bytes((tmp_path / "b" / "model.pt").read_bytes())
@@ -284,6 +323,8 @@ def test_checkpoint_refuses_mixed_folders_and_wrong_optimisers(tmp_path):
 
 
 def test_importing_graphgrow_loads_neither_the_distributed_jobs_nor_lightning():
-    code = ("import sys, graphgrow as gg; assert 'graphgrow.jobs.ddp' not in sys.modules; gg.distributed.grow; "
-            "assert 'lightning' not in sys.modules, 'lightning was imported'")
+    code = (
+        "import sys, graphgrow as gg; assert 'graphgrow.jobs.ddp' not in sys.modules; gg.distributed.grow; "
+        "assert 'lightning' not in sys.modules, 'lightning was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -4,6 +4,7 @@ reference, the pass arguments) match the code, and every relative link and ancho
 
 Blocks under one heading run in order in one scratch folder (a later block may use an earlier one's
 files), with the venv's `graphgrow` first on PATH and the repository on PYTHONPATH (for `examples.…`)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -37,8 +38,11 @@ def test_there_are_docs_and_blocks():
 
 def test_every_code_block_has_a_check():
     known = {"run", "make", "layout", "generated", "install"}
-    unchecked = [f"{b.where} ({b.lang or 'no language'}: {b.kind or 'nothing says how it is checked'})"
-                 for b in ALL if b.kind not in known and not b.kind.startswith("in ")]
+    unchecked = [
+        f"{b.where} ({b.lang or 'no language'}: {b.kind or 'nothing says how it is checked'})"
+        for b in ALL
+        if b.kind not in known and not b.kind.startswith("in ")
+    ]
     bad_language = [b.where for b in ALL if b.kind == "run" and b.lang not in ("sh", "python")]
     assert not unchecked and not bad_language, unchecked + bad_language
 
@@ -49,7 +53,8 @@ def test_generated_regions_are_current():
         assert docs.regenerate(text) == text, f"{path.name} is stale: run `make docs` (python tools/docs.py)"
     cli = (ROOT / "docs" / "cli.md").read_text()
     assert "<!-- generated: cli-reference -->" in cli and "<!-- generated: passes-table -->" in "".join(
-        p.read_text() for p in docs.doc_files())
+        p.read_text() for p in docs.doc_files()
+    )
 
 
 def test_the_cli_reference_covers_every_command():
@@ -65,15 +70,27 @@ def test_the_readme_is_a_front_door():
     what you get back, the promise, links; the references live in docs/."""
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 320, len(readme.splitlines())
-    for heading in ("## Install", "## In Python", "## On the command line", "## What you get back", "## The promise",
-                    "## Documentation"):
+    for heading in (
+        "## Install",
+        "## In Python",
+        "## On the command line",
+        "## What you get back",
+        "## The promise",
+        "## Documentation",
+    ):
         assert f"\n{heading}" in readme, heading
 
 
 def _env(tmp_path: Path) -> dict:
     bin_dir = str(Path(sys.executable).parent)
-    return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT),
-            "MPLBACKEND": "Agg", "COLUMNS": "120", "HOME": os.environ.get("HOME", str(tmp_path))}
+    return {
+        **os.environ,
+        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        "PYTHONPATH": str(ROOT),
+        "MPLBACKEND": "Agg",
+        "COLUMNS": "120",
+        "HOME": os.environ.get("HOME", str(tmp_path)),
+    }
 
 
 def _run_block(block, cwd: Path, env: dict, n: int) -> None:
@@ -84,8 +101,10 @@ def _run_block(block, cwd: Path, env: dict, n: int) -> None:
     else:
         cmd = ["bash", "-euo", "pipefail", "-c", block.code]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (f"{block.where} failed (exit {proc.returncode}) in {cwd}\n{block.code}\n"
-                                  f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+    assert proc.returncode == 0, (
+        f"{block.where} failed (exit {proc.returncode}) in {cwd}\n{block.code}\n"
+        f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+    )
 
 
 @pytest.mark.slow
@@ -119,8 +138,14 @@ def test_make_blocks_name_real_targets_and_the_demo_runs(tmp_path):
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     recipe = re.search(r"^demo:.*\n\t\$\(BIN\)/python (.+)$", (ROOT / "Makefile").read_text(), re.M)
     assert recipe, "make demo's recipe is no longer `$(BIN)/python SCRIPT`"
-    proc = subprocess.run([sys.executable, str(ROOT / recipe.group(1))], cwd=tmp_path, env=_env(tmp_path),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / recipe.group(1))],
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "equivalence vs original model: PASS" in proc.stdout
 
@@ -143,8 +168,12 @@ def test_install_blocks_name_real_extras_and_commands():
                 assert named <= extras, f"{b.where}: extras pyproject.toml lacks: {named - extras}"
             else:
                 assert words[0] == "graphgrow", f"{b.where}: not an install or graphgrow line: {line}"
-                proc = subprocess.run([str(Path(sys.executable).parent / "graphgrow"), *words[1:]],
-                                      capture_output=True, text=True, timeout=120)
+                proc = subprocess.run(
+                    [str(Path(sys.executable).parent / "graphgrow"), *words[1:]],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
                 assert proc.returncode == 0, proc.stderr[-2000:]
 
 

@@ -4,6 +4,7 @@ Small configs with random weights (nothing downloaded). The captured graph must 
 and train mode (trace's fidelity check), keep torch.nn layers as call_module nodes under their paths,
 and return the model's output as a dict.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -14,14 +15,20 @@ from torch.utils._pytree import tree_flatten
 from graphgrow.capture.trace import trace
 from graphgrow.core.errors import InputError
 from graphgrow.graph.graph_meta import input_spec_of
-from graphgrow.graph.inputs import parse_spec, plain_spec, spec_inputs, TensorSpec
+from graphgrow.graph.inputs import TensorSpec, parse_spec, plain_spec, spec_inputs
 
 tf = pytest.importorskip("transformers")
 
 
 def _bert(cls=None):
-    cfg = tf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                        max_position_embeddings=32)
+    cfg = tf.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
     return (cls or tf.BertModel)(cfg)
 
 
@@ -42,7 +49,10 @@ def _layer(gm, path):
 
 def test_input_spec_text_and_dict():
     spec = parse_spec("input_ids:1x16:int64,attention_mask:1x16:int64")
-    assert [(t.name, t.shape, t.dtype) for t in spec] == [("input_ids", (1, 16), "int64"), ("attention_mask", (1, 16), "int64")]
+    assert [(t.name, t.shape, t.dtype) for t in spec] == [
+        ("input_ids", (1, 16), "int64"),
+        ("attention_mask", (1, 16), "int64"),
+    ]
     assert parse_spec({"x": (2, 3)}) == (TensorSpec("x", (2, 3), "float32"),)
     assert parse_spec({"ids": torch.zeros(1, 4, dtype=torch.long)})[0].dtype == "int64"
     with pytest.raises(InputError, match="NAME:SHAPE"):
@@ -55,9 +65,11 @@ def test_input_spec_text_and_dict():
 
 def test_token_ids_are_drawn_below_the_vocabulary():
     model = nn.Sequential(nn.Embedding(7, 4))
-    x = spec_inputs(model, parse_spec("input_ids:2x50:int64,attention_mask:2x50:int64,token_type_ids:2x50:int64"), batch=3)
+    x = spec_inputs(
+        model, parse_spec("input_ids:2x50:int64,attention_mask:2x50:int64,token_type_ids:2x50:int64"), batch=3
+    )
     assert x["input_ids"].shape == (3, 50) and x["input_ids"].dtype == torch.int64
-    assert 0 <= x["input_ids"].min() and x["input_ids"].max() == 6  # the whole range is used: 150 draws of 7 values
+    assert x["input_ids"].min() >= 0 and x["input_ids"].max() == 6  # the whole range is used: 150 draws of 7 values
     assert torch.equal(x["attention_mask"], torch.ones(3, 50, dtype=torch.long))
     assert x["token_type_ids"].max() <= 1
 
@@ -71,7 +83,9 @@ def test_bert_captured_exactly_with_named_inputs():
     assert report["mode_switches"] > 0  # attention dropout follows the module's training flag at run time
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["input_ids", "attention_mask"]
     assert isinstance(_layer(gm, "encoder.layer.0.attention.self.query"), nn.Linear)
-    assert _layer(gm, "encoder.layer.0.attention.self.query").weight is model.encoder.layer[0].attention.self.query.weight
+    assert (
+        _layer(gm, "encoder.layer.0.attention.self.query").weight is model.encoder.layer[0].attention.self.query.weight
+    )
     assert isinstance(_layer(gm, "embeddings.word_embeddings"), nn.Embedding)
     assert isinstance(_layer(gm, "encoder.layer.1.output.LayerNorm"), nn.LayerNorm)
     assert not any("aten" in str(n.target) for n in gm.graph.nodes)  # written as torch functions
@@ -94,8 +108,18 @@ def test_bert_for_sequence_classification():
 
 @pytest.mark.slow
 def test_gpt2_lm_head():
-    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=32, use_cache=False,
-                                             bos_token_id=0, eos_token_id=0))
+    model = tf.GPT2LMHeadModel(
+        tf.GPT2Config(
+            vocab_size=100,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=32,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
     gm = trace(model, "input_ids:1x8:int64")
     assert gm.meta["graphgrow"]["trace"]["capture"] == "export"
     assert isinstance(_layer(gm, "transformer.wte"), nn.Embedding)
@@ -106,11 +130,24 @@ def test_gpt2_lm_head():
 
 @pytest.mark.slow
 def test_llama_causal_lm():
-    cfg = tf.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
+    cfg = tf.LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        use_cache=False,
+    )
     model = tf.LlamaForCausalLM(cfg)
     gm = trace(model, "input_ids:1x8:int64")
-    for path in ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.k_proj", "lm_head"):
+    for path in (
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.0.mlp.down_proj",
+        "model.layers.1.self_attn.k_proj",
+        "lm_head",
+    ):
         assert isinstance(_layer(gm, path), nn.Linear)
     inputs = spec_inputs(model, parse_spec("input_ids:2x8:int64"), seed=3)
     assert _max_error(model, gm, inputs) <= 1e-5
@@ -118,13 +155,23 @@ def test_llama_causal_lm():
 
 @pytest.mark.slow
 def test_vit_falls_back_from_fx_to_export():
-    cfg = tf.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                       intermediate_size=64, num_labels=5)
+    cfg = tf.ViTConfig(
+        image_size=16,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=5,
+    )
     model = tf.ViTForImageClassification(cfg)
     gm = trace(model, (1, 3, 16, 16))
     report = gm.meta["graphgrow"]["trace"]
     assert report["capture"] == "export" and "symbolic tracing failed" in report["notes"][0]
-    assert input_spec_of(gm) == plain_spec([1, 3, 16, 16], "pixel_values")  # still a bare shape, named as the forward's input
+    assert input_spec_of(gm) == plain_spec(
+        [1, 3, 16, 16], "pixel_values"
+    )  # still a bare shape, named as the forward's input
     assert isinstance(_layer(gm, "vit.embeddings.patch_embeddings.projection"), nn.Conv2d)
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
@@ -153,10 +200,14 @@ def test_passes_grow_a_captured_bert_verified():
 
     model = _bert(tf.BertForSequenceClassification)
     gm = trace(model, "input_ids:1x8:int64,attention_mask:1x8:int64")
-    result = Pipeline.from_spec("grow_width(target=bert.encoder.layer.0.intermediate.dense),"
-                                "insert_adapter(after=bert.encoder.layer.1.intermediate.dense)").run(gm)
+    result = Pipeline.from_spec(
+        "grow_width(target=bert.encoder.layer.0.intermediate.dense),"
+        "insert_adapter(after=bert.encoder.layer.1.intermediate.dense)"
+    ).run(gm)
     widen, adapter = result.results
-    assert widen.params_after - widen.params_before == 2 * 64 * 32 + 64  # 64 new hidden units: in-weights, biases, out-weights
+    assert (
+        widen.params_after - widen.params_before == 2 * 64 * 32 + 64
+    )  # 64 new hidden units: in-weights, biases, out-weights
     assert "bert.encoder.layer.0.output.dense" in widen.targets["rebuilt"]
     for r in (widen, adapter):
         assert r.preservation.eval.max_abs_err <= 1e-6 and r.preservation.train.max_abs_err <= 1e-6

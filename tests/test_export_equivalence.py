@@ -1,4 +1,5 @@
 """ONNX export (checker, dynamic batch, metadata, one file) and the onnxruntime equivalence report."""
+
 from __future__ import annotations
 
 import json
@@ -7,12 +8,12 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from graphgrow.passes.add_residual import AddResidual
 
 import graphgrow as gg
-from graphgrow.verify.equivalence import check_equivalence, compare_arrays
 from graphgrow.io.export import export_onnx, mutation_log
-from graphgrow.passes.add_residual import AddResidual
 from graphgrow.io.runtime import max_ir_version, open_session
+from graphgrow.verify.equivalence import check_equivalence, compare_arrays
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -20,6 +21,7 @@ HAS_CUDA = torch.cuda.is_available()
 @pytest.fixture(scope="module")
 def grown_onnx(tmp_path_factory):
     import sys
+
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from conftest import randomize_bn, small_cnn
 
@@ -79,7 +81,9 @@ def test_compare_arrays_flags_nan_and_reports_the_needed_tolerance():
     assert compare_arrays(ref, ref + off.min_atol * 4.0 * 0, 1e-4, off.min_atol, "c", 0).passed
     nan = compare_arrays(ref, np.array([1.0, np.nan, 4.0], dtype=np.float32), 1e-4, 1e-5, "c", 0)
     assert nan.nan_ort and not nan.passed
-    inf_ref = compare_arrays(np.array([np.inf], dtype=np.float32), np.array([np.inf], dtype=np.float32), 1e-4, 1e-5, "c", 0)
+    inf_ref = compare_arrays(
+        np.array([np.inf], dtype=np.float32), np.array([np.inf], dtype=np.float32), 1e-4, 1e-5, "c", 0
+    )
     assert inf_ref.nan_torch and not inf_ref.passed
 
 
@@ -153,7 +157,9 @@ class RelPosAttention(torch.nn.Module):
         self.qkv, self.proj = torch.nn.Linear(dim, dim * 3), torch.nn.Linear(dim, dim)
         tokens = window * window + 1
         self.relative_position_bias_table = torch.nn.Parameter(torch.randn(3 * tokens, num_heads))
-        self.register_buffer("relative_position_index", torch.randint(0, 3 * tokens, (tokens, tokens)), persistent=False)
+        self.register_buffer(
+            "relative_position_index", torch.randint(0, 3 * tokens, (tokens, tokens)), persistent=False
+        )
 
     def _get_rel_pos_bias(self):
         n = self.window * self.window + 1

@@ -1,15 +1,16 @@
 """--max-memory bounds the ONNX export and the onnxruntime check too (issue 27, item 5): refused before they run,
 from the peaks measured per byte of weights (budget.EXPORT_PEAK, CHECK_PEAK)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_cli
 from torch import nn
 
 import graphgrow as gg
 from graphgrow.analysis.budget import CHECK_PEAK, EXPORT_PEAK, NO_LIMIT, check_onnx_memory
 from graphgrow.jobs.workflow import mutate
-from conftest import run_cli
 
 MIB = 1 << 20
 
@@ -25,7 +26,9 @@ def test_each_stage_is_sized_by_its_own_peak():
     limit = int(2 * weights)  # above the data-file export (1.1×), below one file (5×) and the check (2.3×)
     check_onnx_memory(m, True, False, limit)
     check_onnx_memory(m, None, False, limit)  # nothing to run
-    with pytest.raises(gg.InputError, match=r"exporting it to ONNX \(one file\) would need about 19.\d MiB .*--external-data"):
+    with pytest.raises(
+        gg.InputError, match=r"exporting it to ONNX \(one file\) would need about 19.\d MiB .*--external-data"
+    ):
         check_onnx_memory(m, False, False, limit)
     with pytest.raises(gg.InputError, match=r"checking it in onnxruntime would need about 8.9 MiB"):
         check_onnx_memory(m, True, True, limit)
@@ -52,9 +55,23 @@ def test_mutate_sizes_the_grown_model_s_export_and_check_before_saving(tmp_path)
     torch.save(wide_mlp(), src)
     out, onnx = tmp_path / "g.pt", tmp_path / "g.onnx"
     with pytest.raises(gg.InputError, match=r"exporting it to ONNX \(one file\) would need about"):
-        mutate(str(src), ["insert_adapter"], out=str(out), onnx_out=str(onnx), check=True, input_shape="1,1000",
-               max_memory="16M")
+        mutate(
+            str(src),
+            ["insert_adapter"],
+            out=str(out),
+            onnx_out=str(onnx),
+            check=True,
+            input_shape="1,1000",
+            max_memory="16M",
+        )
     assert not out.exists() and not onnx.exists()
-    report = mutate(str(src), ["insert_adapter"], out=str(out), onnx_out=str(onnx), check=True, input_shape="1,1000",
-                    max_memory="64M")
+    report = mutate(
+        str(src),
+        ["insert_adapter"],
+        out=str(out),
+        onnx_out=str(onnx),
+        check=True,
+        input_shape="1,1000",
+        max_memory="64M",
+    )
     assert report["equivalence"]["passed"] and out.is_file() and onnx.is_file()

@@ -4,6 +4,7 @@ Hugging Face models from small configs (random weights, nothing downloaded) and 
 token ids are captured on an input spec, exported with their inputs' names and dtypes, a dynamic batch and a dynamic
 sequence length, and checked in onnxruntime at two batch sizes and two sequence lengths, every output by name.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import helper, TensorProto
+from onnx import TensorProto, helper
 from torch import nn
 
 import graphgrow as gg
@@ -84,12 +85,18 @@ class DictHeads(nn.Module):
 
 # --- fast: naming, metadata, the single-input path ------------------------------------------------------------
 
+
 def test_outputs_are_named_after_their_key_paths():
     t = torch.zeros(1)
     assert [n for n, _ in named_leaves(t)] == ["output"]
     assert [n for n, _ in named_leaves((t, [t, 3]))] == ["output.0", "output.1.0"]
-    assert [n for n, _ in named_leaves({"logits": t, "past": ((t, t), (t, t)), "none": None})] == \
-        ["logits", "past.0.0", "past.0.1", "past.1.0", "past.1.1"]
+    assert [n for n, _ in named_leaves({"logits": t, "past": ((t, t), (t, t)), "none": None})] == [
+        "logits",
+        "past.0.0",
+        "past.0.1",
+        "past.1.0",
+        "past.1.1",
+    ]
 
 
 def test_naming_outputs_survives_collisions_passthrough_and_duplicates():
@@ -97,8 +104,11 @@ def test_naming_outputs_survives_collisions_passthrough_and_duplicates():
     and a wanted name that is an input's: all renamed without breaking the graph."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
     graph = helper.make_graph(
-        [helper.make_node("Relu", ["x"], ["logits"]), helper.make_node("Neg", ["logits"], ["y"])], "g", [x],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in ("y", "x", "y", "logits")])
+        [helper.make_node("Relu", ["x"], ["logits"]), helper.make_node("Neg", ["logits"], ["y"])],
+        "g",
+        [x],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in ("y", "x", "y", "logits")],
+    )
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=max_ir_version())
     name_outputs(proto, ["logits", "copy", "again", "x"])
     onnx.checker.check_model(proto, full_check=True)
@@ -116,9 +126,17 @@ def test_stored_input_spec_is_read_back_and_a_hostile_one_refused():
     entry = proto.metadata_props.add()
     entry.key, entry.value = INPUTS_KEY, json.dumps([t.record() for t in spec])
     assert onnx_input_shape(proto) == spec
-    for bad in ("{", "[]", '{"a": 1}', '[{"name": "x"}]', '[{"name": "x", "shape": [1, -4], "dtype": "int64"}]',
-                '[{"name": "x", "shape": [1, 4], "dtype": "int64", "high": -3}]', '[{"name": "os.system", "shape": [1]}]',
-                json.dumps([{"name": f"x{i}", "shape": [1]} for i in range(17)]), "[" * 100000):
+    for bad in (
+        "{",
+        "[]",
+        '{"a": 1}',
+        '[{"name": "x"}]',
+        '[{"name": "x", "shape": [1, -4], "dtype": "int64"}]',
+        '[{"name": "x", "shape": [1, 4], "dtype": "int64", "high": -3}]',
+        '[{"name": "os.system", "shape": [1]}]',
+        json.dumps([{"name": f"x{i}", "shape": [1]} for i in range(17)]),
+        "[" * 100000,
+    ):
         entry.value = bad
         with pytest.raises(LoadError, match="input spec"):
             read_spec(metadata(proto))
@@ -127,8 +145,14 @@ def test_stored_input_spec_is_read_back_and_a_hostile_one_refused():
 @pytest.mark.slow
 def test_one_float_input_is_exported_as_before(tmp_path):
     """The old path: one input called `input`, no spec in the metadata, the exporter's output name, the old cases."""
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                          nn.Flatten(), nn.Linear(8, 4)).eval()
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    ).eval()
     gm = gg.trace(model, (1, 3, 8, 8))
     proto = export_onnx(gm, (1, 3, 8, 8), tmp_path / "cnn.onnx", max_ir_version=max_ir_version())
     (inp,) = proto.graph.input
@@ -142,7 +166,10 @@ def test_one_float_input_is_exported_as_before(tmp_path):
     assert describe_onnx(str(tmp_path / "cnn.onnx"))["input_shape"] == [1, 3, 8, 8]
     heads = gg.trace(DictHeads().eval(), (1, 6))  # one float input, a dict output: the outputs take the keys' names
     proto = export_onnx(heads, (1, 6))
-    assert [i.name for i in proto.graph.input] == ["input"] and [o.name for o in proto.graph.output] == ["logits", "aux.0"]
+    assert [i.name for i in proto.graph.input] == ["input"] and [o.name for o in proto.graph.output] == [
+        "logits",
+        "aux.0",
+    ]
     rep = check_equivalence(heads, open_session(proto.SerializeToString(), "cpu"), (1, 6), raise_on_failure=True)
     assert set(rep.per_output) == {"logits", "aux.0"}
 
@@ -153,24 +180,61 @@ tf = pytest.importorskip("transformers")
 
 
 def _gpt2():
-    return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=4, n_positions=32, use_cache=False,
-                                            bos_token_id=0, eos_token_id=0))
+    return tf.GPT2LMHeadModel(
+        tf.GPT2Config(
+            vocab_size=100,
+            n_embd=32,
+            n_layer=1,
+            n_head=4,
+            n_positions=32,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def _llama():
-    return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                              use_cache=False))
+    return tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            vocab_size=100,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            use_cache=False,
+        )
+    )
 
 
 def _bert():
-    return tf.BertForSequenceClassification(tf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                                          intermediate_size=64, max_position_embeddings=32))
+    return tf.BertForSequenceClassification(
+        tf.BertConfig(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def _vit():
-    return tf.ViTForImageClassification(tf.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=1,
-                                                     num_attention_heads=4, intermediate_size=64, num_labels=5))
+    return tf.ViTForImageClassification(
+        tf.ViTConfig(
+            image_size=16,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            num_labels=5,
+        )
+    )
 
 
 CASES = {  # model, spec, the ONNX inputs' dims, the outputs' names and dims
@@ -218,9 +282,11 @@ def test_a_model_tied_to_its_length_is_exported_with_a_static_length_and_says_wh
     for a graph that no longer carries capture's example values, as after a file round trip): the length stays the
     example's, the metadata names the inputs and the reason; the check skips the second length."""
     spec = parse_spec(TOKENS)
-    for model, why, forget in ((FlatHead(), "torch.export fixed sequence (dim 1 of input_ids) at 16", False),
-                               (FlatHead(), "the model fails at sequence=8: mat1 and mat2", True),
-                               (LengthBranch(), "torch.export fixed sequence (dim 1", False)):
+    for model, why, forget in (
+        (FlatHead(), "torch.export fixed sequence (dim 1 of input_ids) at 16", False),
+        (FlatHead(), "the model fails at sequence=8: mat1 and mat2", True),
+        (LengthBranch(), "torch.export fixed sequence (dim 1", False),
+    ):
         gm = gg.trace(model.eval(), input_shape=spec)
         for n in gm.graph.nodes if forget else []:
             n.meta.pop("val", None)
@@ -231,7 +297,9 @@ def test_a_model_tied_to_its_length_is_exported_with_a_static_length_and_says_wh
         assert json.loads(metadata(proto)["graphgrow.dynamic_dims"]) == {"input_ids": {"0": "batch"}}
         report = check_equivalence(model, open_session(proto.SerializeToString(), "cpu"), spec, raise_on_failure=True)
         assert not any("sequence" in o.case for o in report.outputs)
-        assert [o.name for o in proto.graph.output] == (["output"] if isinstance(model, LengthBranch) else ["scores", "pair.0", "pair.1"])
+        assert [o.name for o in proto.graph.output] == (
+            ["output"] if isinstance(model, LengthBranch) else ["scores", "pair.0", "pair.1"]
+        )
 
 
 @pytest.mark.slow
@@ -250,8 +318,9 @@ def test_export_failing_with_a_dynamic_length_falls_back_to_the_static_one():
 def test_declared_dynamic_dimensions_are_exported_and_checked_at_a_second_size():
     """`input:float32[1,1,samples=400]`: a float waveform whose length the user declares dynamic (no rule would
     guess it): the ONNX input keeps that name, the check runs a second, halved length."""
-    model = nn.Sequential(nn.Conv1d(1, 4, 9, stride=4, padding=4), nn.ReLU(), nn.AdaptiveAvgPool1d(1), nn.Flatten(),
-                          nn.Linear(4, 3)).eval()
+    model = nn.Sequential(
+        nn.Conv1d(1, 4, 9, stride=4, padding=4), nn.ReLU(), nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(4, 3)
+    ).eval()
     spec = parse_spec("input:float32[1,1,samples=400]")
     assert spec[0].dynamic == ((2, "samples"),) and spec[0].record()["dynamic"] == {"2": "samples"}
     gm = gg.trace(model, input_shape=spec)

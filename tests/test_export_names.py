@@ -1,8 +1,10 @@
 """ONNX node names trace back to the model: `module.path/OpType`, unique, so Netron shows the model's own layers."""
+
 from __future__ import annotations
 
-import graphgrow as gg
 from conftest import small_cnn
+
+import graphgrow as gg
 
 
 def test_onnx_nodes_are_named_after_their_modules():
@@ -20,9 +22,8 @@ def test_a_failing_check_names_the_first_diverging_node(tmp_path):
 
     import onnx
     import torch
-    from onnx import numpy_helper
-
     from conftest import run_cli
+    from onnx import numpy_helper
 
     model = tmp_path / "m.pt"
     torch.save(small_cnn().eval(), model)
@@ -49,8 +50,19 @@ def test_inspect_summary_is_one_row_per_module():
     gm = gg.trace(torchvision.models.resnet18().eval(), input_shape=(1, 3, 64, 64))
     gg.annotate(gm, (1, 3, 64, 64))  # shapes, parameters and FLOPs per node, as the CLI's open_model does
     top = module_summary(gm, depth=1)
-    assert [r["module"] for r in top] == ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4",
-                                         "avgpool", "flatten", "fc"]
+    assert [r["module"] for r in top] == [
+        "conv1",
+        "bn1",
+        "relu",
+        "maxpool",
+        "layer1",
+        "layer2",
+        "layer3",
+        "layer4",
+        "avgpool",
+        "flatten",
+        "fc",
+    ]
     assert sum(r["params"] for r in top) == sum(p.numel() for p in gm.parameters())
     assert next(r for r in top if r["module"] == "layer4")["shape"] == (1, 512, 2, 2)
     assert len(module_summary(gm, depth=2)) > len(top)
@@ -60,13 +72,22 @@ def test_mutate_draws_the_change_and_diff_reports_it(tmp_path):
     import json
 
     import torch
-
     from conftest import run_cli
 
     model = tmp_path / "m.pt"
     torch.save(small_cnn().eval(), model)
-    proc = run_cli("mutate", str(model), "--pass", "add_residual,grow_width", "--input-shape", "1,3,16,16",
-                   "--diagram", str(tmp_path / "change.svg"), "-o", str(tmp_path / "g.pt"))
+    proc = run_cli(
+        "mutate",
+        str(model),
+        "--pass",
+        "add_residual,grow_width",
+        "--input-shape",
+        "1,3,16,16",
+        "--diagram",
+        str(tmp_path / "change.svg"),
+        "-o",
+        str(tmp_path / "g.pt"),
+    )
     assert proc.returncode == 0, proc.stderr
     svg = (tmp_path / "change.svg").read_text()
     assert svg.startswith("<?xml") and "residual_downsample" in svg and "unchanged" in svg
@@ -77,7 +98,10 @@ def test_mutate_draws_the_change_and_diff_reports_it(tmp_path):
     assert any(a.startswith("residual_downsample.0") for a in report["added"]) and report["rebuilt"]
     assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
     other = tmp_path / "other.pt"
-    assert run_cli("mutate", str(model), "--pass", "deepen", "--input-shape", "1,3,16,16", "-o", str(other)).returncode == 0
+    assert (
+        run_cli("mutate", str(model), "--pass", "deepen", "--input-shape", "1,3,16,16", "-o", str(other)).returncode
+        == 0
+    )
     proc = run_cli("diff", str(tmp_path / "g.pt"), str(other))
     assert proc.returncode == 2 and "not of one lineage" in proc.stderr
 
@@ -87,13 +111,22 @@ def test_a_dry_run_draws_the_preview_and_writes_no_model(tmp_path):
     import stat
 
     import torch
-
     from conftest import run_cli
 
     model = tmp_path / "m.pt"
     torch.save(small_cnn().eval(), model)
-    proc = run_cli("mutate", str(model), "--pass", "deepen", "--input-shape", "1,3,16,16", "--dry-run",
-                   "--diagram", str(tmp_path / "preview.svg"), cwd=tmp_path)
+    proc = run_cli(
+        "mutate",
+        str(model),
+        "--pass",
+        "deepen",
+        "--input-shape",
+        "1,3,16,16",
+        "--dry-run",
+        "--diagram",
+        str(tmp_path / "preview.svg"),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "preview.svg"]  # no model, no temp file left
     assert "dry run: no model written" in proc.stdout and "wrote " in proc.stdout

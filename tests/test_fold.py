@@ -1,5 +1,6 @@
 """fold: every rule, every refusal, and exactness on the output of every growth pass, with non-zero
 gates and trained-looking BatchNorm statistics, in torch and in onnxruntime."""
+
 from __future__ import annotations
 
 import json
@@ -7,11 +8,11 @@ import json
 import pytest
 import torch
 import torchvision
+from conftest import assert_same_snapshot, randomize_bn, run_cli, small_cnn, snapshot, trained_looking
 from torch import nn
 
 import graphgrow as gg
 from graphgrow.capture.trace import input_shape_of
-from conftest import assert_same_snapshot, randomize_bn, run_cli, small_cnn, snapshot, trained_looking
 
 
 def grow(model: nn.Module, shape, spec: str) -> torch.fx.GraphModule:
@@ -79,13 +80,23 @@ def test_a_sepconv_branch_folds_into_a_dense_main_conv():
 def test_a_sepconv_branch_beside_a_depthwise_conv_is_not_made_dense():
     """depthwise 3×3 + (depthwise 3×3 → 1×1) as one dense 3×3 would cost 9·C² multiply-adds per pixel, not 18·C + C²."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-                          nn.Conv2d(32, 32, 3, padding=1, groups=32), nn.BatchNorm2d(32), nn.ReLU(),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 4))
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1, groups=32),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 4),
+    )
     r = folded(grow(model, (1, 3, 16, 16), "add_branch(at=_3,op=sepconv3x3)"))
     assert any(isinstance(m, nn.Conv2d) and m.groups == 32 and m.kernel_size == (3, 3) for m in r.gm.modules())
-    assert not any(isinstance(m, nn.Conv2d) and m.groups == 1 and m.kernel_size == (3, 3) and m.in_channels == 32
-                   for m in r.gm.modules())
+    assert not any(
+        isinstance(m, nn.Conv2d) and m.groups == 1 and m.kernel_size == (3, 3) and m.in_channels == 32
+        for m in r.gm.modules()
+    )
     assert "cost more multiply-adds" in " ".join(r.targets.get("kept", [])), r.targets
     assert r.flops_after <= r.flops_before
 
@@ -107,6 +118,7 @@ def test_a_gate_behind_a_relu_moves_into_the_conv_and_a_negative_one_subtracts(s
     targets = [n.target for n in r.gm.graph.nodes if n.op == "call_function"]
     assert not any(n.op == "get_attr" for n in r.gm.graph.nodes)  # the gate is in the weights now
     import operator
+
     assert (operator.sub in targets) == (sign < 0)
     assert sum(1 for n in r.gm.graph.nodes if n.op == "call_function" and n.target is operator.mul) == 0
     assert "deepen" in " ".join(r.targets.get("kept", [])) and "ReLU" in " ".join(r.targets["kept"])
@@ -114,9 +126,19 @@ def test_a_gate_behind_a_relu_moves_into_the_conv_and_a_negative_one_subtracts(s
 
 def test_batchnorm_folds_into_grouped_and_plain_convs():
     torch.manual_seed(0)
-    model = randomize_bn(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, groups=4), nn.BatchNorm2d(16), nn.ReLU(),
-                                       nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False), nn.BatchNorm2d(16),
-                                       nn.Flatten(), nn.Linear(16 * 8 * 8, 3), nn.BatchNorm1d(3)), 4)
+    model = randomize_bn(
+        nn.Sequential(
+            nn.Conv2d(8, 16, 3, padding=1, groups=4),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False),
+            nn.BatchNorm2d(16),
+            nn.Flatten(),
+            nn.Linear(16 * 8 * 8, 3),
+            nn.BatchNorm1d(3),
+        ),
+        4,
+    )
     r = folded(gg.trace(model, (1, 8, 8, 8)))
     convs = [m for m in r.gm.modules() if isinstance(m, nn.Conv2d)]
     assert [c.groups for c in convs] == [4, 16] and all(c.bias is not None for c in convs)
@@ -128,12 +150,16 @@ def test_adapters_fold_into_the_conv_before_and_through_pooling_into_the_classif
     gm = grow(model, CNN, "insert_adapter(after=_0),insert_adapter(after=_8)")
     r = folded(gm)
     assert kinds(r.gm)["Conv2d"] == 3 and kinds(r.gm)["Linear"] == 1
-    assert any("before global pooling" in t for t in r.targets["folded"]) and any("_0_adapter" in t for t in r.targets["folded"])
+    assert any("before global pooling" in t for t in r.targets["folded"]) and any(
+        "_0_adapter" in t for t in r.targets["folded"]
+    )
 
 
 def test_an_adapter_before_a_conv_folds_into_it():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 1, bias=False), nn.Conv2d(8, 4, 3, padding=1))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 1, bias=False), nn.Conv2d(8, 4, 3, padding=1)
+    )
     r = folded(trained_looking(gg.trace(model, (1, 3, 8, 8))))
     assert kinds(r.gm)["Conv2d"] == 2
 
@@ -171,10 +197,17 @@ def test_fold_is_idempotent_and_logged():
     assert [e["pass"] for e in twice.gm.meta["graphgrow"]["log"]][-3:] == ["add_branch", "fold", "fold"]
 
 
-EVERY_PASS = ["add_residual", "add_residual(start=_2,end=_5)", "grow_width", "grow_width(init=net2net,factor=2)",
-              "insert_adapter(out_channels=160)", "deepen", "add_branch(op=dilconv3x3,count=2)",
-              "add_branch(op=maxpool3x3,count=2),remove_branch(index=0,allow_change=true)",
-              "add_branch(op=conv3x3),add_branch(op=identity),deepen,insert_adapter,add_residual"]
+EVERY_PASS = [
+    "add_residual",
+    "add_residual(start=_2,end=_5)",
+    "grow_width",
+    "grow_width(init=net2net,factor=2)",
+    "insert_adapter(out_channels=160)",
+    "deepen",
+    "add_branch(op=dilconv3x3,count=2)",
+    "add_branch(op=maxpool3x3,count=2),remove_branch(index=0,allow_change=true)",
+    "add_branch(op=conv3x3),add_branch(op=identity),deepen,insert_adapter,add_residual",
+]
 
 
 def test_every_growth_pass_and_a_pipeline_fold_exactly():
@@ -184,9 +217,9 @@ def test_every_growth_pass_and_a_pipeline_fold_exactly():
 
 @pytest.mark.slow
 def test_every_growth_pass_folds_exactly_in_onnxruntime(tmp_path):
-    from graphgrow.verify.equivalence import check_equivalence
     from graphgrow.io.export import export_onnx
     from graphgrow.io.runtime import max_ir_version, open_session
+    from graphgrow.verify.equivalence import check_equivalence
 
     for i, spec in enumerate(EVERY_PASS):
         gm = grow(small_cnn(), CNN, spec)
@@ -201,14 +234,16 @@ def test_every_growth_pass_folds_exactly_in_onnxruntime(tmp_path):
 def test_linear_growth_of_resnet18_deploys_as_the_same_kernels_in_onnxruntime(tmp_path):
     """Branches (conv, identity, average pooling), an adapter and an adapter-mode widening: after fold
     the ONNX graph onnxruntime runs has exactly the original's op histogram, and the outputs agree."""
-    from graphgrow.verify.equivalence import check_equivalence
     from graphgrow.io.export import export_onnx
     from graphgrow.io.runtime import max_ir_version, open_session, optimized_op_counts
+    from graphgrow.verify.equivalence import check_equivalence
 
     shape = (1, 3, 64, 64)
     model = randomize_bn(torchvision.models.resnet18(), 5).eval()
-    spec = ("add_branch(op=conv3x3),add_branch(op=identity),add_branch(op=avgpool3x3),insert_adapter,"
-            "grow_width(target=layer2.0.conv1,to=160,mode=adapter)")
+    spec = (
+        "add_branch(op=conv3x3),add_branch(op=identity),add_branch(op=avgpool3x3),insert_adapter,"
+        "grow_width(target=layer2.0.conv1,to=160,mode=adapter)"
+    )
     gm = grow(model, shape, spec)
     r = folded(gm)
     paths = {}
@@ -225,7 +260,16 @@ def test_linear_growth_of_resnet18_deploys_as_the_same_kernels_in_onnxruntime(tm
 @pytest.mark.slow
 def test_cli_fold_and_export_fold(tmp_path, cnn_file):
     grown = tmp_path / "g.pt"
-    proc = run_cli("mutate", str(cnn_file), "--input-shape", "1,3,32,32", "--pass", "add_branch(op=conv3x3,count=2)", "-o", str(grown))
+    proc = run_cli(
+        "mutate",
+        str(cnn_file),
+        "--input-shape",
+        "1,3,32,32",
+        "--pass",
+        "add_branch(op=conv3x3,count=2)",
+        "-o",
+        str(grown),
+    )
     assert proc.returncode == 0, proc.stderr
     proc = run_cli("fold", str(grown), "--onnx", str(tmp_path / "f.onnx"), "--check", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -246,6 +290,7 @@ def test_cli_fold_and_export_fold(tmp_path, cnn_file):
 
 def test_a_relu_after_a_shift_or_a_negative_scale_is_kept():
     """relu(relu(x) − 1) and relu(−2·relu(x)) are not relu(x) − 1 and −2·relu(x): only non-negative inputs lose their ReLU."""
+
     class Shifted(nn.Module):
         def forward(self, x):
             r = torch.relu(x)

@@ -4,6 +4,7 @@ Every case must either verify (preservation, trainability, shapes — the pipeli
 checks) or raise a typed GraphgrowError, and the input model must be bit-identical
 afterwards. GRAPHGROW_FUZZ_EXAMPLES sets the count (`make fuzz` runs a long campaign).
 """
+
 from __future__ import annotations
 
 import copy
@@ -13,12 +14,12 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import assert_same_snapshot, randomize_bn, snapshot, trained_looking
+from fuzz_models import IN_CH, SIZE, FuzzNet, architectures, pass_spec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import graphgrow as gg
-from conftest import assert_same_snapshot, randomize_bn, snapshot, trained_looking
-from fuzz_models import IN_CH, SIZE, FuzzNet, architectures, pass_spec
 
 EXAMPLES = int(os.environ.get("GRAPHGROW_FUZZ_EXAMPLES", "60"))
 STATS: Counter = Counter()
@@ -28,12 +29,18 @@ STATS: Counter = Counter()
 def report_campaign():
     start = time.perf_counter()
     yield
-    print(f"\nfuzz: {sum(STATS.values())} cases in {time.perf_counter() - start:.1f}s: "
-          + ", ".join(f"{k} {v}" for k, v in sorted(STATS.items())))
+    print(
+        f"\nfuzz: {sum(STATS.values())} cases in {time.perf_counter() - start:.1f}s: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(STATS.items()))
+    )
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=EXAMPLES <= 100,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(arch=architectures, data=st.data())
 def test_random_pipelines_verify_or_raise_typed_errors(arch, data):
     ops, head = arch
@@ -47,8 +54,11 @@ def test_random_pipelines_verify_or_raise_typed_errors(arch, data):
         return
     nodes = [n.name for n in gm.graph.nodes if n.op not in ("output",)]
     modules = [n for n, _ in gm.named_modules() if n]
-    layers = [n.target for n in gm.graph.nodes if n.op == "call_module"
-              and isinstance(gm.get_submodule(n.target), (torch.nn.Conv2d, torch.nn.Linear))]
+    layers = [
+        n.target
+        for n in gm.graph.nodes
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), (torch.nn.Conv2d, torch.nn.Linear))
+    ]
     specs = data.draw(st.lists(pass_spec(nodes, modules, layers), min_size=1, max_size=3), label="pipeline")
     before = snapshot(gm)
     try:
@@ -71,13 +81,20 @@ def test_random_pipelines_verify_or_raise_typed_errors(arch, data):
     assert_same_snapshot(before, snapshot(gm))
 
 
-@pytest.mark.parametrize("ops, head, spec", [
-    # add_branch beside a conv whose output feeds BatchNorm (train mode): the branch's last BN bias is
-    # cancelled by the next normalisation. Redundant, not dead: reported, not refused.
-    ([("conv", 2, 1, 1, "full"), ("cat", 2, 1), ("bn",), ("bn",)], ("gap", False), "add_branch(op=conv3x3,count=1)"),
-    # deepen after the logits: the ReLU block could be silent on the whole check batch (now paired units).
-    ([("conv", 2, 1, 1, "full")], ("flat", False), "deepen(after=fc)"),
-])
+@pytest.mark.parametrize(
+    "ops, head, spec",
+    [
+        # add_branch beside a conv whose output feeds BatchNorm (train mode): the branch's last BN bias is
+        # cancelled by the next normalisation. Redundant, not dead: reported, not refused.
+        (
+            [("conv", 2, 1, 1, "full"), ("cat", 2, 1), ("bn",), ("bn",)],
+            ("gap", False),
+            "add_branch(op=conv3x3,count=1)",
+        ),
+        # deepen after the logits: the ReLU block could be silent on the whole check batch (now paired units).
+        ([("conv", 2, 1, 1, "full")], ("flat", False), "deepen(after=fc)"),
+    ],
+)
 def test_cases_the_fuzzer_found(ops, head, spec):
     torch.manual_seed(0)
     gm = gg.trace(randomize_bn(FuzzNet(ops, head)), (1, IN_CH, SIZE, SIZE))
@@ -103,8 +120,10 @@ def test_growing_after_a_dead_relu_is_refused_not_blamed_on_the_pass():
     """Found by the fuzzer: a ReLU that is zero on every check input leaves a deepened block without gradient.
     The model keeps it from learning, not the pass: NotApplicable (exit 2), not PreservationError."""
     torch.manual_seed(0)
-    gm = gg.trace(randomize_bn(FuzzNet([("cat", 1, 1), ("conv", 2, 1, 1, "full"), ("act", "relu")], ("gap", False))),
-                  (1, IN_CH, SIZE, SIZE))
+    gm = gg.trace(
+        randomize_bn(FuzzNet([("cat", 1, 1), ("conv", 2, 1, 1, "full"), ("act", "relu")], ("gap", False))),
+        (1, IN_CH, SIZE, SIZE),
+    )
     with pytest.raises(gg.NotApplicable, match="zero on every check input"):
         gg.Pipeline.from_spec("deepen").run(gm)
 
@@ -113,8 +132,13 @@ def test_growing_where_no_gradient_reaches_is_refused_not_blamed_on_the_pass():
     """Found by the fuzzer: an adapter on the input of a model whose last ReLU is dead on the check inputs
     gets no gradient, and neither would anything else there. NotApplicable, not PreservationError."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(IN_CH, 4, 1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
-                                torch.nn.Linear(4, 3))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(IN_CH, 4, 1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4, 3),
+    )
     with torch.no_grad():  # the ReLU is dead for any input of normal size
         model[0].weight.mul_(1e-3)
         model[0].bias.fill_(-100.0)

@@ -1,6 +1,7 @@
 """A golden printout per pass (architecture.md §8): the pass's report and the graph's code before → after as a
 diff, on the small CNN, compared exactly. A change in what a pass builds shows up here as a reviewable
 diff; after reviewing it, regenerate with GRAPHGROW_UPDATE_GOLDEN=1."""
+
 from __future__ import annotations
 
 import difflib
@@ -8,9 +9,9 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import randomize_bn, small_cnn
 
 import graphgrow as gg
-from conftest import randomize_bn, small_cnn
 
 GOLDEN = Path(__file__).parent / "golden"
 PASSES = {  # golden file → the spec (and what it runs on)
@@ -29,11 +30,19 @@ def printout(spec: str) -> str:
     last = result.results[-1]
     diff = difflib.unified_diff(before, last.gm.code.strip().splitlines(), "before", "after", lineterm="", n=1)
     old_gm = result.results[-2].gm if len(result.results) > 1 else gm
-    return last.summary() + "\n\nlayers:\n" + "\n".join(layer_changes(old_gm, last.gm)) + "\n\ngraph:\n" + "\n".join(diff) + "\n"
+    return (
+        last.summary()
+        + "\n\nlayers:\n"
+        + "\n".join(layer_changes(old_gm, last.gm))
+        + "\n\ngraph:\n"
+        + "\n".join(diff)
+        + "\n"
+    )
 
 
 def layer_changes(old, new) -> list[str]:
     """Leaf layers added, removed or rebuilt (their repr: sizes and settings), in the new model's order."""
+
     def leaves(m):
         return {path: repr(mod) for path, mod in m.named_modules() if path and not list(mod.children())}
 

@@ -2,16 +2,17 @@
 verification held one gradient per weight, 3.2x the grown weights at 1 B parameters). The same answers either way;
 step 0 runs again, keeping the gradients, only when an SGD step must follow (a model whose own zero head blocks
 every gradient at first); and while backward runs, no more than the zero factors' gradients are alive at once."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import small_cnn
 from torch import nn
 
 import graphgrow as gg
 from graphgrow.verify import gradient_sink, preserve
 from graphgrow.verify.gradient_sink import GradientSink
-from conftest import small_cnn
 
 SHAPE = (1, 3, 16, 16)
 SETTLE = preserve._settled_lean
@@ -21,8 +22,15 @@ def zero_head_cnn() -> nn.Module:
     """A classifier whose own head starts at zero (as torchvision's ViT): the lean step 0 is not tried (SGD steps
     will follow, and it would run twice)."""
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
-                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    m = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
     nn.init.zeros_(m[-1].weight)
     return m
 
@@ -34,7 +42,9 @@ class Gated(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU()
+        )
         self.gate = nn.Parameter(torch.zeros(8))  # one-dimensional: not a zero weight the check watches at step 0
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
 
@@ -44,12 +54,19 @@ class Gated(nn.Module):
 
 def pixel_mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(3 * 16 * 16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5)
+    )
 
 
-CASES = {"deepen": (small_cnn, "deepen"), "grow_width": (small_cnn, "grow_width"),
-         "insert_adapter": (small_cnn, "insert_adapter"), "blocked by its own zero head": (zero_head_cnn, "deepen"), "gated": (Gated, "deepen(after=features.1)"),
-         "deepen an MLP": (pixel_mlp, "deepen")}
+CASES = {
+    "deepen": (small_cnn, "deepen"),
+    "grow_width": (small_cnn, "grow_width"),
+    "insert_adapter": (small_cnn, "insert_adapter"),
+    "blocked by its own zero head": (zero_head_cnn, "deepen"),
+    "gated": (Gated, "deepen(after=features.1)"),
+    "deepen an MLP": (pixel_mlp, "deepen"),
+}
 
 
 def _run(build, spec: str, lean_bytes: int, monkeypatch) -> tuple[dict, list[bool]]:
@@ -96,12 +113,15 @@ def test_while_backward_runs_only_the_kept_gradients_are_alive(monkeypatch):
         init(self, params, watched, old_shapes, keep)
         sizes.append((len(watched), len(keep & watched)))
         for n in watched:
-            self.handles.append(params[n].register_post_accumulate_grad_hook(
-                lambda p: alive.append(sum(q.grad is not None for q in params.values()))))
+            self.handles.append(
+                params[n].register_post_accumulate_grad_hook(
+                    lambda p: alive.append(sum(q.grad is not None for q in params.values()))
+                )
+            )
 
     monkeypatch.setattr(GradientSink, "__init__", counting)
     _run(small_cnn, "deepen", 0, monkeypatch)
-    (watched, kept), = sizes
+    ((watched, kept),) = sizes
     assert watched > kept + 1 and alive
     assert max(alive) <= kept
 
@@ -124,10 +144,14 @@ class GatedBranch(nn.Module):
         return self.head(f + self.branch(f) * self.gate.view(1, 8, 1, 1))
 
 
-NARROW_CASES = {"gate and zero head, insert_adapter": (GatedBranch, "insert_adapter(after=branch.1)"),
-                "zero head, deepen": (zero_head_cnn, "deepen"), "zero head, grow_width": (zero_head_cnn, "grow_width(target=0)"),
-                "zero head, insert_adapter": (zero_head_cnn, "insert_adapter"),
-                "gated, deepen": (Gated, "deepen(after=features.1)"), "gated, grow_width": (Gated, "grow_width(target=features.0)")}
+NARROW_CASES = {
+    "gate and zero head, insert_adapter": (GatedBranch, "insert_adapter(after=branch.1)"),
+    "zero head, deepen": (zero_head_cnn, "deepen"),
+    "zero head, grow_width": (zero_head_cnn, "grow_width(target=0)"),
+    "zero head, insert_adapter": (zero_head_cnn, "insert_adapter"),
+    "gated, deepen": (Gated, "deepen(after=features.1)"),
+    "gated, grow_width": (Gated, "grow_width(target=features.0)"),
+}
 
 
 def _watched_per_backward(build, spec: str, narrow: bool, monkeypatch) -> tuple[dict, list[tuple[int, int]]]:

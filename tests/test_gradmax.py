@@ -1,25 +1,34 @@
 """init=gradmax (issue 26): new units aimed from a batch keep the function, learn, and get a larger
 gradient than random ones; `targets --data` ranks a starved layer first; places it cannot aim say so."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from graphgrow.passes.grow_width import GrowWidth
 from torch import nn
 
 import graphgrow as gg
 from graphgrow.cli import main
 from graphgrow.core.errors import InputError, NotApplicable, SpecError
-from graphgrow.passes.grow_width import GrowWidth
 from graphgrow.rewrite.gain import rank_by_gain
 
 
 def _cnn() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-                         nn.Conv2d(4, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 8, 3, stride=2, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 5),
+    )
 
 
 def _batch(shape: tuple, classes: int, seed: int = 0):
@@ -63,7 +72,9 @@ def test_gradmax_keeps_the_function_and_every_new_parameter_learns():
 def test_gradmax_gives_a_larger_outgoing_gradient_than_random_incoming_weights():
     gm, data = _traced(_cnn(), (3, 8, 8)), _batch((3, 8, 8), 5)
     aimed = _outgoing_grad(GrowWidth(target="0", init="gradmax", data=data)(gm).gm, data, "3", 4)
-    randoms = [_outgoing_grad(GrowWidth(target="0")(gm, verify_result=False, seed=s).gm, data, "3", 4) for s in range(3)]
+    randoms = [
+        _outgoing_grad(GrowWidth(target="0")(gm, verify_result=False, seed=s).gm, data, "3", 4) for s in range(3)
+    ]
     assert aimed > 1.5 * max(randoms), (aimed, randoms)
 
 
@@ -83,8 +94,9 @@ def test_on_a_linear_path_gradmax_is_the_closed_form():
 
 def test_the_ranking_puts_a_starved_layer_first():
     torch.manual_seed(0)
-    starved = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2), nn.ReLU(),
-                            nn.Linear(2, 10))  # the 2-unit layer starves a 10-class task
+    starved = nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2), nn.ReLU(), nn.Linear(2, 10)
+    )  # the 2-unit layer starves a 10-class task
     gm = _traced(starved, (16,))
     p = GrowWidth()
     ranked = rank_by_gain(gm, p, p.candidates(gm), _batch((16,), 10))
@@ -107,12 +119,16 @@ def test_refusals_say_what_to_do():
 def test_cli_targets_ranks_by_gain_and_mutate_refuses_data_without_gradmax():
     runner = CliRunner()
     model = ["examples.digits_task:model", "--input-shape", "1,1,8,8"]
-    res = runner.invoke(main, ["targets", *model, "--pass", "grow_width", "--data", "examples.digits_task:batch", "--json"])
+    res = runner.invoke(
+        main, ["targets", *model, "--pass", "grow_width", "--data", "examples.digits_task:batch", "--json"]
+    )
     assert res.exit_code == 0, res.output
     import json
 
     found = json.loads(res.output)["candidates"]
     gains = [c["gain"] for c in found]
     assert len(gains) == 2 and all(g > 0 for g in gains) and gains == sorted(gains, reverse=True)
-    res = runner.invoke(main, ["mutate", *model, "--pass", "grow_width", "--data", "examples.digits_task:batch", "--dry-run"])
+    res = runner.invoke(
+        main, ["mutate", *model, "--pass", "grow_width", "--data", "examples.digits_task:batch", "--dry-run"]
+    )
     assert res.exit_code == 2 and "init=gradmax" in res.output

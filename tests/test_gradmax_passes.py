@@ -2,6 +2,7 @@
 function (eval and train), every new parameter learns, and the gradient on the zero last factor is at least what
 the default init gives on the same batch; places with nothing to aim at say so. Also the closed form's cost
 path: an exactly linear pair is solved without ascent."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,9 +19,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 def _cnn() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-                         nn.Conv2d(4, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 8, 3, stride=2, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 5),
+    )
 
 
 def _mlp() -> nn.Module:
@@ -34,7 +43,12 @@ class _Tokens(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.embed, self.mix, self.norm, self.head = nn.Embedding(20, 16), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 5)
+        self.embed, self.mix, self.norm, self.head = (
+            nn.Embedding(20, 16),
+            nn.Linear(16, 16),
+            nn.LayerNorm(16),
+            nn.Linear(16, 5),
+        )
 
     def forward(self, ids):
         h = self.embed(ids)
@@ -73,13 +87,27 @@ IDS = torch.randint(0, 20, (64, 8), generator=g)
 
 # (pass, its arguments, model, input spec, batch, the zero last factor's parameter, its zero columns)
 CASES = {
-    "insert_adapter": ("insert_adapter", {"after": "3", "out_channels": 12}, _cnn, "1x3x8x8", IMAGES,
-                       "8.weight", slice(8, 12)),
+    "insert_adapter": (
+        "insert_adapter",
+        {"after": "3", "out_channels": 12},
+        _cnn,
+        "1x3x8x8",
+        IMAGES,
+        "8.weight",
+        slice(8, 12),
+    ),
     "add_branch": ("add_branch", {"at": "3"}, _cnn, "1x3x8x8", IMAGES, "merge.gates", None),
     "deepen_conv": ("deepen", {"after": "0"}, _cnn, "1x3x8x8", IMAGES, "deepen_conv_bn_relu_gate", None),
     "deepen_linear": ("deepen", {"after": "2"}, _mlp, "1x12", ROWS, "deepen_linear_relu_gate", None),
-    "deepen_transformer": ("deepen", {"after": "add_1", "block": "transformer", "attention": "bidirectional"}, _Tokens,
-                           "ids:1x8:int64", IDS, "deepen_transformer.fc2.weight", None),
+    "deepen_transformer": (
+        "deepen",
+        {"after": "add_1", "block": "transformer", "attention": "bidirectional"},
+        _Tokens,
+        "ids:1x8:int64",
+        IDS,
+        "deepen_transformer.fc2.weight",
+        None,
+    ),
 }
 
 
@@ -96,8 +124,10 @@ def test_gradmax_keeps_the_function_learns_and_beats_the_default_init(case):
     zero = gm.get_parameter(factor) if factor in dict(gm.named_parameters()) else None
     assert zero is None or cols is not None or zero.abs().max() == 0
     aimed = _zero_factor_grad(r.gm, data, factor, cols)
-    default = [_zero_factor_grad(gg.get_pass(name)(**args)(gm, verify_result=False, seed=s).gm, data, factor, cols)
-               for s in range(3)]
+    default = [
+        _zero_factor_grad(gg.get_pass(name)(**args)(gm, verify_result=False, seed=s).gm, data, factor, cols)
+        for s in range(3)
+    ]
     assert aimed >= max(default), (aimed, default)
 
 
@@ -125,10 +155,18 @@ def test_conv_pair_closed_form_matches_the_measured_gradient():
     """Conv2d → eval-mode BatchNorm → Conv2d is linear in the new rows: closed form, and the gain it reports is
     the gradient measured on the grown model."""
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Conv2d(4, 6, 3, stride=2, padding=1),
-                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 5))
+    m = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.Conv2d(4, 6, 3, stride=2, padding=1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(6, 5),
+    )
     gm, data = _traced(m, "1x3x8x8").eval(), _batch(IMAGES, 5)
-    r = gg.get_pass("grow_width")(target="0", to=7, init="gradmax", data=data).apply(gm, torch.Generator().manual_seed(0))
+    r = gg.get_pass("grow_width")(target="0", to=7, init="gradmax", data=data).apply(
+        gm, torch.Generator().manual_seed(0)
+    )
     assert "closed form" in r.targets["gradmax"] and "ascent" not in r.targets["gradmax"]
     x, loss_fn = data()
     grown = r.gm.eval()
@@ -143,8 +181,12 @@ def test_places_with_nothing_to_aim_say_so():
         gg.get_pass("insert_adapter")(after="3", init="gradmax", data=data)(gm)
     with pytest.raises(gg.SpecError, match="one branch at a time"):  # refused with the arguments, before any model
         gg.get_pass("add_branch")(at="3", count=2, init="gradmax", data=data)
-    same_width = _traced(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
-                                       nn.Flatten(), nn.Linear(256, 5)), "1x3x8x8")
+    same_width = _traced(
+        nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(), nn.Linear(256, 5)
+        ),
+        "1x3x8x8",
+    )
     with pytest.raises(NotApplicable, match="has none"):  # a max-pool branch between equal widths has no weights
         gg.get_pass("add_branch")(at="2", op="maxpool3x3", init="gradmax", data=data)(same_width)
     with pytest.raises(NotApplicable, match="none was given"):

@@ -1,12 +1,12 @@
 """Issue 23, item 6: examples/grow_gpt.py in a few steps — the GPT grows mid-training (d 32 → 48, heads 2 → 3,
 MLP 128 → 192, layers 2 → 3) with the loss unchanged by growth, and the grown model has the large architecture's
 shapes."""
+
 from __future__ import annotations
 
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "examples"))

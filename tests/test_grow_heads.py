@@ -7,6 +7,7 @@ default), the value/output head size grown under RoPE. Exact in eval and train m
 sequence lengths, every grown parameter learning; refusals say why; a grown LLaMA on onnxruntime; the issue's
 pipeline on an `hf:` LLaMA through the CLI.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,13 +16,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import LLAMA, assert_onnx_agrees
+from test_grow_hidden import _build
+from test_hf_pass_matrix import _same_function
 from torch import nn
 
 import graphgrow as gg
 from graphgrow.graph.inputs import parse_spec, spec_inputs
-from conftest import assert_onnx_agrees, LLAMA
-from test_grow_hidden import _build
-from test_hf_pass_matrix import _same_function
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -77,8 +78,11 @@ def test_grouped_query_heads_keep_their_ratio():
     assert attn.o_proj.in_features == 24 and result.targets["kv_heads"].startswith("2 → 3")
     assert not attn.o_proj.weight[:, 16:].any() and attn.o_proj.weight[:, :16].abs().min() > 0  # zero last factor
     assert attn.q_proj.weight[16:].abs().min() > 0 and attn.k_proj.weight[8:].abs().min() > 0  # random: symmetry broken
-    expands = [n.args[1] for n in result.gm.graph.nodes if n.op == "call_method" and n.target == "expand"
-               and isinstance(n.args[1], list) and len(n.args[1]) == 5]
+    expands = [
+        n.args[1]
+        for n in result.gm.graph.nodes
+        if n.op == "call_method" and n.target == "expand" and isinstance(n.args[1], list) and len(n.args[1]) == 5
+    ]
     assert expands and all(e[1:3] == [3, 2] for e in expands)  # repeat_kv: 3 key/value heads × 2
 
 
@@ -93,7 +97,7 @@ def test_head_size_keeps_every_logit():
     assert not wq[:2, 8:].any() and wq[2:].abs().min() > 0  # old heads' new dims zero; new heads random
     assert new.key.weight.view(4, 10, 16)[:2, 8:].abs().min() > 0
     [sdpa] = [n for n in result.gm.graph.nodes if n.target is F.scaled_dot_product_attention]
-    assert sdpa.kwargs["scale"] == pytest.approx(10 ** -0.5)
+    assert sdpa.kwargs["scale"] == pytest.approx(10**-0.5)
     dense = result.gm.get_submodule("bert.encoder.layer.0.attention.output.dense")
     assert dense.in_features == 48 and not dense.weight.view(16, 4, 12)[:, :, 8:].any()
 
@@ -113,8 +117,16 @@ def test_fused_projections_grow_per_section():
 def test_multi_query_attention_grows_its_key_value_head():
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=1, max_position_embeddings=16, use_cache=False)
+    cfg = tf.LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        use_cache=False,
+    )
     gm = gg.trace(tf.LlamaForCausalLM(cfg), input_shape=parse_spec("input_ids:1x8:int64"))
     result = gg.get_pass("grow_heads")(heads=8)(gm)
     assert result.preservation.eval.ok and result.preservation.train.ok
@@ -132,7 +144,10 @@ def test_one_attention_at_a_time():
     result = p(heads=4, at="encoder.layers.1.self_attn")(gm)  # the two layers share a mul(batch, heads) node
     assert result.preservation.eval.ok and result.preservation.train.ok
     sizes = {path: t.shape for path, t in result.gm.named_parameters() if "in_proj_weight" in path}
-    assert sizes == {"encoder.layers.0.self_attn.in_proj_weight": (48, 16), "encoder.layers.1.self_attn.in_proj_weight": (96, 16)}
+    assert sizes == {
+        "encoder.layers.0.self_attn.in_proj_weight": (48, 16),
+        "encoder.layers.1.self_attn.in_proj_weight": (96, 16),
+    }
 
 
 class SdpaGQA(nn.Module):
@@ -256,23 +271,32 @@ class QKNorm(nn.Module):
         return self.o(F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias).transpose(1, 2).flatten(2))
 
 
-@pytest.mark.parametrize("model,args,why", [
-    (Manual(), {}, "no scaled_dot_product_attention"),
-    (Opaque(), {}, r"'attn' \(module attn\), which is an nn.MultiheadAttention kept whole"),
-    (QKNorm(), {"head_dim": 8}, "normalises over a growing axis"),
-    (QKNorm(), {"heads": 4}, r"a mask or bias per head \(2, 1, 1\)"),
-])
+@pytest.mark.parametrize(
+    "model,args,why",
+    [
+        (Manual(), {}, "no scaled_dot_product_attention"),
+        (Opaque(), {}, r"'attn' \(module attn\), which is an nn.MultiheadAttention kept whole"),
+        (QKNorm(), {"head_dim": 8}, "normalises over a growing axis"),
+        (QKNorm(), {"heads": 4}, r"a mask or bias per head \(2, 1, 1\)"),
+    ],
+)
 def test_refusals_say_why(model, args, why):
     gm = gg.trace(model, input_shape=(1, 5, 8), leaves=["attn"] if isinstance(model, Opaque) else ())
     with pytest.raises(gg.NotApplicable, match=why):
         gg.get_pass("grow_heads")(**args)(gm)
 
 
-@pytest.mark.parametrize("args,why", [
-    ({"head_dim": 8}, r"rotary position embedding\): its frequencies depend on the head size.*value_dim="),
-    ({"heads": 5}, r"4 query heads share 2 key/value heads \(2 each\); 5 query heads cannot keep that ratio.*heads=6, 8"),
-    ({"heads": 2}, "would remove heads"),
-])
+@pytest.mark.parametrize(
+    "args,why",
+    [
+        ({"head_dim": 8}, r"rotary position embedding\): its frequencies depend on the head size.*value_dim="),
+        (
+            {"heads": 5},
+            r"4 query heads share 2 key/value heads \(2 each\); 5 query heads cannot keep that ratio.*heads=6, 8",
+        ),
+        ({"heads": 2}, "would remove heads"),
+    ],
+)
 def test_llama_refusals(args, why):
     _, _, gm = traced("llama")
     with pytest.raises(gg.NotApplicable, match=why):
@@ -296,8 +320,20 @@ def test_cli_grows_llama_hidden_heads_and_depth(runner, tmp_path):
     from graphgrow.cli import main
 
     pytest.importorskip("transformers")
-    res = runner.invoke(main, ["mutate", LLAMA, "--pass", "grow_hidden(to=96),grow_heads(heads=6),deepen(block=transformer)",
-                               "-o", str(tmp_path / "grown.pt"), "--check", "--json"], catch_exceptions=False)
+    res = runner.invoke(
+        main,
+        [
+            "mutate",
+            LLAMA,
+            "--pass",
+            "grow_hidden(to=96),grow_heads(heads=6),deepen(block=transformer)",
+            "-o",
+            str(tmp_path / "grown.pt"),
+            "--check",
+            "--json",
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output[-2000:]
     report = json.loads(res.output)
     hidden, heads, deepen = report["passes"]
@@ -306,7 +342,11 @@ def test_cli_grows_llama_hidden_heads_and_depth(runner, tmp_path):
     assert report["preservation"]["eval_ok"] and report["preservation"]["train_ok"]
     grown_model = gg.load_model(tmp_path / "grown.pt").module
     attn = grown_model.get_submodule("model.layers.1.self_attn")
-    assert (attn.q_proj.in_features, attn.q_proj.out_features, attn.k_proj.out_features) == (96, 96, 48)  # 6 × 16, 3 × 16
+    assert (attn.q_proj.in_features, attn.q_proj.out_features, attn.k_proj.out_features) == (
+        96,
+        96,
+        48,
+    )  # 6 × 16, 3 × 16
     assert attn.o_proj.in_features == 96 and grown_model.model.embed_tokens.weight.shape == (64, 96)
 
 
@@ -354,7 +394,9 @@ def test_projection_with_weight_and_bias_by_name_grows():
 def test_projection_with_a_computed_bias_is_refused():
     """timm's BEiT (beitv2_base_patch16_224): the bias is torch.cat of q/k/v pieces, no parameter to widen."""
     gm = gg.trace(BeitAttention(own_bias=False), input_shape=(1, 5, 8))
-    with pytest.raises(gg.NotApplicable, match=r"'linear' \(linear\), which takes its bias from a computed tensor \('cat"):
+    with pytest.raises(
+        gg.NotApplicable, match=r"'linear' \(linear\), which takes its bias from a computed tensor \('cat"
+    ):
         gg.get_pass("grow_heads")(heads=3)(gm)
 
 

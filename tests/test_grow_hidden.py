@@ -6,6 +6,7 @@ with norm_first=True whose head reads the raw stream); post-norm streams (BERT, 
 factor, other sizes refused with the reason. Exact in eval and train mode at two batch sizes and two sequence
 lengths, every grown parameter learning; the grown GPT-2 on onnxruntime; the CLI on an `hf:` LLaMA, 64 → 96.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,18 +14,24 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import LLAMA, assert_onnx_agrees
+from test_hf_pass_matrix import _same_function, build
 from torch import nn
 
 import graphgrow as gg
 from graphgrow.graph.inputs import parse_spec, spec_inputs
-from conftest import assert_onnx_agrees, LLAMA
-from test_hf_pass_matrix import _same_function, build
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 # architecture → (pass arguments, the hidden size before → after)
-ARCHS = {"gpt2": ({"to": 21}, 16, 21), "llama": ({"by": 8}, 16, 24), "bert": ({}, 16, 32),
-         "post_norm_encoder": ({"to": 48}, 16, 48), "pre_norm_encoder": ({"by": 3}, 16, 19), "timm_vit": ({"to": 45}, 32, 45)}
+ARCHS = {
+    "gpt2": ({"to": 21}, 16, 21),
+    "llama": ({"by": 8}, 16, 24),
+    "bert": ({}, 16, 32),
+    "post_norm_encoder": ({"to": 48}, 16, 48),
+    "pre_norm_encoder": ({"by": 3}, 16, 19),
+    "timm_vit": ({"to": 45}, 32, 45),
+}
 _GROWN: dict[str, tuple] = {}
 
 
@@ -34,7 +41,9 @@ class Encoder(nn.Module):
     def __init__(self, norm_first: bool, vocab: int = 50, d: int = 16):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        layer = nn.TransformerEncoderLayer(d, 2, dim_feedforward=32, dropout=0.1, batch_first=True, norm_first=norm_first)
+        layer = nn.TransformerEncoderLayer(
+            d, 2, dim_feedforward=32, dropout=0.1, batch_first=True, norm_first=norm_first
+        )
         self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(d, 5)
 
@@ -49,8 +58,16 @@ def _build(arch: str) -> tuple[nn.Module, str]:
     if arch != "timm_vit":
         return build(arch)
     timm = pytest.importorskip("timm")
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, embed_dim=32,
-                              num_heads=2, num_classes=3)
+    model = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=32,
+        patch_size=8,
+        depth=2,
+        embed_dim=32,
+        num_heads=2,
+        num_classes=3,
+    )
     return model, "x:1x3x32x32"
 
 
@@ -161,11 +178,14 @@ class Gated(nn.Module):
         return self.head(self.norm(x))
 
 
-@pytest.mark.parametrize("model,spec,why", [
-    (NoNorm(), (2, 8), "no LayerNorm or RMSNorm over a last dimension"),
-    (NormOut(), "ids:1x4:int64", r"'norm_1' \(module norm\), which is a model output"),
-    (Gated(), "ids:1x4:int64", r"reaches '\w+' \(sigmoid\), which .* the analysis does not understand"),
-])
+@pytest.mark.parametrize(
+    "model,spec,why",
+    [
+        (NoNorm(), (2, 8), "no LayerNorm or RMSNorm over a last dimension"),
+        (NormOut(), "ids:1x4:int64", r"'norm_1' \(module norm\), which is a model output"),
+        (Gated(), "ids:1x4:int64", r"reaches '\w+' \(sigmoid\), which .* the analysis does not understand"),
+    ],
+)
 def test_refusals_say_why(model, spec, why):
     gm = gg.trace(model, input_shape=parse_spec(spec) if isinstance(spec, str) else spec)
     with pytest.raises(gg.NotApplicable, match=why):
@@ -193,15 +213,21 @@ def test_cli_grows_llama_hidden_64_to_96(runner, tmp_path):
     from graphgrow.cli import main
 
     pytest.importorskip("transformers")
-    res = runner.invoke(main, ["mutate", LLAMA, "--pass", "grow_hidden(to=96)", "-o", str(tmp_path / "wide.pt"),
-                               "--json"], catch_exceptions=False)
+    res = runner.invoke(
+        main,
+        ["mutate", LLAMA, "--pass", "grow_hidden(to=96)", "-o", str(tmp_path / "wide.pt"), "--json"],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output[-2000:]
     report = json.loads(res.output)
     [grow] = report["passes"]
     assert grow["targets"]["hidden"] == "64 → 96 (given)"
     assert report["preservation"]["eval_ok"] and report["preservation"]["train_ok"]
     wide = gg.load_model(tmp_path / "wide.pt").module
-    assert wide.model.embed_tokens.weight.shape == (64, 96) and wide.get_submodule("model.layers.1.self_attn.q_proj").out_features == 64
+    assert (
+        wide.model.embed_tokens.weight.shape == (64, 96)
+        and wide.get_submodule("model.layers.1.self_attn.q_proj").out_features == 64
+    )
 
 
 class NamedLinear(nn.Module):

@@ -1,18 +1,19 @@
 """Exact growth of LayerNorm-coupled channel groups (ConvNeXt/transformer streams): net2net with an integer
 factor replicates every channel equally, so LayerNorm's mean and variance do not move; anything else is refused."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import outputs_both_modes, rel_err
+from graphgrow.passes.grow_width import GrowWidth
+from test_targets import ConvNeXtish, Swinish
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.jobs import workflow
 from graphgrow.analysis.coupling import analyze
-from graphgrow.passes.grow_width import GrowWidth
-from conftest import outputs_both_modes, rel_err
-from test_targets import ConvNeXtish, Swinish
+from graphgrow.jobs import workflow
 
 
 class LayerScaled(nn.Module):
@@ -63,8 +64,12 @@ def randomized(model: nn.Module) -> nn.Module:
     return model
 
 
-MODELS = {"convnext": (ConvNeXtish, (1, 3, 32, 32)), "swin": (Swinish, (1, 3, 32, 32)),
-          "layer_scaled": (LayerScaled, (1, 3, 16, 16)), "tokens": (Tokens, (1, 3, 16, 16))}
+MODELS = {
+    "convnext": (ConvNeXtish, (1, 3, 32, 32)),
+    "swin": (Swinish, (1, 3, 32, 32)),
+    "layer_scaled": (LayerScaled, (1, 3, 16, 16)),
+    "tokens": (Tokens, (1, 3, 16, 16)),
+}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -116,11 +121,14 @@ def test_the_traced_layer_norm_call_gets_its_new_shape():
     assert r.gm.get_parameter("gamma").shape == (32,) and r.gm.get_parameter("norm.weight").shape == (32,)
 
 
-@pytest.mark.parametrize("kwargs, why", [
-    ({"factor": 1.5, "init": "net2net"}, "cannot replicate every channel equally"),
-    ({"factor": 2}, "init=zero adds channels that are not copies"),
-    ({"to": 12, "init": "net2net"}, "cannot replicate every channel equally"),
-])
+@pytest.mark.parametrize(
+    "kwargs, why",
+    [
+        ({"factor": 1.5, "init": "net2net"}, "cannot replicate every channel equally"),
+        ({"factor": 2}, "init=zero adds channels that are not copies"),
+        ({"to": 12, "init": "net2net"}, "cannot replicate every channel equally"),
+    ],
+)
 def test_other_growth_of_a_layernorm_group_is_refused_with_the_reason(kwargs, why):
     gm = gg.trace(randomized(LayerScaled()), (1, 3, 16, 16))
     with pytest.raises(gg.NotApplicable, match=why) as e:
@@ -170,14 +178,22 @@ def test_channels_last_linear_is_known_by_its_axis():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source, shape", [("zoo:convnext_atto", "1,3,64,64"), ("torchvision.models:convnext_tiny", "1,3,64,64")])
+@pytest.mark.parametrize(
+    "source, shape", [("zoo:convnext_atto", "1,3,64,64"), ("torchvision.models:convnext_tiny", "1,3,64,64")]
+)
 def test_real_convnext_residual_streams_grow_exactly(source, shape, tmp_path):
     """timm's and torchvision's ConvNeXt: LayerNorm2d (traced F.layer_norm), channels-last block LayerNorms,
     layer scales, drop-path; the grown ONNX model equals the original module in eval mode."""
     if source.startswith("zoo:"):
         pytest.importorskip("timm")
-    report = workflow.mutate(source, ["grow_width(init=net2net)"], out=str(tmp_path / "g.pt"),
-                             onnx_out=str(tmp_path / "g.onnx"), check=True, input_shape=shape)
+    report = workflow.mutate(
+        source,
+        ["grow_width(init=net2net)"],
+        out=str(tmp_path / "g.pt"),
+        onnx_out=str(tmp_path / "g.onnx"),
+        check=True,
+        input_shape=shape,
+    )
     targets = report["passes"][0]["targets"]
     assert "every channel replicated ×2" in targets["layernorm"], targets
     assert report["equivalence"]["passed"] and report["equivalence"]["vs_original"]["passed"]

@@ -1,6 +1,7 @@
 """Issue 37 item 1: everything graphgrow adds stays growable. Branches, deepen's blocks, skips and adapters are
 inlined as their layers' calls (graph.inline), so the coupling analysis sees their convs, depthwise convs and
 BatchNorms: a channel group that a new branch reads from or writes into grows with the branch's own layers."""
+
 from __future__ import annotations
 
 import json
@@ -9,6 +10,12 @@ import sys
 import pytest
 import torch
 import torchvision
+from conftest import ROOT, outputs_both_modes, randomize_bn, rel_err, run_cli
+from graphgrow.passes.add_branch import OPS, AddBranch, RemoveBranch
+from graphgrow.passes.add_residual import AddResidual
+from graphgrow.passes.deepen import Deepen
+from graphgrow.passes.grow_width import GrowWidth
+from graphgrow.passes.insert_adapter import InsertAdapter
 from torch import fx, nn
 
 import graphgrow as gg
@@ -16,24 +23,26 @@ from graphgrow.analysis.coupling import analyze
 from graphgrow.graph.inline import inline_call, inline_containers
 from graphgrow.io.export import export_onnx
 from graphgrow.io.runtime import max_ir_version, open_session
-from graphgrow.passes.add_branch import AddBranch, OPS, RemoveBranch
-from graphgrow.passes.add_residual import AddResidual
-from graphgrow.passes.deepen import Deepen
-from graphgrow.passes.grow_width import GrowWidth
-from graphgrow.passes.insert_adapter import InsertAdapter
 from graphgrow.verify.equivalence import check_equivalence
-from conftest import ROOT, outputs_both_modes, randomize_bn, rel_err, run_cli
 
 SHAPE = (1, 3, 16, 16)
 
 
 def nine_layer_cnn() -> nn.Sequential:
     """The issue's plain CNN: 3 conv/BN/ReLU blocks, pooling, Linear (nodes _0 … _12; _7 is the last conv)."""
+
     def block(cin: int, cout: int) -> list[nn.Module]:
         return [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
 
-    return nn.Sequential(*block(3, 8), *block(8, 16), nn.MaxPool2d(2), *block(16, 16), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(16, 10)).eval()
+    return nn.Sequential(
+        *block(3, 8),
+        *block(8, 16),
+        nn.MaxPool2d(2),
+        *block(16, 16),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+    ).eval()
 
 
 def traced() -> fx.GraphModule:
@@ -60,14 +69,33 @@ def test_the_issues_five_pass_pipeline_passes_through_the_cli(tmp_path):
     model's input and output can grow."""
     model, grown = tmp_path / "cnn.pt", tmp_path / "cnn.grown.pt"
     torch.save(randomize_bn(nine_layer_cnn()), model)
-    proc = run_cli("mutate", str(model), "--input-shape", "1,3,16,16", "--pass", "add_branch(op=sepconv3x3)",
-                   "--pass", "add_branch(op=conv5x5)", "--pass", "grow_width", "--pass", "deepen", "--pass", "add_residual",
-                   "--check", "--json", "-o", str(grown))
+    proc = run_cli(
+        "mutate",
+        str(model),
+        "--input-shape",
+        "1,3,16,16",
+        "--pass",
+        "add_branch(op=sepconv3x3)",
+        "--pass",
+        "add_branch(op=conv5x5)",
+        "--pass",
+        "grow_width",
+        "--pass",
+        "deepen",
+        "--pass",
+        "add_residual",
+        "--check",
+        "--json",
+        "-o",
+        str(grown),
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert [p["name"] for p in report["passes"]] == ["add_branch", "add_branch", "grow_width", "deepen", "add_residual"]
-    assert all(p["preservation"]["eval_ok"] and p["preservation"]["train_ok"] and p["preservation"]["trainable_ok"]
-               for p in report["passes"])
+    assert all(
+        p["preservation"]["eval_ok"] and p["preservation"]["train_ok"] and p["preservation"]["trainable_ok"]
+        for p in report["passes"]
+    )
     assert report["equivalence"]["passed"]
     assert "branch_sepconv3x3" in report["passes"][2]["targets"]["rebuilt"]  # the widened group runs through a branch
     proc = run_cli("inspect", str(grown), "--groups", "--json")  # no --trust: a safe file
@@ -78,9 +106,17 @@ def test_the_issues_five_pass_pipeline_passes_through_the_cli(tmp_path):
 
 
 # add_branch beside the last conv ('_7': reads _6, the group of conv _3; writes the group of _7), 1 to 3 times
-MATRIX = [(("sepconv3x3",), "_3"), (("conv5x5",), "_7"), (("dilconv3x3",), "_7"), (("avgpool3x3",), "_7"),
-          (("sepconv3x3", "conv5x5"), "_3"), (("sepconv5x5", "identity"), "_7"), (("conv3x3", "maxpool3x3"), "_7"),
-          (("sepconv3x3", "conv5x5", "dilconv3x3"), "_3"), (("sepconv3x3", "conv5x5", "dilconv3x3"), "_7")]
+MATRIX = [
+    (("sepconv3x3",), "_3"),
+    (("conv5x5",), "_7"),
+    (("dilconv3x3",), "_7"),
+    (("avgpool3x3",), "_7"),
+    (("sepconv3x3", "conv5x5"), "_3"),
+    (("sepconv5x5", "identity"), "_7"),
+    (("conv3x3", "maxpool3x3"), "_7"),
+    (("sepconv3x3", "conv5x5", "dilconv3x3"), "_3"),
+    (("sepconv3x3", "conv5x5", "dilconv3x3"), "_7"),
+]
 
 
 @pytest.mark.parametrize("ops, target", MATRIX, ids=[f"{'+'.join(o)}-{t}" for o, t in MATRIX])
@@ -94,8 +130,12 @@ def test_grow_width_after_branches_grows_through_them(ops, target, tmp_path):
     rebuilt = r.targets["rebuilt"].split(", ")
     for name, module in gm.named_modules():  # every conv of a branch on the grown side is rebuilt
         if name.startswith("branch_") and isinstance(module, nn.Conv2d):
-            reads = target == "_3" and (module.groups > 1 or name.endswith(".1"))  # first conv or depthwise: the input side
-            writes = target == "_7" and module.out_channels == 16 and module.groups == 1  # the conv writing into the merge
+            reads = target == "_3" and (
+                module.groups > 1 or name.endswith(".1")
+            )  # first conv or depthwise: the input side
+            writes = (
+                target == "_7" and module.out_channels == 16 and module.groups == 1
+            )  # the conv writing into the merge
             if reads or writes:
                 assert name in rebuilt, (name, rebuilt)
     for name, module in r.gm.named_modules():
@@ -125,12 +165,17 @@ def test_onnx_agrees_after_branches_and_growth(count, tmp_path):
 @pytest.mark.parametrize("insert", ["deepen", "add_residual", "insert_adapter"])
 def test_grow_width_through_deepen_residual_and_adapter(insert):
     gm = traced()
-    added = {"deepen": Deepen(after="_9"), "add_residual": AddResidual(start="_5", end="_9"),
-             "insert_adapter": InsertAdapter(after="_9", out_channels=24)}[insert](gm).gm
+    added = {
+        "deepen": Deepen(after="_9"),
+        "add_residual": AddResidual(start="_5", end="_9"),
+        "insert_adapter": InsertAdapter(after="_9", out_channels=24),
+    }[insert](gm).gm
     assert not_understood(added) == []
     r = GrowWidth(target="_7")(added)
     assert_exact(added, r)
-    own = {"deepen": "deepen_conv_bn_relu.0", "add_residual": "residual_downsample.0", "insert_adapter": "_9_adapter"}[insert]
+    own = {"deepen": "deepen_conv_bn_relu.0", "add_residual": "residual_downsample.0", "insert_adapter": "_9_adapter"}[
+        insert
+    ]
     assert own in r.targets["rebuilt"].split(", ")
 
 
@@ -178,7 +223,14 @@ def test_inline_keeps_what_it_cannot_look_through():
     assert inline_call(gm, b) is None and inline_call(gm, c) is None
     assert inline_containers(gm, ["seq"]) == ["seq"]
     gm.recompile()
-    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["0", "block", "seq.0", "seq.1.0", "seq.1.1", "0"]
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == [
+        "0",
+        "block",
+        "seq.0",
+        "seq.1.0",
+        "seq.1.1",
+        "0",
+    ]
 
 
 @pytest.mark.slow
@@ -215,6 +267,7 @@ def test_a_file_saved_with_opaque_branches_grows_through_them_once_loaded(tmp_pa
     """Files written before passes inlined their blocks hold each branch as one container call: loading looks
     through the modules the log says graphgrow added, so grow_width grows through the branch again."""
     import graphgrow.passes.add_branch as add_branch_module
+
     import graphgrow.rewrite.pass_base as pass_base
 
     with monkeypatch.context() as m:  # the old behaviour: the branch stays one call_module node

@@ -1,5 +1,6 @@
 """grow_width and insert_adapter: exactness, kept layer settings, trainability, symmetry, refusals,
 and every torchvision test-bed model through preservation, export and onnxruntime."""
+
 from __future__ import annotations
 
 import copy
@@ -8,15 +9,15 @@ import json
 import pytest
 import torch
 import torchvision
+from conftest import assert_same_snapshot, outputs_both_modes, randomize_bn, rel_err, run_cli, snapshot
+from graphgrow.passes.grow_width import GrowWidth
+from graphgrow.passes.insert_adapter import InsertAdapter
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.verify.equivalence import check_equivalence
 from graphgrow.io.export import export_onnx
-from graphgrow.passes.grow_width import GrowWidth
-from graphgrow.passes.insert_adapter import InsertAdapter
 from graphgrow.io.runtime import max_ir_version, open_session
-from conftest import assert_same_snapshot, outputs_both_modes, randomize_bn, rel_err, run_cli, snapshot
+from graphgrow.verify.equivalence import check_equivalence
 
 
 class Odd(nn.Module):
@@ -45,7 +46,14 @@ def test_rebuilt_layers_keep_all_their_settings_and_dtype():
     model = odd_model(torch.float64)
     r = GrowWidth(target="a", to=10)(gg.trace(model, (1, 3, 16, 16)))
     a, dw, bn = (r.gm.get_submodule(n) for n in ("a", "dw", "bn"))
-    assert (a.out_channels, a.stride, a.padding, a.dilation, a.bias, a.padding_mode) == (10, (2, 2), (2, 2), (2, 2), None, "reflect")
+    assert (a.out_channels, a.stride, a.padding, a.dilation, a.bias, a.padding_mode) == (
+        10,
+        (2, 2),
+        (2, 2),
+        (2, 2),
+        None,
+        "reflect",
+    )
     assert (dw.in_channels, dw.out_channels, dw.groups, dw.padding_mode) == (10, 10, 10, "circular")
     assert (bn.num_features, bn.eps, bn.momentum) == (10, 1e-3, 0.3)
     assert a.weight.dtype == dw.weight.dtype == bn.running_var.dtype == torch.float64
@@ -70,7 +78,9 @@ def test_zero_init_gives_random_in_and_zero_out_never_zero_on_both_sides():
     r = GrowWidth(target="b", to=8)(gg.trace(odd_model(), (1, 3, 16, 16)))
     b, fc = r.gm.get_submodule("b"), r.gm.get_submodule("fc")
     assert b.weight[5:].abs().sum() > 0  # new units: random incoming
-    assert fc.weight.shape[1] == 8 * 64 and fc.weight[:, 5 * 64:].abs().sum() == 0  # zero outgoing: 64 features per channel
+    assert (
+        fc.weight.shape[1] == 8 * 64 and fc.weight[:, 5 * 64 :].abs().sum() == 0
+    )  # zero outgoing: 64 features per channel
     # trainability as the verifier saw it: outgoing weights learn at once, incoming after one step
     assert r.preservation.trainable["fc.weight"] == 0 and r.preservation.trainable["b.weight"] == 1
 
@@ -110,14 +120,17 @@ def test_input_model_untouched_on_success_and_failure():
     assert_same_snapshot(before, snapshot(model))
 
 
-@pytest.mark.parametrize("args, message", [
-    ({"target": "nope"}, "no node or module named 'nope'"),
-    ({"target": "bn"}, "'bn' is BatchNorm2d; grow_width widens a conv or Linear layer"),
-    ({"target": "dw"}, "'dw' is a depthwise conv: its width follows its input"),
-    ({"target": "b", "to": 4}, "'b' has 5 channels; 4 would narrow it and grow_width only grows"),
-    ({"target": "b", "to": 5}, "'b' already has 5 channels"),
-    ({"target": "fc"}, "'fc': it is the model's output"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"target": "nope"}, "no node or module named 'nope'"),
+        ({"target": "bn"}, "'bn' is BatchNorm2d; grow_width widens a conv or Linear layer"),
+        ({"target": "dw"}, "'dw' is a depthwise conv: its width follows its input"),
+        ({"target": "b", "to": 4}, "'b' has 5 channels; 4 would narrow it and grow_width only grows"),
+        ({"target": "b", "to": 5}, "'b' already has 5 channels"),
+        ({"target": "fc"}, "'fc': it is the model's output"),
+    ],
+)
 def test_refusals(args, message):
     with pytest.raises(gg.NotApplicable) as e:
         GrowWidth(**args)(gg.trace(odd_model(), (1, 3, 16, 16)))
@@ -160,9 +173,12 @@ def test_insert_adapter_identity_widening_and_narrowing():
 
 # --- the torchvision test bed -------------------------------------------------------------------------
 
+
 def build(name: str) -> nn.Module:
     torch.manual_seed(0)
-    kwargs = {"image_size": 64} if name.startswith("vit") else {}  # the full ViT-B/16 at 17 tokens, not 197: same layers, quicker
+    kwargs = (
+        {"image_size": 64} if name.startswith("vit") else {}
+    )  # the full ViT-B/16 at 17 tokens, not 197: same layers, quicker
     model = randomize_bn(getattr(torchvision.models, name)(**kwargs), seed=2)
     if name.startswith("vit"):
         nn.init.normal_(model.heads.head.weight, std=0.02)  # torchvision zero-initialises it: checks would see zeros
@@ -183,17 +199,31 @@ CASES = [
     ("resnet50", "insert_adapter", None),
     ("mobilenet_v2", "grow_width", "features.0.0 (Conv2d, 32 → 64)"),
     ("mobilenet_v2", "grow_width(target=features.3.conv.2,to=40,init=net2net)", "features.3.conv.2 (Conv2d, 24 → 40)"),
-    ("mobilenet_v2", "grow_width(target=features.18.0,to=1400,mode=adapter,init=net2net)", "features.18.0 (Conv2d, 1280 → 1400)"),
+    (
+        "mobilenet_v2",
+        "grow_width(target=features.18.0,to=1400,mode=adapter,init=net2net)",
+        "features.18.0 (Conv2d, 1280 → 1400)",
+    ),
     ("mobilenet_v3_small", "grow_width", "features.0.0 (Conv2d, 16 → 32)"),
-    ("mobilenet_v3_small", "grow_width(target=features.4.block.2.fc1,factor=2)", "features.4.block.2.fc1 (Conv2d, 24 → 48)"),
+    (
+        "mobilenet_v3_small",
+        "grow_width(target=features.4.block.2.fc1,factor=2)",
+        "features.4.block.2.fc1 (Conv2d, 24 → 48)",
+    ),
     ("mobilenet_v3_small", "insert_adapter(out_channels=600)", None),
     ("densenet121", "grow_width", "features.conv0 (Conv2d, 64 → 128)"),
-    ("densenet121", "grow_width(target=features.denseblock2.denselayer3.conv2,to=48,init=net2net)",
-     "features.denseblock2.denselayer3.conv2 (Conv2d, 32 → 48)"),
+    (
+        "densenet121",
+        "grow_width(target=features.denseblock2.denselayer3.conv2,to=48,init=net2net)",
+        "features.denseblock2.denselayer3.conv2 (Conv2d, 32 → 48)",
+    ),
     ("densenet121", "insert_adapter(after=features.transition1,out_channels=160)", None),
     ("vit_b_16", "grow_width", "encoder.layers.encoder_layer_0.mlp.0 (Linear, 3072 → 6144)"),
-    ("vit_b_16", "grow_width(target=encoder.layers.encoder_layer_11.mlp.0,to=3200,mode=adapter,init=net2net)",
-     "encoder.layers.encoder_layer_11.mlp.0 (Linear, 3072 → 3200)"),
+    (
+        "vit_b_16",
+        "grow_width(target=encoder.layers.encoder_layer_11.mlp.0,to=3200,mode=adapter,init=net2net)",
+        "encoder.layers.encoder_layer_11.mlp.0 (Linear, 3072 → 3200)",
+    ),
     ("vit_b_16", "insert_adapter(after=encoder.layers.encoder_layer_5)", None),
 ]
 
@@ -230,8 +260,17 @@ def test_grown_models_export_and_match_the_original_in_onnxruntime(name, tmp_pat
 
 @pytest.mark.slow
 def test_issue_command_resnet50_grow_width_check(tmp_path):
-    proc = run_cli("mutate", "torchvision.models:resnet50", "--pass", "grow_width(factor=2)", "--check",
-                   "--input-shape", "1,3,224,224", "--json", cwd=tmp_path)
+    proc = run_cli(
+        "mutate",
+        "torchvision.models:resnet50",
+        "--pass",
+        "grow_width(factor=2)",
+        "--check",
+        "--input-shape",
+        "1,3,224,224",
+        "--json",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     p = report["passes"][0]

@@ -1,13 +1,13 @@
 """Issue 26, item 3: examples/growth_init_compare.py's --quick path — every growth keeps the function (max output
 change ≤ 1e-5) but gromo's line-searched one, the tables hold finite numbers, and gromo's TINY rows run only
 where gromo is installed."""
+
 from __future__ import annotations
 
 import math
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "examples"))
@@ -47,6 +47,6 @@ def test_gromo_tiny_keeps_the_function_and_amplitude_zero_kills_the_new_units():
     task = gic.digits()
     base = gic.mlp(task.n_in, task.h, task.n_out)
     grown = {init: gic.grow(task, base, init, seed=0)[0] for init in ("tiny", "tiny0")}
-    new_rows = {init: m[0].weight[task.h:].detach() for init, m in grown.items()}
+    new_rows = {init: m[0].weight[task.h :].detach() for init, m in grown.items()}
     assert new_rows["tiny"].shape == (task.h, task.n_in) and new_rows["tiny"].norm(dim=1).min() > 0
     assert new_rows["tiny0"].abs().max() == 0  # gromo's apply_change(scaling_factor=0): incoming weights zero too

@@ -10,6 +10,7 @@ sequence saves, loads without trust, exports to ONNX and agrees on onnxruntime.
 `make test` runs one sequence per architecture; `make fuzz` runs GRAPHGROW_SEQUENCES of them (count and time
 printed at the end).
 """
+
 from __future__ import annotations
 
 import operator
@@ -21,10 +22,10 @@ from collections import Counter
 
 import pytest
 import torch
+from growth_models import ARCHITECTURES
 from torch import fx
 
 import graphgrow as gg
-from growth_models import ARCHITECTURES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SEQUENCES = int(os.environ.get("GRAPHGROW_SEQUENCES", "1"))
@@ -32,7 +33,9 @@ STEPS = 8
 PASSES = ("grow_width", "add_branch", "deepen", "insert_adapter", "add_residual", "grow_hidden", "grow_heads")
 ARGUMENTS = {  # argument variants drawn per pass (each a valid value; the place comes from candidates or the default)
     "grow_width": [{}, {"factor": 1.5}, {"init": "net2net"}, {"mode": "adapter"}],
-    "add_branch": [{"op": op} for op in ("conv3x3", "conv5x5", "sepconv3x3", "dilconv3x3", "avgpool3x3", "maxpool3x3", "identity")],
+    "add_branch": [
+        {"op": op} for op in ("conv3x3", "conv5x5", "sepconv3x3", "dilconv3x3", "avgpool3x3", "maxpool3x3", "identity")
+    ],
     "deepen": [{}],
     "insert_adapter": [{}],
     "add_residual": [{}],
@@ -46,8 +49,10 @@ STATS: Counter = Counter()
 def report_campaign():
     start = time.perf_counter()
     yield
-    print(f"\ngrowth sequences: {sum(STATS.values())} steps in {time.perf_counter() - start:.1f}s: "
-          + ", ".join(f"{k} {v}" for k, v in sorted(STATS.items())))
+    print(
+        f"\ngrowth sequences: {sum(STATS.values())} steps in {time.perf_counter() - start:.1f}s: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(STATS.items()))
+    )
 
 
 def _draw(rng: random.Random, gm) -> str:
@@ -92,7 +97,9 @@ def _run_sequence(arch: str, seed: int):
             assert "\n" not in e.message, message
             assert "not understood" not in message, f"{arch} {history + [text]}: {message}"
             cited = _cites_an_addition(message, added)
-            assert cited is None, f"{arch} seed {seed}: {history + [text]} refused citing graphgrow's own '{cited}': {message}"
+            assert cited is None, (
+                f"{arch} seed {seed}: {history + [text]} refused citing graphgrow's own '{cited}': {message}"
+            )
             history.append(f"{text} ✗")
             continue
         report = result.preservation
@@ -127,7 +134,9 @@ def test_growth_sequences_verify_or_refuse_for_the_users_model(arch, seed, tmp_p
     assert check_equivalence(loaded, open_session(onnx_path, "cpu"), shape, raise_on_failure=True).passed, history
 
 
-@pytest.mark.parametrize("spec", ["grow_hidden", "grow_width(target=blocks.1.mlp.2,init=net2net)", "add_residual,grow_hidden"])
+@pytest.mark.parametrize(
+    "spec", ["grow_hidden", "grow_width(target=blocks.1.mlp.2,init=net2net)", "add_residual,grow_hidden"]
+)
 def test_sizes_read_at_run_time_keep_their_meaning(spec):
     """TinyViT splits its fused qkv with `B, N, C = x.shape; reshape(B, N, 3, heads, C // heads)`: when the stream
     (C) grows, the qkv output does not, so that C must stay the old width (it was a ValidationError: the grown
@@ -137,5 +146,6 @@ def test_sizes_read_at_run_time_keep_their_meaning(spec):
     result = gg.Pipeline.from_spec(spec).run(gg.trace(factory(), shape)).results[-1]
     assert result.preservation.eval.ok and result.preservation.train.ok and result.preservation.trainable_ok
     reshape = next(n for n in result.gm.graph.nodes if n.name == "reshape")
-    assert 32 in list(reshape.args[1:]) or any(isinstance(a, fx.Node) and a.target is operator.floordiv and 32 in a.args
-                                                for a in reshape.args[1:]), reshape.args
+    assert 32 in list(reshape.args[1:]) or any(
+        isinstance(a, fx.Node) and a.target is operator.floordiv and 32 in a.args for a in reshape.args[1:]
+    ), reshape.args

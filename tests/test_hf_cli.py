@@ -7,6 +7,7 @@ named inputs, two sequence lengths where the sequence is dynamic); add_branch, w
 or refuses with its reason (exit 2, never 1 or 3). The whole pass × architecture table through the Python API is
 tests/test_hf_pass_matrix.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,19 +20,39 @@ pytest.importorskip("transformers")
 
 IDS = "input_ids:int64[1,8]"
 MODELS: dict[str, tuple[str, tuple[str, ...]]] = {  # architecture → (model name, --input values)
-    "gpt2": ("hf:gpt2/causal-lm(vocab_size=50,n_embd=16,n_layer=1,n_head=2,n_positions=16,bos_token_id=0,eos_token_id=0)", ()),
-    "llama": ("hf:llama/causal-lm(vocab_size=50,hidden_size=16,intermediate_size=32,num_hidden_layers=1,"
-              "num_attention_heads=4,num_key_value_heads=2,max_position_embeddings=16)", ()),
-    "bert": ("hf:bert/sequence-classification(vocab_size=50,hidden_size=16,num_hidden_layers=1,num_attention_heads=2,"
-             "intermediate_size=32,max_position_embeddings=16)", ()),
-    "bart": ("hf:bart/seq2seq-lm(vocab_size=50,d_model=16,encoder_layers=1,decoder_layers=1,encoder_attention_heads=2,"
-             "decoder_attention_heads=2,encoder_ffn_dim=32,decoder_ffn_dim=32,max_position_embeddings=16)",
-             (IDS, "decoder_input_ids:int64[1,4]")),
-    "vit": ("hf:vit/image-classification(image_size=16,patch_size=4,hidden_size=16,num_hidden_layers=1,"
-            "num_attention_heads=2,intermediate_size=32,num_labels=3)", ()),
-    "convnext": ("hf:convnext/image-classification(hidden_sizes=[8,16],depths=[1,1],num_stages=2,num_labels=3,image_size=32)", ()),
-    "resnet": ("hf:resnet/image-classification(embedding_size=8,hidden_sizes=[8,16],depths=[1,1],layer_type='basic',"
-               "num_labels=3)", ("pixel_values:float32[1,3,32,32]",)),
+    "gpt2": (
+        "hf:gpt2/causal-lm(vocab_size=50,n_embd=16,n_layer=1,n_head=2,n_positions=16,bos_token_id=0,eos_token_id=0)",
+        (),
+    ),
+    "llama": (
+        "hf:llama/causal-lm(vocab_size=50,hidden_size=16,intermediate_size=32,num_hidden_layers=1,"
+        "num_attention_heads=4,num_key_value_heads=2,max_position_embeddings=16)",
+        (),
+    ),
+    "bert": (
+        "hf:bert/sequence-classification(vocab_size=50,hidden_size=16,num_hidden_layers=1,num_attention_heads=2,"
+        "intermediate_size=32,max_position_embeddings=16)",
+        (),
+    ),
+    "bart": (
+        "hf:bart/seq2seq-lm(vocab_size=50,d_model=16,encoder_layers=1,decoder_layers=1,encoder_attention_heads=2,"
+        "decoder_attention_heads=2,encoder_ffn_dim=32,decoder_ffn_dim=32,max_position_embeddings=16)",
+        (IDS, "decoder_input_ids:int64[1,4]"),
+    ),
+    "vit": (
+        "hf:vit/image-classification(image_size=16,patch_size=4,hidden_size=16,num_hidden_layers=1,"
+        "num_attention_heads=2,intermediate_size=32,num_labels=3)",
+        (),
+    ),
+    "convnext": (
+        "hf:convnext/image-classification(hidden_sizes=[8,16],depths=[1,1],num_stages=2,num_labels=3,image_size=32)",
+        (),
+    ),
+    "resnet": (
+        "hf:resnet/image-classification(embedding_size=8,hidden_sizes=[8,16],depths=[1,1],layer_type='basic',"
+        "num_labels=3)",
+        ("pixel_values:float32[1,3,32,32]",),
+    ),
     "token_encoder": ("factories:token_classifier", (IDS,)),
     "audio_conv1d": ("factories:audio_cnn", ("input:float32[1,1,4000]",)),
 }
@@ -51,8 +72,19 @@ def invoke(runner, *args: str):
 @pytest.mark.parametrize("arch", sorted(MODELS))
 def test_grow_export_and_check_on_onnxruntime(runner, tmp_path, arch):
     onnx_path = tmp_path / f"{arch}.onnx"
-    res = invoke(runner, "mutate", *_args(arch), "--pass", GROWTH, "-o", str(tmp_path / "g.pt"), "--onnx", str(onnx_path),
-                 "--check", "--json")
+    res = invoke(
+        runner,
+        "mutate",
+        *_args(arch),
+        "--pass",
+        GROWTH,
+        "-o",
+        str(tmp_path / "g.pt"),
+        "--onnx",
+        str(onnx_path),
+        "--check",
+        "--json",
+    )
     assert res.exit_code == 0, res.output[-2000:]
     report = json.loads(res.output)
     assert [p["name"] for p in report["passes"]] == GROWTH.split(",")

@@ -7,6 +7,7 @@ and then the result is checked here again, on fresh inputs drawn from the input 
 or refuses with a typed error whose message says why, as decided in EXPECTED. Also: layers of a model's own
 classes that behave as torch.nn layers (GPT-2's Conv1D, LlamaRMSNorm) are captured as those layers.
 """
+
 from __future__ import annotations
 
 import re
@@ -58,9 +59,18 @@ class AudioConv1d(nn.Module):
     def __init__(self):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv1d(1, 8, 80, stride=16), nn.BatchNorm1d(8), nn.ReLU(), nn.MaxPool1d(4),
-            nn.Conv1d(8, 16, 3, padding=1), nn.BatchNorm1d(16), nn.ReLU(), nn.MaxPool1d(4),
-            nn.Conv1d(16, 16, 3, padding=1), nn.BatchNorm1d(16), nn.ReLU())
+            nn.Conv1d(1, 8, 80, stride=16),
+            nn.BatchNorm1d(8),
+            nn.ReLU(),
+            nn.MaxPool1d(4),
+            nn.Conv1d(8, 16, 3, padding=1),
+            nn.BatchNorm1d(16),
+            nn.ReLU(),
+            nn.MaxPool1d(4),
+            nn.Conv1d(16, 16, 3, padding=1),
+            nn.BatchNorm1d(16),
+            nn.ReLU(),
+        )
         self.pool = nn.AdaptiveAvgPool1d(1)
         self.fc = nn.Linear(16, 5)
 
@@ -76,25 +86,63 @@ def build(arch: str) -> tuple[nn.Module, str]:
     tf = pytest.importorskip("transformers")
     ids = "input_ids:1x8:int64"
     if arch == "gpt2":
-        cfg = tf.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16, use_cache=False,
-                            bos_token_id=0, eos_token_id=0)
+        cfg = tf.GPT2Config(
+            vocab_size=50,
+            n_embd=16,
+            n_layer=1,
+            n_head=2,
+            n_positions=16,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return tf.GPT2LMHeadModel(cfg), ids
     if arch == "llama":
-        cfg = tf.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-                             num_key_value_heads=2, max_position_embeddings=16, use_cache=False)
+        cfg = tf.LlamaConfig(
+            vocab_size=50,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+            use_cache=False,
+        )
         return tf.LlamaForCausalLM(cfg), ids
     if arch == "bert":
-        cfg = tf.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-                            max_position_embeddings=16)
+        cfg = tf.BertConfig(
+            vocab_size=50,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=16,
+        )
         return tf.BertForSequenceClassification(cfg), ids
     if arch == "bart":
-        cfg = tf.BartConfig(vocab_size=50, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16,
-                            use_cache=False)
+        cfg = tf.BartConfig(
+            vocab_size=50,
+            d_model=16,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+            max_position_embeddings=16,
+            use_cache=False,
+        )
         return tf.BartForConditionalGeneration(cfg), "input_ids:1x8:int64,decoder_input_ids:1x4:int64"
     if arch == "vit":
-        cfg = tf.ViTConfig(image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                           intermediate_size=32, num_labels=3)
+        cfg = tf.ViTConfig(
+            image_size=16,
+            patch_size=4,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            num_labels=3,
+        )
         return tf.ViTForImageClassification(cfg), "pixel_values:1x3x16x16"
     if arch == "convnext":
         cfg = tf.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=3)
@@ -151,7 +199,9 @@ def test_trace_is_exact_in_both_modes(arch):
     report = gm.meta["graphgrow"]["trace"]
     assert report["capture"] == EXPECTED[arch][0]
     assert report["fidelity"] == ["eval@2", "eval@3", "train@2", "train@3"]
-    assert seconds < 120, f"tracing {arch} took {seconds:.1f} s"  # a few seconds idle: catches minutes, not a busy machine
+    assert seconds < 120, (
+        f"tracing {arch} took {seconds:.1f} s"
+    )  # a few seconds idle: catches minutes, not a busy machine
     inputs = spec_inputs(model, parse_spec(spec), seed=3, batch=2)
     assert _same_function(model, gm, inputs, train=False) <= 1e-5
 
@@ -211,7 +261,12 @@ class OwnLayers(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(20, 8)
-        self.up, self.norm, self.down, self.odd = TransposedLinear(8, 16), ScaledRMS(16), TransposedLinear(16, 8), NotALinear(8, 8)
+        self.up, self.norm, self.down, self.odd = (
+            TransposedLinear(8, 16),
+            ScaledRMS(16),
+            TransposedLinear(16, 8),
+            NotALinear(8, 8),
+        )
 
     def forward(self, input_ids):
         return self.odd(self.down(self.norm(self.up(self.embed(input_ids)))))

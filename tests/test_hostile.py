@@ -1,5 +1,6 @@
 """The bad-input matrix (issue: hostile input), through the CLI and the API: exit code 2, one line
 that names the problem and the way out, nothing written, the input untouched; and transactions."""
+
 from __future__ import annotations
 
 import hashlib
@@ -10,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, as_from_a_terminal, run_cli, small_cnn
 from torch import nn
 
 import graphgrow as gg
+from graphgrow.capture.input_shape import parse_input_shape
 from graphgrow.io.load import load_model
 from graphgrow.io.save import save_model
-from graphgrow.capture.input_shape import parse_input_shape
 from graphgrow.jobs.workflow import mutate, open_model
-from conftest import ROOT, as_from_a_terminal, run_cli, small_cnn
 
 READ_ONLY = Path("/sys")  # not writable even for root (the CI user)
 
@@ -44,10 +45,19 @@ def make_inputs(tmp: Path) -> dict[str, Path]:
     good = io.BytesIO()
     torch.save(small_cnn(), good)
     data = good.getvalue()
-    files = {"good": tmp / "good.pt", "empty": tmp / "empty.pt", "truncated": tmp / "trunc.pt",
-             "corrupted": tmp / "corrupt.pt", "onnx": tmp / "m.onnx", "text": tmp / "notes.pt",
-             "code": tmp / "code.pt", "raw_pickle": tmp / "raw.pkl", "custom": tmp / "custom.pt", "nan": tmp / "nan.pt",
-             "inf": tmp / "inf.pt"}
+    files = {
+        "good": tmp / "good.pt",
+        "empty": tmp / "empty.pt",
+        "truncated": tmp / "trunc.pt",
+        "corrupted": tmp / "corrupt.pt",
+        "onnx": tmp / "m.onnx",
+        "text": tmp / "notes.pt",
+        "code": tmp / "code.pt",
+        "raw_pickle": tmp / "raw.pkl",
+        "custom": tmp / "custom.pt",
+        "nan": tmp / "nan.pt",
+        "inf": tmp / "inf.pt",
+    }
     files["good"].write_bytes(data)
     files["empty"].write_bytes(b"")
     files["truncated"].write_bytes(data[: len(data) // 3])
@@ -72,65 +82,179 @@ MATRIX = [  # label, argv (after `graphgrow`), message
     ("truncated pickle", ["mutate", "{truncated}", "--pass", "add_residual"], "truncated or corrupted"),
     ("corrupted pickle", ["mutate", "{corrupted}", "--pass", "add_residual"], "corrupted"),
     ("ONNX file", ["mutate", "{onnx}", "--pass", "add_residual"], "is an ONNX file"),
-    ("diagram format", ["mutate", "{good}", "--pass", "deepen", "--input-shape", "1,3,32,32", "--diagram", "{tmp}/d.txt"],
-     "cannot draw to a .txt file"),
+    (
+        "diagram format",
+        ["mutate", "{good}", "--pass", "deepen", "--input-shape", "1,3,32,32", "--diagram", "{tmp}/d.txt"],
+        "cannot draw to a .txt file",
+    ),
     ("diff diagram format", ["diff", "{good}", "{good}", "--diagram", "{tmp}/d.jpg"], "cannot draw to a .jpg file"),
     ("text file", ["mutate", "{text}", "--pass", "add_residual"], "is a text file"),
     ("code in a pickle", ["mutate", "{code}", "--pass", "add_residual"], "refused, nothing was run"),
     ("raw pickle", ["mutate", "{raw_pickle}", "--pass", "add_residual"], "refused without --trust"),
     ("custom class", ["mutate", "{custom}", "--pass", "add_residual"], "contains the custom class test_hostile.Custom"),
-    ("unknown pass", ["mutate", "{good}", "--pass", "grow_depth", "--input-shape", "1,3,32,32"], "unknown pass 'grow_depth' (valid passes:"),
-    ("unknown argument", ["mutate", "{good}", "--pass", "grow_width(size=3)", "--input-shape", "1,3,32,32"],
-     "pass grow_width has no argument 'size' (valid arguments: target, factor, to, mode, init, data)"),
-    ("wrong argument type", ["mutate", "{good}", "--pass", "grow_width(factor=big)", "--input-shape", "1,3,32,32"],
-     "grow_width(factor=...) must be float, got 'big'"),
-    ("wrong choice", ["mutate", "{good}", "--pass", "grow_width(mode=wide)", "--input-shape", "1,3,32,32"],
-     "grow_width(mode=...) must be one of group, adapter"),
-    ("missing target", ["mutate", "{good}", "--pass", "grow_width(target=layer9)", "--input-shape", "1,3,32,32"],
-     "no node or module named 'layer9'"),
-    ("target of the wrong kind", ["mutate", "{good}", "--pass", "grow_width(target=1)", "--input-shape", "1,3,32,32"],
-     "'1' is BatchNorm2d; grow_width widens a conv or Linear layer"),
-    ("impossible input shape", ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32"],
-     "cannot run on an input of shape (1, 3, 32)"),
-    ("malformed input shape", ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,-32,32"], "is not a valid shape"),
-    ("NaN weights", ["mutate", "{nan}", "--pass", "add_residual", "--input-shape", "1,3,32,32"], "has NaN or Inf values in '3.weight'"),
-    ("Inf weights", ["export", "{inf}", "-o", "{tmp}/inf.onnx", "--input-shape", "1,3,32,32"], "has NaN or Inf values in '3.weight'"),
-    ("output in a missing folder", ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32,32", "-o", "{tmp}/no/x.pt"],
-     "does not exist"),
-    ("output in a read-only folder", ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32,32", "-o", f"{READ_ONLY}/x.pt"],
-     "is not writable"),
-    ("ONNX output in a read-only folder", ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32,32",
-                                           "-o", "{tmp}/ok.pt", "--onnx", f"{READ_ONLY}/x.onnx"], "is not writable"),
-    ("output equal to the input", ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32,32", "-o", "{good}"],
-     "is the input file"),
-    ("a pass that cannot apply", ["mutate", "{good}", "--pass", "grow_width(target=3,to=8)", "--input-shape", "1,3,32,32"],
-     "would narrow it"),
-    ("a character device as output", ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32,32",
-                                      "-o", "/dev/null"], "is not a regular file"),
-    ("the same file for -o and --onnx", ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32,32",
-                                         "-o", "{tmp}/x", "--onnx", "{tmp}/x"], "(-o, --onnx, --diagram) name the same file"),
+    (
+        "unknown pass",
+        ["mutate", "{good}", "--pass", "grow_depth", "--input-shape", "1,3,32,32"],
+        "unknown pass 'grow_depth' (valid passes:",
+    ),
+    (
+        "unknown argument",
+        ["mutate", "{good}", "--pass", "grow_width(size=3)", "--input-shape", "1,3,32,32"],
+        "pass grow_width has no argument 'size' (valid arguments: target, factor, to, mode, init, data)",
+    ),
+    (
+        "wrong argument type",
+        ["mutate", "{good}", "--pass", "grow_width(factor=big)", "--input-shape", "1,3,32,32"],
+        "grow_width(factor=...) must be float, got 'big'",
+    ),
+    (
+        "wrong choice",
+        ["mutate", "{good}", "--pass", "grow_width(mode=wide)", "--input-shape", "1,3,32,32"],
+        "grow_width(mode=...) must be one of group, adapter",
+    ),
+    (
+        "missing target",
+        ["mutate", "{good}", "--pass", "grow_width(target=layer9)", "--input-shape", "1,3,32,32"],
+        "no node or module named 'layer9'",
+    ),
+    (
+        "target of the wrong kind",
+        ["mutate", "{good}", "--pass", "grow_width(target=1)", "--input-shape", "1,3,32,32"],
+        "'1' is BatchNorm2d; grow_width widens a conv or Linear layer",
+    ),
+    (
+        "impossible input shape",
+        ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32"],
+        "cannot run on an input of shape (1, 3, 32)",
+    ),
+    (
+        "malformed input shape",
+        ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,-32,32"],
+        "is not a valid shape",
+    ),
+    (
+        "NaN weights",
+        ["mutate", "{nan}", "--pass", "add_residual", "--input-shape", "1,3,32,32"],
+        "has NaN or Inf values in '3.weight'",
+    ),
+    (
+        "Inf weights",
+        ["export", "{inf}", "-o", "{tmp}/inf.onnx", "--input-shape", "1,3,32,32"],
+        "has NaN or Inf values in '3.weight'",
+    ),
+    (
+        "output in a missing folder",
+        ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32,32", "-o", "{tmp}/no/x.pt"],
+        "does not exist",
+    ),
+    (
+        "output in a read-only folder",
+        ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32,32", "-o", f"{READ_ONLY}/x.pt"],
+        "is not writable",
+    ),
+    (
+        "ONNX output in a read-only folder",
+        [
+            "mutate",
+            "{good}",
+            "--pass",
+            "add_residual",
+            "--input-shape",
+            "1,3,32,32",
+            "-o",
+            "{tmp}/ok.pt",
+            "--onnx",
+            f"{READ_ONLY}/x.onnx",
+        ],
+        "is not writable",
+    ),
+    (
+        "output equal to the input",
+        ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32,32", "-o", "{good}"],
+        "is the input file",
+    ),
+    (
+        "a pass that cannot apply",
+        ["mutate", "{good}", "--pass", "grow_width(target=3,to=8)", "--input-shape", "1,3,32,32"],
+        "would narrow it",
+    ),
+    (
+        "a character device as output",
+        ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,32,32", "-o", "/dev/null"],
+        "is not a regular file",
+    ),
+    (
+        "the same file for -o and --onnx",
+        [
+            "mutate",
+            "{good}",
+            "--pass",
+            "add_residual",
+            "--input-shape",
+            "1,3,32,32",
+            "-o",
+            "{tmp}/x",
+            "--onnx",
+            "{tmp}/x",
+        ],
+        "(-o, --onnx, --diagram) name the same file",
+    ),
     ("a factory that exits", ["inspect", "factories:exits"], "factories:exits() failed: SystemExit"),
-    ("the standard library as a factory", ["inspect", "builtins:exit"], "in Python's standard library, not a model factory"),
-    ("markup in a pass spec", ["mutate", "{good}", "--pass", "add_residual(start=[/x])", "--input-shape", "1,3,32,32"],
-     "[/x]"),
-    ("a huge factor", ["mutate", "{good}", "--pass", "grow_width(factor=1e9)", "--input-shape", "1,3,32,32"],
-     "grow_width(factor=...) must be in (0, 16]"),
-    ("a NaN factor", ["mutate", "{good}", "--pass", "grow_width(factor=nan)", "--input-shape", "1,3,32,32"],
-     "must be a finite number"),
-    ("an infinite factor", ["mutate", "{good}", "--pass", "grow_width(factor=inf)", "--input-shape", "1,3,32,32"],
-     "must be a finite number"),
-    ("100,000 branches", ["mutate", "{good}", "--pass", "add_branch(count=100000)", "--input-shape", "1,3,32,32"],
-     "add_branch(count=...) must be in [1, 16]"),
-    ("a huge input shape", ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,50000,50000"],
-     "too large for an example input"),
-    ("more parameters than allowed", ["mutate", "{good}", "--pass", "grow_width(factor=16)", "--input-shape", "1,3,32,32",
-                                      "--max-params", "1000"], "parameters (limit 1,000)"),
-    ("more activation memory than allowed", ["mutate", "{good}", "--pass", "deepen", "--input-shape", "1,3,32,32",
-                                             "--max-memory", "1K"], "of activations on an input of shape (1, 3, 32, 32)"),
-    ("a limit that is not a size", ["mutate", "{good}", "--pass", "deepen", "--input-shape", "1,3,32,32",
-                                    "--max-params", "lots"], "is not a size"),
-    ("a 100 kB argument", ["mutate", "{good}", "--pass", "add_residual(start=" + "a" * 100_000 + ")",
-                           "--input-shape", "1,3,32,32"], "more characters)"),
+    (
+        "the standard library as a factory",
+        ["inspect", "builtins:exit"],
+        "in Python's standard library, not a model factory",
+    ),
+    (
+        "markup in a pass spec",
+        ["mutate", "{good}", "--pass", "add_residual(start=[/x])", "--input-shape", "1,3,32,32"],
+        "[/x]",
+    ),
+    (
+        "a huge factor",
+        ["mutate", "{good}", "--pass", "grow_width(factor=1e9)", "--input-shape", "1,3,32,32"],
+        "grow_width(factor=...) must be in (0, 16]",
+    ),
+    (
+        "a NaN factor",
+        ["mutate", "{good}", "--pass", "grow_width(factor=nan)", "--input-shape", "1,3,32,32"],
+        "must be a finite number",
+    ),
+    (
+        "an infinite factor",
+        ["mutate", "{good}", "--pass", "grow_width(factor=inf)", "--input-shape", "1,3,32,32"],
+        "must be a finite number",
+    ),
+    (
+        "100,000 branches",
+        ["mutate", "{good}", "--pass", "add_branch(count=100000)", "--input-shape", "1,3,32,32"],
+        "add_branch(count=...) must be in [1, 16]",
+    ),
+    (
+        "a huge input shape",
+        ["mutate", "{good}", "--pass", "add_residual", "--input-shape", "1,3,50000,50000"],
+        "too large for an example input",
+    ),
+    (
+        "more parameters than allowed",
+        ["mutate", "{good}", "--pass", "grow_width(factor=16)", "--input-shape", "1,3,32,32", "--max-params", "1000"],
+        "parameters (limit 1,000)",
+    ),
+    (
+        "more activation memory than allowed",
+        ["mutate", "{good}", "--pass", "deepen", "--input-shape", "1,3,32,32", "--max-memory", "1K"],
+        "of activations on an input of shape (1, 3, 32, 32)",
+    ),
+    (
+        "a limit that is not a size",
+        ["mutate", "{good}", "--pass", "deepen", "--input-shape", "1,3,32,32", "--max-params", "lots"],
+        "is not a size",
+    ),
+    (
+        "a 100 kB argument",
+        ["mutate", "{good}", "--pass", "add_residual(start=" + "a" * 100_000 + ")", "--input-shape", "1,3,32,32"],
+        "more characters)",
+    ),
 ]
 
 
@@ -145,7 +269,9 @@ def test_cli_matrix(tmp_path, label, argv, message):
     args = [a.format(tmp=tmp_path, **files) for a in argv]
     proc = run_cli(*args, cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "tests")})  # tests/factories.py
     assert proc.returncode == 2, (label, proc.stderr)
-    lines = [l for l in proc.stderr.splitlines() if l.strip() and not l.startswith("  ")]  # a spec error adds spec + caret
+    lines = [
+        l for l in proc.stderr.splitlines() if l.strip() and not l.startswith("  ")
+    ]  # a spec error adds spec + caret
     assert len(lines) == 1 and lines[0].startswith("error: "), (label, proc.stderr)
     pointer = [l for l in proc.stderr.splitlines() if l.startswith("  ")]
     assert not pointer or (len(pointer) == 2 and pointer[1].strip() == "^"), (label, proc.stderr)
@@ -209,8 +335,17 @@ def test_crash_during_save_leaves_the_old_output_or_none(tmp_path, monkeypatch, 
 def test_a_seed_past_64_bits_is_refused(tmp_path):
     files = make_inputs(tmp_path)
     before = digest(tmp_path)
-    proc = run_cli("mutate", str(files["good"]), "--pass", "add_residual", "--input-shape", "1,3,32,32", "--seed", str(2**70),
-                   cwd=tmp_path)
+    proc = run_cli(
+        "mutate",
+        str(files["good"]),
+        "--pass",
+        "add_residual",
+        "--input-shape",
+        "1,3,32,32",
+        "--seed",
+        str(2**70),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert digest(tmp_path) == before
 
@@ -220,7 +355,9 @@ def test_a_printing_factory_keeps_json_parseable(tmp_path):
 
     from conftest import ROOT
 
-    proc = run_cli("inspect", "test_hostile:noisy_factory", "--json", cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "tests")})
+    proc = run_cli(
+        "inspect", "test_hostile:noisy_factory", "--json", cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "tests")}
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["input_shape"] == [1, 20]
     assert "hello from the factory" in proc.stderr
@@ -252,7 +389,13 @@ def test_a_failing_later_step_leaves_no_output_at_all(tmp_path, monkeypatch, cnn
     monkeypatch.setattr(export, "export_onnx", broken)
     before = sorted(os.listdir(tmp_path))
     with pytest.raises(gg.ExportError):
-        mutate(str(src), ["add_residual"], out=str(tmp_path / "g.pt"), onnx_out=str(tmp_path / "g.onnx"), input_shape="1,3,32,32")
+        mutate(
+            str(src),
+            ["add_residual"],
+            out=str(tmp_path / "g.pt"),
+            onnx_out=str(tmp_path / "g.onnx"),
+            input_shape="1,3,32,32",
+        )
     assert sorted(os.listdir(tmp_path)) == before  # neither the .pt nor a temp file
 
 
@@ -265,9 +408,26 @@ def test_sigterm_mid_command_leaves_nothing_behind(tmp_path, cnn):
     src = tmp_path / "m.pt"
     torch.save(cnn, src)
     before = sorted(os.listdir(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-m", "graphgrow.cli", "mutate", str(src), "--pass", "add_residual",
-                             "--input-shape", "1,3,32,32", "-o", str(tmp_path / "g.pt"), "--onnx", str(tmp_path / "g.onnx")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "graphgrow.cli",
+            "mutate",
+            str(src),
+            "--pass",
+            "add_residual",
+            "--input-shape",
+            "1,3,32,32",
+            "-o",
+            str(tmp_path / "g.pt"),
+            "--onnx",
+            str(tmp_path / "g.onnx"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not any(p.endswith(".part") for p in os.listdir(tmp_path)):
         time.sleep(0.02)
@@ -316,7 +476,9 @@ def test_a_pass_whose_grown_model_needs_more_memory_is_refused_before_it_runs(cn
     gm = gg.trace(cnn, (1, 3, 32, 32))
     gg.annotate(gm, (1, 3, 32, 32))
     pipeline = Pipeline.from_spec(["deepen"])
-    pipeline.limits = Limits(max_memory=activation_bytes(meta_copy(gm), plain_spec((1, 3, 32, 32))) + 1)  # the model fits, deepened it does not
+    pipeline.limits = Limits(
+        max_memory=activation_bytes(meta_copy(gm), plain_spec((1, 3, 32, 32))) + 1
+    )  # the model fits, deepened it does not
     with pytest.raises(gg.NotApplicable, match=r"deepen would need about .* MiB of activations at batch 3"):
         pipeline.run(gm)
 
@@ -365,14 +527,25 @@ def test_check_on_a_float64_model_is_a_clear_refusal_and_writes_nothing(tmp_path
     src = tmp_path / "m.pt"
     torch.save(small_cnn().double(), src)
     before = digest(tmp_path)
-    proc = run_cli("mutate", str(src), "--pass", "add_residual", "--input-shape", "1,3,32,32", "--onnx", str(tmp_path / "m.onnx"),
-                   "--check", cwd=tmp_path)
+    proc = run_cli(
+        "mutate",
+        str(src),
+        "--pass",
+        "add_residual",
+        "--input-shape",
+        "1,3,32,32",
+        "--onnx",
+        str(tmp_path / "m.onnx"),
+        "--check",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and "onnxruntime cannot load this model" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert digest(tmp_path) == before
 
 
 # --- issue 20: stored names never reach generated code ---
+
 
 def _hostile_graphgrow_file(tmp: Path, field: str, marker: Path) -> Path:
     """A graphgrow file made by graphgrow, then one name edited by hand (the format kept)."""
@@ -384,7 +557,9 @@ def _hostile_graphgrow_file(tmp: Path, field: str, marker: Path) -> Path:
         x["target"] = f"input=__import__('os').system('touch {marker}')"
     elif field == "module_name":  # fx writes getattr(self, "NAME") unescaped
         evil = f'6")if(getattr(__import__("os"),"system")("touch\\x20{marker}"))else(getattr)(self,"6'
-        p["root"]._modules = type(p["root"]._modules)((evil if k == "6" else k, v) for k, v in p["root"]._modules.items())
+        p["root"]._modules = type(p["root"]._modules)(
+            (evil if k == "6" else k, v) for k, v in p["root"]._modules.items()
+        )
         for r in p["nodes"]:
             if r["target"] == "6":
                 r["target"] = evil
@@ -408,8 +583,9 @@ NAME_COMMANDS = {
 }
 
 
-NAME_CASES = [(c, "module_name") for c in NAME_COMMANDS] + [(c, f) for c in ("inspect", "mutate --trust")
-                                                            for f in ("placeholder", "keyword")]
+NAME_CASES = [(c, "module_name") for c in NAME_COMMANDS] + [
+    (c, f) for c in ("inspect", "mutate --trust") for f in ("placeholder", "keyword")
+]
 
 
 @pytest.mark.parametrize("command, field", NAME_CASES)
@@ -442,8 +618,10 @@ def test_code_in_a_pickled_module_name_runs_nothing(tmp_path):
     f = tmp_path / "evil.pt"
     torch.save(model, f)
     source = f.read_bytes()
-    for argv in (["inspect", str(f), "--input-shape", "1,3,16,16"],
-                 ["mutate", str(f), "--pass", "deepen", "--input-shape", "1,3,16,16"]):
+    for argv in (
+        ["inspect", str(f), "--input-shape", "1,3,16,16"],
+        ["mutate", str(f), "--pass", "deepen", "--input-shape", "1,3,16,16"],
+    ):
         proc = run_cli(*argv, cwd=tmp_path)  # kept as data (issue 38): traced through generated identifiers
         assert proc.returncode == 0, proc.stderr
     shown = run_cli("inspect", str(tmp_path / "evil.grown.pt"), "--json", cwd=tmp_path).stdout
@@ -456,8 +634,12 @@ def _leak_tensor(name: str = "leak", dims=(1, 4), location: int | None = None):
     """A float tensor whose bytes, it says, are in secret.bin beside the model (the folder the command runs in)."""
     import onnx
 
-    t = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=list(dims),
-                         data_location=onnx.TensorProto.EXTERNAL if location is None else location)
+    t = onnx.TensorProto(
+        name=name,
+        data_type=onnx.TensorProto.FLOAT,
+        dims=list(dims),
+        data_location=onnx.TensorProto.EXTERNAL if location is None else location,
+    )
     for key, value in (("location", "secret.bin"), ("offset", "0"), ("length", "16")):
         entry = t.external_data.add()
         entry.key, entry.value = key, value
@@ -483,7 +665,9 @@ def leaky_onnx(where: str):
 
     def if_node(then_nodes, out: str):
         zeros = const("z", value=helper.make_tensor("zeros", TensorProto.FLOAT, [1, 4], [0.0] * 4))
-        return helper.make_node("If", ["cond"], [out], then_branch=branch(then_nodes, "t"), else_branch=branch([zeros], "z"))
+        return helper.make_node(
+            "If", ["cond"], [out], then_branch=branch(then_nodes, "t"), else_branch=branch([zeros], "z")
+        )
 
     cond = const("cond", value=helper.make_tensor("true", TensorProto.BOOL, [], [True]))
     nodes, inits, sparse, functions, domains = [], [], [], [], [helper.make_opsetid("", 18)]
@@ -498,8 +682,11 @@ def leaky_onnx(where: str):
     elif where == "nested if":
         nodes = [cond, if_node([cond, if_node([const("t", value=_leak_tensor())], "t")], "c")]
     elif where == "function":
-        functions = [helper.make_function("leak.custom", "Leak", [], ["out"], [const("out", value=_leak_tensor())],
-                                          [helper.make_opsetid("", 18)])]
+        functions = [
+            helper.make_function(
+                "leak.custom", "Leak", [], ["out"], [const("out", value=_leak_tensor())], [helper.make_opsetid("", 18)]
+            )
+        ]
         domains.append(helper.make_opsetid("leak.custom", 1))
         nodes = [helper.make_node("Leak", [], ["c"], domain="leak.custom")]
     elif where == "initializer":
@@ -508,17 +695,29 @@ def leaky_onnx(where: str):
         s = _sparse_leak()
         s.values.name = "c"
         sparse = [s]
-    graph = helper.make_graph(nodes + [helper.make_node("Add", ["x", "c"], ["y"])], "leaky",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
-                              initializer=inits, sparse_initializer=sparse)
+    graph = helper.make_graph(
+        nodes + [helper.make_node("Add", ["x", "c"], ["y"])],
+        "leaky",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        initializer=inits,
+        sparse_initializer=sparse,
+    )
     model = helper.make_model(graph, opset_imports=domains, functions=functions)
     model.ir_version = 10
     return model
 
 
-LEAKS = ["constant", "sparse constant", "default location", "if branch", "nested if", "function", "initializer",
-         "sparse initializer"]
+LEAKS = [
+    "constant",
+    "sparse constant",
+    "default location",
+    "if branch",
+    "nested if",
+    "function",
+    "initializer",
+    "sparse initializer",
+]
 SECRET = torch.tensor([4242.25, -4242.5, 4243.75, -4244.0], dtype=torch.float32).numpy().tobytes()
 
 
@@ -611,11 +810,18 @@ def _peak_rss_of(*argv: str, cwd: Path) -> tuple[int, str]:
     import subprocess
     import sys
 
-    wrapper = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-               "sys.stdout.write(str(p.returncode) + ' ' + str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
-               "sys.stderr.write(p.stderr)")
-    proc = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", "graphgrow.cli", *argv],
-                          capture_output=True, text=True, cwd=cwd, timeout=600)
+    wrapper = (
+        "import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+        "sys.stdout.write(str(p.returncode) + ' ' + str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+        "sys.stderr.write(p.stderr)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", wrapper, sys.executable, "-m", "graphgrow.cli", *argv],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=600,
+    )
     code, peak = proc.stdout.split()
     assert int(code) == 2, proc.stderr
     return int(peak), proc.stderr
@@ -625,7 +831,9 @@ def test_a_model_the_estimate_cannot_size_is_refused_before_any_allocation(tmp_p
     """The issue's case: batch 1 runs, the verification batch of 3 does not, so the meta-device estimate raised and
     the real forward went ahead (3.0 GB peak with --max-memory 256M). Now: exit 2 with the reason and the way out."""
     src = tmp_path / "batch1.pt"
-    torch.save(nn.Sequential(nn.Unflatten(0, (1,)), nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1)), src)
+    torch.save(
+        nn.Sequential(nn.Unflatten(0, (1,)), nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1)), src
+    )
     before = digest(tmp_path)
     argv = ["mutate", "batch1.pt", "--pass", "deepen", "--max-memory", "256M", "--input-shape"]
     small, _ = _peak_rss_of(*argv, "1,3,8,8", cwd=tmp_path)
@@ -636,7 +844,9 @@ def test_a_model_the_estimate_cannot_size_is_refused_before_any_allocation(tmp_p
     assert "runs at batch 1, not 3" in lines[0] and "--max-memory none" in lines[0], err
     assert digest(tmp_path) == before
     proc = run_cli("inspect", "batch1.pt", "--input-shape", "1,3,8,8", "--max-memory", "none", cwd=tmp_path)
-    assert proc.returncode == 2 and "cannot run on an input of shape" in proc.stderr, proc.stderr  # lifted: the real run says why
+    assert proc.returncode == 2 and "cannot run on an input of shape" in proc.stderr, (
+        proc.stderr
+    )  # lifted: the real run says why
 
 
 class NeedsData(nn.Module):
@@ -659,7 +869,9 @@ def test_a_data_dependent_model_needs_the_limit_lifted_explicitly(tmp_path):
     proc = run_cli("inspect", "test_hostile:needs_data", "--input-shape", "1,4", cwd=tmp_path, env=env)
     assert proc.returncode == 2 and "cannot estimate" in proc.stderr and "--max-memory none" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stdout == ""
-    proc = run_cli("inspect", "test_hostile:needs_data", "--input-shape", "1,4", "--max-memory", "none", cwd=tmp_path, env=env)
+    proc = run_cli(
+        "inspect", "test_hostile:needs_data", "--input-shape", "1,4", "--max-memory", "none", cwd=tmp_path, env=env
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -669,7 +881,9 @@ def test_the_estimate_covers_a_batch_larger_than_verifications(tmp_path):
     # 2 MiB of activations an example: batch 3 fits in 32M, the batch of 64 asked for does not
     proc = run_cli("inspect", str(src), "--input-shape", "64,3,64,64", "--max-memory", "32M", cwd=tmp_path)
     assert proc.returncode == 2 and "at batch 64 (limit 32.0 MiB)" in proc.stderr, proc.stderr
-    assert run_cli("inspect", str(src), "--input-shape", "2,3,64,64", "--max-memory", "32M", cwd=tmp_path).returncode == 0
+    assert (
+        run_cli("inspect", str(src), "--input-shape", "2,3,64,64", "--max-memory", "32M", cwd=tmp_path).returncode == 0
+    )
 
 
 def test_a_grown_model_that_cannot_be_sized_is_refused_unless_the_memory_limit_is_lifted(cnn):
@@ -678,7 +892,9 @@ def test_a_grown_model_that_cannot_be_sized_is_refused_unless_the_memory_limit_i
 
     gm = gg.trace(cnn, (1, 3, 32, 32))
     grown = gg.trace(NeedsData(), (1, 4))  # what a pass might make: it reads a number from the data
-    with pytest.raises(gg.ValidationError, match=r"the model p would make cannot be sized: node 'item' .* on the meta device"):
+    with pytest.raises(
+        gg.ValidationError, match=r"the model p would make cannot be sized: node 'item' .* on the meta device"
+    ):
         check_grown("p", gm, grown, plain_spec((1, 4)), Limits())
     before = {k: v.data_ptr() for k, v in grown.state_dict().items()}
     check_grown("p", gm, grown, plain_spec((1, 4)), Limits(max_memory=NO_LIMIT))
@@ -701,6 +917,7 @@ def test_meta_estimates_cover_tensor_constants_and_leaves_that_make_tensors():
 
 
 # --- issue 20: outputs (write errors, staging files, signals after commit) ---
+
 
 def _graphgrow(*args: str, cwd: Path, setup: str = "", fsize_kb: int | None = None):
     """The real CLI process; `setup` is Python run first (a fault to inject), `fsize_kb` a `ulimit -f`."""
@@ -731,7 +948,11 @@ def _one_line_refusal(proc, message: str) -> str:
 WRITE_CASES = [  # label, argv, the output that cannot be written
     ("model", ["mutate", "m.pt", "--pass", "add_residual", "--input-shape", "1,3,32,32"], "m.grown.pt"),
     ("ONNX", ["export", "m.pt", "-o", "m.onnx", "--input-shape", "1,3,32,32"], "m.onnx"),
-    ("diagram", ["mutate", "m.pt", "--pass", "deepen", "--input-shape", "1,3,32,32", "--dry-run", "--diagram", "d.svg"], "d.svg"),
+    (
+        "diagram",
+        ["mutate", "m.pt", "--pass", "deepen", "--input-shape", "1,3,32,32", "--dry-run", "--diagram", "d.svg"],
+        "d.svg",
+    ),
     ("fold", ["fold", "m.pt", "--input-shape", "1,3,32,32"], "m.folded.pt"),
 ]
 
@@ -746,19 +967,38 @@ def test_a_file_size_limit_is_exit_2_naming_the_output(tmp_path, cnn, label, arg
     assert digest(tmp_path) == before, "an output or a staging file was left"
 
 
-@pytest.mark.parametrize("fault, message, code", [
-    ("RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos 6208 vs 6128')",
-     "cannot write g.pt: the write stopped part-way", 2),
-    ("OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))", "cannot write g.pt: No space left on device", 2),
-    ("OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))", "cannot write g.pt: Disk quota exceeded", 2),
-    ("RuntimeError('a bug, not the disk')", "internal error: RuntimeError: a bug, not the disk", 3),
-], ids=["torch writer", "ENOSPC", "EDQUOT", "not a write error"])
+@pytest.mark.parametrize(
+    "fault, message, code",
+    [
+        (
+            "RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos 6208 vs 6128')",
+            "cannot write g.pt: the write stopped part-way",
+            2,
+        ),
+        ("OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))", "cannot write g.pt: No space left on device", 2),
+        ("OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))", "cannot write g.pt: Disk quota exceeded", 2),
+        ("RuntimeError('a bug, not the disk')", "internal error: RuntimeError: a bug, not the disk", 3),
+    ],
+    ids=["torch writer", "ENOSPC", "EDQUOT", "not a write error"],
+)
 def test_a_failing_torch_save_is_exit_2_with_nothing_left(tmp_path, cnn, fault, message, code):
     torch.save(cnn, tmp_path / "m.pt")
     before = digest(tmp_path)
     setup = f"import errno, os, torch\ndef save(obj, f, *a, **k):\n    f.write(b'PK' * 100)\n    raise {fault}\ntorch.save = save"
-    proc = _graphgrow("mutate", "m.pt", "--pass", "add_residual", "--input-shape", "1,3,32,32", "-o", "g.pt",
-                      "--onnx", "g.onnx", cwd=tmp_path, setup=setup)
+    proc = _graphgrow(
+        "mutate",
+        "m.pt",
+        "--pass",
+        "add_residual",
+        "--input-shape",
+        "1,3,32,32",
+        "-o",
+        "g.pt",
+        "--onnx",
+        "g.onnx",
+        cwd=tmp_path,
+        setup=setup,
+    )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == code and len(lines) == 1 and message in lines[0], proc.stderr
     assert digest(tmp_path) == before, "an output or a staging file was left"
@@ -790,11 +1030,30 @@ def test_staging_files_of_a_killed_run_are_removed_by_the_next_run(tmp_path, cnn
     from graphgrow.io import outputs
 
     torch.save(cnn, tmp_path / "m.pt")
-    proc = subprocess.Popen([sys.executable, "-m", "graphgrow.cli", "mutate", "m.pt", "--pass", "add_residual",
-                             "--input-shape", "1,3,32,32", "-o", "g.pt", "--onnx", "g.onnx"], cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "graphgrow.cli",
+            "mutate",
+            "m.pt",
+            "--pass",
+            "add_residual",
+            "--input-shape",
+            "1,3,32,32",
+            "-o",
+            "g.pt",
+            "--onnx",
+            "g.onnx",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
-    while time.time() < deadline and not any(n.startswith(".g.pt.") and n.endswith(".part") for n in _staging(tmp_path)):
+    while time.time() < deadline and not any(
+        n.startswith(".g.pt.") and n.endswith(".part") for n in _staging(tmp_path)
+    ):
         time.sleep(0.01)
     time.sleep(0.3)  # the model is being written or already is: the export runs next
     proc.send_signal(signal.SIGKILL)
@@ -805,9 +1064,13 @@ def test_staging_files_of_a_killed_run_are_removed_by_the_next_run(tmp_path, cnn
 
     stale = _fake_staging(tmp_path, "x.pt", _dead_pid())
     live = _fake_staging(tmp_path, "y.pt", os.getpid(), outputs._start())  # this test's process: alive
-    elsewhere = _fake_staging(tmp_path, "z.pt", _dead_pid(), host="0123456789ab")  # another machine's: not ours to judge
+    elsewhere = _fake_staging(
+        tmp_path, "z.pt", _dead_pid(), host="0123456789ab"
+    )  # another machine's: not ours to judge
     reused = _fake_staging(tmp_path, "w.pt", os.getpid(), outputs._start() + 1)  # a dead writer whose pid was reused
-    kept = {name: b"not graphgrow's" for name in (".g.pt.part", ".g.pt.gg-1.part", "notes.part", ".g.pt.gg-x-1-2-3.tmp")}
+    kept = {
+        name: b"not graphgrow's" for name in (".g.pt.part", ".g.pt.gg-1.part", "notes.part", ".g.pt.gg-x-1-2-3.tmp")
+    }
     for name, data in kept.items():
         (tmp_path / name).write_bytes(data)
     target = tmp_path / "target.txt"
@@ -833,7 +1096,9 @@ def test_an_output_named_like_a_staging_file_is_refused(tmp_path, cnn):
     torch.save(cnn, tmp_path / "m.pt")
     before = digest(tmp_path)
     name = f".g.pt.gg-{_dead_pid()}-0-{outputs._host_key()}-abcd1234.part"
-    proc = _graphgrow("mutate", "m.pt", "--pass", "add_residual", "--input-shape", "1,3,32,32", "-o", name, cwd=tmp_path)
+    proc = _graphgrow(
+        "mutate", "m.pt", "--pass", "add_residual", "--input-shape", "1,3,32,32", "-o", name, cwd=tmp_path
+    )
     _one_line_refusal(proc, "is named like a graphgrow staging file")
     assert digest(tmp_path) == before
 
@@ -854,11 +1119,25 @@ def test_a_signal_during_or_after_the_commit_says_the_outputs_are_complete(tmp_p
     import signal
 
     torch.save(cnn, tmp_path / "m.pt")
-    proc = _graphgrow("mutate", "m.pt", "--pass", "add_residual", "--input-shape", "1,3,32,32", "-o", "g.pt",
-                      "--onnx", "g.onnx", cwd=tmp_path, setup=SIGNAL_AFTER_COMMIT.format(sig=sig))
+    proc = _graphgrow(
+        "mutate",
+        "m.pt",
+        "--pass",
+        "add_residual",
+        "--input-shape",
+        "1,3,32,32",
+        "-o",
+        "g.pt",
+        "--onnx",
+        "g.onnx",
+        cwd=tmp_path,
+        setup=SIGNAL_AFTER_COMMIT.format(sig=sig),
+    )
     assert proc.returncode == 128 + getattr(signal, sig), proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0] == f"interrupted ({sig}) after writing g.pt, g.onnx: these outputs are complete", proc.stderr
+    assert (
+        len(lines) == 1 and lines[0] == f"interrupted ({sig}) after writing g.pt, g.onnx: these outputs are complete"
+    ), proc.stderr
     assert isinstance(load_model(tmp_path / "g.pt").module, torch.fx.GraphModule)  # both whole, none left half
     assert (tmp_path / "g.onnx").stat().st_size > 0 and _staging(tmp_path) == []
 
@@ -877,37 +1156,91 @@ def _fake_caches(tmp: Path) -> tuple[dict[str, str], Path]:
     (repo / "refs" / "main").write_text("0" * 40)
     (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
     torch.save({"x": RunsCode(canary)}, repo / "snapshots" / ("0" * 40) / "w.pt")
-    env = {"TORCH_HOME": str(tmp / "torch_home"), "HF_HUB_CACHE": str(tmp / "hf"), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": str(ROOT / "tests")}
+    env = {
+        "TORCH_HOME": str(tmp / "torch_home"),
+        "HF_HUB_CACHE": str(tmp / "hf"),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT / "tests"),
+    }
     return env, canary
 
 
 def _tree(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
-            if p.is_file() and "__pycache__" not in p.parts}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
 
 
 NAME_ESCAPES = [  # label, model name ({tmp}: the test's folder), message
     ("click empties a file", "click:open_file(filename='{tmp}/keep.txt', mode='w')", "open_file: filename='"),
-    ("click, a file named without a folder", "click:open_file(filename='keep.txt', mode='w')", "asks for stored weights or a file"),
-    ("torchvision weights, another spelling", "torchvision.models:resnet18(weights='DEFAULT')", "weights='DEFAULT' asks for stored"),
-    ("torchvision backbone weights", "torchvision.models.segmentation:lraspp_mobilenet_v3_large(weights_backbone='DEFAULT')",
-     "weights_backbone='DEFAULT' asks for stored"),
-    ("timm load_checkpoint", "timm.models:load_checkpoint(model=None, checkpoint_path='{tmp}/evil.pth', weights_only=False)",
-     "load_checkpoint: checkpoint_path='"),  # (a long temp path is cut in the middle of the line)
-    ("timm create_model with a checkpoint file",
-     "timm.models:create_model(model_name='resnet18', pretrained=True, pretrained_cfg_overlay={{'file': '{tmp}/evil.pth'}})",
-     "pretrained=True asks for stored"),
-    ("timm create_model, a checkpoint in a nested dict", "timm:resnet18(pretrained_cfg_overlay={{'file': 'evil.pth'}})",
-     "pretrained_cfg_overlay="),
-    ("timm create_model without weights", "timm.models:create_model(model_name='resnet18')", "timm's own create_model, not a model"),
-    ("torchvision get_model", "torchvision.models:get_model(name='resnet18')", "torchvision's own get_model, not a model"),
-    ("torch.hub.load", "torch.hub:load(repo_or_dir='pytorch/vision', model='resnet18')", "repo_or_dir='pytorch/vision' asks"),
-    ("a URL", "torch.utils.model_zoo:load_url(url='https://download.pytorch.org/models/resnet18-f37072fd.pth')", "url="),
-    ("a path deep in a list", "factories:square_linear(n=4, extra=[1, ('{tmp}/evil.pth',)])", "names a file, folder or URL"),
-    ("an existing file by a bare name", "factories:square_linear(n=4, extra='keep.txt')", "names a file, folder or URL"),
+    (
+        "click, a file named without a folder",
+        "click:open_file(filename='keep.txt', mode='w')",
+        "asks for stored weights or a file",
+    ),
+    (
+        "torchvision weights, another spelling",
+        "torchvision.models:resnet18(weights='DEFAULT')",
+        "weights='DEFAULT' asks for stored",
+    ),
+    (
+        "torchvision backbone weights",
+        "torchvision.models.segmentation:lraspp_mobilenet_v3_large(weights_backbone='DEFAULT')",
+        "weights_backbone='DEFAULT' asks for stored",
+    ),
+    (
+        "timm load_checkpoint",
+        "timm.models:load_checkpoint(model=None, checkpoint_path='{tmp}/evil.pth', weights_only=False)",
+        "load_checkpoint: checkpoint_path='",
+    ),  # (a long temp path is cut in the middle of the line)
+    (
+        "timm create_model with a checkpoint file",
+        "timm.models:create_model(model_name='resnet18', pretrained=True, pretrained_cfg_overlay={{'file': '{tmp}/evil.pth'}})",
+        "pretrained=True asks for stored",
+    ),
+    (
+        "timm create_model, a checkpoint in a nested dict",
+        "timm:resnet18(pretrained_cfg_overlay={{'file': 'evil.pth'}})",
+        "pretrained_cfg_overlay=",
+    ),
+    (
+        "timm create_model without weights",
+        "timm.models:create_model(model_name='resnet18')",
+        "timm's own create_model, not a model",
+    ),
+    (
+        "torchvision get_model",
+        "torchvision.models:get_model(name='resnet18')",
+        "torchvision's own get_model, not a model",
+    ),
+    (
+        "torch.hub.load",
+        "torch.hub:load(repo_or_dir='pytorch/vision', model='resnet18')",
+        "repo_or_dir='pytorch/vision' asks",
+    ),
+    (
+        "a URL",
+        "torch.utils.model_zoo:load_url(url='https://download.pytorch.org/models/resnet18-f37072fd.pth')",
+        "url=",
+    ),
+    (
+        "a path deep in a list",
+        "factories:square_linear(n=4, extra=[1, ('{tmp}/evil.pth',)])",
+        "names a file, folder or URL",
+    ),
+    (
+        "an existing file by a bare name",
+        "factories:square_linear(n=4, extra='keep.txt')",
+        "names a file, folder or URL",
+    ),
     ("the running command itself", "__main__:main", "__main__:main is in __main__, not a model factory"),
-    ("graphgrow's own functions", "graphgrow.jobs.workflow:export(source='x', out='y')", "is in graphgrow, not a model factory"),
+    (
+        "graphgrow's own functions",
+        "graphgrow.jobs.workflow:export(source='x', out='y')",
+        "is in graphgrow, not a model factory",
+    ),
     ("pip", "pip:main", "pip's own main, not a model factory"),
 ]
 
@@ -918,8 +1251,16 @@ def test_model_names_outside_the_allow_list_run_nothing(tmp_path, label, name, m
     (tmp_path / "keep.txt").write_text("precious")
     torch.save({"x": RunsCode(canary)}, tmp_path / "evil.pth")
     before = _tree(tmp_path)
-    proc = run_cli("mutate", name.format(tmp=tmp_path), "--pass", "add_residual", "--input-shape", "1,3,32,32",
-                   cwd=tmp_path, env=env)
+    proc = run_cli(
+        "mutate",
+        name.format(tmp=tmp_path),
+        "--pass",
+        "add_residual",
+        "--input-shape",
+        "1,3,32,32",
+        cwd=tmp_path,
+        env=env,
+    )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (label, proc.stderr)
     assert message.format(tmp=tmp_path) in lines[0] and lines[0].endswith(")"), (label, lines[0])
@@ -931,20 +1272,30 @@ def test_a_zoo_model_whose_backbone_defaults_to_stored_weights_reads_no_cache(tm
     """torchvision's segmentation and detection builders default to ImageNet backbone weights: by name they build
     random weights; the same for the import-path spelling, which goes through the zoo's path."""
     env, canary = _fake_caches(tmp_path)
-    for name in ("torchvision:lraspp_mobilenet_v3_large(num_classes=3)",
-                 "torchvision.models.segmentation:lraspp_mobilenet_v3_large(num_classes=3)"):
+    for name in (
+        "torchvision:lraspp_mobilenet_v3_large(num_classes=3)",
+        "torchvision.models.segmentation:lraspp_mobilenet_v3_large(num_classes=3)",
+    ):
         proc = run_cli("inspect", name, "--input-shape", "1,3,64,64", "--json", cwd=tmp_path, env=env)
         assert proc.returncode == 0, proc.stderr
         assert not canary.exists(), f"{name} unpickled the torch hub cache"
 
 
-@pytest.mark.parametrize("body, message", [
-    ("import torchvision\n\ndef build():\n    return torchvision.models.resnet18(weights='DEFAULT')\n",
-     "the model asked to download https://download.pytorch.org/models/resnet18-f37072fd.pth"),
-    ("import torch\nfrom huggingface_hub import hf_hub_download\n\ndef build():\n"
-     "    torch.load(hf_hub_download('someone/weights', 'w.pt'), weights_only=False)\n    return torch.nn.Linear(4, 2)\n",
-     "mymodels:build() failed"),
-], ids=["torch hub", "hugging face"])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            "import torchvision\n\ndef build():\n    return torchvision.models.resnet18(weights='DEFAULT')\n",
+            "the model asked to download https://download.pytorch.org/models/resnet18-f37072fd.pth",
+        ),
+        (
+            "import torch\nfrom huggingface_hub import hf_hub_download\n\ndef build():\n"
+            "    torch.load(hf_hub_download('someone/weights', 'w.pt'), weights_only=False)\n    return torch.nn.Linear(4, 2)\n",
+            "mymodels:build() failed",
+        ),
+    ],
+    ids=["torch hub", "hugging face"],
+)
 def test_a_factory_that_loads_cached_weights_itself_finds_no_cache(tmp_path, body, message):
     """The user's own factory may ask for stored weights in its code: while it builds, the caches are an empty folder."""
     env, canary = _fake_caches(tmp_path)
@@ -952,7 +1303,7 @@ def test_a_factory_that_loads_cached_weights_itself_finds_no_cache(tmp_path, bod
     before = _tree(tmp_path)
     proc = run_cli("mutate", "mymodels:build", "--pass", "add_residual", "--input-shape", "1,4", cwd=tmp_path, env=env)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]  # the factory's own output (torch's
-    assert proc.returncode == 2 and message in lines[-1], proc.stderr   # "Downloading: ...") goes to stderr first
+    assert proc.returncode == 2 and message in lines[-1], proc.stderr  # "Downloading: ...") goes to stderr first
     assert [line for line in lines if line.startswith("error: ")] == [lines[-1]] and "Traceback" not in proc.stderr
     assert not canary.exists(), "a cached pickle was loaded"
     assert _tree(tmp_path) == before
@@ -969,8 +1320,8 @@ class BranchesOnData(nn.Module):
 
 def test_a_leaf_that_branches_on_its_data_is_sized_by_its_larger_branch():
     from graphgrow.analysis.budget import activation_bytes, meta_copy
-    from graphgrow.graph.inputs import plain_spec
     from graphgrow.capture.trace import trace_report
+    from graphgrow.graph.inputs import plain_spec
 
     gm = gg.trace(nn.Sequential(nn.Linear(4, 4), BranchesOnData()), (1, 4))
     assert "1" in trace_report(gm)["auto_leaves"]

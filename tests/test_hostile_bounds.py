@@ -1,5 +1,6 @@
 """Issue 38 item 5: every bound counts the whole file and the real sizes. Each case through the real CLI:
 exit 2 with one line, nothing written, and (where it is cheap to measure) the peak memory under the limit."""
+
 from __future__ import annotations
 
 import subprocess
@@ -9,23 +10,27 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import ROOT
 from torch import nn
 
 import graphgrow as gg
 from graphgrow.io import serialize
-from conftest import ROOT
 
 E = {"dict": []}
 
 
-def _cli(*argv: str, cwd: Path, env: dict | None = None, limit_kb: int | None = None) -> tuple[subprocess.CompletedProcess, int]:
+def _cli(
+    *argv: str, cwd: Path, env: dict | None = None, limit_kb: int | None = None
+) -> tuple[subprocess.CompletedProcess, int]:
     """The real CLI in a wrapper process: (its result, its peak resident memory in KiB). `limit_kb`: an address-space
     limit (ulimit -v), so a case that would allocate far more fails instead of taking the machine's memory."""
     import os
 
-    wrapper = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-               "sys.stdout.write(p.stdout + '\\n' + str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
-               "sys.stderr.write(p.stderr); sys.exit(p.returncode)")
+    wrapper = (
+        "import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+        "sys.stdout.write(p.stdout + '\\n' + str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+        "sys.stderr.write(p.stderr); sys.exit(p.returncode)"
+    )
     argv_all = [sys.executable, "-c", wrapper, sys.executable, "-m", "graphgrow.cli", *argv]
     if limit_kb is not None:
         argv_all = ["bash", "-c", f'ulimit -v {limit_kb}; exec "$0" "$@"', *argv_all]
@@ -48,6 +53,7 @@ def _files(folder: Path) -> set[str]:
 
 
 # --- a model with a mode switch (a drop-path block), and its saved payload to edit as an attacker would ---
+
 
 class Drop(nn.Module):
     def __init__(self):
@@ -89,10 +95,12 @@ def test_a_temporary_inside_a_switch_body_counts_in_the_activation_estimate(tmp_
     torch.save(payload, tmp_path / "plain.pt")
     _, base = _cli("inspect", "plain.pt", "--input-shape", "1,3,8,8", cwd=tmp_path)
     body = [r for r in switch.body_records[0] if r["op"] == "placeholder"]  # the switch's inputs: x first
-    body += [_record("size", "call_method", "size", {"node": "input_0"}, 0),
-            _record("mul", "call_function", "operator.mul", {"node": "size"}, 256),
-            _record("ones", "call_function", "torch.ones", {"node": "mul"}, 1 << 19),
-            _record("output", "output", "output", {"node": "input_0"})]
+    body += [
+        _record("size", "call_method", "size", {"node": "input_0"}, 0),
+        _record("mul", "call_function", "operator.mul", {"node": "size"}, 256),
+        _record("ones", "call_function", "torch.ones", {"node": "mul"}, 1 << 19),
+        _record("output", "output", "output", {"node": "input_0"}),
+    ]
     switch.body_records = [body] * len(switch.body_records)  # every path, the eval one too
     torch.save(payload, tmp_path / "m.pt")
     before = _files(tmp_path)
@@ -118,11 +126,14 @@ def test_the_node_limit_counts_every_body_of_every_switch_in_the_file(tmp_path):
     refused(proc, "more than 200,000 graph nodes, counting its mode switches' bodies")
 
 
-@pytest.mark.parametrize("value, message", [
-    ([["x" * 100] * 1000] * 1000, "more than 4 MiB of text"),  # a 7 KB file: inspect --json wrote 104 MB
-    ([[0] * 1000] * 1000, "more than 100,000 list items"),
-    (["x" * (5 << 20)], "more than 4 MiB of text"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ([["x" * 100] * 1000] * 1000, "more than 4 MiB of text"),  # a 7 KB file: inspect --json wrote 104 MB
+        ([[0] * 1000] * 1000, "more than 100,000 list items"),
+        (["x" * (5 << 20)], "more than 4 MiB of text"),
+    ],
+)
 def test_metadata_lists_and_strings_are_bounded_counting_every_use(tmp_path, value, message):
     """S5: metadata had a depth limit only; a list shared a thousand times costs the pickle nothing."""
     payload = serialize.to_payload(gg.trace(nn.Sequential(nn.Linear(4, 4)), (1, 4)))
@@ -137,13 +148,19 @@ def test_metadata_lists_and_strings_are_bounded_counting_every_use(tmp_path, val
 VIT = "hf:vit(hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=32,{})"
 
 
-@pytest.mark.parametrize("name, message", [
-    (VIT.format("image_size=[32,32,32]"), "hf:vit: image_size=[32, 32, 32] is not a size or a (height, width) pair"),
-    (VIT.format("image_size=0"), "hf:vit: image_size=0 is not a positive integer"),
-    ("hf:gpt2(vocab_size=0,n_layer=1,n_embd=32,n_head=2)", "hf:gpt2: vocab_size=0 is not a positive integer"),
-    # S4: the default input 1×3×12000×12000 was built before its bound was checked (4.47 GB peak, 1.18 GB now)
-    (VIT.format("image_size=12000"), "the default input its image_size and num_channels give is too large"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        (
+            VIT.format("image_size=[32,32,32]"),
+            "hf:vit: image_size=[32, 32, 32] is not a size or a (height, width) pair",
+        ),
+        (VIT.format("image_size=0"), "hf:vit: image_size=0 is not a positive integer"),
+        ("hf:gpt2(vocab_size=0,n_layer=1,n_embd=32,n_head=2)", "hf:gpt2: vocab_size=0 is not a positive integer"),
+        # S4: the default input 1×3×12000×12000 was built before its bound was checked (4.47 GB peak, 1.18 GB now)
+        (VIT.format("image_size=12000"), "the default input its image_size and num_channels give is too large"),
+    ],
+)
 def test_a_hugging_face_config_is_sized_and_checked_before_anything_is_built(tmp_path, name, message):
     """Minors and S4: settings that were exit 3 "internal error" (a TypeError in int(), randint below 0)."""
     pytest.importorskip("transformers")
@@ -185,10 +202,14 @@ def _onnx_with(tmp: Path, weight: Any) -> Path:
     from onnx import helper
 
     sparse = isinstance(weight, onnx.SparseTensorProto)
-    g = helper.make_graph([helper.make_node("ReduceSum", ["W"], ["s"], keepdims=0), helper.make_node("Add", ["x", "s"], ["y"])],
-                          "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
-                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])],
-                          initializer=[] if sparse else [weight], sparse_initializer=[weight] if sparse else [])
+    g = helper.make_graph(
+        [helper.make_node("ReduceSum", ["W"], ["s"], keepdims=0), helper.make_node("Add", ["x", "s"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])],
+        initializer=[] if sparse else [weight],
+        sparse_initializer=[weight] if sparse else [],
+    )
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
     (tmp / "m.onnx").write_bytes(m.SerializeToString())

@@ -4,6 +4,7 @@ trusted only with --trust, and the user's own code (a --data function, a factory
 Every case runs the real CLI in a folder that holds a canary module: importing it, or calling its function,
 writes the file CANARY there. The folder is the current one, so an import of the canary's name would find it;
 CANARY must never appear."""
+
 from __future__ import annotations
 
 import json
@@ -14,16 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 from torch import nn
 
-from conftest import run_cli
 from graphgrow.io.load import load_model
 from graphgrow.io.save import save_model
 
 SHAPE = ["--input-shape", "1,1,8,8"]
 GROW = ["--pass", "grow_width(init=gradmax)"]
 
-USER_CODE = '''
+USER_CODE = """
 import os, signal, sys, time
 import torch
 from torch import nn
@@ -81,15 +82,15 @@ def model_keyboard_interrupt():
 def model_chatty():
     print("hello from the factory")
     return model()
-'''
+"""
 
-CANARY = '''
+CANARY = """
 from pathlib import Path
 Path("CANARY").write_text("imported")
 
 def boom(*args, **kwargs):
     Path("CANARY").write_text("called")
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +101,14 @@ def work(tmp_path_factory) -> Path:
     (folder / "exits_on_import.py").write_text("import sys\nsys.exit(0)\n")
     (folder / "canary.py").write_text(CANARY)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
-                          nn.Flatten(), nn.Linear(4 * 8 * 8, 3))
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 8 * 8, 3),
+    )
     torch.save(model, folder / "m.pt")
     proc = run_cli("mutate", "m.pt", *SHAPE, *GROW, "--data", "mydata:batch", "-o", "g.pt", cwd=folder)
     assert proc.returncode == 0, proc.stderr
@@ -137,11 +144,18 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 
 # --- C1: a logged callable is replayed only when the user names it again, or with --trust ---
 
+
 @pytest.mark.parametrize("grown", ["evil.pt", "evil.onnx"])
 def test_replay_refuses_a_data_name_read_from_the_file(work, grown):
     proc = run_cli("replay", "m.pt", grown, "-o", "r.pt", cwd=work)
-    one_line(proc, "step 1 of the mutation log (grow_width)", "data=canary:boom", "never imports a name read from a file",
-             "--data canary:boom", "--trust")
+    one_line(
+        proc,
+        "step 1 of the mutation log (grow_width)",
+        "data=canary:boom",
+        "never imports a name read from a file",
+        "--data canary:boom",
+        "--trust",
+    )
     assert not (work / "r.pt").exists()
 
 
@@ -162,11 +176,13 @@ def test_replay_with_trust_uses_the_logged_name(work):
 def test_replay_refuses_data_for_a_log_without_it(work):
     proc = run_cli("mutate", "m.pt", *SHAPE, "--pass", "add_residual", "-o", "plain.pt", cwd=work)
     assert proc.returncode == 0, proc.stderr
-    one_line(run_cli("replay", "m.pt", "plain.pt", "--data", "canary:boom", "-o", "r.pt", cwd=work),
-             "no step of plain.pt's mutation log was grown with data")
+    one_line(
+        run_cli("replay", "m.pt", "plain.pt", "--data", "canary:boom", "-o", "r.pt", cwd=work),
+        "no step of plain.pt's mutation log was grown with data",
+    )
 
 
-REGROW = '''
+REGROW = """
 import sys, torch
 import graphgrow as gg
 from graphgrow.core.errors import InputError
@@ -191,7 +207,7 @@ except InputError as e:
 before = sum(p.numel() for p in holder.model.parameters())
 GrowthCallback.regrow(holder, checkpoint, data=mydata.batch)  # named again, in Python
 print("PARAMS", before, sum(p.numel() for p in holder.model.parameters()))
-'''
+"""
 
 
 def test_lightning_regrow_refuses_a_data_name_read_from_the_checkpoint(work):
@@ -206,27 +222,46 @@ def test_lightning_regrow_refuses_a_data_name_read_from_the_checkpoint(work):
 
 # --- C3: a search folder is unpickled by Ray Tune only with --trust ---
 
+
 def test_search_resume_needs_trust(work):
     folder = work / "runs" / "s1"
     folder.mkdir(parents=True)
     payload = b"ccanary\nboom\n(tR."  # unpickled: imports canary (GLOBAL) and calls boom() (REDUCE)
     (folder / "tuner.pkl").write_bytes(payload)
     shutil.copy(work / "m.pt", folder / "original.pt")
-    proc = run_cli("search", "m.pt", "--train", "mydata:batch", "--eval", "mydata:batch", "--mutations", "grow_width",
-                   "--storage-path", "runs", "--name", "s1", "--resume", cwd=work)
+    proc = run_cli(
+        "search",
+        "m.pt",
+        "--train",
+        "mydata:batch",
+        "--eval",
+        "mydata:batch",
+        "--mutations",
+        "grow_width",
+        "--storage-path",
+        "runs",
+        "--name",
+        "s1",
+        "--resume",
+        cwd=work,
+    )
     one_line(proc, "--resume restores the search in", "a pickle in that folder would run code", "--trust")
 
 
 # --- S8 / item 6: the user's code cannot end graphgrow silently ---
 
-@pytest.mark.parametrize("fn, said", [
-    ("exits", "mydata:exits failed: SystemExit (it called sys.exit(0))"),
-    ("exits_none", "mydata:exits_none failed: SystemExit (it called sys.exit(None))"),
-    ("generator_exit", "mydata:generator_exit failed: GeneratorExit"),
-    ("keyboard_interrupt", "mydata:keyboard_interrupt failed: KeyboardInterrupt"),
-    ("own_base_exception", "mydata:own_base_exception failed: Mine: mine"),
-    ("loss_exits", "the loss_fn of data function mydata:loss_exits failed: SystemExit"),
-])
+
+@pytest.mark.parametrize(
+    "fn, said",
+    [
+        ("exits", "mydata:exits failed: SystemExit (it called sys.exit(0))"),
+        ("exits_none", "mydata:exits_none failed: SystemExit (it called sys.exit(None))"),
+        ("generator_exit", "mydata:generator_exit failed: GeneratorExit"),
+        ("keyboard_interrupt", "mydata:keyboard_interrupt failed: KeyboardInterrupt"),
+        ("own_base_exception", "mydata:own_base_exception failed: Mine: mine"),
+        ("loss_exits", "the loss_fn of data function mydata:loss_exits failed: SystemExit"),
+    ],
+)
 def test_a_data_function_that_ends_the_process_is_one_line(work, fn, said):
     proc = run_cli("mutate", "m.pt", *SHAPE, *GROW, "--data", f"mydata:{fn}", "--dry-run", cwd=work)
     one_line(proc, said)
@@ -237,11 +272,14 @@ def test_a_data_module_that_exits_on_import_is_one_line(work):
     one_line(proc, "importing exits_on_import (for exits_on_import:batch) failed: SystemExit")
 
 
-@pytest.mark.parametrize("fn, said", [
-    ("model_exits", "mydata:model_exits() failed: SystemExit (it called sys.exit(0))"),
-    ("model_generator_exit", "mydata:model_generator_exit() failed: GeneratorExit"),
-    ("model_keyboard_interrupt", "mydata:model_keyboard_interrupt() failed: KeyboardInterrupt"),
-])
+@pytest.mark.parametrize(
+    "fn, said",
+    [
+        ("model_exits", "mydata:model_exits() failed: SystemExit (it called sys.exit(0))"),
+        ("model_generator_exit", "mydata:model_generator_exit() failed: GeneratorExit"),
+        ("model_keyboard_interrupt", "mydata:model_keyboard_interrupt() failed: KeyboardInterrupt"),
+    ],
+)
 def test_a_factory_that_ends_the_process_is_one_line(work, fn, said):
     one_line(run_cli("inspect", f"mydata:{fn}", *SHAPE, cwd=work), said)
 
@@ -265,19 +303,41 @@ def test_a_real_ctrl_c_in_user_code_still_stops(work):
 
 # --- minors: what a data function may name, checkpoints ---
 
+
 def test_a_library_function_as_data_is_refused_as_a_data_function(work):
-    line = one_line(run_cli("mutate", "m.pt", *SHAPE, *GROW, "--data", "os:system", "--dry-run", cwd=work),
-                    "os:system is in Python's standard library, not a data function", "a function of your own code")
+    line = one_line(
+        run_cli("mutate", "m.pt", *SHAPE, *GROW, "--data", "os:system", "--dry-run", cwd=work),
+        "os:system is in Python's standard library, not a data function",
+        "a function of your own code",
+    )
     assert "zoo" not in line and "timm" not in line
-    line = one_line(run_cli("mutate", "m.pt", *SHAPE, *GROW, "--data", "torch:zeros", "--dry-run", cwd=work),
-                    "torch's own zeros, not a data function")
+    line = one_line(
+        run_cli("mutate", "m.pt", *SHAPE, *GROW, "--data", "torch:zeros", "--dry-run", cwd=work),
+        "torch's own zeros, not a data function",
+    )
     assert "zoo" not in line
 
 
 def test_search_names_what_a_training_function_must_be(work):
-    one_line(run_cli("search", "m.pt", "--train", "os:system", "--eval", "mydata:batch", "--mutations", "grow_width",
-                     "--storage-path", "runs", "--name", "s2", *SHAPE, cwd=work),
-             "os:system is in Python's standard library, not a training function")
+    one_line(
+        run_cli(
+            "search",
+            "m.pt",
+            "--train",
+            "os:system",
+            "--eval",
+            "mydata:batch",
+            "--mutations",
+            "grow_width",
+            "--storage-path",
+            "runs",
+            "--name",
+            "s2",
+            *SHAPE,
+            cwd=work,
+        ),
+        "os:system is in Python's standard library, not a training function",
+    )
 
 
 def _checkpoint(tmp_path: Path, edit) -> Path:
@@ -294,14 +354,19 @@ def _checkpoint(tmp_path: Path, edit) -> Path:
     return path
 
 
-@pytest.mark.parametrize("edit, said", [
-    (lambda s: s.update(step="five"), "step is str 'five', not a step number"),
-    (lambda s: s.update(step=-1), "step is int -1"),
-    (lambda s: s.update(extra=[1]), "extra is list, not a dict"),
-    (lambda s: s["optimizer"]["state"]["0.weight"].update(momentum_buffer=torch.zeros(5, 5)),
-     "momentum_buffer[0.weight] has shape [5, 5], which does not fit the parameter's [3, 4]"),
-    (lambda s: s["optimizer"].update(state={"nope": {}}), "names parameters the model does not have"),
-])
+@pytest.mark.parametrize(
+    "edit, said",
+    [
+        (lambda s: s.update(step="five"), "step is str 'five', not a step number"),
+        (lambda s: s.update(step=-1), "step is int -1"),
+        (lambda s: s.update(extra=[1]), "extra is list, not a dict"),
+        (
+            lambda s: s["optimizer"]["state"]["0.weight"].update(momentum_buffer=torch.zeros(5, 5)),
+            "momentum_buffer[0.weight] has shape [5, 5], which does not fit the parameter's [3, 4]",
+        ),
+        (lambda s: s["optimizer"].update(state={"nope": {}}), "names parameters the model does not have"),
+    ],
+)
 def test_a_damaged_checkpoint_is_refused_before_anything_is_restored(tmp_path, edit, said):
     import graphgrow as gg
 

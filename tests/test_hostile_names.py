@@ -2,6 +2,7 @@
 letters, leading digits, text that reads as code — is kept as a string in the file and reached in generated code
 through a generated identifier (core/codegen.py). Nothing is refused for its spelling, nothing a name says runs,
 and the names come back on load, in `inspect`, in ONNX names and in the model handed back."""
+
 from __future__ import annotations
 
 import json
@@ -9,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 from torch import fx, nn
 
 import graphgrow as gg
 from graphgrow.core import codegen, names
 from graphgrow.io.load import load_model
-from conftest import run_cli
 
 
 def evil(marker: Path) -> str:
@@ -40,8 +41,9 @@ def named_model(marker: Path) -> nn.Sequential:
 
 def odd_names(model: nn.Module) -> list[str]:
     """The module names of `model` that are not plain identifiers (what fx would paste or misread)."""
-    return sorted({part for path, _ in model.named_modules() for part in path.split(".") if path
-                   if not names.is_identifier(part)})
+    return sorted(
+        {part for path, _ in model.named_modules() for part in path.split(".") if path if not names.is_identifier(part)}
+    )
 
 
 def assert_no_name_in_code(gm: fx.GraphModule, model: nn.Module) -> None:
@@ -50,8 +52,11 @@ def assert_no_name_in_code(gm: fx.GraphModule, model: nn.Module) -> None:
     import ast
 
     bound = {v for v in gm.graph.python_code("self").globals.values() if isinstance(v, str)}
-    parts = {t for sub in ast.walk(ast.parse(gm.code))
-             for t in (getattr(sub, "id", None), getattr(sub, "attr", None), getattr(sub, "value", None))}
+    parts = {
+        t
+        for sub in ast.walk(ast.parse(gm.code))
+        for t in (getattr(sub, "id", None), getattr(sub, "attr", None), getattr(sub, "value", None))
+    }
     for name in odd_names(model):
         assert name not in parts, name
         assert name in bound, name  # reached through a generated identifier bound to the name
@@ -99,8 +104,17 @@ def test_odd_names_round_trip_through_the_cli(tmp_path):
     marker = tmp_path / "pwned"
     model = named_model(marker)
     torch.save(model, tmp_path / "m.pt")
-    proc = run_cli("mutate", str(tmp_path / "m.pt"), "--pass", "grow_width", "--input-shape", "1,3,8,8",
-                   "-o", str(tmp_path / "g.pt"), cwd=tmp_path)
+    proc = run_cli(
+        "mutate",
+        str(tmp_path / "m.pt"),
+        "--pass",
+        "grow_width",
+        "--input-shape",
+        "1,3,8,8",
+        "-o",
+        str(tmp_path / "g.pt"),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     grown = load_model(tmp_path / "g.pt").module
     assert set(model.state_dict()) <= set(grown.state_dict())
@@ -125,8 +139,17 @@ def test_odd_names_round_trip_through_the_cli(tmp_path):
 def test_regnet_grows_and_loads_again_without_trust(tmp_path):
     """The issue's case: torchvision's RegNet names its blocks `block4-0`; every pass was refused."""
     out = tmp_path / "r.pt"
-    proc = run_cli("mutate", "torchvision:regnet_y_400mf", "--pass", "grow_width", "--input-shape", "1,3,64,64",
-                   "-o", str(out), cwd=tmp_path)
+    proc = run_cli(
+        "mutate",
+        "torchvision:regnet_y_400mf",
+        "--pass",
+        "grow_width",
+        "--input-shape",
+        "1,3,64,64",
+        "-o",
+        str(out),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     proc = run_cli("inspect", str(out), cwd=tmp_path)
     assert proc.returncode == 0 and "block4-0" in proc.stdout, proc.stderr

@@ -2,6 +2,7 @@
 derived .data name, a symlink, a hard link), nor anything that is not a regular file or a new name; default
 names are claimed atomically; standard output that cannot be written; stored metadata of the wrong types or
 with terminal escapes."""
+
 from __future__ import annotations
 
 import copy
@@ -12,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run_cli, small_cnn
 from test_hostile import _graphgrow, _one_line_refusal, digest
 
@@ -38,6 +38,7 @@ def model(tmp_path) -> Path:
 
 # --- C2: outputs never replace inputs, under any name ---
 
+
 def test_export_never_writes_its_data_file_over_the_input(tmp_path):
     net = tmp_path / "net.data"
     torch.save(small_cnn(), net)
@@ -52,11 +53,17 @@ def test_an_output_that_is_the_input_under_another_name_is_refused(tmp_path, mod
     os.link(model, tmp_path / "h.data")
     (tmp_path / "link.pt").symlink_to("m.pt")
     before = _tree(tmp_path)
-    proc = run_cli("mutate", "m.pt", "--pass", "deepen", *SHAPE, "-o", "hard.pt", cwd=tmp_path)  # a hard link of the input
+    proc = run_cli(
+        "mutate", "m.pt", "--pass", "deepen", *SHAPE, "-o", "hard.pt", cwd=tmp_path
+    )  # a hard link of the input
     _one_line_refusal(proc, "output hard.pt is the input file m.pt (the same file under another name)")
-    proc = run_cli("mutate", "link.pt", "--pass", "deepen", *SHAPE, "-o", "m.pt", cwd=tmp_path)  # the input through a link
+    proc = run_cli(
+        "mutate", "link.pt", "--pass", "deepen", *SHAPE, "-o", "m.pt", cwd=tmp_path
+    )  # the input through a link
     _one_line_refusal(proc, "output m.pt is the input file link.pt (the same file under another name)")
-    proc = run_cli("export", "m.pt", "--external-data", "-o", "h", *SHAPE, cwd=tmp_path)  # the derived name, a hard link
+    proc = run_cli(
+        "export", "m.pt", "--external-data", "-o", "h", *SHAPE, cwd=tmp_path
+    )  # the derived name, a hard link
     _one_line_refusal(proc, "output h.data is the input file m.pt (the same file under another name)")
     assert _tree(tmp_path) == before
 
@@ -91,6 +98,7 @@ def test_the_last_check_before_the_rename_refuses_a_link_that_appeared_meanwhile
 
 # --- S7: -o replaces only a regular file or a new name ---
 
+
 def _special(tmp: Path, kind: str) -> str:
     if kind == "symlink to stdout":
         (tmp / "out.pt").symlink_to("/proc/self/fd/1")
@@ -108,8 +116,13 @@ def _special(tmp: Path, kind: str) -> str:
     return "/dev/stdout"
 
 
-SPECIAL = [("symlink to stdout", "is a symbolic link"), ("symlink to a file", "is a symbolic link"),
-           ("/dev/stdout", "is a symbolic link"), ("directory", "is a directory"), ("fifo", "is not a regular file")]
+SPECIAL = [
+    ("symlink to stdout", "is a symbolic link"),
+    ("symlink to a file", "is a symbolic link"),
+    ("/dev/stdout", "is a symbolic link"),
+    ("directory", "is a directory"),
+    ("fifo", "is not a regular file"),
+]
 
 
 @pytest.mark.parametrize("kind, message", SPECIAL, ids=[s[0] for s in SPECIAL])
@@ -119,8 +132,14 @@ def test_an_output_that_is_not_a_regular_file_is_never_replaced(tmp_path, model,
     before = _tree(tmp_path)
     argv = (["mutate", "m.pt", "--pass", "deepen"] if command == "mutate" else ["export", "m.pt"]) + [*SHAPE, "-o", out]
     with open(tmp_path.parent / f"{tmp_path.name}.stdout", "w+") as stdout:  # stdout redirected to a file, as in S7
-        proc = subprocess.run([sys.executable, "-m", "graphgrow.cli", *argv], cwd=tmp_path, stdout=stdout,
-                              stderr=subprocess.PIPE, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "graphgrow.cli", *argv],
+            cwd=tmp_path,
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=600,
+        )
         stdout.seek(0)
         printed = stdout.read()
     lines = proc.stderr.strip().splitlines()
@@ -132,10 +151,14 @@ def test_an_output_that_is_not_a_regular_file_is_never_replaced(tmp_path, model,
 
 # --- S6: default names are claimed atomically ---
 
+
 def test_two_concurrent_runs_never_take_the_same_default_name(tmp_path, model):
     (tmp_path / "m.grown.pt").write_bytes(b"an earlier result")
     argv = [sys.executable, "-m", "graphgrow.cli", "mutate", "m.pt", "--pass", "deepen", *SHAPE, "--json"]
-    runs = [subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    runs = [
+        subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     results = [r.communicate(timeout=600) for r in runs]
     import json
 
@@ -160,6 +183,7 @@ def test_claim_takes_the_next_free_name_and_replaces_nothing(tmp_path):
 
 
 # --- minors ---
+
 
 def _exported(tmp: Path) -> Path:
     torch.save(small_cnn(), tmp / "m.pt")
@@ -190,19 +214,41 @@ def test_a_swapped_data_file_is_not_called_a_float64_problem(tmp_path):
 
 def test_a_report_that_cannot_be_written_is_exit_2_after_the_outputs(tmp_path, model):
     with open("/dev/full", "w") as full:
-        proc = subprocess.run([sys.executable, "-m", "graphgrow.cli", "mutate", "m.pt", "--pass", "deepen", *SHAPE,
-                               "-o", "g.pt", "--json"], cwd=tmp_path, stdout=full, stderr=subprocess.PIPE, text=True,
-                              timeout=600)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "graphgrow.cli",
+                "mutate",
+                "m.pt",
+                "--pass",
+                "deepen",
+                *SHAPE,
+                "-o",
+                "g.pt",
+                "--json",
+            ],
+            cwd=tmp_path,
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=600,
+        )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("error: cannot write to standard output: No space left on device; the outputs were "
-                               "written whole: g.pt"), lines[0]
+    assert lines[0].startswith(
+        "error: cannot write to standard output: No space left on device; the outputs were written whole: g.pt"
+    ), lines[0]
     assert "please report" not in proc.stderr and (tmp_path / "g.pt").is_file()
 
 
 def test_a_closed_pipe_ends_quietly_with_141(tmp_path, model):
-    proc = subprocess.Popen([sys.executable, "-m", "graphgrow.cli", "inspect", "m.pt", *SHAPE, "--all"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "graphgrow.cli", "inspect", "m.pt", *SHAPE, "--all"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     proc.stdout.close()  # the reader is gone before anything is printed (`| head` that already quit)
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=600) == 141 and stderr == "", stderr
@@ -236,7 +282,11 @@ def test_terminal_escapes_in_stored_metadata_are_printed_escaped(tmp_path):
 
 MALFORMED = [
     ("trace as a string", lambda m: m.__setitem__("trace", "abc"), "the stored trace report is str, not a record"),
-    ("mode_reads as an int", lambda m: m["trace"].__setitem__("mode_reads", 5), "'mode_reads' as int, not a list of text"),
+    (
+        "mode_reads as an int",
+        lambda m: m["trace"].__setitem__("mode_reads", 5),
+        "'mode_reads' as int, not a list of text",
+    ),
     ("auto_leaves as an int", lambda m: m["trace"].__setitem__("auto_leaves", 5), "'auto_leaves' as int"),
     ("a log entry without fields", lambda m: m.__setitem__("log", [{}]), "mutation log's entry 1 has no 'pass'"),
     ("args as a string", lambda m: m["log"][0].__setitem__("args", "x"), "'args' as str, not a record"),
@@ -255,8 +305,15 @@ def test_metadata_of_the_wrong_type_is_exit_2_naming_the_field(tmp_path, label, 
 
 
 def test_a_named_input_in_a_message_is_written_as_the_user_writes_it(tmp_path):
-    proc = run_cli("inspect", "hf:gpt2(n_layer=1,n_embd=32,n_head=2,vocab_size=100)", "--input", "input_ids:int64[64,seq=4096]",
-                   "--max-memory", "1M", cwd=tmp_path)
+    proc = run_cli(
+        "inspect",
+        "hf:gpt2(n_layer=1,n_embd=32,n_head=2,vocab_size=100)",
+        "--input",
+        "input_ids:int64[64,seq=4096]",
+        "--max-memory",
+        "1M",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]  # (transformers may warn about its config first)
     assert line.startswith("error: ") and "input_ids:int64[64,seq=4096]" in line and "TensorSpec" not in line, line

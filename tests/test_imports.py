@@ -1,19 +1,19 @@
 """What `make test-quick` (the `fast` tests) must still cover however it is trimmed: every module of the package
 imports (a broken import in a module only slow tests reach would otherwise wait for `make test`), and every
 registered pass runs once on a small model, verified or refused with a reason."""
+
 from __future__ import annotations
 
 import importlib
 import pkgutil
 
+import graphgrow.passes
 import pytest
 import torch
+from conftest import small_cnn
 from torch import nn
 
 import graphgrow as gg
-import graphgrow.passes
-
-from conftest import small_cnn
 
 
 def _modules() -> list[str]:

@@ -4,6 +4,7 @@ A bare shape is a one-tensor spec marked positional; named inputs, TensorSpecs, 
 the same stored metadata (`gm.meta["graphgrow"]["inputs"]`, the one key) as the spec they describe. Files
 written before that key was the only one (`input_shape` alone, or both keys) still load.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,14 +13,16 @@ from torch import nn
 
 import graphgrow as gg
 from graphgrow.graph.graph_meta import input_shape_of, input_spec_of
-from graphgrow.graph.inputs import plain_spec, records, report_fields, TensorSpec
+from graphgrow.graph.inputs import TensorSpec, plain_spec, records, report_fields
 from graphgrow.io.load import load_model
 from graphgrow.io.save import save_model
 
 
 def _cnn() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2)
+    )
 
 
 class TwoInputs(nn.Module):
@@ -53,9 +56,19 @@ def _stored(gm) -> list[dict]:
     return info["inputs"]
 
 
-@pytest.mark.parametrize("given", [(1, 3, 8, 8), [1, 3, 8, 8], torch.Size([1, 3, 8, 8]), "1,3,8,8", "1x3x8x8",
-                                   torch.randn(1, 3, 8, 8), (torch.randn(1, 3, 8, 8),)],
-                         ids=["tuple", "list", "size", "text", "text-x", "tensor", "tensors"])
+@pytest.mark.parametrize(
+    "given",
+    [
+        (1, 3, 8, 8),
+        [1, 3, 8, 8],
+        torch.Size([1, 3, 8, 8]),
+        "1,3,8,8",
+        "1x3x8x8",
+        torch.randn(1, 3, 8, 8),
+        (torch.randn(1, 3, 8, 8),),
+    ],
+    ids=["tuple", "list", "size", "text", "text-x", "tensor", "tensors"],
+)
 def test_a_bare_shape_in_any_form_is_the_one_positional_spec(given):
     gm = gg.trace(_cnn(), given)
     want = plain_spec([1, 3, 8, 8], "input")  # nn.Sequential's forward takes `input`
@@ -63,11 +76,31 @@ def test_a_bare_shape_in_any_form_is_the_one_positional_spec(given):
     assert report_fields(input_spec_of(gm)) == {"input_shape": [1, 3, 8, 8]}  # reports show it as before
 
 
-@pytest.mark.parametrize("given", [
-    {"input": (1, 3, 8, 8)}, {"input": ((1, 3, 8, 8), "float32")}, {"input": ((1, 3, 8, 8), torch.float32)},
-    {"input": gg.TensorSpec("input", (1, 3, 8, 8))}, {"input": torch.zeros(1, 3, 8, 8)},  # the public class
-    TensorSpec("input", (1, 3, 8, 8)), (TensorSpec("input", (1, 3, 8, 8)),), "input:1x3x8x8", "input:float32[1,3,8,8]",
-], ids=["dict-shape", "dict-dtype-name", "dict-dtype", "dict-spec", "dict-tensor", "spec", "specs", "text", "bracketed"])
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"input": (1, 3, 8, 8)},
+        {"input": ((1, 3, 8, 8), "float32")},
+        {"input": ((1, 3, 8, 8), torch.float32)},
+        {"input": gg.TensorSpec("input", (1, 3, 8, 8))},
+        {"input": torch.zeros(1, 3, 8, 8)},  # the public class
+        TensorSpec("input", (1, 3, 8, 8)),
+        (TensorSpec("input", (1, 3, 8, 8)),),
+        "input:1x3x8x8",
+        "input:float32[1,3,8,8]",
+    ],
+    ids=[
+        "dict-shape",
+        "dict-dtype-name",
+        "dict-dtype",
+        "dict-spec",
+        "dict-tensor",
+        "spec",
+        "specs",
+        "text",
+        "bracketed",
+    ],
+)
 def test_named_forms_store_the_equivalent_spec(given):
     gm = gg.trace(_cnn(), given)
     want = (TensorSpec("input", (1, 3, 8, 8), "float32"),)
@@ -78,9 +111,13 @@ def test_named_forms_store_the_equivalent_spec(given):
 def test_two_named_inputs_from_a_dict_specs_text_or_example_tensors_agree():
     model = TwoInputs()
     want = (TensorSpec("image", (1, 3, 8, 8)), TensorSpec("extra", (1, 5)))
-    forms = [{"image": (1, 3, 8, 8), "extra": (1, 5)}, want, "image:1x3x8x8,extra:1x5",
-             (torch.randn(1, 3, 8, 8), torch.randn(1, 5)),  # example tensors: named after forward's parameters in order
-             {"image": TensorSpec("image", (1, 3, 8, 8)), "extra": torch.ones(1, 5)}]
+    forms = [
+        {"image": (1, 3, 8, 8), "extra": (1, 5)},
+        want,
+        "image:1x3x8x8,extra:1x5",
+        (torch.randn(1, 3, 8, 8), torch.randn(1, 5)),  # example tensors: named after forward's parameters in order
+        {"image": TensorSpec("image", (1, 3, 8, 8)), "extra": torch.ones(1, 5)},
+    ]
     stored = [_stored(gg.trace(model, f)) for f in forms]
     assert all(s == records(want) for s in stored), stored
     gm = gg.trace(model, forms[0])
@@ -106,16 +143,19 @@ def test_a_float_shape_for_token_ids_is_refused_by_the_model_not_misread():
         gg.trace(TinyLM(), (1, 6))  # float ids into an embedding: torch refuses; graphgrow never casts silently
 
 
-@pytest.mark.parametrize("bad, says", [
-    ("banana", "not a list of integers"),
-    ({"not ok": (1, 3, 8, 8)}, "not a plain identifier"),
-    ({"input": TensorSpec("other", (1, 3, 8, 8))}, "is given a TensorSpec named 'other'"),
-    ([[1, 3], [8]], "cannot read an example input from list"),
-    ({"input": [[1, 3], [8]]}, "is not a shape"),
-    (3.5, "cannot read an example input from float"),
-    ([1, 0, 8, 8], "not a valid shape"),
-    ({"input": torch.zeros(1, 3, dtype=torch.complex64)}, "is not supported"),
-])
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        ("banana", "not a list of integers"),
+        ({"not ok": (1, 3, 8, 8)}, "not a plain identifier"),
+        ({"input": TensorSpec("other", (1, 3, 8, 8))}, "is given a TensorSpec named 'other'"),
+        ([[1, 3], [8]], "cannot read an example input from list"),
+        ({"input": [[1, 3], [8]]}, "is not a shape"),
+        (3.5, "cannot read an example input from float"),
+        ([1, 0, 8, 8], "not a valid shape"),
+        ({"input": torch.zeros(1, 3, dtype=torch.complex64)}, "is not supported"),
+    ],
+)
 def test_bad_example_inputs_are_clear_input_errors(bad, says):
     with pytest.raises(gg.InputError) as e:
         gg.trace(_cnn(), bad)

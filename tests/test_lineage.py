@@ -1,6 +1,7 @@
 """Lineage: a grown model records the structure fingerprint of the network it was grown from, so
 `graphgrow diff` and `graphgrow replay` refuse models that only share a mutation log, a reversed pair,
 or a model that is not on the way; replay onto a model part of the way applies only the rest."""
+
 from __future__ import annotations
 
 import json
@@ -8,14 +9,14 @@ import json
 import onnx
 import pytest
 import torch
+from conftest import small_cnn
 from torch import nn
 
 import graphgrow as gg
-from conftest import small_cnn
-from graphgrow.io import serialize
-from graphgrow.jobs import workflow
 from graphgrow.core.errors import InputError, LoadError
+from graphgrow.io import serialize
 from graphgrow.io.lineage import ORIGIN_KEY, structure_fingerprint
+from graphgrow.jobs import workflow
 
 SHAPE = (1, 3, 32, 32)
 SPEC = "deepen(after=_5),grow_width(target=_0)"
@@ -76,11 +77,14 @@ def test_diff_follows_one_lineage_in_order(files):
     assert "swap them" in e.value.hint
 
 
-@pytest.mark.parametrize("a, b, message", [
-    ("other_model", "grown", "different networks"),  # logs alone would pass: empty is the start of any log
-    ("model", "other", "different networks"),
-    ("other", "grown", "not of one lineage"),  # the records differ (parameter counts), so the logs already tell
-])
+@pytest.mark.parametrize(
+    "a, b, message",
+    [
+        ("other_model", "grown", "different networks"),  # logs alone would pass: empty is the start of any log
+        ("model", "other", "different networks"),
+        ("other", "grown", "not of one lineage"),  # the records differ (parameter counts), so the logs already tell
+    ],
+)
 def test_diff_refuses_different_networks(files, a, b, message):
     with pytest.raises(InputError, match=message):
         workflow.diff(files[a], files[b])
@@ -95,11 +99,14 @@ def test_replay_onto_a_model_part_of_the_way_applies_only_the_rest(files, tmp_pa
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
-@pytest.mark.parametrize("model, grown, message", [
-    ("other_model", "grown", "different network"),
-    ("folded", "grown", "not the start of that one"),
-    ("grown", "grown", "nothing to replay"),
-])
+@pytest.mark.parametrize(
+    "model, grown, message",
+    [
+        ("other_model", "grown", "different network"),
+        ("folded", "grown", "not the start of that one"),
+        ("grown", "grown", "nothing to replay"),
+    ],
+)
 def test_replay_refuses_a_model_not_on_the_way(files, tmp_path, model, grown, message):
     with pytest.raises(InputError, match=message):
         workflow.replay(files[model], files[grown], str(tmp_path / "x.pt"))
@@ -122,12 +129,19 @@ def _rewrite_metadata(path, key, value):
     onnx.save(proto, str(path))
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("graphgrow.origin", "sha256:not-hex; rm -rf /", "origin fingerprint is malformed"),
-    ("graphgrow.mutation_log", "[" * 100_000, "not readable JSON"),
-    ("graphgrow.mutation_log", json.dumps([{"pass": "deepen", "args": {"x": [[[[[[[[[[[[[[1]]]]]]]]]]]]]]}}]), "nested too deeply"),
-    ("graphgrow.mutation_log", json.dumps({"pass": "deepen"}), "malformed"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("graphgrow.origin", "sha256:not-hex; rm -rf /", "origin fingerprint is malformed"),
+        ("graphgrow.mutation_log", "[" * 100_000, "not readable JSON"),
+        (
+            "graphgrow.mutation_log",
+            json.dumps([{"pass": "deepen", "args": {"x": [[[[[[[[[[[[[[1]]]]]]]]]]]]]]}}]),
+            "nested too deeply",
+        ),
+        ("graphgrow.mutation_log", json.dumps({"pass": "deepen"}), "malformed"),
+    ],
+)
 def test_hostile_onnx_metadata_is_a_load_error(files, tmp_path, key, value, message):
     grown = gg.load_model(files["grown"]).module
     gg.export_onnx(grown, SHAPE, tmp_path / "g.onnx")

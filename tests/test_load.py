@@ -1,4 +1,5 @@
 """Model files (architecture.md §7): safe loading, refusing code, graphgrow's own format, atomic writes."""
+
 from __future__ import annotations
 
 import io
@@ -8,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import small_cnn
+from graphgrow.passes.add_residual import AddResidual
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.io.save import atomic_write, default_output_path, save_model
-from graphgrow.io.load import load_model, standard_layer_classes
 from graphgrow.graph.inputs import plain_spec
-from graphgrow.passes.add_residual import AddResidual
-from conftest import small_cnn
+from graphgrow.io.load import load_model, standard_layer_classes
+from graphgrow.io.save import atomic_write, default_output_path, save_model
 
 
 class Custom(nn.Module):  # a class torch.nn does not define
@@ -70,12 +71,15 @@ def test_factory_name_imports_installed_code():
     assert loaded.kind == "factory" and type(loaded.module).__name__ == "ResNet"
 
 
-@pytest.mark.parametrize("name, message", [
-    ("no_such_pkg_xyz:build", "cannot import 'no_such_pkg_xyz'"),
-    ("torchvision.models:not_a_model", "has no callable 'not_a_model'"),
-    ("factories:fails", "fails() failed: ValueError: no model today"),
-    ("torch:zeros", "torch's own zeros, not a model factory"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("no_such_pkg_xyz:build", "cannot import 'no_such_pkg_xyz'"),
+        ("torchvision.models:not_a_model", "has no callable 'not_a_model'"),
+        ("factories:fails", "fails() failed: ValueError: no model today"),
+        ("torch:zeros", "torch's own zeros, not a model factory"),
+    ],
+)
 def test_bad_factory_names(name, message):
     with pytest.raises(gg.LoadError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_model(name)
@@ -134,8 +138,9 @@ def test_a_file_written_before_the_layers_moved_still_loads_without_trust(tmp_pa
     graphgrow.layers.AverageMerge (the module is graphgrow.graph.layers now): still read, without --trust."""
     import sys
 
-    from graphgrow.graph import layers
     from graphgrow.passes.add_branch import AddBranch
+
+    from graphgrow.graph import layers
 
     r = AddBranch()(gg.trace(cnn, (1, 3, 32, 32)))
     monkeypatch.setitem(sys.modules, "graphgrow.layers", layers)  # as the file was written then

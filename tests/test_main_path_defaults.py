@@ -1,21 +1,21 @@
 """Defaults that respect the main path (issue 25, item 3): a head that only runs in train mode (an
 auxiliary classifier) is never a default place, and a model too small for the parameter budget gets
 the smallest main-path place, with a report that says so."""
+
 from __future__ import annotations
 
 import sys
 
 import pytest
 import torch
+from conftest import ROOT
 from torch import nn
 
 import graphgrow as gg
 from graphgrow.analysis.deployed import deployed_nodes, train_only_nodes
-from graphgrow.graph.graph_meta import trace_report
 from graphgrow.analysis.stages import main_path
 from graphgrow.graph.fx_edit import copy_graph_module
-
-from conftest import ROOT
+from graphgrow.graph.graph_meta import trace_report
 
 sys.path.insert(0, str(ROOT / "examples"))
 import darts_net as dn  # noqa: E402
@@ -59,7 +59,9 @@ def darts_train():
 def test_the_darts_auxiliary_head_is_recorded_as_train_only_and_kept_by_save_and_load(darts_train, tmp_path):
     assert trace_report(darts_train)["train_only_modules"] == ["auxiliary_head"]
     only = train_only_nodes(darts_train)
-    assert len(only) == 11 and all(n.meta["gg_scope"][0] == "auxiliary_head" for n in only)  # 9 layers, size() and view()
+    assert len(only) == 11 and all(
+        n.meta["gg_scope"][0] == "auxiliary_head" for n in only
+    )  # 9 layers, size() and view()
     assert not only & deployed_nodes(darts_train)
     gg.save_model(darts_train, tmp_path / "darts.pt")
     loaded = gg.load_model(tmp_path / "darts.pt", trust=True).module  # the cells are custom leaves
@@ -80,8 +82,14 @@ class HeadOnlyAux(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv0 = nn.Conv2d(3, 8, 3, padding=1)
-        self.aux = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
-                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+        self.aux = nn.Sequential(
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 10),
+        )
         self.fc = nn.Linear(8, 10)
 
     def forward(self, x):
@@ -97,7 +105,9 @@ def test_a_refusal_names_the_train_only_head_it_left_out():
     gm = gg.trace(HeadOnlyAux(), (2, 3, 8, 8), mode="train")
     with pytest.raises(gg.NotApplicable) as e:
         gg.Pipeline.from_spec("add_branch").run(gm)
-    assert "train-only aux (not in the deployed model) is never a default place" in str(e.value) and "at=" in str(e.value)
+    assert "train-only aux (not in the deployed model) is never a default place" in str(e.value) and "at=" in str(
+        e.value
+    )
     r = gg.Pipeline.from_spec("add_branch(at=aux.2)").run(gm).results[0]  # named, it grows there
     assert "aux_2" in r.targets["span"] and r.preservation is not None
 
@@ -109,11 +119,26 @@ class AuxFirst(nn.Module):
     def __init__(self):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 48, 3, padding=1), nn.BatchNorm2d(48), nn.ReLU())
-        self.aux = nn.Sequential(nn.Conv2d(48, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
-                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
-        self.body = nn.Sequential(nn.Conv2d(48, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
-                                  nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
-                                  nn.Conv2d(64, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.ReLU())
+        self.aux = nn.Sequential(
+            nn.Conv2d(48, 4, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(4, 4, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(4, 10),
+        )
+        self.body = nn.Sequential(
+            nn.Conv2d(48, 64, 3, stride=2, padding=1),
+            nn.BatchNorm2d(64),
+            nn.ReLU(),
+            nn.Conv2d(64, 64, 3, padding=1),
+            nn.BatchNorm2d(64),
+            nn.ReLU(),
+            nn.Conv2d(64, 64, 3, stride=2, padding=1),
+            nn.BatchNorm2d(64),
+            nn.ReLU(),
+        )
         self.fc = nn.Linear(64, 10)
 
     def forward(self, x):
@@ -185,12 +210,15 @@ class TinyStrided(nn.Module):
         return self.fc(self.conv3(self.conv2(self.conv1(x))).mean((2, 3)))
 
 
-@pytest.mark.parametrize("model, spec, place", [
-    (Tiny, "grow_width", "conv3"),
-    (Tiny, "add_branch", "conv2"),
-    (Tiny, "deepen", "relu_2"),
-    (TinyStrided, "add_residual", "conv2"),
-])
+@pytest.mark.parametrize(
+    "model, spec, place",
+    [
+        (Tiny, "grow_width", "conv3"),
+        (Tiny, "add_branch", "conv2"),
+        (Tiny, "deepen", "relu_2"),
+        (TinyStrided, "add_residual", "conv2"),
+    ],
+)
 def test_a_model_below_the_budget_gets_the_smallest_main_path_place_and_is_told(model, spec, place):
     torch.manual_seed(0)
     gm = gg.trace(model(), (2, 3, 8, 8))
@@ -202,6 +230,8 @@ def test_a_model_below_the_budget_gets_the_smallest_main_path_place_and_is_told(
     assert default.params == min(c.params for c in found)
     r = gg.Pipeline.from_spec(spec).run(gm).results[0]
     assert place in _chosen_places(r), r.targets
-    assert all(str(v).replace(".", "_") in _chosen_places(r).replace(".", "_") for v in default.args.values())  # the default candidate
+    assert all(
+        str(v).replace(".", "_") in _chosen_places(r).replace(".", "_") for v in default.args.values()
+    )  # the default candidate
     assert "over budget" in r.targets["chosen"] and "smallest" in r.targets["chosen"]
     assert "over budget" in r.summary() and r.preservation is not None

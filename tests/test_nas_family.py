@@ -5,10 +5,11 @@ schedules) and hostile forwards that branch on `self.training` in ways a merge m
 The promise checked everywhere: a block that branches on its mode is either merged *exactly* (eval and
 train mode, the same random draws, and after the live attribute changes on both model and graph), or
 kept a leaf with a reason, or refused with a TraceError — never a silent mismatch."""
+
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ SHAPE = (2, 3, 32, 32)
 # ---------------------------------------------------------------------------------------------
 # drop-path flavours
 # ---------------------------------------------------------------------------------------------
+
 
 def timm_drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False, scale_by_keep: bool = True):
     """timm.layers.drop.drop_path, verbatim in behaviour."""
@@ -60,13 +62,20 @@ def mask_drop_path(x: torch.Tensor, p: float) -> torch.Tensor:
 
 def conv_bn(c_in: int, c_out: int, k: int = 3, stride: int = 1, dilation: int = 1, groups: int = 1) -> nn.Sequential:
     pad = dilation * (k - 1) // 2
-    return nn.Sequential(nn.ReLU(), nn.Conv2d(c_in, c_out, k, stride, pad, dilation=dilation, groups=groups, bias=False),
-                         nn.BatchNorm2d(c_out))
+    return nn.Sequential(
+        nn.ReLU(),
+        nn.Conv2d(c_in, c_out, k, stride, pad, dilation=dilation, groups=groups, bias=False),
+        nn.BatchNorm2d(c_out),
+    )
 
 
 def sep_conv(c: int, k: int = 3) -> nn.Sequential:
-    return nn.Sequential(nn.ReLU(), nn.Conv2d(c, c, k, 1, k // 2, groups=c, bias=False), nn.Conv2d(c, c, 1, bias=False),
-                         nn.BatchNorm2d(c))
+    return nn.Sequential(
+        nn.ReLU(),
+        nn.Conv2d(c, c, k, 1, k // 2, groups=c, bias=False),
+        nn.Conv2d(c, c, 1, bias=False),
+        nn.BatchNorm2d(c),
+    )
 
 
 def channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -110,6 +119,7 @@ def set_schedule(root: nn.Module, n: int, p: float) -> None:
 
 # --- 1. timm-style drop-path inside cells -----------------------------------------------------
 
+
 class TimmCell(nn.Module):
     """Two nodes, each the sum of two ops, timm drop_path on each op output; concat of both nodes."""
 
@@ -123,8 +133,10 @@ class TimmCell(nn.Module):
 
     def forward(self, s0, s1):
         s0, s1 = self.pre0(s0), self.pre1(s1)
-        h = [timm_drop_path(op(s), self.drop_prob, self.training, self.scale_by_keep)
-             for op, s in zip(self.ops[:2], (s0, s1))]
+        h = [
+            timm_drop_path(op(s), self.drop_prob, self.training, self.scale_by_keep)
+            for op, s in zip(self.ops[:2], (s0, s1))
+        ]
         n0 = h[0] + h[1]
         n1 = timm_drop_path(self.ops[2](n0), self.drop_prob, self.training, self.scale_by_keep) + self.ops[3](s1)
         return self.post(torch.cat([n0, n1], 1))
@@ -136,6 +148,7 @@ def timm_net(scale_by_keep: bool = True, n: int = 3, c: int = 8) -> Net:
 
 
 # --- 2. PC-DARTS / ENAS / NASNet-like cells ---------------------------------------------------
+
 
 class PCCell(nn.Module):
     """PC-DARTS-like: partial channels through a weighted mixed op, channel shuffle, three intermediate
@@ -171,9 +184,18 @@ class NASNetCell(nn.Module):
     def __init__(self, c: int):
         super().__init__()
         self.pre0, self.pre1 = conv_bn(c, c, 1), conv_bn(c, c, 1)
-        self.a = nn.ModuleList([sep_conv(c), nn.MaxPool2d(3, 1, 1), sep_conv(c, 5), nn.Identity(),
-                                conv_bn(c, c, 3, dilation=2), nn.AvgPool2d(3, 1, 1, count_include_pad=False),
-                                sep_conv(c), nn.Identity()])
+        self.a = nn.ModuleList(
+            [
+                sep_conv(c),
+                nn.MaxPool2d(3, 1, 1),
+                sep_conv(c, 5),
+                nn.Identity(),
+                conv_bn(c, c, 3, dilation=2),
+                nn.AvgPool2d(3, 1, 1, count_include_pad=False),
+                sep_conv(c),
+                nn.Identity(),
+            ]
+        )
         self.inputs = [(0, 1), (1, 2), (2, 0), (3, 1)]  # states 0, 1 are s0, s1
         self.post = nn.Conv2d(2 * c, c, 1, bias=False)
         self.drop_prob = 0.0
@@ -207,6 +229,7 @@ def set_droppath_modules(root: nn.Module, n: int, p: float) -> None:
 
 
 # --- 3. torchvision StochasticDepth inside cells ---------------------------------------------
+
 
 class SDCell(nn.Module):
     def __init__(self, c: int, mode: str):
@@ -248,6 +271,7 @@ def set_sd(root: nn.Module, n: int, p: float) -> None:
 # ---------------------------------------------------------------------------------------------
 # checking exactness ourselves
 # ---------------------------------------------------------------------------------------------
+
 
 def _run(m: nn.Module, x: torch.Tensor, train: bool, seed: int) -> torch.Tensor:
     m.train(train)
@@ -291,6 +315,7 @@ def switches(gm: nn.Module) -> list[ModeSwitch]:
 
 
 # --- 4. hostile mode branches ----------------------------------------------------------------
+
 
 class Hostile(nn.Module):
     """A block with a live float `p` and int `reps`; subclasses differ only in how forward branches."""
@@ -422,6 +447,7 @@ def set_p(p: float, reps: int | None = None) -> Callable[[nn.Module], None]:
         block.p = p
         if reps is not None:
             block.reps = reps
+
     return setter
 
 
@@ -429,6 +455,7 @@ def uniform(n: int, p: float) -> Callable[[nn.Module], None]:
     def setter(m: nn.Module) -> None:
         for i in range(n):
             m.get_submodule(f"cells.{i}").drop_prob = p
+
     return setter
 
 
@@ -459,6 +486,7 @@ def outcome(model: nn.Module, where: str, setters: list[Callable[[nn.Module], No
 # ---------------------------------------------------------------------------------------------
 
 # 1 + 2 + 3: the families that merge today -----------------------------------------------------
+
 
 def test_nasnet_cells_with_their_own_drop_prob_merge_exactly_and_stay_live():
     model = nasnet_net(n=2)
@@ -532,6 +560,7 @@ def test_a_per_cell_schedule_at_trace_time_is_still_exact():
 
 # bug: a probability that is 0 while tracing hides the mode branch --------------------------------
 
+
 def _timm(p):
     model = timm_net(False, n=1)  # the scale_by_keep=False flavour (the slow test below has True)
     uniform(1, p)(model)
@@ -564,17 +593,31 @@ def _or_chain(p):
     return tiny(OrChain, p), [set_p(0.0), set_p(0.5)]
 
 
-ZERO_AT_TRACE = {"timm": _timm, "pc_darts": _pc, "nasnet": _nasnet, "sd_and_drop": _sd_drop,
-                 "attr_before_flag": _attr_first, "or_chain": _or_chain}
+ZERO_AT_TRACE = {
+    "timm": _timm,
+    "pc_darts": _pc,
+    "nasnet": _nasnet,
+    "sd_and_drop": _sd_drop,
+    "attr_before_flag": _attr_first,
+    "or_chain": _or_chain,
+}
 
 
-SHORT_CIRCUIT = pytest.mark.xfail(strict=True, reason="known limit: `if p == 0. or not training` / `if p > 0 and "
-                                  "training` with p = 0 never read self.training while tracing, so no block is merged "
-                                  "and p is frozen (named in frozen_attributes and in a note)")
+SHORT_CIRCUIT = pytest.mark.xfail(
+    strict=True,
+    reason="known limit: `if p == 0. or not training` / `if p > 0 and "
+    "training` with p = 0 never read self.training while tracing, so no block is merged "
+    "and p is frozen (named in frozen_attributes and in a note)",
+)
 
 
-@pytest.mark.parametrize("net", [pytest.param(n, marks=SHORT_CIRCUIT) if n in ("timm", "pc_darts", "attr_before_flag")
-                                 else n for n in ZERO_AT_TRACE])
+@pytest.mark.parametrize(
+    "net",
+    [
+        pytest.param(n, marks=SHORT_CIRCUIT) if n in ("timm", "pc_darts", "attr_before_flag") else n
+        for n in ZERO_AT_TRACE
+    ],
+)
 def test_a_schedule_that_starts_at_zero_still_drives_the_graph(net):
     model, setters = ZERO_AT_TRACE[net](0.0)
     gm = traced(model)

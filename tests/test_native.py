@@ -5,6 +5,7 @@ reads a save_pretrained folder and, given `-o FOLDER`, writes one that `from_pre
 the native model's logits equal the original's on a left-padded batch (attention_mask), greedy `generate()` with
 the KV cache gives the same tokens, `labels=` gives a loss. Refusals say what the class cannot express.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,21 +23,43 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 H = 64
 # family → (config class, config arguments, model class, passes the class can hold)
 FAMILIES = {
-    "llama": ("LlamaConfig", {"num_key_value_heads": 2, "intermediate_size": 128}, "LlamaForCausalLM",
-              ["grow_hidden(by=64)", "grow_heads(heads=8)"]),
-    "qwen2": ("Qwen2Config", {"num_key_value_heads": 2, "intermediate_size": 128}, "Qwen2ForCausalLM",
-              ["grow_heads(heads=8)"]),
-    "mistral": ("MistralConfig", {"num_key_value_heads": 2, "intermediate_size": 128}, "MistralForCausalLM",
-                ["grow_hidden(by=16)"]),
-    "gpt2": ("GPT2Config", {}, "GPT2LMHeadModel", ["grow_hidden(by=16)", "grow_heads(heads=5)"]),  # Conv1D, n_inner=None
+    "llama": (
+        "LlamaConfig",
+        {"num_key_value_heads": 2, "intermediate_size": 128},
+        "LlamaForCausalLM",
+        ["grow_hidden(by=64)", "grow_heads(heads=8)"],
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        {"num_key_value_heads": 2, "intermediate_size": 128},
+        "Qwen2ForCausalLM",
+        ["grow_heads(heads=8)"],
+    ),
+    "mistral": (
+        "MistralConfig",
+        {"num_key_value_heads": 2, "intermediate_size": 128},
+        "MistralForCausalLM",
+        ["grow_hidden(by=16)"],
+    ),
+    "gpt2": (
+        "GPT2Config",
+        {},
+        "GPT2LMHeadModel",
+        ["grow_hidden(by=16)", "grow_heads(heads=5)"],
+    ),  # Conv1D, n_inner=None
 }
 
 
 def _model(family: str, seed: int = 0):
     config_name, extra, model_name, _ = FAMILIES[family]
-    sizes = {"n_embd": H, "n_layer": 2, "n_head": 4} if family == "gpt2" else \
-        {"hidden_size": H, "num_hidden_layers": 2, "num_attention_heads": 4}
-    config = getattr(transformers, config_name)(vocab_size=256, use_cache=False, bos_token_id=1, eos_token_id=2, **sizes, **extra)
+    sizes = (
+        {"n_embd": H, "n_layer": 2, "n_head": 4}
+        if family == "gpt2"
+        else {"hidden_size": H, "num_hidden_layers": 2, "num_attention_heads": 4}
+    )
+    config = getattr(transformers, config_name)(
+        vocab_size=256, use_cache=False, bos_token_id=1, eos_token_id=2, **sizes, **extra
+    )
     torch.manual_seed(seed)
     return getattr(transformers, model_name)(config).eval()
 
@@ -74,18 +97,30 @@ def test_native_config_holds_the_grown_sizes():
     model = _model("llama")
     native = gg.as_native(_grow(model, ["grow_hidden(by=64)", "grow_heads(heads=8)"]), model)
     c = native.config
-    assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size) == (128, 8, 4, 16, 128)
+    assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size) == (
+        128,
+        8,
+        4,
+        16,
+        128,
+    )
     assert c.rms_norm_eps == pytest.approx(model.config.rms_norm_eps * 64 / 128)  # grow_hidden rescaled the norms' eps
     gpt2 = _model("gpt2")
     c2 = gg.as_native(_grow(gpt2, FAMILIES["gpt2"][3]), gpt2).config
     assert (c2.n_embd, c2.n_head, c2.n_inner) == (80, 5, 256)  # the MLP width GPT-2 derived (4 × 64) written down
 
 
-@pytest.mark.parametrize("passes,why", [
-    (["grow_width"], r"needs intermediate_size=\d+ and .* needs intermediate_size=\d+"),  # one layer's MLP only
-    (["grow_hidden(by=16)", "grow_heads(heads=6)"], "refuses the grown sizes: The hidden size .80. is not a multiple"),
-    (["deepen"], "adds deepen_transformer"),
-])
+@pytest.mark.parametrize(
+    "passes,why",
+    [
+        (["grow_width"], r"needs intermediate_size=\d+ and .* needs intermediate_size=\d+"),  # one layer's MLP only
+        (
+            ["grow_hidden(by=16)", "grow_heads(heads=6)"],
+            "refuses the grown sizes: The hidden size .80. is not a multiple",
+        ),
+        (["deepen"], "adds deepen_transformer"),
+    ],
+)
 def test_what_the_class_cannot_hold_is_refused(passes, why):
     model = _model("llama")
     with pytest.raises(gg.NotApplicable, match=why):
@@ -114,8 +149,20 @@ def test_cli_folder_in_folder_out(runner, tmp_path, dtype):
     from graphgrow.cli.commands import main
 
     folder, out = _folder(tmp_path, dtype), tmp_path / "grown"
-    result = runner.invoke(main, ["mutate", str(folder), "--pass", "grow_hidden(by=64)", "--pass", "grow_heads(heads=8)",
-                                  "-o", str(out), "--json"])
+    result = runner.invoke(
+        main,
+        [
+            "mutate",
+            str(folder),
+            "--pass",
+            "grow_hidden(by=64)",
+            "--pass",
+            "grow_heads(heads=8)",
+            "-o",
+            str(out),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["outputs"][0] == str(out) and report["native"]["class"] == "LlamaForCausalLM"
@@ -131,7 +178,7 @@ def test_cli_folder_in_folder_out(runner, tmp_path, dtype):
         x = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(2))
         with torch.no_grad():
             la, lb = original(input_ids=x).logits.float(), grown(input_ids=x).logits.float()
-        assert (la - lb).abs().max().item() <= 2 ** -7 * la.abs().max().item() * 2
+        assert (la - lb).abs().max().item() <= 2**-7 * la.abs().max().item() * 2
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert not leftovers  # the staging folder was renamed into place
 
@@ -183,8 +230,14 @@ class UserNet(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.features = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-                                            torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU())
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(8, 16, 3, padding=1),
+            torch.nn.BatchNorm2d(16),
+            torch.nn.ReLU(),
+        )
         self.head = torch.nn.Linear(16, 4)
 
     def embed(self, x):
@@ -206,8 +259,11 @@ def test_width_growth_comes_back_as_the_users_class(name):
     import timm
     import torchvision
 
-    factory = {"user": UserNet, "timm_resnet": lambda: timm.create_model("resnet10t", num_classes=5),
-               "torchvision_mobilenet": lambda: torchvision.models.mobilenet_v3_small(num_classes=5)}[name]
+    factory = {
+        "user": UserNet,
+        "timm_resnet": lambda: timm.create_model("resnet10t", num_classes=5),
+        "torchvision_mobilenet": lambda: torchvision.models.mobilenet_v3_small(num_classes=5),
+    }[name]
     model, grown, native = _resized(factory, (1, 3, 32, 32), ["grow_width"])
     assert type(native) is type(model) and native is not model
     assert sum(p.numel() for p in native.parameters()) > sum(p.numel() for p in model.parameters())
@@ -252,14 +308,25 @@ def test_hostile_folders_are_refused_before_anything_is_built(tmp_path):
         raw = json.dumps(header).encode()
         return struct.pack("<Q", len(raw)) + raw
 
-    outside = folder("outside", {"model.safetensors.index.json": json.dumps({"weight_map": {"w": "../stolen.safetensors"}})})
-    huge = folder("huge", {"model.safetensors": safetensors({"w": {"dtype": "BF16", "shape": [1 << 20, 1 << 20], "data_offsets": [0, 0]}})})
+    outside = folder(
+        "outside", {"model.safetensors.index.json": json.dumps({"weight_map": {"w": "../stolen.safetensors"}})}
+    )
+    huge = folder(
+        "huge",
+        {
+            "model.safetensors": safetensors(
+                {"w": {"dtype": "BF16", "shape": [1 << 20, 1 << 20], "data_offsets": [0, 0]}}
+            )
+        },
+    )
     lying = folder("lying", {"model.safetensors": struct.pack("<Q", 1 << 40) + b"{}"})
     garbage = folder("garbage", {"model.safetensors": struct.pack("<Q", 4) + b"\xff\xfe{]"})
-    cases = [(outside, "names shards that are not files in the folder"),
-             (huge, r"1,099,511,627,776 values .* limit"),
-             (lying, "not a safetensors file"),
-             (garbage, "not a safetensors file")]
+    cases = [
+        (outside, "names shards that are not files in the folder"),
+        (huge, r"1,099,511,627,776 values .* limit"),
+        (lying, "not a safetensors file"),
+        (garbage, "not a safetensors file"),
+    ]
     for path, why in cases:
         with pytest.raises(gg.LoadError, match=why):
             load.load_model(str(path))
@@ -275,18 +342,63 @@ def test_hostile_folders_are_refused_before_anything_is_built(tmp_path):
 # family → (config class, config arguments, model class, the MLP's first layer in layer {i}); every layer's MLP is
 # widened alike (grow_width at each), which any of these classes holds as one intermediate size
 WIDENED = {
-    "llama": ("LlamaConfig", {"intermediate_size": 128, "num_key_value_heads": 2}, "LlamaForCausalLM", "model.layers.{i}.mlp.up_proj"),
-    "qwen3": ("Qwen3Config", {"intermediate_size": 128, "num_key_value_heads": 2, "head_dim": 16}, "Qwen3ForCausalLM", "model.layers.{i}.mlp.up_proj"),
-    "gemma": ("GemmaConfig", {"intermediate_size": 128, "num_key_value_heads": 2, "head_dim": 16}, "GemmaForCausalLM", "model.layers.{i}.mlp.up_proj"),
-    "phi3": ("Phi3Config", {"intermediate_size": 128, "num_key_value_heads": 2, "pad_token_id": 0}, "Phi3ForCausalLM", "model.layers.{i}.mlp.gate_up_proj"),
+    "llama": (
+        "LlamaConfig",
+        {"intermediate_size": 128, "num_key_value_heads": 2},
+        "LlamaForCausalLM",
+        "model.layers.{i}.mlp.up_proj",
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        {"intermediate_size": 128, "num_key_value_heads": 2, "head_dim": 16},
+        "Qwen3ForCausalLM",
+        "model.layers.{i}.mlp.up_proj",
+    ),
+    "gemma": (
+        "GemmaConfig",
+        {"intermediate_size": 128, "num_key_value_heads": 2, "head_dim": 16},
+        "GemmaForCausalLM",
+        "model.layers.{i}.mlp.up_proj",
+    ),
+    "phi3": (
+        "Phi3Config",
+        {"intermediate_size": 128, "num_key_value_heads": 2, "pad_token_id": 0},
+        "Phi3ForCausalLM",
+        "model.layers.{i}.mlp.gate_up_proj",
+    ),
     "opt": ("OPTConfig", {"ffn_dim": 128, "word_embed_proj_dim": H}, "OPTForCausalLM", "model.decoder.layers.{i}.fc1"),
-    "gpt_neox": ("GPTNeoXConfig", {"intermediate_size": 128}, "GPTNeoXForCausalLM", "gpt_neox.layers.{i}.mlp.dense_h_to_4h"),
-    "olmo": ("OlmoConfig", {"intermediate_size": 128, "pad_token_id": 0}, "OlmoForCausalLM", "model.layers.{i}.mlp.up_proj"),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        {"intermediate_size": 128},
+        "GPTNeoXForCausalLM",
+        "gpt_neox.layers.{i}.mlp.dense_h_to_4h",
+    ),
+    "olmo": (
+        "OlmoConfig",
+        {"intermediate_size": 128, "pad_token_id": 0},
+        "OlmoForCausalLM",
+        "model.layers.{i}.mlp.up_proj",
+    ),
     "granite": ("GraniteConfig", {"intermediate_size": 128}, "GraniteForCausalLM", "model.layers.{i}.mlp.up_proj"),
     "bert": ("BertConfig", {"intermediate_size": 128}, "BertForMaskedLM", "bert.encoder.layer.{i}.intermediate.dense"),
-    "roberta": ("RobertaConfig", {"intermediate_size": 128, "pad_token_id": 1}, "RobertaForMaskedLM", "roberta.encoder.layer.{i}.intermediate.dense"),
-    "electra": ("ElectraConfig", {"intermediate_size": 128, "embedding_size": H}, "ElectraForMaskedLM", "electra.encoder.layer.{i}.intermediate.dense"),
-    "vit": ("ViTConfig", {"intermediate_size": 128, "image_size": 32, "patch_size": 8}, "ViTForImageClassification", "vit.layers.{i}.mlp.fc1"),
+    "roberta": (
+        "RobertaConfig",
+        {"intermediate_size": 128, "pad_token_id": 1},
+        "RobertaForMaskedLM",
+        "roberta.encoder.layer.{i}.intermediate.dense",
+    ),
+    "electra": (
+        "ElectraConfig",
+        {"intermediate_size": 128, "embedding_size": H},
+        "ElectraForMaskedLM",
+        "electra.encoder.layer.{i}.intermediate.dense",
+    ),
+    "vit": (
+        "ViTConfig",
+        {"intermediate_size": 128, "image_size": 32, "patch_size": 8},
+        "ViTForImageClassification",
+        "vit.layers.{i}.mlp.fc1",
+    ),
 }
 
 
@@ -296,10 +408,16 @@ def test_every_layers_mlp_widened_comes_back_native(family):
     sizes = {"hidden_size": H, "num_hidden_layers": 2, "num_attention_heads": 4}
     vocab = {} if family == "vit" else {"vocab_size": 256}
     torch.manual_seed(0)
-    model = getattr(transformers, model_name)(getattr(transformers, config_name)(use_cache=False, **vocab, **sizes, **extra)).eval()
+    model = getattr(transformers, model_name)(
+        getattr(transformers, config_name)(use_cache=False, **vocab, **sizes, **extra)
+    ).eval()
     grown = _grow(model, [f"grow_width(target={target.format(i=i)})" for i in range(2)])
     native = gg.as_native(grown, model)
-    changed = {k: v for k, v in (native.config.to_dict().items()) if model.config.to_dict().get(k) != v and k not in ("use_cache", "dtype")}
+    changed = {
+        k: v
+        for k, v in (native.config.to_dict().items())
+        if model.config.to_dict().get(k) != v and k not in ("use_cache", "dtype")
+    }
     assert list(changed.values()) == [256], changed  # one field: the intermediate size, doubled
     if family == "vit":
         x = {"pixel_values": torch.randn(2, 3, 32, 32)}
@@ -333,7 +451,10 @@ def test_a_capture_failure_after_export_is_typed_and_names_the_versions(monkeypa
 
     monkeypatch.setattr(ec, "export_capture", broken)
     model = _model("llama")
-    with pytest.raises(gg.TraceError, match=r"failed after torch.export on torch [\d.]+.* and transformers [\d.]+: RuntimeError: Node submod_3"):
+    with pytest.raises(
+        gg.TraceError,
+        match=r"failed after torch.export on torch [\d.]+.* and transformers [\d.]+: RuntimeError: Node submod_3",
+    ):
         gg.trace(model, input_shape=default_spec(model.config, type(model)))
 
 
@@ -341,11 +462,21 @@ def test_a_folder_whose_class_has_no_cache_loads_and_comes_back_without_one(runn
     from graphgrow.cli.commands import main
 
     torch.manual_seed(0)
-    vit = transformers.ViTForImageClassification(transformers.ViTConfig(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8))
+    vit = transformers.ViTForImageClassification(
+        transformers.ViTConfig(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            image_size=32,
+            patch_size=8,
+        )
+    )
     vit.save_pretrained(tmp_path / "vit")
     out = tmp_path / "vit-grown"
-    result = runner.invoke(main, ["mutate", str(tmp_path / "vit"), "--pass", "grow_width(target=vit.layers.0.mlp.fc1)", "-o", str(out)])
+    result = runner.invoke(
+        main, ["mutate", str(tmp_path / "vit"), "--pass", "grow_width(target=vit.layers.0.mlp.fc1)", "-o", str(out)]
+    )
     assert result.exit_code == 0, result.output
     config = json.loads((out / "config.json").read_text())
     assert config["intermediate_size"] == 128 and "use_cache" not in config  # ViT has no cache: none is invented

@@ -1,6 +1,7 @@
 """ONNX with external data (issue 27): weights past protobuf's 2 GiB go to NAME.onnx.data beside NAME.onnx; the
 pair is written whole or not at all, read back through check/inspect, and a file's external-data entries are
 obeyed only when they point into its own NAME.onnx.data (a name read from a file never chooses what is read)."""
+
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
+from conftest import run_cli
 from torch import nn
 
 import graphgrow as gg
@@ -17,15 +19,22 @@ from graphgrow.io import export as export_mod
 from graphgrow.io.export import describe_onnx, export_onnx, load_onnx
 from graphgrow.io.runtime import open_session
 from graphgrow.verify.equivalence import check_equivalence
-from conftest import run_cli
 
 SHAPE = (1, 3, 8, 8)
 
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 10)).eval()
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 512),
+        nn.ReLU(),
+        nn.Linear(512, 10),
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +66,9 @@ def test_the_weights_go_beside_the_graph_and_onnxruntime_agrees(pair):
 @pytest.mark.slow  # CLI processes that export and check: make test runs it, not the edit loop
 def test_the_cli_writes_checks_and_shows_the_pair(tmp_path):
     torch.save(_model(), tmp_path / "m.pt")
-    proc = run_cli("export", "m.pt", "-o", "m.onnx", "--input-shape", "1,3,8,8", "--external-data", "--json", cwd=tmp_path)
+    proc = run_cli(
+        "export", "m.pt", "-o", "m.onnx", "--input-shape", "1,3,8,8", "--external-data", "--json", cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["outputs"] == ["m.onnx", "m.onnx.data"]
     proc = run_cli("check", "m.onnx", "m.pt", "--json", cwd=tmp_path)
@@ -121,8 +132,10 @@ HOSTILE = {
     "an unknown entry": (lambda p: _edit(p, "basepath", "/"), "external-data entry 'basepath'"),
     "no location": (lambda p: _edit(p, "location", None), "names the external file ''"),
     "a wrong shape": (lambda p: next(t for t in p.graph.initializer if t.external_data).dims.append(7), "needs"),
-    "data inline too": (lambda p: setattr(next(t for t in p.graph.initializer if t.external_data), "raw_data", b"\0" * 4),
-                        "both inline and in an external file"),
+    "data inline too": (
+        lambda p: setattr(next(t for t in p.graph.initializer if t.external_data), "raw_data", b"\0" * 4),
+        "both inline and in an external file",
+    ),
 }
 
 

@@ -1,5 +1,6 @@
 """Hostile NAME.onnx / NAME.onnx.data pairs found by probing the external-data reader (issue 27): each one must be
 a graphgrow error with one line, never an internal error, and never read a file that is not beside the model."""
+
 from __future__ import annotations
 
 import os

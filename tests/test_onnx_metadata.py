@@ -2,6 +2,7 @@
 metadata is validated (a malformed value is exit 2 naming it, never an internal error or a huge
 allocation) and tensors kept in external files are refused unless in NAME.onnx.data beside NAME.onnx
 (test_onnx_external.py): a name read from the file must not choose what is read."""
+
 from __future__ import annotations
 
 import onnx
@@ -10,8 +11,8 @@ import torch
 from torch import nn
 
 import graphgrow as gg
-from graphgrow.jobs import workflow
 from graphgrow.core.errors import InputError, LoadError
+from graphgrow.jobs import workflow
 
 SHAPE = (1, 3, 16, 16)
 
@@ -25,8 +26,12 @@ def small() -> nn.Sequential:
 def exported(tmp_path_factory):
     folder = tmp_path_factory.mktemp("onnx")
     torch.save(small(), folder / "m.pt")
-    gg.export_onnx(gg.trace(small(), input_shape=SHAPE), SHAPE, folder / "m.onnx",
-                   metadata={"graphgrow.source": "factories:small_cnn", "graphgrow.factory_seed": "0"})
+    gg.export_onnx(
+        gg.trace(small(), input_shape=SHAPE),
+        SHAPE,
+        folder / "m.onnx",
+        metadata={"graphgrow.source": "factories:small_cnn", "graphgrow.factory_seed": "0"},
+    )
     return folder
 
 
@@ -39,8 +44,18 @@ def _with(folder, key, value):
     return str(out)
 
 
-@pytest.mark.parametrize("value", ["[[[[[[[", "[1e400]", '"abc"', "[-1, 3, 16, 16]", "[1, 3, 16, 16, 1, 1, 1, 1, 1]",
-                                   "[true, 3, 16, 16]", "[" * 50_000])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "[[[[[[[",
+        "[1e400]",
+        '"abc"',
+        "[-1, 3, 16, 16]",
+        "[1, 3, 16, 16, 1, 1, 1, 1, 1]",
+        "[true, 3, 16, 16]",
+        "[" * 50_000,
+    ],
+)
 def test_a_malformed_stored_input_shape_is_a_load_error(exported, value):
     path = _with(exported, "graphgrow.input_shape", value)
     for run in (lambda: workflow.check(path, str(exported / "m.pt")), lambda: workflow.inspect(path)):
@@ -65,9 +80,17 @@ def test_a_malformed_factory_seed_is_a_load_error(exported, value):
 
 def test_tensors_in_external_files_are_refused(exported, tmp_path):
     proto = onnx.load(str(exported / "m.onnx"))
-    onnx.save(proto, str(tmp_path / "ext.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-              location="weights.bin", size_threshold=0)
-    for run in (lambda: workflow.check(str(tmp_path / "ext.onnx"), str(exported / "m.pt")),
-                lambda: workflow.inspect(str(tmp_path / "ext.onnx"))):
+    onnx.save(
+        proto,
+        str(tmp_path / "ext.onnx"),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="weights.bin",
+        size_threshold=0,
+    )
+    for run in (
+        lambda: workflow.check(str(tmp_path / "ext.onnx"), str(exported / "m.pt")),
+        lambda: workflow.inspect(str(tmp_path / "ext.onnx")),
+    ):
         with pytest.raises(LoadError, match="only from 'ext.onnx.data' beside it"):
             run()

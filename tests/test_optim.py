@@ -1,4 +1,5 @@
 """carry_optimizer: momentum, Adam moments and step counts survive a growth event."""
+
 from __future__ import annotations
 
 import copy
@@ -20,8 +21,16 @@ OPTIMISERS = {
 def model() -> nn.Module:
     torch.manual_seed(0)
     # no bias before the BatchNorm: its gradient is rounding noise, which Adam would normalise into real steps
-    return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.ReLU(), nn.Conv2d(6, 8, 3, padding=1),
-                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1, bias=False),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Conv2d(6, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
 
 
 def data():
@@ -72,7 +81,10 @@ def test_carried_state_continues_the_old_models_training(kind):
             continue
         box = tuple(slice(0, s) for s in old_shapes[name].shape)
         torch.testing.assert_close(p.detach()[box], old_shapes[name].detach(), rtol=1e-5, atol=1e-6)
-        far = max(far, float((dict(fresh_model.named_parameters())[name].detach()[box] - old_shapes[name].detach()).abs().max()))
+        far = max(
+            far,
+            float((dict(fresh_model.named_parameters())[name].detach()[box] - old_shapes[name].detach()).abs().max()),
+        )
     assert far > 1e-4  # a fresh optimiser takes a different step: the jump the helper removes
     # the grown tensors' new slices start with zero state, new parameters with none
     # before that step: grown tensors' new slices had zero state, the old region the old state
@@ -98,7 +110,9 @@ def test_groups_and_settings_are_kept_and_new_parameters_join_the_first_group():
     gm = gg.trace(model().train(), SHAPE)
     head = [p for n, p in gm.named_parameters() if n.startswith("7.")]
     body = [p for n, p in gm.named_parameters() if not n.startswith("7.")]
-    opt = torch.optim.SGD([{"params": body, "lr": 0.1}, {"params": head, "lr": 0.01, "weight_decay": 0.5}], lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(
+        [{"params": body, "lr": 0.1}, {"params": head, "lr": 0.01, "weight_decay": 0.5}], lr=0.1, momentum=0.9
+    )
     step(gm, opt)
     grown = gg.Pipeline.from_spec("insert_adapter").run(gm).gm
     carried = gg.carry_optimizer(opt, gm, grown)

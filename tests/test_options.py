@@ -1,13 +1,14 @@
 """Options objects (issue 41): what a command was asked travels cli → jobs → search in LoadOptions, OutputOptions
 and Limits, every argument by name; no limit lives in a global."""
+
 from __future__ import annotations
 
 import ast
 
 import pytest
 import torch
-
 from conftest import ROOT, small_cnn
+
 from graphgrow.analysis.budget import DEFAULT_MAX_MEMORY, NO_LIMIT, Limits
 from graphgrow.core.errors import InputError
 
@@ -25,7 +26,6 @@ def test_one_commands_memory_limit_does_not_reach_the_next(runner, tmp_path):
     assert again.exit_code == 0, again.output
 
 
-
 def test_one_commands_load_limit_does_not_reach_the_next(runner, tmp_path):
     """--max-load likewise: it travels in LoadOptions to load_model, and no module attribute keeps it."""
     from graphgrow.cli.commands import main
@@ -40,6 +40,7 @@ def test_one_commands_load_limit_does_not_reach_the_next(runner, tmp_path):
     assert again.exit_code == 0, again.output
     bad = runner.invoke(main, ["inspect", str(src), "--input-shape", "1,3,32,32", "--max-load", "lots"])
     assert bad.exit_code == 2 and "--max-load" in bad.output, bad.output
+
 
 def test_limits_parse_the_flags_values():
     assert Limits.parse() == Limits() and Limits().max_memory == DEFAULT_MAX_MEMORY
@@ -62,10 +63,17 @@ def test_the_cli_calls_its_jobs_by_keyword():
     """A job of graphgrow.jobs.workflow or the search is called with at most its subject(s) by position: eleven
     positional arguments (mutate's, before) let a swapped pair pass unnoticed."""
     tree = ast.parse((ROOT / "graphgrow" / "cli" / "commands.py").read_text())
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and isinstance(n.func.value, ast.Name) and n.func.value.id == "workflow"]
-    calls += [n for n in ast.walk(tree)
-              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "run"]
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == "workflow"
+    ]
+    calls += [
+        n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "run"
+    ]
     assert len(calls) >= 9  # mutate, replay, fold, export, check, inspect, targets, diff, search
     crowded = [f"line {c.lineno}: {len(c.args)} positional" for c in calls if len(c.args) > 2]
     assert not crowded, crowded

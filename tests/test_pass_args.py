@@ -3,6 +3,7 @@
 Rules over every registered pass (a pass added later is covered too), the checks at parse time (a SpecError, exit 2,
 before the model file is opened), the plain functions taking their defaults from the declaration, and a third-party
 pass using the same declarations."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,21 +15,29 @@ from typing import ClassVar, Literal
 
 import pytest
 import torch
+from conftest import run_cli
 from torch import nn
 
 import graphgrow as gg
 from graphgrow.rewrite import ADDS_PARAMETERS, Guarantee, Requirement, begin, finish, param_count, pass_function
 from graphgrow.rewrite.arguments import PassFunction, admits_none
 
-from conftest import run_cli
-
 PASSES = {name: cls for name, cls in gg.all_passes().items() if isinstance(cls, type)}
 BUILT_IN = {name: cls for name, cls in PASSES.items() if cls.__module__.startswith("graphgrow.passes")}
 
 
 def test_every_built_in_pass_is_found():
-    assert set(BUILT_IN) >= {"add_residual", "grow_width", "insert_adapter", "add_branch", "remove_branch", "deepen",
-                             "grow_hidden", "grow_heads", "fold"}
+    assert set(BUILT_IN) >= {
+        "add_residual",
+        "grow_width",
+        "insert_adapter",
+        "add_branch",
+        "remove_branch",
+        "deepen",
+        "grow_hidden",
+        "grow_heads",
+        "fold",
+    }
 
 
 @pytest.mark.parametrize("name", sorted(BUILT_IN))
@@ -37,8 +46,9 @@ def test_the_plain_function_declares_no_default(name):
     its signature would be a second declaration that can drift from the first."""
     cls = BUILT_IN[name]
     function = cls.function
-    assert isinstance(function, PassFunction) and function.declared_by is cls, \
+    assert isinstance(function, PassFunction) and function.declared_by is cls, (
         f"{name}: decorate its function with @pass_function (graphgrow.rewrite) so the Pass declares its arguments"
+    )
     own = inspect.signature(function.raw).parameters
     fields = [f.name for f in dataclasses.fields(cls)]
     assert [p for p in own if p in fields] == fields, f"{name}: the function takes every argument, in declaration order"
@@ -106,8 +116,16 @@ def test_the_same_checks_hold_in_python():
 
 def cnn() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
-                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).eval()
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    ).eval()
 
 
 def test_good_values_still_work_and_the_plain_function_takes_the_declared_defaults():
@@ -135,7 +153,10 @@ def test_graphgrow_passes_shows_what_each_argument_allows_and_the_contract():
     assert found["grow_heads"]["requires"] == ["an attention (F.scaled_dot_product_attention)"]
     assert found["remove_branch"]["ensures"] == ["removes parameters"] and found["fold"]["ensures"] == []
     text = run_cli("passes").stdout
-    assert "count: int, in [1, 16] = 1" in text and "(requires a branch merge (add_branch's); ensures it removes parameters)" in text
+    assert (
+        "count: int, in [1, 16] = 1" in text
+        and "(requires a branch merge (add_branch's); ensures it removes parameters)" in text
+    )
 
 
 def test_requires_refuses_before_any_work_and_ensures_is_checked():
@@ -155,6 +176,7 @@ def test_requires_refuses_before_any_work_and_ensures_is_checked():
 
 # --- a third-party pass -----------------------------------------------------------------------------------
 
+
 @pass_function
 def scale_by(gm, factor: float, where: str, generator=None) -> gg.Rewrite:
     gm, generator = begin(gm, generator)
@@ -171,8 +193,10 @@ def _even(value: float) -> str | None:
     return None if float(value) % 2 == 0 else "must be an even number"
 
 
-NO_NEW_PARAMETERS = Guarantee("adds no parameters", lambda before, after: None if param_count(after) <= param_count(before)
-                              else "it added parameters")
+NO_NEW_PARAMETERS = Guarantee(
+    "adds no parameters",
+    lambda before, after: None if param_count(after) <= param_count(before) else "it added parameters",
+)
 
 
 @dataclass(frozen=True)
@@ -182,8 +206,14 @@ class ScaleBy(gg.Pass):
     name: ClassVar[str] = "test_scale_by"
     grows: ClassVar[bool] = False
     function = scale_by
-    requires = (Requirement("a Linear layer", lambda gm: any(isinstance(m, nn.Linear) for m in gm.modules()),
-                            "the model has no Linear layer", "give a model with one"),)
+    requires = (
+        Requirement(
+            "a Linear layer",
+            lambda gm: any(isinstance(m, nn.Linear) for m in gm.modules()),
+            "the model has no Linear layer",
+            "give a model with one",
+        ),
+    )
     ensures = (NO_NEW_PARAMETERS,)
     factor: float = gg.arg(2.0, "the constant", low=-8, below=8, check=_even)
     where: Literal["output"] = gg.arg("output", "where to scale")
@@ -198,9 +228,11 @@ def registered(monkeypatch):
 
 def test_a_third_party_pass_declared_with_arg(registered):
     assert [p.name for p in gg.build_pipeline("test_scale_by(factor=4)")] == ["test_scale_by"]
-    for spec, message in [("test_scale_by(factor=8)", "must be in [-8, 8), got 8.0"),
-                          ("test_scale_by(factor=3)", "must be an even number, got 3.0"),
-                          ("test_scale_by(where=input)", "must be one of output, got 'input'")]:
+    for spec, message in [
+        ("test_scale_by(factor=8)", "must be in [-8, 8), got 8.0"),
+        ("test_scale_by(factor=3)", "must be an even number, got 3.0"),
+        ("test_scale_by(where=input)", "must be one of output, got 'input'"),
+    ]:
         with pytest.raises(gg.SpecError, match=message.replace("(", r"\(").replace("[", r"\[").replace(")", r"\)")):
             gg.build_pipeline(spec)
     assert ScaleBy.argument_allowed()["factor"].describe() == "in [-8, 8), an even number"

@@ -1,9 +1,10 @@
 """Pipeline specs, the registry (with a real entry-point plugin), and the verifier catching bad passes."""
+
 from __future__ import annotations
 
 import dataclasses
-import re
 import operator
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,31 +12,37 @@ from typing import ClassVar, Literal
 
 import pytest
 import torch
+from conftest import assert_same_snapshot, run_cli, snapshot
 from torch import nn
 
 import graphgrow as gg
 from graphgrow.jobs.pipeline import coerce, make_pass, parse_spec, spec_of
 from graphgrow.rewrite import Rewrite, add_module, copy_graph_module, finish, inserting_after, replace_uses
-from conftest import assert_same_snapshot, run_cli, snapshot
 
 PLUGIN_DIR = Path(__file__).parent / "plugin"
 
 
 def test_parse_spec_handles_nesting_dots_and_quotes():
     steps = parse_spec("grow_width(target=layer1.0.conv1,factor=2),add_residual(start=layer1,end=layer2), deepen")
-    assert steps == [("grow_width", {"target": "layer1.0.conv1", "factor": "2"}),
-                     ("add_residual", {"start": "layer1", "end": "layer2"}), ("deepen", {})]
+    assert steps == [
+        ("grow_width", {"target": "layer1.0.conv1", "factor": "2"}),
+        ("add_residual", {"start": "layer1", "end": "layer2"}),
+        ("deepen", {}),
+    ]
     assert parse_spec("a(x='b,c')") == [("a", {"x": "'b,c'"})]
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("add_residual(", "unclosed parenthesis"),
-    ("add_residual)", "unbalanced ')'"),
-    ("add_residual,,x", "empty pass"),
-    ("add_residual(start)", "is not key=value"),
-    ("add_residual(start=a,start=b)", "given twice"),
-    ("9lives", "bad pass name"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("add_residual(", "unclosed parenthesis"),
+        ("add_residual)", "unbalanced ')'"),
+        ("add_residual,,x", "empty pass"),
+        ("add_residual(start)", "is not key=value"),
+        ("add_residual(start=a,start=b)", "given twice"),
+        ("9lives", "bad pass name"),
+    ],
+)
 def test_malformed_specs(spec, message):
     with pytest.raises(gg.SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
         gg.build_pipeline(spec)
@@ -57,8 +64,11 @@ def test_types_are_coerced_and_checked():
     assert coerce("3", int, "x") == 3 and coerce("2.5", float, "x") == 2.5 and coerce("true", bool, "x") is True
     assert coerce("none", str | None, "x") is None and coerce("layer1", str | None, "x") == "layer1"
     assert coerce("'group'", Literal["group", "adapter"], "mode") == "group"
-    for value, annotation, message in [("two", int, "must be int"), ("maybe", bool, "must be bool"),
-                                       ("fast", Literal["group", "adapter"], "must be one of group, adapter")]:
+    for value, annotation, message in [
+        ("two", int, "must be int"),
+        ("maybe", bool, "must be bool"),
+        ("fast", Literal["group", "adapter"], "must be one of group, adapter"),
+    ]:
         with pytest.raises(gg.SpecError, match=message):
             coerce(value, annotation, "arg")
 
@@ -99,6 +109,7 @@ def test_plugin_shows_in_the_cli(plugin_on_path):
 
 
 # --- the verifier catches passes that break the promise --------------------------------------------
+
 
 def _register(cls):
     gg.register_pass(cls)
@@ -209,12 +220,15 @@ def test_a_pass_that_mixes_the_examples_of_a_batch_is_refused(examples):
         gg.Pipeline.from_spec("test_mixes_examples").run(gm)
 
 
-@pytest.mark.parametrize("spec, error, message", [
-    ("test_changes_function", gg.PreservationError, "changed the model's eval-mode output"),
-    ("test_dead_branch", gg.PreservationError, "get no gradient"),
-    ("test_mutates_input", gg.ValidationError, "modified its input model"),
-    ("test_bakes_batch", gg.ValidationError, r"node 'reshape' .* fails on inputs of shapes \[\(1, 5\)\]"),
-])
+@pytest.mark.parametrize(
+    "spec, error, message",
+    [
+        ("test_changes_function", gg.PreservationError, "changed the model's eval-mode output"),
+        ("test_dead_branch", gg.PreservationError, "get no gradient"),
+        ("test_mutates_input", gg.ValidationError, "modified its input model"),
+        ("test_bakes_batch", gg.ValidationError, r"node 'reshape' .* fails on inputs of shapes \[\(1, 5\)\]"),
+    ],
+)
 def test_verifier_rejects_broken_passes(spec, error, message):
     gm = _mlp_gm()
     before = snapshot(gm)
@@ -236,15 +250,18 @@ def test_pipeline_seeds_each_pass_and_logs_it(cnn):
     assert res.log[1]["args"] == {"start": "_3", "end": "_8"}
 
 
-@pytest.mark.parametrize("spec, message, column", [
-    ("add_residual,grow_width(factr=2)", "no argument 'factr'", 24),
-    ("add_residual(start=_2,grow_width", "unclosed parenthesis", 12),
-    ("deepen(block=big)", "must be one of", 7),
-    ("deepen,,add_residual", "empty pass", 7),
-    ("deepen)", "unbalanced ')'", 6),
-    ("no_such_pass(x=1)", "unknown pass", 0),
-    ("deepen(after)", "not key=value", 7),
-])
+@pytest.mark.parametrize(
+    "spec, message, column",
+    [
+        ("add_residual,grow_width(factr=2)", "no argument 'factr'", 24),
+        ("add_residual(start=_2,grow_width", "unclosed parenthesis", 12),
+        ("deepen(block=big)", "must be one of", 7),
+        ("deepen,,add_residual", "empty pass", 7),
+        ("deepen)", "unbalanced ')'", 6),
+        ("no_such_pass(x=1)", "unknown pass", 0),
+        ("deepen(after)", "not key=value", 7),
+    ],
+)
 def test_spec_errors_point_at_the_problem(spec, message, column):
     with pytest.raises(gg.SpecError, match=re.escape(message)) as info:
         gg.build_pipeline(spec)

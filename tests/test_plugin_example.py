@@ -1,14 +1,14 @@
 """examples/plugin_pass: a pass in its own package, found through the entry point its pyproject.toml
 declares, written with the public API only (graphgrow and graphgrow.rewrite) in at most 60 lines."""
+
 from __future__ import annotations
 
 import ast
 import json
 import os
-import tomllib
 
 import pytest
-
+import tomllib
 from conftest import ROOT, run_cli
 
 EXAMPLE = ROOT / "examples" / "plugin_pass"
@@ -24,8 +24,11 @@ def installed(tmp_path_factory):
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
     groups = project["entry-points"]
-    (info / "entry_points.txt").write_text("".join(
-        f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()) for group, entries in groups.items()))
+    (info / "entry_points.txt").write_text(
+        "".join(
+            f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()) for group, entries in groups.items()
+        )
+    )
     return {"PYTHONPATH": os.pathsep.join([str(site), str(EXAMPLE), str(ROOT / "tests")])}
 
 
@@ -37,8 +40,18 @@ def test_the_plugin_is_listed_with_its_help(installed):
 
 
 def test_the_plugin_grows_a_model_verified(installed, tmp_path):
-    proc = run_cli("mutate", "factories:small_cnn", "--pass", "channel_scale", "--input-shape", "1,3,16,16",
-                   "--dry-run", "--json", cwd=tmp_path, env=installed)
+    proc = run_cli(
+        "mutate",
+        "factories:small_cnn",
+        "--pass",
+        "channel_scale",
+        "--input-shape",
+        "1,3,16,16",
+        "--dry-run",
+        "--json",
+        cwd=tmp_path,
+        env=installed,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     step = report["passes"][0]
@@ -47,8 +60,17 @@ def test_the_plugin_grows_a_model_verified(installed, tmp_path):
     assert checked["eval_ok"] and checked["train_ok"] and checked["trainable_ok"] and checked["max_rel_err"] <= 1e-6
     (new,) = checked["new_parameters"]  # one per-channel scale, at the default stage end
     assert new.endswith("_scale")
-    proc = run_cli("targets", "factories:small_cnn", "--pass", "channel_scale", "--input-shape", "1,3,16,16", "--json",
-                   cwd=tmp_path, env=installed)
+    proc = run_cli(
+        "targets",
+        "factories:small_cnn",
+        "--pass",
+        "channel_scale",
+        "--input-shape",
+        "1,3,16,16",
+        "--json",
+        cwd=tmp_path,
+        env=installed,
+    )
     assert proc.returncode == 0 and json.loads(proc.stdout)["candidates"], proc.stderr
 
 

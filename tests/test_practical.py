@@ -1,5 +1,6 @@
 """What a new user runs into: an honest check against factories, tolerances and opsets on the command
 line, inspect on ONNX files, choices in `passes`, announced output names, typed errors."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 import graphgrow as gg
-from graphgrow.jobs import workflow
 from graphgrow.cli import main
+from graphgrow.jobs import workflow
 
 FACTORY = "factories:small_cnn"
 SHAPE = "1,3,16,16"
@@ -47,7 +48,9 @@ def test_check_against_a_factory_refuses_when_the_weights_cannot_be_the_same(run
 
 def test_check_tolerances_and_export_opset_come_from_the_command_line(runner, tmp_path):
     onnx_path = tmp_path / "m.onnx"
-    assert invoke(runner, "export", FACTORY, "-o", str(onnx_path), "--input-shape", SHAPE, "--opset", "18").exit_code == 0
+    assert (
+        invoke(runner, "export", FACTORY, "-o", str(onnx_path), "--input-shape", SHAPE, "--opset", "18").exit_code == 0
+    )
     assert [o.version for o in onnx.load(str(onnx_path)).opset_import if o.domain in ("", "ai.onnx")] == [18]
     res = invoke(runner, "check", str(onnx_path), FACTORY, "--rtol", "0.01", "--atol", "0.002", "--json")
     eq = json.loads(res.output)["equivalence"]
@@ -58,15 +61,30 @@ def test_check_tolerances_and_export_opset_come_from_the_command_line(runner, tm
 
 def test_inspect_reads_an_onnx_file_with_its_mutation_log(runner, tmp_path):
     grown, onnx_path = tmp_path / "g.pt", tmp_path / "g.onnx"
-    res = invoke(runner, "mutate", FACTORY, "--pass", "insert_adapter", "-o", str(grown), "--onnx", str(onnx_path),
-                 "--input-shape", SHAPE)
+    res = invoke(
+        runner,
+        "mutate",
+        FACTORY,
+        "--pass",
+        "insert_adapter",
+        "-o",
+        str(grown),
+        "--onnx",
+        str(onnx_path),
+        "--input-shape",
+        SHAPE,
+    )
     assert res.exit_code == 0, res.output
     res = invoke(runner, "inspect", str(onnx_path))
     assert res.exit_code == 0, res.output
     assert "input input: float [batch, 3, 16, 16]" in res.output
     assert "mutation 1: insert_adapter(" in res.output and "Conv" in res.output
     data = json.loads(invoke(runner, "inspect", str(onnx_path), "--json").output)
-    assert data["format"] == "onnx" and data["input_shape"] == [1, 3, 16, 16] and data["log"][0]["pass"] == "insert_adapter"
+    assert (
+        data["format"] == "onnx"
+        and data["input_shape"] == [1, 3, 16, 16]
+        and data["log"][0]["pass"] == "insert_adapter"
+    )
     n_params = sum(p.numel() for p in gg.load_model(grown).module.parameters())
     assert 0.9 * n_params < data["params"] <= n_params  # the exporter folds BatchNorm into the conv before it
     assert invoke(runner, "inspect", str(onnx_path), "--groups").exit_code == 2
@@ -74,7 +92,10 @@ def test_inspect_reads_an_onnx_file_with_its_mutation_log(runner, tmp_path):
 
 def test_passes_lists_the_choices_of_an_argument(runner):
     res = invoke(runner, "passes")
-    assert "op: one of conv3x3|conv5x5|sepconv3x3|sepconv5x5|dilconv3x3|avgpool3x3|maxpool3x3|identity = 'conv3x3'" in res.output
+    assert (
+        "op: one of conv3x3|conv5x5|sepconv3x3|sepconv5x5|dilconv3x3|avgpool3x3|maxpool3x3|identity = 'conv3x3'"
+        in res.output
+    )
     assert "at: str | None = None" in res.output
 
 
@@ -84,7 +105,10 @@ def test_a_second_mutate_without_output_says_where_the_result_went(runner, tmp_p
     assert first.exit_code == 0 and "note:" not in first.output
     second = invoke(runner, "mutate", FACTORY, "--pass", "insert_adapter", "--input-shape", SHAPE)
     assert second.exit_code == 0
-    assert "small_cnn.grown.pt already exists: the result went to small_cnn.grown-1.pt (give -o to choose the name)" in second.output
+    assert (
+        "small_cnn.grown.pt already exists: the result went to small_cnn.grown-1.pt (give -o to choose the name)"
+        in second.output
+    )
     assert (tmp_path / "small_cnn.grown-1.pt").exists()
 
 
@@ -117,7 +141,7 @@ def test_the_readmes_pass_table_is_one_table_with_a_row_per_pass():
     lines = (Path(__file__).resolve().parent.parent / "README.md").read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| pass | what it does"))
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break  # a blank line ends a markdown table: every pass must come before it
         rows.append(line.split("|")[1].strip().strip("`"))

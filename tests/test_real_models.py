@@ -1,16 +1,17 @@
 """torchvision classification models: add_residual verified, exported, and run in onnxruntime
 against the *original* PyTorch model at batch sizes 1 and 3."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torchvision
+from conftest import assert_same_snapshot, randomize_bn, snapshot
 
 import graphgrow as gg
-from graphgrow.verify.equivalence import check_equivalence
 from graphgrow.io.export import export_onnx
 from graphgrow.io.runtime import max_ir_version, open_session
-from conftest import assert_same_snapshot, randomize_bn, snapshot
+from graphgrow.verify.equivalence import check_equivalence
 
 pytestmark = pytest.mark.slow
 
@@ -22,15 +23,22 @@ def build(name: str) -> torch.nn.Module:
     return randomize_bn(getattr(torchvision.models, name)(), seed=1)
 
 
-@pytest.mark.parametrize("name, spec, skip", [
-    ("resnet18", "add_residual", "1×1 conv 256→512 stride 2 + BatchNorm(γ=β=0)"),  # layer3 → layer4
-    ("resnet18", "add_residual(start=layer1,end=layer2)", "1×1 conv 64→128 stride 2 + BatchNorm(γ=β=0)"),
-    ("resnet18", "add_residual(start=layer3.1,end=layer3.1)", "identity × gate (gate = 0)"),
-    ("mobilenet_v2", "add_residual", "1×1 conv 96→1280 stride 2 + BatchNorm(γ=β=0)"),  # features.13 → end
-    ("mobilenet_v2", "add_residual(start=features.2,end=features.4)", "1×1 conv 16→32 stride 4 + BatchNorm(γ=β=0)"),
-    ("densenet121", "add_residual", "1×1 conv 1024→1024 stride 2 + BatchNorm(γ=β=0)"),  # denseblock3 → end
-    ("densenet121", "add_residual(start=features.transition1,end=features.denseblock2)", "1×1 conv 256→512 stride 2 + BatchNorm(γ=β=0)"),
-])
+@pytest.mark.parametrize(
+    "name, spec, skip",
+    [
+        ("resnet18", "add_residual", "1×1 conv 256→512 stride 2 + BatchNorm(γ=β=0)"),  # layer3 → layer4
+        ("resnet18", "add_residual(start=layer1,end=layer2)", "1×1 conv 64→128 stride 2 + BatchNorm(γ=β=0)"),
+        ("resnet18", "add_residual(start=layer3.1,end=layer3.1)", "identity × gate (gate = 0)"),
+        ("mobilenet_v2", "add_residual", "1×1 conv 96→1280 stride 2 + BatchNorm(γ=β=0)"),  # features.13 → end
+        ("mobilenet_v2", "add_residual(start=features.2,end=features.4)", "1×1 conv 16→32 stride 4 + BatchNorm(γ=β=0)"),
+        ("densenet121", "add_residual", "1×1 conv 1024→1024 stride 2 + BatchNorm(γ=β=0)"),  # denseblock3 → end
+        (
+            "densenet121",
+            "add_residual(start=features.transition1,end=features.denseblock2)",
+            "1×1 conv 256→512 stride 2 + BatchNorm(γ=β=0)",
+        ),
+    ],
+)
 def test_add_residual_on_torchvision(name, spec, skip):
     original = build(name)
     before = snapshot(original)
@@ -65,5 +73,8 @@ def test_vit_b_16_grows_exactly():
     # torchvision zero-initialises the ViT head: nothing else gets a gradient at step 0, where the head moves (as in
     # training); every parameter trains from step 1 and the gradient reaches the new layers now the head has moved;
     # the conv behind the zero BatchNorm γ gets one the step after (argued from the zero factor, verify/zero_factor.py)
-    assert result.preservation.trainable == {"residual_downsample.1.weight": 1, "residual_downsample.1.bias": 1,
-                                             "residual_downsample.0.weight": 2}
+    assert result.preservation.trainable == {
+        "residual_downsample.1.weight": 1,
+        "residual_downsample.1.bias": 1,
+        "residual_downsample.0.weight": 2,
+    }

@@ -1,4 +1,5 @@
 """Outputs kept between verifications (graphgrow.graph.reference): reused only while the model is unchanged."""
+
 from __future__ import annotations
 
 import torch
@@ -6,17 +7,24 @@ from torch import nn
 
 import graphgrow as gg
 from graphgrow.graph import reference
+from graphgrow.graph.shapes import example_input
 from graphgrow.verify import verify as verify_module
 from graphgrow.verify.preserve import eval_forward
-from graphgrow.graph.shapes import example_input
 
 SHAPE = (1, 3, 8, 8)
 
 
 def small() -> torch.fx.GraphModule:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 2),
+    )
     return gg.trace(model.eval(), SHAPE)
 
 

@@ -1,6 +1,7 @@
 """The search's move chooser aimed by the data (issue 26): `policy="gain"` grows the place with the largest
 first-order gain, so a starved layer is grown first; the uniform default draws as before; bad policies,
 missing data and bad data functions are refused before a search starts. No Ray."""
+
 from __future__ import annotations
 
 import random
@@ -21,8 +22,9 @@ STARVED = "4"  # the 2-unit layer before a 10-class head
 
 def _starved():
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2), nn.ReLU(),
-                      nn.Linear(2, 10))
+    m = nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2), nn.ReLU(), nn.Linear(2, 10)
+    )
     gm = gg.trace(m, input_shape=(1, 16))
     gg.annotate(gm, (1, 16))
     return gm
@@ -67,8 +69,13 @@ def test_policy_gain_sample_draws_in_proportion_to_the_gain(gm, monkeypatch):
     import graphgrow.search.space as space_module
 
     gains = {"0": 0.1, "2": 0.1, STARVED: 0.8}  # canned: the proportions are what is tested, not GradMax
-    monkeypatch.setattr(space_module, "rank_by_gain", lambda gm, p, places, data, seed=0: sorted(
-        [(c, gains[c.args["target"]], None) for c in places], key=lambda r: -r[1]))
+    monkeypatch.setattr(
+        space_module,
+        "rank_by_gain",
+        lambda gm, p, places, data, seed=0: sorted(
+            [(c, gains[c.args["target"]], None) for c in places], key=lambda r: -r[1]
+        ),
+    )
     sample, best = (MutationSpace.parse("grow_width", policy=p, data=_data) for p in ("gain-sample", "gain"))
     picks = Counter(_placed(sample, gm, s) for s in range(150))
     assert 0.7 < picks[STARVED] / 150 < 0.9 and picks["0"] > 5 and picks["2"] > 5, picks
@@ -100,13 +107,16 @@ def test_gradmax_moves_read_the_space_data(gm):
     assert graph_info(grown)["log"][-1]["args"]["data"] == f"{__name__}:_data"  # the log names it, for replay
 
 
-@pytest.mark.parametrize("kwargs, moves, message", [
-    ({"policy": "best"}, "grow_width", "unknown search policy 'best'.*gain-sample"),
-    ({"policy": "gain"}, "grow_width", "no data was given"),
-    ({"policy": "gain", "data": _data}, "add_residual;noop", "none of these moves has one"),
-    ({"data": _data}, "grow_width;deepen", "neither is here"),
-    ({}, "grow_width(init=gradmax)", "no data was given"),
-])
+@pytest.mark.parametrize(
+    "kwargs, moves, message",
+    [
+        ({"policy": "best"}, "grow_width", "unknown search policy 'best'.*gain-sample"),
+        ({"policy": "gain"}, "grow_width", "no data was given"),
+        ({"policy": "gain", "data": _data}, "add_residual;noop", "none of these moves has one"),
+        ({"data": _data}, "grow_width;deepen", "neither is here"),
+        ({}, "grow_width(init=gradmax)", "no data was given"),
+    ],
+)
 def test_bad_policies_and_missing_data_are_refused_when_built(kwargs, moves, message):
     with pytest.raises(InputError, match=message):
         MutationSpace.parse(moves, **kwargs)
@@ -123,15 +133,25 @@ def test_a_bad_data_function_is_refused_before_the_search_writes_anything(gm, tm
 
 def test_cli_policy_is_checked_before_ray(monkeypatch, tmp_path):
     from click.testing import CliRunner
+    from conftest import ROOT
 
     import graphgrow.search.job as job
-    from conftest import ROOT
     from graphgrow.cli import main
 
     monkeypatch.setattr(job, "_require_ray", lambda: pytest.fail("Ray was reached"))
     monkeypatch.chdir(ROOT)
-    base = ["search", "examples.digits_task:model", "--train", "examples.digits_task:train_epoch", "--eval",
-            "examples.digits_task:evaluate", "--mutations", "grow_width;deepen", "--storage-path", str(tmp_path)]
+    base = [
+        "search",
+        "examples.digits_task:model",
+        "--train",
+        "examples.digits_task:train_epoch",
+        "--eval",
+        "examples.digits_task:evaluate",
+        "--mutations",
+        "grow_width;deepen",
+        "--storage-path",
+        str(tmp_path),
+    ]
     res = CliRunner().invoke(main, [*base, "--policy", "best"])
     assert res.exit_code == 2 and "'best' is not one of 'uniform', 'gain', 'gain-sample'" in res.output, res.output
     res = CliRunner().invoke(main, [*base, "--policy", "gain"])
@@ -147,6 +167,7 @@ def test_a_search_on_ray_grows_where_the_gain_says(tmp_path):
 
     ray = pytest.importorskip("ray")
     from conftest import ROOT
+
     from graphgrow.search import SearchOptions, search
 
     sys.path.insert(0, str(ROOT / "examples"))
@@ -159,9 +180,14 @@ def test_a_search_on_ray_grows_where_the_gain_says(tmp_path):
     try:
         space = MutationSpace.parse("grow_width", policy="gain", data=task.batch)
         lines: list[str] = []
-        result = search(gg.trace(task.model(), input_shape=task.INPUT_SHAPE), task.train_epoch, task.evaluate, space,
-                        SearchOptions(population=4, rounds=4, storage_path=str(tmp_path), name="aimed", seed=1),
-                        say=lines.append)
+        result = search(
+            gg.trace(task.model(), input_shape=task.INPUT_SHAPE),
+            task.train_epoch,
+            task.evaluate,
+            space,
+            SearchOptions(population=4, rounds=4, storage_path=str(tmp_path), name="aimed", seed=1),
+            say=lines.append,
+        )
     finally:
         if started:
             ray.shutdown()

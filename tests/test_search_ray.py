@@ -4,6 +4,7 @@ One in-process search checks the promises (no errored trial, the mutation log ma
 reported growth count, the metric just before and just after each growth is equal, the best
 model replays and exports); a CLI search interrupted with Ctrl-C resumes from its checkpoints.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 
 import graphgrow as gg
-from conftest import ROOT
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -54,8 +55,9 @@ def test_population_grows_exactly_and_the_best_model_replays(tmp_path, local_ray
     gm = gg.trace(task.model(), input_shape=task.INPUT_SHAPE)
     options = SearchOptions(population=4, rounds=4, epochs_per_round=1, storage_path=str(tmp_path), name="s", seed=1)
     lines: list[str] = []
-    result = search(gm, task.train_epoch, task.evaluate, MutationSpace.parse(GROWTH, max_params=50_000), options,
-                    say=lines.append)
+    result = search(
+        gm, task.train_epoch, task.evaluate, MutationSpace.parse(GROWTH, max_params=50_000), options, say=lines.append
+    )
     assert [ln for ln in lines if ln.startswith("round ")][-1].startswith("round 4/4")
     assert len(result.trials) == 4 and all(t["val_loss"] is not None for t in result.trials)
     growths = 0
@@ -82,7 +84,9 @@ def test_population_grows_exactly_and_the_best_model_replays(tmp_path, local_ray
     original = gg.load_model(result.original_path).module
     if result.lineage:
         replayed = from_log(result.lineage).run(original).gm
-        assert {k: v.shape for k, v in replayed.state_dict().items()} == {k: v.shape for k, v in best.state_dict().items()}
+        assert {k: v.shape for k, v in replayed.state_dict().items()} == {
+            k: v.shape for k, v in best.state_dict().items()
+        }
     x = torch.randn(3, 1, 8, 8)
     proto = gg.export_onnx(best, [1, 1, 8, 8], tmp_path / "best.onnx")
     assert (tmp_path / "best.onnx").stat().st_size > 0 and len(proto.graph.node) > 0
@@ -91,17 +95,38 @@ def test_population_grows_exactly_and_the_best_model_replays(tmp_path, local_ray
 
 
 def test_an_interrupted_search_resumes_from_its_checkpoints(tmp_path, local_ray):
-    cmd = [sys.executable, "-m", "graphgrow.cli", "search", "examples.digits_task:model",
-           "--train", "examples.digits_task:train_epoch", "--eval", "examples.digits_task:evaluate",
-           "--mutations", GROWTH + ";noop", "--population", "4", "--rounds", "5", "--num-cpus", "2",
-           "--storage-path", str(tmp_path), "--name", "r", "--input-shape", "1,1,8,8"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "graphgrow.cli",
+        "search",
+        "examples.digits_task:model",
+        "--train",
+        "examples.digits_task:train_epoch",
+        "--eval",
+        "examples.digits_task:evaluate",
+        "--mutations",
+        GROWTH + ";noop",
+        "--population",
+        "4",
+        "--rounds",
+        "5",
+        "--num-cpus",
+        "2",
+        "--storage-path",
+        str(tmp_path),
+        "--name",
+        "r",
+        "--input-shape",
+        "1,1,8,8",
+    ]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
     deadline = time.monotonic() + 240
     assert proc.stderr is not None
     midway = re.compile(r"round [234]/5")  # asynchronous PBT: a trial that exploits a donor ahead of it can make
-    for line in proc.stderr:                # the population's slowest point jump a round (1 → 3 was seen)
+    for line in proc.stderr:  # the population's slowest point jump a round (1 → 3 was seen)
         seen.append(line)
         if midway.match(line) or time.monotonic() > deadline:
             break
@@ -110,9 +135,12 @@ def test_an_interrupted_search_resumes_from_its_checkpoints(tmp_path, local_ray)
     _, rest = proc.communicate(timeout=120)
     assert proc.returncode == 130, rest[-2000:]
     assert "--resume --trust" in rest
-    options = SearchOptions(population=4, rounds=5, epochs_per_round=1, storage_path=str(tmp_path), name="r", resume=True,
-                            trust=True)
-    result = search(None, task.train_epoch, task.evaluate, MutationSpace.parse(GROWTH + ";noop"), options, say=lambda m: None)
+    options = SearchOptions(
+        population=4, rounds=5, epochs_per_round=1, storage_path=str(tmp_path), name="r", resume=True, trust=True
+    )
+    result = search(
+        None, task.train_epoch, task.evaluate, MutationSpace.parse(GROWTH + ";noop"), options, say=lambda m: None
+    )
     for trial, rows in result.history.items():
         epochs = [r["epoch"] for r in rows]
         assert epochs[-1] == 5, (trial, epochs)

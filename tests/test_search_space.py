@@ -1,16 +1,16 @@
 """MutationSpace: parsing, the driver's choice, the worker's deterministic application. No Ray."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
+from conftest import small_cnn
 
 import graphgrow as gg
-from graphgrow.search import NOOP, Move, MutationSpace, applied_moves
 from graphgrow.graph.shapes import param_count
-
-from conftest import small_cnn
+from graphgrow.search import NOOP, Move, MutationSpace, applied_moves
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +24,19 @@ def test_parse_weights_and_noop():
     assert space.max_params == 10**6
 
 
-@pytest.mark.parametrize("text, message", [
-    ("", "empty move"),
-    ("deepen;;noop", "empty move"),
-    ("deepen*x", "is not a number"),
-    ("deepen*0", "weight"),
-    ("deepen*-1", "weight"),
-    ("no_such_pass", "no_such_pass"),
-    ("deepen(depth=2)", "no argument"),
-    ("deepen,add_residual", "one pass per move"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "empty move"),
+        ("deepen;;noop", "empty move"),
+        ("deepen*x", "is not a number"),
+        ("deepen*0", "weight"),
+        ("deepen*-1", "weight"),
+        ("no_such_pass", "no_such_pass"),
+        ("deepen(depth=2)", "no argument"),
+        ("deepen,add_residual", "one pass per move"),
+    ],
+)
 def test_bad_spaces_are_refused_when_built(text, message):
     with pytest.raises(gg.SpecError, match=message):
         MutationSpace.parse(text)
@@ -113,10 +116,20 @@ def test_a_trial_checkpoint_keeps_the_optimiser_state_by_name(tmp_path):
     sys.path.insert(0, str(ROOT / "examples"))
     import digits_task as task
 
-    from graphgrow.search.trial import TrialSetup, TrialState, grow, model_bytes, read_state, restore_optimizer, write_state
+    from graphgrow.search.trial import (
+        TrialSetup,
+        TrialState,
+        grow,
+        model_bytes,
+        read_state,
+        restore_optimizer,
+        write_state,
+    )
 
     gm = gg.trace(task.model(), input_shape=task.INPUT_SHAPE)
-    setup = TrialSetup(model_bytes(gm), task.train_epoch, task.evaluate, "val_loss", MutationSpace.parse("deepen;add_branch"))
+    setup = TrialSetup(
+        model_bytes(gm), task.train_epoch, task.evaluate, "val_loss", MutationSpace.parse("deepen;add_branch")
+    )
     state = TrialState(gm)
     opt = torch.optim.SGD(state.model.parameters(), lr=0.05, momentum=0.9)
     task.train_epoch(state.model, opt)
@@ -141,16 +154,29 @@ def _cli(*args):
 
     from graphgrow.cli import main
 
-    return CliRunner().invoke(main, ["search", "examples.digits_task:model", "--train", "examples.digits_task:train_epoch",
-                                     "--eval", "examples.digits_task:evaluate", *args])
+    return CliRunner().invoke(
+        main,
+        [
+            "search",
+            "examples.digits_task:model",
+            "--train",
+            "examples.digits_task:train_epoch",
+            "--eval",
+            "examples.digits_task:evaluate",
+            *args,
+        ],
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--mutations", "deepen;no_such_pass"], "no_such_pass"),
-    (["--mutations", "deepen*zero"], "not a number"),
-    (["--mutations", "deepen", "--max-params", "lots"], "not a size"),
-    (["--mutations", "deepen", "--train", "examples.digits_task:no_such_function"], "no callable"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mutations", "deepen;no_such_pass"], "no_such_pass"),
+        (["--mutations", "deepen*zero"], "not a number"),
+        (["--mutations", "deepen", "--max-params", "lots"], "not a size"),
+        (["--mutations", "deepen", "--train", "examples.digits_task:no_such_function"], "no callable"),
+    ],
+)
 def test_search_refuses_bad_input_before_starting_ray(args, message, monkeypatch, tmp_path):
     pytest.importorskip("ray")
     from conftest import ROOT
@@ -173,16 +199,29 @@ def test_resume_without_a_search_says_so(monkeypatch, tmp_path):
     assert result.exit_code == 2 and "a pickle in that folder would run code" in result.output, result.output
 
 
-@pytest.mark.parametrize("name, message", [
-    ("../../x", "is a path"), ("a/b", "is a path"), ("a\\b", "is a path"), ("..", "is not a folder name"),
-    (".", "is not a folder name"), ("", "is not a folder name"), ("-x", "starts with '-'"), (".hidden", "starts with '.'"),
-    ("x\x00y", "is a path"), ("a\nb", "control characters"), (" x", "space"), ("x" * 300, "longer than 200 bytes"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("../../x", "is a path"),
+        ("a/b", "is a path"),
+        ("a\\b", "is a path"),
+        ("..", "is not a folder name"),
+        (".", "is not a folder name"),
+        ("", "is not a folder name"),
+        ("-x", "starts with '-'"),
+        (".hidden", "starts with '.'"),
+        ("x\x00y", "is a path"),
+        ("a\nb", "control characters"),
+        (" x", "space"),
+        ("x" * 300, "longer than 200 bytes"),
+    ],
+)
 def test_a_search_name_must_be_one_folder_name(name, message, monkeypatch, tmp_path):
     """--name becomes a folder under --storage-path: `../../x` once wrote outside it. Refused before Ray
     (or any import of it), before the model is opened, with nothing written anywhere."""
-    import graphgrow.search.job as job
     from conftest import ROOT
+
+    import graphgrow.search.job as job
 
     monkeypatch.setattr(job, "_require_ray", lambda: pytest.fail("Ray was reached"))
     monkeypatch.chdir(ROOT)
@@ -194,8 +233,9 @@ def test_a_search_name_must_be_one_folder_name(name, message, monkeypatch, tmp_p
 
 
 def test_search_outputs_are_checked_before_ray(monkeypatch, tmp_path):
-    import graphgrow.search.job as job
     from conftest import ROOT
+
+    import graphgrow.search.job as job
 
     monkeypatch.setattr(job, "_require_ray", lambda: pytest.fail("Ray was reached"))
     monkeypatch.chdir(ROOT)
@@ -229,8 +269,10 @@ def test_a_checkpoint_that_cannot_be_written_is_a_save_error(tmp_path, monkeypat
     with pytest.raises(gg.SaveError, match=r"cannot write .*trainer.pt: No space left on device"):
         trial.write_state(tmp_path, trial.TrialState(gm), opt)
 
-    ray_error = RuntimeError("Failure # 1\nTraceback (most recent call last):\n  ...\ngraphgrow.core.errors.SaveError: cannot write "
-                             "/s/model.pt: No space left on device (check free space)")
+    ray_error = RuntimeError(
+        "Failure # 1\nTraceback (most recent call last):\n  ...\ngraphgrow.core.errors.SaveError: cannot write "
+        "/s/model.pt: No space left on device (check free space)"
+    )
     results = type("Results", (), {"errors": [ray_error], "__len__": lambda self: 4})()
     with pytest.raises(gg.SaveError, match=r"1 of 4 trials failed; the first: cannot write /s/model.pt: No space left"):
         _collect(results, SearchOptions(), tmp_path, 1.0)
@@ -240,7 +282,9 @@ def test_the_core_and_the_search_space_do_not_import_ray():
     import subprocess
     import sys
 
-    code = ("import sys, graphgrow, graphgrow.search, graphgrow.cli; "
-            "from graphgrow.search import MutationSpace; MutationSpace.parse('deepen;noop'); "
-            "assert 'ray' not in sys.modules, 'ray was imported'")
+    code = (
+        "import sys, graphgrow, graphgrow.search, graphgrow.cli; "
+        "from graphgrow.search import MutationSpace; MutationSpace.parse('deepen;noop'); "
+        "assert 'ray' not in sys.modules, 'ray was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

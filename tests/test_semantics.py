@@ -1,13 +1,14 @@
 """The coupling analysis knows layers by behaviour: subclasses of standard layers and opaque leaves are probed."""
+
 from __future__ import annotations
 
 import torch
+from test_trace_fidelity import DropPath
 from torch import nn
 
 import graphgrow as gg
 from graphgrow.analysis.coupling import analyze
 from graphgrow.analysis.probe import module_is_channelwise
-from test_trace_fidelity import DropPath
 
 
 class BatchNormAct(nn.BatchNorm2d):
@@ -30,8 +31,15 @@ class MixChannels(nn.Module):
 
 def net(act=nn.SiLU, extra=None):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), BatchNormAct(8, act), extra or DropPath(0.3),
-                         nn.Conv2d(8, 4, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        BatchNormAct(8, act),
+        extra or DropPath(0.3),
+        nn.Conv2d(8, 4, 1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 2),
+    )
 
 
 def test_probe_tells_per_example_drops_from_per_element_dropout():

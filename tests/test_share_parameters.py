@@ -1,6 +1,7 @@
 """Parameters a pass does not touch are shared, not copied (issue 27, item 2): between a pipeline's own intermediate
 models always, with the caller's model when asked (Pipeline(share=True)); the input stays untouched either way, and a
 pass that writes into a shared tensor in place is refused."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,11 +9,11 @@ from typing import ClassVar
 
 import pytest
 import torch
+from conftest import mlp
 
 import graphgrow as gg
 from graphgrow.graph.fx_edit import Rewrite
 from graphgrow.rewrite import copy_graph_module
-from conftest import mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -69,5 +70,6 @@ def test_sharing_saves_the_memory_of_a_copy():
     old = {p.data_ptr() for p in gm.parameters()}
     new_bytes = sum(p.numel() * p.element_size() for p in result.gm.parameters() if p.data_ptr() not in old)
     added = sum(p.numel() * p.element_size() for p in result.gm.parameters()) - sum(
-        p.numel() * p.element_size() for p in gm.parameters())
+        p.numel() * p.element_size() for p in gm.parameters()
+    )
     assert new_bytes == added > 0

@@ -1,6 +1,7 @@
 """Static checks run with the tests, so CI enforces them: ruff (pyflakes, bugbear, banned imports for
 architecture.md §2's boundaries) over the whole tree, mypy over the package (configured in pyproject.toml), the
 pass author's API as the only way passes reach the core (the docs' generated parts: tests/test_docs.py)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -13,14 +14,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_ruff_finds_nothing():
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 @pytest.mark.slow  # a minute on two busy cores: `make lint` runs it in the edit loop
 def test_mypy_finds_nothing():
-    proc = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-incremental"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
 
 
@@ -43,7 +51,9 @@ def test_built_in_passes_use_only_the_public_api():
                     pass
                 elif module.split(".")[0] == "graphgrow" and module not in ("graphgrow", "graphgrow.rewrite"):
                     problems.append(f"{rel}: from {module} import …")
-                problems += [f"{rel}: private name {a.name} from {module}" for a in node.names if a.name.startswith("_")]
+                problems += [
+                    f"{rel}: private name {a.name} from {module}" for a in node.names if a.name.startswith("_")
+                ]
             elif isinstance(node, ast.Import):
                 problems += [f"{rel}: import {a.name}" for a in node.names if a.name.startswith("graphgrow.")]
     assert not problems, "\n".join(problems)
@@ -65,16 +75,25 @@ def test_every_built_in_pass_argument_has_help():
             assert all(cls.argument_help().values()), name
 
 
-@pytest.mark.parametrize("where, code", [
-    ("graphgrow/verify/verify.py", "import onnxruntime\n"),
-    ("graphgrow/graph/shapes.py", "import torch\n\ntorch.onnx.export\n"),
-    ("graphgrow/jobs/pipeline.py", "from graphgrow.passes import fold\n"),
-    ("graphgrow/jobs/workflow.py", "import ray\n"),
-    ("passes/deepen.py", "import onnxruntime\n"),
-    ("passes/fold/rules/relus.py", "import onnxruntime\n"),  # a pass package's own modules are checked too
-])
+@pytest.mark.parametrize(
+    "where, code",
+    [
+        ("graphgrow/verify/verify.py", "import onnxruntime\n"),
+        ("graphgrow/graph/shapes.py", "import torch\n\ntorch.onnx.export\n"),
+        ("graphgrow/jobs/pipeline.py", "from graphgrow.passes import fold\n"),
+        ("graphgrow/jobs/workflow.py", "import ray\n"),
+        ("passes/deepen.py", "import onnxruntime\n"),
+        ("passes/fold/rules/relus.py", "import onnxruntime\n"),  # a pass package's own modules are checked too
+    ],
+)
 def test_the_layout_boundaries_are_enforced_by_ruff(where, code):
     """architecture.md §2: one module owns onnxruntime, one torch.onnx; the core never imports a pass; Ray stays in search/."""
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--stdin-filename", where, "-"],
-                          cwd=ROOT, input=code, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "--stdin-filename", where, "-"],
+        cwd=ROOT,
+        input=code,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and "TID251" in proc.stdout, proc.stdout + proc.stderr

@@ -1,6 +1,7 @@
 """The registry sweep (tools/sweep.py, issue 39): on a fixed subset of tiny models it runs the real CLI, classifies
 the exits (a run that verifies, a forced refusal, a run past its time limit), resumes from its state file without
 running anything again, and writes the table. The classification of reasons is checked on its own too."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,13 @@ from sweep_report import broken_kind, reason_class, status_of  # noqa: E402
 
 
 def sweep(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "sweep.py"), "--registry", "smoke", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "sweep.py"), "--registry", "smoke", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.slow
@@ -41,7 +47,18 @@ def test_sweep_runs_classifies_resumes_and_writes_the_table(tmp_path):
     assert "small_cnn" not in again.stdout
 
     # a run past its time limit is killed and counted as broken; the table lists it with its message
-    late = sweep("--passes", "grow_width", "--only", "small_cnn", "--timeout", "0.5", "--state", str(state), "--table", str(table))
+    late = sweep(
+        "--passes",
+        "grow_width",
+        "--only",
+        "small_cnn",
+        "--timeout",
+        "0.5",
+        "--state",
+        str(state),
+        "--table",
+        str(table),
+    )
     assert late.returncode == 0, late.stderr
     last = json.loads(state.read_text().splitlines()[-1])
     assert (last["status"], last["class"], last["rc"]) == ("broken", "timeout", None)
@@ -50,7 +67,17 @@ def test_sweep_runs_classifies_resumes_and_writes_the_table(tmp_path):
     assert "| small_cnn | grow_width | timeout | no result after 0.5 s |" in text
 
     # --retry-timeouts runs it again; its new record replaces the old one in the counts
-    retry = sweep("--passes", "grow_width", "--only", "small_cnn", "--retry-timeouts", "--state", str(state), "--table", str(table))
+    retry = sweep(
+        "--passes",
+        "grow_width",
+        "--only",
+        "small_cnn",
+        "--retry-timeouts",
+        "--state",
+        str(state),
+        "--table",
+        str(table),
+    )
     assert retry.returncode == 0, retry.stderr
     assert "3 runs over 2 models: **2 verified, 1 refused, 0 broken**" in table.read_text()
 

@@ -1,4 +1,5 @@
 """Default targets find the backbone's last (N, C, H, W) feature map, also with channels-last code around it."""
+
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,9 @@ class LayerNorm2d(nn.LayerNorm):
     """ConvNeXt's channels-first LayerNorm: permute → LayerNorm → permute."""
 
     def forward(self, x):
-        return F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, self.eps).permute(0, 3, 1, 2)
+        return F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, self.eps).permute(
+            0, 3, 1, 2
+        )
 
 
 class ConvNeXtish(nn.Module):

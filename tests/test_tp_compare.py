@@ -5,6 +5,7 @@ graphgrow freezes must carry a reason that makes exact growth impossible. Models
 freezes for other reasons (coupling rules not written yet, issue 28) are strict xfails: when the rules land,
 the test passes, the xfail fails, and its mark is to be dropped.
 """
+
 from __future__ import annotations
 
 import re
@@ -31,8 +32,17 @@ IMPOSSIBLE = (
 # Models where graphgrow freezes TP-prunable groups for reasons that are not impossibility (none left as measured
 # now; a model listed here is a strict xfail until its rules land).
 NOT_YET: dict[str, str] = {}
-MODELS = ("resnet18", "mobilenet_v2", "densenet121", "regnet_y_400mf", "timm:ghostnet_100", "timm:vit_tiny_patch16_224",
-          "timm:resnetv2_50x1_bit", "timm:resnest14d", "timm:skresnet18")
+MODELS = (
+    "resnet18",
+    "mobilenet_v2",
+    "densenet121",
+    "regnet_y_400mf",
+    "timm:ghostnet_100",
+    "timm:vit_tiny_patch16_224",
+    "timm:resnetv2_50x1_bit",
+    "timm:resnest14d",
+    "timm:skresnet18",
+)
 
 
 def compared(name: str) -> compare_tp.Compared:
@@ -42,8 +52,10 @@ def compared(name: str) -> compare_tp.Compared:
 
 
 # one test per model (not one per property): the comparison is the cost, and test workers do not share a cache
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=NOT_YET[n]))
-                                  if n in NOT_YET else n for n in MODELS])
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=NOT_YET[n])) if n in NOT_YET else n for n in MODELS],
+)
 def test_groups_agree_and_every_prunable_group_graphgrow_freezes_cannot_grow_exactly(name):
     r = compared(name)
     assert not r.tp_error and not r.gg_error and r.tp_prunable > 0, (r.tp_error, r.gg_error)
@@ -53,5 +65,6 @@ def test_groups_agree_and_every_prunable_group_graphgrow_freezes_cannot_grow_exa
     assert r.matched + len(r.tp_only) == r.tp_prunable
     for g in r.tp_only:
         assert g["reasons"], f"{name}: {g['layers'][:3]} frozen without a reason"
-        assert any(p.search(x) for x in g["reasons"] for p in IMPOSSIBLE), \
+        assert any(p.search(x) for x in g["reasons"] for p in IMPOSSIBLE), (
             f"{name}: {g['layers'][:3]} frozen for reasons that do not make exact growth impossible: {g['reasons'][:3]}"
+        )

@@ -1,4 +1,5 @@
 """Faithful tracing: the graph graphgrow grows computes what the user's module computes, in eval and train mode."""
+
 from __future__ import annotations
 
 import random
@@ -11,8 +12,8 @@ from torchvision.ops import StochasticDepth
 
 import graphgrow as gg
 from graphgrow.capture.fidelity import check_fidelity
-from graphgrow.graph.shapes import validate_batch_sizes
 from graphgrow.capture.trace import trace_report
+from graphgrow.graph.shapes import validate_batch_sizes
 
 
 def drop_path(x, drop_prob: float = 0.0, training: bool = False):
@@ -406,8 +407,18 @@ def test_cli_reports_an_unfaithful_trace_as_a_trace_problem(tmp_path):
     from conftest import ROOT, run_cli
 
     env = {"PYTHONPATH": str(ROOT / "tests")}
-    proc = run_cli("mutate", "test_trace_fidelity:TopLevelBranch", "--pass", "add_residual", "--input-shape", "1,3,8,8",
-                   "-o", str(tmp_path / "g.pt"), cwd=tmp_path, env=env)
+    proc = run_cli(
+        "mutate",
+        "test_trace_fidelity:TopLevelBranch",
+        "--pass",
+        "add_residual",
+        "--input-shape",
+        "1,3,8,8",
+        "-o",
+        str(tmp_path / "g.pt"),
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "top-level forward of TopLevelBranch branches on self.training" in lines[0]
@@ -418,8 +429,17 @@ def test_cli_trace_mode_train_keeps_the_auxiliary_outputs(tmp_path):
     from conftest import ROOT, run_cli
 
     env = {"PYTHONPATH": str(ROOT / "tests")}
-    proc = run_cli("inspect", "test_trace_fidelity:Aux", "--input-shape", "1,3,8,8", "--trace-mode", "train", "--json",
-                   cwd=tmp_path, env=env)
+    proc = run_cli(
+        "inspect",
+        "test_trace_fidelity:Aux",
+        "--input-shape",
+        "1,3,8,8",
+        "--trace-mode",
+        "train",
+        "--json",
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     import json
 

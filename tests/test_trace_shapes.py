@@ -1,4 +1,5 @@
 """Tracing (leaves, TraceError) and shapes (annotation, params/FLOPs, two batch sizes)."""
+
 from __future__ import annotations
 
 import pytest

@@ -3,6 +3,7 @@
 Forwards are counted with a global module hook (calls of a traced model) and by wrapping fx.Interpreter.run
 (shape recordings); meta-device runs (size estimates) do not count.
 """
+
 from __future__ import annotations
 
 import operator
@@ -11,18 +12,18 @@ from typing import ClassVar
 
 import pytest
 import torch
+from conftest import mlp, small_cnn
 from torch import fx, nn
 
 import graphgrow as gg
-from conftest import mlp, small_cnn
+from graphgrow.core.protocol import TRAIN_PROTOCOL
+from graphgrow.core.threads import check_threads
+from graphgrow.graph import reference
 from graphgrow.graph.graph_meta import META_KEY
 from graphgrow.graph.shapes import example_input
 from graphgrow.rewrite import Rewrite, add_module, copy_graph_module, finish, inserting_after, replace_uses
-from graphgrow.graph import reference
 from graphgrow.verify import zero_factor
-from graphgrow.core.protocol import TRAIN_PROTOCOL
 from graphgrow.verify.preserve import train_forward
-from graphgrow.core.threads import check_threads
 
 SHAPE = (1, 3, 32, 32)
 PASSES = ("grow_width", "insert_adapter", "add_residual", "add_branch", "deepen")
@@ -42,7 +43,8 @@ class Forwards:
         self.backwards = 0
         top = lambda m: isinstance(m, fx.GraphModule) and META_KEY in m.meta  # noqa: E731
         self.hook = torch.nn.modules.module.register_module_forward_pre_hook(
-            lambda m, args: self.calls.append(("call", torch.is_grad_enabled())) if top(m) else None)
+            lambda m, args: self.calls.append(("call", torch.is_grad_enabled())) if top(m) else None
+        )
         run, backward = fx.Interpreter.run, torch.Tensor.backward
 
         def counted_run(interp, *args, **kwargs):
@@ -126,8 +128,12 @@ class _ZeroedFirstFactor(gg.Pass):
     name: ClassVar[str] = "test_zeroed_first_factor"
 
     def apply(self, gm, generator):
-        return Rewrite(_new_path(copy_graph_module(gm), lambda g, h: g.call_function(
-            operator.add, (g.call_function(operator.mul, (h, 0.0)), 1.0))))
+        return Rewrite(
+            _new_path(
+                copy_graph_module(gm),
+                lambda g, h: g.call_function(operator.add, (g.call_function(operator.mul, (h, 0.0)), 1.0)),
+            )
+        )
 
 
 @pytest.mark.parametrize("spec", ["test_detached_first_factor", "test_zeroed_first_factor"])

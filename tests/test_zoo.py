@@ -8,6 +8,7 @@ grow_width on a model listed in MUST_GROW (the issue asks for at least 9 of the 
 today). Each model's row goes to out/zoo/NAME.md and the table of every row so far to out/zoo.md,
 so the models can run on different test workers.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -15,10 +16,10 @@ import os
 from pathlib import Path
 
 import pytest
+from zoo import ZOO
 
 import graphgrow as gg
 from graphgrow.jobs import workflow
-from zoo import ZOO
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("timm")
@@ -33,15 +34,28 @@ def run_job(name: str, opened: workflow.OpenedModel, spec: str, tmp: Path) -> tu
     """(exit code the CLI would give, what happened): `graphgrow mutate` after the model is opened
     (loaded, traced and checked once per model; passes never modify their input)."""
     try:
-        report = workflow._grow_and_write(gg.Pipeline.from_spec([spec]), opened, f"zoo:{name}", (), tmp / f"{spec}.pt",
-                                          tmp / f"{spec}.onnx", True, "auto", lambda _: None, "pass")
+        report = workflow._grow_and_write(
+            gg.Pipeline.from_spec([spec]),
+            opened,
+            f"zoo:{name}",
+            (),
+            tmp / f"{spec}.pt",
+            tmp / f"{spec}.onnx",
+            True,
+            "auto",
+            lambda _: None,
+            "pass",
+        )
     except gg.GraphgrowError as e:
         return e.exit_code, e.message
     except Exception as e:  # what the CLI reports as an internal error
         return 3, f"{type(e).__name__}: {e}"
     eq = report["equivalence"]
     if not eq["passed"]:
-        return 1, f"onnxruntime differs: grown max abs {eq['max_abs_err']:.3g}, vs original {eq['vs_original']['max_abs_err']:.3g}"
+        return (
+            1,
+            f"onnxruntime differs: grown max abs {eq['max_abs_err']:.3g}, vs original {eq['vs_original']['max_abs_err']:.3g}",
+        )
     targets = report["passes"][0]["targets"]
     where = next(iter(targets.values())) if targets else ""
     return 0, f"{where}; params {report['passes'][0]['params_before']:,} → {report['passes'][0]['params_after']:,}"

@@ -1,5 +1,6 @@
 """Hugging Face names (issue 22 item 4): `hf:MODEL_TYPE[/TASK](config arguments)` build transformers models from
 a config with random weights and report a default input spec; names that ask for more are refused."""
+
 from __future__ import annotations
 
 import sys
@@ -18,18 +19,30 @@ TEXT = "input_ids"
 # name → (class built, default spec as (name, shape, dtype, high))
 NAMES = {
     "hf:gpt2(n_layer=2,n_embd=64,n_head=4)": ("GPT2Model", [(TEXT, (1, 16), "int64", 50257)]),
-    "hf:llama/causal-lm(hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2)":
-        ("LlamaForCausalLM", [(TEXT, (1, 16), "int64", 32000)]),
-    "hf:bert/sequence-classification(hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64)":
-        ("BertForSequenceClassification", [(TEXT, (1, 16), "int64", 30522)]),
-    "hf:vit/image-classification(hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64,image_size=32,patch_size=8)":
-        ("ViTForImageClassification", [("pixel_values", (1, 3, 32, 32), "float32", None)]),
-    "hf:t5/seq2seq-lm(d_model=32,d_ff=64,num_layers=2,num_heads=4,d_kv=8,vocab_size=1000)":
-        ("T5ForConditionalGeneration", [(TEXT, (1, 16), "int64", 1000), ("decoder_input_ids", (1, 16), "int64", 1000)]),
-    "hf:resnet/image-classification(embedding_size=8,hidden_sizes=[8,16],depths=[1,1],num_channels=1)":
-        ("ResNetForImageClassification", [("pixel_values", (1, 1, 224, 224), "float32", None)]),  # no image_size: 224
-    "hf:convnext/image-classification(hidden_sizes=[8,16],depths=[1,1],num_stages=2,image_size=64)":
-        ("ConvNextForImageClassification", [("pixel_values", (1, 3, 64, 64), "float32", None)]),
+    "hf:llama/causal-lm(hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2)": (
+        "LlamaForCausalLM",
+        [(TEXT, (1, 16), "int64", 32000)],
+    ),
+    "hf:bert/sequence-classification(hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64)": (
+        "BertForSequenceClassification",
+        [(TEXT, (1, 16), "int64", 30522)],
+    ),
+    "hf:vit/image-classification(hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64,image_size=32,patch_size=8)": (
+        "ViTForImageClassification",
+        [("pixel_values", (1, 3, 32, 32), "float32", None)],
+    ),
+    "hf:t5/seq2seq-lm(d_model=32,d_ff=64,num_layers=2,num_heads=4,d_kv=8,vocab_size=1000)": (
+        "T5ForConditionalGeneration",
+        [(TEXT, (1, 16), "int64", 1000), ("decoder_input_ids", (1, 16), "int64", 1000)],
+    ),
+    "hf:resnet/image-classification(embedding_size=8,hidden_sizes=[8,16],depths=[1,1],num_channels=1)": (
+        "ResNetForImageClassification",
+        [("pixel_values", (1, 1, 224, 224), "float32", None)],
+    ),  # no image_size: 224
+    "hf:convnext/image-classification(hidden_sizes=[8,16],depths=[1,1],num_stages=2,image_size=64)": (
+        "ConvNextForImageClassification",
+        [("pixel_values", (1, 3, 64, 64), "float32", None)],
+    ),
 }
 
 
@@ -47,30 +60,42 @@ def test_a_name_builds_its_class_with_its_default_spec_and_runs(name):
 
 def test_the_name_parses_as_the_hf_zoo_and_use_cache_is_the_users_when_given():
     name = parse_name("hf:llama/causal-lm(hidden_size=64)")
-    assert (name.zoo, name.target, name.kwargs, name.short) == ("hf", "hf:llama/causal-lm", {"hidden_size": 64}, "llama_causal-lm")
+    assert (name.zoo, name.target, name.kwargs, name.short) == (
+        "hf",
+        "hf:llama/causal-lm",
+        {"hidden_size": 64},
+        "llama_causal-lm",
+    )
     loaded = gg.load_model("hf:gpt2(n_layer=1,n_embd=32,n_head=4,vocab_size=100,use_cache=True)")
     assert loaded.module.config.use_cache is True
 
 
 def test_same_name_same_weights():
-    a, b = (gg.load_model("hf:bert(hidden_size=32,num_hidden_layers=1,num_attention_heads=4,intermediate_size=64,vocab_size=50)")
-            for _ in range(2))
+    a, b = (
+        gg.load_model(
+            "hf:bert(hidden_size=32,num_hidden_layers=1,num_attention_heads=4,intermediate_size=64,vocab_size=50)"
+        )
+        for _ in range(2)
+    )
     assert all(torch.equal(x, y) for x, y in zip(a.module.state_dict().values(), b.module.state_dict().values()))
 
 
-@pytest.mark.parametrize("text, message", [
-    ("hf:gpt3", r"no model type 'gpt3'.*did you mean .*gpt2"),
-    ("hf:gpt2/summarize", r"unknown task 'summarize'.*causal-lm, masked-lm, seq2seq-lm, sequence-classification"),
-    ("hf:gpt2/image-classification", r"no image-classification model for gpt2.*its tasks: causal-lm"),
-    ("hf:gpt2(n_layers=2)", r"GPT2Config has no field 'n_layers'.*did you mean n_layer"),
-    ("hf:gpt2(trust_remote_code=True)", r"trust_remote_code is refused: remote code is never run"),
-    ("hf:gpt2(auto_map={'AutoModel': 'x.Model'})", r"auto_map is refused"),
-    ("hf:bert(pretrained=True)", r"pretrained=True asks for stored weights"),
-    ("hf:bert/masked-lm(tokenizer_class='/tmp/tok.json')", r"names a file, folder or URL"),
-    ("hf:llama(attn_implementation='kernels-community/flash-attn')", r"names a file, folder or URL"),
-    ("hf:llama(attn_implementation='flash_attention_2')", r"one of eager, sdpa"),
-    ("hf:llama(num_hidden_layers=1,hidden_size=64,num_attention_heads=5)", r"config refused the arguments"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("hf:gpt3", r"no model type 'gpt3'.*did you mean .*gpt2"),
+        ("hf:gpt2/summarize", r"unknown task 'summarize'.*causal-lm, masked-lm, seq2seq-lm, sequence-classification"),
+        ("hf:gpt2/image-classification", r"no image-classification model for gpt2.*its tasks: causal-lm"),
+        ("hf:gpt2(n_layers=2)", r"GPT2Config has no field 'n_layers'.*did you mean n_layer"),
+        ("hf:gpt2(trust_remote_code=True)", r"trust_remote_code is refused: remote code is never run"),
+        ("hf:gpt2(auto_map={'AutoModel': 'x.Model'})", r"auto_map is refused"),
+        ("hf:bert(pretrained=True)", r"pretrained=True asks for stored weights"),
+        ("hf:bert/masked-lm(tokenizer_class='/tmp/tok.json')", r"names a file, folder or URL"),
+        ("hf:llama(attn_implementation='kernels-community/flash-attn')", r"names a file, folder or URL"),
+        ("hf:llama(attn_implementation='flash_attention_2')", r"one of eager, sdpa"),
+        ("hf:llama(num_hidden_layers=1,hidden_size=64,num_attention_heads=5)", r"config refused the arguments"),
+    ],
+)
 def test_refused_names_say_what_is_valid(text, message):
     with pytest.raises(gg.LoadError, match=message):
         gg.load_model(text)
@@ -83,9 +108,12 @@ def test_a_default_config_too_large_is_refused_on_the_meta_device_naming_its_par
     def recording(cls, config, **kwargs):
         devices.append(torch.get_default_device().type)
         return real(cls, config, **kwargs)
+
     monkeypatch.setattr(transformers.AutoModel, "from_config", classmethod(recording))
     start = time.perf_counter()
-    with pytest.raises(gg.LoadError, match=r"hf:llama would hold .* MiB of parameters and buffers \(6,607,343,616 parameters; limit"):
+    with pytest.raises(
+        gg.LoadError, match=r"hf:llama would hold .* MiB of parameters and buffers \(6,607,343,616 parameters; limit"
+    ):
         gg.load_model("hf:llama")  # transformers' default LLaMA backbone: 6.6B parameters, 25 GiB in float32
     assert devices == ["meta"]  # sized without storage, never built for real
     assert time.perf_counter() - start < 60  # building 25 GiB for real would take minutes (or fail); a margin for load

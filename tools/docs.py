@@ -11,6 +11,7 @@ its fence, or by its language when there is none: `sh` and `python` blocks run (
 `layout` checks the module map against the tree; `install` checks that its `pip install` lines name
 extras pyproject.toml declares and that the other commands are graphgrow's. A block with no known check fails the tests.
 """
+
 from __future__ import annotations
 
 import re
@@ -108,7 +109,7 @@ def blocks(path: Path) -> list[Block]:
         before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         mark = MARK.match(before)
         kind = "generated" if generated else mark.group("kind") if mark else KINDS_BY_LANGUAGE.get(m.group("lang"), "")
-        found.append(Block(path, i + 1, m.group("lang"), kind, section, "\n".join(lines[i + 1:end]) + "\n"))
+        found.append(Block(path, i + 1, m.group("lang"), kind, section, "\n".join(lines[i + 1 : end]) + "\n"))
         i = end + 1
     return found
 

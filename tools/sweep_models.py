@@ -4,6 +4,7 @@ shape), nothing else. Listing a registry builds nothing: torchvision and timm ar
 transformers' configs are instantiated with their defaults (no weights, no download) to see which size fields they
 have, and shrunk by setting those that exist.
 """
+
 from __future__ import annotations
 
 import re
@@ -30,7 +31,12 @@ def _torchvision_args(name: str, kind: str) -> tuple[str, tuple[str, ...]]:
             return f"torchvision:{name}", ("--input-shape", "1,3,16,224,224")
         return f"torchvision:{name}", ("--input-shape", "1,3,4,32,32")
     if kind == "optical_flow":  # two frames, sides a multiple of 8 (128: its correlation pyramid has 4 levels)
-        return f"torchvision:{name}", ("--input", "image1:float32[1,3,128,128]", "--input", "image2:float32[1,3,128,128]")
+        return f"torchvision:{name}", (
+            "--input",
+            "image1:float32[1,3,128,128]",
+            "--input",
+            "image2:float32[1,3,128,128]",
+        )
     if kind == "detection":  # the transform resizes every image to min_size: keep it small
         if name.startswith("ssd"):
             return f"torchvision:{name}", ("--input-shape", "1,3,128,128")
@@ -51,8 +57,13 @@ def _torchvision_args(name: str, kind: str) -> tuple[str, tuple[str, ...]]:
 def torchvision_models() -> list[Model]:
     import torchvision.models as tvm
 
-    kinds = {"detection": tvm.detection, "segmentation": tvm.segmentation, "video": tvm.video,
-             "optical_flow": tvm.optical_flow, "quantization": tvm.quantization}
+    kinds = {
+        "detection": tvm.detection,
+        "segmentation": tvm.segmentation,
+        "video": tvm.video,
+        "optical_flow": tvm.optical_flow,
+        "quantization": tvm.quantization,
+    }
     kind_of = {n: k for k, mod in kinds.items() for n in tvm.list_models(module=mod)}
     order = {"classification": 0, "quantization": 1, "segmentation": 2, "detection": 3, "video": 4, "optical_flow": 5}
     names = sorted(tvm.list_models(), key=lambda n: (order[kind_of.get(n, "classification")], n))
@@ -95,23 +106,49 @@ def timm_models() -> list[Model]:
 
 
 # ---------------------------------------------------------------- transformers
-HF_TASKS = (("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"), ("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
-            ("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
-            ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"))
+HF_TASKS = (
+    ("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    ("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    ("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+    ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+)
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB, IMAGE = 64, 2, 4, 2, 256, 32
 # field → value for every scalar size field a config may have (set only where the config class has it)
 _SCALARS = {
-    "hidden_size": HIDDEN, "n_embd": HIDDEN, "d_model": HIDDEN, "dim": HIDDEN, "embed_dim": HIDDEN,
-    "num_hidden_layers": LAYERS, "n_layer": LAYERS, "n_layers": LAYERS, "num_layers": LAYERS,
-    "encoder_layers": LAYERS, "decoder_layers": LAYERS,
-    "num_attention_heads": HEADS, "n_head": HEADS, "n_heads": HEADS, "num_heads": HEADS,
-    "encoder_attention_heads": HEADS, "decoder_attention_heads": HEADS,
-    "num_key_value_heads": KV_HEADS, "head_dim": HIDDEN // HEADS,
-    "intermediate_size": 2 * HIDDEN, "n_inner": 2 * HIDDEN, "ffn_dim": 2 * HIDDEN, "d_ff": 2 * HIDDEN,
-    "encoder_ffn_dim": 2 * HIDDEN, "decoder_ffn_dim": 2 * HIDDEN, "moe_intermediate_size": HIDDEN,
+    "hidden_size": HIDDEN,
+    "n_embd": HIDDEN,
+    "d_model": HIDDEN,
+    "dim": HIDDEN,
+    "embed_dim": HIDDEN,
+    "num_hidden_layers": LAYERS,
+    "n_layer": LAYERS,
+    "n_layers": LAYERS,
+    "num_layers": LAYERS,
+    "encoder_layers": LAYERS,
+    "decoder_layers": LAYERS,
+    "num_attention_heads": HEADS,
+    "n_head": HEADS,
+    "n_heads": HEADS,
+    "num_heads": HEADS,
+    "encoder_attention_heads": HEADS,
+    "decoder_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "head_dim": HIDDEN // HEADS,
+    "intermediate_size": 2 * HIDDEN,
+    "n_inner": 2 * HIDDEN,
+    "ffn_dim": 2 * HIDDEN,
+    "d_ff": 2 * HIDDEN,
+    "encoder_ffn_dim": 2 * HIDDEN,
+    "decoder_ffn_dim": 2 * HIDDEN,
+    "moe_intermediate_size": HIDDEN,
     "shared_expert_intermediate_size": HIDDEN,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
-    "vocab_size": VOCAB, "image_size": IMAGE, "embedding_size": HIDDEN,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": VOCAB,
+    "image_size": IMAGE,
+    "embedding_size": HIDDEN,
 }
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id")
 
@@ -125,7 +162,11 @@ def _shrunk(config_class: type) -> dict:
         default = config_class()
     except Exception:
         return {}
-    fields = {f.name for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else set(vars(default))
+    fields = (
+        {f.name for f in dataclasses.fields(config_class)}
+        if dataclasses.is_dataclass(config_class)
+        else set(vars(default))
+    )
     fields |= set(getattr(config_class, "attribute_map", {}))
     real = {k for k in fields if k not in getattr(config_class, "attribute_map", {})}
     kw: dict = {}
@@ -147,8 +188,12 @@ def _shrunk(config_class: type) -> dict:
         stages = value(k)
         if k in real and isinstance(stages, (list, tuple)) and stages and all(isinstance(x, int) for x in stages):
             n = len(stages)
-            kw[k] = {"hidden_sizes": [16 * 2 ** i for i in range(n)], "embed_dims": [16 * 2 ** i for i in range(n)],
-                     "depths": [1] * n, "num_heads": [2 ** i for i in range(n)]}[k]
+            kw[k] = {
+                "hidden_sizes": [16 * 2**i for i in range(n)],
+                "embed_dims": [16 * 2**i for i in range(n)],
+                "depths": [1] * n,
+                "num_heads": [2**i for i in range(n)],
+            }[k]
             if k == "num_heads" and "embed_dim" in kw:
                 kw["embed_dim"] = 16  # stage i has embed_dim · 2^i channels and 2^i heads
     return kw
@@ -179,8 +224,10 @@ def hf_models() -> list[Model]:
 
 def smoke_models() -> list[Model]:
     """The fixed subset `make test` sweeps (tests/test_sweep.py): tiny models of tests/factories.py."""
-    return [Model("smoke", "small_cnn", "tests.factories:small_cnn", ("--input-shape", "1,3,16,16")),
-            Model("smoke", "token_classifier", "tests.factories:token_classifier", ("--input", "input_ids:int64[1,16]"))]
+    return [
+        Model("smoke", "small_cnn", "tests.factories:small_cnn", ("--input-shape", "1,3,16,16")),
+        Model("smoke", "token_classifier", "tests.factories:token_classifier", ("--input", "input_ids:int64[1,16]")),
+    ]
 
 
 REGISTRIES = {"torchvision": torchvision_models, "timm": timm_models, "hf": hf_models, "smoke": smoke_models}

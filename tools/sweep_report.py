@@ -2,10 +2,12 @@
 a refusal's one-line reason sorted into a small set of classes by what it says, and the generated docs/sweep.md
 (per registry: counts, a model × pass grid, the refusals with their reasons, the broken runs with their messages).
 """
+
 from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
+
 
 # exit codes (docs/safety.md): 0 ok, 1 a check failed, 2 refused (bad input or a pass that cannot apply), 3 internal error
 def status_of(rc: int | None, timed_out: bool) -> str:
@@ -17,26 +19,46 @@ def status_of(rc: int | None, timed_out: bool) -> str:
 def broken_kind(rc: int | None, timed_out: bool) -> str:
     if timed_out:
         return "timeout"
-    return {1: "check failed (exit 1)", 3: "internal error (exit 3)"}.get(rc if rc is not None else -1, f"crash (exit {rc})")
+    return {1: "check failed (exit 1)", 3: "internal error (exit 3)"}.get(
+        rc if rc is not None else -1, f"crash (exit {rc})"
+    )
 
 
 # (class, pattern) in order: the first that matches a refusal's message names its class
-REASON_CLASSES: list[tuple[str, re.Pattern]] = [(c, re.compile(p, re.I)) for c, p in [
-    ("cannot save", r"cannot save|cannot be saved|allow-?list|not allowed in a (saved|stored)|stored graph"),
-    ("cannot estimate", r"cannot estimate|cannot be (sized|estimated)"),
-    ("cannot capture", r"cannot (trace|capture|export)|torch\.export|symbolic trac|untraceable|data-dependent|"
-                       r"graphs .* differ in|cannot merge|mode-branch|graph break"),
-    ("limit", r"--max-(params|memory|load)|past the limit|more than \S+ (of memory|parameters)|too large"),
-    ("model does not build", r"\(\) failed|config refused|has no field|has no \S+ model for|no model type|"
-                             r"cannot build|example input|needs --input|give the input|does not take|input .* (refused|needs)"),
-    ("no place", r"has none|no place|no branch merge|nothing to|found no|the model has no|no layer in this model|"
-                 r"has no (conv|attention|residual|stream|hidden|head|layer|norm|linear|token stream)|"
-                 r"no (residual stream|attention|layer|conv|candidate|target)"),
-    ("impossible by construction", r"impossib|by construction|cannot grow|would not be exact|not exact|fixed by|"
-                                   r"tied|reads? the (grown|raw)|fixes the size|cannot change|cannot connect"),
-    ("not understood", r"not understood|does not understand|unsupported|not supported|unknown|cannot follow|"
-                       r"not recogni[sz]ed|cannot (tell|find|analy[sz]e|see)"),
-]]
+REASON_CLASSES: list[tuple[str, re.Pattern]] = [
+    (c, re.compile(p, re.I))
+    for c, p in [
+        ("cannot save", r"cannot save|cannot be saved|allow-?list|not allowed in a (saved|stored)|stored graph"),
+        ("cannot estimate", r"cannot estimate|cannot be (sized|estimated)"),
+        (
+            "cannot capture",
+            r"cannot (trace|capture|export)|torch\.export|symbolic trac|untraceable|data-dependent|"
+            r"graphs .* differ in|cannot merge|mode-branch|graph break",
+        ),
+        ("limit", r"--max-(params|memory|load)|past the limit|more than \S+ (of memory|parameters)|too large"),
+        (
+            "model does not build",
+            r"\(\) failed|config refused|has no field|has no \S+ model for|no model type|"
+            r"cannot build|example input|needs --input|give the input|does not take|input .* (refused|needs)",
+        ),
+        (
+            "no place",
+            r"has none|no place|no branch merge|nothing to|found no|the model has no|no layer in this model|"
+            r"has no (conv|attention|residual|stream|hidden|head|layer|norm|linear|token stream)|"
+            r"no (residual stream|attention|layer|conv|candidate|target)",
+        ),
+        (
+            "impossible by construction",
+            r"impossib|by construction|cannot grow|would not be exact|not exact|fixed by|"
+            r"tied|reads? the (grown|raw)|fixes the size|cannot change|cannot connect",
+        ),
+        (
+            "not understood",
+            r"not understood|does not understand|unsupported|not supported|unknown|cannot follow|"
+            r"not recogni[sz]ed|cannot (tell|find|analy[sz]e|see)",
+        ),
+    ]
+]
 
 
 def reason_class(message: str) -> str:
@@ -67,9 +89,13 @@ def render(results: list[dict], header: str, passes: tuple[str, ...]) -> str:
         runs = by_registry[registry]
         status = Counter(r["status"] for r in runs)
         models = list(dict.fromkeys(r["model"] for r in runs))
-        lines += [f"## {registry}", "",
-                  f"{len(runs)} runs over {len(models)} models: **{status['verified']} verified, {status['refused']} refused, "
-                  f"{status['broken']} broken**.", ""]
+        lines += [
+            f"## {registry}",
+            "",
+            f"{len(runs)} runs over {len(models)} models: **{status['verified']} verified, {status['refused']} refused, "
+            f"{status['broken']} broken**.",
+            "",
+        ]
         lines += ["| pass | verified | refused | broken |", "|---|---|---|---|"]
         for p in passes:
             c = Counter(r["status"] for r in runs if r["pass"] == p)
@@ -90,7 +116,9 @@ def render(results: list[dict], header: str, passes: tuple[str, ...]) -> str:
         refused = [r for r in runs if r["status"] == "refused"]
         if refused:
             lines += ["", "### Refusals", "", "| model | pass | class | reason |", "|---|---|---|---|"]
-            lines += [f"| {r['model']} | {r['pass']} | {r['class']} | {_md(r['message'])} |"
-                      for r in sorted(refused, key=lambda r: (r["class"], r["model"], r["pass"]))]
+            lines += [
+                f"| {r['model']} | {r['pass']} | {r['class']} | {_md(r['message'])} |"
+                for r in sorted(refused, key=lambda r: (r["class"], r["model"], r["pass"]))
+            ]
         lines.append("")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ limit (SIGALRM); one JSON line per pass goes to stdout as soon as it ends:
 
     python tools/sweep_worker.py --passes grow_width,deepen --timeout 120 -- hf:gpt2/causal-lm --input-shape 1,8
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,18 @@ def _alarm(*_) -> None:
 
 def run_pass(main, runner, model: str, extra: list[str], pass_name: str, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="sweep-") as tmp:
-        argv = ["mutate", model, "--pass", pass_name, "--check", "--onnx", f"{tmp}/out.onnx", "-o", f"{tmp}/out.pt", *extra]
+        argv = [
+            "mutate",
+            model,
+            "--pass",
+            pass_name,
+            "--check",
+            "--onnx",
+            f"{tmp}/out.onnx",
+            "-o",
+            f"{tmp}/out.pt",
+            *extra,
+        ]
         start = time.monotonic()
         _fired[0] = False
         signal.setitimer(signal.ITIMER_REAL, timeout, 1.0)  # and again every second: a handler may swallow one
@@ -48,8 +60,14 @@ def run_pass(main, runner, model: str, extra: list[str], pass_name: str, timeout
     stderr = result.stderr
     if result.exception is not None and not isinstance(result.exception, SystemExit):  # a crash the CLI let through
         stderr += f"\n{type(result.exception).__name__}: {result.exception}"
-    return {"pass": pass_name, "rc": result.exit_code, "timed_out": False, "stdout": result.stdout[-20000:],
-            "stderr": stderr[-20000:], "seconds": seconds}
+    return {
+        "pass": pass_name,
+        "rc": result.exit_code,
+        "timed_out": False,
+        "stdout": result.stdout[-20000:],
+        "stderr": stderr[-20000:],
+        "seconds": seconds,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

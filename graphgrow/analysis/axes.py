@@ -4,6 +4,7 @@ Convolutional layouts keep channels at dim 1, token and feature layouts at the l
 permute or transpose moves them, a flatten of (N, C, 1, 1) keeps them, a reduction over other
 axes keeps them. coupling.py builds its groups with these; passes read `channel_axis`.
 """
+
 from __future__ import annotations
 
 import operator
@@ -18,18 +19,68 @@ from .reshapes import piece_axis, reshape_regroup, stack_axis
 
 # Modules whose output channel c depends only on input channel c.
 CHANNELWISE_MODULES = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Hardswish,
-    nn.Hardsigmoid, nn.Hardtanh, nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Identity,
-    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
-    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
-    nn.AdaptiveMaxPool3d, nn.Upsample, nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.PReLU,
+    nn.ELU,
+    nn.SELU,
+    nn.CELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Hardtanh,
+    nn.Sigmoid,
+    nn.Tanh,
+    nn.Softplus,
+    nn.Identity,
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.MaxPool3d,
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d,
+    nn.Upsample,
+    nn.ZeroPad2d,
+    nn.ConstantPad2d,
+    nn.ReflectionPad2d,
+    nn.ReplicationPad2d,
     nn.modules.dropout._DropoutNd,
 )
 BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 CHANNELWISE_FUNCTIONS = {
-    F.relu, F.relu6, F.gelu, F.silu, F.hardswish, F.hardsigmoid, F.leaky_relu, F.elu, F.sigmoid, F.tanh, F.dropout,
-    F.adaptive_avg_pool2d, F.adaptive_max_pool2d, F.avg_pool2d, F.max_pool2d, F.interpolate, F.pad,
-    torch.relu, torch.sigmoid, torch.tanh, torch.exp, torch.abs, torch.neg, operator.neg,
+    F.relu,
+    F.relu6,
+    F.gelu,
+    F.silu,
+    F.hardswish,
+    F.hardsigmoid,
+    F.leaky_relu,
+    F.elu,
+    F.sigmoid,
+    F.tanh,
+    F.dropout,
+    F.adaptive_avg_pool2d,
+    F.adaptive_max_pool2d,
+    F.avg_pool2d,
+    F.max_pool2d,
+    F.interpolate,
+    F.pad,
+    torch.relu,
+    torch.sigmoid,
+    torch.tanh,
+    torch.exp,
+    torch.abs,
+    torch.neg,
+    operator.neg,
 }
 # unary elementwise ops and the value-keeping casts/copies, plus the two in-place activations models use
 CHANNELWISE_METHODS = ops.UNARY_METHODS | ops.SAME_VALUES | {"relu_", "sigmoid_"}
@@ -123,7 +174,13 @@ def across_axis(n: fx.Node) -> int | None:
 def _regrouped_axis(n: fx.Node) -> int | None:
     """Where a reshape, a stack, a split piece or a slice puts its input's channel axis."""
     x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-    if n.op == "call_function" and n.target is torch.stack and n.args and isinstance(n.args[0], (list, tuple)) and n.args[0]:
+    if (
+        n.op == "call_function"
+        and n.target is torch.stack
+        and n.args
+        and isinstance(n.args[0], (list, tuple))
+        and n.args[0]
+    ):
         first = n.args[0][0]
         return stack_axis(n, node_axis(first)) if isinstance(first, fx.Node) else None
     if x is None:
@@ -135,9 +192,17 @@ def _regrouped_axis(n: fx.Node) -> int | None:
     if piece is not None:
         return piece
     same_rank = len(tensor_shape(x) or ()) == len(tensor_shape(n) or (0,))
-    sliced = n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], (tuple, slice)) and \
-        all(isinstance(i, slice) or i is Ellipsis for i in (n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)))
-    narrowed = (n.op == "call_method" and n.target == "narrow") or (n.op == "call_function" and n.target is torch.narrow)
+    sliced = (
+        n.op == "call_function"
+        and n.target is operator.getitem
+        and isinstance(n.args[1], (tuple, slice))
+        and all(
+            isinstance(i, slice) or i is Ellipsis for i in (n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],))
+        )
+    )
+    narrowed = (n.op == "call_method" and n.target == "narrow") or (
+        n.op == "call_function" and n.target is torch.narrow
+    )
     if same_rank and (sliced or narrowed):
         return node_axis(x)
     return indexed_axis(n)
@@ -152,12 +217,18 @@ def indexed_axis(n: fx.Node) -> int | None:
     x, index = n.args[0], n.args[1]
     shape, axis = tensor_shape(x), node_axis(x)
     index = index if isinstance(index, tuple) else (index,)
-    if shape is None or axis is None or not isinstance(shape, tuple) or sum(i is Ellipsis for i in index) > 1 or \
-            not all(isinstance(i, (slice, int)) or i is Ellipsis for i in index) or isinstance(index[0], bool):
+    if (
+        shape is None
+        or axis is None
+        or not isinstance(shape, tuple)
+        or sum(i is Ellipsis for i in index) > 1
+        or not all(isinstance(i, (slice, int)) or i is Ellipsis for i in index)
+        or isinstance(index[0], bool)
+    ):
         return None
     if Ellipsis in index:
         at = index.index(Ellipsis)
-        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
+        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1 :]
     if len(index) > len(shape) or (axis < len(index) and not isinstance(index[axis], slice)):
         return None
     return axis - sum(1 for i in index[:axis] if isinstance(i, int) and not isinstance(i, bool))
@@ -171,7 +242,9 @@ def _same_rank_axis(n: fx.Node, shape: tuple) -> int | None:
 def flatten_keeps_axis(n: fx.Node) -> int | None:
     """flatten(start_dim) past the channel axis leaves channel c where it was ((N, C, H, W) → (N, C, H·W),
     a ViT patch embedding): the input's axis, else None."""
-    is_flatten = (n.op == "call_function" and n.target is torch.flatten) or (n.op == "call_method" and n.target == "flatten")
+    is_flatten = (n.op == "call_function" and n.target is torch.flatten) or (
+        n.op == "call_method" and n.target == "flatten"
+    )
     if not is_flatten or not n.args or not isinstance(n.args[0], fx.Node):
         return None
     x = n.args[0]
@@ -188,14 +261,24 @@ REDUCTIONS = ("mean", "sum", "amax", "amin")
 def reduced_axis(n: fx.Node) -> int | None:
     """The channel axis after a mean/sum/amax/amin over other dims (keepdim or not), else None."""
     name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-    if n.op not in ("call_function", "call_method") or name not in REDUCTIONS or not n.args or not isinstance(n.args[0], fx.Node):
+    if (
+        n.op not in ("call_function", "call_method")
+        or name not in REDUCTIONS
+        or not n.args
+        or not isinstance(n.args[0], fx.Node)
+    ):
         return None
     x = n.args[0]
     axis, shape = node_axis(x), tensor_shape(x)
     dims = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
     dims = (dims,) if isinstance(dims, int) else dims
-    if axis is None or shape is None or not isinstance(dims, (tuple, list)) or not dims or \
-            not all(isinstance(d, int) for d in dims):
+    if (
+        axis is None
+        or shape is None
+        or not isinstance(dims, (tuple, list))
+        or not dims
+        or not all(isinstance(d, int) for d in dims)
+    ):
         return None
     reduced = {d % len(shape) for d in dims}
     if axis in reduced:

@@ -12,25 +12,26 @@ Fail closed: where no estimate can be made (a grown model the meta device cannot
 refused with the reason unless the user lifted the limit explicitly (`--max-memory none`,
 `--max-params none`: NO_LIMIT); nothing real is run unbounded.
 """
+
 from __future__ import annotations
 
 import contextlib
 import copy
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.allocation import AllocationGuard
-from ..io.mode_switch import ModeSwitch
-from ..graph.inputs import batch_of, DTYPES, InputSpec, is_positional
-from ..core.errors import first_line, InputError, NotApplicable, ValidationError
+from ..core.errors import InputError, NotApplicable, ValidationError, first_line
 from ..graph import ops
 from ..graph.fx_edit import new_parameters, upstream_parameters
+from ..graph.inputs import DTYPES, InputSpec, batch_of, is_positional
 from ..graph.shapes import _target_name, annotate, shape_of, state_bytes
+from ..io.mode_switch import ModeSwitch
 
 DEFAULT_MAX_NEW_PARAMS = 100_000_000  # parameters one pass may add
 DEFAULT_MAX_MEMORY = 8 << 30  # bytes of activations a model may need at the largest batch it is run at (estimate_batch)
@@ -41,19 +42,22 @@ NO_LIMIT = 1 << 62  # a limit the user lifted (`none`): nothing is estimated aga
 @dataclass(frozen=True)
 class Limits:
     """The limits of one command (--max-params, --max-memory), passed to every place that reads them: no global."""
+
     max_new_params: int = DEFAULT_MAX_NEW_PARAMS
     max_memory: int = DEFAULT_MAX_MEMORY
 
     @classmethod
-    def lifted(cls) -> "Limits":
+    def lifted(cls) -> Limits:
         return cls(NO_LIMIT, NO_LIMIT)
 
     @classmethod
-    def parse(cls, max_params: str | int | None = None, max_memory: str | int | None = None) -> "Limits":
+    def parse(cls, max_params: str | int | None = None, max_memory: str | int | None = None) -> Limits:
         """From the command's flags (None: the default); a bad value is an InputError naming the flag, raised
         where the job starts, not while the command line is read."""
-        return cls(DEFAULT_MAX_NEW_PARAMS if max_params is None else parse_limit(max_params, "--max-params"),
-                   DEFAULT_MAX_MEMORY if max_memory is None else parse_limit(max_memory, "--max-memory"))
+        return cls(
+            DEFAULT_MAX_NEW_PARAMS if max_params is None else parse_limit(max_params, "--max-params"),
+            DEFAULT_MAX_MEMORY if max_memory is None else parse_limit(max_memory, "--max-memory"),
+        )
 
 
 BYTE_SIZES = ("--max-memory", "--max-load")  # sizes in bytes count in powers of 1024
@@ -84,8 +88,22 @@ def parse_size(text: str | int, what: str) -> int:
     return value
 
 
-_SAME_SHAPE = (nn.modules.batchnorm._NormBase, nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid,
-               nn.Tanh, nn.LeakyReLU, nn.Identity, nn.modules.dropout._DropoutNd, nn.LayerNorm, nn.GroupNorm)
+_SAME_SHAPE = (
+    nn.modules.batchnorm._NormBase,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.GELU,
+    nn.SiLU,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Sigmoid,
+    nn.Tanh,
+    nn.LeakyReLU,
+    nn.Identity,
+    nn.modules.dropout._DropoutNd,
+    nn.LayerNorm,
+    nn.GroupNorm,
+)
 # the binary ops whose output shape is the broadcast of their inputs' (division left out: its meta kernel is used)
 _ELEMENTWISE = ops.ADD_FUNCTIONS | ops.PRODUCT_FUNCTIONS
 
@@ -96,7 +114,9 @@ def _fast_shape(gm: fx.GraphModule, n: fx.Node, args: tuple) -> torch.Tensor | N
     x = args[0] if args and isinstance(args[0], torch.Tensor) else None
     if n.op == "call_module" and x is not None and len(args) == 1 and not n.kwargs:
         m = gm.get_submodule(n.target)  # type: ignore[arg-type]
-        if isinstance(m, _SAME_SHAPE) and type(m).__module__.startswith("torch.nn.modules."):  # torch's own, not a subclass
+        if isinstance(m, _SAME_SHAPE) and type(m).__module__.startswith(
+            "torch.nn.modules."
+        ):  # torch's own, not a subclass
             return torch.empty(x.shape, dtype=x.dtype, device="meta")
         if type(m) is nn.Conv2d and x.dim() == 4 and isinstance(m.padding, tuple):
             h, w = (
@@ -123,8 +143,10 @@ class NoEstimate(Exception):
     """The meta device could not run a node, so no size could be estimated."""
 
     def __init__(self, node: fx.Node, shapes: list, error: BaseException):
-        self.message = (f"node '{node.name[:80]}' ({node.op} {_target_name(node)[:80]}) fails on inputs of shapes {shapes} "
-                        f"on the meta device: {type(error).__name__}: {first_line(error, 200)}")
+        self.message = (
+            f"node '{node.name[:80]}' ({node.op} {_target_name(node)[:80]}) fails on inputs of shapes {shapes} "
+            f"on the meta device: {type(error).__name__}: {first_line(error, 200)}"
+        )
         super().__init__(self.message)
         self.node, self.error = node.name, error
 
@@ -138,7 +160,9 @@ def activation_bytes(gm: fx.GraphModule, input_shape: InputSpec, batch: int | No
     b = estimate_batch(input_shape) if batch is None else batch
     dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
     specs = [(list(t.shape), DTYPES[t.dtype]) for t in input_shape]
-    inputs = [torch.empty([b] + s[1:], device="meta", dtype=dtype if d in (None, torch.float32) else d) for s, d in specs]
+    inputs = [
+        torch.empty([b] + s[1:], device="meta", dtype=dtype if d in (None, torch.float32) else d) for s, d in specs
+    ]
     # Tensors a leaf creates without naming a device are made on the meta device too.
     with torch.no_grad(), torch.device("meta"):
         return _node_bytes(gm, inputs)
@@ -157,7 +181,11 @@ def _node_bytes(gm: fx.GraphModule, inputs: Sequence, body: bool = False) -> int
                 out = None
                 if n.op in ("call_module", "call_function"):
                     args, kwargs = self.fetch_args_kwargs_from_env(n)
-                    out = _fast_shape(gm, n, args) if all(not isinstance(a, torch.Tensor) or a.is_meta for a in args) else None
+                    out = (
+                        _fast_shape(gm, n, args)
+                        if all(not isinstance(a, torch.Tensor) or a.is_meta for a in args)
+                        else None
+                    )
                 if out is None:
                     out = super().run_node(n)
             except NoEstimate:
@@ -169,7 +197,7 @@ def _node_bytes(gm: fx.GraphModule, inputs: Sequence, body: bool = False) -> int
             if not (body and n.op in ("placeholder", "output")):
                 total += _bytes(out)
             if n.op == "call_module" and isinstance(switch := gm.get_submodule(n.target), ModeSwitch):  # type: ignore[arg-type]
-                values = self.fetch_args_kwargs_from_env(n)[0][switch.conditions:]
+                values = self.fetch_args_kwargs_from_env(n)[0][switch.conditions :]
                 total += max(_node_bytes(b, values, body=True) for b in switch.bodies())
             return out
 
@@ -193,7 +221,9 @@ def _node_bytes(gm: fx.GraphModule, inputs: Sequence, body: bool = False) -> int
 
 
 def _bytes(out) -> int:
-    return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+    return sum(
+        t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+    )
 
 
 class _AnswerTests(TorchDispatchMode):
@@ -245,12 +275,17 @@ def check_input_memory(gm: fx.GraphModule, input_shape: InputSpec, max_memory: i
     try:
         needed = activation_bytes(meta_copy(gm), input_shape, batch)
     except NoEstimate as e:
-        raise InputError(f"cannot estimate the model's activation memory on an input of shape {_shown(input_shape)} at "
-                         f"batch {batch} before running it: {e}", _no_estimate_hint(gm, input_shape, batch)) from e
+        raise InputError(
+            f"cannot estimate the model's activation memory on an input of shape {_shown(input_shape)} at "
+            f"batch {batch} before running it: {e}",
+            _no_estimate_hint(gm, input_shape, batch),
+        ) from e
     if needed > limit:
-        raise InputError(f"the model needs about {human_bytes(needed)} of activations on an input of shape "
-                         f"{_shown(input_shape)} at batch {batch} (limit {human_bytes(limit)})",
-                         "give a smaller --input-shape, or raise the limit with --max-memory SIZE")
+        raise InputError(
+            f"the model needs about {human_bytes(needed)} of activations on an input of shape "
+            f"{_shown(input_shape)} at batch {batch} (limit {human_bytes(limit)})",
+            "give a smaller --input-shape, or raise the limit with --max-memory SIZE",
+        )
 
 
 def _shown(spec: InputSpec) -> str:
@@ -264,8 +299,10 @@ def _no_estimate_hint(gm: fx.GraphModule, input_shape: InputSpec, batch: int) ->
         activation_bytes(meta_copy(gm), input_shape, 1)
     except NoEstimate:
         return f"check --input-shape; a model that computes with real data (data-dependent ops) cannot be sized: {LIFT_MEMORY}"
-    return (f"it runs at batch 1, not {batch} (graphgrow runs batches up to {batch}): free the batch dimension, "
-            "e.g. x.flatten(1) for x.view(1, -1); or " + LIFT_MEMORY)
+    return (
+        f"it runs at batch 1, not {batch} (graphgrow runs batches up to {batch}): free the batch dimension, "
+        "e.g. x.flatten(1) for x.view(1, -1); or " + LIFT_MEMORY
+    )
 
 
 def _refuse_unsized(name: str, grown: fx.GraphModule, input_shape: InputSpec, batch: int, e: NoEstimate) -> None:
@@ -274,10 +311,14 @@ def _refuse_unsized(name: str, grown: fx.GraphModule, input_shape: InputSpec, ba
     try:
         activation_bytes(grown, input_shape, 1)
     except NoEstimate as at_one:
-        raise ValidationError(f"the model {name} would make cannot be sized: {at_one}",
-                              f"check --input-shape or the target the pass was given; {LIFT_MEMORY}") from e
-    raise ValidationError(f"the model {name} would make runs at batch 1 but not at batch {batch}: {e}",
-                          "a view/reshape probably bakes in the batch size") from e
+        raise ValidationError(
+            f"the model {name} would make cannot be sized: {at_one}",
+            f"check --input-shape or the target the pass was given; {LIFT_MEMORY}",
+        ) from e
+    raise ValidationError(
+        f"the model {name} would make runs at batch 1 but not at batch {batch}: {e}",
+        "a view/reshape probably bakes in the batch size",
+    ) from e
 
 
 @dataclass(frozen=True)
@@ -299,12 +340,19 @@ class PassMemory:
         return self.weights + self.verification + self.activations
 
     def describe(self) -> str:
-        return (f"{human_bytes(self.activations)} of activations at batch {self.batch}, {human_bytes(self.weights)} of new "
-                f"weights, {human_bytes(self.verification)} for verification's gradients")
+        return (
+            f"{human_bytes(self.activations)} of activations at batch {self.batch}, {human_bytes(self.weights)} of new "
+            f"weights, {human_bytes(self.verification)} for verification's gradients"
+        )
 
 
-def pass_memory(gm: fx.GraphModule, grown: fx.GraphModule, input_shape: InputSpec, share: bool = False,
-                activations: int | None = None) -> PassMemory:
+def pass_memory(
+    gm: fx.GraphModule,
+    grown: fx.GraphModule,
+    input_shape: InputSpec,
+    share: bool = False,
+    activations: int | None = None,
+) -> PassMemory:
     """PassMemory of `grown` made from `gm` (`activations`: already estimated on the meta device; without them
     `grown` must be a meta-device dry run's result). A parameter counts as rebuilt when its name is new
     or its shape changed (a pass that rewrites values in place of the same shape is not seen: none of the built-in
@@ -350,9 +398,11 @@ def pass_allocations(name: str, limits: Limits):
 
 def _over_limit(name: str, limits: Limits, guard: AllocationGuard) -> NotApplicable:
     needed, held = getattr(guard.refusal, "needed", 0), getattr(guard.refusal, "held", 0)
-    return NotApplicable(f"{name} would hold more than {human_bytes(limits.max_memory)} beyond the model's own weights "
-                         f"while it runs (it asked for {human_bytes(needed)} more with {human_bytes(held)} held)",
-                         "choose a smaller growth, or raise the limit with --max-memory SIZE")
+    return NotApplicable(
+        f"{name} would hold more than {human_bytes(limits.max_memory)} beyond the model's own weights "
+        f"while it runs (it asked for {human_bytes(needed)} more with {human_bytes(held)} held)",
+        "choose a smaller growth, or raise the limit with --max-memory SIZE",
+    )
 
 
 @contextlib.contextmanager
@@ -368,7 +418,9 @@ def on_meta(gm: nn.Module):
                     if t is not None:
                         saved.append((store, key, t))
                         meta = torch.empty_like(t, device="meta")
-                        store[key] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                        store[key] = (
+                            nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                        )
             for key, t in list(vars(m).items()):
                 if isinstance(t, torch.Tensor):
                     saved.append((m.__dict__, key, t))
@@ -379,15 +431,18 @@ def on_meta(gm: nn.Module):
             store[key] = t
 
 
-def check_grown(name: str, gm: fx.GraphModule, grown: fx.GraphModule, input_shape: InputSpec, limits: Limits,
-                share: bool = False) -> None:
+def check_grown(
+    name: str, gm: fx.GraphModule, grown: fx.GraphModule, input_shape: InputSpec, limits: Limits, share: bool = False
+) -> None:
     """Before verification runs `grown` (what `name` made from `gm`): NotApplicable past the limits — parameters
     added, or PassMemory.total (new weights, verification's gradients and activations); ValidationError when the
     grown model cannot be sized on the meta device, unless the memory limit was lifted (NO_LIMIT)."""
     added = sum(p.numel() for p in grown.parameters()) - sum(p.numel() for p in gm.parameters())
     if added > limits.max_new_params:
-        raise NotApplicable(f"{name} would add {added:,} parameters (limit {limits.max_new_params:,})",
-                            "choose a smaller growth, or raise the limit with --max-params N")
+        raise NotApplicable(
+            f"{name} would add {added:,} parameters (limit {limits.max_new_params:,})",
+            "choose a smaller growth, or raise the limit with --max-params N",
+        )
     if limits.max_memory >= NO_LIMIT:
         return
     batch = estimate_batch(input_shape)
@@ -399,9 +454,11 @@ def check_grown(name: str, gm: fx.GraphModule, grown: fx.GraphModule, input_shap
             _refuse_unsized(name, grown, input_shape, batch, e)
     needed = pass_memory(gm, grown, input_shape, share, activations)
     if needed.total > limits.max_memory:
-        raise NotApplicable(f"{name} would need about {human_bytes(needed.total)} beyond the model's own weights "
-                            f"({needed.describe()}; limit {human_bytes(limits.max_memory)})",
-                            "choose a smaller growth or input shape, or raise the limit with --max-memory SIZE")
+        raise NotApplicable(
+            f"{name} would need about {human_bytes(needed.total)} beyond the model's own weights "
+            f"({needed.describe()}; limit {human_bytes(limits.max_memory)})",
+            "choose a smaller growth or input shape, or raise the limit with --max-memory SIZE",
+        )
 
 
 # Peak memory of the ONNX stages beyond the model's own weights, per byte of them (measured on the 125 M–1 B
@@ -420,17 +477,25 @@ def check_onnx_memory(gm: nn.Module, external: bool | None, check: bool, max_mem
     if limit >= NO_LIMIT:
         return
     weights = state_bytes(gm)
-    stages = ([(f"exporting it to ONNX ({'with external data' if external else 'one file'})", EXPORT_PEAK[external])]
-              if external is not None else []) + ([("checking it in onnxruntime", CHECK_PEAK)] if check else [])
+    stages = (
+        [(f"exporting it to ONNX ({'with external data' if external else 'one file'})", EXPORT_PEAK[external])]
+        if external is not None
+        else []
+    ) + ([("checking it in onnxruntime", CHECK_PEAK)] if check else [])
     for what, factor in stages:
         needed = int(factor * weights)
         if needed > limit:
             hint = "raise the limit with --max-memory SIZE"
             if factor == EXPORT_PEAK[False]:
-                hint = (f"export with external data (graphgrow export --external-data: about {EXPORT_PEAK[True]}× the "
-                        "weights, streamed to NAME.onnx.data), or " + hint)
-            raise InputError(f"{what} would need about {human_bytes(needed)} beyond the model's {human_bytes(weights)} of "
-                             f"weights ({factor}× them; limit {human_bytes(limit)})", hint)
+                hint = (
+                    f"export with external data (graphgrow export --external-data: about {EXPORT_PEAK[True]}× the "
+                    "weights, streamed to NAME.onnx.data), or " + hint
+                )
+            raise InputError(
+                f"{what} would need about {human_bytes(needed)} beyond the model's {human_bytes(weights)} of "
+                f"weights ({factor}× them; limit {human_bytes(limit)})",
+                hint,
+            )
 
 
 def check_session_memory(declared: int, max_memory: int | None = None) -> None:
@@ -440,13 +505,16 @@ def check_session_memory(declared: int, max_memory: int | None = None) -> None:
     limit = DEFAULT_MAX_MEMORY if max_memory is None else max_memory
     needed = int(CHECK_PEAK * declared)
     if limit < NO_LIMIT and needed > limit:
-        raise InputError(f"checking it in onnxruntime would need about {human_bytes(needed)} for the ONNX file's "
-                         f"{human_bytes(declared)} of declared tensors ({CHECK_PEAK}× them; limit {human_bytes(limit)})",
-                         "raise the limit with --max-memory SIZE")
+        raise InputError(
+            f"checking it in onnxruntime would need about {human_bytes(needed)} for the ONNX file's "
+            f"{human_bytes(declared)} of declared tensors ({CHECK_PEAK}× them; limit {human_bytes(limit)})",
+            "raise the limit with --max-memory SIZE",
+        )
 
 
-def estimate_pass(apply: Callable[[fx.GraphModule], fx.GraphModule], gm: fx.GraphModule, input_shape: InputSpec,
-                  share: bool = False) -> PassMemory:
+def estimate_pass(
+    apply: Callable[[fx.GraphModule], fx.GraphModule], gm: fx.GraphModule, input_shape: InputSpec, share: bool = False
+) -> PassMemory:
     """PassMemory of one pass before it runs (`apply` runs on a meta copy of `gm`): what check_grown will find, for
     planning (the scale benchmark prints it beside the measured peaks)."""
     if any("gg_shape" not in n.meta for n in gm.graph.nodes):

@@ -10,11 +10,13 @@ are a group's *sources*; layers that read them (their in_channels) its *consumer
 Anything the analysis does not understand *freezes* the groups it touches, with the
 reason, so that passes refuse instead of guessing.
 """
+
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import networkx as nx
 import torch
@@ -25,11 +27,21 @@ from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 from ..graph.graph_meta import input_spec_of
 from ..graph.shapes import annotate
-from .axes import (  # noqa: F401 (channel_axis and BATCHNORMS are read through this module)
-    assign_channel_axes, BATCHNORMS, channel_axis, CHANNELWISE_FUNCTIONS, CHANNELWISE_METHODS, ELEMENTWISE,
-    ELEMENTWISE_METHODS, flatten_keeps_axis, moved_axis, node_axis, reduced_axis, SHAPE_QUERIES,
-)
 from . import growth
+from .axes import (  # noqa: F401 (channel_axis and BATCHNORMS are read through this module)
+    BATCHNORMS,
+    CHANNELWISE_FUNCTIONS,
+    CHANNELWISE_METHODS,
+    ELEMENTWISE,
+    ELEMENTWISE_METHODS,
+    SHAPE_QUERIES,
+    assign_channel_axes,
+    channel_axis,
+    flatten_keeps_axis,
+    moved_axis,
+    node_axis,
+    reduced_axis,
+)
 from .coupling_build import Build, Link, Site  # noqa: F401 (Link is read through this module)
 from .coupling_layers import Functional, layer_rule
 from .coupling_modules import flatten_rule, module_rule, normalises_channels
@@ -45,13 +57,19 @@ class Group:
     members: list[str] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)  # conv/Linear nodes whose output is in the group
     consumers: list[str] = field(default_factory=list)  # conv/Linear nodes whose input is in the group
-    channelwise: list[str] = field(default_factory=list)  # BatchNorm / LayerNorm / depthwise conv nodes to resize with it
+    channelwise: list[str] = field(
+        default_factory=list
+    )  # BatchNorm / LayerNorm / depthwise conv nodes to resize with it
     frozen: list[str] = field(default_factory=list)  # why it cannot grow
     norms: list[str] = field(default_factory=list)  # LayerNorms over these channels: only uniform replication is exact
-    tensors: list[str] = field(default_factory=list)  # per-channel parameters/buffers read by get_attr (layer scale, norm affine)
+    tensors: list[str] = field(
+        default_factory=list
+    )  # per-channel parameters/buffers read by get_attr (layer scale, norm affine)
     blocks: int = 1  # channels tied to this many equal blocks (grouped convs): each must gain the same number
     block_reasons: list[str] = field(default_factory=list)
-    attentions: list[str] = field(default_factory=list)  # attentions whose head size these channels are (coupling_layers)
+    attentions: list[str] = field(
+        default_factory=list
+    )  # attentions whose head size these channels are (coupling_layers)
     unit: int = 1  # channels per GroupNorm group: new channels must form whole new groups (growth.step)
 
     @property
@@ -59,9 +77,19 @@ class Group:
         return not self.frozen and bool(self.sources)
 
     def to_json(self) -> dict:
-        return {"id": self.id, "channels": self.size, "members": self.members, "sources": self.sources,
-                "consumers": self.consumers, "channelwise": self.channelwise, "frozen": self.frozen,
-                "norms": self.norms, "tensors": self.tensors, "blocks": self.blocks, "attentions": self.attentions}
+        return {
+            "id": self.id,
+            "channels": self.size,
+            "members": self.members,
+            "sources": self.sources,
+            "consumers": self.consumers,
+            "channelwise": self.channelwise,
+            "frozen": self.frozen,
+            "norms": self.norms,
+            "tensors": self.tensors,
+            "blocks": self.blocks,
+            "attentions": self.attentions,
+        }
 
 
 @dataclass
@@ -69,7 +97,9 @@ class Coupling:
     groups: list[Group]
     group_of: dict[str, int]  # tensor node → group id
     links: list[Link]
-    edits: list[ChannelEdit] = field(default_factory=list)  # ops whose constants follow the channels (slices, splits, reshapes)
+    edits: list[ChannelEdit] = field(
+        default_factory=list
+    )  # ops whose constants follow the channels (slices, splits, reshapes)
     steps: dict[int, tuple[int, list[str]]] = field(default_factory=dict)  # growth.step's answers, per group
     spread: dict[int, int] = field(default_factory=dict)  # growth.step's blocks (new channels at the end of each)
     functional: dict[str, Functional] = field(default_factory=dict)  # F.linear / F.conv nodes on parameters
@@ -92,7 +122,9 @@ class Coupling:
         """Group `gid` and every group a growth of it changes (through links, both ways)."""
         b = self.step(gid)
         try:
-            found = growth.propagate(self, gid, growth.root_insertions(self.groups[gid].size, b, self.spread.get(gid, b), None))
+            found = growth.propagate(
+                self, gid, growth.root_insertions(self.groups[gid].size, b, self.spread.get(gid, b), None)
+            )
         except growth.Conflict:
             return [gid]
         return [gid] + [g for g in found.insertions if g != gid]
@@ -181,7 +213,9 @@ def _freeze_shared_tensors(gm, groups, group_of, tensors) -> None:
     for path, gids in per_channel.items():
         if len(gids) > 1 or uses.get(path, 0) > sum(1 for p, _ in tensors if p == path):
             for gid in gids:
-                groups[gid].frozen.append(f"parameter '{path}' is also read elsewhere; resizing it would change that use")
+                groups[gid].frozen.append(
+                    f"parameter '{path}' is also read elsewhere; resizing it would change that use"
+                )
 
 
 # Rules for call_function / call_method nodes the split and layer rules did not take, by (op, target): a function
@@ -193,11 +227,13 @@ FUNCTION_RULES: dict[tuple[str, object], FunctionRule] = {}
 
 def rule_for(functions=(), methods=()) -> Callable[[FunctionRule], FunctionRule]:
     """Register a rule for these functions (call_function targets) and method names (call_method targets)."""
+
     def register(rule: FunctionRule) -> FunctionRule:
         for key in [("call_function", f) for f in functions] + [("call_method", m) for m in methods]:
             assert key not in FUNCTION_RULES, f"two coupling rules for {key}"
             FUNCTION_RULES[key] = rule
         return rule
+
     return register
 
 
@@ -224,7 +260,9 @@ def function_rule(b: Build, s: Site) -> None:
     if n.op == "call_function" and x is not None and len(s.inputs) == 1 and s.out is not None and _probe_function(n, x):
         b.join(x, n)  # e.g. torchvision's stochastic_depth: acts on whole examples, so on each channel alone
         return
-    b.freeze(s.inputs + ([n] if s.out else []), f"'{n.name}' ({_name(target)}) is not understood by the coupling analysis")
+    b.freeze(
+        s.inputs + ([n] if s.out else []), f"'{n.name}' ({_name(target)}) is not understood by the coupling analysis"
+    )
 
 
 def _name(target) -> str:
@@ -242,16 +280,27 @@ def _elementwise(b: Build, s: Site) -> bool:
     n, inputs = s.node, s.inputs
     out_shape = tensor_shape(n)
     axis = node_axis(n)
-    scales = {a: found for a in n.all_input_nodes if tensor_shape(a) != out_shape
-              for found in [_per_channel_tensor(b.gm, a, out_shape, axis)] if found}
+    scales = {
+        a: found
+        for a in n.all_input_nodes
+        if tensor_shape(a) != out_shape
+        for found in [_per_channel_tensor(b.gm, a, out_shape, axis)]
+        if found
+    }
     b.tensors += [(path, n.name) for path, _ in scales.values()]  # a layer scale: resized with the group
     b.edits += [ChannelEdit("view", v, n.name, where) for _, views in scales.values() for v, where in views]
     rest = [a for a in inputs if a not in scales]
-    full = [a for a in rest if tensor_shape(a) is not None and len(tensor_shape(a)) == len(out_shape)
-            and tensor_shape(a)[axis] == out_shape[axis]]
+    full = [
+        a
+        for a in rest
+        if tensor_shape(a) is not None
+        and len(tensor_shape(a)) == len(out_shape)
+        and tensor_shape(a)[axis] == out_shape[axis]
+    ]
     broadcast = [a for a in rest if a not in full]
-    if any(len(tensor_shape(a)) == len(out_shape) and tensor_shape(a)[axis] != 1 for a in broadcast) or \
-            any(len(tensor_shape(a)) != len(out_shape) for a in broadcast):
+    if any(len(tensor_shape(a)) == len(out_shape) and tensor_shape(a)[axis] != 1 for a in broadcast) or any(
+        len(tensor_shape(a)) != len(out_shape) for a in broadcast
+    ):
         b.freeze(inputs + [n], f"'{n.name}' ({_name(n.target)}) broadcasts across channels")
         return True
     b.join(*full, n)
@@ -299,7 +348,9 @@ def _layer_norm_call(b: Build, s: Site) -> bool:
         return False
     c = tensor_shape(x)[-1]
     for a in affine:
-        if a is not None and not (isinstance(a, fx.Node) and a.op == "get_attr" and tensor_shape(a) == (c,) and len(a.users) == 1):
+        if a is not None and not (
+            isinstance(a, fx.Node) and a.op == "get_attr" and tensor_shape(a) == (c,) and len(a.users) == 1
+        ):
             return False
     b.join(x, n)
     b.norms.append(n.name)
@@ -321,15 +372,27 @@ def _per_channel_tensor(gm, a: fx.Node, out_shape, axis: int) -> tuple[str, list
     if any(d != (out_shape[axis] if lead + i == axis else 1) for i, d in enumerate(shape)) or out_shape[axis] == 1:
         return None
     views: list[tuple[str, tuple]] = []
-    while a.op == "call_method" and a.target in VIEWS and len(a.users) == 1 and isinstance(a.args[0], fx.Node) \
-            and all(not isinstance(x, fx.Node) for x in list(a.args[1:]) + list(a.kwargs.values())):
+    while (
+        a.op == "call_method"
+        and a.target in VIEWS
+        and len(a.users) == 1
+        and isinstance(a.args[0], fx.Node)
+        and all(not isinstance(x, fx.Node) for x in list(a.args[1:]) + list(a.kwargs.values()))
+    ):
         view_shape = tensor_shape(a) or ()
-        views += [(a.name, where) for d, size in enumerate(view_shape) if size == out_shape[axis]
-                  for where in [literal_at(a, d)] if where is not None]
+        views += [
+            (a.name, where)
+            for d, size in enumerate(view_shape)
+            if size == out_shape[axis]
+            for where in [literal_at(a, d)]
+            if where is not None
+        ]
         a = a.args[0]
     if a.op != "get_attr" or len(a.users) != 1:
         return None
-    t = getattr(gm.get_submodule(a.target.rpartition(".")[0]) if "." in a.target else gm, a.target.rpartition(".")[2], None)
+    t = getattr(
+        gm.get_submodule(a.target.rpartition(".")[0]) if "." in a.target else gm, a.target.rpartition(".")[2], None
+    )
     return (str(a.target), views) if isinstance(t, torch.Tensor) and t.numel() == out_shape[axis] else None
 
 

@@ -5,6 +5,7 @@ links derived channels, freezes what it does not understand (with the reason) an
 per-channel tensors and edits on the build; it returns False when the node is not its case after all, and the next
 rule is asked. coupling.py runs them over the graph and turns the build into groups.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -55,7 +56,9 @@ class Build:
     consumers: list[tuple[str, str]] = field(default_factory=list)
     channelwise: list[str] = field(default_factory=list)
     norms: list[str] = field(default_factory=list)
-    tensors: list[tuple[str, str]] = field(default_factory=list)  # (attribute path, group member that reads it per channel)
+    tensors: list[tuple[str, str]] = field(
+        default_factory=list
+    )  # (attribute path, group member that reads it per channel)
     attr_tensors: list[tuple[str, str]] = field(default_factory=list)
     functional: dict[str, Any] = field(default_factory=dict)  # node → coupling_layers.Functional
     attentions: list[tuple[str, str]] = field(default_factory=list)  # (attention node, member of the group it marks)
@@ -84,7 +87,9 @@ class Build:
 
     def link(self, src, dst, offset: int, repeat: int = 1, stride: int = 0, scale: int = 1) -> None:
         if self.vertex(src) is None or self.vertex(dst) is None:
-            self.freeze([src, dst], f"'{dst.name}' takes channels from '{src.name}' without a channel axis on both sides")
+            self.freeze(
+                [src, dst], f"'{dst.name}' takes channels from '{src.name}' without a channel axis on both sides"
+            )
             return
         self.links.append(Link(src.name, dst.name, offset, scale, repeat, stride))
 

@@ -14,6 +14,7 @@
   rewrite (graphgrow.rewrite.heads), so the groups are marked with the attention; an attention that rewrite
   cannot follow freezes them with its reason.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,8 +37,13 @@ CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, torch.conv1d: 1, torch.conv2d: 2
 SDPA = F.scaled_dot_product_attention
 # ops a weight standardisation is made of: views of the weight and statistics over its input dims
 _STATISTICS = ops.MOMENTS | {"batch_norm"}  # F.batch_norm(w, None, None, training=True): a moment over the weight
-_STANDARDISE = ops.RESHAPES | ops.RESHAPES_AS | _STATISTICS | ops.BINARY_NAMES | {"flatten", "rsqrt", "sqrt", "pow", "sub_",
-                                                                                  "add_"}
+_STANDARDISE = (
+    ops.RESHAPES
+    | ops.RESHAPES_AS
+    | _STATISTICS
+    | ops.BINARY_NAMES
+    | {"flatten", "rsqrt", "sqrt", "pow", "sub_", "add_"}
+)
 
 
 @dataclass
@@ -107,9 +113,12 @@ def _functional(gm: fx.GraphModule, n: fx.Node, out, freeze, sources, consumers,
     what = f"'{n.name}' (a functional {'conv' if conv else 'linear'})"
     standardised = conv and not _own_parameter(weight) and _standardised(weight)
     if standardised:
-        freeze([x], f"{what} standardises its weight: each filter's mean and variance include every input weight, "
-               "so new input channels cannot enter with zero weights (exact growth is impossible unless the new "
-               "channels are identically zero)")
+        freeze(
+            [x],
+            f"{what} standardises its weight: each filter's mean and variance include every input weight, "
+            "so new input channels cannot enter with zero weights (exact growth is impossible unless the new "
+            "channels are identically zero)",
+        )
         if out is not None and not filters_apart(gm, weight):
             freeze([n], f"{what} computes its weight in a way that mixes filters: new filters would move the old ones")
     elif not _own_parameter(weight):
@@ -127,8 +136,9 @@ def _functional(gm: fx.GraphModule, n: fx.Node, out, freeze, sources, consumers,
         freeze([x], f"{what} reads a non-channel axis")
         return True
     path = _parameter_of(weight) if standardised else str(weight.target)
-    functional[n.name] = Functional(path, str(bias.target) if bias is not None else None, "conv" if conv else "linear",
-                                    standardised)
+    functional[n.name] = Functional(
+        path, str(bias.target) if bias is not None else None, "conv" if conv else "linear", standardised
+    )
     if not standardised:
         consumers.append((n.name, x.name))
     if out is not None:
@@ -140,8 +150,14 @@ def _group_norm(n: fx.Node, out, join, tensors: list, units: dict, edits: list) 
     x, groups = _arg(n, 0, "input"), _arg(n, 1, "num_groups")
     affine = [a for a in (_arg(n, 2, "weight"), _arg(n, 3, "bias")) if a is not None]
     shape = tensor_shape(x) if isinstance(x, fx.Node) else None
-    if shape is None or node_axis(x) != 1 or not isinstance(groups, int) or out is None or shape[1] % groups or \
-            not all(_own_parameter(a) and tensor_shape(a) == (shape[1],) for a in affine):
+    if (
+        shape is None
+        or node_axis(x) != 1
+        or not isinstance(groups, int)
+        or out is None
+        or shape[1] % groups
+        or not all(_own_parameter(a) and tensor_shape(a) == (shape[1],) for a in affine)
+    ):
         return False
     join(x, n)
     units[n.name] = shape[1] // groups
@@ -189,7 +205,9 @@ def _run(chain: list[fx.Node], param: torch.Tensor, old: int, new: int) -> torch
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a.name])
         if n.op == "call_method" and n.target in ("reshape", "view"):
             args = (args[0],) + tuple(new if a == old and isinstance(a, int) else a for a in args[1:])
-        env[n.name] = getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
+        env[n.name] = (
+            getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
+        )
     out = env[chain[-1].name]
     assert isinstance(out, torch.Tensor)
     return out
@@ -227,7 +245,10 @@ def _standardised(w) -> bool:
 
 def _attention(gm: fx.GraphModule, n: fx.Node, out, join, freeze, attentions) -> bool:
     q, k, v = _arg(n, 0, "query"), _arg(n, 1, "key"), _arg(n, 2, "value")
-    if not all(isinstance(t, fx.Node) and node_axis(t) == len(tensor_shape(t) or ()) - 1 for t in (q, k, v)) or out is None:
+    if (
+        not all(isinstance(t, fx.Node) and node_axis(t) == len(tensor_shape(t) or ()) - 1 for t in (q, k, v))
+        or out is None
+    ):
         return False
     join(q, k)  # q·kᵀ sums over the query/key head size
     join(v, n)  # each output channel is a mix of the same value channel

@@ -5,16 +5,17 @@ instance of, in that order, until one returns True (a rule returns False when th
 case: a BatchNorm subclass with extras that mix channels, an affine InstanceNorm …). A module no rule takes is
 probed (an opaque parameter-free op acting on each channel alone) or freezes its tensors with the reason.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import fx, nn
 
 from ..graph.fx_edit import tensor_shape
 from ..graph.layers import AverageMerge
 from ..io.mode_switch import ModeSwitch
-from .axes import across_axis, BATCHNORMS, channel_axis, CHANNELWISE_MODULES, node_axis
+from .axes import BATCHNORMS, CHANNELWISE_MODULES, across_axis, channel_axis, node_axis
 from .coupling_build import Build, Link, Site
 from .opaque import switch_is_channelwise
 from .probe import module_is_channelwise
@@ -25,9 +26,11 @@ MODULE_RULES: list[tuple[tuple[type, ...], ModuleRule]] = []
 
 def rule_for(*types: type) -> Callable[[ModuleRule], ModuleRule]:
     """Register a rule for modules of these types (after the rules registered before it)."""
+
     def register(rule: ModuleRule) -> ModuleRule:
         MODULE_RULES.append((types, rule))
         return rule
+
     return register
 
 
@@ -121,7 +124,9 @@ def _norm(b: Build, s: Site, m) -> bool:
         b.channelwise.append(n.name)
         b.units[n.name] = m.num_channels // m.num_groups
     else:
-        b.freeze([x, n], f"{type(m).__name__} '{n.target}' normalises across channels (growing would change its statistics)")
+        b.freeze(
+            [x, n], f"{type(m).__name__} '{n.target}' normalises across channels (growing would change its statistics)"
+        )
     return True
 
 
@@ -141,7 +146,10 @@ def _mode_switch(b: Build, s: Site, m) -> bool:
 
 @rule_for(nn.Embedding)
 def _embedding(b: Build, s: Site, m) -> bool:
-    b.freeze([s.node], f"Embedding '{s.node.target}' produces these channels (growing an embedding's width is not supported yet)")
+    b.freeze(
+        [s.node],
+        f"Embedding '{s.node.target}' produces these channels (growing an embedding's width is not supported yet)",
+    )
     return True
 
 
@@ -160,8 +168,12 @@ def normalises_channels(normalized_shape, x: fx.Node) -> bool:
 
 def _probe_module(m: nn.Module, x: fx.Node, n: fx.Node) -> bool:
     in_shape = tensor_shape(x)
-    return in_shape is not None and in_shape == tensor_shape(n) and node_axis(x) is not None and \
-        module_is_channelwise(m, tuple(in_shape), node_axis(x))
+    return (
+        in_shape is not None
+        and in_shape == tensor_shape(n)
+        and node_axis(x) is not None
+        and module_is_channelwise(m, tuple(in_shape), node_axis(x))
+    )
 
 
 def _extras_are_channelwise(m: nn.Module, shape) -> bool:

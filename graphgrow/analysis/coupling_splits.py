@@ -4,6 +4,7 @@ softmax over another axis. Each becomes a join (same channels), a link (a span o
 blocks or scaled) or a freeze with the reason. Ops whose constant arguments name channel counts or
 offsets are recorded as *edits*, so that a growth can rewrite those constants.
 """
+
 from __future__ import annotations
 
 import operator
@@ -55,10 +56,14 @@ def split_rule(b: Build, s: Site) -> bool:
         return _reshape(n, x, join, link, freeze, edits)
     if n.op == "call_method" and n.target == "expand" and out is not None:
         return _expand(n, x, join, edits)
-    if _softmax_dim(n) is not None and out is not None and node_axis(x) is not None:
-        if _softmax_dim(n) % len(tensor_shape(x)) != node_axis(x):
-            join(x, n)  # normalises over another axis: each channel alone
-            return True
+    if (
+        _softmax_dim(n) is not None
+        and out is not None
+        and node_axis(x) is not None
+        and _softmax_dim(n) % len(tensor_shape(x)) != node_axis(x)
+    ):
+        join(x, n)  # normalises over another axis: each channel alone
+        return True
     return False
 
 
@@ -77,7 +82,9 @@ def _stack(n: fx.Node, join, freeze) -> bool:
 def _split_tuple(n: fx.Node, freeze, edits: list[ChannelEdit]) -> bool:
     kind, dim = split_call(n)  # type: ignore[misc]
     x = n.args[0]
-    if not all(u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int) for u in n.users):
+    if not all(
+        u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int) for u in n.users
+    ):
         freeze([x], f"'{n.name}' ({kind}) is used as a whole; only its pieces taken one by one are followed")
     elif dim == node_axis(x):
         if kind == "unbind":
@@ -108,14 +115,19 @@ def _slice(n: fx.Node, x: fx.Node, out, link, edits: list[ChannelEdit]) -> bool:
     index = n.args[1]
     index = index if isinstance(index, tuple) else (index,)
     shape, axis = tensor_shape(x), node_axis(x)
-    if shape is None or axis is None or out is None or not all(isinstance(i, slice) or i is Ellipsis for i in index) \
-            or sum(i is Ellipsis for i in index) > 1:
+    if (
+        shape is None
+        or axis is None
+        or out is None
+        or not all(isinstance(i, slice) or i is Ellipsis for i in index)
+        or sum(i is Ellipsis for i in index) > 1
+    ):
         return False
     if any(isinstance(b, fx.Node) for i in index if isinstance(i, slice) for b in (i.start, i.stop, i.step)):
         return False
     if Ellipsis in index:
         at = index.index(Ellipsis)
-        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
+        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1 :]
     if axis >= len(index):
         return False
     start, stop, step = slice.indices(index[axis], shape[axis])

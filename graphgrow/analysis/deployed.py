@@ -13,9 +13,10 @@ or a file from an older graphgrow) counts everything that reaches an output as d
 output the deployed function returns cannot be told from the train-mode graph alone (the first
 output is not always it), so nothing is guessed.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import fx
 

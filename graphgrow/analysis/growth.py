@@ -7,6 +7,7 @@ fixes the insertions of every group tied to it through links; the planner follow
 checks that every link sees the same growth from both ends. A group whose channels are tied to blocks
 (the groups of a grouped conv, a radix split) must receive the same number of new channels in each block.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -115,7 +116,9 @@ def backward(link: Link, ins: list[Insertion], size: int, where: str) -> list[In
             if not start < i.pos <= end:
                 continue
             if (i.pos - start) % s or i.count % s:
-                raise Conflict(f"'{where}' would need a fraction of a channel ({i.count} new features, {s} per channel)")
+                raise Conflict(
+                    f"'{where}' would need a fraction of a channel ({i.count} new features, {s} per channel)"
+                )
             src = [None if x is None or not start <= x < end else (x - start) // s for x in i.src[::s]]
             local.append(Insertion((i.pos - start) // s, i.count // s, src))
         copies.append(_canonical(local))
@@ -128,7 +131,7 @@ def root_insertions(size: int, count: int, blocks: int, src: list[int | None] | 
     """`count` new channels spread over `blocks` equal blocks, at the end of each."""
     per, width = count // blocks, size // blocks
     src = list(src) if src is not None else [None] * count
-    return [Insertion((b + 1) * width, per, src[b * per:(b + 1) * per]) for b in range(blocks)]
+    return [Insertion((b + 1) * width, per, src[b * per : (b + 1) * per]) for b in range(blocks)]
 
 
 def propagate(c: Coupling, gid: int, root: list[Insertion]) -> Plan:
@@ -155,7 +158,9 @@ def propagate(c: Coupling, gid: int, root: list[Insertion]) -> Plan:
             elif theirs and not mine:
                 plan[s] = theirs
             else:
-                raise Conflict(f"'{link.dst}' takes channels from '{link.src}' that would grow differently on each side")
+                raise Conflict(
+                    f"'{link.dst}' takes channels from '{link.src}' that would grow differently on each side"
+                )
             changed = True
     if _key(plan[gid]) != _key(root):
         raise Conflict(f"'{c.groups[gid].members[0]}' would have to grow elsewhere too")
@@ -172,11 +177,15 @@ def _reasons(c: Coupling, grown: dict[int, list[Insertion]]) -> list[str]:
         if not grp.sources and g not in touched:
             reasons.append(f"no conv or Linear layer produces the channels of '{grp.members[0]}'")
         if grp.unit > 1 and any(i.pos % grp.unit or i.count % grp.unit for i in ins):
-            reasons.append(f"GroupNorm over '{grp.members[0]}' normalises groups of {grp.unit} channels: new channels "
-                           f"must form whole new groups (grow by a multiple of {grp.unit})")
+            reasons.append(
+                f"GroupNorm over '{grp.members[0]}' normalises groups of {grp.unit} channels: new channels "
+                f"must form whole new groups (grow by a multiple of {grp.unit})"
+            )
         if grp.blocks > 1 and not keeps_blocks(make_layout(grp.size, ins), grp.blocks):
-            reasons.append(f"'{grp.members[0]}' is split into {grp.blocks} blocks ({'; '.join(grp.block_reasons[:2])}) "
-                           "that would not each gain the same number of channels")
+            reasons.append(
+                f"'{grp.members[0]}' is split into {grp.blocks} blocks ({'; '.join(grp.block_reasons[:2])}) "
+                "that would not each gain the same number of channels"
+            )
     return list(dict.fromkeys(reasons))
 
 
@@ -185,11 +194,16 @@ def plan(c: Coupling, gid: int, count: int, src: list[int | None] | None = None)
     multiple, _ = step(c, gid)
     blocks = c.spread.get(gid, multiple)
     if count % multiple:
-        why = '; '.join(c.groups[gid].block_reasons[:2]) or 'channels repeated in blocks'
-        what = (f"spread evenly over {blocks} blocks ({why})" if multiple == blocks else
-                f"spread as whole GroupNorm groups over {blocks} block{'s' if blocks > 1 else ''}")
-        raise Conflict(f"{count} new channels cannot be {what}; grow by a multiple of {multiple} "
-                       f"(e.g. to={c.groups[gid].size + multiple})")
+        why = "; ".join(c.groups[gid].block_reasons[:2]) or "channels repeated in blocks"
+        what = (
+            f"spread evenly over {blocks} blocks ({why})"
+            if multiple == blocks
+            else f"spread as whole GroupNorm groups over {blocks} block{'s' if blocks > 1 else ''}"
+        )
+        raise Conflict(
+            f"{count} new channels cannot be {what}; grow by a multiple of {multiple} "
+            f"(e.g. to={c.groups[gid].size + multiple})"
+        )
     return propagate(c, gid, root_insertions(c.groups[gid].size, count, blocks, src))
 
 

@@ -5,6 +5,7 @@ Each axis is a list of factors, outermost first: `s` (q/k/v sections of a fused 
 `r` (query heads per key/value head), `d` (query/key head size), `e` (value head size), or "" (anything else: batch,
 tokens, a factor that does not grow). Growing factors must stay whole through every op; fixed ones may split.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,6 @@ LAYOUT = ops.RESHAPES | ops.FLATTENS | ops.TRANSPOSES | ops.UNIT_DIMS | ops.SPLI
 NORMS = ops.NORMS
 SHAPE_QUERIES = ops.SHAPE_QUERIES
 HINT = "grow_heads grows attentions it fully understands (scaled_dot_product_attention fed by Linear projections)"
-
-
 
 
 @dataclass
@@ -148,8 +147,11 @@ class Flow:
         if kind == "norm":
             lay = self.of(x)
             if self.grows(lay[-1]):
-                raise refuse(n, "normalises over a growing axis (a query/key norm over the head size)",
-                              "grow heads instead (heads=…), or value_dim=… (the value path has no such norm)")
+                raise refuse(
+                    n,
+                    "normalises over a growing axis (a query/key norm over the head size)",
+                    "grow heads instead (heads=…), or value_dim=… (the value path has no such norm)",
+                )
             return lay
         if kind == "elementwise":
             return self.broadcast(n, data_args(n), shape)
@@ -170,7 +172,7 @@ class Flow:
                 if not lay:
                     return lay
                 start, end = start % len(lay), end % len(lay)
-                return lay[:start] + (tuple(f for axis in lay[start:end + 1] for f in axis),) + lay[end + 1:]
+                return lay[:start] + (tuple(f for axis in lay[start : end + 1] for f in axis),) + lay[end + 1 :]
             packed = len(n.args) == 2 and isinstance(n.args[1], (list, tuple))
             sizes = n.args[1] if packed else n.args[1:]
             out = self.regroup(n, lay, shape, list(sizes))
@@ -178,9 +180,9 @@ class Flow:
             return out
         if name == "unflatten":
             dim = n.args[1] % len(lay)
-            part = self.regroup(n, (lay[dim],), shape[dim:dim + len(n.args[2])], list(n.args[2]))
+            part = self.regroup(n, (lay[dim],), shape[dim : dim + len(n.args[2])], list(n.args[2]))
             self.constants(n, part, n.args[2], ("args", 2))
-            return lay[:dim] + part + lay[dim + 1:]
+            return lay[:dim] + part + lay[dim + 1 :]
         if name == "transpose":
             i, j = (d % len(lay) for d in n.args[1:3])
             swapped = list(lay)
@@ -204,8 +206,11 @@ class Flow:
             return self.index(n, lay, n.args[1])
         if name == "expand":
             return self.expand(n, lay, shape)
-        raise refuse(n, "is not an op the analysis follows (reshapes, transposes, slices, splits, expands, "
-                      "elementwise ops and norms are)")
+        raise refuse(
+            n,
+            "is not an op the analysis follows (reshapes, transposes, slices, splits, expands, "
+            "elementwise ops and norms are)",
+        )
 
     # --- rules ---
     def regroup(self, n: fx.Node, lay: Layout, shape: tuple, args=None) -> Layout:
@@ -215,7 +220,7 @@ class Flow:
         seq = [f for axis in lay for f in axis if f[0] or f[1] != 1]
 
         def home(j: int) -> int:
-            cands = [j] + [k for k in range(j + 1, len(shape)) if all(s == 1 for s in shape[j + 1:k])]
+            cands = [j] + [k for k in range(j + 1, len(shape)) if all(s == 1 for s in shape[j + 1 : k])]
             for c in cands if args is not None else []:
                 if isinstance(args[c], int):
                     return c
@@ -226,7 +231,9 @@ class Flow:
             axis, p = [], 1
             while p < size:
                 if i >= len(seq):
-                    raise refuse(n, f"reshapes {tuple(size_of(a) for a in lay)} into {shape} in a way the analysis cannot follow")
+                    raise refuse(
+                        n, f"reshapes {tuple(size_of(a) for a in lay)} into {shape} in a way the analysis cannot follow"
+                    )
                 name, s = seq[i]
                 if size % (p * s) == 0:
                     axis.append(seq[i])
@@ -242,7 +249,9 @@ class Flow:
                 i += 1
             out.append(tuple(axis))
         if i != len(seq):
-            raise refuse(n, f"reshapes {tuple(size_of(a) for a in lay)} into {shape} in a way the analysis cannot follow")
+            raise refuse(
+                n, f"reshapes {tuple(size_of(a) for a in lay)} into {shape} in a way the analysis cannot follow"
+            )
         return tuple(out)
 
     def constants(self, n: fx.Node, out: Layout, sizes, at: tuple) -> None:
@@ -263,33 +272,52 @@ class Flow:
                 self.edits.append(FactorEdit(n.name, where, -1, axis, infer=True))
                 continue
             if c is None or c[1] % grown:
-                raise refuse(n, f"takes the size of a growing axis ({words(axis)}) from '{getattr(a, 'name', a)}', "
-                              "a computed value the analysis cannot scale")
-            self.edits.append(FactorEdit(n.name, where, c[1], tuple((f, s) for f, s in axis if f in self.growing), c[0]))
+                raise refuse(
+                    n,
+                    f"takes the size of a growing axis ({words(axis)}) from '{getattr(a, 'name', a)}', "
+                    "a computed value the analysis cannot scale",
+                )
+            self.edits.append(
+                FactorEdit(n.name, where, c[1], tuple((f, s) for f, s in axis if f in self.growing), c[0])
+            )
 
     def broadcast(self, n: fx.Node, operands: list[fx.Node], shape: tuple) -> Layout:
         mine = [a for a in operands if a.name in self.layout]
         lays = {a.name: self.of(a) for a in mine}
         out = []
         for j in range(len(shape)):
-            axes = [lays[a.name][j - len(shape) + len(lays[a.name])] for a in mine
-                    if j - len(shape) + len(lays[a.name]) >= 0 and size_of(lays[a.name][j - len(shape) + len(lays[a.name])]) == shape[j]]
-            axis = max(axes, key=lambda ax: sum(bool(f) for f, _ in ax), default=(("", shape[j]),) if shape[j] > 1 else ())
+            axes = [
+                lays[a.name][j - len(shape) + len(lays[a.name])]
+                for a in mine
+                if j - len(shape) + len(lays[a.name]) >= 0
+                and size_of(lays[a.name][j - len(shape) + len(lays[a.name])]) == shape[j]
+            ]
+            axis = max(
+                axes, key=lambda ax: sum(bool(f) for f, _ in ax), default=(("", shape[j]),) if shape[j] > 1 else ()
+            )
             if any(canon(ax, self.growing) != canon(axis, self.growing) for ax in axes):
                 raise refuse(n, f"combines tensors whose axis {j} holds different heads or head sizes")
-            for side in operands + [a for a in n.args if isinstance(a, fx.Node) and a not in operands and tensor_shape(a)]:
+            for side in operands + [
+                a for a in n.args if isinstance(a, fx.Node) and a not in operands and tensor_shape(a)
+            ]:
                 s = tensor_shape(side)
                 k = j - len(shape) + len(s) if s is not None else -1
                 if side.name in self.layout or k < 0 or s[k] == 1 or not self.grows(axis):
                     continue
                 if any(f == "d" for f, _ in axis) and _name(n) == "mul":
-                    raise refuse(n, f"multiplies the query/key by '{side.name}' {tuple(s)}, a table per head-size "
-                                  "coordinate (rotary position embedding): its frequencies depend on the head size, so "
-                                  "growing the query/key head size cannot keep the attention logits",
-                                  "grow value_dim=… (the value/output head size: exact with rotary embeddings) or add "
-                                  "heads (heads=…) instead")
-                raise refuse(n, f"combines it with '{side.name}' {tuple(s)}, which has the old size on a growing axis "
-                              f"({words(axis)})")
+                    raise refuse(
+                        n,
+                        f"multiplies the query/key by '{side.name}' {tuple(s)}, a table per head-size "
+                        "coordinate (rotary position embedding): its frequencies depend on the head size, so "
+                        "growing the query/key head size cannot keep the attention logits",
+                        "grow value_dim=… (the value/output head size: exact with rotary embeddings) or add "
+                        "heads (heads=…) instead",
+                    )
+                raise refuse(
+                    n,
+                    f"combines it with '{side.name}' {tuple(s)}, which has the old size on a growing axis "
+                    f"({words(axis)})",
+                )
             out.append(axis)
         return tuple(out)
 
@@ -298,7 +326,9 @@ class Flow:
         parts = [a for a in n.args[0] if isinstance(a, fx.Node)]
         if any(a.name in self.layout and self.grows(self.of(a)[dim]) for a in parts):
             raise refuse(n, "concatenates along a growing axis")
-        lay = list(self.broadcast(n, [a for a in parts if a.name in self.layout], shape[:dim] + (1,) + shape[dim + 1:]))
+        lay = list(
+            self.broadcast(n, [a for a in parts if a.name in self.layout], shape[:dim] + (1,) + shape[dim + 1 :])
+        )
         lay[dim] = (("", shape[dim]),)
         if any(a.name not in self.layout for a in parts) and any(self.grows(ax) for ax in lay):
             raise refuse(n, "concatenates a tensor that does not grow with the heads")
@@ -307,12 +337,20 @@ class Flow:
     def split(self, n: fx.Node, name: str):
         x = n.args[0]
         lay = self.of(x)
-        dim = (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)) if name != "unbind" else \
-            (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0))
+        dim = (
+            (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0))
+            if name != "unbind"
+            else (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0))
+        )
         dim %= len(lay)
         axis, width, sizes = lay[dim], tensor_shape(x)[dim], n.args[1]
-        count = (width // sizes if isinstance(sizes, int) else len(sizes)) if name == "split" else \
-            int(sizes) if name == "chunk" else width
+        count = (
+            (width // sizes if isinstance(sizes, int) else len(sizes))
+            if name == "split"
+            else int(sizes)
+            if name == "chunk"
+            else width
+        )
         sections: list[int | None]
         if axis and axis[0][0] == "s" and axis[0][1] == count:
             rest, sections = axis[1:], list(range(count))
@@ -323,8 +361,8 @@ class Flow:
         if name == "split" and self.grows(rest):
             self.edits.append(FactorEdit(n.name, ("args", 1), n.args[1], rest))
         if name == "unbind":
-            return [(lay[:dim] + lay[dim + 1:], s) for s in sections]
-        return [(lay[:dim] + (rest,) + lay[dim + 1:], s) for s in sections]
+            return [(lay[:dim] + lay[dim + 1 :], s) for s in sections]
+        return [(lay[:dim] + (rest,) + lay[dim + 1 :], s) for s in sections]
 
     def index(self, n: fx.Node, lay: Layout, index) -> Layout:
         shape = tensor_shape(n.args[0])
@@ -333,7 +371,7 @@ class Flow:
         index = index if isinstance(index, tuple) else (index,)
         if any(i is Ellipsis for i in index):
             k = index.index(Ellipsis)
-            index = index[:k] + (slice(None),) * (len(lay) - len(index) + 1) + index[k + 1:]
+            index = index[:k] + (slice(None),) * (len(lay) - len(index) + 1) + index[k + 1 :]
         out, d = [], 0
         for i in index:
             if i is None:
@@ -345,7 +383,12 @@ class Flow:
                     self.section[n.name] = i % axis[0][1]
                 elif self.grows(axis):
                     raise refuse(n, f"picks one entry of a growing axis ({words(axis)})")
-            elif isinstance(i, slice) and i.step in (None, 1) and (i.start or 0) == 0 and (i.stop is None or i.stop >= shape[d]):
+            elif (
+                isinstance(i, slice)
+                and i.step in (None, 1)
+                and (i.start or 0) == 0
+                and (i.stop is None or i.stop >= shape[d])
+            ):
                 out.append(axis)
             elif isinstance(i, slice) and not self.grows(axis):
                 out.append((("", len(range(*i.indices(shape[d])))),))
@@ -358,14 +401,21 @@ class Flow:
         sizes = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
         at = ("args", 1) if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else ("args",)
         lead = len(shape) - len(lay)
-        out = tuple((("", s),) if j < lead or (size_of(lay[j - lead]) == 1 and s > 1) else lay[j - lead]
-                    for j, s in enumerate(shape))
+        out = tuple(
+            (("", s),) if j < lead or (size_of(lay[j - lead]) == 1 and s > 1) else lay[j - lead]
+            for j, s in enumerate(shape)
+        )
         self.constants(n, out, sizes, at)
         return out
 
 
-_FACTOR_WORDS = {"h": "heads", "r": "query heads per key/value head", "d": "head size", "e": "value head size",
-                 "s": "q/k/v sections"}
+_FACTOR_WORDS = {
+    "h": "heads",
+    "r": "query heads per key/value head",
+    "d": "head size",
+    "e": "value head size",
+    "s": "q/k/v sections",
+}
 
 
 def words(axis: Axis) -> str:

@@ -11,6 +11,7 @@ attention, and from its output to the output projection. Factors that grow must 
 over them is rewritten (an edit), a `-1` needs nothing; a side operand (a cos/sin table, a mask) must broadcast
 over them. Anything else is refused with the node and the reason: a pass never guesses.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,7 +21,20 @@ from torch import fx, nn
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import tensor_shape
 from .head_layout import (
-    SDPA, SHAPE_QUERIES, Axis, FactorEdit, Layout, canon, data_args, Flow, linear_arg, op_kind, plain, refuse, size_of, words,
+    SDPA,
+    SHAPE_QUERIES,
+    Axis,
+    FactorEdit,
+    Flow,
+    Layout,
+    canon,
+    data_args,
+    linear_arg,
+    op_kind,
+    plain,
+    refuse,
+    size_of,
+    words,
 )
 
 
@@ -47,8 +61,12 @@ class Attention:
     scale: float | None = None  # an explicit scale= (None: 1/sqrt(head_dim))
 
     def summary(self) -> str:
-        gqa = f", {self.kv_heads} key/value head{'s' if self.kv_heads > 1 else ''}" if self.kv_heads != self.heads else ""
-        return f"{self.heads} heads × {self.head_dim}{gqa}" + (f", value size {self.value_dim}" if self.value_dim != self.head_dim else "")
+        gqa = (
+            f", {self.kv_heads} key/value head{'s' if self.kv_heads > 1 else ''}" if self.kv_heads != self.heads else ""
+        )
+        return f"{self.heads} heads × {self.head_dim}{gqa}" + (
+            f", value size {self.value_dim}" if self.value_dim != self.head_dim else ""
+        )
 
 
 def _linear_params(gm: fx.GraphModule, n: fx.Node) -> tuple[str, str | None, str | None]:
@@ -60,8 +78,11 @@ def _linear_params(gm: fx.GraphModule, n: fx.Node) -> tuple[str, str | None, str
     if not (isinstance(w, fx.Node) and w.op == "get_attr"):
         raise refuse(n, "takes its weight from a computed tensor")
     if b is not None and not (isinstance(b, fx.Node) and b.op == "get_attr"):
-        raise refuse(n, f"takes its bias from a computed tensor ('{b.name if isinstance(b, fx.Node) else b}'): "
-                        "new heads' bias entries have no parameter to go into")
+        raise refuse(
+            n,
+            f"takes its bias from a computed tensor ('{b.name if isinstance(b, fx.Node) else b}'): "
+            "new heads' bias entries have no parameter to go into",
+        )
     return str(w.target), str(b.target) if b is not None else None, None
 
 
@@ -112,14 +133,21 @@ def find_attentions(gm: fx.GraphModule, growing: set[str], at: str | None = None
     followed for the factors in `growing` (h, r, d, e); NotApplicable naming the node where that is not possible."""
     nodes = list(gm.graph.nodes)
     sdpas = [n for n in nodes if n.op == "call_function" and n.target is SDPA]
-    opaque = [n for n in nodes if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.MultiheadAttention)]
+    opaque = [
+        n for n in nodes if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.MultiheadAttention)
+    ]
     if opaque:
-        raise refuse(opaque[0], "is an nn.MultiheadAttention kept whole (a leaf): its heads are not in the graph",
-                      "capture the model with torch.export (graphgrow does for nn.TransformerEncoder) so its attention is decomposed")
+        raise refuse(
+            opaque[0],
+            "is an nn.MultiheadAttention kept whole (a leaf): its heads are not in the graph",
+            "capture the model with torch.export (graphgrow does for nn.TransformerEncoder) so its attention is decomposed",
+        )
     if not sdpas:
-        raise NotApplicable("the model has no scaled_dot_product_attention: no attention heads found",
-                            "grow_heads grows attentions written with F.scaled_dot_product_attention (Hugging Face's "
-                            "default sdpa, timm, nn.MultiheadAttention); attention written as matmul + softmax is not supported")
+        raise NotApplicable(
+            "the model has no scaled_dot_product_attention: no attention heads found",
+            "grow_heads grows attentions written with F.scaled_dot_product_attention (Hugging Face's "
+            "default sdpa, timm, nn.MultiheadAttention); attention written as matmul + softmax is not supported",
+        )
     out, failed = [], []
     for n in sdpas:
         try:
@@ -127,15 +155,23 @@ def find_attentions(gm: fx.GraphModule, growing: set[str], at: str | None = None
         except NotApplicable as e:
             failed.append(e)
     if at is not None:
-        out = [a for a in out if any(p.weight.startswith(f"{at}.") or p.node == at for p in a.projections + [a.reader])
-               or a.node == at]
+        out = [
+            a
+            for a in out
+            if any(p.weight.startswith(f"{at}.") or p.node == at for p in a.projections + [a.reader]) or a.node == at
+        ]
     if failed and (at is None or not out):
         first = failed[0]
-        raise NotApplicable(first.message, f"{first.hint}; {len(out)} other attention(s) can grow: pick one with at=" if out
-                            else first.hint)
+        raise NotApplicable(
+            first.message,
+            f"{first.hint}; {len(out)} other attention(s) can grow: pick one with at=" if out else first.hint,
+        )
     if not out:
-        raise NotApplicable(f"no attention at '{at}'", "give the module path of an attention (its projections'"
-                                " parent, e.g. model.layers.0.self_attn), or leave at= out to grow every attention")
+        raise NotApplicable(
+            f"no attention at '{at}'",
+            "give the module path of an attention (its projections'"
+            " parent, e.g. model.layers.0.self_attn), or leave at= out to grow every attention",
+        )
     return out
 
 
@@ -160,8 +196,11 @@ def _attention(gm: fx.GraphModule, s: fx.Node, growing: set[str]) -> Attention:
         seen, found = _back(gm, t)
         if len(found) != 1:
             what = "no Linear" if not found else f"{len(found)} Linear layers ({', '.join(f.name for f in found)})"
-            raise refuse(t, f"is the {dict(q='query', k='key', v='value')[role]} of '{s.name}' and comes from {what} "
-                          "through ops the analysis follows")
+            raise refuse(
+                t,
+                f"is the {dict(q='query', k='key', v='value')[role]} of '{s.name}' and comes from {what} "
+                "through ops the analysis follows",
+            )
         region |= seen
         projs.setdefault(found[0].name, (found[0], []))[1].append(role)
         roles[role] = found[0]
@@ -179,8 +218,11 @@ def _attention(gm: fx.GraphModule, s: fx.Node, growing: set[str]) -> Attention:
         elif h == kv and d == e and width == len(rs) * h * d:
             factors = (("s", len(rs)), ("h", h), ("d", d))
         else:
-            raise refuse(p, f"projects {'/'.join(rs)} in one output of width {width}, not {len(rs)} equal sections "
-                          f"of {h} heads × {d}")
+            raise refuse(
+                p,
+                f"projects {'/'.join(rs)} in one output of width {width}, not {len(rs)} equal sections "
+                f"of {h} heads × {d}",
+            )
         if size_of(factors) != width:
             raise refuse(p, f"has {width} outputs, not {words(factors)} (the attention's heads and head size)")
         flow.layout[name] = plain(tensor_shape(p)[:-1]) + (factors,)
@@ -205,6 +247,7 @@ def _attention(gm: fx.GraphModule, s: fx.Node, growing: set[str]) -> Attention:
     for t, lay in ((q, lq), (k, lk), (v, lv)):
         if any(flow.grows(ax) for ax in lay[:-3] + lay[-2:-1]):
             raise refuse(t, "carries heads or head size on an axis other than the attention's heads or head size")
+
     def heads(ax: Axis) -> tuple:  # the growing factors only: a key may lack the query's r (SDPA's enable_gqa)
         return tuple(f for f in canon(ax, growing) if f[0] in growing)
 
@@ -228,8 +271,9 @@ def _fix_roles(flow: Flow, projections: list[Projection], roles: dict, q, k, v, 
         for role, t in zip("qkv", (q, k, v)):
             if roles[role].name == p.node:
                 if t.name not in flow.section:
-                    raise refuse(t, f"is the {role} of '{s.name}' but the analysis cannot tell which section of "
-                                  f"'{p.node}' it is")
+                    raise refuse(
+                        t, f"is the {role} of '{s.name}' but the analysis cannot tell which section of '{p.node}' it is"
+                    )
                 order[flow.section[t.name]] = role
         p.roles = tuple(order[i] for i in range(len(order)))
 
@@ -245,7 +289,9 @@ def _reader(gm: fx.GraphModule, s: fx.Node, lay: Layout, growing: set[str]) -> t
             kind = op_kind(gm, u)
             if kind == "linear" and linear_arg(u, 0) is n:
                 readers.append(u)
-            elif (u.op == "call_method" and u.target in SHAPE_QUERIES) or (u.op == "call_function" and u.target is getattr):
+            elif (u.op == "call_method" and u.target in SHAPE_QUERIES) or (
+                u.op == "call_function" and u.target is getattr
+            ):
                 continue
             elif kind is None or kind == "linear":
                 raise refuse(u, f"reads the output of attention '{s.name}' before any output projection")

@@ -1,6 +1,7 @@
 """Opaque steps the coupling analysis learns by looking inside or by running them: a mode switch's
 per-path bodies (probed), a plain slice that keeps the channel axis whole, the current value of a
 flag or number node (a module attribute read at run time, and arithmetic on it)."""
+
 from __future__ import annotations
 
 import operator
@@ -20,7 +21,7 @@ def switch_is_channelwise(m: ModeSwitch, x: fx.Node, n: fx.Node) -> bool:
     shape = tensor_shape(x)
     if shape is None or shape != tensor_shape(n) or node_axis(x) is None:
         return False
-    args = list(n.args[m.conditions:])
+    args = list(n.args[m.conditions :])
     if args.count(x) != 1:
         return False
     index = args.index(x)
@@ -29,6 +30,7 @@ def switch_is_channelwise(m: ModeSwitch, x: fx.Node, n: fx.Node) -> bool:
     except ValueError:
         return False
     for body in m._bodies():
+
         def run(t: torch.Tensor, training: bool, body=body):
             with torch.no_grad(), seeded(PROBE_SEED):  # the same draws for every probe input
                 return body(*[t if i == index else v for i, v in enumerate(values)])
@@ -50,12 +52,17 @@ def slice_keeps_channels(n: fx.Node, x: fx.Node) -> bool:
         return False
     if Ellipsis in index:
         at = index.index(Ellipsis)
-        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
-    whole = axis >= len(index) or (index[axis] == slice(None) or index[axis] == slice(None, None, 1)
-                                   or index[axis] == slice(0, None, None))
+        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1 :]
+    whole = axis >= len(index) or (
+        index[axis] == slice(None) or index[axis] == slice(None, None, 1) or index[axis] == slice(0, None, None)
+    )
     out = tensor_shape(n)
-    return bool(whole) and out is not None and out[out_axis] == shape[axis] and \
-        all(not isinstance(b, fx.Node) for i in index if isinstance(i, slice) for b in (i.start, i.stop, i.step))
+    return (
+        bool(whole)
+        and out is not None
+        and out[out_axis] == shape[axis]
+        and all(not isinstance(b, fx.Node) for i in index if isinstance(i, slice) for b in (i.start, i.stop, i.step))
+    )
 
 
 def eval_passthrough(gm: fx.GraphModule, n: fx.Node) -> fx.Node | None:
@@ -66,7 +73,7 @@ def eval_passthrough(gm: fx.GraphModule, n: fx.Node) -> fx.Node | None:
         return None
 
     try:
-        answers = [bool(number_value(c, training=False)) for c in n.args[:m.conditions]]
+        answers = [bool(number_value(c, training=False)) for c in n.args[: m.conditions]]
     except (ValueError, TypeError):
         return None
     index = m.passthrough(answers)

@@ -8,9 +8,11 @@ output's channels the same way, and (2) appending channels leaves the old channe
 outputs unchanged. (2) is exactly what exact growth needs: per-element dropout fails
 it (a wider tensor draws different masks), per-example drop-path passes it.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,12 +24,22 @@ _MAX_PROBE_ELEMENTS = 1 << 22  # probing runs the op twice more; skip huge tenso
 
 
 def _same(a: Any, b: Any) -> bool:
-    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and \
-        a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-6, atol=1e-7, equal_nan=True)
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.allclose(a, b, rtol=1e-6, atol=1e-7, equal_nan=True)
+    )
 
 
-def is_channelwise(run: Callable[[torch.Tensor, bool], Any], shape: tuple[int, ...], axis: int,
-                   dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> bool:
+def is_channelwise(
+    run: Callable[[torch.Tensor, bool], Any],
+    shape: tuple[int, ...],
+    axis: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> bool:
     """`run(x, training)` applies the op to `x` in the given mode; True when it is channelwise (see module doc)."""
     if axis is None or len(shape) <= axis or shape[axis] < 2 or torch.Size(shape).numel() > _MAX_PROBE_ELEMENTS:
         return False
@@ -67,8 +79,15 @@ def module_is_channelwise(m: nn.Module, shape: tuple[int, ...], axis: int) -> bo
     return is_channelwise(run, shape, axis)
 
 
-def function_is_channelwise(fn: Callable, args: tuple, kwargs: dict, index: int, shape: tuple[int, ...],
-                            axis: int, flag_args: dict[int | str, Callable[[bool], Any]] | None = None) -> bool:
+def function_is_channelwise(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    index: int,
+    shape: tuple[int, ...],
+    axis: int,
+    flag_args: dict[int | str, Callable[[bool], Any]] | None = None,
+) -> bool:
     """Probe `fn(*args, **kwargs)` with a tensor in `args[index]`; `flag_args` map positions/keywords
     whose value follows the mode (a traced read of `training`) to that value."""
     flag_args = flag_args or {}

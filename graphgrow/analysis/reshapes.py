@@ -6,6 +6,7 @@ several dimensions ((N, C, H, W) → (N, g, C/g, H, W): heads, groups, radix) or
 (growth adds channels at the same place in each of the g blocks); a merge's channels repeat over the
 dimensions before the channel axis and are scaled by the ones after it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,14 +79,16 @@ def regroup(ins: tuple, outs: tuple, axis: int) -> Regroup | None:
             return Regroup("split", gj[-1], repeat=ins[axis] // inner, stride=inner)
         if len(gj) == 1:
             k = gi.index(axis)
-            scale = _prod(ins[d] for d in gi[k + 1:])
+            scale = _prod(ins[d] for d in gi[k + 1 :])
             return Regroup("merge", gj[0], repeat=_prod(ins[d] for d in gi[:k]), stride=ins[axis] * scale, scale=scale)
         return None
     return None
 
 
 def is_reshape(n: fx.Node) -> bool:
-    return (n.op == "call_method" and n.target in RESHAPE_METHODS) or (n.op == "call_function" and n.target is torch.reshape)
+    return (n.op == "call_method" and n.target in RESHAPE_METHODS) or (
+        n.op == "call_function" and n.target is torch.reshape
+    )
 
 
 def reshape_regroup(n: fx.Node, axis: int | None) -> Regroup | None:

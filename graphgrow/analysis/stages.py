@@ -7,20 +7,21 @@ main-path tensors at one resolution (H×W for feature maps, the token count for 
 defaults use this to pick places a person would pick: a skip over one stage, a branch beside a
 main-path conv, growth of a main-path layer, never graphgrow's own added modules.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from torch import fx, nn
 
-from .deployed import deployed_outputs
-from .targets import Candidate
 from ..graph.fx_edit import is_float_tensor, tensor_shape
+from ..graph.graph_meta import graph_info, scope_of
 from ..graph.shapes import param_count
 from .axes import assign_channel_axes, node_axis
-from .targets import _is_head_pool, is_feature_map, is_global_pool, tensor_or_feature_end
-from ..graph.graph_meta import graph_info, scope_of
+from .deployed import deployed_outputs
+from .targets import Candidate, _is_head_pool, is_feature_map, is_global_pool, tensor_or_feature_end
 
 T = TypeVar("T")
 DEFAULT_BUDGET = 0.25  # what a pass's default target may add, as a fraction of the model's parameters
@@ -56,7 +57,11 @@ def _data_nodes(gm: fx.GraphModule, end: fx.Node) -> list[fx.Node]:
     """Nodes between the graph's inputs and `end` along the data flow (no parameter fetches)."""
     down = _reach([n for n in gm.graph.nodes if n.op == "placeholder"], lambda n: list(n.users))
     up = _reach([end], lambda n: n.all_input_nodes)
-    return [n for n in gm.graph.nodes if n in down and n in up and (n.op == "placeholder" or _carries_tensors(n.meta.get("gg_shape")))]
+    return [
+        n
+        for n in gm.graph.nodes
+        if n in down and n in up and (n.op == "placeholder" or _carries_tensors(n.meta.get("gg_shape")))
+    ]
 
 
 def _carries_tensors(shape) -> bool:
@@ -116,7 +121,7 @@ def backbone(gm: fx.GraphModule) -> list[fx.Node]:
                 break
             continue  # another rank on the way (a channel shuffle's 5-D view): the backbone goes on
         out.append(n)
-    return out[:_token_head(gm, out)]
+    return out[: _token_head(gm, out)]
 
 
 def _reshape_only(n: fx.Node) -> bool:
@@ -156,7 +161,11 @@ def stages(gm: fx.GraphModule) -> list[Stage]:
         res = _resolution(n)
         if res is None:
             continue
-        if result and result[-1].resolution == res and len(tensor_shape(result[-1].nodes[-1]) or ()) == len(tensor_shape(n) or ()):
+        if (
+            result
+            and result[-1].resolution == res
+            and len(tensor_shape(result[-1].nodes[-1]) or ()) == len(tensor_shape(n) or ())
+        ):
             result[-1].nodes.append(n)
         else:
             result.append(Stage(len(result) + 1, res, [n]))
@@ -167,6 +176,7 @@ def stage_end(found: list[Stage], i: int) -> fx.Node:
     """The output of stage i's last whole block: its last main-path tensor whose block (two levels of module
     path, e.g. layer3.1 or features.13) does not go on into the next stage. Inside a downsampling block
     without a skip (a MobileNet expansion) tensors are on the main path but are not a block's end."""
+
     def block(n: fx.Node) -> tuple[str, ...]:
         path = scope_of(n) + ((str(n.target),) if n.op == "call_module" else ())
         return path[:2]
@@ -219,8 +229,9 @@ def place(gm: fx.GraphModule, n: fx.Node, found: list[Stage] | None = None) -> s
     return ", ".join(parts)
 
 
-
-def default_point(gm: fx.GraphModule, cost: Callable[[fx.Node], int], budget: float = DEFAULT_BUDGET) -> tuple[fx.Node, str]:
+def default_point(
+    gm: fx.GraphModule, cost: Callable[[fx.Node], int], budget: float = DEFAULT_BUDGET
+) -> tuple[fx.Node, str]:
     """Where a pass that inserts a layer after a tensor goes by default: the end of the latest backbone stage
     where the layer (`cost(node)` parameters) stays within `budget` of the model's parameters; the backbone's
     last feature map when it fits. Returns (node, why in words)."""
@@ -234,20 +245,31 @@ def default_point(gm: fx.GraphModule, cost: Callable[[fx.Node], int], budget: fl
     if over:
         where = "the smallest stage end"
     else:
-        where = "the backbone's last feature map" if node is costs[0][1] else f"the latest stage end where it adds at most {budget:.0%} of the parameters"
-    return node, f"{where}: end of {stage.describe(gm, len(found))}; adds {c:,} parameters ({100 * c / total:.1f}% of the model){over}"
+        where = (
+            "the backbone's last feature map"
+            if node is costs[0][1]
+            else f"the latest stage end where it adds at most {budget:.0%} of the parameters"
+        )
+    return (
+        node,
+        f"{where}: end of {stage.describe(gm, len(found))}; adds {c:,} parameters ({100 * c / total:.1f}% of the model){over}",
+    )
 
 
-def pick_within_budget(ordered: list[T], cost: Callable[[T], int], total: int, budget: float = DEFAULT_BUDGET) -> tuple[T, str]:
+def pick_within_budget(
+    ordered: list[T], cost: Callable[[T], int], total: int, budget: float = DEFAULT_BUDGET
+) -> tuple[T, str]:
     """A default among main-path places: the first of `ordered` (the pass's preference) whose `cost` stays
     within `budget` of the model's `total` parameters; when none does (a small model), the smallest one.
     Returns (the place, "" or the sentence that says it is over the budget and why, for the report)."""
     for item in ordered:
         if cost(item) <= budget * total:
             return item, ""
-    return min(ordered, key=cost), (f"; over budget: no main-path place adds at most {budget:.0%} of the model's "
-                                    f"{total:,} parameters (a model this small grows more at any place), so the "
-                                    "default is the smallest one")
+    return min(ordered, key=cost), (
+        f"; over budget: no main-path place adds at most {budget:.0%} of the model's "
+        f"{total:,} parameters (a model this small grows more at any place), so the "
+        "default is the smallest one"
+    )
 
 
 def stage_end_candidates(gm: fx.GraphModule, cost: Callable[[fx.Node], int]) -> list[Candidate]:
@@ -257,5 +279,7 @@ def stage_end_candidates(gm: fx.GraphModule, cost: Callable[[fx.Node], int]) -> 
     if not found:
         return []
     default, _ = default_point(gm, cost)
-    return [Candidate({"after": end.name}, f"end of {s.describe(gm, len(found))}", cost(end), end is default)
-            for s, end in reversed(stage_ends(found))]
+    return [
+        Candidate({"after": end.name}, f"end of {s.describe(gm, len(found))}", cost(end), end is default)
+        for s, end in reversed(stage_ends(found))
+    ]

@@ -16,6 +16,7 @@ output. When one tensor needs both (a post-norm stream: BERT, nn.TransformerEnco
 LayerNorm's output is added to a sublayer's output that feeds the next LayerNorm) `conflict` says where, and only
 replicating every coordinate equally (an integer factor) stays exact.
 """
+
 from __future__ import annotations
 
 import operator
@@ -29,18 +30,42 @@ from torch import fx, nn
 from ..core.errors import NotApplicable
 from ..graph import ops
 from ..graph.fx_edit import tensor_shape
-from .stream_ops import arg as _arg, FLAT_AT_ZERO, forward_axis as _forward_axis, is_scalar_factor as _is_scalar_factor, zero_activation_input as _zero_activation_input
+from .stream_ops import FLAT_AT_ZERO
+from .stream_ops import arg as _arg
+from .stream_ops import forward_axis as _forward_axis
+from .stream_ops import is_scalar_factor as _is_scalar_factor
+from .stream_ops import zero_activation_input as _zero_activation_input
 
-NORM_FUNCTIONS = (F.layer_norm, torch.layer_norm, F.rms_norm) + ((torch.rms_norm,) if hasattr(torch, "rms_norm") else ())
+NORM_FUNCTIONS = (F.layer_norm, torch.layer_norm, F.rms_norm) + (
+    (torch.rms_norm,) if hasattr(torch, "rms_norm") else ()
+)
 ADDS = ops.ADD_FUNCTIONS | {operator.iadd}  # x += y writes the stream like x + y (x *= y is not followed)
 SCALINGS = ops.MUL_FUNCTIONS
 # methods the hidden axis passes through (moved or kept); unflatten, the *_as forms, expand_as, split and the moments
 # past the mean are not followed (the axis's place after them is not worked out here). ("getitem" is never a method:
 # x[i] is operator.getitem, in PASS_FUNCTIONS.)
-PASS_METHODS = ops.SAME_VALUES | ops.TRANSPOSES | ops.RESHAPES | ops.UNIT_DIMS | ops.LINEAR_REDUCTIONS | ops.INDEXING | \
-    {"flatten", "expand"}
-PASS_FUNCTIONS = {F.dropout, torch.transpose, torch.permute, torch.flatten, torch.reshape, torch.select, operator.getitem,
-                  torch.mean, torch.sum, torch.squeeze, torch.unsqueeze}
+PASS_METHODS = (
+    ops.SAME_VALUES
+    | ops.TRANSPOSES
+    | ops.RESHAPES
+    | ops.UNIT_DIMS
+    | ops.LINEAR_REDUCTIONS
+    | ops.INDEXING
+    | {"flatten", "expand"}
+)
+PASS_FUNCTIONS = {
+    F.dropout,
+    torch.transpose,
+    torch.permute,
+    torch.flatten,
+    torch.reshape,
+    torch.select,
+    operator.getitem,
+    torch.mean,
+    torch.sum,
+    torch.squeeze,
+    torch.unsqueeze,
+}
 SHAPE_QUERIES = ops.SHAPE_QUERIES
 VIEWS = ops.RESHAPES | {"expand"}  # their shape arguments name the width: grown with it
 
@@ -84,13 +109,17 @@ class Stream:
 
     def summary(self) -> str:
         kinds = Counter(w.what for w in self.writers)
-        return (f"{len(self.axes)} stream tensors, writers {dict(kinds)}, {len(self.readers)} readers, "
-                f"{len(self.norms)} norms ({'RMSNorm' if any(n.rms for n in self.norms) else 'LayerNorm'})")
+        return (
+            f"{len(self.axes)} stream tensors, writers {dict(kinds)}, {len(self.readers)} readers, "
+            f"{len(self.norms)} norms ({'RMSNorm' if any(n.rms for n in self.norms) else 'LayerNorm'})"
+        )
 
 
 def _refuse(n: fx.Node, why: str) -> NotApplicable:
-    return NotApplicable(f"the residual stream reaches '{n.name}' ({_what(n)}), which {why}",
-                         "grow_hidden grows a stream it fully understands; grow the layers around it with grow_width")
+    return NotApplicable(
+        f"the residual stream reaches '{n.name}' ({_what(n)}), which {why}",
+        "grow_hidden grows a stream it fully understands; grow the layers around it with grow_width",
+    )
 
 
 def _what(n: fx.Node) -> str:
@@ -106,8 +135,15 @@ def _norm_of(gm: fx.GraphModule, n: fx.Node) -> Norm | None:
         if type(m) not in (nn.LayerNorm, nn.RMSNorm) or not n.args or not isinstance(n.args[0], fx.Node):
             return None
         w, b = getattr(m, "weight", None), getattr(m, "bias", None)
-        return Norm(n.name, isinstance(m, nn.RMSNorm), n.args[0].name, n.target, f"{n.target}.weight" if w is not None else None,
-                    f"{n.target}.bias" if b is not None else None, m.eps)
+        return Norm(
+            n.name,
+            isinstance(m, nn.RMSNorm),
+            n.args[0].name,
+            n.target,
+            f"{n.target}.weight" if w is not None else None,
+            f"{n.target}.bias" if b is not None else None,
+            m.eps,
+        )
     if n.op != "call_function" or n.target not in NORM_FUNCTIONS or not isinstance(n.args[0], fx.Node):
         return None
     rms = n.target not in (F.layer_norm, torch.layer_norm)
@@ -139,8 +175,10 @@ def find_stream(gm: fx.GraphModule) -> Stream:
     nodes = {n.name: n for n in gm.graph.nodes}
     norms = [n for n in gm.graph.nodes if _norm_of(gm, n) is not None and _normalised(gm, n)]
     if not norms:
-        raise NotApplicable("the model has no LayerNorm or RMSNorm over a last dimension: no residual stream found",
-                            "grow_hidden grows a transformer's stream; widen other layers with grow_width")
+        raise NotApplicable(
+            "the model has no LayerNorm or RMSNorm over a last dimension: no residual stream found",
+            "grow_hidden grows a transformer's stream; widen other layers with grow_width",
+        )
     width = _normalised(gm, norms[-1])  # the last norm (a final norm) is on the stream; q/k norms over heads are not
     stream = Stream(width, {})
     walk = _Walk(gm, stream, nodes)
@@ -212,9 +250,11 @@ class _Walk:
         for need in classes.values():
             if len(need) == 2:
                 a, b = need["mean"], need["zero"]
-                return {}, (f"'{a}' must have new coordinates equal to the mean of the old ones ({self.why[f'{a}:mean']}) "
-                            f"and '{b}', joined with it through adds, zero ({self.why[f'{b}:zero']})"
-                            + ("" if "ReLU" in self.why[f'{a}:mean'] else ": a post-norm stream"))
+                return {}, (
+                    f"'{a}' must have new coordinates equal to the mean of the old ones ({self.why[f'{a}:mean']}) "
+                    f"and '{b}', joined with it through adds, zero ({self.why[f'{b}:zero']})"
+                    + ("" if "ReLU" in self.why[f"{a}:mean"] else ": a post-norm stream")
+                )
         return {t: next(iter(classes.get(self.find(t), {"zero": t}))) for t in self.s.axes}, None
 
     # --- rules ---
@@ -230,9 +270,13 @@ class _Walk:
         if n.op == "call_module":
             m = self.gm.get_submodule(n.target)
             if isinstance(m, nn.Linear) and axis == len(tensor_shape(n)) - 1:
-                return self.writer(n, "linear", [(f"{n.target}.weight", 0)] + ([(f"{n.target}.bias", 0)] if m.bias is not None else []))
+                return self.writer(
+                    n, "linear", [(f"{n.target}.weight", 0)] + ([(f"{n.target}.bias", 0)] if m.bias is not None else [])
+                )
             if isinstance(m, nn.modules.conv._ConvNd) and m.groups == 1 and axis == 1:
-                return self.writer(n, "conv", [(f"{n.target}.weight", 0)] + ([(f"{n.target}.bias", 0)] if m.bias is not None else []))
+                return self.writer(
+                    n, "conv", [(f"{n.target}.weight", 0)] + ([(f"{n.target}.bias", 0)] if m.bias is not None else [])
+                )
             if isinstance(m, nn.Embedding) and axis == len(tensor_shape(n)) - 1:
                 if m.max_norm is not None:
                     raise _refuse(n, "renormalises its rows (max_norm): a wider row has another norm")
@@ -265,18 +309,23 @@ class _Walk:
         axis = self.s.axes[x.name]
         if u.op == "output":
             raise _refuse(x, "is a model output (growing it would change the output's shape)")
-        if (u.op == "call_method" and u.target in SHAPE_QUERIES) or (u.op == "call_function" and u.target is getattr
-                                                                   and u.args[1] in SHAPE_QUERIES):
+        if (u.op == "call_method" and u.target in SHAPE_QUERIES) or (
+            u.op == "call_function" and u.target is getattr and u.args[1] in SHAPE_QUERIES
+        ):
             return
         norm = _norm_of(self.gm, u)
         if norm is not None and u.args[0] is x:
             if axis != len(tensor_shape(x)) - 1 or _normalised(self.gm, u) != self.s.width:
                 raise _refuse(u, "normalises over more than the hidden axis")
             return self.add(u, axis)
-        is_linear = (u.op == "call_module" and isinstance(self.gm.get_submodule(u.target), nn.Linear)) or \
-            (u.op == "call_function" and u.target is F.linear)
-        if is_linear and _arg(u, 0, "input") is x and all(a is not x for a in list(u.args[1:]) + [
-                v for k, v in u.kwargs.items() if k != "input"]):
+        is_linear = (u.op == "call_module" and isinstance(self.gm.get_submodule(u.target), nn.Linear)) or (
+            u.op == "call_function" and u.target is F.linear
+        )
+        if (
+            is_linear
+            and _arg(u, 0, "input") is x
+            and all(a is not x for a in list(u.args[1:]) + [v for k, v in u.kwargs.items() if k != "input"])
+        ):
             return self.reader(u, x, axis)
         if self._is_add(u) or self._is_cat(u):
             return self.add(u, self._user_axis(u, x, axis), like=x)
@@ -287,8 +336,11 @@ class _Walk:
             if a is None:
                 raise _refuse(u, "mixes the hidden axis with others (a reshape or index across it)")
             return self.add(u, a, like=x)
-        raise _refuse(u, "reads it in a way the analysis does not understand (only Linear layers, norms, adds, "
-                      "concatenation along the tokens, dropout, views and token selection are)")
+        raise _refuse(
+            u,
+            "reads it in a way the analysis does not understand (only Linear layers, norms, adds, "
+            "concatenation along the tokens, dropout, views and token selection are)",
+        )
 
     def norm(self, n: fx.Node, norm: Norm) -> None:
         if norm.node in {m.node for m in self.s.norms}:
@@ -312,7 +364,9 @@ class _Walk:
         self.need(n, "zero", why)
         kind = type(self.gm.get_submodule(n.target)) if n.op == "call_module" else n.target
         if kind in FLAT_AT_ZERO:  # new units must be copies of old ones (replication), as on a post-norm stream
-            self.need(n, "mean", f"'{n.name}' is a ReLU: a new unit held at 0 gets no gradient, a copy of an old one does")
+            self.need(
+                n, "mean", f"'{n.name}' is a ReLU: a new unit held at 0 gets no gradient, a copy of an old one does"
+            )
 
     def writer(self, n: fx.Node, what: str, params: list[tuple[str, int]]) -> None:
         if n.name not in {w.node for w in self.s.writers}:
@@ -328,8 +382,11 @@ class _Walk:
             others = [u for u in n.users if u.name not in self.s.axes] if w.what == "tensor" else []
             if others:
                 raise _refuse(n, f"is also read by '{others[0].name}' off the stream")
-        self.s.views = [t for t in self.s.axes if self.nodes[t].op in ("call_method", "call_function")
-                        and _what(self.nodes[t]) in VIEWS]
+        self.s.views = [
+            t
+            for t in self.s.axes
+            if self.nodes[t].op in ("call_method", "call_function") and _what(self.nodes[t]) in VIEWS
+        ]
 
     def reader(self, u: fx.Node, x: fx.Node, axis: int) -> None:
         if axis != len(tensor_shape(x)) - 1:

@@ -1,5 +1,6 @@
 """The ops the residual-stream analysis (stream.py) follows the hidden axis through: scalar factors, elementwise
 activations with f(0) = 0, and the views, transposes, selections and reductions that move or keep the axis."""
+
 from __future__ import annotations
 
 import torch
@@ -13,10 +14,22 @@ def arg(n: fx.Node, i: int, key: str, default=None):
     """Argument `i` of `n`, or its keyword `key`."""
     return n.args[i] if len(n.args) > i else n.kwargs.get(key, default)
 
+
 # elementwise activations with f(0) = 0: a stream tensor may pass through one when its new coordinates are zero (or
 # every coordinate is replicated), as in a gated block deepen inserts on a token stream
 ZERO_ACTIVATION_MODULES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.LeakyReLU, nn.Hardswish, nn.Mish, nn.ELU)
-ZERO_ACTIVATION_FUNCTIONS = {F.relu, F.relu6, F.gelu, F.silu, F.leaky_relu, F.hardswish, F.mish, F.elu, torch.relu, torch.tanh}
+ZERO_ACTIVATION_FUNCTIONS = {
+    F.relu,
+    F.relu6,
+    F.gelu,
+    F.silu,
+    F.leaky_relu,
+    F.hardswish,
+    F.mish,
+    F.elu,
+    torch.relu,
+    torch.tanh,
+}
 ZERO_ACTIVATION_METHODS = {"relu", "tanh"}
 FLAT_AT_ZERO = (nn.ReLU, nn.ReLU6, F.relu, F.relu6, torch.relu, "relu")  # f'(0) = 0: a new unit at 0 would never learn
 
@@ -82,11 +95,22 @@ def forward_axis(n: fx.Node, x: fx.Node, a: int) -> int | None:
             return a if arg(n, 2, "keepdim", False) else a - len([d for d in dims if d < a])
     except (TypeError, ValueError, IndexError):
         return None
-    if xs == out or name in ("dropout", "expand", "contiguous", "clone", "float", "to", "type_as", "mul", "div", "truediv"):
+    if xs == out or name in (
+        "dropout",
+        "expand",
+        "contiguous",
+        "clone",
+        "float",
+        "to",
+        "type_as",
+        "mul",
+        "div",
+        "truediv",
+    ):
         return a + len(out) - len(xs) if out[a + len(out) - len(xs)] == xs[a] else None
     if a == len(xs) - 1 and out[-1] == xs[-1]:  # a view that regroups the leading dimensions only
         return len(out) - 1
-    if out[:a + 1] == xs[:a + 1]:  # flatten(2) of (N, C, H, W): the axis and those before it kept
+    if out[: a + 1] == xs[: a + 1]:  # flatten(2) of (N, C, H, W): the axis and those before it kept
         return a
     return None
 
@@ -96,14 +120,19 @@ def _index_axis(index, shape: tuple, a: int) -> int | None:
     index = index if isinstance(index, tuple) else (index,)
     if any(i is Ellipsis for i in index):
         k = index.index(Ellipsis)
-        index = index[:k] + (slice(None),) * (len(shape) - len(index) + 1) + index[k + 1:]
+        index = index[:k] + (slice(None),) * (len(shape) - len(index) + 1) + index[k + 1 :]
     out, dim = 0, 0
     for i in index:
         if i is None:
             out += 1
             continue
         if dim == a:
-            full = isinstance(i, slice) and i.step in (None, 1) and (i.start or 0) == 0 and (i.stop is None or i.stop >= shape[a])
+            full = (
+                isinstance(i, slice)
+                and i.step in (None, 1)
+                and (i.start or 0) == 0
+                and (i.stop is None or i.stop >= shape[a])
+            )
             return out if full else None
         out += 0 if isinstance(i, int) else 1
         if not isinstance(i, (int, slice)):

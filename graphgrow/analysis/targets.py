@@ -1,5 +1,6 @@
 """Where a pass can apply: a Candidate place, and the default targets passes share (where the feature extractor
 starts and ends)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,10 +8,10 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import fx, nn
 
-from .deployed import deployed_nodes, deployed_outputs
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import is_float_tensor, resolve_tensor, tensor_shape
 from .axes import assign_channel_axes, node_axis
+from .deployed import deployed_nodes, deployed_outputs
 
 
 @dataclass
@@ -83,8 +84,11 @@ def feature_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
     if four_d:
         pools = [n for n in gm.graph.nodes if n in deployed and is_global_pool(gm, n) and _is_head_pool(n)]
         end = pools[0].args[0] if pools else four_d[-1]
-        why = ("first 4-D tensor → the backbone's last 4-D feature map (before the head's global pooling/flatten)"
-               if pools else "first → last 4-D tensor")
+        why = (
+            "first 4-D tensor → the backbone's last 4-D feature map (before the head's global pooling/flatten)"
+            if pools
+            else "first → last 4-D tensor"
+        )
         return four_d[0], end, why
     floats = [n for n in gm.graph.nodes if n in deployed and is_float_tensor(n)]
     outputs = [a for a in deployed_outputs(gm) if is_float_tensor(a)]

@@ -6,6 +6,7 @@ graphgrow traces hundreds of times over while it merges the paths of mode-branch
 (mode_merge). The index finds the same name fx's walk finds first; a tensor it does not hold goes
 to fx's own walk, as before.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -30,9 +31,13 @@ class IndexedGetattr(fx.Tracer):
         if not isinstance(attr_val, torch.Tensor):
             return attr_val
         if self._attr_index is None:
-            self._attr_index = {"parameters": {id(p): (n, p) for n, p in self.root.named_parameters()},
-                                "buffers": {id(b): (n, b) for n, b in self.root.named_buffers()}}
-        kinds = (["parameters"] if isinstance(attr_val, nn.Parameter) else []) + (["buffers"] if self.proxy_buffer_attributes else [])
+            self._attr_index = {
+                "parameters": {id(p): (n, p) for n, p in self.root.named_parameters()},
+                "buffers": {id(b): (n, b) for n, b in self.root.named_buffers()},
+            }
+        kinds = (["parameters"] if isinstance(attr_val, nn.Parameter) else []) + (
+            ["buffers"] if self.proxy_buffer_attributes else []
+        )
         for kind in kinds:
             hit = self._attr_index[kind].get(id(attr_val))
             if hit is not None and hit[1] is attr_val:
@@ -46,7 +51,8 @@ class IndexedGetattr(fx.Tracer):
                 self._factory_kwarg = "proxy_factory_fn" in inspect.signature(self.create_proxy).parameters
             kwargs: dict[str, Any] = {}
             if self._factory_kwarg:
-                kwargs["proxy_factory_fn"] = (None if not self.param_shapes_constant
-                                              else lambda node: ParameterProxy(self, node, name, attr_val))
+                kwargs["proxy_factory_fn"] = (
+                    None if not self.param_shapes_constant else lambda node: ParameterProxy(self, node, name, attr_val)
+                )
             cache[name] = self.create_proxy("get_attr", name, (), {}, **kwargs)
         return cache[name]

@@ -1,5 +1,6 @@
 """Optional forward arguments are not model inputs: fixed to their defaults while tracing, their
 placeholders (and the asserts fx hangs on them) dropped from the graph afterwards."""
+
 from __future__ import annotations
 
 import inspect

@@ -19,22 +19,24 @@ but for constants (a dropout's `train` flag, attention's dropout_p). Such a cons
 a run-time read of the owning module's `training` flag, as fx tracing does, so one graph
 computes both modes; any other difference is refused, naming the module.
 """
+
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 import operator
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten, TreeSpec
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..core import codegen
-from ..core.errors import first_line, GraphgrowError, InputError, TraceError
+from ..core.errors import GraphgrowError, InputError, TraceError, first_line
 from ..graph.graph_meta import META_KEY, store_shape
-from ..graph.inputs import DTYPES, first_embedding, InputSpec, spec_inputs
+from ..graph.inputs import DTYPES, InputSpec, first_embedding, spec_inputs
 from .aten_table import DROPPED, to_torch
 from .standins import standin, tied_parameters
 
@@ -43,8 +45,11 @@ _SKIP_RAISE = (nn.MultiheadAttention,)
 
 def _raisable(m: nn.Module) -> bool:
     """A torch.nn layer whose forward is one computation graphgrow's passes know as a module."""
-    return type(m).__module__.startswith("torch.nn.modules.") and not any(True for _ in m.children()) \
+    return (
+        type(m).__module__.startswith("torch.nn.modules.")
+        and not any(True for _ in m.children())
         and not isinstance(m, _SKIP_RAISE)
+    )
 
 
 def _export(model: nn.Module, inputs: dict[str, torch.Tensor], train: bool):
@@ -54,8 +59,11 @@ def _export(model: nn.Module, inputs: dict[str, torch.Tensor], train: bool):
         model.train(train)
         return torch.export.export(model, (), dict(inputs), dynamic_shapes=dims, strict=False)
     except Exception as e:
-        raise TraceError(f"torch.export cannot capture {type(model).__name__} in {'train' if train else 'eval'} mode: "
-                         f"{first_line(e)}", "check that the model runs on the example inputs; caches off (use_cache=False)") from e
+        raise TraceError(
+            f"torch.export cannot capture {type(model).__name__} in {'train' if train else 'eval'} mode: "
+            f"{first_line(e)}",
+            "check that the model runs on the example inputs; caches off (use_cache=False)",
+        ) from e
     finally:
         model.train(was)
 
@@ -86,8 +94,11 @@ def _lift(ep, model: nn.Module) -> tuple[fx.Graph, dict[str, torch.Tensor]]:
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     if sig.buffers_to_mutate:
-        raise TraceError(f"{type(model).__name__} updates buffers in its forward ({', '.join(sorted(sig.buffers_to_mutate.values())[:3])}), "
-                         "which graphgrow's export capture does not keep yet", "capture with --capture fx, or mark the module a leaf")
+        raise TraceError(
+            f"{type(model).__name__} updates buffers in its forward ({', '.join(sorted(sig.buffers_to_mutate.values())[:3])}), "
+            "which graphgrow's export capture does not keep yet",
+            "capture with --capture fx, or mark the module a leaf",
+        )
     for n in ep.graph.nodes:
         if n.op == "placeholder":
             if n.name in owned:
@@ -152,8 +163,12 @@ def _raise_layers(g: fx.Graph, model: nn.Module, standins: dict[str, nn.Module |
         ext: list[fx.Node] = []
         for n in nodes:
             for a in n.all_input_nodes:
-                if a not in inside and a not in ext and not (a.op == "get_attr" and id(_attr(model, a.target)) in own) \
-                        and isinstance(a.meta.get("val"), torch.Tensor):  # sizes: the layer reads them off its input
+                if (
+                    a not in inside
+                    and a not in ext
+                    and not (a.op == "get_attr" and id(_attr(model, a.target)) in own)
+                    and isinstance(a.meta.get("val"), torch.Tensor)
+                ):  # sizes: the layer reads them off its input
                     ext.append(a)
         outs = [n for n in nodes if any(u not in inside for u in n.users)]
         if len(ext) != 1 or len(outs) != 1:
@@ -247,14 +262,18 @@ def _switch(g: fx.Graph, at: fx.Node, eval_value: Any, train_value: Any, name: s
         return g.call_function(operator.not_, (flag,))
     if isinstance(train_value, (int, float)) and not isinstance(train_value, bool) and eval_value == 0:
         return g.call_function(operator.mul, (flag, train_value))
-    raise _mode_error(name, at, f"'{at.name}' ({at.target}) uses {train_value!r} in train mode and {eval_value!r} in eval mode")
+    raise _mode_error(
+        name, at, f"'{at.name}' ({at.target}) uses {train_value!r} in train mode and {eval_value!r} in eval mode"
+    )
 
 
 def _mode_error(name: str, at: fx.Node, why: str) -> TraceError:
     stack = _stack(at)
     where = f" in '{stack[-1][1]}'" if stack and stack[-1][1] else ""
-    return TraceError(f"the exported train- and eval-mode graphs of {name} differ{where}: {why}",
-                      "trace one mode only is not supported yet; mark the module a leaf or capture with --capture fx")
+    return TraceError(
+        f"the exported train- and eval-mode graphs of {name} differ{where}: {why}",
+        "trace one mode only is not supported yet; mark the module a leaf or capture with --capture fx",
+    )
 
 
 def _scopes(g: fx.Graph) -> None:
@@ -327,18 +346,28 @@ def export_capture(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[f
     gm.train(model.training)
     notes = [f"captured with torch.export (strict=False) in {time.perf_counter() - start:.2f} s"]
     if switches:
-        notes.append(f"{switches} constants differ between train and eval mode (dropout): read from the owning module's "
-                     "training flag at run time")
+        notes.append(
+            f"{switches} constants differ between train and eval mode (dropout): read from the owning module's "
+            "training flag at run time"
+        )
     raised = {p: m for p, m in standins.items() if m is not None and any(n.target == p for n in gm.graph.nodes)}
     if raised:
-        notes.append(f"{len(raised)} layers of the model's own classes compute what a torch.nn layer computes and are "
-                     f"that layer in the graph: {_kinds(model, raised)}")
+        notes.append(
+            f"{len(raised)} layers of the model's own classes compute what a torch.nn layer computes and are "
+            f"that layer in the graph: {_kinds(model, raised)}"
+        )
     if kept:
         notes.append(f"layers kept as functions (not one tensor in and out): {', '.join(kept[:6])}")
     if aten_left:
         notes.append(f"ATen operations kept as they are: {', '.join(aten_left[:8])}")
-    report = {"capture": "export", "mode_switches": switches, "standins": {p: type(m).__name__ for p, m in raised.items()},
-              "layers_as_functions": kept, "aten_ops": aten_left, "notes": notes}
+    report = {
+        "capture": "export",
+        "mode_switches": switches,
+        "standins": {p: type(m).__name__ for p, m in raised.items()},
+        "layers_as_functions": kept,
+        "aten_ops": aten_left,
+        "notes": notes,
+    }
     return gm, report
 
 
@@ -347,7 +376,9 @@ def _kinds(model: nn.Module, raised: dict[str, nn.Module]) -> str:
     counts: dict[str, int] = {}
     for p, m in raised.items():
         own = model.get_submodule(p)
-        flip = " (weight transposed)" if isinstance(m, nn.Linear) and m.weight is not getattr(own, "weight", None) else ""
+        flip = (
+            " (weight transposed)" if isinstance(m, nn.Linear) and m.weight is not getattr(own, "weight", None) else ""
+        )
         key = f"{type(own).__name__} → {type(m).__name__}{flip}"
         counts[key] = counts.get(key, 0) + 1
     return ", ".join(f"{k} ×{v}" for k, v in counts.items())
@@ -360,9 +391,16 @@ def with_ranges(model: nn.Module, spec: InputSpec) -> InputSpec:
     emb = first_embedding(model)
     if emb is None:
         return spec
-    return tuple(replace(t, high=int(emb.num_embeddings)) if t.high is None and not DTYPES[t.dtype].is_floating_point
-                 and DTYPES[t.dtype] != torch.bool and not t.name.endswith("mask") and t.name != "token_type_ids" else t
-                 for t in spec)
+    return tuple(
+        replace(t, high=int(emb.num_embeddings))
+        if t.high is None
+        and not DTYPES[t.dtype].is_floating_point
+        and DTYPES[t.dtype] != torch.bool
+        and not t.name.endswith("mask")
+        and t.name != "token_type_ids"
+        else t
+        for t in spec
+    )
 
 
 def needs_export(spec: InputSpec) -> bool:
@@ -373,8 +411,10 @@ def capture_by_export(model: nn.Module, spec: InputSpec | None, check: bool, not
     """Capture with torch.export (export_capture.py) on seeded example inputs, then check as a trace is checked.
     A bare shape's input is passed by its name, the forward's first parameter's (graph.inputs.named_for)."""
     if spec is None:
-        raise InputError(f"capturing {type(model).__name__} with torch.export needs an example input",
-                         "give --input-shape (e.g. input_ids:1x16:int64), Python: trace(model, input_shape=...)")
+        raise InputError(
+            f"capturing {type(model).__name__} with torch.export needs an example input",
+            "give --input-shape (e.g. input_ids:1x16:int64), Python: trace(model, input_shape=...)",
+        )
     batch = max(2, int(spec[0].shape[0]))  # a size-1 dimension would be fixed by export, not kept dynamic
     with _cache_off(model, notes):
         try:
@@ -382,9 +422,11 @@ def capture_by_export(model: nn.Module, spec: InputSpec | None, check: bool, not
         except GraphgrowError:
             raise
         except Exception as e:  # what graphgrow does with the exported program, failing on a version it was not run on
-            raise TraceError(f"capturing {type(model).__name__} failed after torch.export on {_versions()}: "
-                             f"{type(e).__name__}: {first_line(e)}",
-                             "graphgrow's tests run on torch 2.14 and transformers 5.24: try those, or --capture fx") from e
+            raise TraceError(
+                f"capturing {type(model).__name__} failed after torch.export on {_versions()}: "
+                f"{type(e).__name__}: {first_line(e)}",
+                "graphgrow's tests run on torch 2.14 and transformers 5.24: try those, or --capture fx",
+            ) from e
         report["notes"] = notes + report["notes"]
         report.update(mode="eval", auto_leaves={}, user_leaves=[], mode_reads=[], top_level_mode_dependent=False)
         gm.meta[META_KEY] = {"log": [], "trace": report}

@@ -5,6 +5,7 @@ module computes. A mismatch here is a trace problem and is reported as one, nami
 the first submodule whose output differs (found with forward hooks on the module and
 an interpreter over the graph), never left for a pass's preservation check to find.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -13,14 +14,15 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_structure
 
-from ..core.errors import first_line, InputError, TraceError
+from ..core.errors import InputError, TraceError, first_line
 from ..core.protocol import BATCHES, TRAIN_PROTOCOL, flat_tensors, measure
+from ..core.state import dropout_off, preserved_buffers, seeded, training_mode
 from ..core.threads import check_threads
+from ..graph.graph_meta import graph_info, scope_of
+from ..graph.inputs import ExampleInput, InputSpec, as_spec, call, positional, shown
 from ..graph.reference import remember
 from ..graph.shapes import example_input
-from ..core.state import dropout_off, preserved_buffers, seeded, training_mode
-from ..graph.graph_meta import graph_info, scope_of
-from ..graph.inputs import as_spec, call, ExampleInput, InputSpec, positional, shown
+
 
 def _run(m: nn.Module, x: Any, mode: str, seed: int) -> Any:
     with torch.no_grad(), training_mode(m, mode == "train"), preserved_buffers(m), seeded(seed):
@@ -51,8 +53,10 @@ def _difference(ref: Any, got: Any, mode: str = "eval") -> str | None:
             return f"output {i} has NaN/Inf in one and not the other"
         check = measure(xd, yd, mode)
         if not check.fp32_ok:
-            return (f"output {i} differs: relative error {check.rel_err:.3g}, max |Δ| {check.max_abs_err:.3g} "
-                    f"(max |out| {check.max_abs_ref:.3g})")
+            return (
+                f"output {i} differs: relative error {check.rel_err:.3g}, max |Δ| {check.max_abs_err:.3g} "
+                f"(max |out| {check.max_abs_ref:.3g})"
+            )
     return None
 
 
@@ -84,15 +88,19 @@ def _check(model: nn.Module, gm: fx.GraphModule, input_shape: InputSpec, seed: i
             try:
                 ref = _run(model, x, mode, seed)
             except Exception as e:
-                raise InputError(f"{name} cannot run on an input of shape {shown(input_shape)} (at batch {batch}, {mode} mode): "
-                                 f"{first_line(e)}",
-                                 "give the shape the model expects with --input-shape N,C,H,W") from e
+                raise InputError(
+                    f"{name} cannot run on an input of shape {shown(input_shape)} (at batch {batch}, {mode} mode): "
+                    f"{first_line(e)}",
+                    "give the shape the model expects with --input-shape N,C,H,W",
+                ) from e
             try:
                 got = _run(gm, x, mode, seed)
             except Exception as e:
-                raise TraceError(f"the traced graph of {name} fails in {mode} mode at batch {batch} where the model runs: "
-                                 f"{first_line(e)}",
-                                 "mark the submodule involved as a leaf with --leaf MODULE") from e
+                raise TraceError(
+                    f"the traced graph of {name} fails in {mode} mode at batch {batch} where the model runs: "
+                    f"{first_line(e)}",
+                    "mark the submodule involved as a leaf with --leaf MODULE",
+                ) from e
             diff = _difference(ref, got, mode)
             if diff is None:
                 checked.append(f"{mode}@{batch}")
@@ -103,17 +111,21 @@ def _check(model: nn.Module, gm: fx.GraphModule, input_shape: InputSpec, seed: i
                 if tree_structure(ref) != tree_structure(got) or len(flat_tensors(ref)) != len(flat_tensors(got)):
                     report.setdefault("notes", []).append(
                         f"in {mode} mode {name} returns {len(flat_tensors(ref))} output tensors; the graph keeps the "
-                        f"{traced_mode}-mode outputs ({len(flat_tensors(got))})")
+                        f"{traced_mode}-mode outputs ({len(flat_tensors(got))})"
+                    )
                     break
                 raise TraceError(
                     f"the top-level forward of {name} branches on self.training and computes differently in {mode} "
                     f"mode than the {traced_mode}-mode code that was traced ({diff})",
                     "move the mode-dependent code into a submodule (graphgrow keeps such submodules as leaves), "
-                    f"or trace the {mode}-mode code with --trace-mode {mode}")
+                    f"or trace the {mode}-mode code with --trace-mode {mode}",
+                )
             where = locate_divergence(model, gm, x, mode, seed)
-            raise TraceError(f"the traced graph is not {name} in {mode} mode at batch {batch}: {where or diff}",
-                             "mark that submodule as a leaf with --leaf MODULE, or remove the Python-level state "
-                             "its forward depends on")
+            raise TraceError(
+                f"the traced graph is not {name} in {mode} mode at batch {batch}: {where or diff}",
+                "mark that submodule as a leaf with --leaf MODULE, or remove the Python-level state "
+                "its forward depends on",
+            )
     report["fidelity"] = checked
     # the first pass's verification compares against these outputs; the graph is as it was then
     if "eval" in kept:
@@ -127,7 +139,9 @@ def _drops(gm: nn.Module) -> bool:
     """Whether verification's dropout_off changes anything in `gm` (a dropout layer with p > 0, or a flag read as a
     dropout probability): then train mode here differs from verification's."""
     with training_mode(gm, True), dropout_off(gm):
-        return any(not m.training and not (isinstance(m, nn.modules.dropout._DropoutNd) and m.p == 0) for m in gm.modules())
+        return any(
+            not m.training and not (isinstance(m, nn.modules.dropout._DropoutNd) and m.p == 0) for m in gm.modules()
+        )
 
 
 def locate_divergence(model: nn.Module, gm: fx.GraphModule, x: Any, mode: str, seed: int) -> str | None:
@@ -135,6 +149,7 @@ def locate_divergence(model: nn.Module, gm: fx.GraphModule, x: Any, mode: str, s
     calls: list[tuple[str, Any]] = []
     names = {id(m): p for p, m in model.named_modules() if p}
     hooks = []
+
     def record(path: str):
         return lambda mod, args, out: calls.append((path, _detach(out)))
 
@@ -183,7 +198,9 @@ def _detach(out: Any) -> Any:
     if isinstance(out, torch.Tensor):
         return out.detach().clone()
     if isinstance(out, (tuple, list)):
-        return type(out)(_detach(o) for o in out) if not hasattr(out, "_fields") else type(out)(*(_detach(o) for o in out))
+        return (
+            type(out)(_detach(o) for o in out) if not hasattr(out, "_fields") else type(out)(*(_detach(o) for o in out))
+        )
     return out
 
 

@@ -4,17 +4,19 @@ A model's graph is traced and checked at one example shape (N, C, H, W …); gra
 remember it, a first Linear fixes it, and a first conv followed by Flatten → Linear fixes the
 image size. A model that takes any size says so instead of graphgrow making one up.
 """
+
 from __future__ import annotations
 
 import copy
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import fx, nn
 
 from ..core.errors import InputError
-from ..graph.inputs import first_input_name, InputSpec, named_for, parse_spec, plain_spec, TensorSpec
+from ..graph.inputs import InputSpec, TensorSpec, first_input_name, named_for, parse_spec, plain_spec
 
 MAX_INPUT_ELEMENTS = 1 << 26  # 256 MiB of float32 for one example input; verification makes a few more
 MAX_SIDE = 1 << 16
@@ -29,15 +31,21 @@ def parse_input_shape(text: str | Sequence[int] | None) -> list[int] | None:
         try:
             dims = [int(p) for p in parts]
         except ValueError:
-            raise InputError(f"--input-shape {text[:80]!r} is not a list of integers", "write it as N,C,H,W, e.g. 1,3,224,224") from None
+            raise InputError(
+                f"--input-shape {text[:80]!r} is not a list of integers", "write it as N,C,H,W, e.g. 1,3,224,224"
+            ) from None
     else:
         dims = [int(d) for d in text]
     if not dims or any(d <= 0 for d in dims) or len(dims) > 8:
-        raise InputError(f"--input-shape {str(text)[:80]!r} is not a valid shape (positive sizes, 1 to 8 dims)", "e.g. 1,3,224,224")
+        raise InputError(
+            f"--input-shape {str(text)[:80]!r} is not a valid shape (positive sizes, 1 to 8 dims)", "e.g. 1,3,224,224"
+        )
     if dims[0] > 4096 or any(d > MAX_SIDE for d in dims) or torch.Size(dims).numel() > MAX_INPUT_ELEMENTS:
-        raise InputError(f"input shape {str(text)[:80]!r} is too large for an example input "
-                         f"(at most {MAX_INPUT_ELEMENTS:,} elements, {MAX_SIDE:,} per dimension)",
-                         "use batch 1 and the real image size")
+        raise InputError(
+            f"input shape {str(text)[:80]!r} is too large for an example input "
+            f"(at most {MAX_INPUT_ELEMENTS:,} elements, {MAX_SIDE:,} per dimension)",
+            "use batch 1 and the real image size",
+        )
     return dims
 
 
@@ -67,9 +75,11 @@ def parse_example_input(value: Any, model: Any = None) -> InputSpec | None:
     elif isinstance(value, (dict, str, TensorSpec, list, tuple)):
         spec = parse_spec(value)  # TensorSpecs, dicts, spec text, stored records; InputError on anything else
     else:
-        raise InputError(f"cannot read an example input from {type(value).__name__} {str(value)[:60]}",
-                         "give a shape [N, C, H, W], a TensorSpec or a tuple of them, a dict name → shape / "
-                         "(shape, dtype) / TensorSpec / tensor, or example tensors")
+        raise InputError(
+            f"cannot read an example input from {type(value).__name__} {str(value)[:60]}",
+            "give a shape [N, C, H, W], a TensorSpec or a tuple of them, a dict name → shape / "
+            "(shape, dtype) / TensorSpec / tensor, or example tensors",
+        )
     return named_for(model, spec) if model is not None else spec
 
 
@@ -78,12 +88,18 @@ def _forward_names(model: Any, count: int) -> list[str]:
     import inspect
 
     try:
-        params = [p for p in inspect.signature(model.forward).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        params = [
+            p
+            for p in inspect.signature(model.forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError, AttributeError):
         params = []
     if len(params) < count:
-        raise InputError(f"{count} example tensors given, but the forward names {len(params)} positional inputs",
-                         "pass a dict name → tensor")
+        raise InputError(
+            f"{count} example tensors given, but the forward names {len(params)} positional inputs",
+            "pass a dict name → tensor",
+        )
     return [p.name for p in params[:count]]
 
 
@@ -134,16 +150,20 @@ def infer_input_shape(gm: fx.GraphModule) -> tuple[list[int] | None, str]:
     side = "×".join([str(largest)] * dims)
     if largest != smallest:
         # Strided layers round down, so several sizes fit; the largest is the one every stride divides evenly.
-        return [1, channels] + [largest] * dims, (f"{where}; square sides {smallest} to {largest} all give that, "
-                                                  f"using {side}, which strides divide evenly (--input-shape to choose)")
+        return [1, channels] + [largest] * dims, (
+            f"{where}; square sides {smallest} to {largest} all give that, "
+            f"using {side}, which strides divide evenly (--input-shape to choose)"
+        )
     return [1, channels] + [largest] * dims, f"{where}, which only a square {side} input gives"
 
 
 def _flatten_then_linear(gm: fx.GraphModule):
     """The first (flatten node, Linear node) pair, unless adaptive pooling comes before it."""
     for n in gm.graph.nodes:
-        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d,
-                                                                            nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool3d)):
+        if n.op == "call_module" and isinstance(
+            gm.get_submodule(n.target),
+            (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool3d),
+        ):
             return None
         if n.op == "call_function" and "adaptive" in getattr(n.target, "__name__", ""):
             return None
@@ -152,7 +172,8 @@ def _flatten_then_linear(gm: fx.GraphModule):
             is_flat = isinstance(src, fx.Node) and (
                 (src.op == "call_module" and isinstance(gm.get_submodule(src.target), nn.Flatten))
                 or (src.op == "call_function" and src.target is torch.flatten)
-                or (src.op == "call_method" and src.target in ("flatten", "view", "reshape")))
+                or (src.op == "call_method" and src.target in ("flatten", "view", "reshape"))
+            )
             return (src, n) if is_flat else None
     return None
 
@@ -185,5 +206,7 @@ def require_single_input(gm: fx.GraphModule) -> None:
     """Refuse models with several inputs clearly, also when the shape was given."""
     count = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
     if count != 1:
-        raise InputError(f"the model takes {count} inputs; graphgrow supports one input tensor for now",
-                         "wrap the model so that forward takes a single tensor")
+        raise InputError(
+            f"the model takes {count} inputs; graphgrow supports one input tensor for now",
+            "wrap the model so that forward takes a single tensor",
+        )

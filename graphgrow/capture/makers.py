@@ -17,6 +17,7 @@ traced size are recorded by watch.RecordConstructors; the spellings here fail un
 A call this cannot read (sizes not read from a tensor, data instead of sizes) raises LegacyCallError naming
 the call and the line of the model's code, which the trace report then gives as the block's reason.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,11 @@ class LegacyCallError(Exception):
 
 def typed_classes() -> dict[str, Any]:
     """'torch.FloatTensor' → class, for every dense legacy typed tensor class (CPU and CUDA)."""
-    return {f"{c.__module__}.{c.__name__}": c for c in torch._tensor_classes  # type: ignore[attr-defined]
-            if c.__module__ in ("torch", "torch.cuda")}
+    return {
+        f"{c.__module__}.{c.__name__}": c
+        for c in torch._tensor_classes  # type: ignore[attr-defined]
+        if c.__module__ in ("torch", "torch.cuda")
+    }
 
 
 def reads_size(n: Any) -> bool:
@@ -53,7 +57,9 @@ def reads_size(n: Any) -> bool:
         return True
     if n.op == "call_function" and n.target is getattr:
         return len(n.args) == 2 and n.args[1] in ("shape", "ndim")
-    if n.op == "call_function" and (n.target is len or getattr(n.target, "__module__", "") in ("_operator", "operator")):
+    if n.op == "call_function" and (
+        n.target is len or getattr(n.target, "__module__", "") in ("_operator", "operator")
+    ):
         return all(reads_size(a) for a in n.all_input_nodes) and bool(n.all_input_nodes)
     return False
 
@@ -67,8 +73,9 @@ def size_source(values: Any) -> fx.Node | None:
         if n in seen:
             continue
         seen.add(n)
-        if (n.op == "call_method" and n.target in ("size", "dim", "numel")) or \
-                (n.op == "call_function" and n.target is getattr and n.args[1:] in (("shape",), ("ndim",))):
+        if (n.op == "call_method" and n.target in ("size", "dim", "numel")) or (
+            n.op == "call_function" and n.target is getattr and n.args[1:] in (("shape",), ("ndim",))
+        ):
             src = n.args[0]
             return src if isinstance(src, fx.Node) else None
         todo.extend(n.all_input_nodes)
@@ -103,8 +110,9 @@ def _sizes(args: tuple) -> tuple | None:
     """The sizes a legacy constructor's positional arguments give, or None when they are data, not sizes."""
     if len(args) == 1 and isinstance(args[0], fx.Proxy):
         node = args[0].node  # x.size() / x.shape: a whole size
-        whole = (node.op == "call_method" and node.target == "size" and len(node.args) == 1) or \
-            (node.op == "call_function" and node.target is getattr and node.args[1:] == ("shape",))
+        whole = (node.op == "call_method" and node.target == "size" and len(node.args) == 1) or (
+            node.op == "call_function" and node.target is getattr and node.args[1:] == ("shape",)
+        )
         return (args[0],) if whole else None
     if len(args) == 1 and isinstance(args[0], torch.Size):
         return tuple(args[0])
@@ -126,10 +134,14 @@ class _TypedMaker:
         sizes = None if kwargs else _sizes(args)
         source = size_source([a.node if isinstance(a, fx.Proxy) else a for a in sizes]) if sizes else None
         if sizes is None or source is None:
-            raise LegacyCallError(f"{self.label}(...) at {user_line()}: only sizes read from a tensor (x.size(0), "
-                                  "x.shape) can be traced; write torch.empty(..., device=x.device) there")
+            raise LegacyCallError(
+                f"{self.label}(...) at {user_line()}: only sizes read from a tensor (x.size(0), "
+                "x.shape) can be traced; write torch.empty(..., device=x.device) there"
+            )
         device = self.tracer.create_proxy("call_function", getattr, (self.tracer.proxy(source), "device"), {})
-        return self.tracer.create_proxy("call_function", _EMPTY, tuple(sizes), {"dtype": self.cls.dtype, "device": device})
+        return self.tracer.create_proxy(
+            "call_function", _EMPTY, tuple(sizes), {"dtype": self.cls.dtype, "device": device}
+        )
 
     def __instancecheck__(self, obj: Any) -> bool:
         return isinstance(obj, self.cls)
@@ -147,7 +159,7 @@ class RecordLegacyMakers:
         self.undo: list[tuple[Any, str, Any]] = []  # (namespace dict or module, name, old value)
         self.had_new = False
 
-    def _typed(self, label: str, cls: Any) -> "_TypedMaker":
+    def _typed(self, label: str, cls: Any) -> _TypedMaker:
         return _TypedMaker(self.tracer, label, cls)
 
     def _set(self, where: Any, name: str, value: Any) -> None:
@@ -216,10 +228,14 @@ def rewrite_new(kind: str, target: Any, args: tuple, kwargs: dict) -> tuple[Any,
     if kind != "call_method" or target != "new" or kwargs or len(args) < 2:
         return target, args
     sizes = args[1:]
-    if len(sizes) == 1 and isinstance(sizes[0], fx.Node) and size_source(sizes[0]) is sizes[0].args[0] and \
-            sizes[0].op == "call_method" and len(sizes[0].args) == 1:
+    if (
+        len(sizes) == 1
+        and isinstance(sizes[0], fx.Node)
+        and size_source(sizes[0]) is sizes[0].args[0]
+        and sizes[0].op == "call_method"
+        and len(sizes[0].args) == 1
+    ):
         return "new_empty", (args[0], sizes[0])  # x.new(y.size())
     if all(type(s) is int or (isinstance(s, fx.Node) and reads_size(s)) for s in sizes):
         return "new_empty", (args[0], tuple(sizes))
     return target, args
-

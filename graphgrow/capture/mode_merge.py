@@ -21,19 +21,23 @@ another path reads. What this cannot express — one-mode work calling a submodu
 result nothing reads, paths that differ in how many times they branch — raises MergeError naming
 the block, and trace.py keeps that block a leaf with the reason.
 """
+
 from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from torch import fx
 
 from ..graph import ops
 from ..io.mode_switch import ModeSwitch
 from .makers import describe
-from .regions import ancestors_in as _ancestors_in, outside_inputs as _outside_inputs, pure as _pure
+from .regions import ancestors_in as _ancestors_in
+from .regions import outside_inputs as _outside_inputs
+from .regions import pure as _pure
 
 Path = tuple[bool, ...]
 MAX_PATHS = 16  # traces per merge; every one re-runs the model's forward symbolically
@@ -101,6 +105,7 @@ def _pending_switch(*args: Any) -> Any:  # pragma: no cover - replaced by instal
 
 
 # --- one trace, cut into skeleton, parts and sites -----------------------------------------------
+
 
 @dataclass
 class _Site:
@@ -183,7 +188,9 @@ def _assign(gap: list[_Site], pending: list[fx.Node]) -> None:
     if not pending:
         return
     if not gap:
-        raise MergeError(_scope(pending[0]), f"{_named(pending[0])} runs on one path only but no condition comes before it")
+        raise MergeError(
+            _scope(pending[0]), f"{_named(pending[0])} runs on one path only but no condition comes before it"
+        )
     gap[-1].nodes.extend(pending)
 
 
@@ -213,8 +220,9 @@ def _name(n: fx.Node) -> str:
 
 def _is_in_place(n: fx.Node) -> bool:
     name = _name(n)
-    return (n.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__")) or \
-        n.kwargs.get("inplace") is True
+    return (
+        n.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__")
+    ) or n.kwargs.get("inplace") is True
 
 
 def _may_alias(n: fx.Node) -> bool:
@@ -232,7 +240,9 @@ def _clone_mutated(graph: fx.Graph, site: _Site, where: str) -> None:
         x = n.args[0]
         if x not in site.nodes:
             if _may_alias(x):
-                raise MergeError(where, f"{_named(n)} works in place on '{x.name}', which may share memory with another tensor")
+                raise MergeError(
+                    where, f"{_named(n)} works in place on '{x.name}', which may share memory with another tensor"
+                )
             with graph.inserting_before(n):
                 clone = graph.call_method("clone", (x,))
             clone.meta = dict(n.meta)
@@ -245,6 +255,7 @@ def _clone_mutated(graph: fx.Graph, site: _Site, where: str) -> None:
 
 
 # --- the merge -----------------------------------------------------------------------------------
+
 
 def merge(traces: dict[Policy, tuple[fx.Graph, Any]]) -> tuple[fx.Graph, list[Switch]]:
     """One graph computing every path, from {policy: (graph, tracer)}; the () trace (all True) is the reference."""
@@ -296,16 +307,22 @@ class _Builder:
             self._args(r, [self._read(key, r) for key in self.found], i)
         self.collecting = False
         for i, r in enumerate(self.skeleton):
-            for request in sorted((q for q, loc in self.requests.items() if loc[0] == i), key=self.requests.__getitem__):
+            for request in sorted(
+                (q for q, loc in self.requests.items() if loc[0] == i), key=self.requests.__getitem__
+            ):
                 self.outputs[request] = self._switch_output(request)
             args, kwargs = self._args(r, [self._read(key, r) for key in self.found], i)
             node = self.merged.create_node(r.op, r.target, args, kwargs, name=r.name)
             node.meta = dict(r.meta)
             self.env[r] = node
-        leftover = [n for t in self.found.values() for gap in t.gaps for s in gap for n in s.nodes if n not in self.claimed]
+        leftover = [
+            n for t in self.found.values() for gap in t.gaps for s in gap for n in s.nodes if n not in self.claimed
+        ]
         if leftover:
-            raise MergeError(_scope(leftover[0]), f"work it does on one path only ({_named(leftover[0])}) has no result "
-                                                  "the rest of the forward reads")
+            raise MergeError(
+                _scope(leftover[0]),
+                f"work it does on one path only ({_named(leftover[0])}) has no result the rest of the forward reads",
+            )
         self.merged.lint()
         return self.merged, self.switches
 
@@ -325,9 +342,13 @@ class _Builder:
                 out = [walk(a, [o[i] for o in others]) for i, a in enumerate(ref_arg)]
                 return tuple(out) if isinstance(ref_arg, tuple) else out
             if isinstance(ref_arg, dict):
-                return {k: walk(v, [o.get(k) if isinstance(o, dict) else None for o in others]) for k, v in ref_arg.items()}
+                return {
+                    k: walk(v, [o.get(k) if isinstance(o, dict) else None for o in others]) for k, v in ref_arg.items()
+                }
             if isinstance(ref_arg, slice):
-                parts = [walk(getattr(ref_arg, a), [getattr(o, a, None) for o in others]) for a in ("start", "stop", "step")]
+                parts = [
+                    walk(getattr(ref_arg, a), [getattr(o, a, None) for o in others]) for a in ("start", "stop", "step")
+                ]
                 return slice(*parts)
             if any(o != ref_arg or type(o) is not type(ref_arg) for o in others):
                 return self._value_read(dict(zip(keys, others)), r, gap)  # a number chosen by the branch
@@ -348,9 +369,13 @@ class _Builder:
                 copies = {self._copy_value(k, v) for k, v in per_trace.items()}
                 if len(copies) == 1:
                     return copies.pop()
-        elif not all(type(v) in (bool, int, float, type(None)) or (isinstance(v, fx.Node) and self._is_value(k, v))
-                     for k, v in per_trace.items()):
-            raise MergeError(self._gap_reader(gap) or _scope(r), f"{_named(r)} reads a tensor on one path and a constant on another")
+        elif not all(
+            type(v) in (bool, int, float, type(None)) or (isinstance(v, fx.Node) and self._is_value(k, v))
+            for k, v in per_trace.items()
+        ):
+            raise MergeError(
+                self._gap_reader(gap) or _scope(r), f"{_named(r)} reads a tensor on one path and a constant on another"
+            )
         request = (gap, tuple(per_trace.values()))
         if self.collecting:
             if request not in self.requests:
@@ -360,24 +385,40 @@ class _Builder:
 
     def _gap_reader(self, gap: int) -> str:
         """The module whose branch governs a gap (the reader of its first condition on any path)."""
-        return next((site.conditions[0].reader for t in self.found.values() if gap < len(t.gaps)
-                     for site in t.gaps[gap] if site.conditions), "")
+        return next(
+            (
+                site.conditions[0].reader
+                for t in self.found.values()
+                if gap < len(t.gaps)
+                for site in t.gaps[gap]
+                if site.conditions
+            ),
+            "",
+        )
 
     def _order(self, per_trace: dict[Policy, Any], gap: int, r: fx.Node) -> tuple[int, int, int]:
         """(gap, site, position of the first work in the reference trace) of a value that differs between paths."""
-        sites = {loc for k, v in per_trace.items() if isinstance(v, fx.Node) and (loc := self._site_of(k, v)) is not None}
+        sites = {
+            loc for k, v in per_trace.items() if isinstance(v, fx.Node) and (loc := self._site_of(k, v)) is not None
+        }
         if not sites and all(len(t.gaps[gap]) == 1 for t in self.found.values()):
             sites = {(gap, 0)}  # a choice between values, made by the one branch before its reader
         if len(sites) != 1:
-            raise MergeError(self._gap_reader(gap) or _scope(r), "a value differs between paths in a way that is not "
-                                                                 "one branch's work (several branches in a row, or "
-                                                                 "work read past its branch)")
+            raise MergeError(
+                self._gap_reader(gap) or _scope(r),
+                "a value differs between paths in a way that is not "
+                "one branch's work (several branches in a row, or "
+                "work read past its branch)",
+            )
         g, s = sites.pop()
         order = {n: i for i, n in enumerate(self.found[()].work)}
         ref_site = self.found[()].gaps[g][s] if s < len(self.found[()].gaps[g]) else None
         ref_value = per_trace[()]
-        first = min((order[n] for n in _ancestors_in(ref_value, ref_site.nodes)), default=len(order)) \
-            if ref_site and isinstance(ref_value, fx.Node) else -1
+        first = (
+            min((order[n] for n in _ancestors_in(ref_value, ref_site.nodes)), default=len(order))
+            if ref_site and isinstance(ref_value, fx.Node)
+            else -1
+        )
         return g, s, first
 
     def _is_value(self, key: Policy, n: fx.Node) -> bool:
@@ -434,14 +475,18 @@ class _Builder:
             # chain — a nested `if` asked right after another — changes nothing): the first one's work is the body,
             # the others' is accounted for by it.
             site, value = site_per_trace[k], per_trace[k]
-            nodes = [n for n in site.nodes if n in _ancestors_in(value, site.nodes)] if isinstance(value, fx.Node) else []
+            nodes = (
+                [n for n in site.nodes if n in _ancestors_in(value, site.nodes)] if isinstance(value, fx.Node) else []
+            )
             shared = [n for n in nodes if n in self.claimed and not _pure(n)]
             if shared:  # two switches would each run it: random draws or in-place steps twice
                 raise MergeError(where, f"two values it computes on one path share the step {_named(shared[0])}")
             self.claimed.update(nodes)
             if paths[site.path] != k:
                 continue
-            outside = {x: self._copy_value(k, x) for x in _outside_inputs(nodes, value)} if isinstance(value, fx.Node) else {}
+            outside = (
+                {x: self._copy_value(k, x) for x in _outside_inputs(nodes, value)} if isinstance(value, fx.Node) else {}
+            )
             inputs += [m for m in outside.values() if m not in inputs]
             chosen.append((nodes, value, outside))
             row = []
@@ -453,14 +498,21 @@ class _Builder:
             table.append(row)
         bodies = [_body(nodes, value, inputs, outside, where) for nodes, value, outside in chosen]
         n = self.counters[where] = self.counters.get(where, -1) + 1
-        node = self.merged.create_node("call_function", _pending_switch, (*conditions, *inputs), {},
-                                       name=f"{where.replace('.', '_')}_mode_switch_{n}")
+        node = self.merged.create_node(
+            "call_function",
+            _pending_switch,
+            (*conditions, *inputs),
+            {},
+            name=f"{where.replace('.', '_')}_mode_switch_{n}",
+        )
         node.meta = dict(next((v.meta for v in per_trace.values() if isinstance(v, fx.Node)), {}))
         self.switches.append(Switch(node, f"{where}.mode_switch_{n}", ModeSwitch(len(conditions), table, bodies)))
         return node
 
-def _body(nodes: list[fx.Node], value: Any, inputs: list[fx.Node], outside: dict[fx.Node, fx.Node],
-          where: str) -> list[dict]:
+
+def _body(
+    nodes: list[fx.Node], value: Any, inputs: list[fx.Node], outside: dict[fx.Node, fx.Node], where: str
+) -> list[dict]:
     """One path's work as a stand-alone graph over the switch's inputs (merged nodes), as stored records."""
     from ..io.serialize import node_records  # the one format for graphs kept as data
 
@@ -469,8 +521,11 @@ def _body(nodes: list[fx.Node], value: Any, inputs: list[fx.Node], outside: dict
     env: dict[fx.Node, fx.Node] = {x: placeholders[m] for x, m in outside.items()}
     for n in nodes:
         if n.op not in ("call_function", "call_method"):
-            raise MergeError(where, f"the work it does on one path only uses '{n.target}'{_at(n)} (only tensor functions and "
-                                    "methods can be switched, not submodules or parameters)")
+            raise MergeError(
+                where,
+                f"the work it does on one path only uses '{n.target}'{_at(n)} (only tensor functions and "
+                "methods can be switched, not submodules or parameters)",
+            )
         env[n] = graph.node_copy(n, lambda a: env[a])
     graph.output(env[value] if isinstance(value, fx.Node) else value)
     return node_records(graph)

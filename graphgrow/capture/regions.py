@@ -1,5 +1,6 @@
 """Regions of a traced graph, as mode merging cuts one path's work out of a trace (mode_merge.py): what a value is
 computed from inside a region, what the region reads from outside, and which nodes are safe to compute twice."""
+
 from __future__ import annotations
 
 from torch import fx
@@ -7,8 +8,10 @@ from torch import fx
 
 def pure(n: fx.Node) -> bool:
     """Safe to compute twice: reading a size, dtype or device, or arithmetic on such values."""
-    return (n.op == "call_method" and n.target in ("size", "dim")) or \
-        (n.op == "call_function" and (n.target is getattr or getattr(n.target, "__module__", "") in ("_operator", "operator")))
+    return (n.op == "call_method" and n.target in ("size", "dim")) or (
+        n.op == "call_function"
+        and (n.target is getattr or getattr(n.target, "__module__", "") in ("_operator", "operator"))
+    )
 
 
 def ancestors_in(value: fx.Node, nodes: list[fx.Node]) -> set[fx.Node]:

@@ -10,9 +10,10 @@ nothing stays as the functions it was exported to.
 The stand-in shares the layer's parameters where the layout is the same (an RMSNorm's weight, a
 bias); a transposed weight is a copy in Linear's layout (out × in).
 """
+
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,12 @@ def standin(m: nn.Module, shared: set[int] = frozenset()) -> nn.Module | None:  
         return None
     params = dict(m.named_parameters(recurse=False))
     weight = params.get("weight")
-    if weight is None or not weight.is_floating_point() or weight.numel() > _MAX_PROBE or set(params) - {"weight", "bias"}:
+    if (
+        weight is None
+        or not weight.is_floating_point()
+        or weight.numel() > _MAX_PROBE
+        or set(params) - {"weight", "bias"}
+    ):
         return None
     bias = params.get("bias")
     try:
@@ -51,7 +57,9 @@ def _linear(m: nn.Module, weight: nn.Parameter, bias: nn.Parameter | None, tied:
         w = weight.detach().t() if transposed else weight.detach()
         if _matches(m, (in_f,), lambda x, w=w: F.linear(x, w, None if bias is None else bias.detach())):
             lin = nn.Linear(in_f, out_f, bias=bias is not None, device="meta", dtype=weight.dtype)
-            lin.weight = nn.Parameter(w.contiguous().clone(), requires_grad=weight.requires_grad) if transposed else weight
+            lin.weight = (
+                nn.Parameter(w.contiguous().clone(), requires_grad=weight.requires_grad) if transposed else weight
+            )
             if bias is not None:
                 lin.bias = bias
             return lin
@@ -62,7 +70,7 @@ def _rms_norm(m: nn.Module, weight: nn.Parameter) -> nn.Module | None:
     """An RMSNorm over the last axis: x / sqrt(mean(x²) + eps) · weight, eps one of the layer's own numbers."""
     d = weight.shape[0]
     for eps in _eps_candidates(m):
-        if _matches(m, (d,), lambda x, eps=eps: F.rms_norm(x, (d,), weight.detach(), eps), scales=(1.0, eps ** 0.5)):
+        if _matches(m, (d,), lambda x, eps=eps: F.rms_norm(x, (d,), weight.detach(), eps), scales=(1.0, eps**0.5)):
             norm = nn.RMSNorm(d, eps=eps, device="meta", dtype=weight.dtype)
             norm.weight = weight
             return norm

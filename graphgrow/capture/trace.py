@@ -18,26 +18,29 @@ and each is handled here rather than left for a pass to be blamed for:
 
 The result is then checked against the module (see fidelity.py) before any pass runs.
 """
+
 from __future__ import annotations
 
 import sys
-from typing import AbstractSet, Any, Callable, Iterable, Literal
+from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
+from typing import Any, Literal
 
 from torch import fx, nn
 
-from . import mode_merge
 from ..analysis.deployed import train_only_modules, used_paths
 from ..core import codegen
-from ..core.errors import first_line, InputError, TraceError
-from .defaults import concrete_defaults, drop_fixed_placeholders
-from .attr_index import IndexedGetattr
-from .watch import RecordConstructors, settings, WatchModules
-from .makers import RecordLegacyMakers, rewrite_new, user_frame
+from ..core.errors import InputError, TraceError, first_line
 from ..graph.fx_edit import computed_from, reads_flag
+from ..graph.graph_meta import META_KEY, graph_info, input_shape_of, scope_of, store_shape, trace_report  # noqa: F401 (re-exported)
 from ..graph.inputs import check_names
+from . import mode_merge
+from .attr_index import IndexedGetattr
+from .defaults import concrete_defaults, drop_fixed_placeholders
 from .export_capture import capture_by_export, needs_export, with_ranges
 from .input_shape import parse_example_input
-from ..graph.graph_meta import META_KEY, graph_info, input_shape_of, scope_of, store_shape, trace_report  # noqa: F401 (re-exported)
+from .makers import RecordLegacyMakers, rewrite_new, user_frame
+from .watch import RecordConstructors, WatchModules, settings
 
 Mode = Literal["eval", "train"]
 Capture = Literal["auto", "fx", "export"]
@@ -79,9 +82,16 @@ class _Tracer(IndexedGetattr):
     plain number attributes (not `_private`, not bool, not in `frozen`) are read at run time.
     """
 
-    def __init__(self, leaves: set[str], root_constant: bool | None, mode_free: AbstractSet[str] = frozenset(),
-                 split: AbstractSet[str] = frozenset(), policy: Callable[[Any, tuple[bool, ...]], bool] | None = None,
-                 live: bool = False, frozen: AbstractSet[tuple[type, str]] = frozenset()):
+    def __init__(
+        self,
+        leaves: set[str],
+        root_constant: bool | None,
+        mode_free: AbstractSet[str] = frozenset(),
+        split: AbstractSet[str] = frozenset(),
+        policy: Callable[[Any, tuple[bool, ...]], bool] | None = None,
+        live: bool = False,
+        frozen: AbstractSet[tuple[type, str]] = frozenset(),
+    ):
         super().__init__()
         self.leaves = leaves
         self.root_constant = root_constant  # the top-level forward's `training`, when it branches on it
@@ -173,15 +183,21 @@ class _Tracer(IndexedGetattr):
                 raise _Frozen(self.live_sources(proxy.node))
             raise _ModeBranch()
         if len(self.conditions) >= mode_merge.MAX_CONDITIONS:
-            raise mode_merge.MergeError(reader, f"it asks more than {mode_merge.MAX_CONDITIONS} conditions in one "
-                                                "trace (a loop on a flag or a live number?)")
+            raise mode_merge.MergeError(
+                reader,
+                f"it asks more than {mode_merge.MAX_CONDITIONS} conditions in one "
+                "trace (a loop on a flag or a live number?)",
+            )
         if not self.site_open:
             self.site, self.history, self.site_open = self.site + 1, [], True
         if not self.history:
             self.site_location = location  # a chain is explored by where it starts
         answer = self.policy(self.site_location, tuple(self.history))
-        self.conditions.append(mode_merge.Condition(proxy.node, self.site, len(self.history), reader, self.last_data,
-                                                    answer, self.site_location))
+        self.conditions.append(
+            mode_merge.Condition(
+                proxy.node, self.site, len(self.history), reader, self.last_data, answer, self.site_location
+            )
+        )
         self.history.append(answer)
         return answer
 
@@ -208,8 +224,15 @@ class _Plan:
         self.current: _Tracer | None = None  # the tracer of the trace running now (attempt() makes several)
 
     def tracer(self, policy: Callable[[Any, tuple[bool, ...]], bool] | None = None) -> _Tracer:
-        return _Tracer(self.leaves, self.root_constant, self.mode_free, self.split, policy,
-                       live=bool(self.split), frozen=self.frozen)
+        return _Tracer(
+            self.leaves,
+            self.root_constant,
+            self.mode_free,
+            self.split,
+            policy,
+            live=bool(self.split),
+            frozen=self.frozen,
+        )
 
     def attempt(self) -> tuple[fx.Graph, _Tracer, list[mode_merge.Switch]]:
         """One full trace; with blocks to merge, one per path through their branches, merged (mode_merge)."""
@@ -224,8 +247,9 @@ class _Plan:
             if policy in traces:
                 continue
             if len(traces) >= mode_merge.MAX_PATHS:
-                raise mode_merge.MergeError(first.conditions[-1].reader, f"its branches have more than "
-                                            f"{mode_merge.MAX_PATHS} paths")
+                raise mode_merge.MergeError(
+                    first.conditions[-1].reader, f"its branches have more than {mode_merge.MAX_PATHS} paths"
+                )
             self.current = tracer = self.tracer(mode_merge.follow(policy))
             traces[policy] = (_trace_once(self.model, tracer, self.fixed), tracer)
             todo += mode_merge.unexplored(tracer.conditions, policy)
@@ -236,12 +260,16 @@ class _Plan:
         where, cls = tracer_stack_top(tracer)
         if not where:
             if self.root_constant is not None:
-                raise TraceError(f"cannot trace the top-level forward of {self.name}: it branches on self.training "
-                                 "even with the mode fixed") from None
+                raise TraceError(
+                    f"cannot trace the top-level forward of {self.name}: it branches on self.training "
+                    "even with the mode fixed"
+                ) from None
             self.root_constant = self.mode == "train"
-            self.notes.append(f"the top-level forward of {self.name} branches on self.training: traced its {self.mode}-mode "
-                              f"code{' (the deployed function)' if self.mode == 'eval' else ''}; "
-                              f"use --trace-mode {'train' if self.mode == 'eval' else 'eval'} for the other one")
+            self.notes.append(
+                f"the top-level forward of {self.name} branches on self.training: traced its {self.mode}-mode "
+                f"code{' (the deployed function)' if self.mode == 'eval' else ''}; "
+                f"use --trace-mode {'train' if self.mode == 'eval' else 'eval'} for the other one"
+            )
             return
         module = self.model.get_submodule(where)
         if _traces_alike_in_both_modes(module):
@@ -250,12 +278,16 @@ class _Plan:
         if where in self.split:  # still branching while merged: no path policy reached it
             why = "branches on self.training (its forward differs between eval and train mode)"
             if not self.auto_leaves:
-                raise TraceError(f"submodule '{where}' ({cls}) of {self.name} {why}",
-                                 f"mark it as a leaf: --leaf {where} (Python: trace(model, leaves=['{where}']))") from None
+                raise TraceError(
+                    f"submodule '{where}' ({cls}) of {self.name} {why}",
+                    f"mark it as a leaf: --leaf {where} (Python: trace(model, leaves=['{where}']))",
+                ) from None
             self.make_leaf(where, f"{cls}: {why}")
             return
         # every block of this class is merged: one retry per class, not per block
-        self.split.update(p for p, m in self.model.named_modules() if type(m) is type(module) and not self.inside_leaf(p))
+        self.split.update(
+            p for p, m in self.model.named_modules() if type(m) is type(module) and not self.inside_leaf(p)
+        )
 
     def alike(self, where: str) -> list[str]:
         """The other merged blocks of `where`'s class with its settings (the same code, traced the same way)."""
@@ -274,8 +306,10 @@ class _Plan:
     def make_leaf(self, where: str, why: str) -> None:
         where = self.owner(where)
         if where in self.leaves or not where:
-            raise TraceError(f"cannot trace {where or 'the top level'} of {self.name}: {why}",
-                             f"mark it as a leaf: --leaf {where}" if where else "")
+            raise TraceError(
+                f"cannot trace {where or 'the top level'} of {self.name}: {why}",
+                f"mark it as a leaf: --leaf {where}" if where else "",
+            )
         self.split.discard(where)
         _add_leaf(self.leaves, self.auto, where, why, self.name)
 
@@ -316,19 +350,28 @@ def _trace_graph(model: nn.Module, user_leaves: set[str], mode: Mode, auto_leave
             where = plan.owner(m.where)
             if where not in plan.split and auto_leaves:  # cannot tell which block: none of them is merged
                 for block in sorted(plan.split):
-                    plan.make_leaf(block, f"{type(model.get_submodule(block)).__name__}: branches on self.training "
-                                          f"and its paths could not be merged ({m.why})")
+                    plan.make_leaf(
+                        block,
+                        f"{type(model.get_submodule(block)).__name__}: branches on self.training "
+                        f"and its paths could not be merged ({m.why})",
+                    )
                 continue
             cls = type(model.get_submodule(where)).__name__ if where else plan.name
             if not where or not auto_leaves:
-                raise TraceError(f"cannot merge the train- and eval-mode code of {where or plan.name} ({cls}): {m.why}",
-                                 f"mark it as a leaf: --leaf {where}" if where else "") from None
-            for block in [where] + plan.alike(where):  # its class with its settings fails alike: one retry, not one each
+                raise TraceError(
+                    f"cannot merge the train- and eval-mode code of {where or plan.name} ({cls}): {m.why}",
+                    f"mark it as a leaf: --leaf {where}" if where else "",
+                ) from None
+            for block in [where] + plan.alike(
+                where
+            ):  # its class with its settings fails alike: one retry, not one each
                 plan.make_leaf(block, f"{cls}: branches on self.training and {m.why}")
         except Exception as e:  # fx raises many kinds; all mean "cannot trace"
             plan.on_failure(plan.current, e)
     else:
-        raise TraceError(f"gave up tracing {plan.name}: too many retries", "name the untraceable submodules with --leaf")
+        raise TraceError(
+            f"gave up tracing {plan.name}: too many retries", "name the untraceable submodules with --leaf"
+        )
     drop_fixed_placeholders(graph)
     _drop_unused_mode_reads(graph)
     if plan.fixed:
@@ -336,17 +379,28 @@ def _trace_graph(model: nn.Module, user_leaves: set[str], mode: Mode, auto_leave
     live = sorted({str(n.target) for n in graph.nodes if n.op == "get_attr" and str(n.target) in tracer.live_paths})
     frozen = sorted(tracer.frozen_reads - set(live))
     if switches:
-        plan.notes.append(f"{len(plan.split)} blocks branch on self.training: every path through their branches was "
-                          f"traced and merged ({len(switches)} run-time switches)")
+        plan.notes.append(
+            f"{len(plan.split)} blocks branch on self.training: every path through their branches was "
+            f"traced and merged ({len(switches)} run-time switches)"
+        )
     if live:
-        plan.notes.append(f"number attributes read at run time (changing them changes the graph's output): {', '.join(live)}")
+        plan.notes.append(
+            f"number attributes read at run time (changing them changes the graph's output): {', '.join(live)}"
+        )
     if frozen:
         shown = ", ".join(frozen[:6]) + (f" (+{len(frozen) - 6} more)" if len(frozen) > 6 else "")
         plan.notes.append(f"number attributes read once while tracing (changing them later has no effect): {shown}")
-    report = {"mode": mode, "auto_leaves": plan.auto, "user_leaves": sorted(user_leaves),
-              "mode_reads": sorted(tracer.mode_reads), "top_level_mode_dependent": plan.root_constant is not None,
-              "merged_blocks": sorted(plan.split), "live_attributes": live, "frozen_attributes": frozen,
-              "notes": plan.notes}
+    report = {
+        "mode": mode,
+        "auto_leaves": plan.auto,
+        "user_leaves": sorted(user_leaves),
+        "mode_reads": sorted(tracer.mode_reads),
+        "top_level_mode_dependent": plan.root_constant is not None,
+        "merged_blocks": sorted(plan.split),
+        "live_attributes": live,
+        "frozen_attributes": frozen,
+        "notes": plan.notes,
+    }
     return graph, tracer, switches, report
 
 
@@ -355,7 +409,9 @@ class _Shallow(_Tracer):
         return True  # the top-level forward only: every module it calls stays whole
 
 
-def _eval_paths(model: nn.Module, train: fx.Graph, leaves: set[str], auto_leaves: bool, live: bool) -> set[str] | fx.Graph:
+def _eval_paths(
+    model: nn.Module, train: fx.Graph, leaves: set[str], auto_leaves: bool, live: bool
+) -> set[str] | fx.Graph:
     """What the eval-mode code uses: its top-level forward traced one level deep, plus what the train graph
     uses inside the modules it calls (below the top level both modes trace alike: mode branches there were
     merged or made leaves) — a second full trace cost as much as the first. Falls back to that full trace.
@@ -405,8 +461,10 @@ def tracer_stack_top(tracer: _Tracer) -> tuple[str, str]:
 
 def _add_leaf(leaves: set[str], auto: dict[str, str], where: str, why: str, name: str) -> None:
     if len(auto) >= _MAX_AUTO_LEAVES:
-        raise TraceError(f"gave up tracing {name} after making {len(auto)} submodules leaves",
-                         "name the untraceable submodules with --leaf")
+        raise TraceError(
+            f"gave up tracing {name} after making {len(auto)} submodules leaves",
+            "name the untraceable submodules with --leaf",
+        )
     leaves.add(where)
     auto[where] = why
 
@@ -445,8 +503,10 @@ def trace(
     graphgrow is returned as is. `gm.meta["graphgrow"]["trace"]` reports what was done.
     """
     if not isinstance(model, nn.Module):
-        raise TraceError(f"expected a torch.nn.Module, got {type(model).__name__}",
-                         "build the model first, e.g. torchvision.models.resnet18()")
+        raise TraceError(
+            f"expected a torch.nn.Module, got {type(model).__name__}",
+            "build the model first, e.g. torchvision.models.resnet18()",
+        )
     if mode not in ("eval", "train"):
         raise InputError(f"trace mode must be 'eval' or 'train', got {mode!r}", "--trace-mode eval|train")
     if capture not in ("auto", "fx", "export"):
@@ -475,12 +535,14 @@ def trace(
             _remove_parked(model, before)
             if capture != "auto" or spec is None or not str(e).startswith("cannot trace the top-level"):
                 raise
-            return capture_by_export(model, spec, check, [f"symbolic tracing failed ({first_line(e)}): captured "
-                                                                "with torch.export instead"])
+            return capture_by_export(
+                model, spec, check, [f"symbolic tracing failed ({first_line(e)}): captured with torch.export instead"]
+            )
         report["capture"] = "fx"
         if mode == "train" and report["top_level_mode_dependent"]:  # what the deployed function never runs
             report["train_only_modules"] = train_only_modules(
-                graph, lambda: _eval_paths(model, graph, leaves, auto_leaves, live=bool(report["live_attributes"])))
+                graph, lambda: _eval_paths(model, graph, leaves, auto_leaves, live=bool(report["live_attributes"]))
+            )
         for node in graph.nodes:
             stack = node.meta.get("nn_module_stack") or {}
             node.meta["gg_scope"] = tuple(stack.keys())
@@ -495,4 +557,3 @@ def trace(
             check_fidelity(model, gm, spec)
     store_shape(gm, spec)
     return gm
-

@@ -6,6 +6,7 @@ into the graph. Each module's class is swapped, for the duration of a trace, for
 whose properties hand those reads to the tracer, which answers with a graph node (a value read
 at run time) or with the plain value (and remembers that it froze it). Classes are put back on exit.
 """
+
 from __future__ import annotations
 
 from typing import Any, Protocol
@@ -30,10 +31,14 @@ def scalar_attributes(m: nn.Module) -> tuple[str, ...]:
 def settings(m: nn.Module) -> tuple:
     """A module's class and the settings that choose its code path: flags, strings and which attributes are None
     (sizes and rates only count by their type: blocks of one class at different widths take the same branches)."""
+
     def kind(v: Any) -> Any:
         return type(v) if type(v) in (int, float) else v
+
     plain = (bool, int, float, str, type(None))
-    return type(m), tuple(sorted((k, kind(v)) for k, v in vars(m).items() if type(v) in plain and not k.startswith("_")))
+    return type(m), tuple(
+        sorted((k, kind(v)) for k, v in vars(m).items() if type(v) in plain and not k.startswith("_"))
+    )
 
 
 def _watched(base: type, scalars: tuple[str, ...], box: list) -> type:
@@ -54,8 +59,12 @@ def _watched(base: type, scalars: tuple[str, ...], box: list) -> type:
 
         return property(get, put)
 
-    members: dict[str, Any] = {"training": property(flag_get, flag_put), "__module__": base.__module__,
-                               "__qualname__": base.__qualname__, "_gg_watched": True}
+    members: dict[str, Any] = {
+        "training": property(flag_get, flag_put),
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "_gg_watched": True,
+    }
     for name in scalars:
         if not isinstance(getattr(base, name, None), property):  # a class property is the class's own business
             members[name] = scalar_property(name)

@@ -8,6 +8,7 @@ traceback.
 
 The top layer. May import: core, graph, io, analysis, capture, verify, rewrite, jobs, search. Nothing in graphgrow imports it.
 """
+
 from __future__ import annotations
 
 from .commands import main

@@ -7,6 +7,7 @@ bug: a reader that went away (`graphgrow inspect M | head`) ends the command qui
 what the shell shows for a tool SIGPIPE ended); any other failure (a full disk: `--json > /dev/full`) is exit 2
 with one line naming it and any outputs already written.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -17,7 +18,7 @@ import os
 import signal
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.markup import escape
@@ -89,8 +90,11 @@ def _interrupted(signum: int) -> None:
     name = signal.Signals(signum).name
     written = committed()  # renamed into place before the signal came: whole, and staying
     if written:
-        err.print(f"interrupted ({name}) after writing {cut(', '.join(map(str, written)))}: these outputs are complete",
-                  markup=False, highlight=False)
+        err.print(
+            f"interrupted ({name}) after writing {cut(', '.join(map(str, written)))}: these outputs are complete",
+            markup=False,
+            highlight=False,
+        )
     else:
         err.print(f"interrupted ({name}); nothing was written or overwritten", markup=False)
     _exit(128 + signum)
@@ -140,8 +144,12 @@ def _stdout_failed(e: OSError) -> None:
         _exit(128 + signal.SIGPIPE)
     written = committed()
     done = f"; the outputs were written whole: {cut(', '.join(map(str, written)))}" if written else ""
-    err.print(f"error: cannot write to standard output: {e.strerror or first_line(e)}{done} "
-              "(check where standard output goes: free space, a closed pipe or terminal)", markup=False, highlight=False)
+    err.print(
+        f"error: cannot write to standard output: {e.strerror or first_line(e)}{done} "
+        "(check where standard output goes: free space, a closed pipe or terminal)",
+        markup=False,
+        highlight=False,
+    )
     _exit(2)
 
 
@@ -195,7 +203,10 @@ def _run_command(job: Callable[[Callable[[str], None]], int], as_json: bool, deb
         if debug:
             traceback.print_exc()
         first = escape(cut(first_line(e, MAX_MESSAGE)))
-        err.print(f"[bold red]internal error:[/] {type(e).__name__}: {first} (run with --debug for the traceback and please report it)",
-                  markup=True, highlight=False)
+        err.print(
+            f"[bold red]internal error:[/] {type(e).__name__}: {first} (run with --debug for the traceback and please report it)",
+            markup=True,
+            highlight=False,
+        )
         _exit(3)
     _exit(code)

@@ -5,6 +5,7 @@ window, ESC [2J clears it, others rewrite what was printed before) or a bidirect
 the rest of a line around) would act on the user's terminal if printed raw. Every control character is
 printed as its Python escape instead (`\\x1b`, `\\u202e`); --json output needs none of this (JSON escapes them).
 """
+
 from __future__ import annotations
 
 import re

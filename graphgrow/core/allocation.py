@@ -7,6 +7,7 @@ it allocates. What the pass made counts while it lives (storages are followed un
 temporaries do not add up. This replaces a dry run of the whole pass on a meta-device copy,
 which cost two more copies of the model and the pass's analysis twice.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,17 +15,31 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
 
 aten = torch.ops.aten
 
 # factories whose first argument is the size (their output's bytes follow from it and the dtype)
-_SIZED_FACTORIES = {aten.empty.memory_format, aten.empty_strided.default, aten.zeros.default, aten.ones.default,
-                    aten.full.default, aten.rand.default, aten.randn.default, aten.rand.generator, aten.randn.generator}
+_SIZED_FACTORIES = {
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.full.default,
+    aten.rand.default,
+    aten.randn.default,
+    aten.rand.generator,
+    aten.randn.generator,
+}
 _INT64_FACTORIES = {aten.randperm.default, aten.randperm.generator, aten.arange.default}  # size n, int64 unless told
-_SIZED_FROM_SELF = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
-                    aten.new_empty_strided.default}
+_SIZED_FROM_SELF = {
+    aten.new_empty.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    aten.new_empty_strided.default,
+}
 _RESIZE = {aten.resize_.default}  # in place, and may grow the storage
 
 
@@ -53,16 +68,39 @@ def _meta(value: Any) -> Any:
 
 # operators whose one output has the shape and dtype of their first argument, or of their tensor arguments
 # broadcast together (sized without running them on the meta device, which costs far more)
-_LIKE_FIRST = {aten.clone.default, aten.neg.default, aten.abs.default, aten.sqrt.default, aten.exp.default,
-               aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.rand_like.default,
-               aten.randn_like.default}
-_BROADCAST = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar,
-              aten.mul.Scalar, aten.div.Scalar}
+_LIKE_FIRST = {
+    aten.clone.default,
+    aten.neg.default,
+    aten.abs.default,
+    aten.sqrt.default,
+    aten.exp.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.rand_like.default,
+    aten.randn_like.default,
+}
+_BROADCAST = {
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.mul.Tensor,
+    aten.div.Tensor,
+    aten.add.Scalar,
+    aten.sub.Scalar,
+    aten.mul.Scalar,
+    aten.div.Scalar,
+}
 # operator → how it is sized; other operators are classed from their schema on first use
-_KIND: dict[Any, str] = {**dict.fromkeys(_SIZED_FACTORIES, "factory"), **dict.fromkeys(_INT64_FACTORIES, "count"),
-                         **dict.fromkeys(_SIZED_FROM_SELF, "new"), **dict.fromkeys(_RESIZE, "resize"),
-                         **dict.fromkeys(_LIKE_FIRST, "like"), **dict.fromkeys(_BROADCAST, "broadcast"),
-                         aten.index_select.default: "index_select", aten.cat.default: "cat"}
+_KIND: dict[Any, str] = {
+    **dict.fromkeys(_SIZED_FACTORIES, "factory"),
+    **dict.fromkeys(_INT64_FACTORIES, "count"),
+    **dict.fromkeys(_SIZED_FROM_SELF, "new"),
+    **dict.fromkeys(_RESIZE, "resize"),
+    **dict.fromkeys(_LIKE_FIRST, "like"),
+    **dict.fromkeys(_BROADCAST, "broadcast"),
+    aten.index_select.default: "index_select",
+    aten.cat.default: "cat",
+}
 
 
 def _kind(func: Any) -> str:
@@ -128,12 +166,15 @@ class AllocationGuard(TorchDispatchMode):
         self.refusal: MemoryLimitExceeded | None = None
         self._storages: dict[int, int] = {}  # StorageImpl address → bytes, while it lives
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         needed = requested_bytes(func, args, kwargs)
         if needed and self.live + needed > self.limit:
             self.refusal = MemoryLimitExceeded(
-                f"{func.__name__} would allocate {needed:,} bytes with {self.live:,} held (limit {self.limit:,})")
+                f"{func.__name__} would allocate {needed:,} bytes with {self.live:,} held (limit {self.limit:,})"
+            )
             self.refusal.needed, self.refusal.held = needed, self.live  # type: ignore[attr-defined]
             raise self.refusal
         out = func(*args, **kwargs)

@@ -20,10 +20,12 @@ a plain identifier goes into `getattr` as an escaped string (`repr`), never past
 Should a torch version stop calling the helper, `NamedByData` notices (a segment that needed a
 generated name got none) and refuses to write the code instead of pasting the name.
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.fx.graph as fx_graph
 from torch import fx
@@ -76,8 +78,10 @@ class NamedByData(fx.graph.CodeGen):
             _local.name_for = outer
         missing = [s for s in _segments(nodes) if not is_identifier(s) and not _is_index(s) and s not in bound]
         if missing:
-            raise CodegenError(f"torch.fx wrote the path segment {missing[0][:80]!r} without a generated name; this torch "
-                               "version writes code in a way graphgrow does not know, so no code was made from it")
+            raise CodegenError(
+                f"torch.fx wrote the path segment {missing[0][:80]!r} without a generated name; this torch "
+                "version writes code in a way graphgrow does not know, so no code was made from it"
+            )
         code.globals.update({name: segment for segment, name in bound.items()})
         return code
 

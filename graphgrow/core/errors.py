@@ -3,6 +3,7 @@
 Each error carries a one-line `message` (what went wrong) and a `hint` (what to do
 instead); the CLI prints `error: <message> (<hint>)` and exits with `exit_code`.
 """
+
 from __future__ import annotations
 
 
@@ -54,8 +55,14 @@ class SpecError(GraphgrowError):
     """A pipeline spec names an unknown pass, argument or a bad value. When the spec is known, the
     error shows it with a caret under the problem (`pointer()`; part of str(e))."""
 
-    def __init__(self, message: str, hint: str | None = None, spec: str | None = None, position: int | None = None,
-                 argument: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        hint: str | None = None,
+        spec: str | None = None,
+        position: int | None = None,
+        argument: str | None = None,
+    ):
         super().__init__(message, hint)
         self.spec, self.position, self.argument = spec, position, argument
 
@@ -64,7 +71,7 @@ class SpecError(GraphgrowError):
         if self.spec is None or self.position is None:
             return ""
         start = max(0, min(self.position - width // 2, len(self.spec) - width))
-        shown = self.spec[start:start + width]
+        shown = self.spec[start : start + width]
         lead = "…" if start else ""
         return f"  {lead}{shown}{'…' if start + width < len(self.spec) else ''}\n  {' ' * (len(lead) + self.position - start)}^"
 

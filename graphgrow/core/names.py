@@ -23,6 +23,7 @@ and must consist only of the statement and expression forms fx itself writes, na
 the graph's own values, `self`, and the globals fx registered — checked before it is
 compiled.
 """
+
 from __future__ import annotations
 
 import ast
@@ -42,8 +43,13 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 def is_identifier(name: Any) -> bool:
     """A name that is safe wherever fx writes it as a Python identifier."""
-    return (isinstance(name, str) and 0 < len(name) <= MAX_NAME and _IDENTIFIER.fullmatch(name) is not None
-            and not keyword.iskeyword(name) and not name.startswith("__"))
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= MAX_NAME
+        and _IDENTIFIER.fullmatch(name) is not None
+        and not keyword.iskeyword(name)
+        and not name.startswith("__")
+    )
 
 
 def is_segment(name: Any) -> bool:
@@ -67,7 +73,7 @@ def is_class_name(name: Any) -> bool:
 
 def to_identifier(text: str) -> str:
     """An identifier made from `text` (for names graphgrow generates from paths): other characters → `_`."""
-    name = re.sub(r"[^A-Za-z0-9_]", "_", text)[:MAX_NAME - 8]
+    name = re.sub(r"[^A-Za-z0-9_]", "_", text)[: MAX_NAME - 8]
     if not name or name[0].isdigit():
         name = "_" + name
     if name.startswith("__"):
@@ -96,7 +102,11 @@ def bad_name_in_tree(root: nn.Module) -> str | None:
         seen.add(id(module))
         if len(seen) > MAX_MODULES:
             return f"more than {MAX_MODULES:,} modules"
-        for table, what in ((module._parameters, "parameter"), (module._buffers, "buffer"), (module._modules, "module")):
+        for table, what in (
+            (module._parameters, "parameter"),
+            (module._buffers, "buffer"),
+            (module._modules, "module"),
+        ):
             for key in table:
                 if not isinstance(key, str):
                     return f"{what} key {shown(key)} is not a string"
@@ -121,7 +131,9 @@ def bad_name_in_record(rec: dict[str, Any]) -> str | None:
     if op == "output" and target != "output":
         return f"output target {shown(target)} is not 'output'"
     if op in ("get_attr", "call_module") and not is_path(target):
-        return f"module path {shown(target)} is not a path of at most {MAX_SEGMENTS} names of 1 to {MAX_NAME} characters"
+        return (
+            f"module path {shown(target)} is not a path of at most {MAX_SEGMENTS} names of 1 to {MAX_NAME} characters"
+        )
     if op == "call_method" and not is_identifier(target):
         return f"method name {shown(target)} is not a plain name ({RULE})"
     scope = rec.get("scope", ())
@@ -146,9 +158,32 @@ def bad_keywords(kwargs: Any) -> str | None:
 # ---- the second wall: the generated forward, parsed before it is compiled ------------------
 
 _ALLOWED_NODES = (
-    ast.Module, ast.FunctionDef, ast.arguments, ast.arg, ast.Assign, ast.Return, ast.Expr, ast.Name, ast.Load,
-    ast.Store, ast.Attribute, ast.Call, ast.keyword, ast.Constant, ast.Tuple, ast.List, ast.Dict, ast.Subscript,
-    ast.Slice, ast.Starred, ast.BinOp, ast.UnaryOp, ast.Compare, ast.operator, ast.unaryop, ast.cmpop,
+    ast.Module,
+    ast.FunctionDef,
+    ast.arguments,
+    ast.arg,
+    ast.Assign,
+    ast.Return,
+    ast.Expr,
+    ast.Name,
+    ast.Load,
+    ast.Store,
+    ast.Attribute,
+    ast.Call,
+    ast.keyword,
+    ast.Constant,
+    ast.Tuple,
+    ast.List,
+    ast.Dict,
+    ast.Subscript,
+    ast.Slice,
+    ast.Starred,
+    ast.BinOp,
+    ast.UnaryOp,
+    ast.Compare,
+    ast.operator,
+    ast.unaryop,
+    ast.cmpop,
 )
 # fx writes these builtins bare: getattr for non-identifier path segments, slice/complex for constants
 _FX_BUILTINS = frozenset({"getattr", "slice", "complex"})
@@ -178,7 +213,9 @@ def check_source(graph: fx.Graph) -> str | None:
     clash = set(params[1:]) & used_globals
     if clash:
         return f"an input is named like a global ({', '.join(sorted(clash))})"
-    annotations = [a.annotation for a in fn.args.args if a.annotation is not None] + ([fn.returns] if fn.returns else [])
+    annotations = [a.annotation for a in fn.args.args if a.annotation is not None] + (
+        [fn.returns] if fn.returns else []
+    )
     for expr in annotations:  # fx writes traced type hints: names of globals it registered
         if (problem := _check_expression(ast.Expr(expr), known)) is not None:
             return problem
@@ -209,13 +246,22 @@ def _check_expression(stmt: ast.AST, known: set[str]) -> str | None:
 
 def _is_fx_wrap(stmt: Any, fx_globals: dict[str, Any]) -> bool:
     """fx's module-level `torch.fx._symbolic_trace.wrap("NAME")` for a wrapped function it registered as a global."""
-    return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and not stmt.value.keywords
-            and ast.unparse(stmt.value.func) == "torch.fx._symbolic_trace.wrap" and len(stmt.value.args) == 1
-            and isinstance(arg := stmt.value.args[0], ast.Constant) and isinstance(arg.value, str)
-            and arg.value in fx_globals)
+    return (
+        isinstance(stmt, ast.Expr)
+        and isinstance(stmt.value, ast.Call)
+        and not stmt.value.keywords
+        and ast.unparse(stmt.value.func) == "torch.fx._symbolic_trace.wrap"
+        and len(stmt.value.args) == 1
+        and isinstance(arg := stmt.value.args[0], ast.Constant)
+        and isinstance(arg.value, str)
+        and arg.value in fx_globals
+    )
 
 
 def _bare_builtins(graph: fx.Graph) -> set[str]:
     """Builtins the graph calls (fx writes them by their bare name, e.g. `len`)."""
-    return {getattr(n.target, "__name__", "") for n in graph.nodes
-            if n.op == "call_function" and getattr(n.target, "__module__", None) == "builtins"}
+    return {
+        getattr(n.target, "__name__", "")
+        for n in graph.nodes
+        if n.op == "call_function" and getattr(n.target, "__module__", None) == "builtins"
+    }

@@ -12,6 +12,7 @@ check (jobs) — reads its numbers from here, so they cannot drift apart:
 ONNX export's equivalence (verify.equivalence) is another protocol on purpose: onnxruntime's kernels are not
 torch's, so it compares element by element with per-provider rtol/atol and keeps its own tolerances there.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

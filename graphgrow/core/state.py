@@ -4,10 +4,11 @@ Verification runs forwards in train mode (which updates BatchNorm running stats 
 draws dropout masks) on modules that may be shared with the caller's model. These
 context managers make such runs leave no trace.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import fx, nn
@@ -33,7 +34,9 @@ def dropout_off(module: nn.Module) -> Iterator[nn.Module]:
     element, so a wider tensor draws different masks for the old channels too; the
     function is the same in distribution, not sample by sample.
     """
-    drops: list[tuple[nn.Module, bool]] = [(m, m.training) for m in module.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    drops: list[tuple[nn.Module, bool]] = [
+        (m, m.training) for m in module.modules() if isinstance(m, nn.modules.dropout._DropoutNd)
+    ]
     drops += [(m, m.training) for m in _dropout_flags(module)]
     for m, _ in drops:
         m.training = False
@@ -57,8 +60,12 @@ def _dropout_flags(module: nn.Module) -> list[nn.Module]:
     for n in graph.nodes:
         if n.op == "get_attr" and str(n.target).rpartition(".")[2] == "training":
             path = str(n.target).rpartition(".")[0]
-            reads[path] = reads.get(path, True) and path not in called and bool(n.users) and all(
-                _sdpa_dropout(u) or _dropout_call(u, n) for u in n.users)
+            reads[path] = (
+                reads.get(path, True)
+                and path not in called
+                and bool(n.users)
+                and all(_sdpa_dropout(u) or _dropout_call(u, n) for u in n.users)
+            )
     return [module.get_submodule(p) for p, only_dropout in reads.items() if only_dropout]
 
 
@@ -67,15 +74,23 @@ DROPOUT_CALLS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropou
 
 def _sdpa_dropout(u: fx.Node) -> bool:
     """`training * p` read only as scaled_dot_product_attention's dropout_p."""
-    return u.op == "call_function" and getattr(u.target, "__name__", "") == "mul" and \
-        all(getattr(v.target, "__name__", "") == "scaled_dot_product_attention" and v.args[4:5] == (u,) for v in u.users)
+    return (
+        u.op == "call_function"
+        and getattr(u.target, "__name__", "") == "mul"
+        and all(
+            getattr(v.target, "__name__", "") == "scaled_dot_product_attention" and v.args[4:5] == (u,) for v in u.users
+        )
+    )
 
 
 def _dropout_call(u: fx.Node, flag: fx.Node) -> bool:
     """F.dropout(x, p, training=self.training) of a layer fx traced through (timm's classifier dropout)."""
-    return u.op == "call_function" and getattr(u.target, "__name__", "") in DROPOUT_CALLS and \
-        (u.kwargs.get("training") is flag or u.args[2:3] == (flag,)) and \
-        all(a is not flag for a in list(u.args[:2]) + [v for k, v in u.kwargs.items() if k != "training"])
+    return (
+        u.op == "call_function"
+        and getattr(u.target, "__name__", "") in DROPOUT_CALLS
+        and (u.kwargs.get("training") is flag or u.args[2:3] == (flag,))
+        and all(a is not flag for a in list(u.args[:2]) + [v for k, v in u.kwargs.items() if k != "training"])
+    )
 
 
 @contextlib.contextmanager

@@ -7,11 +7,13 @@ descheduled thread at its barrier — measured on a 2-core machine under load: a
 took 15–70 s with torch's default two threads and 1–4.5 s with one. Big models keep the
 caller's setting. The caller's thread count is restored on exit.
 """
+
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn

@@ -10,13 +10,15 @@ Inside `calling(...)`:
   guard, a LoadError of a nested import: they already say what went wrong), and a real Ctrl-C — a SIGINT that
   arrived while the code ran — which still stops the command (the CLI says "interrupted").
 """
+
 from __future__ import annotations
 
 import contextlib
 import signal
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from .errors import GraphgrowError, InputError
 
@@ -48,8 +50,9 @@ def _counting_sigint() -> Iterator[None]:
 
 
 def _graphgrows_own(e: BaseException) -> bool:
-    return isinstance(e, Exception) and (isinstance(e, GraphgrowError)
-                                         or type(e).__module__.split(".")[0] == "graphgrow")
+    return isinstance(e, Exception) and (
+        isinstance(e, GraphgrowError) or type(e).__module__.split(".")[0] == "graphgrow"
+    )
 
 
 @contextlib.contextmanager
@@ -77,6 +80,7 @@ def _what_happened(what: str, e: BaseException) -> str:
 
 def guarded(fn: Callable[..., Any], what: str, hint: str | None = None) -> Callable[..., Any]:
     """`fn` whose every call runs under `calling(what, hint)` (a loss function called once per step)."""
+
     def call(*args: Any, **kwargs: Any) -> Any:
         with calling(what, hint):
             return fn(*args, **kwargs)

@@ -1,14 +1,17 @@
 """Small torch.fx editing helpers: copy, resolve names, add modules, parameters and nodes.
 
 Pass authors import them from graphgrow.rewrite (the public API), not from here."""
+
 from __future__ import annotations
 
 import collections
 import contextlib
 import contextvars
 import copy
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -132,9 +135,7 @@ def nodes_in_module(gm: fx.GraphModule, path: str) -> list[fx.Node]:
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
-        if n.op == "call_module" and (n.target == path or n.target.startswith(prefix)):
-            inside.append(n)
-        elif path in scope_of(n):
+        if n.op == "call_module" and (n.target == path or n.target.startswith(prefix)) or path in scope_of(n):
             inside.append(n)
     return inside
 
@@ -206,7 +207,7 @@ def add_parameter(gm: fx.GraphModule, base: str, value: torch.Tensor) -> str:
     return name
 
 
-def inserting_after(node: fx.Node) -> ContextManager[None]:
+def inserting_after(node: fx.Node) -> AbstractContextManager[None]:
     """Insert new nodes after `node`, in creation order.
 
     (fx's Graph.inserting_after puts each new node directly after `node`, which
@@ -232,7 +233,9 @@ def finish(gm: fx.GraphModule) -> fx.GraphModule:
     gm.graph.lint()
     last = next(iter(reversed(gm.graph.nodes)))
     if last.op != "output":
-        raise ValidationError(f"node '{last.name}' was inserted after the graph's output", "this is a bug in the pass; please report it")
+        raise ValidationError(
+            f"node '{last.name}' was inserted after the graph's output", "this is a bug in the pass; please report it"
+        )
     gm.delete_all_unused_submodules()
     gm.recompile()
     return gm

@@ -3,6 +3,7 @@
 Kept apart from trace.py so that what reads the metadata (fidelity, stages, passes' helpers)
 does not depend on the tracer, and the tracer can call the fidelity check without a circle.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from torch import fx
 
 from ..core.errors import InputError, TraceError
-from .inputs import first_shape, InputSpec, named_for, parse_spec, plain_spec, records
+from .inputs import InputSpec, first_shape, named_for, parse_spec, plain_spec, records
 
 META_KEY = "graphgrow"
 
@@ -28,7 +29,9 @@ def trace_report(gm: fx.GraphModule) -> dict[str, Any]:
 def graph_info(gm: fx.GraphModule) -> dict[str, Any]:
     """graphgrow's metadata on a traced module (input shape, mutation log)."""
     if META_KEY not in gm.meta:
-        raise TraceError("this GraphModule was not made by graphgrow.trace", "call graphgrow.trace(model, input_shape) first")
+        raise TraceError(
+            "this GraphModule was not made by graphgrow.trace", "call graphgrow.trace(model, input_shape) first"
+        )
     info: dict[str, Any] = gm.meta[META_KEY]
     return info
 

@@ -6,9 +6,10 @@ the channel groups it touches freeze. Inlined, the block is the same layers call
 `branch.2`, ...), which the analyses understand like any traced model's layers; the module tree, its parameter
 names and a saved file's format stay as they were.
 """
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from torch import fx, nn
 
@@ -46,10 +47,10 @@ def inline_call(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node] | None:
     if graph is None:
         return None
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    if node.kwargs or len(node.args) > len(placeholders) or any(not p.args for p in placeholders[len(node.args):]):
+    if node.kwargs or len(node.args) > len(placeholders) or any(not p.args for p in placeholders[len(node.args) :]):
         return None
     env: dict[fx.Node, object] = dict(zip(placeholders, node.args))
-    env.update((p, p.args[0]) for p in placeholders[len(node.args):])  # defaults of arguments not given
+    env.update((p, p.args[0]) for p in placeholders[len(node.args) :])  # defaults of arguments not given
     prefix, scope = str(node.target), scope_of(node) + (str(node.target),)
     made: list[fx.Node] = []
     result: object = None
@@ -61,8 +62,13 @@ def inline_call(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node] | None:
                 result = fx.map_arg(n.args[0], env.__getitem__)
                 break
             target = f"{prefix}.{n.target}" if n.op in ("call_module", "get_attr") else n.target
-            new = gm.graph.create_node(n.op, target, fx.map_arg(n.args, env.__getitem__),
-                                       fx.map_arg(n.kwargs, env.__getitem__), name=f"{prefix}_{n.name.lstrip('_')}".replace(".", "_"))
+            new = gm.graph.create_node(
+                n.op,
+                target,
+                fx.map_arg(n.args, env.__getitem__),
+                fx.map_arg(n.kwargs, env.__getitem__),
+                name=f"{prefix}_{n.name.lstrip('_')}".replace(".", "_"),
+            )
             new.meta["gg_scope"] = scope
             env[n] = new
             made.append(new)
@@ -85,8 +91,11 @@ def inline_containers(gm: fx.GraphModule, paths: Iterable[str]) -> list[str]:
         changed = False
         for n in list(gm.graph.nodes):
             target = str(n.target)
-            if n.op == "call_module" and any(target == r or target.startswith(r + ".") for r in roots) and \
-                    inline_call(gm, n) is not None:
+            if (
+                n.op == "call_module"
+                and any(target == r or target.startswith(r + ".") for r in roots)
+                and inline_call(gm, n) is not None
+            ):
                 done.append(target)
                 changed = True
     return done

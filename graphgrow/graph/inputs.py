@@ -9,12 +9,14 @@ seeded: floats standard normal; integers in [0, high) — `high` from the spec, 
 `*mask` or `token_type_ids` input (masks are all ones: every position attends), else the vocabulary of
 the model's first nn.Embedding.
 """
+
 from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,9 +25,20 @@ from ..core.errors import InputError
 from ..core.names import is_identifier
 from ..core.state import module_device, module_dtype
 
-DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
-          "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64, "int64": torch.int64,
-          "long": torch.int64, "int32": torch.int32, "int": torch.int32, "bool": torch.bool}
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "double": torch.float64,
+    "int64": torch.int64,
+    "long": torch.int64,
+    "int32": torch.int32,
+    "int": torch.int32,
+    "bool": torch.bool,
+}
 MAX_INPUTS = 16
 
 
@@ -57,7 +70,7 @@ class TensorSpec:
 
 
 InputSpec = tuple[TensorSpec, ...]
-ExampleInput = Union[InputSpec, Sequence[int]]  # what the public functions take: normalised at once (as_spec)
+ExampleInput = InputSpec | Sequence[int]  # what the public functions take: normalised at once (as_spec)
 
 
 def batch_of(spec: InputSpec) -> int:
@@ -95,13 +108,20 @@ def plain_spec(shape: Sequence[int], name: str = "x", dtype: str = "float32") ->
     return (replace(_tensor_spec(name, shape, dtype), positional=True),)
 
 
-def _tensor_spec(name: str, shape: Sequence[int], dtype: str, high: int | None = None, dynamic: Any = None) -> TensorSpec:
+def _tensor_spec(
+    name: str, shape: Sequence[int], dtype: str, high: int | None = None, dynamic: Any = None
+) -> TensorSpec:
     if not is_identifier(name):
-        raise InputError(f"input name {name[:40]!r} is not a plain identifier", "name inputs as the forward's arguments, e.g. input_ids")
+        raise InputError(
+            f"input name {name[:40]!r} is not a plain identifier",
+            "name inputs as the forward's arguments, e.g. input_ids",
+        )
     dims = tuple(int(d) for d in shape)
     if not dims or len(dims) > 8 or any(d <= 0 or d > 1 << 16 for d in dims) or torch.Size(dims).numel() > 1 << 26:
-        raise InputError(f"input {name}: shape {list(dims)} is not a valid example shape (1 to 8 sizes, each 1 to 65,536, at most 2^26 elements)",
-                         "e.g. input_ids:1x16:int64")
+        raise InputError(
+            f"input {name}: shape {list(dims)} is not a valid example shape (1 to 8 sizes, each 1 to 65,536, at most 2^26 elements)",
+            "e.g. input_ids:1x16:int64",
+        )
     if dtype not in DTYPES:
         raise InputError(f"input {name}: unknown dtype {dtype[:20]!r}", f"one of {', '.join(sorted(DTYPES))}")
     return TensorSpec(name, dims, dtype, high, _dynamic(name, dims, dynamic))
@@ -113,17 +133,27 @@ def _dynamic(name: str, dims: tuple[int, ...], declared: Any) -> tuple[tuple[int
     if not declared:
         return ()
     if not isinstance(declared, Mapping) or len(declared) > len(dims):
-        raise InputError(f"input {name}: its dynamic dimensions are not a map dim → name", "e.g. input_ids:int64[1,seq=128]")
+        raise InputError(
+            f"input {name}: its dynamic dimensions are not a map dim → name", "e.g. input_ids:int64[1,seq=128]"
+        )
     out = []
     for d, dim_name in declared.items():
-        if not (isinstance(d, str) and d.isdigit() and 1 <= int(d) < len(dims)) or not is_identifier(str(dim_name)) \
-                or dim_name == "batch":
-            raise InputError(f"input {name}: dimension {str(d)[:8]}={str(dim_name)[:40]} cannot be declared dynamic "
-                             "(a later dimension than the batch, named by a plain name other than batch)",
-                             "e.g. input_ids:int64[1,seq=128]; the batch (dim 0) is always dynamic")
+        if (
+            not (isinstance(d, str) and d.isdigit() and 1 <= int(d) < len(dims))
+            or not is_identifier(str(dim_name))
+            or dim_name == "batch"
+        ):
+            raise InputError(
+                f"input {name}: dimension {str(d)[:8]}={str(dim_name)[:40]} cannot be declared dynamic "
+                "(a later dimension than the batch, named by a plain name other than batch)",
+                "e.g. input_ids:int64[1,seq=128]; the batch (dim 0) is always dynamic",
+            )
         if dims[int(d)] < 2:
-            raise InputError(f"input {name}: the dynamic dimension {dim_name} has the example size {dims[int(d)]}, "
-                             "which torch.export fixes", f"give an example size of at least 2, e.g. {dim_name}=16")
+            raise InputError(
+                f"input {name}: the dynamic dimension {dim_name} has the example size {dims[int(d)]}, "
+                "which torch.export fixes",
+                f"give an example size of at least 2, e.g. {dim_name}=16",
+            )
         out.append((int(d), str(dim_name)))
     return tuple(sorted(out))
 
@@ -146,7 +176,9 @@ def _items(text: str) -> list[str]:
     return [i.strip(", ") for i in items if i.strip(", ")]
 
 
-_BRACKETED = re.compile(r"^(?P<name>[^:\[\]]+):(?P<dtype>\w+)\[(?P<dims>(?:[A-Za-z_]\w*=)?\d+(?:[,\s]+(?:[A-Za-z_]\w*=)?\d+)*)\]$")
+_BRACKETED = re.compile(
+    r"^(?P<name>[^:\[\]]+):(?P<dtype>\w+)\[(?P<dims>(?:[A-Za-z_]\w*=)?\d+(?:[,\s]+(?:[A-Za-z_]\w*=)?\d+)*)\]$"
+)
 
 
 def parse_spec(text: Any) -> InputSpec:
@@ -172,24 +204,38 @@ def parse_spec(text: Any) -> InputSpec:
                 continue
             parts = item.split(":")
             if len(parts) not in (2, 3):
-                raise InputError(f"input spec {item[:60]!r} is not NAME:SHAPE[:DTYPE] or NAME:DTYPE[SHAPE]",
-                                 "e.g. input_ids:1x16:int64 or input_ids:int64[1,16]")
+                raise InputError(
+                    f"input spec {item[:60]!r} is not NAME:SHAPE[:DTYPE] or NAME:DTYPE[SHAPE]",
+                    "e.g. input_ids:1x16:int64 or input_ids:int64[1,16]",
+                )
             try:
                 dims = [int(d) for d in re.split(r"[x×]", parts[1])]
             except ValueError:
-                raise InputError(f"input spec {item[:60]!r}: the shape is not integers joined by x", "e.g. input_ids:1x16:int64") from None
+                raise InputError(
+                    f"input spec {item[:60]!r}: the shape is not integers joined by x", "e.g. input_ids:1x16:int64"
+                ) from None
             out.append(_tensor_spec(parts[0], dims, parts[2] if len(parts) == 3 else "float32"))
         return _unique(out)
     if isinstance(text, Mapping):
         return _unique([_from_value(str(k), v) for k, v in text.items()])
     if isinstance(text, (list, tuple)) and text and all(isinstance(r, Mapping) for r in text):  # stored records
-        specs = [_tensor_spec(str(r["name"]), r["shape"], str(r.get("dtype", "float32")),
-                              int(r["high"]) if r.get("high") is not None else None, r.get("dynamic")) for r in text]
+        specs = [
+            _tensor_spec(
+                str(r["name"]),
+                r["shape"],
+                str(r.get("dtype", "float32")),
+                int(r["high"]) if r.get("high") is not None else None,
+                r.get("dynamic"),
+            )
+            for r in text
+        ]
         if len(text) == 1 and text[0].get("positional") is True:
             specs = [replace(specs[0], positional=True)]
         return _unique(specs)
-    raise InputError(f"cannot read an example input from {type(text).__name__} {str(text)[:60]}",
-                     "give a shape [N, C, H, W], NAME:SHAPE:DTYPE,..., TensorSpecs or a dict name → shape")
+    raise InputError(
+        f"cannot read an example input from {type(text).__name__} {str(text)[:60]}",
+        "give a shape [N, C, H, W], NAME:SHAPE:DTYPE,..., TensorSpecs or a dict name → shape",
+    )
 
 
 def _checked(t: TensorSpec) -> TensorSpec:
@@ -208,8 +254,10 @@ def _dtype_name(name: str, dtype: torch.dtype) -> str:
 def _from_value(name: str, v: Any) -> TensorSpec:
     if isinstance(v, TensorSpec):
         if v.name != name:
-            raise InputError(f"input {name[:40]!r} is given a TensorSpec named {v.name[:40]!r}",
-                             "name each TensorSpec as its key, or pass a tuple of TensorSpecs")
+            raise InputError(
+                f"input {name[:40]!r} is given a TensorSpec named {v.name[:40]!r}",
+                "name each TensorSpec as its key, or pass a tuple of TensorSpecs",
+            )
         return _checked(v)
     if isinstance(v, torch.Tensor):
         return _tensor_spec(name, tuple(v.shape), _dtype_name(name, v.dtype))
@@ -222,21 +270,28 @@ def _from_value(name: str, v: Any) -> TensorSpec:
 def _dims(name: str, value: Any) -> tuple[int, ...]:
     """A shape given in Python: a flat list or tuple of ints (torch.Size too); InputError on anything else."""
     if not isinstance(value, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in value):
-        raise InputError(f"input {name}: {str(value)[:60]} is not a shape (a flat list of ints)",
-                         "e.g. [1, 3, 32, 32], (shape, dtype), a TensorSpec or an example tensor")
+        raise InputError(
+            f"input {name}: {str(value)[:60]} is not a shape (a flat list of ints)",
+            "e.g. [1, 3, 32, 32], (shape, dtype), a TensorSpec or an example tensor",
+        )
     return tuple(value)
 
 
 def _unique(specs: list[TensorSpec]) -> InputSpec:
     names = [s.name for s in specs]
     if not specs or len(specs) > MAX_INPUTS or len(set(names)) != len(names):
-        raise InputError(f"an input spec needs 1 to {MAX_INPUTS} inputs with distinct names, got {names[:20]}", "e.g. input_ids:1x16:int64")
+        raise InputError(
+            f"an input spec needs 1 to {MAX_INPUTS} inputs with distinct names, got {names[:20]}",
+            "e.g. input_ids:1x16:int64",
+        )
     sizes: dict[str, int] = {}
     for t in specs:
         for d, dim_name in t.dynamic:
             if sizes.setdefault(dim_name, t.shape[d]) != t.shape[d]:
-                raise InputError(f"the dynamic dimension {dim_name} has the example sizes {sizes[dim_name]} and {t.shape[d]}",
-                                 "one name, one size: inputs sharing a dynamic dimension share its example size")
+                raise InputError(
+                    f"the dynamic dimension {dim_name} has the example sizes {sizes[dim_name]} and {t.shape[d]}",
+                    "one name, one size: inputs sharing a dynamic dimension share its example size",
+                )
     return tuple(specs)
 
 
@@ -256,8 +311,10 @@ def _high(model: nn.Module, t: TensorSpec) -> int:
         return 2
     emb = first_embedding(model)
     if emb is None:
-        raise InputError(f"input {t.name} is {t.dtype} but the model has no nn.Embedding to take a vocabulary size from",
-                         "give the range in Python: TensorSpec(name, shape, dtype, high=N)")
+        raise InputError(
+            f"input {t.name} is {t.dtype} but the model has no nn.Embedding to take a vocabulary size from",
+            "give the range in Python: TensorSpec(name, shape, dtype, high=N)",
+        )
     return int(emb.num_embeddings)
 
 
@@ -303,7 +360,11 @@ def as_spec(value: Any, model: Any = None) -> InputSpec:
     spec (named after `model`'s first input when given); a dict, spec text or records parsed (parse_spec)."""
     if isinstance(value, tuple) and value and all(isinstance(t, TensorSpec) for t in value):
         return value
-    if isinstance(value, (list, tuple, torch.Size)) and value and all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+    if (
+        isinstance(value, (list, tuple, torch.Size))
+        and value
+        and all(isinstance(d, int) and not isinstance(d, bool) for d in value)
+    ):
         spec = plain_spec(value)
         return named_for(model, spec) if model is not None else spec
     return parse_spec(value)
@@ -323,9 +384,11 @@ def check_names(model: nn.Module, spec: InputSpec) -> None:
     names = [p.name for p in params if p.kind != p.VAR_POSITIONAL]
     unknown = [t.name for t in spec if t.name not in names]
     if unknown:
-        raise InputError(f"{type(model).__name__}.forward takes ({', '.join(names)}); the input spec names "
-                         f"{', '.join(unknown)}, which it does not take",
-                         f"name each input after a forward argument, e.g. {names[0] if names else 'x'}:float32[1,3,32,32]")
+        raise InputError(
+            f"{type(model).__name__}.forward takes ({', '.join(names)}); the input spec names "
+            f"{', '.join(unknown)}, which it does not take",
+            f"name each input after a forward argument, e.g. {names[0] if names else 'x'}:float32[1,3,32,32]",
+        )
 
 
 def call(model: Any, x: Any) -> Any:

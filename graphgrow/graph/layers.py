@@ -1,5 +1,6 @@
 """Layers graphgrow itself puts into graphs. They are allow-listed for safe loading
 (graphgrow's outputs reload without --trust), so they must stay plain and small."""
+
 from __future__ import annotations
 
 import torch

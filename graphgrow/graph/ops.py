@@ -6,6 +6,7 @@ keeping its own table. Names are the `target` of a `call_method` node (`x.view(â
 An analysis that follows fewer ops than a class names derives its set from these with a comment saying why
 (tests/test_architecture.py keeps op-name tables out of every other module).
 """
+
 from __future__ import annotations
 
 import operator
@@ -34,12 +35,31 @@ SPLITS = frozenset({"split", "chunk", "unbind"})  # one tensor into a tuple of p
 INDEXING = frozenset({"select", "getitem"})  # x.select(d, i), x[i]: one index along a dim (the dim disappears)
 
 # ops whose result may share storage with their input (a view in torch's sense: writing one writes the other)
-MAY_ALIAS = RESHAPES | FLATTENS | TRANSPOSES | UNIT_DIMS | BROADCASTS | SPLITS | INDEXING | frozenset({
-    "t", "movedim", "swapaxes", "view_as",  # more reorderings and reshapes
-    "narrow", "diagonal", "unfold", "as_strided",  # parts of the input
-    "contiguous",  # returns its input itself when it is contiguous already
-    "detach", "real", "imag",  # the same storage under another autograd node / dtype
-})
+MAY_ALIAS = (
+    RESHAPES
+    | FLATTENS
+    | TRANSPOSES
+    | UNIT_DIMS
+    | BROADCASTS
+    | SPLITS
+    | INDEXING
+    | frozenset(
+        {
+            "t",
+            "movedim",
+            "swapaxes",
+            "view_as",  # more reorderings and reshapes
+            "narrow",
+            "diagonal",
+            "unfold",
+            "as_strided",  # parts of the input
+            "contiguous",  # returns its input itself when it is contiguous already
+            "detach",
+            "real",
+            "imag",  # the same storage under another autograd node / dtype
+        }
+    )
+)
 
 # --- elementwise ---------------------------------------------------------------------------------------------------
 # unary: output element i depends on input element i only

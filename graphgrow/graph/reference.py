@@ -8,6 +8,7 @@ An entry is valid only while the model is unchanged: it is keyed by the model ob
 checked against a fingerprint of its graph, its modules' settings and every parameter and buffer
 (storage and version counter, which any in-place change bumps), and against the input itself.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -18,7 +19,9 @@ from torch import nn
 
 from ..graph.shapes import same_inputs
 
-_kept: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[tuple[Any, ...], torch.Tensor, Any]]]" = weakref.WeakKeyDictionary()
+_kept: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[tuple[Any, ...], torch.Tensor, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def fingerprint(model: nn.Module) -> tuple[Any, ...]:
@@ -26,8 +29,9 @@ def fingerprint(model: nn.Module) -> tuple[Any, ...]:
     padding, eps, ...), and its tensors' storage, version and shape."""
     code = getattr(model, "code", None)
     modules = tuple((n, type(m), m.extra_repr()) for n, m in model.named_modules())
-    tensors = tuple((n, t.data_ptr(), t._version, tuple(t.shape), t.dtype)
-                    for n, t in model.state_dict(keep_vars=True).items())
+    tensors = tuple(
+        (n, t.data_ptr(), t._version, tuple(t.shape), t.dtype) for n, t in model.state_dict(keep_vars=True).items()
+    )
     return code, modules, tensors
 
 

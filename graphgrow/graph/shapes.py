@@ -3,6 +3,7 @@
 Real tensors, not fake ones: on long chains they are ~30× faster and they run the
 exact kernels the model will run.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,10 +14,10 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..core.errors import first_line, ValidationError
+from ..core.errors import ValidationError, first_line
 from ..core.protocol import BATCHES
 from ..core.state import training_mode
-from .inputs import as_spec, batch_of, ExampleInput, is_positional, positional, spec_inputs
+from .inputs import ExampleInput, as_spec, batch_of, is_positional, positional, spec_inputs
 
 
 def example_input(gm: torch.nn.Module, spec: ExampleInput, seed: int = 0, batch: int | None = None) -> Any:
@@ -39,7 +40,12 @@ def shape_of(value: Any) -> Any:
 class _Recorder(fx.Interpreter):
     """Runs the graph and records each node's output shape and dtype (and FLOPs when asked)."""
 
-    def __init__(self, gm: fx.GraphModule, count_flops: bool = False, known_flops: dict[str, tuple[tuple[Any, ...], int]] | None = None) -> None:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        count_flops: bool = False,
+        known_flops: dict[str, tuple[tuple[Any, ...], int]] | None = None,
+    ) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.shapes: dict[str, Any] = {}
         self.dtypes: dict[str, torch.dtype | None] = {}
@@ -77,7 +83,14 @@ def _flop_key(gm: fx.GraphModule, n: fx.Node, shapes: dict[str, Any]) -> tuple[A
     if n.op == "call_module":
         m = gm.get_submodule(str(n.target))
         module = (type(m), m.extra_repr(), tuple(tuple(p.shape) for p in m.parameters()))
-    return (n.op, _target_name(n), module, tuple(shapes.get(a.name) for a in n.all_input_nodes), repr(n.args), repr(n.kwargs))
+    return (
+        n.op,
+        _target_name(n),
+        module,
+        tuple(shapes.get(a.name) for a in n.all_input_nodes),
+        repr(n.args),
+        repr(n.kwargs),
+    )
 
 
 def _target_name(n: fx.Node) -> str:
@@ -102,7 +115,9 @@ def run_recording(gm: fx.GraphModule, x: Any, count_flops: bool = False) -> Shap
     return ShapeRun(out, rec.shapes, rec.dtypes, rec.flops, x)
 
 
-def annotate(gm: fx.GraphModule, input_shape: ExampleInput, previous: fx.GraphModule | None = None, example: Any = None) -> ShapeRun:
+def annotate(
+    gm: fx.GraphModule, input_shape: ExampleInput, previous: fx.GraphModule | None = None, example: Any = None
+) -> ShapeRun:
     """Store shape, dtype, params and FLOPs (per example) on every node's meta.
 
     Runs once in eval mode at the example batch size; meta keys: gg_shape, gg_dtype,
@@ -118,8 +133,11 @@ def annotate(gm: fx.GraphModule, input_shape: ExampleInput, previous: fx.GraphMo
     known: dict[str, tuple[tuple[Any, ...], int]] = {}
     if previous is not None:
         old_shapes = {n.name: n.meta.get("gg_shape") for n in previous.graph.nodes}
-        known = {n.name: (_flop_key(previous, n, old_shapes), int(n.meta["gg_flops"]) * batch)
-                 for n in previous.graph.nodes if "gg_flops" in n.meta and n.op in ("call_module", "call_function", "call_method")}
+        known = {
+            n.name: (_flop_key(previous, n, old_shapes), int(n.meta["gg_flops"]) * batch)
+            for n in previous.graph.nodes
+            if "gg_flops" in n.meta and n.op in ("call_module", "call_function", "call_method")
+        }
     with training_mode(gm, False):
         rec = _Recorder(gm, True, known)
         with torch.no_grad():
@@ -159,8 +177,14 @@ def total_flops(gm: fx.GraphModule) -> int:
     return sum(n.meta.get("gg_flops", 0) for n in gm.graph.nodes)
 
 
-def validate_batch_sizes(gm: fx.GraphModule, input_shape: ExampleInput, batches: tuple[int, int] = BATCHES, first: ShapeRun | None = None,
-                         first_input: Any = None, second: ShapeRun | None = None) -> None:
+def validate_batch_sizes(
+    gm: fx.GraphModule,
+    input_shape: ExampleInput,
+    batches: tuple[int, int] = BATCHES,
+    first: ShapeRun | None = None,
+    first_input: Any = None,
+    second: ShapeRun | None = None,
+) -> None:
     """Run at two batch sizes and refuse a graph that bakes in the batch size.
 
     Between the runs a node's dimensions may stay equal or scale with the batch (the
@@ -193,7 +217,9 @@ def validate_batch_sizes(gm: fx.GraphModule, input_shape: ExampleInput, batches:
         if not _scales_with_batch(s1, s2, b1, b2):
             raise ValidationError(
                 f"node '{n.name}' has shape {s1} at batch {b1} but {s2} at batch {b2}: "
-                "only dimensions that grow with the batch may change", hint)
+                "only dimensions that grow with the batch may change",
+                hint,
+            )
     for out_shape, b in ((_output_shapes(r1.output), b1), (_output_shapes(r2.output), b2)):
         for s in out_shape:
             if not s or s[0] != b:
@@ -215,9 +241,20 @@ def first_examples(x: Any, n: int) -> Any:
 def same_inputs(a: Any, b: Any) -> bool:
     """Two inputs (tensors, or dicts of named tensors) with equal shapes, dtypes, devices and values."""
     if isinstance(a, dict) or isinstance(b, dict):
-        return isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(same_inputs(a[k], b[k]) for k in a)
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
-            and a.device == b.device and bool(torch.equal(a, b)))
+        return (
+            isinstance(a, dict)
+            and isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(same_inputs(a[k], b[k]) for k in a)
+        )
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and bool(torch.equal(a, b))
+    )
 
 
 def _joined(x1: Any, extra: Any, b1: int, b2: int) -> Any:
@@ -252,7 +289,9 @@ def _check_examples_independent(out1: Any, out2: Any, b1: int, hint: str) -> Non
         if err > 1e-4 * max(scale, 1e-12):
             raise ValidationError(
                 f"the same example gives different outputs at batch {b1} and in a larger batch (max |Δ| {err:.3g}): "
-                "examples in a batch influence each other", hint)
+                "examples in a batch influence each other",
+                hint,
+            )
 
 
 def _flat(out: Any) -> list[torch.Tensor]:

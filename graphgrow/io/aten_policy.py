@@ -23,12 +23,12 @@ tensors and is sized on the meta device before anything runs for real (--max-mem
 The table is computed once, the first time an ATen name is checked, from the installed torch: the same
 torch gives the same list (tests/test_aten_policy.py fuzzes it).
 """
-from __future__ import annotations
 
-from typing import Any
+from __future__ import annotations
 
 import functools
 import re
+from typing import Any
 
 import torch
 
@@ -37,35 +37,45 @@ PREFIX = "torch.ops.aten."
 # class → why it is excluded (said in the refusal)
 CLASSES: dict[str, str] = {
     "mutating": "it writes into a tensor it is given other than as the in-place form of an allowed op (out=, a "
-                "second argument, a view's metadata)",
+    "second argument, a view's metadata)",
     "no result": "it returns nothing: it exists for a side effect (printing, asserting, recording a stream)",
     "dunder": "its name is a dunder name, which no stored name may be (the op is stored by its plain name, "
-              "such as bitwise_and)",
+    "such as bitwise_and)",
     "io": "it reads or writes a file",
     "storage": "it works on storages, explicit strides and offsets or pinned memory instead of tensor values",
     "object": "it takes an object that is not plain data (a script class, a storage, a stream)",
     "sparse": "it works on sparse layouts, which graphgrow files do not hold",
     "quantized": "it works on quantized tensors, which graphgrow files do not hold",
     "backend": "it is one backend's or transform's internal kernel (cuDNN, MKL-DNN, MPS, vmap levels, ...), not a "
-               "computation of its own",
+    "computation of its own",
     "backward": "it is an autograd backward kernel that trusts its inputs to come from the forward (bounds unchecked)",
     "unchecked": "it skips its own argument checks ('unsafe')",
     "private": "it is private to ATen (a leading '_') and neither tagged core nor in the core decomposition table",
     "unknown": "the installed torch has no such ATen operator",
 }
 
-_SPARSE = re.compile(r"sparse|(^|_)(coo|csr|csc|bsr|bsc)(_|$)|to_dense|_nnz|crow_indices|ccol_indices|col_indices|"
-                     r"row_indices|^_?(indices|values|coalesce|is_coalesced|dense_dim|sparse_dim)(_copy)?$")
-_QUANTIZED = re.compile(r"quantiz|(^|_)q_|qscheme|fake_quant|int_repr|qparams|qint|fbgemm|prepack|_saturate_weight|"
-                        r"_make_per_(tensor|channel)")
-_BACKEND = re.compile(r"cudnn|miopen|mkldnn|mkl_|onednn|(^|_)mps(_|$)|vulkan|nnpack|xnnpack|cufft|_cslt|metal|"
-                      r"nested|jagged|_foreach|_fused|_efficientzerotensor|_test_|_autocast|_cummax_helper|"
-                      r"_cummin_helper|_has_compatible_shallow_copy_type|_debug_|_propagate_xla|_batch_dim")
-_STORAGE = re.compile(r"strided|storage|resize|pin_memory|is_pinned|record_stream|data_ptr|^set_|is_set_to|_reshape_alias|"
-                      r"^_version$|^lift$|_make_dual|_fw_primal|_unpack_dual|_shape_as_tensor|_new_zeros_with_same_feature")
+_SPARSE = re.compile(
+    r"sparse|(^|_)(coo|csr|csc|bsr|bsc)(_|$)|to_dense|_nnz|crow_indices|ccol_indices|col_indices|"
+    r"row_indices|^_?(indices|values|coalesce|is_coalesced|dense_dim|sparse_dim)(_copy)?$"
+)
+_QUANTIZED = re.compile(
+    r"quantiz|(^|_)q_|qscheme|fake_quant|int_repr|qparams|qint|fbgemm|prepack|_saturate_weight|"
+    r"_make_per_(tensor|channel)"
+)
+_BACKEND = re.compile(
+    r"cudnn|miopen|mkldnn|mkl_|onednn|(^|_)mps(_|$)|vulkan|nnpack|xnnpack|cufft|_cslt|metal|"
+    r"nested|jagged|_foreach|_fused|_efficientzerotensor|_test_|_autocast|_cummax_helper|"
+    r"_cummin_helper|_has_compatible_shallow_copy_type|_debug_|_propagate_xla|_batch_dim"
+)
+_STORAGE = re.compile(
+    r"strided|storage|resize|pin_memory|is_pinned|record_stream|data_ptr|^set_|is_set_to|_reshape_alias|"
+    r"^_version$|^lift$|_make_dual|_fw_primal|_unpack_dual|_shape_as_tensor|_new_zeros_with_same_feature"
+)
 _FILE_ARGS = frozenset({"filename", "path", "file"})
-_PLAIN_TYPES = re.compile(r"^(Optional\[)*(List\[)*(Optional\[)*(Tensor|int|float|bool|number|str|Device|ScalarType|"
-                          r"Layout|MemoryFormat|Generator|complex)\]*$")
+_PLAIN_TYPES = re.compile(
+    r"^(Optional\[)*(List\[)*(Optional\[)*(Tensor|int|float|bool|number|str|Device|ScalarType|"
+    r"Layout|MemoryFormat|Generator|complex)\]*$"
+)
 
 
 @functools.cache
@@ -83,8 +93,9 @@ def _classify(op: torch._ops.OpOverload) -> str | None:
         return None if _in_place_form(op) else "mutating"
     if not schema.returns:
         return "no result"
-    if any(not _PLAIN_TYPES.match(str(a.type)) for a in schema.arguments) or \
-            any(not _PLAIN_TYPES.match(str(r.type)) for r in schema.returns):
+    if any(not _PLAIN_TYPES.match(str(a.type)) for a in schema.arguments) or any(
+        not _PLAIN_TYPES.match(str(r.type)) for r in schema.returns
+    ):
         return "object"
     if _SPARSE.search(base):
         return "sparse"
@@ -127,7 +138,7 @@ def overloads() -> list[torch._ops.OpOverload]:
     for name in sorted(torch._C._dispatch_get_all_op_names()):
         if not name.startswith("aten::"):
             continue
-        base, _, overload = name[len("aten::"):].partition(".")
+        base, _, overload = name[len("aten::") :].partition(".")
         try:
             out.append(getattr(getattr(torch.ops.aten, base), overload or "default"))
         except (AttributeError, RuntimeError):
@@ -163,15 +174,21 @@ def binding_allowed(name: str) -> bool:
     allowed or excluded only for writing into an `out=` tensor (which a stored call may not pass), and none is a
     factory (a factory's sizes are bounded by graph_policy's constructor rules, which name them)."""
     overloads = [q for q in table() if q.startswith(f"{PREFIX}{name}.")]
-    return bool(overloads) and any(table()[q] is None for q in overloads) and \
-        all(table()[q] in (None, "mutating") and not is_factory(q) for q in overloads)
+    return (
+        bool(overloads)
+        and any(table()[q] is None for q in overloads)
+        and all(table()[q] in (None, "mutating") and not is_factory(q) for q in overloads)
+    )
 
 
 def is_factory(qualname: str) -> bool:
     """An allowed op with no tensor argument that returns a tensor: its sizes come from constants."""
     op = _op(qualname)
-    return op is not None and not any("Tensor" in str(a.type) for a in op._schema.arguments) and \
-        any("Tensor" in str(r.type) for r in op._schema.returns)
+    return (
+        op is not None
+        and not any("Tensor" in str(a.type) for a in op._schema.arguments)
+        and any("Tensor" in str(r.type) for r in op._schema.returns)
+    )
 
 
 def _op(qualname: str) -> torch._ops.OpOverload | None:
@@ -205,7 +222,9 @@ def constant_elements(qualname: str, args: tuple[Any, ...], kwargs: dict[str, An
             out = op(*probe_args, **probe_kwargs)
         except Exception as e:  # a wrong type, a negative size: the op's own checks, on the meta device
             raise ValueError((str(e).splitlines() or [type(e).__name__])[0][:160]) from e
-        return sum(t.numel() for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor))
+        return sum(
+            t.numel() for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)
+        )
     names = [a.name for a in op._schema.arguments]
     fresh = all(r.alias_info is None for r in op._schema.returns)
     if "size" not in names or not fresh:

@@ -1,5 +1,6 @@
 """ONNX export (the only importer of torch.onnx): dynamo exporter, dynamic batch, one self-contained file, or
 the graph and a data file beside it past protobuf's 2 GiB (onnx_external.py)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -8,27 +9,50 @@ import json
 import logging
 import math
 import os
-import time
 import re
+import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import onnx
 import torch
 from torch import fx
 
-from ..core.errors import ExportError, first_line, LoadError
+from ..core.errors import ExportError, LoadError, first_line
 from ..core.names import is_identifier
+from ..core.state import training_mode
+from ..graph.inputs import (
+    ExampleInput,
+    InputSpec,
+    as_spec,
+    batch_of,
+    call,
+    first_shape,
+    is_positional,
+    plain_spec,
+    spec_inputs,
+)
+from ..graph.shapes import example_input, state_bytes
 from .lineage import is_origin, origin_of
-from .onnx_external import check_external, data_path, ExternalWrite, external_tensors
+from .onnx_external import ExternalWrite, check_external, data_path, external_tensors
+from .onnx_spec import (
+    INPUTS_KEY,
+    captured_static,
+    check_input_names,
+    dynamic_dims,
+    dynamic_groups,
+    fails_shorter,
+    is_token_input,
+    name_dict_outputs,
+    name_outputs,
+    named_leaves,
+    read_spec,
+    spec_metadata,
+)
 from .save import atomic_write, check_output_path
 from .serialize import is_stored_shape, validate_meta
-from ..graph.inputs import as_spec, batch_of, call, ExampleInput, first_shape, InputSpec, is_positional, plain_spec, spec_inputs
-from ..graph.shapes import example_input, state_bytes
-from .onnx_spec import (captured_static, check_input_names, dynamic_dims, fails_shorter, INPUTS_KEY, is_token_input,
-                        name_dict_outputs, name_outputs, named_leaves, read_spec, dynamic_groups, spec_metadata)
-from ..core.state import training_mode
 
 LOG_KEY = "graphgrow.mutation_log"
 ORIGIN_KEY = "graphgrow.origin"  # lineage.structure_fingerprint of the model the log starts from
@@ -72,8 +96,10 @@ def export_onnx(
     input_shape = as_spec(input_shape, gm)
     out_path = check_output_path(path) if path is not None else None
     if out_path is not None and not _utf8(out_path.name):
-        raise ExportError(f"the output name {out_path.name!r} is not UTF-8: ONNX stores names as UTF-8 text",
-                          "choose an output name in UTF-8")
+        raise ExportError(
+            f"the output name {out_path.name!r} is not UTF-8: ONNX stores names as UTF-8 text",
+            "choose an output name in UTF-8",
+        )
     stage = None
     if wants_external(gm, external_data, out_path):
         check_output_path(data_path(out_path))
@@ -86,8 +112,11 @@ def export_onnx(
         elif out_path is None:
             check_proto(proto)
         else:
+
             def write_checked(tmp: Path) -> None:  # checked from the file: the checker would serialise a proto again
-                tmp.write_bytes(proto.SerializeToString())  # the bytes are gone before the checker reads the file (memory)
+                tmp.write_bytes(
+                    proto.SerializeToString()
+                )  # the bytes are gone before the checker reads the file (memory)
                 check_proto(str(tmp))
 
             atomic_write(out_path, write_checked)  # a failed write is SaveError (exit 2) naming the output
@@ -100,8 +129,9 @@ def export_onnx(
     return proto
 
 
-def _exported(gm: torch.nn.Module, input_shape: InputSpec, opset: int | None, isolate: bool,
-              stage: ExternalWrite | None) -> tuple[onnx.ModelProto, dict[str, str], float]:
+def _exported(
+    gm: torch.nn.Module, input_shape: InputSpec, opset: int | None, isolate: bool, stage: ExternalWrite | None
+) -> tuple[onnx.ModelProto, dict[str, str], float]:
     """torch.onnx.export on the example input or the spec's named inputs; the model, the metadata the export
     adds (the input spec) and the seconds it took."""
     t_export = time.perf_counter()
@@ -116,8 +146,13 @@ def _exported(gm: torch.nn.Module, input_shape: InputSpec, opset: int | None, is
     return proto, props, time.perf_counter() - t_export
 
 
-def _finish(gm: torch.nn.Module, proto: onnx.ModelProto, input_shape: InputSpec, max_ir_version: int | None,
-            props: dict[str, str]) -> None:
+def _finish(
+    gm: torch.nn.Module,
+    proto: onnx.ModelProto,
+    input_shape: InputSpec,
+    max_ir_version: int | None,
+    props: dict[str, str],
+) -> None:
     """The IR version clamped, nodes named after their modules, `props` and graphgrow's metadata (log, origin,
     input shape) added to the model's."""
     if max_ir_version is not None and proto.ir_version > max_ir_version:
@@ -135,8 +170,9 @@ def _finish(gm: torch.nn.Module, proto: onnx.ModelProto, input_shape: InputSpec,
         entry.key, entry.value = k, v
 
 
-def _export_named(gm: torch.nn.Module, spec: InputSpec, opset: int | None, isolate: bool,
-                  stage: ExternalWrite | None) -> tuple[onnx.ModelProto, dict[str, str]]:
+def _export_named(
+    gm: torch.nn.Module, spec: InputSpec, opset: int | None, isolate: bool, stage: ExternalWrite | None
+) -> tuple[onnx.ModelProto, dict[str, str]]:
     """Export on the spec's named inputs (onnx_spec.py has the plan); returns the model and its metadata.
 
     The sequence length is tried dynamic first; a model that fails at a shorter length, or that
@@ -158,18 +194,26 @@ def _export_named(gm: torch.nn.Module, spec: InputSpec, opset: int | None, isola
         proto = run(gm, feeds, dynamic_dims(spec, False), opset, stage)
     exported = sorted(i.name for i in proto.graph.input)
     if exported != sorted(t.name for t in spec):
-        raise ExportError(f"the exported model's inputs are {exported}, the input spec names {[t.name for t in spec]}",
-                          "name the spec's inputs after the forward's arguments")
+        raise ExportError(
+            f"the exported model's inputs are {exported}, the input spec names {[t.name for t in spec]}",
+            "name the spec's inputs after the forward's arguments",
+        )
     name_outputs(proto, names)
     static, why = {}, []
     if reason is not None:
         shapes = {t.name: t.shape for t in spec}
         static.update({name: shapes[name][d] for members in groups.values() for name, d in members})
         why.append(reason)
-    short = {} if any(t.dynamic for t in spec) else {t.name: t.shape[1] for t in spec if is_token_input(t) and t.shape[1] < 2}
+    short = (
+        {}
+        if any(t.dynamic for t in spec)
+        else {t.name: t.shape[1] for t in spec if is_token_input(t) and t.shape[1] < 2}
+    )
     if short:
         static.update(short)
-        why.append("an example sequence length of 1 cannot stay dynamic (torch.export fixes sizes 0 and 1): give a longer example")
+        why.append(
+            "an example sequence length of 1 cannot stay dynamic (torch.export fixes sizes 0 and 1): give a longer example"
+        )
     record = {"inputs": static, "reason": "; ".join(why)} if static else None
     return proto, spec_metadata(spec, dynamic_dims(spec, reason is None), record)
 
@@ -229,11 +273,16 @@ def wants_external(gm: torch.nn.Module, asked: bool | None, out_path: Path | Non
     size = state_bytes(gm)
     external = asked if asked is not None else size >= ONE_FILE_MAX
     if not external and size >= ONE_FILE_MAX:
-        raise ExportError(f"the model's weights are {size / 2**30:.2f} GiB: a self-contained ONNX file holds less than "
-                          "2 GiB (protobuf's limit) with its graph", "export with external data (--external-data)")
+        raise ExportError(
+            f"the model's weights are {size / 2**30:.2f} GiB: a self-contained ONNX file holds less than "
+            "2 GiB (protobuf's limit) with its graph",
+            "export with external data (--external-data)",
+        )
     if external and out_path is None:
-        raise ExportError("an ONNX model with external data is written as two files, and no output path was given",
-                          "give an output path: NAME.onnx and NAME.onnx.data are written")
+        raise ExportError(
+            "an ONNX model with external data is written as two files, and no output path was given",
+            "give an output path: NAME.onnx and NAME.onnx.data are written",
+        )
     return external
 
 
@@ -250,15 +299,24 @@ def _saved(program: Any, stage: ExternalWrite | None) -> onnx.ModelProto:
     return program.model_proto if stage is None else stage.save(program.model)
 
 
-def _torch_export(gm: torch.nn.Module, x: torch.Tensor, opset: int | None, stage: ExternalWrite | None) -> onnx.ModelProto:
+def _torch_export(
+    gm: torch.nn.Module, x: torch.Tensor, opset: int | None, stage: ExternalWrite | None
+) -> onnx.ModelProto:
     captured = io.StringIO()
     batch = torch.export.Dim("batch", min=1)
     try:
         with _inference(gm), warnings.catch_warnings(), _quiet(captured):
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
-                gm, (x,), dynamo=True, dynamic_shapes=({0: batch},), input_names=[INPUT_NAME],
-                opset_version=opset, optimize=True, verbose=False, report=False,
+                gm,
+                (x,),
+                dynamo=True,
+                dynamic_shapes=({0: batch},),
+                input_names=[INPUT_NAME],
+                opset_version=opset,
+                optimize=True,
+                verbose=False,
+                report=False,
             )
     except Exception as e:
         raise ExportError(
@@ -268,18 +326,34 @@ def _torch_export(gm: torch.nn.Module, x: torch.Tensor, opset: int | None, stage
     return _saved(program, stage)
 
 
-def _torch_export_named(gm: torch.nn.Module, feeds: dict[str, torch.Tensor], dims: dict[str, dict[int, str]],
-                        opset: int | None, stage: ExternalWrite | None) -> onnx.ModelProto:
+def _torch_export_named(
+    gm: torch.nn.Module,
+    feeds: dict[str, torch.Tensor],
+    dims: dict[str, dict[int, str]],
+    opset: int | None,
+    stage: ExternalWrite | None,
+) -> onnx.ModelProto:
     """torch.onnx.export on named inputs (passed by keyword), with named dynamic dimensions."""
     captured = io.StringIO()
     try:
         with _inference(gm), warnings.catch_warnings(), _quiet(captured):
             warnings.simplefilter("ignore")
-            program = torch.onnx.export(gm, (), kwargs=feeds, dynamo=True, dynamic_shapes=dims, opset_version=opset,
-                                        optimize=True, verbose=False, report=False)
+            program = torch.onnx.export(
+                gm,
+                (),
+                kwargs=feeds,
+                dynamo=True,
+                dynamic_shapes=dims,
+                opset_version=opset,
+                optimize=True,
+                verbose=False,
+                report=False,
+            )
     except Exception as e:
-        raise ExportError(f"torch.onnx.export failed: {_root_cause(e, lines=2)}",
-                          "an op in the model may have no ONNX equivalent; run with --debug for the full report") from e
+        raise ExportError(
+            f"torch.onnx.export failed: {_root_cause(e, lines=2)}",
+            "an op in the model may have no ONNX equivalent; run with --debug for the full report",
+        ) from e
     return _saved(program, stage)
 
 
@@ -305,7 +379,9 @@ def _in_child(fn: Callable[..., onnx.ModelProto], *args: Any) -> onnx.ModelProto
         kind, payload = receive.recv()
     except EOFError:
         proc.join()
-        raise ExportError(f"the export process died (exit code {proc.exitcode})", "export without isolate=True to see why") from None
+        raise ExportError(
+            f"the export process died (exit code {proc.exitcode})", "export without isolate=True to see why"
+        ) from None
     proc.join()
     if kind == "error":
         raise ExportError(*payload)
@@ -318,8 +394,9 @@ def check_proto(proto: onnx.ModelProto | str) -> None:
     try:
         onnx.checker.check_model(proto, full_check=True)
     except Exception as e:
-        raise ExportError(f"the exported ONNX model fails the ONNX checker: {first_line(e)}",
-                          "please report this with the model") from e
+        raise ExportError(
+            f"the exported ONNX model fails the ONNX checker: {first_line(e)}", "please report this with the model"
+        ) from e
 
 
 def metadata(proto: onnx.ModelProto) -> dict[str, str]:
@@ -335,7 +412,9 @@ def mutation_log(proto: onnx.ModelProto) -> list[dict[str, Any]]:
     try:
         log = json.loads(value)
     except (ValueError, RecursionError) as e:
-        raise LoadError(f"the ONNX file's mutation log is not readable JSON: {first_line(e)}", "the file is corrupted or hostile") from e
+        raise LoadError(
+            f"the ONNX file's mutation log is not readable JSON: {first_line(e)}", "the file is corrupted or hostile"
+        ) from e
     checked: list[dict[str, Any]] = validate_meta({"log": log})["log"]
     return checked
 
@@ -346,8 +425,10 @@ def onnx_factory_seed(proto: onnx.ModelProto) -> int | None:
     if value is None:
         return None
     if not re.fullmatch(r"\d{1,19}", value) or int(value) >= 2**63:
-        raise LoadError(f"the ONNX file records the factory seed {value[:40]!r}, which is not a seed",
-                        "pass --seed N, or export the model again")
+        raise LoadError(
+            f"the ONNX file records the factory seed {value[:40]!r}, which is not a seed",
+            "pass --seed N, or export the model again",
+        )
     return int(value)
 
 
@@ -398,7 +479,9 @@ def load_onnx(path: str | os.PathLike[str]) -> onnx.ModelProto:
     try:
         proto = onnx.load(str(p), load_external_data=False)  # external data would name other files to read
     except Exception as e:
-        raise LoadError(f"{p} is not a readable ONNX model: {first_line(e, 200)}", "pass a file written by graphgrow export") from e
+        raise LoadError(
+            f"{p} is not a readable ONNX model: {first_line(e, 200)}", "pass a file written by graphgrow export"
+        ) from e
     external = external_tensors(proto)
     if external:
         check_external(proto, p, external)  # only NAME.onnx.data beside NAME.onnx, at the lengths the tensors need
@@ -419,8 +502,10 @@ def onnx_input_shape(proto: onnx.ModelProto) -> InputSpec | None:
         except (ValueError, RecursionError):
             shape = None
         if not is_stored_shape(shape):
-            raise LoadError(f"the ONNX file stores the input shape {stored[:80]!r}, which is not a shape",
-                            "pass --input-shape N,C,H,W, or export the model again")
+            raise LoadError(
+                f"the ONNX file stores the input shape {stored[:80]!r}, which is not a shape",
+                "pass --input-shape N,C,H,W, or export the model again",
+            )
     elif not proto.graph.input:
         return None
     else:
@@ -446,15 +531,22 @@ def describe_onnx(path: str) -> dict[str, Any]:
         return str(onnx.TensorProto.DataType.Name(value_info.type.tensor_type.elem_type)).lower()
 
     meta = metadata(proto)
-    params = sum(math.prod(t.dims) for t in proto.graph.initializer)  # Python ints: np.prod would overflow on hostile dims
+    params = sum(
+        math.prod(t.dims) for t in proto.graph.initializer
+    )  # Python ints: np.prod would overflow on hostile dims
     return {
-        "model": path, "format": "onnx", "ir_version": proto.ir_version,
+        "model": path,
+        "format": "onnx",
+        "ir_version": proto.ir_version,
         "opset": [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")][:1],
         "producer": f"{proto.producer_name} {proto.producer_version}".strip(),
         "inputs": [{"name": i.name, "shape": dims(i), "dtype": elem(i)} for i in proto.graph.input],
         "outputs": [{"name": o.name, "shape": dims(o), "dtype": elem(o)} for o in proto.graph.output],
-        "nodes": len(proto.graph.node), "ops": dict(collections.Counter(n.op_type for n in proto.graph.node).most_common()),
-        "params": params, **_described_input(proto, meta), **_described_external(proto),
+        "nodes": len(proto.graph.node),
+        "ops": dict(collections.Counter(n.op_type for n in proto.graph.node).most_common()),
+        "params": params,
+        **_described_input(proto, meta),
+        **_described_external(proto),
         "log": mutation_log(proto),
         "metadata": {k: v for k, v in meta.items() if k != LOG_KEY},
     }

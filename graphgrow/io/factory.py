@@ -2,6 +2,7 @@
 only a model's code — an nn.Module subclass, a zoo's registered builder (routed through zoo.py), or a function
 or class of the user's own code. Everything an installed library offers otherwise is refused (an allow-list).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -9,8 +10,9 @@ import importlib
 import os
 import re
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from torch import nn
 
@@ -55,10 +57,14 @@ def cwd_importable() -> Iterator[None]:
             sys.path.remove(cwd)
 
 
-_WAY_OUT = ("name a zoo model (timm:NAME, torchvision:NAME), an nn.Module class, or a function of your own code: "
-            "in the current folder, on PYTHONPATH or installed with pip install -e")
+_WAY_OUT = (
+    "name a zoo model (timm:NAME, torchvision:NAME), an nn.Module class, or a function of your own code: "
+    "in the current folder, on PYTHONPATH or installed with pip install -e"
+)
 MODEL_FACTORY = "model factory"  # what a name is asked to be (import_object's `role`): each says its own way out
-_YOUR_FUNCTION = "name a function of your own code: in the current folder, on PYTHONPATH or installed with pip install -e"
+_YOUR_FUNCTION = (
+    "name a function of your own code: in the current folder, on PYTHONPATH or installed with pip install -e"
+)
 
 
 def _way_out(role: str) -> str:
@@ -76,17 +82,22 @@ def import_object(name: str, zoo_builders: bool = False, role: str = MODEL_FACTO
     Only names the user gave reach here: a name read from a file (a mutation log's `data`) is never imported
     unless the user trusts the file (pipeline.from_log)."""
     if not _FACTORY.match(name):
-        raise LoadError(f"{name[:200]!r} does not name a function", "write package.module:function, e.g. mytask:train_epoch")
+        raise LoadError(
+            f"{name[:200]!r} does not name a function", "write package.module:function, e.g. mytask:train_epoch"
+        )
     refuse_before_import(name, role)
     module_name, attr = name.split(":")
     try:
-        with cwd_importable(), calling(f"importing {module_name} (for {name})", "fix the module, or check the name",
-                                       LoadError):
+        with (
+            cwd_importable(),
+            calling(f"importing {module_name} (for {name})", "fix the module, or check the name", LoadError),
+        ):
             module = importlib.import_module(module_name)
     except LoadError as e:
         if isinstance(e.__cause__, ImportError):
-            raise LoadError(f"cannot import '{module_name}' for {name}: {e.__cause__}",
-                            "install the package or check the name") from e.__cause__
+            raise LoadError(
+                f"cannot import '{module_name}' for {name}: {e.__cause__}", "install the package or check the name"
+            ) from e.__cause__
         raise
     obj: Callable[..., Any] | None = getattr(module, attr, None)
     if not callable(obj):
@@ -102,8 +113,11 @@ def import_object(name: str, zoo_builders: bool = False, role: str = MODEL_FACTO
     if library is not None:
         what = getattr(obj, "__name__", None) or attr  # its own name: a re-export says what it really is
         whose = f"{what} from {library}" if " " in library else f"{library}'s own {what}"
-        calls = ("nn.Module classes, a zoo's registered models and the user's own code" if role == MODEL_FACTORY
-                 else "the user's own code")
+        calls = (
+            "nn.Module classes, a zoo's registered models and the user's own code"
+            if role == MODEL_FACTORY
+            else "the user's own code"
+        )
         raise LoadError(f"{name} is {whose}, not a {role}: a {role} name calls only {calls}", _way_out(role))
     return obj
 
@@ -112,7 +126,9 @@ def refuse_before_import(name: str, role: str = MODEL_FACTORY) -> None:
     """Names refused from their spelling alone, before anything is imported (importing can act too)."""
     top = name.split(":")[0].split(".")[0]
     if top in sys.stdlib_module_names:
-        raise LoadError(f"{name} is in Python's standard library, not a {role}: graphgrow does not call it", _way_out(role))
+        raise LoadError(
+            f"{name} is in Python's standard library, not a {role}: graphgrow does not call it", _way_out(role)
+        )
     if top in _NEVER_FACTORIES:
         raise LoadError(f"{name} is in {top}, not a {role}: graphgrow does not call it", _way_out(role))
 
@@ -182,4 +198,6 @@ def _is_editable(dist: Any) -> bool:
 
 
 def _owns(dist: Any, path: Path) -> bool:
-    return any(Path(str(dist.locate_file(f))).resolve() == path for f in (dist.files or ()) if str(f).endswith(path.name))
+    return any(
+        Path(str(dist.locate_file(f))).resolve() == path for f in (dist.files or ()) if str(f).endswith(path.name)
+    )

@@ -29,6 +29,7 @@ derives their list from torch's op metadata (pure tensor computations; excluded 
 torch-level function not listed here is allowed when it binds such an operator (`torch.addcmul` → aten.addcmul:
 every overload pure or an out= form, none a factory; a stored call passing out= is refused).
 """
+
 from __future__ import annotations
 
 import math
@@ -110,11 +111,12 @@ TENSOR_ATTRIBUTES: frozenset[str] = frozenset({"shape", "dtype", "device", "ndim
 # fmt: on
 
 
-
 def _refuse(node: str, what: str) -> LoadError:
-    return LoadError(f"the model graph (node '{node}') {what}, which is not on graphgrow's closed list of safe operations; "
-                     "nothing was run",
-                     "load it with --trust only if you wrote the file yourself")
+    return LoadError(
+        f"the model graph (node '{node}') {what}, which is not on graphgrow's closed list of safe operations; "
+        "nothing was run",
+        "load it with --trust only if you wrote the file yourself",
+    )
 
 
 def _walk(root: nn.Module, target: Any, node: str) -> tuple[Any, str]:
@@ -128,8 +130,10 @@ def _walk(root: nn.Module, target: Any, node: str) -> tuple[Any, str]:
     for p in parts[:-1]:
         child = module._modules.get(p) if isinstance(module, nn.Module) else None
         if child is None:
-            raise LoadError(f"the model graph (node '{node}') names '{target[:80]}', which is not in the saved model",
-                            "the file is corrupted; re-create it from the original model")
+            raise LoadError(
+                f"the model graph (node '{node}') names '{target[:80]}', which is not in the saved model",
+                "the file is corrupted; re-create it from the original model",
+            )
         module = child
     return module, parts[-1]
 
@@ -152,8 +156,10 @@ def check_get_attr(root: nn.Module, target: Any, node: str) -> None:
 def check_call_module(root: nn.Module, target: Any, node: str) -> None:
     module, last = _walk(root, target, node)
     if not isinstance(module._modules.get(last), nn.Module):
-        raise LoadError(f"the model graph (node '{node}') calls module '{str(target)[:80]}', which is not in the saved model",
-                        "the file is corrupted; re-create it from the original model")
+        raise LoadError(
+            f"the model graph (node '{node}') calls module '{str(target)[:80]}', which is not in the saved model",
+            "the file is corrupted; re-create it from the original model",
+        )
 
 
 def check_function(qualname: Any, node: str) -> None:
@@ -172,8 +178,13 @@ def allowed_function(qualname: Any) -> bool:
 
 def _passes_out(kwargs: Any) -> bool:
     """Whether an encoded keyword dict (serialize: {"dict": [[key, value], ...]}) or a plain one names `out`."""
-    pairs = kwargs.get("dict") if isinstance(kwargs, dict) and set(kwargs) == {"dict"} else \
-        list(kwargs.items()) if isinstance(kwargs, dict) else []
+    pairs = (
+        kwargs.get("dict")
+        if isinstance(kwargs, dict) and set(kwargs) == {"dict"}
+        else list(kwargs.items())
+        if isinstance(kwargs, dict)
+        else []
+    )
     return any(isinstance(p, (list, tuple)) and len(p) == 2 and p[0] == "out" for p in pairs or [])
 
 
@@ -184,7 +195,9 @@ def _derived(qualname: str) -> bool:
 
 
 def check_getattr_args(args: Any, node: str) -> None:
-    if not (isinstance(args, (list, tuple)) and len(args) == 2 and isinstance(args[1], str) and args[1] in TENSOR_ATTRIBUTES):
+    if not (
+        isinstance(args, (list, tuple)) and len(args) == 2 and isinstance(args[1], str) and args[1] in TENSOR_ATTRIBUTES
+    ):
         name = args[1] if isinstance(args, (list, tuple)) and len(args) > 1 else "?"
         raise _refuse(node, f"reads the attribute {str(name)[:80]!r} with getattr")
 
@@ -253,8 +266,11 @@ def _check_arange(args: Any, kwargs: Any, node: str) -> None:
         if isinstance(v, fx.Node) and key != "step":
             continue  # read at run time (bounded by the input, as above)
         if type(v) not in (int, float) or not math.isfinite(v) or abs(v) > MAX_CONSTANT_ELEMENTS:
-            raise _refuse(node, f"calls torch.arange with the {key} {str(v)[:40]} (a constant of at most "
-                                f"{MAX_CONSTANT_ELEMENTS:,} expected)")
+            raise _refuse(
+                node,
+                f"calls torch.arange with the {key} {str(v)[:40]} (a constant of at most "
+                f"{MAX_CONSTANT_ELEMENTS:,} expected)",
+            )
     start, end, step = values.get("start", 0), values.get("end", 0), values.get("step", 1)
     if step == 0:
         raise _refuse(node, "calls torch.arange with the step 0")
@@ -275,7 +291,10 @@ def _check_aten_sizes(qualname: str, args: Any, kwargs: Any, node: str) -> None:
     try:
         total = aten_policy.constant_elements(qualname, args, kwargs)
     except ValueError as e:
-        raise _refuse(node, f"calls the ATen operator '{qualname.removeprefix(aten_policy.PREFIX)}' with constants "
-                            f"that do not fit it ({e})") from e
+        raise _refuse(
+            node,
+            f"calls the ATen operator '{qualname.removeprefix(aten_policy.PREFIX)}' with constants "
+            f"that do not fit it ({e})",
+        ) from e
     if total is not None and total > MAX_CONSTANT_ELEMENTS:
         raise _refuse(node, f"builds a tensor of more than {MAX_CONSTANT_ELEMENTS:,} elements from constants")

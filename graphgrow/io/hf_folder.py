@@ -12,6 +12,7 @@ are listed by `companion_files`; `write_folder` writes a model with `save_pretra
 folder beside the output, carries those files over untouched, and renames the folder into place at the end: a
 failure leaves no partial folder, and an existing path is never replaced.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,20 @@ INDEX = "model.safetensors.index.json"
 PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
 MAX_CONFIG_BYTES = 4 << 20  # a config.json is a few kB; a larger one is not read
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on its JSON header
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1}
+_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 _NOT_COMPANIONS = {"config.json", WEIGHTS, INDEX, *PICKLED}
 
 
@@ -49,10 +62,14 @@ def read_config(folder: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise LoadError(f"{f} is not valid JSON: {e}", "save the model again with save_pretrained") from e
     if not isinstance(config, dict):
-        raise LoadError(f"{f} holds {type(config).__name__}, not a config object", "save the model again with save_pretrained")
+        raise LoadError(
+            f"{f} holds {type(config).__name__}, not a config object", "save the model again with save_pretrained"
+        )
     if "auto_map" in config:
-        raise LoadError(f"{folder} needs remote code (its config has auto_map): graphgrow never runs code from a model folder",
-                        "use a model class transformers ships")
+        raise LoadError(
+            f"{folder} needs remote code (its config has auto_map): graphgrow never runs code from a model folder",
+            "use a model class transformers ships",
+        )
     return config
 
 
@@ -63,19 +80,25 @@ def weight_files(folder: Path) -> list[Path]:
             index = json.loads((folder / INDEX).read_text())
             names = sorted(set(index["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise LoadError(f"{folder / INDEX} is not a safetensors index: {e}", "save the model again with save_pretrained") from e
+            raise LoadError(
+                f"{folder / INDEX} is not a safetensors index: {e}", "save the model again with save_pretrained"
+            ) from e
         files = [folder / n for n in names]
         bad = [n for n, f in zip(names, files) if Path(n).name != n or not f.is_file()]
         if bad:
-            raise LoadError(f"{folder / INDEX} names shards that are not files in the folder: {', '.join(bad[:3])}",
-                            "copy the whole folder save_pretrained wrote")
+            raise LoadError(
+                f"{folder / INDEX} names shards that are not files in the folder: {', '.join(bad[:3])}",
+                "copy the whole folder save_pretrained wrote",
+            )
         return files
     if (folder / WEIGHTS).is_file():
         return [folder / WEIGHTS]
     pickled = [p for p in PICKLED if (folder / p).exists()]
     if pickled:
-        raise LoadError(f"{folder} holds its weights as {pickled[0]}, which graphgrow does not read (pickled files can run code)",
-                        "convert it once where you trust it: model.save_pretrained(folder, safe_serialization=True)")
+        raise LoadError(
+            f"{folder} holds its weights as {pickled[0]}, which graphgrow does not read (pickled files can run code)",
+            "convert it once where you trust it: model.save_pretrained(folder, safe_serialization=True)",
+        )
     raise LoadError(f"{folder} has a config.json but no {WEIGHTS} or {INDEX}", "save the model with save_pretrained")
 
 
@@ -86,14 +109,21 @@ def stored_bytes(files: list[Path]) -> tuple[int, int, set[str]]:
         with f.open("rb") as fh:
             raw = fh.read(8)
             if len(raw) != 8:
-                raise LoadError(f"{f} is not a safetensors file (too short)", "save the model again with save_pretrained")
+                raise LoadError(
+                    f"{f} is not a safetensors file (too short)", "save the model again with save_pretrained"
+                )
             n = struct.unpack("<Q", raw)[0]
             if n > MAX_HEADER_BYTES or n > f.stat().st_size:
-                raise LoadError(f"{f} is not a safetensors file (a header of {n:,} bytes)", "save the model again with save_pretrained")
+                raise LoadError(
+                    f"{f} is not a safetensors file (a header of {n:,} bytes)",
+                    "save the model again with save_pretrained",
+                )
             try:
                 header = json.loads(fh.read(n))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise LoadError(f"{f} is not a safetensors file: {e}", "save the model again with save_pretrained") from e
+                raise LoadError(
+                    f"{f} is not a safetensors file: {e}", "save the model again with save_pretrained"
+                ) from e
         for key, info in header.items():
             if key == "__metadata__" or not isinstance(info, dict):
                 continue
@@ -111,12 +141,16 @@ def model_class(folder: Path, config: dict[str, Any]) -> Any:
 
     names = config.get("architectures") or []
     if not names:
-        raise LoadError(f"{folder}/config.json names no architectures: graphgrow cannot tell which class to build",
-                        "save the model with save_pretrained (it writes architectures), or build it by name: hf:TYPE/TASK")
+        raise LoadError(
+            f"{folder}/config.json names no architectures: graphgrow cannot tell which class to build",
+            "save the model with save_pretrained (it writes architectures), or build it by name: hf:TYPE/TASK",
+        )
     cls = getattr(transformers, str(names[0]), None)
     if not isinstance(cls, type) or not hasattr(cls, "from_pretrained"):
-        raise LoadError(f"{folder}: transformers {transformers.__version__} has no class {str(names[0])[:80]!r}",
-                        "use a transformers version that ships it; remote code is never run")
+        raise LoadError(
+            f"{folder}: transformers {transformers.__version__} has no class {str(names[0])[:80]!r}",
+            "use a transformers version that ships it; remote code is never run",
+        )
     return cls
 
 
@@ -129,46 +163,64 @@ def load_folder(folder: Path, max_bytes: int) -> tuple[Any, torch.dtype, bool | 
     stored, count, dtypes = stored_bytes(files)
     as_float32 = stored if dtypes <= {"F32"} else count * 4
     if as_float32 > max_bytes:
-        raise LoadError(f"{folder} holds {count:,} values ({stored / 2**20:,.1f} MiB stored, {as_float32 / 2**20:,.1f} MiB "
-                        f"in float32, limit {max_bytes / 2**20:,.1f} MiB); nothing was allocated",
-                        "raise the limit with --max-load SIZE")
+        raise LoadError(
+            f"{folder} holds {count:,} values ({stored / 2**20:,.1f} MiB stored, {as_float32 / 2**20:,.1f} MiB "
+            f"in float32, limit {max_bytes / 2**20:,.1f} MiB); nothing was allocated",
+            "raise the limit with --max-load SIZE",
+        )
     floats = {d for d in dtypes if d in ("F32", "F16", "BF16", "F64")}
-    stored_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}.get(next(iter(floats)), torch.float32) \
-        if len(floats) == 1 else torch.float32
+    stored_dtype = (
+        {"BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}.get(next(iter(floats)), torch.float32)
+        if len(floats) == 1
+        else torch.float32
+    )
     from .zoo import sealed_caches
 
     with sealed_caches():
         try:
-            model = cls.from_pretrained(str(folder), local_files_only=True, use_safetensors=True, trust_remote_code=False,
-                                        dtype=torch.float32)  # the cache is turned off while it is captured
+            model = cls.from_pretrained(
+                str(folder), local_files_only=True, use_safetensors=True, trust_remote_code=False, dtype=torch.float32
+            )  # the cache is turned off while it is captured
         except LoadError:
             raise
         except Exception as e:
-            raise LoadError(f"{folder}: {cls.__name__}.from_pretrained failed: {type(e).__name__}: {str(e)[:300]}",
-                            "check that the folder is complete (config.json and every shard)") from e
+            raise LoadError(
+                f"{folder}: {cls.__name__}.from_pretrained failed: {type(e).__name__}: {str(e)[:300]}",
+                "check that the folder is complete (config.json and every shard)",
+            ) from e
     return model.eval(), stored_dtype, (bool(config["use_cache"]) if "use_cache" in config else None)
 
 
 def companion_files(folder: Path) -> list[Path]:
     """Plain files of the folder that are neither the config nor weights (tokenizer, generation config, chat
     template, README): carried to an output folder as they are."""
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.name not in _NOT_COMPANIONS
-                  and not p.name.endswith(".safetensors") and not p.name.startswith("."))
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file()
+        and p.name not in _NOT_COMPANIONS
+        and not p.name.endswith(".safetensors")
+        and not p.name.startswith(".")
+    )
 
 
 def check_new_folder(out: Path) -> None:
     """A model folder output (a name without .pt) must be new: checked before the model is loaded."""
     if out.suffix not in (".pt", ".pth") and out.exists():
-        raise SaveError(f"{out} exists: a grown model folder is written to a new name, never over an existing path",
-                        "give -o a folder name that does not exist yet (or NAME.pt for graphgrow's own file)")
+        raise SaveError(
+            f"{out} exists: a grown model folder is written to a new name, never over an existing path",
+            "give -o a folder name that does not exist yet (or NAME.pt for graphgrow's own file)",
+        )
 
 
 def write_folder(model: Any, final: Path, source: Path | None = None) -> Path:
     """`model.save_pretrained` into a new folder `final`, with the companion files of `source` (module docstring)."""
     final = Path(final)
     if final.exists():
-        raise SaveError(f"{final} exists: a model folder is written to a new name, never over an existing one",
-                        "give -o a folder name that does not exist yet")
+        raise SaveError(
+            f"{final} exists: a model folder is written to a new name, never over an existing one",
+            "give -o a folder name that does not exist yet",
+        )
     parent = final.parent if str(final.parent) else Path(".")
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name[:100]}.ggdir-", dir=parent))
@@ -184,7 +236,9 @@ def write_folder(model: Any, final: Path, source: Path | None = None) -> Path:
         if isinstance(e, OSError):
             raise SaveError(f"cannot write {final}: {e.strerror or e}", "check the folder and the free space") from e
         if isinstance(e, Exception) and not isinstance(e, SaveError):
-            raise SaveError(f"{type(model).__name__}.save_pretrained failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}",
-                            "write graphgrow's own file instead: -o NAME.pt") from e
+            raise SaveError(
+                f"{type(model).__name__}.save_pretrained failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}",
+                "write graphgrow's own file instead: -o NAME.pt",
+            ) from e
         raise
     return final

@@ -13,13 +13,16 @@ needs — no attention_mask (all positions attend, as with a mask of ones): toke
 `vocab_size`; images `pixel_values` float32[1,num_channels,image_size,image_size] (224 when the config has no
 size); audio `input_values` float32[1,16000]; encoder-decoders add `decoder_input_ids` int64[1,16].
 """
+
 from __future__ import annotations
 
 import copy
 import dataclasses
 import difflib
 import re
-from typing import Any, Callable, ContextManager, Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
 
 from ..core.errors import InputError, LoadError
 from ..graph.inputs import InputSpec, parse_spec
@@ -42,8 +45,13 @@ IMAGE_SIZE = 224  # when the config has no image_size (ResNet, RegNet)
 AUDIO_SAMPLES = 16_000  # one second at 16 kHz
 ATTENTION = ("eager", "sdpa")  # the attention implementations a name may pick: torch's own code only
 # arguments that reach code or files beyond the config: refused whatever their value
-_REFUSED = {"trust_remote_code": "remote code is never run", "auto_map": "remote code is never run",
-            "revision": "nothing is downloaded", "code_revision": "nothing is downloaded", "token": "nothing is downloaded"}
+_REFUSED = {
+    "trust_remote_code": "remote code is never run",
+    "auto_map": "remote code is never run",
+    "revision": "nothing is downloaded",
+    "code_revision": "nothing is downloaded",
+    "token": "nothing is downloaded",
+}
 _MODEL_TYPE = re.compile(r"^[A-Za-z][\w.\-]*$")  # kosmos-2.5, xlm-roberta
 
 
@@ -51,13 +59,18 @@ def split_target(target: str) -> tuple[str, str | None]:
     """`hf:llama/causal-lm` → ("llama", "causal-lm"); `hf:gpt2` → ("gpt2", None)."""
     model_type, _, task = target.split(":", 1)[1].partition("/")
     if not _MODEL_TYPE.match(model_type):
-        raise LoadError(f"{target!r}: {model_type[:40]!r} is not a model type", "write hf:MODEL_TYPE[/TASK], e.g. hf:gpt2 or hf:llama/causal-lm")
+        raise LoadError(
+            f"{target!r}: {model_type[:40]!r} is not a model type",
+            "write hf:MODEL_TYPE[/TASK], e.g. hf:gpt2 or hf:llama/causal-lm",
+        )
     if task and task not in TASKS:
         raise LoadError(f"{target}: unknown task {task[:40]!r}", f"tasks: {', '.join(TASKS)} (or none: the bare model)")
     return model_type, task or None
 
 
-def builder(target: str, kwargs: Mapping[str, Any], sealed: Callable[[], ContextManager[Any]]) -> tuple[Callable[[], Any], InputSpec | None]:
+def builder(
+    target: str, kwargs: Mapping[str, Any], sealed: Callable[[], AbstractContextManager[Any]]
+) -> tuple[Callable[[], Any], InputSpec | None]:
     """A function building the model `target(**kwargs)` names (random weights, a fresh copy of the config each
     call, so a build on the meta device and the real one see the same config) and its default input spec.
     `sealed`: zoo.sealed_caches (passed in: zoo imports this module)."""
@@ -73,6 +86,7 @@ def builder(target: str, kwargs: Mapping[str, Any], sealed: Callable[[], Context
 
     def build_hf() -> Any:  # load.py builds it inside sealed_caches, on the meta device first
         return auto.from_config(copy.deepcopy(config), trust_remote_code=False)
+
     return build_hf, spec
 
 
@@ -80,18 +94,26 @@ def _import_transformers() -> Any:
     try:
         import transformers
     except ImportError as e:
-        raise LoadError(f"hf: names need transformers, which is not installed ({e})", "pip install graphgrow[hf]") from e
+        raise LoadError(
+            f"hf: names need transformers, which is not installed ({e})", "pip install graphgrow[hf]"
+        ) from e
     return transformers
 
 
 def _refuse_arguments(target: str, kwargs: Mapping[str, Any]) -> None:
     for key, value in kwargs.items():
         if key in _REFUSED:
-            raise LoadError(f"{target}: {key} is refused: {_REFUSED[key]} (a name builds random weights from a config)", f"drop {key}")
+            raise LoadError(
+                f"{target}: {key} is refused: {_REFUSED[key]} (a name builds random weights from a config)",
+                f"drop {key}",
+            )
         if key.startswith("_"):
             raise LoadError(f"{target}: {key} is a private field of the config, not an argument", f"drop {key}")
         if key == "attn_implementation" and value not in ATTENTION:
-            raise LoadError(f"{target}: attn_implementation={value!r} is not one graphgrow builds with", f"one of {', '.join(ATTENTION)}")
+            raise LoadError(
+                f"{target}: attn_implementation={value!r} is not one graphgrow builds with",
+                f"one of {', '.join(ATTENTION)}",
+            )
 
 
 def _config(transformers: Any, target: str, arguments: Mapping[str, Any], model_type: str) -> Any:
@@ -99,7 +121,10 @@ def _config(transformers: Any, target: str, arguments: Mapping[str, Any], model_
     if model_type not in mapping:
         close = difflib.get_close_matches(model_type, list(mapping.keys()), n=5, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else "e.g. gpt2, llama, bert, t5, vit, resnet, convnext"
-        raise LoadError(f"transformers has no model type {model_type!r} ({len(list(mapping.keys()))} types: transformers.CONFIG_MAPPING)", hint)
+        raise LoadError(
+            f"transformers has no model type {model_type!r} ({len(list(mapping.keys()))} types: transformers.CONFIG_MAPPING)",
+            hint,
+        )
     config_class = mapping[model_type]
     known = _config_fields(config_class)
     for key in arguments:
@@ -117,24 +142,37 @@ def _config(transformers: Any, target: str, arguments: Mapping[str, Any], model_
     try:
         return transformers.AutoConfig.for_model(model_type, **kwargs)
     except Exception as e:  # the config's own validation: a size that does not divide, a bad option
-        raise LoadError(f"{target}: the config refused the arguments: {type(e).__name__}: {str(e)[:300]}", "check the arguments") from e
+        raise LoadError(
+            f"{target}: the config refused the arguments: {type(e).__name__}: {str(e)[:300]}", "check the arguments"
+        ) from e
 
 
 def _config_fields(config_class: type) -> set[str]:
     """The names a config takes: its fields, their aliases (attribute_map: GPT-2's hidden_size is n_embd) and
     settable properties such as num_labels."""
     fields = {f.name for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else set()
-    props = {k for k in dir(config_class) if isinstance(getattr(config_class, k, None), property) and getattr(config_class, k).fset}
-    return {k for k in fields | props | set(getattr(config_class, "attribute_map", {})) | {"attn_implementation"}
-            if not k.startswith("_")}
+    props = {
+        k
+        for k in dir(config_class)
+        if isinstance(getattr(config_class, k, None), property) and getattr(config_class, k).fset
+    }
+    return {
+        k
+        for k in fields | props | set(getattr(config_class, "attribute_map", {})) | {"attn_implementation"}
+        if not k.startswith("_")
+    }
 
 
 def _model_class(transformers: Any, auto: Any, config: Any, target: str, model_type: str, task: str | None) -> type:
     mapping = auto._model_mapping
     if type(config) not in mapping:
         tasks = [t for t, cls in TASKS.items() if type(config) in getattr(transformers, cls)._model_mapping]
-        raise LoadError(f"{target}: transformers has no {task or 'bare'} model for {model_type}",
-                        f"its tasks: {', '.join(tasks)}" if tasks else "this model type has no model graphgrow can build from a name")
+        raise LoadError(
+            f"{target}: transformers has no {task or 'bare'} model for {model_type}",
+            f"its tasks: {', '.join(tasks)}"
+            if tasks
+            else "this model type has no model graphgrow can build from a name",
+        )
     model_class: type = mapping[type(config)]
     return model_class
 
@@ -160,8 +198,10 @@ def default_spec(config: Any, model_class: type, target: str = "the model") -> I
     try:
         return parse_spec(records)  # the bounds every example input has: per dimension and in all
     except InputError as e:
-        raise LoadError(f"{target}: the default input its {settings} give is too large: {e.message}",
-                        "give smaller settings, or the input explicitly with --input") from e
+        raise LoadError(
+            f"{target}: the default input its {settings} give is too large: {e.message}",
+            "give smaller settings, or the input explicitly with --input",
+        ) from e
 
 
 def _check_sizes(target: str, kwargs: Mapping[str, Any]) -> None:
@@ -176,7 +216,9 @@ def _check_sizes(target: str, kwargs: Mapping[str, Any]) -> None:
 
 def _positive(value: Any, setting: str, target: str) -> int:
     if type(value) is not int or value <= 0:
-        raise LoadError(f"{target}: {setting}={str(value)[:60]} is not a positive integer", f"give {setting} as a positive integer")
+        raise LoadError(
+            f"{target}: {setting}={str(value)[:60]} is not a positive integer", f"give {setting} as a positive integer"
+        )
     return value
 
 
@@ -191,8 +233,10 @@ def _token_ids(name: str, config: Any, target: str) -> dict[str, Any]:
 def _pair(size: Any, target: str) -> tuple[int, int]:
     if isinstance(size, (list, tuple)):
         if len(size) != 2:
-            raise LoadError(f"{target}: image_size={str(size)[:60]} is not a size or a (height, width) pair",
-                            "give image_size=N or image_size=[H,W]")
+            raise LoadError(
+                f"{target}: image_size={str(size)[:60]} is not a size or a (height, width) pair",
+                "give image_size=N or image_size=[H,W]",
+            )
         return _positive(size[0], "image_size", target), _positive(size[1], "image_size", target)
     side = _positive(size, "image_size", target)
     return side, side

@@ -5,6 +5,7 @@ The fingerprint covers parameter and buffer names, shapes and dtypes, not values
 growth events changes the values, not the lineage. `graphgrow diff` and `graphgrow replay` use it to
 refuse two models that merely have the same mutation log (two different networks grown the same way).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,16 +52,22 @@ def require_lineage(a: fx.GraphModule, name_a: str, b: fx.GraphModule, name_b: s
     from the same original. Returns how that was established ("origin" or "log" for older files)."""
     log_a, log_b = graph_info(a).get("log", []), graph_info(b).get("log", [])
     origin_a, origin_b = origin_of(a), origin_of(b)
-    if log_b[:len(log_a)] != log_a:
-        if log_a[:len(log_b)] == log_b:
-            raise InputError(f"{name_a} was grown from {name_b}, not the other way round",
-                             f"swap them: {name_b} first, then {name_a}")
-        raise InputError(f"{name_a} and {name_b} are not of one lineage (neither mutation log extends the other)",
-                         "compare a model with one grown from it, as graphgrow mutate writes them")
+    if log_b[: len(log_a)] != log_a:
+        if log_a[: len(log_b)] == log_b:
+            raise InputError(
+                f"{name_a} was grown from {name_b}, not the other way round",
+                f"swap them: {name_b} first, then {name_a}",
+            )
+        raise InputError(
+            f"{name_a} and {name_b} are not of one lineage (neither mutation log extends the other)",
+            "compare a model with one grown from it, as graphgrow mutate writes them",
+        )
     if origin_a and origin_b:
         if origin_a != origin_b:
-            raise InputError(f"{name_b} was not grown from {name_a}: they start from different networks "
-                             "— the originals differ in parameter names or shapes",
-                             "compare a model with one grown from it, as graphgrow mutate writes them")
+            raise InputError(
+                f"{name_b} was not grown from {name_a}: they start from different networks "
+                "— the originals differ in parameter names or shapes",
+                "compare a model with one grown from it, as graphgrow mutate writes them",
+            )
         return "origin"
     return "log"

@@ -7,6 +7,7 @@ file. Custom classes need `trust=True` (CLI: --trust). A model can also be named
 graphgrow's own outputs (see serialize.py) load again without trust. What a name may call: factory.py;
 writing: save.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,24 +15,25 @@ import re
 import sys
 import warnings
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import fx, nn
 
-from . import serialize
-from ..core.errors import first_line, LoadError
+from ..core.allocation import AllocationGuard
+from ..core.errors import LoadError, first_line
 from ..core.user_code import calling
 from ..graph.fx_edit import finish
 from ..graph.graph_meta import input_spec_of
 from ..graph.inline import inline_containers
 from ..graph.layers import FORMER_NAMES
-from .hf_folder import is_hf_folder, load_folder
+from . import serialize
 from .factory import cwd_importable, import_object, is_factory_name, refuse_before_import
+from .hf_folder import is_hf_folder, load_folder
 from .mode_switch import check_node_total
-from ..core.allocation import AllocationGuard
 
 
 @dataclass
@@ -56,7 +58,11 @@ def standard_layer_classes() -> list[type]:
     for name, mod in list(sys.modules.items()):
         if name.startswith("torch.nn.modules.") and mod is not None:
             for obj in vars(mod).values():
-                if isinstance(obj, type) and issubclass(obj, nn.Module) and obj.__module__.startswith("torch.nn.modules."):
+                if (
+                    isinstance(obj, type)
+                    and issubclass(obj, nn.Module)
+                    and obj.__module__.startswith("torch.nn.modules.")
+                ):
                     classes.add(obj)
     return sorted(classes, key=lambda c: (c.__module__, c.__name__))
 
@@ -65,8 +71,11 @@ def custom_classes(model: nn.Module) -> list[str]:
     """The submodule classes a safe load refuses (not torch.nn's own layers nor graphgrow's): a saved
     model holding one needs --trust to be read back."""
     allowed = set(standard_layer_classes())
-    found = {f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()
-             if type(m) not in allowed and not isinstance(m, fx.GraphModule)}
+    found = {
+        f"{type(m).__module__}.{type(m).__qualname__}"
+        for m in model.modules()
+        if type(m) not in allowed and not isinstance(m, fx.GraphModule)
+    }
     return sorted(found)
 
 
@@ -83,8 +92,9 @@ def _is_graphgrow_file(path: Path) -> bool:
 FACTORY_SEED = 0  # factories build random weights: seeded, so a factory name means the same weights every time
 
 
-def load_model(source: str | os.PathLike[str], trust: bool = False, factory_seed: int = FACTORY_SEED,
-               max_load: int | None = None) -> LoadedModel:
+def load_model(
+    source: str | os.PathLike[str], trust: bool = False, factory_seed: int = FACTORY_SEED, max_load: int | None = None
+) -> LoadedModel:
     """Load a model from a file or a `package.module:factory` name (built with the global RNG seeded
     with `factory_seed`, restored afterwards). `max_load` (--max-load; None: DEFAULT_MAX_LOAD) bounds what a
     file may unpack to and what a factory may allocate, before it happens. Raises LoadError."""
@@ -94,13 +104,19 @@ def load_model(source: str | os.PathLike[str], trust: bool = False, factory_seed
         return _from_factory(text, factory_seed, limit)
     path = Path(text)
     if not path.exists():
-        hint = "check the path" if ":" not in text else "name a factory as package.module:function, e.g. torchvision.models:resnet18"
+        hint = (
+            "check the path"
+            if ":" not in text
+            else "name a factory as package.module:function, e.g. torchvision.models:resnet18"
+        )
         raise LoadError(f"no such file: {text}", hint)
     if path.is_dir():
         if is_hf_folder(path):
             return _from_hf_folder(path, text, limit)
-        raise LoadError(f"{text} is a directory, not a model file (nor a Hugging Face folder: it has no config.json)",
-                        "pass the .pt file inside it, or a folder save_pretrained wrote")
+        raise LoadError(
+            f"{text} is a directory, not a model file (nor a Hugging Face folder: it has no config.json)",
+            "pass the .pt file inside it, or a folder save_pretrained wrote",
+        )
     if path.stat().st_size == 0:
         raise LoadError(f"{text} is empty", "the file was not written completely; save the model again")
     from .outputs import protect
@@ -117,8 +133,14 @@ def _from_hf_folder(path: Path, text: str, limit: int) -> LoadedModel:
     for f in [path, *path.iterdir()]:
         protect(f)  # no output of this run replaces the folder or a file in it
     model, stored, use_cache = load_folder(path, limit)
-    return LoadedModel(model, text, "hf-folder", input_shape=default_spec(model.config, type(model), text),
-                       stored_dtype=stored, use_cache=use_cache)
+    return LoadedModel(
+        model,
+        text,
+        "hf-folder",
+        input_shape=default_spec(model.config, type(model), text),
+        stored_dtype=stored,
+        use_cache=use_cache,
+    )
 
 
 def _from_factory(text: str, seed: int, limit: int) -> LoadedModel:
@@ -130,9 +152,16 @@ def _from_factory(text: str, seed: int, limit: int) -> LoadedModel:
     build, shape = builder(name, import_object)
     size = _size_on_meta(build)
     if size is not None and size[0] > limit:
-        raise LoadError(f"{text[:200]} would hold {_mib(size[0])} of parameters and buffers ({size[1]:,} parameters; limit "
-                        f"{_mib(limit)}); nothing was allocated", "check the arguments, or raise the limit with --max-load SIZE")
-    hint = "check the arguments" if name.kwargs else "the factory must build a model with no arguments (or give them: factory(key=value))"
+        raise LoadError(
+            f"{text[:200]} would hold {_mib(size[0])} of parameters and buffers ({size[1]:,} parameters; limit "
+            f"{_mib(limit)}); nothing was allocated",
+            "check the arguments, or raise the limit with --max-load SIZE",
+        )
+    hint = (
+        "check the arguments"
+        if name.kwargs
+        else "the factory must build a model with no arguments (or give them: factory(key=value))"
+    )
     call = text[:200] if name.kwargs else f"{text[:200]}()"
     # the real build runs under an allocation guard too: a factory the meta device cannot build, or one that builds
     # something else there (it caught the meta device's error), is held to --max-load as it allocates
@@ -149,16 +178,20 @@ def _from_factory(text: str, seed: int, limit: int) -> LoadedModel:
         raise
     _refuse_over_load(text, guard, None, limit)  # the factory may have caught the refusal and gone on
     if not isinstance(model, nn.Module):
-        raise LoadError(f"{text[:200]}{'' if name.kwargs else '()'} returned {type(model).__name__}, not a torch.nn.Module")
+        raise LoadError(
+            f"{text[:200]}{'' if name.kwargs else '()'} returned {type(model).__name__}, not a torch.nn.Module"
+        )
     return LoadedModel(model, text, "factory", input_shape=shape or zoo_input_shape(model), factory_seed=seed)
 
 
 def _refuse_over_load(text: str, guard: AllocationGuard, error: BaseException | None, limit: int) -> None:
     refusal = guard.refusal
     if refusal is not None:
-        raise LoadError(f"{text[:200]} would hold more than {_mib(limit)} while it is built (it asked for "
-                        f"{_mib(getattr(refusal, 'needed', 0))} more with {_mib(getattr(refusal, 'held', 0))} held; the build was stopped before that allocation)",
-                        "check the arguments, or raise the limit with --max-load SIZE") from error or refusal
+        raise LoadError(
+            f"{text[:200]} would hold more than {_mib(limit)} while it is built (it asked for "
+            f"{_mib(getattr(refusal, 'needed', 0))} more with {_mib(getattr(refusal, 'held', 0))} held; the build was stopped before that allocation)",
+            "check the arguments, or raise the limit with --max-load SIZE",
+        ) from error or refusal
 
 
 class _NotOnMeta(LoadError):
@@ -173,22 +206,31 @@ def _size_on_meta(build: Callable[[], Any]) -> tuple[int, int] | None:
     from .zoo import sealed_caches
 
     try:  # graphgrow's own refusal (a download asked for) passes: building again would only ask again
-        with calling("the factory", None, _NotOnMeta), torch.device("meta"), torch.random.fork_rng(devices=[]), \
-                cwd_importable(), sealed_caches():
+        with (
+            calling("the factory", None, _NotOnMeta),
+            torch.device("meta"),
+            torch.random.fork_rng(devices=[]),
+            cwd_importable(),
+            sealed_caches(),
+        ):
             model = build()
     except _NotOnMeta:
         return None  # the real build reports the factory's own error (sys.exit included)
     if not isinstance(model, nn.Module):
         return None
-    return (sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]),
-            sum(p.numel() for p in model.parameters()))
+    return (
+        sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]),
+        sum(p.numel() for p in model.parameters()),
+    )
 
 
 def _torch_load(path: Path, trust: bool, limit: int) -> Any:
     name = str(path)
     head = path.open("rb").read(8)
     if path.suffix == ".onnx":
-        raise LoadError(f"{name} is an ONNX file", "graphgrow mutates PyTorch models: pass the .pt model it was exported from")
+        raise LoadError(
+            f"{name} is an ONNX file", "graphgrow mutates PyTorch models: pass the .pt model it was exported from"
+        )
     _check_zip(path, limit)
     try:
         with warnings.catch_warnings():
@@ -218,21 +260,29 @@ def _check_zip(path: Path, limit: int) -> None:
             members = z.infolist()
             total = sum(m.file_size for m in members)
             if total > limit:
-                raise LoadError(f"{name} would unpack to {_mib(total)} (limit {_mib(limit)})",
-                                "raise the limit with --max-load SIZE (or GRAPHGROW_MAX_LOAD_BYTES) if the model really is that large")
+                raise LoadError(
+                    f"{name} would unpack to {_mib(total)} (limit {_mib(limit)})",
+                    "raise the limit with --max-load SIZE (or GRAPHGROW_MAX_LOAD_BYTES) if the model really is that large",
+                )
             for m in members:
                 if m.compress_type != zipfile.ZIP_STORED and m.file_size > MAX_INFLATION * m.compress_size + (1 << 20):
-                    raise LoadError(f"{name}: member {m.filename[:80]} inflates {m.compress_size:,} bytes into "
-                                    f"{m.file_size:,}; refused (a decompression bomb?)",
-                                    "save the model again with torch.save")
+                    raise LoadError(
+                        f"{name}: member {m.filename[:80]} inflates {m.compress_size:,} bytes into "
+                        f"{m.file_size:,}; refused (a decompression bomb?)",
+                        "save the model again with torch.save",
+                    )
             bad = _first_bad_member(z)
     except LoadError:
         raise
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as e:
-        raise LoadError(f"{name} is a truncated or corrupted model file ({first_line(str(e), 200)})", "save the model again") from e
+        raise LoadError(
+            f"{name} is a truncated or corrupted model file ({first_line(str(e), 200)})", "save the model again"
+        ) from e
     if bad is not None:
-        raise LoadError(f"{name} is corrupted: the bytes of {bad[:80]} do not match their checksum (CRC)",
-                        "the file was damaged after it was written; save the model again")
+        raise LoadError(
+            f"{name} is corrupted: the bytes of {bad[:80]} do not match their checksum (CRC)",
+            "the file was damaged after it was written; save the model again",
+        )
 
 
 def _mib(n: int) -> str:
@@ -262,7 +312,18 @@ def _explain(name: str, head: bytes, e: Exception, trust: bool, graphgrow_file: 
         module = what.rpartition(".")[0]
         if _module_lacks(what):
             return LoadError(f"{name} is corrupted: it names {what}, which does not exist", "save the model again")
-        if module.split(".")[0] in {"os", "posix", "nt", "subprocess", "builtins", "sys", "shutil", "socket", "runpy", "importlib"}:
+        if module.split(".")[0] in {
+            "os",
+            "posix",
+            "nt",
+            "subprocess",
+            "builtins",
+            "sys",
+            "shutil",
+            "socket",
+            "runpy",
+            "importlib",
+        }:
             return LoadError(
                 f"{name} asks to call {what} while loading; refused, nothing was run",
                 "this file is not a plain model; use --trust only if you wrote it yourself",
@@ -284,10 +345,15 @@ def _explain(name: str, head: bytes, e: Exception, trust: bool, graphgrow_file: 
             "re-save it with torch.save(model, path), or pass --trust if you wrote it yourself",
         )
     if head.startswith(b"PK"):
-        return LoadError(f"{name} is a truncated or corrupted model file ({first_line(msg, 200)})", "save the model again")
+        return LoadError(
+            f"{name} is a truncated or corrupted model file ({first_line(msg, 200)})", "save the model again"
+        )
     if isinstance(e, (EOFError,)) or head[:1] == b"\x80":
         return LoadError(f"{name} is a truncated or corrupted pickle", "save the model again")
-    return LoadError(f"{name} is not a PyTorch model file ({first_line(msg, 200) or type(e).__name__})", "pass a file written by torch.save")
+    return LoadError(
+        f"{name} is not a PyTorch model file ({first_line(msg, 200) or type(e).__name__})",
+        "pass a file written by torch.save",
+    )
 
 
 def _module_lacks(qualname: str) -> bool:
@@ -328,7 +394,9 @@ def _interpret(obj: Any, name: str, trust: bool) -> LoadedModel:
             f"{name} holds only weights (a state_dict of {len(obj)} tensors), no architecture",
             "save the whole model with torch.save(model, path), or name its factory as package.module:function",
         )
-    raise LoadError(f"{name} holds a {type(obj).__name__}, not a model", "save the model itself with torch.save(model, path)")
+    raise LoadError(
+        f"{name} holds a {type(obj).__name__}, not a model", "save the model itself with torch.save(model, path)"
+    )
 
 
 def _check_module_names(model: nn.Module, name: str) -> None:
@@ -338,7 +406,7 @@ def _check_module_names(model: nn.Module, name: str) -> None:
 
     problem = bad_name_in_tree(model)
     if problem is not None:
-        raise LoadError(f"{name}: the {problem}; nothing was run",
-                        "rename it in the model, or name the model by its factory, package.module:function")
-
-
+        raise LoadError(
+            f"{name}: the {problem}; nothing was run",
+            "rename it in the model, or name the model by its factory, package.module:function",
+        )

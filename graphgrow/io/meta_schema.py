@@ -5,9 +5,11 @@ file is loaded: a string where a record belongs, a number where a list belongs o
 pass is a one-line LoadError naming the field (exit 2), never an exception deep in a reader. Fields not
 listed are kept as they are (a later graphgrow may add some) and read by nobody.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..core.errors import LoadError
 
@@ -39,23 +41,46 @@ def _record(v: Any) -> bool:
 
 
 _KINDS: dict[Callable[[Any], bool], str] = {
-    _int: "a whole number", _str: "text", _bool: "true or false", _strs: "a list of text",
-    _str_map: "a record of text", _record: "a record",
+    _int: "a whole number",
+    _str: "text",
+    _bool: "true or false",
+    _strs: "a list of text",
+    _str_map: "a record of text",
+    _record: "a record",
 }
 
 # field → (type check, required): what the log's readers use (print_log, pipeline.from_log, lineage, stages)
 LOG_FIELDS: dict[str, tuple[Callable[[Any], bool], bool]] = {
-    "pass": (_str, True), "args": (_record, True), "seed": (_int, False), "targets": (_record, False),
-    "params_before": (_int, True), "params_after": (_int, True), "flops_before": (_int, False),
-    "flops_after": (_int, False), "nodes_added": (_int, False), "nodes_removed": (_int, False),
-    "exact": (_bool, False), "modules_added": (_strs, False),
+    "pass": (_str, True),
+    "args": (_record, True),
+    "seed": (_int, False),
+    "targets": (_record, False),
+    "params_before": (_int, True),
+    "params_after": (_int, True),
+    "flops_before": (_int, False),
+    "flops_after": (_int, False),
+    "nodes_added": (_int, False),
+    "nodes_removed": (_int, False),
+    "exact": (_bool, False),
+    "modules_added": (_strs, False),
 }
 
 # what capture.trace and capture.export_capture write, and show.print_trace / fidelity read
 TRACE_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "mode": _str, "capture": _str, "auto_leaves": _str_map, "user_leaves": _strs, "mode_reads": _strs,
-    "top_level_mode_dependent": _bool, "merged_blocks": _strs, "live_attributes": _strs, "frozen_attributes": _strs,
-    "notes": _strs, "fidelity": _strs, "mode_switches": _int, "standins": _str_map, "layers_as_functions": _strs,
+    "mode": _str,
+    "capture": _str,
+    "auto_leaves": _str_map,
+    "user_leaves": _strs,
+    "mode_reads": _strs,
+    "top_level_mode_dependent": _bool,
+    "merged_blocks": _strs,
+    "live_attributes": _strs,
+    "frozen_attributes": _strs,
+    "notes": _strs,
+    "fidelity": _strs,
+    "mode_switches": _int,
+    "standins": _str_map,
+    "layers_as_functions": _strs,
     "aten_ops": _strs,
 }
 

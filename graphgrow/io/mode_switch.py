@@ -12,6 +12,7 @@ decision tree, so exactly one does). Bodies are small graphs of tensor functions
 modules, no parameters — stored as plain node records, so a graphgrow file keeps them as data
 and they are checked like the main graph when a file is read (serialize.graph_from_records).
 """
+
 from __future__ import annotations
 
 import copy
@@ -53,31 +54,51 @@ class ModeSwitch(nn.Module):
 
         self._check_table()
         empty = nn.Module()
-        self.__dict__["_compiled"] = [fx.GraphModule(empty, graph_from_records(records, empty, trusted), "ModeBody")
-                                      for records in self.body_records]
+        self.__dict__["_compiled"] = [
+            fx.GraphModule(empty, graph_from_records(records, empty, trusted), "ModeBody")
+            for records in self.body_records
+        ]
 
     def record_count(self) -> int:
         """How many node records building every body means (a list several bodies share counts for each)."""
         bodies = self.body_records
         if not (isinstance(bodies, list) and len(bodies) <= MAX_PATHS and all(isinstance(b, list) for b in bodies)):
-            raise LoadError("a mode switch in the saved model has a malformed table of paths", "the file is corrupted or hostile")
+            raise LoadError(
+                "a mode switch in the saved model has a malformed table of paths", "the file is corrupted or hostile"
+            )
         return sum(len(b) for b in bodies)
 
     def _check_table(self) -> None:
         table, bodies, count = self.table, self.body_records, self.conditions
-        ok = (type(count) is int and 0 <= count <= MAX_PATHS and isinstance(table, list) and isinstance(bodies, list)
-              and 0 < len(table) == len(bodies) <= MAX_PATHS
-              and all(isinstance(row, list) and all(isinstance(e, list) and len(e) == 2 and type(e[0]) is int
-                                                    and 0 <= e[0] < count and type(e[1]) is bool for e in row)
-                      for row in table))
+        ok = (
+            type(count) is int
+            and 0 <= count <= MAX_PATHS
+            and isinstance(table, list)
+            and isinstance(bodies, list)
+            and 0 < len(table) == len(bodies) <= MAX_PATHS
+            and all(
+                isinstance(row, list)
+                and all(
+                    isinstance(e, list)
+                    and len(e) == 2
+                    and type(e[0]) is int
+                    and 0 <= e[0] < count
+                    and type(e[1]) is bool
+                    for e in row
+                )
+                for row in table
+            )
+        )
         if not ok:
-            raise LoadError("a mode switch in the saved model has a malformed table of paths", "the file is corrupted or hostile")
+            raise LoadError(
+                "a mode switch in the saved model has a malformed table of paths", "the file is corrupted or hostile"
+            )
 
     def forward(self, *args: Any) -> Any:
-        answers = [bool(c) for c in args[:self.conditions]]
+        answers = [bool(c) for c in args[: self.conditions]]
         for row, body in zip(self.table, self._bodies()):
             if all(answers[i] == a for i, a in row):
-                return body(*args[self.conditions:])
+                return body(*args[self.conditions :])
         raise RuntimeError(f"no path of the mode switch matches the conditions {answers}")
 
     def passthrough(self, answers: list[bool]) -> int | None:
@@ -94,7 +115,7 @@ class ModeSwitch(nn.Module):
         state.pop("_compiled", None)  # rebuilt from the records: a file never holds generated code
         return state
 
-    def __deepcopy__(self, memo: dict[str, Any]) -> "ModeSwitch":
+    def __deepcopy__(self, memo: dict[str, Any]) -> ModeSwitch:
         """A copy in memory shares the built bodies (graphs of tensor functions, no state): a pass copies the
         model twice, and rebuilding every body through the file checks each time cost more than the pass."""
         new = type(self).__new__(type(self))
@@ -116,5 +137,7 @@ def check_node_total(root: nn.Module, graph_nodes: int, limit: int) -> None:
         if isinstance(m, ModeSwitch):
             total += m.record_count()
             if total > limit:
-                raise LoadError(f"the saved model has more than {limit:,} graph nodes, counting its mode switches' bodies",
-                                "the file is corrupted or hostile")
+                raise LoadError(
+                    f"the saved model has more than {limit:,} graph nodes, counting its mode switches' bodies",
+                    "the file is corrupted or hostile",
+                )

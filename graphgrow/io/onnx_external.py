@@ -10,27 +10,44 @@ could lead anywhere below the folder), at offsets and lengths inside that file a
 of the size each tensor's shape and type need; never in attributes, subgraphs, functions or sparse
 tensors, which graphgrow does not write.
 """
+
 from __future__ import annotations
 
 import math
 import os
 import re
 import stat
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import onnx
 
-from ..core.errors import first_line, LoadError
+from ..core.errors import LoadError, first_line
 from . import outputs
 
 DATA_SUFFIX = ".data"
 KEYS = ("location", "offset", "length", "checksum")
-_DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII only: re's \d takes any script's digits, which int() reads and onnxruntime refuses
+_DIGITS = re.compile(
+    r"[0-9]{1,19}"
+)  # ASCII only: re's \d takes any script's digits, which int() reads and onnxruntime refuses
 _T = onnx.TensorProto
-ITEM_BYTES: dict[int, int] = {_T.FLOAT: 4, _T.DOUBLE: 8, _T.FLOAT16: 2, _T.BFLOAT16: 2, _T.INT8: 1, _T.UINT8: 1, _T.INT16: 2,
-              _T.UINT16: 2, _T.INT32: 4, _T.UINT32: 4, _T.INT64: 8, _T.UINT64: 8, _T.BOOL: 1}
+ITEM_BYTES: dict[int, int] = {
+    _T.FLOAT: 4,
+    _T.DOUBLE: 8,
+    _T.FLOAT16: 2,
+    _T.BFLOAT16: 2,
+    _T.INT8: 1,
+    _T.UINT8: 1,
+    _T.INT16: 2,
+    _T.UINT16: 2,
+    _T.INT32: 4,
+    _T.UINT32: 4,
+    _T.INT64: 8,
+    _T.UINT64: 8,
+    _T.BOOL: 1,
+}
 
 
 def data_path(onnx_path: Path) -> Path:
@@ -38,7 +55,9 @@ def data_path(onnx_path: Path) -> Path:
     return onnx_path.with_name(onnx_path.name + DATA_SUFFIX)
 
 
-MAX_GRAPH_DEPTH = 16  # If/Loop/Scan bodies nested deeper than this are refused (real models nest a few; protobuf stops near 30)
+MAX_GRAPH_DEPTH = (
+    16  # If/Loop/Scan bodies nested deeper than this are refused (real models nest a few; protobuf stops near 30)
+)
 
 
 def is_external(t: onnx.TensorProto) -> bool:
@@ -62,8 +81,11 @@ def external_tensors(proto: onnx.ModelProto) -> list[str]:
     a file (or memory) to read: a self-contained model has none."""
     found: list[str] = []
     graphs: list[tuple[onnx.GraphProto, str, int]] = [(proto.graph, "graph", 0)]
-    graphs += [(g, f"training graph {i}", 0) for i, info in enumerate(proto.training_info)
-               for g in (info.initialization, info.algorithm)]
+    graphs += [
+        (g, f"training graph {i}", 0)
+        for i, info in enumerate(proto.training_info)
+        for g in (info.initialization, info.algorithm)
+    ]
 
     def attributes(attrs: Iterable[onnx.AttributeProto], where: str, depth: int) -> None:
         for a in attrs:
@@ -85,10 +107,14 @@ def external_tensors(proto: onnx.ModelProto) -> list[str]:
     while graphs:
         g, where, depth = graphs.pop()
         if depth > MAX_GRAPH_DEPTH:
-            raise LoadError(f"the ONNX model nests subgraphs more than {MAX_GRAPH_DEPTH} deep ({where})",
-                            "the file is corrupted or hostile")
+            raise LoadError(
+                f"the ONNX model nests subgraphs more than {MAX_GRAPH_DEPTH} deep ({where})",
+                "the file is corrupted or hostile",
+            )
         found += [f"{where} initializer {_show(t.name)}" for t in g.initializer if is_external(t)]
-        found += [f"{where} sparse initializer {_show(s.values.name)}" for s in g.sparse_initializer if _sparse_external(s)]
+        found += [
+            f"{where} sparse initializer {_show(s.values.name)}" for s in g.sparse_initializer if _sparse_external(s)
+        ]
         nodes(g.node, where, depth)
     return found
 
@@ -102,8 +128,9 @@ def declared_bytes(proto: onnx.ModelProto) -> int:
     graphs += [(g, 0) for info in proto.training_info for g in (info.initialization, info.algorithm)]
 
     def dense(t: onnx.TensorProto, dims: Any = None) -> int:
-        return math.prod(max(int(d), 0) for d in (t.dims if dims is None else dims)) * ITEM_BYTES.get(t.data_type, 8) \
-            + sum(len(b) for b in t.string_data)
+        return math.prod(max(int(d), 0) for d in (t.dims if dims is None else dims)) * ITEM_BYTES.get(
+            t.data_type, 8
+        ) + sum(len(b) for b in t.string_data)
 
     def sparse(sp: onnx.SparseTensorProto) -> int:
         return dense(sp.values, sp.dims) + dense(sp.values) + dense(sp.indices)
@@ -111,7 +138,9 @@ def declared_bytes(proto: onnx.ModelProto) -> int:
     def attributes(attrs: Any, depth: int) -> int:
         n = 0
         for a in attrs:
-            n += (dense(a.t) if a.HasField("t") else 0) + sum(map(dense, a.tensors)) + sum(map(sparse, a.sparse_tensors))
+            n += (
+                (dense(a.t) if a.HasField("t") else 0) + sum(map(dense, a.tensors)) + sum(map(sparse, a.sparse_tensors))
+            )
             n += sparse(a.sparse_tensor) if a.HasField("sparse_tensor") else 0
             graphs.extend((g, depth + 1) for g in [a.g, *a.graphs])
         return n
@@ -121,7 +150,9 @@ def declared_bytes(proto: onnx.ModelProto) -> int:
     while graphs:
         g, depth = graphs.pop()
         if depth > MAX_GRAPH_DEPTH:
-            raise LoadError(f"the ONNX model nests subgraphs more than {MAX_GRAPH_DEPTH} deep", "the file is corrupted or hostile")
+            raise LoadError(
+                f"the ONNX model nests subgraphs more than {MAX_GRAPH_DEPTH} deep", "the file is corrupted or hostile"
+            )
         total += sum(map(dense, g.initializer)) + sum(map(sparse, g.sparse_initializer))
         total += sum(attributes(n.attribute, depth) for n in g.node)
     return total
@@ -159,8 +190,10 @@ def external_folder(proto: onnx.ModelProto, onnx_path: str | os.PathLike[str] | 
     if not external_initializers(proto):
         return None
     if onnx_path is None:
-        raise LoadError("the ONNX model keeps its weights in an external file, and no model file was named",
-                        "open it from its .onnx file")
+        raise LoadError(
+            "the ONNX model keeps its weights in an external file, and no model file was named",
+            "open it from its .onnx file",
+        )
     return Path(onnx_path).resolve().parent
 
 
@@ -181,22 +214,38 @@ def check_external(proto: onnx.ModelProto, onnx_path: Path, everywhere: list[str
     own = external_initializers(proto)
     if len(everywhere) != len(own):
         where = next((w for w in everywhere if not w.startswith("graph initializer ")), everywhere[0])
-        raise LoadError(f"{onnx_path} keeps a tensor in an external file outside the main graph's initializers ({where}); "
-                        "graphgrow reads external data only for initializers",
-                        "export it again with graphgrow export")
+        raise LoadError(
+            f"{onnx_path} keeps a tensor in an external file outside the main graph's initializers ({where}); "
+            "graphgrow reads external data only for initializers",
+            "export it again with graphgrow export",
+        )
     try:
         real = onnx_path.resolve(strict=True)  # a link to the model: its data lies beside the file linked to
     except (OSError, RuntimeError) as e:  # RuntimeError: a link loop (Python 3.11)
-        raise LoadError(f"cannot find where {str(onnx_path)[:120]!r} lies: {first_line(e)}", "open the model file itself") from None
+        raise LoadError(
+            f"cannot find where {str(onnx_path)[:120]!r} lies: {first_line(e)}", "open the model file itself"
+        ) from None
     root, expected = real.parent, data_path(real).name
     sizes: dict[Path, int] = {}
     for t in own:
         entries = _entries(t, t.name)
         name = f"initializer {t.name[:80]!r}"
         if t.data_location != onnx.TensorProto.EXTERNAL:
-            raise LoadError(f"{name} has external-data entries but is not marked external", "the file is corrupted or hostile")
-        if t.raw_data or t.float_data or t.int32_data or t.int64_data or t.double_data or t.uint64_data or t.string_data:
-            raise LoadError(f"{name} holds data both inline and in an external file", "the file is corrupted or hostile")
+            raise LoadError(
+                f"{name} has external-data entries but is not marked external", "the file is corrupted or hostile"
+            )
+        if (
+            t.raw_data
+            or t.float_data
+            or t.int32_data
+            or t.int64_data
+            or t.double_data
+            or t.uint64_data
+            or t.string_data
+        ):
+            raise LoadError(
+                f"{name} holds data both inline and in an external file", "the file is corrupted or hostile"
+            )
         target = _inside(root, entries.get("location"), expected, name)
         outputs.protect(target)  # an input too: no output of this run replaces it
         size = sizes.setdefault(target, target.stat().st_size)
@@ -204,16 +253,22 @@ def check_external(proto: onnx.ModelProto, onnx_path: Path, everywhere: list[str
         need = _tensor_bytes(t, name)
         length = size - (offset or 0) if length is None else length
         if length != need or (offset or 0) + length > size:
-            raise LoadError(f"{name} needs {need} bytes, its external data gives {length} at offset {offset or 0} of "
-                            f"{target.name} ({size} bytes)", "the file is truncated, corrupted or hostile")
+            raise LoadError(
+                f"{name} needs {need} bytes, its external data gives {length} at offset {offset or 0} of "
+                f"{target.name} ({size} bytes)",
+                "the file is truncated, corrupted or hostile",
+            )
 
 
 def _entries(t: onnx.TensorProto, name: str) -> dict[str, str]:
     entries: dict[str, str] = {}
     for e in t.external_data:
         if e.key not in KEYS or e.key in entries:
-            raise LoadError(f"initializer {name[:80]!r} has the external-data entry {e.key[:40]!r}"
-                            f"{' twice' if e.key in entries else ''}", "the file is corrupted or hostile")
+            raise LoadError(
+                f"initializer {name[:80]!r} has the external-data entry {e.key[:40]!r}"
+                f"{' twice' if e.key in entries else ''}",
+                "the file is corrupted or hostile",
+            )
         entries[e.key] = e.value
     return entries
 
@@ -222,24 +277,34 @@ def _inside(root: Path, location: str | None, expected: str, name: str) -> Path:
     """The data file, refused unless `location` is `expected` (the model file's name plus .data) and it is a
     regular file in `root` (`root` is resolved already, so only the file itself could be a link)."""
     if location != expected:
-        raise LoadError(f"{name} names the external file {(location or '')[:80]!r}; graphgrow reads a model's external "
-                        f"data only from {expected[:80]!r} beside it",
-                        f"keep the weights in {expected[:80]!r} (graphgrow export writes them so), or export the model again")
+        raise LoadError(
+            f"{name} names the external file {(location or '')[:80]!r}; graphgrow reads a model's external "
+            f"data only from {expected[:80]!r} beside it",
+            f"keep the weights in {expected[:80]!r} (graphgrow export writes them so), or export the model again",
+        )
     target = root / expected
     try:
         st = os.lstat(target)
     except OSError as e:  # missing, or a name too long for the file system
-        raise LoadError(f"{name}'s external file {expected[:80]!r} cannot be read beside the model: {e.strerror or e}",
-                        "keep NAME.onnx.data beside NAME.onnx (move and copy them together)") from None
+        raise LoadError(
+            f"{name}'s external file {expected[:80]!r} cannot be read beside the model: {e.strerror or e}",
+            "keep NAME.onnx.data beside NAME.onnx (move and copy them together)",
+        ) from None
     if stat.S_ISLNK(st.st_mode):
-        raise LoadError(f"{name}'s external file {expected[:80]!r} is a link",
-                        "graphgrow reads external data only from a regular file beside the model (copy it there)")
+        raise LoadError(
+            f"{name}'s external file {expected[:80]!r} is a link",
+            "graphgrow reads external data only from a regular file beside the model (copy it there)",
+        )
     if not stat.S_ISREG(st.st_mode):
-        raise LoadError(f"{name}'s external file {expected[:80]!r} is not a regular file",
-                        "keep NAME.onnx.data beside NAME.onnx (move and copy them together)")
+        raise LoadError(
+            f"{name}'s external file {expected[:80]!r} is not a regular file",
+            "keep NAME.onnx.data beside NAME.onnx (move and copy them together)",
+        )
     if st.st_nlink > 1:  # a hard link is a link too: the same bytes may be another file of anyone's, anywhere
-        raise LoadError(f"{name}'s external file {expected[:80]!r} is a hard link ({st.st_nlink} names)",
-                        "graphgrow reads external data only from a regular file of its own beside the model (copy it there)")
+        raise LoadError(
+            f"{name}'s external file {expected[:80]!r} is a hard link ({st.st_nlink} names)",
+            "graphgrow reads external data only from a regular file of its own beside the model (copy it there)",
+        )
     return target
 
 
@@ -248,16 +313,20 @@ def _number(entries: dict[str, str], key: str, name: str) -> int | None:
     if value is None:
         return None
     if not _DIGITS.fullmatch(value):
-        raise LoadError(f"{name} has the external-data {key} {value[:40]!r}, which is not a byte count",
-                        "the file is corrupted or hostile")
+        raise LoadError(
+            f"{name} has the external-data {key} {value[:40]!r}, which is not a byte count",
+            "the file is corrupted or hostile",
+        )
     return int(value)
 
 
 def _tensor_bytes(t: onnx.TensorProto, name: str) -> int:
     item = ITEM_BYTES.get(t.data_type)
     if item is None:
-        raise LoadError(f"{name} keeps a tensor of type {t.data_type} in external data, which graphgrow does not read",
-                        "the file is corrupted or hostile")
+        raise LoadError(
+            f"{name} keeps a tensor of type {t.data_type} in external data, which graphgrow does not read",
+            "the file is corrupted or hostile",
+        )
     if any(d < 0 for d in t.dims):
         raise LoadError(f"{name} has a negative dimension", "the file is corrupted or hostile")
     return int(math.prod(t.dims)) * int(item)
@@ -276,7 +345,7 @@ class ExternalWrite:
     data: Path  # the staging file of NAME.onnx.data
 
     @classmethod
-    def stage(cls, out: Path) -> "ExternalWrite":
+    def stage(cls, out: Path) -> ExternalWrite:
         graph = outputs.staging_file(out, "tmp")
         try:
             return cls(out, graph, outputs.staging_file(data_path(out), "tmp"))

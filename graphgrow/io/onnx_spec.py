@@ -17,11 +17,13 @@ Metadata: `graphgrow.inputs` (the spec's records, JSON: name, shape, dtype, high
 `graphgrow.input_shape` (the first input's shape, for older readers) and `graphgrow.dynamic_dims`
 ({input: {dim: name}}). This module does not call the exporter (export.py owns torch.onnx).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import onnx
 import torch
@@ -29,8 +31,8 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, tree_flatten_with_path
 
-from ..core.errors import first_line, GraphgrowError, InputError, LoadError
-from ..graph.inputs import call, DTYPES, InputSpec, parse_spec, spec_inputs, TensorSpec
+from ..core.errors import GraphgrowError, InputError, LoadError, first_line
+from ..graph.inputs import DTYPES, InputSpec, TensorSpec, call, parse_spec, spec_inputs
 
 INPUTS_KEY = "graphgrow.inputs"
 DYNAMIC_KEY = "graphgrow.dynamic_dims"
@@ -81,6 +83,7 @@ def shorter_length(length: int) -> int:
 
 def with_shorter_sequence(spec: InputSpec, dims: dict[str, Any]) -> InputSpec:
     """`spec` with every dynamic dimension but the batch halved (`dims`: input → {dim: name, or a size when fixed})."""
+
     def shorter(t: TensorSpec) -> TensorSpec:
         d = dims.get(t.name) or {}
         shape = tuple(shorter_length(n) if i > 0 and isinstance(d.get(i), str) else n for i, n in enumerate(t.shape))
@@ -95,8 +98,10 @@ def check_input_names(gm: torch.nn.Module, spec: InputSpec) -> None:
         return
     takes = [str(n.target).lstrip("*") for n in gm.graph.nodes if n.op == "placeholder"]
     if sorted(takes) != sorted(t.name for t in spec):
-        raise InputError(f"the graph takes the inputs {takes[:16]}, the input spec names {[t.name for t in spec]}",
-                         "name the spec's inputs after the forward's arguments")
+        raise InputError(
+            f"the graph takes the inputs {takes[:16]}, the input spec names {[t.name for t in spec]}",
+            "name the spec's inputs after the forward's arguments",
+        )
 
 
 def captured_static(gm: torch.nn.Module, groups: dict[str, list[tuple[str, int]]]) -> str | None:
@@ -107,9 +112,16 @@ def captured_static(gm: torch.nn.Module, groups: dict[str, list[tuple[str, int]]
     for n in gm.graph.nodes if isinstance(gm, fx.GraphModule) else []:
         val = n.meta.get("val") if n.op == "placeholder" else None
         for (name, d), dim_name in dims.items():
-            if str(n.target) == name and isinstance(val, torch.Tensor) and val.dim() > d and is_concrete_int(val.shape[d]):
-                return (f"torch.export fixed {dim_name} (dim {d} of {name}) at {val.shape[d]} when the model was captured "
-                        "(its code depends on that size)")
+            if (
+                str(n.target) == name
+                and isinstance(val, torch.Tensor)
+                and val.dim() > d
+                and is_concrete_int(val.shape[d])
+            ):
+                return (
+                    f"torch.export fixed {dim_name} (dim {d} of {name}) at {val.shape[d]} when the model was captured "
+                    "(its code depends on that size)"
+                )
     return None
 
 
@@ -118,8 +130,10 @@ def fails_shorter(gm: torch.nn.Module, spec: InputSpec, feeds: dict[str, Any], l
     None when it can."""
     shorter = with_shorter_sequence(spec, dynamic_dims(spec, True))
     shapes = {t.name: t.shape for t in spec}
-    sizes = ", ".join(f"{dim_name}={shorter_length(shapes[members[0][0]][members[0][1]])}"
-                      for dim_name, members in dynamic_groups(spec).items())
+    sizes = ", ".join(
+        f"{dim_name}={shorter_length(shapes[members[0][0]][members[0][1]])}"
+        for dim_name, members in dynamic_groups(spec).items()
+    )
     try:
         out = call(gm, spec_inputs(gm, shorter, seed=1, batch=next(iter(feeds.values())).shape[0]))
     except Exception as e:  # noqa: BLE001 - any failure means the length is fixed; the reason is recorded
@@ -169,8 +183,10 @@ def name_outputs(proto: onnx.ModelProto, names: list[str]) -> None:
     gets an Identity; a name a graph input has is taken with a suffix (`input_ids_1`)."""
     graph = proto.graph
     if len(names) != len(graph.output):
-        raise GraphgrowError(f"the exported model has {len(graph.output)} outputs but the PyTorch output has {len(names)} tensors",
-                             "please report this with the model")
+        raise GraphgrowError(
+            f"the exported model has {len(graph.output)} outputs but the PyTorch output has {len(names)} tensors",
+            "please report this with the model",
+        )
     fixed = {i.name for i in graph.input}
     taken = _all_names(graph) | set(names)
     names = [_fresh(n, taken) if n in fixed else n for n in names]
@@ -228,8 +244,10 @@ def _rename(graph: onnx.GraphProto, mapping: dict[str, str]) -> None:
 
 def spec_metadata(spec: InputSpec, dims: dict[str, dict[int, str]], static: dict[str, Any] | None) -> dict[str, str]:
     """The metadata_props an export with named inputs writes (see the module doc)."""
-    props = {INPUTS_KEY: json.dumps([t.record() for t in spec]),
-             DYNAMIC_KEY: json.dumps({k: {str(d): n for d, n in v.items()} for k, v in dims.items()})}
+    props = {
+        INPUTS_KEY: json.dumps([t.record() for t in spec]),
+        DYNAMIC_KEY: json.dumps({k: {str(d): n for d, n in v.items()} for k, v in dims.items()}),
+    }
     if static:
         props[STATIC_KEY] = json.dumps(static)
     return props
@@ -240,8 +258,10 @@ def read_spec(meta: dict[str, str]) -> InputSpec | None:
     value = meta.get(INPUTS_KEY)
     if value is None:
         return None
-    bad = LoadError(f"the ONNX file's input spec ({INPUTS_KEY}) is not a list of inputs with names, shapes and dtypes",
-                    "pass --input NAME:SHAPE:DTYPE, or export the model again")
+    bad = LoadError(
+        f"the ONNX file's input spec ({INPUTS_KEY}) is not a list of inputs with names, shapes and dtypes",
+        "pass --input NAME:SHAPE:DTYPE, or export the model again",
+    )
     if len(value) > MAX_SPEC_TEXT:
         raise bad
     try:
@@ -258,6 +278,11 @@ def read_spec(meta: dict[str, str]) -> InputSpec | None:
 
 def _is_record(r: Any) -> bool:
     high = r.get("high") if isinstance(r, dict) else None
-    return (isinstance(r, dict) and isinstance(r.get("name"), str) and isinstance(r.get("dtype", "float32"), str)
-            and isinstance(r.get("shape"), list) and all(type(d) is int for d in r["shape"])
-            and (high is None or (type(high) is int and 0 < high < 1 << 62)))
+    return (
+        isinstance(r, dict)
+        and isinstance(r.get("name"), str)
+        and isinstance(r.get("dtype", "float32"), str)
+        and isinstance(r.get("shape"), list)
+        and all(type(d) is int for d in r["shape"])
+        and (high is None or (type(high) is int and 0 < high < 1 << 62))
+    )

@@ -12,6 +12,7 @@ hard link to it is caught too) or anything but a regular file (`check_replaceabl
 the work and again before the renames); a name graphgrow chooses itself is claimed when the output
 is renamed into place, never one another run took meanwhile (`claim`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,9 @@ import socket
 import stat
 import tempfile
 import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, Mapping, Sequence
+from typing import IO, Any
 
 from ..core.errors import SaveError, first_line
 
@@ -109,16 +111,24 @@ def check_replaceable(path: Path, inputs: Sequence[str | os.PathLike[str]] = ())
     except FileNotFoundError:
         return  # a new name
     if stat.S_ISLNK(st.st_mode):
-        raise SaveError(f"output {path} is a symbolic link; graphgrow replaces only regular files, never a link",
-                        "name the file itself, or a new name")
+        raise SaveError(
+            f"output {path} is a symbolic link; graphgrow replaces only regular files, never a link",
+            "name the file itself, or a new name",
+        )
     if stat.S_ISDIR(st.st_mode):
         raise SaveError(f"output {path} is a directory", "give a file name, e.g. grown.pt")
     if not stat.S_ISREG(st.st_mode):
-        raise SaveError(f"output {path} is not a regular file (a device, pipe or socket); graphgrow only writes files",
-                        "choose a file name")
+        raise SaveError(
+            f"output {path} is not a regular file (a device, pipe or socket); graphgrow only writes files",
+            "choose a file name",
+        )
     source = input_named_by(path, inputs)
     if source is not None:
-        same = "the input file" if os.path.abspath(source) == os.path.abspath(path) else f"the input file {source} (the same file under another name)"
+        same = (
+            "the input file"
+            if os.path.abspath(source) == os.path.abspath(path)
+            else f"the input file {source} (the same file under another name)"
+        )
         raise SaveError(f"output {path} is {same}", "graphgrow never overwrites its input; choose another -o")
 
 
@@ -126,7 +136,7 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
     """(state, start time in clock ticks since boot) of `pid` from /proc; None when /proc has no such entry."""
     try:
         data = Path(f"/proc/{pid}/stat").read_bytes()
-        fields = data[data.rindex(b")") + 2:].split()  # after the command name, which may hold spaces
+        fields = data[data.rindex(b")") + 2 :].split()  # after the command name, which may hold spaces
         return fields[0].decode(), int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
@@ -142,8 +152,10 @@ def _start() -> int:
 def _host_key() -> str:
     """This machine (boot id, host name) and pid namespace: a pid means this process only here."""
     parts = [socket.gethostname()]
-    reads: tuple[Callable[[], str], ...] = (lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
-                 lambda: str(os.stat("/proc/self/ns/pid").st_ino))
+    reads: tuple[Callable[[], str], ...] = (
+        lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+        lambda: str(os.stat("/proc/self/ns/pid").st_ino),
+    )
     for read in reads:
         try:
             parts.append(read())
@@ -205,7 +217,9 @@ def staging_file(final: Path, kind: str = "part") -> Path:
     folder = final.parent if str(final.parent) else Path(".")
     sweep(folder)
     short = os.fsdecode(os.fsencode(final.name)[:_NAME_BYTES])
-    fd, name = tempfile.mkstemp(prefix=f".{short}.gg-{os.getpid()}-{_start()}-{_host_key()}-", suffix=f".{kind}", dir=folder)
+    fd, name = tempfile.mkstemp(
+        prefix=f".{short}.gg-{os.getpid()}-{_start()}-{_host_key()}-", suffix=f".{kind}", dir=folder
+    )
     try:  # known (discard_all) before anything else can happen, a signal included
         _own[Path(name)] = output_of(final)  # a staging file of a staging file stands for the same output
         os.close(fd)

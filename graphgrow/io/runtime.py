@@ -8,19 +8,21 @@ empty temporary folder: a tensor that names external data can resolve against ne
 folder nor the model's. A model whose external data passed graphgrow's checks (load_onnx, or the
 export that wrote it) names its folder instead (`external_folder`).
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
 import tempfile
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import onnxruntime as ort
 
-from ..core.errors import first_line, InputError, RuntimeUnavailable
+from ..core.errors import InputError, RuntimeUnavailable, first_line
 
 Provider = Literal["auto", "cpu", "cuda"]
 CUDA = "CUDAExecutionProvider"
@@ -50,22 +52,37 @@ class Session:
         """Run on one array (the model's one input) or on arrays by input name (every input named once)."""
         feeds = x if isinstance(x, dict) else {self.input_names[0]: x}
         if sorted(feeds) != sorted(self.input_names):
-            raise InputError(f"the ONNX model takes the inputs {self.input_names[:16]}, got {sorted(feeds)[:16]}",
-                             "give the input spec the model was exported with (graphgrow inspect FILE.onnx shows it)")
+            raise InputError(
+                f"the ONNX model takes the inputs {self.input_names[:16]}, got {sorted(feeds)[:16]}",
+                "give the input spec the model was exported with (graphgrow inspect FILE.onnx shows it)",
+            )
         types = {i.name: _NUMPY_TYPES.get(i.type) for i in self.session.get_inputs()}
-        feeds = {k: v.astype(types[k]) if types[k] is not None and v.dtype != types[k] else v  # a float64 model takes float64
-                 for k, v in feeds.items()}
+        feeds = {
+            k: v.astype(types[k])
+            if types[k] is not None and v.dtype != types[k]
+            else v  # a float64 model takes float64
+            for k, v in feeds.items()
+        }
         try:
             outputs: list[np.ndarray] = self.session.run(None, feeds)
             return outputs
-        except (ort.capi.onnxruntime_pybind11_state.NotImplemented,
-                ort.capi.onnxruntime_pybind11_state.InvalidArgument) as e:
-            raise RuntimeUnavailable(f"onnxruntime ({self.provider}) cannot run this model: {first_line(e, 200)}",
-                                     why_not_runnable(e)) from e
+        except (
+            ort.capi.onnxruntime_pybind11_state.NotImplemented,
+            ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+        ) as e:
+            raise RuntimeUnavailable(
+                f"onnxruntime ({self.provider}) cannot run this model: {first_line(e, 200)}", why_not_runnable(e)
+            ) from e
 
 
-_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
-                "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+_NUMPY_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(double)": np.float64,
+    "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(bool)": np.bool_,
+}
 
 
 def max_ir_version() -> int:
@@ -78,8 +95,13 @@ def max_ir_version() -> int:
     return 9
 
 
-def open_session(model: bytes | str | os.PathLike[str], provider: Provider = "auto", threads: int | None = None,
-                 tf32: bool = False, external_folder: Path | None = None) -> Session:
+def open_session(
+    model: bytes | str | os.PathLike[str],
+    provider: Provider = "auto",
+    threads: int | None = None,
+    tf32: bool = False,
+    external_folder: Path | None = None,
+) -> Session:
     """An InferenceSession on the provider asked for; 'auto' takes CUDA only when it really loads.
 
     `tf32=False` turns TF32 off in the CUDA provider (it is on by default), as the
@@ -90,7 +112,9 @@ def open_session(model: bytes | str | os.PathLike[str], provider: Provider = "au
     try:
         return _open_session(model, provider, threads, tf32, external_folder)
     except (state.NotImplemented, state.InvalidGraph, state.InvalidArgument, state.Fail) as e:
-        raise RuntimeUnavailable(f"onnxruntime cannot load this model: {first_line(e, 200)}", why_not_runnable(e)) from e
+        raise RuntimeUnavailable(
+            f"onnxruntime cannot load this model: {first_line(e, 200)}", why_not_runnable(e)
+        ) from e
 
 
 def why_not_runnable(e: BaseException) -> str:
@@ -98,15 +122,32 @@ def why_not_runnable(e: BaseException) -> str:
     from another export), a type without kernels (float64, float16 on the CPU), or neither."""
     text = str(e).lower()
     if any(w in text for w in ("external", "initializer", "tensorproto", "deserialize", "out of bounds", "data file")):
-        return ("the weights do not fit the graph: keep NAME.onnx.data from the same export beside NAME.onnx "
-                "(moved or swapped?), or export the model again")
-    if any(w in text for w in ("double", "float16", "bfloat16", "tensor(float64)", "not implemented", "could not find an implementation")):
+        return (
+            "the weights do not fit the graph: keep NAME.onnx.data from the same export beside NAME.onnx "
+            "(moved or swapped?), or export the model again"
+        )
+    if any(
+        w in text
+        for w in (
+            "double",
+            "float16",
+            "bfloat16",
+            "tensor(float64)",
+            "not implemented",
+            "could not find an implementation",
+        )
+    ):
         return "export float32 models for onnxruntime (model.float()); the ONNX file itself is valid"
     return "onnxruntime refused a file the ONNX checker accepted: export the model again, or try --provider cpu"
 
 
-def _open_session(model: bytes | str | os.PathLike[str], provider: Provider, threads: int | None, tf32: bool,
-                  external_folder: Path | None) -> Session:
+def _open_session(
+    model: bytes | str | os.PathLike[str],
+    provider: Provider,
+    threads: int | None,
+    tf32: bool,
+    external_folder: Path | None,
+) -> Session:
     if provider not in ("auto", "cpu", "cuda"):
         raise RuntimeUnavailable(f"unknown provider '{provider}'", "use auto, cpu or cuda")
     src = model_bytes(model)
@@ -136,7 +177,9 @@ def _external_folder(src: bytes, path: str | os.PathLike[str]) -> Path | None:
     return checked_folder(proto, path)
 
 
-EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"  # kOrtSessionOptionsModelExternalInitializersFileFolderPath
+EXTERNAL_FOLDER_KEY = (
+    "session.model_external_initializers_file_folder_path"  # kOrtSessionOptionsModelExternalInitializersFileFolderPath
+)
 
 
 def model_bytes(model: bytes | str | os.PathLike[str]) -> bytes:
@@ -202,18 +245,24 @@ def cuda_failure_reason(preload_error: str | None) -> str:
     if not torch.cuda.is_available():
         return "onnxruntime's CUDA provider did not load: no CUDA device is visible here (torch sees none either)"
     if preload_error:
-        return (f"torch sees {torch.cuda.device_count()} GPU(s) but onnxruntime's CUDA provider did not load: "
-                f"its CUDA/cuDNN libraries could not be loaded ({preload_error})")
-    return (f"torch sees {torch.cuda.device_count()} GPU(s) but onnxruntime's CUDA provider did not load even after "
-            "onnxruntime.preload_dlls(): the CUDA/cuDNN libraries found do not match this onnxruntime-gpu "
-            f"({ort.__version__}; it needs CUDA 13 and cuDNN 9)")
+        return (
+            f"torch sees {torch.cuda.device_count()} GPU(s) but onnxruntime's CUDA provider did not load: "
+            f"its CUDA/cuDNN libraries could not be loaded ({preload_error})"
+        )
+    return (
+        f"torch sees {torch.cuda.device_count()} GPU(s) but onnxruntime's CUDA provider did not load even after "
+        "onnxruntime.preload_dlls(): the CUDA/cuDNN libraries found do not match this onnxruntime-gpu "
+        f"({ort.__version__}; it needs CUDA 13 and cuDNN 9)"
+    )
 
 
 def cuda_bound_run(s: Session, data_ptr: int, shape: tuple[int, ...]) -> Callable[[], None]:
     """A call that runs `s` (CUDA provider) on a float32 input already in GPU memory at `data_ptr`, the
     outputs left on the GPU (IO binding: no host copies in a latency measurement)."""
     if s.provider != "cuda":
-        raise RuntimeUnavailable("IO binding to GPU memory needs the CUDA provider", "open the session with provider='cuda'")
+        raise RuntimeUnavailable(
+            "IO binding to GPU memory needs the CUDA provider", "open the session with provider='cuda'"
+        )
     binding = s.session.io_binding()
     binding.bind_input(s.input_names[0], "cuda", 0, np.float32, list(shape), data_ptr)
     for out in s.session.get_outputs():
@@ -221,6 +270,7 @@ def cuda_bound_run(s: Session, data_ptr: int, shape: tuple[int, ...]) -> Callabl
 
     def run() -> None:
         s.session.run_with_iobinding(binding)
+
     return run
 
 
@@ -251,7 +301,9 @@ def optimized_op_counts(model: bytes | str | os.PathLike[str]) -> dict[str, int]
     return dict(collections.Counter(n.op_type for n in graph.node))
 
 
-def all_values(proto: Any, x: np.ndarray | dict[str, np.ndarray], external_folder: Path | None = None) -> dict[str, np.ndarray]:
+def all_values(
+    proto: Any, x: np.ndarray | dict[str, np.ndarray], external_folder: Path | None = None
+) -> dict[str, np.ndarray]:
     """Every node output of the ONNX model `proto` on input `x` (arrays by name for named inputs), on the CPU provider: each one is
     made a graph output of a copy (to find where a model first goes wrong)."""
     import copy

@@ -1,15 +1,16 @@
 """Writing outputs whole: a model file in the safe format (save_model), any file through a staging file and a
 rename (atomic_write), outputs refused before work starts (check_output_path), and default output names."""
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from torch import fx
 
+from ..core.errors import SaveError, first_line
 from . import serialize
-from ..core.errors import first_line, SaveError
 from .factory import is_factory_name
 
 
@@ -50,16 +51,19 @@ def check_output_path(path: str | os.PathLike[str], inputs: tuple[str | os.PathL
     try:
         return _checked_output(out, inputs)
     except OSError as e:  # a name too long for the file system, a link loop, an unreadable folder
-        raise SaveError(f"output {str(out)[:200]!r} cannot be written: {e.strerror or first_line(e)}",
-                        "choose another output path") from None
+        raise SaveError(
+            f"output {str(out)[:200]!r} cannot be written: {e.strerror or first_line(e)}", "choose another output path"
+        ) from None
 
 
 def _checked_output(out: Path, inputs: tuple[str | os.PathLike[str], ...]) -> Path:
     from . import outputs
 
     if outputs.is_staging_name(out.name) and not outputs.is_own_staging(out):
-        raise SaveError(f"output {out} is named like a graphgrow staging file (.NAME.gg-PID-….part), which a later run "
-                        "may remove", "choose another output name")
+        raise SaveError(
+            f"output {out} is named like a graphgrow staging file (.NAME.gg-PID-….part), which a later run may remove",
+            "choose another output name",
+        )
     outputs.check_replaceable(out, [str(src) for src in inputs if src])  # a new name, or a regular file no input
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
@@ -72,7 +76,9 @@ def _checked_output(out: Path, inputs: tuple[str | os.PathLike[str], ...]) -> Pa
     return out
 
 
-def save_model(gm: fx.GraphModule, path: str | os.PathLike[str], inputs: tuple[str | os.PathLike[str], ...] = ()) -> Path:
+def save_model(
+    gm: fx.GraphModule, path: str | os.PathLike[str], inputs: tuple[str | os.PathLike[str], ...] = ()
+) -> Path:
     """Save a graphgrow GraphModule atomically in the safe format; returns the path. A failed write is SaveError."""
     from .outputs import torch_save
 

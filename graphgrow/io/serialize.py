@@ -5,19 +5,21 @@ never writes one. Instead it saves the module tree (standard layers only), the g
 as data, and resolves call_function targets by name against an allow-list when
 loading, so a crafted file cannot name `os.system` and have it called.
 """
+
 from __future__ import annotations
 
 import importlib
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import fx, nn
 
-from . import graph_policy
 from ..core import codegen, names
 from ..core.errors import InputError, LoadError, SaveError
 from ..graph.inputs import parse_spec, records
+from . import graph_policy
 from .lineage import is_origin
 
 FORMAT = "graphgrow.graphmodule"
@@ -31,7 +33,9 @@ MAX_META_DEPTH = 12
 def qualified_name(fn: Callable[..., Any]) -> str:
     if getattr(fn, "__module__", None) == "_operator":
         return f"operator.{fn.__name__}"
-    if getattr(fn, "__module__", None) == "builtins":  # torch.fx names builtins bare ("len"); the allow-list and loader want builtins.len
+    if (
+        getattr(fn, "__module__", None) == "builtins"
+    ):  # torch.fx names builtins bare ("len"); the allow-list and loader want builtins.len
         return f"builtins.{fn.__name__}"
     return fx.node._get_qualified_name(fn)
 
@@ -55,7 +59,9 @@ def _resolve_function(qualname: str, trusted: bool, node: str = "?") -> Callable
             obj = None
     fn: Callable[..., Any] | None = getattr(obj, attr, None)
     if not callable(fn):
-        raise LoadError(f"the model graph calls '{qualname}', which does not exist here", "was it saved by a newer torch?")
+        raise LoadError(
+            f"the model graph calls '{qualname}', which does not exist here", "was it saved by a newer torch?"
+        )
     return fn
 
 
@@ -82,9 +88,11 @@ def _encode(value: Any, where: str) -> Any:
         return {"memory_format": str(value).removeprefix("torch.")}
     if isinstance(value, torch.layout):
         return {"layout": str(value).removeprefix("torch.")}
-    raise SaveError(f"cannot save the model: node '{where}) has an argument of type {type(value).__name__}, which "
-                    "graphgrow files cannot store (plain numbers, strings, tuples, lists, dicts, slices, dtypes, devices)",
-                    "mark the module that computes it a leaf (--leaf MODULE)")
+    raise SaveError(
+        f"cannot save the model: node '{where}) has an argument of type {type(value).__name__}, which "
+        "graphgrow files cannot store (plain numbers, strings, tuples, lists, dicts, slices, dtypes, devices)",
+        "mark the module that computes it a leaf (--leaf MODULE)",
+    )
 
 
 def _decode(value: Any, env: dict[str, fx.Node]) -> Any:
@@ -92,7 +100,7 @@ def _decode(value: Any, env: dict[str, fx.Node]) -> Any:
         return [_decode(v, env) for v in value]
     if not isinstance(value, dict):
         return value
-    (tag, payload), = value.items()
+    ((tag, payload),) = value.items()
     if tag == "node":
         return env[payload]
     if tag == "tuple":
@@ -134,8 +142,15 @@ def to_payload(gm: fx.GraphModule) -> dict[str, Any]:
     check_readable(gm.graph, root, nodes)
     meta = dict(gm.meta.get("graphgrow", {}))
     training = {path: m.training for path, m in gm.named_modules()}
-    return {"format": FORMAT, "version": VERSION, "class_name": type(gm).__name__, "root": root, "nodes": nodes,
-            "meta": meta, "training": training}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "class_name": type(gm).__name__,
+        "root": root,
+        "nodes": nodes,
+        "meta": meta,
+        "training": training,
+    }
 
 
 _OWN_NAMESPACES = frozenset({"torch", "operator", "math", "builtins", "torchvision"})  # what the closed list covers
@@ -160,9 +175,11 @@ def check_readable(graph: fx.Graph, root: nn.Module, nodes: list[dict[str, Any]]
                 graph_policy.check_getattr_args(n.args, n.name)
         except LoadError as e:  # the loader's reason, said of saving
             why = e.message.removeprefix(f"the model graph (node '{n.name}') ").partition("; nothing was run")[0]
-            raise SaveError(f"cannot save the model: node '{n.name}' {why}, so graphgrow could not read the file back",
-                            "mark the module that computes it a leaf (--leaf MODULE), or report the operation to "
-                            "graphgrow so that it can be reviewed for its closed list") from e
+            raise SaveError(
+                f"cannot save the model: node '{n.name}' {why}, so graphgrow could not read the file back",
+                "mark the module that computes it a leaf (--leaf MODULE), or report the operation to "
+                "graphgrow so that it can be reviewed for its closed list",
+            ) from e
 
 
 def _found_again(qualname: str, node: str) -> None:
@@ -170,8 +187,11 @@ def _found_again(qualname: str, node: str) -> None:
     try:
         _resolve_function(qualname, True, node)
     except LoadError as e:
-        raise SaveError(f"cannot save the model: node '{node}' calls '{qualname[:120]}', which cannot be found again by "
-                        "that name (a lambda or a local function?)", _UNNAMED_HINT) from e
+        raise SaveError(
+            f"cannot save the model: node '{node}' calls '{qualname[:120]}', which cannot be found again by "
+            "that name (a lambda or a local function?)",
+            _UNNAMED_HINT,
+        ) from e
 
 
 _UNNAMED_HINT = "make it a module-level function, or mark the module that calls it a leaf (--leaf MODULE)"
@@ -185,14 +205,22 @@ def node_records(graph: fx.Graph) -> list[dict[str, Any]]:
         try:
             target = qualified_name(n.target) if n.op == "call_function" else n.target
         except Exception as e:  # fx cannot name lambdas and local functions
-            raise SaveError(f"cannot save the model: node '{n.name}' calls {str(n.target)[:120]}, which has no importable "
-                            f"name (a lambda or a local function?): {e}", _UNNAMED_HINT) from e
+            raise SaveError(
+                f"cannot save the model: node '{n.name}' calls {str(n.target)[:120]}, which has no importable "
+                f"name (a lambda or a local function?): {e}",
+                _UNNAMED_HINT,
+            ) from e
         where = f"{n.name}' ({target}"
-        nodes.append({
-            "name": n.name, "op": n.op, "target": target,
-            "args": _encode(n.args, where), "kwargs": _encode(n.kwargs, where),
-            "scope": list(n.meta.get("gg_scope", ())),
-        })
+        nodes.append(
+            {
+                "name": n.name,
+                "op": n.op,
+                "target": target,
+                "args": _encode(n.args, where),
+                "kwargs": _encode(n.kwargs, where),
+                "scope": list(n.meta.get("gg_scope", ())),
+            }
+        )
     return nodes
 
 
@@ -201,7 +229,9 @@ def graph_from_records(nodes: Any, root: nn.Module, trusted: bool) -> fx.Graph:
     before anything is built, functions resolved by name against the allow-list, the code fx would
     generate parsed before it is compiled. Raises LoadError."""
     if not isinstance(nodes, list) or len(nodes) > MAX_NODES:
-        raise LoadError(f"the saved graph is not a list of at most {MAX_NODES:,} nodes", "the file is corrupted or hostile")
+        raise LoadError(
+            f"the saved graph is not a list of at most {MAX_NODES:,} nodes", "the file is corrupted or hostile"
+        )
     for rec in nodes:
         if not isinstance(rec, dict) or not {"name", "op", "target", "args", "kwargs"} <= rec.keys():
             raise LoadError("the saved graph holds a node that is not a complete record", "the file is corrupted")
@@ -224,10 +254,19 @@ def graph_from_records(nodes: Any, root: nn.Module, trusted: bool) -> fx.Graph:
                 target = _resolve_function(target, trusted, rec["name"])
                 if target is getattr and not trusted:
                     graph_policy.check_getattr_args(args, rec["name"])
-                if target is getattr and len(args) > 1 and isinstance(args[1], str) and not names.is_identifier(args[1]):
-                    raise _bad_name(f"attribute name {names.shown(args[1])} is not a plain name ({names.RULE})", rec["name"])
+                if (
+                    target is getattr
+                    and len(args) > 1
+                    and isinstance(args[1], str)
+                    and not names.is_identifier(args[1])
+                ):
+                    raise _bad_name(
+                        f"attribute name {names.shown(args[1])} is not a plain name ({names.RULE})", rec["name"]
+                    )
             # a stored node name that is not a plain identifier is data: the node gets a generated one
-            node = graph.create_node(op, target, args, kwargs, name=rec["name"] if names.is_identifier(rec["name"]) else "node")
+            node = graph.create_node(
+                op, target, args, kwargs, name=rec["name"] if names.is_identifier(rec["name"]) else "node"
+            )
             node.meta["gg_scope"] = tuple(rec.get("scope", ()))
             env[rec["name"]] = node
         graph.lint()
@@ -235,10 +274,14 @@ def graph_from_records(nodes: Any, root: nn.Module, trusted: bool) -> fx.Graph:
     except LoadError:
         raise
     except Exception as e:  # fx cannot even write the code of some malformed graphs (a method call without self)
-        raise LoadError(f"the saved graph is inconsistent: {e}", "the file is corrupted; re-create it from the original model") from e
+        raise LoadError(
+            f"the saved graph is inconsistent: {e}", "the file is corrupted; re-create it from the original model"
+        ) from e
     if problem is not None:
-        raise LoadError(f"the saved graph would generate unexpected code: {problem}; nothing was run",
-                        "the file was edited by hand or is hostile; re-create it from the original model")
+        raise LoadError(
+            f"the saved graph would generate unexpected code: {problem}; nothing was run",
+            "the file was edited by hand or is hostile; re-create it from the original model",
+        )
     return graph
 
 
@@ -246,12 +289,16 @@ def from_payload(payload: dict[str, Any], trusted: bool = False) -> fx.GraphModu
     """Rebuild a GraphModule from `to_payload` output, resolving functions safely (load.py has counted the nodes of
     the whole file, mode switches' bodies included, before this builds any)."""
     if payload.get("version") != VERSION:
-        raise LoadError(f"graphgrow file format version {payload.get('version')} is not supported (this graphgrow reads {VERSION})")
+        raise LoadError(
+            f"graphgrow file format version {payload.get('version')} is not supported (this graphgrow reads {VERSION})"
+        )
     root, nodes = payload.get("root"), payload.get("nodes")
     if not isinstance(root, nn.Module) or not isinstance(nodes, list):
         raise LoadError("the graphgrow file has no module tree or no graph", "the file is corrupted; re-create it")
     if len(nodes) > MAX_NODES:
-        raise LoadError(f"the saved graph has {len(nodes):,} nodes (limit {MAX_NODES:,})", "the file is corrupted or hostile")
+        raise LoadError(
+            f"the saved graph has {len(nodes):,} nodes (limit {MAX_NODES:,})", "the file is corrupted or hostile"
+        )
     # Names first, trusted or not: no stored string reaches the code fx generates (names.py)
     _check_names(payload, nodes, root)
     meta = validate_meta(payload.get("meta"))
@@ -259,7 +306,9 @@ def from_payload(payload: dict[str, Any], trusted: bool = False) -> fx.GraphModu
     try:
         gm = fx.GraphModule(payload["root"], graph, payload.get("class_name", "GraphModule"))
     except Exception as e:
-        raise LoadError(f"the saved graph is inconsistent: {e}", "the file is corrupted; re-create it from the original model") from e
+        raise LoadError(
+            f"the saved graph is inconsistent: {e}", "the file is corrupted; re-create it from the original model"
+        ) from e
     for sub in gm.modules():  # graphgrow's mode switches hold small graphs of their own, checked the same way
         if hasattr(sub, "load_bodies"):
             sub.load_bodies(trusted)
@@ -270,8 +319,10 @@ def from_payload(payload: dict[str, Any], trusted: bool = False) -> fx.GraphModu
 
 def _bad_name(problem: str, node: Any) -> LoadError:
     where = f" (node {names.shown(node)})" if isinstance(node, str) and not problem.startswith("node name") else ""
-    return LoadError(f"the saved model's {problem}{where}; nothing was run",
-                     "the file was edited by hand or is hostile; re-create it from the original model")
+    return LoadError(
+        f"the saved model's {problem}{where}; nothing was run",
+        "the file was edited by hand or is hostile; re-create it from the original model",
+    )
 
 
 def _check_names(payload: dict[str, Any], nodes: list[Any], root: nn.Module) -> None:
@@ -284,8 +335,10 @@ def _check_names(payload: dict[str, Any], nodes: list[Any], root: nn.Module) -> 
         if (problem := names.bad_name_in_record(rec)) is not None:
             raise _bad_name(problem, rec.get("name"))
     if not names.is_class_name(payload.get("class_name", "GraphModule")):
-        raise _bad_name(f"class name {names.shown(payload.get('class_name'))} is not a string of 1 to {names.MAX_NAME} "
-                        "characters", None)
+        raise _bad_name(
+            f"class name {names.shown(payload.get('class_name'))} is not a string of 1 to {names.MAX_NAME} characters",
+            None,
+        )
 
 
 def _restore_modes(gm: fx.GraphModule, flags: Any) -> None:
@@ -341,8 +394,11 @@ def _depth(value: Any, limit: int) -> int:
 
 def is_stored_shape(shape: Any) -> bool:
     """A stored example input shape graphgrow accepts: 1–8 positive int sizes of at most 2^20 each."""
-    return (isinstance(shape, (list, tuple)) and 1 <= len(shape) <= 8
-            and all(type(d) is int and 0 < d <= 1 << 20 for d in shape))
+    return (
+        isinstance(shape, (list, tuple))
+        and 1 <= len(shape) <= 8
+        and all(type(d) is int and 0 < d <= 1 << 20 for d in shape)
+    )
 
 
 def validate_meta(meta: Any) -> dict[str, Any]:
@@ -359,13 +415,17 @@ def validate_meta(meta: Any) -> dict[str, Any]:
     shape = out.get("input_shape")
     if shape is not None:
         if not is_stored_shape(shape):
-            raise LoadError(f"the graphgrow file stores the input shape {str(shape)[:80]}, which is not a shape",
-                            "pass --input-shape N,C,H,W, or re-create the file")
+            raise LoadError(
+                f"the graphgrow file stores the input shape {str(shape)[:80]}, which is not a shape",
+                "pass --input-shape N,C,H,W, or re-create the file",
+            )
         out["input_shape"] = list(shape)
     log = out.get("log", [])
     if not isinstance(log, list) or len(log) > MAX_LOG_ENTRIES or not all(isinstance(e, dict) for e in log):
-        raise LoadError(f"the graphgrow file's mutation log is malformed (a list of at most {MAX_LOG_ENTRIES} records expected)",
-                        "the file is corrupted or hostile")
+        raise LoadError(
+            f"the graphgrow file's mutation log is malformed (a list of at most {MAX_LOG_ENTRIES} records expected)",
+            "the file is corrupted or hostile",
+        )
     if _depth(log, MAX_META_DEPTH) > MAX_META_DEPTH or _depth(out.get("trace"), MAX_META_DEPTH) > MAX_META_DEPTH:
         raise LoadError("the graphgrow file's metadata is nested too deeply", "the file is corrupted or hostile")
     check_log(log, "the stored mutation log")  # each field its readers use, of its type
@@ -373,7 +433,9 @@ def validate_meta(meta: Any) -> dict[str, Any]:
     out["log"] = log
     if "origin" in out and not is_origin(out["origin"]):
         raise LoadError("the graphgrow file's origin fingerprint is malformed", "the file is corrupted or hostile")
-    if out.get("inputs") is not None:  # the example input (graph_meta.input_spec_of reads it, or an older `input_shape`)
+    if (
+        out.get("inputs") is not None
+    ):  # the example input (graph_meta.input_spec_of reads it, or an older `input_shape`)
         out["inputs"] = stored_inputs(out["inputs"])
     return out
 
@@ -384,14 +446,27 @@ MAX_HIGH = 1 << 40  # an integer input's stored exclusive bound (a vocabulary si
 def stored_inputs(value: Any) -> list[dict[str, Any]]:
     """A stored input spec (graph_meta.store_shape's records) read back: names, shapes, dtypes and bounds
     checked by the spec's own parser (graph.inputs: identifiers, bounded shapes, known dtypes); clean records."""
-    ok = isinstance(value, list) and 0 < len(value) <= 64 and all(
-        isinstance(r, dict) and type(r.get("name")) is str and isinstance(r.get("shape"), list) and len(r["shape"]) <= 8
-        and all(type(d) is int for d in r["shape"]) and type(r.get("dtype", "float32")) is str
-        and (r.get("high") is None or (type(r.get("high")) is int and 0 < r["high"] <= MAX_HIGH)) for r in value)
+    ok = (
+        isinstance(value, list)
+        and 0 < len(value) <= 64
+        and all(
+            isinstance(r, dict)
+            and type(r.get("name")) is str
+            and isinstance(r.get("shape"), list)
+            and len(r["shape"]) <= 8
+            and all(type(d) is int for d in r["shape"])
+            and type(r.get("dtype", "float32")) is str
+            and (r.get("high") is None or (type(r.get("high")) is int and 0 < r["high"] <= MAX_HIGH))
+            for r in value
+        )
+    )
     try:
         if ok:
             return records(parse_spec(value))
         why = "not a list of input records (name, shape, dtype, high)"
     except InputError as e:
         why = e.message
-    raise LoadError(f"the graphgrow file stores a malformed input spec: {why[:200]}", "the file is corrupted or hostile; re-create it")
+    raise LoadError(
+        f"the graphgrow file stores a malformed input spec: {why[:200]}",
+        "the file is corrupted or hostile; re-create it",
+    )

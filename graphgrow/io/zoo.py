@@ -10,6 +10,7 @@ weights (`refuse_weight_arguments`), a zoo's model spelled as an import path
 (`torchvision.models:resnet18`) goes through the zoo's path, and every build runs with empty
 model caches (`sealed_caches`).
 """
+
 from __future__ import annotations
 
 import ast
@@ -19,8 +20,9 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ..core.errors import LoadError
 from ..core.names import shown
@@ -55,20 +57,29 @@ def parse_name(text: str) -> ModelName:
     """`target` or `target(key=literal, …)` → ModelName; LoadError for anything else."""
     m = _NAME.match(text.strip())
     if not m:
-        raise LoadError(f"{text[:80]!r} does not name a model", "write timm:NAME, torchvision:NAME, hf:MODEL_TYPE[/TASK] or package.module:factory")
+        raise LoadError(
+            f"{text[:80]!r} does not name a model",
+            "write timm:NAME, torchvision:NAME, hf:MODEL_TYPE[/TASK] or package.module:factory",
+        )
     args = m.group("args")
     if not args:
         return ModelName(m.group("target"))
     if len(args) > MAX_ARGUMENTS:
-        raise LoadError(f"the arguments of {m.group('target')} are {len(args):,} characters long", "keep model arguments short")
+        raise LoadError(
+            f"the arguments of {m.group('target')} are {len(args):,} characters long", "keep model arguments short"
+        )
     if not args.rstrip().endswith(")"):
         raise LoadError(f"the arguments of {m.group('target')} are not closed", "end them with ')'")
     try:
         call = ast.parse("f" + args, mode="eval").body
     except SyntaxError as e:
-        raise LoadError(f"cannot read the arguments of {m.group('target')}: {e.msg}", "write key=value pairs of literals") from None
+        raise LoadError(
+            f"cannot read the arguments of {m.group('target')}: {e.msg}", "write key=value pairs of literals"
+        ) from None
     if not isinstance(call, ast.Call) or call.args or any(k.arg is None for k in call.keywords):
-        raise LoadError(f"the arguments of {m.group('target')} must be key=value pairs", "e.g. timm:resnet26d(num_classes=10)")
+        raise LoadError(
+            f"the arguments of {m.group('target')} must be key=value pairs", "e.g. timm:resnet26d(num_classes=10)"
+        )
     kwargs = {}
     for k in call.keywords:
         if k.arg in kwargs:  # ast accepts f(a=1, a=2); Python itself refuses it
@@ -76,8 +87,10 @@ def parse_name(text: str) -> ModelName:
         try:
             kwargs[str(k.arg)] = ast.literal_eval(k.value)
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            raise LoadError(f"argument {k.arg} of {m.group('target')} is not a literal",
-                            "only numbers, strings, True/False/None and lists, tuples or dicts of them; nothing is evaluated") from None
+            raise LoadError(
+                f"argument {k.arg} of {m.group('target')} is not a literal",
+                "only numbers, strings, True/False/None and lists, tuples or dicts of them; nothing is evaluated",
+            ) from None
     return ModelName(m.group("target"), kwargs)
 
 
@@ -86,14 +99,54 @@ def parse_name(text: str) -> ModelName:
 # weights, weights_backbone, weights_only, checkpoint_path, ckpt ...
 _WEIGHT_WORDS = ("pretrain", "weights", "checkpoint", "ckpt", "safetensors", "state_dict")
 # Words of an argument's name (split at '_' and camelCase) that name a file, a folder, a URL or a cache.
-_FILE_TOKENS = {"file", "files", "filename", "fname", "filepath", "path", "url", "uri", "urls", "hub", "cache",
-                "dir", "folder", "download", "load", "repo"}
+_FILE_TOKENS = {
+    "file",
+    "files",
+    "filename",
+    "fname",
+    "filepath",
+    "path",
+    "url",
+    "uri",
+    "urls",
+    "hub",
+    "cache",
+    "dir",
+    "folder",
+    "download",
+    "load",
+    "repo",
+}
 # Sizes and switches that only sound like weights (found by scanning every timm and torchvision model's arguments):
 # random-init switches, box-coder factors, gradient checkpointing, Swin-V2's window sizes; transformers' KV-cache switch.
-_ORDINARY = {"init_weights", "bbox_reg_weights", "grad_checkpointing", "gradient_checkpointing", "use_checkpoint",
-             "pretrained_window_size", "pretrained_window_sizes", "use_cache"}
-_WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".pickle", ".npz", ".npy", ".h5", ".onnx",
-                    ".tar", ".zip", ".json", ".yaml", ".yml")
+_ORDINARY = {
+    "init_weights",
+    "bbox_reg_weights",
+    "grad_checkpointing",
+    "gradient_checkpointing",
+    "use_checkpoint",
+    "pretrained_window_size",
+    "pretrained_window_sizes",
+    "use_cache",
+}
+_WEIGHT_SUFFIXES = (
+    ".pt",
+    ".pth",
+    ".bin",
+    ".ckpt",
+    ".safetensors",
+    ".pkl",
+    ".pickle",
+    ".npz",
+    ".npy",
+    ".h5",
+    ".onnx",
+    ".tar",
+    ".zip",
+    ".json",
+    ".yaml",
+    ".yml",
+)
 _SCHEME = re.compile(r"^[A-Za-z][\w.+\-]*:")  # https:, file:, hf-hub:, s3:, C: (a drive)
 
 
@@ -144,8 +197,11 @@ def refuse_weight_arguments(name: ModelName) -> None:
                     if isinstance(k, str):
                         _refuse_weight_key(name.target, key, f"{where}[{k!r}]", v, k)
             if isinstance(item, str) and names_a_file(item):
-                raise LoadError(f"{name.target}: {where}={shown(item)} names a file, folder or URL, and a model name "
-                                "reads no files (random weights only)", f"pass sizes and options only; {_WAY_OUT}")
+                raise LoadError(
+                    f"{name.target}: {where}={shown(item)} names a file, folder or URL, and a model name "
+                    "reads no files (random weights only)",
+                    f"pass sizes and options only; {_WAY_OUT}",
+                )
 
 
 _WAY_OUT = "for trained weights, load them in Python and grow the model there (graphgrow.trace), or torch.save it and pass the file"
@@ -153,9 +209,11 @@ _WAY_OUT = "for trained weights, load them in Python and grow the model there (g
 
 def _refuse_weight_key(target: str, key: str, where: str, value: Any, word: str | None = None) -> None:
     if asks_for_weights(word or key) and _truthy(value):
-        raise LoadError(f"{target}: {where}={shown(value)} asks for stored weights or a file, and a model name builds "
-                        "random weights only (nothing is downloaded, no checkpoint is read behind the safe loader)",
-                        f"drop {key}; {_WAY_OUT}")
+        raise LoadError(
+            f"{target}: {where}={shown(value)} asks for stored weights or a file, and a model name builds "
+            "random weights only (nothing is downloaded, no checkpoint is read behind the safe loader)",
+            f"drop {key}; {_WAY_OUT}",
+        )
 
 
 def _truthy(value: Any) -> bool:
@@ -166,6 +224,7 @@ def _truthy(value: Any) -> bool:
 
 
 # --- a zoo's registered models, however the name spells them ---
+
 
 def registered_model(obj: Any) -> ModelName | None:
     """`torchvision:NAME` / `timm:NAME` when obj is that zoo's registered builder for NAME (reached through any
@@ -185,7 +244,9 @@ def registered_model(obj: Any) -> ModelName | None:
     return None
 
 
-def builder(name: ModelName, import_object: Callable[..., Any]) -> tuple[Callable[[], Any], list[int] | InputSpec | None]:
+def builder(
+    name: ModelName, import_object: Callable[..., Any]
+) -> tuple[Callable[[], Any], list[int] | InputSpec | None]:
     """A function building the model (random weights) and its default input shape (an input spec for hf:
     names) when the zoo knows it."""
     refuse_weight_arguments(name)  # every name, whatever its spelling, before anything is imported
@@ -204,11 +265,15 @@ def builder(name: ModelName, import_object: Callable[..., Any]) -> tuple[Callabl
         timm = _import(zoo)
         if not timm.is_model(model.split(".")[0]):
             close = timm.list_models(f"*{model.split('.')[0][:12]}*")[:5]
-            raise LoadError(f"timm has no model {model!r}", f"did you mean {', '.join(close)}?" if close else "see timm.list_models()")
+            raise LoadError(
+                f"timm has no model {model!r}",
+                f"did you mean {', '.join(close)}?" if close else "see timm.list_models()",
+            )
         kwargs = {**name.kwargs, "pretrained": False}
 
         def build_timm() -> Any:
             return timm.create_model(model, **kwargs)
+
         return build_timm, None  # the shape is read from the built model's pretrained_cfg (zoo_input_shape)
     models = _import("torchvision.models")
     if model not in models.list_models():
@@ -219,6 +284,7 @@ def builder(name: ModelName, import_object: Callable[..., Any]) -> tuple[Callabl
 
     def build_torchvision() -> Any:
         return models.get_model(model, **kwargs)
+
     return build_torchvision, _torchvision_shape(models, model)
 
 
@@ -241,8 +307,15 @@ def sealed_caches() -> Iterator[None]:
     saved_hf = {k: getattr(hf, k) for k in hf_names if hf is not None and hasattr(hf, k)}
     with tempfile.TemporaryDirectory(prefix="graphgrow-empty-cache-") as empty:
         try:
-            os.environ.update({"TORCH_HOME": empty, "HF_HOME": empty, "HF_HUB_CACHE": empty, "HUGGINGFACE_HUB_CACHE": empty,
-                               "HF_HUB_OFFLINE": "1"})
+            os.environ.update(
+                {
+                    "TORCH_HOME": empty,
+                    "HF_HOME": empty,
+                    "HF_HUB_CACHE": empty,
+                    "HUGGINGFACE_HUB_CACHE": empty,
+                    "HF_HUB_OFFLINE": "1",
+                }
+            )
             torch.hub.set_dir(os.path.join(empty, "hub"))
             torch.hub.download_url_to_file = _no_download  # what load_state_dict_from_url and hub.load call
             for k in saved_hf:
@@ -261,8 +334,10 @@ def sealed_caches() -> Iterator[None]:
 
 
 def _no_download(url: str, *args: Any, **kwargs: Any) -> None:
-    raise LoadError(f"the model asked to download {str(url)[:200]}; a model name builds random weights only",
-                    "build it without stored weights, or load trained weights in Python and pass the saved file")
+    raise LoadError(
+        f"the model asked to download {str(url)[:200]}; a model name builds random weights only",
+        "build it without stored weights, or load trained weights in Python and pass the saved file",
+    )
 
 
 def zoo_input_shape(module: Any) -> list[int] | None:

@@ -12,6 +12,7 @@ Nothing in it depends on the number of ranks (DDP keeps one replica per rank, al
 written by 2 processes resumes with 1, 2 or 8. `save_checkpoint` is called on every rank: rank 0 writes
 (the folder appears whole: staged, then renamed), the others wait for it.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,7 +37,10 @@ VERSION = 1
 def _unwrap(model: nn.Module) -> fx.GraphModule:
     inner = getattr(model, "module", model) if not isinstance(model, fx.GraphModule) else model
     if not isinstance(inner, fx.GraphModule):
-        raise InputError(f"a checkpoint holds a traced model, got {type(inner).__name__}", "save the model gg.trace made (or the DDP over it)")
+        raise InputError(
+            f"a checkpoint holds a traced model, got {type(inner).__name__}",
+            "save the model gg.trace made (or the DDP over it)",
+        )
     return inner
 
 
@@ -46,16 +50,29 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) ->
     order = [p for g in optimizer.param_groups for p in g["params"]]
     unknown = [i for i, p in enumerate(order) if id(p) not in names]
     if unknown:
-        raise InputError(f"the optimiser holds {len(unknown)} parameter(s) that are not in the model",
-                         "pass the model the optimiser was built for (after growth: the grown one)")
+        raise InputError(
+            f"the optimiser holds {len(unknown)} parameter(s) that are not in the model",
+            "pass the model the optimiser was built for (after growth: the grown one)",
+        )
     sd = optimizer.state_dict()
-    return {"param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(order[i])] for i in g["params"]]}
-                             for g in sd["param_groups"]],
-            "state": {names[id(order[i])]: s for i, s in sd["state"].items()}}
+    return {
+        "param_groups": [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(order[i])] for i in g["params"]]}
+            for g in sd["param_groups"]
+        ],
+        "state": {names[id(order[i])]: s for i, s in sd["state"].items()},
+    }
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    scheduler: Any = None, step: int = 0, extra: dict | None = None, timeout: float = 300.0) -> Path:
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    step: int = 0,
+    extra: dict | None = None,
+    timeout: float = 300.0,
+) -> Path:
     """Write a checkpoint folder at `path` (replacing an earlier checkpoint there). Call it on every rank:
     rank 0 writes, the others wait until the folder is in place. Returns the path."""
     gm = _unwrap(model)
@@ -74,22 +91,33 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 
 def _write(out: Path, gm: fx.GraphModule, optimizer, scheduler, step: int, extra: dict | None) -> None:
     if out.exists() and not (out.is_dir() and (out / "state.pt").is_file()):
-        raise SaveError(f"{out} exists and is not a graphgrow checkpoint folder", "choose another path; nothing was written")
+        raise SaveError(
+            f"{out} exists and is not a graphgrow checkpoint folder", "choose another path; nothing was written"
+        )
     if not out.parent.is_dir():
         raise SaveError(f"folder {out.parent} does not exist", "create it first")
-    state = {"format": FORMAT, "version": VERSION, "step": int(step), "extra": extra or {},
-             "params": {n: list(p.shape) for n, p in gm.named_parameters()},
-             "optimizer": named_optimizer_state(optimizer, gm) if optimizer is not None else None,
-             "scheduler": scheduler.state_dict() if scheduler is not None else None}
+    state = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": int(step),
+        "extra": extra or {},
+        "params": {n: list(p.shape) for n, p in gm.named_parameters()},
+        "optimizer": named_optimizer_state(optimizer, gm) if optimizer is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+    }
     staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent))
     try:
         save_model(gm, staged / "model.pt")
         torch.save(state, staged / "state.pt")
         try:
-            torch.load(staged / "state.pt", weights_only=True)  # the reader's promise, checked before anything is replaced
+            torch.load(
+                staged / "state.pt", weights_only=True
+            )  # the reader's promise, checked before anything is replaced
         except Exception as e:
-            raise SaveError(f"the checkpoint state is not plain data: {first_line(e, 200)}",
-                            "keep `extra` and the scheduler's state to numbers, strings, lists, dicts and tensors") from e
+            raise SaveError(
+                f"the checkpoint state is not plain data: {first_line(e, 200)}",
+                "keep `extra` and the scheduler's state to numbers, strings, lists, dicts and tensors",
+            ) from e
         old = out.with_name(f".{out.name}.old-{os.getpid()}") if out.exists() else None
         if old is not None:
             os.replace(out, old)
@@ -132,17 +160,23 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, saved
     params = dict(model.named_parameters())
     mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
     if mine != {id(p) for p in params.values()}:
-        raise InputError("the optimiser is not built over the checkpoint's model parameters",
-                         "build it as torch.optim.X(checkpoint.model.parameters(), ...) after moving the model to its device")
+        raise InputError(
+            "the optimiser is not built over the checkpoint's model parameters",
+            "build it as torch.optim.X(checkpoint.model.parameters(), ...) after moving the model to its device",
+        )
     saved_names = [n for g in saved["param_groups"] for n in g["params"]]
     if sorted(saved_names) != sorted(params):
         missing = sorted(set(params) - set(saved_names))[:3] or sorted(set(saved_names) - set(params))[:3]
-        raise LoadError(f"the saved optimiser state does not fit the model (first names that differ: {missing})",
-                        "the state.pt and model.pt of a checkpoint belong together; do not mix folders")
+        raise LoadError(
+            f"the saved optimiser state does not fit the model (first names that differ: {missing})",
+            "the state.pt and model.pt of a checkpoint belong together; do not mix folders",
+        )
     optimizer.param_groups.clear()
     optimizer.state.clear()
     for g in saved["param_groups"]:
-        optimizer.add_param_group({**{k: v for k, v in g.items() if k != "params"}, "params": [params[n] for n in g["params"]]})
+        optimizer.add_param_group(
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [params[n] for n in g["params"]]}
+        )
     index = {n: i for i, n in enumerate(saved_names)}
     groups, start = [], 0
     for g in saved["param_groups"]:
@@ -151,36 +185,56 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, saved
     optimizer.load_state_dict({"state": {index[n]: s for n, s in saved["state"].items()}, "param_groups": groups})
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", trust: bool = False) -> Checkpoint:
+def load_checkpoint(
+    path: str | os.PathLike, map_location: str | torch.device = "cpu", trust: bool = False
+) -> Checkpoint:
     """Read a checkpoint folder (nothing in it runs code unless `trust`: a model whose opaque leaves hold
     custom classes or functions needs it, as with load_model). The model comes on `map_location`; move it
     where it trains before building the optimiser over it."""
     folder = Path(path)
     if not (folder / "state.pt").is_file() or not (folder / "model.pt").is_file():
-        raise LoadError(f"{folder} is not a graphgrow checkpoint folder (model.pt and state.pt)", "pass the folder save_checkpoint wrote")
+        raise LoadError(
+            f"{folder} is not a graphgrow checkpoint folder (model.pt and state.pt)",
+            "pass the folder save_checkpoint wrote",
+        )
     try:
         state = torch.load(folder / "state.pt", map_location=map_location, weights_only=True)
     except Exception as e:
-        raise LoadError(f"cannot read {folder / 'state.pt'}: {first_line(e, 200)}", "the checkpoint is damaged; use an earlier one") from e
+        raise LoadError(
+            f"cannot read {folder / 'state.pt'}: {first_line(e, 200)}", "the checkpoint is damaged; use an earlier one"
+        ) from e
     if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("version") != VERSION:
-        raise LoadError(f"{folder / 'state.pt'} is not a graphgrow checkpoint (version {VERSION})", "pass the folder save_checkpoint wrote")
+        raise LoadError(
+            f"{folder / 'state.pt'} is not a graphgrow checkpoint (version {VERSION})",
+            "pass the folder save_checkpoint wrote",
+        )
     gm = load_model(folder / "model.pt", trust=trust).module
     if not isinstance(gm, fx.GraphModule):
         raise LoadError(f"{folder / 'model.pt'} holds no traced model", "the checkpoint is damaged")
     shapes = {n: list(p.shape) for n, p in gm.named_parameters()}
     if shapes != state.get("params"):
-        raise LoadError(f"{folder}: model.pt's parameters are not the ones state.pt was saved with",
-                        "the two files of a checkpoint belong together; do not mix folders")
+        raise LoadError(
+            f"{folder}: model.pt's parameters are not the ones state.pt was saved with",
+            "the two files of a checkpoint belong together; do not mix folders",
+        )
     _check_state(state, folder / "state.pt")
     gm.to(map_location)
-    return Checkpoint(gm, state["step"], dict(state.get("extra") or {}), state.get("optimizer"), state.get("scheduler"),
-                      folder, state["params"])
+    return Checkpoint(
+        gm,
+        state["step"],
+        dict(state.get("extra") or {}),
+        state.get("optimizer"),
+        state.get("scheduler"),
+        folder,
+        state["params"],
+    )
 
 
 def _check_state(state: dict, where: Path) -> None:
     """state.pt's fields have the types save_checkpoint writes (LoadError naming the field otherwise), and the
     optimiser state fits the model's parameters — all before anything is restored, so a damaged or crafted file
     never leaves an optimiser half-loaded or holding state of the wrong shape (found only at opt.step())."""
+
     def bad(field: str, why: str) -> LoadError:
         return LoadError(f"{where}: {field} {why}", "the checkpoint is damaged; use an earlier one")
 
@@ -194,8 +248,11 @@ def _check_state(state: dict, where: Path) -> None:
     if saved is None:
         return
     groups, per_param = (saved.get("param_groups"), saved.get("state")) if isinstance(saved, dict) else (None, None)
-    if not isinstance(groups, list) or not isinstance(per_param, dict) \
-            or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+    if (
+        not isinstance(groups, list)
+        or not isinstance(per_param, dict)
+        or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+    ):
         raise bad("optimizer", "is not an optimiser state by parameter name (param_groups with params, state)")
     shapes = {n: torch.Size(s) for n, s in state["params"].items()}
     names = [n for g in groups for n in g["params"]]
@@ -208,8 +265,10 @@ def _check_state(state: dict, where: Path) -> None:
         for key, value in entry.items():
             for t in value if isinstance(value, (list, tuple)) else [value]:
                 if isinstance(t, torch.Tensor) and not _fits(t.shape, shapes[name], total):
-                    raise bad(f"optimizer state {key}[{str(name)[:100]}]", f"has shape {list(t.shape)}, which does not "
-                              f"fit the parameter's {list(shapes[name])}")
+                    raise bad(
+                        f"optimizer state {key}[{str(name)[:100]}]",
+                        f"has shape {list(t.shape)}, which does not fit the parameter's {list(shapes[name])}",
+                    )
 
 
 def _fits(shape: torch.Size, param: torch.Size, total: int) -> bool:

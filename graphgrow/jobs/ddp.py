@@ -17,6 +17,7 @@ on every rank. One growth step, on every rank at the same point of the loop:
 The coordination (replicas.py) talks on a gloo side group with its own timeout, so a rank that dies or
 hangs during growth is a DistributedError on the others, not a hang.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,8 +26,9 @@ import random
 import time
 import warnings
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import fx, nn
@@ -56,22 +58,40 @@ class Grown:
         return self.result.gm
 
 
-def grow(ddp: nn.Module, optimizer: torch.optim.Optimizer | None, spec: str | Sequence[str], scheduler: Any = None, *,
-         seed: int | None = None, verify: Verify = "rank0", timeout: float = 300.0,
-         ddp_options: dict[str, Any] | None = None) -> Grown:
+def grow(
+    ddp: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    spec: str | Sequence[str],
+    scheduler: Any = None,
+    *,
+    seed: int | None = None,
+    verify: Verify = "rank0",
+    timeout: float = 300.0,
+    ddp_options: dict[str, Any] | None = None,
+) -> Grown:
     """Grow the model inside a DistributedDataParallel wrapper on every rank (call it on every rank at the same
     point). Returns a new wrapper over the grown GraphModule, built with the old wrapper's options
     (`ddp_options` overrides them), the optimiser carried and the scheduler re-pointed. Raises on every rank
     when any rank fails, disagrees or does not answer within `timeout` seconds; then nothing changed."""
     module = getattr(ddp, "module", None)
     if not isinstance(ddp, nn.Module) or not isinstance(module, fx.GraphModule):
-        raise InputError(f"grow() takes a DistributedDataParallel over a traced model, got {type(ddp).__name__}"
-                         + (f" over {type(module).__name__}" if module is not None else ""),
-                         "wrap gg.trace(model, input_shape=...) in DDP; for a bare model use grow_replica()")
+        raise InputError(
+            f"grow() takes a DistributedDataParallel over a traced model, got {type(ddp).__name__}"
+            + (f" over {type(module).__name__}" if module is not None else ""),
+            "wrap gg.trace(model, input_shape=...) in DDP; for a bare model use grow_replica()",
+        )
     options = {**rebuild_options(ddp), **(ddp_options or {})}
     synced = options.get("forward_sync_buffers", options.get("broadcast_buffers", True))
-    grown = grow_replica(module, optimizer, spec, scheduler, seed=seed, verify=verify, timeout=timeout,
-                         sync_buffers=getattr(ddp, "process_group", None) if synced else False)
+    grown = grow_replica(
+        module,
+        optimizer,
+        spec,
+        scheduler,
+        seed=seed,
+        verify=verify,
+        timeout=timeout,
+        sync_buffers=getattr(ddp, "process_group", None) if synced else False,
+    )
     start = time.perf_counter()
     with warnings.catch_warnings():  # broadcast_buffers=False is deprecated but the only way to keep rank-local buffers
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
@@ -81,9 +101,17 @@ def grow(ddp: nn.Module, optimizer: torch.optim.Optimizer | None, spec: str | Se
     return grown
 
 
-def grow_replica(model: fx.GraphModule, optimizer: torch.optim.Optimizer | None, spec: str | Sequence[str],
-                 scheduler: Any = None, *, seed: int | None = None, verify: Verify = "rank0",
-                 timeout: float = 300.0, sync_buffers: Any = None) -> Grown:
+def grow_replica(
+    model: fx.GraphModule,
+    optimizer: torch.optim.Optimizer | None,
+    spec: str | Sequence[str],
+    scheduler: Any = None,
+    *,
+    seed: int | None = None,
+    verify: Verify = "rank0",
+    timeout: float = 300.0,
+    sync_buffers: Any = None,
+) -> Grown:
     """The growth step on a bare replica (no DDP wrapper: Lightning and other trainers wrap it themselves).
     Without an initialised process group it is the one-process growth step.
 
@@ -95,7 +123,9 @@ def grow_replica(model: fx.GraphModule, optimizer: torch.optim.Optimizer | None,
     if scheduler is not None and optimizer is None:
         raise InputError("a scheduler was given without its optimiser", "pass the optimiser the scheduler drives")
     if verify not in ("rank0", "all", "none"):
-        raise InputError(f"verify must be 'rank0', 'all' or 'none', got {verify!r}", "verify='rank0' checks once, on rank 0")
+        raise InputError(
+            f"verify must be 'rank0', 'all' or 'none', got {verify!r}", "verify='rank0' checks once, on rank 0"
+        )
     t0 = time.perf_counter()
     reps = rp.replicas(timeout)
     seconds: dict[str, float] = {}
@@ -118,8 +148,10 @@ def grow_replica(model: fx.GraphModule, optimizer: torch.optim.Optimizer | None,
     t2 = time.perf_counter()
     parts = rp.model_digests(result.gm, skip_buffers=local_buffers) if result is not None else {}
     hashed = time.perf_counter()
-    records = reps.gather({"error": rp.error_text(own) if own else None, "digest": rp.digest(parts)},
-                          "waiting for every rank to grow" + (" (rank 0 verifies)" if verify == "rank0" else ""))
+    records = reps.gather(
+        {"error": rp.error_text(own) if own else None, "digest": rp.digest(parts)},
+        "waiting for every rank to grow" + (" (rank 0 verifies)" if verify == "rank0" else ""),
+    )
     seconds["wait"] = time.perf_counter() - hashed
     rp.raise_failures(reps, records, own, "growth")
     assert result is not None
@@ -135,14 +167,19 @@ def grow_replica(model: fx.GraphModule, optimizer: torch.optim.Optimizer | None,
     return Grown(result.gm, new_opt, scheduler, result, agreed, seconds)
 
 
-def _agree(reps: rp.Replicas, model: fx.GraphModule, spec: str | Sequence[str], seed: int | None
-           ) -> tuple[list[Pass], int, set[str]]:
+def _agree(
+    reps: rp.Replicas, model: fx.GraphModule, spec: str | Sequence[str], seed: int | None
+) -> tuple[list[Pass], int, set[str]]:
     """The passes, the seed every rank uses and the buffers that are rank-local (they differ across ranks
     already, as with DDP(broadcast_buffers=False)); raises on every rank when the ranks disagree."""
     own: BaseException | None = None
     passes: list[Pass] = []
     try:
-        passes = list(spec) if isinstance(spec, (list, tuple)) and all(isinstance(p, Pass) for p in spec) else build_pipeline(spec)
+        passes = (
+            list(spec)
+            if isinstance(spec, (list, tuple)) and all(isinstance(p, Pass) for p in spec)
+            else build_pipeline(spec)
+        )
         text = ",".join(spec_of(p) for p in passes)
         if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**63):
             raise InputError(f"seed must be an int in 0 … 2**63 − 1, got {seed!r}", "or leave it out: rank 0 draws one")
@@ -151,18 +188,32 @@ def _agree(reps: rp.Replicas, model: fx.GraphModule, spec: str | Sequence[str], 
     params = rp.tensor_digests(model.named_parameters())
     buffers = rp.tensor_digests(model.named_buffers())
     proposal = seed if seed is not None else random.SystemRandom().randrange(2**31)
-    records = reps.gather({"error": rp.error_text(own) if own else None, "spec": text, "seed": seed, "proposal": proposal,
-                           "params": rp.digest(params), "buffers": rp.digest(buffers)}, "agreeing on the growth step")
+    records = reps.gather(
+        {
+            "error": rp.error_text(own) if own else None,
+            "spec": text,
+            "seed": seed,
+            "proposal": proposal,
+            "params": rp.digest(params),
+            "buffers": rp.digest(buffers),
+        },
+        "agreeing on the growth step",
+    )
     rp.raise_failures(reps, records, own, "reading the spec")
     for key, what in (("spec", "spec"), ("seed", "seed")):
         differs = rp.first_disagreement(records, key)
         if differs:
-            raise DistributedError(f"rank {reps.rank}: rank {differs[0]}'s growth {what} {differs[1]!r} is not rank 0's "
-                                   f"{records[0][key]!r}", "every rank must call grow() with the same spec and seed")
+            raise DistributedError(
+                f"rank {reps.rank}: rank {differs[0]}'s growth {what} {differs[1]!r} is not rank 0's "
+                f"{records[0][key]!r}",
+                "every rank must call grow() with the same spec and seed",
+            )
     differs = rp.first_disagreement(records, "params")
     if differs:
-        raise DistributedError(f"rank {reps.rank}: the replicas differ before growth: rank {differs[0]}'s parameters are "
-                               "not rank 0's", "DDP keeps replicas equal: did one rank load other weights or step alone?")
+        raise DistributedError(
+            f"rank {reps.rank}: the replicas differ before growth: rank {differs[0]}'s parameters are not rank 0's",
+            "DDP keeps replicas equal: did one rank load other weights or step alone?",
+        )
     local = set(buffers) if rp.first_disagreement(records, "buffers") else set()
     return passes, int(records[0]["proposal"]), local
 
@@ -184,9 +235,11 @@ def _check_identical(reps: rp.Replicas, records: list[dict], parts: dict[str, st
         return
     per_rank = [r["parts"] for r in reps.gather({"parts": parts}, "naming the tensor that differs")]
     name = rp.first_differing_tensor(per_rank) or "?"
-    raise DistributedError(f"rank {reps.rank}: the ranks grew different models: rank {differs[0]}'s {name} is not rank 0's",
-                           "growth must be deterministic on every rank (same torch build, same device type); every rank "
-                           "keeps its old model")
+    raise DistributedError(
+        f"rank {reps.rank}: the ranks grew different models: rank {differs[0]}'s {name} is not rank 0's",
+        "growth must be deterministic on every rank (same torch build, same device type); every rank "
+        "keeps its old model",
+    )
 
 
 def rebuild_options(ddp: nn.Module) -> dict[str, Any]:
@@ -195,8 +248,18 @@ def rebuild_options(ddp: nn.Module) -> dict[str, Any]:
     precision). What cannot be read back (communication hooks, parameters to hook) is not carried."""
     accepted = inspect.signature(type(ddp).__init__).parameters
     opts: dict[str, Any] = {}
-    for name in ("device_ids", "output_device", "dim", "process_group", "find_unused_parameters", "gradient_as_bucket_view",
-                 "static_graph", "mixed_precision", "skip_all_reduce_unused_params", "batched_grad_copy"):
+    for name in (
+        "device_ids",
+        "output_device",
+        "dim",
+        "process_group",
+        "find_unused_parameters",
+        "gradient_as_bucket_view",
+        "static_graph",
+        "mixed_precision",
+        "skip_all_reduce_unused_params",
+        "batched_grad_copy",
+    ):
         if name in accepted and hasattr(ddp, name):
             opts[name] = getattr(ddp, name)
     if getattr(ddp, "device_mesh", None) is not None and "device_mesh" in accepted:
@@ -220,14 +283,19 @@ def carry_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, old: torch
     holding it (Lightning) keeps working. Returns it."""
     base = getattr(scheduler, "base_lrs", None)
     if base is not None and len(base) != len(optimizer.param_groups):
-        raise InputError(f"the scheduler drives {len(base)} parameter group(s), the carried optimiser has "
-                         f"{len(optimizer.param_groups)}", "growth removed every parameter of a group: rebuild the scheduler")
+        raise InputError(
+            f"the scheduler drives {len(base)} parameter group(s), the carried optimiser has "
+            f"{len(optimizer.param_groups)}",
+            "growth removed every parameter of a group: rebuild the scheduler",
+        )
     stack = [scheduler]
     while stack:
         s = stack.pop()
         if not hasattr(s, "optimizer"):
-            raise InputError(f"{type(s).__name__} has no optimizer attribute: it is not a torch learning-rate scheduler",
-                             "pass a torch.optim.lr_scheduler object (or carry it yourself)")
+            raise InputError(
+                f"{type(s).__name__} has no optimizer attribute: it is not a torch learning-rate scheduler",
+                "pass a torch.optim.lr_scheduler object (or carry it yourself)",
+            )
         s.optimizer = optimizer
         stack.extend(getattr(s, "_schedulers", []))
     _track_step(optimizer, called=bool(getattr(old, "_opt_called", True)))

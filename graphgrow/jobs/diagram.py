@@ -1,6 +1,7 @@
 """A picture of what a growth changed: the graph after it, one box per node in graph order, added
 nodes, rebuilt (resized) layers and changed shapes highlighted, unchanged runs collapsed into one
 box, edges that skip ahead drawn as arcs. Rendered with matplotlib (SVG, or PNG by suffix)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -52,7 +53,9 @@ def node_changes(old: fx.GraphModule, new: fx.GraphModule) -> tuple[list[Item], 
         before = old_nodes.get(n.name)
         if before is None:
             status = "added"
-        elif n.op == "call_module" and _sizes(old_modules.get(str(n.target))) != _sizes(new.get_submodule(str(n.target))):
+        elif n.op == "call_module" and _sizes(old_modules.get(str(n.target))) != _sizes(
+            new.get_submodule(str(n.target))
+        ):
             status = "rebuilt"
         elif before.meta.get("gg_shape") != n.meta.get("gg_shape"):
             status = "reshaped"
@@ -73,12 +76,18 @@ def collapse(raw: list[Item], keep: int = 0) -> list[Item]:
         while j < len(raw) and raw[j].status == "same":
             j += 1
         if j - i > 2 * keep + 1:
-            items += raw[i:i + keep]
-            hidden = raw[i + keep:j - keep]
+            items += raw[i : i + keep]
+            hidden = raw[i + keep : j - keep]
             first, last = hidden[0].label.split(":")[0], hidden[-1].label.split(":")[0]
-            items.append(Item(f"… {len(hidden)} unchanged node{'s' if len(hidden) > 1 else ''}", "run",
-                              [n for h in hidden for n in h.names], f"{first} … {last}" if len(hidden) > 1 else first))
-            items += raw[j - keep:j]
+            items.append(
+                Item(
+                    f"… {len(hidden)} unchanged node{'s' if len(hidden) > 1 else ''}",
+                    "run",
+                    [n for h in hidden for n in h.names],
+                    f"{first} … {last}" if len(hidden) > 1 else first,
+                )
+            )
+            items += raw[j - keep : j]
             i = j
         elif j > i:
             items += raw[i:j]
@@ -111,8 +120,9 @@ def draw(old: fx.GraphModule, new: fx.GraphModule, path: str | Path, title: str 
     raw, gone = node_changes(old, new)
     items = collapse(raw)
     row = {name: k for k, it in enumerate(items) for name in it.names}
-    edges = sorted({(row[a.name], row[n.name]) for n in new.graph.nodes for a in n.all_input_nodes
-                    if row[a.name] != row[n.name]})
+    edges = sorted(
+        {(row[a.name], row[n.name]) for n in new.graph.nodes for a in n.all_input_nodes if row[a.name] != row[n.name]}
+    )
     height = 0.42 * len(items) + 1.2
     fig, ax = plt.subplots(figsize=(9, height))
     ax.set_xlim(0, 10)
@@ -120,12 +130,26 @@ def draw(old: fx.GraphModule, new: fx.GraphModule, path: str | Path, title: str 
     ax.axis("off")
     for k, it in enumerate(items):
         y = -k
-        box = FancyBboxPatch((0.3, y - 0.32), 5.4, 0.64, boxstyle="round,pad=0.02,rounding_size=0.12",
-                             facecolor=COLOURS[it.status], edgecolor="black" if it.status != "run" else "#999999",
-                             linewidth=0.8, linestyle="-" if it.status != "run" else "--")
+        box = FancyBboxPatch(
+            (0.3, y - 0.32),
+            5.4,
+            0.64,
+            boxstyle="round,pad=0.02,rounding_size=0.12",
+            facecolor=COLOURS[it.status],
+            edgecolor="black" if it.status != "run" else "#999999",
+            linewidth=0.8,
+            linestyle="-" if it.status != "run" else "--",
+        )
         ax.add_patch(box)
-        ax.text(0.45, y, it.label, va="center", fontsize=8, family="monospace",
-                color="white" if it.status in ("added", "reshaped") else "black")
+        ax.text(
+            0.45,
+            y,
+            it.label,
+            va="center",
+            fontsize=8,
+            family="monospace",
+            color="white" if it.status in ("added", "reshaped") else "black",
+        )
         ax.text(5.9, y, it.detail, va="center", fontsize=7.5, color="#444444", family="monospace")
     lanes: list[int] = []
     for a, b in edges:
@@ -141,9 +165,16 @@ def draw(old: fx.GraphModule, new: fx.GraphModule, path: str | Path, title: str 
         ax.plot([0.3, x, x, 0.3], [-a, -a, -b, -b], color="#555555", linewidth=0.7)
         ax.annotate("", xy=(0.3, -b), xytext=(x, -b), arrowprops={"arrowstyle": "-|>", "lw": 0.7, "color": "#555555"})
     ax.set_xlim(min(-0.2 - 0.12 * len(lanes), 0), 10)
-    legend = [Patch(facecolor=COLOURS[k], edgecolor="black", label=label) for k, label in
-              (("added", "added"), ("rebuilt", "rebuilt (resized)"), ("reshaped", "shape changed"), ("same", "unchanged"),
-               ("run", "unchanged, collapsed"))]
+    legend = [
+        Patch(facecolor=COLOURS[k], edgecolor="black", label=label)
+        for k, label in (
+            ("added", "added"),
+            ("rebuilt", "rebuilt (resized)"),
+            ("reshaped", "shape changed"),
+            ("same", "unchanged"),
+            ("run", "unchanged, collapsed"),
+        )
+    ]
     ax.legend(handles=legend, loc="upper right", fontsize=7, frameon=False)
     note = f"   removed: {', '.join(gone[:8])}{' …' if len(gone) > 8 else ''}" if gone else ""
     ax.set_title((title or "graph after growth") + note, fontsize=9, loc="left")

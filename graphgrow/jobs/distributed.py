@@ -7,6 +7,7 @@ PyTorch Lightning, checkpointed and resumed. One place to import it all from (do
     save_checkpoint / load_checkpoint           checkpoints that resume across growth, at any world size (checkpoint.py)
     GrowthCallback                              Lightning's callback (lightning_callback.py; imports Lightning when used)
 """
+
 from __future__ import annotations
 
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
@@ -21,5 +22,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Checkpoint", "Grown", "carry_scheduler", "grow", "grow_replica", "load_checkpoint",
-           "rebuild_options", "save_checkpoint"]  # and GrowthCallback, on demand
+__all__ = [
+    "Checkpoint",
+    "Grown",
+    "carry_scheduler",
+    "grow",
+    "grow_replica",
+    "load_checkpoint",
+    "rebuild_options",
+    "save_checkpoint",
+]  # and GrowthCallback, on demand

@@ -11,10 +11,12 @@ Checkpoints: the callback writes the model's mutation log into every Lightning c
 whose `on_load_checkpoint` calls `GrowthCallback.regrow(self, checkpoint)` grows its fresh model the same
 way (bit-identical: the seeds are in the log) before Lightning loads the grown weights and optimiser state.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Literal, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from torch import fx, nn
@@ -32,12 +34,22 @@ class GrowthCallback(pl.Callback):
     """Grow `pl_module.<attr>` at the steps (or epochs) of `schedule` ({global step: spec}), or whenever `decide`
     returns a spec (it must return the same on every rank). `events` lists what happened."""
 
-    def __init__(self, schedule: Mapping[int, str] | None = None, *, every: Literal["step", "epoch"] = "step",
-                 decide: Decide | None = None, attr: str = "model", seed: int | None = None, verify: Verify = "rank0",
-                 timeout: float = 300.0):
+    def __init__(
+        self,
+        schedule: Mapping[int, str] | None = None,
+        *,
+        every: Literal["step", "epoch"] = "step",
+        decide: Decide | None = None,
+        attr: str = "model",
+        seed: int | None = None,
+        verify: Verify = "rank0",
+        timeout: float = 300.0,
+    ):
         if (schedule is None) == (decide is None):
-            raise InputError("GrowthCallback takes a schedule or a decide function (one of them)",
-                             "e.g. GrowthCallback({100: 'grow_width(factor=2)'})")
+            raise InputError(
+                "GrowthCallback takes a schedule or a decide function (one of them)",
+                "e.g. GrowthCallback({100: 'grow_width(factor=2)'})",
+            )
         if every not in ("step", "epoch"):
             raise InputError(f"every must be 'step' or 'epoch', got {every!r}")
         self.schedule = dict(schedule or {})
@@ -48,7 +60,9 @@ class GrowthCallback(pl.Callback):
 
     # --- when ---------------------------------------------------------------------------------------------------
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.every == "step":
             self._maybe_grow(trainer, pl_module, trainer.global_step)
 
@@ -71,15 +85,24 @@ class GrowthCallback(pl.Callback):
         start = time.perf_counter()
         old = getattr(pl_module, self.attr, None)
         if not isinstance(old, fx.GraphModule):
-            raise InputError(f"{type(pl_module).__name__}.{self.attr} is {type(old).__name__}, not a traced model",
-                             f"set self.{self.attr} = gg.trace(net, input_shape=...) in the LightningModule's __init__ "
-                             "(or name the attribute: GrowthCallback(..., attr='net'))")
+            raise InputError(
+                f"{type(pl_module).__name__}.{self.attr} is {type(old).__name__}, not a traced model",
+                f"set self.{self.attr} = gg.trace(net, input_shape=...) in the LightningModule's __init__ "
+                "(or name the attribute: GrowthCallback(..., attr='net'))",
+            )
         strategy = trainer.strategy
         ddp = strategy.model if isinstance(strategy.model, DistributedDataParallel) else None
         options = rebuild_options(ddp) if ddp is not None else {}
         synced = options.get("forward_sync_buffers", options.get("broadcast_buffers", True))
-        grown = grow_replica(old, None, spec, seed=self.seed, verify=self.verify, timeout=self.timeout,
-                             sync_buffers=options.get("process_group") if synced else False)
+        grown = grow_replica(
+            old,
+            None,
+            spec,
+            seed=self.seed,
+            verify=self.verify,
+            timeout=self.timeout,
+            sync_buffers=options.get("process_group") if synced else False,
+        )
         before, after = _container(pl_module, self.attr, old), _container(pl_module, self.attr, grown.gm)
         carried = {id(o): carry_optimizer(o, before, after) for o in strategy.optimizers}
         for config in strategy.lr_scheduler_configs:
@@ -89,14 +112,23 @@ class GrowthCallback(pl.Callback):
         strategy.optimizers = [carried[id(o)] for o in strategy.optimizers]  # Lightning re-wraps them
         if ddp is not None:
             strategy.model = type(ddp)(pl_module, **options)
-        self.events.append({"when": when, "every": self.every, "spec": spec, "seed": grown.seed,
-                            "params_before": sum(p.numel() for p in old.parameters()),
-                            "params_after": sum(p.numel() for p in grown.gm.parameters()),
-                            "seconds": time.perf_counter() - start})
+        self.events.append(
+            {
+                "when": when,
+                "every": self.every,
+                "spec": spec,
+                "seed": grown.seed,
+                "params_before": sum(p.numel() for p in old.parameters()),
+                "params_after": sum(p.numel() for p in grown.gm.parameters()),
+                "seconds": time.perf_counter() - start,
+            }
+        )
 
     # --- checkpoints --------------------------------------------------------------------------------------------
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         gm = getattr(pl_module, self.attr)
         checkpoint["graphgrow"] = {"attr": self.attr, "log": list(gm.meta.get("graphgrow", {}).get("log", []))}
 
@@ -108,8 +140,9 @@ class GrowthCallback(pl.Callback):
         self.events = list(state_dict.get("events", []))
 
     @staticmethod
-    def regrow(pl_module: pl.LightningModule, checkpoint: Mapping[str, Any], *, data: Any = None,
-               trust: bool = False) -> None:
+    def regrow(
+        pl_module: pl.LightningModule, checkpoint: Mapping[str, Any], *, data: Any = None, trust: bool = False
+    ) -> None:
         """Grow a fresh module's model as the checkpoint's was grown (call it from `on_load_checkpoint`): the
         passes in the checkpoint's mutation log beyond the fresh model's own, with their seeds, unverified (the
         weights are replaced by the checkpoint's next). A checkpoint is a file: a step grown with a data function
@@ -118,14 +151,22 @@ class GrowthCallback(pl.Callback):
         saved = checkpoint.get("graphgrow")
         if not saved:
             return
-        if not isinstance(saved, Mapping) or not isinstance(saved.get("attr"), str) or not isinstance(saved.get("log"), list):
-            raise InputError("the checkpoint's graphgrow record is malformed (it needs attr and log)",
-                             "the checkpoint should come from a run with GrowthCallback")
+        if (
+            not isinstance(saved, Mapping)
+            or not isinstance(saved.get("attr"), str)
+            or not isinstance(saved.get("log"), list)
+        ):
+            raise InputError(
+                "the checkpoint's graphgrow record is malformed (it needs attr and log)",
+                "the checkpoint should come from a run with GrowthCallback",
+            )
         attr = saved["attr"]
         gm = getattr(pl_module, attr, None)
         if not isinstance(gm, fx.GraphModule):
-            raise InputError(f"{type(pl_module).__name__}.{attr[:100]} is {type(gm).__name__}, not a traced model",
-                             "the checkpoint names the attribute GrowthCallback grew; build the module as that run did")
+            raise InputError(
+                f"{type(pl_module).__name__}.{attr[:100]} is {type(gm).__name__}, not a traced model",
+                "the checkpoint names the attribute GrowthCallback grew; build the module as that run did",
+            )
         have = len(gm.meta.get("graphgrow", {}).get("log", []))
         todo = list(saved["log"])[have:]
         if todo:

@@ -18,31 +18,51 @@ structural change the class cannot express — deepen's inserted block, a branch
 result checked against the grown graph on the recorded inputs in eval mode (core.protocol's tolerance). A model
 stored in bfloat16 or float16 comes back in that dtype (checked in float32 first).
 """
+
 from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import fx, nn
 
 from ..core.errors import GraphgrowError, NotApplicable
+from ..core.protocol import compare_outputs
 from ..graph.graph_meta import input_spec_of
 from ..graph.shapes import example_input
-from ..core.protocol import compare_outputs
 
-_NOT_SIZES = {"vocab_size", "max_position_embeddings", "num_labels", "pad_token_id", "bos_token_id", "eos_token_id",
-              "decoder_start_token_id", "sep_token_id", "cls_token_id", "type_vocab_size", "n_positions", "n_ctx",
-              "image_size", "patch_size", "num_channels", "max_window_layers", "sliding_window", "chunk_size_feed_forward"}
+_NOT_SIZES = {
+    "vocab_size",
+    "max_position_embeddings",
+    "num_labels",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "decoder_start_token_id",
+    "sep_token_id",
+    "cls_token_id",
+    "type_vocab_size",
+    "n_positions",
+    "n_ctx",
+    "image_size",
+    "patch_size",
+    "num_channels",
+    "max_window_layers",
+    "sliding_window",
+    "chunk_size_feed_forward",
+}
 
 
 def is_hf_model(model: Any) -> bool:
     return hasattr(model, "config") and hasattr(model, "save_pretrained") and isinstance(model, nn.Module)
 
 
-def as_native(grown: fx.GraphModule, original: nn.Module, stored_dtype: torch.dtype | None = None,
-              use_cache: bool | None = None) -> nn.Module:
+def as_native(
+    grown: fx.GraphModule, original: nn.Module, stored_dtype: torch.dtype | None = None, use_cache: bool | None = None
+) -> nn.Module:
     """The grown graph as an instance of `original`'s class; NotApplicable naming what the class cannot express.
     `stored_dtype`: the dtype to hand it back in (float32 otherwise); `use_cache`: the config's cache setting
     (default: the original config's, else True)."""
@@ -70,11 +90,15 @@ def as_native(grown: fx.GraphModule, original: nn.Module, stored_dtype: torch.dt
     if use_cache is not None or hasattr(config, "use_cache"):  # a class without a cache gets no such field
         config.use_cache = True if use_cache is None else bool(use_cache)
     native = _build(cls, config)
-    missing, unexpected = native.load_state_dict({k: v for k, v in grown_state.items() if k in persistent}, strict=False)
+    missing, unexpected = native.load_state_dict(
+        {k: v for k, v in grown_state.items() if k in persistent}, strict=False
+    )
     if missing or unexpected:
-        raise NotApplicable(f"{cls.__name__} with the solved config has parameters the grown model has not, or the "
-                            f"reverse: missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}",
-                            "keep the GraphModule")
+        raise NotApplicable(
+            f"{cls.__name__} with the solved config has parameters the grown model has not, or the "
+            f"reverse: missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}",
+            "keep the GraphModule",
+        )
     if hasattr(native, "tie_weights") and getattr(config, "tie_word_embeddings", False):
         native.tie_weights()
     native.eval()
@@ -118,8 +142,10 @@ def _validate(config: Any, cls: type) -> None:
         validate()
     except Exception as e:  # noqa: BLE001 - the config's own words
         cause = e.__cause__ or e
-        raise NotApplicable(f"{type(config).__name__} refuses the grown sizes: {' '.join(str(cause).split())[:300]}",
-                            f"grow sizes {cls.__name__}'s config accepts (e.g. a hidden size that is a multiple of the heads)") from e
+        raise NotApplicable(
+            f"{type(config).__name__} refuses the grown sizes: {' '.join(str(cause).split())[:300]}",
+            f"grow sizes {cls.__name__}'s config accepts (e.g. a hidden size that is a multiple of the heads)",
+        ) from e
 
 
 def _with_aliases(state: dict[str, torch.Tensor], original: nn.Module) -> dict[str, torch.Tensor]:
@@ -145,11 +171,15 @@ def _refuse_structure(grown: dict, persistent: set, original: nn.Module, cls: ty
     extra = sorted(k for k in grown if k not in persistent and k not in dict(original.named_buffers()))
     gone = sorted(k for k in persistent if k not in grown)
     if extra or gone:
-        what = (f"adds {', '.join(extra[:3])}" + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")) if extra \
+        what = (
+            (f"adds {', '.join(extra[:3])}" + (f" and {len(extra) - 3} more" if len(extra) > 3 else ""))
+            if extra
             else f"removes {', '.join(gone[:3])}"
-        raise NotApplicable(f"the growth {what}: structure {cls.__name__} cannot express (only resized layers map back "
-                            "to its config)",
-                            "keep the GraphModule, or grow with passes that resize (grow_hidden, grow_heads, grow_width)")
+        )
+        raise NotApplicable(
+            f"the growth {what}: structure {cls.__name__} cannot express (only resized layers map back to its config)",
+            "keep the GraphModule, or grow with passes that resize (grow_hidden, grow_heads, grow_width)",
+        )
 
 
 def _solve_config(old: Any, grown: fx.GraphModule, cls: type, shapes: dict[str, tuple]) -> Any:
@@ -191,8 +221,13 @@ def _pin_derived(config: Any, cls: type) -> None:
         moved = _meta_shapes(cls, _with(config, field, 1024))
         if moved is None:
             continue
-        derived = {now[k][i] * 1024 / moved[k][i] for k in now if k in moved and len(now[k]) == len(moved[k])
-                   for i in range(len(now[k])) if now[k][i] != moved[k][i]}
+        derived = {
+            now[k][i] * 1024 / moved[k][i]
+            for k in now
+            if k in moved and len(now[k]) == len(moved[k])
+            for i in range(len(now[k]))
+            if now[k][i] != moved[k][i]
+        }
         if len(derived) == 1:
             v = derived.pop()
             if v > 0 and math.isclose(v, round(v)):
@@ -219,12 +254,18 @@ def _set_attention(config: Any, grown: fx.GraphModule, cls: type) -> None:
         return  # no attention the analysis reads: the sizes below must account for every shape
     found = {(a.heads, a.kv_heads, a.head_dim, a.value_dim) for a in attentions}
     if len(found) > 1:
-        raise NotApplicable(f"the grown attentions differ ({sorted(found)}): {cls.__name__}'s config holds one head "
-                            "count and size for every layer", "grow every attention alike (grow_heads without at=)")
+        raise NotApplicable(
+            f"the grown attentions differ ({sorted(found)}): {cls.__name__}'s config holds one head "
+            "count and size for every layer",
+            "grow every attention alike (grow_heads without at=)",
+        )
     heads, kv, d, e = found.pop()
     if d != e and not hasattr(config, "v_head_dim"):
-        raise NotApplicable(f"the grown attention's value head size ({e}) differs from its query/key head size ({d}): "
-                            f"{cls.__name__}'s config has one head_dim", "grow head_dim and value_dim together")
+        raise NotApplicable(
+            f"the grown attention's value head size ({e}) differs from its query/key head size ({d}): "
+            f"{cls.__name__}'s config has one head_dim",
+            "grow head_dim and value_dim together",
+        )
     if hasattr(config, "num_attention_heads"):
         config.num_attention_heads = heads
     if hasattr(config, "num_key_value_heads") and getattr(config, "num_key_value_heads", None) is not None:
@@ -268,8 +309,16 @@ def _why_not(cls: type, config: Any) -> str:
 
 def _size_fields(config: Any) -> list[str]:
     data = config.to_dict()
-    return [k for k, v in data.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0
-            and k not in _NOT_SIZES and not k.endswith("_token_id") and not k.startswith("_")]
+    return [
+        k
+        for k, v in data.items()
+        if isinstance(v, int)
+        and not isinstance(v, bool)
+        and v > 0
+        and k not in _NOT_SIZES
+        and not k.endswith("_token_id")
+        and not k.startswith("_")
+    ]
 
 
 def _solve_sizes(config: Any, cls: type, target: dict[str, tuple]) -> None:
@@ -277,9 +326,11 @@ def _solve_sizes(config: Any, cls: type, target: dict[str, tuple]) -> None:
     for _ in range(4):  # a field solved can make another solvable (head size derived from hidden / heads)
         now = _meta_shapes(cls, config)
         if now is None:
-            raise NotApplicable(f"{cls.__name__} cannot be built with the grown sizes ({_why_not(cls, config)})",
-                                "grow sizes the class can hold together (e.g. hidden size = heads × head size where it "
-                                "derives one from the others), or keep the GraphModule")
+            raise NotApplicable(
+                f"{cls.__name__} cannot be built with the grown sizes ({_why_not(cls, config)})",
+                "grow sizes the class can hold together (e.g. hidden size = heads × head size where it "
+                "derives one from the others), or keep the GraphModule",
+            )
         wrong = {(k, i) for k, s in target.items() if k in now for i, (a, b) in enumerate(zip(now[k], s)) if a != b}
         if not wrong:
             return
@@ -289,8 +340,13 @@ def _solve_sizes(config: Any, cls: type, target: dict[str, tuple]) -> None:
             moved = _meta_shapes(cls, _with(config, field, 2 * old))
             if moved is None:
                 continue
-            deps = {(k, i): (now[k][i], moved[k][i]) for k in now if k in moved and len(now[k]) == len(moved[k])
-                    for i in range(len(now[k])) if now[k][i] != moved[k][i]}
+            deps = {
+                (k, i): (now[k][i], moved[k][i])
+                for k in now
+                if k in moved and len(now[k]) == len(moved[k])
+                for i in range(len(now[k]))
+                if now[k][i] != moved[k][i]
+            }
             if not any(key in wrong for key in deps):
                 continue
             needs: dict[float, tuple[str, int]] = {}
@@ -299,10 +355,12 @@ def _solve_sizes(config: Any, cls: type, target: dict[str, tuple]) -> None:
                 needs.setdefault(need, (k, i))
             if len(needs) > 1:
                 (v1, (k1, _)), (v2, (k2, _)) = list(needs.items())[:2]
-                raise NotApplicable(f"'{k1}' needs {field}={v1:g} and '{k2}' needs {field}={v2:g}: no {cls.__name__} "
-                                    "config gives both grown shapes (one value per field for every layer; some "
-                                    "classes derive one size from another, e.g. head size = hidden size / heads)",
-                                    "grow every layer alike and sizes the class can hold together, or keep the GraphModule")
+                raise NotApplicable(
+                    f"'{k1}' needs {field}={v1:g} and '{k2}' needs {field}={v2:g}: no {cls.__name__} "
+                    "config gives both grown shapes (one value per field for every layer; some "
+                    "classes derive one size from another, e.g. head size = hidden size / heads)",
+                    "grow every layer alike and sizes the class can hold together, or keep the GraphModule",
+                )
             need = next(iter(needs))
             if not (need > 0 and math.isclose(need, round(need))):
                 continue
@@ -311,9 +369,11 @@ def _solve_sizes(config: Any, cls: type, target: dict[str, tuple]) -> None:
             break  # shapes changed: measure again
         if not progress:
             k, i = sorted(wrong)[0]
-            raise NotApplicable(f"no {cls.__name__} config gives '{k}' the grown shape {target[k]} (it would be "
-                                f"{now[k]}): the class cannot express this growth",
-                                "grow every layer alike, or keep the GraphModule")
+            raise NotApplicable(
+                f"no {cls.__name__} config gives '{k}' the grown shape {target[k]} (it would be "
+                f"{now[k]}): the class cannot express this growth",
+                "grow every layer alike, or keep the GraphModule",
+            )
     raise NotApplicable(f"the config of {cls.__name__} did not settle on the grown shapes", "keep the GraphModule")
 
 
@@ -334,14 +394,16 @@ def _set_eps(config: Any, original: nn.Module, grown: fx.GraphModule) -> None:
     if not changed:
         return
     if len(changed) > 1:
-        raise NotApplicable(f"the grown norms have different eps ({sorted(changed)}): the config holds one",
-                            "keep the GraphModule")
+        raise NotApplicable(
+            f"the grown norms have different eps ({sorted(changed)}): the config holds one", "keep the GraphModule"
+        )
     new_eps = changed.pop()
     old = set(before.values())
     fields = [k for k, v in config.to_dict().items() if isinstance(v, float) and v in old and "eps" in k]
     if not fields:
-        raise NotApplicable("the growth rescaled the norms' eps and the config has no eps field holding it",
-                            "keep the GraphModule")
+        raise NotApplicable(
+            "the growth rescaled the norms' eps and the config has no eps field holding it", "keep the GraphModule"
+        )
     for f in fields:
         setattr(config, f, new_eps)
 
@@ -370,11 +432,16 @@ def _check(grown: fx.GraphModule, native: nn.Module, cls: type) -> None:
         try:  # the project's one check protocol (core.protocol): its tolerance, relative and max-abs
             check = compare_outputs(want, got, "eval")
         except GraphgrowError as e:
-            raise NotApplicable(f"{cls.__name__} with the solved config gives another output shape than the grown "
-                                f"graph ({e.message})", "keep the GraphModule") from e
+            raise NotApplicable(
+                f"{cls.__name__} with the solved config gives another output shape than the grown graph ({e.message})",
+                "keep the GraphModule",
+            ) from e
         if not check.ok:
-            raise NotApplicable(f"{cls.__name__} with the solved config does not compute what the grown graph does "
-                                f"(relative error {check.rel_err:.3g} at batch {batch})", "keep the GraphModule")
+            raise NotApplicable(
+                f"{cls.__name__} with the solved config does not compute what the grown graph does "
+                f"(relative error {check.rel_err:.3g} at batch {batch})",
+                "keep the GraphModule",
+            )
 
 
 def _main(out: Any) -> torch.Tensor:
@@ -403,5 +470,8 @@ def native_report(original: nn.Module, native: nn.Module) -> dict:
     """The report's `native`: class, dtype and the config fields the growth changed ({field: [before, after]})."""
     a, b = original.config.to_dict(), native.config.to_dict()
     skip = ("use_cache", "dtype", "torch_dtype", "transformers_version")
-    return {"class": type(native).__name__, "dtype": str(native.dtype).removeprefix("torch."),
-            "config": {k: [a.get(k), v] for k, v in b.items() if a.get(k) != v and k not in skip}}
+    return {
+        "class": type(native).__name__,
+        "dtype": str(native.dtype).removeprefix("torch."),
+        "config": {k: [a.get(k), v] for k, v in b.items() if a.get(k) != v and k not in skip},
+    }

@@ -10,6 +10,7 @@ Size attributes that the class keeps outside its layers (timm's `num_features`, 
 only where they held the replaced layer's old size on the root module and name a feature count (see
 `_size_attributes`); others are left as they were, and the report says which.
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,9 +20,9 @@ import torch
 from torch import fx, nn
 
 from ..core.errors import GraphgrowError, NotApplicable
+from ..core.protocol import compare_outputs
 from ..graph.graph_meta import input_spec_of
 from ..graph.shapes import example_input
-from ..core.protocol import compare_outputs
 
 
 def resized_copy(grown: fx.GraphModule, original: nn.Module) -> nn.Module:
@@ -30,9 +31,12 @@ def resized_copy(grown: fx.GraphModule, original: nn.Module) -> nn.Module:
     after = dict(grown.state_dict())
     extra = sorted(k for k in after if k not in before)
     if extra:
-        raise NotApplicable(f"the growth adds {', '.join(extra[:3])}" + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
-                            + f": {type(original).__name__} has no place for it (structural growth stays a GraphModule)",
-                            "keep the GraphModule (it saves, loads and exports as it is)")
+        raise NotApplicable(
+            f"the growth adds {', '.join(extra[:3])}"
+            + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
+            + f": {type(original).__name__} has no place for it (structural growth stays a GraphModule)",
+            "keep the GraphModule (it saves, loads and exports as it is)",
+        )
     changed = sorted(k for k in after if after[k].shape != before[k].shape)
     native = copy.deepcopy(original)
     replaced = {}
@@ -44,12 +48,15 @@ def resized_copy(grown: fx.GraphModule, original: nn.Module) -> nn.Module:
             new = grown.get_submodule(path)
             old = native.get_submodule(path)
         except AttributeError:
-            raise NotApplicable(f"'{key}' changed size and the grown graph has no layer '{path}' holding it",
-                                "keep the GraphModule") from None
+            raise NotApplicable(
+                f"'{key}' changed size and the grown graph has no layer '{path}' holding it", "keep the GraphModule"
+            ) from None
         if type(new) is not type(old) or not type(old).__module__.startswith("torch.nn"):
-            raise NotApplicable(f"'{path}' is a {type(old).__name__} in {type(original).__name__} and a "
-                                f"{type(new).__name__} in the grown graph: only torch.nn layers are swapped back",
-                                "keep the GraphModule")
+            raise NotApplicable(
+                f"'{path}' is a {type(old).__name__} in {type(original).__name__} and a "
+                f"{type(new).__name__} in the grown graph: only torch.nn layers are swapped back",
+                "keep the GraphModule",
+            )
         replaced[path] = (old, new)
         _swap(native, path, copy.deepcopy(new))
     with torch.no_grad():  # what the growth changed in place, at the same sizes (a rescaled norm, new values)
@@ -102,13 +109,21 @@ _FEATURE_WORDS = ("num_features", "embed_dim", "hidden_size", "width", "channels
 def _size_attributes(native: nn.Module, replaced: dict) -> None:
     """Root attributes named as feature counts that held the input width of a replaced classifier (the last Linear
     whose in_features grew): timm's num_features and head_hidden_size."""
-    linears = [(old, new) for old, new in replaced.values() if isinstance(new, nn.Linear) and old.in_features != new.in_features]
+    linears = [
+        (old, new)
+        for old, new in replaced.values()
+        if isinstance(new, nn.Linear) and old.in_features != new.in_features
+    ]
     if not linears:
         return
     old, new = linears[-1]
     for name, value in list(vars(native).items()):
-        if isinstance(value, int) and not isinstance(value, bool) and value == old.in_features \
-                and any(w in name for w in _FEATURE_WORDS):
+        if (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and value == old.in_features
+            and any(w in name for w in _FEATURE_WORDS)
+        ):
             setattr(native, name, new.in_features)
 
 
@@ -138,8 +153,11 @@ def _compare(grown: fx.GraphModule, native: nn.Module, spec: Any) -> None:
                 torch.manual_seed(0)
                 got = native(**x) if isinstance(x, dict) else native(x)
         except Exception as e:  # noqa: BLE001 - the class's forward refuses the grown sizes
-            raise NotApplicable(f"{type(native).__name__} with the grown layers does not run: {type(e).__name__}: "
-                                f"{' '.join(str(e).split())[:200]}", "keep the GraphModule") from e
+            raise NotApplicable(
+                f"{type(native).__name__} with the grown layers does not run: {type(e).__name__}: "
+                f"{' '.join(str(e).split())[:200]}",
+                "keep the GraphModule",
+            ) from e
         finally:
             grown.train(was_g)
             native.train(was_n)
@@ -147,11 +165,15 @@ def _compare(grown: fx.GraphModule, native: nn.Module, spec: Any) -> None:
         try:  # the project's one check protocol (core.protocol): every output tensor, its tolerance
             check = compare_outputs(want, got, mode)
         except GraphgrowError as e:
-            raise NotApplicable(f"{type(native).__name__} with the grown layers gives other outputs than the grown "
-                                f"graph ({e.message})", "keep the GraphModule") from e
+            raise NotApplicable(
+                f"{type(native).__name__} with the grown layers gives other outputs than the grown graph ({e.message})",
+                "keep the GraphModule",
+            ) from e
         if not check.ok:
-            raise NotApplicable(f"{type(native).__name__} with the grown layers does not compute what the grown graph "
-                                f"does in {mode} mode (relative error {check.rel_err:.3g}): its forward holds a size "
-                                "the layers do not", "keep the GraphModule")
+            raise NotApplicable(
+                f"{type(native).__name__} with the grown layers does not compute what the grown graph "
+                f"does in {mode} mode (relative error {check.rel_err:.3g}): its forward holds a size "
+                "the layers do not",
+                "keep the GraphModule",
+            )
     native.train(grown.training)
-

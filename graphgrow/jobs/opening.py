@@ -1,17 +1,18 @@
 """Opening a model for a job: load it safely, capture it (fx or torch.export), check the capture against the
 model in both modes, and annotate shapes at the example input — a float shape or an input spec."""
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import fx, nn
 
 from ..capture.input_shape import infer_input_shape, parse_example_input, require_single_input
 from ..capture.trace import graph_info, trace
-from ..graph.graph_meta import input_spec_of, store_shape
 from ..core.errors import InputError, LoadError, ValidationError
+from ..graph.graph_meta import input_spec_of, store_shape
 from ..graph.inputs import InputSpec, is_positional, named_for, plain_spec, report_fields
 from ..graph.shapes import annotate
 from ..io.load import FACTORY_SEED, LoadedModel, load_model
@@ -37,17 +38,27 @@ def shape_report(shape: InputSpec) -> dict:
     return report_fields(shape)
 
 
-def open_model(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-               progress: Progress = _noop, trace_mode: str = "eval", max_memory: int | None = None,
-               factory_seed: int = FACTORY_SEED, capture: str = "auto", max_load: int | None = None) -> OpenedModel:
+def open_model(
+    source: str,
+    input_shape=None,
+    trust: bool = False,
+    leaves: Sequence[str] = (),
+    progress: Progress = _noop,
+    trace_mode: str = "eval",
+    max_memory: int | None = None,
+    factory_seed: int = FACTORY_SEED,
+    capture: str = "auto",
+    max_load: int | None = None,
+) -> OpenedModel:
     """Load (safely), trace, check the trace against the model, and annotate shapes. The
     example input (a shape or an input spec) comes from the argument, the file (graphgrow outputs
     remember it), the zoo or the first layer. `capture`: "auto", "fx" or "export" (trace()). `max_load`:
     load_model's bound on what the file unpacks to (None: its default)."""
     progress(f"loading {source}")
     loaded = load_model(source, trust=trust, factory_seed=factory_seed, max_load=max_load)
-    given = parse_example_input(input_shape if input_shape is not None else loaded.input_shape,
-                                loaded.module)  # flag or stored: one check
+    given = parse_example_input(
+        input_shape if input_shape is not None else loaded.input_shape, loaded.module
+    )  # flag or stored: one check
     progress("tracing" if capture == "auto" else f"tracing ({capture} capture)")
     gm = trace(loaded.module, given, leaves, mode=trace_mode, check=False, capture=capture)  # fidelity checked below
     if given is None:
@@ -77,8 +88,10 @@ def open_model(source: str, input_shape=None, trust: bool = False, leaves: Seque
     try:
         annotate(gm, shape)
     except ValidationError as e:
-        raise InputError(f"the model cannot run on an input of {_shown(shape)}: {e.message}",
-                         "give the input the model expects: --input-shape N,C,H,W, or --input NAME:DTYPE[SHAPE] per input") from e
+        raise InputError(
+            f"the model cannot run on an input of {_shown(shape)}: {e.message}",
+            "give the input the model expects: --input-shape N,C,H,W, or --input NAME:DTYPE[SHAPE] per input",
+        ) from e
     if loaded.kind != "graphgrow":  # a graphgrow file's graph is the model; anything else is checked against it
         from ..capture.fidelity import check_fidelity
 
@@ -96,17 +109,22 @@ def _shown(shape: InputSpec) -> str:
 def _check_finite(model: nn.Module, source: str) -> None:
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.is_floating_point() and not torch.isfinite(t).all():
-            raise LoadError(f"{source} has NaN or Inf values in '{name}'",
-                            "graphgrow will not grow or export a broken model; fix or re-initialise those weights")
+            raise LoadError(
+                f"{source} has NaN or Inf values in '{name}'",
+                "graphgrow will not grow or export a broken model; fix or re-initialise those weights",
+            )
 
 
 def _refuse_float_token_ids(gm: fx.GraphModule) -> None:
     """A float example input fed straight into an embedding fails deep inside torch: say what the model wants."""
     placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
     for user in placeholder.users:
-        is_embedding = (user.op == "call_module" and isinstance(gm.get_submodule(str(user.target)), nn.Embedding)) or \
-            (user.op == "call_function" and getattr(user.target, "__name__", "") == "embedding")
+        is_embedding = (user.op == "call_module" and isinstance(gm.get_submodule(str(user.target)), nn.Embedding)) or (
+            user.op == "call_function" and getattr(user.target, "__name__", "") == "embedding"
+        )
         if is_embedding:
-            raise InputError(f"the model's input '{placeholder.name}' goes into an embedding ({user.name}): it takes "
-                             "integer token ids, not the float tensor --input-shape describes",
-                             f"give --input {placeholder.name}:int64[1,16] (NAME:DTYPE[SHAPE])")
+            raise InputError(
+                f"the model's input '{placeholder.name}' goes into an embedding ({user.name}): it takes "
+                "integer token ids, not the float tensor --input-shape describes",
+                f"give --input {placeholder.name}:int64[1,16] (NAME:DTYPE[SHAPE])",
+            )

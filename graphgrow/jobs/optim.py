@@ -9,6 +9,7 @@ tensors of the same shape are copied; a grown tensor keeps its old state in the 
 (the leading box, where passes keep the old values) and zeros in the new slices; new
 parameters start with no state, as in a fresh optimiser.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -32,11 +33,14 @@ def carry_optimizer(optimizer: torch.optim.Optimizer, old: nn.Module, new: nn.Mo
     for i, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) not in names:
-                raise InputError("the optimiser holds a parameter that is not in the old model",
-                                 "pass the model the optimiser was built for as `old`")
+                raise InputError(
+                    "the optimiser holds a parameter that is not in the old model",
+                    "pass the model the optimiser was built for as `old`",
+                )
             group_of[names[id(p)]] = i
-    groups: list[dict[str, Any]] = [{**{k: v for k, v in g.items() if k != "params"}, "params": []}
-                                    for g in optimizer.param_groups]
+    groups: list[dict[str, Any]] = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in optimizer.param_groups
+    ]
     for name, p in new_params.items():
         groups[group_of.get(name, 0)]["params"].append(p)
     kept = [g for g in groups if g["params"]] or [{**groups[0], "params": list(new_params.values())}]

@@ -4,10 +4,12 @@ LoadOptions: how to open the model (the example input, --trust, --leaf, --trace-
 OutputOptions: what to write (-o, --onnx, the default name's suffix, --dry-run, --diagram).
 Limits (analysis.budget): --max-params and --max-memory, carried to each place that reads them (no global).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 
 @dataclass(frozen=True)

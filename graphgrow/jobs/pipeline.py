@@ -1,21 +1,23 @@
 """Pipelines: specs like `grow_width(target=layer1.0.conv1,factor=2),add_residual`, run with verification."""
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import types
 import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
 from torch import fx
 
 from ..analysis.budget import Limits
 from ..core.errors import GraphgrowError, InputError, SpecError, with_context
+from ..core.threads import check_threads
 from ..graph.graph_meta import input_spec_of
 from ..rewrite.pass_base import Pass, PassResult, require_traced
 from .registry import get_pass
-from ..core.threads import check_threads
 
 
 def _split_top(text: str, sep: str = ",") -> list[str]:
@@ -39,7 +41,9 @@ def _split_with_offsets(text: str, sep: str = ",", base: int = 0, spec: str | No
             opened.append(i)
         elif ch in ")]":
             if not opened:
-                raise SpecError("unbalanced ')' in the pipeline spec", "remove it or open a '(' before it", spec, base + i)
+                raise SpecError(
+                    "unbalanced ')' in the pipeline spec", "remove it or open a '(' before it", spec, base + i
+                )
             opened.pop()
         elif ch == sep and not opened:
             parts.append(_part(text, start, i, base))
@@ -106,7 +110,9 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
-        if type(None) in options and (value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))):
+        if type(None) in options and (
+            value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))
+        ):
             return None
         errors = []
         for opt in options:
@@ -163,15 +169,19 @@ def make_pass(name: str, args: dict[str, Any]) -> Pass:
     unknown = [k for k in args if k not in fields]
     if unknown:
         valid = ", ".join(fields) or "none"
-        raise SpecError(f"pass {name} has no argument {', '.join(map(repr, unknown))}", f"valid arguments: {valid}",
-                        argument=unknown[0])
+        raise SpecError(
+            f"pass {name} has no argument {', '.join(map(repr, unknown))}",
+            f"valid arguments: {valid}",
+            argument=unknown[0],
+        )
     kwargs = {}
     for k, v in args.items():
         try:
             kwargs[k] = coerce(v, hints[k], f"{name}({k}=...)")
         except SpecError as e:
-            raise SpecError(e.message, e.hint or f"`graphgrow passes` lists {name}'s arguments, types and defaults",
-                            argument=k) from None
+            raise SpecError(
+                e.message, e.hint or f"`graphgrow passes` lists {name}'s arguments, types and defaults", argument=k
+            ) from None
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
@@ -188,7 +198,9 @@ def build_pipeline(specs: str | Sequence[str]) -> list[Pass]:
             try:
                 passes.append(make_pass(step.name, step.args))
             except SpecError as e:  # point at the argument, else at the pass
-                raise SpecError(e.message, e.hint, spec, step.arg_at.get(e.argument or "", step.at), e.argument) from None
+                raise SpecError(
+                    e.message, e.hint, spec, step.arg_at.get(e.argument or "", step.at), e.argument
+                ) from None
     if not passes:
         raise SpecError("no pass given", "e.g. --pass add_residual")
     return passes
@@ -224,10 +236,12 @@ def from_log(log: list[dict], verify: bool = True, *, data: Any = None, trust: b
             again.setdefault(i - 1, {})[key] = given[key]
             del steps[i - 1][1][key]
         elif not trust:
-            raise InputError(f"step {i} of the mutation log ({steps[i - 1][0]}) was grown with {key}={value[:200]}, a "
-                             "function the file names: graphgrow never imports a name read from a file",
-                             f"name it again to replay the step: --{key} {value[:200]} ({key}=... in Python), "
-                             "or pass --trust if you trust the file")
+            raise InputError(
+                f"step {i} of the mutation log ({steps[i - 1][0]}) was grown with {key}={value[:200]}, a "
+                "function the file names: graphgrow never imports a name read from a file",
+                f"name it again to replay the step: --{key} {value[:200]} ({key}=... in Python), "
+                "or pass --trust if you trust the file",
+            )
     passes = [make_pass(name, args) for name, args in steps]
     passes = [dataclasses.replace(p, **again[i]) if i in again else p for i, p in enumerate(passes)]
     return Pipeline(passes, verify=verify, seeds=seeds)
@@ -278,7 +292,7 @@ class Pipeline:
     share: bool = False  # True: the result shares untouched parameters with the input too (Pass.__call__'s share)
 
     @classmethod
-    def from_spec(cls, specs: str | Sequence[str], verify: bool = True, seed: int = 0, share: bool = False) -> "Pipeline":
+    def from_spec(cls, specs: str | Sequence[str], verify: bool = True, seed: int = 0, share: bool = False) -> Pipeline:
         return cls(build_pipeline(specs), verify=verify, seed=seed, share=share)
 
     def run(self, gm: fx.GraphModule, progress: Callable[[int, Pass], None] | None = None) -> PipelineResult:

@@ -3,6 +3,7 @@
 Built-in passes register there exactly as a third-party package would, so a plugin
 is a first-class citizen. `register_pass` adds one in-process (tests, notebooks).
 """
+
 from __future__ import annotations
 
 from importlib.metadata import entry_points
@@ -23,7 +24,9 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
 
 def _check(cls, where: str) -> None:
     if not (isinstance(cls, type) and issubclass(cls, Pass) and cls.name):
-        raise SpecError(f"{where} is not a graphgrow Pass with a name", "subclass graphgrow.Pass and set name: ClassVar[str]")
+        raise SpecError(
+            f"{where} is not a graphgrow Pass with a name", "subclass graphgrow.Pass and set name: ClassVar[str]"
+        )
 
 
 def _entry_points() -> dict:
@@ -44,11 +47,15 @@ def get_pass(name: str) -> type[Pass]:
     try:
         cls = eps[name].load()
     except Exception as e:
-        raise SpecError(f"pass '{name}' is registered by {eps[name].value} but fails to import: {e}",
-                        "reinstall or remove the package that provides it") from e
+        raise SpecError(
+            f"pass '{name}' is registered by {eps[name].value} but fails to import: {e}",
+            "reinstall or remove the package that provides it",
+        ) from e
     _check(cls, eps[name].value)
     if cls.name != name:
-        raise SpecError(f"entry point '{name}' loads a pass named '{cls.name}'", "the entry-point name must equal the pass's name")
+        raise SpecError(
+            f"entry point '{name}' loads a pass named '{cls.name}'", "the entry-point name must equal the pass's name"
+        )
     return cls
 
 

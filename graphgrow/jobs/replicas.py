@@ -10,21 +10,25 @@ same list, so either every rank goes on or every rank raises.
 Without an initialised process group everything here is the one-process case (rank 0 of 1) and no
 collective runs.
 """
+
 from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..core.errors import DistributedError, GraphgrowError, first_line
 
-HINT = ("a rank died, hung or was killed during growth; every rank that answered kept its old model — "
-        "stop the job and resume from the last checkpoint")
+HINT = (
+    "a rank died, hung or was killed during growth; every rank that answered kept its old model — "
+    "stop the job and resume from the last checkpoint"
+)
 
 
 def _dist():
@@ -54,8 +58,11 @@ class Replicas:
             dist.all_gather_object(out, record, group=self.group)
         except (RuntimeError, ValueError, OSError) as e:  # DistBackendError is a RuntimeError
             waited = time.perf_counter() - start
-            raise DistributedError(f"rank {self.rank}: growth stopped while {phase}: not every rank answered "
-                                   f"(waited {waited:.1f} s, timeout {self.timeout:g} s): {first_line(e, 200)}", HINT) from e
+            raise DistributedError(
+                f"rank {self.rank}: growth stopped while {phase}: not every rank answered "
+                f"(waited {waited:.1f} s, timeout {self.timeout:g} s): {first_line(e, 200)}",
+                HINT,
+            ) from e
         return out
 
     def barrier(self, phase: str) -> None:
@@ -78,8 +85,10 @@ def replicas(timeout: float = 300.0) -> Replicas:
         try:
             side = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         except (RuntimeError, ValueError) as e:
-            raise DistributedError(f"rank {dist.get_rank()}: could not open the growth side group (gloo): {first_line(e, 200)}",
-                                   "growth coordinates over gloo on the CPU: torch must be built with gloo; " + HINT) from e
+            raise DistributedError(
+                f"rank {dist.get_rank()}: could not open the growth side group (gloo): {first_line(e, 200)}",
+                "growth coordinates over gloo on the CPU: torch must be built with gloo; " + HINT,
+            ) from e
         _SIDE_GROUPS[float(timeout)] = (dist.group.WORLD, side)
     return Replicas(dist.get_rank(), dist.get_world_size(), side, timeout)
 
@@ -136,12 +145,16 @@ def raise_failures(reps: Replicas, records: list[dict], own: BaseException | Non
     if own is not None:
         if isinstance(own, GraphgrowError):
             raise own
-        raise DistributedError(f"rank {reps.rank}: {phase} failed: {type(own).__name__}: {first_line(own, 200)}",
-                               "every rank keeps its old model") from own
+        raise DistributedError(
+            f"rank {reps.rank}: {phase} failed: {type(own).__name__}: {first_line(own, 200)}",
+            "every rank keeps its old model",
+        ) from own
     rank, why = failed[0]
     more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-    raise DistributedError(f"rank {reps.rank}: rank {rank} could not grow{more}: {why}",
-                           "every rank keeps its old model, optimiser and scheduler; fix the cause on that rank")
+    raise DistributedError(
+        f"rank {reps.rank}: rank {rank} could not grow{more}: {why}",
+        "every rank keeps its old model, optimiser and scheduler; fix the cause on that rank",
+    )
 
 
 def error_text(e: BaseException) -> str:

@@ -1,4 +1,5 @@
 """A torchinfo-like summary of a traced model: one row per module at a depth (what `graphgrow inspect` prints)."""
+
 from __future__ import annotations
 
 from torch import fx

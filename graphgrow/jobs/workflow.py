@@ -2,50 +2,88 @@
 
 Each returns plain data (the CLI formats it) and raises GraphgrowError subclasses.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from torch import fx
 
-from ..io import outputs
-from ..core.errors import InputError, LoadError, SaveError, SpecError, with_context
-from ..io.load import FACTORY_SEED, LoadedModel, custom_classes, load_model
-from ..io.save import check_output_path, default_output_path, plain_output_path, save_model
-from ..io.factory import is_factory_name
-from ..io.hf_folder import check_new_folder, is_hf_folder
-from .native import native_of, native_report
 from ..analysis.budget import Limits, check_onnx_memory, check_session_memory
 from ..analysis.targets import Candidate
-from .pipeline import Pipeline, PipelineResult, parse_spec
 from ..capture.input_shape import parse_example_input
-from .opening import _noop, OpenedModel, open_model, Progress, shape_report  # noqa: F401 (open_model, OpenedModel re-exported)
-from .options import LoadOptions, OutputOptions
-from .summary import module_summary
-from .diagram import diagram_format
-from ..io.lineage import origin_of, require_lineage
-from ..graph.shapes import param_count, total_flops
 from ..capture.trace import graph_info
+from ..core.errors import InputError, LoadError, SaveError, SpecError, with_context
+from ..graph.shapes import param_count, total_flops
+from ..io import outputs
+from ..io.factory import is_factory_name
+from ..io.hf_folder import check_new_folder, is_hf_folder
+from ..io.lineage import origin_of, require_lineage
+from ..io.load import FACTORY_SEED, LoadedModel, custom_classes, load_model
+from ..io.save import check_output_path, default_output_path, plain_output_path, save_model
+from .diagram import diagram_format
+from .native import native_of, native_report
+from .opening import OpenedModel, Progress, _noop, open_model, shape_report  # noqa: F401 (open_model, OpenedModel re-exported)
+from .options import LoadOptions, OutputOptions
+from .pipeline import Pipeline, PipelineResult, parse_spec
+from .summary import module_summary
 
-def mutate(source: str, specs: Sequence[str], out: str | None = None, onnx_out: str | None = None,
-           check: bool = False, input_shape=None, provider: str = "auto", trust: bool = False,
-           leaves: Sequence[str] = (), seed: int = 0, progress: Progress = _noop, trace_mode: str = "eval",
-           max_params=None, max_memory=None, suffix: str = ".grown.pt", dry_run: bool = False,
-           diagram: str | None = None, capture: str = "auto", data: str | None = None) -> dict:
+
+def mutate(
+    source: str,
+    specs: Sequence[str],
+    out: str | None = None,
+    onnx_out: str | None = None,
+    check: bool = False,
+    input_shape=None,
+    provider: str = "auto",
+    trust: bool = False,
+    leaves: Sequence[str] = (),
+    seed: int = 0,
+    progress: Progress = _noop,
+    trace_mode: str = "eval",
+    max_params=None,
+    max_memory=None,
+    suffix: str = ".grown.pt",
+    dry_run: bool = False,
+    diagram: str | None = None,
+    capture: str = "auto",
+    data: str | None = None,
+) -> dict:
     """grow() with its options as keyword arguments (the Python convenience; the CLI builds the options itself).
     `max_params`/`max_memory`: sizes as the flags take them ('500M', '8G', 'none'), or None for the defaults."""
-    return grow(source, specs, load=LoadOptions(input_shape=input_shape, trust=trust, leaves=tuple(leaves),
-                                                trace_mode=trace_mode, capture=capture),
-                output=OutputOptions(out=out, onnx_out=onnx_out, suffix=suffix, dry_run=dry_run, diagram=diagram),
-                limits=Limits.parse(max_params, max_memory), check=check, provider=provider, seed=seed,
-                progress=progress, data=data)
+    return grow(
+        source,
+        specs,
+        load=LoadOptions(
+            input_shape=input_shape, trust=trust, leaves=tuple(leaves), trace_mode=trace_mode, capture=capture
+        ),
+        output=OutputOptions(out=out, onnx_out=onnx_out, suffix=suffix, dry_run=dry_run, diagram=diagram),
+        limits=Limits.parse(max_params, max_memory),
+        check=check,
+        provider=provider,
+        seed=seed,
+        progress=progress,
+        data=data,
+    )
 
 
-def grow(source: str, specs: Sequence[str], *, load: LoadOptions, output: OutputOptions, limits: Limits,
-         check: bool = False, provider: str = "auto", seed: int = 0, progress: Progress = _noop,
-         data: str | None = None) -> dict:
+def grow(
+    source: str,
+    specs: Sequence[str],
+    *,
+    load: LoadOptions,
+    output: OutputOptions,
+    limits: Limits,
+    check: bool = False,
+    provider: str = "auto",
+    seed: int = 0,
+    progress: Progress = _noop,
+    data: str | None = None,
+) -> dict:
     """Load → run the pipeline with verification → save → (export) → (check). Returns the JSON report.
     `data`: package.module:function giving (inputs, loss_fn) to the passes with init=gradmax.
     `output.diagram`: also draw the graph after growth against the one before (diagram.draw; .svg or .png).
@@ -56,10 +94,14 @@ def grow(source: str, specs: Sequence[str], *, load: LoadOptions, output: Output
     if data is not None:
         pipeline.passes = with_data(pipeline.passes, data)
     pipeline.limits = limits
-    pipeline.share = True  # the model loaded here is only read after the pipeline: the result shares what it leaves alone
+    pipeline.share = (
+        True  # the model loaded here is only read after the pipeline: the result shares what it leaves alone
+    )
     if out is not None and is_hf_folder(Path(source)):
         check_new_folder(Path(out))
-    out_path = check_output_path(out or default_output_path(source, suffix), inputs=(source,))  # default: claimed when written
+    out_path = check_output_path(
+        out or default_output_path(source, suffix), inputs=(source,)
+    )  # default: claimed when written
     onnx_path = check_output_path(onnx_out, inputs=(source,)) if onnx_out else None
     diagram_path = check_output_path(diagram, inputs=(source,)) if diagram else None
     if diagram_path is not None:
@@ -67,16 +109,35 @@ def grow(source: str, specs: Sequence[str], *, load: LoadOptions, output: Output
     _distinct_outputs(out_path, onnx_path, diagram_path)
     opened = _open(source, load, progress, limits.max_memory)
     # a Hugging Face folder grown into a folder (-o without .pt): the model's own class, written by save_pretrained
-    native = out_path if out is not None and opened.loaded.kind == "hf-folder" and out_path.suffix not in (".pt", ".pth") else None
-    report = _grow_and_write(pipeline, opened, source, (source,), out_path, onnx_path, check, provider, progress, "pass",
-                             dry_run=output.dry_run, diagram=diagram_path,
-                             fresh=plain_output_path(source, suffix) if out is None else None, native=native)
+    native = (
+        out_path
+        if out is not None and opened.loaded.kind == "hf-folder" and out_path.suffix not in (".pt", ".pth")
+        else None
+    )
+    report = _grow_and_write(
+        pipeline,
+        opened,
+        source,
+        (source,),
+        out_path,
+        onnx_path,
+        check,
+        provider,
+        progress,
+        "pass",
+        dry_run=output.dry_run,
+        diagram=diagram_path,
+        fresh=plain_output_path(source, suffix) if out is None else None,
+        native=native,
+    )
     plain = plain_output_path(source, suffix)
     went = Path(report["outputs"][0]) if report["outputs"] and not output.dry_run else out_path
     if out is None and went != plain:
         report["output_note"] = f"{plain} already exists: the result went to {went.name} (give -o to choose the name)"
     elif out is None and opened.loaded.kind == "hf-folder":
-        report["output_note"] = "graphgrow's own file; -o NEWFOLDER (no .pt) writes a Hugging Face folder of the model's own class"
+        report["output_note"] = (
+            "graphgrow's own file; -o NEWFOLDER (no .pt) writes a Hugging Face folder of the model's own class"
+        )
     return report
 
 
@@ -86,16 +147,27 @@ def with_data(passes: list, data: str) -> list:
 
     aimed = [p for p in passes if getattr(p, "init", None) == "gradmax"]
     if not aimed:
-        raise SpecError("--data is read by passes with init=gradmax, and none of these has it",
-                        "e.g. --pass 'grow_width(init=gradmax)' --data mytask:batch")
+        raise SpecError(
+            "--data is read by passes with init=gradmax, and none of these has it",
+            "e.g. --pass 'grow_width(init=gradmax)' --data mytask:batch",
+        )
     return [dataclasses.replace(p, data=data) if p in aimed and p.data is None else p for p in passes]
 
 
 def _open(source: str, load: LoadOptions, progress: Progress, max_memory: int | None, **extra: Any) -> OpenedModel:
     """open_model with the command's load options, every argument by name (max_memory None: the default, 8G)."""
-    return open_model(source, input_shape=load.input_shape, trust=load.trust, leaves=load.leaves, progress=progress,
-                      trace_mode=load.trace_mode, max_memory=max_memory, capture=load.capture, max_load=load.max_load,
-                      **extra)
+    return open_model(
+        source,
+        input_shape=load.input_shape,
+        trust=load.trust,
+        leaves=load.leaves,
+        progress=progress,
+        trace_mode=load.trace_mode,
+        max_memory=max_memory,
+        capture=load.capture,
+        max_load=load.max_load,
+        **extra,
+    )
 
 
 def _distinct_outputs(*paths: Path | None) -> None:
@@ -104,17 +176,31 @@ def _distinct_outputs(*paths: Path | None) -> None:
         raise SaveError("two outputs (-o, --onnx, --diagram) name the same file", "give each output its own name")
 
 
-def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs: tuple, out_path: Path,
-                    onnx_path: Path | None, check: bool, provider: str, progress: Progress, verb: str,
-                    dry_run: bool = False, diagram: Path | None = None, fresh: Path | None = None,
-                    native: Path | None = None) -> dict:
+def _grow_and_write(
+    pipeline: Pipeline,
+    opened: OpenedModel,
+    source: str,
+    inputs: tuple,
+    out_path: Path,
+    onnx_path: Path | None,
+    check: bool,
+    provider: str,
+    progress: Progress,
+    verb: str,
+    dry_run: bool = False,
+    diagram: Path | None = None,
+    fresh: Path | None = None,
+    native: Path | None = None,
+) -> dict:
     """Run `pipeline` on the opened model, save the result, export and check it when asked (not when `dry_run`).
     `fresh`: `out_path` is a default name: the model goes to the first free one of `fresh`, `fresh`-1, … as it is
     written (another run may have taken `out_path` meanwhile). `native`: a Hugging Face folder to write (native.py)."""
     timings: dict[str, float] = {}
     t = time.perf_counter()
     count = len(pipeline.passes)
-    result = pipeline.run(opened.gm, progress=lambda i, p: progress(f"{verb} {i + 1}/{count}: {p.name} (+ verification)"))
+    result = pipeline.run(
+        opened.gm, progress=lambda i, p: progress(f"{verb} {i + 1}/{count}: {p.name} (+ verification)")
+    )
     timings["passes"] = time.perf_counter() - t
     report: dict = {
         "model": source,
@@ -136,16 +222,23 @@ def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs
     if onnx_path or check:  # before anything is written: the export and the check must fit too
         from ..io.export import wants_external
 
-        check_onnx_memory(result.gm, wants_external(result.gm, None, onnx_path), check,
-                          pipeline.limits.max_memory if pipeline.limits else None)
-    own = native_of(result.gm, opened.loaded, progress) if native is not None else None  # refused before anything is written
+        check_onnx_memory(
+            result.gm,
+            wants_external(result.gm, None, onnx_path),
+            check,
+            pipeline.limits.max_memory if pipeline.limits else None,
+        )
+    own = (
+        native_of(result.gm, opened.loaded, progress) if native is not None else None
+    )  # refused before anything is written
     with StagedOutputs() as staged:  # every output appears at the end, together, or none does
         if own is None:
             progress(f"saving {out_path}")
             save_model(result.gm, staged.reserve(out_path, fresh=fresh), inputs=inputs)
         if onnx_path or check:
-            exported = export_and_check(result.gm, opened, staged.reserve(onnx_path) if onnx_path else None, check,
-                                        provider, progress, timings)
+            exported = export_and_check(
+                result.gm, opened, staged.reserve(onnx_path) if onnx_path else None, check, provider, progress, timings
+            )
             if check:
                 report["equivalence"] = exported["equivalence"]
         if check and not report["equivalence"]["passed"]:
@@ -164,35 +257,53 @@ def _grow_and_write(pipeline: Pipeline, opened: OpenedModel, source: str, inputs
     custom = custom_classes(result.gm) if own is None else []
     if custom:  # said now, not discovered at the next command's refusal
         shown = ", ".join(custom[:3]) + (f" and {len(custom) - 3} more" if len(custom) > 3 else "")
-        report["trust_note"] = (f"reading {out_path.name} back needs --trust: it keeps modules of custom classes whole "
-                                f"({shown}); loading them runs that installed code")
+        report["trust_note"] = (
+            f"reading {out_path.name} back needs --trust: it keeps modules of custom classes whole "
+            f"({shown}); loading them runs that installed code"
+        )
     return report
 
 
-def _draw(before: fx.GraphModule, after: fx.GraphModule, tmp: Path, final: Path, title: str, progress: Progress) -> None:
+def _draw(
+    before: fx.GraphModule, after: fx.GraphModule, tmp: Path, final: Path, title: str, progress: Progress
+) -> None:
     from .diagram import draw
 
     progress(f"drawing {final}")
     draw(before, after, tmp, title, fmt=final.suffix)
 
 
-def diff(source_a: str, source_b: str, diagram: str | None = None, trust: bool = False, progress: Progress = _noop,
-         max_memory: int | None = None) -> dict:
+def diff(
+    source_a: str,
+    source_b: str,
+    diagram: str | None = None,
+    trust: bool = False,
+    progress: Progress = _noop,
+    max_memory: int | None = None,
+) -> dict:
     """What B changed against A, where B was grown from A (lineage.require_lineage: A's mutation log is the
     start of B's and both start from the same network). `max_memory` (None: 8G) bounds each model's activations."""
     if diagram:
         check_output_path(diagram, inputs=(source_a, source_b))
         diagram_format(diagram)  # refused before the models are loaded
     b = _open(source_b, LoadOptions(trust=trust), progress, max_memory)
-    a = _open(source_a, LoadOptions(input_shape=b.input_shape, trust=trust), progress, max_memory)  # B knows the shape; A may not
+    a = _open(
+        source_a, LoadOptions(input_shape=b.input_shape, trust=trust), progress, max_memory
+    )  # B knows the shape; A may not
     lineage = require_lineage(a.gm, source_a, b.gm, source_b)
     log_a, log_b = graph_info(a.gm).get("log", []), graph_info(b.gm).get("log", [])
     from .diagram import node_changes
 
     items, gone = node_changes(a.gm, b.gm)
-    report = {"a": source_a, "b": source_b, "lineage": lineage, "passes": [e.get("pass") for e in log_b[len(log_a):]],
-              "params": [param_count(a.gm), param_count(b.gm)], "removed": gone,
-              **{k: [it.label for it in items if it.status == k] for k in ("added", "rebuilt", "reshaped")}}
+    report = {
+        "a": source_a,
+        "b": source_b,
+        "lineage": lineage,
+        "passes": [e.get("pass") for e in log_b[len(log_a) :]],
+        "params": [param_count(a.gm), param_count(b.gm)],
+        "removed": gone,
+        **{k: [it.label for it in items if it.status == k] for k in ("added", "rebuilt", "reshaped")},
+    }
     if diagram:
         from .diagram import draw
 
@@ -240,7 +351,7 @@ class StagedOutputs:
             outputs.discard(tmp)
         self.staged = []
 
-    def __enter__(self) -> "StagedOutputs":
+    def __enter__(self) -> StagedOutputs:
         return self
 
     def __exit__(self, *exc) -> Literal[False]:
@@ -248,16 +359,25 @@ class StagedOutputs:
         return False
 
 
-def export_and_check(gm: fx.GraphModule, opened: OpenedModel, onnx_path: Path | None, check: bool, provider: str,
-                     progress: Progress, timings: dict) -> dict:
-    from ..verify.equivalence import check_equivalence
+def export_and_check(
+    gm: fx.GraphModule,
+    opened: OpenedModel,
+    onnx_path: Path | None,
+    check: bool,
+    provider: str,
+    progress: Progress,
+    timings: dict,
+) -> dict:
     from ..io.export import export_onnx
     from ..io.onnx_external import external_folder, written
     from ..io.runtime import max_ir_version, open_session
+    from ..verify.equivalence import check_equivalence
 
     progress("exporting to ONNX (torch.onnx.export, then the ONNX checker)")
     t = time.perf_counter()
-    proto = export_onnx(gm, opened.input_shape, onnx_path, metadata=provenance(opened.loaded), max_ir_version=max_ir_version())
+    proto = export_onnx(
+        gm, opened.input_shape, onnx_path, metadata=provenance(opened.loaded), max_ir_version=max_ir_version()
+    )
     timings["export"] = time.perf_counter() - t
     result: dict = {"outputs": [str(p) for p in written(proto, onnx_path)] if onnx_path else []}
     if check:
@@ -286,10 +406,24 @@ def _preservation_json(result: PipelineResult) -> dict:
     }
 
 
-def replay(source: str, log_source: str, out: str | None = None, onnx_out: str | None = None, check: bool = False,
-           input_shape=None, provider: str = "auto", trust: bool = False, leaves: Sequence[str] = (),
-           progress: Progress = _noop, trace_mode: str = "eval",
-           max_params=None, max_memory=None, capture: str = "auto", data=None, max_load: int | None = None) -> dict:
+def replay(
+    source: str,
+    log_source: str,
+    out: str | None = None,
+    onnx_out: str | None = None,
+    check: bool = False,
+    input_shape=None,
+    provider: str = "auto",
+    trust: bool = False,
+    leaves: Sequence[str] = (),
+    progress: Progress = _noop,
+    trace_mode: str = "eval",
+    max_params=None,
+    max_memory=None,
+    capture: str = "auto",
+    data=None,
+    max_load: int | None = None,
+) -> dict:
     """Re-apply the mutation log of `log_source` (a graphgrow .pt or an exported .onnx) to the model `source`.
     `data`: the data function (a name or the function) for the steps that logged one; the logged name itself
     is used only with `trust` (pipeline.from_log)."""
@@ -297,32 +431,63 @@ def replay(source: str, log_source: str, out: str | None = None, onnx_out: str |
 
     log, grown_shape, grown_origin = _read_log(log_source, trust, need_shape=input_shape is None)
     if data is not None and not logged_code(log):
-        raise InputError(f"--data was given, and no step of {log_source}'s mutation log was grown with data",
-                         "leave --data out")
+        raise InputError(
+            f"--data was given, and no step of {log_source}'s mutation log was grown with data", "leave --data out"
+        )
     pipeline = from_log(log, data=data, trust=trust)  # a malformed log, or a logged name to import, refused first
     inputs = (source, log_source)
-    out_path = check_output_path(out or default_output_path(source, ".replayed.pt"), inputs=inputs)  # default: claimed when written
+    out_path = check_output_path(
+        out or default_output_path(source, ".replayed.pt"), inputs=inputs
+    )  # default: claimed when written
     onnx_path = check_output_path(onnx_out, inputs=inputs) if onnx_out else None
     _distinct_outputs(out_path, onnx_path)
     limits = Limits.parse(max_params, max_memory)
-    opened = _open(source, LoadOptions(input_shape=input_shape or grown_shape, trust=trust, leaves=tuple(leaves),
-                                       trace_mode=trace_mode, capture=capture, max_load=max_load), progress,
-                   limits.max_memory)
+    opened = _open(
+        source,
+        LoadOptions(
+            input_shape=input_shape or grown_shape,
+            trust=trust,
+            leaves=tuple(leaves),
+            trace_mode=trace_mode,
+            capture=capture,
+            max_load=max_load,
+        ),
+        progress,
+        limits.max_memory,
+    )
     done = graph_info(opened.gm).get("log", [])
-    if log[:len(done)] != done:
-        raise InputError(f"{source} was not grown on the way to {log_source}: its mutation log is not the start of that one",
-                         f"replay onto the model {log_source} was grown from")
+    if log[: len(done)] != done:
+        raise InputError(
+            f"{source} was not grown on the way to {log_source}: its mutation log is not the start of that one",
+            f"replay onto the model {log_source} was grown from",
+        )
     origin = origin_of(opened.gm)
     if grown_origin and origin and origin != grown_origin:
-        raise InputError(f"{log_source} was not grown from {source}: it starts from a different network "
-                         "— the parameter names or shapes differ", f"replay onto the model {log_source} was grown from")
+        raise InputError(
+            f"{log_source} was not grown from {source}: it starts from a different network "
+            "— the parameter names or shapes differ",
+            f"replay onto the model {log_source} was grown from",
+        )
     if len(done) == len(log):
-        raise InputError(f"{source} already has every mutation of {log_source}: nothing to replay",
-                         "replay onto an earlier model of its lineage")
-    pipeline = from_log(log[len(done):], data=data, trust=trust)  # a model part of the way there gets the rest
+        raise InputError(
+            f"{source} already has every mutation of {log_source}: nothing to replay",
+            "replay onto an earlier model of its lineage",
+        )
+    pipeline = from_log(log[len(done) :], data=data, trust=trust)  # a model part of the way there gets the rest
     pipeline.limits = limits
-    report = _grow_and_write(pipeline, opened, source, inputs, out_path, onnx_path, check, provider, progress, "replaying",
-                             fresh=plain_output_path(source, ".replayed.pt") if out is None else None)
+    report = _grow_and_write(
+        pipeline,
+        opened,
+        source,
+        inputs,
+        out_path,
+        onnx_path,
+        check,
+        provider,
+        progress,
+        "replaying",
+        fresh=plain_output_path(source, ".replayed.pt") if out is None else None,
+    )
     report["log_from"] = log_source
     return report
 
@@ -336,24 +501,47 @@ def _read_log(log_source: str, trust: bool, need_shape: bool = True) -> tuple[li
         return mutation_log(proto), onnx_input_shape(proto) if need_shape else None, onnx_origin(proto)
     loaded = load_model(log_source, trust=trust)
     if loaded.kind != "graphgrow":
-        raise LoadError(f"{log_source} has no mutation log (it was not written by graphgrow)",
-                        "pass a file that graphgrow mutate wrote, or its exported .onnx")
+        raise LoadError(
+            f"{log_source} has no mutation log (it was not written by graphgrow)",
+            "pass a file that graphgrow mutate wrote, or its exported .onnx",
+        )
     return loaded.log, loaded.input_shape, graph_info(loaded.module).get("origin")
 
 
-def targets(source: str, spec: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-            progress: Progress = _noop, trace_mode: str = "eval", capture: str = "auto", data: str | None = None,
-            max_memory: int | None = None, max_load: int | None = None) -> dict:
+def targets(
+    source: str,
+    spec: str,
+    input_shape=None,
+    trust: bool = False,
+    leaves: Sequence[str] = (),
+    progress: Progress = _noop,
+    trace_mode: str = "eval",
+    capture: str = "auto",
+    data: str | None = None,
+    max_memory: int | None = None,
+    max_load: int | None = None,
+) -> dict:
     """Where one pass (its other arguments as given in `spec`) can apply, with what each place would add;
     with `data` (package.module:function → (inputs, loss_fn)) ranked by the first-order gain (rewrite.gain)."""
     from .pipeline import build_pipeline, spec_of
 
     passes = build_pipeline(spec)
     if len(passes) != 1:
-        raise SpecError(f"targets lists the places of one pass, got {len(passes)}", "give one pass, e.g. --pass add_branch")
+        raise SpecError(
+            f"targets lists the places of one pass, got {len(passes)}", "give one pass, e.g. --pass add_branch"
+        )
     p = passes[0]
-    opened = open_model(source, input_shape=input_shape, trust=trust, leaves=leaves, progress=progress,
-                        trace_mode=trace_mode, max_memory=max_memory, capture=capture, max_load=max_load)
+    opened = open_model(
+        source,
+        input_shape=input_shape,
+        trust=trust,
+        leaves=leaves,
+        progress=progress,
+        trace_mode=trace_mode,
+        max_memory=max_memory,
+        capture=capture,
+        max_load=max_load,
+    )
     progress(f"finding where {p.name} can apply")
     found = p.candidates(opened.gm)
     total = param_count(opened.gm)
@@ -365,10 +553,23 @@ def targets(source: str, spec: str, input_shape=None, trust: bool = False, leave
         progress(f"ranking {len(found)} places by the gradient on {data}")
         ranked = rank_by_gain(opened.gm, p, found, data)
         found, gains = [c for c, _, _ in ranked], {id(c): (g, why) for c, g, why in ranked}
-    return {"model": source, "pass": p.name, "params": total, **shape_report(opened.input_shape),
-            "candidates": [{"spec": Candidate({**given, **c.args}, c.where, c.params).spec(p.name), "where": c.where,
-                            "params": c.params, "fraction": c.params / max(total, 1), "default": c.default,
-                            **({"gain": gains[id(c)][0], "gain_note": gains[id(c)][1]} if gains else {})} for c in found]}
+    return {
+        "model": source,
+        "pass": p.name,
+        "params": total,
+        **shape_report(opened.input_shape),
+        "candidates": [
+            {
+                "spec": Candidate({**given, **c.args}, c.where, c.params).spec(p.name),
+                "where": c.where,
+                "params": c.params,
+                "fraction": c.params / max(total, 1),
+                "default": c.default,
+                **({"gain": gains[id(c)][0], "gain_note": gains[id(c)][1]} if gains else {}),
+            }
+            for c in found
+        ],
+    }
 
 
 def provenance(loaded: LoadedModel) -> dict[str, str]:
@@ -380,10 +581,21 @@ def provenance(loaded: LoadedModel) -> dict[str, str]:
     return {SOURCE_KEY: loaded.source, FACTORY_SEED_KEY: str(loaded.factory_seed)}
 
 
-def export(source: str, out: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-           progress: Progress = _noop, trace_mode: str = "eval", fold: bool = False, opset: int | None = None,
-           capture: str = "auto", external_data: bool | None = None, max_memory: int | None = None,
-           max_load: int | None = None) -> dict:
+def export(
+    source: str,
+    out: str,
+    input_shape=None,
+    trust: bool = False,
+    leaves: Sequence[str] = (),
+    progress: Progress = _noop,
+    trace_mode: str = "eval",
+    fold: bool = False,
+    opset: int | None = None,
+    capture: str = "auto",
+    external_data: bool | None = None,
+    max_memory: int | None = None,
+    max_load: int | None = None,
+) -> dict:
     """Export the model to ONNX; with `fold`, through the `fold` transform first (verified, logged);
     `external_data` as export_onnx takes it."""
     from ..io.export import export_onnx, mutation_log, wants_external
@@ -397,12 +609,25 @@ def export(source: str, out: str, input_shape=None, trust: bool = False, leaves:
         try:
             check_output_path(data_path(out_path), inputs=(source,))
         except SaveError as e:
-            raise with_context(e, f"--external-data writes the weights of {out_path} to {data_path(out_path)}") from None
+            raise with_context(
+                e, f"--external-data writes the weights of {out_path} to {data_path(out_path)}"
+            ) from None
     if opset is not None and not MIN_OPSET <= opset <= MAX_OPSET:
-        raise InputError(f"--opset {opset} is outside what the exporter writes ({MIN_OPSET}–{MAX_OPSET})",
-                         "leave it out for the exporter's default")
-    opened = open_model(source, input_shape=input_shape, trust=trust, leaves=leaves, progress=progress,
-                        trace_mode=trace_mode, max_memory=max_memory, capture=capture, max_load=max_load)
+        raise InputError(
+            f"--opset {opset} is outside what the exporter writes ({MIN_OPSET}–{MAX_OPSET})",
+            "leave it out for the exporter's default",
+        )
+    opened = open_model(
+        source,
+        input_shape=input_shape,
+        trust=trust,
+        leaves=leaves,
+        progress=progress,
+        trace_mode=trace_mode,
+        max_memory=max_memory,
+        capture=capture,
+        max_load=max_load,
+    )
     gm = opened.gm
     folded = None
     if fold:
@@ -412,47 +637,85 @@ def export(source: str, out: str, input_shape=None, trust: bool = False, leaves:
     check_onnx_memory(gm, wants_external(gm, external_data, out_path), check=False, max_memory=max_memory)
     progress("exporting to ONNX (torch.onnx.export, then the ONNX checker)")
     t = time.perf_counter()
-    proto = export_onnx(gm, opened.input_shape, out_path, metadata=provenance(opened.loaded),
-                        max_ir_version=max_ir_version(), opset=opset, external_data=external_data)
-    return {"model": source, **shape_report(opened.input_shape), "outputs": [str(p) for p in written(proto, out_path)],
-            "fold": folded.to_json() if folded is not None else None,
-            "ir_version": proto.ir_version, "opset": [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")][:1],
-            "log": mutation_log(proto),
-            "timings": {"export": time.perf_counter() - t}}
+    proto = export_onnx(
+        gm,
+        opened.input_shape,
+        out_path,
+        metadata=provenance(opened.loaded),
+        max_ir_version=max_ir_version(),
+        opset=opset,
+        external_data=external_data,
+    )
+    return {
+        "model": source,
+        **shape_report(opened.input_shape),
+        "outputs": [str(p) for p in written(proto, out_path)],
+        "fold": folded.to_json() if folded is not None else None,
+        "ir_version": proto.ir_version,
+        "opset": [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")][:1],
+        "log": mutation_log(proto),
+        "timings": {"export": time.perf_counter() - t},
+    }
 
 
 MIN_OPSET, MAX_OPSET = 18, 23  # the dynamo exporter writes opset 18 and newer
 
 
-def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto", trust: bool = False,
-          leaves: Sequence[str] = (), progress: Progress = _noop, trace_mode: str = "eval", seed: int | None = None,
-          rtol: float | None = None, atol: float | None = None, capture: str = "auto", max_memory: int | None = None,
-          max_load: int | None = None):
+def check(
+    onnx_file: str,
+    source: str,
+    input_shape=None,
+    provider: str = "auto",
+    trust: bool = False,
+    leaves: Sequence[str] = (),
+    progress: Progress = _noop,
+    trace_mode: str = "eval",
+    seed: int | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    capture: str = "auto",
+    max_memory: int | None = None,
+    max_load: int | None = None,
+):
     """onnxruntime on `onnx_file` vs PyTorch on the model `source`. Returns (json, report).
 
     A factory name builds random weights: they are the exported ones only when built with the
     seed the export recorded (or `seed`); without either the comparison would be meaningless, so
     it is refused."""
-    from ..verify.equivalence import check_equivalence
     from ..io.export import SOURCE_KEY, load_onnx, metadata, onnx_factory_seed, onnx_input_shape
     from ..io.onnx_external import declared_bytes, external_folder
     from ..io.runtime import open_session
+    from ..verify.equivalence import check_equivalence
 
     proto = load_onnx(onnx_file)
-    check_session_memory(declared_bytes(proto), max_memory)  # the session holds the file's tensors, at their declared sizes
+    check_session_memory(
+        declared_bytes(proto), max_memory
+    )  # the session holds the file's tensors, at their declared sizes
     shape = parse_example_input(input_shape) or onnx_input_shape(proto)
     meta = metadata(proto)
     factory_seed = FACTORY_SEED
     if is_factory_name(source):
         recorded = onnx_factory_seed(proto) if seed is None else seed
         if recorded is None:
-            raise InputError(f"{onnx_file} does not record how its weights were made, and {source} builds new random "
-                             "weights each time: the two could not agree",
-                             "compare against the model file it was exported from, or pass --seed N if you know "
-                             "the seed the factory was built with")
+            raise InputError(
+                f"{onnx_file} does not record how its weights were made, and {source} builds new random "
+                "weights each time: the two could not agree",
+                "compare against the model file it was exported from, or pass --seed N if you know "
+                "the seed the factory was built with",
+            )
         factory_seed = recorded
-    opened = open_model(source, input_shape=shape, trust=trust, leaves=leaves, progress=progress, trace_mode=trace_mode,
-                        max_memory=max_memory, factory_seed=factory_seed, capture=capture, max_load=max_load)
+    opened = open_model(
+        source,
+        input_shape=shape,
+        trust=trust,
+        leaves=leaves,
+        progress=progress,
+        trace_mode=trace_mode,
+        max_memory=max_memory,
+        factory_seed=factory_seed,
+        capture=capture,
+        max_load=max_load,
+    )
     check_onnx_memory(opened.gm, None, check=True, max_memory=max_memory)
     progress("checking onnxruntime against PyTorch")
     folder = external_folder(proto, onnx_file)  # load_onnx checked every location against it
@@ -463,7 +726,9 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
         from ..verify.equivalence import first_divergence
 
         progress("finding the first ONNX node whose output diverges")
-        out["first_divergence"] = first_divergence(opened.gm, proto, opened.input_shape, report.rtol, report.atol, folder)
+        out["first_divergence"] = first_divergence(
+            opened.gm, proto, opened.input_shape, report.rtol, report.atol, folder
+        )
     if is_factory_name(source):
         out["factory_seed"] = factory_seed
     if meta.get(SOURCE_KEY) not in (None, source):
@@ -471,34 +736,73 @@ def check(onnx_file: str, source: str, input_shape=None, provider: str = "auto",
     return out, report
 
 
-def inspect(source: str, input_shape=None, trust: bool = False, leaves: Sequence[str] = (),
-            progress: Progress = _noop, groups: bool = False, trace_mode: str = "eval", depth: int = 1,
-            capture: str = "auto", max_memory: int | None = None, max_load: int | None = None) -> dict:
+def inspect(
+    source: str,
+    input_shape=None,
+    trust: bool = False,
+    leaves: Sequence[str] = (),
+    progress: Progress = _noop,
+    groups: bool = False,
+    trace_mode: str = "eval",
+    depth: int = 1,
+    capture: str = "auto",
+    max_memory: int | None = None,
+    max_load: int | None = None,
+) -> dict:
     if str(source).lower().endswith(".onnx") and Path(source).is_file():
         if groups:
-            raise InputError("--groups needs the PyTorch model (channel groups are a graph analysis)",
-                             "inspect the .pt file the ONNX model was exported from")
+            raise InputError(
+                "--groups needs the PyTorch model (channel groups are a graph analysis)",
+                "inspect the .pt file the ONNX model was exported from",
+            )
         progress(f"reading {source}")
         from ..io.export import describe_onnx
 
         return describe_onnx(str(source))
-    opened = open_model(source, input_shape=input_shape, trust=trust, leaves=leaves, progress=progress,
-                        trace_mode=trace_mode, max_memory=max_memory, capture=capture, max_load=max_load)
+    opened = open_model(
+        source,
+        input_shape=input_shape,
+        trust=trust,
+        leaves=leaves,
+        progress=progress,
+        trace_mode=trace_mode,
+        max_memory=max_memory,
+        capture=capture,
+        max_load=max_load,
+    )
     gm = opened.gm
     nodes = []
     for n in gm.graph.nodes:
         target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
         if n.op == "call_module":
             target = f"{n.target}: {type(gm.get_submodule(n.target)).__name__}"
-        nodes.append({"name": n.name, "op": n.op, "target": target, "shape": n.meta.get("gg_shape"),
-                      "params": n.meta.get("gg_params", 0), "flops": n.meta.get("gg_flops", 0)})
-    report = {"model": source, **shape_report(opened.input_shape), "nodes": nodes, "params": param_count(gm),
-              "flops": total_flops(gm), "log": graph_info(gm).get("log", []), "origin": origin_of(gm), "trace": graph_info(gm).get("trace", {}),
-              "summary": module_summary(gm, depth)}
+        nodes.append(
+            {
+                "name": n.name,
+                "op": n.op,
+                "target": target,
+                "shape": n.meta.get("gg_shape"),
+                "params": n.meta.get("gg_params", 0),
+                "flops": n.meta.get("gg_flops", 0),
+            }
+        )
+    report = {
+        "model": source,
+        **shape_report(opened.input_shape),
+        "nodes": nodes,
+        "params": param_count(gm),
+        "flops": total_flops(gm),
+        "log": graph_info(gm).get("log", []),
+        "origin": origin_of(gm),
+        "trace": graph_info(gm).get("trace", {}),
+        "summary": module_summary(gm, depth),
+    }
     if groups:
         from ..analysis.coupling import analyze
 
         coupling = analyze(gm)
-        report["groups"] = [dict(g.to_json(), blocked_by=coupling.why_frozen(g.id), norms_reached=coupling.norms_reached(g.id))
-                            for g in coupling.groups]
+        report["groups"] = [
+            dict(g.to_json(), blocked_by=coupling.why_frozen(g.id), norms_reached=coupling.norms_reached(g.id))
+            for g in coupling.groups
+        ]
     return report

@@ -38,52 +38,154 @@ Layers and sizes: AverageMerge, param_count, input_spec_of (the example input a 
     when it has one, else its float input shape), input_shape_of (the float input shape only),
     example_input (seeded inputs for that shape or spec: a probe of the model's behaviour)
 """
+
 from __future__ import annotations
 
 from ..analysis.axes import conv_dims
 from ..analysis.coupling import Coupling, analyze, channel_axis
 from ..analysis.coupling_layers import ConvFacts, conv2d_facts
 from ..analysis.deployed import deployed_nodes, train_only_note
+from ..analysis.heads import Attention, find_attentions
 from ..analysis.opaque import eval_passthrough
-from ..graph.fx_edit import (
-    Rewrite, add_module, add_parameter, begin, copy_graph_module, factory_kwargs, find_node, finish, inserting_after,
-    is_float_tensor, module_boundary, new_parameters, nodes_in_module, replace_uses, resolve_tensor, set_scope,
-    tensor_shape, unique_attr,
+from ..analysis.stages import (
+    DEFAULT_BUDGET,
+    Stage,
+    default_point,
+    graphgrow_modules,
+    is_graphgrow_node,
+    main_path,
+    pick_within_budget,
+    place,
+    stage_end,
+    stage_end_candidates,
+    stages,
 )
+from ..analysis.stream import Stream, find_stream
+from ..analysis.targets import tensor_or_feature_end
+from ..graph.fx_edit import (
+    Rewrite,
+    add_module,
+    add_parameter,
+    begin,
+    copy_graph_module,
+    factory_kwargs,
+    find_node,
+    finish,
+    inserting_after,
+    is_float_tensor,
+    module_boundary,
+    new_parameters,
+    nodes_in_module,
+    replace_uses,
+    resolve_tensor,
+    set_scope,
+    tensor_shape,
+    unique_attr,
+)
+from ..graph.graph_meta import input_shape_of, input_spec_of
 from ..graph.inline import inline_containers
-from ..verify.dead_ends import dead_places
-from .gradmax import adapter_layouts, group_layouts, load_data
-from .gradmax_units import aim_units, gradmax_init
-from .gradmax_gate import aim_gates, check_aimable, GatedBlock
-from .initializers import kaiming_, zero_last_bn
 from ..graph.layers import AverageMerge
 from ..graph.shapes import example_input, param_count
-from ..analysis.stream import Stream, find_stream
-from ..analysis.stages import (
-    DEFAULT_BUDGET, default_point, graphgrow_modules, is_graphgrow_node, main_path, pick_within_budget, place,
-    Stage, stage_end, stage_end_candidates, stages,
-)
-from ..analysis.targets import tensor_or_feature_end
-from ..graph.graph_meta import input_shape_of, input_spec_of
-from .stream import grow_stream
-from ..analysis.heads import Attention, find_attentions
-from .heads import grow_attentions
+from ..verify.dead_ends import dead_places
 from .arguments import pass_function
-from .contract import ADDS_PARAMETERS, Guarantee, REMOVES_PARAMETERS, Requirement
+from .contract import ADDS_PARAMETERS, REMOVES_PARAMETERS, Guarantee, Requirement
+from .gradmax import adapter_layouts, group_layouts, load_data
+from .gradmax_gate import GatedBlock, aim_gates, check_aimable
+from .gradmax_units import aim_units, gradmax_init
+from .heads import grow_attentions
+from .initializers import kaiming_, zero_last_bn
+from .stream import grow_stream
 from .widen import (
-    Init, Insertion, Layout, columns, grow_group, identity_adapter, make_layout, plan_growth, resize, rows, set_module,
+    Init,
+    Insertion,
+    Layout,
+    columns,
+    grow_group,
+    identity_adapter,
+    make_layout,
+    plan_growth,
+    resize,
+    rows,
+    set_module,
 )
 
 __all__ = [
-    "begin", "factory_kwargs", "copy_graph_module", "find_node", "resolve_tensor", "nodes_in_module", "module_boundary",
-    "tensor_shape", "is_float_tensor", "unique_attr", "add_module", "add_parameter", "inserting_after", "replace_uses",
-    "set_scope", "finish", "new_parameters", "Rewrite", "eval_passthrough", "inline_containers", "dead_places",
-    "main_path", "stages", "Stage", "stage_end", "stage_end_candidates", "default_point", "place", "graphgrow_modules",
-    "is_graphgrow_node", "tensor_or_feature_end", "DEFAULT_BUDGET", "pick_within_budget", "deployed_nodes",
+    "begin",
+    "factory_kwargs",
+    "copy_graph_module",
+    "find_node",
+    "resolve_tensor",
+    "nodes_in_module",
+    "module_boundary",
+    "tensor_shape",
+    "is_float_tensor",
+    "unique_attr",
+    "add_module",
+    "add_parameter",
+    "inserting_after",
+    "replace_uses",
+    "set_scope",
+    "finish",
+    "new_parameters",
+    "Rewrite",
+    "eval_passthrough",
+    "inline_containers",
+    "dead_places",
+    "main_path",
+    "stages",
+    "Stage",
+    "stage_end",
+    "stage_end_candidates",
+    "default_point",
+    "place",
+    "graphgrow_modules",
+    "is_graphgrow_node",
+    "tensor_or_feature_end",
+    "DEFAULT_BUDGET",
+    "pick_within_budget",
+    "deployed_nodes",
     "train_only_note",
-    "analyze", "Coupling", "channel_axis", "conv_dims", "conv2d_facts", "ConvFacts", "plan_growth", "make_layout", "Insertion", "Layout", "grow_group", "resize",
-    "columns", "rows", "set_module", "identity_adapter", "Init",
-    "kaiming_", "zero_last_bn", "gradmax_init", "group_layouts", "adapter_layouts", "load_data", "aim_units", "aim_gates", "check_aimable", "GatedBlock", "AverageMerge", "param_count", "input_shape_of", "input_spec_of",
-    "example_input", "find_stream", "Stream", "grow_stream", "find_attentions", "Attention", "grow_attentions",
-    "pass_function", "Requirement", "Guarantee", "ADDS_PARAMETERS", "REMOVES_PARAMETERS",
+    "analyze",
+    "Coupling",
+    "channel_axis",
+    "conv_dims",
+    "conv2d_facts",
+    "ConvFacts",
+    "plan_growth",
+    "make_layout",
+    "Insertion",
+    "Layout",
+    "grow_group",
+    "resize",
+    "columns",
+    "rows",
+    "set_module",
+    "identity_adapter",
+    "Init",
+    "kaiming_",
+    "zero_last_bn",
+    "gradmax_init",
+    "group_layouts",
+    "adapter_layouts",
+    "load_data",
+    "aim_units",
+    "aim_gates",
+    "check_aimable",
+    "GatedBlock",
+    "AverageMerge",
+    "param_count",
+    "input_shape_of",
+    "input_spec_of",
+    "example_input",
+    "find_stream",
+    "Stream",
+    "grow_stream",
+    "find_attentions",
+    "Attention",
+    "grow_attentions",
+    "pass_function",
+    "Requirement",
+    "Guarantee",
+    "ADDS_PARAMETERS",
+    "REMOVES_PARAMETERS",
 ]

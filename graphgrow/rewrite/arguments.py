@@ -6,6 +6,7 @@ a SpecError naming the pass, the argument, the value and what is allowed.
 The pass's plain function (`@pass_function`) takes no defaults of its own: a call that leaves an argument out gets
 the declared default, and its values are checked by the same declaration.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,9 @@ import inspect
 import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..core.errors import SpecError
 
@@ -43,8 +45,16 @@ class Allowed:
     def _values(self) -> str:
         if self.choices is not None:
             return "one of " + "|".join(map(str, self.choices))
-        lower = f"[{_num(self.low)}" if self.low is not None else f"({_num(self.above)}" if self.above is not None else None
-        upper = f"{_num(self.high)}]" if self.high is not None else f"{_num(self.below)})" if self.below is not None else None
+        lower = (
+            f"[{_num(self.low)}" if self.low is not None else f"({_num(self.above)}" if self.above is not None else None
+        )
+        upper = (
+            f"{_num(self.high)}]"
+            if self.high is not None
+            else f"{_num(self.below)})"
+            if self.below is not None
+            else None
+        )
         if lower and upper:
             return f"in {lower}, {upper}"
         if lower:
@@ -61,9 +71,12 @@ class Allowed:
         if bounded:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 return f"must be a number {self._values()}"
-            if math.isnan(value) or not ((self.low is None or value >= self.low) and (self.high is None or value <= self.high)
-                                         and (self.above is None or value > self.above)
-                                         and (self.below is None or value < self.below)):
+            if math.isnan(value) or not (
+                (self.low is None or value >= self.low)
+                and (self.high is None or value <= self.high)
+                and (self.above is None or value > self.above)
+                and (self.below is None or value < self.below)
+            ):
                 return f"must be {self._values()}"
         return self.check(value) if self.check is not None else None
 
@@ -72,9 +85,18 @@ def _num(x: float | None) -> str:
     return str(int(x)) if x is not None and float(x).is_integer() else str(x)
 
 
-def arg(default: Any, help: str, *, choices: typing.Iterable[Any] | None = None, low: float | None = None,
-        high: float | None = None, above: float | None = None, below: float | None = None,
-        check: Callable[[Any], str | None] | None = None, names_code: bool = False) -> Any:
+def arg(
+    default: Any,
+    help: str,
+    *,
+    choices: typing.Iterable[Any] | None = None,
+    low: float | None = None,
+    high: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
+    check: Callable[[Any], str | None] | None = None,
+    names_code: bool = False,
+) -> Any:
     """A pass argument, declared once: its default, one line of help (shown by `graphgrow passes` and
     docs/passes.md's table) and the values it allows: `choices`, a range (`low`/`high` inclusive, `above`/`below`
     exclusive) or a `check(value) -> why refused | None` for anything else. A `Literal[...]` annotation gives the
@@ -97,8 +119,9 @@ def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
 
 
 def admits_none(annotation: Any) -> bool:
-    return annotation is type(None) or (typing.get_origin(annotation) in (typing.Union, types.UnionType)
-                                        and type(None) in typing.get_args(annotation))
+    return annotation is type(None) or (
+        typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(annotation)
+    )
 
 
 def allowed_values(cls: type) -> dict[str, Allowed]:
@@ -124,8 +147,11 @@ def check_arguments(p: Any) -> None:
         why = allowed.problem(value)
         if why is not None:
             shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:60] + "…"
-            raise SpecError(f"{cls.name}({name}=...) {why}, got {shown}",
-                            f"`graphgrow passes` lists {cls.name}'s arguments and the values each allows", argument=name)
+            raise SpecError(
+                f"{cls.name}({name}=...) {why}, got {shown}",
+                f"`graphgrow passes` lists {cls.name}'s arguments and the values each allows",
+                argument=name,
+            )
 
 
 class PassFunction:
@@ -152,8 +178,11 @@ class PassFunction:
     def __signature__(self) -> inspect.Signature:  # what help() and IDEs show: the declared defaults
         defaults = {f.name: f.default for f in dataclasses.fields(self._pass())}
         sig = inspect.signature(self.raw)
-        return sig.replace(parameters=[p.replace(default=defaults[p.name]) if p.name in defaults else p
-                                       for p in sig.parameters.values()])
+        return sig.replace(
+            parameters=[
+                p.replace(default=defaults[p.name]) if p.name in defaults else p for p in sig.parameters.values()
+            ]
+        )
 
     def __call__(self, gm: Any, *args: Any, **kwargs: Any) -> Any:
         cls = self._pass()

@@ -1,6 +1,7 @@
 """Where old channels go and what fills the new ones, for any tensor whose dim 0 (rows: a layer's outputs) or dim 1
 (columns: its inputs) takes a channel layout: old values moved to their new places, new rows random / zero / one /
 the mean / net2net copies, new columns zero or net2net shares of their source column."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -37,7 +38,9 @@ def rows(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch.
     if filled:
         if fresh == "kaiming":  # one draw for all of them: the generator yields the same values as row by row
             shape = (len(filled),) + (tuple(old.shape[1:]) or (1,))  # a row of a 1-d tensor has fan-in 1
-            new[filled] = kaiming_(torch.empty(shape, **_like(old)), generator).view((len(filled),) + tuple(old.shape[1:]))
+            new[filled] = kaiming_(torch.empty(shape, **_like(old)), generator).view(
+                (len(filled),) + tuple(old.shape[1:])
+            )
         elif fresh == "mean":
             new[filled] = old.mean(0)
         else:

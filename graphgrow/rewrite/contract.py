@@ -4,10 +4,11 @@
 way out); a guarantee that does not hold after the pass is a bug in the pass (ValidationError, exit 1).
 Declare only what the pass needs and promises: `graphgrow passes` shows both.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torch import fx
 
@@ -39,14 +40,17 @@ class Guarantee:
     def check(self, pass_name: str, before: fx.GraphModule, after: fx.GraphModule) -> None:
         why = self.broken(before, after)
         if why is not None:
-            raise ValidationError(f"pass {pass_name} broke its guarantee '{self.name}': {why} (a bug in the pass)",
-                                  "report it with the model and the spec")
+            raise ValidationError(
+                f"pass {pass_name} broke its guarantee '{self.name}': {why} (a bug in the pass)",
+                "report it with the model and the spec",
+            )
 
 
 def _params_changed(more: bool) -> Callable[[fx.GraphModule, fx.GraphModule], str | None]:
     def broken(before: fx.GraphModule, after: fx.GraphModule) -> str | None:
         b, a = param_count(before), param_count(after)
         return None if (a > b if more else a < b) else f"parameters {b:,} → {a:,}"
+
     return broken
 
 

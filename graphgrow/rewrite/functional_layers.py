@@ -4,6 +4,7 @@ weight-standardised conv grows its outputs only: each new filter is standardised
 their statistics, and the constants in the standardisation that name the filter count (timm's
 `weight.reshape(1, out_channels, -1)`) follow.
 """
+
 from __future__ import annotations
 
 import torch
@@ -11,27 +12,43 @@ from torch import fx
 
 from ..analysis.coupling_layers import Functional
 from ..analysis.growth import Layout
-from .channel_fill import columns, Init, rows
+from .channel_fill import Init, columns, rows
 from .tensor_paths import put_tensor, tensor_at
 
 VIEWS = {"reshape", "view"}
 
 
-def resize_functional(gm: fx.GraphModule, f: Functional, node: fx.Node, in_layout: Layout | None,
-                      out_layout: Layout | None, init: Init, generator) -> list[str]:
+def resize_functional(
+    gm: fx.GraphModule,
+    f: Functional,
+    node: fx.Node,
+    in_layout: Layout | None,
+    out_layout: Layout | None,
+    init: Init,
+    generator,
+) -> list[str]:
     """Resize the weight's columns (inputs) and rows (outputs) and the bias's rows; the owning module's size
     attributes follow when it has them. Returns the parameter paths rebuilt."""
     old = tensor_at(gm, f.weight)
     with torch.no_grad():
-        put_tensor(gm, f.weight, rows(columns(old, in_layout, init, generator), out_layout, init, generator, "kaiming").clone(), old)
+        put_tensor(
+            gm,
+            f.weight,
+            rows(columns(old, in_layout, init, generator), out_layout, init, generator, "kaiming").clone(),
+            old,
+        )
         if f.bias is not None:
             bias = tensor_at(gm, f.bias)
             put_tensor(gm, f.bias, rows(bias, out_layout, init, generator, "zero").clone(), bias)
     owner_path, _, name = f.weight.rpartition(".")
     owner = gm.get_submodule(owner_path) if owner_path else gm
     if name == "weight":  # a module kept whole that calls the function: its repr and checks stay true
-        for attr, layout in (("in_features", in_layout), ("in_channels", in_layout), ("out_features", out_layout),
-                             ("out_channels", out_layout)):
+        for attr, layout in (
+            ("in_features", in_layout),
+            ("in_channels", in_layout),
+            ("out_features", out_layout),
+            ("out_channels", out_layout),
+        ):
             if layout is not None and isinstance(getattr(owner, attr, None), int):
                 setattr(owner, attr, layout.new)
     if f.standardised and out_layout is not None:
@@ -54,6 +71,12 @@ def _follow_filter_count(conv: fx.Node, f: Functional, layout: Layout) -> None:
             sizes = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)) else n.args[1:]
             if not isinstance(shape, tuple) or len(sizes) != len(shape):
                 continue
-            new = [layout.new if s == layout.old and d == layout.old and isinstance(s, int) else s
-                   for s, d in zip(sizes, shape)]
-            n.args = (n.args[0], tuple(new)) if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)) else (n.args[0], *new)
+            new = [
+                layout.new if s == layout.old and d == layout.old and isinstance(s, int) else s
+                for s, d in zip(sizes, shape)
+            ]
+            n.args = (
+                (n.args[0], tuple(new))
+                if len(n.args) == 2 and isinstance(n.args[1], (tuple, list))
+                else (n.args[0], *new)
+            )

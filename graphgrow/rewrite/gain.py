@@ -7,6 +7,7 @@ block), per new block on its zero gate (add_branch, deepen) — one SGD step of 
 factor lowers the loss by lr × gain per unit (or block), to first order. A starved layer (a bottleneck)
 has the largest gain. Gains compare places of one pass, not passes with each other.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,14 +27,17 @@ def ranks_by_gain(p: Pass) -> bool:
     return {"init", "data"} <= names and "gradmax" in str(p.argument_types().get("init"))
 
 
-def rank_by_gain(gm: fx.GraphModule, p: Pass, candidates: list[Candidate], data: Data,
-                 seed: int = 0) -> list[tuple[Candidate, float | None, str | None]]:
+def rank_by_gain(
+    gm: fx.GraphModule, p: Pass, candidates: list[Candidate], data: Data, seed: int = 0
+) -> list[tuple[Candidate, float | None, str | None]]:
     """(candidate, gain, why none) for every candidate, the largest gain first; a place the pass
     refuses gets None and the reason, last."""
     if not ranks_by_gain(p):
-        raise NotApplicable(f"{p.name} has no data-driven init, so its places cannot be ranked by gain",
-                            "rank the places of a pass with init=gradmax (grow_width, insert_adapter, add_branch, "
-                            "deepen); other passes list their places without --data")
+        raise NotApplicable(
+            f"{p.name} has no data-driven init, so its places cannot be ranked by gain",
+            "rank the places of a pass with init=gradmax (grow_width, insert_adapter, add_branch, "
+            "deepen); other passes list their places without --data",
+        )
     load_data(data, p.name)  # a bad data function is refused once, not once per place
     ranked = []
     for c in candidates:

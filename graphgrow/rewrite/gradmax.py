@@ -22,11 +22,13 @@ New biases stay zero; BatchNorm and depthwise rows of the new channels keep thei
 statistics and the global RNG are restored: aiming changes nothing but the aimed rows. The best of the
 random start and every candidate is kept, so J never ends below the random start.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Union
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -35,10 +37,12 @@ from ..core.errors import InputError, NotApplicable
 from ..core.user_code import calling, guarded
 from .widen import Layout
 
-Data = Union[str, Callable[[], Any]]  # "package.module:function" or the function: () -> (inputs, loss_fn)
+Data = str | Callable[[], Any]  # "package.module:function" or the function: () -> (inputs, loss_fn)
 STEPS = 12  # most ascent steps where the closed form is not exact (each about one forward + backward)
-DATA_HINT = ("give data=package.module:function (CLI: --data) returning (inputs, loss_fn): a batch of model inputs "
-             "and a function of the model's output returning the scalar loss")
+DATA_HINT = (
+    "give data=package.module:function (CLI: --data) returning (inputs, loss_fn): a batch of model inputs "
+    "and a function of the model's output returning the scalar loss"
+)
 
 
 @dataclass
@@ -55,8 +59,10 @@ class GradMaxResult:
     noun: str = "new unit(s)"
 
     def describe(self) -> str:
-        return (f"{self.units} {self.noun} aimed at the batch's gradient ({self.method}): {self.what} "
-                f"{self.gain_random:.3g} (random) → {self.gain:.3g}, in {self.seconds:.3f}s")
+        return (
+            f"{self.units} {self.noun} aimed at the batch's gradient ({self.method}): {self.what} "
+            f"{self.gain_random:.3g} (random) → {self.gain:.3g}, in {self.seconds:.3f}s"
+        )
 
 
 def load_data(data: Data | None, pass_name: str = "grow_width") -> tuple[tuple, Callable[[Any], torch.Tensor]]:
@@ -91,12 +97,14 @@ def scalar_loss(loss: Any) -> torch.Tensor:
 
 def is_dense(m: nn.Module) -> bool:
     """A Linear or an ungrouped conv (not transposed): a layer whose rows GradMax can aim."""
-    return isinstance(m, nn.Linear) or (isinstance(m, nn.modules.conv._ConvNd) and m.groups == 1
-                                        and not isinstance(m, nn.modules.conv._ConvTransposeNd))
+    return isinstance(m, nn.Linear) or (
+        isinstance(m, nn.modules.conv._ConvNd) and m.groups == 1 and not isinstance(m, nn.modules.conv._ConvTransposeNd)
+    )
 
 
-def new_units(gm: fx.GraphModule, out_layouts: dict[str, Layout], in_layouts: dict[str, Layout]
-              ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+def new_units(
+    gm: fx.GraphModule, out_layouts: dict[str, Layout], in_layouts: dict[str, Layout]
+) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
     """(module path → new rows) of the conv/Linear layers that got fresh output units, and
     (module path → new columns) of the layers that read them (their outgoing weights)."""
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -105,8 +113,11 @@ def new_units(gm: fx.GraphModule, out_layouts: dict[str, Layout], in_layouts: di
         n = nodes.get(name)
         return n is not None and n.op == "call_module" and is_dense(gm.get_submodule(n.target))
 
-    rows = {str(nodes[k].target): [s for s, src in zip(v.new_slots, v.src) if src is None]
-            for k, v in out_layouts.items() if dense(k)}
+    rows = {
+        str(nodes[k].target): [s for s, src in zip(v.new_slots, v.src) if src is None]
+        for k, v in out_layouts.items()
+        if dense(k)
+    }
     cols = {str(nodes[k].target): list(v.new_slots) for k, v in in_layouts.items() if dense(k)}
     return {k: v for k, v in rows.items() if v}, {k: v for k, v in cols.items() if v}
 
@@ -139,9 +150,14 @@ def kept_state(gm: fx.GraphModule, trainable: set[str] | None = None) -> Iterato
             w.requires_grad_(flags[p])
 
 
-def ascend(evaluate: Callable[[dict[str, torch.Tensor], bool], tuple[float, dict[str, torch.Tensor]]],
-           theta: dict[str, torch.Tensor], j: float, project: Callable[[str, torch.Tensor], torch.Tensor],
-           steps: int = STEPS, rtol: float = 1e-3) -> tuple[dict[str, torch.Tensor], float, int]:
+def ascend(
+    evaluate: Callable[[dict[str, torch.Tensor], bool], tuple[float, dict[str, torch.Tensor]]],
+    theta: dict[str, torch.Tensor],
+    j: float,
+    project: Callable[[str, torch.Tensor], torch.Tensor],
+    steps: int = STEPS,
+    rtol: float = 1e-3,
+) -> tuple[dict[str, torch.Tensor], float, int]:
     """Projected gradient ascent on J from `theta` (J = `j` there): (best rows, best J, evaluations).
     `evaluate(theta, True)` returns J and its gradient on each layer's rows; a step that lowers J halves
     the step length; two steps in a row that raise J by less than `rtol` stop early, as does a step
@@ -180,8 +196,9 @@ def group_layouts(coupling, gid: int, count: int) -> tuple[dict[str, Layout], di
     return outs, ins
 
 
-def adapter_layouts(gm: fx.GraphModule, target: str, adapter: str, old: int, count: int
-                    ) -> tuple[dict[str, Layout], dict[str, Layout]]:
+def adapter_layouts(
+    gm: fx.GraphModule, target: str, adapter: str, old: int, count: int
+) -> tuple[dict[str, Layout], dict[str, Layout]]:
     """The same for mode=adapter: the target's new rows, read by the adapter's new columns."""
     from .widen import Insertion, make_layout
 

@@ -14,6 +14,7 @@ the amplitude rule is M's polar factor (its SVD U Vᵀ, von Neumann) — checked
 Amplitude rule: W keeps the Frobenius norm the default init drew and gets equal, orthogonal rows (the
 polar factor's), so the data chooses directions only.
 """
+
 from __future__ import annotations
 
 import time
@@ -65,8 +66,10 @@ class GateAim:
         device = next(gm.parameters()).device
         self.inputs = tuple(t.to(device) for t in inputs)
         self.weights = {b.layer: gm.get_submodule(b.layer).weight for b in blocks}
-        self.rows = {b.layer: [r for r in range(self.weights[b.layer].shape[0]) if r not in {d for d, _ in b.tied}]
-                     for b in blocks}
+        self.rows = {
+            b.layer: [r for r in range(self.weights[b.layer].shape[0]) if r not in {d for d, _ in b.tied}]
+            for b in blocks
+        }
         self.args: dict[str, tuple] = {}
         self.G: dict[str, torch.Tensor] = {}
 
@@ -82,16 +85,25 @@ class GateAim:
             for h in hs:
                 h.remove()
         if any(len(v) != 1 for v in outs.values()):
-            raise NotApplicable("init=gradmax aims a block the forward runs once; this one runs "
-                                f"{sorted({len(v) for v in outs.values()})} times", "use init=zero here")
+            raise NotApplicable(
+                "init=gradmax aims a block the forward runs once; this one runs "
+                f"{sorted({len(v) for v in outs.values()})} times",
+                "use init=zero here",
+            )
         gates = {b.gate: self.gm.get_parameter(b.gate) for b in self.blocks}
         dgate = dict(zip(gates, torch.autograd.grad(loss, list(gates.values()), create_graph=True)))
         for b in self.blocks:
             d = dgate[b.gate] if b.index is None else dgate[b.gate][b.index]
-            g = torch.autograd.grad(d, outs[b.module][0], retain_graph=True, allow_unused=True)[0] if d.requires_grad else None
+            g = (
+                torch.autograd.grad(d, outs[b.module][0], retain_graph=True, allow_unused=True)[0]
+                if d.requires_grad
+                else None
+            )
             if g is None or not bool(g.any()):
-                raise NotApplicable(f"the loss does not depend on the gate of '{b.module}' on this batch",
-                                    "check the data's loss_fn, or use init=zero")
+                raise NotApplicable(
+                    f"the loss does not depend on the gate of '{b.module}' on this batch",
+                    "check the data's loss_fn, or use init=zero",
+                )
             self.G[b.module] = g.detach()
             self.args[b.module] = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args[b.module][0])
 
@@ -142,8 +154,11 @@ class GateAim:
         cands = [{p: polar(s * t, norms[p]) for p, t in m.items()} for s in (1.0, -1.0)]
         j, cand = max(((self.evaluate(c, False)[0], c) for c in cands), key=lambda jc: jc[0])
         self.set(cand)
-        exact = all(abs(float(self.phi(b).detach()) - float((m[b.layer] * cand[b.layer]).sum()))
-                    <= TOL * float(m[b.layer].norm() * cand[b.layer].norm()) for b in self.blocks)
+        exact = all(
+            abs(float(self.phi(b).detach()) - float((m[b.layer] * cand[b.layer]).sum()))
+            <= TOL * float(m[b.layer].norm() * cand[b.layer].norm())
+            for b in self.blocks
+        )
         best, best_theta = (j, cand) if j >= first else (first, theta0)
         method = "closed form (polar factor)"
         if not exact:
@@ -153,8 +168,9 @@ class GateAim:
         return first, best, method
 
 
-def aim_gates(gm: fx.GraphModule, blocks: list[GatedBlock], data: Data | None, pass_name: str,
-              steps: int = 12) -> GradMaxResult | None:
+def aim_gates(
+    gm: fx.GraphModule, blocks: list[GatedBlock], data: Data | None, pass_name: str, steps: int = 12
+) -> GradMaxResult | None:
     """Aim each block's first dense layer so the gradient on its zero gate is largest on the batch."""
     if any(p.is_meta for p in gm.parameters()):
         return None
@@ -164,8 +180,9 @@ def aim_gates(gm: fx.GraphModule, blocks: list[GatedBlock], data: Data | None, p
     with kept_state(gm, trainable):
         first, best, method = GateAim(gm, blocks, inputs, loss_fn).run(steps)
     n = len(blocks)
-    return GradMaxResult(first / n, best / n, n, time.perf_counter() - start, [], method, "(∂L/∂gate)² per block",
-                         "new block(s)")
+    return GradMaxResult(
+        first / n, best / n, n, time.perf_counter() - start, [], method, "(∂L/∂gate)² per block", "new block(s)"
+    )
 
 
 def check_aimable(gm: fx.GraphModule, module: str, what: str) -> str:
@@ -173,7 +190,8 @@ def check_aimable(gm: fx.GraphModule, module: str, what: str) -> str:
     layer = first_dense(gm, module)
     if layer is None:
         kind = type(gm.get_submodule(module)).__name__
-        raise NotApplicable(f"init=gradmax aims the first conv/Linear of the new {what}, and this one ({kind}) has none",
-                            "use init=zero here, or an op with a conv (conv3x3, sepconv3x3, ...)")
+        raise NotApplicable(
+            f"init=gradmax aims the first conv/Linear of the new {what}, and this one ({kind}) has none",
+            "use init=zero here, or an op with a conv (conv3x3, sepconv3x3, ...)",
+        )
     return layer
-

@@ -12,17 +12,19 @@ Conv2d), and the top right singular vectors of the stacked M's are the best orth
 (ReLU, train-mode BatchNorm, a residual sum of two new units, other layer pairs) the same SVD, as if
 the path were linear, is the start of projected gradient ascent on the real J.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
 from ..core.errors import NotApplicable
-from .gradmax import Data, GradMaxResult, STEPS, ascend, kept_state, load_data, new_units, orthonormal, scalar_loss
+from .gradmax import STEPS, Data, GradMaxResult, ascend, kept_state, load_data, new_units, orthonormal, scalar_loss
 from .widen import Layout
 
 TOL = 1e-4  # a path is linear when ‖h − s·z‖ ≤ TOL · ‖h‖ on the batch
@@ -49,28 +51,38 @@ def pre_activation(m: nn.Module, x: torch.Tensor, w: torch.Tensor) -> torch.Tens
 def outgoing_grad(m: nn.Module, h_new: torch.Tensor, g: torch.Tensor, create_graph: bool) -> torch.Tensor:
     """∂L/∂W_m[:, new]: layer `m`'s weight gradient on the columns that read `h_new`, given g at its output."""
     k = h_new.shape[1] if _conv(m) else h_new.shape[-1]
-    w = torch.zeros((m.weight.shape[0], k) + tuple(m.weight.shape[2:]), dtype=h_new.dtype, device=h_new.device,
-                    requires_grad=True)
+    w = torch.zeros(
+        (m.weight.shape[0], k) + tuple(m.weight.shape[2:]), dtype=h_new.dtype, device=h_new.device, requires_grad=True
+    )
     with torch.enable_grad():
         y = pre_activation(m, h_new, w)
         return torch.autograd.grad((y * g).sum(), w, create_graph=create_graph)[0]
 
 
-def unit_matrix(src: nn.Module, x: torch.Tensor, con: nn.Module, g: torch.Tensor, z_shape: torch.Size) -> torch.Tensor | None:
+def unit_matrix(
+    src: nn.Module, x: torch.Tensor, con: nn.Module, g: torch.Tensor, z_shape: torch.Size
+) -> torch.Tensor | None:
     """M with ∂L/∂W_con[:, unit].flatten() = M · w_unit when `con` reads the unit's pre-activation directly;
     None for a pair it is not written for."""
     if isinstance(src, nn.Linear) and isinstance(con, nn.Linear):
         return g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])
-    if not (isinstance(src, nn.Conv2d) and isinstance(con, nn.Conv2d)) or isinstance(src.padding, str) or \
-            isinstance(con.padding, str) or src.padding_mode != "zeros" or con.padding_mode != "zeros":
+    if (
+        not (isinstance(src, nn.Conv2d) and isinstance(con, nn.Conv2d))
+        or isinstance(src.padding, str)
+        or isinstance(con.padding, str)
+        or src.padding_mode != "zeros"
+        or con.padding_mode != "zeros"
+    ):
         return None
     f1, (h1, w1), k2 = src.weight[0].numel(), z_shape[2:], con.kernel_size[0] * con.kernel_size[1]
     m = x.new_zeros(con.out_channels, f1 * k2)
     chunk = max(1, CHUNK // (f1 * (k2 * g[0, 0].numel() + h1 * w1)))
     for i in range(0, x.shape[0], chunk):
-        xu = F.unfold(x[i:i + chunk], src.kernel_size, src.dilation, src.padding, src.stride)  # (b, f1, h1·w1)
-        u = F.unfold(xu.reshape(-1, f1, h1, w1), con.kernel_size, con.dilation, con.padding, con.stride)  # (b, f1·k2, L2)
-        m += torch.einsum("bol,bfl->of", g[i:i + chunk].flatten(2), u)
+        xu = F.unfold(x[i : i + chunk], src.kernel_size, src.dilation, src.padding, src.stride)  # (b, f1, h1·w1)
+        u = F.unfold(
+            xu.reshape(-1, f1, h1, w1), con.kernel_size, con.dilation, con.padding, con.stride
+        )  # (b, f1·k2, L2)
+        m += torch.einsum("bol,bfl->of", g[i : i + chunk].flatten(2), u)
     return m.reshape(-1, f1, k2).permute(0, 2, 1).reshape(-1, f1)
 
 
@@ -85,7 +97,7 @@ def _region(gm: fx.GraphModule, rows: set[str], cols: set[str]) -> tuple[list[fx
     if last is None or {n.target for n in src} != rows:
         return [], set()
     down, region = set(src), []
-    for n in nodes[:last + 1]:
+    for n in nodes[: last + 1]:
         if n in down or any(a in down for a in n.all_input_nodes):
             down.add(n)
             region.append(n)
@@ -126,8 +138,15 @@ def top_right_singular(m: torch.Tensor, k: int) -> torch.Tensor:
 class UnitAim:
     """J over the aimed rows on one batch: collect once, then cheap evaluations, the closed form, ascent."""
 
-    def __init__(self, gm: fx.GraphModule, rows: dict[str, list[int]], full: dict[str, list[int]],
-                 cols: dict[str, list[int]], inputs: tuple, loss_fn: Callable[[Any], torch.Tensor]):
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        rows: dict[str, list[int]],
+        full: dict[str, list[int]],
+        cols: dict[str, list[int]],
+        inputs: tuple,
+        loss_fn: Callable[[Any], torch.Tensor],
+    ):
         self.gm, self.rows, self.full, self.cols, self.loss_fn = gm, rows, full, cols, loss_fn
         device = next(gm.parameters()).device
         self.inputs = tuple(t.to(device) for t in inputs)
@@ -156,6 +175,7 @@ class UnitAim:
                     left[0] -= 1
                     if left[0] == 0:
                         raise _Stop
+
             return hook
 
         handles = [self.mods[p].register_forward_pre_hook(lambda m, a, p=p: xs[p].append(a[0])) for p in self.rows]
@@ -183,8 +203,10 @@ class UnitAim:
         does not change with the rows, and its values at the region's edge are kept from the collection."""
         it = self.interp
         # copies: an in-place op in the region must not change the kept values for the next evaluation
-        it.env = {k: fx.node.map_aggregate(v, lambda t: t.clone() if isinstance(t, torch.Tensor) else t)
-                  for k, v in self.cache.items()}
+        it.env = {
+            k: fx.node.map_aggregate(v, lambda t: t.clone() if isinstance(t, torch.Tensor) else t)
+            for k, v in self.cache.items()
+        }
         for n in self.region:
             for a in n.all_input_nodes:
                 if a not in it.env and a.op == "get_attr":
@@ -198,13 +220,21 @@ class UnitAim:
         loss = scalar_loss(self.loss_fn(result))
         flat = [o for c in self.cols for o in outs[c]]
         live = [o for o in flat if o.requires_grad]  # an output the new rows do not reach has no g to read
-        got = dict(zip(map(id, live), torch.autograd.grad(loss, live, allow_unused=True) if live and loss.requires_grad
-                       else [None] * len(live)))
+        got = dict(
+            zip(
+                map(id, live),
+                torch.autograd.grad(loss, live, allow_unused=True)
+                if live and loss.requires_grad
+                else [None] * len(live),
+            )
+        )
         self.g = {c: [None if got.get(id(o)) is None else got[id(o)].detach() for o in outs[c]] for c in self.cols}
         self.calls = len(flat)
         if all(t is None for v in self.g.values() for t in v):
-            raise NotApplicable("the loss does not depend on the layers that read the new units on this batch",
-                                "grow a layer whose output reaches the loss, or check the data's loss_fn")
+            raise NotApplicable(
+                "the loss does not depend on the layers that read the new units on this batch",
+                "grow a layer whose output reaches the loss, or check the data's loss_fn",
+            )
         xs = {p: [x.detach() for x in v] for p, v in xs.items()}
         hs = {c: [h.detach() for h in v] for c, v in hs.items()}
         return float(self._j(hs, False)), xs, hs
@@ -229,8 +259,10 @@ class UnitAim:
         if not j.requires_grad:
             return float(j), {p: torch.zeros_like(t) for p, t in theta.items()}
         gs = torch.autograd.grad(j, [self.weights[p] for p in self.rows], allow_unused=True)
-        return float(j.detach()), {p: (torch.zeros_like(self.weights[p]) if g is None else g)[self.rows[p]].flatten(1)
-                          for p, g in zip(self.rows, gs)}
+        return float(j.detach()), {
+            p: (torch.zeros_like(self.weights[p]) if g is None else g)[self.rows[p]].flatten(1)
+            for p, g in zip(self.rows, gs)
+        }
 
     def get(self) -> dict[str, torch.Tensor]:
         return {p: self.weights[p].detach()[r].flatten(1).clone() for p, r in self.rows.items()}
@@ -278,7 +310,10 @@ class UnitAim:
             for (c, i), link in links.items():
                 if link is None or link[0] != p:
                     continue
-                x, z_shape = xs[p][0], pre_activation(self.mods[p], xs[p][0][:1], self.weights[p].detach()[self.full[p]]).shape
+                x, z_shape = (
+                    xs[p][0],
+                    pre_activation(self.mods[p], xs[p][0][:1], self.weights[p].detach()[self.full[p]]).shape,
+                )
                 m = unit_matrix(self.mods[p], x, self.mods[c], self.g[c][i], z_shape[:1] + z_shape[1:])  # type: ignore[arg-type]
                 if m is None:
                     return None
@@ -286,7 +321,7 @@ class UnitAim:
             if not ms:
                 return None
             top = top_right_singular(torch.cat(ms), len(r)).to(theta[p].dtype)
-            out[p] = orthonormal(torch.cat([top, theta[p][len(top):]]))
+            out[p] = orthonormal(torch.cat([top, theta[p][len(top) :]]))
         return out
 
     # --- the whole aim --------------------------------------------------------------------------------
@@ -297,8 +332,11 @@ class UnitAim:
         self.set(theta)
         first, xs, hs = self.collect()
         links = self.links(xs, hs)
-        exact = bool(links) and all(v is not None and v[2] for v in links.values()) and \
-            {v[0] for v in links.values() if v is not None} == set(self.rows)
+        exact = (
+            bool(links)
+            and all(v is not None and v[2] for v in links.values())
+            and {v[0] for v in links.values() if v is not None} == set(self.rows)
+        )
         best, best_theta, method = first, theta, "ascent"
         # train-mode BatchNorm on the path rescales each unit by its batch spread: the linear model's SVD
         # aims at the wrong thing there (measured: below the random start), so ascent starts from random
@@ -344,8 +382,14 @@ class UnitAim:
         return gains
 
 
-def gradmax_init(gm: fx.GraphModule, out_layouts: dict[str, Layout], in_layouts: dict[str, Layout],
-                 data: Data | None, steps: int = STEPS, pass_name: str = "grow_width") -> GradMaxResult | None:
+def gradmax_init(
+    gm: fx.GraphModule,
+    out_layouts: dict[str, Layout],
+    in_layouts: dict[str, Layout],
+    data: Data | None,
+    steps: int = STEPS,
+    pass_name: str = "grow_width",
+) -> GradMaxResult | None:
     """Re-aim, in place, the incoming weights of the new units of a grown `gm` (outgoing weights zero).
     None on a meta-device model (the size check runs passes there: nothing to aim)."""
     if any(p.is_meta for p in gm.parameters()):
@@ -354,22 +398,32 @@ def gradmax_init(gm: fx.GraphModule, out_layouts: dict[str, Layout], in_layouts:
     return aim_units(gm, rows, cols, data, steps, pass_name)
 
 
-def aim_units(gm: fx.GraphModule, rows: dict[str, list[int]], cols: dict[str, list[int]], data: Data | None,
-              steps: int = STEPS, pass_name: str = "grow_width") -> GradMaxResult | None:
+def aim_units(
+    gm: fx.GraphModule,
+    rows: dict[str, list[int]],
+    cols: dict[str, list[int]],
+    data: Data | None,
+    steps: int = STEPS,
+    pass_name: str = "grow_width",
+) -> GradMaxResult | None:
     """Aim the rows `rows` (module path → row indices) at the batch's gradient on the columns `cols` of the
     layers that read them (zero now)."""
     if any(p.is_meta for p in gm.parameters()):
         return None
     start = time.perf_counter()
     if not rows or not cols:
-        raise NotApplicable(f"{pass_name}(init=gradmax) found no new conv/Linear units read by a conv/Linear layer here",
-                            "use the default init for this place")
+        raise NotApplicable(
+            f"{pass_name}(init=gradmax) found no new conv/Linear units read by a conv/Linear layer here",
+            "use the default init for this place",
+        )
     notes, full = [], {p: list(r) for p, r in rows.items()}
     for p in list(rows):
         fan_in = gm.get_submodule(p).weight[0].numel()
         if len(rows[p]) > fan_in:
-            notes.append(f"{p}: only {fan_in} of its {len(rows[p])} new units can take orthonormal directions "
-                         "(its fan-in); the others keep random rows")
+            notes.append(
+                f"{p}: only {fan_in} of its {len(rows[p])} new units can take orthonormal directions "
+                "(its fan-in); the others keep random rows"
+            )
             rows[p] = rows[p][:fan_in]
     inputs, loss_fn = load_data(data, pass_name)
     with kept_state(gm, set(f"{p}.weight" for p in rows)):

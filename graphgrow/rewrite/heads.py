@@ -12,6 +12,7 @@ head, the same coordinate, in the new strides); what is new is initialised so th
 - a larger value head size e → e': new value rows random, new output-projection columns zero.
 Biases: new entries zero; old query biases scaled with their rows.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,9 @@ from ..analysis.head_layout import Axis, FactorEdit
 from ..analysis.heads import Attention, Projection
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import finish
-from .tensor_paths import owners as _owners, put_tensor as _set, tensor_at as _tensor
+from .tensor_paths import owners as _owners
+from .tensor_paths import put_tensor as _set
+from .tensor_paths import tensor_at as _tensor
 
 HINT = "grow_heads grows attentions it fully understands; see docs/passes.md, Heads and head size"
 
@@ -34,15 +37,25 @@ def places(factors: Axis, new: dict[str, int]) -> tuple[torch.Tensor, int, torch
     """(new index of every old index, the new size, the components of every index of the new axis by factor)."""
     old_sizes = [s for _, s in factors]
     new_sizes = [new.get(f, s) if f else s for f, s in factors]
-    strides = [math.prod(new_sizes[i + 1:]) for i in range(len(new_sizes))]
-    comps = torch.stack(torch.meshgrid(*[torch.arange(s) for s in old_sizes], indexing="ij")).reshape(len(old_sizes), -1)
+    strides = [math.prod(new_sizes[i + 1 :]) for i in range(len(new_sizes))]
+    comps = torch.stack(torch.meshgrid(*[torch.arange(s) for s in old_sizes], indexing="ij")).reshape(
+        len(old_sizes), -1
+    )
     old_to_new = (comps * torch.tensor(strides).unsqueeze(1)).sum(0)
-    all_comps = torch.stack(torch.meshgrid(*[torch.arange(s) for s in new_sizes], indexing="ij")).reshape(len(new_sizes), -1)
+    all_comps = torch.stack(torch.meshgrid(*[torch.arange(s) for s in new_sizes], indexing="ij")).reshape(
+        len(new_sizes), -1
+    )
     return old_to_new, math.prod(new_sizes), all_comps
 
 
-def _rows(p: Projection, weight: torch.Tensor, bias: torch.Tensor | None, new: dict[str, int], q_scale: float,
-          generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _rows(
+    p: Projection,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    new: dict[str, int],
+    q_scale: float,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A projection's weight and bias with rows at their new places and new rows initialised by role."""
     old_to_new, total, comps = places(p.factors, new)
     names = [f for f, _ in p.factors]
@@ -57,7 +70,9 @@ def _rows(p: Projection, weight: torch.Tensor, bias: torch.Tensor | None, new: d
     out[old_to_new] = w * scale[old_to_new].unsqueeze(1)
     std = w.std() if w.numel() > 1 else torch.ones((), dtype=w.dtype, device=w.device)
     std = torch.where(std > 0, std, torch.full_like(std, 1 / math.sqrt(w.shape[1])))
-    random = (is_new & torch.tensor([r != "q" for r in role]) | is_new & new_head).nonzero().squeeze(1)  # new q rows of old heads stay 0
+    random = (
+        (is_new & torch.tensor([r != "q" for r in role]) | is_new & new_head).nonzero().squeeze(1)
+    )  # new q rows of old heads stay 0
     sample = torch.randn(len(random), w.shape[1], generator=generator, dtype=torch.float32).to(w) * std
     out[random.to(w.device)] = sample
     b = None
@@ -79,8 +94,15 @@ def _put(gm: fx.GraphModule, path: str, value: torch.Tensor, owners: dict[int, l
     old = _tensor(gm, path)
     tied = [q for q in owners.get(id(old), [path]) if q != path]
     if tied:
-        raise NotApplicable(f"'{path}' is shared with '{tied[0]}' (tied weights): growing one would grow the other", HINT)
-    _set(gm, path, nn.Parameter(value.contiguous(), requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else value, old)
+        raise NotApplicable(
+            f"'{path}' is shared with '{tied[0]}' (tied weights): growing one would grow the other", HINT
+        )
+    _set(
+        gm,
+        path,
+        nn.Parameter(value.contiguous(), requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else value,
+        old,
+    )
 
 
 def _set_at(node: fx.Node, where: tuple, value) -> None:
@@ -157,7 +179,9 @@ def _scale(s: fx.Node, att: Attention, new: dict[str, int]) -> tuple[float, str]
     return math.sqrt(d2 / d), f"1/sqrt({d}) → 1/sqrt({d2}); old query rows × sqrt({d2}/{d})"
 
 
-def grow_attentions(gm: fx.GraphModule, plans: list[tuple[Attention, dict[str, int]]], generator: torch.Generator) -> list[str]:
+def grow_attentions(
+    gm: fx.GraphModule, plans: list[tuple[Attention, dict[str, int]]], generator: torch.Generator
+) -> list[str]:
     """Grow every planned attention of `gm` in place; the graph is linted and recompiled."""
     hows = [grow_attention(gm, att, new, generator) for att, new in plans]
     finish(gm)

@@ -1,4 +1,5 @@
 """Function-preserving initialisers shared by passes (architecture.md §4: the zero last factor)."""
+
 from __future__ import annotations
 
 import math

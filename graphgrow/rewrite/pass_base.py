@@ -1,12 +1,14 @@
 """The pass contract (architecture.md §3): frozen dataclass passes, PassResult, verify after each."""
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import time
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import fx
@@ -14,15 +16,15 @@ from torch import fx
 from ..analysis.budget import Limits, check_grown, pass_allocations
 from ..analysis.targets import Candidate
 from ..core.errors import InputError, SpecError, ValidationError
-from ..verify.preserve import PreservationReport
-from ..graph.fx_edit import finish, Rewrite, sharing_parameters
+from ..core.state import module_dtype
+from ..graph.fx_edit import Rewrite, finish, sharing_parameters
+from ..graph.graph_meta import graph_info, input_spec_of
 from ..graph.inline import inline_containers
 from ..graph.shapes import annotate, param_count, total_flops
-from ..core.state import module_dtype
 from ..io.lineage import record_origin
-from ..graph.graph_meta import graph_info, input_spec_of
+from ..verify.preserve import PreservationReport
 from ..verify.verify import annotation_input, verify
-from .arguments import Allowed, allowed_values, arg, check_arguments, PassFunction, pass_function
+from .arguments import Allowed, PassFunction, allowed_values, arg, check_arguments, pass_function
 from .contract import Guarantee, Requirement
 
 __all__ = ["Pass", "PassResult", "arg", "pass_function", "Requirement", "Guarantee", "require_traced"]
@@ -48,23 +50,36 @@ class PassResult:
     seconds: float
     preservation: PreservationReport | None = None
     exact: bool = True  # False when the pass changed the function on purpose (allow_narrowing, allow_change)
-    modules_added: list[str] = dataclasses.field(default_factory=list)  # new top-level modules (stages.graphgrow_modules)
+    modules_added: list[str] = dataclasses.field(
+        default_factory=list
+    )  # new top-level modules (stages.graphgrow_modules)
 
     def log_entry(self) -> dict:
         """What goes into the mutation log (saved with the model and into ONNX metadata)."""
         return {
-            "pass": self.name, "args": {k: _named(v) for k, v in self.args.items()}, "seed": self.seed,
+            "pass": self.name,
+            "args": {k: _named(v) for k, v in self.args.items()},
+            "seed": self.seed,
             "targets": _plain(self.targets),
-            "params_before": self.params_before, "params_after": self.params_after,
-            "flops_before": self.flops_before, "flops_after": self.flops_after,
-            "nodes_added": len(self.nodes_added), "nodes_removed": len(self.nodes_removed), "exact": self.exact,
+            "params_before": self.params_before,
+            "params_after": self.params_after,
+            "flops_before": self.flops_before,
+            "flops_after": self.flops_after,
+            "nodes_added": len(self.nodes_added),
+            "nodes_removed": len(self.nodes_removed),
+            "exact": self.exact,
             "modules_added": self.modules_added,
         }
 
     def to_json(self) -> dict:
         d = {"name": self.name, **self.log_entry()}
-        d.update(notes=self.notes, nodes_added=self.nodes_added, nodes_removed=self.nodes_removed,
-                 changed=self.changed, seconds=round(self.seconds, 4))
+        d.update(
+            notes=self.notes,
+            nodes_added=self.nodes_added,
+            nodes_removed=self.nodes_removed,
+            changed=self.changed,
+            seconds=round(self.seconds, 4),
+        )
         if self.preservation is not None:
             d["preservation"] = self.preservation.to_json()
         return d
@@ -197,8 +212,14 @@ class Pass:
     def args(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
-    def __call__(self, gm: fx.GraphModule, verify_result: bool = True, seed: int = 0,
-                 limits: Limits | None = None, share: bool = False) -> PassResult:
+    def __call__(
+        self,
+        gm: fx.GraphModule,
+        verify_result: bool = True,
+        seed: int = 0,
+        limits: Limits | None = None,
+        share: bool = False,
+    ) -> PassResult:
         """Apply to a copy of `gm`, verify, and return the result. `gm` is never modified.
 
         The pass runs under `limits`: an allocation that would take what it holds past `limits.max_memory`
@@ -211,9 +232,11 @@ class Pass:
         input_shape = input_spec_of(gm)
         dtype = module_dtype(gm)
         if dtype in (torch.float16, torch.bfloat16):
-            raise InputError(f"the model is {str(dtype).removeprefix('torch.')}: graphgrow verifies growth to 1e-5, "
-                             "below that precision's rounding",
-                             "grow a float32 copy (model.float()), then convert the result back with .half()/.bfloat16()")
+            raise InputError(
+                f"the model is {str(dtype).removeprefix('torch.')}: graphgrow verifies growth to 1e-5, "
+                "below that precision's rounding",
+                "grow a float32 copy (model.float()), then convert the result back with .half()/.bfloat16()",
+            )
         if any("gg_shape" not in n.meta for n in gm.graph.nodes):
             annotate(gm, input_shape)
         self.check_requires(gm)
@@ -226,7 +249,10 @@ class Pass:
         _check_untouched(gm, fingerprint, self.name)
         new = rw.gm
         if new is gm:
-            raise ValidationError(f"pass {self.name} returned its input instead of a copy", "passes must be functional; see rewrite.copy_graph_module")
+            raise ValidationError(
+                f"pass {self.name} returned its input instead of a copy",
+                "passes must be functional; see rewrite.copy_graph_module",
+            )
         if inline_containers(new, set(dict(new.named_children())) - set(dict(gm.named_children()))):
             finish(new)  # a block the pass inserted as one module is read by every analysis as its layers
         if rw.changed:
@@ -239,26 +265,47 @@ class Pass:
         else:
             _follow_modes(gm, new)
         checked = verify_result and rw.changed
-        example_run = annotate(new, input_shape, previous=gm, example=annotation_input(new, input_shape) if checked else None)
+        example_run = annotate(
+            new, input_shape, previous=gm, example=annotation_input(new, input_shape) if checked else None
+        )
         after_nodes = {n.name for n in new.graph.nodes}
         # verification's input does not depend on the pass seed: the next pass of a pipeline reuses these outputs
-        report = verify(gm, new, input_shape, exact=rw.exact, eval_only=rw.eval_only, example_run=example_run) if checked else None
+        report = (
+            verify(gm, new, input_shape, exact=rw.exact, eval_only=rw.eval_only, example_run=example_run)
+            if checked
+            else None
+        )
         notes = list(rw.notes)
         if report is not None and not rw.exact:
             train_err = f", train rel err {report.train.rel_err:.3g}" if report.train is not None else ""
             notes.append(f"function changed on purpose: eval rel err {report.eval.rel_err:.3g}{train_err}")
         if report is not None and report.cancelled:
-            notes.append(f"{', '.join(report.cancelled)} get a gradient only in eval mode: a following normalisation "
-                         "cancels them in train mode (redundant, like a conv bias before BatchNorm)")
+            notes.append(
+                f"{', '.join(report.cancelled)} get a gradient only in eval mode: a following normalisation "
+                "cancels them in train mode (redundant, like a conv bias before BatchNorm)"
+            )
         if report is not None and report.degenerate:
-            notes.append("the model's output is identically zero on the check inputs (a zero-initialised head?): "
-                         "preservation was checked on zeros only")
+            notes.append(
+                "the model's output is identically zero on the check inputs (a zero-initialised head?): "
+                "preservation was checked on zeros only"
+            )
         result = PassResult(
-            gm=new, changed=rw.changed, name=self.name, args=self.args(), targets=rw.targets, notes=notes,
-            nodes_added=sorted(after_nodes - before_nodes), nodes_removed=sorted(before_nodes - after_nodes),
-            params_before=param_count(gm), params_after=param_count(new),
-            flops_before=total_flops(gm), flops_after=total_flops(new),
-            seed=seed, seconds=time.perf_counter() - start, preservation=report, exact=rw.exact,
+            gm=new,
+            changed=rw.changed,
+            name=self.name,
+            args=self.args(),
+            targets=rw.targets,
+            notes=notes,
+            nodes_added=sorted(after_nodes - before_nodes),
+            nodes_removed=sorted(before_nodes - after_nodes),
+            params_before=param_count(gm),
+            params_after=param_count(new),
+            flops_before=total_flops(gm),
+            flops_after=total_flops(new),
+            seed=seed,
+            seconds=time.perf_counter() - start,
+            preservation=report,
+            exact=rw.exact,
             modules_added=sorted(set(dict(new.named_children())) - set(dict(gm.named_children()))),
         )
         info = graph_info(new)
@@ -270,8 +317,10 @@ class Pass:
 def require_traced(model: Any) -> None:
     """InputError unless `model` is a graph from graphgrow.trace (passes rewrite graphs, not modules)."""
     if not isinstance(model, fx.GraphModule):
-        raise InputError(f"passes run on a traced model (torch.fx.GraphModule), got {type(model).__name__}",
-                         "trace it first: gm = graphgrow.trace(model, input_shape=(1, 3, 224, 224))")
+        raise InputError(
+            f"passes run on a traced model (torch.fx.GraphModule), got {type(model).__name__}",
+            "trace it first: gm = graphgrow.trace(model, input_shape=(1, 3, 224, 224))",
+        )
 
 
 def _follow_modes(old: fx.GraphModule, new: fx.GraphModule) -> None:
@@ -290,5 +339,7 @@ def _fingerprint(gm: fx.GraphModule) -> tuple:
 
 def _check_untouched(gm: fx.GraphModule, fingerprint: tuple, name: str) -> None:
     if _fingerprint(gm) != fingerprint:
-        raise ValidationError(f"pass {name} modified its input model (a bug in the pass)",
-                              "passes must work on a copy (graphgrow.rewrite.begin or copy_graph_module)")
+        raise ValidationError(
+            f"pass {name} modified its input model (a bug in the pass)",
+            "passes must work on a copy (graphgrow.rewrite.begin or copy_graph_module)",
+        )

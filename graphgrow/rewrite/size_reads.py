@@ -5,10 +5,11 @@ projection into heads (`C // heads`), to merge heads back (`reshape(B, N, C)`) â
 their size. Only a view of a grown tensor (`x.view(B, N, C)` of x itself, or `x.view(B, r, C // r)`) must read the new
 size. So after a pass grows an axis, every other use of such a read gets the old size as a constant.
 """
+
 from __future__ import annotations
 
 import operator
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import fx
@@ -24,12 +25,19 @@ def _reads(q: fx.Node, axis: int, rank: int) -> list[fx.Node]:
     if q.op == "call_method" and q.target == "size" and (len(q.args) > 1 or "dim" in q.kwargs):
         dim = q.args[1] if len(q.args) > 1 else q.kwargs["dim"]
         return [q] if isinstance(dim, int) and dim % rank == axis else []
-    whole = (q.op == "call_method" and q.target == "size") or \
-        (q.op == "call_function" and q.target is getattr and q.args[1] == "shape")
+    whole = (q.op == "call_method" and q.target == "size") or (
+        q.op == "call_function" and q.target is getattr and q.args[1] == "shape"
+    )
     if not whole:
         return []
-    return [g for g in q.users if g.op == "call_function" and g.target is operator.getitem
-            and isinstance(g.args[1], int) and g.args[1] % rank == axis]
+    return [
+        g
+        for g in q.users
+        if g.op == "call_function"
+        and g.target is operator.getitem
+        and isinstance(g.args[1], int)
+        and g.args[1] % rank == axis
+    ]
 
 
 def _sinks(n: fx.Node) -> list[fx.Node]:
@@ -48,14 +56,19 @@ def _sinks(n: fx.Node) -> list[fx.Node]:
 
 
 def _is_size_arithmetic(n: fx.Node) -> bool:
-    return n.op == "call_function" and getattr(n.target, "__module__", "") in ("_operator", "operator") and \
-        n.target is not operator.getitem and tensor_shape(n) is None
+    return (
+        n.op == "call_function"
+        and getattr(n.target, "__module__", "") in ("_operator", "operator")
+        and n.target is not operator.getitem
+        and tensor_shape(n) is None
+    )
 
 
 def _views_a_grown_tensor(user: fx.Node, growing: Mapping[str, tuple[int, int]]) -> bool:
     tensor = user.args[0] if user.args and isinstance(user.args[0], fx.Node) else None
-    is_view = (user.op == "call_method" and user.target in _VIEW_METHODS) or \
-        (user.op == "call_function" and user.target is torch.reshape)
+    is_view = (user.op == "call_method" and user.target in _VIEW_METHODS) or (
+        user.op == "call_function" and user.target is torch.reshape
+    )
     return is_view and tensor is not None and tensor.name in growing
 
 
@@ -77,8 +90,9 @@ def hold_size_reads(gm: fx.GraphModule, growing: Mapping[str, tuple[int, int]]) 
         for q in list(x.users):
             for value in _reads(q, axis % len(shape), len(shape)):
                 for user in list(value.users):
-                    if _views_a_grown_tensor(user, growing) or any(_views_a_grown_tensor(sink, growing)
-                                                                   for sink in _sinks(user)):
+                    if _views_a_grown_tensor(user, growing) or any(
+                        _views_a_grown_tensor(sink, growing) for sink in _sinks(user)
+                    ):
                         continue  # the size, or a size computed from it (C // radix), shapes a view of a grown tensor
                     user.args, user.kwargs = _replaced((user.args, user.kwargs), value, old)
                     held += 1

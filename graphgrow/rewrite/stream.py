@@ -14,6 +14,7 @@ Post-norm streams (a LayerNorm's output added to a sublayer's output): only repl
 number of times is exact (an integer factor): writers' rows are copied, norms' γ and β copied (mean, variance and
 mean square do not move; eps unchanged), readers' columns split among the replicas in random shares (net2net).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,9 @@ from ..analysis.stream import Stream
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import finish
 from .size_reads import hold_size_reads
-from .tensor_paths import owners as _owners, put_tensor as _set, tensor_at as _tensor
+from .tensor_paths import owners as _owners
+from .tensor_paths import put_tensor as _set
+from .tensor_paths import tensor_at as _tensor
 from .widen import Insertion, Layout, columns, make_layout, rows
 
 HINT = "grow_hidden grows a stream it fully understands; grow the layers around it with grow_width"
@@ -41,9 +44,10 @@ def plan_layout(stream: Stream, new: int, generator: torch.Generator) -> tuple[L
     if stream.conflict is None:
         return make_layout(d, [Insertion(d, k, [None] * k)]), "mean/zero"
     if new % d:
-        raise NotApplicable(f"cannot grow the hidden size {d} → {new} exactly: {stream.conflict}",
-                            f"such a stream stays exact only when every coordinate is replicated equally: "
-                            f"to={2 * d}, {3 * d}, …")
+        raise NotApplicable(
+            f"cannot grow the hidden size {d} → {new} exactly: {stream.conflict}",
+            f"such a stream stays exact only when every coordinate is replicated equally: to={2 * d}, {3 * d}, …",
+        )
     perm = torch.randperm(d, generator=generator).tolist()
     return make_layout(d, [Insertion(d, k, [perm[j % d] for j in range(k)])]), "replicate"
 
@@ -54,7 +58,9 @@ def grow_along(t: torch.Tensor, dim: int, layout: Layout, how: str, generator: t
     t = t.detach()
     if how in ("mean", "zero", "copy"):
         moved = t.movedim(dim, 0)
-        return rows(moved, layout, "net2net" if how == "copy" else "zero", generator, how if how != "copy" else "zero").movedim(0, dim)
+        return rows(
+            moved, layout, "net2net" if how == "copy" else "zero", generator, how if how != "copy" else "zero"
+        ).movedim(0, dim)
     moved = t.movedim(dim, 1)
     if how == "shares":
         return columns(moved, layout, "net2net", generator).movedim(1, dim)
@@ -91,8 +97,11 @@ def _merge(path: str, steps: list[tuple[int, str, str]]) -> list[tuple[int, str]
         if dim not in out or out[dim][0] == how or (out[dim][0] == "random" and how in ("mean", "zero")):
             out[dim] = (how, role)
         elif how != "random":
-            raise NotApplicable(f"'{path}' is {out[dim][1]} and {role} (tied weights): they need different new "
-                                f"entries ({out[dim][0]} and {how})", HINT)
+            raise NotApplicable(
+                f"'{path}' is {out[dim][1]} and {role} (tied weights): they need different new "
+                f"entries ({out[dim][0]} and {how})",
+                HINT,
+            )
     return [(dim, how) for dim, (how, _) in sorted(out.items(), reverse=True)]  # columns before rows
 
 
@@ -114,7 +123,11 @@ def grow_stream(gm: fx.GraphModule, stream: Stream, new: int, generator: torch.G
         value = old.detach()
         for dim, how in _merge(path, steps + [s for p in tied for s in plans.get(p, [])]):
             value = grow_along(value, dim, layout, how, generator)
-        value = nn.Parameter(value.contiguous(), requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else value
+        value = (
+            nn.Parameter(value.contiguous(), requires_grad=old.requires_grad)
+            if isinstance(old, nn.Parameter)
+            else value
+        )
         for p in [path] + tied:  # one tensor for all its paths: a tie stays a tie
             _set(gm, p, value, old)
             done.add(p)
@@ -138,9 +151,11 @@ def _grow_norm(gm: fx.GraphModule, stream: Stream, norm, layout: Layout, rule: s
     d, new = layout.old, layout.new
     ratio = d / new
     if rule != "replicate" and norm.weight is None:
-        raise NotApplicable(f"norm '{norm.node}' has no affine weight to absorb the factor sqrt({d}/{new}) its old "
-                            "outputs would change by", "give the norm elementwise_affine=True, or grow by an integer "
-                            "factor in a post-norm model")
+        raise NotApplicable(
+            f"norm '{norm.node}' has no affine weight to absorb the factor sqrt({d}/{new}) its old "
+            "outputs would change by",
+            "give the norm elementwise_affine=True, or grow by an integer factor in a post-norm model",
+        )
     for path, is_weight in ((norm.weight, True), (norm.bias, False)):
         if path is None:
             continue

@@ -1,5 +1,6 @@
 """Parameters and buffers by their attribute path: read one, put a new tensor in its place (a Parameter stays a
 Parameter), and find every path a tensor is reachable under (tied weights have several)."""
+
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,7 @@
 """The graph side of a growth: constants in slices, splits and reshapes that name channel counts or
 offsets follow the new layout (coupling records them as edits), and net2net replicas chosen per block.
 """
+
 from __future__ import annotations
 
 import torch
@@ -58,10 +59,10 @@ def _slice(n: fx.Node, edit: ChannelEdit, layout) -> None:
     x_shape = n.args[0].meta["gg_shape"]
     if Ellipsis in index:
         at = index.index(Ellipsis)
-        index = index[:at] + (slice(None),) * (len(x_shape) - len(index) + 1) + index[at + 1:]
+        index = index[:at] + (slice(None),) * (len(x_shape) - len(index) + 1) + index[at + 1 :]
     start, stop, _ = index[axis].indices(x_shape[axis])
     new_start, length = _span(n, edit, layout, start, stop - start)
-    index = index[:axis] + (slice(new_start or None, new_start + length, None),) + index[axis + 1:]
+    index = index[:axis] + (slice(new_start or None, new_start + length, None),) + index[axis + 1 :]
     n.args = (n.args[0], index) + tuple(n.args[2:])
 
 
@@ -104,7 +105,7 @@ def _groups(n: fx.Node, edit: ChannelEdit, layout) -> None:
     old = n.args[key] if kind == "a" else n.kwargs[key]
     value = mine.new // (mine.old // old)
     if kind == "a":
-        n.args = n.args[:key] + (value,) + n.args[key + 1:]
+        n.args = n.args[:key] + (value,) + n.args[key + 1 :]
     else:
         n.kwargs = {**n.kwargs, key: value}
 

@@ -1,4 +1,5 @@
 """A picture of a search: the metric over epochs for every trial, with exploits and growths marked."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,8 +20,9 @@ def plot_format(path: Path) -> str:
     return kind
 
 
-def plot_population(history: dict[str, list[dict]], metric: str, path: str | Path, title: str = "",
-                    baseline: list[float] | None = None) -> Path:
+def plot_population(
+    history: dict[str, list[dict]], metric: str, path: str | Path, title: str = "", baseline: list[float] | None = None
+) -> Path:
     """PNG (or any format matplotlib writes, by suffix) of `history` (SearchResult.history).
 
     A growth is a triangle on the trial's curve; an exploit is a circle where the trial continued
@@ -54,8 +56,15 @@ def plot_population(history: dict[str, list[dict]], metric: str, path: str | Pat
                 segments.append([])  # the trial now continues another one's run: a new piece of curve
             segments[-1].append(r)
         for j, seg in enumerate(segments):
-            ax.plot([r["epoch"] for r in seg], [r[metric] for r in seg], color=colour, linewidth=1.2, marker=".",
-                    markersize=3, label=f"{trial} ({int(rows[-1].get('params', 0)):,} params at the end)" if j == 0 else None)
+            ax.plot(
+                [r["epoch"] for r in seg],
+                [r[metric] for r in seg],
+                color=colour,
+                linewidth=1.2,
+                marker=".",
+                markersize=3,
+                label=f"{trial} ({int(rows[-1].get('params', 0)):,} params at the end)" if j == 0 else None,
+            )
         for r in rows:
             events = [e.split(":", 1) for e in str(r.get("event") or "").split(";") if ":" in e]
             x, y = r["epoch"], r[metric]
@@ -64,14 +73,32 @@ def plot_population(history: dict[str, list[dict]], metric: str, path: str | Pat
                     before = [d for d in rows_of.get(what, []) if d["epoch"] == x - 1]
                     if before:
                         ax.plot([x - 1, x], [before[-1][metric], y], ":", color=colour, linewidth=1)
-                    ax.plot(x, y, "o", markerfacecolor="none", markeredgecolor=colour, markersize=8,
-                            label=once("continues from a better trial (exploit)"))
+                    ax.plot(
+                        x,
+                        y,
+                        "o",
+                        markerfacecolor="none",
+                        markeredgecolor=colour,
+                        markersize=8,
+                        label=once("continues from a better trial (exploit)"),
+                    )
                 elif kind == "grow":
-                    ax.plot(x, y, "^", color=colour, markersize=9, markeredgecolor="black",
-                            label=once("grew (function-preserving), then trained one epoch"))
-                    ax.annotate(what.split("(")[0], (x, y), textcoords="offset points", xytext=(4, 6), fontsize=7, color=colour)
+                    ax.plot(
+                        x,
+                        y,
+                        "^",
+                        color=colour,
+                        markersize=9,
+                        markeredgecolor="black",
+                        label=once("grew (function-preserving), then trained one epoch"),
+                    )
+                    ax.annotate(
+                        what.split("(")[0], (x, y), textcoords="offset points", xytext=(4, 6), fontsize=7, color=colour
+                    )
     if baseline:
-        ax.plot(range(1, len(baseline) + 1), baseline, "--", color="black", linewidth=1, label="not grown (same epochs)")
+        ax.plot(
+            range(1, len(baseline) + 1), baseline, "--", color="black", linewidth=1, label="not grown (same epochs)"
+        )
     ax.set_xlabel("epoch (the growth or exploit happens just before the marked epoch)")
     ax.set_ylabel(metric)
     ax.set_yscale("log")

@@ -3,6 +3,7 @@ architectures; its explore step chooses the next architecture move (and perturbs
 learning rate); the trials grow exactly, so a child continues from its parent without a
 jump in the loss. Ray starts locally unless an address is given; nothing here schedules.
 """
+
 from __future__ import annotations
 
 import copy
@@ -14,19 +15,20 @@ import random
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from torch import fx
 
 from ..analysis.budget import Limits
-from ..core.errors import InputError, SaveError, SearchError, SearchInterrupted, first_line
-from ..io.factory import import_object
-from ..io.save import save_model
-from ..io.outputs import is_staging_name
-from ..graph.shapes import param_count
 from ..capture.trace import graph_info
+from ..core.errors import InputError, SaveError, SearchError, SearchInterrupted, first_line
+from ..graph.shapes import param_count
+from ..io.factory import import_object
+from ..io.outputs import is_staging_name
+from ..io.save import save_model
 from .space import MutationSpace, check_data
 from .trial import MODEL_FILE, OPTIMIZERS, STATE_FILE, TrialSetup, model_bytes, read_model_file, run_trial
 
@@ -69,20 +71,26 @@ class SearchOptions:
         if self.optimizer not in OPTIMIZERS:
             raise InputError(f"--optimizer {self.optimizer!r}", f"one of {', '.join(OPTIMIZERS)}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 2:
-            raise InputError(f"--keep-checkpoints {self.keep_checkpoints}: PBT needs at least 2 (one to exploit, one to restore)")
+            raise InputError(
+                f"--keep-checkpoints {self.keep_checkpoints}: PBT needs at least 2 (one to exploit, one to restore)"
+            )
         if "://" in self.storage_path:
-            raise InputError(f"--storage-path {self.storage_path}: cloud storage is not supported yet",
-                             "give a folder every node can reach (the same path on each, e.g. an NFS mount)")
+            raise InputError(
+                f"--storage-path {self.storage_path}: cloud storage is not supported yet",
+                "give a folder every node can reach (the same path on each, e.g. an NFS mount)",
+            )
         if self.cpus_per_trial <= 0 or self.gpus_per_trial < 0:
             raise InputError("--cpus-per-trial must be positive and --gpus-per-trial not negative")
         check_folder_name(self.name, "--name")
         if self.resume and not self.trust:
             # Tune.restore unpickles tuner.pkl and the trial states: a pickle placed in the folder would run. Tune
             # keeps no other form of its state, so a resumed folder is trusted like a file given with --trust.
-            raise InputError(f"--resume restores the search in {self.experiment} from Ray Tune's pickles there (tuner.pkl, "
-                             "the trial states): a pickle in that folder would run code",
-                             "pass --trust as well if the folder is yours and no one else can write to it, or start a "
-                             "new search with another --name")
+            raise InputError(
+                f"--resume restores the search in {self.experiment} from Ray Tune's pickles there (tuner.pkl, "
+                "the trial states): a pickle in that folder would run code",
+                "pass --trust as well if the folder is yours and no one else can write to it, or start a "
+                "new search with another --name",
+            )
 
     @property
     def experiment(self) -> Path:
@@ -110,8 +118,10 @@ def check_folder_name(name: str, flag: str) -> None:
     elif len(os.fsencode(name)) > _NAME_BYTES:
         why = f"is longer than {_NAME_BYTES} bytes"
     if why:
-        raise InputError(f"{flag} {shown} {why}", "give one plain folder name, e.g. --name search1 (put the folder "
-                         "elsewhere with --storage-path)")
+        raise InputError(
+            f"{flag} {shown} {why}",
+            "give one plain folder name, e.g. --name search1 (put the folder elsewhere with --storage-path)",
+        )
 
 
 @dataclass
@@ -129,9 +139,18 @@ class SearchResult:
     seconds: float
 
     def to_json(self) -> dict:
-        return {"best": str(self.best_path), "metric": self.metric, "value": self.best_value, "trial": self.best_trial,
-                "lineage": self.lineage, "moves": self.moves, "original": str(self.original_path),
-                "experiment": str(self.experiment), "trials": self.trials, "seconds": round(self.seconds, 1)}
+        return {
+            "best": str(self.best_path),
+            "metric": self.metric,
+            "value": self.best_value,
+            "trial": self.best_trial,
+            "lineage": self.lineage,
+            "moves": self.moves,
+            "original": str(self.original_path),
+            "experiment": str(self.experiment),
+            "trials": self.trials,
+            "seconds": round(self.seconds, 1),
+        }
 
 
 def _ship_by_value(fn: Callable) -> None:
@@ -164,7 +183,11 @@ def start_ray(address: str | None, num_cpus: int | None, worker_logs: bool = Fal
 
     if ray.is_initialized():
         return False
-    kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": worker_logs}
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "logging_level": logging.WARNING,
+        "log_to_driver": worker_logs,
+    }
     try:
         if address:
             ray.init(address=address, **kwargs)
@@ -172,8 +195,10 @@ def start_ray(address: str | None, num_cpus: int | None, worker_logs: bool = Fal
             ray.init(address="local", num_cpus=num_cpus, **kwargs)  # a new local Ray, even beside a `ray start` cluster
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = f"the Ray cluster at {address}" if address else "a local Ray"
-        raise SearchError(f"cannot start {where}: {first_line(e)}",
-                          "check `ray status` on the head node" if address else "see Ray's log under /tmp/ray") from e
+        raise SearchError(
+            f"cannot start {where}: {first_line(e)}",
+            "check `ray status` on the head node" if address else "see Ray's log under /tmp/ray",
+        ) from e
     return True
 
 
@@ -201,8 +226,10 @@ def _progress_callback(options: SearchOptions, say: Callable[[str], None]):
                 if kind == "exploit":
                     self.say(f"  {tid}: continues from {what}'s checkpoint (weights and architecture)")
                 elif kind == "grow":
-                    self.say(f"  {tid}: grew {what} → {int(result['params']):,} parameters "
-                        f"({options.metric} moved by {float(result.get('growth_delta', 0)):.2g})")
+                    self.say(
+                        f"  {tid}: grew {what} → {int(result['params']):,} parameters "
+                        f"({options.metric} moved by {float(result.get('growth_delta', 0)):.2g})"
+                    )
             self.latest[tid] = result
             if len(self.latest) < options.population:
                 return
@@ -214,14 +241,22 @@ def _progress_callback(options: SearchOptions, say: Callable[[str], None]):
             best_id = pick(self.latest, key=lambda t: float(self.latest[t][options.metric]))
             best = self.latest[best_id]
             sizes = ", ".join(f"{int(self.latest[t]['params']):,}" for t in sorted(self.latest))
-            self.say(f"round {done}/{options.rounds}: best {options.metric} {float(best[options.metric]):.4g} ({best_id}, "
-                f"{int(best['growths'])} growths); parameters per trial: {sizes}")
+            self.say(
+                f"round {done}/{options.rounds}: best {options.metric} {float(best[options.metric]):.4g} ({best_id}, "
+                f"{int(best['growths'])} growths); parameters per trial: {sizes}"
+            )
 
     return Progress(say)
 
 
-def search(model: fx.GraphModule | None, train: Callable, evaluate: Callable, space: MutationSpace,
-           options: SearchOptions, say: Callable[[str], None] = print) -> SearchResult:
+def search(
+    model: fx.GraphModule | None,
+    train: Callable,
+    evaluate: Callable,
+    space: MutationSpace,
+    options: SearchOptions,
+    say: Callable[[str], None] = print,
+) -> SearchResult:
     """Run population-based growth of `model` (traced by graphgrow) on Ray Tune and return the best
     trial's model, saved as a graphgrow file, with its lineage.
 
@@ -241,7 +276,10 @@ def search(model: fx.GraphModule | None, train: Callable, evaluate: Callable, sp
             raise InputError(f"nothing to resume at {experiment}", "start the search without --resume")
         model = read_model_file(original_path)
     elif experiment.exists() and any(not is_staging_name(p.name) for p in experiment.iterdir()):
-        raise InputError(f"{experiment} already holds a search", "pass --resume --trust to continue it (its state is Ray Tune's pickles: a folder of your own), or choose another --name")
+        raise InputError(
+            f"{experiment} already holds a search",
+            "pass --resume --trust to continue it (its state is Ray Tune's pickles: a folder of your own), or choose another --name",
+        )
     elif model is None:
         raise InputError("no model to search from", "pass the traced model (graphgrow.trace)")
     else:
@@ -253,10 +291,20 @@ def search(model: fx.GraphModule | None, train: Callable, evaluate: Callable, sp
     for fn in (train, evaluate, space.data):
         if callable(fn):
             _ship_by_value(fn)
-    setup = TrialSetup(model_bytes(model), train, evaluate, options.metric, space, options.optimizer, options.limits,
-                       "cuda" if options.gpus_per_trial > 0 else "cpu", options.epochs_per_round)
-    trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup),
-                                    {"cpu": options.cpus_per_trial, "gpu": options.gpus_per_trial})
+    setup = TrialSetup(
+        model_bytes(model),
+        train,
+        evaluate,
+        options.metric,
+        space,
+        options.optimizer,
+        options.limits,
+        "cuda" if options.gpus_per_trial > 0 else "cpu",
+        options.epochs_per_round,
+    )
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, setup=setup), {"cpu": options.cpus_per_trial, "gpu": options.gpus_per_trial}
+    )
     quiet_tune()
     if not options.worker_logs:  # a failed trial's traceback is in its error.txt; the SearchError names it in one line
         logging.getLogger("ray.tune").setLevel(logging.CRITICAL)
@@ -267,8 +315,10 @@ def search(model: fx.GraphModule | None, train: Callable, evaluate: Callable, sp
             tuner = tune.Tuner.restore(str(experiment), trainable, resume_unfinished=True, resume_errored=True)
         else:
             tuner = _new_tuner(trainable, space, options, say)
-        say(f"searching: population {options.population}, {options.rounds} rounds of {options.epochs_per_round} "
-            f"epoch(s), moves {space}, {param_count(model):,} parameters to start")
+        say(
+            f"searching: population {options.population}, {options.rounds} rounds of {options.epochs_per_round} "
+            f"epoch(s), moves {space}, {param_count(model):,} parameters to start"
+        )
         results = tuner.fit()
     finally:
         if started:
@@ -306,23 +356,36 @@ def _new_tuner(trainable, space: MutationSpace, options: SearchOptions, say: Cal
     # asynchronous PBT: with synch=True (and reused actors) a run here left one trial paused for good (Ray 2.60);
     # reused actors keep a restart from paying a new process and torch import (a 4-trial test: 17 s instead of 54 s)
     pbt = PopulationBasedTraining(
-        time_attr="training_iteration", perturbation_interval=options.epochs_per_round,
-        hyperparam_mutations={"lr": tune.loguniform(lo / 5, hi * 5)}, custom_explore_fn=explore,
-        quantile_fraction=0.25, resample_probability=0.25, synch=False)
+        time_attr="training_iteration",
+        perturbation_interval=options.epochs_per_round,
+        hyperparam_mutations={"lr": tune.loguniform(lo / 5, hi * 5)},
+        custom_explore_fn=explore,
+        quantile_fraction=0.25,
+        resample_probability=0.25,
+        synch=False,
+    )
     return tune.Tuner(
         trainable,
         param_space={"lr": tune.loguniform(lo, hi), "move": None, "_mode": options.mode},
-        tune_config=tune.TuneConfig(metric=options.metric, mode=options.mode, scheduler=pbt,
-                                    num_samples=options.population, reuse_actors=True,
-                                    search_alg=BasicVariantGenerator(random_state=options.seed)),
+        tune_config=tune.TuneConfig(
+            metric=options.metric,
+            mode=options.mode,
+            scheduler=pbt,
+            num_samples=options.population,
+            reuse_actors=True,
+            search_alg=BasicVariantGenerator(random_state=options.seed),
+        ),
         run_config=tune.RunConfig(
-            name=options.name, storage_path=str(options.experiment.parent), verbose=0,
+            name=options.name,
+            storage_path=str(options.experiment.parent),
+            verbose=0,
             stop={"training_iteration": options.rounds * options.epochs_per_round},
             # asynchronous PBT exploits a donor's checkpoint while the donor runs on: a small num_to_keep let the
             # donor delete it before the exploiting trial restored (8 trials, 2 CPUs: "checkpoint does not exist")
             checkpoint_config=tune.CheckpointConfig(num_to_keep=options.keep_checkpoints),
             failure_config=tune.FailureConfig(max_failures=0),
-            callbacks=[_progress_callback(options, say)]),
+            callbacks=[_progress_callback(options, say)],
+        ),
     )
 
 
@@ -335,7 +398,10 @@ def _history(result) -> list[dict]:
     frame = pd.read_csv(path) if path.exists() else result.metrics_dataframe
     if frame is None:
         return []
-    return [{k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))} for row in frame.to_dict("records")]
+    return [
+        {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
+        for row in frame.to_dict("records")
+    ]
 
 
 def _cut(text: str, limit: int = 400) -> str:
@@ -348,21 +414,35 @@ def _collect(results, options: SearchOptions, original_path: Path, seconds: floa
         last = [line for line in str(errors[0]).strip().splitlines() if line.strip()]  # a Ray error ends with the cause
         cause = last[-1].strip() if last else ""
         if "SaveError: " in cause:  # a checkpoint could not be written (a full disk): exit 2 like any write error
-            raise SaveError(f"{len(errors)} of {len(results)} trials failed; the first: {_cut(cause.split('SaveError: ', 1)[1])}")
-        raise SearchError(f"{len(errors)} of {len(results)} trials failed; the first: {first_line(last[-1]) if last else type(errors[0]).__name__}",
-                          f"each trial's error.txt under {options.experiment} has the traceback")
+            raise SaveError(
+                f"{len(errors)} of {len(results)} trials failed; the first: {_cut(cause.split('SaveError: ', 1)[1])}"
+            )
+        raise SearchError(
+            f"{len(errors)} of {len(results)} trials failed; the first: {first_line(last[-1]) if last else type(errors[0]).__name__}",
+            f"each trial's error.txt under {options.experiment} has the traceback",
+        )
     target = options.rounds * options.epochs_per_round
     behind = [r for r in results if int(r.metrics.get("training_iteration", 0)) < target]
     if behind:  # Tune stops gracefully on Ctrl-C and returns what it has
         done = min(int(r.metrics.get("training_iteration", 0)) for r in results)
-        raise SearchInterrupted(f"the search stopped after {done} of {target} epochs; its checkpoints are in {options.experiment}",
-                                "run the same command with --resume --trust to continue it (a folder of your own: its state is Ray Tune's pickles)")
+        raise SearchInterrupted(
+            f"the search stopped after {done} of {target} epochs; its checkpoints are in {options.experiment}",
+            "run the same command with --resume --trust to continue it (a folder of your own: its state is Ray Tune's pickles)",
+        )
     trials, history = [], {}
     for r in results:
         tid = str(r.metrics.get("trial_id", r.path))
-        trials.append({"trial": tid, options.metric: r.metrics.get(options.metric), "params": r.metrics.get("params"),
-                       "growths": r.metrics.get("growths"), "moves": r.metrics.get("moves"), "lr": r.metrics.get("lr"),
-                       "path": str(r.path)})
+        trials.append(
+            {
+                "trial": tid,
+                options.metric: r.metrics.get(options.metric),
+                "params": r.metrics.get("params"),
+                "growths": r.metrics.get("growths"),
+                "moves": r.metrics.get("moves"),
+                "lr": r.metrics.get("lr"),
+                "path": str(r.path),
+            }
+        )
         history[tid] = _history(r)
     best = results.get_best_result(options.metric, options.mode, scope="last", filter_nan_and_inf=True)
     if best.checkpoint is None:
@@ -372,6 +452,16 @@ def _collect(results, options: SearchOptions, original_path: Path, seconds: floa
         gm = read_model_file(Path(folder) / MODEL_FILE)
         state = json.loads((Path(folder) / STATE_FILE).read_text())
     save_model(gm, out)
-    return SearchResult(out, options.metric, float(best.metrics[options.metric]), str(best.metrics.get("trial_id")),
-                        list(graph_info(gm).get("log", [])), list(state.get("moves", [])), original_path,
-                        options.experiment, trials, history, seconds)
+    return SearchResult(
+        out,
+        options.metric,
+        float(best.metrics[options.metric]),
+        str(best.metrics.get("trial_id")),
+        list(graph_info(gm).get("log", [])),
+        list(state.get("moves", [])),
+        original_path,
+        options.experiment,
+        trials,
+        history,
+        seconds,
+    )

@@ -12,26 +12,27 @@ The place is drawn uniformly (policy "uniform") or aimed by the data (policy "ga
 the largest first-order gain on a batch, rewrite.gain; "gain-sample": a place drawn with probability
 proportional to its gain). Passes without a data-driven init keep the uniform draw.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import random
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Sequence
 
 from torch import fx
 
 from ..analysis.budget import Limits
 from ..analysis.targets import Candidate
+from ..capture.trace import graph_info
 from ..core.errors import GraphgrowError, InputError, SpecError
+from ..graph.graph_meta import input_spec_of
+from ..graph.shapes import annotate, param_count
+from ..jobs.pipeline import Pipeline, _split_top, build_pipeline, make_pass, parse_spec, spec_of
 from ..rewrite.gain import rank_by_gain, ranks_by_gain
 from ..rewrite.gradmax import Data, load_data
 from ..rewrite.pass_base import Pass
-from ..jobs.pipeline import Pipeline, _split_top, build_pipeline, make_pass, parse_spec, spec_of
-from ..graph.shapes import annotate, param_count
-from ..capture.trace import graph_info
-from ..graph.graph_meta import input_spec_of
 
 NOOP = "noop"
 MOVE_KEY = "search_move"  # the key under which a log entry records the id of the move that made it
@@ -55,7 +56,7 @@ class Move:
         return asdict(self)
 
     @classmethod
-    def from_config(cls, value: object) -> "Move | None":
+    def from_config(cls, value: object) -> Move | None:
         if not isinstance(value, dict):
             return None
         return cls(str(value["id"]), str(value["spec"]), int(value["seed"]))
@@ -75,9 +76,17 @@ class Outcome:
     gain: float | None = None  # the chosen place's gain, when the policy ranked the places
 
     def to_json(self) -> dict:
-        return {"id": self.move.id, "chosen": self.move.spec, "seed": self.move.seed, "grew": self.grew,
-                "spec": self.spec, "reason": self.reason, "params_before": self.params_before,
-                "params_after": self.params_after, "gain": self.gain}
+        return {
+            "id": self.move.id,
+            "chosen": self.move.spec,
+            "seed": self.move.seed,
+            "grew": self.grew,
+            "spec": self.spec,
+            "reason": self.reason,
+            "params_before": self.params_before,
+            "params_after": self.params_after,
+            "gain": self.gain,
+        }
 
 
 class MutationSpace:
@@ -92,8 +101,13 @@ class MutationSpace:
     also fills `data` of the moves with init=gradmax.
     """
 
-    def __init__(self, moves: Sequence[tuple[str, float]], max_params: int | None = None, policy: str = "uniform",
-                 data: Data | None = None):
+    def __init__(
+        self,
+        moves: Sequence[tuple[str, float]],
+        max_params: int | None = None,
+        policy: str = "uniform",
+        data: Data | None = None,
+    ):
         if not moves:
             raise SpecError("the mutation space is empty", "give at least one pass spec, e.g. 'deepen;noop'")
         checked: list[tuple[str, float]] = []
@@ -104,7 +118,9 @@ class MutationSpace:
             if spec != NOOP:
                 passes = build_pipeline(spec)
                 if len(passes) != 1:
-                    raise SpecError(f"move {spec!r} is {len(passes)} passes", "one pass per move; separate moves with ';'")
+                    raise SpecError(
+                        f"move {spec!r} is {len(passes)} passes", "one pass per move; separate moves with ';'"
+                    )
             checked.append((spec, float(weight)))
         if max_params is not None and max_params <= 0:
             raise SpecError(f"max_params must be positive, got {max_params}")
@@ -114,8 +130,9 @@ class MutationSpace:
         _check_policy(checked, policy, data)
 
     @classmethod
-    def parse(cls, text: str, max_params: int | None = None, policy: str = "uniform",
-              data: Data | None = None) -> "MutationSpace":
+    def parse(
+        cls, text: str, max_params: int | None = None, policy: str = "uniform", data: Data | None = None
+    ) -> MutationSpace:
         moves = []
         for item in _split_top(text, ";"):
             if not item:
@@ -126,7 +143,9 @@ class MutationSpace:
                 try:
                     spec, weight = head.strip(), float(tail)
                 except ValueError:
-                    raise SpecError(f"move {item!r}: weight {tail.strip()!r} is not a number", "write e.g. deepen*2") from None
+                    raise SpecError(
+                        f"move {item!r}: weight {tail.strip()!r} is not a number", "write e.g. deepen*2"
+                    ) from None
             moves.append((spec, weight))
         return cls(moves, max_params, policy, data)
 
@@ -165,7 +184,9 @@ class MutationSpace:
             return skipped(f"{type(e).__name__}: {e.message}", spec=move.spec)
         new = result.gm
         if self.max_params is not None and result.params_after > self.max_params:
-            return skipped(f"{_shown(p)} would make {result.params_after:,} parameters (budget {self.max_params:,})", _shown(p))
+            return skipped(
+                f"{_shown(p)} would make {result.params_after:,} parameters (budget {self.max_params:,})", _shown(p)
+            )
         graph_info(new)["log"][-1][MOVE_KEY] = move.id
         return new, Outcome(move, True, _shown(p), "", before, result.params_after, gain)
 
@@ -190,8 +211,9 @@ class MutationSpace:
             chosen, gain = self._by_gain(gm, p, fitting, move.seed, rng) or (chosen, None)
         return self._with_data(make_pass(name, {**args, **chosen.args})), gain
 
-    def _by_gain(self, gm: fx.GraphModule, p: Pass, fitting: list[Candidate], seed: int, rng: random.Random
-                 ) -> tuple[Candidate, float] | None:
+    def _by_gain(
+        self, gm: fx.GraphModule, p: Pass, fitting: list[Candidate], seed: int, rng: random.Random
+    ) -> tuple[Candidate, float] | None:
         """The place the gain policy picks among `fitting`, with its gain; None when the pass refuses
         every place (the uniform draw stands, and applying it says why)."""
         assert self.data is not None
@@ -224,16 +246,25 @@ def _check_policy(moves: list[tuple[str, float]], policy: str, data: Data | None
     passes = [build_pipeline(spec)[0] for spec, _ in moves if spec != NOOP]
     blind = [p.name for p in passes if getattr(p, "init", None) == "gradmax" and getattr(p, "data", None) is None]
     if blind and data is None:
-        raise InputError(f"the move {blind[0]}(init=gradmax) chooses new weights from data, and no data was given", DATA_HINT)
+        raise InputError(
+            f"the move {blind[0]}(init=gradmax) chooses new weights from data, and no data was given", DATA_HINT
+        )
     if policy != "uniform":
         if data is None:
-            raise InputError(f"policy {policy!r} ranks the places by the gradient on a batch, and no data was given", DATA_HINT)
+            raise InputError(
+                f"policy {policy!r} ranks the places by the gradient on a batch, and no data was given", DATA_HINT
+            )
         if not any(ranks_by_gain(p) for p in passes):
-            raise InputError(f"policy {policy!r} ranks the places of passes with a data-driven init (grow_width), "
-                             "and none of these moves has one", "add e.g. grow_width to the moves, or use policy uniform")
+            raise InputError(
+                f"policy {policy!r} ranks the places of passes with a data-driven init (grow_width), "
+                "and none of these moves has one",
+                "add e.g. grow_width to the moves, or use policy uniform",
+            )
     elif data is not None and not any(getattr(p, "init", None) == "gradmax" for p in passes):
-        raise InputError("data is read by policy gain or gain-sample and by moves with init=gradmax, and neither is here",
-                         "add --policy gain, or drop --data")
+        raise InputError(
+            "data is read by policy gain or gain-sample and by moves with init=gradmax, and neither is here",
+            "add --policy gain, or drop --data",
+        )
 
 
 def check_data(data: Data) -> None:

@@ -6,6 +6,7 @@ after an exploit the checkpoint is the donor's, after a pause it is the trial's 
 restarts from its own checkpoint far more often than it exploits, so a move is applied only
 when its id is new to the checkpoint's record. Ray is imported inside `run_trial` only.
 """
+
 from __future__ import annotations
 
 import copy
@@ -13,21 +14,22 @@ import json
 import math
 import tempfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import fx, nn
 
 from ..analysis.budget import Limits
+from ..capture.trace import graph_info
 from ..core.errors import InputError, LoadError
+from ..graph.shapes import param_count
 from ..io.load import load_model
+from ..io.outputs import is_write_error, torch_save, write_error
 from ..io.save import save_model
 from ..jobs.optim import carry_optimizer
-from ..io.outputs import is_write_error, torch_save, write_error
-from ..graph.shapes import param_count
-from ..capture.trace import graph_info
 from .space import Move, MutationSpace, applied_moves
 
 MODEL_FILE = "model.pt"  # a graphgrow file: `graphgrow export` and `graphgrow replay` read it as is
@@ -92,8 +94,14 @@ def read_state(folder: str | Path) -> TrialState:
     folder = Path(folder)
     state = json.loads((folder / STATE_FILE).read_text())
     trainer = torch.load(folder / TRAINER_FILE, weights_only=True)
-    return TrialState(read_model_file(folder / MODEL_FILE), trainer.get("optimizer"), int(state["epoch"]),
-                      state.get("writer"), list(state.get("seen", [])), list(state.get("moves", [])))
+    return TrialState(
+        read_model_file(folder / MODEL_FILE),
+        trainer.get("optimizer"),
+        int(state["epoch"]),
+        state.get("writer"),
+        list(state.get("seen", [])),
+        list(state.get("moves", [])),
+    )
 
 
 def write_state(folder: str | Path, state: TrialState, optimizer: torch.optim.Optimizer) -> None:
@@ -103,8 +111,11 @@ def write_state(folder: str | Path, state: TrialState, optimizer: torch.optim.Op
     try:  # a full disk is SaveError here too: the search names it instead of an internal error
         torch_save({"optimizer": optimizer_record(optimizer, state.model)}, path)
         path = folder / STATE_FILE
-        path.write_text(json.dumps({"epoch": state.epoch, "writer": state.writer, "seen": state.seen,
-                                    "moves": state.moves}, default=str))
+        path.write_text(
+            json.dumps(
+                {"epoch": state.epoch, "writer": state.writer, "seen": state.seen, "moves": state.moves}, default=str
+            )
+        )
     except Exception as e:
         if is_write_error(e):
             raise write_error(path, e) from e
@@ -130,8 +141,10 @@ def metrics_of(value: Any, metric: str, where: str) -> dict[str, float]:
         return {metric: float(value)}
     if isinstance(value, dict) and metric in value and _is_number(value[metric]):
         return scalars(value)
-    raise InputError(f"{where} returned {type(value).__name__}{' without ' + repr(metric) if isinstance(value, dict) else ''}",
-                     f"return a number or a dict with the key {metric!r} (--metric)")
+    raise InputError(
+        f"{where} returned {type(value).__name__}{' without ' + repr(metric) if isinstance(value, dict) else ''}",
+        f"return a number or a dict with the key {metric!r} (--metric)",
+    )
 
 
 def _optimizer(setup: TrialSetup, model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -144,8 +157,10 @@ def optimizer_record(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict
     while a grown model in memory lists the new ones last."""
     names = {p: n for n, p in model.named_parameters()}
     (group,) = optimizer.param_groups  # the search builds one group
-    return {"settings": {k: v for k, v in group.items() if k != "params"},
-            "state": {names[p]: dict(st) for p, st in optimizer.state.items() if p in names}}
+    return {
+        "settings": {k: v for k, v in group.items() if k != "params"},
+        "state": {names[p]: dict(st) for p, st in optimizer.state.items() if p in names},
+    }
 
 
 def restore_optimizer(setup: TrialSetup, model: nn.Module, record: dict) -> torch.optim.Optimizer:
@@ -155,8 +170,9 @@ def restore_optimizer(setup: TrialSetup, model: nn.Module, record: dict) -> torc
     params = dict(model.named_parameters())
     device = next(model.parameters()).device
     for name, st in record["state"].items():
-        optimizer.state[params[name]] = {k: v.to(device) if isinstance(v, torch.Tensor) and k != "step" else v
-                                         for k, v in st.items()}
+        optimizer.state[params[name]] = {
+            k: v.to(device) if isinstance(v, torch.Tensor) and k != "step" else v for k, v in st.items()
+        }
     return optimizer
 
 
@@ -172,8 +188,9 @@ def _state_to(optimizer: torch.optim.Optimizer, device: torch.device | str) -> N
                 st[k] = v.to(device)
 
 
-def grow(setup: TrialSetup, state: TrialState, optimizer: torch.optim.Optimizer, move: Move, trial: str
-         ) -> tuple[torch.optim.Optimizer, dict]:
+def grow(
+    setup: TrialSetup, state: TrialState, optimizer: torch.optim.Optimizer, move: Move, trial: str
+) -> tuple[torch.optim.Optimizer, dict]:
     """Apply `move` to the state's model (on the CPU, where graphgrow verifies), carry the optimiser
     over, record what happened with the metric just before and just after."""
     device = next(state.model.parameters()).device
@@ -195,9 +212,8 @@ def grow(setup: TrialSetup, state: TrialState, optimizer: torch.optim.Optimizer,
 
 def run_trial(config: dict, setup: TrialSetup) -> None:
     """The function trainable: runs until Tune stops it, reporting and checkpointing every epoch."""
-    from ray import tune
-
     import ray
+    from ray import tune
 
     trial = tune.get_context().get_trial_id() or "local"
     node = ray.get_runtime_context().get_node_id()[:8]  # which Ray node ran each epoch (a cluster spreads trials)
@@ -234,9 +250,17 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
         state.epoch += 1
         if not math.isfinite(metrics[setup.metric]):
             metrics[setup.metric] = float("inf") if config.get("_mode", "min") == "min" else float("-inf")
-        report = {**metrics, "epoch": state.epoch, "params": param_count(state.model),
-                  "growths": len(graph_info(state.model).get("log", [])), "moves": len(state.moves),
-                  "lr": config["lr"], "event": ";".join(events), "growth_delta": delta, "node": node}
+        report = {
+            **metrics,
+            "epoch": state.epoch,
+            "params": param_count(state.model),
+            "growths": len(graph_info(state.model).get("log", [])),
+            "moves": len(state.moves),
+            "lr": config["lr"],
+            "event": ";".join(events),
+            "growth_delta": delta,
+            "node": node,
+        }
         if state.epoch % setup.epochs_per_round:
             tune.report(report)  # checkpoints only where PBT may exploit or pause: the round boundaries
         else:

@@ -9,6 +9,7 @@ itself skips such places, and one given such a place refuses it (exit 2), naming
 One probe finds them all: a forward of a seeded example batch in eval mode (no dropout draws), a zero leaf added
 to each tensor asked about (its gradient is the tensor's), then one backward of a random projection of every output.
 """
+
 from __future__ import annotations
 
 import operator
@@ -31,8 +32,10 @@ def dead_places(gm: fx.GraphModule, nodes: list[fx.Node], seed: int = 0) -> dict
     forward and a backward) runs only where a place can be dead: the model has an all-zero weight (a zero factor),
     or it keeps part of a tensor and drops the rest (a class-token head, x[:, 0]: what reaches only the dropped
     tokens — CoaT's last convolutional position encoding — is not in the output at all)."""
-    if not any(name.rpartition(".")[2] != "bias" and p.is_floating_point() and p.numel() and not p.detach().any()
-               for name, p in gm.named_parameters()) and not any(_selects(n) for n in gm.graph.nodes):
+    if not any(
+        name.rpartition(".")[2] != "bias" and p.is_floating_point() and p.numel() and not p.detach().any()
+        for name, p in gm.named_parameters()
+    ) and not any(_selects(n) for n in gm.graph.nodes):
         return {}
     wanted = {n.name for n in nodes}
     leaves: dict[str, torch.Tensor] = {}
@@ -50,7 +53,9 @@ def dead_places(gm: fx.GraphModule, nodes: list[fx.Node], seed: int = 0) -> dict
         gm.eval()
         x = example_input(gm, input_spec_of(gm), seed=seed, batch=2)
         with torch.enable_grad():
-            outs = [t for t in tree_leaves(Cut(gm).run(*positional(x))) if isinstance(t, torch.Tensor) and t.requires_grad]
+            outs = [
+                t for t in tree_leaves(Cut(gm).run(*positional(x))) if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
             if not outs or not leaves:
                 return {}
             g = torch.Generator(device=outs[0].device).manual_seed(seed)
@@ -84,8 +89,10 @@ def _why(gm: fx.GraphModule, n: fx.Node) -> str:
     zero = _zero_factor_after(gm, n)
     if zero is not None:
         return f"its output is multiplied by zero downstream ('{zero}' is all zeros), so no gradient reaches it"
-    return ("no gradient reaches its output from the model's output on a random batch (the output may keep only "
-            "part of what it reaches, e.g. a class token)")
+    return (
+        "no gradient reaches its output from the model's output on a random batch (the output may keep only "
+        "part of what it reaches, e.g. a class token)"
+    )
 
 
 def _zero_factor_after(gm: fx.GraphModule, n: fx.Node) -> str | None:
@@ -130,8 +137,11 @@ def _zero_attr_above(gm: fx.GraphModule, a: fx.Node, depth: int = 8) -> str | No
     only (a computed weight such as a standardised conv's gain · w / σ), not the data."""
     if a.op == "get_attr":
         t = _attr(gm, str(a.target))
-        return str(a.target) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and \
-            not t.detach().any() else None
+        return (
+            str(a.target)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and not t.detach().any()
+            else None
+        )
     if depth == 0 or a.op not in ("call_function", "call_method") or not _from_parameters(a, depth):
         return None
     for b in a.all_input_nodes:

@@ -3,21 +3,23 @@
 With an input spec (named inputs, dtypes) the inputs are fed by name, every output leaf is compared
 with the ONNX output of the same name (io/onnx_spec.py names them), and a model whose ONNX sequence
 length is dynamic is also checked at a shorter length."""
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..core.errors import EquivalenceError
 from ..core.protocol import flat_tensors
+from ..core.state import no_tf32, training_mode
+from ..graph.inputs import ExampleInput, InputSpec, as_spec, batch_of, call, is_positional
+from ..graph.shapes import example_input
 from ..io.onnx_spec import named_leaves, with_shorter_sequence
 from ..io.runtime import Session
-from ..graph.inputs import as_spec, batch_of, call, ExampleInput, InputSpec, is_positional
-from ..graph.shapes import example_input
-from ..core.state import no_tf32, training_mode
 
 # (rtol, atol as a fraction of max|ref|). Not core.protocol's REL_TOL on purpose: that protocol compares two torch
 # graphs on one runtime; this one compares onnxruntime's kernels with torch's, element by element, per provider
@@ -73,32 +75,75 @@ class EquivalenceReport:
 
     def to_json(self) -> dict:
         return {
-            "provider": self.provider, "note": self.note, "reference": self.reference,
-            "max_abs_err": self.max_abs_err, "max_rel_err": self.max_rel_err, "passed": self.passed,
+            "provider": self.provider,
+            "note": self.note,
+            "reference": self.reference,
+            "max_abs_err": self.max_abs_err,
+            "max_rel_err": self.max_rel_err,
+            "passed": self.passed,
             "per_output": self.per_output,
-            "rtol": self.rtol, "atol": self.atol, "cases": [asdict(o) for o in self.outputs],
+            "rtol": self.rtol,
+            "atol": self.atol,
+            "cases": [asdict(o) for o in self.outputs],
         }
 
     def table(self):
         from rich.table import Table
 
-        t = Table(title=f"onnxruntime ({self.provider}) vs PyTorch ({self.reference}): rtol {self.rtol:g}, atol {self.atol:g}·max|ref|")
-        for col in ("input", "output", "max abs", "mean abs", "p99 abs", "max rel", "cosine", "atol needed", "NaN/Inf", "ok"):
+        t = Table(
+            title=f"onnxruntime ({self.provider}) vs PyTorch ({self.reference}): rtol {self.rtol:g}, atol {self.atol:g}·max|ref|"
+        )
+        for col in (
+            "input",
+            "output",
+            "max abs",
+            "mean abs",
+            "p99 abs",
+            "max rel",
+            "cosine",
+            "atol needed",
+            "NaN/Inf",
+            "ok",
+        ):
             t.add_column(col, justify="left" if col in ("input", "output") else "right", no_wrap=True)
         for o in self.outputs:
             nan = "torch" if o.nan_torch else ("ort" if o.nan_ort else "-")
-            t.add_row(o.case, f"{o.name or '#' + str(o.output)} {'×'.join(map(str, o.shape))}", f"{o.max_abs:.2e}", f"{o.mean_abs:.2e}",
-                      f"{o.p99_abs:.2e}", f"{o.max_rel:.2e}", f"{o.cosine:.8f}", f"{o.min_atol:.1e}", nan,
-                      "[green]yes[/]" if o.passed else "[red]NO[/]")
+            t.add_row(
+                o.case,
+                f"{o.name or '#' + str(o.output)} {'×'.join(map(str, o.shape))}",
+                f"{o.max_abs:.2e}",
+                f"{o.mean_abs:.2e}",
+                f"{o.p99_abs:.2e}",
+                f"{o.max_rel:.2e}",
+                f"{o.cosine:.8f}",
+                f"{o.min_atol:.1e}",
+                nan,
+                "[green]yes[/]" if o.passed else "[red]NO[/]",
+            )
         return t
 
 
-def compare_arrays(ref: np.ndarray, got: np.ndarray, rtol: float, atol: float, case: str, index: int, name: str = "") -> OutputStats:
+def compare_arrays(
+    ref: np.ndarray, got: np.ndarray, rtol: float, atol: float, case: str, index: int, name: str = ""
+) -> OutputStats:
     ref64, got64 = ref.astype(np.float64), got.astype(np.float64)
     nan_ref, nan_got = not np.isfinite(ref64).all(), not np.isfinite(got64).all()
     if ref64.shape != got64.shape:
-        return OutputStats(case, index, list(got.shape), float("inf"), float("inf"), float("inf"), float("inf"), 0.0,
-                           float("inf"), nan_ref, nan_got, False, name)
+        return OutputStats(
+            case,
+            index,
+            list(got.shape),
+            float("inf"),
+            float("inf"),
+            float("inf"),
+            float("inf"),
+            0.0,
+            float("inf"),
+            nan_ref,
+            nan_got,
+            False,
+            name,
+        )
     diff = np.abs(ref64 - got64)
     scale = float(np.abs(ref64).max()) if ref64.size else 0.0
     rel = diff / np.maximum(np.abs(ref64), 1e-12 * max(scale, 1e-30))
@@ -106,15 +151,35 @@ def compare_arrays(ref: np.ndarray, got: np.ndarray, rtol: float, atol: float, c
     cosine = float(np.dot(ref64.ravel(), got64.ravel()) / denom) if denom > 0 else float(np.array_equal(ref64, got64))
     excess = diff - rtol * np.abs(ref64)
     min_atol = float(max(excess.max(initial=0.0), 0.0) / scale) if scale > 0 else float(diff.max(initial=0.0))
-    passed = (not nan_ref and not nan_got and bool(np.all(diff <= atol * scale + rtol * np.abs(ref64))))
-    return OutputStats(case, index, list(ref.shape), float(diff.max(initial=0)), float(diff.mean()) if diff.size else 0.0,
-                       float(np.percentile(diff, 99)) if diff.size else 0.0, float(rel.max(initial=0)), cosine,
-                       min_atol, nan_ref, nan_got, passed, name)
+    passed = not nan_ref and not nan_got and bool(np.all(diff <= atol * scale + rtol * np.abs(ref64)))
+    return OutputStats(
+        case,
+        index,
+        list(ref.shape),
+        float(diff.max(initial=0)),
+        float(diff.mean()) if diff.size else 0.0,
+        float(np.percentile(diff, 99)) if diff.size else 0.0,
+        float(rel.max(initial=0)),
+        cosine,
+        min_atol,
+        nan_ref,
+        nan_got,
+        passed,
+        name,
+    )
 
 
-def check_equivalence(model: torch.nn.Module, session: Session, input_shape: ExampleInput,
-                      seeds: Sequence[int] = (0, 1), other_batch: int = 3, reference: str = "grown model",
-                      raise_on_failure: bool = False, rtol: float | None = None, atol: float | None = None) -> EquivalenceReport:
+def check_equivalence(
+    model: torch.nn.Module,
+    session: Session,
+    input_shape: ExampleInput,
+    seeds: Sequence[int] = (0, 1),
+    other_batch: int = 3,
+    reference: str = "grown model",
+    raise_on_failure: bool = False,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> EquivalenceReport:
     """Run seeded inputs through PyTorch (eval, TF32 off) and onnxruntime and compare every output.
 
     Inputs: one per seed at the example batch size, plus one at `other_batch`
@@ -128,7 +193,9 @@ def check_equivalence(model: torch.nn.Module, session: Session, input_shape: Exa
     atol = default_atol if atol is None else atol
     report = EquivalenceReport(session.provider, session.note, rtol, atol, reference=reference)
     next_seed = max(seeds, default=0) + 1
-    cases: list[tuple[int, int, InputSpec]] = [(s, batch_of(input_shape), input_shape) for s in seeds] + [(next_seed, other_batch, input_shape)]
+    cases: list[tuple[int, int, InputSpec]] = [(s, batch_of(input_shape), input_shape) for s in seeds] + [
+        (next_seed, other_batch, input_shape)
+    ]
     shorter = with_shorter_sequence(input_shape, {k: dict(enumerate(v)) for k, v in session.input_dims.items()})
     if shorter != input_shape:  # the ONNX model keeps a sequence length dynamic (a bare shape's keeps only the batch)
         cases.append((next_seed + 1, batch_of(input_shape), shorter))
@@ -140,8 +207,9 @@ def check_equivalence(model: torch.nn.Module, session: Session, input_shape: Exa
             got = session.run(feeds(x))
             if len(got) != len(refs):
                 raise EquivalenceError(f"onnxruntime gives {len(got)} outputs, PyTorch {len(refs)} ({label})")
-            report.outputs += [compare_arrays(r, g, rtol, atol, label, i, name)
-                               for i, ((name, r), g) in enumerate(zip(refs, got))]
+            report.outputs += [
+                compare_arrays(r, g, rtol, atol, label, i, name) for i, ((name, r), g) in enumerate(zip(refs, got))
+            ]
     if raise_on_failure and not report.passed:
         worst = max(report.outputs, key=lambda o: o.min_atol)
         raise EquivalenceError(
@@ -178,15 +246,18 @@ def _reference(out: Any, session: Session, label: str, by_name: bool) -> list[tu
         if len(index) == len(leaves) == len(onnx_names) and set(index) == set(onnx_names):
             return [(n, index[n]) for n in onnx_names]
         if len(leaves) != len(onnx_names):
-            raise EquivalenceError(f"onnxruntime gives {len(onnx_names)} outputs ({', '.join(onnx_names[:8])}), "
-                                   f"PyTorch {len(leaves)} ({', '.join(n for n, _ in leaves[:8])}) ({label})")
+            raise EquivalenceError(
+                f"onnxruntime gives {len(onnx_names)} outputs ({', '.join(onnx_names[:8])}), "
+                f"PyTorch {len(leaves)} ({', '.join(n for n, _ in leaves[:8])}) ({label})"
+            )
     refs = [t.detach().float().cpu().numpy() for t in flat_tensors(out)]
     names = onnx_names if len(onnx_names) == len(refs) else [""] * len(refs)
     return list(zip(names, refs))
 
 
-def first_divergence(model: torch.nn.Module, proto, input_shape: ExampleInput, rtol: float, atol: float,
-                     external_folder=None) -> dict | None:
+def first_divergence(
+    model: torch.nn.Module, proto, input_shape: ExampleInput, rtol: float, atol: float, external_folder=None
+) -> dict | None:
     """The first module, in the ONNX graph's order, whose output differs between onnxruntime (CPU)
     and PyTorch on the seed-0 input: the last ONNX node of each module's scope is that module's output.
     None when every module output that can be compared agrees."""
@@ -202,8 +273,11 @@ def first_divergence(model: torch.nn.Module, proto, input_shape: ExampleInput, r
         if tensors:
             recorded[path] = tensors[0]
 
-    hooks = [m.register_forward_hook(lambda mod, inp, out, path=path: keep(path, out))
-             for path, m in model.named_modules() if path]
+    hooks = [
+        m.register_forward_hook(lambda mod, inp, out, path=path: keep(path, out))
+        for path, m in model.named_modules()
+        if path
+    ]
     try:
         with torch.no_grad(), training_mode(model, False), no_tf32():
             call(model, x)
@@ -223,6 +297,11 @@ def first_divergence(model: torch.nn.Module, proto, input_shape: ExampleInput, r
             continue
         stats = compare_arrays(ref.detach().float().cpu().numpy(), got, rtol, atol, "seed 0", 0)
         if not stats.passed:
-            return {"node": node.name, "op": node.op_type, "module": path, "max_abs_err": stats.max_abs,  # type: ignore[attr-defined]
-                    "max_rel_err": stats.max_rel}
+            return {
+                "node": node.name,
+                "op": node.op_type,
+                "module": path,
+                "max_abs_err": stats.max_abs,  # type: ignore[attr-defined]
+                "max_rel_err": stats.max_rel,
+            }
     return None

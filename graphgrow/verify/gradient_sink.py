@@ -6,6 +6,7 @@ that rebuilds every weight (grow_hidden) one more copy of the model. When step 0
 (the usual case) no SGD step follows and the gradients are never needed whole; when a step must follow, the
 check runs step 0 again with the gradients kept, from the same random state (so with the same result).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -28,8 +29,9 @@ class GradientSink:
     def __init__(self, params: dict[str, torch.Tensor], watched: set[str], old_shapes: dict[str, Any], keep: set[str]):
         self.reached: set[str] = set()
         self.nonzero: set[str] = set()
-        self.handles = [params[n].register_post_accumulate_grad_hook(self._reader(n, old_shapes, n in keep))
-                        for n in watched]
+        self.handles = [
+            params[n].register_post_accumulate_grad_hook(self._reader(n, old_shapes, n in keep)) for n in watched
+        ]
 
     def _reader(self, name: str, old_shapes: dict[str, Any], keep: bool):
         def read(p: torch.Tensor) -> None:
@@ -43,6 +45,7 @@ class GradientSink:
                     self.nonzero.add(name)
             if not keep:
                 p.grad = None
+
         return read
 
     def remove(self) -> None:

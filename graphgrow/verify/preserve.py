@@ -6,23 +6,27 @@ buffers restored afterwards).
 Trainability: the new parameters get a non-zero gradient at once (the zero last
 factor) and every one of them within two SGD steps on a random batch.
 """
+
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..core.errors import NotApplicable, PreservationError
 from ..core.protocol import ModeCheck, compare_outputs, flat_tensors
-from ..graph.shapes import example_input
-from ..graph.inputs import InputSpec, call
 from ..core.state import dropout_off, preserved_buffers, seeded, training_mode
+from ..graph.inputs import InputSpec, call
+from ..graph.shapes import example_input
 from . import gradient_sink
-from .gradient_sink import gradient_bytes, GradientSink, restore_rng, rng_state
-from .zero_factor import ZeroFactors, new_region as _new_region
+from .gradient_sink import GradientSink, gradient_bytes, restore_rng, rng_state
+from .zero_factor import ZeroFactors
+from .zero_factor import new_region as _new_region
+
 
 @dataclass
 class PreservationReport:
@@ -59,7 +63,9 @@ class PreservationReport:
         }
 
 
-def compare_mode(old: nn.Module, new: nn.Module, x: torch.Tensor, mode: str, seed: int, old_out: Any, new_out: Any) -> ModeCheck:
+def compare_mode(
+    old: nn.Module, new: nn.Module, x: torch.Tensor, mode: str, seed: int, old_out: Any, new_out: Any
+) -> ModeCheck:
     """Compare two outputs of one mode (neither model is changed).
 
     A miss of the tolerance in fp32 is measured again in float64 on copies: splitting a
@@ -97,10 +103,19 @@ def train_forward(m: nn.Module, x: torch.Tensor, seed: int):
 NARROW_STEPS = True  # training everything, take a step with the new parameters' gradients first (tests turn it off)
 
 
-def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], input_shape: InputSpec,
-                       seed: int = 0, batch: int = 2, steps: int = 3,
-                       lr: float = 0.01, train_all: bool = False, old_nodes: set[str] | None = None,
-                       first_output: Callable[[Any], None] | None = None) -> tuple[dict[str, int], list[str], list[str]]:
+def check_trainability(
+    new: nn.Module,
+    new_params: dict,
+    upstream: list[str],
+    input_shape: InputSpec,
+    seed: int = 0,
+    batch: int = 2,
+    steps: int = 3,
+    lr: float = 0.01,
+    train_all: bool = False,
+    old_nodes: set[str] | None = None,
+    first_output: Callable[[Any], None] | None = None,
+) -> tuple[dict[str, int], list[str], list[str]]:
     """Which new parameters get a non-zero gradient, and at which SGD step (0 = at once).
 
     Returns (first step per parameter, dead, cancelled). *Cancelled* parameters get
@@ -142,7 +157,11 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
             loss = torch.stack([(t * r).sum() for t, r in zip(outs, proj or [])]).sum() if outs else torch.zeros(())
             if loss.requires_grad:
                 loss.backward()
-        return [n for n in names if params[n].grad is not None and _new_region(params[n].grad, new_params[n][0]).abs().sum() > 0]
+        return [
+            n
+            for n in names
+            if params[n].grad is not None and _new_region(params[n].grad, new_params[n][0]).abs().sum() > 0
+        ]
 
     # the model's own zero weights (torchvision's ViT head) move in step 0's SGD step, as in training: when they
     # block every gradient at first, the steps that train everything then start one step earlier
@@ -158,14 +177,21 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                 # gradient, which that step moves
                 narrow = NARROW_STEPS and train_all and bool(blocking) and step >= 1 and step != full_at
                 waiting = {n for n in new_params if n not in got}
-                watched = ((waiting if narrow else set(params)) if train_all else
-                           (waiting | set(upstream) | blocking if step == 0 else set(new_params)))
+                watched = (
+                    (waiting if narrow else set(params))
+                    if train_all
+                    else (waiting | set(upstream) | blocking if step == 0 else set(new_params))
+                )
                 for n, p in params.items():
                     p.requires_grad_(n in watched)
                     p.grad = None
                 # not when the model's own zero weights block gradients: SGD steps follow, step 0 would run twice
-                lean = (step == 0 and not again and not blocking
-                        and gradient_bytes(params, watched) >= gradient_sink.LEAN_BYTES)
+                lean = (
+                    step == 0
+                    and not again
+                    and not blocking
+                    and gradient_bytes(params, watched) >= gradient_sink.LEAN_BYTES
+                )
                 start = rng_state() if lean or narrow else None
                 with ZeroFactors(new, new_params, params, enabled=len(got) < len(new_params)) as factors:
                     out = factors.forward(x)
@@ -193,7 +219,9 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
                         grad = params[name].grad
                         if name not in got and grad is not None and _new_region(grad, old_shape).abs().sum() > 0:
                             got[name] = step
-                    if factors.kept:  # what the next SGD step would show, from this step's zero factors (zero_factor.py)
+                    if (
+                        factors.kept
+                    ):  # what the next SGD step would show, from this step's zero factors (zero_factor.py)
                         got.update(factors.argue(params, got, step))
                     if step == 0 and not got and not train_all:
                         if any(_has_grad(params[n]) for n in upstream):
@@ -236,8 +264,9 @@ def check_trainability(new: nn.Module, new_params: dict, upstream: list[str], in
     return got, dead, cancelled
 
 
-def _settled_lean(params: dict, watched: set[str], new_params: dict, factors: ZeroFactors, loss: torch.Tensor,
-                  got: dict[str, int]) -> bool:
+def _settled_lean(
+    params: dict, watched: set[str], new_params: dict, factors: ZeroFactors, loss: torch.Tensor, got: dict[str, int]
+) -> bool:
     """Step 0's backward with each gradient read and freed as it comes; True (and `got` filled) when every new
     parameter gets a gradient at once or, by the zero-factor argument, at step 1, so no SGD step is needed."""
     old_shapes = {n: old for n, (old, _) in new_params.items()}
@@ -268,8 +297,11 @@ def owner_calls(gm: nn.Module, names: list[str]) -> list:
     one that does (a new nn.Sequential block is called as a whole)."""
     owners = {name.rpartition(".")[0] for name in names if "." in name}
     graph = getattr(gm, "graph", None)
-    return [n for n in (graph.nodes if graph is not None else ()) if n.op == "call_module"
-            and any(o == n.target or o.startswith(f"{n.target}.") for o in owners)]
+    return [
+        n
+        for n in (graph.nodes if graph is not None else ())
+        if n.op == "call_module" and any(o == n.target or o.startswith(f"{n.target}.") for o in owners)
+    ]
 
 
 def reads_old(n, old_nodes: set[str]) -> bool:
@@ -284,9 +316,11 @@ def silent_inputs(gm: nn.Module, dead: list[str], x: torch.Tensor, old_nodes: se
     seen: dict[str, float] = {}
     hooks = []
     for path in owners:
+
         def record(module, args, path=path):
             t = args[0] if args and isinstance(args[0], torch.Tensor) else None
             seen[path] = max(seen.get(path, 0.0), float(t.detach().abs().max()) if t is not None else float("inf"))
+
         hooks.append(gm.get_submodule(path).register_forward_pre_hook(record))
     try:
         with torch.no_grad(), preserved_buffers(gm):
@@ -305,5 +339,8 @@ def refuse_if_silent(gm: nn.Module, names: list[str], x: torch.Tensor, old_nodes
         return
     silent = silent_inputs(gm, names, x, old_nodes)
     if silent:
-        raise NotApplicable(f"the tensor entering '{silent[0]}' is zero on every check input (a dead ReLU before it?): "
-                            "layers grown there cannot learn", "grow at another place, or train the model first")
+        raise NotApplicable(
+            f"the tensor entering '{silent[0]}' is zero on every check input (a dead ReLU before it?): "
+            "layers grown there cannot learn",
+            "grow at another place, or train the model first",
+        )

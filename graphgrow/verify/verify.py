@@ -1,4 +1,5 @@
 """Verification after every pass: lint, recompile, shapes at two batch sizes, preservation, trainability."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -8,16 +9,23 @@ from torch import fx
 
 from ..core.errors import NotApplicable, PreservationError, ValidationError
 from ..core.protocol import BATCHES, TRAIN_PROTOCOL, ModeCheck, flat_tensors
+from ..core.state import dropout_off, preserved_buffers, training_mode
 from ..core.threads import check_threads
+from ..graph.fx_edit import new_parameters, upstream_parameters
+from ..graph.inputs import InputSpec, batch_of, positional
+from ..graph.reference import recall, remember
+from ..graph.shapes import ShapeRun, example_input, first_examples, run_recording, same_inputs, validate_batch_sizes
 from .preserve import (
-    PreservationReport, check_trainability, compare_mode, eval_forward, owner_calls, reads_old, refuse_if_silent,
+    PreservationReport,
+    check_trainability,
+    compare_mode,
+    eval_forward,
+    owner_calls,
+    reads_old,
+    refuse_if_silent,
     train_forward,
 )
-from ..graph.reference import recall, remember
-from ..graph.fx_edit import new_parameters, upstream_parameters
-from ..graph.shapes import ShapeRun, example_input, first_examples, run_recording, same_inputs, validate_batch_sizes
-from ..graph.inputs import InputSpec, batch_of, positional
-from ..core.state import dropout_off, preserved_buffers, training_mode
+
 
 def annotation_input(new: fx.GraphModule, input_shape: InputSpec, seed: int = 0) -> Any:
     """What `shapes.annotate` should run the grown model on so that verification can reuse the run as its second
@@ -29,8 +37,15 @@ def annotation_input(new: fx.GraphModule, input_shape: InputSpec, seed: int = 0)
     return first_examples(example_input(new, input_shape, seed=seed, batch=BATCHES[0]), examples)
 
 
-def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: InputSpec, seed: int = 0,
-           exact: bool = True, eval_only: bool = False, example_run: ShapeRun | None = None) -> PreservationReport:
+def verify(
+    old: fx.GraphModule,
+    new: fx.GraphModule,
+    input_shape: InputSpec,
+    seed: int = 0,
+    exact: bool = True,
+    eval_only: bool = False,
+    example_run: ShapeRun | None = None,
+) -> PreservationReport:
     """Raise ValidationError / PreservationError unless `new` is a valid, exact, trainable growth of `old`.
 
     `exact=False` (a pass that changes the function on purpose) measures the change without refusing it.
@@ -42,13 +57,22 @@ def verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: InputSpec, see
         return _verify(old, new, input_shape, seed, exact, eval_only, example_run)
 
 
-def _verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: InputSpec, seed: int, exact: bool,
-            eval_only: bool, example_run: ShapeRun | None = None) -> PreservationReport:
+def _verify(
+    old: fx.GraphModule,
+    new: fx.GraphModule,
+    input_shape: InputSpec,
+    seed: int,
+    exact: bool,
+    eval_only: bool,
+    example_run: ShapeRun | None = None,
+) -> PreservationReport:
     try:
         new.graph.lint()
         new.recompile()
     except Exception as e:
-        raise ValidationError(f"the rewritten graph is malformed: {e}", "this is a bug in the pass; please report it") from e
+        raise ValidationError(
+            f"the rewritten graph is malformed: {e}", "this is a bug in the pass; please report it"
+        ) from e
     b1 = BATCHES[0]
     x = example_input(new, input_shape, seed=seed, batch=b1)
     with training_mode(new, False):
@@ -82,24 +106,33 @@ def _verify(old: fx.GraphModule, new: fx.GraphModule, input_shape: InputSpec, se
     grown = new_parameters(old, new)
     upstream = upstream_parameters(old, new, grown)
     old_nodes = {n.name for n in old.graph.nodes}
-    got, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed, batch=b1, old_nodes=old_nodes,
-                                              first_output=check_train)
+    got, dead, cancelled = check_trainability(
+        new, grown, upstream, input_shape, seed=seed, batch=b1, old_nodes=old_nodes, first_output=check_train
+    )
     if "check" not in checked:  # nothing new to train: the train-mode comparison on its own
         check_train(train_forward(new, x, seed))
     tr: ModeCheck = checked["check"]
-    if dead:  # the model may block its own gradient (a zero-initialised last BatchNorm): train everything, as training would
-        again, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed, batch=b1, train_all=True)
+    if (
+        dead
+    ):  # the model may block its own gradient (a zero-initialised last BatchNorm): train everything, as training would
+        again, dead, cancelled = check_trainability(
+            new, grown, upstream, input_shape, seed=seed, batch=b1, train_all=True
+        )
         got = {**again, **got}
     if dead:  # a new unit behind a ReLU can be off on two check examples and on for others: try more, other examples
-        again, dead, cancelled = check_trainability(new, grown, upstream, input_shape, seed=seed + 1, batch=4 * b1, train_all=True)
+        again, dead, cancelled = check_trainability(
+            new, grown, upstream, input_shape, seed=seed + 1, batch=4 * b1, train_all=True
+        )
         got = {**again, **got}
     if dead:
         refuse_if_silent(new, dead, x, old_nodes)
         deaf = deaf_points(old, new, dead, x, old_nodes)
         if deaf:
-            raise NotApplicable(f"the model's output does not depend on '{deaf[0]}' on the check inputs (no gradient reaches it, "
-                                "in eval or train mode: a dead ReLU after it?): layers grown there cannot learn",
-                                "grow at another place, or train the model first")
+            raise NotApplicable(
+                f"the model's output does not depend on '{deaf[0]}' on the check inputs (no gradient reaches it, "
+                "in eval or train mode: a dead ReLU after it?): layers grown there cannot learn",
+                "grow at another place, or train the model first",
+            )
         raise PreservationError(
             f"new parameters get no gradient after 3 SGD steps, in train or eval mode: {', '.join(dead)}",
             "never zero both the incoming and the outgoing weights of new units (docs/architecture.md §4)",
@@ -126,13 +159,17 @@ def _grad_leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(t.is_floating_point())  # token ids cannot carry a gradient
 
 
-def deaf_points(old: fx.GraphModule, new: fx.GraphModule, dead: list[str], x: torch.Tensor, old_nodes: set[str]) -> list[str]:
+def deaf_points(
+    old: fx.GraphModule, new: fx.GraphModule, dead: list[str], x: torch.Tensor, old_nodes: set[str]
+) -> list[str]:
     """Old tensors at the modules owning `dead` parameters (what they read, or what a rebuilt old module
     gives) that get no gradient in the *old* model, in eval and train mode: the model, not the pass,
     keeps those layers from learning."""
     users = owner_calls(new, dead)
     # the tensor a new module reads, or the output of an old module that was rebuilt wider
-    reads = sorted({n.args[0].name for n in users if reads_old(n, old_nodes)} | {n.name for n in users if n.name in old_nodes})
+    reads = sorted(
+        {n.args[0].name for n in users if reads_old(n, old_nodes)} | {n.name for n in users if n.name in old_nodes}
+    )
     if not reads:
         return []
     heard: set[str] = set()
@@ -151,7 +188,9 @@ def deaf_points(old: fx.GraphModule, new: fx.GraphModule, dead: list[str], x: to
         kept.clear()
         with training_mode(old, mode), dropout_off(old), preserved_buffers(old):
             xi = {k: _grad_leaf(v) for k, v in x.items()} if isinstance(x, dict) else _grad_leaf(x)
-            outs = [t for t in flat_tensors(Keep(old).run(*positional(xi))) if t.is_floating_point() and t.requires_grad]
+            outs = [
+                t for t in flat_tensors(Keep(old).run(*positional(xi))) if t.is_floating_point() and t.requires_grad
+            ]
             if outs:
                 sum((t * torch.randn(t.shape, generator=g).to(t)).sum() for t in outs).backward()
         heard |= {k for k, t in kept.items() if t.grad is not None and bool((t.grad != 0).any())}

@@ -17,9 +17,11 @@ decide. The same holds at a later step: a model whose own zero head blocks every
 first (torchvision's ViT) trains everything from step 1, and the argument then saves the step
 after the one at which the new zero factor first got a gradient.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,12 +88,17 @@ class ZeroFactors:
             probe = _layer_probe(model.get_submodule(path), leaf) if path else None
             if probe is not None:
                 self.layers[name] = (path, probe)
-            muls = [u.name for n in nodes if n.op == "get_attr" and n.target == name for u in n.users
-                    if u.target in _MUL and len(u.args) == 2 and not u.kwargs]
+            muls = [
+                u.name
+                for n in nodes
+                if n.op == "get_attr" and n.target == name
+                for u in n.users
+                if u.target in _MUL and len(u.args) == 2 and not u.kwargs
+            ]
             if muls:
                 self.gates[name] = muls
 
-    def __enter__(self) -> "ZeroFactors":
+    def __enter__(self) -> ZeroFactors:
         for path in {p for p, _ in self.layers.values()}:
             self.hooks.append(self.model.get_submodule(path).register_forward_hook(self._keeper(path)))
         return self
@@ -99,6 +106,7 @@ class ZeroFactors:
     def _keeper(self, key: str):
         def keep(module, args, out):
             self._keep(key, list(args), out)
+
         return keep
 
     def _keep(self, key: str, args: list, out: Any) -> None:
@@ -140,8 +148,11 @@ class ZeroFactors:
                 moved = _moved(params[name], self.old_shapes[name])
                 if name in self.layers:
                     path, probe = self.layers[name]
-                    terms += [(probe(args, moved) * out.grad).sum() for args, out in self.seen.get(path, [])
-                              if out.grad is not None]
+                    terms += [
+                        (probe(args, moved) * out.grad).sum()
+                        for args, out in self.seen.get(path, [])
+                        if out.grad is not None
+                    ]
                 for node in self.gates.get(name, []):
                     for args, out in self.seen.get(node, []):
                         other = next((a for a in args if isinstance(a, torch.Tensor) and a is not params[name]), None)
@@ -152,5 +163,8 @@ class ZeroFactors:
             if not terms or not waiting:
                 return {}
             grads = torch.autograd.grad(torch.stack(terms).sum(), [params[n] for n in waiting], allow_unused=True)
-        return {n: step + 1 for n, g in zip(waiting, grads)
-                if g is not None and new_region(g, self.old_shapes[n]).abs().sum() > 0}
+        return {
+            n: step + 1
+            for n, g in zip(waiting, grads)
+            if g is not None and new_region(g, self.old_shapes[n]).abs().sum() > 0
+        }

@@ -45,6 +45,7 @@ module under rules/, registered in RULES; the driver runs it every round until n
 
     RULES = [remove_identities, ..., drop_double_negation]  # in rules/__init__.py: now it runs every round
 """
+
 from __future__ import annotations
 
 from graphgrow.passes.fold.driver import Fold, fold  # noqa: TID251 (the fold package's own module)

@@ -1,16 +1,17 @@
 """The algebra of forms: compose two maps (outer ∘ inner), add two maps of one tensor (a ± b, kernels
 aligned), and re-associate a sum so that terms reading the same tensor meet first."""
+
 from __future__ import annotations
 
 import math
 import operator
 
 import torch
+from graphgrow.passes.fold.form import Form, add_bias, to_groups  # noqa: TID251 (the fold package's own module)
+from graphgrow.passes.fold.graph import ADD, SITE, SUB  # noqa: TID251 (the fold package's own module)
 from torch import fx
 
 from graphgrow.rewrite import tensor_shape
-from graphgrow.passes.fold.form import Form, add_bias, to_groups  # noqa: TID251 (the fold package's own module)
-from graphgrow.passes.fold.graph import ADD, SITE, SUB  # noqa: TID251 (the fold package's own module)
 
 
 def compose(outer: Form, inner: Form) -> Form | None:
@@ -62,7 +63,9 @@ def sum_forms(a: Form, b: Form, sign: float, out_shape) -> Form | None:
     if a.kind != b.kind or a.src is not b.src or a.out_channels != b.out_channels or a.in_channels != b.in_channels:
         return None
     if a.kind == "linear":
-        return Form("linear", a.src, a.weight + sign * b.weight, add_bias(a.bias, None if b.bias is None else sign * b.bias))
+        return Form(
+            "linear", a.src, a.weight + sign * b.weight, add_bias(a.bias, None if b.bias is None else sign * b.bias)
+        )
     if a.stride != b.stride:
         return None
     # output o reads input rows o·s − p … o·s − p + k − 1: align the two windows
@@ -82,15 +85,21 @@ def sum_forms(a: Form, b: Form, sign: float, out_shape) -> Form | None:
     for f, s, p, q in ((a, 1.0, pa, qa), (b, sign, pb, qb)):
         fw = to_groups(f, groups)
         oh, ow = ph - p, pw - q
-        w[:, :, oh:oh + fw.shape[2], ow:ow + fw.shape[3]] += s * fw
+        w[:, :, oh : oh + fw.shape[2], ow : ow + fw.shape[3]] += s * fw
     bias = add_bias(a.bias, None if b.bias is None else sign * b.bias)
     return Form("conv", a.src, w, bias, groups, a.stride, (ph, pw))
 
 
 def is_sum(n: fx.Node) -> bool:
     """An add or subtract of two tensors of the output's shape."""
-    return (n.op == "call_function" and n.target in ADD + SUB and len(n.args) == 2 and not n.kwargs
-            and all(isinstance(a, fx.Node) for a in n.args) and tensor_shape(n.args[0]) == tensor_shape(n.args[1]) == tensor_shape(n))
+    return (
+        n.op == "call_function"
+        and n.target in ADD + SUB
+        and len(n.args) == 2
+        and not n.kwargs
+        and all(isinstance(a, fx.Node) for a in n.args)
+        and tensor_shape(n.args[0]) == tensor_shape(n.args[1]) == tensor_shape(n)
+    )
 
 
 def _terms(n: fx.Node, sign: float, out: list) -> None:
@@ -117,6 +126,7 @@ def reassociate(gm: fx.GraphModule, forms: dict[fx.Node, Form]) -> int:
 
         def key(t: fx.Node) -> fx.Node:
             return forms[t].src if t in forms and len(t.users) == 1 else t
+
         keys = [key(t) for t, _ in terms]
         sizes = {k: sum(1 for x in keys if x is k) for k in keys}
         order = sorted(range(len(terms)), key=lambda i: (-sizes[keys[i]], keys.index(keys[i]), terms[i][1] < 0, i))

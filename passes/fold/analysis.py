@@ -1,17 +1,18 @@
 """The merge analysis: the form of every node, composed along chains and summed across adds, kept where
 one layer costs no more multiply-adds and weights than its parts, and, for an add that stays, why."""
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from torch import fx
-
-from graphgrow.rewrite import tensor_shape
 from graphgrow.passes.fold.algebra import compose, is_sum, sum_forms  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.form import Form, identity_form, kind_of, numel  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.graph import SUB  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.local import local_form  # noqa: TID251 (the fold package's own module)
+from torch import fx
+
+from graphgrow.rewrite import tensor_shape
 
 
 @dataclass
@@ -67,8 +68,10 @@ def analyse(gm: fx.GraphModule, grow_kernels: bool = False) -> Analysis:
                     if got is None:
                         continue
                     if kind == "conv" and not grow_kernels and _grows_kernel(fa, got):
-                        why[n] = (f"merging would grow the kernel of '{a.name}' from {_k(fa)} to {_k(got)} "
-                                  "(fold(grow_kernels=true) does it: fewer multiply-adds than unfolded, more than before growth)")
+                        why[n] = (
+                            f"merging would grow the kernel of '{a.name}' from {_k(fa)} to {_k(got)} "
+                            "(fold(grow_kernels=true) does it: fewer multiply-adds than unfolded, more than before growth)"
+                        )
                         continue
                     full.setdefault(n, got)
                     if cheap(got, shape):
@@ -92,7 +95,11 @@ def analyse(gm: fx.GraphModule, grow_kernels: bool = False) -> Analysis:
             if whole is not None:
                 full[n] = whole
             inner = forms.get(p)
-            got = whole if inner is full[p] else (combine(compose(local, inner), [inner, own], 0, set()) if inner else None)
+            got = (
+                whole
+                if inner is full[p]
+                else (combine(compose(local, inner), [inner, own], 0, set()) if inner else None)
+            )
             if cheap(got, shape):
                 forms[n] = got  # type: ignore[assignment]
     return Analysis(forms, why)
@@ -114,6 +121,7 @@ def _apart(gm: fx.GraphModule, full: dict, a: fx.Node, b: fx.Node, n: fx.Node) -
             return f"'{src.name}'"
         linear = local_form(gm, src) is not None or is_sum(src)
         return f"'{src.name}' ({_describe(src)}{'' if linear else ': not linear'})"
+
     return f"its terms read different tensors: {what(a)} and {what(b)}"
 
 

@@ -1,21 +1,22 @@
 """The fixed-point driver and the pass: prepare once, then run the rules, the moves and the merge analysis
 round after round until nothing changes; emit one layer per maximal form; report what folded and what stays."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from torch import fx
-
-from graphgrow import annotate, arg, Pass, Rewrite
-from graphgrow.rewrite import copy_graph_module, finish, input_spec_of, pass_function
 from graphgrow.passes.fold.algebra import reassociate  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.analysis import analyse  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.emit import describe_form, emit  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.prepare import prepare  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.report import kept as kept_report  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.rules import MOVES, RULES  # noqa: TID251 (the fold package's own module)
+from torch import fx
+
+from graphgrow import Pass, Rewrite, annotate, arg
+from graphgrow.rewrite import copy_graph_module, finish, input_spec_of, pass_function
 
 
 def _refresh(gm: fx.GraphModule, input_shape) -> None:
@@ -38,7 +39,9 @@ def fold(gm: fx.GraphModule, grow_kernels: bool, generator: torch.Generator | No
     notes: list[str] = ["eval-mode semantics: BatchNorm uses running statistics; dropout and drop-path are off"]
     prepare(gm, notes)
     folded: list[str] = []
-    for _ in range(50):  # every round that changes something removes nodes or orders a sum; 50 is far beyond real models
+    for _ in range(
+        50
+    ):  # every round that changes something removes nodes or orders a sum; 50 is far beyond real models
         _refresh(gm, input_shape)
         changes = sum(rule(gm) for rule in RULES)
         if changes:
@@ -75,4 +78,6 @@ class Fold(Pass):
     name: ClassVar[str] = "fold"
     grows: ClassVar[bool] = False
     function = fold
-    grow_kernels: bool = arg(False, "let a larger-kernel branch enlarge the main conv (fewer FLOPs than unfolded, more than before growth)")
+    grow_kernels: bool = arg(
+        False, "let a larger-kernel branch enlarge the main conv (fewer FLOPs than unfolded, more than before growth)"
+    )

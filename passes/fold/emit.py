@@ -1,21 +1,33 @@
 """Emit one conv or Linear per maximal form in place of the nodes it replaces, and the report's line for it."""
+
 from __future__ import annotations
 
 import torch
+from graphgrow.passes.fold.form import Form  # noqa: TID251 (the fold package's own module)
 from torch import fx, nn
 
 from graphgrow.rewrite import factory_kwargs, graphgrow_modules, set_module, unique_attr
-from graphgrow.passes.fold.form import Form  # noqa: TID251 (the fold package's own module)
 
 
 def emit(gm: fx.GraphModule, n: fx.Node, f: Form, src: fx.Node) -> fx.Node:
     """One layer computing `f` from `src` in place of `n`; returns the new node."""
     kw = factory_kwargs(gm, n)
-    bias = f.bias is not None and bool(f.bias.abs().max() > 0) or any(
-        getattr(gm.get_submodule(p), "bias", None) is not None for p in f.weighted)
+    bias = (
+        f.bias is not None
+        and bool(f.bias.abs().max() > 0)
+        or any(getattr(gm.get_submodule(p), "bias", None) is not None for p in f.weighted)
+    )
     if f.kind == "conv":
-        layer: nn.Module = nn.Conv2d(f.in_channels, f.out_channels, tuple(f.weight.shape[2:]), f.stride, f.padding,
-                                     groups=f.groups, bias=bias, **kw)
+        layer: nn.Module = nn.Conv2d(
+            f.in_channels,
+            f.out_channels,
+            tuple(f.weight.shape[2:]),
+            f.stride,
+            f.padding,
+            groups=f.groups,
+            bias=bias,
+            **kw,
+        )
     else:
         layer = nn.Linear(f.in_channels, f.out_channels, bias=bias, **kw)
     with torch.no_grad():

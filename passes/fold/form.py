@@ -1,6 +1,7 @@
 """The linear form: a node that is a linear map of one tensor `src`, written as one conv (weight in grouped
 layout) or one Linear, in float64, with the nodes it would replace and what they cost. Constructors for
 the simple forms (a per-channel scale, the identity) and the weight-layout helpers live here too."""
+
 from __future__ import annotations
 
 import math
@@ -28,7 +29,9 @@ class Form:
 
     @property
     def pointwise(self) -> bool:
-        return self.kind == "linear" or (self.weight.shape[2:] == (1, 1) and self.stride == (1, 1) and self.padding == (0, 0))
+        return self.kind == "linear" or (
+            self.weight.shape[2:] == (1, 1) and self.stride == (1, 1) and self.padding == (0, 0)
+        )
 
     @property
     def out_channels(self) -> int:
@@ -69,7 +72,7 @@ def regroup(w: torch.Tensor, groups: int, to: int) -> torch.Tensor:
     for gi in range(groups):
         rows = slice(gi * og, (gi + 1) * og)
         col = (gi % per) * in_g
-        new[rows, col:col + in_g] = w[rows]
+        new[rows, col : col + in_g] = w[rows]
     return new
 
 

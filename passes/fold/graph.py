@@ -1,5 +1,6 @@
 """The vocabulary every part of fold shares: which ops count as add, subtract, multiply and ReLU, and the
 small graph edits (bypass a node, substitute a constant) the rules are written with."""
+
 from __future__ import annotations
 
 import operator
@@ -8,7 +9,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
-
 
 SITE = "gg_fold_site"  # node meta: the growth structure an add came from (for the report)
 MUL = (operator.mul, torch.mul)

@@ -1,5 +1,6 @@
 """The form of one node as a function of its own input: conv, Linear, BatchNorm (module or F.batch_norm),
 average pooling with count_include_pad, a scalar multiple; None when the node is not a linear map of one tensor."""
+
 from __future__ import annotations
 
 import math
@@ -7,11 +8,11 @@ import operator
 
 import torch
 import torch.nn.functional as F
+from graphgrow.passes.fold.form import Form, diag_form, kind_of, numel, pair  # noqa: TID251 (the fold package's own module)
+from graphgrow.passes.fold.graph import MUL, module_of, scalar_operand  # noqa: TID251 (the fold package's own module)
 from torch import fx, nn
 
 from graphgrow.rewrite import tensor_shape
-from graphgrow.passes.fold.form import Form, diag_form, kind_of, numel, pair  # noqa: TID251 (the fold package's own module)
-from graphgrow.passes.fold.graph import MUL, module_of, scalar_operand  # noqa: TID251 (the fold package's own module)
 
 
 def conv_form(m: nn.Conv2d, src: fx.Node, path: str, out_shape) -> Form | None:
@@ -40,8 +41,9 @@ def conv_form(m: nn.Conv2d, src: fx.Node, path: str, out_shape) -> Form | None:
     return Form("conv", src, w, bias, m.groups, tuple(m.stride), pad, macs=macs, params=params, weighted=[path])
 
 
-def _bn_affine(mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _bn_affine(
+    mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Eval-mode BatchNorm as y = scale·x + shift per channel, in float64."""
     scale = 1.0 / torch.sqrt(var.detach().double() + eps)
     shift = -mean.detach().double() * scale
@@ -54,7 +56,9 @@ def _bn_affine(mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | Non
 
 def _bn_form(m: nn.Module, src: fx.Node, kind: str) -> Form | None:
     bn_type = nn.BatchNorm2d if kind == "conv" else nn.BatchNorm1d
-    if not isinstance(m, bn_type) or type(m).forward is not bn_type.forward:  # a subclass with its own forward adds more
+    if (
+        not isinstance(m, bn_type) or type(m).forward is not bn_type.forward
+    ):  # a subclass with its own forward adds more
         return None
     if m.running_mean is None or m.running_var is None:
         return None
@@ -76,18 +80,44 @@ def local_form(gm: fx.GraphModule, n: fx.Node) -> Form | None:
         if kind == "linear" and type(m) is nn.Linear:
             w = m.weight.detach().double()
             b = m.bias.detach().double() if m.bias is not None else None
-            return Form("linear", src, w, b, macs=numel(shape) * m.in_features, params=sum(p.numel() for p in m.parameters()),
-                        weighted=[str(n.target)])
-        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)) and tensor_shape(src) == shape and (kind == "conv" or len(shape) == 2):
+            return Form(
+                "linear",
+                src,
+                w,
+                b,
+                macs=numel(shape) * m.in_features,
+                params=sum(p.numel() for p in m.parameters()),
+                weighted=[str(n.target)],
+            )
+        if (
+            isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d))
+            and tensor_shape(src) == shape
+            and (kind == "conv" or len(shape) == 2)
+        ):
             f = _bn_form(m, src, kind)
             if f is not None:
                 f.macs, f.params = numel(shape), 2 * shape[1]
             return f
-        if kind == "conv" and type(m) is nn.AvgPool2d and m.count_include_pad and not m.ceil_mode and m.divisor_override is None:
+        if (
+            kind == "conv"
+            and type(m) is nn.AvgPool2d
+            and m.count_include_pad
+            and not m.ceil_mode
+            and m.divisor_override is None
+        ):
             k = pair(m.kernel_size)
             c = shape[1]
             w = torch.full((c, 1, *k), 1.0 / (k[0] * k[1]), dtype=torch.float64)
-            return Form("conv", src, w, None, c, pair(m.stride or m.kernel_size), pair(m.padding), macs=numel(shape) * k[0] * k[1])
+            return Form(
+                "conv",
+                src,
+                w,
+                None,
+                c,
+                pair(m.stride or m.kernel_size),
+                pair(m.padding),
+                macs=numel(shape) * k[0] * k[1],
+            )
         return None
     if n.op == "call_function" and n.target is F.batch_norm:
         return _functional_bn_form(gm, n, kind, shape)
@@ -135,8 +165,13 @@ def _functional_bn_form(gm: fx.GraphModule, n: fx.Node, kind: str, shape) -> For
     src = args["input"]
     if tensor_shape(src) != shape or (kind == "linear" and len(shape) != 2):
         return None
-    scale, shift = _bn_affine(tensors["running_mean"], tensors["running_var"], tensors.get("weight"), tensors.get("bias"),
-                              float(args.get("eps", 1e-5)))
+    scale, shift = _bn_affine(
+        tensors["running_mean"],
+        tensors["running_var"],
+        tensors.get("weight"),
+        tensors.get("bias"),
+        float(args.get("eps", 1e-5)),
+    )
     f = diag_form(kind, src, scale, shift)
     f.macs, f.params = numel(shape), 2 * scale.numel()
     return f

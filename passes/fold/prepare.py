@@ -1,15 +1,16 @@
 """Before the rules run, once: specialise the graph to eval mode and expand graphgrow's own structure
 (`training` reads become False, nn.Sequential is inlined, BatchNorm subclasses split, merges become
 `main + Σ (gate_i/n)·branch_i`, scalar gates become constants)."""
+
 from __future__ import annotations
 
 import operator
 
 import torch
+from graphgrow.passes.fold.graph import ADD, MUL, SITE, SUB, bypass, module_of, substitute  # noqa: TID251 (the fold package's own module)
 from torch import fx, nn
 
 from graphgrow.rewrite import AverageMerge, tensor_shape, unique_attr
-from graphgrow.passes.fold.graph import ADD, MUL, SITE, SUB, bypass, module_of, substitute  # noqa: TID251 (the fold package's own module)
 
 
 def training_false(gm: fx.GraphModule) -> int:
@@ -47,16 +48,32 @@ def split_norm_subclasses(gm: fx.GraphModule) -> int:
     count = 0
     for n in list(gm.graph.nodes):
         m = module_of(gm, n)
-        if not isinstance(m, nn.modules.batchnorm._BatchNorm) or type(m).forward is nn.modules.batchnorm._BatchNorm.forward:
+        if (
+            not isinstance(m, nn.modules.batchnorm._BatchNorm)
+            or type(m).forward is nn.modules.batchnorm._BatchNorm.forward
+        ):
             continue
         shape = tensor_shape(n)
-        if shape is None or len(n.args) != 1 or n.kwargs or not isinstance(n.args[0], fx.Node) or m.running_mean is None:
+        if (
+            shape is None
+            or len(n.args) != 1
+            or n.kwargs
+            or not isinstance(n.args[0], fx.Node)
+            or m.running_mean is None
+        ):
             continue
         plain_type = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}.get(len(shape))
         if plain_type is None:
             continue
-        plain = plain_type(m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats,
-                           device=m.running_mean.device, dtype=m.running_mean.dtype).eval()
+        plain = plain_type(
+            m.num_features,
+            m.eps,
+            m.momentum,
+            m.affine,
+            m.track_running_stats,
+            device=m.running_mean.device,
+            dtype=m.running_mean.dtype,
+        ).eval()
         plain.load_state_dict({k: v for k, v in m.state_dict().items() if k in plain.state_dict()})
         children = list(m.named_children())
         x = torch.randn((2, *shape[1:]), generator=torch.Generator().manual_seed(0)).to(m.running_mean)
@@ -67,7 +84,11 @@ def split_norm_subclasses(gm: fx.GraphModule) -> int:
                     got = c.eval()(got)
         except Exception:
             continue
-        if not isinstance(want, torch.Tensor) or want.shape != got.shape or not torch.allclose(want, got, rtol=1e-5, atol=1e-6):
+        if (
+            not isinstance(want, torch.Tensor)
+            or want.shape != got.shape
+            or not torch.allclose(want, got, rtol=1e-5, atol=1e-6)
+        ):
             continue
         path = unique_attr(gm, str(n.target).replace(".", "_") + "_bn")
         gm.add_module(path, plain)

@@ -1,13 +1,14 @@
 """What stays after folding, with the reason: each growth merge or gate that is still an add, and each
 module growth added that is still called (real depth, a non-linear branch, nothing to merge into)."""
+
 from __future__ import annotations
 
-from torch import fx, nn
-
-from graphgrow.rewrite import graphgrow_modules
 from graphgrow.passes.fold.algebra import is_sum  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.analysis import Analysis  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.graph import SITE, module_of  # noqa: TID251 (the fold package's own module)
+from torch import fx, nn
+
+from graphgrow.rewrite import graphgrow_modules
 
 _NON_LINEAR = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Hardswish, nn.Sigmoid, nn.Tanh, nn.MaxPool2d)
 
@@ -35,7 +36,10 @@ def _kept_modules(gm: fx.GraphModule, reported: set[str]) -> dict[str, str]:
     kept = {}
     for top, modules in kinds.items():
         non_linear = [type(m).__name__ for m in modules if isinstance(m, _NON_LINEAR)]
-        kept[f"module '{top}'"] = (f"real depth or a non-linear branch ({non_linear[0]})" if non_linear else
-                                   f"a {type(modules[0]).__name__} with no conv/Linear next to it that it merges into "
-                                   "without adding multiply-adds")
+        kept[f"module '{top}'"] = (
+            f"real depth or a non-linear branch ({non_linear[0]})"
+            if non_linear
+            else f"a {type(modules[0]).__name__} with no conv/Linear next to it that it merges into "
+            "without adding multiply-adds"
+        )
     return kept

@@ -5,6 +5,7 @@ tests/plugin/gg_demo_plugin-0.1.dist-info/entry_points.txt declares
     scale_output = gg_demo_plugin:ScaleOutput
 exactly as a package's pyproject would; putting tests/plugin on sys.path installs it.
 """
+
 from __future__ import annotations
 
 import operator

@@ -3,6 +3,7 @@
 Exact when inserted (s = 0), and s gets a gradient at once: the zero last factor of architecture.md §4.
 Uses only graphgrow's public API: graphgrow (Pass, arg, NotApplicable, Candidate) and graphgrow.rewrite.
 """
+
 from __future__ import annotations
 
 import operator
@@ -13,8 +14,21 @@ import torch
 
 from graphgrow import Candidate, NotApplicable, Pass, arg
 from graphgrow.rewrite import (
-    Rewrite, add_parameter, begin, channel_axis, default_point, factory_kwargs, finish, inserting_after, pass_function,
-    place, replace_uses, resolve_tensor, set_scope, stage_end_candidates, tensor_shape,
+    Rewrite,
+    add_parameter,
+    begin,
+    channel_axis,
+    default_point,
+    factory_kwargs,
+    finish,
+    inserting_after,
+    pass_function,
+    place,
+    replace_uses,
+    resolve_tensor,
+    set_scope,
+    stage_end_candidates,
+    tensor_shape,
 )
 
 

@@ -6,16 +6,16 @@ list order, every one each round, and shapes are recorded again after them if an
 MOVES: `move(gm) -> list[str]`, a rewrite that moves a layer into another; it returns one line per move
 for the report's `folded:`.
 """
+
 from __future__ import annotations
 
-from typing import Callable
-
-from torch import fx
+from collections.abc import Callable
 
 from graphgrow.passes.fold.rules.heads import fold_gap_adapters, fold_select_adapters  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.rules.identities import remove_identities  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.rules.relus import drop_idempotent_relus, gates_through_relus  # noqa: TID251 (the fold package's own module)
 from graphgrow.passes.fold.rules.terms import drop_zero_terms  # noqa: TID251 (the fold package's own module)
+from torch import fx
 
 RULES: list[Callable[[fx.GraphModule], int]] = [
     remove_identities,  # nn.Identity, dropout, drop-path: the identity in eval mode

@@ -1,16 +1,17 @@
 """Rule family (moves): a per-position layer just before the classifier moves into the classifier's
 Linear — a 1×1 conv before global average pooling, a per-token Linear before a token select (x[:, 0])."""
+
 from __future__ import annotations
 
 import operator
 
 import torch
 import torch.nn.functional as F
+from graphgrow.passes.fold.graph import module_of  # noqa: TID251 (the fold package's own module)
+from graphgrow.passes.fold.local import conv_form  # noqa: TID251 (the fold package's own module)
 from torch import fx, nn
 
 from graphgrow.rewrite import set_module, tensor_shape
-from graphgrow.passes.fold.graph import module_of  # noqa: TID251 (the fold package's own module)
-from graphgrow.passes.fold.local import conv_form  # noqa: TID251 (the fold package's own module)
 
 
 def fold_gap_adapters(gm: fx.GraphModule) -> list[str]:

@@ -1,18 +1,27 @@
 """Rule family: ops that are the identity in eval mode (nn.Identity, dropout, drop-path, a parameter-free
 leaf that hands back its input, a mode switch whose eval-mode path is the identity) are bypassed."""
+
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from graphgrow.passes.fold.graph import bypass, module_of  # noqa: TID251 (the fold package's own module)
 from torch import fx, nn
 
 from graphgrow.rewrite import eval_passthrough, tensor_shape
-from graphgrow.passes.fold.graph import bypass, module_of  # noqa: TID251 (the fold package's own module)
 
 # dropout-like functions → the position of their `training` argument (torchvision's stochastic_depth has `mode` first)
-_DROPOUT_FNS = {"dropout": 2, "dropout1d": 2, "dropout2d": 2, "dropout3d": 2, "alpha_dropout": 2,
-                "feature_alpha_dropout": 2, "stochastic_depth": 3, "drop_path": 2}
+_DROPOUT_FNS = {
+    "dropout": 2,
+    "dropout1d": 2,
+    "dropout2d": 2,
+    "dropout3d": 2,
+    "alpha_dropout": 2,
+    "feature_alpha_dropout": 2,
+    "stochastic_depth": 3,
+    "drop_path": 2,
+}
 
 
 def _fn_training_arg(n: fx.Node, index: int) -> Any:
@@ -26,8 +35,18 @@ def _is_identity(gm: fx.GraphModule, n: fx.Node) -> bool:
     """Ops that are the identity in eval mode."""
     if n.op == "call_module":
         m = module_of(gm, n)
-        if isinstance(m, (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-                          nn.FeatureAlphaDropout)):
+        if isinstance(
+            m,
+            (
+                nn.Identity,
+                nn.Dropout,
+                nn.Dropout1d,
+                nn.Dropout2d,
+                nn.Dropout3d,
+                nn.AlphaDropout,
+                nn.FeatureAlphaDropout,
+            ),
+        ):
             return True
         return _returns_its_input(m, n)
     if n.op == "call_function" and getattr(n.target, "__name__", "") in _DROPOUT_FNS:

@@ -1,5 +1,6 @@
 """Rule family: ReLUs. A ReLU of a tensor that is never negative goes; a scalar gate behind a ReLU moves
 into the ReLU's input (c·relu(z) = relu(|c|·z), a negative c turning the add that uses it into a subtract)."""
+
 from __future__ import annotations
 
 import operator
@@ -7,14 +8,30 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from graphgrow.passes.fold.graph import ADD, MUL, SUB, bypass, is_relu, module_of, scalar_operand  # noqa: TID251 (the fold package's own module)
 from torch import fx, nn
 
-from graphgrow.passes.fold.graph import ADD, MUL, SUB, bypass, is_relu, module_of, scalar_operand  # noqa: TID251 (the fold package's own module)
-
-_NONNEG_FNS = (F.relu, torch.relu, F.relu6, torch.sigmoid, F.sigmoid, F.softmax, torch.softmax, torch.exp, torch.abs,
-               F.hardsigmoid)
-_KEEP_SIGN_FNS = (F.max_pool2d, F.avg_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d, torch.flatten,
-                  torch.cat, operator.getitem)
+_NONNEG_FNS = (
+    F.relu,
+    torch.relu,
+    F.relu6,
+    torch.sigmoid,
+    F.sigmoid,
+    F.softmax,
+    torch.softmax,
+    torch.exp,
+    torch.abs,
+    F.hardsigmoid,
+)
+_KEEP_SIGN_FNS = (
+    F.max_pool2d,
+    F.avg_pool2d,
+    F.adaptive_avg_pool2d,
+    F.adaptive_max_pool2d,
+    torch.flatten,
+    torch.cat,
+    operator.getitem,
+)
 _KEEP_SIGN_METHODS = ("view", "reshape", "flatten", "permute", "transpose", "contiguous", "mean", "amax", "max")
 _KEEP_SIGN_MODULES = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten)
 _NONNEG_MODULES = (nn.ReLU, nn.ReLU6, nn.Sigmoid, nn.Softmax, nn.Hardsigmoid)
@@ -35,7 +52,9 @@ def _nonnegative(gm: fx.GraphModule) -> set[fx.Node]:
                 out.add(n)
             elif n.target in ADD + MUL and not n.kwargs and all(_nonneg_value(a, out) for a in n.args):
                 out.add(n)  # sums and products of non-negative tensors and numbers (x − 1 is not one)
-        elif n.op == "call_method" and (n.target in ("relu", "sigmoid", "exp", "abs") or (n.target in _KEEP_SIGN_METHODS and keeps)):
+        elif n.op == "call_method" and (
+            n.target in ("relu", "sigmoid", "exp", "abs") or (n.target in _KEEP_SIGN_METHODS and keeps)
+        ):
             out.add(n)
     return out
 
