@@ -35,6 +35,7 @@ test-quick: $(STAMP)
 # the static checks tests/test_static.py runs (also a pre-commit hook: .pre-commit-config.yaml)
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .
+	$(BIN)/python -m ruff format --check .
 	$(BIN)/python -m mypy
 
 # one table of every benchmark (BENCH_JSON=path also writes it as JSON); sections: --only steps,fold,scale,gpu,ddp,tp,gpt
