@@ -151,7 +151,8 @@ def rows(events: int = 3, steps: int = 20, progress=lambda _: None) -> list[Row]
                 statistics.median(event),
                 min(event),
                 "s",
-                note=f"rank 0 grows + verifies {verify:.2f} s; rank 1 waits {wait:.2f} s; DDP rebuilt {rebuild * 1000:.1f} ms",
+                note=f"rank 0 grows + verifies {verify:.2f} s; rank 1 waits {wait:.2f} s; "
+                f"DDP rebuilt {rebuild * 1000:.1f} ms",
             )
         )
         out_rows.append(ratio_row(section, model, "growth event ÷ one training step", [e / step for e in event], None))

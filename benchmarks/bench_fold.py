@@ -115,7 +115,8 @@ def bench(name: str, spec: str, rounds: int, tmp: Path, capacity: bool = False, 
             statistics.median(v),
             min(v),
             "ms CPU",
-            note=f"wall {statistics.median(ort_wall[k]):.1f} ms; {sum(p.numel() for p in modules[k].parameters()):,} params",
+            note=f"wall {statistics.median(ort_wall[k]):.1f} ms; "
+            f"{sum(p.numel() for p in modules[k].parameters()):,} params",
         )
         for k, v in ort_cpu.items()
     ]

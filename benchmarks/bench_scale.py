@@ -290,7 +290,8 @@ def _run_watched(cmd: list[str], limit: int) -> subprocess.CompletedProcess:
 
 
 def rows_of_run(size: str, run: dict) -> list[Row]:
-    """Rows of one size's stages (scale_decoder.main's JSON): seconds, peak and estimate in the note; two target rows."""
+    """Rows of one size's stages (scale_decoder.main's JSON): seconds, peak and estimate in the note; two target
+    rows."""
     facts, stages = run["facts"], run["stages"]
     grown = facts["grown_bytes"]
     model = f"decoder {size} ({facts['params_before'] / 1e6:,.0f} M → {facts['params_after'] / 1e6:,.0f} M)"

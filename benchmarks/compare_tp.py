@@ -158,7 +158,8 @@ def gg_view(model: nn.Module, shape: tuple[int, ...]) -> GGView:
                 group_of_layer[path] = c.group_of[n.name]
                 if n.name not in c.functional:
                     extra.setdefault(c.group_of[n.name], []).append(
-                        f"'{path}' ({type(m).__name__}) is traced through: graphgrow sees its {n.target.__name__} call, not a layer"
+                        f"'{path}' ({type(m).__name__}) is traced through: "
+                        f"graphgrow sees its {n.target.__name__} call, not a layer"
                     )
     own: dict[int, set[str]] = {}
     for path, gid in group_of_layer.items():

@@ -111,7 +111,8 @@ def main(argv=None) -> int:
         f"targets: {sum(r.met is True for r in rows)} met, {len(missed)} missed"
         + (
             "".join(
-                f"\n  missed: {r.section} — {r.model} {r.measure}: {format_number(r.median, r.unit)} (target {r.target})"
+                f"\n  missed: {r.section} — {r.model} {r.measure}: "
+                f"{format_number(r.median, r.unit)} (target {r.target})"
                 for r in missed
             )
         )

@@ -1,10 +1,12 @@
 """A decoder-only transformer at 125 M / 350 M / 1 B parameters and one growth pipeline through the jobs a user runs
 (issue 27, items 1 and 5): trace, deepen by one block, widen one block's MLP (grow_width on its fc1), grow the hidden
-size, each pass and its verification, the graphgrow file, the ONNX export (with external data: NAME.onnx + NAME.onnx.data) and the onnxruntime check.
+size, each pass and its verification, the graphgrow file, the ONNX export (with external data: NAME.onnx +
+NAME.onnx.data) and the onnxruntime check.
 
 Each stage reports its seconds and its peak resident memory (Linux: VmHWM after resetting it through
-/proc/self/clear_refs, with the heap trimmed first) above the process's baseline before the model was built, as a multiple of the grown model's
-weight bytes; beside it, graphgrow's own estimate of what the run needs (analysis/budget.run_memory).
+/proc/self/clear_refs, with the heap trimmed first) above the process's baseline before the model was built, as a
+multiple of the grown model's weight bytes; beside it, graphgrow's own estimate of what the run needs
+(analysis/budget.run_memory).
 
 Plain torch, random weights, nothing downloaded: token embedding, pre-norm blocks (LayerNorm, attention through
 F.scaled_dot_product_attention, a GELU MLP), a final LayerNorm and an untied LM head.

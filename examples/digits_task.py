@@ -3,7 +3,8 @@ handwritten digits (8×8 images shipped with the package, no download), plus the
 functions `graphgrow search` calls: `train_epoch(model, optimizer)` and `evaluate(model)`.
 
     graphgrow search examples.digits_task:model --train examples.digits_task:train_epoch \\
-        --eval examples.digits_task:evaluate --input-shape 1,1,8,8 --mutations "grow_width(factor=2);deepen;add_residual;noop"
+        --eval examples.digits_task:evaluate --input-shape 1,1,8,8 \\
+        --mutations "grow_width(factor=2);deepen;add_residual;noop"
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def evaluate(model: nn.Module) -> dict:
 def batch(size: int = 256) -> tuple:
     """A training batch and its loss, what init=gradmax and `graphgrow targets --data` read: (inputs, loss_fn).
 
-    graphgrow targets examples.digits_task:model --input-shape 1,1,8,8 --pass grow_width --data examples.digits_task:batch
+    graphgrow targets examples.digits_task:model --input-shape 1,1,8,8 --pass grow_width \\
+        --data examples.digits_task:batch
     """
     (x, y), _ = digits()
     return x[:size], lambda out: nn.functional.cross_entropy(out, y[:size])

@@ -87,7 +87,8 @@ def main(argv=None) -> int:
         opt, sched = optimiser(gm.parameters())
         ck.restore(opt, sched)
         say(
-            f"resumed {args.resume} at epoch {first} with {world} process(es): {sum(p.numel() for p in gm.parameters()):,} parameters"
+            f"resumed {args.resume} at epoch {first} with {world} process(es): "
+            f"{sum(p.numel() for p in gm.parameters()):,} parameters"
         )
     else:
         gm, first = gg.trace(base_model(), input_shape=INPUT_SHAPE).to(device), 0
@@ -109,7 +110,8 @@ def main(argv=None) -> int:
         sched.step()
         metrics = evaluate(ddp.module, device)
         say(
-            f"epoch {epoch}: train loss {loss:.4f}, val loss {metrics['val_loss']:.4f}, val acc {metrics['val_acc']:.3f}, "
+            f"epoch {epoch}: train loss {loss:.4f}, val loss {metrics['val_loss']:.4f}, "
+            f"val acc {metrics['val_acc']:.3f}, "
             f"{step_s * 1000:.1f} ms per step, lr {sched.get_last_lr()[0]:.4f}"
         )
         gg.distributed.save_checkpoint(args.out / f"epoch-{epoch + 1}", ddp, opt, sched, step=epoch + 1)

@@ -90,7 +90,8 @@ def train(
             )
             log(
                 f"epoch {epoch:2d}: {spec}: params {result.params_before:,} → {result.params_after:,}; "
-                f"loss on the probe batch {before[0]:.6f} → {after[0]:.6f} (eval), {before[1]:.6f} → {after[1]:.6f} (train)"
+                f"loss on the probe batch {before[0]:.6f} → {after[0]:.6f} (eval), "
+                f"{before[1]:.6f} → {after[1]:.6f} (train)"
             )
         model.train()
         perm = torch.randperm(len(ytr), generator=gen)

@@ -323,7 +323,8 @@ def run(
     }
     log(f"\nvalidation loss both reach: {target:.4f}")
     log(
-        f"{'run':<7}{'final val':>10}{'total s':>9}{'TFLOP':>8}  | to reach {target:.4f}:{'step':>6}{'wall s':>8}{'TFLOP':>8}"
+        f"{'run':<7}{'final val':>10}{'total s':>9}{'TFLOP':>8}  "
+        f"| to reach {target:.4f}:{'step':>6}{'wall s':>8}{'TFLOP':>8}"
     )
     for r in (grown, large):
         s, t, f = reach[r.name]

@@ -337,7 +337,8 @@ def event_table(rows: list[dict]) -> list[str]:
                 f"{sum(r['curve'][-1] < zero[r['seed']] for r in mine)}/{len(mine)}" if zero and init != "zero" else "–"
             )
             lines.append(
-                f"| {task} | {at} | {LABELS[init]} | {pm([r['pre'][-1] for r in mine])} | {pm([r['at0'] for r in mine])} | {' | '.join(cells)} | {wins} | "
+                f"| {task} | {at} | {LABELS[init]} | {pm([r['pre'][-1] for r in mine])} | "
+                f"{pm([r['at0'] for r in mine])} | {' | '.join(cells)} | {wins} | "
                 f"{statistics.mean(r['gain'] for r in mine):.2e} | {max(r['change'] for r in mine):.1e} |"
             )
     return lines
@@ -438,7 +439,8 @@ def main(argv=None) -> None:
     for name, cost in out["cost"].items():
         base = cost["fwd+bwd"]
         print(
-            f"{name}: one forward + backward over {STAT_BATCH} rows at h = {2 * out['tasks'][name].h}: {base * 1e3:.2f} ms; "
+            f"{name}: one forward + backward over {STAT_BATCH} rows at h = {2 * out['tasks'][name].h}: "
+            f"{base * 1e3:.2f} ms; "
             "data-driven step: "
             + ", ".join(f"{LABELS[i]} {s * 1e3:.1f} ms ({s / base:.0f}×)" for i, s in cost.items() if i in LABELS)
         )

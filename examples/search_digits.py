@@ -10,7 +10,8 @@ Prints the lineage of the best model, the three results and the peak memory of t
 tree (driver, Ray, workers); writes a PNG of the population (metric per trial over time,
 growths and exploits marked) with the un-grown model's curve for comparison.
 
-    python examples/search_digits.py [--population 8] [--rounds 12] [--epochs-per-round 2] [--seeds 3] [--out search_population.png]
+    python examples/search_digits.py [--population 8] [--rounds 12] [--epochs-per-round 2] [--seeds 3] \\
+        [--out search_population.png]
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ wraps it in `Variable`, and scales and masks the input *in place*; the training 
 auxiliary head exists only in train mode.
 
 `drop_path` is the published form (a CUDA mask); `DROP_PATHS` holds it and variants whose masks are spelled
-as other code bases spell them, in place or not (the `idiom` argument of `network()`). All draw one Bernoulli(keep_prob) number per sample from the
-global generator of the input's device; `cuda_typed` (and `cuda_typed_bare`)
+as other code bases spell them, in place or not (the `idiom` argument of `network()`). All draw one
+Bernoulli(keep_prob) number per sample from the global generator of the input's device; `cuda_typed` (and
+`cuda_typed_bare`)
 needs CUDA in eager mode (tests that run it on CPU patch `torch.cuda.FloatTensor` to the CPU class).
 """
 

@@ -62,7 +62,8 @@ def needs_real_tensors() -> nn.Module:
 
 
 class TokenClassifier(nn.Module):
-    """Token ids → embedding → a plain nn.TransformerEncoder → per-token logits: a model whose input is not a float image."""
+    """Token ids → embedding → a plain nn.TransformerEncoder → per-token logits: a model whose input is not a float
+    image."""
 
     def __init__(self, vocab: int = 50, width: int = 32):
         super().__init__()

@@ -238,7 +238,8 @@ def test_the_op_vocabulary_rule_finds_a_copied_table(tmp_path):
     (tmp_path / "graphgrow" / "graph").mkdir(parents=True)
     (tmp_path / VOCABULARY).write_text((ROOT / VOCABULARY).read_text())
     (tmp_path / "graphgrow" / "graph" / "mine.py").write_text(
-        'import operator, torch\nfrom . import ops\nQUERIES = {"size", "dim", "numel"}\nOK = ops.RESHAPES | {"expand"}\n'
+        'import operator, torch\nfrom . import ops\nQUERIES = {"size", "dim", "numel"}\n'
+        'OK = ops.RESHAPES | {"expand"}\n'
         "ADDS: set = frozenset((operator.add, operator.sub, torch.add))\n"
     )
     assert op_tables(tmp_path) == [

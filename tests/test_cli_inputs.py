@@ -1,4 +1,5 @@
-"""Named model inputs on the command line (issue 22): --input NAME:DTYPE[SHAPE], --capture, and files that remember them."""
+"""Named model inputs on the command line (issue 22): --input NAME:DTYPE[SHAPE], --capture, and files that remember
+them."""
 
 from __future__ import annotations
 

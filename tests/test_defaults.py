@@ -142,7 +142,8 @@ def test_dry_run_writes_nothing(runner, tmp_path, monkeypatch):
 
 
 def test_a_channel_shuffle_does_not_end_the_backbone():
-    """Found on torchvision's shufflenet: the shuffle's 5-D view lies on the main path; the backbone goes on to conv5."""
+    """Found on torchvision's shufflenet: the shuffle's 5-D view lies on the main path; the backbone goes on to
+    conv5."""
     gm = gg.trace(build("shufflenet_v2_x0_5"), (1, 3, 96, 96))
     r = gg.Pipeline.from_spec("add_residual").run(gm).results[0]
     assert r.targets["end"].startswith("conv5_2 [1, 1024, 3, 3]"), r.targets

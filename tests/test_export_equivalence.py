@@ -134,7 +134,8 @@ def test_isolated_export_gives_the_same_model_and_typed_errors(grown_onnx, tmp_p
 
 
 def test_a_cuda_provider_that_does_not_load_says_why(monkeypatch):
-    """Where torch sees a GPU but onnxruntime's CUDA provider does not load, the reason is the libraries, not 'no GPU'."""
+    """Where torch sees a GPU but onnxruntime's CUDA provider does not load, the reason is the libraries, not 'no
+    GPU'."""
     from graphgrow.io import runtime
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

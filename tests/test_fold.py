@@ -289,7 +289,8 @@ def test_cli_fold_and_export_fold(tmp_path, cnn_file):
 
 
 def test_a_relu_after_a_shift_or_a_negative_scale_is_kept():
-    """relu(relu(x) − 1) and relu(−2·relu(x)) are not relu(x) − 1 and −2·relu(x): only non-negative inputs lose their ReLU."""
+    """relu(relu(x) − 1) and relu(−2·relu(x)) are not relu(x) − 1 and −2·relu(x): only non-negative inputs lose
+    their ReLU."""
 
     class Shifted(nn.Module):
         def forward(self, x):

@@ -179,7 +179,8 @@ def _max_rel(a, b) -> float:
 
 def _same_function(old: nn.Module, new: nn.Module, inputs: dict, train: bool) -> float:
     """Relative error of new against old on `inputs`: train mode with dropout off (nn.Dropout and the attention
-    dropout inside scaled_dot_product_attention, core.state.dropout_off) and the same random draws, as verification does."""
+    dropout inside scaled_dot_product_attention, core.state.dropout_off) and the same random draws, as verification
+    does."""
     outs = []
     for m in (old, new):
         was = m.training

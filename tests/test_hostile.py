@@ -984,7 +984,10 @@ def test_a_file_size_limit_is_exit_2_naming_the_output(tmp_path, cnn, label, arg
 def test_a_failing_torch_save_is_exit_2_with_nothing_left(tmp_path, cnn, fault, message, code):
     torch.save(cnn, tmp_path / "m.pt")
     before = digest(tmp_path)
-    setup = f"import errno, os, torch\ndef save(obj, f, *a, **k):\n    f.write(b'PK' * 100)\n    raise {fault}\ntorch.save = save"
+    setup = (
+        "import errno, os, torch\ndef save(obj, f, *a, **k):\n    f.write(b'PK' * 100)\n"
+        f"    raise {fault}\ntorch.save = save"
+    )
     proc = _graphgrow(
         "mutate",
         "m.pt",
@@ -1197,7 +1200,8 @@ NAME_ESCAPES = [  # label, model name ({tmp}: the test's folder), message
     ),  # (a long temp path is cut in the middle of the line)
     (
         "timm create_model with a checkpoint file",
-        "timm.models:create_model(model_name='resnet18', pretrained=True, pretrained_cfg_overlay={{'file': '{tmp}/evil.pth'}})",
+        "timm.models:create_model(model_name='resnet18', pretrained=True, "
+        "pretrained_cfg_overlay={{'file': '{tmp}/evil.pth'}})",
         "pretrained=True asks for stored",
     ),
     (
@@ -1290,14 +1294,16 @@ def test_a_zoo_model_whose_backbone_defaults_to_stored_weights_reads_no_cache(tm
         ),
         (
             "import torch\nfrom huggingface_hub import hf_hub_download\n\ndef build():\n"
-            "    torch.load(hf_hub_download('someone/weights', 'w.pt'), weights_only=False)\n    return torch.nn.Linear(4, 2)\n",
+            "    torch.load(hf_hub_download('someone/weights', 'w.pt'), weights_only=False)\n"
+            "    return torch.nn.Linear(4, 2)\n",
             "mymodels:build() failed",
         ),
     ],
     ids=["torch hub", "hugging face"],
 )
 def test_a_factory_that_loads_cached_weights_itself_finds_no_cache(tmp_path, body, message):
-    """The user's own factory may ask for stored weights in its code: while it builds, the caches are an empty folder."""
+    """The user's own factory may ask for stored weights in its code: while it builds, the caches are an empty
+    folder."""
     env, canary = _fake_caches(tmp_path)
     (tmp_path / "mymodels.py").write_text(body)
     before = _tree(tmp_path)

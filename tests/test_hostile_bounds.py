@@ -197,7 +197,8 @@ def test_a_factory_the_meta_device_cannot_size_is_built_under_the_load_limit(tmp
 
 
 def _onnx_with(tmp: Path, weight: Any) -> Path:
-    """y = x + sum(W), W an initializer (dense or sparse) of the given declared size; a small PyTorch model beside it."""
+    """y = x + sum(W), W an initializer (dense or sparse) of the given declared size; a small PyTorch model beside
+    it."""
     import onnx
     from onnx import helper
 

@@ -64,5 +64,6 @@ def test_a_pipeline_runs_the_model_before_each_pass_only_where_nothing_was_kept(
     monkeypatch.setattr(verify_module, "recall", counting)
     result = gg.Pipeline.from_spec("insert_adapter,add_residual,deepen").run(gm)
     assert all(r.preservation is not None and r.preservation.eval.ok for r in result.results)
-    # first pass: both from the trace's fidelity check (no dropout to turn off); then from the previous pass's verification
+    # first pass: both from the trace's fidelity check (no dropout to turn off);
+    # then from the previous pass's verification
     assert calls == ["eval:hit", "train:hit"] * 3

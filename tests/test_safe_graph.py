@@ -287,7 +287,8 @@ def test_random_graphs_never_call_anything_outside_the_list(tmp_path, ops):
 
 
 def test_builtins_keep_their_module_when_saved_and_loaded_again(tmp_path):
-    """Found by the fuzzer: torch.fx names `len` bare, which the loader's allow-list (builtins.len) refused on reload."""
+    """Found by the fuzzer: torch.fx names `len` bare, which the loader's allow-list (builtins.len) refused on
+    reload."""
     assert serialize.qualified_name(len) == "builtins.len" and serialize.qualified_name(getattr) == "builtins.getattr"
     assert serialize.qualified_name(int) == "builtins.int"
 

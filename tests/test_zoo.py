@@ -54,7 +54,8 @@ def run_job(name: str, opened: workflow.OpenedModel, spec: str, tmp: Path) -> tu
     if not eq["passed"]:
         return (
             1,
-            f"onnxruntime differs: grown max abs {eq['max_abs_err']:.3g}, vs original {eq['vs_original']['max_abs_err']:.3g}",
+            f"onnxruntime differs: grown max abs {eq['max_abs_err']:.3g}, "
+            f"vs original {eq['vs_original']['max_abs_err']:.3g}",
         )
     targets = report["passes"][0]["targets"]
     where = next(iter(targets.values())) if targets else ""

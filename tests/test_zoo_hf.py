@@ -19,7 +19,8 @@ TEXT = "input_ids"
 # name → (class built, default spec as (name, shape, dtype, high))
 NAMES = {
     "hf:gpt2(n_layer=2,n_embd=64,n_head=4)": ("GPT2Model", [(TEXT, (1, 16), "int64", 50257)]),
-    "hf:llama/causal-lm(hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2)": (
+    "hf:llama/causal-lm(hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
+    "num_key_value_heads=2)": (
         "LlamaForCausalLM",
         [(TEXT, (1, 16), "int64", 32000)],
     ),
@@ -27,7 +28,8 @@ NAMES = {
         "BertForSequenceClassification",
         [(TEXT, (1, 16), "int64", 30522)],
     ),
-    "hf:vit/image-classification(hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64,image_size=32,patch_size=8)": (
+    "hf:vit/image-classification(hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64,"
+    "image_size=32,patch_size=8)": (
         "ViTForImageClassification",
         [("pixel_values", (1, 3, 32, 32), "float32", None)],
     ),

@@ -9,7 +9,8 @@ import re
 from collections import Counter, defaultdict
 
 
-# exit codes (docs/safety.md): 0 ok, 1 a check failed, 2 refused (bad input or a pass that cannot apply), 3 internal error
+# exit codes (docs/safety.md): 0 ok, 1 a check failed, 2 refused (bad input or a pass that cannot apply),
+# 3 internal error
 def status_of(rc: int | None, timed_out: bool) -> str:
     if timed_out:
         return "broken"
@@ -92,7 +93,8 @@ def render(results: list[dict], header: str, passes: tuple[str, ...]) -> str:
         lines += [
             f"## {registry}",
             "",
-            f"{len(runs)} runs over {len(models)} models: **{status['verified']} verified, {status['refused']} refused, "
+            f"{len(runs)} runs over {len(models)} models: "
+            f"**{status['verified']} verified, {status['refused']} refused, "
             f"{status['broken']} broken**.",
             "",
         ]
