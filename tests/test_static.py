@@ -24,6 +24,41 @@ def test_ruff_finds_nothing():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_the_tree_is_formatted():
+    """`ruff format` (line length 120, pyproject.toml) has nothing to change: `make lint` runs the same check."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--no-cache", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_mypy_is_strict_on_the_lower_layers():
+    """core, graph and io are checked with mypy's strict settings (every def typed, generics with their
+    arguments, no Any returned as a declared type): the one place that says so is pyproject.toml."""
+    import tomllib
+
+    overrides = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["overrides"]
+    strict = next(o for o in overrides if "graphgrow.core.*" in o["module"])
+    assert {"graphgrow.core.*", "graphgrow.graph.*", "graphgrow.io.*"} <= set(strict["module"])
+    for flag in (
+        "disallow_untyped_defs",
+        "disallow_incomplete_defs",
+        "disallow_any_generics",
+        "warn_return_any",
+        "disallow_untyped_calls",
+        "check_untyped_defs",
+        "no_implicit_reexport",
+        "strict_equality",
+        "warn_unused_ignores",
+        "disallow_untyped_decorators",
+    ):
+        assert strict.get(flag) is True, flag
+
+
 @pytest.mark.slow  # a minute on two busy cores: `make lint` runs it in the edit loop
 def test_mypy_finds_nothing():
     proc = subprocess.run(
