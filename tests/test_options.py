@@ -62,18 +62,17 @@ def test_mutate_passes_its_memory_limit_to_the_model_it_opens(tmp_path):
 def test_the_cli_calls_its_jobs_by_keyword():
     """A job of graphgrow.jobs.workflow or the search is called with at most its subject(s) by position: eleven
     positional arguments (mutate's, before) let a swapped pair pass unnoticed."""
-    tree = ast.parse((ROOT / "graphgrow" / "cli" / "commands.py").read_text())
+    trees = [ast.parse(f.read_text()) for f in sorted((ROOT / "graphgrow" / "cli").glob("commands*.py"))]
+    nodes = [n for tree in trees for n in ast.walk(tree)]
     calls = [
         n
-        for n in ast.walk(tree)
+        for n in nodes
         if isinstance(n, ast.Call)
         and isinstance(n.func, ast.Attribute)
         and isinstance(n.func.value, ast.Name)
         and n.func.value.id == "workflow"
     ]
-    calls += [
-        n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "run"
-    ]
+    calls += [n for n in nodes if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "run"]
     assert len(calls) >= 9  # mutate, replay, fold, export, check, inspect, targets, diff, search
     crowded = [f"line {c.lineno}: {len(c.args)} positional" for c in calls if len(c.args) > 2]
     assert not crowded, crowded
