@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,24 +34,10 @@ from torch import fx
 from ..graph import ops
 from ..io.mode_switch import ModeSwitch
 from .makers import describe
+from .mode_paths import Condition, MergeError, Path, Policy
 from .regions import ancestors_in as _ancestors_in
 from .regions import outside_inputs as _outside_inputs
 from .regions import pure as _pure
-
-Path = tuple[bool, ...]
-MAX_PATHS = 16  # traces per merge; every one re-runs the model's forward symbolically
-MAX_CONDITIONS = 4096  # branches answered in one trace; a loop on a live number would never stop
-
-
-@dataclass
-class Condition:
-    node: fx.Node  # the value Python branched on
-    site: int
-    position: int  # in its site's chain of conditions
-    reader: str  # path of the module whose forward branched
-    after: fx.Node | None  # the last tensor-work node created before it
-    answer: bool
-    location: Any = None  # (file, line) of the `if` that asked it
 
 
 @dataclass
@@ -60,44 +45,6 @@ class Switch:
     node: fx.Node  # placeholder call in the merged graph, turned into a call_module by install()
     path: str
     module: ModeSwitch
-
-
-class MergeError(Exception):
-    def __init__(self, where: str, why: str):
-        super().__init__(f"{where}: {why}")
-        self.where, self.why = where, why
-
-
-Policy = tuple[tuple[Any, Path], ...]  # (code location of a site's `if`, the answers it is given first), sorted
-
-
-def follow(policy: Policy) -> Callable[[Any, Path], bool]:
-    """Answer a site's conditions with the prefix its code location is given, then True."""
-    prefixes = dict(policy)
-
-    def answer(location: Any, history: Path) -> bool:
-        prefix = prefixes.get(location, ())
-        return prefix[len(history)] if len(history) < len(prefix) else True
-
-    return answer
-
-
-def unexplored(conditions: list[Condition], policy: Policy) -> list[Policy]:
-    """Answer patterns a trace under `policy` showed but did not try: each True it gave by default, as False,
-    at that site's code location (sites at the same `if` — a cell's loop, every cell — are explored together;
-    a nested `if` has its own location, so its answers combine with the outer one's)."""
-    prefixes = dict(policy)
-    out: list[Policy] = []
-    seen_sites: dict[int, list[Condition]] = {}
-    for c in conditions:
-        seen_sites.setdefault(c.site, []).append(c)
-    for conds in seen_sites.values():
-        location, answers = conds[0].location, tuple(c.answer for c in conds)
-        for j in range(len(prefixes.get(location, ())), len(answers)):
-            new = tuple(sorted({**prefixes, location: answers[:j] + (not answers[j],)}.items(), key=repr))
-            if new not in out:
-                out.append(new)
-    return out
 
 
 def _pending_switch(*args: Any) -> Any:  # pragma: no cover - replaced by install() before anything runs

@@ -7,7 +7,6 @@ import contextlib
 import io
 import json
 import logging
-import math
 import os
 import re
 import time
@@ -20,8 +19,7 @@ import onnx
 import torch
 from torch import fx
 
-from ..core.errors import ExportError, LoadError, first_line
-from ..core.names import is_identifier
+from ..core.errors import ExportError, first_line
 from ..core.state import training_mode
 from ..graph.inputs import (
     ExampleInput,
@@ -31,14 +29,24 @@ from ..graph.inputs import (
     call,
     first_shape,
     is_positional,
-    plain_spec,
     spec_inputs,
 )
 from ..graph.shapes import example_input, state_bytes
-from .lineage import is_origin, origin_of
-from .onnx_external import ExternalWrite, check_external, data_path, external_tensors
+from .lineage import origin_of
+from .onnx_external import ExternalWrite, data_path
+
+# The readers moved to onnx_meta.py; they stay importable from here, where callers import them (`X as X`: re-exported).
+from .onnx_meta import FACTORY_SEED_KEY as FACTORY_SEED_KEY
+from .onnx_meta import INPUT_SHAPE_KEY, LOG_KEY, ORIGIN_KEY
+from .onnx_meta import SOURCE_KEY as SOURCE_KEY
+from .onnx_meta import describe_onnx as describe_onnx
+from .onnx_meta import load_onnx as load_onnx
+from .onnx_meta import metadata as metadata
+from .onnx_meta import mutation_log as mutation_log
+from .onnx_meta import onnx_factory_seed as onnx_factory_seed
+from .onnx_meta import onnx_input_shape as onnx_input_shape
+from .onnx_meta import onnx_origin as onnx_origin
 from .onnx_spec import (
-    INPUTS_KEY,
     captured_static,
     check_input_names,
     dynamic_dims,
@@ -48,17 +56,10 @@ from .onnx_spec import (
     name_dict_outputs,
     name_outputs,
     named_leaves,
-    read_spec,
     spec_metadata,
 )
 from .save import atomic_write, check_output_path
-from .serialize import is_stored_shape, validate_meta
 
-LOG_KEY = "graphgrow.mutation_log"
-ORIGIN_KEY = "graphgrow.origin"  # lineage.structure_fingerprint of the model the log starts from
-INPUT_SHAPE_KEY = "graphgrow.input_shape"
-SOURCE_KEY = "graphgrow.source"  # the factory name a model was built from (files carry their own weights)
-FACTORY_SEED_KEY = "graphgrow.factory_seed"  # the seed that factory's random weights were drawn with
 INPUT_NAME = "input"
 
 
@@ -86,8 +87,9 @@ def export_onnx(
     times should not pay. Linux/macOS only (fork).
 
     `input_shape` is the example input: a bare shape (its one-tensor spec: one input, passed positionally), or an
-    input spec of named inputs with dtypes (graph.inputs): then the ONNX inputs carry the spec's names and dtypes, the sequence length of token inputs is dynamic
-    where the model allows it, and the outputs are named after the output's keys (onnx_spec.py).
+    input spec of named inputs with dtypes (graph.inputs): then the ONNX inputs carry the spec's names and dtypes,
+    the sequence length of token inputs is dynamic where the model allows it, and the outputs are named after the
+    output's keys (onnx_spec.py).
 
     `external_data=True` writes the weights to `PATH.data` beside `path` (and returns the graph without
     them); None does so when the weights pass ONE_FILE_MAX, which a self-contained file cannot hold.
@@ -212,7 +214,8 @@ def _export_named(
     if short:
         static.update(short)
         why.append(
-            "an example sequence length of 1 cannot stay dynamic (torch.export fixes sizes 0 and 1): give a longer example"
+            "an example sequence length of 1 cannot stay dynamic (torch.export fixes sizes 0 and 1): "
+            "give a longer example"
         )
     record = {"inputs": static, "reason": "; ".join(why)} if static else None
     return proto, spec_metadata(spec, dynamic_dims(spec, reason is None), record)
@@ -399,47 +402,6 @@ def check_proto(proto: onnx.ModelProto | str) -> None:
         ) from e
 
 
-def metadata(proto: onnx.ModelProto) -> dict[str, str]:
-    """The model's metadata_props as a dict."""
-    return {p.key: p.value for p in proto.metadata_props}
-
-
-def mutation_log(proto: onnx.ModelProto) -> list[dict[str, Any]]:
-    """The mutation log stored in an exported model ([] when none), checked like a graphgrow file's."""
-    value = metadata(proto).get(LOG_KEY)
-    if not value:
-        return []
-    try:
-        log = json.loads(value)
-    except (ValueError, RecursionError) as e:
-        raise LoadError(
-            f"the ONNX file's mutation log is not readable JSON: {first_line(e)}", "the file is corrupted or hostile"
-        ) from e
-    checked: list[dict[str, Any]] = validate_meta({"log": log})["log"]
-    return checked
-
-
-def onnx_factory_seed(proto: onnx.ModelProto) -> int | None:
-    """The seed a factory's random weights were drawn with, as the export recorded it (None: not recorded)."""
-    value = metadata(proto).get(FACTORY_SEED_KEY)
-    if value is None:
-        return None
-    if not re.fullmatch(r"\d{1,19}", value) or int(value) >= 2**63:
-        raise LoadError(
-            f"the ONNX file records the factory seed {value[:40]!r}, which is not a seed",
-            "pass --seed N, or export the model again",
-        )
-    return int(value)
-
-
-def onnx_origin(proto: onnx.ModelProto) -> str | None:
-    """The origin fingerprint an export recorded (None for files exported before origins were)."""
-    value = metadata(proto).get(ORIGIN_KEY)
-    if value is not None and not is_origin(value):
-        raise LoadError("the ONNX file's origin fingerprint is malformed", "the file is corrupted or hostile")
-    return value
-
-
 @contextlib.contextmanager
 def _inference(gm: torch.nn.Module) -> Iterator[None]:
     """Eval mode and no autograd for the whole of torch.onnx.export. Without no_grad the exporter traces its graph
@@ -465,106 +427,3 @@ def _quiet(sink: io.StringIO) -> Iterator[None]:
     finally:
         for l, lv in zip(loggers, levels):
             l.setLevel(lv)
-
-
-def load_onnx(path: str | os.PathLike[str]) -> onnx.ModelProto:
-    from ..core.errors import LoadError
-
-    p = Path(path)
-    if not p.is_file():
-        raise LoadError(f"no such ONNX file: {p}", "check the path")
-    from .outputs import protect
-
-    protect(p)  # no output of this run replaces it, under any name
-    try:
-        proto = onnx.load(str(p), load_external_data=False)  # external data would name other files to read
-    except Exception as e:
-        raise LoadError(
-            f"{p} is not a readable ONNX model: {first_line(e, 200)}", "pass a file written by graphgrow export"
-        ) from e
-    external = external_tensors(proto)
-    if external:
-        check_external(proto, p, external)  # only NAME.onnx.data beside NAME.onnx, at the lengths the tensors need
-    return proto
-
-
-def onnx_input_shape(proto: onnx.ModelProto) -> InputSpec | None:
-    """The example input: the input spec an export with named inputs stored; else the one input's
-    shape (as its one-tensor spec, named as the ONNX input) from graphgrow's metadata, or from the ONNX input
-    (dynamic dims → 1)."""
-    spec = read_spec(metadata(proto))
-    if spec is not None:
-        return spec
-    stored = metadata(proto).get(INPUT_SHAPE_KEY)
-    if stored:
-        try:
-            shape = json.loads(stored)
-        except (ValueError, RecursionError):
-            shape = None
-        if not is_stored_shape(shape):
-            raise LoadError(
-                f"the ONNX file stores the input shape {stored[:80]!r}, which is not a shape",
-                "pass --input-shape N,C,H,W, or export the model again",
-            )
-    elif not proto.graph.input:
-        return None
-    else:
-        shape = [d.dim_value if d.dim_value > 0 else 1 for d in proto.graph.input[0].type.tensor_type.shape.dim]
-    if not shape:
-        return None
-    name = proto.graph.input[0].name if proto.graph.input else "x"
-    return plain_spec(shape, name if is_identifier(name) else "x")
-
-
-def describe_onnx(path: str) -> dict[str, Any]:
-    """An exported ONNX file: inputs, outputs, op histogram, parameters, graphgrow's metadata and mutation log."""
-    import collections
-
-    import onnx
-
-    proto = load_onnx(path)
-
-    def dims(value_info: onnx.ValueInfoProto) -> list[int | str]:
-        return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
-
-    def elem(value_info: onnx.ValueInfoProto) -> str:
-        return str(onnx.TensorProto.DataType.Name(value_info.type.tensor_type.elem_type)).lower()
-
-    meta = metadata(proto)
-    params = sum(
-        math.prod(t.dims) for t in proto.graph.initializer
-    )  # Python ints: np.prod would overflow on hostile dims
-    return {
-        "model": path,
-        "format": "onnx",
-        "ir_version": proto.ir_version,
-        "opset": [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")][:1],
-        "producer": f"{proto.producer_name} {proto.producer_version}".strip(),
-        "inputs": [{"name": i.name, "shape": dims(i), "dtype": elem(i)} for i in proto.graph.input],
-        "outputs": [{"name": o.name, "shape": dims(o), "dtype": elem(o)} for o in proto.graph.output],
-        "nodes": len(proto.graph.node),
-        "ops": dict(collections.Counter(n.op_type for n in proto.graph.node).most_common()),
-        "params": params,
-        **_described_input(proto, meta),
-        **_described_external(proto),
-        "log": mutation_log(proto),
-        "metadata": {k: v for k, v in meta.items() if k != LOG_KEY},
-    }
-
-
-def _described_external(proto: onnx.ModelProto) -> dict[str, Any]:
-    """The data files beside the model and the bytes they hold (nothing for a self-contained file)."""
-    from .onnx_external import external_bytes, external_files
-
-    files = external_files(proto)
-    return {"external_data": {"files": files, "bytes": external_bytes(proto)}} if files else {}
-
-
-def _described_input(proto: onnx.ModelProto, meta: dict[str, str]) -> dict[str, Any]:
-    """describe_onnx's input fields: the (first) input's shape, and the spec's records when one is stored."""
-    shape = onnx_input_shape(proto) if INPUT_SHAPE_KEY in meta or INPUTS_KEY in meta else None
-    if shape is None:
-        return {"input_shape": None}
-    if is_positional(shape):
-        return {"input_shape": first_shape(shape)}
-    return {"input_shape": first_shape(shape), "input_spec": [t.record() for t in shape]}
