@@ -130,7 +130,8 @@ def default_conv(gm: fx.GraphModule, op: str, count: int) -> tuple[fx.Node, str]
                 "grow it with deepen, insert_adapter, add_residual or grow_width instead",
             )
         why = (
-            f": its Conv2d layers ({', '.join(map(str, convs[:3]))}{', …' if len(convs) > 3 else ''}) read the raw input "
+            f": its Conv2d layers ({', '.join(map(str, convs[:3]))}{', …' if len(convs) > 3 else ''}) "
+            "read the raw input "
             "(a patch embedding), work on 1×1 maps or lie outside the backbone"
         )
         raise NotApplicable(
@@ -161,7 +162,8 @@ def default_conv(gm: fx.GraphModule, op: str, count: int) -> tuple[fx.Node, str]
     )
     return (
         n,
-        f"beside {what} {place(gm, n)}; adds {cost:,} parameters ({100 * cost / total:.1f}% of the model){over}{skipped}",
+        f"beside {what} {place(gm, n)}; adds {cost:,} parameters "
+        f"({100 * cost / total:.1f}% of the model){over}{skipped}",
     )
 
 
@@ -393,7 +395,8 @@ def remove_branch(
     finish(gm)
     targets = {
         "merge": merge.name,
-        "removed": f"branch {i} ({str(branch.target).split('.')[0] if branch.op == 'call_module' else branch.name}), gate {gate:.3g}",
+        "removed": f"branch {i} "
+        f"({str(branch.target).split('.')[0] if branch.op == 'call_module' else branch.name}), gate {gate:.3g}",
         "left": f"{n - 1} branch(es)" if n > 1 else "merge removed",
     }
     return Rewrite(gm, targets, exact=gate == 0.0)
@@ -413,7 +416,8 @@ class AddBranch(Pass):
     count: int = arg(1, "how many branches (each one a full conv beside the span)", low=1, high=MAX_BRANCHES)
     init: Literal["zero", "gradmax"] = arg(
         "zero",
-        "zero: random branch weights behind the zero gate; gradmax: the branch's first conv aimed from `data` (count=1)",
+        "zero: random branch weights behind the zero gate; gradmax: the branch's first conv aimed from "
+        "`data` (count=1)",
     )
     data: str | None = arg(
         None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data", names_code=True

@@ -103,7 +103,8 @@ def add_residual(
         else:
             raise NotApplicable(
                 f"cannot connect '{s.name}' {list(s_shape)} to '{e.name}' {list(e_shape)}: "
-                "shapes differ in rank, in layout (channels at dim 1 or last) or in a dimension other than channels/space/features",
+                "shapes differ in rank, in layout (channels at dim 1 or last) "
+                "or in a dimension other than channels/space/features",
                 "choose start and end with the same rank (graphgrow inspect shows shapes)",
             )
         out = graph.call_function(operator.add, (e, skip))
@@ -206,7 +207,8 @@ def _conv_skip(gm, s, s_shape, e_shape, like, generator):
     dims = len(src_size)
     if any(b > a for a, b in zip(src_size, end_size)):
         raise NotApplicable(
-            f"end {list(e_shape)} is spatially larger ({_size(end_size)}) than start ({_size(src_size)}); add_residual only downsamples",
+            f"end {list(e_shape)} is spatially larger ({_size(end_size)}) than start ({_size(src_size)}); "
+            "add_residual only downsamples",
             "choose a start at or above the end's resolution",
         )
     nodes = []

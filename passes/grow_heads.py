@@ -116,7 +116,8 @@ def new_sizes(a, heads: int | None, by: int | None, head_dim: int | None, value_
         raise NotApplicable(f"{where}: heads={target} would remove heads", f"give heads= above {h}")
     if target % ratio:
         raise NotApplicable(
-            f"{where}: {h} query heads share {kv} key/value head{'s' if kv > 1 else ''} ({ratio} each); {target} query heads "
+            f"{where}: {h} query heads share {kv} key/value head{'s' if kv > 1 else ''} ({ratio} each); "
+            f"{target} query heads "
             "cannot keep that ratio",
             f"heads={h + ratio}, {h + 2 * ratio}, … (key/value heads grow by heads / {ratio})",
         )
@@ -162,7 +163,8 @@ class GrowHeads(Pass):
             "an attention (F.scaled_dot_product_attention)",
             lambda gm: _has_attention(gm),
             "the model has no scaled_dot_product_attention: no attention heads found",
-            "grow_heads grows attentions written with F.scaled_dot_product_attention (Hugging Face's default sdpa, timm, "
+            "grow_heads grows attentions written with F.scaled_dot_product_attention "
+            "(Hugging Face's default sdpa, timm, "
             "nn.MultiheadAttention); attention written as matmul + softmax is not supported",
         ),
     )

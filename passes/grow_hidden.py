@@ -54,7 +54,8 @@ def grow_hidden(
     if dropped and rule == "mean/zero" and any(v == "mean" for v in stream.fill.values()):
         notes.append(
             f"dropout on the stream ({dropped[0].target}, …) drops new coordinates on their own: exact in eval "
-            "mode and in train mode with dropout off (as verified); with dropout on, the new coordinates are dropped independently of the old ones, so a LayerNorm after it sees slightly other statistics"
+            "mode and in train mode with dropout off (as verified); with dropout on, the new coordinates are dropped "
+            "independently of the old ones, so a LayerNorm after it sees slightly other statistics"
         )
     return Rewrite(gm, targets, notes)
 

@@ -353,7 +353,8 @@ class GrowWidth(Pass):
     )
     init: Literal["zero", "net2net", "gradmax"] = arg(
         "zero",
-        "zero: random in, zero out; net2net: copies sharing their outgoing weights; gradmax: zero out, in aimed from `data`",
+        "zero: random in, zero out; net2net: copies sharing their outgoing weights; "
+        "gradmax: zero out, in aimed from `data`",
     )
     data: str | None = arg(
         None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data", names_code=True

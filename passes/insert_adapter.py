@@ -1,4 +1,5 @@
-"""insert_adapter: a 1×1 conv (feature maps, channels at dim 1) or Linear (channels last) after a node, initialised to [I | 0].
+"""insert_adapter: a 1×1 conv (feature maps, channels at dim 1) or Linear (channels last) after a node,
+initialised to [I | 0].
 
 out_channels = width (default): the identity, exact.
 out_channels > width: identity rows for the old channels, random rows for the new

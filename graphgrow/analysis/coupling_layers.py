@@ -73,7 +73,8 @@ def layer_rule(b: Build, s: Site) -> bool:
 
 @dataclass
 class ConvFacts:
-    """What a 2-D conv computes, whether an nn.Conv2d module or a call (F.conv2d on its own or a standardised weight)."""
+    """What a 2-D conv computes, whether an nn.Conv2d module or a call (F.conv2d on its own or a standardised
+    weight)."""
 
     in_channels: int
     out_channels: int

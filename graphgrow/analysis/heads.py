@@ -140,7 +140,8 @@ def find_attentions(gm: fx.GraphModule, growing: set[str], at: str | None = None
         raise refuse(
             opaque[0],
             "is an nn.MultiheadAttention kept whole (a leaf): its heads are not in the graph",
-            "capture the model with torch.export (graphgrow does for nn.TransformerEncoder) so its attention is decomposed",
+            "capture the model with torch.export (graphgrow does for nn.TransformerEncoder) so its attention "
+            "is decomposed",
         )
     if not sdpas:
         raise NotApplicable(

@@ -252,7 +252,8 @@ def default_point(
         )
     return (
         node,
-        f"{where}: end of {stage.describe(gm, len(found))}; adds {c:,} parameters ({100 * c / total:.1f}% of the model){over}",
+        f"{where}: end of {stage.describe(gm, len(found))}; adds {c:,} parameters "
+        f"({100 * c / total:.1f}% of the model){over}",
     )
 
 

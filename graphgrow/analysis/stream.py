@@ -2,7 +2,8 @@
 and the norms on it — what growing the hidden size (grow_hidden) must change, found from the graph.
 
 The stream is grown from its norms (LayerNorm, RMSNorm, F.layer_norm, F.rms_norm over the last dimension, of the
-width of the model's last such norm, its final norm): from each tensor on it the analysis walks to its producer and to its users, following the
+width of the model's last such norm, its final norm): from each tensor on it the analysis walks to its producer
+and to its users, following the
 hidden axis through ops that act on every hidden coordinate alike and linearly (adds of stream tensors, a `cat`
 along the tokens, dropout, identities, scalar multiples, views, transposes, token selection and pooling). It stops
 at *writers* (a Linear's or conv's output rows, an Embedding's columns, a parameter tensor such as a position

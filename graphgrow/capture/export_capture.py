@@ -95,7 +95,8 @@ def _lift(ep, model: nn.Module) -> tuple[fx.Graph, dict[str, torch.Tensor]]:
     env: dict[fx.Node, fx.Node] = {}
     if sig.buffers_to_mutate:
         raise TraceError(
-            f"{type(model).__name__} updates buffers in its forward ({', '.join(sorted(sig.buffers_to_mutate.values())[:3])}), "
+            f"{type(model).__name__} updates buffers in its forward "
+            f"({', '.join(sorted(sig.buffers_to_mutate.values())[:3])}), "
             "which graphgrow's export capture does not keep yet",
             "capture with --capture fx, or mark the module a leaf",
         )

@@ -1,4 +1,5 @@
-"""While tracing, calls that make a tensor from sizes, and `Variable`, become the device-agnostic graph calls they amount to.
+"""While tracing, calls that make a tensor from sizes, and `Variable`, become the device-agnostic graph calls they
+amount to.
 
 Research code draws drop-path masks in many spellings. torch.empty/zeros/ones/full/rand/randn with a
 traced size are recorded by watch.RecordConstructors; the spellings here fail under torch.fx as written:

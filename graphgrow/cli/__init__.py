@@ -6,7 +6,8 @@ Exit codes: 0 success; 1 a check failed (verification, export, equivalence); 2 b
 cannot apply; 3 an internal error (a bug: please report). Errors are one line on stderr; --debug shows the
 traceback.
 
-The top layer. May import: core, graph, io, analysis, capture, verify, rewrite, jobs, search. Nothing in graphgrow imports it.
+The top layer. May import: core, graph, io, analysis, capture, verify, rewrite, jobs, search.
+Nothing in graphgrow imports it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The flags every command shares (_common): the loading flags, gathered into one `load` argument
-(jobs.options.LoadOptions), --max-load (into it, as bytes), --max-memory (passed to the job, parsed there), --json, --debug."""
+(jobs.options.LoadOptions), --max-load (into it, as bytes), --max-memory (passed to the job, parsed there), --json,
+--debug."""
 
 from __future__ import annotations
 
@@ -87,14 +88,16 @@ def _common(f: Callable) -> Callable:
     f = click.option(
         "--trust",
         is_flag=True,
-        help="allow loading pickles with custom classes, and using the code names a file stores (replay's logged data function, search --resume's folder): runs code from them; only for files you trust",
+        help="allow loading pickles with custom classes, and using the code names a file stores (replay's logged data "
+        "function, search --resume's folder): runs code from them; only for files you trust",
     )(f)
     f = click.option(
         "--leaf",
         "leaves",
         multiple=True,
         metavar="MODULE",
-        help="keep this submodule as one opaque call when tracing (repeatable; untraceable submodules, and mode-branching ones that cannot be merged, become leaves automatically)",
+        help="keep this submodule as one opaque call when tracing (repeatable; untraceable submodules, and "
+        "mode-branching ones that cannot be merged, become leaves automatically)",
     )(f)
     f = click.option(
         "--trace-mode",

@@ -204,7 +204,8 @@ def _run_command(job: Callable[[Callable[[str], None]], int], as_json: bool, deb
             traceback.print_exc()
         first = escape(cut(first_line(e, MAX_MESSAGE)))
         err.print(
-            f"[bold red]internal error:[/] {type(e).__name__}: {first} (run with --debug for the traceback and please report it)",
+            f"[bold red]internal error:[/] {type(e).__name__}: {first} "
+            "(run with --debug for the traceback and please report it)",
             markup=True,
             highlight=False,
         )

@@ -213,7 +213,8 @@ def print_search(report: dict) -> None:
         for i, e in enumerate(report["lineage"], 1):
             args = ",".join(f"{k}={v}" for k, v in e.get("args", {}).items() if v is not None)
             out.print(
-                f"  {i}. {e['pass']}({args}) seed {e['seed']}: {e['params_before']:,} → {e['params_after']:,} parameters",
+                f"  {i}. {e['pass']}({args}) seed {e['seed']}: "
+                f"{e['params_before']:,} → {e['params_after']:,} parameters",
                 markup=False,
             )
         from ..jobs.pipeline import logged_code

@@ -73,7 +73,10 @@ class SpecError(GraphgrowError):
         start = max(0, min(self.position - width // 2, len(self.spec) - width))
         shown = self.spec[start : start + width]
         lead = "…" if start else ""
-        return f"  {lead}{shown}{'…' if start + width < len(self.spec) else ''}\n  {' ' * (len(lead) + self.position - start)}^"
+        return (
+            f"  {lead}{shown}{'…' if start + width < len(self.spec) else ''}\n"
+            f"  {' ' * (len(lead) + self.position - start)}^"
+        )
 
     def __str__(self) -> str:
         pointer = self.pointer()

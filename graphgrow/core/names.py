@@ -113,7 +113,10 @@ def bad_name_in_tree(root: nn.Module) -> str | None:
                 if not is_segment(key):
                     return f"{what} {shown(prefix + key)} is empty, holds a '.' or is longer than {MAX_NAME} characters"
                 if key in module.__dict__ or hasattr(type(module), key):
-                    return f"{what} {shown(prefix + key)} is named like an attribute of its module (PyTorch refuses such names)"
+                    return (
+                        f"{what} {shown(prefix + key)} is named like an attribute of its module "
+                        "(PyTorch refuses such names)"
+                    )
         for key, child in module._modules.items():
             if child is not None:
                 todo.append((f"{prefix}{key}.", child))

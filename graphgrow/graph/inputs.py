@@ -44,7 +44,8 @@ MAX_INPUTS = 16
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One named model input: its example shape (batch first), dtype name and, for integers, the exclusive upper bound."""
+    """One named model input: its example shape (batch first), dtype name and, for integers, the exclusive upper
+    bound."""
 
     name: str
     shape: tuple[int, ...]
@@ -119,7 +120,8 @@ def _tensor_spec(
     dims = tuple(int(d) for d in shape)
     if not dims or len(dims) > 8 or any(d <= 0 or d > 1 << 16 for d in dims) or torch.Size(dims).numel() > 1 << 26:
         raise InputError(
-            f"input {name}: shape {list(dims)} is not a valid example shape (1 to 8 sizes, each 1 to 65,536, at most 2^26 elements)",
+            f"input {name}: shape {list(dims)} is not a valid example shape "
+            "(1 to 8 sizes, each 1 to 65,536, at most 2^26 elements)",
             "e.g. input_ids:1x16:int64",
         )
     if dtype not in DTYPES:

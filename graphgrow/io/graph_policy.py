@@ -107,7 +107,9 @@ ALLOWED_METHODS: frozenset[str] = frozenset({
     "bernoulli", "bernoulli_", "uniform_", "normal_", "new_empty", "new_full", "floor_",
 })
 
-TENSOR_ATTRIBUTES: frozenset[str] = frozenset({"shape", "dtype", "device", "ndim", "T", "mT", "real", "imag", "is_cuda"})
+TENSOR_ATTRIBUTES: frozenset[str] = frozenset(
+    {"shape", "dtype", "device", "ndim", "T", "mT", "real", "imag", "is_cuda"}
+)
 # fmt: on
 
 

@@ -4,7 +4,8 @@ ships; never remote code: a config with `auto_map` is refused), built from the c
 `from_pretrained` from the local folder only (`local_files_only`, `use_safetensors`): a pickled `pytorch_model.bin`
 is never read. The weights' size is read from the safetensors headers and checked against `--max-load` before
 anything is allocated. The cache is turned off while the model is captured (torch.export cannot capture a
-DynamicCache); the native result gets the folder's own setting back (jobs/native.py). A bfloat16 or float16 folder loads as float32 (the
+DynamicCache); the native result gets the folder's own setting back (jobs/native.py).
+A bfloat16 or float16 folder loads as float32 (the
 growth is verified to 1e-5), and the native result is written in the folder's dtype again.
 
 Files beside the weights that describe how to use the model (tokenizer, generation config, chat template, README)

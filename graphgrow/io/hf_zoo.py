@@ -122,7 +122,8 @@ def _config(transformers: Any, target: str, arguments: Mapping[str, Any], model_
         close = difflib.get_close_matches(model_type, list(mapping.keys()), n=5, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else "e.g. gpt2, llama, bert, t5, vit, resnet, convnext"
         raise LoadError(
-            f"transformers has no model type {model_type!r} ({len(list(mapping.keys()))} types: transformers.CONFIG_MAPPING)",
+            f"transformers has no model type {model_type!r} "
+            f"({len(list(mapping.keys()))} types: transformers.CONFIG_MAPPING)",
             hint,
         )
     config_class = mapping[model_type]

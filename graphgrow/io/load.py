@@ -1,4 +1,5 @@
-"""Read model files safely (architecture.md §7): files written by torch.save, graphgrow's own files, and models built from names.
+"""Read model files safely (architecture.md §7): files written by torch.save, graphgrow's own files, and models
+built from names.
 
 A model file is untrusted input: it is read with torch.load(weights_only=True) and
 only torch.nn's own layer classes allow-listed, so loading runs no code from the
@@ -80,7 +81,8 @@ def custom_classes(model: nn.Module) -> list[str]:
 
 
 def _is_graphgrow_file(path: Path) -> bool:
-    """A cheap look at the pickle inside a torch.save zip (nothing is unpickled): does it hold graphgrow's format tag?"""
+    """A cheap look at the pickle inside a torch.save zip (nothing is unpickled): does it hold graphgrow's format
+    tag?"""
     try:
         with zipfile.ZipFile(path) as z:
             member = next((m for m in z.namelist() if m.endswith("data.pkl")), None)
@@ -189,7 +191,8 @@ def _refuse_over_load(text: str, guard: AllocationGuard, error: BaseException | 
     if refusal is not None:
         raise LoadError(
             f"{text[:200]} would hold more than {_mib(limit)} while it is built (it asked for "
-            f"{_mib(getattr(refusal, 'needed', 0))} more with {_mib(getattr(refusal, 'held', 0))} held; the build was stopped before that allocation)",
+            f"{_mib(getattr(refusal, 'needed', 0))} more with {_mib(getattr(refusal, 'held', 0))} held; "
+            "the build was stopped before that allocation)",
             "check the arguments, or raise the limit with --max-load SIZE",
         ) from error or refusal
 
@@ -262,7 +265,8 @@ def _check_zip(path: Path, limit: int) -> None:
             if total > limit:
                 raise LoadError(
                     f"{name} would unpack to {_mib(total)} (limit {_mib(limit)})",
-                    "raise the limit with --max-load SIZE (or GRAPHGROW_MAX_LOAD_BYTES) if the model really is that large",
+                    "raise the limit with --max-load SIZE (or GRAPHGROW_MAX_LOAD_BYTES) "
+                    "if the model really is that large",
                 )
             for m in members:
                 if m.compress_type != zipfile.ZIP_STORED and m.file_size > MAX_INFLATION * m.compress_size + (1 << 20):
@@ -331,7 +335,8 @@ def _explain(name: str, head: bytes, e: Exception, trust: bool, graphgrow_file: 
         if graphgrow_file:  # graphgrow kept a module of an installed package whole (a leaf it does not trace through)
             return LoadError(
                 f"{name} contains the custom class {what}; loading it would run that class's code",
-                "pass --trust if you wrote the file yourself; graphgrow keeps such modules whole, so reading them needs trust",
+                "pass --trust if you wrote the file yourself; graphgrow keeps such modules whole, "
+                "so reading them needs trust",
             )
         return LoadError(
             f"{name} contains the custom class {what}; loading it would run that class's code",

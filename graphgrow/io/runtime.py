@@ -304,8 +304,8 @@ def optimized_op_counts(model: bytes | str | os.PathLike[str]) -> dict[str, int]
 def all_values(
     proto: Any, x: np.ndarray | dict[str, np.ndarray], external_folder: Path | None = None
 ) -> dict[str, np.ndarray]:
-    """Every node output of the ONNX model `proto` on input `x` (arrays by name for named inputs), on the CPU provider: each one is
-    made a graph output of a copy (to find where a model first goes wrong)."""
+    """Every node output of the ONNX model `proto` on input `x` (arrays by name for named inputs), on the CPU
+    provider: each one is made a graph output of a copy (to find where a model first goes wrong)."""
     import copy
 
     model = copy.deepcopy(proto)

@@ -117,8 +117,9 @@ _FILE_TOKENS = {
     "load",
     "repo",
 }
-# Sizes and switches that only sound like weights (found by scanning every timm and torchvision model's arguments):
-# random-init switches, box-coder factors, gradient checkpointing, Swin-V2's window sizes; transformers' KV-cache switch.
+# Sizes and switches that only sound like weights (found by scanning every timm and torchvision model's
+# arguments): random-init switches, box-coder factors, gradient checkpointing, Swin-V2's window sizes;
+# transformers' KV-cache switch.
 _ORDINARY = {
     "init_weights",
     "bbox_reg_weights",
@@ -204,7 +205,10 @@ def refuse_weight_arguments(name: ModelName) -> None:
                 )
 
 
-_WAY_OUT = "for trained weights, load them in Python and grow the model there (graphgrow.trace), or torch.save it and pass the file"
+_WAY_OUT = (
+    "for trained weights, load them in Python and grow the model there (graphgrow.trace), "
+    "or torch.save it and pass the file"
+)
 
 
 def _refuse_weight_key(target: str, key: str, where: str, value: Any, word: str | None = None) -> None:

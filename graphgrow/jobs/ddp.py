@@ -1,4 +1,5 @@
-"""The growth step of a data-parallel job (`torch.distributed`, DDP, launched by torchrun): `grow(ddp, optimizer, spec)`.
+"""The growth step of a data-parallel job (`torch.distributed`, DDP, launched by torchrun):
+`grow(ddp, optimizer, spec)`.
 
 Every rank must make the same change with the same new weights, DDP must be rebuilt around the new
 parameters (it registers them when it is made), and the optimiser and learning-rate scheduler must follow

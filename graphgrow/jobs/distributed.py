@@ -5,7 +5,8 @@ PyTorch Lightning, checkpointed and resumed. One place to import it all from (do
     grow_replica(model, optimizer, spec, ...)   the same for a bare replica (a trainer that wraps it itself)
     carry_scheduler(scheduler, optimizer)       a learning-rate scheduler re-pointed at the carried optimiser
     save_checkpoint / load_checkpoint           checkpoints that resume across growth, at any world size (checkpoint.py)
-    GrowthCallback                              Lightning's callback (lightning_callback.py; imports Lightning when used)
+    GrowthCallback                              Lightning's callback (lightning_callback.py; imports Lightning
+                                                when used)
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""GrowthCallback: growth during `Trainer.fit` in PyTorch Lightning (optional extra: pip install 'graphgrow[lightning]').
+"""GrowthCallback: growth during `Trainer.fit` in PyTorch Lightning
+(optional extra: pip install 'graphgrow[lightning]').
 
 The LightningModule keeps the traced model in an attribute (`self.model = gg.trace(net, input_shape=...)`).
 At a scheduled step or epoch the callback runs the growth step of ddp.py on every rank (agreed

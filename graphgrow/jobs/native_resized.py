@@ -26,7 +26,8 @@ from ..graph.shapes import example_input
 
 
 def resized_copy(grown: fx.GraphModule, original: nn.Module) -> nn.Module:
-    """A copy of `original` with the grown layers in place (module docstring); NotApplicable naming what does not map."""
+    """A copy of `original` with the grown layers in place (module docstring); NotApplicable naming what does not
+    map."""
     before = dict(original.state_dict())
     after = dict(grown.state_dict())
     extra = sorted(k for k in after if k not in before)

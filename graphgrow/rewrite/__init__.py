@@ -30,7 +30,8 @@ Attention heads (analysis.heads: every attention, its projections and head-size 
 Merged blocks (a mode switch: per-path work of a block that branches on self.training):
     eval_passthrough (the input a switch hands back unchanged in eval mode, or None)
 New weights (initializers): kaiming_, zero_last_bn; from data (gradmax): gradmax_init, group_layouts, adapter_layouts,
-    load_data, aim_units (rows read by zero columns), aim_gates / GatedBlock / check_aimable (a block behind a zero gate)
+    load_data, aim_units (rows read by zero columns), aim_gates / GatedBlock / check_aimable
+    (a block behind a zero gate)
 The pass's declarations (arguments, contract): pass_function (a plain function whose argument defaults and allowed
     values the Pass declares, with arg()), Requirement (a precondition: Pass.requires), Guarantee (a postcondition:
     Pass.ensures), ADDS_PARAMETERS, REMOVES_PARAMETERS

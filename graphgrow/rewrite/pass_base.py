@@ -224,8 +224,8 @@ class Pass:
 
         The pass runs under `limits`: an allocation that would take what it holds past `limits.max_memory`
         is refused before it happens, and the grown model is sized (parameters added; new weights, verification's
-        gradients and activations, on the meta device) before verification runs it. `share=True`: the parameters the pass
-        does not change are the input's own tensors, not copies (the pass costs what it adds; training
+        gradients and activations, on the meta device) before verification runs it. `share=True`: the parameters the
+        pass does not change are the input's own tensors, not copies (the pass costs what it adds; training
         the result then moves the input's weights too — for when the input is dropped, docs/performance.md)."""
         start = time.perf_counter()
         require_traced(gm)

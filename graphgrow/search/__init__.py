@@ -1,7 +1,8 @@
 """search: population-based growth on Ray Tune (Ray is imported only when a search runs).
 
 `MutationSpace` (the moves and the budget) needs no Ray; `search` runs PBT on Ray Tune.
-May import: core, graph, io, analysis, capture, verify, rewrite, jobs. Nothing in graphgrow but the cli imports this package.
+May import: core, graph, io, analysis, capture, verify, rewrite, jobs.
+Nothing in graphgrow but the cli imports this package.
 """
 
 from __future__ import annotations

@@ -278,7 +278,8 @@ def search(
     elif experiment.exists() and any(not is_staging_name(p.name) for p in experiment.iterdir()):
         raise InputError(
             f"{experiment} already holds a search",
-            "pass --resume --trust to continue it (its state is Ray Tune's pickles: a folder of your own), or choose another --name",
+            "pass --resume --trust to continue it (its state is Ray Tune's pickles: a folder of your own), "
+            "or choose another --name",
         )
     elif model is None:
         raise InputError("no model to search from", "pass the traced model (graphgrow.trace)")
@@ -418,7 +419,8 @@ def _collect(results, options: SearchOptions, original_path: Path, seconds: floa
                 f"{len(errors)} of {len(results)} trials failed; the first: {_cut(cause.split('SaveError: ', 1)[1])}"
             )
         raise SearchError(
-            f"{len(errors)} of {len(results)} trials failed; the first: {first_line(last[-1]) if last else type(errors[0]).__name__}",
+            f"{len(errors)} of {len(results)} trials failed; "
+            f"the first: {first_line(last[-1]) if last else type(errors[0]).__name__}",
             f"each trial's error.txt under {options.experiment} has the traceback",
         )
     target = options.rounds * options.epochs_per_round
@@ -427,7 +429,8 @@ def _collect(results, options: SearchOptions, original_path: Path, seconds: floa
         done = min(int(r.metrics.get("training_iteration", 0)) for r in results)
         raise SearchInterrupted(
             f"the search stopped after {done} of {target} epochs; its checkpoints are in {options.experiment}",
-            "run the same command with --resume --trust to continue it (a folder of your own: its state is Ray Tune's pickles)",
+            "run the same command with --resume --trust to continue it "
+            "(a folder of your own: its state is Ray Tune's pickles)",
         )
     trials, history = [], {}
     for r in results:

@@ -38,7 +38,9 @@ NOOP = "noop"
 MOVE_KEY = "search_move"  # the key under which a log entry records the id of the move that made it
 POLICIES = {
     "uniform": "a place drawn uniformly among those that fit the budget",
-    "gain": "the place with the largest first-order gain on the data batch (passes without a data-driven init: uniform)",
+    "gain": (
+        "the place with the largest first-order gain on the data batch (passes without a data-driven init: uniform)"
+    ),
     "gain-sample": "a place drawn with probability proportional to its gain (passes without one: uniform)",
 }
 DATA_HINT = "give data (CLI: --data PKG.MOD:FN): a function returning (inputs, loss_fn), as for targets --data"

@@ -91,7 +91,8 @@ class EquivalenceReport:
         from rich.table import Table
 
         t = Table(
-            title=f"onnxruntime ({self.provider}) vs PyTorch ({self.reference}): rtol {self.rtol:g}, atol {self.atol:g}·max|ref|"
+            title=f"onnxruntime ({self.provider}) vs PyTorch ({self.reference}): "
+            f"rtol {self.rtol:g}, atol {self.atol:g}·max|ref|"
         )
         for col in (
             "input",
@@ -230,7 +231,8 @@ def _lengths(shape: InputSpec, example: InputSpec) -> str:
 
 
 def feeds(x: Any) -> Any:
-    """An example input as onnxruntime takes it: one array, or arrays by input name (floats as float32, integers kept)."""
+    """An example input as onnxruntime takes it: one array, or arrays by input name (floats as float32, integers
+    kept)."""
     if isinstance(x, dict):
         return {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().numpy() for k, v in x.items()}
     return (x.detach().float() if x.is_floating_point() else x.detach()).cpu().numpy()
@@ -298,10 +300,10 @@ def first_divergence(
         stats = compare_arrays(ref.detach().float().cpu().numpy(), got, rtol, atol, "seed 0", 0)
         if not stats.passed:
             return {
-                "node": node.name,
-                "op": node.op_type,
+                "node": node.name,  # type: ignore[attr-defined]
+                "op": node.op_type,  # type: ignore[attr-defined]
                 "module": path,
-                "max_abs_err": stats.max_abs,  # type: ignore[attr-defined]
+                "max_abs_err": stats.max_abs,
                 "max_rel_err": stats.max_rel,
             }
     return None

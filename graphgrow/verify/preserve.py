@@ -229,7 +229,8 @@ def check_trainability(
                             raise PreservationError(
                                 "no new parameter gets a gradient at insertion although the layers before it do: "
                                 "the new contribution is dead",
-                                "the last factor of a new path must be zero and the others non-zero (docs/architecture.md §4)",
+                                "the last factor of a new path must be zero and the others non-zero "
+                                "(docs/architecture.md §4)",
                             )
                         train_all = True  # the model blocks its own gradient at first: train everything
                         last_step += 1  # step 0 only watched the new parameters; give the full budget
@@ -242,7 +243,8 @@ def check_trainability(
                     for p in params.values():
                         if p.grad is not None:
                             p.data = p.detach() - lr * p.grad / (p.grad.norm() + 1e-12) * (p.norm() + 1e-3)
-                            p.grad = None  # freed as the step goes: the new values and the gradients are not all held at once
+                            # freed as the step goes: the new values and the gradients are not all held at once
+                            p.grad = None
                     # a step in which gradient reached new parameters before but no further ones: stop early if the
                     # rest is cancelled in train mode (learns in eval mode), rather than spending the remaining steps
                     if step >= 1 and got and len(got) == had:
@@ -334,7 +336,8 @@ def silent_inputs(gm: nn.Module, dead: list[str], x: torch.Tensor, old_nodes: se
 
 
 def refuse_if_silent(gm: nn.Module, names: list[str], x: torch.Tensor, old_nodes: set[str] | None) -> None:
-    """NotApplicable when new layers cannot learn because the old tensor they read is zero (the model's doing, not the pass's)."""
+    """NotApplicable when new layers cannot learn because the old tensor they read is zero (the model's doing, not
+    the pass's)."""
     if not old_nodes:
         return
     silent = silent_inputs(gm, names, x, old_nodes)

@@ -119,7 +119,8 @@ class ZeroFactors:
             h.remove()
 
     def forward(self, x: Any) -> Any:
-        """The model's output on `x`; through an interpreter that keeps the gated products when gates are zero factors."""
+        """The model's output on `x`; through an interpreter that keeps the gated products when gates are zero
+        factors."""
         if not self.gates:
             return call(self.model, x)
         wanted = {m for muls in self.gates.values() for m in muls}

@@ -70,7 +70,8 @@ def analyse(gm: fx.GraphModule, grow_kernels: bool = False) -> Analysis:
                     if kind == "conv" and not grow_kernels and _grows_kernel(fa, got):
                         why[n] = (
                             f"merging would grow the kernel of '{a.name}' from {_k(fa)} to {_k(got)} "
-                            "(fold(grow_kernels=true) does it: fewer multiply-adds than unfolded, more than before growth)"
+                            "(fold(grow_kernels=true) does it: fewer multiply-adds than unfolded, "
+                            "more than before growth)"
                         )
                         continue
                     full.setdefault(n, got)

@@ -98,7 +98,8 @@ def diag_form(kind: str, src: fx.Node, scale: torch.Tensor, shift: torch.Tensor 
 
 
 def kind_of(n: fx.Node) -> str | None:
-    """The form kind of a node's output: "conv" for a floating NCHW tensor, "linear" for (N, C) or (N, T, C), else None."""
+    """The form kind of a node's output: "conv" for a floating NCHW tensor, "linear" for (N, C) or (N, T, C), else
+    None."""
     s = tensor_shape(n)
     dt = n.meta.get("gg_dtype")
     if s is None or dt is None or not dt.is_floating_point:
