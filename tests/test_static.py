@@ -117,7 +117,7 @@ def test_every_built_in_pass_argument_has_help():
         ("graphgrow/graph/shapes.py", "import torch\n\ntorch.onnx.export\n"),
         ("graphgrow/jobs/pipeline.py", "from graphgrow.passes import fold\n"),
         ("graphgrow/jobs/workflow.py", "import ray\n"),
-        ("passes/deepen.py", "import onnxruntime\n"),
+        ("passes/deepen/__init__.py", "import onnxruntime\n"),
         ("passes/fold/rules/relus.py", "import onnxruntime\n"),  # a pass package's own modules are checked too
     ],
 )
