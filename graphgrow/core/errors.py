@@ -6,6 +6,17 @@ instead); the CLI prints `error: <message> (<hint>)` and exits with `exit_code`.
 
 from __future__ import annotations
 
+import re
+
+
+def one_line(text: str) -> str:
+    """`text` with its control characters escaped (a newline as \\n): a message quoting what a file holds stays one
+    line, whatever the file says."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
 
 def first_line(e: BaseException | str, limit: int = 300) -> str:
     """The first non-empty line of an exception's message (its type name when it has none), cut to `limit`."""

@@ -37,7 +37,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from ..core.errors import LoadError
+from ..core.errors import LoadError, one_line
 from ..core.names import is_segment
 from . import aten_policy
 
@@ -114,9 +114,12 @@ TENSOR_ATTRIBUTES: frozenset[str] = frozenset(
 
 
 def _refuse(node: str, what: str) -> LoadError:
+    # `node` and `what` quote the file: control characters escaped, so the message stays one line
     return LoadError(
-        f"the model graph (node '{node}') {what}, which is not on graphgrow's closed list of safe operations; "
-        "nothing was run",
+        one_line(
+            f"the model graph (node '{node}') {what}, which is not on graphgrow's closed list of safe operations; "
+            "nothing was run"
+        ),
         "load it with --trust only if you wrote the file yourself",
     )
 

@@ -17,7 +17,7 @@ import torch
 from torch import fx, nn
 
 from ..core import codegen, names
-from ..core.errors import InputError, LoadError, SaveError
+from ..core.errors import InputError, LoadError, SaveError, one_line
 from ..graph.inputs import parse_spec, records
 from . import graph_policy
 from .lineage import is_origin
@@ -275,7 +275,8 @@ def graph_from_records(nodes: Any, root: nn.Module, trusted: bool) -> fx.Graph:
         raise
     except Exception as e:  # fx cannot even write the code of some malformed graphs (a method call without self)
         raise LoadError(
-            f"the saved graph is inconsistent: {e}", "the file is corrupted; re-create it from the original model"
+            one_line(f"the saved graph is inconsistent: {e}"),
+            "the file is corrupted; re-create it from the original model",
         ) from e
     if problem is not None:
         raise LoadError(
@@ -307,7 +308,8 @@ def from_payload(payload: dict[str, Any], trusted: bool = False) -> fx.GraphModu
         gm = fx.GraphModule(payload["root"], graph, payload.get("class_name", "GraphModule"))
     except Exception as e:
         raise LoadError(
-            f"the saved graph is inconsistent: {e}", "the file is corrupted; re-create it from the original model"
+            one_line(f"the saved graph is inconsistent: {e}"),
+            "the file is corrupted; re-create it from the original model",
         ) from e
     for sub in gm.modules():  # graphgrow's mode switches hold small graphs of their own, checked the same way
         if hasattr(sub, "load_bodies"):
