@@ -8,22 +8,15 @@ printed as its Python escape instead (`\\x1b`, `\\u202e`); --json output needs n
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-# C0 controls, DEL, C1 controls, and the Unicode format characters that reorder or hide text
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
-
-
-def _escaped(m: re.Match) -> str:
-    c = ord(m.group())
-    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+from ..core.errors import escape_controls
 
 
 def printable(value: Any) -> Any:
     """`value` with every string in it (dict keys, list items, at any depth) escaped as above."""
     if isinstance(value, str):
-        return _CONTROL.sub(_escaped, value)
+        return escape_controls(value)
     if isinstance(value, dict):
         return {printable(k): printable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

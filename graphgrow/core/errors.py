@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import re
 
-
-def one_line(text: str) -> str:
-    """`text` with its control characters escaped (a newline as \\n): a message quoting what a file holds stays one
-    line, whatever the file says."""
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+# C0 controls, DEL, C1 controls, and the Unicode format characters that reorder or hide text
+CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+def _escaped(m: re.Match[str]) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def escape_controls(text: str) -> str:
+    """`text` with every control character as its Python escape (a newline as \\x0a, ESC as \\x1b, U+202E as
+    \\u202e): text quoting what a file holds stays one line and cannot act on a terminal."""
+    return CONTROL_CHARACTERS.sub(_escaped, text)
 
 
 def first_line(e: BaseException | str, limit: int = 300) -> str:

@@ -37,7 +37,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from ..core.errors import LoadError, one_line
+from ..core.errors import LoadError, escape_controls
 from ..core.names import is_segment
 from . import aten_policy
 
@@ -116,7 +116,7 @@ TENSOR_ATTRIBUTES: frozenset[str] = frozenset(
 def _refuse(node: str, what: str) -> LoadError:
     # `node` and `what` quote the file: control characters escaped, so the message stays one line
     return LoadError(
-        one_line(
+        escape_controls(
             f"the model graph (node '{node}') {what}, which is not on graphgrow's closed list of safe operations; "
             "nothing was run"
         ),

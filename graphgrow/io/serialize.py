@@ -17,7 +17,7 @@ import torch
 from torch import fx, nn
 
 from ..core import codegen, names
-from ..core.errors import InputError, LoadError, SaveError, one_line
+from ..core.errors import InputError, LoadError, SaveError, escape_controls
 from ..graph.inputs import parse_spec, records
 from . import graph_policy
 from .lineage import is_origin
@@ -275,7 +275,7 @@ def graph_from_records(nodes: Any, root: nn.Module, trusted: bool) -> fx.Graph:
         raise
     except Exception as e:  # fx cannot even write the code of some malformed graphs (a method call without self)
         raise LoadError(
-            one_line(f"the saved graph is inconsistent: {e}"),
+            escape_controls(f"the saved graph is inconsistent: {e}"),
             "the file is corrupted; re-create it from the original model",
         ) from e
     if problem is not None:
@@ -308,7 +308,7 @@ def from_payload(payload: dict[str, Any], trusted: bool = False) -> fx.GraphModu
         gm = fx.GraphModule(payload["root"], graph, payload.get("class_name", "GraphModule"))
     except Exception as e:
         raise LoadError(
-            one_line(f"the saved graph is inconsistent: {e}"),
+            escape_controls(f"the saved graph is inconsistent: {e}"),
             "the file is corrupted; re-create it from the original model",
         ) from e
     for sub in gm.modules():  # graphgrow's mode switches hold small graphs of their own, checked the same way
