@@ -53,17 +53,12 @@ def export(model, output, fold_first, opset, external_data, load, max_memory, as
         report = workflow.export(
             model,
             output,
-            input_shape=load.input_shape,
-            trust=load.trust,
-            leaves=load.leaves,
+            **load.job_arguments(),
             progress=progress,
-            trace_mode=load.trace_mode,
-            capture=load.capture,
             fold=fold_first,
             opset=opset,
             external_data=external_data or None,
             max_memory=_memory(max_memory),
-            max_load=load.max_load,
         )
         if as_json:
             print(json.dumps(report, default=str))
@@ -114,18 +109,13 @@ def check(onnx_file, model, provider, rtol, atol, seed, load, max_memory, as_jso
         report, rep = workflow.check(
             onnx_file,
             model,
-            input_shape=load.input_shape,
+            **load.job_arguments(),
             provider=provider,
-            trust=load.trust,
-            leaves=load.leaves,
             progress=progress,
-            trace_mode=load.trace_mode,
-            capture=load.capture,
             seed=seed,
             rtol=rtol,
             atol=atol,
             max_memory=_memory(max_memory),
-            max_load=load.max_load,
         )
         if as_json:
             print(json.dumps(report, default=str))
@@ -181,16 +171,11 @@ def inspect(model, show_all, groups, summary, depth, load, max_memory, as_json, 
     def job(progress):
         report = workflow.inspect(
             model,
-            input_shape=load.input_shape,
-            trust=load.trust,
-            leaves=load.leaves,
+            **load.job_arguments(),
             progress=progress,
             groups=groups,
-            trace_mode=load.trace_mode,
             depth=depth,
-            capture=load.capture,
             max_memory=_memory(max_memory),
-            max_load=load.max_load,
         )
         if as_json:
             print(json.dumps(report, default=str))
@@ -253,15 +238,10 @@ def targets(model, spec, data, load, max_memory, as_json, debug):
         report = workflow.targets(
             model,
             spec,
-            input_shape=load.input_shape,
-            trust=load.trust,
-            leaves=load.leaves,
+            **load.job_arguments(),
             progress=progress,
-            trace_mode=load.trace_mode,
-            capture=load.capture,
             data=data,
             max_memory=_memory(max_memory),
-            max_load=load.max_load,
         )
         if as_json:
             print(json.dumps(report, default=str))

@@ -21,6 +21,18 @@ class LoadOptions:
     capture: str = "auto"
     max_load: int | None = None  # bytes a model file may unpack to (--max-load); None: io.load.DEFAULT_MAX_LOAD
 
+    def job_arguments(self) -> dict[str, Any]:
+        """The options as the jobs that take them one by one (replay, targets, export, check, inspect) name them:
+        the CLI passes all of them at once, so none is left behind."""
+        return {
+            "input_shape": self.input_shape,
+            "trust": self.trust,
+            "leaves": self.leaves,
+            "trace_mode": self.trace_mode,
+            "capture": self.capture,
+            "max_load": self.max_load,
+        }
+
 
 @dataclass(frozen=True)
 class OutputOptions:
