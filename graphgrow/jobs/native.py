@@ -16,7 +16,8 @@ The new config is solved, not guessed:
 The class is built from that config, the grown state dict loaded strictly (every parameter name must match: a
 structural change the class cannot express — deepen's inserted block, a branch — is refused naming it), and the
 result checked against the grown graph on the recorded inputs in eval mode (core.protocol's tolerance). A model
-stored in bfloat16 or float16 comes back in that dtype (checked in float32 first).
+stored in bfloat16 or float16 comes back in that dtype (checked in float32 first). Layers deepen(block=copy) added
+are numbered in the order they run, with the layer count and per-layer lists solved first (native_depth.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ..core.errors import GraphgrowError, NotApplicable
 from ..core.protocol import compare_outputs
 from ..graph.graph_meta import input_spec_of
 from ..graph.shapes import example_input
+from .native_depth import deeper_config, deeper_stacks, in_run_order, original_path
 
 _NOT_SIZES = {
     "vocab_size",
@@ -71,11 +73,14 @@ def as_native(
 
         return resized_copy(grown, original)
     cls = type(original)
-    grown_state = _with_aliases(_class_layout(grown, original), original)
-    persistent = set(original.state_dict())
+    deeper = deeper_stacks(grown, original)  # layers deepen(block=copy) added: numbered in run order (native_depth)
+    grown_state = _with_aliases(_class_layout(grown, original, lambda p: original_path(p, deeper)), original)
+    grown_state = in_run_order(grown_state, deeper)
+    base = deeper_config(original.config, cls, deeper, _meta_shapes) if deeper else original.config
+    persistent = set(_meta_shapes(cls, base) or ()) if deeper else set(original.state_dict())
     _refuse_structure(grown_state, persistent, original, cls)
     shapes = {k: tuple(v.shape) for k, v in grown_state.items() if k in persistent}
-    config = _solve_config(original.config, grown, cls, shapes)
+    config = _solve_config(base, grown, cls, shapes)
     _set_eps(config, original, grown)
     _validate(config, cls)
     embeddings = original.get_input_embeddings()
@@ -110,9 +115,12 @@ def as_native(
     return native
 
 
-def _class_layout(grown: fx.GraphModule, original: nn.Module) -> dict[str, torch.Tensor]:
+def _class_layout(
+    grown: fx.GraphModule, original: nn.Module, own_path: Callable[[str], str] = lambda p: p
+) -> dict[str, torch.Tensor]:
     """The grown state dict in the class's own layout: a layer that capture raised to an nn.Linear with its weight
-    transposed (GPT-2's Conv1D stores in × out) gets its weight transposed back; capture.standins decides, as it did."""
+    transposed (GPT-2's Conv1D stores in × out) gets its weight transposed back; capture.standins decides, as it did.
+    `own_path`: where the original holds a grown module (a copied layer: the layer it was copied from)."""
     from ..capture.standins import standin
 
     state = dict(grown.state_dict())
@@ -120,7 +128,7 @@ def _class_layout(grown: fx.GraphModule, original: nn.Module) -> dict[str, torch
         if not isinstance(m, nn.Linear):
             continue
         try:
-            own = original.get_submodule(path)
+            own = original.get_submodule(own_path(path))
         except AttributeError:
             continue
         weight = getattr(own, "weight", None)

@@ -51,6 +51,10 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
+from graphgrow.passes.deepen.layer_copy import (  # noqa: TID251 (the deepen package's own module)
+    copy_candidates,
+    insert_copy,
+)
 from graphgrow.passes.deepen.transformer import (  # noqa: TID251 (the deepen package's own module)
     candidates,
     default_place,
@@ -85,7 +89,7 @@ from graphgrow.rewrite import (
     tensor_shape,
 )
 
-Block = Literal["auto", "conv_bn_relu", "linear_relu", "transformer"]
+Block = Literal["auto", "conv_bn_relu", "linear_relu", "transformer", "copy"]
 
 
 @pass_function  # the arguments' defaults and allowed values: Deepen's declaration
@@ -96,14 +100,17 @@ def deepen(
     attention: Literal["auto", "causal", "bidirectional"],
     init: Literal["zero", "gradmax"],
     data,
+    source: int | None,
     generator: torch.Generator | None = None,
 ) -> Rewrite:
     """Insert `x + g·block(x)` (g = 0) after `after` (default: the last feature map before global pooling).
     init=gradmax: `data` is a callable (or `package.module:function`) returning (inputs, loss_fn)."""
     if init == "gradmax" and data is None:
         load_data(None, "deepen")  # refused before any work: gradmax needs a batch
-    source = gm
+    original = gm
     gm, generator = begin(gm, generator)
+    if block == "copy":
+        return insert_copy(gm, after, source)
     fallback = None
     if block == "auto" and transformer_place(gm, after):
         # a transformer's token stream grows by a transformer block: a gated Linear-ReLU there would be a foreign
@@ -114,7 +121,7 @@ def deepen(
             return _aimed(rw, root, init, data)
         except NotApplicable as e:
             fallback = f"block=auto: no transformer block here ({e.message}), a linear_relu block instead"
-            gm, generator = begin(source, generator)
+            gm, generator = begin(original, generator)
     if block == "transformer":
         node, chosen = tensor_or_feature_end(gm, after) if after is not None else default_place(gm)
         rw, root = insert_block(gm, node, chosen, attention, generator)
@@ -226,7 +233,8 @@ class Deepen(Pass):
         "auto",
         "auto: transformer on a transformer's token stream, conv_bn_relu for feature maps (N,C,H,W "
         "or a Conv1d's N,C,L), linear_relu otherwise; "
-        "transformer: a pre-norm attention + MLP block on a token stream (N,T,C), no gate",
+        "transformer: a pre-norm attention + MLP block on a token stream (N,T,C), no gate; "
+        "copy: a copy of the model's own layer (model.layers.N) with its output projections at zero",
     )
     attention: Literal["auto", "causal", "bidirectional"] = arg(
         "auto", "block=transformer: auto probes whether the stream is causal at the place (refuses when it cannot tell)"
@@ -239,10 +247,27 @@ class Deepen(Pass):
     data: str | None = arg(
         None, "with init=gradmax: package.module:function returning (inputs, loss_fn); CLI: --data", names_code=True
     )
+    source: int | None = arg(
+        None, "block=copy: the index of the layer to copy (default: the layer before the place)", low=0
+    )
+
+    def conflict(self) -> tuple[str, str, str] | None:
+        if self.source is not None and self.block != "copy":
+            return "source", "source= names the layer block=copy copies", "add block=copy, or leave source out"
+        if self.block == "copy" and self.init != "zero":
+            return (
+                "init",
+                "block=copy starts as the identity through its own zero output projections; init=gradmax aims a "
+                "block behind a gate or inserted by graphgrow",
+                "use init=zero with block=copy",
+            )
+        return None
 
     def candidates(self, gm: fx.GraphModule) -> list[Candidate]:
         """The end of each backbone stage, the last first (block=transformer: each block's output on the token
         stream)."""
+        if self.block == "copy":
+            return copy_candidates(gm)
         if self.block == "transformer" or (self.block == "auto" and transformer_place(gm, None)):
             return candidates(gm)
         return stage_end_candidates(gm, lambda n: block_params(n, self.block))
