@@ -73,7 +73,12 @@ def grow(
     """Grow the model inside a DistributedDataParallel wrapper on every rank (call it on every rank at the same
     point). Returns a new wrapper over the grown GraphModule, built with the old wrapper's options
     (`ddp_options` overrides them), the optimiser carried and the scheduler re-pointed. Raises on every rank
-    when any rank fails, disagrees or does not answer within `timeout` seconds; then nothing changed."""
+    when any rank fails, disagrees or does not answer within `timeout` seconds; then nothing changed. A traced model
+    sharded with FSDP2 (fully_shard) is grown by fsdp.grow_fsdp and comes back sharded the same way."""
+    from .fsdp import grow_fsdp, is_fsdp  # fsdp.py builds on this module
+
+    if is_fsdp(ddp):
+        return grow_fsdp(ddp, optimizer, spec, scheduler, seed=seed, verify=verify, timeout=timeout)
     module = getattr(ddp, "module", None)
     if not isinstance(ddp, nn.Module) or not isinstance(module, fx.GraphModule):
         raise InputError(
@@ -112,6 +117,7 @@ def grow_replica(
     verify: Verify = "rank0",
     timeout: float = 300.0,
     sync_buffers: Any = None,
+    share: bool = False,
 ) -> Grown:
     """The growth step on a bare replica (no DDP wrapper: Lightning and other trainers wrap it themselves).
     Without an initialised process group it is the one-process growth step.
@@ -119,7 +125,10 @@ def grow_replica(
     `sync_buffers`: the process group on which the wrapper syncs buffers (None: the default group; False:
     buffers are rank-local). DDP sends rank 0's buffers (BatchNorm's running statistics) at the start of each
     forward, so after a step the other ranks hold their own until the next one: growth first makes them rank
-    0's, as that forward would, so the model grows from the same state on every rank."""
+    0's, as that forward would, so the model grows from the same state on every rank.
+
+    `share`: the grown model may share the tensors growth left alone with `model` (a copy made only to grow, as
+    fsdp.py's: one full copy less)."""
     require_traced(model)
     if scheduler is not None and optimizer is None:
         raise InputError("a scheduler was given without its optimiser", "pass the optimiser the scheduler drives")
@@ -141,7 +150,7 @@ def grow_replica(
     result: PipelineResult | None = None
     own: BaseException | None = None
     try:
-        result = Pipeline(passes, verify=checked, seed=agreed).run(model)
+        result = Pipeline(passes, verify=checked, seed=agreed, share=share).run(model)
     except Exception as e:  # reported to every rank below, then raised here again
         own = e
     seconds["grow"] = time.perf_counter() - t1

@@ -2,6 +2,9 @@
 PyTorch Lightning, checkpointed and resumed. One place to import it all from (docs/distributed.md):
 
     grow(ddp, optimizer, spec, scheduler=...)   the growth step on every rank; a new DDP, optimiser carried (ddp.py)
+    grow(fsdp_model, optimizer, spec, ...)      the same for a traced model sharded with FSDP2: re-sharded, state
+                                                carried shard by shard (fsdp.py; grow_fsdp)
+    shard(traced, layers=[...], mesh=...)       FSDP2 on a traced model, one unit per layer (fsdp.py)
     grow_replica(model, optimizer, spec, ...)   the same for a bare replica (a trainer that wraps it itself)
     carry_scheduler(scheduler, optimizer)       a learning-rate scheduler re-pointed at the carried optimiser
     save_checkpoint / load_checkpoint           checkpoints that resume across growth, at any world size (checkpoint.py)
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .ddp import Grown, carry_scheduler, grow, grow_replica, rebuild_options
+from .fsdp import grow_fsdp, shard
 
 
 def __getattr__(name: str):
@@ -28,8 +32,10 @@ __all__ = [
     "Grown",
     "carry_scheduler",
     "grow",
+    "grow_fsdp",
     "grow_replica",
     "load_checkpoint",
     "rebuild_options",
     "save_checkpoint",
+    "shard",
 ]  # and GrowthCallback, on demand

@@ -13,6 +13,7 @@ parameters start with no state, as in a fresh optimiser.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,9 +22,16 @@ from torch import nn
 from ..core.errors import InputError
 
 
-def carry_optimizer(optimizer: torch.optim.Optimizer, old: nn.Module, new: nn.Module) -> torch.optim.Optimizer:
+def carry_optimizer(
+    optimizer: torch.optim.Optimizer,
+    old: nn.Module,
+    new: nn.Module,
+    fit: Callable[[Any, torch.Tensor, torch.Tensor], Any] | None = None,
+) -> torch.optim.Optimizer:
     """An optimiser like `optimizer` (same class, parameter groups and settings) over `new`'s
-    parameters, with the state of `old`'s parameters carried over by name.
+    parameters, with the state of `old`'s parameters carried over by name. `fit(value, old
+    parameter, new parameter)` makes one state entry for the new parameter (default `_fit`;
+    fsdp.py gives one for DTensor shards).
 
     Parameters new in `new` join the first parameter group. `optimizer` and `old` are not changed.
     """
@@ -52,7 +60,7 @@ def carry_optimizer(optimizer: torch.optim.Optimizer, old: nn.Module, new: nn.Mo
         p = old_params.get(name)
         state = optimizer.state.get(p) if p is not None else None
         if state:
-            carried.state[q] = {k: _fit(v, p, q) for k, v in state.items()}
+            carried.state[q] = {k: (fit or _fit)(v, p, q) for k, v in state.items()}
     return carried
 
 

@@ -1,0 +1,311 @@
+"""The growth step of a job sharded with FSDP2 (`torch.distributed.fsdp.fully_shard`, parameters as DTensor shards):
+`grow_fsdp(model, optimizer, spec)`, which `graphgrow.distributed.grow` calls for such a model.
+
+No rank holds the full tensors, so one growth step, on every rank at the same point of the loop:
+
+1. gather: every rank builds a plain (unsharded) copy of the traced model, one parameter at a time
+   (`DTensor.full_tensor()`, on the model's own mesh); the sharded model is not touched;
+2. grow: the DDP growth step on that copy (ddp.grow_replica: agree on spec, seed and parameter digests, the
+   pipeline with the agreed seed, rank 0 verifies, every rank checks the others grew bit-identical tensors);
+3. re-shard: the grown copy is sharded again with the old model's units — the same mesh and settings
+   (reshard_after_forward, mixed precision, offload) and the same modules per unit, by path; a module growth added
+   joins the unit whose path holds it, else the root's; every rank reports whether it could, and any failure raises
+   on every rank before the optimiser is touched;
+4. carry: an optimiser of the same class over the new shards, its state (AdamW's moments) moved by parameter name:
+   a state tensor whose shape and placement did not change is cloned shard for shard; a grown one is gathered, put in
+   the leading box of zeros of the new shape (optim.carry_optimizer's rule) and cut to this rank's new shard — one
+   tensor at a time. The scheduler is re-pointed (ddp.carry_scheduler).
+
+Memory: step 1 holds the whole unsharded model on every rank (and step 2 the grown one, sharing the tensors growth
+left alone), so a growth event peaks at about the full model's size over the sharded steady state — not one
+layer's. Growing layer by layer would need each pass to say which old tensors every new one is computed from;
+passes do not say that today (docs/distributed.md, "FSDP2").
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..core.errors import InputError
+from ..rewrite.pass_base import require_traced
+from . import replicas as rp
+from .ddp import Grown, Verify, carry_scheduler, grow_replica
+from .optim import _fit, carry_optimizer
+
+# what nn.Module.__init__ makes: a plain copy gets its own, empty hooks included (FSDP's hooks stay on the original)
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def is_fsdp(model: Any) -> bool:
+    """Whether `model` is a module FSDP2's fully_shard has been applied to."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def shard(model: fx.GraphModule, layers: Iterable[str], **options: Any) -> fx.GraphModule:
+    """FSDP2 on a traced model, one unit per layer: `fully_shard` on the modules the graph calls under each path in
+    `layers` (e.g. "layers.0") that hold parameters, grouped as one unit, then on the model (the root: the rest).
+    `options` go to every fully_shard call (mesh, reshard_after_forward, mp_policy, offload_policy).
+
+    A traced model runs its layers' leaf modules from the graph: the layer's own container is never called, so
+    fully_shard on it would never gather its parameters — the unit is the list of leaves. Parameters the graph reads
+    directly (get_attr) stay with the root, whose forward gathers them."""
+    from torch.distributed.fsdp import fully_shard
+
+    require_traced(model)
+    called = [n.target for n in model.graph.nodes if n.op == "call_module"]
+    for prefix in layers:
+        unit = [
+            model.get_submodule(t)
+            for t in dict.fromkeys(called)
+            if isinstance(t, str) and (t == prefix or t.startswith(prefix + ".")) and _holds_parameters(t, model)
+        ]
+        if not unit:
+            raise InputError(
+                f"no module the graph calls under {prefix!r} holds parameters",
+                "name layer paths as the traced model's modules are named (e.g. layers.0)",
+            )
+        fully_shard(unit, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def _holds_parameters(path: str, model: nn.Module) -> bool:
+    return any(True for _ in model.get_submodule(path).parameters())
+
+
+@dataclass
+class Unit:
+    """One fully_shard call to repeat on the grown model: the paths of its modules and its settings."""
+
+    paths: tuple[str, ...]
+    options: dict[str, Any]
+
+    @property
+    def prefix(self) -> str:
+        """The longest module path every one of its modules lies under ('' for the root)."""
+        parts = [p.split(".") for p in self.paths]
+        common = []
+        for level in zip(*parts):
+            if len(set(level)) > 1:
+                break
+            common.append(level[0])
+        return ".".join(common)
+
+
+def sharding_units(model: nn.Module) -> list[Unit]:
+    """The fully_shard calls that made `model`, read back from FSDP2's state (innermost first, the root last):
+    module paths, mesh, reshard_after_forward, mixed precision and offload policy. A custom shard_placement_fn
+    cannot be read back (the grown model is sharded on dim 0)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    paths = {id(m): p for p, m in model.named_modules()}
+    units, seen = [], set()
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        state = m._get_fsdp_state()
+        if id(state) in seen:
+            continue
+        seen.add(id(state))
+        group = state._fsdp_param_group
+        if group is None:  # a unit with no parameters of its own: nothing to shard again
+            continue
+        options: dict[str, Any] = {
+            "mesh": group.mesh_info.mesh,
+            "mp_policy": group.mp_policy,
+            "offload_policy": group.offload_policy,
+        }
+        if not state._auto_reshard_after_forward:
+            post = group.post_forward_mesh_info
+            options["reshard_after_forward"] = (
+                False if post is None else True if post is group.mesh_info else post.shard_mesh_size
+            )
+        units.append(Unit(tuple(paths[id(x)] for x in state._modules), options))
+    return sorted(units, key=lambda u: (u.paths == ("",), -min(p.count(".") for p in u.paths)))
+
+
+def grow_fsdp(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    spec: str | Sequence[str],
+    scheduler: Any = None,
+    *,
+    seed: int | None = None,
+    verify: Verify = "rank0",
+    timeout: float = 300.0,
+) -> Grown:
+    """Grow a traced model sharded with FSDP2 on every rank (call it on every rank at the same point). Returns the
+    grown model sharded with the same units, mesh and settings, the optimiser carried shard by shard and the
+    scheduler re-pointed. Raises on every rank when any rank fails, disagrees or does not answer within `timeout`
+    seconds; then every rank keeps its old model, optimiser and scheduler (module docstring)."""
+    if not is_fsdp(model) or not isinstance(model, fx.GraphModule):
+        raise InputError(
+            f"grow_fsdp() takes a traced model sharded with fully_shard, got {type(model).__name__}",
+            "gg.distributed.shard(gg.trace(model, ...), layers=[...]) or fully_shard on the traced model",
+        )
+    units = sharding_units(model)
+    if not units or units[-1].paths != ("",):
+        raise InputError(
+            "the model's root is not sharded (fully_shard(model) after its layers)",
+            "FSDP2 needs the root unit; gg.distributed.shard does both",
+        )
+    t0 = time.perf_counter()
+    _reshard_all(model)
+    plain = unsharded_copy(model)
+    gathered = time.perf_counter() - t0
+    grown = grow_replica(
+        plain, None, spec, None, seed=seed, verify=verify, timeout=timeout, sync_buffers=False, share=True
+    )
+    del plain
+    t1 = time.perf_counter()
+    reps = rp.replicas(timeout)
+    own: BaseException | None = None
+    try:
+        reshard(grown.gm, units, {p for p, _ in model.named_modules()})
+    except Exception as e:  # reported to every rank, then raised here again
+        own = e
+    records = reps.gather({"error": rp.error_text(own) if own else None}, "re-sharding the grown model")
+    rp.raise_failures(reps, records, own, "re-sharding")
+    grown.seconds["reshard"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    if optimizer is not None:
+        grown.optimizer = carry_optimizer(optimizer, model, grown.gm, fit=_fit_sharded)
+        if scheduler is not None:
+            carry_scheduler(scheduler, grown.optimizer, optimizer)
+            grown.scheduler = scheduler
+    elif scheduler is not None:
+        raise InputError("a scheduler was given without its optimiser", "pass the optimiser the scheduler drives")
+    grown.seconds["carry"] = time.perf_counter() - t2
+    grown.seconds["gather"] = gathered
+    grown.seconds["total"] = time.perf_counter() - t0
+    return grown
+
+
+def _reshard_all(model: nn.Module) -> None:
+    """Every unit back to its shards: a unit that keeps its gathered parameters after forward (the root by default)
+    has plain tensors registered until the next backward, and the optimiser holds the DTensor shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def reshard(gm: fx.GraphModule, units: list[Unit], before: set[str]) -> fx.GraphModule:
+    """fully_shard on `gm` with `units` (innermost first, root last): each unit's modules that are still there, plus
+    the modules growth added (paths not in `before`) that the graph calls, hold parameters and lie under the unit's
+    path; what is left is the root's."""
+    from torch.distributed.fsdp import fully_shard
+
+    modules = dict(gm.named_modules())
+    called = [t for t in dict.fromkeys(n.target for n in gm.graph.nodes if n.op == "call_module") if t in modules]
+    taken: set[str] = set()
+    for unit in units[:-1]:
+        paths = [p for p in unit.paths if p in modules]
+        prefix = unit.prefix
+        paths += [
+            p
+            for p in called
+            if p not in before
+            and p not in taken
+            and prefix
+            and p.startswith(prefix + ".")
+            and not any(p.startswith(q + ".") for q in paths)
+            and any(True for _ in modules[p].parameters())
+        ]
+        if not paths:
+            continue
+        taken.update(paths)
+        fully_shard([modules[p] for p in paths], **unit.options)
+    fully_shard(gm, **units[-1].options)
+    return gm
+
+
+def unsharded_copy(model: fx.GraphModule) -> fx.GraphModule:
+    """A plain GraphModule with `model`'s graph, modules, buffers and metadata and its parameters' full values, on
+    every rank: each DTensor parameter is gathered in turn (a collective: every rank walks the same order). Tied
+    parameters stay tied; `model` is not changed."""
+    params: dict[int, nn.Parameter] = {}
+    mods: dict[int, nn.Module] = {}
+    holder = nn.Module()
+    for name, child in model.named_children():
+        holder.add_module(name, _plain(child, params, mods))
+    for name, p in model._parameters.items():
+        holder.register_parameter(name, _full(p, params))
+    for name, b in model._buffers.items():
+        holder.register_buffer(
+            name, None if b is None else b.detach().clone(), name not in model._non_persistent_buffers_set
+        )
+    gm = fx.GraphModule(holder, _deepcopy(model.graph), class_name=_original_class(model).__name__)
+    gm.meta = _deepcopy(model.meta)
+    gm.train(model.training)
+    return gm
+
+
+def _deepcopy(value: Any) -> Any:
+    return copy.deepcopy(value)  # a Graph copies its nodes, not the module that owns it
+
+
+def _original_class(m: nn.Module) -> type:
+    """The class fully_shard swapped out (it puts FSDP<Class> with FSDPModule in front of it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(m).__mro__ if not issubclass(c, FSDPModule))
+
+
+def _full(p: Any, memo: dict[int, nn.Parameter]) -> Any:
+    if p is None:
+        return None
+    if id(p) not in memo:
+        from torch.distributed.tensor import DTensor
+
+        data = p.full_tensor() if isinstance(p, DTensor) else p
+        memo[id(p)] = nn.Parameter(data.detach().clone() if data is p else data.detach(), p.requires_grad)
+    return memo[id(p)]
+
+
+def _plain(m: nn.Module, params: dict[int, nn.Parameter], mods: dict[int, nn.Module]) -> nn.Module:
+    """`m` and its children as their own classes: fresh hooks, full parameters, copied buffers and attributes."""
+    if id(m) in mods:
+        return mods[id(m)]
+    cls: Any = _original_class(m)
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    for key, value in vars(m).items():
+        if key in _MODULE_INTERNALS or key.startswith(("_fsdp", "_is_fsdp", "__composable")):
+            continue
+        object.__setattr__(new, key, _deepcopy(value))
+    new.training = m.training
+    for name, p in m._parameters.items():
+        new._parameters[name] = _full(p, params)
+    for name, b in m._buffers.items():
+        new._buffers[name] = None if b is None else b.detach().clone()
+    new._non_persistent_buffers_set = set(m._non_persistent_buffers_set)
+    mods[id(m)] = new
+    for name, child in m._modules.items():
+        new._modules[name] = None if child is None else _plain(child, params, mods)
+    return new
+
+
+def _fit_sharded(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
+    """optim._fit for DTensor shards: unchanged shape and placement → the shard cloned; else the state gathered, fit to
+    the new shape (old values in the leading box, zeros elsewhere) and cut to this rank's shard of `new`."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(value, DTensor) or not isinstance(new, DTensor):
+        return _fit(value, old, new)
+    if value.shape == new.shape and value.placements == new.placements and value.device_mesh == new.device_mesh:
+        return value.detach().clone()
+    fitted = _fit(value.full_tensor(), old, new)
+    return distribute_tensor(fitted, new.device_mesh, new.placements, src_data_rank=None)

@@ -1,0 +1,219 @@
+"""The torchrun job behind tests/test_fsdp.py: growth of a decoder sharded with FSDP2, every scenario in one launch.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/fsdp_job.py OUT
+
+Each rank writes OUT/fsdp-rank{R}.json; the assertions are in tests/test_fsdp.py. Scenarios:
+- grow: per spec, the decoder sharded per layer (gg.distributed.shard) trains 2 AdamW steps, grows with
+  gg.distributed.grow, trains 2 more; beside it, the same growth done unsharded (grow_replica on a plain model
+  and AdamW loaded from torch's own full state dicts) as the reference;
+- failure: rank 1 fails inside the pipeline, then inside the re-sharding; both ranks must keep the old model;
+- example: examples/grow_fsdp.py's training loop, through both of its growth events.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import graphgrow as gg  # noqa: E402
+from examples import grow_fsdp as ex  # noqa: E402
+from graphgrow.jobs import fsdp  # noqa: E402
+
+SPECS = ["grow_hidden(by=8)", "grow_width(factor=2)", "grow_heads(by=1)", "deepen(block=transformer)"]
+LAYERS = ["layers.0", "layers.1"]
+FULL = StateDictOptions(full_state_dict=True)
+
+
+def digest(tensors: dict) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous()
+        h.update(f"{name}|{tuple(t.shape)}|".encode() + t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def probe(model) -> dict:
+    """The loss on one fixed batch (the same on every rank), in eval and in train mode."""
+    out = {}
+    with torch.no_grad():
+        for mode in ("eval", "train"):
+            model.train(mode == "train")
+            out[mode] = ex.loss_of(model, *ex.batch(10_000)).item()
+    model.train()
+    return out
+
+
+def step(model, opt, n: int, rank: int, world: int) -> float:
+    return ex.train_step(model, opt, n, rank, world)
+
+
+def reference_step(model, opt, n: int) -> float:
+    """The same step unsharded, on the whole global batch (FSDP averages the ranks' gradients of equal halves)."""
+    x, y = ex.batch(n)
+    opt.zero_grad()
+    loss = ex.loss_of(model, x, y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def optimizer_full(model, opt) -> dict:
+    """AdamW's state as full tensors by parameter name (torch's own gathering)."""
+    return {
+        f"{name}.{key}": value
+        for name, state in get_optimizer_state_dict(model, opt, options=FULL)["state"].items()
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    }
+
+
+def sharded(model, rank: int, world: int) -> bool:
+    """Every parameter a DTensor on dim 0 whose local part is this rank's chunk (torch.chunk's sizes)."""
+    for p in model.parameters():
+        if not isinstance(p, DTensor) or p.placements[0].__class__.__name__ != "Shard":
+            return False
+        chunks = torch.empty(p.shape[0]).chunk(world)
+        want = chunks[rank].shape[0] if rank < len(chunks) else 0
+        if p.to_local().shape[0] != want:
+            return False
+    return True
+
+
+_BASE: list = []
+
+
+def fresh():
+    """The traced decoder, traced once per process (1 s each) and copied."""
+    if not _BASE:
+        _BASE.append(ex.traced())
+    return copy.deepcopy(_BASE[0])
+
+
+def grow_scenario(spec: str, mesh, rank: int, world: int) -> dict:
+    model = gg.distributed.shard(fresh(), LAYERS, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    r: dict = {"losses": [step(model, opt, n, rank, world) for n in range(2)]}
+    ref = fresh()
+    ref.load_state_dict(get_model_state_dict(model, options=FULL))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    set_optimizer_state_dict(ref, ref_opt, get_optimizer_state_dict(model, opt, options=FULL), options=FULL)
+    units_before = fsdp.sharding_units(model)
+    r["probe_before"] = probe(model)
+    g = gg.distributed.grow(model, opt, spec, seed=7, timeout=120)
+    grown, gopt = g.model, g.optimizer
+    r["seconds"] = g.seconds
+    r["sharded"] = sharded(grown, rank, world)
+    r["units_before"] = [list(u.paths) for u in units_before]
+    r["units_after"] = [list(u.paths) for u in fsdp.sharding_units(grown)]
+    r["same_mesh"] = all(u.options["mesh"] is mesh for u in fsdp.sharding_units(grown))
+    r["params_before"] = sum(p.numel() for p in model.parameters())
+    r["params_after"] = sum(p.numel() for p in grown.parameters())
+    r["opt_covers_model"] = {id(p) for grp in gopt.param_groups for p in grp["params"]} == {
+        id(p) for p in grown.parameters()
+    }
+    full = get_model_state_dict(grown, options=FULL)
+    r["digest"] = digest(full)
+    ref_g = gg.distributed.grow_replica(ref, ref_opt, spec, seed=7, timeout=120)
+    mine, theirs = (
+        optimizer_full(grown, gopt),
+        {
+            f"{n}.{k}": v
+            for n, p in ref_g.gm.named_parameters()
+            for k, v in ref_g.optimizer.state.get(p, {}).items()
+            if v.dim() > 0
+        },
+    )
+    want = ref_g.gm.state_dict()
+    r["differs_from_unsharded"] = sorted(n for n in want if n not in full or not torch.equal(full[n], want[n]))
+    r["optimizer_differs"] = sorted(n for n in theirs if n not in mine or not torch.equal(mine[n], theirs[n]))
+    r["optimizer_entries"] = len(mine)
+    r["probe_after"] = probe(grown)
+    r["losses_after"] = [step(grown, gopt, n, rank, world) for n in range(2, 4)]
+    r["reference_after"] = [reference_step(ref_g.gm, ref_g.optimizer, n) for n in range(2, 4)]
+    trained = get_model_state_dict(grown, options=FULL)
+    r["max_param_gap"] = max((trained[n] - v).abs().max().item() for n, v in ref_g.gm.state_dict().items())
+    new_names = [n for n in full if n not in dict(_BASE[0].named_parameters())]
+    r["new_params"] = new_names
+    r["new_params_moved"] = [n for n in new_names if not torch.equal(full[n], trained[n])]
+    return r
+
+
+def failure_scenario(mesh, rank: int, world: int) -> dict:
+    """Rank 1 fails in the pipeline, then in the re-sharding: both ranks raise and keep the old model, then train."""
+    model = gg.distributed.shard(fresh(), LAYERS, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step(model, opt, 0, rank, world)
+    params = list(model.parameters())
+
+    def local() -> str:
+        state = {f"{i}.{k}": v.to_local() for i, p in enumerate(params) for k, v in opt.state[p].items() if v.dim()}
+        return digest({**{str(i): p.to_local() for i, p in enumerate(params)}, **state})
+
+    before = local()
+    out: dict = {}
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected failure on rank 1")
+
+    real_run, real_reshard = gg.Pipeline.run, fsdp.reshard
+    for where in ("pipeline", "reshard"):
+        if rank == 1:
+            if where == "pipeline":
+                gg.Pipeline.run = fail  # type: ignore[method-assign]
+            else:
+                fsdp.reshard = fail  # type: ignore[assignment]
+        try:
+            gg.distributed.grow(model, opt, "grow_hidden(by=8)", seed=3, timeout=60)
+            out[where] = {"error": None}
+        except Exception as e:  # noqa: BLE001 - the test reads the type and message
+            out[where] = {"type": type(e).__name__, "error": str(e)}
+        finally:
+            gg.Pipeline.run, fsdp.reshard = real_run, real_reshard  # type: ignore[method-assign]
+        out[where]["kept"] = list(model.parameters()) == params and local() == before
+        out[where]["opt_kept"] = opt.param_groups[0]["params"] == params
+    out["step_after"] = step(model, opt, 1, rank, world)
+    return out
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    report: dict = {"grow": {}, "seconds": {}}
+    for spec in SPECS:
+        start = time.perf_counter()
+        report["grow"][spec] = grow_scenario(spec, mesh, rank, world)
+        report["seconds"][spec] = time.perf_counter() - start
+    start = time.perf_counter()
+    report["failure"] = failure_scenario(mesh, rank, world)
+    report["seconds"]["failure"] = time.perf_counter() - start
+    start = time.perf_counter()
+    report["example"] = ex.run(22, say=lambda *a, **k: None)
+    report["seconds"]["example"] = time.perf_counter() - start
+    (out / f"fsdp-rank{rank}.json").write_text(json.dumps(report, default=str))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

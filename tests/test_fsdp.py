@@ -1,0 +1,128 @@
+"""Growth inside a job sharded with FSDP2 (issue 43): torchrun with 2 processes, gloo on the CPU.
+
+Every scenario runs in one launch of tests/fsdp_job.py (one process start for the file: about 30 s of CPU here);
+each rank writes a JSON report and the assertions are here. The decoder is examples/grow_fsdp.py's (hidden 32, two
+layers, vocabulary 96), sharded one unit per layer with gg.distributed.shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+import graphgrow as gg
+
+dist = pytest.importorskip("torch.distributed")
+if not (dist.is_available() and dist.is_gloo_available()):
+    pytest.skip("torch.distributed with the gloo backend is not available in this torch build", allow_module_level=True)
+
+pytestmark = pytest.mark.slow  # a torchrun job: make test runs it, make test-quick does not
+
+HERE = Path(__file__).resolve().parent
+JOB = HERE / "fsdp_job.py"
+SPECS = ["grow_hidden(by=8)", "grow_width(factor=2)", "grow_heads(by=1)", "deepen(block=transformer)"]
+
+
+def _launch(out: Path) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(JOB), str(out)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the FSDP job ran past 600 s:\n{str(e.output)[-3000:]}")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return [json.loads((out / f"fsdp-rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="session")
+def ranks(tmp_path_factory) -> list[dict]:
+    """The job's two reports, run once per session (a file lock when pytest-xdist spreads the tests over workers)."""
+    from filelock import FileLock
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return _launch(tmp_path_factory.mktemp("fsdp"))
+    shared = tmp_path_factory.getbasetemp().parent
+    out = shared / "fsdp-grow"
+    with FileLock(str(shared / "fsdp-grow.lock")):
+        if not (out / "fsdp-rank1.json").exists():
+            out.mkdir(exist_ok=True)
+            return _launch(out)
+    return [json.loads((out / f"fsdp-rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_every_rank_grows_its_shards_without_a_jump_in_the_loss(ranks):
+    """The loss on a fixed batch is the same before and after growth, in eval and train mode, on both ranks; the grown
+    model is sharded again (each rank holds its chunk of every parameter) with the same units and mesh."""
+    for spec in SPECS:
+        for rank, report in enumerate(ranks):
+            r = report["grow"][spec]
+            assert r["params_after"] > r["params_before"], spec
+            for mode in ("eval", "train"):
+                before, after = r["probe_before"][mode], r["probe_after"][mode]
+                assert abs(after - before) <= 1e-6 * abs(before), (spec, rank, mode, before, after)
+            assert r["sharded"] and r["same_mesh"] and r["opt_covers_model"], (spec, rank)
+            # the two layer units keep their modules (by path, grown in place); the root stays last
+            assert r["units_after"][:-1] == r["units_before"][:-1] and r["units_after"][-1] == [""], (spec, r)
+            assert len(r["units_before"]) == 3, r["units_before"]
+        assert ranks[0]["grow"][spec]["probe_after"] == ranks[1]["grow"][spec]["probe_after"], spec
+
+
+def test_the_sharded_growth_is_the_same_growth_done_unsharded(ranks):
+    """Gathered with torch's own full state dicts, the grown parameters and AdamW's moments are bit-identical to
+    gg.distributed.grow_replica on a plain copy loaded with the same weights and optimiser state (same seed), and
+    the ranks hold the same model."""
+    for spec in SPECS:
+        for r in (ranks[0]["grow"][spec], ranks[1]["grow"][spec]):
+            assert r["differs_from_unsharded"] == [], (spec, r["differs_from_unsharded"])
+            assert r["optimizer_differs"] == [] and r["optimizer_entries"] > 0, (spec, r["optimizer_differs"])
+        assert ranks[0]["grow"][spec]["digest"] == ranks[1]["grow"][spec]["digest"], spec
+
+
+def test_training_continues_as_it_would_unsharded(ranks):
+    """Two AdamW steps after growth: the sharded job (each rank half of the batch) and the unsharded reference (the
+    whole batch) reach the same losses and parameters to float rounding; the parameters deepen added learn."""
+    for spec in SPECS:
+        r0, r1 = ranks[0]["grow"][spec], ranks[1]["grow"][spec]
+        assert r0["losses_after"] == r1["losses_after"], spec
+        assert r0["losses_after"] == pytest.approx(r0["reference_after"], rel=1e-5), spec
+        assert r0["max_param_gap"] < 1e-4, (spec, r0["max_param_gap"])
+        assert sorted(r0["new_params_moved"]) == sorted(r0["new_params"]), spec
+    assert len(ranks[0]["grow"]["deepen(block=transformer)"]["new_params"]) >= 4
+
+
+def test_a_rank_that_fails_during_growth_leaves_every_rank_on_its_old_model(ranks):
+    """Rank 1 fails inside the pipeline, then inside the re-sharding: both ranks raise DistributedError (rank 0 naming
+    rank 1 and its error), keep the model's shards, the optimiser and its state, and train on together."""
+    for where in ("pipeline", "reshard"):
+        for rank, report in enumerate(ranks):
+            f = report["failure"][where]
+            assert f["type"] == "DistributedError" and "injected failure on rank 1" in f["error"], (where, rank, f)
+            assert f["kept"] and f["opt_kept"], (where, rank)
+        assert "rank 1 could not grow" in ranks[0]["failure"][where]["error"], where
+    assert ranks[0]["failure"]["step_after"] == ranks[1]["failure"]["step_after"]
+
+
+def test_the_example_grows_twice_and_learns(ranks):
+    """examples/grow_fsdp.py's loop (grow_hidden at step 10, grow_heads at 20) on 2 ranks: no jump, the loss falls."""
+    ex = ranks[0]["example"]
+    assert set(ex["events"]) == {"10", "20"}
+    for event in ex["events"].values():
+        assert event["before"] == pytest.approx(event["after"], rel=1e-6)
+    losses = [ex["losses"][str(s)] for s in range(22)]
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert ex["losses"] == ranks[1]["example"]["losses"]
+
+
+def test_grow_fsdp_and_shard_refuse_what_they_cannot_grow():
+    """Without a process group: a model that is not sharded, and a layer path with no modules, are typed errors."""
+    with pytest.raises(gg.InputError, match="sharded with fully_shard"):
+        gg.distributed.grow_fsdp(nn.Linear(2, 2), None, "grow_width")
+    gm = gg.trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), input_shape=(2, 4))
+    with pytest.raises(gg.InputError, match="no module the graph calls under 'layers.0'"):
+        gg.distributed.shard(gm, ["layers.0"])
