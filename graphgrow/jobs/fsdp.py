@@ -3,23 +3,26 @@
 
 No rank holds the full tensors, so one growth step, on every rank at the same point of the loop:
 
-1. gather: every rank builds a plain (unsharded) copy of the traced model, one parameter at a time
-   (`DTensor.full_tensor()`, on the model's own mesh); the sharded model is not touched;
-2. grow: the DDP growth step on that copy (ddp.grow_replica: agree on spec, seed and parameter digests, the
-   pipeline with the agreed seed, rank 0 verifies, every rank checks the others grew bit-identical tensors);
+1. gather: every rank builds a plain (unsharded) copy of the traced model in host memory, one parameter at a time
+   (`DTensor.full_tensor()` on the model's own mesh, then moved to the CPU); the sharded model is not touched;
+2. grow: the DDP growth step on that copy, on the CPU (ddp.grow_replica: agree on spec, seed and parameter digests,
+   the pipeline with the agreed seed, rank 0 verifies, every rank checks the others grew bit-identical tensors);
 3. re-shard: the grown copy is sharded again with the old model's units — the same mesh and settings
    (reshard_after_forward, mixed precision, offload) and the same modules per unit, by path; a module growth added
-   joins the unit whose path holds it, else the root's; every rank reports whether it could, and any failure raises
-   on every rank before the optimiser is touched;
+   joins the unit whose path holds it, else the root's; fully_shard moves each unit to the mesh's device in turn and
+   keeps only this rank's shard; every rank reports whether it could, and any failure raises on every rank before
+   the optimiser is touched;
 4. carry: an optimiser of the same class over the new shards, its state (AdamW's moments) moved by parameter name:
    a state tensor whose shape and placement did not change is cloned shard for shard; a grown one is gathered, put in
    the leading box of zeros of the new shape (optim.carry_optimizer's rule) and cut to this rank's new shard — one
    tensor at a time. The scheduler is re-pointed (ddp.carry_scheduler).
 
-Memory: step 1 holds the whole unsharded model on every rank (and step 2 the grown one, sharing the tensors growth
-left alone), so a growth event peaks at about the full model's size over the sharded steady state — not one
-layer's. Growing layer by layer would need each pass to say which old tensors every new one is computed from;
-passes do not say that today (docs/distributed.md, "FSDP2").
+Memory. On the accelerator a growth event adds one gathered tensor at a time (steps 1 and 4) and one unit's full
+tensors (step 3) to the old shards and optimiser state and the new ones — the old are kept until every rank has
+succeeded, so that a failure leaves them in place. In host memory every rank holds the whole unsharded model and the
+grown one (sharing the tensors growth left alone): in a CPU-only job (gloo, as in the tests) that is the same memory,
+and the event peaks at about the full model over the sharded steady state. Growing the host copy layer by layer
+would need each pass to say which old tensors every new one is computed from; passes do not say that today.
 """
 
 from __future__ import annotations
@@ -172,6 +175,7 @@ def grow_fsdp(
     reps = rp.replicas(timeout)
     own: BaseException | None = None
     try:
+        _own_parameters(grown.gm)
         reshard(grown.gm, units, {p for p, _ in model.named_modules()})
     except Exception as e:  # reported to every rank, then raised here again
         own = e
@@ -200,6 +204,17 @@ def _reshard_all(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
+
+
+def _own_parameters(gm: nn.Module) -> None:
+    """New Parameter objects over the same host tensors (ties kept): fully_shard swaps a unit's tensors onto the device
+    through its Parameter objects, and the pipeline's intermediate models may share them — a shared one would keep the
+    full tensor alive on the device after the unit is sharded."""
+    fresh: dict[int, nn.Parameter] = {}
+    for m in gm.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                m._parameters[name] = fresh.setdefault(id(p), nn.Parameter(p.detach(), p.requires_grad))
 
 
 def reshard(gm: fx.GraphModule, units: list[Unit], before: set[str]) -> fx.GraphModule:
@@ -245,7 +260,7 @@ def unsharded_copy(model: fx.GraphModule) -> fx.GraphModule:
         holder.register_parameter(name, _full(p, params))
     for name, b in model._buffers.items():
         holder.register_buffer(
-            name, None if b is None else b.detach().clone(), name not in model._non_persistent_buffers_set
+            name, None if b is None else b.detach().to("cpu", copy=True), name not in model._non_persistent_buffers_set
         )
     gm = fx.GraphModule(holder, _deepcopy(model.graph), class_name=_original_class(model).__name__)
     gm.meta = _deepcopy(model.meta)
@@ -270,8 +285,10 @@ def _full(p: Any, memo: dict[int, nn.Parameter]) -> Any:
     if id(p) not in memo:
         from torch.distributed.tensor import DTensor
 
-        data = p.full_tensor() if isinstance(p, DTensor) else p
-        memo[id(p)] = nn.Parameter(data.detach().clone() if data is p else data.detach(), p.requires_grad)
+        # on the host: the accelerator holds one gathered tensor at a time, and fully_shard moves the grown model
+        # back one unit at a time (it moves a unit's tensors to the mesh's device, then keeps only the shard)
+        data = p.full_tensor().to("cpu") if isinstance(p, DTensor) else p.detach().to("cpu", copy=True)
+        memo[id(p)] = nn.Parameter(data.detach(), p.requires_grad)
     return memo[id(p)]
 
 
@@ -290,7 +307,7 @@ def _plain(m: nn.Module, params: dict[int, nn.Parameter], mods: dict[int, nn.Mod
     for name, p in m._parameters.items():
         new._parameters[name] = _full(p, params)
     for name, b in m._buffers.items():
-        new._buffers[name] = None if b is None else b.detach().clone()
+        new._buffers[name] = None if b is None else b.detach().to("cpu", copy=True)
     new._non_persistent_buffers_set = set(m._non_persistent_buffers_set)
     mods[id(m)] = new
     for name, child in m._modules.items():
