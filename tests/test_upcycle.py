@@ -1,0 +1,198 @@
+"""upcycle: a dense transformer's MLPs become mixtures of experts whose experts start as copies, exactly (issue 44).
+
+The full check on a plain nn.Module transformer written here (fast) and on LLaMA and GPT-2 built from tiny Hugging
+Face configs (slow: ONNX export): the pass's own verification (eval and train mode, every new parameter learning),
+the same function again on other inputs, the file saved and read back, and the export on onnxruntime. Also: how the
+experts diverge (the router's gradient is zero at insertion, the experts' is not and differs per expert), `at=`,
+refusals with their reasons, and bad arguments refused when the spec is parsed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_onnx_agrees, small_cnn
+from test_hf_pass_matrix import _same_function, build
+from torch import nn
+
+import graphgrow as gg
+from graphgrow.core.state import dropout_off
+from graphgrow.graph.inputs import parse_spec, spec_inputs
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+SPEC = "input_ids:1x8:int64"
+
+
+class Block(nn.Module):
+    """A pre-norm block: causal self-attention written with F.scaled_dot_product_attention, a GELU MLP with dropout."""
+
+    def __init__(self, d: int, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        n, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(n, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(n, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 50, d: int = 16, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+_TRACED: dict[str, tuple[nn.Module, torch.fx.GraphModule]] = {}
+
+
+def traced(arch: str):
+    """(model, graph), traced once per architecture."""
+    if arch not in _TRACED:
+        if arch == "plain":
+            torch.manual_seed(0)
+            model = TinyLM()
+        else:
+            model, spec = build(arch)
+            assert spec == SPEC
+        _TRACED[arch] = (model, gg.trace(model, input_shape=parse_spec(SPEC)))
+    return _TRACED[arch]
+
+
+def full_check(arch: str, tmp_path, onnx: bool) -> gg.PassResult:
+    model, gm = traced(arch)
+    result = gg.get_pass("upcycle")(experts=4, top_k=2)(gm)
+    p = result.preservation
+    assert p.eval.ok and p.train.ok and p.eval.max_abs_ref > 0 and p.trainable_ok and not p.dead
+    routers = [n for n in p.trainable if n.endswith("router.weight")]
+    copies = [n for n in p.trainable if ".expert" in n]
+    assert routers and len(copies) >= 3 * 2 * len(routers)  # ≥ 2 layers in each of 3 copies per MLP
+    for batch in (2, 3):  # again, independently: other inputs, both modes
+        inputs = spec_inputs(model, parse_spec(SPEC), seed=batch + 10, batch=batch)
+        for train in (False, True):
+            assert _same_function(gm, result.gm, inputs, train) <= 1e-5, (arch, batch, train)
+    gg.save_model(result.gm, tmp_path / "moe.pt")
+    back = gg.load_model(tmp_path / "moe.pt").module
+    x = spec_inputs(model, parse_spec(SPEC), seed=1, batch=2)
+    assert _same_function(result.gm, back, x, train=False) == 0.0
+    if onnx:
+        assert_onnx_agrees(result.gm, SPEC, tmp_path / "moe.onnx")
+    return result
+
+
+def test_plain_transformer_upcycles_exactly_saves_and_reloads(tmp_path):
+    result = full_check("plain", tmp_path, onnx=False)
+    assert result.targets["mlps"] == "blocks.0.mlp (4 layers), blocks.1.mlp (4 layers)"
+    assert any("dropout inside an MLP" in n for n in result.notes)  # its own mask per expert: said
+    gm = result.gm
+    for e in (1, 2, 3):  # the copies are exact, on their own storage
+        a, b = gm.get_parameter("blocks.0.mlp.0.weight"), gm.get_parameter(f"upcycle_blocks_0_mlp.expert{e}.0.weight")
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+    assert gm.get_submodule("upcycle_blocks_0_mlp.router").bias is None
+
+
+@pytest.mark.slow
+def test_plain_transformer_on_onnxruntime(tmp_path):
+    _, gm = traced("plain")
+    assert_onnx_agrees(gg.get_pass("upcycle")(experts=3, top_k=3)(gm).gm, SPEC, tmp_path / "moe.onnx")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_hugging_face_families_upcycle_with_the_full_check(arch, tmp_path):
+    result = full_check(arch, tmp_path, onnx=True)
+    layers = "3 layers" if arch == "llama" else "2 layers"  # gate/up/down; GPT-2's c_fc/c_proj
+    assert result.targets["mlps"].endswith(f"mlp ({layers})")
+
+
+def test_experts_diverge_through_routing_and_the_router_learns_a_step_later():
+    """At insertion the router's gradient is zero (the chosen weights sum to one and the experts are equal, up to
+    rounding); each copy gets the gradient of its own tokens, so the copies differ after one step, and then the router
+    has a gradient."""
+    model, gm = traced("plain")
+    moe = gg.get_pass("upcycle")(experts=4, top_k=2, at="blocks.0")(gm).gm.train()
+    x = spec_inputs(model, parse_spec(SPEC), seed=3, batch=4)
+    opt = torch.optim.SGD(moe.parameters(), lr=0.5)
+    grads = []
+    for _ in range(2):
+        opt.zero_grad()
+        with dropout_off(moe):  # dropout in each expert draws its own mask: the copies would differ at once
+            moe(**x).square().mean().backward()
+        router = moe.get_parameter("upcycle_blocks_0_mlp.router.weight").grad
+        experts = [moe.get_parameter("blocks.0.mlp.3.weight").grad] + [
+            moe.get_parameter(f"upcycle_blocks_0_mlp.expert{e}.3.weight").grad for e in (1, 2, 3)
+        ]
+        grads.append((router.abs().max().item(), experts))
+        opt.step()
+    (router0, experts0), (router1, _) = grads
+    scale = max(g.abs().max().item() for g in experts0)
+    assert router0 <= 1e-6 * scale  # zero in exact arithmetic
+    assert sum(g.abs().sum().item() > 0 for g in experts0) >= 2  # several experts chosen by some token
+    assert not torch.allclose(experts0[0], experts0[1])  # each from its own tokens
+    assert router1 > 1e-4 * scale
+
+
+def test_at_upcycles_one_mlp_and_names_the_others_when_it_matches_none():
+    _, gm = traced("plain")
+    pass_ = gg.get_pass("upcycle")
+    assert [c.args["at"] for c in pass_().candidates(gm)] == ["blocks.0.mlp", "blocks.1.mlp"]
+    result = pass_(experts=2, top_k=2, at="blocks.1")(gm)
+    assert result.targets["mlps"] == "blocks.1.mlp (4 layers)" and result.targets["chosen"] == "given"
+    with pytest.raises(gg.NotApplicable, match=r"no MLP at 'blocks\.7'.*blocks\.0\.mlp, blocks\.1\.mlp"):
+        pass_(at="blocks.7")(gm)
+
+
+class LeakyMlp(nn.Module):
+    """An MLP whose hidden activation is also read by the head: not a function of its input alone to copy."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.norm, self.fc1, self.fc2, self.aux = nn.LayerNorm(d), nn.Linear(d, 16), nn.Linear(16, d), nn.Linear(16, 2)
+
+    def forward(self, x):
+        h = F.relu(self.fc1(self.norm(x)))
+        return x + self.fc2(h), self.aux(h)
+
+
+def test_refusals_say_why():
+    upcycle = gg.get_pass("upcycle")
+    with pytest.raises(gg.NotApplicable, match="no transformer MLP found"):
+        upcycle()(gg.trace(small_cnn(8).eval(), (2, 3, 16, 16)))
+    with pytest.raises(gg.NotApplicable, match=r"inner value '\w+' is also read outside it"):
+        upcycle()(gg.trace(LeakyMlp(), (2, 5, 8)))
+    _, gm = traced("plain")
+    once = upcycle(experts=2, top_k=2, at="blocks.0.mlp")(gm).gm
+    with pytest.raises(gg.NotApplicable, match=r"no MLP at 'blocks.0.mlp'; .* already a mixture of experts"):
+        upcycle(at="blocks.0.mlp")(once)  # already a mixture: not offered again
+    again = upcycle(experts=2, top_k=2)(once)  # the default takes the MLP still dense, and says what it left
+    assert again.targets["mlps"] == "blocks.1.mlp (4 layers)"
+    assert "blocks.0.mlp' is already a mixture of experts" in again.targets["skipped"]
+
+
+@pytest.mark.parametrize(
+    "spec, message, argument",
+    [
+        ("upcycle(experts=1)", "upcycle(experts=...) must be in [2, 64], got 1", "experts"),
+        ("upcycle(experts=4,top_k=5)", "top_k=5 is more than experts=4", "top_k"),
+        ("upcycle(top_k=1)", "upcycle(top_k=...) must be ≥ 2, got 1", "top_k"),
+        ("upcycle(router_std=0)", "upcycle(router_std=...) must be in (0, 1], got 0", "router_std"),
+    ],
+)
+def test_bad_arguments_are_spec_errors_at_parse_time(spec, message, argument):
+    with pytest.raises(gg.SpecError) as e:
+        gg.build_pipeline(spec)
+    assert message in e.value.message and e.value.argument == argument
