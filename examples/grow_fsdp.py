@@ -88,8 +88,8 @@ def batch(step: int, rank: int = 0, world: int = 1, size: int = GLOBAL_BATCH):
 
 
 def loss_of(model: nn.Module, x, y) -> torch.Tensor:
-    out = model(x)
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    out = model(x)  # FSDP's root moves the input to the model's device
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.to(out.device).reshape(-1))
 
 
 def train_step(model, opt, step: int, rank: int, world: int) -> float:

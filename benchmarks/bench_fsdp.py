@@ -1,0 +1,143 @@
+"""A growth event inside a job sharded with FSDP2 against one training step, and what it costs in memory per rank.
+
+Run under torchrun (gloo on the CPU with one thread per process; NCCL when every rank has a GPU):
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench_fsdp.py [--dim 512] [--layers 8] [--events 3]
+
+The model is examples/grow_fsdp.py's decoder, sharded one unit per layer (gg.distributed.shard), trained with AdamW.
+The training step is forward, backward (FSDP's all-gathers and reduce-scatters) and the optimiser step, after
+warm-up; the growth event is gg.distributed.grow as the loop calls it (gather, grow with rank 0 verifying, re-shard,
+AdamW's state carried), repeated on the same model after one warm-up event (growth leaves its input untouched; each
+result is dropped). Memory: on the CPU the process's resident set (sampled every 2 ms), on a GPU
+torch.cuda.max_memory_allocated; the growth peak is set against the training peak. Rank 0 prints one JSON line per
+rank with the medians, the peaks and the sizes they compare with (the full model, one layer, the sharded state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import graphgrow as gg  # noqa: E402
+from examples import grow_fsdp as ex  # noqa: E402
+
+MB = 2**20
+
+
+class PeakRSS:
+    """The largest resident set size seen while the block runs (a thread reads /proc/self/statm every 2 ms)."""
+
+    def __enter__(self):
+        self.peak, self._stop = rss(), False
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self):
+        while not self._stop:
+            self.peak = max(self.peak, rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self._stop = True
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+
+
+def rss() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure(cuda: bool, fn):
+    """(result, seconds, peak bytes during fn): device peak on a GPU, resident set on the CPU."""
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    with PeakRSS() as host:
+        start = time.perf_counter()
+        out = fn()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return out, seconds, (torch.cuda.max_memory_allocated() if cuda else host.peak)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--spec", default="grow_hidden(by=64)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--events", type=int, default=3)
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    cuda = torch.cuda.is_available()
+    torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    mesh = init_device_mesh(device.type, (world,))
+    base = ex.traced(dim=args.dim, layers=args.layers)
+    full_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    layer_bytes = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if n.startswith("layers.0."))
+    model = gg.distributed.shard(base.to(device), [f"layers.{i}" for i in range(args.layers)], mesh=mesh)
+    del base
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for n in range(3):  # warm-up: AdamW's state exists, FSDP's buffers are allocated
+        ex.train_step(model, opt, n, rank, world)
+    steps = [measure(cuda, lambda n=n: ex.train_step(model, opt, n, rank, world)) for n in range(args.steps)]
+    shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    events = []
+    for i in range(args.events + 1):
+        g, seconds, peak = measure(cuda, lambda i=i: gg.distributed.grow(model, opt, args.spec, seed=i, timeout=600))
+        if i:  # the first event warms up
+            events.append((seconds, peak, g.seconds))
+        del g
+    step_s = statistics.median(s for _, s, _ in steps)
+    event_s = statistics.median(s for s, _, _ in events)
+    record = {
+        "rank": rank,
+        "world": world,
+        "device": str(device),
+        "spec": args.spec,
+        "params": full_bytes // 4,
+        "step_s": round(step_s, 4),
+        "event_s": round(event_s, 3),
+        "event_per_step": round(event_s / step_s, 1),
+        "phases_s": {k: round(statistics.median(e[2][k] for e in events), 3) for k in events[0][2]},
+        "train_peak_mb": round(max(p for _, _, p in steps) / MB, 1),
+        "growth_peak_mb": round(max(p for _, p, _ in events) / MB, 1),
+        "full_model_mb": round(full_bytes / MB, 1),
+        "one_layer_mb": round(layer_bytes / MB, 1),
+        "param_shard_mb": round(shard_bytes / MB, 1),
+        "memory": "cuda max_memory_allocated" if cuda else "resident set (host)",
+    }
+    records = [None] * world
+    dist.all_gather_object(records, record)
+    if rank == 0:
+        for r in records:
+            print(json.dumps(r))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
