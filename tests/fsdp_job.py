@@ -192,6 +192,51 @@ def failure_scenario(mesh, rank: int, world: int) -> dict:
     return out
 
 
+def resume_scenario(mesh, rank: int, world: int, out: Path) -> dict:
+    """Train, grow, train, save a sharded checkpoint, train on; then resume from it in this group (a fresh traced model
+    regrown from the log, sharded, restored) and, on rank 0 alone, in a group of one (DCP re-shards)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def scheduled(model, opt, sched, n, local=False):
+        loss = reference_step(model, opt, n) if local else step(model, opt, n, rank, world)
+        sched.step()
+        return loss
+
+    def built(m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    model = gg.distributed.shard(fresh(), LAYERS, mesh=mesh)
+    opt, sched = built(model)
+    for n in range(2):
+        scheduled(model, opt, sched, n)
+    g = gg.distributed.grow(model, opt, "grow_hidden(by=8)", sched, seed=5, timeout=120)
+    model, opt = g.model, g.optimizer
+    scheduled(model, opt, sched, 2)
+    path = gg.distributed.save_sharded_checkpoint(out / "ckpt", model, opt, sched, step=3, extra={"note": "grown"})
+    r: dict = {"probe_at_save": probe(model), "lr_at_save": sched.get_last_lr()}
+    r["losses"] = [scheduled(model, opt, sched, n) for n in (3, 4)]
+    r["files"] = sorted(p.name for p in path.iterdir())
+
+    ck = gg.distributed.load_sharded_checkpoint(path)
+    again = gg.distributed.shard(ck.regrow(fresh()), LAYERS, mesh=mesh)
+    opt2, sched2 = built(again)
+    ck.restore(again, opt2, sched2)
+    r["step"], r["extra"] = ck.step, ck.extra
+    r["probe_at_load"], r["lr_at_load"] = probe(again), sched2.get_last_lr()
+    r["resumed_losses"] = [scheduled(again, opt2, sched2, n) for n in (3, 4)]
+
+    solo = dist.new_group([0])  # every rank makes the group; rank 0 alone resumes in it
+    if rank == 0:
+        alone = gg.distributed.shard(ck.regrow(fresh()), LAYERS, mesh=DeviceMesh.from_group(solo, "cpu"))
+        opt1, sched1 = built(alone)
+        ck.restore(alone, opt1, sched1, process_group=solo)
+        r["probe_at_load_1"] = probe(alone)
+        r["resumed_losses_1"] = [scheduled(alone, opt1, sched1, n, local=True) for n in (3, 4)]
+    dist.barrier()
+    return r
+
+
 def main() -> int:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -207,6 +252,9 @@ def main() -> int:
     start = time.perf_counter()
     report["failure"] = failure_scenario(mesh, rank, world)
     report["seconds"]["failure"] = time.perf_counter() - start
+    start = time.perf_counter()
+    report["resume"] = resume_scenario(mesh, rank, world, out)
+    report["seconds"]["resume"] = time.perf_counter() - start
     start = time.perf_counter()
     report["example"] = ex.run(22, say=lambda *a, **k: None)
     report["seconds"]["example"] = time.perf_counter() - start

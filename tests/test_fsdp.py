@@ -108,6 +108,21 @@ def test_a_rank_that_fails_during_growth_leaves_every_rank_on_its_old_model(rank
     assert ranks[0]["failure"]["step_after"] == ranks[1]["failure"]["step_after"]
 
 
+def test_a_sharded_checkpoint_after_growth_resumes_in_2_processes_and_in_1(ranks):
+    """save_sharded_checkpoint after growth (DCP shards + the growth log); a fresh traced model regrown from the log,
+    sharded and restored gives the same loss at load and repeats the original run's next steps bit for bit in a
+    group of 2; rank 0 alone in a group of one (DCP re-shards) continues to the same losses within float rounding."""
+    for report in ranks:
+        r = report["resume"]
+        assert r["files"] == ["dcp", "state.pt"] and r["step"] == 3 and r["extra"] == {"note": "grown"}
+        assert r["probe_at_load"] == r["probe_at_save"] and r["lr_at_load"] == r["lr_at_save"]
+        assert r["resumed_losses"] == r["losses"], r
+    alone = ranks[0]["resume"]
+    for mode, loss in alone["probe_at_save"].items():
+        assert alone["probe_at_load_1"][mode] == pytest.approx(loss, rel=1e-6)
+    assert alone["resumed_losses_1"] == pytest.approx(alone["losses"], rel=1e-5)
+
+
 def test_the_example_grows_twice_and_learns(ranks):
     """examples/grow_fsdp.py's loop (grow_hidden at step 10, grow_heads at 20) on 2 ranks: no jump, the loss falls."""
     ex = ranks[0]["example"]
@@ -126,3 +141,21 @@ def test_grow_fsdp_and_shard_refuse_what_they_cannot_grow():
     gm = gg.trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), input_shape=(2, 4))
     with pytest.raises(gg.InputError, match="no module the graph calls under 'layers.0'"):
         gg.distributed.shard(gm, ["layers.0"])
+
+
+def test_a_sharded_checkpoint_that_is_not_one_is_refused(tmp_path):
+    """load_sharded_checkpoint reads only plain data and says what is wrong: no folder, another format, a bad step;
+    save_sharded_checkpoint refuses a model that is not sharded (before any collective)."""
+    import torch
+
+    with pytest.raises(gg.LoadError, match="not a graphgrow sharded checkpoint folder"):
+        gg.distributed.load_sharded_checkpoint(tmp_path)
+    (tmp_path / "dcp").mkdir()
+    torch.save({"format": "something else"}, tmp_path / "state.pt")
+    with pytest.raises(gg.LoadError, match="is not a graphgrow sharded checkpoint"):
+        gg.distributed.load_sharded_checkpoint(tmp_path)
+    torch.save({"format": "graphgrow.sharded_checkpoint", "version": 1, "step": -1}, tmp_path / "state.pt")
+    with pytest.raises(gg.LoadError, match="step is not a step number"):
+        gg.distributed.load_sharded_checkpoint(tmp_path)
+    with pytest.raises(gg.InputError, match="takes a model sharded with FSDP2"):
+        gg.distributed.save_sharded_checkpoint(tmp_path / "x", nn.Linear(2, 2))
