@@ -59,6 +59,7 @@ from graphgrow.rewrite import (
     tensor_shape,
 )
 
+MIXTURES_KEY = "mixtures"  # graph metadata: MLP path → its router, top_k and each expert's layers (expert 0 first)
 MAX_EXPERTS = 64  # one step; more is almost always a typo (each expert is a copy of the MLP)
 
 # ops an MLP may apply between its Linears: elementwise on each token's features (by fx name: op name of the target)
@@ -240,16 +241,26 @@ def _choose(mlps: list[Mlp], skipped: list[str], at: str | None) -> list[Mlp]:
 # --- the rewrite -----------------------------------------------------------------------------------------------
 
 
+def _local(mlp: Mlp, n: fx.Node) -> str:
+    """A layer's (or parameter's) name inside an expert: its path below the MLP's, as one identifier."""
+    prefix = mlp.path + "." if mlp.path != mlp.output.name else ""
+    return str(n.target).removeprefix(prefix).replace(".", "_")
+
+
+def _owned(gm: fx.GraphModule, n: fx.Node) -> bool:
+    """A node whose layer or parameter each expert holds its own copy of."""
+    return n.op == "call_module" or (n.op == "get_attr" and _is_param(gm, n))
+
+
 def _copy_expert(gm: fx.GraphModule, mlp: Mlp, root: str, e: int, env: dict[fx.Node, fx.Node]) -> list[fx.Node]:
     """Expert e: the MLP's nodes again, on copies of its layers and parameters under `root`.expert{e}."""
     expert = nn.Module()
     gm.get_submodule(root).add_module(f"expert{e}", expert)
-    prefix = mlp.path + "." if mlp.path != mlp.output.name else ""
     made = []
     for n in mlp.nodes:
         new = gm.graph.node_copy(n, lambda a: env.get(a, a))
-        if n.op in ("call_module", "get_attr") and (n.op == "call_module" or _is_param(gm, n)):
-            local = str(n.target).removeprefix(prefix).replace(".", "_")
+        if _owned(gm, n):
+            local = _local(mlp, n)
             if n.op == "call_module":
                 expert.add_module(local, copy.deepcopy(gm.get_submodule(str(n.target))))
             else:
@@ -260,8 +271,10 @@ def _copy_expert(gm: fx.GraphModule, mlp: Mlp, root: str, e: int, env: dict[fx.N
     return made
 
 
-def _upcycle_one(gm: fx.GraphModule, mlp: Mlp, experts: int, top_k: int, std: float, g: torch.Generator) -> str:
-    """Rewrite one MLP into the routed mixture; returns the module holding the router and the copies."""
+def _upcycle_one(
+    gm: fx.GraphModule, mlp: Mlp, experts: int, top_k: int, std: float, g: torch.Generator
+) -> dict[str, object]:
+    """Rewrite one MLP into the routed mixture; returns its record (MIXTURES_KEY)."""
     c = (tensor_shape(mlp.input) or (0,))[-1]
     kw = factory_kwargs(gm, mlp.input)
     router = nn.Linear(c, experts, bias=False, **kw)
@@ -300,7 +313,13 @@ def _upcycle_one(gm: fx.GraphModule, mlp: Mlp, experts: int, top_k: int, std: fl
         out = call("call_method", "sum", mixed, -1)
     replace_uses(mlp.output, out, keep=made)
     set_scope(made, mlp.output)
-    return root
+    layers = {_local(mlp, n): str(n.target) for n in mlp.nodes if _owned(gm, n)}
+    return {
+        "mlp": mlp.path,
+        "router": f"{root}.router",
+        "top_k": top_k,
+        "experts": [layers] + [{k: f"{root}.expert{e}.{k}" for k in layers} for e in range(1, experts)],
+    }
 
 
 @pass_function  # the arguments' defaults and allowed values: Upcycle's declaration
@@ -318,7 +337,8 @@ def upcycle(
     if not mlps:
         raise NotApplicable(*_none_found(skipped))
     chosen = _choose(mlps, skipped, at)
-    roots = [_upcycle_one(gm, m, experts, top_k, router_std, generator) for m in chosen]
+    made = [_upcycle_one(gm, m, experts, top_k, router_std, generator) for m in chosen]
+    roots = [str(r["router"]).rpartition(".")[0] for r in made]
     notes = [
         f"the graph runs all {experts} experts on every token (dense form: exact, traceable, ONNX-exportable; "
         f"{experts}× the MLPs' FLOPs); a sparse runtime runs {top_k} per token",
@@ -340,7 +360,10 @@ def upcycle(
     }
     if skipped:
         targets["skipped"] = "; ".join(skipped)
-    return Rewrite(finish(gm), targets, notes)
+    gm = finish(gm)
+    info = gm.meta.setdefault("graphgrow", {})
+    info[MIXTURES_KEY] = {**info.get(MIXTURES_KEY, {}), **{str(r["mlp"]): r for r in made}}
+    return Rewrite(gm, targets, notes)
 
 
 def _dropout(gm: fx.GraphModule, n: fx.Node) -> bool:

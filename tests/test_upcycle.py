@@ -66,6 +66,8 @@ def traced(arch: str):
         if arch == "plain":
             torch.manual_seed(0)
             model = TinyLM()
+        elif arch in ("llama", "mistral"):  # 2 layers: as_native's Mixtral has a mixture in each
+            model = _moe_family(arch)
         else:
             model, spec = build(arch)
             assert spec == SPEC
@@ -196,3 +198,69 @@ def test_bad_arguments_are_spec_errors_at_parse_time(spec, message, argument):
     with pytest.raises(gg.SpecError) as e:
         gg.build_pipeline(spec)
     assert message in e.value.message and e.value.argument == argument
+
+
+def _moe_family(family: str):
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config, cls = (
+        (tf.LlamaConfig, tf.LlamaForCausalLM) if family == "llama" else (tf.MistralConfig, tf.MistralForCausalLM)
+    )
+    extra = {"sliding_window": 4} if family == "mistral" else {}
+    cfg = config(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        use_cache=False,
+        **extra,
+    )
+    return cls(cfg).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_native_mixtral_from_a_dense_model_loads_and_matches(family, tmp_path):
+    """as_native hands back MixtralForCausalLM: the router and experts of each layer where Mixtral keeps them, equal
+    to the graph after the experts have moved apart (as training moves them: a swapped expert or router row would
+    show), saved and loaded with from_pretrained, with Mixtral's load-balancing loss when training."""
+    tf = pytest.importorskip("transformers")
+    dense, gm = traced(family)
+    moe = gg.get_pass("upcycle")(experts=4, top_k=2)(gm).gm
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    native = gg.as_native(moe, dense)
+    assert type(native).__name__ == "MixtralForCausalLM"
+    assert (native.config.num_local_experts, native.config.num_experts_per_tok) == (4, 2)
+    with torch.no_grad():
+        assert torch.allclose(native(input_ids=ids).logits, dense(input_ids=ids).logits, atol=1e-5)
+        g = torch.Generator().manual_seed(1)
+        for name, p in moe.named_parameters():  # every expert and router its own way, as after training
+            if "upcycle_" in name or ".mlp." in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    native = gg.as_native(moe, dense)
+    with torch.no_grad():
+        want = moe.eval()(input_ids=ids)["logits"]
+        assert not torch.allclose(want, dense(input_ids=ids).logits, atol=1e-3)  # the experts did move
+        assert torch.allclose(native(input_ids=ids).logits, want, atol=1e-5)
+    native.save_pretrained(tmp_path / "moe")
+    back = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "moe")
+    with torch.no_grad():
+        assert type(back).__name__ == "MixtralForCausalLM" and torch.allclose(
+            back(input_ids=ids).logits, want, atol=1e-5
+        )
+    out = back.train()(input_ids=ids, labels=ids, output_router_logits=True)
+    assert out.aux_loss is not None and torch.isfinite(out.aux_loss) and out.aux_loss > 0
+
+
+@pytest.mark.slow
+def test_native_refuses_what_mixtral_cannot_hold():
+    dense, gm = traced("llama")
+    one = gg.get_pass("upcycle")(experts=2, top_k=2, at="model.layers.0.mlp")(gm).gm
+    with pytest.raises(gg.NotApplicable, match=r"model\.layers\.1\.mlp is not upcycled"):
+        gg.as_native(one, dense)
+    mixed = gg.get_pass("upcycle")(experts=3, top_k=2, at="model.layers.1.mlp")(one).gm
+    with pytest.raises(gg.NotApplicable, match=r"\[2, 3\] experts"):
+        gg.as_native(mixed, dense)

@@ -35,6 +35,7 @@ from ..core.protocol import compare_outputs
 from ..graph.graph_meta import input_spec_of
 from ..graph.shapes import example_input
 from .native_depth import deeper_config, deeper_stacks, in_run_order, original_path
+from .native_moe import has_mixtures, moe_native
 
 _NOT_SIZES = {
     "vocab_size",
@@ -72,6 +73,8 @@ def as_native(
         from .native_resized import resized_copy
 
         return resized_copy(grown, original)
+    if has_mixtures(grown):  # MLPs upcycled into mixtures of experts: the family's MoE class (native_moe.py)
+        return moe_native(grown, original, stored_dtype, use_cache)
     cls = type(original)
     deeper = deeper_stacks(grown, original)  # layers deepen(block=copy) added: numbered in run order (native_depth)
     grown_state = _with_aliases(_class_layout(grown, original, lambda p: original_path(p, deeper)), original)
