@@ -40,8 +40,12 @@ otherwise (or with no attention to read) the pass refuses with the reason: say a
 The block does not read the model's attention mask (padding): it attends over all T positions.
 In a post-norm model (BERT) the block is still pre-norm and exactly the identity where it is inserted.
 
+block=copy: a copy of one of the model's own layers (model.layers.N: its attention, RoPE, grouped heads, MLP) with
+the output projections the stream analysis finds at zero, inserted into its stack as the identity, so that as_native
+gives the same class with one more layer (layer_copy.py has the story).
+
 The package: __init__ (the pass, the gated conv_bn_relu and linear_relu blocks), transformer (block=transformer:
-its places, what the model tells, causality, the block).
+its places, what the model tells, causality, the block), layer_copy (block=copy: the stack, the copy, its place).
 """
 
 from __future__ import annotations
