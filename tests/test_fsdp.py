@@ -67,9 +67,16 @@ def test_every_rank_grows_its_shards_without_a_jump_in_the_loss(ranks):
                 before, after = r["probe_before"][mode], r["probe_after"][mode]
                 assert abs(after - before) <= 1e-6 * abs(before), (spec, rank, mode, before, after)
             assert r["sharded"] and r["same_mesh"] and r["opt_covers_model"], (spec, rank)
-            # the two layer units keep their modules (by path, grown in place); the root stays last
-            assert r["units_after"][:-1] == r["units_before"][:-1] and r["units_after"][-1] == [""], (spec, r)
+            # the two layer units keep their modules (by path, grown in place); the root stays last; deepen's new
+            # layer is a unit of its own, like the others
+            assert r["units_after"][:2] == r["units_before"][:2] and r["units_after"][-1] == [""], (spec, r)
             assert len(r["units_before"]) == 3, r["units_before"]
+            added = r["units_after"][2:-1]
+            if spec.startswith("deepen"):
+                assert len(added) == 1 and all(p.startswith("deepen_transformer.") for p in added[0]), added
+                assert len(added[0]) >= 6, added
+            else:
+                assert added == [], (spec, added)
         assert ranks[0]["grow"][spec]["probe_after"] == ranks[1]["grow"][spec]["probe_after"], spec
 
 
@@ -141,6 +148,31 @@ def test_grow_fsdp_and_shard_refuse_what_they_cannot_grow():
     gm = gg.trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), input_shape=(2, 4))
     with pytest.raises(gg.InputError, match="no module the graph calls under 'layers.0'"):
         gg.distributed.shard(gm, ["layers.0"])
+
+
+def test_the_grown_model_s_units_follow_the_old_ones_and_new_layers_get_their_own():
+    """plan_units without a process group: old units keep the paths still there; what growth added at the root
+    (called leaves with parameters, grouped by top-level name) becomes a unit per new module with the layers'
+    settings; leaves without parameters and the root's modules stay the root's."""
+    from graphgrow.jobs.fsdp import Unit, plan_units
+
+    layer, root = {"reshard_after_forward": True}, {"reshard_after_forward": False}
+    units = [Unit(("layers.0.q", "layers.0.gone"), layer), Unit(("layers.1.q",), layer), Unit(("",), root)]
+    called = ["embed", "layers.0.q", "layers.1.q", "new_block.q", "new_block.k", "new_block.act", "adapter", "head"]
+    present = {"", *called}
+    with_params = {"embed", "layers.0.q", "layers.1.q", "new_block.q", "new_block.k", "adapter", "head"}
+    before = {"", "embed", "layers.0.q", "layers.0.gone", "layers.1.q", "head"}
+    plan = plan_units(units, present, called, with_params, before)
+    assert [u.paths for u in plan] == [
+        ("layers.0.q",),
+        ("layers.1.q",),
+        ("new_block.q", "new_block.k"),
+        ("adapter",),
+        ("",),
+    ]
+    assert [u.options for u in plan] == [layer, layer, layer, layer, root]
+    only_root = plan_units([Unit(("",), root)], present, called, with_params, before)
+    assert [u.paths for u in only_root] == [("",)]
 
 
 def test_a_sharded_checkpoint_that_is_not_one_is_refused(tmp_path):

@@ -9,9 +9,9 @@ No rank holds the full tensors, so one growth step, on every rank at the same po
    the pipeline with the agreed seed, rank 0 verifies, every rank checks the others grew bit-identical tensors);
 3. re-shard: the grown copy is sharded again with the old model's units — the same mesh and settings
    (reshard_after_forward, mixed precision, offload) and the same modules per unit, by path; a module growth added
-   joins the unit whose path holds it, else the root's; fully_shard moves each unit to the mesh's device in turn and
-   keeps only this rank's shard; every rank reports whether it could, and any failure raises on every rank before
-   the optimiser is touched;
+   (passes add at the root) becomes a unit of its own, like a layer (plan_units); fully_shard moves each unit to
+   the mesh's device in turn and keeps only this rank's shard; every rank reports whether it could, and any
+   failure raises on every rank before the optimiser is touched;
 4. carry: an optimiser of the same class over the new shards, its state (AdamW's moments) moved by parameter name:
    a state tensor whose shape and placement did not change is cloned shard for shard; a grown one is gathered, put in
    the leading box of zeros of the new shape (optim.carry_optimizer's rule) and cut to this rank's new shard — one
@@ -93,17 +93,6 @@ class Unit:
 
     paths: tuple[str, ...]
     options: dict[str, Any]
-
-    @property
-    def prefix(self) -> str:
-        """The longest module path every one of its modules lies under ('' for the root)."""
-        parts = [p.split(".") for p in self.paths]
-        common = []
-        for level in zip(*parts):
-            if len(set(level)) > 1:
-                break
-            common.append(level[0])
-        return ".".join(common)
 
 
 def sharding_units(model: nn.Module) -> list[Unit]:
@@ -218,33 +207,36 @@ def _own_parameters(gm: nn.Module) -> None:
 
 
 def reshard(gm: fx.GraphModule, units: list[Unit], before: set[str]) -> fx.GraphModule:
-    """fully_shard on `gm` with `units` (innermost first, root last): each unit's modules that are still there, plus
-    the modules growth added (paths not in `before`) that the graph calls, hold parameters and lie under the unit's
-    path; what is left is the root's."""
+    """fully_shard on `gm` with the units `plan_units` makes from the old model's `units` (`before`: its module
+    paths), innermost first, the root last."""
     from torch.distributed.fsdp import fully_shard
 
     modules = dict(gm.named_modules())
     called = [t for t in dict.fromkeys(n.target for n in gm.graph.nodes if n.op == "call_module") if t in modules]
-    taken: set[str] = set()
-    for unit in units[:-1]:
-        paths = [p for p in unit.paths if p in modules]
-        prefix = unit.prefix
-        paths += [
-            p
-            for p in called
-            if p not in before
-            and p not in taken
-            and prefix
-            and p.startswith(prefix + ".")
-            and not any(p.startswith(q + ".") for q in paths)
-            and any(True for _ in modules[p].parameters())
-        ]
-        if not paths:
-            continue
-        taken.update(paths)
-        fully_shard([modules[p] for p in paths], **unit.options)
-    fully_shard(gm, **units[-1].options)
+    with_params = {p for p in called if any(True for _ in modules[p].parameters())}
+    for unit in plan_units(units, set(modules), called, with_params, before):
+        fully_shard([modules[p] for p in unit.paths] if unit.paths != ("",) else gm, **unit.options)
     return gm
+
+
+def plan_units(
+    units: list[Unit], present: set[str], called: list[str], with_params: set[str], before: set[str]
+) -> list[Unit]:
+    """The grown model's units: each old unit with its modules that are still there (by path: a pass that resizes a
+    layer puts the new one at the same path), then one unit per new top-level module (passes name what they add at
+    the root, e.g. deepen's `deepen_transformer`) made of the leaves the graph calls under it that hold parameters,
+    with the layer units' options — a new layer is sharded like the others rather than joining the root's unit,
+    which stays gathered through the whole step. The root's unit last."""
+    kept = [Unit(tuple(p for p in u.paths if p in present), u.options) for u in units[:-1]]
+    kept = [u for u in kept if u.paths]
+    claimed = {p for u in kept for p in u.paths}
+    added: dict[str, list[str]] = {}
+    for path in called:
+        if path not in before and path not in claimed and path in with_params:
+            added.setdefault(path.split(".")[0], []).append(path)
+    options = kept[-1].options if kept else units[-1].options
+    new_units = [Unit(tuple(paths), options) for paths in added.values()] if kept else []
+    return [*kept, *new_units, units[-1]]
 
 
 def unsharded_copy(model: fx.GraphModule) -> fx.GraphModule:
