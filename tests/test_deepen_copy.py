@@ -81,7 +81,7 @@ def test_the_copy_is_the_identity_learns_and_matches_on_onnxruntime(family, tmp_
     # the output projections, found through the stream's writers, are zero; every other tensor is the source layer's
     for n, p in copy.named_parameters():
         assert not p.any() if n in projections else torch.equal(p, source.get_parameter(n)), n
-    assert source.get_parameter(next(iter(projections))).any()
+    assert all(source.get_parameter(n).any() for n in projections if n.endswith("weight"))  # zeroed by the copy
     learns = result.preservation.trainable
     assert {f"{stack}.2.{n}" for n, _ in copy.named_parameters()} <= set(learns)
     assert all(learns[f"{stack}.2.{n}"] == 0 for n in projections)  # the zero projections get a gradient at once
@@ -167,6 +167,16 @@ def test_refusals_name_why():
     first_q = next(n.name for n in gm.graph.nodes if n.target == "model.layers.0.self_attn.q_proj")
     with pytest.raises(gg.NotApplicable, match=f"'{first_q}' is not a layer's output"):
         deepen(block="copy", after=first_q)(gm)
+    # a layer that depends on its index: the copy appended at the end is the identity, so the first check passes;
+    # the second, with the copy's zero projections moved as training moves them, sees that layer 3 is scaled by 1/3
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, vocab_size=V, use_cache=False, scale_attn_by_inverse_layer_idx=True
+    )
+    gpt2 = transformers.GPT2LMHeadModel(config).eval()
+    deeper = deepen(block="copy")(gg.trace(gpt2, input_shape=parse_spec(SPEC))).gm
+    with pytest.raises(gg.NotApplicable, match="would run the copied layers otherwise than the grown graph once they"):
+        gg.as_native(deeper, gpt2)
 
 
 def _bert():

@@ -34,7 +34,7 @@ from ..core.errors import GraphgrowError, NotApplicable
 from ..core.protocol import compare_outputs
 from ..graph.graph_meta import input_spec_of
 from ..graph.shapes import example_input
-from .native_depth import deeper_config, deeper_stacks, in_run_order, original_path
+from .native_depth import copies_moved, deeper_config, deeper_stacks, in_run_order, original_path
 from .native_moe import has_mixtures, moe_native
 
 _NOT_SIZES = {
@@ -77,8 +77,13 @@ def as_native(
         return moe_native(grown, original, stored_dtype, use_cache)
     cls = type(original)
     deeper = deeper_stacks(grown, original)  # layers deepen(block=copy) added: numbered in run order (native_depth)
-    grown_state = _with_aliases(_class_layout(grown, original, lambda p: original_path(p, deeper)), original)
-    grown_state = in_run_order(grown_state, deeper)
+
+    def class_state(g: fx.GraphModule) -> dict[str, torch.Tensor]:
+        return in_run_order(
+            _with_aliases(_class_layout(g, original, lambda p: original_path(p, deeper)), original), deeper
+        )
+
+    grown_state = class_state(grown)
     base = deeper_config(original.config, cls, deeper, _meta_shapes) if deeper else original.config
     persistent = set(_meta_shapes(cls, base) or ()) if deeper else set(original.state_dict())
     _refuse_structure(grown_state, persistent, original, cls)
@@ -111,6 +116,18 @@ def as_native(
         native.tie_weights()
     native.eval()
     _check(grown, native, cls)
+    if deeper:  # a copied layer is the identity until it learns: checked again with its zero tensors moved
+        moved, probe = copies_moved(grown, deeper), copy.deepcopy(native)
+        probe.load_state_dict({k: v for k, v in class_state(moved).items() if k in persistent}, strict=False)
+        try:
+            _check(moved, probe, cls)
+        except NotApplicable as e:
+            raise NotApplicable(
+                f"{cls.__name__} would run the copied layers otherwise than the grown graph once they learn "
+                f"({e.message}): the layer depends on its place in the stack (e.g. GPT-2's "
+                "scale_attn_by_inverse_layer_idx)",
+                "keep the GraphModule",
+            ) from e
     if getattr(original, "generation_config", None) is not None:
         native.generation_config = copy.deepcopy(original.generation_config)
     if stored_dtype in (torch.bfloat16, torch.float16):

@@ -9,6 +9,9 @@ name) and records in the graph's metadata which layer it copied (`layer_copies`:
 4. the config: the integer field holding the layer count (the one whose value, set to the new count, gives the class
    a layer at the new last index, found on the meta device), and every list of one entry per layer, each entry
    taken from the layer's origin.
+5. the check again, on a copy of the grown graph whose copied layers' zero tensors (their output projections) hold
+   random values: a copy is the identity until it learns, so only then does the check see whether the class runs it
+   as the graph does (a layer that depends on its index, such as GPT-2's scale_attn_by_inverse_layer_idx, is refused).
 The metadata is read as untrusted (a loaded file): paths must name numbered layers of the grown model.
 """
 
@@ -20,9 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from ..core.errors import NotApplicable
+from ..graph.fx_edit import copy_graph_module
 from ..graph.graph_meta import graph_info, scope_of
 
 COPIES_KEY = "layer_copies"
@@ -136,3 +141,19 @@ def deeper_config(config: Any, cls: type, deeper: list[Deeper], shapes: Callable
                 "keep the GraphModule",
             )
     return config
+
+
+def copies_moved(grown: fx.GraphModule, deeper: list[Deeper]) -> fx.GraphModule:
+    """The grown graph copied, its copied layers' all-zero tensors holding random values (seeded), as after training."""
+    moved = copy_graph_module(grown)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for d in deeper:
+            for i in d.order:
+                if i < d.before:
+                    continue  # an original layer: already checked as it is
+                for p in moved.get_submodule(f"{d.stack}.{i}").parameters():
+                    if p.is_floating_point() and not p.any():
+                        std = p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1
+                        p.copy_(torch.randn(p.shape, generator=generator).to(p) * std)
+    return moved
