@@ -155,6 +155,33 @@ def grow_scenario(spec: str, mesh, rank: int, world: int) -> dict:
     return r
 
 
+def options_scenario(mesh, rank: int, world: int) -> dict:
+    """Units sharded with settings of their own (layers kept gathered after forward, bf16 compute): the grown model's
+    units carry the same settings."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = gg.distributed.shard(fresh(), LAYERS, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step(model, opt, 0, rank, world)
+
+    def settings(m) -> list:
+        return [
+            [u.paths[0], repr(u.options.get("reshard_after_forward")), repr(u.options["mp_policy"])]
+            for u in fsdp.sharding_units(m)
+        ]
+
+    before, probe_before = settings(model), probe(model)
+    g = gg.distributed.grow(model, opt, "grow_width(factor=2)", seed=2, timeout=120)
+    return {
+        "before": before,
+        "after": settings(g.model),
+        "probe_before": probe_before,
+        "probe_after": probe(g.model),
+        "step_after": step(g.model, g.optimizer, 1, rank, world),
+    }
+
+
 def failure_scenario(mesh, rank: int, world: int) -> dict:
     """Rank 1 fails in the pipeline, then in the re-sharding: both ranks raise and keep the old model, then train."""
     model = gg.distributed.shard(fresh(), LAYERS, mesh=mesh)
@@ -249,6 +276,9 @@ def main() -> int:
         start = time.perf_counter()
         report["grow"][spec] = grow_scenario(spec, mesh, rank, world)
         report["seconds"][spec] = time.perf_counter() - start
+    start = time.perf_counter()
+    report["options"] = options_scenario(mesh, rank, world)
+    report["seconds"]["options"] = time.perf_counter() - start
     start = time.perf_counter()
     report["failure"] = failure_scenario(mesh, rank, world)
     report["seconds"]["failure"] = time.perf_counter() - start

@@ -80,6 +80,18 @@ def test_every_rank_grows_its_shards_without_a_jump_in_the_loss(ranks):
         assert ranks[0]["grow"][spec]["probe_after"] == ranks[1]["grow"][spec]["probe_after"], spec
 
 
+def test_each_unit_keeps_its_settings_across_growth(ranks):
+    """Layers sharded with reshard_after_forward=False and bf16 compute (MixedPrecisionPolicy) are sharded the same
+    way after growth; the loss (computed in bf16) is unchanged and a step follows."""
+    for report in ranks:
+        r = report["options"]
+        assert r["after"] == r["before"] and len(r["before"]) == 3, r
+        assert all(u[1] == "False" and "param_dtype=torch.bfloat16" in u[2] for u in r["before"]), r["before"]
+        assert r["probe_after"] == r["probe_before"], r
+        assert 0 < r["step_after"] < 10, r  # a number: the step ran
+    assert ranks[0]["options"]["step_after"] == ranks[1]["options"]["step_after"]
+
+
 def test_the_sharded_growth_is_the_same_growth_done_unsharded(ranks):
     """Gathered with torch's own full state dicts, the grown parameters and AdamW's moments are bit-identical to
     gg.distributed.grow_replica on a plain copy loaded with the same weights and optimiser state (same seed), and

@@ -73,12 +73,7 @@ def grow(
     """Grow the model inside a DistributedDataParallel wrapper on every rank (call it on every rank at the same
     point). Returns a new wrapper over the grown GraphModule, built with the old wrapper's options
     (`ddp_options` overrides them), the optimiser carried and the scheduler re-pointed. Raises on every rank
-    when any rank fails, disagrees or does not answer within `timeout` seconds; then nothing changed. A traced model
-    sharded with FSDP2 (fully_shard) is grown by fsdp.grow_fsdp and comes back sharded the same way."""
-    from .fsdp import grow_fsdp, is_fsdp  # fsdp.py builds on this module
-
-    if is_fsdp(ddp):
-        return grow_fsdp(ddp, optimizer, spec, scheduler, seed=seed, verify=verify, timeout=timeout)
+    when any rank fails, disagrees or does not answer within `timeout` seconds; then nothing changed."""
     module = getattr(ddp, "module", None)
     if not isinstance(ddp, nn.Module) or not isinstance(module, fx.GraphModule):
         raise InputError(

@@ -17,10 +17,42 @@ PyTorch Lightning, checkpointed and resumed. One place to import it all from (do
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.errors import InputError
+from . import ddp
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from .ddp import Grown, carry_scheduler, grow, grow_replica, rebuild_options
-from .fsdp import grow_fsdp, shard
+from .ddp import Grown, Verify, carry_scheduler, grow_replica, rebuild_options
+from .fsdp import grow_fsdp, is_fsdp, shard
 from .fsdp_checkpoint import ShardedCheckpoint, load_sharded_checkpoint, save_sharded_checkpoint
+
+
+def grow(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    spec: str | Sequence[str],
+    scheduler: Any = None,
+    *,
+    seed: int | None = None,
+    verify: Verify = "rank0",
+    timeout: float = 300.0,
+    ddp_options: dict[str, Any] | None = None,
+) -> Grown:
+    """The growth step on every rank (call it on every rank at the same point of the loop): a traced model in a
+    DistributedDataParallel wrapper grows into a new wrapper (ddp.grow; `ddp_options` override the old wrapper's),
+    a traced model sharded with FSDP2 grows sharded the same way (fsdp.grow_fsdp). The optimiser is carried and the
+    scheduler re-pointed; on any failure every rank raises and keeps its old objects."""
+    if is_fsdp(model):
+        if ddp_options:
+            raise InputError("ddp_options are for a DDP wrapper; this model is sharded with FSDP2", "leave them out")
+        return grow_fsdp(model, optimizer, spec, scheduler, seed=seed, verify=verify, timeout=timeout)
+    return ddp.grow(
+        model, optimizer, spec, scheduler, seed=seed, verify=verify, timeout=timeout, ddp_options=ddp_options
+    )
 
 
 def __getattr__(name: str):

@@ -146,6 +146,8 @@ def grow_fsdp(
             f"grow_fsdp() takes a traced model sharded with fully_shard, got {type(model).__name__}",
             "gg.distributed.shard(gg.trace(model, ...), layers=[...]) or fully_shard on the traced model",
         )
+    if scheduler is not None and optimizer is None:
+        raise InputError("a scheduler was given without its optimiser", "pass the optimiser the scheduler drives")
     units = sharding_units(model)
     if not units or units[-1].paths != ("",):
         raise InputError(
@@ -177,8 +179,6 @@ def grow_fsdp(
         if scheduler is not None:
             carry_scheduler(scheduler, grown.optimizer, optimizer)
             grown.scheduler = scheduler
-    elif scheduler is not None:
-        raise InputError("a scheduler was given without its optimiser", "pass the optimiser the scheduler drives")
     grown.seconds["carry"] = time.perf_counter() - t2
     grown.seconds["gather"] = gathered
     grown.seconds["total"] = time.perf_counter() - t0
