@@ -34,7 +34,7 @@ from ..core.errors import GraphgrowError, NotApplicable
 from ..core.protocol import compare_outputs
 from ..graph.graph_meta import input_spec_of
 from ..graph.shapes import example_input
-from .native_depth import copies_moved, deeper_config, deeper_stacks, in_run_order, original_path
+from .native_depth import check_moved, deeper_config, deeper_stacks, in_run_order, original_path
 from .native_moe import has_mixtures, moe_native
 
 _NOT_SIZES = {
@@ -78,10 +78,9 @@ def as_native(
     cls = type(original)
     deeper = deeper_stacks(grown, original)  # layers deepen(block=copy) added: numbered in run order (native_depth)
 
-    def class_state(g: fx.GraphModule) -> dict[str, torch.Tensor]:
-        return in_run_order(
-            _with_aliases(_class_layout(g, original, lambda p: original_path(p, deeper)), original), deeper
-        )
+    def class_state(g: fx.GraphModule, keep: set | None = None) -> dict[str, torch.Tensor]:
+        state = _with_aliases(_class_layout(g, original, lambda p: original_path(p, deeper)), original)
+        return {k: v for k, v in in_run_order(state, deeper).items() if keep is None or k in keep}
 
     grown_state = class_state(grown)
     base = deeper_config(original.config, cls, deeper, _meta_shapes) if deeper else original.config
@@ -117,17 +116,7 @@ def as_native(
     native.eval()
     _check(grown, native, cls)
     if deeper:  # a copied layer is the identity until it learns: checked again with its zero tensors moved
-        moved, probe = copies_moved(grown, deeper), copy.deepcopy(native)
-        probe.load_state_dict({k: v for k, v in class_state(moved).items() if k in persistent}, strict=False)
-        try:
-            _check(moved, probe, cls)
-        except NotApplicable as e:
-            raise NotApplicable(
-                f"{cls.__name__} would run the copied layers otherwise than the grown graph once they learn "
-                f"({e.message}): the layer depends on its place in the stack (e.g. GPT-2's "
-                "scale_attn_by_inverse_layer_idx)",
-                "keep the GraphModule",
-            ) from e
+        check_moved(grown, native, deeper, lambda g: class_state(g, persistent), lambda g, m: _check(g, m, cls))
     if getattr(original, "generation_config", None) is not None:
         native.generation_config = copy.deepcopy(original.generation_config)
     if stored_dtype in (torch.bfloat16, torch.float16):

@@ -157,3 +157,25 @@ def copies_moved(grown: fx.GraphModule, deeper: list[Deeper]) -> fx.GraphModule:
                         std = p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1
                         p.copy_(torch.randn(p.shape, generator=generator).to(p) * std)
     return moved
+
+
+def check_moved(
+    grown: fx.GraphModule,
+    native: nn.Module,
+    deeper: list[Deeper],
+    class_state: Callable[[fx.GraphModule], dict[str, Any]],
+    check: Callable[[fx.GraphModule, nn.Module], None],
+) -> None:
+    """as_native's check once more, the copied layers moved (copies_moved) on both sides: `class_state(g)` is a
+    graph's state in the class's names and layout, `check(g, m)` the comparison, NotApplicable when they differ."""
+    moved, probe = copies_moved(grown, deeper), copy.deepcopy(native)
+    probe.load_state_dict(class_state(moved), strict=False)
+    try:
+        check(moved, probe)
+    except NotApplicable as e:
+        raise NotApplicable(
+            f"{type(native).__name__} would run the copied layers otherwise than the grown graph once they learn "
+            f"({e.message}): the layer depends on its place in the stack (e.g. GPT-2's "
+            "scale_attn_by_inverse_layer_idx)",
+            "keep the GraphModule",
+        ) from e
