@@ -176,6 +176,9 @@ def test_refusals_say_why():
         upcycle()(gg.trace(small_cnn(8).eval(), (2, 3, 16, 16)))
     with pytest.raises(gg.NotApplicable, match=r"inner value '\w+' is also read outside it"):
         upcycle()(gg.trace(LeakyMlp(), (2, 5, 8)))
+    short = gg.trace(TinyLM(layers=1), input_shape=parse_spec("input_ids:1x2:int64"))  # 4 × 2 tokens to route
+    with pytest.raises(gg.NotApplicable, match=r"no token of the example input \(8 tokens\) chooses expert"):
+        upcycle(experts=64, top_k=2)(short)
     _, gm = traced("plain")
     once = upcycle(experts=2, top_k=2, at="blocks.0.mlp")(gm).gm
     with pytest.raises(gg.NotApplicable, match=r"no MLP at 'blocks.0.mlp'; .* already a mixture of experts"):
@@ -264,3 +267,29 @@ def test_native_refuses_what_mixtral_cannot_hold():
     mixed = gg.get_pass("upcycle")(experts=3, top_k=2, at="model.layers.1.mlp")(one).gm
     with pytest.raises(gg.NotApplicable, match=r"\[2, 3\] experts"):
         gg.as_native(mixed, dense)
+
+
+def test_the_router_spreads_tokens_over_the_experts_when_every_token_shares_a_direction():
+    """A trained norm's output has a direction every token shares: random router rows then rank the experts alike for
+    every token, and experts no token chooses never train. The rows are whitened on the example input, off that
+    direction: every expert is chosen, and the pass verifies on such a model (its check fails on an untrained
+    expert)."""
+    from graphgrow.passes.upcycle import router_rows
+
+    g = torch.Generator().manual_seed(0)
+    shared = F.normalize(torch.randn(16, generator=g), dim=0)
+    seen = 0.1 * torch.randn(512, 16, generator=g) + 5 * shared
+    chosen = {
+        name: set(torch.topk(seen @ rows.T, 2, dim=-1).indices.flatten().tolist())
+        for name, rows in (
+            ("plain", router_rows(None, 16, 8, 0.02, torch.Generator().manual_seed(1))),
+            ("whitened", router_rows(seen, 16, 8, 0.02, torch.Generator().manual_seed(1))),
+        )
+    }
+    assert len(chosen["plain"]) <= 4 and chosen["whitened"] == set(range(8))
+    torch.manual_seed(0)
+    model = TinyLM(layers=1)
+    with torch.no_grad():
+        model.blocks[0].norm2.bias.copy_(5 * shared)
+    result = gg.get_pass("upcycle")(experts=8, top_k=2)(gg.trace(model, input_shape=parse_spec(SPEC)))
+    assert result.preservation.trainable_ok and not result.preservation.dead

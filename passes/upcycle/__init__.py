@@ -17,12 +17,17 @@ The graph computes the mixture in a dense form: every expert on every token, wei
 token did not choose). That is traceable, exports to ONNX (TopK, Equal, ReduceSum) and is exact, but costs E× the
 MLP's FLOPs; a sparse runtime (a Mixtral-class model) runs only the top_k chosen experts per token.
 
-How the experts diverge: the router starts small and random (N(0, router_std²)), so different tokens choose
-different experts (top-k depends only on the logits' order, not their scale) and each copy gets the gradient of
-only its own tokens, weighted by w: after the first step the copies differ. The router itself gets no gradient at
-insertion — the chosen weights sum to one and the experts are equal, so moving it changes nothing — and learns from
-the step after, once the experts differ (the check counts the experts' gradients at once and the router's from the
-next SGD step). No noise is put on the copies: routing alone breaks the symmetry, and noise would cost exactness.
+How the experts diverge: routing. The router starts small (rows of norm router_std·√C, as N(0, router_std²) rows
+have) and random — in the directions the MLP's input varies in on the model's example input, whitened, off the
+inputs' mean direction (plain N(0, router_std²) where the model cannot run, on the meta device): a direction every
+token shares, as a trained norm's output has, would rank the experts alike for every token and leave some unchosen.
+Top-k depends on the logits' order, not their scale, so different tokens choose different experts from the start,
+and each copy gets the gradient of its own tokens only, weighted by w: after the first step the copies differ. The
+router's gradient at insertion is zero but for rounding — the chosen weights sum to one and the experts are equal,
+so moving it changes nothing (verification's trainability check may count that rounding as a step-0 gradient) — and
+it learns from the step after, once the experts differ. No noise is put on the copies: routing alone breaks the
+symmetry, and noise would cost exactness. The graph records each mixture (`mixtures`: the router, top_k and every
+expert's layers), which as_native reads to hand back the family's MoE class (jobs/native_moe.py).
 
 Refused: top_k > experts, experts < 2 and top_k < 2, at parse time (with one chosen expert its renormalised weight
 is 1 for every token, whatever the router says, so the router would never get a gradient); no MLP found, or none at
@@ -40,6 +45,13 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from graphgrow.passes.upcycle.mlps import (  # noqa: TID251 (the upcycle package's own module)
+    Mlp,
+    choose_mlps,
+    find_mlps,
+    has_dropout,
+    is_param,
+)
 from torch import fx, nn
 
 from graphgrow import Candidate, NotApplicable, Pass, Rewrite, arg
@@ -48,9 +60,10 @@ from graphgrow.rewrite import (
     Requirement,
     add_module,
     begin,
+    example_input,
     factory_kwargs,
     finish,
-    graphgrow_modules,
+    input_spec_of,
     inserting_after,
     pass_function,
     place,
@@ -62,184 +75,6 @@ from graphgrow.rewrite import (
 MIXTURES_KEY = "mixtures"  # graph metadata: MLP path → its router, top_k and each expert's layers (expert 0 first)
 MAX_EXPERTS = 64  # one step; more is almost always a typo (each expert is a copy of the MLP)
 
-# ops an MLP may apply between its Linears: elementwise on each token's features (by fx name: op name of the target)
-_ELEMENTWISE = frozenset(
-    {
-        "relu", "gelu", "silu", "tanh", "sigmoid", "erf", "exp", "pow", "softplus", "mish", "leaky_relu", "elu",
-        "selu", "celu", "hardswish", "hardsigmoid", "relu6", "neg", "abs", "square", "sqrt",
-        "add", "sub", "mul", "div", "truediv", "rsub",
-        "dropout", "contiguous", "clone", "float", "to", "type_as",
-    }
-)  # fmt: skip
-# what makes it an MLP rather than a low-rank pair of Linears: an activation, or a product of two branches (SwiGLU)
-_LINEAR_WORK = frozenset({"neg", "add", "sub", "mul", "div", "truediv", "rsub", "dropout", "contiguous", "clone"})
-_NONLINEAR = _ELEMENTWISE - _LINEAR_WORK - {"float", "to", "type_as"}
-_SAFE_MODULES = (nn.Dropout, nn.Identity)
-_NOT_ELEMENTWISE_ACTIVATIONS = (nn.MultiheadAttention, nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d, nn.GLU)
-
-
-@dataclass
-class Mlp:
-    """One MLP in the graph: the tensor its Linears read, the writer's output, every node of it in graph order."""
-
-    input: fx.Node
-    output: fx.Node
-    nodes: list[fx.Node]
-    path: str  # the module holding its layers (their longest common path), or the writer's node name
-
-    def modules(self) -> list[str]:
-        return [str(n.target) for n in self.nodes if n.op == "call_module"]
-
-    def params(self, gm: fx.GraphModule) -> int:
-        own = sum(p.numel() for t in self.modules() for p in gm.get_submodule(t).parameters())
-        return own + sum(
-            gm.get_parameter(str(n.target)).numel() for n in self.nodes if n.op == "get_attr" and _is_param(gm, n)
-        )
-
-
-def _is_param(gm: fx.GraphModule, n: fx.Node) -> bool:
-    try:
-        gm.get_parameter(str(n.target))
-    except AttributeError:
-        return False
-    return True
-
-
-def _name(n: fx.Node) -> str:
-    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-
-
-def _linear(gm: fx.GraphModule, n: fx.Node) -> bool:
-    """A Linear layer: an nn.Linear module, or F.linear on parameters."""
-    if n.op == "call_module":
-        return type(gm.get_submodule(str(n.target))) is nn.Linear
-    return n.op == "call_function" and n.target is F.linear
-
-
-def _elementwise(gm: fx.GraphModule, n: fx.Node) -> bool:
-    """Work that acts on each token's features alone (no view, no reduction, no mixing of tokens)."""
-    if n.op == "call_module":
-        m = gm.get_submodule(str(n.target))
-        return isinstance(m, _SAFE_MODULES) or (
-            type(m).__module__ == nn.modules.activation.__name__ and not isinstance(m, _NOT_ELEMENTWISE_ACTIVATIONS)
-        )
-    if n.op == "get_attr":
-        return True
-    if n.op in ("call_function", "call_method"):
-        if n.target in (torch.chunk, torch.split) or n.target in ("chunk", "split"):  # a fused gate/up projection
-            dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
-            shape = tensor_shape(n.args[0]) if isinstance(n.args[0], fx.Node) else None
-            return shape is not None and dim in (-1, len(shape) - 1)
-        if n.target is operator.getitem:  # one piece of such a split
-            src = n.args[0]
-            return isinstance(src, fx.Node) and isinstance(n.args[1], int) and _name(src) in ("chunk", "split")
-        return _name(n) in _ELEMENTWISE
-    return False
-
-
-def _region(gm: fx.GraphModule, writer: fx.Node) -> tuple[Mlp | None, str | None]:
-    """The MLP `writer` ends, walking back from it through elementwise work to the Linears that read its input:
-    (the MLP, None), or (None, why not) — None, None when the writer is not the end of an MLP at all."""
-    if not _linear(gm, writer) or not writer.args or not isinstance(writer.args[0], fx.Node):
-        return None, None
-    region: dict[fx.Node, None] = {writer: None}
-    readers: list[fx.Node] = []
-    todo = [a for a in writer.all_input_nodes]
-    while todo:
-        n = todo.pop()
-        if n in region:
-            continue
-        region[n] = None
-        if _linear(gm, n):
-            readers.append(n)
-            todo += [a for a in n.all_input_nodes[1:]]  # F.linear's weight and bias
-            continue
-        if not _elementwise(gm, n):
-            return None, None
-        todo += list(n.all_input_nodes)
-    inputs = {r.args[0] for r in readers}
-    if not readers or len(inputs) != 1:
-        return None, None
-    x = next(iter(inputs))
-    if not isinstance(x, fx.Node) or x in region:
-        return None, None
-    body = [n for n in region if n.op != "get_attr"]
-    if not any(_nonlinear(gm, n) for n in body):
-        return None, None  # a low-rank pair of Linears (an adapter), not an MLP
-    x_shape, out_shape = tensor_shape(x), tensor_shape(writer)
-    if x_shape is None or out_shape is None or x_shape[-1] != out_shape[-1]:
-        return None, None
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    nodes = sorted(region, key=order.__getitem__)
-    path = _common_path([str(n.target) for n in nodes if n.op in ("call_module", "get_attr")]) or writer.name
-    leak = next((n for n in body if n is not writer and any(u not in region for u in n.users)), None)
-    if leak is not None:
-        return None, f"the MLP at '{path}': its inner value '{leak.name}' is also read outside it"
-    return Mlp(x, writer, nodes, path), None
-
-
-def _nonlinear(gm: fx.GraphModule, n: fx.Node) -> bool:
-    """An activation (function or module), or a product of two computed tensors (SwiGLU's act(gate) · up)."""
-    if n.op == "call_module":
-        return type(gm.get_submodule(str(n.target))).__module__ == nn.modules.activation.__name__
-    if _name(n) == "mul":
-        return sum(isinstance(a, fx.Node) and a.op != "get_attr" for a in n.args) == 2
-    return _name(n) in _NONLINEAR
-
-
-def _common_path(paths: list[str]) -> str:
-    """The longest common module path of the layers' own paths (a layer's parent when it is alone)."""
-    parts = [p.split(".")[:-1] for p in paths]
-    common: list[str] = []
-    for level in zip(*parts):
-        if len(set(level)) > 1:
-            break
-        common.append(level[0])
-    return ".".join(common)
-
-
-def find_mlps(gm: fx.GraphModule) -> tuple[list[Mlp], list[str]]:
-    """Every MLP of the graph in graph order (not those upcycle made: a copy or an expert 0 already routed),
-    and why near-misses were left out."""
-    added = {m for m in graphgrow_modules(gm) if m.startswith("upcycle")}
-    routed = {
-        n.args[0] for n in gm.graph.nodes if n.op == "call_module" and str(n.target).split(".")[0] in added and n.args
-    }
-    found, skipped = [], []
-    for n in gm.graph.nodes:
-        mlp, why = _region(gm, n)
-        if why is not None:
-            skipped.append(why)
-        if mlp is None:
-            continue
-        if mlp.input in routed:  # an expert 0 already behind a router, or one of its copies
-            why = f"the MLP at '{mlp.path}' is already a mixture of experts"
-            skipped += [] if why in skipped or mlp.path.split(".")[0] in added else [why]
-            continue
-        found.append(mlp)
-    return found, skipped
-
-
-def _choose(mlps: list[Mlp], skipped: list[str], at: str | None) -> list[Mlp]:
-    if at is None:
-        return mlps
-    chosen = [
-        m
-        for m in mlps
-        if m.path == at
-        or m.path.startswith(at + ".")
-        or any(n.name == at or str(n.target) == at for n in m.nodes if n.op != "get_attr")
-    ]
-    if not chosen:
-        raise NotApplicable(
-            f"no MLP at '{at}'" + "".join(f"; {why}" for why in skipped if f"'{at}" in why),
-            f"name one of: {', '.join(m.path for m in mlps)} (graphgrow targets MODEL --pass upcycle lists them)",
-        )
-    return chosen
-
-
-# --- the rewrite -----------------------------------------------------------------------------------------------
-
 
 def _local(mlp: Mlp, n: fx.Node) -> str:
     """A layer's (or parameter's) name inside an expert: its path below the MLP's, as one identifier."""
@@ -249,7 +84,7 @@ def _local(mlp: Mlp, n: fx.Node) -> str:
 
 def _owned(gm: fx.GraphModule, n: fx.Node) -> bool:
     """A node whose layer or parameter each expert holds its own copy of."""
-    return n.op == "call_module" or (n.op == "get_attr" and _is_param(gm, n))
+    return n.op == "call_module" or (n.op == "get_attr" and is_param(gm, n))
 
 
 def _copy_expert(gm: fx.GraphModule, mlp: Mlp, root: str, e: int, env: dict[fx.Node, fx.Node]) -> list[fx.Node]:
@@ -271,15 +106,61 @@ def _copy_expert(gm: fx.GraphModule, mlp: Mlp, root: str, e: int, env: dict[fx.N
     return made
 
 
-def _upcycle_one(
-    gm: fx.GraphModule, mlp: Mlp, experts: int, top_k: int, std: float, g: torch.Generator
-) -> dict[str, object]:
+def _inputs_seen(gm: fx.GraphModule, mlps: list[Mlp]) -> dict[str, torch.Tensor]:
+    """Each MLP's input on the model's own example input (batch 4, eval mode), tokens × C; {} when the model cannot
+    run (on the meta device, no example input)."""
+    if any(p.is_meta for p in gm.parameters()):
+        return {}
+    was = gm.training
+    try:
+        x = example_input(gm, input_spec_of(gm), seed=0, batch=4)
+        interp = fx.Interpreter(gm.eval(), garbage_collect_values=False)
+        with torch.no_grad():
+            interp.run(*(x.values() if isinstance(x, dict) else (x,)))
+        return {m.input.name: interp.env[m.input].detach().flatten(0, -2).float().cpu() for m in mlps}
+    except Exception:  # noqa: BLE001 — only the router's start depends on it: plain random rows then
+        return {}
+    finally:
+        gm.train(was)
+
+
+def router_rows(seen: torch.Tensor | None, c: int, experts: int, std: float, g: torch.Generator) -> torch.Tensor:
+    """E router rows of norm std·√C (the norm of N(0, std²) rows). Random in the directions the MLP's input varies in
+    on the example input, each scaled by 1/its spread (whitened), off the inputs' mean direction: a direction that
+    every token shares (a trained norm's output has some) would rank the experts alike for every token and leave some
+    experts unchosen, untrained. Plain N(0, std²) rows without `seen`."""
+    rows = torch.randn(experts, c, generator=g)
+    if seen is not None and seen.shape[0] > 1:
+        mean = seen.mean(0)
+        _, spread, dirs = torch.linalg.svd(seen - mean, full_matrices=False)
+        keep = spread > 1e-4 * spread[0].clamp_min(1e-30)
+        if keep.any():
+            scale = spread[keep] / (seen.shape[0] - 1) ** 0.5
+            rows = torch.randn(experts, int(keep.sum()), generator=g) @ (dirs[keep] / scale[:, None])
+            unit = mean / mean.norm().clamp_min(1e-30)
+            rows = rows - (rows @ unit)[:, None] * unit
+    return rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-30) * std * c**0.5
+
+
+def _every_expert_chosen(mlp: Mlp, seen: torch.Tensor, rows: torch.Tensor, top_k: int) -> None:
+    """NotApplicable when some expert is chosen by no token of the example input: it would get no gradient."""
+    chosen = set(torch.topk(seen @ rows.T, top_k, dim=-1).indices.flatten().tolist())
+    idle = sorted(set(range(rows.shape[0])) - chosen)
+    if idle:
+        raise NotApplicable(
+            f"at '{mlp.path}', no token of the example input ({seen.shape[0]} tokens) chooses expert(s) "
+            f"{', '.join(map(str, idle[:8]))} of {rows.shape[0]}: they would not train",
+            "give fewer experts or a larger top_k, or trace the model with a longer example input",
+        )
+
+
+def _upcycle_one(gm: fx.GraphModule, mlp: Mlp, experts: int, top_k: int, rows: torch.Tensor) -> dict[str, object]:
     """Rewrite one MLP into the routed mixture; returns its record (MIXTURES_KEY)."""
     c = (tensor_shape(mlp.input) or (0,))[-1]
     kw = factory_kwargs(gm, mlp.input)
     router = nn.Linear(c, experts, bias=False, **kw)
     with torch.no_grad():
-        router.weight.copy_(torch.randn(router.weight.shape, generator=g) * std)
+        router.weight.copy_(rows)
     holder = nn.Module()
     holder.add_module("router", router)
     holder.register_buffer("expert_ids", torch.arange(experts, device=kw["device"]))
@@ -336,16 +217,23 @@ def upcycle(
     mlps, skipped = find_mlps(gm)
     if not mlps:
         raise NotApplicable(*_none_found(skipped))
-    chosen = _choose(mlps, skipped, at)
-    made = [_upcycle_one(gm, m, experts, top_k, router_std, generator) for m in chosen]
+    chosen = choose_mlps(mlps, skipped, at)
+    seen = _inputs_seen(gm, chosen)
+    made = []
+    for m in chosen:
+        c, x = (tensor_shape(m.input) or (0,))[-1], seen.get(m.input.name)
+        rows = router_rows(x, c, experts, router_std, generator)
+        if x is not None:
+            _every_expert_chosen(m, x, rows, top_k)
+        made.append(_upcycle_one(gm, m, experts, top_k, rows))
     roots = [str(r["router"]).rpartition(".")[0] for r in made]
     notes = [
         f"the graph runs all {experts} experts on every token (dense form: exact, traceable, ONNX-exportable; "
         f"{experts}× the MLPs' FLOPs); a sparse runtime runs {top_k} per token",
-        "the router gets its first gradient one step after insertion (the chosen weights sum to one and the experts "
-        "are equal); the experts learn at once, each from the tokens routed to it",
+        "the router's gradient is zero at insertion but for rounding (the chosen weights sum to one and the experts "
+        "are equal): it learns from the next step, once the experts, each trained by the tokens routed to it, differ",
     ]
-    if any(_dropout(gm, n) for m in chosen for n in m.nodes):
+    if any(has_dropout(gm, m) for m in chosen):
         notes.append(
             "dropout inside an MLP draws its own mask in every expert: exact in eval mode and in train mode with "
             "dropout off (as verified); with dropout on, each token's output is another draw of the same mean"
@@ -356,7 +244,7 @@ def upcycle(
         "experts": f"{experts}: expert 0 the original layers, 1..{experts - 1} copies in {roots[0]}.expert*"
         + (f" (and {len(roots) - 1} more upcycle_* modules)" if len(roots) > 1 else ""),
         "routing": f"top-{top_k} of softmax(router(x)), chosen weights renormalised to sum to 1; "
-        f"router Linear(C → {experts}, no bias) ~ N(0, {router_std:g}²)",
+        f"router Linear(C → {experts}, no bias), rows of norm {router_std:g}·√C",
     }
     if skipped:
         targets["skipped"] = "; ".join(skipped)
@@ -366,20 +254,14 @@ def upcycle(
     return Rewrite(gm, targets, notes)
 
 
-def _dropout(gm: fx.GraphModule, n: fx.Node) -> bool:
-    if n.op == "call_module":
-        m = gm.get_submodule(str(n.target))
-        return isinstance(m, nn.Dropout) and m.p > 0
-    return _name(n) == "dropout"
+NO_MLP = "no transformer MLP found (Linear layers reading one tensor, elementwise work, a Linear back to its width)"
+NO_MLP_HINT = "upcycle grows MLPs written as Linear layers (nn.Linear or F.linear) with an activation between them"
 
 
 def _none_found(skipped: list[str]) -> tuple[str, str]:
     if skipped:
         return f"no MLP can be upcycled: {'; '.join(skipped)}", "upcycle the MLPs of another model"
-    return (
-        "no transformer MLP found (Linear layers reading one tensor, elementwise work, a Linear back to its width)",
-        "upcycle grows MLPs written as Linear layers (nn.Linear or F.linear) with an activation between them",
-    )
+    return NO_MLP, NO_MLP_HINT
 
 
 def _has_mlp(gm: fx.GraphModule) -> bool:
@@ -397,8 +279,8 @@ class Upcycle(Pass):
         Requirement(
             "a transformer MLP (Linear layers, an activation, a Linear back to the input width)",
             _has_mlp,
-            "no transformer MLP found (Linear layers reading one tensor, elementwise work, a Linear back to its width)",
-            "upcycle grows MLPs written as Linear layers (nn.Linear or F.linear) with an activation between them",
+            NO_MLP,
+            NO_MLP_HINT,
         ),
     )
     ensures = (ADDS_PARAMETERS,)
@@ -415,7 +297,11 @@ class Upcycle(Pass):
         None, "module path of one MLP (e.g. model.layers.0.mlp) or of a module holding MLPs; default: every MLP"
     )
     router_std: float = arg(
-        0.02, "the router's initial weights ~ N(0, router_std²): small, so routing starts near-uniform", above=0, high=1
+        0.02,
+        "the router's rows start with the norm of N(0, router_std²) rows (random, whitened on the example input): "
+        "small, so the chosen weights start near-uniform",
+        above=0,
+        high=1,
     )
 
     def conflict(self) -> tuple[str, str, str] | None:
