@@ -2,7 +2,8 @@
 stack so that the native config holds it. On tiny LLaMA and GPT-2 (Conv1D, biases, n_layer) the pass verifies in eval
 and train mode and on onnxruntime, the zero projections learn at once, and as_native gives the same class with one
 more layer that saves, loads and computes the original's logits and greedy tokens; on Qwen2 with sliding and full
-layers a copy placed in the middle keeps its place and its layer type once it has learned; refusals say why."""
+layers a copy placed in the middle keeps its place and its layer type once it has learned; OPT, which the stream
+analysis refuses, through its layers' branches; refusals say why."""
 
 from __future__ import annotations
 
@@ -153,6 +154,24 @@ def test_a_copy_in_the_middle_keeps_its_place_and_layer_type_once_it_learns():
     with torch.no_grad():
         want, got, old = deeper(input_ids=x)["logits"], native(input_ids=x).logits, model(input_ids=x).logits
     assert (want - got).abs().max().item() <= 1e-5 and (want - old).abs().max().item() > 1e-2
+
+
+@pytest.mark.slow
+def test_where_the_stream_analysis_refuses_the_branches_lead_to_the_projections():
+    """OPT: the stream analysis refuses its offset position embedding; each layer's residual branches are followed
+    back to their Linear (out_proj, fc2), and the stream's reshape around the MLP is passed."""
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=32
+    )
+    model = transformers.OPTForCausalLM(config).eval()
+    result = gg.get_pass("deepen")(block="copy")(gg.trace(model, input_shape=parse_spec(SPEC)))
+    assert result.preservation.eval.ok and result.preservation.train.ok
+    for name in ("self_attn.out_proj.weight", "self_attn.out_proj.bias", "fc2.weight", "fc2.bias"):
+        assert f"model.decoder.layers.2.{name}" in result.targets["block"]
+    native = gg.as_native(result.gm, model)
+    assert native.config.num_hidden_layers == 3
+    _same_behaviour(model, native)
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ New weights (initializers): kaiming_, zero_last_bn; from data (gradmax): gradmax
 The pass's declarations (arguments, contract): pass_function (a plain function whose argument defaults and allowed
     values the Pass declares, with arg()), Requirement (a precondition: Pass.requires), Guarantee (a postcondition:
     Pass.ensures), ADDS_PARAMETERS, REMOVES_PARAMETERS
+The op vocabulary (graph.ops: which ops only read a shape, which are views, elementwise, reductions): ops
 Layers and sizes: AverageMerge, param_count, input_spec_of (the example input a model was traced with: its input spec
     when it has one, else its float input shape), input_shape_of (the float input shape only),
     example_input (seeded inputs for that shape or spec: a probe of the model's behaviour)
@@ -63,6 +64,7 @@ from ..analysis.stages import (
 )
 from ..analysis.stream import Stream, find_stream
 from ..analysis.targets import tensor_or_feature_end
+from ..graph import ops
 from ..graph.fx_edit import (
     Rewrite,
     add_module,
@@ -178,6 +180,7 @@ __all__ = [
     "input_shape_of",
     "input_spec_of",
     "example_input",
+    "ops",
     "find_stream",
     "Stream",
     "grow_stream",

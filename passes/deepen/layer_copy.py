@@ -5,9 +5,11 @@ parameters; a layer is the graph's nodes inside it (by call target or recorded s
 residual stream in and one out (analysis.stream). The copy is the layer's own module deep-copied (its attention,
 RoPE, grouped heads, MLP kind, norms) and its nodes duplicated with their targets moved to the copy's path. The
 copy's writers onto the stream — the output projections the stream analysis finds (o_proj, down_proj, GPT-2's
-c_proj, …), weight and bias — are set to zero; a layer in residual form (the stream passes through it only by sums
-`x + branch`, every branch ending at a writer) is then exactly the identity in eval and train mode, and the zero
-projections get a gradient at once (each multiplies its layer's non-zero input).
+c_proj, …), weight and bias; where that analysis refuses the model (it refuses what it could not grow: Gemma's own
+RMSNorm, OPT's offset position embedding), the Linear each residual branch comes from — are set to zero; a layer in
+residual form (the stream passes through it only by sums `x + branch` and reshapes, every branch ending at a
+writer) is then exactly the identity in eval and train mode (checked by running the copy: every branch it adds is
+zero), and the zero projections get a gradient at once (each multiplies its layer's non-zero input).
 
 The copy is registered under the next free index of the stack (`model.layers.{n}`), so every parameter keeps its
 name (the optimiser's state, verification and diff go by names); the graph runs the layers in their new order, and
@@ -38,7 +40,9 @@ from graphgrow.rewrite import (
     find_stream,
     finish,
     input_spec_of,
+    is_float_tensor,
     nodes_in_module,
+    ops,
     param_count,
     pick_within_budget,
     replace_uses,
@@ -66,7 +70,6 @@ class Layer:
 class Stack:
     path: str
     layers: list[Layer]  # in the order the graph runs them
-    stream: Stream
 
 
 def _numbered_children(gm: fx.GraphModule) -> dict[str, dict[int, nn.Module]]:
@@ -95,45 +98,73 @@ def find_stack(gm: fx.GraphModule) -> Stack:
         )
     path = max(stacks, key=lambda p: sum(param_count(m) for m in stacks[p].values()))
     try:
-        stream = find_stream(gm)
-    except NotApplicable as e:
-        raise NotApplicable(
-            f"block=copy finds the layers' output projections on the residual stream, and {e.message}",
-            "use block=transformer",
-        ) from e
+        stream: Stream | None = find_stream(gm)
+    except NotApplicable:
+        # the stream analysis refuses what it could not grow (Gemma's own RMSNorm, OPT's offset position embedding);
+        # a copy grows no stream: each layer's branches are then followed back to their projections (_branch_writer)
+        stream = None
     layers = [_layer(gm, stream, f"{path}.{i}", i) for i in sorted(stacks[path])]
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
-    return Stack(path, sorted(layers, key=lambda layer: order[layer.nodes[0]]), stream)
+    return Stack(path, sorted(layers, key=lambda layer: order[layer.nodes[0]]))
 
 
-def _layer(gm: fx.GraphModule, stream: Stream, path: str, index: int) -> Layer:
+def _layer(gm: fx.GraphModule, stream: Stream | None, path: str, index: int) -> Layer:
     nodes = nodes_in_module(gm, path)
     members = set(nodes) | {n for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).startswith(path + ".")}
     for n in gm.graph.nodes:  # work on the layer's own values only (GPT-2's dropout p from its training flag)
         if n not in members and n.all_input_nodes and set(n.all_input_nodes) <= members and set(n.users) <= members:
             members.add(n)
     nodes = [n for n in gm.graph.nodes if n in members]
-    ins = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in members and a.name in stream.axes))
     outs = [n for n in nodes if any(u not in members for u in n.users)]
-    if len(ins) != 1 or len(outs) != 1 or outs[0].name not in stream.axes:
+
+    def on_stream(a: fx.Node) -> bool:  # the stream's tensors; without the analysis, float tensors of its shape
+        if stream is not None:
+            return a.name in stream.axes
+        return is_float_tensor(a) and len(outs) == 1 and tensor_shape(a) == tensor_shape(outs[0])
+
+    ins = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in members and on_stream(a)))
+    if len(ins) != 1 or len(outs) != 1 or not on_stream(outs[0]):
         raise NotApplicable(
             f"layer {path} reads {len(ins)} tensors of the residual stream ({', '.join(a.name for a in ins)}) and "
             f"hands {len(outs)} on ({', '.join(o.name for o in outs)}): not one layer on the stream",
             "use block=transformer",
         )
-    writers = [w for w in stream.writers if find_node(gm, w.node) in members]
-    odd = [w.node for w in writers if w.what != "linear" or not w.params]
+    layer = Layer(path, index, nodes, ins[0], outs[0], [], [], [])
+    layer.sums = _residual_form(gm, layer)
+    if stream is not None:
+        found = [w for w in stream.writers if find_node(gm, w.node) in members]
+        odd = [w.node for w in found if w.what != "linear" or not w.params]
+        writers = [(w.node, w.params) for w in found]
+    else:
+        writers = [_branch_writer(gm, layer, branch) for _, branch in layer.sums]
+        odd = []
     if not writers or odd:
         raise NotApplicable(
             f"layer {path} writes the residual stream through "
             + (f"{', '.join(odd)}, not a Linear projection" if odd else "no Linear projection"),
             "use block=transformer",
         )
-    layer = Layer(
-        path, index, nodes, ins[0], outs[0], [w.node for w in writers], [p for w in writers for p in w.params], []
-    )
-    layer.sums = _residual_form(gm, layer)
+    layer.writers, layer.params = [w for w, _ in writers], [p for _, ps in writers for p in ps]
     return layer
+
+
+def _branch_writer(gm: fx.GraphModule, layer: Layer, branch: fx.Node) -> tuple[str, list[tuple[str, int]]]:
+    """The Linear a residual branch comes from, followed back through ops of one tensor input of the branch's shape
+    (dropout, casts); whether zeroing it zeroes the branch is checked by running the copy (_check_identity)."""
+    n, members = branch, set(layer.nodes)
+    while n in members:
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear):
+            lin = gm.get_submodule(n.target)
+            return n.name, [(f"{n.target}.weight", 0)] + ([(f"{n.target}.bias", 0)] if lin.bias is not None else [])
+        tensors = [a for a in n.all_input_nodes if is_float_tensor(a)]
+        if len(tensors) != 1 or tensor_shape(tensors[0]) != tensor_shape(n):
+            break
+        n = tensors[0]
+    raise NotApplicable(
+        f"layer {layer.path} adds '{branch.name}' to the stream, which does not come from a Linear projection "
+        f"(followed back to '{n.name}')",
+        "use block=transformer",
+    )
 
 
 def _is_sum(n: fx.Node, x: fx.Node) -> bool:
@@ -145,11 +176,16 @@ def _is_sum(n: fx.Node, x: fx.Node) -> bool:
 
 
 def _residual_form(gm: fx.GraphModule, layer: Layer) -> list[tuple[fx.Node, fx.Node]]:
-    """The stream goes from the layer's input to its output through residual sums only: each (sum, branch)."""
+    """The stream goes from the layer's input to its output through residual sums (and reshapes) only: each (sum,
+    branch)."""
     members = set(layer.nodes)
     x, sums = layer.x_in, []
     while x is not layer.x_out:
         found = [u for u in x.users if u in members and _is_sum(u, x)]
+        views = [u for u in x.users if u in members and ops.op_name(u.target) in ops.RESHAPES and u.args[0] is x]
+        if not found and len(views) == 1:  # the stream reshaped and back (OPT flattens the tokens around its MLP)
+            x = views[0]
+            continue
         if len(found) != 1:
             onward = [u for u in x.users if u in members and u.op == "call_module"]
             norms = [
