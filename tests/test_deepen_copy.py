@@ -127,6 +127,9 @@ def test_native_has_one_more_layer_and_the_originals_behaviour(family, tmp_path)
 @pytest.mark.slow
 def test_a_copy_in_the_middle_keeps_its_place_and_layer_type_once_it_learns():
     model, gm = traced("qwen2")
+    places = gg.get_pass("deepen")(block="copy").candidates(gm)  # graphgrow targets: after each layer, or before all
+    assert [c.args["after"] for c in places] == ["model.layers.1", "model.layers.0", "model_embed_tokens"]
+    assert places[0].default and "a copy of model.layers.1" in places[0].where
     # a copy of the sliding layer 1 after layer 0, then a copy of that copy after it: run order 0, 2, 3, 1
     spec = "deepen(block=copy,after=model.layers.0,source=1),deepen(block=copy,after=model.layers.2)"
     deeper = gg.Pipeline.from_spec(spec).run(gm).gm

@@ -232,7 +232,10 @@ def copy_candidates(gm: fx.GraphModule) -> list[Candidate]:
         where = f"after {stack.layers[k].path}" if k >= 0 else f"before {source.path}"
         out.append(
             Candidate(
-                {"after": node.name}, f"{where}: a copy of {source.path}", layer_params(gm, source), node is default
+                {"after": stack.layers[k].path if k >= 0 else node.name},  # a layer by its path, as as_native names it
+                f"{where}: a copy of {source.path}",
+                layer_params(gm, source),
+                node is default,
             )
         )
     return out
