@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import graphgrow as gg  # noqa: E402
 from examples import grow_fsdp as ex  # noqa: E402
+from graphgrow.jobs import fsdp  # noqa: E402
 
 MB = 2**20
 
@@ -85,6 +86,7 @@ def main() -> int:
     ap.add_argument("--spec", default="grow_hidden(by=64)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--events", type=int, default=3)
+    ap.add_argument("--release-old", action="store_true", help="grow(release_old=True): old state off the device")
     args = ap.parse_args()
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     cuda = torch.cuda.is_available()
@@ -105,11 +107,25 @@ def main() -> int:
         ex.train_step(model, opt, n, rank, world)
     steps = [measure(cuda, lambda n=n: ex.train_step(model, opt, n, rank, world)) for n in range(args.steps)]
     shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    events = []
+    events, released = [], []
+
+    class Counted(fsdp.Released):  # what release_old freed on the device and what it had to keep
+        def __init__(self, tensors):
+            super().__init__(tensors)
+            released.append((sum(n for _, n, _ in self.saved), self.kept))
+
+    fsdp.Released = Counted  # type: ignore[misc]
     for i in range(args.events + 1):
-        g, seconds, peak = measure(cuda, lambda i=i: gg.distributed.grow(model, opt, args.spec, seed=i, timeout=600))
+        g, seconds, peak = measure(
+            cuda,
+            lambda i=i, m=model, o=opt: gg.distributed.grow(
+                m, o, args.spec, seed=i, timeout=600, release_old=args.release_old
+            ),
+        )
         if i:  # the first event warms up
             events.append((seconds, peak, g.seconds))
+        if args.release_old:  # the old model is empty now: train on the grown one
+            model, opt = g.model, g.optimizer
         del g
     step_s = statistics.median(s for _, s, _ in steps)
     event_s = statistics.median(s for s, _, _ in events)
@@ -129,6 +145,9 @@ def main() -> int:
         "one_layer_mb": round(layer_bytes / MB, 1),
         "param_shard_mb": round(shard_bytes / MB, 1),
         "memory": "cuda max_memory_allocated" if cuda else "resident set (host)",
+        "release_old": args.release_old,
+        "released_mb": round(max((r for r, _ in released), default=0) / MB, 1),
+        "kept_mb": round(max((k for _, k in released), default=0) / MB, 1),
     }
     records = [None] * world
     dist.all_gather_object(records, record)

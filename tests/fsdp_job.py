@@ -44,7 +44,7 @@ FULL = StateDictOptions(full_state_dict=True)
 def digest(tensors: dict) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
-        t = tensors[name].detach().contiguous()
+        t = tensors[name].detach().clone()  # numpy() below would pin the tensor's own storage (not resizable)
         h.update(f"{name}|{tuple(t.shape)}|".encode() + t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
@@ -144,6 +144,7 @@ def grow_scenario(spec: str, mesh, rank: int, world: int) -> dict:
     r["differs_from_unsharded"] = sorted(n for n in want if n not in full or not torch.equal(full[n], want[n]))
     r["optimizer_differs"] = sorted(n for n in theirs if n not in mine or not torch.equal(mine[n], theirs[n]))
     r["optimizer_entries"] = len(mine)
+    r["optimizer_digest"] = digest(mine)
     r["probe_after"] = probe(grown)
     r["losses_after"] = [step(grown, gopt, n, rank, world) for n in range(2, 4)]
     r["reference_after"] = [reference_step(ref_g.gm, ref_g.optimizer, n) for n in range(2, 4)]
@@ -153,6 +154,42 @@ def grow_scenario(spec: str, mesh, rank: int, world: int) -> dict:
     r["new_params"] = new_names
     r["new_params_moved"] = [n for n in new_names if not torch.equal(full[n], trained[n])]
     return r
+
+
+def release_scenario(mesh, rank: int, world: int) -> dict:
+    """grow(release_old=True): the grow_width case again, the old model's device memory freed while growing; then a
+    pipeline failure on rank 1 with release_old, which must put the old shards and state back."""
+    model = gg.distributed.shard(fresh(), LAYERS, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for n in range(2):
+        step(model, opt, n, rank, world)
+    params = list(model.parameters())
+
+    def local() -> str:
+        state = {f"{i}.{k}": v.to_local() for i, p in enumerate(params) for k, v in opt.state[p].items() if v.dim()}
+        return digest({**{str(i): p.to_local() for i, p in enumerate(params)}, **state})
+
+    before, out = local(), {}
+    real_run = gg.Pipeline.run
+    if rank == 1:
+        gg.Pipeline.run = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected failure on rank 1"))
+    try:
+        gg.distributed.grow(model, opt, "grow_width(factor=2)", seed=7, timeout=60, release_old=True)
+    except gg.DistributedError as e:
+        out["error"] = str(e)
+    finally:
+        gg.Pipeline.run = real_run  # type: ignore[method-assign]
+    out["restored"] = local() == before
+    g = gg.distributed.grow(model, opt, "grow_width(factor=2)", seed=7, timeout=60, release_old=True)
+    # what left the device: every old shard, gradient and AdamW moment (storages resized to nothing)
+    old_state = [v.to_local() for p in params for v in opt.state[p].values() if v.dim()]
+    old = [p.to_local() for p in params] + [p.grad.to_local() for p in params] + old_state
+    out["released"] = all(not t.untyped_storage().nbytes() for t in old)
+    out["digest"] = digest(get_model_state_dict(g.model, options=FULL))
+    out["optimizer_digest"] = digest(optimizer_full(g.model, g.optimizer))
+    out["probe_after"] = probe(g.model)
+    out["step_after"] = step(g.model, g.optimizer, 2, rank, world)
+    return out
 
 
 def options_scenario(mesh, rank: int, world: int) -> dict:
@@ -276,6 +313,9 @@ def main() -> int:
         start = time.perf_counter()
         report["grow"][spec] = grow_scenario(spec, mesh, rank, world)
         report["seconds"][spec] = time.perf_counter() - start
+    start = time.perf_counter()
+    report["release"] = release_scenario(mesh, rank, world)
+    report["seconds"]["release"] = time.perf_counter() - start
     start = time.perf_counter()
     report["options"] = options_scenario(mesh, rank, world)
     report["seconds"]["options"] = time.perf_counter() - start

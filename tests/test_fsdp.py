@@ -80,6 +80,17 @@ def test_every_rank_grows_its_shards_without_a_jump_in_the_loss(ranks):
         assert ranks[0]["grow"][spec]["probe_after"] == ranks[1]["grow"][spec]["probe_after"], spec
 
 
+def test_release_old_frees_the_old_state_and_puts_it_back_on_failure(ranks):
+    """grow(release_old=True): the same grown parameters and AdamW moments as without it; afterwards every old shard,
+    gradient and moment is empty (freed while the grown model was built); a failure on rank 1 puts them back."""
+    for report in ranks:
+        r, same = report["release"], report["grow"]["grow_width(factor=2)"]
+        assert "injected failure on rank 1" in r["error"] and r["restored"], r
+        assert r["released"], r
+        assert r["digest"] == same["digest"] and r["optimizer_digest"] == same["optimizer_digest"]
+        assert r["probe_after"] == same["probe_after"] and r["step_after"] == same["losses_after"][0]
+
+
 def test_each_unit_keeps_its_settings_across_growth(ranks):
     """Layers sharded with reshard_after_forward=False and bf16 compute (MixedPrecisionPolicy) are sharded the same
     way after growth; the loss (computed in bf16) is unchanged and a step follows."""

@@ -19,8 +19,11 @@ No rank holds the full tensors, so one growth step, on every rank at the same po
 
 Memory. On the accelerator a growth event adds one gathered tensor at a time (steps 1 and 4) and one unit's full
 tensors (step 3) to the old shards and optimiser state and the new ones — the old are kept until every rank has
-succeeded, so that a failure leaves them in place. In host memory every rank holds the whole unsharded model and the
-grown one (sharing the tensors growth left alone): in a CPU-only job (gloo, as in the tests) that is the same memory,
+succeeded, so that a failure leaves them in place. With `release_old=True` they leave the device instead: the
+optimiser state is gathered to the host too, then every old shard, gradient and moment is copied to the host and
+its storage freed (class Released; put back on failure), so the device holds the grown model's state plus one unit.
+In host memory every rank holds the whole unsharded model and the grown one (sharing the tensors growth left alone),
+and with release_old the old optimiser state: in a CPU-only job (gloo, as in the tests) that is the same memory,
 and the event peaks at about the full model over the sharded steady state. Growing the host copy layer by layer
 would need each pass to say which old tensors every new one is computed from; passes do not say that today.
 """
@@ -28,8 +31,9 @@ would need each pass to say which old tensors every new one is computed from; pa
 from __future__ import annotations
 
 import copy
+import functools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,11 +140,16 @@ def grow_fsdp(
     seed: int | None = None,
     verify: Verify = "rank0",
     timeout: float = 300.0,
+    release_old: bool = False,
 ) -> Grown:
     """Grow a traced model sharded with FSDP2 on every rank (call it on every rank at the same point). Returns the
     grown model sharded with the same units, mesh and settings, the optimiser carried shard by shard and the
     scheduler re-pointed. Raises on every rank when any rank fails, disagrees or does not answer within `timeout`
-    seconds; then every rank keeps its old model, optimiser and scheduler (module docstring)."""
+    seconds; then every rank keeps its old model, optimiser and scheduler (module docstring).
+
+    `release_old`: the old model's shards, gradients and optimiser state leave the device while the grown model is
+    built (copied to host memory, with the optimiser state gathered there first), so the device never holds both
+    models: a failure puts them back; after success the old model and optimiser are empty — drop them."""
     if not is_fsdp(model) or not isinstance(model, fx.GraphModule):
         raise InputError(
             f"grow_fsdp() takes a traced model sharded with fully_shard, got {type(model).__name__}",
@@ -157,25 +166,36 @@ def grow_fsdp(
     t0 = time.perf_counter()
     _reshard_all(model)
     plain = unsharded_copy(model)
+    fit: Callable[[Any, torch.Tensor, torch.Tensor], Any] = _fit_sharded
+    released: Released | None = None
+    if release_old:
+        on_host = _host_state(optimizer) if optimizer is not None else {}
+        fit = functools.partial(_fit_from_host, on_host)
+        released = Released(_device_tensors(model, optimizer))
     gathered = time.perf_counter() - t0
-    grown = grow_replica(
-        plain, None, spec, None, seed=seed, verify=verify, timeout=timeout, sync_buffers=False, share=True
-    )
-    del plain
-    t1 = time.perf_counter()
-    reps = rp.replicas(timeout)
-    own: BaseException | None = None
     try:
-        _own_parameters(grown.gm)
-        reshard(grown.gm, units, {p for p, _ in model.named_modules()})
-    except Exception as e:  # reported to every rank, then raised here again
-        own = e
-    records = reps.gather({"error": rp.error_text(own) if own else None}, "re-sharding the grown model")
-    rp.raise_failures(reps, records, own, "re-sharding")
+        grown = grow_replica(
+            plain, None, spec, None, seed=seed, verify=verify, timeout=timeout, sync_buffers=False, share=True
+        )
+        del plain
+        t1 = time.perf_counter()
+        reps = rp.replicas(timeout)
+        own: BaseException | None = None
+        try:
+            _own_parameters(grown.gm)
+            reshard(grown.gm, units, {p for p, _ in model.named_modules()})
+        except Exception as e:  # reported to every rank, then raised here again
+            own = e
+        records = reps.gather({"error": rp.error_text(own) if own else None}, "re-sharding the grown model")
+        rp.raise_failures(reps, records, own, "re-sharding")
+    except BaseException:
+        if released is not None:
+            released.restore()
+        raise
     grown.seconds["reshard"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     if optimizer is not None:
-        grown.optimizer = carry_optimizer(optimizer, model, grown.gm, fit=_fit_sharded)
+        grown.optimizer = carry_optimizer(optimizer, model, grown.gm, fit=fit)
         if scheduler is not None:
             carry_scheduler(scheduler, grown.optimizer, optimizer)
             grown.scheduler = scheduler
@@ -183,6 +203,74 @@ def grow_fsdp(
     grown.seconds["gather"] = gathered
     grown.seconds["total"] = time.perf_counter() - t0
     return grown
+
+
+class Released:
+    """Tensors whose device memory is freed while growth runs (each storage copied to the host, then resized to
+    nothing: the tensors stay the same objects) and put back by `restore`."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor]):
+        self.saved: list[tuple[Any, int, torch.Tensor]] = []
+        self.kept = 0  # bytes left in place: storages torch does not let resize (kept, not released)
+        seen: set[int] = set()
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen or not storage.nbytes():
+                continue
+            seen.add(storage.data_ptr())
+            if not storage.resizable():
+                self.kept += storage.nbytes()
+                continue
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8)
+            host.copy_(_as_bytes(storage))
+            self.saved.append((storage, storage.nbytes(), host))
+        for storage, _, _ in self.saved:
+            storage.resize_(0)
+
+    def restore(self) -> None:
+        for storage, nbytes, host in self.saved:
+            storage.resize_(nbytes)
+            _as_bytes(storage).copy_(host)
+
+
+def _as_bytes(storage: Any) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _device_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The old model's local shards, their gradients and the optimiser's per-parameter state (not its step counts)."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for p in model.parameters():
+        for t in (p, p.grad, *(optimizer.state.get(p, {}).values() if optimizer is not None else ())):
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                out.append(t.to_local() if isinstance(t, DTensor) else t)
+    return out
+
+
+def _host_state(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
+    """id(state tensor) → its full value in host memory, gathered one tensor at a time (every rank in the same order:
+    the optimiser's parameters, then each state's keys sorted)."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[int, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for _, value in sorted(optimizer.state.get(p, {}).items()):
+                if isinstance(value, DTensor):
+                    out[id(value)] = value.full_tensor().to("cpu")
+    return out
+
+
+def _fit_from_host(on_host: dict[int, torch.Tensor], value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
+    """_fit_sharded from the host copies `_host_state` made (the device state is released by then)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(value, DTensor) or not isinstance(new, DTensor):
+        return _fit(value, old, new)
+    fitted = _fit(on_host[id(value)], old, new)
+    return distribute_tensor(fitted.to(new.device), new.device_mesh, new.placements, src_data_rank=None)
 
 
 def _reshard_all(model: nn.Module) -> None:
