@@ -198,6 +198,24 @@ def test_the_grown_model_s_units_follow_the_old_ones_and_new_layers_get_their_ow
     assert [u.paths for u in only_root] == [("",)]
 
 
+def test_released_tensors_leave_their_memory_and_come_back_bit_for_bit():
+    """fsdp.Released: each storage once (a view and its base), emptied, then restored to the same values; a storage
+    torch does not let resize (viewed with .numpy()) is kept and counted."""
+    import torch
+
+    from graphgrow.jobs.fsdp import Released
+
+    a, b = torch.randn(6, 4), torch.arange(10.0)
+    pinned = torch.randn(3)
+    pinned.numpy()
+    want = [a.clone(), b.clone(), pinned.clone()]
+    r = Released([a, a[2:], b, pinned])
+    assert len(r.saved) == 2 and r.kept == pinned.untyped_storage().nbytes()
+    assert a.untyped_storage().nbytes() == 0 and b.untyped_storage().nbytes() == 0
+    r.restore()
+    assert all(torch.equal(x, y) for x, y in zip([a, b, pinned], want))
+
+
 def test_a_sharded_checkpoint_that_is_not_one_is_refused(tmp_path):
     """load_sharded_checkpoint reads only plain data and says what is wrong: no folder, another format, a bad step;
     save_sharded_checkpoint refuses a model that is not sharded (before any collective)."""

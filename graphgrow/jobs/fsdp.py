@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -172,6 +173,12 @@ def grow_fsdp(
         on_host = _host_state(optimizer) if optimizer is not None else {}
         fit = functools.partial(_fit_from_host, on_host)
         released = Released(_device_tensors(model, optimizer))
+        if released.kept:
+            warnings.warn(
+                f"release_old: {released.kept / 2**20:.1f} MiB of the old model's state stays on the device (storages "
+                "torch does not let resize, e.g. a tensor once viewed with .numpy())",
+                stacklevel=2,
+            )
     gathered = time.perf_counter() - t0
     try:
         grown = grow_replica(
