@@ -27,7 +27,7 @@ import torch
 from torch import fx, nn
 
 from ..core.errors import NotApplicable
-from ..graph.fx_edit import copy_graph_module
+from ..graph.fx_edit import copy_graph_module, sharing_parameters
 from ..graph.graph_meta import graph_info, scope_of
 
 COPIES_KEY = "layer_copies"
@@ -144,18 +144,21 @@ def deeper_config(config: Any, cls: type, deeper: list[Deeper], shapes: Callable
 
 
 def copies_moved(grown: fx.GraphModule, deeper: list[Deeper]) -> fx.GraphModule:
-    """The grown graph copied, its copied layers' all-zero tensors holding random values (seeded), as after training."""
-    moved = copy_graph_module(grown)
+    """The grown graph copied, its copied layers' all-zero tensors holding random values (seeded), as after training;
+    every other parameter shares its storage with `grown` (the check costs the moved tensors, not a model)."""
+    with sharing_parameters():
+        moved = copy_graph_module(grown)
     generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for d in deeper:
-            for i in d.order:
-                if i < d.before:
-                    continue  # an original layer: already checked as it is
-                for p in moved.get_submodule(f"{d.stack}.{i}").parameters():
+    for d in deeper:
+        for i in d.order:
+            if i < d.before:
+                continue  # an original layer: already checked as it is
+            for module in moved.get_submodule(f"{d.stack}.{i}").modules():
+                for name, p in list(module.named_parameters(recurse=False)):
                     if p.is_floating_point() and not p.any():
                         std = p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1
-                        p.copy_(torch.randn(p.shape, generator=generator).to(p) * std)
+                        value = (torch.randn(p.shape, generator=generator) * std).to(p)
+                        module._parameters[name] = nn.Parameter(value, requires_grad=p.requires_grad)
     return moved
 
 
@@ -167,11 +170,15 @@ def check_moved(
     check: Callable[[fx.GraphModule, nn.Module], None],
 ) -> None:
     """as_native's check once more, the copied layers moved (copies_moved) on both sides: `class_state(g)` is a
-    graph's state in the class's names and layout, `check(g, m)` the comparison, NotApplicable when they differ."""
-    moved, probe = copies_moved(grown, deeper), copy.deepcopy(native)
-    probe.load_state_dict(class_state(moved), strict=False)
+    graph's state in the class's names and layout, `check(g, m)` the comparison, NotApplicable when they differ.
+    The native model takes the moved tensors for the check and gets its own back after it."""
+    moved = copies_moved(grown, deeper)
+    own = native.state_dict()
+    changed = {k: v for k, v in class_state(moved).items() if k in own and not torch.equal(own[k], v)}
+    saved = {k: own[k].clone() for k in changed}
+    native.load_state_dict(changed, strict=False)
     try:
-        check(moved, probe)
+        check(moved, native)
     except NotApplicable as e:
         raise NotApplicable(
             f"{type(native).__name__} would run the copied layers otherwise than the grown graph once they learn "
@@ -179,3 +186,5 @@ def check_moved(
             "scale_attn_by_inverse_layer_idx)",
             "keep the GraphModule",
         ) from e
+    finally:
+        native.load_state_dict(saved, strict=False)
