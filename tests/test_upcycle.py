@@ -293,3 +293,22 @@ def test_the_router_spreads_tokens_over_the_experts_when_every_token_shares_a_di
         model.blocks[0].norm2.bias.copy_(5 * shared)
     result = gg.get_pass("upcycle")(experts=8, top_k=2)(gg.trace(model, input_shape=parse_spec(SPEC)))
     assert result.preservation.trainable_ok and not result.preservation.dead
+
+
+def test_the_measured_example_in_a_few_steps():
+    """examples/upcycle_gpt.py (docs/upcycle.md's table) in a few steps: the loss is the same before and after
+    upcycling, the mixture has more parameters and graph FLOPs, and its sparse cost is the dense one plus one MLP and
+    the router per layer."""
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import upcycle_gpt
+
+    summary = upcycle_gpt.run(pretrain=3, steps=3, experts=[4], every=3, limit=100_000, log=lambda *a: None)
+    dense, moe = summary["runs"]["dense"], summary["runs"]["upcycled E=4 top-2"]
+    assert abs(moe["val_after"] - moe["val_before"]) <= 1e-6 * moe["val_before"]
+    assert moe["params"] > dense["params"] and moe["graph_flops_per_token"] > moe["sparse_flops_per_token"]
+    d, layers = upcycle_gpt.SMALL["d"], upcycle_gpt.SMALL["layers"]
+    assert moe["sparse_flops_per_token"] - dense["graph_flops_per_token"] == layers * (16 * d * d + 2 * d * 4)
