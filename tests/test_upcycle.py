@@ -96,6 +96,7 @@ def full_check(arch: str, tmp_path, onnx: bool) -> gg.PassResult:
     return result
 
 
+@pytest.mark.slow  # several seconds: the pass's own check, two more comparisons, a file written and read
 def test_plain_transformer_upcycles_exactly_saves_and_reloads(tmp_path):
     result = full_check("plain", tmp_path, onnx=False)
     assert result.targets["mlps"] == "blocks.0.mlp (4 layers), blocks.1.mlp (4 layers)"
@@ -295,6 +296,7 @@ def test_the_router_spreads_tokens_over_the_experts_when_every_token_shares_a_di
     assert result.preservation.trainable_ok and not result.preservation.dead
 
 
+@pytest.mark.slow
 def test_the_measured_example_in_a_few_steps():
     """examples/upcycle_gpt.py (docs/upcycle.md's table) in a few steps: the loss is the same before and after
     upcycling, the mixture has more parameters and graph FLOPs, and its sparse cost is the dense one plus one MLP and
