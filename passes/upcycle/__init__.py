@@ -107,21 +107,20 @@ def _copy_expert(gm: fx.GraphModule, mlp: Mlp, root: str, e: int, env: dict[fx.N
 
 
 def _inputs_seen(gm: fx.GraphModule, mlps: list[Mlp]) -> dict[str, torch.Tensor]:
-    """Each MLP's input on the model's own example input (batch 4, eval mode), tokens × C; {} when the model cannot
-    run (on the meta device, no example input)."""
+    """Each MLP's input on the model's own example input (batch 4, eval mode), tokens × C; {} on the meta device
+    (a model sized before it runs: plain random router rows then)."""
     if any(p.is_meta for p in gm.parameters()):
         return {}
-    was = gm.training
+    modes = {m: m.training for m in gm.modules()}
     try:
         x = example_input(gm, input_spec_of(gm), seed=0, batch=4)
         interp = fx.Interpreter(gm.eval(), garbage_collect_values=False)
         with torch.no_grad():
             interp.run(*(x.values() if isinstance(x, dict) else (x,)))
         return {m.input.name: interp.env[m.input].detach().flatten(0, -2).float().cpu() for m in mlps}
-    except Exception:  # noqa: BLE001 — only the router's start depends on it: plain random rows then
-        return {}
     finally:
-        gm.train(was)
+        for m, training in modes.items():
+            m.training = training
 
 
 def router_rows(seen: torch.Tensor | None, c: int, experts: int, std: float, g: torch.Generator) -> torch.Tensor:
