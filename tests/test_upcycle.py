@@ -120,6 +120,9 @@ def test_hugging_face_families_upcycle_with_the_full_check(arch, tmp_path):
     result = full_check(arch, tmp_path, onnx=True)
     layers = "3 layers" if arch == "llama" else "2 layers"  # gate/up/down; GPT-2's c_fc/c_proj
     assert result.targets["mlps"].endswith(f"mlp ({layers})")
+    if arch == "gpt2":  # no mixture-of-experts class of its own: said, and the GraphModule is what there is
+        with pytest.raises(gg.NotApplicable, match=r"GPT2LMHeadModel \(gpt2\) has no mixture-of-experts class"):
+            gg.as_native(result.gm, traced(arch)[0])
 
 
 def test_experts_diverge_through_routing_and_the_router_learns_a_step_later():
