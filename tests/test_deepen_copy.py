@@ -217,3 +217,39 @@ def test_a_model_without_a_stack_and_contradicting_arguments_are_refused():
         gg.Pipeline.from_spec("deepen(source=1)")
     with pytest.raises(gg.SpecError, match="block=copy starts as the identity"):
         gg.Pipeline.from_spec("deepen(block=copy,init=gradmax)")
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP block, as a user writes one."""
+
+    def __init__(self, c: int = 16):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(c), nn.Linear(c, 2 * c), nn.Linear(2 * c, c)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+class TwoStacks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.ModuleList([Block() for _ in range(2)])
+        self.b = nn.ModuleList([Block() for _ in range(3)])
+        self.norm, self.head = nn.LayerNorm(16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        for m in [*self.a, *self.b]:
+            x = m(x)
+        return self.head(self.norm(x))
+
+
+def test_a_users_model_with_two_stacks_grows_the_one_named():
+    torch.manual_seed(0)
+    gm = gg.trace(TwoStacks(), input_shape=(2, 4, 16))
+    deepen = gg.get_pass("deepen")
+    default = deepen(block="copy")(gm)  # the larger stack, after its last layer
+    assert default.targets["block"].startswith("copy (b.3) of b.2, after b.2: its output projections b.3.fc2.bias")
+    named = deepen(block="copy", after="a.1", source=0)(gm)
+    assert named.targets["block"].startswith("copy (a.2) of a.0, after a.1")
+    for result in (default, named):
+        assert result.preservation.eval.ok and result.preservation.train.ok

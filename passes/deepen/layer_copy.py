@@ -87,8 +87,9 @@ def _repeated(children: dict[int, nn.Module]) -> bool:
     return sorted(children) == list(range(len(children))) and all(n == names[0] for n in names)
 
 
-def find_stack(gm: fx.GraphModule) -> Stack:
-    """The model's stack of repeated layers on its residual stream (the one with the most parameters)."""
+def find_stack(gm: fx.GraphModule, after: str | None = None) -> Stack:
+    """The model's stack of repeated layers on its residual stream: the one `after` names a layer of (an encoder's or
+    a decoder's), else the one with the most parameters."""
     stacks = {p: c for p, c in _numbered_children(gm).items() if _repeated(c)}
     if not stacks:
         raise NotApplicable(
@@ -96,7 +97,8 @@ def find_stack(gm: fx.GraphModule) -> Stack:
             "holding the same parameters (such as model.layers.0, model.layers.1)",
             "use block=transformer (a new pre-norm block) or block=linear_relu / conv_bn_relu",
         )
-    path = max(stacks, key=lambda p: sum(param_count(m) for m in stacks[p].values()))
+    named = [p for p in stacks if after is not None and after.startswith(p + ".")]
+    path = max(named or stacks, key=lambda p: sum(param_count(m) for m in stacks[p].values()))
     try:
         stream: Stream | None = find_stream(gm)
     except NotApplicable:
@@ -263,7 +265,7 @@ def copy_place(gm: fx.GraphModule, stack: Stack, after: str | None) -> tuple[fx.
 
 def insert_copy(gm: fx.GraphModule, after: str | None, source: int | None) -> Rewrite:
     """block=copy: a copy of layer `source` (default: the layer before the place) after `after`."""
-    stack = find_stack(gm)
+    stack = find_stack(gm, after)
     at, k, chosen = copy_place(gm, stack, after)
     by_index = {layer.index: layer for layer in stack.layers}
     if source is not None and source not in by_index:
