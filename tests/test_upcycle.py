@@ -317,3 +317,23 @@ def test_the_measured_example_in_a_few_steps():
     assert moe["params"] > dense["params"] and moe["graph_flops_per_token"] > moe["sparse_flops_per_token"]
     d, layers = upcycle_gpt.SMALL["d"], upcycle_gpt.SMALL["layers"]
     assert moe["sparse_flops_per_token"] - dense["graph_flops_per_token"] == layers * (16 * d * d + 2 * d * 4)
+
+
+@pytest.mark.slow
+def test_a_dense_llama_folder_becomes_a_mixtral_folder_through_the_cli(runner, tmp_path):
+    """graphgrow mutate FOLDER --pass upcycle -o OUT: a folder of MixtralForCausalLM that from_pretrained loads and
+    that computes what the dense folder did."""
+    tf = pytest.importorskip("transformers")
+    from graphgrow.cli.commands import main
+
+    dense = _moe_family("llama")
+    dense.save_pretrained(tmp_path / "dense")
+    result = runner.invoke(
+        main, ["mutate", str(tmp_path / "dense"), "--pass", "upcycle(experts=4,top_k=2)", "-o", str(tmp_path / "moe")]
+    )
+    assert result.exit_code == 0, result.output
+    moe = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "moe").eval()
+    assert type(moe).__name__ == "MixtralForCausalLM" and moe.config.num_local_experts == 4
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.allclose(moe(input_ids=ids).logits, dense(input_ids=ids).logits, atol=1e-5)
