@@ -99,7 +99,7 @@ def full_check(arch: str, tmp_path, onnx: bool) -> gg.PassResult:
 @pytest.mark.slow  # several seconds: the pass's own check, two more comparisons, a file written and read
 def test_plain_transformer_upcycles_exactly_saves_and_reloads(tmp_path):
     result = full_check("plain", tmp_path, onnx=False)
-    assert result.targets["mlps"] == "blocks.0.mlp (4 layers), blocks.1.mlp (4 layers)"
+    assert result.targets["mlps"] == "blocks.0.mlp (2 Linear layers), blocks.1.mlp (2 Linear layers)"
     assert any("dropout inside an MLP" in n for n in result.notes)  # its own mask per expert: said
     gm = result.gm
     for e in (1, 2, 3):  # the copies are exact, on their own storage
@@ -118,7 +118,7 @@ def test_plain_transformer_on_onnxruntime(tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_hugging_face_families_upcycle_with_the_full_check(arch, tmp_path):
     result = full_check(arch, tmp_path, onnx=True)
-    layers = "3 layers" if arch == "llama" else "2 layers"  # gate/up/down; GPT-2's c_fc/c_proj
+    layers = "3 Linear layers" if arch == "llama" else "2 Linear layers"  # gate/up/down; GPT-2's c_fc/c_proj
     assert result.targets["mlps"].endswith(f"mlp ({layers})")
     if arch == "gpt2":  # no mixture-of-experts class of its own: said, and the GraphModule is what there is
         with pytest.raises(gg.NotApplicable, match=r"GPT2LMHeadModel \(gpt2\) has no mixture-of-experts class"):
@@ -157,7 +157,7 @@ def test_at_upcycles_one_mlp_and_names_the_others_when_it_matches_none():
     pass_ = gg.get_pass("upcycle")
     assert [c.args["at"] for c in pass_().candidates(gm)] == ["blocks.0.mlp", "blocks.1.mlp"]
     result = pass_(experts=2, top_k=2, at="blocks.1")(gm)
-    assert result.targets["mlps"] == "blocks.1.mlp (4 layers)" and result.targets["chosen"] == "given"
+    assert result.targets["mlps"] == "blocks.1.mlp (2 Linear layers)" and result.targets["chosen"] == "given"
     with pytest.raises(gg.NotApplicable, match=r"no MLP at 'blocks\.7'.*blocks\.0\.mlp, blocks\.1\.mlp"):
         pass_(at="blocks.7")(gm)
 
@@ -188,7 +188,7 @@ def test_refusals_say_why():
     with pytest.raises(gg.NotApplicable, match=r"no MLP at 'blocks.0.mlp'; .* already a mixture of experts"):
         upcycle(at="blocks.0.mlp")(once)  # already a mixture: not offered again
     again = upcycle(experts=2, top_k=2)(once)  # the default takes the MLP still dense, and says what it left
-    assert again.targets["mlps"] == "blocks.1.mlp (4 layers)"
+    assert again.targets["mlps"] == "blocks.1.mlp (2 Linear layers)"
     assert "blocks.0.mlp' is already a mixture of experts" in again.targets["skipped"]
 
 
@@ -337,3 +337,17 @@ def test_a_dense_llama_folder_becomes_a_mixtral_folder_through_the_cli(runner, t
     ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.allclose(moe(input_ids=ids).logits, dense(input_ids=ids).logits, atol=1e-5)
+
+
+def test_an_mlp_written_as_f_linear_calls_gets_its_parameters_copied():
+    """Layers written as F.linear(x, weight=…, bias=…) on the model's own parameters (timm's BEiT calls its projections
+    so): each expert holds copies of the parameters, and the file reads back."""
+    from test_grow_hidden import NamedLinear
+
+    torch.manual_seed(0)
+    result = gg.get_pass("upcycle")(experts=3, top_k=2)(gg.trace(NamedLinear(), input_shape=(1, 4, 5)))
+    p = result.preservation
+    assert p.eval.ok and p.train.ok and p.trainable_ok and "(2 Linear layers)" in result.targets["mlps"]
+    root = result.targets["experts"].split(" copies in ")[1].split(".expert")[0]
+    for e in (1, 2):
+        assert torch.equal(result.gm.get_parameter(f"{root}.expert{e}.w_in"), result.gm.get_parameter("w_in"))

@@ -238,7 +238,7 @@ def upcycle(
             "dropout off (as verified); with dropout on, each token's output is another draw of the same mean"
         )
     targets = {
-        "mlps": ", ".join(f"{m.path} ({len(m.modules())} layers)" for m in chosen),
+        "mlps": ", ".join(f"{m.path} ({m.linears(gm)} Linear layers)" for m in chosen),
         "chosen": "given" if at is not None else "default: every MLP",
         "experts": f"{experts}: expert 0 the original layers, 1..{experts - 1} copies in {roots[0]}.expert*"
         + (f" (and {len(roots) - 1} more upcycle_* modules)" if len(roots) > 1 else ""),

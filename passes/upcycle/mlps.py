@@ -44,6 +44,10 @@ class Mlp:
     def modules(self) -> list[str]:
         return [str(n.target) for n in self.nodes if n.op == "call_module"]
 
+    def linears(self, gm: fx.GraphModule) -> int:
+        """How many Linear layers it has (modules or F.linear calls)."""
+        return sum(_linear(gm, n) for n in self.nodes)
+
     def params(self, gm: fx.GraphModule) -> int:
         own = sum(p.numel() for t in self.modules() for p in gm.get_submodule(t).parameters())
         return own + sum(
@@ -64,7 +68,9 @@ def _name(n: fx.Node) -> str:
 
 
 def _linear(gm: fx.GraphModule, n: fx.Node) -> bool:
-    """A Linear layer: an nn.Linear module, or F.linear on parameters."""
+    """A Linear layer: an nn.Linear module, or F.linear on parameters (its input given by position)."""
+    if not n.args or not isinstance(n.args[0], fx.Node):
+        return False
     if n.op == "call_module":
         return type(gm.get_submodule(str(n.target))) is nn.Linear
     return n.op == "call_function" and n.target is F.linear
