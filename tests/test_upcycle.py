@@ -181,7 +181,10 @@ def test_refusals_say_why():
     with pytest.raises(gg.NotApplicable, match=r"inner value '\w+' is also read outside it"):
         upcycle()(gg.trace(LeakyMlp(), (2, 5, 8)))
     short = gg.trace(TinyLM(layers=1), input_shape=parse_spec("input_ids:1x2:int64"))  # 4 × 2 tokens to route
-    with pytest.raises(gg.NotApplicable, match=r"no token of the example input \(8 tokens\) chooses expert"):
+    with pytest.raises(
+        gg.NotApplicable,
+        match=r"no token that the output reads chooses expert\(s\) .* of 64 \(8 of the example input's 8 tokens",
+    ):
         upcycle(experts=64, top_k=2)(short)
     _, gm = traced("plain")
     once = upcycle(experts=2, top_k=2, at="blocks.0.mlp")(gm).gm
@@ -351,3 +354,25 @@ def test_an_mlp_written_as_f_linear_calls_gets_its_parameters_copied():
     root = result.targets["experts"].split(" copies in ")[1].split(".expert")[0]
     for e in (1, 2):
         assert torch.equal(result.gm.get_parameter(f"{root}.expert{e}.w_in"), result.gm.get_parameter("w_in"))
+
+
+class LastTokenLM(TinyLM):
+    """Reads the last position only (a classifier on one token): the last block's MLP matters there alone."""
+
+    def forward(self, input_ids):
+        return super().forward(input_ids)[:, -1]
+
+
+def test_an_mlp_whose_output_is_read_at_few_tokens_is_left_dense_by_default_and_refused_when_named():
+    """Experts are trained only by the tokens the output reads: in the last block of a model that reads one position
+    (a ViT's class token, BERT's pooler), 4 example tokens do not reach all 8 experts. The default leaves that MLP dense
+    and says so (verification would otherwise fail on the untrained experts); named with at=, it is refused."""
+    torch.manual_seed(0)
+    gm = gg.trace(LastTokenLM(), input_shape=parse_spec(SPEC))
+    upcycle = gg.get_pass("upcycle")
+    result = upcycle(experts=8, top_k=2)(gm)
+    assert result.targets["mlps"] == "blocks.0.mlp (2 Linear layers)" and result.preservation.trainable_ok
+    assert "at 'blocks.1.mlp', no token that the output reads" in result.targets["skipped"]
+    assert "4 of the example input's 32 tokens reach the output from here" in result.targets["skipped"]
+    with pytest.raises(gg.NotApplicable, match=r"at 'blocks\.1\.mlp', no token that the output reads chooses"):
+        upcycle(experts=8, top_k=2, at="blocks.1")(gm)

@@ -21,6 +21,8 @@ How the experts diverge: routing. The router starts small (rows of norm router_s
 have) and random — in the directions the MLP's input varies in on the model's example input, whitened, off the
 inputs' mean direction (plain N(0, router_std²) where the model cannot run, on the meta device): a direction every
 token shares, as a trained norm's output has, would rank the experts alike for every token and leave some unchosen.
+An MLP where the tokens the output reads (router.py's gradient probe) leave an expert unchosen is left dense by
+default (said in `skipped`) and refused when named: that expert would not train.
 Top-k depends on the logits' order, not their scale, so different tokens choose different experts from the start,
 and each copy gets the gradient of its own tokens only, weighted by w: after the first step the copies differ. The
 router's gradient at insertion is zero but for rounding — the chosen weights sum to one and the experts are equal,
@@ -52,6 +54,7 @@ from graphgrow.passes.upcycle.mlps import (  # noqa: TID251 (the upcycle package
     has_dropout,
     is_param,
 )
+from graphgrow.passes.upcycle.router import idle_experts, inputs_seen, router_rows  # noqa: TID251
 from torch import fx, nn
 
 from graphgrow import Candidate, NotApplicable, Pass, Rewrite, arg
@@ -60,10 +63,8 @@ from graphgrow.rewrite import (
     Requirement,
     add_module,
     begin,
-    example_input,
     factory_kwargs,
     finish,
-    input_spec_of,
     inserting_after,
     pass_function,
     place,
@@ -104,53 +105,6 @@ def _copy_expert(gm: fx.GraphModule, mlp: Mlp, root: str, e: int, env: dict[fx.N
         env[n] = new
         made.append(new)
     return made
-
-
-def _inputs_seen(gm: fx.GraphModule, mlps: list[Mlp]) -> dict[str, torch.Tensor]:
-    """Each MLP's input on the model's own example input (batch 4, eval mode), tokens × C; {} on the meta device
-    (a model sized before it runs: plain random router rows then)."""
-    if any(p.is_meta for p in gm.parameters()):
-        return {}
-    modes = {m: m.training for m in gm.modules()}
-    try:
-        x = example_input(gm, input_spec_of(gm), seed=0, batch=4)
-        interp = fx.Interpreter(gm.eval(), garbage_collect_values=False)
-        with torch.no_grad():
-            interp.run(*(x.values() if isinstance(x, dict) else (x,)))
-        return {m.input.name: interp.env[m.input].detach().flatten(0, -2).float().cpu() for m in mlps}
-    finally:
-        for m, training in modes.items():
-            m.training = training
-
-
-def router_rows(seen: torch.Tensor | None, c: int, experts: int, std: float, g: torch.Generator) -> torch.Tensor:
-    """E router rows of norm std·√C (the norm of N(0, std²) rows). Random in the directions the MLP's input varies in
-    on the example input, each scaled by 1/its spread (whitened), off the inputs' mean direction: a direction that
-    every token shares (a trained norm's output has some) would rank the experts alike for every token and leave some
-    experts unchosen, untrained. Plain N(0, std²) rows without `seen`."""
-    rows = torch.randn(experts, c, generator=g)
-    if seen is not None and seen.shape[0] > 1:
-        mean = seen.mean(0)
-        _, spread, dirs = torch.linalg.svd(seen - mean, full_matrices=False)
-        keep = spread > 1e-4 * spread[0].clamp_min(1e-30)
-        if keep.any():
-            scale = spread[keep] / (seen.shape[0] - 1) ** 0.5
-            rows = torch.randn(experts, int(keep.sum()), generator=g) @ (dirs[keep] / scale[:, None])
-            unit = mean / mean.norm().clamp_min(1e-30)
-            rows = rows - (rows @ unit)[:, None] * unit
-    return rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-30) * std * c**0.5
-
-
-def _every_expert_chosen(mlp: Mlp, seen: torch.Tensor, rows: torch.Tensor, top_k: int) -> None:
-    """NotApplicable when some expert is chosen by no token of the example input: it would get no gradient."""
-    chosen = set(torch.topk(seen @ rows.T, top_k, dim=-1).indices.flatten().tolist())
-    idle = sorted(set(range(rows.shape[0])) - chosen)
-    if idle:
-        raise NotApplicable(
-            f"at '{mlp.path}', no token of the example input ({seen.shape[0]} tokens) chooses expert(s) "
-            f"{', '.join(map(str, idle[:8]))} of {rows.shape[0]}: they would not train",
-            "give fewer experts or a larger top_k, or trace the model with a longer example input",
-        )
 
 
 def _upcycle_one(gm: fx.GraphModule, mlp: Mlp, experts: int, top_k: int, rows: torch.Tensor) -> dict[str, object]:
@@ -217,14 +171,25 @@ def upcycle(
     if not mlps:
         raise NotApplicable(*_none_found(skipped))
     chosen = choose_mlps(mlps, skipped, at)
-    seen = _inputs_seen(gm, chosen)
-    made = []
+    seen = inputs_seen(gm, chosen)
+    made, kept = [], []
     for m in chosen:
-        c, x = (tensor_shape(m.input) or (0,))[-1], seen.get(m.input.name)
-        rows = router_rows(x, c, experts, router_std, generator)
-        if x is not None:
-            _every_expert_chosen(m, x, rows, top_k)
+        c, probe = (tensor_shape(m.input) or (0,))[-1], seen.get(m.input.name)
+        rows = router_rows(probe.tokens if probe else None, c, experts, router_std, generator)
+        idle, words = idle_experts(probe, rows, top_k) if probe else ([], "")
+        if idle:  # given: refused; by default: left dense, said in the report
+            why = (
+                f"at '{m.path}', no token that the output reads chooses expert(s) {', '.join(map(str, idle[:8]))} "
+                f"of {experts} ({words}): they would not train"
+            )
+            if at is not None:
+                raise NotApplicable(why, "give fewer experts or a larger top_k, or a longer example input")
+            skipped.append(why)
+            continue
         made.append(_upcycle_one(gm, m, experts, top_k, rows))
+        kept.append(m)
+    if not made:
+        raise NotApplicable(*_none_found(skipped))
     roots = [str(r["router"]).rpartition(".")[0] for r in made]
     notes = [
         f"the graph runs all {experts} experts on every token (dense form: exact, traceable, ONNX-exportable; "
@@ -232,14 +197,14 @@ def upcycle(
         "the router's gradient is zero at insertion but for rounding (the chosen weights sum to one and the experts "
         "are equal): it learns from the next step, once the experts, each trained by the tokens routed to it, differ",
     ]
-    if any(has_dropout(gm, m) for m in chosen):
+    if any(has_dropout(gm, m) for m in kept):
         notes.append(
             "dropout inside an MLP draws its own mask in every expert: exact in eval mode and in train mode with "
             "dropout off (as verified); with dropout on, each token's output is another draw of the same mean"
         )
     targets = {
-        "mlps": ", ".join(f"{m.path} ({m.linears(gm)} Linear layers)" for m in chosen),
-        "chosen": "given" if at is not None else "default: every MLP",
+        "mlps": ", ".join(f"{m.path} ({m.linears(gm)} Linear layers)" for m in kept),
+        "chosen": "given" if at is not None else "default: every MLP whose experts all train",
         "experts": f"{experts}: expert 0 the original layers, 1..{experts - 1} copies in {roots[0]}.expert*"
         + (f" (and {len(roots) - 1} more upcycle_* modules)" if len(roots) > 1 else ""),
         "routing": f"top-{top_k} of softmax(router(x)), chosen weights renormalised to sum to 1; "
@@ -259,7 +224,10 @@ NO_MLP_HINT = "upcycle grows MLPs written as Linear layers (nn.Linear or F.linea
 
 def _none_found(skipped: list[str]) -> tuple[str, str]:
     if skipped:
-        return f"no MLP can be upcycled: {'; '.join(skipped)}", "upcycle the MLPs of another model"
+        return (
+            f"no MLP can be upcycled: {'; '.join(skipped)}",
+            "give fewer experts or a larger top_k, or trace the model with a larger example input",
+        )
     return NO_MLP, NO_MLP_HINT
 
 
