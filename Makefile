@@ -23,9 +23,10 @@ search-demo: $(STAMP)
 	RAY_AUTH_MODE=$${RAY_AUTH_MODE:-disabled} $(BIN)/python examples/search_digits.py --out examples/search_population.png
 
 # two workers (CI has two cores); tests are handed out one by one so the slow real-model ones spread out;
-# the 25 slowest are listed at the end, so a new slow test shows in CI
+# the 25 slowest are listed at the end, so a new slow test shows in CI; every test's time goes to out/test-times.xml
+# (JUnit XML), the data for keeping the suite under 20 minutes
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist load --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist load --durations=25 --junitxml=out/test-times.xml
 
 # the edit-test loop (a few minutes on two cores): the tests marked `fast` (tests/conftest.py says which: no real
 # models, no process or model family per test, no mypy); every module still imported, every pass run once
