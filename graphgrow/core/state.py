@@ -73,12 +73,19 @@ DROPOUT_CALLS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropou
 
 
 def _sdpa_dropout(u: fx.Node) -> bool:
-    """`training * p` read only as scaled_dot_product_attention's dropout_p."""
+    """`training * p` read only as a dropout probability: scaled_dot_product_attention's dropout_p, or the p of a
+    dropout call (Hugging Face's eager GPT-2 attention: F.dropout(weights, p=training * attn_pdrop, ...))."""
     return (
         u.op == "call_function"
         and getattr(u.target, "__name__", "") == "mul"
         and all(
-            getattr(v.target, "__name__", "") == "scaled_dot_product_attention" and v.args[4:5] == (u,) for v in u.users
+            (getattr(v.target, "__name__", "") == "scaled_dot_product_attention" and v.args[4:5] == (u,))
+            or (
+                getattr(v.target, "__name__", "") in DROPOUT_CALLS
+                and (v.args[1:2] == (u,) or v.kwargs.get("p") is u)
+                and v.args[:1] != (u,)
+            )
+            for v in u.users
         )
     )
 
