@@ -1,9 +1,10 @@
 """grow_heads: add attention heads, or grow the head size, exactly, in eval and train mode.
 
-Every `scaled_dot_product_attention` (or the one at `at=`) is found from the graph with the Linear layers that
-project its query, key and value and the one that reads its output (graphgrow.analysis.heads), the reshapes between
-them followed, so fused projections (GPT-2's c_attn, timm's qkv, nn.MultiheadAttention's in_proj), grouped-query
-attention and rotary embeddings are understood; anything else is refused with the node and the reason.
+Every attention (or the one at `at=`), written with `scaled_dot_product_attention` or eagerly as softmax(q @ kᵀ ·
+scale + mask) @ v (soft-capping, dropout and einsum spellings included), is found from the graph with the Linear
+layers that project its query, key and value and the one that reads its output (graphgrow.analysis.heads), the
+reshapes between them followed, so fused projections (GPT-2's c_attn, timm's qkv, nn.MultiheadAttention's in_proj),
+grouped-query attention and rotary embeddings are understood; anything else is refused with the node and the reason.
 
 - `heads=` / `by=`: new heads get random query, key and value rows and zero output-projection columns (the softmax is
   per head: old heads do not move). Grouped-query attention keeps its ratio: key/value heads grow by heads / ratio.
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from graphgrow import Candidate, NotApplicable, Pass, Rewrite, arg
+from graphgrow.analysis.eager_attention import eager_cores
 from graphgrow.rewrite import ADDS_PARAMETERS, Requirement, begin, find_attentions, grow_attentions, pass_function
 
 
@@ -75,13 +77,13 @@ def grow_heads(
 
 
 def _has_attention(gm: fx.GraphModule) -> bool:
-    """A scaled_dot_product_attention, or an nn.MultiheadAttention kept whole (find_attentions says how to decompose
-    it)."""
+    """A scaled_dot_product_attention, an nn.MultiheadAttention kept whole (find_attentions says how to decompose
+    it), or an eagerly written attention (a softmax between two matrix products)."""
     return any(
         (n.op == "call_function" and n.target is F.scaled_dot_product_attention)
         or (n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.MultiheadAttention))
         for n in gm.graph.nodes
-    )
+    ) or bool(eager_cores(gm))
 
 
 def _change(old: int, new: int, default: bool = False) -> str:
@@ -160,12 +162,13 @@ class GrowHeads(Pass):
     function = grow_heads
     requires = (
         Requirement(
-            "an attention (F.scaled_dot_product_attention)",
+            "an attention (F.scaled_dot_product_attention, or softmax(q @ kᵀ) @ v written eagerly)",
             lambda gm: _has_attention(gm),
-            "the model has no scaled_dot_product_attention: no attention heads found",
+            "the model has no scaled_dot_product_attention and no softmax between two matrix products: "
+            "no attention heads found",
             "grow_heads grows attentions written with F.scaled_dot_product_attention "
             "(Hugging Face's default sdpa, timm, "
-            "nn.MultiheadAttention); attention written as matmul + softmax is not supported",
+            "nn.MultiheadAttention) or eagerly as softmax(q @ kᵀ · scale + mask) @ v",
         ),
     )
     ensures = (ADDS_PARAMETERS,)

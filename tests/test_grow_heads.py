@@ -235,19 +235,6 @@ def test_sizes_computed_from_the_input_become_inferred(args, width):
     assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
 
 
-class Manual(nn.Module):
-    """Attention written as matmul + softmax (no scaled_dot_product_attention)."""
-
-    def __init__(self):
-        super().__init__()
-        self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
-
-    def forward(self, x):
-        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4).unbind(0)
-        a = torch.softmax(q @ k.transpose(-1, -2) / 2.0, -1) @ v
-        return self.proj(a.transpose(1, 2).flatten(2))
-
-
 class Opaque(nn.Module):
     def __init__(self):
         super().__init__()
@@ -274,7 +261,6 @@ class QKNorm(nn.Module):
 @pytest.mark.parametrize(
     "model,args,why",
     [
-        (Manual(), {}, "no scaled_dot_product_attention"),
         (Opaque(), {}, r"'attn' \(module attn\), which is an nn.MultiheadAttention kept whole"),
         (QKNorm(), {"head_dim": 8}, "normalises over a growing axis"),
         (QKNorm(), {"heads": 4}, r"a mask or bias per head \(2, 1, 1\)"),

@@ -170,7 +170,9 @@ def test_requires_refuses_before_any_work_and_ensures_is_checked():
         remove_branch(gm)  # the plain function checks the same requirement
     with pytest.raises(gg.NotApplicable, match="no scaled_dot_product_attention"):
         GrowHeads()(gm)
-    assert [r.name for r in GrowHeads.requires] == ["an attention (F.scaled_dot_product_attention)"]
+    assert [r.name for r in GrowHeads.requires] == [
+        "an attention (F.scaled_dot_product_attention, or softmax(q @ kᵀ) @ v written eagerly)"
+    ]
     assert ADDS_PARAMETERS in gg.get_pass("grow_width").ensures and not gg.get_pass("fold").ensures
 
 

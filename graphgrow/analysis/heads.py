@@ -1,5 +1,6 @@
-"""Attention heads of a transformer, found from the graph: for every `scaled_dot_product_attention`, the Linear
-layers that project its query, key and value, the one that reads its output, the reshapes between them, and which
+"""Attention heads of a transformer, found from the graph: for every attention (a `scaled_dot_product_attention`, or
+the same computation written eagerly as matmul + softmax + matmul: analysis.eager_attention), the Linear layers
+that project its query, key and value, the one that reads its output, the reshapes between them, and which
 constants in those reshapes name the head count or head size — what grow_heads must change.
 
 An attention's projection output is a product of *factors*, outermost first: `s` (the sections of a fused q/k/v
@@ -14,14 +15,16 @@ over them. Anything else is refused with the node and the reason: a pass never g
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import fx, nn
 
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import tensor_shape
+from .eager_attention import Core, eager_cores, is_sdpa, scale_value, sdpa_core
 from .head_layout import (
-    SDPA,
     SHAPE_QUERIES,
     Axis,
     FactorEdit,
@@ -50,7 +53,7 @@ class Projection:
 
 @dataclass
 class Attention:
-    node: str  # the scaled_dot_product_attention
+    node: str  # the scaled_dot_product_attention, or the eager attention's weights @ value
     heads: int
     kv_heads: int
     head_dim: int
@@ -58,7 +61,10 @@ class Attention:
     projections: list[Projection]
     reader: Projection  # the output projection: its input columns
     edits: list[FactorEdit] = field(default_factory=list)
-    scale: float | None = None  # an explicit scale= (None: 1/sqrt(head_dim))
+    scale: float | None = None  # an explicit scale= or an eager one (None: SDPA's default 1/sqrt(head_dim))
+    scale_at: tuple | None = None  # an eager scale's constant: (node, ("args", i), "mul" | "div")
+    # an eager scale computed from sizes (math.sqrt(q.size(-1))): its factor on the scores at new factor sizes
+    scale_of: Callable[[dict[str, int]], float] | None = None
 
     def summary(self) -> str:
         gqa = (
@@ -84,12 +90,6 @@ def _linear_params(gm: fx.GraphModule, n: fx.Node) -> tuple[str, str | None, str
             "new heads' bias entries have no parameter to go into",
         )
     return str(w.target), str(b.target) if b is not None else None, None
-
-
-def _operands(n: fx.Node) -> list[fx.Node]:
-    names = ("query", "key", "value")
-    ops = [n.args[i] if len(n.args) > i else n.kwargs.get(k) for i, k in enumerate(names)]
-    return [a for a in ops if isinstance(a, fx.Node)]
 
 
 def _back(gm: fx.GraphModule, start: fx.Node) -> tuple[set[str], list[fx.Node]]:
@@ -132,7 +132,8 @@ def find_attentions(gm: fx.GraphModule, growing: set[str], at: str | None = None
     """Every scaled_dot_product_attention of an annotated graph, with the tensors between it and its projections
     followed for the factors in `growing` (h, r, d, e); NotApplicable naming the node where that is not possible."""
     nodes = list(gm.graph.nodes)
-    sdpas = [n for n in nodes if n.op == "call_function" and n.target is SDPA]
+    found: list[Core | NotApplicable] = [n for n in nodes if is_sdpa(n)]  # type: ignore[misc]
+    found += eager_cores(gm)
     opaque = [
         n for n in nodes if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.MultiheadAttention)
     ]
@@ -143,16 +144,19 @@ def find_attentions(gm: fx.GraphModule, growing: set[str], at: str | None = None
             "capture the model with torch.export (graphgrow does for nn.TransformerEncoder) so its attention "
             "is decomposed",
         )
-    if not sdpas:
+    if not found:
         raise NotApplicable(
-            "the model has no scaled_dot_product_attention: no attention heads found",
+            "the model has no scaled_dot_product_attention and no softmax between two matrix products: "
+            "no attention heads found",
             "grow_heads grows attentions written with F.scaled_dot_product_attention (Hugging Face's "
-            "default sdpa, timm, nn.MultiheadAttention); attention written as matmul + softmax is not supported",
+            "default sdpa, timm, nn.MultiheadAttention) or eagerly as softmax(q @ kᵀ · scale + mask) @ v",
         )
     out, failed = [], []
-    for n in sdpas:
+    for n in found:
         try:
-            out.append(_attention(gm, n, growing))
+            if isinstance(n, NotApplicable):
+                raise n
+            out.append(_attention(gm, sdpa_core(n) if isinstance(n, fx.Node) else n, growing))
         except NotApplicable as e:
             failed.append(e)
     if at is not None:
@@ -179,13 +183,11 @@ def find_attentions(gm: fx.GraphModule, growing: set[str], at: str | None = None
 def attention_of(gm: fx.GraphModule, s: fx.Node, growing: set[str]) -> Attention:
     """The attention at scaled_dot_product_attention node `s`, followed for the factors in `growing`;
     NotApplicable naming the node where that is not possible."""
-    return _attention(gm, s, growing)
+    return _attention(gm, sdpa_core(s), growing)
 
 
-def _attention(gm: fx.GraphModule, s: fx.Node, growing: set[str]) -> Attention:
-    q, k, v = (_operands(s) + [None, None, None])[:3]
-    if v is None:
-        raise refuse(s, "has no query, key and value the analysis can read")
+def _attention(gm: fx.GraphModule, core: Core, growing: set[str]) -> Attention:
+    s, q, k, v, ka = core.node, core.q, core.k, core.v, core.key_axis
     shapes = [tensor_shape(t) for t in (q, k, v)]
     if any(sh is None or len(sh) < 3 for sh in shapes):
         raise refuse(s, f"takes query/key/value of shapes {shapes}, not (…, heads, tokens, head size)")
@@ -240,27 +242,65 @@ def _attention(gm: fx.GraphModule, s: fx.Node, growing: set[str]) -> Attention:
     flow.region = region
     flow.run(body)
     for n in body:
-        bad = _users_ok(n, region | {s.name})
+        bad = _users_ok(n, region | core.inner)
         if bad is not None:
             raise refuse(n, f"is on the way to the attention '{s.name}' and is also read by '{bad.name}'")
     _fix_roles(flow, projections, roles, q, k, v, s)
     lq, lk, lv = (flow.of(t) for t in (q, k, v))
-    for t, lay in ((q, lq), (k, lk), (v, lv)):
-        if any(flow.grows(ax) for ax in lay[:-3] + lay[-2:-1]):
+    for t, lay, at in ((q, lq, -1), (k, lk, ka), (v, lv, -1)):
+        if any(flow.grows(ax) for i, ax in enumerate(lay) if i - len(lay) not in (-3, at)):
             raise refuse(t, "carries heads or head size on an axis other than the attention's heads or head size")
 
     def heads(ax: Axis) -> tuple:  # the growing factors only: a key may lack the query's r (SDPA's enable_gqa)
         return tuple(f for f in canon(ax, growing) if f[0] in growing)
 
-    if not heads(lq[-3]) == heads(lk[-3]) == heads(lv[-3]) or canon(lq[-1], growing) != canon(lk[-1], growing):
+    if not heads(lq[-3]) == heads(lk[-3]) == heads(lv[-3]) or canon(lq[-1], growing) != canon(lk[ka], growing):
         raise refuse(s, "gets query, key and value whose heads or head sizes the analysis cannot match up")
-    mask = s.args[3] if len(s.args) > 3 else s.kwargs.get("attn_mask")
-    ms = tensor_shape(mask) if isinstance(mask, fx.Node) else None
-    if ms and len(ms) >= 3 and ms[-3] > 1 and flow.grows(lq[-3]):
-        raise refuse(mask, f"is a mask or bias per head {tuple(ms)} (ALiBi, relative positions): new heads have none")
-    scale = s.kwargs.get("scale", s.args[6] if len(s.args) > 6 else None)
+    for mask in core.sides:
+        ms = tensor_shape(mask)
+        if ms and len(ms) >= 3 and ms[-3] > 1 and flow.grows(lq[-3]):
+            raise refuse(
+                mask, f"is a mask or bias per head {tuple(ms)} (ALiBi, relative positions): new heads have none"
+            )
     reader, edits = _reader(gm, s, lq[:-1] + (lv[-1],), growing)
-    return Attention(s.name, h, kv, d, e, projections, reader, flow.edits + edits, scale)
+    att = Attention(s.name, h, kv, d, e, projections, reader, flow.edits + edits, core.scale, core.scale_at)
+    if core.scale_from is not None:
+        att.scale_of = _computed_scale(flow, core, region | {q.name, k.name, v.name})
+        att.scale = att.scale_of({})
+    return att
+
+
+def _computed_scale(flow: Flow, core: Core, region: set[str]) -> Callable[[dict[str, int]], float]:
+    """An eager scale computed from sizes as a function of the new factor sizes: a size read of a tensor whose axis
+    holds heads or head size reads the grown size (the scale follows it, as SDPA's default does). A scale computed
+    some other way is kept as it is, unless it reads the attention's tensors (then it is refused)."""
+    c, div = core.scale_from  # type: ignore[misc]
+
+    def read(new: dict[str, int]):
+        def size(t: fx.Node, dim: int) -> int:
+            lay = flow.layout.get(t.name)
+            if isinstance(lay, tuple):
+                return math.prod(new.get(f, s) if f else s for f, s in lay[dim])
+            return tensor_shape(t)[dim]
+
+        return size
+
+    try:
+        scale_value(c, read({}))
+    except ValueError:
+        todo, seen = [c], set()
+        while todo:
+            n = todo.pop()
+            if n.name in region:
+                raise refuse(
+                    c,
+                    f"scales the attention scores of '{core.node.name}' by a value computed from its "
+                    "tensors in a way the analysis cannot evaluate",
+                ) from None
+            seen.add(n.name)
+            todo += [a for a in n.all_input_nodes if a.name not in seen]
+        return lambda new: 1.0
+    return lambda new: (1 / scale_value(c, read(new))) if div else scale_value(c, read(new))
 
 
 def _fix_roles(flow: Flow, projections: list[Projection], roles: dict, q, k, v, s: fx.Node) -> None:

@@ -7,7 +7,8 @@ head, the same coordinate, in the new strides); what is new is initialised so th
   gradient is the new heads' attention output, non-zero at once; the softmax is per head, so old heads do not move);
 - a larger query/key head size d → d': new key rows random, new query rows *zero* (every logit keeps its value and
   the new query rows get a gradient at once, through the random key rows). The scale 1/sqrt(d) becomes 1/sqrt(d')
-  (SDPA's default from the query's last size, or an explicit scale=1/sqrt(d)); the old query rows are multiplied by
+  (SDPA's default from the query's last size, an explicit scale=1/sqrt(d), or an eager attention's × 1/sqrt(d) or
+  / sqrt(d) constant); the old query rows are multiplied by
   sqrt(d'/d) so that every logit stays. A custom explicit scale is kept as it is;
 - a larger value head size e → e': new value rows random, new output-projection columns zero.
 Biases: new entries zero; old query biases scaled with their rows.
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..analysis.head_layout import Axis, FactorEdit
+from ..analysis.head_layout import SDPA, Axis, FactorEdit
 from ..analysis.heads import Attention, Projection
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import finish
@@ -166,13 +167,24 @@ def grow_attention(gm: fx.GraphModule, att: Attention, new: dict[str, int], gene
 def _scale(s: fx.Node, att: Attention, new: dict[str, int]) -> tuple[float, str]:
     """(the factor for old query rows, what happened to the scale) when the query/key head size grows."""
     d, d2 = att.head_dim, new.get("d", att.head_dim)
+    if att.scale_of is not None:  # computed from sizes: old query rows make up for what it does at the new sizes
+        f0, f1 = att.scale_of({}), att.scale_of(new)
+        if math.isclose(f0, f1, rel_tol=1e-9):
+            return 1.0, "unchanged"
+        if math.isclose(f0, 1 / math.sqrt(d), rel_tol=1e-6) and math.isclose(f1, 1 / math.sqrt(d2), rel_tol=1e-6):
+            return math.sqrt(d2 / d), f"1/sqrt({d}) → 1/sqrt({d2}); old query rows × sqrt({d2}/{d})"
+        return f0 / f1, f"computed {f0:.6g} → {f1:.6g}; old query rows × {f0 / f1:.6g}"
     if d2 == d:
         return 1.0, "unchanged"
     if att.scale is None:
         return math.sqrt(d2 / d), f"default 1/sqrt({d2}); old query rows × sqrt({d2}/{d})"
-    if abs(att.scale - 1 / math.sqrt(d)) > 1e-6 * att.scale:
+    if abs(att.scale - 1 / math.sqrt(d)) > 1e-6 * att.scale or (att.scale_at is None and s.target is not SDPA):
         return 1.0, f"explicit scale {att.scale:.6g} kept"
-    if "scale" in s.kwargs:
+    if att.scale_at is not None:  # an eager attention's constant: × 1/sqrt(d) or / sqrt(d) (maybe a torch.full)
+        name, where, how = att.scale_at
+        node = next(n for n in s.graph.nodes if n.name == name)
+        _set_at(node, where, 1 / math.sqrt(d2) if how == "mul" else math.sqrt(d2))
+    elif "scale" in s.kwargs:
         s.kwargs = {**s.kwargs, "scale": 1 / math.sqrt(d2)}
     else:
         _set_at(s, ("args", 6), 1 / math.sqrt(d2))

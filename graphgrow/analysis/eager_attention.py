@@ -1,0 +1,275 @@
+"""Attention written eagerly, found by what it computes: scores = a product of query and key over the head size
+(`q @ k.transpose(-2, -1)`, `torch.matmul`, `bmm`, or an einsum such as 'bhqd,bhkd->bhqk'), then ops on the scores
+alone (a scale, an additive mask, soft-capping tanh(x / cap) · cap, casts), a softmax over the keys, dropout or casts,
+and a product of the weights with the value. That is the computation scaled_dot_product_attention names, so
+analysis.heads treats both alike: each is an `Core` (query, key, value operands; the nodes in between, which no one
+else may read; the tensors combined with the scores, which must not differ per head when heads grow; the scale).
+
+A softmax that is not between two such products (a router, a classifier's output) is not an attention and is left
+alone; one that is, with something in between the analysis cannot account for, is refused with the node and why.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from ..core.errors import NotApplicable
+from ..graph import ops
+from ..graph.fx_edit import tensor_shape
+from .head_layout import SDPA, op_kind, refuse
+
+PRODUCTS = frozenset({"matmul", "bmm", "einsum"})  # batched matrix products (`@` is operator.matmul: "matmul")
+# ops on the scores that act per score (the head axis, when a side tensor has one, is checked): arithmetic with a
+# number or a broadcast tensor (scale, additive mask, soft-capping), tanh, masking, casts
+ON_SCORES = ops.BINARY_NAMES | ops.SAME_VALUES | {"tanh", "masked_fill", "where"}
+
+
+@dataclass
+class Core:
+    """The computation between an attention's projected operands and its output."""
+
+    node: fx.Node  # the op producing the attention's output (SDPA, or weights @ value)
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    key_axis: int  # the key's axis holding the head size: -1 ((…, tokens, d)) or -2 ((…, d, tokens): q @ kᵀ)
+    inner: set[str] = field(default_factory=set)  # nodes from the operands to the output
+    sides: list[fx.Node] = field(default_factory=list)  # masks and biases combined with the scores
+    scale: float | None = None  # the factor on the scores (None: SDPA's default 1/sqrt(d))
+    scale_at: tuple | None = None  # (node, ("args", i), "mul" | "div"): where an eager scale constant is written
+    scale_from: tuple[fx.Node, bool] | None = None  # (a scale computed from sizes, divides?): see scale_value
+
+
+def _name(n: fx.Node) -> str:
+    return ops.op_name(n.target) if n.op in ("call_function", "call_method") else ""
+
+
+def _is_softmax(gm: fx.GraphModule, n: fx.Node) -> bool:
+    if n.op == "call_module":
+        return isinstance(gm.get_submodule(str(n.target)), nn.Softmax)
+    return (n.op == "call_function" and n.target in (torch.softmax, torch.nn.functional.softmax)) or (
+        n.op == "call_method" and n.target == "softmax"
+    )
+
+
+def _softmax_dim(gm: fx.GraphModule, n: fx.Node) -> int | None:
+    if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.Softmax):
+        dim: object = gm.get_submodule(str(n.target)).dim
+    elif _is_softmax(gm, n):
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    else:
+        return None
+    return dim if isinstance(dim, int) else None
+
+
+def _einsum(n: fx.Node) -> tuple[list[str], list, str] | None:
+    """(the operands' subscripts, operands, output subscripts) of a two-operand einsum."""
+    eq, operands = n.args[0], list(n.args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(eq, str) or "->" not in eq or len(operands) != 2:
+        return None
+    ins, out = eq.replace(" ", "").split("->")
+    parts = ins.split(",")
+    return (parts, operands, out) if len(parts) == 2 else None
+
+
+def _scores_operands(n: fx.Node) -> tuple[fx.Node, fx.Node, int]:
+    """(query, key, the key's head-size axis) of a scores product; NotApplicable when it is not q · kᵀ."""
+    if _name(n) != "einsum":
+        q, k = n.args[:2]
+        if not (isinstance(q, fx.Node) and isinstance(k, fx.Node)):
+            raise refuse(n, "computes attention scores from a constant, not from projected queries and keys")
+        return q, k, -2
+    e = _einsum(n)
+    if e is not None:
+        (a, b), (q, k), out = e
+        p = a[:-2]
+        if (
+            isinstance(q, fx.Node)
+            and isinstance(k, fx.Node)
+            and len(a) >= 2
+            and b[:-2] == p
+            and out == p + a[-2] + (b[-1] if b[-2] == a[-1] else b[-2])
+        ):
+            if b[-1] == a[-1] and b[-2] not in a:
+                return q, k, -1  # 'bhqd,bhkd->bhqk'
+            if b[-2] == a[-1] and b[-1] not in a:
+                return q, k, -2  # 'bhqd,bhdk->bhqk'
+    raise refuse(n, f"computes attention scores with einsum '{n.args[0]}', not (…, q, d) · (…, k, d) → (…, q, k)")
+
+
+def _value_operand(n: fx.Node, weights: fx.Node) -> fx.Node:
+    """The value of an output product `weights @ value`; NotApplicable when it is not that."""
+    if _name(n) != "einsum":
+        if n.args[0] is not weights or not isinstance(n.args[1], fx.Node):
+            raise refuse(n, "multiplies the attention weights from the right or by a constant, not weights @ value")
+        return n.args[1]
+    e = _einsum(n)
+    if e is not None:
+        (a, b), (w, v), out = e
+        p = a[:-2]
+        if (
+            w is weights
+            and isinstance(v, fx.Node)
+            and b[:-2] == p
+            and b[-2] == a[-1]
+            and out == p + a[-2] + b[-1]
+            and b[-1] not in a
+        ):
+            return v
+    raise refuse(n, f"combines the attention weights with einsum '{n.args[0]}', not (…, q, k) · (…, k, e) → (…, q, e)")
+
+
+def _only_user(n: fx.Node) -> fx.Node | None:
+    users = [u for u in n.users if not (u.op == "call_method" and u.target in ops.SHAPE_QUERIES)]
+    return users[0] if len(users) == 1 else None
+
+
+def _back_to_product(x, shape, steps: int) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(the matrix product, the ops after it, last first) that `x` is computed from through tensors of the scores'
+    shape, within `steps` ops; None when there is none."""
+    if not isinstance(x, fx.Node) or tensor_shape(x) != shape:
+        return None
+    if _name(x) in PRODUCTS:
+        return x, []
+    if steps == 0:
+        return None
+    for a in (*x.args, *x.kwargs.values()):
+        found = _back_to_product(a, shape, steps - 1)
+        if found is not None:
+            return found[0], [x] + found[1]
+    return None
+
+
+def _core(gm: fx.GraphModule, sm: fx.Node) -> Core | None:
+    """The eager attention around softmax `sm`, None when `sm` is not between two matrix products."""
+    shape = tensor_shape(sm)
+    found = _back_to_product(sm.args[0], shape, 8) if sm.args else None
+    if found is None or shape is None or len(shape) < 3:
+        return None
+    x, chain = found
+    scores, after = x, [sm]
+    out = _only_user(sm)
+    while out is not None and _name(out) not in PRODUCTS and op_kind(gm, out) == "same":
+        after.append(out)
+        out = _only_user(out)
+    if out is None:  # the weights read twice: an attention if one reader is the product with the value
+        users = [u for u in after[-1].users if _name(u) in PRODUCTS]
+        if users and len(after[-1].users) > 1:
+            other = next(u for u in after[-1].users if u is not users[0])
+            raise refuse(
+                after[-1], f"holds the attention weights of '{users[0].name}' and is also read by '{other.name}'"
+            )
+    if out is None or _name(out) not in PRODUCTS:
+        return None
+    dim = _softmax_dim(gm, sm)
+    if dim is None or dim % len(shape) != len(shape) - 1:
+        raise refuse(sm, f"normalises attention scores along dim {dim}, not over the keys (the last)")
+    q, k, key_axis = _scores_operands(scores)
+    core = Core(out, q, k, _value_operand(out, after[-1]), key_axis)
+    core.inner = {scores.name, out.name} | {n.name for n in chain + after}
+    prev = scores
+    for n in reversed(chain):  # from the scores to the softmax
+        if _name(n) not in ON_SCORES or n.op not in ("call_function", "call_method"):
+            raise refuse(
+                n,
+                f"is between the attention scores of '{out.name}' and its softmax, and is not an op "
+                "the analysis follows (arithmetic with a number or a mask, tanh, masking, casts)",
+            )
+        if _only_user(prev) is not n:
+            raise refuse(prev, f"holds the attention scores of '{out.name}' and is also read elsewhere")
+        side = [a for a in (*n.args, *n.kwargs.values()) if isinstance(a, fx.Node) and a is not prev]
+        core.sides += [a for a in side if _name(n) not in ops.CASTS and tensor_shape(a)]
+        if prev is scores and core.scale is None:
+            core.scale, at = _scale(n, scores)
+            core.scale_at, core.scale_from = (None, at) if at and isinstance(at[0], fx.Node) else (at, None)
+        prev = n
+    if core.scale is None and core.scale_from is None:
+        core.scale = 1.0
+    return core
+
+
+def _scale(n: fx.Node, scores: fx.Node) -> tuple[float | None, tuple | None]:
+    """The first op on the scores as a scale: × c or / c with c a number or a 0-d `torch.full([], c)`."""
+    if (
+        n.op != "call_function"
+        or n.target not in ops.MUL_FUNCTIONS
+        or n.args[0] is not scores
+        and (n.target not in ops.PRODUCT_FUNCTIONS or n.args[1] is not scores)
+    ):
+        return None, None
+    i = 1 if n.args[0] is scores else 0
+    c = n.args[i]
+    div = n.target in (operator.truediv, torch.div)
+    if isinstance(c, fx.Node) and c.op == "call_function" and c.target is torch.full and tuple(c.args[0]) == ():
+        n, i, c = c, 1, c.args[1]
+    if isinstance(c, fx.Node):
+        return None, (c, div)  # computed: analysis.heads evaluates it from the sizes it is read from
+    if not isinstance(c, (int, float)) or isinstance(c, bool) or c == 0:
+        return None, None
+    return (1 / c if div else float(c)), (n.name, ("args", i), "div" if div else "mul")
+
+
+# what a scale computed from sizes may be made of: arithmetic on Python numbers (math.sqrt(d), d ** -0.5, 1 / …)
+_NUMBER_OPS = {getattr(operator, n) for n in ops.BINARY_NAMES if hasattr(operator, n)}
+_NUMBER_OPS |= {operator.pow, operator.floordiv, math.sqrt, float, int}
+
+
+def scale_value(c: fx.Node, read) -> float:
+    """The value of a scale computed from sizes (math.sqrt(q.size(-1)), q.shape[-1] ** -0.5), each size read
+    `t.size(dim)` / `t.shape[dim]` answered by read(t, dim); ValueError when it is computed some other way."""
+
+    def value(a):
+        if not isinstance(a, fx.Node):
+            return a
+        if a.op == "call_method" and a.target == "size" and len(a.args) == 2:
+            return read(a.args[0], a.args[1])
+        if a.op == "call_function" and a.target is operator.getitem and isinstance(a.args[1], int):
+            shape = a.args[0]
+            if isinstance(shape, fx.Node) and shape.op == "call_function" and shape.args[1:] == ("shape",):
+                return read(shape.args[0], a.args[1])
+        if a.op == "call_function" and a.target in _NUMBER_OPS and not a.kwargs:
+            return a.target(*(value(x) for x in a.args))
+        raise ValueError(a.name)
+
+    out = value(c)
+    if not isinstance(out, (int, float)) or out == 0:
+        raise ValueError(c.name)
+    return float(out)
+
+
+def eager_cores(gm: fx.GraphModule) -> list[Core | NotApplicable]:
+    """Every eagerly written attention of the graph (or the reason one cannot be read)."""
+    out: list[Core | NotApplicable] = []
+    for n in gm.graph.nodes:
+        if not _is_softmax(gm, n):
+            continue
+        try:
+            core = _core(gm, n)
+        except NotApplicable as e:
+            out.append(e)
+            continue
+        if core is not None:
+            out.append(core)
+    return out
+
+
+def sdpa_core(s: fx.Node) -> Core:
+    """A scaled_dot_product_attention as a Core (its scale: an explicit scale=, else None: 1/sqrt(d))."""
+    names = ("query", "key", "value")
+    q, k, v = (s.args[i] if len(s.args) > i else s.kwargs.get(name) for i, name in enumerate(names))
+    if not all(isinstance(t, fx.Node) for t in (q, k, v)):
+        raise refuse(s, "has no query, key and value the analysis can read")
+    mask = s.args[3] if len(s.args) > 3 else s.kwargs.get("attn_mask")
+    scale = s.kwargs.get("scale", s.args[6] if len(s.args) > 6 else None)
+    return Core(s, q, k, v, -1, {s.name}, [mask] if isinstance(mask, fx.Node) else [], scale)
+
+
+def is_sdpa(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target is SDPA
