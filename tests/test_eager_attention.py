@@ -182,3 +182,47 @@ def test_hugging_face_eager_attention_grows_exactly(arch, args, heads):
             assert _same_function(gm, result.gm, inputs, train) <= 1e-6, (arch, length, batch, train)
     if arch == "gpt2":
         assert result.targets["scale"] == "1/sqrt(8) → 1/sqrt(12); old query rows × sqrt(12/8)"
+
+
+# --- Gemma's RMSNorm, x · (1 + weight) (issue 39): captured as an nn.RMSNorm, so grow_hidden follows the stream ------
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm arithmetic under another name: the weight stores the scale's offset from 1."""
+
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.randn(d) * 0.1)
+
+    def forward(self, x):
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class OffsetNormStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.norm, self.final = nn.Embedding(50, 16), OffsetRMSNorm(16), OffsetRMSNorm(16)
+        self.up, self.down, self.head = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 50)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        h = h + self.down(F.gelu(self.up(self.norm(h))))
+        return self.head(self.final(h))
+
+
+def test_an_rms_norm_scaling_by_one_plus_its_weight_grows_with_the_stream():
+    from graphgrow.jobs.native import _class_layout
+
+    torch.manual_seed(0)
+    model = OffsetNormStack()
+    gm = gg.trace(model, "input_ids:1x6:int64")
+    assert isinstance(gm.norm, nn.RMSNorm) and torch.equal(gm.norm.weight, 1 + model.norm.weight.detach())
+    assert gm.meta["graphgrow"]["trace"]["standins"] == {"norm": "RMSNorm", "final": "RMSNorm"}
+    result = gg.get_pass("grow_hidden")(to=24)(gm)
+    checked = result.preservation
+    assert checked.eval.ok and checked.train.ok and not checked.dead and result.gm.norm.normalized_shape == (24,)
+    # back in the class's own layout (as_native): the offset w = weight - 1 (the grown weight is rescaled: the RMS
+    # runs over more coordinates)
+    assert torch.allclose(_class_layout(gm, model)["norm.weight"], model.norm.weight.detach())
+    assert torch.equal(_class_layout(result.gm, model)["final.weight"], result.gm.final.weight.detach() - 1)

@@ -1,7 +1,8 @@
 """A model's own layer that computes exactly what a torch.nn layer computes, judged by running it.
 
 Hugging Face models bring their own small layers: GPT-2's `Conv1D` is a Linear whose weight is stored
-transposed (x @ W + b); `LlamaRMSNorm` and `T5LayerNorm` are RMSNorm over the last axis. Passes and
+transposed (x @ W + b); `LlamaRMSNorm` and `T5LayerNorm` are RMSNorm over the last axis, Gemma's RMSNorm one with
+weight 1 + w. Passes and
 the coupling analysis know torch.nn layers, so export capture raises such a layer back as the
 torch.nn layer it behaves as — decided by running both on random inputs (in eval and train mode,
 at two scales so that an RMSNorm's eps is pinned), never by the class name. A layer that matches
@@ -67,14 +68,25 @@ def _linear(m: nn.Module, weight: nn.Parameter, bias: nn.Parameter | None, tied:
 
 
 def _rms_norm(m: nn.Module, weight: nn.Parameter) -> nn.Module | None:
-    """An RMSNorm over the last axis: x / sqrt(mean(x²) + eps) · weight, eps one of the layer's own numbers."""
+    """An RMSNorm over the last axis: x / sqrt(mean(x²) + eps) · weight, eps one of the layer's own numbers; or
+    · (1 + weight) (Gemma's RMSNorm stores the scale's offset from 1): then the stand-in's weight is a copy, 1 + w
+    (offset_weight() gives the layer's own layout back)."""
     d = weight.shape[0]
-    for eps in _eps_candidates(m):
-        if _matches(m, (d,), lambda x, eps=eps: F.rms_norm(x, (d,), weight.detach(), eps), scales=(1.0, eps**0.5)):
-            norm = nn.RMSNorm(d, eps=eps, device="meta", dtype=weight.dtype)
-            norm.weight = weight
-            return norm
+    for offset in (0.0, 1.0):
+        w = weight.detach() + offset if offset else weight.detach()
+        for eps in _eps_candidates(m):
+            if _matches(m, (d,), lambda x, eps=eps, w=w: F.rms_norm(x, (d,), w, eps), scales=(1.0, eps**0.5)):
+                norm = nn.RMSNorm(d, eps=eps, device="meta", dtype=weight.dtype)
+                norm.weight = nn.Parameter(w.clone(), requires_grad=weight.requires_grad) if offset else weight
+                return norm
     return None
+
+
+def offset_weight(own: nn.Module, raised: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """A grown stand-in RMSNorm's `weight` in the layer's own layout: minus 1 where the layer scales by 1 + w."""
+    return (
+        weight - 1 if isinstance(raised, nn.RMSNorm) and raised.weight is not getattr(own, "weight", None) else weight
+    )
 
 
 def _eps_candidates(m: nn.Module) -> Iterator[float]:

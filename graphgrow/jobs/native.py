@@ -128,24 +128,27 @@ def _class_layout(
     grown: fx.GraphModule, original: nn.Module, own_path: Callable[[str], str] = lambda p: p
 ) -> dict[str, torch.Tensor]:
     """The grown state dict in the class's own layout: a layer that capture raised to an nn.Linear with its weight
-    transposed (GPT-2's Conv1D stores in × out) gets its weight transposed back; capture.standins decides, as it did.
+    transposed (GPT-2's Conv1D stores in × out) gets its weight transposed back, one raised to an nn.RMSNorm with
+    weight 1 + w (Gemma's) gets w back; capture.standins decides, as it did.
     `own_path`: where the original holds a grown module (a copied layer: the layer it was copied from)."""
-    from ..capture.standins import standin
+    from ..capture.standins import offset_weight, standin
 
     state = dict(grown.state_dict())
     for path, m in grown.named_modules():
-        if not isinstance(m, nn.Linear):
+        if not isinstance(m, (nn.Linear, nn.RMSNorm)):
             continue
         try:
             own = original.get_submodule(own_path(path))
         except AttributeError:
             continue
         weight = getattr(own, "weight", None)
-        if isinstance(own, nn.Linear) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        if isinstance(own, type(m)) or not isinstance(weight, torch.Tensor) or weight.dim() != m.weight.dim():
             continue
         raised = standin(own)
         if isinstance(raised, nn.Linear) and raised.weight is not weight:
             state[f"{path}.weight"] = state[f"{path}.weight"].t().contiguous()
+        elif isinstance(raised, nn.RMSNorm):  # Gemma's RMSNorm scales by 1 + w: its own weight is the offset
+            state[f"{path}.weight"] = offset_weight(own, raised, state[f"{path}.weight"])
     return state
 
 
