@@ -158,6 +158,7 @@ def _hf(arch: str):
     return tf.Gemma2ForCausalLM(cfg)
 
 
+@pytest.mark.slow  # three Hugging Face captures (~12 s): make test runs them, not the edit loop
 @pytest.mark.parametrize(
     "arch,args,heads",
     [
