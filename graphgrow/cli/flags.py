@@ -1,6 +1,6 @@
 """The flags every command shares (_common): the loading flags, gathered into one `load` argument
-(jobs.options.LoadOptions), --max-load (into it, as bytes), --max-memory (passed to the job, parsed there), --json,
---debug."""
+(jobs.options.LoadOptions), --max-load (into it, as bytes), --weights (into it), --max-memory (passed to the job,
+parsed there), --json, --debug."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ INPUT_HELP = (
     "takes (int inputs are drawn below the model's vocabulary; *mask inputs are ones; a named size such as "
     "seq=128 stays dynamic in ONNX)"
 )
+WEIGHTS_HELP = (
+    "trained weights for a model named timm:NAME, torchvision:NAME, hf:TYPE or package.module:factory: a "
+    "safetensors state dict loaded strictly (every key, every shape) into the model built by name; never a pickle"
+)
 CAPTURE_HELP = (
     "how to capture the model: fx (symbolic tracing), export (torch.export: Hugging Face transformers) or "
     "auto (fx, torch.export when fx cannot trace the model or an input is not one float tensor)"
@@ -45,6 +49,7 @@ def _load_options(f: Callable) -> Callable:
         trace_mode: str,
         capture: str,
         max_load: str | None,
+        weights: str | None,
         **kwargs,
     ):
         from ..jobs.options import LoadOptions
@@ -65,6 +70,7 @@ def _load_options(f: Callable) -> Callable:
             trace_mode=trace_mode,
             capture=capture,
             max_load=_load_bytes(max_load),
+            weights=weights,
         )
         return f(*args, load=load, **kwargs)
 
@@ -114,6 +120,7 @@ def _common(f: Callable) -> Callable:
         metavar="SIZE",
         help="refuse a model file that would unpack to more than this (default 16G)",
     )(f)
+    f = click.option("--weights", "weights", metavar="FILE.safetensors", help=WEIGHTS_HELP)(f)
     f = click.option("--max-memory", "max_memory", metavar="SIZE", help=MAX_MEMORY_HELP)(f)
     f = click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout instead of tables")(f)
     f = click.option("--debug", is_flag=True, help="show tracebacks")(f)

@@ -95,15 +95,30 @@ FACTORY_SEED = 0  # factories build random weights: seeded, so a factory name me
 
 
 def load_model(
-    source: str | os.PathLike[str], trust: bool = False, factory_seed: int = FACTORY_SEED, max_load: int | None = None
+    source: str | os.PathLike[str],
+    trust: bool = False,
+    factory_seed: int = FACTORY_SEED,
+    max_load: int | None = None,
+    weights: str | None = None,
 ) -> LoadedModel:
     """Load a model from a file or a `package.module:factory` name (built with the global RNG seeded
     with `factory_seed`, restored afterwards). `max_load` (--max-load; None: DEFAULT_MAX_LOAD) bounds what a
-    file may unpack to and what a factory may allocate, before it happens. Raises LoadError."""
+    file may unpack to and what a factory may allocate, before it happens. `weights` (--weights): a safetensors
+    state dict loaded strictly into a model built by name (io.weights). Raises LoadError."""
     text = str(source)
     limit = DEFAULT_MAX_LOAD if max_load is None else max_load
-    if is_factory_name(text):
-        return _from_factory(text, factory_seed, limit)
+    is_name = is_factory_name(text)
+    if weights is not None:
+        from .weights import refuse_weights_for
+
+        refuse_weights_for(text, weights, is_name)  # before anything is built or read
+    if is_name:
+        loaded = _from_factory(text, factory_seed, limit)
+        if weights is not None:
+            from .weights import load_weights
+
+            load_weights(loaded.module, weights, limit, text)
+        return loaded
     path = Path(text)
     if not path.exists():
         hint = (

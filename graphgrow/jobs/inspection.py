@@ -77,6 +77,7 @@ def targets(
     data: str | None = None,
     max_memory: int | None = None,
     max_load: int | None = None,
+    weights: str | None = None,
 ) -> dict:
     """Where one pass (its other arguments as given in `spec`) can apply, with what each place would add;
     with `data` (package.module:function → (inputs, loss_fn)) ranked by the first-order gain (rewrite.gain)."""
@@ -98,6 +99,7 @@ def targets(
         max_memory=max_memory,
         capture=capture,
         max_load=max_load,
+        weights=weights,
     )
     progress(f"finding where {p.name} can apply")
     found = p.candidates(opened.gm)
@@ -152,6 +154,7 @@ def export(
     external_data: bool | None = None,
     max_memory: int | None = None,
     max_load: int | None = None,
+    weights: str | None = None,
 ) -> dict:
     """Export the model to ONNX; with `fold`, through the `fold` transform first (verified, logged);
     `external_data` as export_onnx takes it."""
@@ -184,6 +187,7 @@ def export(
         max_memory=max_memory,
         capture=capture,
         max_load=max_load,
+        weights=weights,
     )
     gm = opened.gm
     folded = None
@@ -233,6 +237,7 @@ def check(
     capture: str = "auto",
     max_memory: int | None = None,
     max_load: int | None = None,
+    weights: str | None = None,
 ):
     """onnxruntime on `onnx_file` vs PyTorch on the model `source`. Returns (json, report).
 
@@ -272,6 +277,7 @@ def check(
         factory_seed=factory_seed,
         capture=capture,
         max_load=max_load,
+        weights=weights,
     )
     check_onnx_memory(opened.gm, None, check=True, max_memory=max_memory)
     progress("checking onnxruntime against PyTorch")
@@ -305,6 +311,7 @@ def inspect(
     capture: str = "auto",
     max_memory: int | None = None,
     max_load: int | None = None,
+    weights: str | None = None,
 ) -> dict:
     if str(source).lower().endswith(".onnx") and Path(source).is_file():
         if groups:
@@ -326,6 +333,7 @@ def inspect(
         max_memory=max_memory,
         capture=capture,
         max_load=max_load,
+        weights=weights,
     )
     gm = opened.gm
     nodes = []

@@ -49,13 +49,15 @@ def open_model(
     factory_seed: int = FACTORY_SEED,
     capture: str = "auto",
     max_load: int | None = None,
+    weights: str | None = None,
 ) -> OpenedModel:
     """Load (safely), trace, check the trace against the model, and annotate shapes. The
     example input (a shape or an input spec) comes from the argument, the file (graphgrow outputs
     remember it), the zoo or the first layer. `capture`: "auto", "fx" or "export" (trace()). `max_load`:
-    load_model's bound on what the file unpacks to (None: its default)."""
+    load_model's bound on what the file unpacks to (None: its default). `weights`: a safetensors state dict for a
+    model built by name (--weights)."""
     progress(f"loading {source}")
-    loaded = load_model(source, trust=trust, factory_seed=factory_seed, max_load=max_load)
+    loaded = load_model(source, trust=trust, factory_seed=factory_seed, max_load=max_load, weights=weights)
     given = parse_example_input(
         input_shape if input_shape is not None else loaded.input_shape, loaded.module
     )  # flag or stored: one check

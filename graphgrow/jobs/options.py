@@ -1,6 +1,6 @@
 """What a command was asked, as options objects passed cli → jobs → search, every field by name.
 
-LoadOptions: how to open the model (the example input, --trust, --leaf, --trace-mode, --capture, --max-load).
+LoadOptions: how to open the model (the example input, --trust, --leaf, --trace-mode, --capture, --max-load, --weights).
 OutputOptions: what to write (-o, --onnx, the default name's suffix, --dry-run, --diagram).
 Limits (analysis.budget): --max-params and --max-memory, carried to each place that reads them (no global).
 """
@@ -20,6 +20,7 @@ class LoadOptions:
     trace_mode: str = "eval"
     capture: str = "auto"
     max_load: int | None = None  # bytes a model file may unpack to (--max-load); None: io.load.DEFAULT_MAX_LOAD
+    weights: str | None = None  # a .safetensors state dict for a model built by name (--weights; io.weights)
 
     def job_arguments(self) -> dict[str, Any]:
         """The options as the jobs that take them one by one (replay, targets, export, check, inspect) name them:
@@ -31,6 +32,7 @@ class LoadOptions:
             "trace_mode": self.trace_mode,
             "capture": self.capture,
             "max_load": self.max_load,
+            "weights": self.weights,
         }
 
 

@@ -174,6 +174,7 @@ def _open(source: str, load: LoadOptions, progress: Progress, max_memory: int | 
         max_memory=max_memory,
         capture=load.capture,
         max_load=load.max_load,
+        weights=load.weights,
         **extra,
     )
 
@@ -392,6 +393,7 @@ def replay(
     capture: str = "auto",
     data=None,
     max_load: int | None = None,
+    weights: str | None = None,
 ) -> dict:
     """Re-apply the mutation log of `log_source` (a graphgrow .pt or an exported .onnx) to the model `source`.
     `data`: the data function (a name or the function) for the steps that logged one; the logged name itself
@@ -420,6 +422,7 @@ def replay(
             trace_mode=trace_mode,
             capture=capture,
             max_load=max_load,
+            weights=weights,
         ),
         progress,
         limits.max_memory,

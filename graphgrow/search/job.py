@@ -78,6 +78,7 @@ def run(
             max_memory=options.limits.max_memory,
             capture=load.capture,
             max_load=load.max_load,
+            weights=load.weights,
         )
         model = opened.gm
     progress("searching")
