@@ -21,6 +21,10 @@ SOURCE = (
     "import torch\n"
     "def mlp(hidden=16):\n"
     "    return torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 4))\n"
+    "def tied():\n"
+    "    emb, head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False)\n"
+    "    head.weight = emb.weight\n"
+    "    return torch.nn.Sequential(emb, head)\n"
 )
 
 
@@ -118,3 +122,17 @@ def test_weights_go_with_a_model_name_and_safetensors_only(here):
     done = run_cli("inspect", "model.pt", "--weights", "w.bin", cwd=folder)
     assert done.returncode == 2, done.stderr
     assert "carries its own weights" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_tied_weights_saved_once_load_into_both_names(here):
+    """safetensors.torch.save_model keeps one name of a tied tensor (an LM head sharing the embedding)."""
+    from safetensors.torch import save_model
+
+    folder, _ = here
+    torch.manual_seed(7)
+    trained = gg.load_model("tinynet:tied").module
+    torch.nn.init.normal_(trained[0].weight)
+    save_model(trained, str(folder / "tied.safetensors"))
+    loaded = gg.load_model("tinynet:tied", weights="tied.safetensors").module
+    assert torch.equal(loaded[1].weight, trained[0].weight)
+    assert loaded[1].weight is loaded[0].weight  # still tied

@@ -65,12 +65,22 @@ def load_weights(model: nn.Module, weights: str, limit: int, source: str) -> Non
         ) from e
     _check_matches(model, state, weights, source)
     with torch.no_grad():
-        model.load_state_dict(state, strict=True)
+        model.load_state_dict(state, strict=False)  # checked above: only a tied tensor's other names are absent
 
 
 def _check_matches(model: nn.Module, state: dict[str, torch.Tensor], weights: str, source: str) -> None:
     own = model.state_dict()
-    missing = [k for k in own if k not in state]
+    # tied parameters (an LM head sharing the embedding) are one tensor under two names, and safetensors keeps one
+    # of them (save_model drops the others): a name is there when any name of its tensor is
+    names: dict[tuple[int, tuple[int, ...]], set[str]] = {}
+    for k, t in own.items():
+        if t.numel():
+            names.setdefault((t.data_ptr(), tuple(t.shape)), set()).add(k)
+    missing = [
+        k
+        for k in own
+        if k not in state and not names.get((own[k].data_ptr(), tuple(own[k].shape)), set()) & state.keys()
+    ]
     unexpected = [k for k in state if k not in own]
     shapes = [
         f"{k} {list(state[k].shape)} (the model's: {list(own[k].shape)})"
