@@ -69,6 +69,8 @@ def _softmax_dim(gm: fx.GraphModule, n: fx.Node) -> int | None:
 
 def _einsum(n: fx.Node) -> tuple[list[str], list, str] | None:
     """(the operands' subscripts, operands, output subscripts) of a two-operand einsum."""
+    if not n.args:
+        return None
     eq, operands = n.args[0], list(n.args[1:])
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = list(operands[0])
@@ -82,7 +84,7 @@ def _einsum(n: fx.Node) -> tuple[list[str], list, str] | None:
 def _scores_operands(n: fx.Node) -> tuple[fx.Node, fx.Node, int]:
     """(query, key, the key's head-size axis) of a scores product; NotApplicable when it is not q · kᵀ."""
     if _name(n) != "einsum":
-        q, k = n.args[:2]
+        q, k = (list(n.args) + [None, None])[:2]
         if not (isinstance(q, fx.Node) and isinstance(k, fx.Node)):
             raise refuse(n, "computes attention scores from a constant, not from projected queries and keys")
         return q, k, -2
@@ -107,7 +109,7 @@ def _scores_operands(n: fx.Node) -> tuple[fx.Node, fx.Node, int]:
 def _value_operand(n: fx.Node, weights: fx.Node) -> fx.Node:
     """The value of an output product `weights @ value`; NotApplicable when it is not that."""
     if _name(n) != "einsum":
-        if n.args[0] is not weights or not isinstance(n.args[1], fx.Node):
+        if len(n.args) != 2 or n.args[0] is not weights or not isinstance(n.args[1], fx.Node):
             raise refuse(n, "multiplies the attention weights from the right or by a constant, not weights @ value")
         return n.args[1]
     e = _einsum(n)
@@ -207,7 +209,7 @@ def _scale(n: fx.Node, scores: fx.Node) -> tuple[float | None, tuple | None]:
     i = 1 if n.args[0] is scores else 0
     c = n.args[i]
     div = n.target in (operator.truediv, torch.div)
-    if isinstance(c, fx.Node) and c.op == "call_function" and c.target is torch.full and tuple(c.args[0]) == ():
+    if isinstance(c, fx.Node) and c.op == "call_function" and c.target is torch.full and c.args[:1] in (((),), ([],)):
         n, i, c = c, 1, c.args[1]
     if isinstance(c, fx.Node):
         return None, (c, div)  # computed: analysis.heads evaluates it from the sizes it is read from

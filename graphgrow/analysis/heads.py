@@ -287,7 +287,7 @@ def _computed_scale(flow: Flow, core: Core, region: set[str]) -> Callable[[dict[
 
     try:
         scale_value(c, read({}))
-    except ValueError:
+    except (ValueError, TypeError, IndexError, ZeroDivisionError):  # not arithmetic on sizes the analysis reads
         todo, seen = [c], set()
         while todo:
             n = todo.pop()
