@@ -136,3 +136,17 @@ def test_tied_weights_saved_once_load_into_both_names(here):
     loaded = gg.load_model("tinynet:tied", weights="tied.safetensors").module
     assert torch.equal(loaded[1].weight, trained[0].weight)
     assert loaded[1].weight is loaded[0].weight  # still tied
+
+
+def test_an_export_of_a_model_with_weights_checks_against_the_same_name_and_weights(here):
+    """The ONNX file records no factory seed (no value came from it); check rebuilds the reference with --weights."""
+    folder, _ = here
+    assert gg.load_model(FACTORY, weights="w.safetensors").factory_seed is None
+    runner = CliRunner()
+    common = ["--weights", "w.safetensors", "--input-shape", "2,8"]
+    done = runner.invoke(main, ["export", FACTORY, "-o", "m.onnx", *common], catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    done = runner.invoke(main, ["check", "m.onnx", FACTORY, *common, "--json"], catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    done = runner.invoke(main, ["check", "m.onnx", FACTORY, "--input-shape", "2,8"], catch_exceptions=False)
+    assert done.exit_code == 2 and "does not record how its weights were made" in done.output

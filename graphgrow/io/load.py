@@ -118,6 +118,7 @@ def load_model(
             from .weights import load_weights
 
             load_weights(loaded.module, weights, limit, text)
+            loaded.factory_seed = None  # no value comes from the seed now: an export records no seed to rebuild it
         return loaded
     path = Path(text)
     if not path.exists():

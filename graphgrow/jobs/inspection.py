@@ -256,7 +256,7 @@ def check(
     shape = parse_example_input(input_shape) or onnx_input_shape(proto)
     meta = metadata(proto)
     factory_seed = FACTORY_SEED
-    if is_factory_name(source):
+    if is_factory_name(source) and weights is None:  # with --weights every value comes from the file
         recorded = onnx_factory_seed(proto) if seed is None else seed
         if recorded is None:
             raise InputError(
