@@ -30,6 +30,7 @@ def main() -> None:
     weights, input shape from the zoo) or a factory (package.module:factory), each
     optionally with literal arguments: 'timm:resnet26d(num_classes=10,drop_path_rate=0.1)',
     'hf:gpt2(n_layer=2,n_embd=64,n_head=4)', or a save_pretrained folder (safetensors).
+    A named model takes trained weights with --weights FILE.safetensors.
 
     Exit codes: 0 ok, 1 a check failed, 2 bad input or a pass that cannot apply,
     3 internal error.
