@@ -26,8 +26,15 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from graphgrow import Candidate, NotApplicable, Pass, Rewrite, arg
-from graphgrow.analysis.eager_attention import eager_cores
-from graphgrow.rewrite import ADDS_PARAMETERS, Requirement, begin, find_attentions, grow_attentions, pass_function
+from graphgrow.rewrite import (
+    ADDS_PARAMETERS,
+    Requirement,
+    begin,
+    eager_cores,
+    find_attentions,
+    grow_attentions,
+    pass_function,
+)
 
 
 @pass_function  # the arguments' defaults and allowed values: GrowHeads's declaration

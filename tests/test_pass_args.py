@@ -150,7 +150,9 @@ def test_graphgrow_passes_shows_what_each_argument_allows_and_the_contract():
     found = json.loads(proc.stdout)
     factor = next(a for a in found["grow_width"]["args"] if a["name"] == "factor")
     assert factor["allowed"] == "in (0, 16]" and factor["default"] == 2.0
-    assert found["grow_heads"]["requires"] == ["an attention (F.scaled_dot_product_attention)"]
+    assert found["grow_heads"]["requires"] == [
+        "an attention (F.scaled_dot_product_attention, or softmax(q @ kᵀ) @ v written eagerly)"
+    ]
     assert found["remove_branch"]["ensures"] == ["removes parameters"] and found["fold"]["ensures"] == []
     text = run_cli("passes").stdout
     assert (

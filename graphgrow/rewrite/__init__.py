@@ -26,7 +26,7 @@ Channels (coupling: analysis; widen: planning and applying):
 Residual streams (analysis.stream: what carries a transformer's hidden size; rewrite.stream: growing it exactly):
     find_stream, Stream, grow_stream
 Attention heads (analysis.heads: every attention, its projections and head-size constants; rewrite.heads):
-    find_attentions, Attention, grow_attentions
+    find_attentions, Attention, grow_attentions; eager_cores (attention written as softmax(q @ kᵀ) @ v, or why not)
 Merged blocks (a mode switch: per-path work of a block that branches on self.training):
     eval_passthrough (the input a switch hands back unchanged in eval mode, or None)
 New weights (initializers): kaiming_, zero_last_bn; from data (gradmax): gradmax_init, group_layouts, adapter_layouts,
@@ -47,6 +47,7 @@ from ..analysis.axes import conv_dims
 from ..analysis.coupling import Coupling, analyze, channel_axis
 from ..analysis.coupling_layers import ConvFacts, conv2d_facts
 from ..analysis.deployed import deployed_nodes, train_only_note
+from ..analysis.eager_attention import eager_cores
 from ..analysis.heads import Attention, find_attentions
 from ..analysis.opaque import eval_passthrough
 from ..analysis.stages import (
@@ -185,6 +186,7 @@ __all__ = [
     "Stream",
     "grow_stream",
     "find_attentions",
+    "eager_cores",
     "Attention",
     "grow_attentions",
     "pass_function",
