@@ -76,3 +76,21 @@ def test_the_cli_calls_its_jobs_by_keyword():
     assert len(calls) >= 9  # mutate, replay, fold, export, check, inspect, targets, diff, search
     crowded = [f"line {c.lineno}: {len(c.args)} positional" for c in calls if len(c.args) > 2]
     assert not crowded, crowded
+
+
+@pytest.mark.parametrize(
+    "text, size", [("20G", 20 * 2**30), ("20GiB", 20 * 2**30), ("512MiB", 512 * 2**20), ("8gb", 8 * 2**30)]
+)
+def test_byte_limits_take_the_binary_spelling_too(text, size):
+    from graphgrow.analysis.budget import parse_size
+
+    assert parse_size(text, "--max-memory") == size
+
+
+@pytest.mark.parametrize("text, what", [("20iB", "--max-memory"), ("5Gi", "--max-params"), ("5GiBB", "--max-load")])
+def test_a_binary_unit_without_a_size_letter_or_on_a_count_is_refused(text, what):
+    from graphgrow.analysis.budget import parse_size
+    from graphgrow.core.errors import InputError
+
+    with pytest.raises(InputError, match="is not a size"):
+        parse_size(text, what)

@@ -68,12 +68,14 @@ def parse_limit(text: str | int, what: str) -> int:
 
 
 def parse_size(text: str | int, what: str) -> int:
-    """'8G', '512M', '100000' → an integer (K/M/G/T = powers of 1024 for bytes, of 1000 for counts)."""
+    """'8G', '8GiB', '512M', '100000' → an integer (K/M/G/T = powers of 1024 for bytes, of 1000 for counts; the
+    binary spelling KiB/MiB/GiB/TiB says the same for bytes)."""
     if isinstance(text, int):
         value = text
     else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)[bB]?\s*", str(text))
-        if not m:
+        unit = r"(?:[bB]|i[bB]?)?" if what in BYTE_SIZES else r"[bB]?"
+        m = re.fullmatch(rf"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?){unit}\s*", str(text))
+        if not m or (m.group(2) == "" and "i" in str(text).lower()):
             lift = ", or none for no limit" if what in LIFTABLE else ""
             raise InputError(f"{what} {str(text)[:40]!r} is not a size", f"write e.g. 8G, 512M or 100000{lift}")
         base = 1024 if what in BYTE_SIZES else 1000
