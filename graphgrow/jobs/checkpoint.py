@@ -118,15 +118,21 @@ def _write(out: Path, gm: fx.GraphModule, optimizer, scheduler, step: int, extra
                 f"the checkpoint state is not plain data: {first_line(e, 200)}",
                 "keep `extra` and the scheduler's state to numbers, strings, lists, dicts and tensors",
             ) from e
-        old = out.with_name(f".{out.name}.old-{os.getpid()}") if out.exists() else None
-        if old is not None:
-            os.replace(out, old)
-        os.replace(staged, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_in(staged, out)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
+
+
+def swap_in(staged: Path, out: Path) -> None:
+    """Put the finished folder `staged` at `out`: an earlier folder there is moved aside first and removed only once
+    the new one is in place, so `out` always holds one whole checkpoint."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}") if out.exists() else None
+    if old is not None:
+        os.replace(out, old)
+    os.replace(staged, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclass

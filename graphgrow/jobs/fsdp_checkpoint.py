@@ -29,6 +29,7 @@ from torch import fx, nn
 
 from ..core.errors import InputError, LoadError, SaveError, first_line
 from . import replicas as rp
+from .checkpoint import swap_in
 from .fsdp import is_fsdp
 
 FORMAT = "graphgrow.sharded_checkpoint"
@@ -102,12 +103,7 @@ def save_sharded_checkpoint(
             )
     records = reps.gather({"error": rp.error_text(error) if error else None}, f"writing the checkpoint {out}")
     if reps.rank == 0 and error is None and not any(r.get("error") for r in records):
-        old = out.with_name(f".{out.name}.old-{os.getpid()}") if out.exists() else None
-        if old is not None:
-            os.replace(out, old)
-        os.replace(staged, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_in(staged, out)
     elif reps.rank == 0:
         shutil.rmtree(staged, ignore_errors=True)
     rp.raise_failures(reps, records, error, "writing the checkpoint")
