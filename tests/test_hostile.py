@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, as_from_a_terminal, run_cli, small_cnn
+from conftest import ROOT, run_cli, small_cnn
 from torch import nn
 
 import graphgrow as gg
@@ -921,14 +921,10 @@ def test_meta_estimates_cover_tensor_constants_and_leaves_that_make_tensors():
 
 def _graphgrow(*args: str, cwd: Path, setup: str = "", fsize_kb: int | None = None):
     """The real CLI process; `setup` is Python run first (a fault to inject), `fsize_kb` a `ulimit -f`."""
-    import subprocess
-    import sys
+    import cli_fork
 
     code = f"{setup}\nimport sys\nsys.argv = ['graphgrow', *sys.argv[1:]]\nfrom graphgrow.cli import main\nmain()"
-    argv = [sys.executable, "-c", code, *args]
-    if fsize_kb is not None:
-        argv = ["bash", "-c", f'ulimit -f {fsize_kb}; exec "$0" "$@"', *argv]
-    return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=600, preexec_fn=as_from_a_terminal)
+    return cli_fork.run(list(args), cwd, code=code, fsize_kb=fsize_kb)
 
 
 def _staging(folder: Path) -> list[str]:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cli_fork
 import pytest
 import torch
 from conftest import run_cli, small_cnn
@@ -132,14 +133,7 @@ def test_an_output_that_is_not_a_regular_file_is_never_replaced(tmp_path, model,
     before = _tree(tmp_path)
     argv = (["mutate", "m.pt", "--pass", "deepen"] if command == "mutate" else ["export", "m.pt"]) + [*SHAPE, "-o", out]
     with open(tmp_path.parent / f"{tmp_path.name}.stdout", "w+") as stdout:  # stdout redirected to a file, as in S7
-        proc = subprocess.run(
-            [sys.executable, "-m", "graphgrow.cli", *argv],
-            cwd=tmp_path,
-            stdout=stdout,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=600,
-        )
+        proc = cli_fork.run(argv, tmp_path, stdout=stdout.name)
         stdout.seek(0)
         printed = stdout.read()
     lines = proc.stderr.strip().splitlines()
@@ -213,27 +207,9 @@ def test_a_swapped_data_file_is_not_called_a_float64_problem(tmp_path):
 
 
 def test_a_report_that_cannot_be_written_is_exit_2_after_the_outputs(tmp_path, model):
-    with open("/dev/full", "w") as full:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "graphgrow.cli",
-                "mutate",
-                "m.pt",
-                "--pass",
-                "deepen",
-                *SHAPE,
-                "-o",
-                "g.pt",
-                "--json",
-            ],
-            cwd=tmp_path,
-            stdout=full,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=600,
-        )
+    proc = cli_fork.run(
+        ["mutate", "m.pt", "--pass", "deepen", *SHAPE, "-o", "g.pt", "--json"], tmp_path, stdout="/dev/full"
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith(
