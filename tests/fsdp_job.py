@@ -6,8 +6,11 @@ Each rank writes OUT/fsdp-rank{R}.json; the assertions are in tests/test_fsdp.py
 - grow: per spec, the decoder sharded per layer (gg.distributed.shard) trains 2 AdamW steps, grows with
   gg.distributed.grow, trains 2 more; beside it, the same growth done unsharded (grow_replica on a plain model
   and AdamW loaded from torch's own full state dicts) as the reference;
-- failure: rank 1 fails inside the pipeline, then inside the re-sharding; both ranks must keep the old model;
-- example: examples/grow_fsdp.py's training loop, through both of its growth events.
+- failure: rank 1 fails inside the pipeline (at planning), inside a layer's window, then inside the re-sharding; both
+  ranks must keep the old model;
+- example: examples/grow_fsdp.py's training loop, through both of its growth events;
+- killed: a rank killed (SIGKILL) during growth, in two processes forked at start-up (before this job's process
+  group exists) that form a job of their own: the survivor must raise, not hang.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
+import signal
 import sys
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -34,7 +40,8 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import graphgrow as gg  # noqa: E402
 from examples import grow_fsdp as ex  # noqa: E402
-from graphgrow.jobs import fsdp  # noqa: E402
+from graphgrow.jobs import fsdp, fsdp_layers, layerwise  # noqa: E402
+from graphgrow.jobs.optim import carry_optimizer  # noqa: E402
 
 SPECS = ["grow_hidden(by=8)", "grow_width(factor=2)", "grow_heads(by=1)", "deepen(block=transformer)"]
 LAYERS = ["layers.0", "layers.1"]
@@ -130,7 +137,10 @@ def grow_scenario(spec: str, mesh, rank: int, world: int) -> dict:
     }
     full = get_model_state_dict(grown, options=FULL)
     r["digest"] = digest(full)
-    ref_g = gg.distributed.grow_replica(ref, ref_opt, spec, seed=7, timeout=120)
+    # the reference: the same growth unsharded — window by window as the sharded job grows (layerwise.grow_plain)
+    r["layerwise"] = "plan" in g.seconds
+    ref_gm = layerwise.grow_plain(ref, gg.build_pipeline(spec), seed=7)
+    ref_g = SimpleNamespace(gm=ref_gm, optimizer=carry_optimizer(ref_opt, ref, ref_gm))
     mine, theirs = (
         optimizer_full(grown, gopt),
         {
@@ -164,6 +174,11 @@ def release_scenario(mesh, rank: int, world: int) -> dict:
     for n in range(2):
         step(model, opt, n, rank, world)
     params = list(model.parameters())
+    ref = fresh()  # release_old grows the whole model: its reference is grow_replica on a plain copy
+    ref.load_state_dict(get_model_state_dict(model, options=FULL))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    set_optimizer_state_dict(ref, ref_opt, get_optimizer_state_dict(model, opt, options=FULL), options=FULL)
+    ref_g = gg.distributed.grow_replica(ref, ref_opt, "grow_width(factor=2)", seed=7, timeout=60)
 
     def local() -> str:
         state = {f"{i}.{k}": v.to_local() for i, p in enumerate(params) for k, v in opt.state[p].items() if v.dim()}
@@ -187,6 +202,15 @@ def release_scenario(mesh, rank: int, world: int) -> dict:
     out["released"] = all(not t.untyped_storage().nbytes() for t in old)
     out["digest"] = digest(get_model_state_dict(g.model, options=FULL))
     out["optimizer_digest"] = digest(optimizer_full(g.model, g.optimizer))
+    out["reference_digest"] = digest(ref_g.gm.state_dict())
+    out["reference_optimizer_digest"] = digest(
+        {
+            f"{n}.{k}": v
+            for n, p in ref_g.gm.named_parameters()
+            for k, v in ref_g.optimizer.state.get(p, {}).items()
+            if v.dim()
+        }
+    )
     out["probe_after"] = probe(g.model)
     out["step_after"] = step(g.model, g.optimizer, 2, rank, world)
     return out
@@ -236,20 +260,27 @@ def failure_scenario(mesh, rank: int, world: int) -> dict:
     def fail(*args, **kwargs):
         raise RuntimeError("injected failure on rank 1")
 
-    real_run, real_reshard = gg.Pipeline.run, fsdp.reshard
-    for where in ("pipeline", "reshard"):
+    def fail_in_window(pipeline, gm, *args, **kwargs):  # planning (on the meta device) passes; a real window fails
+        if any(p.device.type != "meta" for p in gm.parameters()):
+            raise RuntimeError("injected failure on rank 1")
+        return real_run(pipeline, gm, *args, **kwargs)
+
+    real_run, real_reshard, real_unit = gg.Pipeline.run, fsdp.reshard, fsdp_layers.shard_unit
+    for where in ("pipeline", "window", "reshard"):
         if rank == 1:
             if where == "pipeline":
                 gg.Pipeline.run = fail  # type: ignore[method-assign]
+            elif where == "window":
+                gg.Pipeline.run = fail_in_window  # type: ignore[method-assign]
             else:
-                fsdp.reshard = fail  # type: ignore[assignment]
+                fsdp.reshard = fsdp_layers.shard_unit = fail  # type: ignore[assignment]
         try:
             gg.distributed.grow(model, opt, "grow_hidden(by=8)", seed=3, timeout=60)
             out[where] = {"error": None}
         except Exception as e:  # noqa: BLE001 - the test reads the type and message
             out[where] = {"type": type(e).__name__, "error": str(e)}
         finally:
-            gg.Pipeline.run, fsdp.reshard = real_run, real_reshard  # type: ignore[method-assign]
+            gg.Pipeline.run, fsdp.reshard, fsdp_layers.shard_unit = real_run, real_reshard, real_unit
         out[where]["kept"] = list(model.parameters()) == params and local() == before
         out[where]["opt_kept"] = opt.param_groups[0]["params"] == params
     out["step_after"] = step(model, opt, 1, rank, world)
@@ -301,10 +332,119 @@ def resume_scenario(mesh, rank: int, world: int, out: Path) -> dict:
     return r
 
 
+KILL_POINTS = ("window", "gather")
+
+
+class Waiting:
+    """A child forked before this rank joins the job's process group (so it inherits no group, no gloo thread): it
+    waits on a pipe; told the port of rank 0's store, it runs killed_scenario with the other rank's child as a job of
+    two, then exits."""
+
+    def __init__(self, point: str, rank: int, out: Path):
+        self.point, self.out = point, out
+        read, self.write = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self.write)
+            with os.fdopen(read) as f:
+                line = f.readline()
+            code = 0
+            if line:
+                try:
+                    killed_scenario(point, rank, int(line), out)
+                except BaseException:  # noqa: BLE001 - the child's failure shows as no report and exit code 3
+                    import traceback
+
+                    traceback.print_exc()
+                    code = 3
+            os._exit(code)  # no interpreter shutdown: a group whose peer died must not be torn down politely
+        os.close(read)
+
+    def run(self, port: int, limit: float = 120.0) -> int | None:
+        """Start the child and wait for it (at most `limit` s, then kill it): its exit status (-9: killed)."""
+        os.write(self.write, f"{port}\n".encode())
+        os.close(self.write)
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.05)
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        return None
+
+
+def killed_scenario(point: str, rank: int, port: int, out: Path) -> None:
+    """Two fresh processes (the children of ranks 0 and 1) train the decoder sharded, then grow; child 1 kills itself
+    with SIGKILL at `point` — inside its first real layer window (pipeline), or before its 4th gather of a layer
+    tensor (a collective of the training group). Child 0 must raise DistributedError, not hang: it writes what it saw.
+    """
+    from datetime import timedelta
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    store = dist.PrefixStore(point, dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30)))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    mesh = init_device_mesh("cpu", (2,))
+    model = gg.distributed.shard(fresh(), LAYERS, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step(model, opt, 0, rank, 2)
+    before = digest({str(i): p.to_local() for i, p in enumerate(model.parameters())})
+    if rank == 1:
+        die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+        if point == "window":
+            real_run = gg.Pipeline.run
+
+            def run(pipeline, gm, *args, **kwargs):
+                if any(p.device.type != "meta" for p in gm.parameters()):
+                    die()
+                return real_run(pipeline, gm, *args, **kwargs)
+
+            gg.Pipeline.run = run  # type: ignore[method-assign]
+        else:
+            real_call, calls = fsdp_layers._Fetch.__call__, []
+
+            def fetch(self, name):
+                calls.append(name)
+                if len(calls) == 4:
+                    die()
+                return real_call(self, name)
+
+            fsdp_layers._Fetch.__call__ = fetch  # type: ignore[method-assign]
+    start = time.perf_counter()
+    r: dict = {}
+    try:
+        gg.distributed.grow(model, opt, "grow_hidden(by=8)", seed=3, timeout=20)
+        r["error"] = None
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        r.update(type=type(e).__name__, error=str(e))
+    r["seconds"] = time.perf_counter() - start
+    r["kept"] = digest({str(i): p.to_local() for i, p in enumerate(model.parameters())}) == before
+    (out / f"killed-{point}-rank{rank}.json").write_text(json.dumps(r))
+
+
+def killed(children: list[Waiting], rank: int, out: Path) -> dict:
+    """Each kill point in turn: both ranks start their waiting child for that point. The children meet at a store
+    that rank 0 serves on a port the system chose (bound, then named: no other process can take it meanwhile)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = [store.port if store is not None else 0]
+    dist.broadcast_object_list(port, src=0)
+    report = {}
+    for child in children:
+        status = child.run(port[0])
+        path = out / f"killed-{child.point}-rank{rank}.json"
+        report[child.point] = {"status": status, **(json.loads(path.read_text()) if path.exists() else {})}
+        dist.barrier()
+    return report
+
+
 def main() -> int:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    rank = int(os.environ["RANK"])
+    children = [Waiting(point, rank, out) for point in KILL_POINTS]  # forked before the process group exists
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
@@ -328,6 +468,9 @@ def main() -> int:
     start = time.perf_counter()
     report["example"] = ex.run(22, say=lambda *a, **k: None)
     report["seconds"]["example"] = time.perf_counter() - start
+    start = time.perf_counter()
+    report["killed"] = killed(children, rank, out)
+    report["seconds"]["killed"] = time.perf_counter() - start
     (out / f"fsdp-rank{rank}.json").write_text(json.dumps(report, default=str))
     dist.destroy_process_group()
     return 0

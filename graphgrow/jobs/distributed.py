@@ -42,20 +42,32 @@ def grow(
     timeout: float = 300.0,
     ddp_options: dict[str, Any] | None = None,
     release_old: bool = False,
+    layerwise: bool | None = None,
 ) -> Grown:
     """The growth step on every rank (call it on every rank at the same point of the loop): a traced model in a
     DistributedDataParallel wrapper grows into a new wrapper (ddp.grow; `ddp_options` override the old wrapper's),
     a traced model sharded with FSDP2 grows sharded the same way (fsdp.grow_fsdp). The optimiser is carried and the
     scheduler re-pointed; on any failure every rank raises and keeps its old objects. `release_old` (FSDP2): the old
-    model's and optimiser's device memory is freed while the grown one is built (fsdp.grow_fsdp)."""
+    model's and optimiser's device memory is freed while the grown one is built; `layerwise` (FSDP2): one layer at a
+    time, by default where the model fits (fsdp.grow_fsdp)."""
     if is_fsdp(model):
         if ddp_options:
             raise InputError("ddp_options are for a DDP wrapper; this model is sharded with FSDP2", "leave them out")
         return grow_fsdp(
-            model, optimizer, spec, scheduler, seed=seed, verify=verify, timeout=timeout, release_old=release_old
+            model,
+            optimizer,
+            spec,
+            scheduler,
+            seed=seed,
+            verify=verify,
+            timeout=timeout,
+            release_old=release_old,
+            layerwise=layerwise,
         )
-    if release_old:
-        raise InputError("release_old is for a model sharded with FSDP2", "a DDP replica is rebuilt, not re-sharded")
+    if release_old or layerwise:
+        raise InputError(
+            "release_old and layerwise are for a model sharded with FSDP2", "a DDP replica is rebuilt, not re-sharded"
+        )
     return ddp.grow(
         model, optimizer, spec, scheduler, seed=seed, verify=verify, timeout=timeout, ddp_options=ddp_options
     )

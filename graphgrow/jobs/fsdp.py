@@ -24,8 +24,12 @@ optimiser state is gathered to the host too, then every old shard, gradient and 
 its storage freed (class Released; put back on failure), so the device holds the grown model's state plus one unit.
 In host memory every rank holds the whole unsharded model and the grown one (sharing the tensors growth left alone),
 and with release_old the old optimiser state: in a CPU-only job (gloo, as in the tests) that is the same memory,
-and the event peaks at about the full model over the sharded steady state. Growing the host copy layer by layer
-would need each pass to say which old tensors every new one is computed from; passes do not say that today.
+and the event peaks at about the full model over the sharded steady state.
+
+That is the whole-model path. By default (`layerwise`) a model with one stack of repeated layers grows one layer at a
+time instead (fsdp_layers.py, layerwise.py): the growth planned on the meta device, each layer gathered, grown in a
+window (the model with that one layer), cut into its new shards and released before the next; the host holds the
+parts outside the stack and one layer. Steps 1–3 above are then per layer; step 4 is the same.
 """
 
 from __future__ import annotations
@@ -142,6 +146,7 @@ def grow_fsdp(
     verify: Verify = "rank0",
     timeout: float = 300.0,
     release_old: bool = False,
+    layerwise: bool | None = None,
 ) -> Grown:
     """Grow a traced model sharded with FSDP2 on every rank (call it on every rank at the same point). Returns the
     grown model sharded with the same units, mesh and settings, the optimiser carried shard by shard and the
@@ -150,7 +155,11 @@ def grow_fsdp(
 
     `release_old`: the old model's shards, gradients and optimiser state leave the device while the grown model is
     built (copied to host memory, with the optimiser state gathered there first), so the device never holds both
-    models: a failure puts them back; after success the old model and optimiser are empty — drop them."""
+    models: a failure puts them back; after success the old model and optimiser are empty — drop them.
+
+    `layerwise`: grow one layer at a time (fsdp_layers.py: no rank holds more than the parts outside the stack and
+    one layer's full tensors); None (default) where the model and growth fit (layerwise.plan) and release_old is not
+    asked, else the whole model in host memory as described above; True: refuse (InputError) what does not fit."""
     if not is_fsdp(model) or not isinstance(model, fx.GraphModule):
         raise InputError(
             f"grow_fsdp() takes a traced model sharded with fully_shard, got {type(model).__name__}",
@@ -166,6 +175,20 @@ def grow_fsdp(
         )
     t0 = time.perf_counter()
     _reshard_all(model)
+    if layerwise is True and release_old:
+        raise InputError("release_old grows the whole model on the host", "leave out layerwise=True or release_old")
+    if layerwise is not False and not release_old:
+        from .fsdp_layers import grow_by_layers, result_of
+        from .layerwise import NotLayerwise
+
+        try:
+            gm, agreed, seconds = grow_by_layers(model, spec, units, seed=seed, verify=verify, timeout=timeout)
+        except NotLayerwise:  # the same on every rank (decided from the structure and the agreed growth)
+            if layerwise:
+                raise
+        else:
+            grown = Grown(gm, None, None, result_of(gm), agreed, seconds)
+            return _carry(grown, model, optimizer, scheduler, _fit_sharded, t0)
     plain = unsharded_copy(model)
     fit: Callable[[Any, torch.Tensor, torch.Tensor], Any] = _fit_sharded
     released: Released | None = None
@@ -200,6 +223,12 @@ def grow_fsdp(
             released.restore()
         raise
     grown.seconds["reshard"] = time.perf_counter() - t1
+    grown.seconds["gather"] = gathered
+    return _carry(grown, model, optimizer, scheduler, fit, t0)
+
+
+def _carry(grown: Grown, model: nn.Module, optimizer: Any, scheduler: Any, fit: Callable, t0: float) -> Grown:
+    """The optimiser carried shard by shard and the scheduler re-pointed; the grown model is sharded already."""
     t2 = time.perf_counter()
     if optimizer is not None:
         grown.optimizer = carry_optimizer(optimizer, model, grown.gm, fit=fit)
@@ -207,7 +236,6 @@ def grow_fsdp(
             carry_scheduler(scheduler, grown.optimizer, optimizer)
             grown.scheduler = scheduler
     grown.seconds["carry"] = time.perf_counter() - t2
-    grown.seconds["gather"] = gathered
     grown.seconds["total"] = time.perf_counter() - t0
     return grown
 
@@ -334,21 +362,20 @@ def plan_units(
     return [*kept, *new_units, units[-1]]
 
 
-def unsharded_copy(model: fx.GraphModule) -> fx.GraphModule:
+def unsharded_copy(model: fx.GraphModule, meta: bool = False) -> fx.GraphModule:
     """A plain GraphModule with `model`'s graph, modules, buffers and metadata and its parameters' full values, on
     every rank: each DTensor parameter is gathered in turn (a collective: every rank walks the same order). Tied
-    parameters stay tied; `model` is not changed."""
+    parameters stay tied; `model` is not changed. `meta`: the structure only — every tensor on the meta device with
+    its full shape, nothing gathered (no collective)."""
     params: dict[int, nn.Parameter] = {}
     mods: dict[int, nn.Module] = {}
     holder = nn.Module()
     for name, child in model.named_children():
-        holder.add_module(name, _plain(child, params, mods))
+        holder.add_module(name, _plain(child, params, mods, meta))
     for name, p in model._parameters.items():
-        holder.register_parameter(name, _full(p, params))
+        holder.register_parameter(name, _full(p, params, meta))
     for name, b in model._buffers.items():
-        holder.register_buffer(
-            name, None if b is None else b.detach().to("cpu", copy=True), name not in model._non_persistent_buffers_set
-        )
+        holder.register_buffer(name, _buffer(b, meta), name not in model._non_persistent_buffers_set)
     gm = fx.GraphModule(holder, _deepcopy(model.graph), class_name=_original_class(model).__name__)
     gm.meta = _deepcopy(model.meta)
     gm.train(model.training)
@@ -366,9 +393,17 @@ def _original_class(m: nn.Module) -> type:
     return next(c for c in type(m).__mro__ if not issubclass(c, FSDPModule))
 
 
-def _full(p: Any, memo: dict[int, nn.Parameter]) -> Any:
+def _buffer(b: torch.Tensor | None, meta: bool) -> torch.Tensor | None:
+    if b is None:
+        return None
+    return torch.empty(b.shape, dtype=b.dtype, device="meta") if meta else b.detach().to("cpu", copy=True)
+
+
+def _full(p: Any, memo: dict[int, nn.Parameter], meta: bool = False) -> Any:
     if p is None:
         return None
+    if id(p) not in memo and meta:
+        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
     if id(p) not in memo:
         from torch.distributed.tensor import DTensor
 
@@ -379,7 +414,7 @@ def _full(p: Any, memo: dict[int, nn.Parameter]) -> Any:
     return memo[id(p)]
 
 
-def _plain(m: nn.Module, params: dict[int, nn.Parameter], mods: dict[int, nn.Module]) -> nn.Module:
+def _plain(m: nn.Module, params: dict[int, nn.Parameter], mods: dict[int, nn.Module], meta: bool) -> nn.Module:
     """`m` and its children as their own classes: fresh hooks, full parameters, copied buffers and attributes."""
     if id(m) in mods:
         return mods[id(m)]
@@ -392,13 +427,13 @@ def _plain(m: nn.Module, params: dict[int, nn.Parameter], mods: dict[int, nn.Mod
         object.__setattr__(new, key, _deepcopy(value))
     new.training = m.training
     for name, p in m._parameters.items():
-        new._parameters[name] = _full(p, params)
+        new._parameters[name] = _full(p, params, meta)
     for name, b in m._buffers.items():
-        new._buffers[name] = None if b is None else b.detach().to("cpu", copy=True)
+        new._buffers[name] = _buffer(b, meta)
     new._non_persistent_buffers_set = set(m._non_persistent_buffers_set)
     mods[id(m)] = new
     for name, child in m._modules.items():
-        new._modules[name] = None if child is None else _plain(child, params, mods)
+        new._modules[name] = None if child is None else _plain(child, params, mods, meta)
     return new
 
 
