@@ -20,8 +20,12 @@ Sizes: a factory (an op with no tensor argument) builds its output from constant
 are bounded like torch's constructors (graph_policy.check_sizes); every other size follows from the input
 tensors and is sized on the meta device before anything runs for real (--max-memory).
 
+The same rule covers the Python bindings of these operators: a stored `torch.NAME` (torch.special's,
+torch.linalg's, torch.fft's and torch._C._nn's likewise: BINDING_MODULES) or a Tensor method `x.NAME(...)` that is
+ATen's own C binding of NAME (method_refusal) is allowed when its operator's overloads are.
+
 The table is computed once, the first time an ATen name is checked, from the installed torch: the same
-torch gives the same list (tests/test_aten_policy.py fuzzes it).
+torch gives the same list (tests/test_aten_policy.py fuzzes it, and round-trips allowed ops drawn from it).
 """
 
 from __future__ import annotations
@@ -49,14 +53,15 @@ CLASSES: dict[str, str] = {
     "backend": "it is one backend's or transform's internal kernel (cuDNN, MKL-DNN, MPS, vmap levels, ...), not a "
     "computation of its own",
     "backward": "it is an autograd backward kernel that trusts its inputs to come from the forward (bounds unchecked)",
-    "unchecked": "it skips its own argument checks ('unsafe')",
+    "unchecked": "it skips its own argument checks ('unsafe', or a kernel known to crash or return unwritten memory "
+    "on arguments it does not check)",
     "private": "it is private to ATen (a leading '_') and neither tagged core nor in the core decomposition table",
     "unknown": "the installed torch has no such ATen operator",
 }
 
 _SPARSE = re.compile(
     r"sparse|(^|_)(coo|csr|csc|bsr|bsc)(_|$)|to_dense|_nnz|crow_indices|ccol_indices|col_indices|"
-    r"row_indices|^_?(indices|values|coalesce|is_coalesced|dense_dim|sparse_dim)(_copy)?$"
+    r"row_indices|^_?(indices|values|coalesce|is_coalesced|dense_dim|sparse_dim)(_copy)?$|^(smm|sspaddmm|hspmm)$"
 )
 _QUANTIZED = re.compile(
     r"quantiz|(^|_)q_|qscheme|fake_quant|int_repr|qparams|qint|fbgemm|prepack|_saturate_weight|"
@@ -64,13 +69,18 @@ _QUANTIZED = re.compile(
 )
 _BACKEND = re.compile(
     r"cudnn|miopen|mkldnn|mkl_|onednn|(^|_)mps(_|$)|vulkan|nnpack|xnnpack|cufft|_cslt|metal|"
-    r"nested|jagged|_foreach|_fused|_efficientzerotensor|_test_|_autocast|_cummax_helper|"
+    r"nested|jagged|padded_tensor|_foreach|_fused|_efficientzerotensor|_test_|_autocast|_cummax_helper|"
     r"_cummin_helper|_has_compatible_shallow_copy_type|_debug_|_propagate_xla|_batch_dim"
 )
 _STORAGE = re.compile(
     r"strided|storage|resize|pin_memory|is_pinned|record_stream|data_ptr|^set_|is_set_to|_reshape_alias|"
     r"^_version$|^lift$|_make_dual|_fw_primal|_unpack_dual|_shape_as_tensor|_new_zeros_with_same_feature"
 )
+# overloads whose CPU kernel skips a check on its arguments, found by tests/test_aten_policy.py's round trips
+# (every allowed overload run on schema-filled arguments, twice): no_stats with training=False reads the running
+# statistics it lacks (the process crashes); _weight_norm_interface with a gain of the wrong shape returns memory
+# it never wrote
+_CRASHES = frozenset({"_native_batch_norm_legit.no_stats", "_weight_norm_interface.default"})
 _FILE_ARGS = frozenset({"filename", "path", "file"})
 _PLAIN_TYPES = re.compile(
     r"^(Optional\[)*(List\[)*(Optional\[)*(Tensor|int|float|bool|number|str|Device|ScalarType|"
@@ -105,7 +115,7 @@ def _classify(op: torch._ops.OpOverload) -> str | None:
         return "backend"
     if base.endswith("_backward") or "_backward_" in base:
         return "backward"
-    if "unsafe" in base:
+    if "unsafe" in base or str(op).removeprefix("aten.") in _CRASHES:
         return "unchecked"
     if base.startswith("_") and torch.Tag.core not in op.tags and op not in _decomposed():
         return "private"
@@ -169,6 +179,7 @@ def refusal(qualname: str) -> str | None:
     return f"calls the ATen operator '{qualname.removeprefix(PREFIX)[:120]}' ({cls}: {CLASSES[cls]})"
 
 
+@functools.cache
 def binding_allowed(name: str) -> bool:
     """Whether `torch.NAME`, the Python binding of ATen's NAME, may be stored: ATen has NAME, each overload is
     allowed or excluded only for writing into an `out=` tensor (which a stored call may not pass), and none is a
@@ -179,6 +190,39 @@ def binding_allowed(name: str) -> bool:
         and any(table()[q] is None for q in overloads)
         and all(table()[q] in (None, "mutating") and not is_factory(q) for q in overloads)
     )
+
+
+# torch's Python namespaces whose functions are ATen's own bindings under ATen's names (torch.special.erf is
+# torch._C._special.special_erf, F.softplus is torch._C._nn.softplus), or torch's Python wrappers of them
+# (torch.functional: torch.atleast_1d is stored under that name): a stored name there is judged as its op is
+BINDING_MODULES = (
+    "torch",
+    "torch.functional",
+    "torch._C._nn",
+    "torch._C._special",
+    "torch._C._linalg",
+    "torch._C._fft",
+)
+
+
+@functools.cache
+def method_refusal(name: str) -> str | None:
+    """None when `x.NAME(...)` may be stored as derived: the Tensor method is ATen's own C binding of NAME — not
+    overridden in Python by torch.Tensor, not one of the binding layer's methods that are no operator (apply_ and
+    map_ take a callable, storage, tolist, numpy) — and binding_allowed(NAME). Else the words for the refusal."""
+    bound = getattr(torch._C.TensorBase, name, None)
+    if type(bound).__name__ != "method_descriptor" or not any(q.startswith(f"{PREFIX}{name}.") for q in table()):
+        return f"calls the method '{name[:80]}' (no ATen operator's method)"
+    if getattr(torch.Tensor, name, None) is not bound:
+        return f"calls the method '{name[:80]}' (torch.Tensor overrides it in Python)"
+    overloads = sorted(q for q in table() if q.startswith(f"{PREFIX}{name}."))
+    excluded = [q for q in overloads if table()[q] not in (None, "mutating")] or (
+        overloads if all(table()[q] is not None for q in overloads) else []
+    )
+    if excluded:
+        why = refusal(excluded[0]) or ""
+        return f"calls the method '{name[:80]}' of the ATen operator {why.partition('ATen operator ')[2]}"
+    return None
 
 
 def is_factory(qualname: str) -> bool:

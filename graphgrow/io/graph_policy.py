@@ -11,9 +11,10 @@ it. So before any of it runs, every node is checked against exact lists:
   `new_*` methods: drop-path masks are built so) only with sizes read from tensors or small
   constants: the product of the constant sizes is at most MAX_CONSTANT_ELEMENTS; torch.arange
   (position ids) likewise, with a constant step of at least 1 where a bound is read at run time.
-- call_method: exact tensor method names; no dunder names, nothing that takes a
-  callable (apply_, map_, register_hook), touches storage or memory (set_, storage,
-  untyped_storage, data_ptr, share_memory_, resize_) or converts out of torch.
+- call_method: a Tensor method that is ATen's own C binding of a pure operator (aten_policy.method_refusal:
+  x.triu(), x.topk(k); derived as torch functions are) or one of the few listed below; no dunder names,
+  nothing that takes a callable (apply_, map_, register_hook: no ATen operator), touches storage or memory
+  (set_, storage, untyped_storage, data_ptr, share_memory_, resize_) or converts out of torch.
 - get_attr: a parameter, buffer or tensor attribute of the stored module tree, or a
   module's `training` flag, reached through the module tree only (no dunder parts).
 - call_module: a module of the stored tree (whose classes torch.load already
@@ -94,17 +95,13 @@ ALLOWED_FUNCTIONS: frozenset[str] = frozenset({
     "torchvision.models.swin_transformer.shifted_window_attention",
 })
 
+# Tensor methods are derived like torch functions (aten_policy.method_refusal: ATen's own C binding of a pure
+# operator, `x.triu()`, `x.topk(k)`, `x.repeat_interleave(2)`); listed here only those ATen cannot vouch for:
+# dtype conversions (bindings of `to`, no operator of their name), torch.Tensor's Python wrappers of pure ops, and
+# in-place forms whose functional op has another overload name (transpose_ of transpose.int, normal_)
 ALLOWED_METHODS: frozenset[str] = frozenset({
-    "size", "dim", "numel", "view", "view_as", "reshape", "reshape_as", "permute", "transpose", "t", "flatten",
-    "unflatten", "contiguous", "expand", "expand_as", "unsqueeze", "squeeze", "chunk", "split", "unbind", "narrow",
-    "select", "index_select", "gather", "flip", "roll", "repeat", "tile", "movedim", "mean", "sum", "amax", "amin",
-    "max", "min", "std", "var", "norm", "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "pow",
-    "matmul", "bmm", "relu", "relu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "exp", "log", "sqrt", "rsqrt", "abs",
-    "neg", "erf", "sign", "clamp", "clamp_", "clip", "softmax", "log_softmax", "cumsum", "argmax", "masked_fill",
-    "masked_fill_", "float", "half", "double", "bfloat16", "to", "type_as", "clone", "detach", "zero_", "fill_",
-    "new_zeros", "new_ones", "transpose_", "swapaxes", "square", "sin", "cos", "floor", "ceil", "round", "bool",
-    "long", "int", "all", "any", "eq", "ne", "lt", "le", "gt", "ge", "where", "broadcast_to",
-    "bernoulli", "bernoulli_", "uniform_", "normal_", "new_empty", "new_full", "floor_",
+    "float", "half", "double", "bfloat16", "bool", "long", "int", "split", "unflatten", "norm", "transpose_",
+    "normal_",
 })
 
 TENSOR_ATTRIBUTES: frozenset[str] = frozenset(
@@ -194,9 +191,10 @@ def _passes_out(kwargs: Any) -> bool:
 
 
 def _derived(qualname: str) -> bool:
-    """`torch.NAME` that binds a pure ATen operator (aten_policy.binding_allowed): derived, not listed."""
-    base, _, name = qualname.partition(".")
-    return base == "torch" and name.isidentifier() and aten_policy.binding_allowed(name)
+    """`torch.NAME` (or torch._C._nn.NAME, torch.special's, torch.linalg's, torch.fft's bindings) that binds a pure
+    ATen operator (aten_policy.binding_allowed): derived, not listed."""
+    module, _, name = qualname.rpartition(".")
+    return module in aten_policy.BINDING_MODULES and name.isidentifier() and aten_policy.binding_allowed(name)
 
 
 def check_getattr_args(args: Any, node: str) -> None:
@@ -208,8 +206,20 @@ def check_getattr_args(args: Any, node: str) -> None:
 
 
 def check_method(name: Any, node: str) -> None:
-    if not isinstance(name, str) or name not in ALLOWED_METHODS:
+    if not isinstance(name, str) or not name.isidentifier() or name.startswith("__"):
         raise _refuse(node, f"calls the method '{str(name)[:80]}'")
+    if name not in ALLOWED_METHODS and (why := aten_policy.method_refusal(name)) is not None:
+        raise _refuse(node, why)
+
+
+def allowed_method(name: Any) -> bool:
+    """A stored Tensor method may be called: listed, or ATen's binding of a pure operator (derived)."""
+    return (
+        isinstance(name, str)
+        and name.isidentifier()
+        and not name.startswith("__")
+        and (name in ALLOWED_METHODS or aten_policy.method_refusal(name) is None)
+    )
 
 
 def check_node_record(rec: Any, root: nn.Module) -> None:
