@@ -42,6 +42,7 @@ NORM_FUNCTIONS = (F.layer_norm, torch.layer_norm, F.rms_norm) + (
 )
 ADDS = ops.ADD_FUNCTIONS | {operator.iadd}  # x += y writes the stream like x + y (x *= y is not followed)
 SCALINGS = ops.MUL_FUNCTIONS
+EMBEDDINGS = (F.embedding, torch.embedding)  # F.embedding(input, weight, …), torch.embedding(weight, input, …)
 # methods the hidden axis passes through (moved or kept); unflatten, the *_as forms, expand_as, split and the moments
 # past the mean are not followed (the axis's place after them is not worked out here). ("getitem" is never a method:
 # x[i] is operator.getitem, in PASS_FUNCTIONS.)
@@ -282,6 +283,15 @@ class _Walk:
                 if m.max_norm is not None:
                     raise _refuse(n, "renormalises its rows (max_norm): a wider row has another norm")
                 return self.writer(n, "embedding", [(f"{n.target}.weight", 1)])
+        if n.op == "call_function" and n.target in EMBEDDINGS and axis == len(tensor_shape(n)) - 1:
+            # an Embedding written as a call on a weight tensor (export's form of a subclass's forward; Gemma's and
+            # Blenderbot's scaled embeddings read the tied LM head's weight this way): its columns write the stream
+            weight = _arg(n, 1, "weight") if n.target is F.embedding else _arg(n, 0, "weight")
+            if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
+                raise _refuse(n, "takes its weight from a computed tensor")
+            if n.target is F.embedding and _arg(n, 3, "max_norm") is not None:
+                raise _refuse(n, "renormalises its rows (max_norm): a wider row has another norm")
+            return self.writer(n, "embedding", [(str(weight.target), 1)])
         if n.op == "call_function" and n.target is F.linear and axis == len(tensor_shape(n)) - 1:
             given = [_arg(n, 1, "weight"), _arg(n, 2, "bias")]  # by position or by name (F.linear(x, weight=…))
             params = [(a.target, 0) for a in given if isinstance(a, fx.Node)]

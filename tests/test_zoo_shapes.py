@@ -1,0 +1,76 @@
+"""Issue 39: shapes the registry sweep found, grown by what they compute (never by a model's name).
+
+- An embedding written as a call on a weight tensor and scaled to the stream (`F.embedding(ids, head.weight) *
+  embed_scale`: Gemma's and Blenderbot's scaled embeddings, tied to the LM head) is a writer of the residual stream:
+  grow_hidden grows it, tie kept, exact in eval and train mode.
+Plain modules run in milliseconds; the Hugging Face cases use tiny configs (hidden 32, one layer, vocabulary 100) and
+are marked slow (a torch.export capture each).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_hf_pass_matrix import _same_function
+from torch import nn
+
+import graphgrow as gg
+from graphgrow.graph.inputs import TensorSpec, parse_spec, spec_inputs
+
+
+class ScaledTiedLM(nn.Module):
+    """A pre-norm block whose token embedding reads the LM head's weight through F.embedding and is scaled by a
+    one-element buffer (sqrt(d)), as Gemma's embedding is."""
+
+    def __init__(self, vocab: int = 20, d: int = 16):
+        super().__init__()
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.register_buffer("embed_scale", torch.tensor(d**0.5))
+        self.norm1, self.norm2 = nn.RMSNorm(d), nn.RMSNorm(d)
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, ids):
+        x = F.embedding(ids, self.head.weight) * self.embed_scale
+        x = x + self.down(F.gelu(self.up(self.norm1(x))))
+        return self.head(self.norm2(x))
+
+
+def test_an_embedding_call_on_a_tied_weight_scaled_by_a_buffer_is_a_stream_writer():
+    torch.manual_seed(0)
+    model = ScaledTiedLM()
+    gm = gg.trace(model, input_shape=(TensorSpec("ids", (2, 5), "int64", high=20),))
+    result = gg.get_pass("grow_hidden")(to=24)(gm)
+    assert result.targets["hidden"].startswith("16 → 24")
+    assert "'embedding': 1" in result.targets["stream"]
+    checked = result.preservation
+    assert checked.eval.ok and checked.train.ok
+    grown = dict(result.gm.named_parameters())
+    assert grown["head.weight"].shape == (20, 24)  # one tensor: the embedding's columns and the head's inputs
+    ids = torch.randint(0, 20, (3, 7))
+    assert torch.allclose(result.gm(ids), model(ids), atol=1e-5)
+
+
+def _hf(arch: str):
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    common = dict(vocab_size=100, max_position_embeddings=32, use_cache=False, attn_implementation="eager")
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, **common)
+    if arch == "gemma2":
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(num_key_value_heads=2, head_dim=8, sliding_window=8, **small))
+    raise AssertionError(arch)
+
+
+@pytest.mark.slow  # a Hugging Face capture (~8 s)
+@pytest.mark.parametrize("arch, pass_name, args, key, value", [("gemma2", "grow_hidden", {}, "hidden", "32 → 48")])
+def test_hugging_face_shapes_grow_exactly(arch, pass_name, args, key, value):
+    model = _hf(arch)
+    spec = "input_ids:1x8:int64"
+    gm = gg.trace(model, input_shape=parse_spec(spec))
+    result = gg.get_pass(pass_name)(**args)(gm)
+    assert result.targets[key].startswith(value), result.targets
+    checked = result.preservation
+    assert checked.eval.ok and checked.train.ok and checked.trainable and not checked.dead
+    inputs = spec_inputs(model, parse_spec(spec.replace("1x8:", "1x6:")), seed=2, batch=2)
+    for train in (False, True):
+        assert _same_function(gm, result.gm, inputs, train) <= 1e-5, (arch, train)
