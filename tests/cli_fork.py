@@ -15,6 +15,7 @@ graphgrow.cli` instead, for a run that owes nothing to this module.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -85,7 +86,6 @@ def _child(request: dict) -> None:
 
 
 def _exit_handlers() -> None:
-    import atexit
 
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -141,6 +141,12 @@ class _Server:
             bufsize=1,
             preexec_fn=_as_from_a_terminal,
         )
+
+    def close(self) -> None:
+        """End the server and reap it (its CPU time, and its children's, then count as this process's children's)."""
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -198,6 +204,7 @@ def run(
         return _real(argv, cwd, env, code, stdout, fsize_kb, timeout)
     if _server is None or not _server.alive():
         _server = _Server()
+        atexit.register(_server.close)
     fsize = None if fsize_kb is None else fsize_kb * 1024
     return _server.run(list(argv), cwd, env, timeout, code=code, stdout=stdout, fsize=fsize)
 
