@@ -3,6 +3,9 @@
 - An embedding written as a call on a weight tensor and scaled to the stream (`F.embedding(ids, head.weight) *
   embed_scale`: Gemma's and Blenderbot's scaled embeddings, tied to the LM head) is a writer of the residual stream:
   grow_hidden grows it, tie kept, exact in eval and train mode.
+- Layers shared by several attentions (ALBERT calls one layer at every depth) are grown once by grow_heads.
+- Query/key norms over the head size (Qwen3's q_norm, k_norm): heads grow by whole heads; a new head size is refused
+  naming the norm.
 Plain modules run in milliseconds; the Hugging Face cases use tiny configs (hidden 32, one layer, vocabulary 100) and
 are marked slow (a torch.export capture each).
 """
@@ -58,11 +61,24 @@ def _hf(arch: str):
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, **common)
     if arch == "gemma2":
         return tf.Gemma2ForCausalLM(tf.Gemma2Config(num_key_value_heads=2, head_dim=8, sliding_window=8, **small))
+    if arch == "albert":  # one layer's modules called at every depth: shared by both attentions
+        return tf.AlbertForMaskedLM(
+            tf.AlbertConfig(**{k: v for k, v in small.items() if k != "max_position_embeddings"}, embedding_size=32)
+        )
+    if arch == "qwen3":  # RMSNorms over each query and key head (q_norm, k_norm)
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(num_key_value_heads=2, head_dim=8, **small))
     raise AssertionError(arch)
 
 
 @pytest.mark.slow  # a Hugging Face capture (~8 s)
-@pytest.mark.parametrize("arch, pass_name, args, key, value", [("gemma2", "grow_hidden", {}, "hidden", "32 → 48")])
+@pytest.mark.parametrize(
+    "arch, pass_name, args, key, value",
+    [
+        ("gemma2", "grow_hidden", {}, "hidden", "32 → 48"),
+        ("albert", "grow_heads", {"head_dim": 12}, "head_dim", "8 → 12"),  # the shared layers grown once
+        ("qwen3", "grow_heads", {}, "heads", "4 → 6"),  # whole heads: the q/k norms keep their size
+    ],
+)
 def test_hugging_face_shapes_grow_exactly(arch, pass_name, args, key, value):
     model = _hf(arch)
     spec = "input_ids:1x8:int64"
@@ -74,3 +90,6 @@ def test_hugging_face_shapes_grow_exactly(arch, pass_name, args, key, value):
     inputs = spec_inputs(model, parse_spec(spec.replace("1x8:", "1x6:")), seed=2, batch=2)
     for train in (False, True):
         assert _same_function(gm, result.gm, inputs, train) <= 1e-5, (arch, train)
+    if arch == "qwen3":  # a query/key norm over the head size forbids a new head size, and says so
+        with pytest.raises(gg.NotApplicable, match=r"q_norm.*normalises over a growing axis.*grow heads instead"):
+            gg.get_pass("grow_heads")(head_dim=12)(gm)

@@ -146,11 +146,19 @@ def _resize(gm: fx.GraphModule, path: str | None) -> None:
         m.out_features, m.in_features = m.weight.shape
 
 
-def grow_attention(gm: fx.GraphModule, att: Attention, new: dict[str, int], generator: torch.Generator) -> str:
-    """Grow one attention of `gm` in place to the factor sizes `new`; returns what its scale does."""
+def grow_attention(
+    gm: fx.GraphModule, att: Attention, new: dict[str, int], generator: torch.Generator, weights: bool = True
+) -> str:
+    """Grow one attention of `gm` in place to the factor sizes `new`; returns what its scale does. `weights=False`:
+    its layers were grown already (a layer shared by several attentions: ALBERT's one layer called at every depth),
+    only its own graph (reshape constants, scale) changes."""
     nodes = {n.name: n for n in gm.graph.nodes}
     owners = _owners(gm)
     q_scale, how = _scale(nodes[att.node], att, new)
+    if not weights:
+        for e in att.edits:
+            _apply_edit(gm, nodes, e, new)
+        return how
     for p in att.projections:
         w, b = _rows(p, _tensor(gm, p.weight), _tensor(gm, p.bias) if p.bias else None, new, q_scale, generator)
         _put(gm, p.weight, w, owners)
@@ -194,7 +202,21 @@ def _scale(s: fx.Node, att: Attention, new: dict[str, int]) -> tuple[float, str]
 def grow_attentions(
     gm: fx.GraphModule, plans: list[tuple[Attention, dict[str, int]]], generator: torch.Generator
 ) -> list[str]:
-    """Grow every planned attention of `gm` in place; the graph is linted and recompiled."""
-    hows = [grow_attention(gm, att, new, generator) for att, new in plans]
+    """Grow every planned attention of `gm` in place; the graph is linted and recompiled. Layers shared by several
+    attentions (one module called at several depths) are grown once, when every attention that shares them grows
+    them alike."""
+    grown: dict[str, tuple] = {}  # weight path → (its factors, the new sizes) it was grown with
+    hows = []
+    for att, new in plans:
+        layers = [*att.projections, att.reader]
+        done = [p for p in layers if p.weight in grown]
+        if done and (len(done) < len(layers) or any(grown[p.weight] != (p.factors, new) for p in done)):
+            raise NotApplicable(
+                f"attention '{att.node}' shares '{done[0].weight}' with another attention but not all of its "
+                "layers, or grows it to other sizes",
+                HINT,
+            )
+        hows.append(grow_attention(gm, att, new, generator, weights=not done))
+        grown.update((p.weight, (p.factors, new)) for p in layers)
     finish(gm)
     return hows
