@@ -3,6 +3,8 @@
 - An embedding written as a call on a weight tensor and scaled to the stream (`F.embedding(ids, head.weight) *
   embed_scale`: Gemma's and Blenderbot's scaled embeddings, tied to the LM head) is a writer of the residual stream:
   grow_hidden grows it, tie kept, exact in eval and train mode.
+- A per-token scale on the stream (x · w, w of size 1 along the hidden axis: a gate or a router's weight on an
+  expert's output) scales every hidden coordinate alike: grow_hidden follows it.
 - Layers shared by several attentions (ALBERT calls one layer at every depth) are grown once by grow_heads.
 - Query/key norms over the head size (Qwen3's q_norm, k_norm): heads grow by whole heads; a new head size is refused
   naming the norm.
@@ -52,6 +54,34 @@ def test_an_embedding_call_on_a_tied_weight_scaled_by_a_buffer_is_a_stream_write
     assert grown["head.weight"].shape == (20, 24)  # one tensor: the embedding's columns and the head's inputs
     ids = torch.randint(0, 20, (3, 7))
     assert torch.allclose(result.gm(ids), model(ids), atol=1e-5)
+
+
+class TokenGatedBlock(nn.Module):
+    """A pre-norm block whose MLP output is scaled per token by a gate read from the stream (sigmoid(Linear(d, 1)):
+    Qwen2-MoE's shared-expert gate; a router's weight on an expert's output has the same form)."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.gate, self.up, self.down = nn.Linear(d, 1), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.inp, self.head = nn.Linear(8, d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        h = self.norm1(x)
+        x = x + torch.sigmoid(self.gate(h)) * self.down(F.gelu(self.up(h)))
+        return self.head(self.norm2(x))
+
+
+def test_a_per_token_scale_on_the_stream_keeps_every_coordinate_alike():
+    torch.manual_seed(0)
+    model = TokenGatedBlock()
+    gm = gg.trace(model, input_shape=(2, 5, 8))
+    result = gg.get_pass("grow_hidden")(to=24)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok
+    assert dict(result.gm.named_parameters())["gate.weight"].shape == (1, 24)  # the gate reads the stream too
+    x = torch.randn(3, 7, 8)
+    assert torch.allclose(result.gm(x), model(x), atol=1e-5)
 
 
 def _hf(arch: str):

@@ -304,6 +304,9 @@ class _Walk:
             return
         if _zero_activation_input(self.gm, n) is not None:
             return self.activation(n.args[0], n)
+        scaled = self._token_scale(n, axis)
+        if scaled is not None:
+            return self.add(scaled[0], scaled[1], like=n)
         x = self._passthrough_input(n)
         if x is not None:
             back = self._input_axis(n, x, axis)
@@ -342,6 +345,9 @@ class _Walk:
             return self.add(u, self._user_axis(u, x, axis), like=x)
         if _zero_activation_input(self.gm, u) is x:
             return self.activation(x, u)
+        out = tensor_shape(u)
+        if out is not None and self._token_scale(u, axis + len(out) - len(tensor_shape(x))) == (x, axis):
+            return self.add(u, axis + len(out) - len(tensor_shape(x)), like=x)
         if self._passthrough_input(u) is x:
             a = _forward_axis(u, x, axis)
             if a is None:
@@ -450,6 +456,30 @@ class _Walk:
             return axis
         self._operands(u)
         return axis + len(out) - len(tensor_shape(x))
+
+    def _token_scale(self, n: fx.Node, axis: int) -> tuple[fx.Node, int] | None:
+        """`n` = x · w, w of size 1 along the hidden axis (a per-token weight: a mixture-of-experts router's weight on
+        an expert's output): every hidden coordinate of a token scaled alike, so new coordinates keep their fill
+        (0 · w = 0, mean(x) · w = mean(x · w)). w itself reads the stream, if at all, only through what the walk
+        understands (a router Linear: new columns zero). Returns (x, its hidden axis)."""
+        if not (
+            (n.op == "call_function" and n.target in SCALINGS or n.op == "call_method" and n.target == "mul")
+            and len(n.args) == 2
+            and all(isinstance(a, fx.Node) for a in n.args)
+        ):
+            return None
+        out = tensor_shape(n)
+        shapes = [tensor_shape(a) for a in n.args]
+        if out is None or any(sh is None for sh in shapes):
+            return None
+        ks = [axis - (len(out) - len(sh)) for sh in shapes]  # type: ignore[arg-type]
+        wide = [i for i in (0, 1) if 0 <= ks[i] < len(shapes[i]) and shapes[i][ks[i]] == self.s.width]  # type: ignore[index]
+        if len(wide) != 1:
+            return None
+        j = 1 - wide[0]
+        if 0 <= ks[j] < len(shapes[j]) and shapes[j][ks[j]] != 1:  # type: ignore[index]
+            return None
+        return n.args[wide[0]], ks[wide[0]]  # type: ignore[return-value]
 
     def _passthrough_input(self, n: fx.Node) -> fx.Node | None:
         """The stream input of an op that acts on every hidden coordinate alike and linearly, else None."""
