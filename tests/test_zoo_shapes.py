@@ -5,6 +5,8 @@
   grow_hidden grows it, tie kept, exact in eval and train mode.
 - A per-token scale on the stream (x · w, w of size 1 along the hidden axis: a gate or a router's weight on an
   expert's output) scales every hidden coordinate alike: grow_hidden follows it.
+- A replicated stream (post-norm BERT; BLOOM's norm right after its embedding) whose LM head is tied to the token
+  embedding: the head takes the embedding's copied columns and the norm it alone reads takes the shares (γ, β / k).
 - Layers shared by several attentions (ALBERT calls one layer at every depth) are grown once by grow_heads.
 - Query/key norms over the head size (Qwen3's q_norm, k_norm): heads grow by whole heads; a new head size is refused
   naming the norm.
@@ -97,6 +99,10 @@ def _hf(arch: str):
         )
     if arch == "qwen3":  # RMSNorms over each query and key head (q_norm, k_norm)
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(num_key_value_heads=2, head_dim=8, **small))
+    if arch == "bert":  # post-norm, its MLM decoder tied to the word embedding
+        return tf.BertForMaskedLM(tf.BertConfig(**{k: v for k, v in small.items() if k != "use_cache"}))
+    if arch == "bloom":  # a LayerNorm right after the tied embedding: replicated as a post-norm stream is
+        return tf.BloomForCausalLM(tf.BloomConfig(hidden_size=32, n_layer=1, n_head=4, vocab_size=100, use_cache=False))
     raise AssertionError(arch)
 
 
@@ -107,6 +113,8 @@ def _hf(arch: str):
         ("gemma2", "grow_hidden", {}, "hidden", "32 → 48"),
         ("albert", "grow_heads", {"head_dim": 12}, "head_dim", "8 → 12"),  # the shared layers grown once
         ("qwen3", "grow_heads", {}, "heads", "4 → 6"),  # whole heads: the q/k norms keep their size
+        ("bert", "grow_hidden", {}, "hidden", "32 → 64"),  # replicated; the tied decoder's shares on its LayerNorm
+        ("bloom", "grow_hidden", {}, "hidden", "32 → 64"),
     ],
 )
 def test_hugging_face_shapes_grow_exactly(arch, pass_name, args, key, value):

@@ -27,6 +27,7 @@ from ..analysis.stream import Stream
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import finish
 from .size_reads import hold_size_reads
+from .stream_ties import shares_on_norms
 from .tensor_paths import owners as _owners
 from .tensor_paths import put_tensor as _set
 from .tensor_paths import tensor_at as _tensor
@@ -110,6 +111,7 @@ def grow_stream(gm: fx.GraphModule, stream: Stream, new: int, generator: torch.G
     layout, rule = plan_layout(stream, new, generator)
     owners = _owners(gm)
     plans = plan_tensors(stream, rule)
+    scaled = shares_on_norms(gm, stream, plans, owners) if rule == "replicate" else set()  # tied LM heads
     allowed = set(plans) | {p for n in stream.norms for p in (n.weight, n.bias) if p}
     done: set[str] = set()  # paths already grown (a tied tensor is grown once, under its first path)
     for path, steps in plans.items():
@@ -140,6 +142,8 @@ def grow_stream(gm: fx.GraphModule, stream: Stream, new: int, generator: torch.G
             continue
         norms_done.add(key)
         _grow_norm(gm, stream, norm, layout, rule, generator)
+        for q in (norm.weight, norm.bias) if norm.node in scaled else ():  # its reader's shares (stream_ties)
+            _set(gm, q, _tensor(gm, q).detach() * (layout.old / layout.new), _tensor(gm, q))
     _resize_modules(gm, {p.rpartition(".")[0] for p in allowed})
     _grow_views(gm, stream, new)
     hold_size_reads(gm, {t: (axis, stream.width) for t, axis in stream.axes.items()})
