@@ -8,14 +8,19 @@ The model is examples/grow_fsdp.py's decoder, sharded one unit per layer (gg.dis
 The training step is forward, backward (FSDP's all-gathers and reduce-scatters) and the optimiser step, after
 warm-up; the growth event is gg.distributed.grow as the loop calls it (gather, grow with rank 0 verifying, re-shard,
 AdamW's state carried), repeated on the same model after one warm-up event (growth leaves its input untouched; each
-result is dropped). Memory: on the CPU the process's resident set (sampled every 2 ms), on a GPU
-torch.cuda.max_memory_allocated; the growth peak is set against the training peak. Rank 0 prints one JSON line per
-rank with the medians, the peaks and the sizes they compare with (the full model, one layer, the sharded state).
+result is dropped) — one layer at a time (`layerwise`, the default) and the whole model on the host (`whole`), each
+with events of its own. Memory: on the CPU the process's resident set (sampled every 2 ms; freed heap handed back
+with malloc_trim before each measured call and large tensors always mmapped (live_heap), so a phase is not charged
+another's high-water mark), on a GPU
+torch.cuda.max_memory_allocated; the growth peak is set against the training peak and the steady state before a
+step. Rank 0 prints one JSON line per rank with the medians, the peaks and the sizes they compare with (the full
+model, one layer, the sharded state).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -64,9 +69,32 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def trim() -> None:
+    """Hand freed heap memory back to the system (glibc's malloc_trim), so that the resident set sampled next is what
+    the process holds, not the high-water mark of what an earlier phase freed."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: the resident set keeps earlier peaks
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+
+
+def live_heap() -> None:
+    """Tensors of 128 KiB and more from mmap, always (glibc's M_MMAP_THRESHOLD fixed; by default it rises to 32 MiB
+    after the first large free, and the heap then keeps what a phase freed): the resident set follows what the
+    process holds, so a growth event's peak is its own, not the high-water mark of every window before it."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+
+
 def measure(cuda: bool, fn):
-    """(result, seconds, peak bytes during fn): device peak on a GPU, resident set on the CPU."""
+    """(result, seconds, peak bytes during fn, bytes before it): device peak on a GPU, resident set on the CPU."""
     gc.collect()
+    trim()
+    before = torch.cuda.memory_allocated() if cuda else rss()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -76,7 +104,7 @@ def measure(cuda: bool, fn):
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-    return out, seconds, (torch.cuda.max_memory_allocated() if cuda else host.peak)
+    return out, seconds, (torch.cuda.max_memory_allocated() if cuda else host.peak), before
 
 
 def main() -> int:
@@ -87,10 +115,17 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--events", type=int, default=3)
     ap.add_argument("--release-old", action="store_true", help="grow(release_old=True): old state off the device")
+    ap.add_argument(
+        "--layerwise",
+        choices=("both", "on", "off"),
+        default="both",
+        help="grow one layer at a time (on), the whole model on the host (off), or both in turn (each its own events)",
+    )
     args = ap.parse_args()
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     cuda = torch.cuda.is_available()
     torch.set_num_threads(1)
+    live_heap()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
@@ -107,7 +142,10 @@ def main() -> int:
         ex.train_step(model, opt, n, rank, world)
     steps = [measure(cuda, lambda n=n: ex.train_step(model, opt, n, rank, world)) for n in range(args.steps)]
     shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    events, released = [], []
+    released: list = []
+    modes = {"both": [False, True], "on": [True], "off": [False]}[args.layerwise]
+    if args.release_old:
+        modes = [False]  # release_old grows the whole model
 
     class Counted(fsdp.Released):  # what release_old freed on the device and what it had to keep
         def __init__(self, tensors):
@@ -115,40 +153,46 @@ def main() -> int:
             released.append((sum(n for _, n, _ in self.saved), self.kept))
 
     fsdp.Released = Counted  # type: ignore[misc]
-    for i in range(args.events + 1):
-        g, seconds, peak = measure(
-            cuda,
-            lambda i=i, m=model, o=opt: gg.distributed.grow(
-                m, o, args.spec, seed=i, timeout=600, release_old=args.release_old
-            ),
-        )
-        if i:  # the first event warms up
-            events.append((seconds, peak, g.seconds))
-        if args.release_old:  # the old model is empty now: train on the grown one
-            model, opt = g.model, g.optimizer
-        del g
-    step_s = statistics.median(s for _, s, _ in steps)
-    event_s = statistics.median(s for s, _, _ in events)
-    record = {
+    step_s = statistics.median(s[1] for s in steps)
+    record: dict = {
         "rank": rank,
         "world": world,
         "device": str(device),
         "spec": args.spec,
         "params": full_bytes // 4,
         "step_s": round(step_s, 4),
-        "event_s": round(event_s, 3),
-        "event_per_step": round(event_s / step_s, 1),
-        "phases_s": {k: round(statistics.median(e[2][k] for e in events), 3) for k in events[0][2]},
-        "train_peak_mb": round(max(p for _, _, p in steps) / MB, 1),
-        "growth_peak_mb": round(max(p for _, p, _ in events) / MB, 1),
+        "train_peak_mb": round(max(s[2] for s in steps) / MB, 1),
+        "steady_mb": round(min(s[3] for s in steps) / MB, 1),  # before a step: shards, AdamW state, the process
         "full_model_mb": round(full_bytes / MB, 1),
         "one_layer_mb": round(layer_bytes / MB, 1),
         "param_shard_mb": round(shard_bytes / MB, 1),
         "memory": "cuda max_memory_allocated" if cuda else "resident set (host)",
         "release_old": args.release_old,
-        "released_mb": round(max((r for r, _ in released), default=0) / MB, 1),
-        "kept_mb": round(max((k for _, k in released), default=0) / MB, 1),
     }
+    for layerwise in modes:
+        events = []
+        for i in range(args.events + 1):
+            g, seconds, peak, before = measure(
+                cuda,
+                lambda i=i, m=model, o=opt, lw=layerwise: gg.distributed.grow(
+                    m, o, args.spec, seed=i, timeout=600, release_old=args.release_old, layerwise=lw
+                ),
+            )
+            if i:  # the first event warms up
+                events.append((seconds, peak, g.seconds, before))
+            if args.release_old:  # the old model is empty now: train on the grown one
+                model, opt = g.model, g.optimizer
+            del g
+        event_s = statistics.median(s for s, _, _, _ in events)
+        record["layerwise" if layerwise else "whole"] = {
+            "event_s": round(event_s, 3),
+            "event_per_step": round(event_s / step_s, 1),
+            "phases_s": {k: round(statistics.median(e[2][k] for e in events), 3) for k in events[0][2]},
+            "growth_peak_mb": round(max(p for _, p, _, _ in events) / MB, 1),
+            "before_mb": round(min(b for _, _, _, b in events) / MB, 1),
+        }
+    record["released_mb"] = round(max((r for r, _ in released), default=0) / MB, 1)
+    record["kept_mb"] = round(max((k for _, k in released), default=0) / MB, 1)
     records = [None] * world
     dist.all_gather_object(records, record)
     if rank == 0:

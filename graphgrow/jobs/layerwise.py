@@ -327,21 +327,24 @@ def grow_parts(
     outside_old = {n: fetch(n) for n in names if p.owner(n) == OUTSIDE}
     outside_new: dict[str, torch.Tensor] | None = None
     if p.outside_from == OUTSIDE:
-        grown = grow(_materialized(p.layers.window(meta, None), outside_old), window_seed(seed, OUTSIDE))
-        grown = _checked(p, OUTSIDE, grown)
+        win = _materialized(p.layers.window(meta, None), outside_old)
+        grown = _checked(p, OUTSIDE, grow(win, window_seed(seed, OUTSIDE)))
         outside_new = _part(p, grown, OUTSIDE)
+        _release(win, grown)
     for path in p.layers.paths:
         old = {n: fetch(n) for n in names if p.owner(n) == path}
         if path not in p.runs:
             yield path, old
             continue
-        grown = grow(_materialized(p.layers.window(meta, path), {**outside_old, **old}), window_seed(seed, path))
-        grown = _checked(p, path, grown)
+        win = _materialized(p.layers.window(meta, path), {**outside_old, **old})
         del old
+        grown = _checked(p, path, grow(win, window_seed(seed, path)))
         if p.outside_from == path:
             outside_new = _part(p, grown, OUTSIDE)
-        yield path, _part(p, grown, path)
-        del grown
+        part = _part(p, grown, path)
+        _release(win, grown)
+        yield path, part
+        del part
     yield OUTSIDE, outside_new if outside_new is not None else outside_old
 
 
@@ -366,6 +369,16 @@ def signature(gm: fx.GraphModule) -> list[tuple]:
         return fx.node.map_arg(a, lambda n: f"%{index[n]}")  # type: ignore[arg-type,return-value]
 
     return [(n.op, str(n.target), repr(norm(n.args)), repr(norm(n.kwargs))) for n in gm.graph.nodes]
+
+
+def _release(*models: nn.Module) -> None:
+    """Drop the windows' hold on their tensors now: a GraphModule sits in reference cycles (its graph, the passes'
+    results), so it goes only at the next full garbage collection, with a layer's tensors still in it; a full
+    collection costs about half a second in a process that imported torch."""
+    for gm in models:
+        for m in gm.modules():
+            m._parameters.clear()
+            m._buffers.clear()
 
 
 def _part(p: Plan, gm: fx.GraphModule, owner: str) -> dict[str, torch.Tensor]:
