@@ -10,7 +10,8 @@ Each rank writes OUT/fsdp-rank{R}.json; the assertions are in tests/test_fsdp.py
   ranks must keep the old model;
 - example: examples/grow_fsdp.py's training loop, through both of its growth events;
 - killed: a rank killed (SIGKILL) during growth, in two processes forked at start-up (before this job's process
-  group exists) that form a job of their own: the survivor must raise, not hang.
+  group exists) that form a job of their own: the survivor must raise, not hang;
+- lightning: GrowthCallback under Lightning's ModelParallelStrategy (FSDP2) in this process group.
 """
 
 from __future__ import annotations
@@ -332,6 +333,74 @@ def resume_scenario(mesh, rank: int, world: int, out: Path) -> dict:
     return r
 
 
+def lightning_scenario(rank: int, world: int) -> dict:
+    """GrowthCallback under Lightning's ModelParallelStrategy (FSDP2: the module shards its traced model in
+    configure_model on the strategy's data-parallel mesh), CPU and gloo in this job's process group: the decoder
+    grows at global step 2 (grow_hidden), probes just before and after the callback read the loss on a fixed batch;
+    training goes on to step 5. FSDPStrategy (FSDP1's wrapper) is refused by the callback with an InputError."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = fresh()
+
+        def configure_model(self):
+            gg.distributed.shard(self.model, LAYERS, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, batch_idx):
+            return ex.loss_of(self.model, *batch)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)}
+
+    record: dict = {}
+
+    class Probe(pl.Callback):
+        def __init__(self, key: str):
+            self.key = key
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 2 and self.key not in record:
+                record[self.key] = probe(pl_module.model)
+                record[self.key + "_params"] = sum(p.numel() for p in pl_module.model.parameters())
+
+    growth = gg.distributed.GrowthCallback({2: "grow_hidden(by=8)"}, seed=4, timeout=60)
+    x, y = ex.batch(0, size=8 * 5)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+        max_steps=5,
+        callbacks=[Probe("before"), growth, Probe("after")],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    net = Net()
+    trainer.fit(net, DataLoader(TensorDataset(x, y), batch_size=8 // world))
+    opt = trainer.optimizers[0]
+    record["events"] = growth.events
+    record["global_step"] = trainer.global_step
+    record["sharded"] = sharded(net.model, rank, world)
+    record["opt_is_model"] = {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in net.parameters()}
+    record["opt_state"] = sum(1 for p in net.parameters() if opt.state.get(p))
+    record["scheduler_follows"] = trainer.lr_scheduler_configs[0].scheduler.optimizer is opt
+    try:
+        gg.distributed.GrowthCallback({0: "grow_width"}).grow(
+            SimpleNamespace(strategy=FSDPStrategy()),
+            net,
+            "grow_width",  # type: ignore[arg-type]
+        )
+    except gg.InputError as e:
+        record["fsdp1"] = str(e)
+    return record
+
+
 KILL_POINTS = ("window", "gather")
 
 
@@ -471,6 +540,9 @@ def main() -> int:
     start = time.perf_counter()
     report["killed"] = killed(children, rank, out)
     report["seconds"]["killed"] = time.perf_counter() - start
+    start = time.perf_counter()
+    report["lightning"] = lightning_scenario(rank, world)
+    report["seconds"]["lightning"] = time.perf_counter() - start
     (out / f"fsdp-rank{rank}.json").write_text(json.dumps(report, default=str))
     dist.destroy_process_group()
     return 0

@@ -251,3 +251,18 @@ def test_a_rank_killed_during_growth_is_an_error_on_the_survivor_not_a_hang(rank
         assert "a rank died, hung or was killed during growth" in r["error"] and r["kept"], r
         assert r["seconds"] < 20, r  # detected from the closed connection, before the 20 s timeout
     assert "while gathering layers." in ranks[0]["killed"]["gather"]["error"]
+
+
+def test_growth_callback_grows_a_sharded_model_under_lightning_s_model_parallel_strategy(ranks):
+    """Lightning's ModelParallelStrategy (FSDP2, CPU, gloo): the module shards its traced decoder in configure_model;
+    GrowthCallback grows it at step 2 with the same loss just before and after, sharded again, AdamW (with state)
+    and its scheduler carried; fit goes on to step 5. FSDPStrategy (FSDP1) is refused with an InputError."""
+    for rank, report in enumerate(ranks):
+        r = report["lightning"]
+        assert r["global_step"] == 5 and len(r["events"]) == 1 and r["events"][0]["when"] == 2, r
+        assert r["after_params"] > r["before_params"], r
+        for mode in ("eval", "train"):
+            assert r["after"][mode] == pytest.approx(r["before"][mode], rel=1e-6), (rank, mode, r)
+        assert r["sharded"] and r["opt_is_model"] and r["opt_state"] > 0 and r["scheduler_follows"], r
+        assert "FSDPStrategy" in r["fsdp1"] and "ModelParallelStrategy" in r["fsdp1"], r
+    assert ranks[0]["lightning"]["after"] == ranks[1]["lightning"]["after"]

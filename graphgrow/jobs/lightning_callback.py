@@ -8,6 +8,11 @@ attribute, carries every optimiser Lightning holds by parameter name, re-points 
 rebuilds the DDP wrapper (strategy `ddp`) with the old wrapper's options. Growth runs in
 `on_train_batch_start` (or `on_train_epoch_start`), before Lightning reads the optimiser for that batch.
 
+FSDP2: under `ModelParallelStrategy` (Lightning ≥ 2.4: FSDP2's fully_shard, applied by the module's
+`configure_model`; it runs on the CPU with gloo) a traced model sharded there with `gg.distributed.shard(self.model,
+layers, mesh=self.device_mesh["data_parallel"])` grows with fsdp.grow_fsdp, the optimisers carried shard by shard.
+`FSDPStrategy` wraps the module in FSDP1's FullyShardedDataParallel (flat parameters): refused (InputError).
+
 Checkpoints: the callback writes the model's mutation log into every Lightning checkpoint; a LightningModule
 whose `on_load_checkpoint` calls `GrowthCallback.regrow(self, checkpoint)` grows its fresh model the same
 way (bit-identical: the seeds are in the log) before Lightning loads the grown weights and optimiser state.
@@ -25,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..core.errors import InputError
 from .ddp import Verify, carry_scheduler, grow_replica, rebuild_options
+from .fsdp import _fit_sharded, grow_fsdp, is_fsdp
 from .optim import carry_optimizer
 from .pipeline import from_log
 
@@ -92,6 +98,10 @@ class GrowthCallback(pl.Callback):
                 "(or name the attribute: GrowthCallback(..., attr='net'))",
             )
         strategy = trainer.strategy
+        _refuse_fsdp1(strategy)
+        if is_fsdp(old):
+            self._grow_sharded(trainer, pl_module, old, spec, when, start)
+            return
         ddp = strategy.model if isinstance(strategy.model, DistributedDataParallel) else None
         options = rebuild_options(ddp) if ddp is not None else {}
         synced = options.get("forward_sync_buffers", options.get("broadcast_buffers", True))
@@ -113,14 +123,41 @@ class GrowthCallback(pl.Callback):
         strategy.optimizers = [carried[id(o)] for o in strategy.optimizers]  # Lightning re-wraps them
         if ddp is not None:
             strategy.model = type(ddp)(pl_module, **options)
+        self._record(when, spec, grown.seed, old, grown.gm, start)
+
+    def _grow_sharded(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        old: fx.GraphModule,
+        spec: str,
+        when: int,
+        start: float,
+    ) -> None:
+        """ModelParallelStrategy with the traced model sharded by FSDP2 in configure_model: fsdp.grow_fsdp (one layer
+        at a time where the model fits), every optimiser carried shard by shard, schedulers re-pointed. Lightning does
+        not wrap the module under this strategy: the grown model goes into the attribute, the optimisers into the
+        strategy."""
+        strategy = trainer.strategy
+        grown = grow_fsdp(old, None, spec, seed=self.seed, verify=self.verify, timeout=self.timeout)
+        before, after = _container(pl_module, self.attr, old), _container(pl_module, self.attr, grown.gm)
+        carried = {id(o): carry_optimizer(o, before, after, fit=_fit_sharded) for o in strategy.optimizers}
+        for config in strategy.lr_scheduler_configs:
+            previous = config.scheduler.optimizer
+            carry_scheduler(config.scheduler, carried[id(previous)], previous)
+        setattr(pl_module, self.attr, grown.gm)
+        strategy.optimizers = [carried[id(o)] for o in strategy.optimizers]
+        self._record(when, spec, grown.seed, old, grown.gm, start)
+
+    def _record(self, when: int, spec: str, seed: int, old: nn.Module, new: nn.Module, start: float) -> None:
         self.events.append(
             {
                 "when": when,
                 "every": self.every,
                 "spec": spec,
-                "seed": grown.seed,
+                "seed": seed,
                 "params_before": sum(p.numel() for p in old.parameters()),
-                "params_after": sum(p.numel() for p in grown.gm.parameters()),
+                "params_after": sum(p.numel() for p in new.parameters()),
                 "seconds": time.perf_counter() - start,
             }
         )
@@ -172,6 +209,22 @@ class GrowthCallback(pl.Callback):
         todo = list(saved["log"])[have:]
         if todo:
             setattr(pl_module, attr, from_log(todo, verify=False, data=data, trust=trust).run(gm).gm)
+
+
+def _refuse_fsdp1(strategy: Any) -> None:
+    """Lightning's FSDPStrategy wraps the module in FSDP1's FullyShardedDataParallel (parameters flattened into one
+    buffer per unit): there is no traced model with named parameters to grow under it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = getattr(strategy, "model", None)
+    wrapped = isinstance(model, nn.Module) and any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+    if type(strategy).__name__ == "FSDPStrategy" or wrapped:
+        raise InputError(
+            "GrowthCallback cannot grow under Lightning's FSDPStrategy: it wraps the model in FSDP1's "
+            "FullyShardedDataParallel (flat parameters), not FSDP2's per-parameter shards",
+            "use ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) and shard the traced model in "
+            "configure_model: gg.distributed.shard(self.model, layers=[...], mesh=self.device_mesh['data_parallel'])",
+        )
 
 
 def _container(pl_module: nn.Module, attr: str, model: nn.Module) -> nn.Module:
