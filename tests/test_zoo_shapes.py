@@ -7,6 +7,8 @@
   expert's output) scales every hidden coordinate alike: grow_hidden follows it.
 - A replicated stream (post-norm BERT; BLOOM's norm right after its embedding) whose LM head is tied to the token
   embedding: the head takes the embedding's copied columns and the norm it alone reads takes the shares (γ, β / k).
+- Attention and MLP in parallel on one residual (GPT-J, GPT-NeoX): grow_hidden grows it; grow_heads follows rotary
+  embeddings written rotate-every-two (torch.stack([-x2, x1], -1).flatten(-2): GPT-J, Cohere).
 - Layers shared by several attentions (ALBERT calls one layer at every depth) are grown once by grow_heads.
 - Query/key norms over the head size (Qwen3's q_norm, k_norm): heads grow by whole heads; a new head size is refused
   naming the norm.
@@ -86,6 +88,32 @@ def test_a_per_token_scale_on_the_stream_keeps_every_coordinate_alike():
     assert torch.allclose(result.gm(x), model(x), atol=1e-5)
 
 
+class ParallelBlock(nn.Module):
+    """Attention and MLP in parallel on one residual, read through one norm (GPT-J, GPT-NeoX's parallel residual)."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.inp, self.norm, self.final = nn.Linear(8, d), nn.LayerNorm(d), nn.LayerNorm(d)
+        self.mix = nn.Linear(d, d)  # the attention branch's projections, as the stream sees them
+        self.up, self.down, self.head = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        h = self.norm(x)
+        x = x + self.mix(h) + self.down(F.gelu(self.up(h)))
+        return self.head(self.final(x))
+
+
+def test_a_parallel_residual_grows_its_hidden_size():
+    torch.manual_seed(0)
+    model = ParallelBlock()
+    gm = gg.trace(model, input_shape=(2, 5, 8))
+    result = gg.get_pass("grow_hidden")(to=24)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok
+    x = torch.randn(3, 7, 8)
+    assert torch.allclose(result.gm(x), model(x), atol=1e-5)
+
+
 def _hf(arch: str):
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -103,6 +131,10 @@ def _hf(arch: str):
         return tf.BertForMaskedLM(tf.BertConfig(**{k: v for k, v in small.items() if k != "use_cache"}))
     if arch == "bloom":  # a LayerNorm right after the tied embedding: replicated as a post-norm stream is
         return tf.BloomForCausalLM(tf.BloomConfig(hidden_size=32, n_layer=1, n_head=4, vocab_size=100, use_cache=False))
+    if arch == "gptj":  # attention and MLP in parallel on one residual; rotary on part of each head, every two
+        return tf.GPTJForCausalLM(
+            tf.GPTJConfig(n_embd=32, n_layer=1, n_head=4, rotary_dim=4, n_positions=32, vocab_size=100, use_cache=False)
+        )
     raise AssertionError(arch)
 
 
@@ -115,6 +147,7 @@ def _hf(arch: str):
         ("qwen3", "grow_heads", {}, "heads", "4 → 6"),  # whole heads: the q/k norms keep their size
         ("bert", "grow_hidden", {}, "hidden", "32 → 64"),  # replicated; the tied decoder's shares on its LayerNorm
         ("bloom", "grow_hidden", {}, "hidden", "32 → 64"),
+        ("gptj", "grow_heads", {}, "heads", "4 → 6"),  # RoPE as stack([-x2, x1], -1).flatten(-2) followed
     ],
 )
 def test_hugging_face_shapes_grow_exactly(arch, pass_name, args, key, value):

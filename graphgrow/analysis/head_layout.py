@@ -28,7 +28,15 @@ SDPA = F.scaled_dot_product_attention
 SAME = ops.SAME_VALUES | {"dropout", "neg", "detach"}  # one data operand, same layout
 ELEMENTWISE = ops.BINARY_NAMES | ops.IN_PLACE_OPERATORS
 # ops whose factor layout rules Flow knows: expand_as, the *_as reshapes and the other reorderings are not among them
-LAYOUT = ops.RESHAPES | ops.FLATTENS | ops.TRANSPOSES | ops.UNIT_DIMS | ops.SPLITS | ops.INDEXING | {"expand", "cat"}
+LAYOUT = (
+    ops.RESHAPES
+    | ops.FLATTENS
+    | ops.TRANSPOSES
+    | ops.UNIT_DIMS
+    | ops.SPLITS
+    | ops.INDEXING
+    | {"expand", "cat", "stack"}
+)
 NORMS = ops.NORMS
 SHAPE_QUERIES = ops.SHAPE_QUERIES
 HINT = "grow_heads grows attentions it fully understands (scaled_dot_product_attention fed by Linear projections)"
@@ -89,7 +97,7 @@ def data_args(n: fx.Node) -> list[fx.Node]:
     """The operands that carry data into op `n` (not dtype donors, not sizes)."""
     if _name(n) in ("to", "type_as", "expand", "reshape", "view") or n.op == "call_module":
         return [n.args[0]] if n.args and isinstance(n.args[0], fx.Node) else []
-    if _name(n) == "cat":
+    if _name(n) in ("cat", "stack"):
         return [a for a in n.args[0] if isinstance(a, fx.Node)]
     if _name(n) in ELEMENTWISE:
         return [a for a in n.args[:2] if isinstance(a, fx.Node) and tensor_shape(a) is not None]
@@ -157,6 +165,8 @@ class Flow:
             return self.broadcast(n, data_args(n), shape)
         if name == "cat":
             return self.cat(n, shape)
+        if name == "stack":
+            return self.stack(n, shape)
         if name in ("split", "chunk", "unbind"):
             return self.split(n, name)
         if name == "getitem" and isinstance(self.layout.get(x.name), list):
@@ -333,6 +343,18 @@ class Flow:
         if any(a.name not in self.layout for a in parts) and any(self.grows(ax) for ax in lay):
             raise refuse(n, "concatenates a tensor that does not grow with the heads")
         return tuple(lay)
+
+    def stack(self, n: fx.Node, shape: tuple) -> Layout:
+        """torch.stack: the operands' common layout with a new plain axis of their count (RoPE written as
+        rotate-every-two: stack([-x2, x1], -1).flatten(-2), GPT-J's and Cohere's)."""
+        dim = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % len(shape)
+        parts = [a for a in n.args[0] if isinstance(a, fx.Node)]
+        lay = self.broadcast(n, [a for a in parts if a.name in self.layout], shape[:dim] + shape[dim + 1 :])
+        if (len(parts) < len(n.args[0]) or any(a.name not in self.layout for a in parts)) and any(
+            self.grows(ax) for ax in lay
+        ):
+            raise refuse(n, "stacks a tensor that does not grow with the heads")
+        return lay[:dim] + ((("", shape[dim]),) if shape[dim] > 1 else (),) + lay[dim:]
 
     def split(self, n: fx.Node, name: str):
         x = n.args[0]
