@@ -146,6 +146,16 @@ _SCALARS = {
     "num_local_experts": 4,
     "n_routed_experts": 4,
     "num_experts_per_tok": 2,
+    "rotary_dim": HIDDEN // HEADS // 2,  # GPT-J, CodeGen: rotary on half of each head (64 by default: past it)
+    # multi-head latent attention (DeepSeek-V3-like): low-rank q/kv, a rotary part and a plain part of each head
+    "q_lora_rank": HIDDEN // 2,
+    "kv_lora_rank": HIDDEN // 2,
+    "qk_rope_head_dim": HIDDEN // HEADS // 2,
+    "qk_nope_head_dim": HIDDEN // HEADS // 2,
+    "qk_head_dim": HIDDEN // HEADS,
+    "v_head_dim": HIDDEN // HEADS,
+    "n_group": 1,  # expert groups: the 4 experts in one
+    "topk_group": 1,
     "vocab_size": VOCAB,
     "image_size": IMAGE,
     "embedding_size": HIDDEN,
