@@ -4,7 +4,8 @@ Sections (each is also a script of its own):
   steps  bench_steps.py  pass + verification ÷ forward, per pass and model; export ÷ bare torch.onnx.export
   fold   bench_fold.py   onnxruntime latency of original / grown / folded; same kernels; ORT ÷ eager; peak memory
   scale  bench_scale.py  graph-side cost per fx node on 1k / 4k / 12k-node chains; small models at 32×32 in seconds;
-                         a 125 M / 350 M / 1 B decoder grown, verified, saved, exported: s and peak memory per stage
+                         a 125 M / 350 M / 1 B decoder grown, verified, saved, exported: s and peak memory per stage;
+                 bench_stream.py a 3 B bfloat16 checkpoint grown streamed (docs/streaming.md): s and peak per stage
   gpu    bench_gpu.py    onnxruntime CUDA vs PyTorch CUDA (one "skipped" row without a GPU)
   ddp    bench_ddp.py    a growth event in a 2-process DDP job (torchrun, gloo) ÷ one training step
   tp     compare_tp.py   per model, the channel groups Torch-Pruning prunes that graphgrow grows (information only)
@@ -69,6 +70,7 @@ def main(argv=None) -> int:
     import bench_gradmax
     import bench_scale
     import bench_steps
+    import bench_stream
     import compare_tp
 
     quick = {"models": ("resnet18",)} if args.quick else {}
@@ -77,10 +79,13 @@ def main(argv=None) -> int:
             **quick, rounds=1 if args.quick else 3, export_rounds=1 if args.quick else 2, progress=p
         ),
         "fold": lambda p: bench_fold.rows(**quick, rounds=5 if args.quick else 20, progress=p),
-        "scale": lambda p: bench_scale.rows(
-            (300, 1000) if args.quick else (1000, 4000, 12000),
-            progress=p,
-            decoder=("125m",) if args.quick else ("125m", "350m", "1b"),
+        "scale": lambda p: (
+            bench_scale.rows(
+                (300, 1000) if args.quick else (1000, 4000, 12000),
+                progress=p,
+                decoder=("125m",) if args.quick else ("125m", "350m", "1b"),
+            )
+            + bench_stream.rows("tiny" if args.quick else "3b", progress=p)
         ),
         "gpu": lambda p: bench_gpu.rows(**quick, rounds=10 if args.quick else 50, progress=p),
         "ddp": lambda p: bench_ddp.rows(events=1 if args.quick else 3, steps=5 if args.quick else 20, progress=p),

@@ -115,6 +115,16 @@ def grow(
     if diagram_path is not None:
         diagram_format(diagram_path)  # a wrong extension is refused before the passes run
     _distinct_outputs(out_path, onnx_path, diagram_path)
+    if out is not None and is_hf_folder(Path(source)) and out_path.suffix not in (".pt", ".pth"):
+        from .stream_grow import grow_streaming, stream_reason  # a checkpoint over --max-memory: window by window
+
+        why = (
+            None
+            if onnx_path or check or output.dry_run or diagram or data
+            else stream_reason(Path(source), limits.max_memory)
+        )
+        if why:
+            return grow_streaming(source, specs, out_path, seed=seed, progress=progress, reason=why)
     opened = _open(source, load, progress, limits.max_memory)
     # a Hugging Face folder grown into a folder (-o without .pt): the model's own class, written by save_pretrained
     native = (
