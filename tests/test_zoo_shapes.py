@@ -9,6 +9,7 @@
   embedding: the head takes the embedding's copied columns and the norm it alone reads takes the shares (γ, β / k).
 - Attention and MLP in parallel on one residual (GPT-J, GPT-NeoX): grow_hidden grows it; grow_heads follows rotary
   embeddings written rotate-every-two (torch.stack([-x2, x1], -1).flatten(-2): GPT-J, Cohere).
+- x + 0 on the stream (CTRL's absent token-type embedding) is an identity.
 - Layers shared by several attentions (ALBERT calls one layer at every depth) are grown once by grow_heads.
 - Query/key norms over the head size (Qwen3's q_norm, k_norm): heads grow by whole heads; a new head size is refused
   naming the norm.
@@ -112,6 +113,26 @@ def test_a_parallel_residual_grows_its_hidden_size():
     assert result.preservation.eval.ok and result.preservation.train.ok
     x = torch.randn(3, 7, 8)
     assert torch.allclose(result.gm(x), model(x), atol=1e-5)
+
+
+def test_adding_zero_to_the_stream_is_an_identity():
+    """CTRL adds a token-type embedding of 0 when no types are given: x + 0 keeps every coordinate's fill (any other
+    number is refused)."""
+
+    class ZeroAdd(TokenGatedBlock):
+        def __init__(self, c: float):
+            super().__init__()
+            self.c = c
+
+        def forward(self, x):
+            return super().forward(x) if self.c is None else self.head(self.norm2(self.inp(x) + self.c))
+
+    torch.manual_seed(0)
+    gm = gg.trace(ZeroAdd(0), input_shape=(2, 5, 8))
+    result = gg.get_pass("grow_hidden")(to=24)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok
+    with pytest.raises(gg.NotApplicable, match="adds a constant to the stream"):
+        gg.get_pass("grow_hidden")(to=24)(gg.trace(ZeroAdd(0.5), input_shape=(2, 5, 8)))
 
 
 def _hf(arch: str):

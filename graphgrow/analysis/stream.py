@@ -428,7 +428,9 @@ class _Walk:
 
     def _operands(self, n: fx.Node) -> list[fx.Node]:
         ops = list(n.args[0]) if self._is_cat(n) else list(n.args[:2])
-        if any(not isinstance(a, fx.Node) for a in ops) or len(ops) < 2:
+        # x + 0 is x (CTRL adds a token-type embedding of 0 when no types are given): any other number is refused
+        zero = [a for a in ops if not self._is_cat(n) and type(a) in (int, float) and a == 0]
+        if any(not isinstance(a, fx.Node) for a in ops if a not in zero) or len(ops) < 2 or len(zero) == len(ops):
             raise _refuse(n, "adds a constant to the stream (its new coordinates would no longer be the mean or zero)")
         if not self._is_cat(n) and n.kwargs.get("alpha", 1) != 1:
             raise _refuse(n, "adds with a scale alpha")
