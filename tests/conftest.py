@@ -201,7 +201,25 @@ NOT_FAST_FILES = {
 }
 
 
+def _file_seconds() -> dict[str, float]:
+    """Each test file's measured total (tests/file_times.json, written by `python tools/test_times.py
+    --write-order tests/file_times.json` from a `make test` run); {} when absent or unreadable."""
+    import json
+
+    try:
+        return {k: float(v) for k, v in json.loads((ROOT / "tests" / "file_times.json").read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("slow") is None and item.path.name not in NOT_FAST_FILES:
             item.add_marker(pytest.mark.fast)
+    # The longest files first, each file's tests kept together and in order (module fixtures are built once):
+    # xdist hands tests out in this order, so the two workers' last tests are short ones and they end together,
+    # where a long file collected last kept one worker busy minutes after the other had finished. A file the
+    # record does not name follows the ones it names, in collection order.
+    seconds = _file_seconds()
+    order = {item.path: i for i, item in reversed(list(enumerate(items)))}
+    items.sort(key=lambda it: (-seconds.get(f"tests/{it.path.name}", 0.0), order[it.path]))
