@@ -22,6 +22,7 @@ from ..graph.graph_meta import graph_info, scope_of
 from ..graph.inputs import ExampleInput, InputSpec, as_spec, call, positional, shown
 from ..graph.reference import remember
 from ..graph.shapes import example_input
+from ..verify.low_precision import Float32Graph, is_half, widened
 
 
 def _run(m: nn.Module, x: Any, mode: str, seed: int) -> Any:
@@ -72,10 +73,16 @@ def check_fidelity(model: nn.Module, gm: fx.GraphModule, input_shape: ExampleInp
     """
     spec = as_spec(input_shape, model)
     with check_threads(model, spec):
-        return _check(model, gm, spec, seed)
+        if not is_half(gm):
+            return _check(model, gm, spec, seed)
+        # a bfloat16/float16 model: compared in float32 on its stored values (the model widened in place for the
+        # check, the graph run node by node, verify.low_precision), since a stand-in layer (capture.standins) may
+        # round where the model's own does not (F.rms_norm once, LlamaRMSNorm before its scale too)
+        with widened(model):
+            return _check(model, Float32Graph(gm), spec, seed)
 
 
-def _check(model: nn.Module, gm: fx.GraphModule, input_shape: InputSpec, seed: int) -> dict:
+def _check(model: nn.Module, gm: fx.GraphModule | Float32Graph, input_shape: InputSpec, seed: int) -> dict:
     report = graph_info(gm).setdefault("trace", {})
     traced_mode = report.get("mode", "eval")
     top_dependent = bool(report.get("top_level_mode_dependent"))
@@ -120,13 +127,15 @@ def _check(model: nn.Module, gm: fx.GraphModule, input_shape: InputSpec, seed: i
                     "move the mode-dependent code into a submodule (graphgrow keeps such submodules as leaves), "
                     f"or trace the {mode}-mode code with --trace-mode {mode}",
                 )
-            where = locate_divergence(model, gm, x, mode, seed)
+            where = locate_divergence(model, gm.gm if isinstance(gm, Float32Graph) else gm, x, mode, seed)
             raise TraceError(
                 f"the traced graph is not {name} in {mode} mode at batch {batch}: {where or diff}",
                 "mark that submodule as a leaf with --leaf MODULE, or remove the Python-level state "
                 "its forward depends on",
             )
     report["fidelity"] = checked
+    if isinstance(gm, Float32Graph):  # float32 outputs are no reference for a half-precision graph's own runs
+        return report
     # the first pass's verification compares against these outputs; the graph is as it was then
     if "eval" in kept:
         remember(gm, "eval", *kept["eval"])

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 _MAX_PROBE = 1 << 22  # weight elements probed at most: a larger layer stays as its functions
 
@@ -56,7 +57,8 @@ def _linear(m: nn.Module, weight: nn.Parameter, bias: nn.Parameter | None, tied:
         if (transposed and tied) or (bias is not None and bias.shape != (out_f,)):
             continue
         w = weight.detach().t() if transposed else weight.detach()
-        if _matches(m, (in_f,), lambda x, w=w: F.linear(x, w, None if bias is None else bias.detach())):
+        pw, pb = _probed(w), None if bias is None else _probed(bias)
+        if _matches(m, (in_f,), lambda x, w=pw, b=pb: F.linear(x, w, b)):
             lin = nn.Linear(in_f, out_f, bias=bias is not None, device="meta", dtype=weight.dtype)
             lin.weight = (
                 nn.Parameter(w.contiguous().clone(), requires_grad=weight.requires_grad) if transposed else weight
@@ -75,7 +77,8 @@ def _rms_norm(m: nn.Module, weight: nn.Parameter) -> nn.Module | None:
     for offset in (0.0, 1.0):
         w = weight.detach() + offset if offset else weight.detach()
         for eps in _eps_candidates(m):
-            if _matches(m, (d,), lambda x, eps=eps, w=w: F.rms_norm(x, (d,), w, eps), scales=(1.0, eps**0.5)):
+            probe = _probed(w)
+            if _matches(m, (d,), lambda x, eps=eps, w=probe: F.rms_norm(x, (d,), w, eps), scales=(1.0, eps**0.5)):
                 norm = nn.RMSNorm(d, eps=eps, device="meta", dtype=weight.dtype)
                 norm.weight = nn.Parameter(w.clone(), requires_grad=weight.requires_grad) if offset else weight
                 return norm
@@ -89,6 +92,11 @@ def offset_weight(own: nn.Module, raised: nn.Module, weight: torch.Tensor) -> to
     )
 
 
+def _probed(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as the probe computes with it: a half-precision one in float32 (_matches)."""
+    return t.detach().float() if t.dtype in (torch.bfloat16, torch.float16) else t.detach()
+
+
 def _eps_candidates(m: nn.Module) -> Iterator[float]:
     seen = set()
     for v in vars(m).values():
@@ -98,18 +106,24 @@ def _eps_candidates(m: nn.Module) -> Iterator[float]:
 
 
 def _matches(m: nn.Module, last: tuple[int, ...], expected, scales: tuple[float, ...] = (1.0,)) -> bool:
-    """`m(x)` equals `expected(x)` (to fp32 rounding) on seeded inputs (2, 3, *last), in eval and train mode."""
+    """`m(x)` equals `expected(x)` (to fp32 rounding) on seeded inputs (2, 3, *last), in eval and train mode.
+    A bfloat16/float16 layer is compared in float32 on its stored values (its own float32 copy, this layer only):
+    the function is what is asked; where each op rounds in the half dtype is not (LlamaRMSNorm rounds before its
+    scale, F.rms_norm after it)."""
     p = next(m.parameters())
+    half = p.dtype in (torch.bfloat16, torch.float16)
+    dtype = torch.float32 if half else p.dtype
+    state = {k: v.float() for k, v in m.named_parameters()} if half else {}
     g = torch.Generator().manual_seed(0)
     was = m.training
     try:
         with torch.no_grad():
             for scale in scales:
-                x = (torch.randn((2, 3, *last), generator=g) * scale).to(device=p.device, dtype=p.dtype)
+                x = (torch.randn((2, 3, *last), generator=g) * scale).to(device=p.device, dtype=dtype)
                 want = expected(x)
                 for mode in (False, True):
                     m.train(mode)
-                    got = m(x)
+                    got = functional_call(m, state, (x,)) if half else m(x)
                     if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
                         return False
                     tol = 1e-5 * float(want.abs().max()) + 1e-30

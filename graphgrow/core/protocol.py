@@ -28,9 +28,23 @@ BATCHES = (2, 3)
 TRAIN_PROTOCOL = "train, dropout off, seeded"  # how verify.preserve.train_forward runs (a name for kept outputs)
 
 
-def within_tolerance(rel_err: float, max_abs_err: float, max_abs_ref: float) -> bool:
-    """Whether an error measured by `measure` is within the protocol's tolerance."""
-    return rel_err <= REL_TOL and max_abs_err <= REL_TOL * max(max_abs_ref, 1e-30)
+def within_tolerance(rel_err: float, max_abs_err: float, max_abs_ref: float, tol: float = REL_TOL) -> bool:
+    """Whether an error measured by `measure` is within the protocol's tolerance (or `tol`)."""
+    return rel_err <= tol and max_abs_err <= tol * max(max_abs_ref, 1e-30)
+
+
+@dataclass
+class LowPrecision:
+    """How a half-precision model's growth was judged (verify.low_precision): compared in float32 on the stored
+    values, within max(`ulp`, `own_rel_err`) when not within REL_TOL."""
+
+    dtype: str
+    ulp: float  # torch.finfo(dtype).eps: one unit in the last place, relative
+    own_rel_err: float  # the original's own half-precision output against its float32 run
+
+    @property
+    def tolerance(self) -> float:
+        return max(self.ulp, self.own_rel_err)
 
 
 @dataclass
@@ -41,14 +55,25 @@ class ModeCheck:
     max_abs_ref: float
     fp64_rel_err: float | None = None  # set when the fp32 comparison missed and float64 was asked
     fp64_ok: bool | None = None
+    low_precision: LowPrecision | None = None  # a bfloat16/float16 model: compared in float32, the dtype's tolerance
 
     @property
     def fp32_ok(self) -> bool:
         return within_tolerance(self.rel_err, self.max_abs_err, self.max_abs_ref)
 
     @property
+    def within_dtype(self) -> bool:
+        """Not exact to REL_TOL, but within the half-precision dtype's tolerance (LowPrecision)."""
+        lp = self.low_precision
+        return (
+            lp is not None
+            and not self.fp32_ok
+            and within_tolerance(self.rel_err, self.max_abs_err, self.max_abs_ref, lp.tolerance)
+        )
+
+    @property
     def ok(self) -> bool:
-        return self.fp32_ok or bool(self.fp64_ok)
+        return self.fp32_ok or bool(self.fp64_ok) or self.within_dtype
 
 
 def flat_tensors(out: Any) -> list[torch.Tensor]:

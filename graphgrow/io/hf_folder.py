@@ -5,8 +5,8 @@ ships; never remote code: a config with `auto_map` is refused), built from the c
 is never read. The weights' size is read from the safetensors headers and checked against `--max-load` before
 anything is allocated. The cache is turned off while the model is captured (torch.export cannot capture a
 DynamicCache); the native result gets the folder's own setting back (jobs/native.py).
-A bfloat16 or float16 folder loads as float32 (the
-growth is verified to 1e-5), and the native result is written in the folder's dtype again.
+A bfloat16 or float16 folder loads and grows in its own
+dtype (verify.low_precision compares in float32, node by node); the native result is written in it again.
 
 Files beside the weights that describe how to use the model (tokenizer, generation config, chat template, README)
 are listed by `companion_files`; `write_folder` writes a model with `save_pretrained` (safetensors) into a staging
@@ -156,31 +156,34 @@ def model_class(folder: Path, config: dict[str, Any]) -> Any:
 
 
 def load_folder(folder: Path, max_bytes: int) -> tuple[Any, torch.dtype, bool | None]:
-    """The model of the folder in float32 and eval mode, the dtype its weights are stored in, and the folder's own
-    use_cache (None when its config has none; the native result gets it back)."""
+    """The model of the folder in eval mode — in its bfloat16 or float16 when every float tensor is stored so, else
+    in float32 —, the dtype its weights are stored in, and the folder's own use_cache (None when its config has none;
+    the native result gets it back)."""
     config = read_config(folder)
     files = weight_files(folder)
     cls = model_class(folder, config)
     stored, count, dtypes = stored_bytes(files)
-    as_float32 = stored if dtypes <= {"F32"} else count * 4
-    if as_float32 > max_bytes:
-        raise LoadError(
-            f"{folder} holds {count:,} values ({stored / 2**20:,.1f} MiB stored, {as_float32 / 2**20:,.1f} MiB "
-            f"in float32, limit {max_bytes / 2**20:,.1f} MiB); nothing was allocated",
-            "raise the limit with --max-load SIZE",
-        )
     floats = {d for d in dtypes if d in ("F32", "F16", "BF16", "F64")}
     stored_dtype = (
         {"BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}.get(next(iter(floats)), torch.float32)
         if len(floats) == 1
         else torch.float32
     )
+    dtype = stored_dtype if stored_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    loaded = stored if dtypes <= {"F32"} or dtype != torch.float32 else count * 4
+    if loaded > max_bytes:
+        raise LoadError(
+            f"{folder} holds {count:,} values ({stored / 2**20:,.1f} MiB stored, {loaded / 2**20:,.1f} MiB "
+            f"loaded in {str(dtype).removeprefix('torch.')}, limit {max_bytes / 2**20:,.1f} MiB); "
+            "nothing was allocated",
+            "raise the limit with --max-load SIZE",
+        )
     from .zoo import sealed_caches
 
     with sealed_caches():
         try:
             model = cls.from_pretrained(
-                str(folder), local_files_only=True, use_safetensors=True, trust_remote_code=False, dtype=torch.float32
+                str(folder), local_files_only=True, use_safetensors=True, trust_remote_code=False, dtype=dtype
             )  # the cache is turned off while it is captured
         except LoadError:
             raise

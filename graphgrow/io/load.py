@@ -45,7 +45,7 @@ class LoadedModel:
     input_shape: Any = None  # the example input the source gives: a bare shape (list) or an input spec (graph.inputs)
     log: list[Any] = field(default_factory=list)
     factory_seed: int | None = None  # the seed a factory's random weights were drawn with
-    stored_dtype: torch.dtype | None = None  # a Hugging Face folder's weights' dtype (it loads as float32)
+    stored_dtype: torch.dtype | None = None  # a Hugging Face folder's weights' dtype (a half one loads in it)
     use_cache: bool | None = None  # a Hugging Face folder's own use_cache (it loads with the cache off)
 
 

@@ -15,8 +15,10 @@ The new config is solved, not guessed:
 4. Tied input and output embeddings stay tied only when the grown tensors are still equal.
 The class is built from that config, the grown state dict loaded strictly (every parameter name must match: a
 structural change the class cannot express — deepen's inserted block, a branch — is refused naming it), and the
-result checked against the grown graph on the recorded inputs in eval mode (core.protocol's tolerance). A model
-stored in bfloat16 or float16 comes back in that dtype (checked in float32 first). Layers deepen(block=copy) added
+result checked against the grown graph on the recorded inputs in eval mode (core.protocol's tolerance). A graph
+grown in bfloat16 or float16 is rebuilt in that dtype (as from_pretrained builds it) and checked against the graph
+in it, to one unit in its last place (a stand-in layer may round where the class's own does not, capture.standins);
+a float32 graph of a half-precision folder is checked in float32, then converted. Layers deepen(block=copy) added
 are numbered in the order they run, with the layer count and per-layer lists solved first (native_depth.py).
 """
 
@@ -30,10 +32,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..core.errors import GraphgrowError, NotApplicable
-from ..core.protocol import compare_outputs
+from ..core.errors import NotApplicable
+from ..core.state import module_dtype
 from ..graph.graph_meta import input_spec_of
-from ..graph.shapes import example_input
+from ..verify.low_precision import HALF, widened
+from .native_check import build, check, own_buffers
 from .native_depth import check_moved, deeper_config, deeper_stacks, in_run_order, original_path
 from .native_moe import has_mixtures, moe_native
 
@@ -101,7 +104,8 @@ def as_native(
         use_cache = getattr(original.config, "use_cache", None)
     if use_cache is not None or hasattr(config, "use_cache"):  # a class without a cache gets no such field
         config.use_cache = True if use_cache is None else bool(use_cache)
-    native = _build(cls, config)
+    grown_dtype = module_dtype(grown)
+    native = build(cls, config, grown_dtype if grown_dtype in HALF else torch.float32)
     missing, unexpected = native.load_state_dict(
         {k: v for k, v in grown_state.items() if k in persistent}, strict=False
     )
@@ -113,13 +117,15 @@ def as_native(
         )
     if hasattr(native, "tie_weights") and getattr(config, "tie_word_embeddings", False):
         native.tie_weights()
+    own_buffers(native, original)
     native.eval()
-    _check(grown, native, cls)
-    if deeper:  # a copied layer is the identity until it learns: checked again with its zero tensors moved
-        check_moved(grown, native, deeper, lambda g: class_state(g, persistent), lambda g, m: _check(g, m, cls))
+    with widened(native):  # a half-precision result is checked in float32 (verify.low_precision)
+        check(grown, native, cls)
+        if deeper:  # a copied layer is the identity until it learns: checked again with its zero tensors moved
+            check_moved(grown, native, deeper, lambda g: class_state(g, persistent), lambda g, m: check(g, m, cls))
     if getattr(original, "generation_config", None) is not None:
         native.generation_config = copy.deepcopy(original.generation_config)
-    if stored_dtype in (torch.bfloat16, torch.float16):
+    if stored_dtype in HALF and stored_dtype != grown_dtype:
         native = native.to(stored_dtype)
     return native
 
@@ -426,53 +432,6 @@ def _set_eps(config: Any, original: nn.Module, grown: fx.GraphModule) -> None:
         )
     for f in fields:
         setattr(config, f, new_eps)
-
-
-def _build(cls: type, config: Any) -> nn.Module:
-    """A fresh instance (its own init: buffers the state dict does not hold, such as RoPE's inv_freq, are computed
-    from the config), in float32 until it has been checked."""
-    config = copy.deepcopy(config)
-    config.dtype = torch.float32
-    return cls(config).float()
-
-
-def _check(grown: fx.GraphModule, native: nn.Module, cls: type) -> None:
-    spec = input_spec_of(grown)
-    for seed, batch in ((0, 1), (1, 2)):
-        x = example_input(grown, spec, seed=seed, batch=batch)
-        kwargs = x if isinstance(x, dict) else {getattr(native, "main_input_name", "input_ids"): x}
-        was = grown.training
-        grown.eval()
-        try:
-            with torch.no_grad():
-                want = _main(grown(**kwargs) if isinstance(x, dict) else grown(x))
-                got = _main(native(**kwargs))
-        finally:
-            grown.train(was)
-        try:  # the project's one check protocol (core.protocol): its tolerance, relative and max-abs
-            check = compare_outputs(want, got, "eval")
-        except GraphgrowError as e:
-            raise NotApplicable(
-                f"{cls.__name__} with the solved config gives another output shape than the grown graph ({e.message})",
-                "keep the GraphModule",
-            ) from e
-        if not check.ok:
-            raise NotApplicable(
-                f"{cls.__name__} with the solved config does not compute what the grown graph does "
-                f"(relative error {check.rel_err:.3g} at batch {batch})",
-                "keep the GraphModule",
-            )
-
-
-def _main(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, dict) or hasattr(out, "keys"):
-        for k in ("logits", "last_hidden_state"):
-            if k in out and out[k] is not None:
-                return out[k]
-        return next(v for v in out.values() if isinstance(v, torch.Tensor))
-    return next(v for v in out if isinstance(v, torch.Tensor))
 
 
 def native_of(grown: fx.GraphModule, loaded: Any, progress: Callable[[str], None]) -> nn.Module:

@@ -24,8 +24,10 @@ from torch import fx, nn
 
 from ..core.errors import GraphgrowError, NotApplicable
 from ..core.protocol import compare_outputs
+from ..core.state import module_dtype
 from ..graph.graph_meta import graph_info, input_spec_of
 from ..graph.shapes import example_input
+from ..verify.low_precision import HALF, float32_output
 
 MIXTURES_KEY = "mixtures"  # written by the upcycle pass
 _FAMILIES = {"llama", "mistral"}
@@ -174,7 +176,9 @@ def _check(grown: fx.GraphModule, native: nn.Module) -> None:
         grown.eval()
         try:
             with torch.no_grad():
-                want, got = _main(grown(**kwargs)), _main(native(**kwargs))
+                half = module_dtype(grown) in HALF  # grown in its half dtype: run in float32 (verify.low_precision)
+                want = _main(float32_output(grown, x, "eval", 0) if half else grown(**kwargs))
+                got = _main(native(**kwargs))
         finally:
             grown.train(was)
         try:

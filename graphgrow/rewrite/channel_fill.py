@@ -24,6 +24,18 @@ def _shares(count: int, generator: torch.Generator) -> torch.Tensor:
     return w / w.sum()
 
 
+def _exact_shares(column: torch.Tensor, count: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """`count` pieces of a half-precision `column` that sum to it exactly in its own dtype: each piece takes a random
+    fraction in [1/2, 1) of what is left, rounded, and the rest is left over. Subtracting a piece that is between
+    half and all of what is left is exact in binary floating point (Sterbenz's lemma), so no rounding is lost."""
+    pieces, rest = [], column
+    for t in (torch.rand(count - 1, generator=generator, dtype=torch.float64) * 0.5 + 0.5).tolist():
+        piece = (rest.float() * t).to(column.dtype)
+        pieces.append(piece)
+        rest = rest - piece
+    return [*pieces, rest]
+
+
 def rows(old: torch.Tensor, layout: Layout | None, init: Init, generator: torch.Generator, fresh: str) -> torch.Tensor:
     """Place old rows (dim 0) and fill new ones: random ('kaiming'), 'zero', 'one', the old rows' 'mean',
     or copies for net2net."""
@@ -61,7 +73,14 @@ def columns(old: torch.Tensor, layout: Layout | None, init: Init, generator: tor
         for slot, src in zip(layout.new_slots, layout.src):
             if src is not None:
                 replicas.setdefault(src, []).append(slot)
+        half = old.dtype in (torch.bfloat16, torch.float16)
         for src, slots in replicas.items():
+            if half:  # shares stored in the half dtype must still sum to the column exactly: _exact_shares
+                for slot, piece in zip(
+                    [layout.old_to_new[src], *slots], _exact_shares(old[:, src], len(slots) + 1, generator)
+                ):
+                    new[:, slot] = piece
+                continue
             share = _shares(len(slots) + 1, generator).to(old.dtype)
             column = old[:, src]
             new[:, layout.old_to_new[src]] = column * share[0]

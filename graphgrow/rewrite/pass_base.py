@@ -16,7 +16,7 @@ from torch import fx
 from ..analysis.budget import Limits, check_grown, pass_allocations
 from ..analysis.targets import Candidate
 from ..core.errors import InputError, SpecError, ValidationError
-from ..core.state import module_dtype
+from ..core.protocol import ModeCheck
 from ..graph.fx_edit import Rewrite, finish, sharing_parameters
 from ..graph.graph_meta import graph_info, input_spec_of
 from ..graph.inline import inline_containers
@@ -230,13 +230,6 @@ class Pass:
         start = time.perf_counter()
         require_traced(gm)
         input_shape = input_spec_of(gm)
-        dtype = module_dtype(gm)
-        if dtype in (torch.float16, torch.bfloat16):
-            raise InputError(
-                f"the model is {str(dtype).removeprefix('torch.')}: graphgrow verifies growth to 1e-5, "
-                "below that precision's rounding",
-                "grow a float32 copy (model.float()), then convert the result back with .half()/.bfloat16()",
-            )
         if any("gg_shape" not in n.meta for n in gm.graph.nodes):
             annotate(gm, input_shape)
         self.check_requires(gm)
@@ -279,6 +272,8 @@ class Pass:
         if report is not None and not rw.exact:
             train_err = f", train rel err {report.train.rel_err:.3g}" if report.train is not None else ""
             notes.append(f"function changed on purpose: eval rel err {report.eval.rel_err:.3g}{train_err}")
+        if report is not None and report.eval.low_precision is not None:
+            notes.append(_half_note(report.eval, report.train))
         if report is not None and report.cancelled:
             notes.append(
                 f"{', '.join(report.cancelled)} get a gradient only in eval mode: a following normalisation "
@@ -312,6 +307,20 @@ class Pass:
         info["log"] = list(graph_info(gm).get("log", [])) + [result.log_entry()]
         record_origin(gm, new)
         return result
+
+
+def _half_note(ev: ModeCheck, tr: ModeCheck | None) -> str:
+    """What the report says about a bfloat16/float16 model grown in its own dtype (verify.low_precision)."""
+    lp = ev.low_precision
+    assert lp is not None
+    errs = f"eval rel err {ev.rel_err:.3g}" + (f", train {tr.rel_err:.3g}" if tr is not None else "")
+    if ev.fp32_ok and (tr is None or tr.fp32_ok):
+        return f"grown in {lp.dtype}; compared in float32 on the stored values: exact ({errs})"
+    return (
+        f"grown in {lp.dtype}; compared in float32 on the stored values: {errs} from rounding the grown values to "
+        f"{lp.dtype}, within its tolerance {lp.tolerance:.3g} (one {lp.dtype} ulp {lp.ulp:.3g}; the original's own "
+        f"{lp.dtype} arithmetic differs from float32 by {lp.own_rel_err:.3g})"
+    )
 
 
 def require_traced(model: Any) -> None:

@@ -36,13 +36,14 @@ from .widen import Insertion, Layout, columns, make_layout, rows
 HINT = "grow_hidden grows a stream it fully understands; grow the layers around it with grow_width"
 
 
-def plan_layout(stream: Stream, new: int, generator: torch.Generator) -> tuple[Layout, str]:
-    """The layout of the new coordinates (appended at the end) and the rule: 'mean/zero' or 'replicate'."""
+def plan_layout(stream: Stream, new: int, generator: torch.Generator, replicate: bool = False) -> tuple[Layout, str]:
+    """The layout of the new coordinates (appended at the end) and the rule: 'mean/zero' or 'replicate'.
+    `replicate`: replicate a pre-norm stream too where the new size is a multiple of the old (grow_stream)."""
     d = stream.width
     if new <= d:
         raise NotApplicable(f"the hidden size is {d}; {new} does not grow it", f"give to= larger than {d} (or by= > 0)")
     k = new - d
-    if stream.conflict is None:
+    if stream.conflict is None and not (replicate and new % d == 0):
         return make_layout(d, [Insertion(d, k, [None] * k)]), "mean/zero"
     if new % d:
         raise NotApplicable(
@@ -107,10 +108,20 @@ def _merge(path: str, steps: list[tuple[int, str, str]]) -> list[tuple[int, str]
 
 
 def grow_stream(gm: fx.GraphModule, stream: Stream, new: int, generator: torch.Generator) -> str:
-    """Grow `gm`'s stream (found on `gm` itself) to `new` in place; returns the rule used."""
-    layout, rule = plan_layout(stream, new, generator)
+    """Grow `gm`'s stream (found on `gm` itself) to `new` in place; returns the rule used.
+
+    A bfloat16/float16 pre-norm stream grown by a multiple of its size is replicated, not zero-filled: the zero fill
+    rescales the norms' γ by sqrt(d/d'), which the half dtype rounds (2^-9 relative), while replication copies rows,
+    keeps γ, β and eps, and splits readers' columns in shares that sum exactly in the dtype (channel_fill): the
+    stored values then compute the old function. Tied weights that would need both a copy and shares keep the
+    zero fill."""
+    half = any(p.dtype in (torch.bfloat16, torch.float16) for p in gm.parameters())
+    layout, rule = plan_layout(stream, new, generator, replicate=half)
     owners = _owners(gm)
     plans = plan_tensors(stream, rule)
+    if rule == "replicate" and stream.conflict is None and not _tie_free(plans, owners, gm):
+        layout, rule = plan_layout(stream, new, generator)
+        plans = plan_tensors(stream, rule)
     scaled = shares_on_norms(gm, stream, plans, owners) if rule == "replicate" else set()  # tied LM heads
     allowed = set(plans) | {p for n in stream.norms for p in (n.weight, n.bias) if p}
     done: set[str] = set()  # paths already grown (a tied tensor is grown once, under its first path)
@@ -149,6 +160,17 @@ def grow_stream(gm: fx.GraphModule, stream: Stream, new: int, generator: torch.G
     hold_size_reads(gm, {t: (axis, stream.width) for t, axis in stream.axes.items()})
     finish(gm)
     return rule
+
+
+def _tie_free(plans: dict[str, list[tuple[int, str, str]]], owners: dict, gm: fx.GraphModule) -> bool:
+    """Whether every tensor tied between paths of `plans` takes one rule per dimension (_merge does not refuse)."""
+    for path, steps in plans.items():
+        tied = [p for p in owners.get(id(_tensor(gm, path)), [path]) if p != path]
+        try:
+            _merge(path, steps + [s for p in tied for s in plans.get(p, [])])
+        except NotApplicable:
+            return False
+    return True
 
 
 def _grow_norm(gm: fx.GraphModule, stream: Stream, norm, layout: Layout, rule: str, generator: torch.Generator) -> None:

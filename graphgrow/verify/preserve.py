@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from ..core.errors import NotApplicable, PreservationError
 from ..core.protocol import ModeCheck, compare_outputs, flat_tensors
@@ -24,6 +24,7 @@ from ..graph.inputs import InputSpec, call
 from ..graph.shapes import example_input
 from . import gradient_sink
 from .gradient_sink import GradientSink, gradient_bytes, restore_rng, rng_state
+from .low_precision import compare_half, is_half
 from .zero_factor import ZeroFactors
 from .zero_factor import new_region as _new_region
 
@@ -60,7 +61,22 @@ class PreservationReport:
             "eval_fp64_rel_err": self.eval.fp64_rel_err,
             "train_fp64_rel_err": self.train.fp64_rel_err if self.train is not None else None,
             "new_parameters": self.trainable,
+            **({"low_precision": _low_precision_json(self.eval, self.train)} if self.eval.low_precision else {}),
         }
+
+
+def _low_precision_json(ev: ModeCheck, tr: ModeCheck | None) -> dict:
+    lp = ev.low_precision
+    assert lp is not None
+    own = max(lp.own_rel_err, tr.low_precision.own_rel_err if tr is not None and tr.low_precision else 0.0)
+    return {
+        "dtype": lp.dtype,
+        "compared_in": "float32, node by node, on the stored values",
+        "exact": ev.fp32_ok and (tr is None or tr.fp32_ok),
+        "tolerance": max(lp.ulp, own),
+        "ulp": lp.ulp,
+        "own_rel_err": own,
+    }
 
 
 def compare_mode(
@@ -71,8 +87,11 @@ def compare_mode(
     A miss of the tolerance in fp32 is measured again in float64 on copies: splitting a
     weight into shares (Net2Net) is exact in real arithmetic but rounds differently in
     fp32, and deep train-mode BatchNorm stacks amplify that. The float64 verdict
-    decides; the fp32 error stays in the report.
+    decides; the fp32 error stays in the report. A bfloat16/float16 model is compared in float32 on its stored
+    values, node by node, with the dtype's tolerance (low_precision.py).
     """
+    if isinstance(old, fx.GraphModule) and isinstance(new, fx.GraphModule) and is_half(new):
+        return compare_half(old, new, x, mode, seed, old_out)  # in float32 on the stored values (low_precision.py)
     check = compare_outputs(old_out, new_out, mode)
     if check.ok or not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
         return check  # named inputs (a dict: token ids, masks) are not recast; the fp32 verdict stands

@@ -147,9 +147,11 @@ def _verify(
 
 def _refuse_change(check: ModeCheck, exact: bool) -> None:
     if exact and not check.ok:
+        lp = check.low_precision
+        limit = f"{lp.tolerance:.3g}, {lp.dtype}'s tolerance, compared in float32" if lp is not None else "1e-5"
         raise PreservationError(
             f"the pass changed the model's {check.mode}-mode output: relative error {check.rel_err:.3g}, "
-            f"max |Δ| {check.max_abs_err:.3g} (limit 1e-5 of max |out| {check.max_abs_ref:.3g})"
+            f"max |Δ| {check.max_abs_err:.3g} (limit {limit} of max |out| {check.max_abs_ref:.3g})"
             + (f", {check.fp64_rel_err:.3g} in float64" if check.fp64_rel_err is not None else ""),
             "this is a bug in the pass; please report it with the model",
         )
