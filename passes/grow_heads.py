@@ -130,7 +130,7 @@ def new_sizes(a, heads: int | None, by: int | None, head_dim: int | None, value_
             "cannot keep that ratio",
             f"heads={h + ratio}, {h + 2 * ratio}, … (key/value heads grow by heads / {ratio})",
         )
-    fused = any(len(p.roles) > 1 for p in a.projections)
+    fused = any(len(p.roles) > 1 and not p.sections for p in a.projections)  # unequal sections grow apart
     d2 = int(head_dim) if head_dim is not None else d
     e2 = int(value_dim) if value_dim is not None else d2 if head_dim is not None and e == d else e
     if d2 < d or e2 < e:

@@ -9,6 +9,8 @@
   embedding: the head takes the embedding's copied columns and the norm it alone reads takes the shares (γ, β / k).
 - Attention and MLP in parallel on one residual (GPT-J, GPT-NeoX): grow_hidden grows it; grow_heads follows rotary
   embeddings written rotate-every-two (torch.stack([-x2, x1], -1).flatten(-2): GPT-J, Cohere).
+- A fused q/k/v projection of unequal sections (Phi-3's qkv_proj with grouped-query attention) cut by slices of its
+  last axis: each section grows as its own projection would, the slices follow.
 - x + 0 on the stream (CTRL's absent token-type embedding) is an identity.
 - Layers shared by several attentions (ALBERT calls one layer at every depth) are grown once by grow_heads.
 - Query/key norms over the head size (Qwen3's q_norm, k_norm): heads grow by whole heads; a new head size is refused
@@ -156,6 +158,8 @@ def _hf(arch: str):
         return tf.GPTJForCausalLM(
             tf.GPTJConfig(n_embd=32, n_layer=1, n_head=4, rotary_dim=4, n_positions=32, vocab_size=100, use_cache=False)
         )
+    if arch == "phi3":  # one qkv_proj of unequal sections (q of 4 heads, k and v of 2), cut by slices
+        return tf.Phi3ForCausalLM(tf.Phi3Config(num_key_value_heads=2, pad_token_id=0, **small))
     raise AssertionError(arch)
 
 
@@ -168,7 +172,14 @@ def _hf(arch: str):
         ("qwen3", "grow_heads", {}, "heads", "4 → 6"),  # whole heads: the q/k norms keep their size
         ("bert", "grow_hidden", {}, "hidden", "32 → 64"),  # replicated; the tied decoder's shares on its LayerNorm
         ("bloom", "grow_hidden", {}, "hidden", "32 → 64"),
-        ("gptj", "grow_heads", {}, "heads", "4 → 6"),  # RoPE as stack([-x2, x1], -1).flatten(-2) followed
+        ("gptj", "grow_heads", {}, "heads", "4 → 6"),
+        (
+            "phi3",
+            "grow_heads",
+            {"heads": 8, "value_dim": 12},
+            "heads",
+            "4 → 8",
+        ),  # each section grown as its own  # RoPE as stack([-x2, x1], -1).flatten(-2) followed
     ],
 )
 def test_hugging_face_shapes_grow_exactly(arch, pass_name, args, key, value):

@@ -49,6 +49,10 @@ class Projection:
     module: str | None  # the nn.Linear's path (None: F.linear on parameters)
     factors: Axis  # of its output's last axis (its weight's rows)
     roles: tuple[str, ...]  # per section: q | k | v (one entry when not fused)
+    # a fused projection of unequal sections (Phi-3's qkv_proj: q of all heads, k and v of the key/value heads),
+    # cut by slices of its last axis: each section's factors, in the order of its rows, and the slice nodes
+    sections: tuple[Axis, ...] = ()
+    slices: tuple[str, ...] = ()
 
 
 @dataclass
@@ -195,8 +199,10 @@ def _attention(gm: fx.GraphModule, core: Core, growing: set[str]) -> Attention:
     region: set[str] = set()
     projs: dict[str, tuple[fx.Node, list[str]]] = {}
     roles: dict[str, fx.Node] = {}
+    backs: dict[str, set[str]] = {}
     for role, t in zip("qkv", (q, k, v)):
         seen, found = _back(gm, t)
+        backs[role] = seen
         if len(found) != 1:
             what = "no Linear" if not found else f"{len(found)} Linear layers ({', '.join(f.name for f in found)})"
             raise refuse(
@@ -216,20 +222,40 @@ def _attention(gm: fx.GraphModule, core: Core, growing: set[str]) -> Attention:
     for name, (p, rs) in projs.items():
         weight, bias, module = _linear_params(gm, p)
         width = tensor_shape(p)[-1]
+        sections: tuple = ()
         if len(rs) == 1:
             factors = _factors(rs[0], h, kv, d, e)
         elif h == kv and d == e and width == len(rs) * h * d:
             factors = (("s", len(rs)), ("h", h), ("d", d))
+        elif (cut := _sections(p, rs, backs, h, d, e)) is not None:
+            factors, sections, kv = (), cut[:2], cut[2]  # the key's section says how many key/value heads
         else:
             raise refuse(
                 p,
                 f"projects {'/'.join(rs)} in one output of width {width}, not {len(rs)} equal sections "
                 f"of {h} heads × {d}",
             )
-        if size_of(factors) != width:
-            raise refuse(p, f"has {width} outputs, not {words(factors)} (the attention's heads and head size)")
-        flow.layout[name] = plain(tensor_shape(p)[:-1]) + (factors,)
-        projections.append(Projection(name, weight, bias, module, factors, tuple(rs)))
+        if sections:  # each slice starts the flow with its section's factors
+            order, cuts = sections
+            for role, cut in zip(order, cuts):
+                flow.layout[cut.name] = plain(tensor_shape(cut)[:-1]) + (_factors(role, h, kv, d, e),)
+            projections.append(
+                Projection(
+                    name,
+                    weight,
+                    bias,
+                    module,
+                    (),
+                    tuple(order),
+                    tuple(_factors(r, h, kv, d, e) for r in order),
+                    tuple(c.name for c in cuts),
+                )
+            )
+        else:
+            if size_of(factors) != width:
+                raise refuse(p, f"has {width} outputs, not {words(factors)} (the attention's heads and head size)")
+            flow.layout[name] = plain(tensor_shape(p)[:-1]) + (factors,)
+            projections.append(Projection(name, weight, bias, module, factors, tuple(rs)))
         bad = _users_ok(p, region)
         if bad is not None:
             raise refuse(p, f"projects the attention '{s.name}' and is also read by '{bad.name}'")
@@ -270,6 +296,55 @@ def _attention(gm: fx.GraphModule, core: Core, growing: set[str]) -> Attention:
     return att
 
 
+def _sections(p: fx.Node, roles: list[str], backs: dict[str, set[str]], h: int, d: int, e: int):
+    """A fused projection read only through slices of its last axis that cut it into contiguous sections, each
+    reaching one of `roles` and as wide as that role's heads × head size (the key's and value's sections of one
+    number of key/value heads, which divides the query heads: the key may be repeated after its slice): (the roles
+    in row order, the slice nodes in row order, the key/value heads); else None."""
+    width, rank = tensor_shape(p)[-1], len(tensor_shape(p))
+    cuts = []
+    for u in p.users:
+        bounds = last_axis_slice(u, rank, width)
+        if bounds is None:
+            return None
+        cuts.append((bounds, u))
+    cuts.sort(key=lambda c: c[0])
+    widths = {r: stop - start for (start, stop), u in cuts for r in roles if u.name in backs[r]}
+    kv = widths.get("k", 0) // d
+    if kv < 1 or h % kv:
+        return None
+    size = {"q": h * d, "k": kv * d, "v": kv * e}
+    order, at = [], 0
+    for (start, stop), u in cuts:
+        role = [r for r in roles if u.name in backs[r]]
+        if start != at or len(role) != 1 or stop - start != size[role[0]]:
+            return None
+        order.append(role[0])
+        at = stop
+    if at != width or sorted(order) != sorted(roles):
+        return None
+    return order, [u for _, u in cuts], kv
+
+
+def last_axis_slice(n: fx.Node, rank: int, width: int) -> tuple[int, int] | None:
+    """(start, stop) of `n` = x[..., a:b] (every other axis whole, step 1), else None."""
+    import operator
+
+    if not (n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], tuple)):
+        return None
+    index = n.args[1]
+    if any(i is Ellipsis for i in index):
+        k = index.index(Ellipsis)
+        index = index[:k] + (slice(None),) * (rank - len(index) + 1) + index[k + 1 :]
+    if len(index) != rank or any(i != slice(None) for i in index[:-1]):
+        return None
+    last = index[-1]
+    if not isinstance(last, slice) or last.step not in (None, 1):
+        return None
+    start, stop, _ = last.indices(width)
+    return start, stop
+
+
 def _computed_scale(flow: Flow, core: Core, region: set[str]) -> Callable[[dict[str, int]], float]:
     """An eager scale computed from sizes as a function of the new factor sizes: a size read of a tensor whose axis
     holds heads or head size reads the grown size (the scale follows it, as SDPA's default does). A scale computed
@@ -306,7 +381,7 @@ def _computed_scale(flow: Flow, core: Core, region: set[str]) -> Callable[[dict[
 def _fix_roles(flow: Flow, projections: list[Projection], roles: dict, q, k, v, s: fx.Node) -> None:
     """A fused projection's sections in order of its output: which one reaches the query, key and value."""
     for p in projections:
-        if len(p.roles) == 1:
+        if len(p.roles) == 1 or p.sections:
             continue
         order = {}
         for role, t in zip("qkv", (q, k, v)):

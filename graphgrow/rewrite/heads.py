@@ -83,6 +83,45 @@ def _rows(
     return out, b
 
 
+def _section_rows(
+    p: Projection,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    new: dict[str, int],
+    q_scale: float,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A fused projection of unequal sections (analysis.heads: Phi-3's qkv_proj): each section's rows grown as its
+    own projection's would be, the sections kept in their order."""
+    ws, bs, at = [], [], 0
+    for role, factors in zip(p.roles, p.sections):
+        size = math.prod(s for _, s in factors)
+        part = Projection(p.node, p.weight, p.bias, p.module, factors, (role,))
+        w, b = _rows(
+            part, weight[at : at + size], None if bias is None else bias[at : at + size], new, q_scale, generator
+        )
+        ws.append(w)
+        bs.append(b)
+        at += size
+    return torch.cat(ws), None if bias is None else torch.cat(bs)  # type: ignore[arg-type]
+
+
+def _move_slices(nodes: dict[str, fx.Node], p: Projection, new: dict[str, int]) -> None:
+    """The slices that cut a sectioned projection follow its grown sections (x[..., a:b] with the new a and b; an
+    open end stays open)."""
+    at = 0
+    for name, factors in zip(p.slices, p.sections):
+        size = math.prod(new.get(f, s) if f else s for f, s in factors)
+        n = nodes[name]
+        index = list(n.args[1])
+        last = index[-1]
+        index[-1] = slice(at if last.start is not None else None, at + size if last.stop is not None else None)
+        if last.stop is not None and last.stop > 1 << 40:  # export writes an open end as the largest int64
+            index[-1] = slice(index[-1].start, last.stop)
+        n.args = (n.args[0], tuple(index))
+        at += size
+
+
 def _columns(p: Projection, weight: torch.Tensor, new: dict[str, int]) -> torch.Tensor:
     old_to_new, total, _ = places(p.factors, new)
     w = weight.detach()
@@ -160,7 +199,10 @@ def grow_attention(
             _apply_edit(gm, nodes, e, new)
         return how
     for p in att.projections:
-        w, b = _rows(p, _tensor(gm, p.weight), _tensor(gm, p.bias) if p.bias else None, new, q_scale, generator)
+        grow = _section_rows if p.sections else _rows
+        w, b = grow(p, _tensor(gm, p.weight), _tensor(gm, p.bias) if p.bias else None, new, q_scale, generator)
+        if p.sections:
+            _move_slices(nodes, p, new)
         _put(gm, p.weight, w, owners)
         if p.bias is not None:
             _put(gm, p.bias, b, owners)
@@ -210,13 +252,13 @@ def grow_attentions(
     for att, new in plans:
         layers = [*att.projections, att.reader]
         done = [p for p in layers if p.weight in grown]
-        if done and (len(done) < len(layers) or any(grown[p.weight] != (p.factors, new) for p in done)):
+        if done and (len(done) < len(layers) or any(grown[p.weight] != (p.factors, p.sections, new) for p in done)):
             raise NotApplicable(
                 f"attention '{att.node}' shares '{done[0].weight}' with another attention but not all of its "
                 "layers, or grows it to other sizes",
                 HINT,
             )
         hows.append(grow_attention(gm, att, new, generator, weights=not done))
-        grown.update((p.weight, (p.factors, new)) for p in layers)
+        grown.update((p.weight, (p.factors, p.sections, new)) for p in layers)
     finish(gm)
     return hows
