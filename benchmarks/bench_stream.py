@@ -108,6 +108,11 @@ def logits_of(folder: Path, out: Path) -> None:
     torch.save({"logits": logits, "greedy": greedy, "params": params, "class": type(model).__name__}, out)
 
 
+def _partial(where: Path, result: dict) -> None:
+    """The stages measured so far (a long run stopped part-way still says what it measured)."""
+    (where / f"{result['size']}-partial.json").write_text(json.dumps(result, indent=1, default=str))
+
+
 def child(args: list[str]) -> tuple[float, float, str]:
     """(wall seconds, peak RSS in GiB, stdout) of one child process; its stderr is passed through."""
     t = time.perf_counter()
@@ -135,6 +140,7 @@ def run(size: str, where: Path, keep: bool = False, progress=print, reuse: bool 
             progress(f"writing a {size} checkpoint shard by shard")
             s, peak, _ = child([*me, "--write", str(original), "--size", size])
             result["stages"]["write checkpoint"] = (s, peak)
+            _partial(where, result)
         result["input_bytes"] = sum(f.stat().st_size for f in original.glob("*.safetensors"))
         progress("graphgrow mutate (streamed)")
         cli = [sys.executable, "-m", "graphgrow.cli", "mutate", str(original)]
@@ -146,9 +152,11 @@ def run(size: str, where: Path, keep: bool = False, progress=print, reuse: bool 
         result["stages"]["grow + verify + write (streamed)"] = (s, peak)
         result["report"] = {k: report[k] for k in ("streamed", "preservation", "timings", "native", "output_note")}
         result["output_bytes"] = sum(f.stat().st_size for f in grown.glob("*.safetensors"))
+        _partial(where, result)
         progress("from_pretrained: the original's logits")
         s, peak, _ = child([*me, "--logits", str(original), str(where / "a.pt")])
         result["stages"]["from_pretrained + logits, original"] = (s, peak)
+        _partial(where, result)
         progress("from_pretrained: the grown model's logits")
         s, peak, _ = child([*me, "--logits", str(grown), str(where / "b.pt")])
         result["stages"]["from_pretrained + logits, grown"] = (s, peak)
