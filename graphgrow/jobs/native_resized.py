@@ -52,10 +52,11 @@ def resized_copy(grown: fx.GraphModule, original: nn.Module) -> nn.Module:
             raise NotApplicable(
                 f"'{key}' changed size and the grown graph has no layer '{path}' holding it", "keep the GraphModule"
             ) from None
-        if type(new) is not type(old) or not type(old).__module__.startswith("torch.nn"):
+        if type(new) is not type(old) or not _is_layer(old):
             raise NotApplicable(
                 f"'{path}' is a {type(old).__name__} in {type(original).__name__} and a "
-                f"{type(new).__name__} in the grown graph: only torch.nn layers are swapped back",
+                f"{type(new).__name__} in the grown graph: only torch.nn layers (or subclasses of one, such as "
+                "timm's BatchNormAct2d) are swapped back",
                 "keep the GraphModule",
             )
         replaced[path] = (old, new)
@@ -69,6 +70,16 @@ def resized_copy(grown: fx.GraphModule, original: nn.Module) -> nn.Module:
     _head_attributes(grown, native)
     _check(grown, native)
     return native
+
+
+_CONTAINERS = (nn.Module, nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _is_layer(m: nn.Module) -> bool:
+    """A torch.nn layer, or a subclass of one (timm's BatchNormAct2d is a BatchNorm2d with its activation): the pass
+    resized it as that layer (graph/fx_edit rebuilds by type), and the grown graph called this very module, of the
+    same class, so swapping it in computes what the graph does (and _check says so)."""
+    return any(c.__module__.startswith("torch.nn.modules.") and c not in _CONTAINERS for c in type(m).__mro__)
 
 
 def _head_attributes(grown: fx.GraphModule, native: nn.Module) -> None:
