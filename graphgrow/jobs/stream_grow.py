@@ -41,23 +41,29 @@ from .stream_verify import _load, layer_tensors, verify_streamed, vocab_rows
 _NOT_CHANGED = {"dtype", "torch_dtype", "use_cache", "transformers_version", "architectures"}
 
 
-IN_MEMORY_FACTOR = 2.4  # peak ÷ float32 weights of an in-memory growth (passes, verification, save: performance.md)
+IN_MEMORY_FACTOR = (
+    2.4  # peak ÷ the weights as loaded, of an in-memory growth (passes, verification, save: performance.md)
+)
 
 
 def stream_reason(folder: Path, max_memory: int | None) -> str | None:
-    """Why `folder` is grown by streaming (None: it fits in memory): its float32 weights times IN_MEMORY_FACTOR, a
-    lower bound of an in-memory growth's peak, exceed `max_memory` (None: the default --max-memory)."""
+    """Why `folder` is grown by streaming (None: it fits in memory): its weights as the in-memory path loads them
+    (hf_folder.load_folder: float32, bfloat16 and float16 as stored, anything else in float32) times
+    IN_MEMORY_FACTOR, a lower bound of an in-memory growth's peak, exceed `max_memory` (None: the default
+    --max-memory)."""
     from ..analysis.budget import DEFAULT_MAX_MEMORY
     from ..io.hf_folder import stored_bytes, weight_files
 
     limit = DEFAULT_MAX_MEMORY if max_memory is None else max_memory
-    _, count, _ = stored_bytes(weight_files(folder))
-    need = count * 4 * IN_MEMORY_FACTOR
+    stored, count, dtypes = stored_bytes(weight_files(folder))
+    floats = {d for d in dtypes if d in ("F32", "F16", "BF16", "F64")}
+    loaded = stored if len(floats) == 1 and floats <= {"F32", "BF16", "F16"} else count * 4
+    need = loaded * IN_MEMORY_FACTOR
     if need <= limit:
         return None
     return (
-        f"grown in memory it would need at least {_size(need)} ({count:,} values in float32 × {IN_MEMORY_FACTOR}), "
-        f"over --max-memory {_size(limit)}"
+        f"grown in memory it would need at least {_size(need)} ({count:,} values, {_size(loaded)} loaded, × "
+        f"{IN_MEMORY_FACTOR}), over --max-memory {_size(limit)}"
     )
 
 
