@@ -11,6 +11,7 @@
   embeddings written rotate-every-two (torch.stack([-x2, x1], -1).flatten(-2): GPT-J, Cohere).
 - A fused q/k/v projection of unequal sections (Phi-3's qkv_proj with grouped-query attention) cut by slices of its
   last axis: each section grows as its own projection would, the slices follow.
+- A fused q/k/v projection of equal sections interleaved per head (GPT-NeoX: heads × (q, k, v) × head size).
 - x + 0 on the stream (CTRL's absent token-type embedding) is an identity.
 - Layers shared by several attentions (ALBERT calls one layer at every depth) are grown once by grow_heads.
 - Query/key norms over the head size (Qwen3's q_norm, k_norm): heads grow by whole heads; a new head size is refused
@@ -160,6 +161,8 @@ def _hf(arch: str):
         )
     if arch == "phi3":  # one qkv_proj of unequal sections (q of 4 heads, k and v of 2), cut by slices
         return tf.Phi3ForCausalLM(tf.Phi3Config(num_key_value_heads=2, pad_token_id=0, **small))
+    if arch == "gpt_neox":  # query_key_value interleaved per head: viewed as heads × 3·head size, then split
+        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(use_parallel_residual=True, **small))
     raise AssertionError(arch)
 
 
@@ -173,6 +176,7 @@ def _hf(arch: str):
         ("bert", "grow_hidden", {}, "hidden", "32 → 64"),  # replicated; the tied decoder's shares on its LayerNorm
         ("bloom", "grow_hidden", {}, "hidden", "32 → 64"),
         ("gptj", "grow_heads", {}, "heads", "4 → 6"),
+        ("gpt_neox", "grow_heads", {}, "heads", "4 → 6"),
         (
             "phi3",
             "grow_heads",
@@ -193,6 +197,9 @@ def test_hugging_face_shapes_grow_exactly(arch, pass_name, args, key, value):
     inputs = spec_inputs(model, parse_spec(spec.replace("1x8:", "1x6:")), seed=2, batch=2)
     for train in (False, True):
         assert _same_function(gm, result.gm, inputs, train) <= 1e-5, (arch, train)
+    if arch == "gpt_neox":  # partial rotary: a new head size is refused at the rotary slice, not the fused layout
+        with pytest.raises(gg.NotApplicable, match=r"indexes a growing axis \(head size"):
+            gg.get_pass("grow_heads")(head_dim=12)(gm)
     if arch == "qwen3":  # a query/key norm over the head size forbids a new head size, and says so
         with pytest.raises(gg.NotApplicable, match=r"q_norm.*normalises over a growing axis.*grow heads instead"):
             gg.get_pass("grow_heads")(head_dim=12)(gm)

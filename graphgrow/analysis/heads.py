@@ -191,6 +191,26 @@ def attention_of(gm: fx.GraphModule, s: fx.Node, growing: set[str]) -> Attention
 
 
 def _attention(gm: fx.GraphModule, core: Core, growing: set[str]) -> Attention:
+    """A fused projection of equal sections holds them outermost (s, h, d: GPT-2's c_attn, timm's qkv) or, per head,
+    inside each head (h, s, d: GPT-NeoX's and Persimmon's query_key_value, viewed as heads × 3·head size and split):
+    the first layout the flow follows is the one."""
+    try:
+        return _attention_as(gm, core, growing, interleaved=False)
+    except NotApplicable as first:
+        try:
+            return _attention_as(gm, core, growing, interleaved=True)
+        except _NotFused:
+            raise first from None
+        except NotApplicable as second:
+            # the sections-outermost layout broke at the sections themselves: the per-head layout's reason is the one
+            raise (second if "q/k/v sections" in first.message else first) from None
+
+
+class _NotFused(Exception):
+    """No fused projection of equal sections: the per-head layout has nothing to try."""
+
+
+def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved: bool) -> Attention:
     s, q, k, v, ka = core.node, core.q, core.k, core.v, core.key_axis
     shapes = [tensor_shape(t) for t in (q, k, v)]
     if any(sh is None or len(sh) < 3 for sh in shapes):
@@ -219,6 +239,7 @@ def _attention(gm: fx.GraphModule, core: Core, growing: set[str]) -> Attention:
         raise refuse(s, f"has {h} query heads and {kv} key/value heads, not a multiple")
     flow = Flow(gm, growing, region)
     projections = []
+    fused = False
     for name, (p, rs) in projs.items():
         weight, bias, module = _linear_params(gm, p)
         width = tensor_shape(p)[-1]
@@ -226,7 +247,8 @@ def _attention(gm: fx.GraphModule, core: Core, growing: set[str]) -> Attention:
         if len(rs) == 1:
             factors = _factors(rs[0], h, kv, d, e)
         elif h == kv and d == e and width == len(rs) * h * d:
-            factors = (("s", len(rs)), ("h", h), ("d", d))
+            factors = (("h", h), ("s", len(rs)), ("d", d)) if interleaved else (("s", len(rs)), ("h", h), ("d", d))
+            fused = True
         elif (cut := _sections(p, rs, backs, h, d, e)) is not None:
             factors, sections, kv = (), cut[:2], cut[2]  # the key's section says how many key/value heads
         else:
@@ -259,6 +281,8 @@ def _attention(gm: fx.GraphModule, core: Core, growing: set[str]) -> Attention:
         bad = _users_ok(p, region)
         if bad is not None:
             raise refuse(p, f"projects the attention '{s.name}' and is also read by '{bad.name}'")
+    if interleaved and not fused:
+        raise _NotFused()
     fed = set(projs)  # the way back also met side inputs (cos/sin tables): keep what the projections feed
     for n in gm.graph.nodes:
         if n.name in region and any(a.name in fed for a in data_args(n)):
