@@ -138,6 +138,35 @@ def test_adding_zero_to_the_stream_is_an_identity():
         gg.get_pass("grow_hidden")(to=24)(gg.trace(ZeroAdd(0.5), input_shape=(2, 5, 8)))
 
 
+class SubNormAttention(nn.Module):
+    """An attention whose output, all heads together, is normalised before the output projection (BitNet's
+    attn_sub_norm)."""
+
+    def __init__(self, d: int = 16, heads: int = 4):
+        super().__init__()
+        self.heads, self.q, self.k, self.v, self.o = (
+            heads,
+            nn.Linear(d, d),
+            nn.Linear(d, d),
+            nn.Linear(d, d),
+            nn.Linear(d, d),
+        )
+        self.sub_norm = nn.RMSNorm(d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
+        return self.o(self.sub_norm(y))
+
+
+def test_a_norm_over_every_heads_output_is_refused_as_such():
+    gm = gg.trace(SubNormAttention(), input_shape=(2, 5, 16))
+    for args in ({"heads": 6}, {"value_dim": 6}):
+        with pytest.raises(gg.NotApplicable, match=r"sub_norm.*normalises over every head's output together"):
+            gg.get_pass("grow_heads")(**args)(gm)
+
+
 def _hf(arch: str):
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)

@@ -154,6 +154,13 @@ class Flow:
             return self.of(x)
         if kind == "norm":
             lay = self.of(x)
+            if self.grows(lay[-1]) and any(f in HEAD_FACTORS for f, _ in lay[-1]):  # BitNet's attn_sub_norm
+                raise refuse(
+                    n,
+                    f"normalises over every head's output together ({words(lay[-1])}): new heads or head sizes "
+                    "would change its statistics",
+                    "this attention's heads and value size cannot grow exactly; grow the model with other passes",
+                )
             if self.grows(lay[-1]):
                 raise refuse(
                     n,
