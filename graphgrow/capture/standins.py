@@ -75,7 +75,9 @@ def _rms_norm(m: nn.Module, weight: nn.Parameter) -> nn.Module | None:
     (offset_weight() gives the layer's own layout back)."""
     d = weight.shape[0]
     for offset in (0.0, 1.0):
-        w = weight.detach() + offset if offset else weight.detach()
+        # a half-precision layer adds the 1 in float32 (Gemma: 1.0 + self.weight.float()): 1 + w is kept in float32,
+        # where it is exact, not rounded to the layer's dtype
+        w = _probed(weight) + offset if offset else weight.detach()
         for eps in _eps_candidates(m):
             probe = _probed(w)
             if _matches(m, (d,), lambda x, eps=eps, w=probe: F.rms_norm(x, (d,), w, eps), scales=(1.0, eps**0.5)):
