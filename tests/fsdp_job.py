@@ -541,7 +541,12 @@ def main() -> int:
     report["killed"] = killed(children, rank, out)
     report["seconds"]["killed"] = time.perf_counter() - start
     start = time.perf_counter()
-    report["lightning"] = lightning_scenario(rank, world)
+    try:
+        import lightning.pytorch  # noqa: F401 - an optional extra
+    except ImportError as e:
+        report["lightning"] = {"skipped": str(e)}
+    else:
+        report["lightning"] = lightning_scenario(rank, world)
     report["seconds"]["lightning"] = time.perf_counter() - start
     (out / f"fsdp-rank{rank}.json").write_text(json.dumps(report, default=str))
     dist.destroy_process_group()

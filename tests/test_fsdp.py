@@ -257,6 +257,8 @@ def test_growth_callback_grows_a_sharded_model_under_lightning_s_model_parallel_
     """Lightning's ModelParallelStrategy (FSDP2, CPU, gloo): the module shards its traced decoder in configure_model;
     GrowthCallback grows it at step 2 with the same loss just before and after, sharded again, AdamW (with state)
     and its scheduler carried; fit goes on to step 5. FSDPStrategy (FSDP1) is refused with an InputError."""
+    if "skipped" in ranks[0]["lightning"]:
+        pytest.skip(f"Lightning is not installed: {ranks[0]['lightning']['skipped']}")
     for rank, report in enumerate(ranks):
         r = report["lightning"]
         assert r["global_step"] == 5 and len(r["events"]) == 1 and r["events"][0]["when"] == 2, r
