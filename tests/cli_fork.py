@@ -24,13 +24,15 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
 
-def _child(request: dict) -> None:
-    """In the forked child: become the process `python -m graphgrow.cli ARGV` would have been, run it, exit."""
+def _child(request: dict, fds: list[int] | None = None) -> None:
+    """In the forked child: become the process `python -m graphgrow.cli ARGV` (or `python -c CODE ARGV`, `python
+    SCRIPT ARGV`) would have been, run it, exit. `fds`: the caller's stdin, stdout and stderr (else files)."""
     import resource
     import runpy
     import traceback
@@ -44,17 +46,35 @@ def _child(request: dict) -> None:
         os.environ.update(request["env"])
         extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [os.getcwd(), *extra, *_BASE_PATH]
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        for fd, path in ((1, request["stdout"] or request["out"]), (2, request["err"])):
-            flags = os.O_WRONLY if path == request["stdout"] else os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-            f = os.open(path, flags, 0o600)
-            os.dup2(f, fd)
-            os.close(f)
+        if fds is not None:
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+            for fd in fds:
+                if fd > 2:
+                    os.close(fd)
+        else:
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            for target, path in ((1, request.get("stdout") or request["out"]), (2, request["err"])):
+                flags = os.O_WRONLY if path == request.get("stdout") else os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                f = os.open(path, flags, 0o600)
+                os.dup2(f, target)
+                os.close(f)
         if request.get("fsize") is not None:  # `ulimit -f` (SIGXFSZ stays ignored, as Python sets it)
             resource.setrlimit(resource.RLIMIT_FSIZE, (request["fsize"], request["fsize"]))
         try:
-            if request.get("code") is None:
+            if request.get("console") is not None:  # the installed `graphgrow` script, at path `console`
+                sys.argv = [request["console"], *request["argv"]]
+                sys.path[0] = os.path.dirname(request["console"])
+                from graphgrow.cli import main as console_main
+
+                sys.exit(console_main())
+            elif request.get("script") is not None:  # `python SCRIPT ARGV`: sys.path[0] is the script's folder
+                script = os.path.abspath(request["script"])
+                sys.argv = [request["script"], *request["argv"]]
+                sys.path[0] = os.path.dirname(script)
+                runpy.run_path(request["script"], run_name="__main__")  # sys.argv[0] as given
+            elif request.get("code") is None:
                 sys.argv = ["graphgrow", *request["argv"]]
                 runpy.run_module("graphgrow.cli", run_name="__main__", alter_sys=True)
             else:  # `python -c CODE ARGV`: sys.path[0] is '' and __main__ a fresh module
@@ -130,6 +150,106 @@ def serve() -> None:
         replies.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
 
 
+def serve_socket(path: str) -> None:
+    """The server for commands a shell runs (tests/test_docs.py's blocks): a `graphgrow` on PATH (the shim `bin_dir`
+    writes) connects to `path` and passes its argv, working directory, environment and its own stdin, stdout and
+    stderr; a handler forked per connection forks the CLI process on those descriptors, waits for it and answers its
+    exit code, so pipelines of several commands run at once."""
+    import socket
+
+    global _BASE_PATH
+    own = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    _BASE_PATH = [p for p in sys.path[1:] if p not in own]
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1):
+        os.dup2(null, fd)
+
+    import graphgrow.cli.commands  # noqa: F401  (what `python -m graphgrow.cli` imports before it reads argv)
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # handlers are reaped by the kernel
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(path)
+    server.listen(16)
+    while True:
+        conn, _ = server.accept()
+        if os.fork() == 0:
+            server.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                conn.close()
+                _child(json.loads(message), fds)
+            for fd in fds:
+                os.close(fd)
+            _, status = os.waitpid(pid, 0)
+            conn.send(json.dumps({"rc": os.waitstatus_to_exitcode(status)}).encode())
+            os._exit(0)
+        conn.close()
+
+
+_SHIM = """#!{python} -S
+# `graphgrow` for the tests' shells: the command runs forked from a warm server (tests/cli_fork.py)
+import json, os, signal, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect({socket_path!r})
+request = {{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ), "console": sys.argv[0]}}
+socket.send_fds(s, [json.dumps(request).encode()], [0, 1, 2])
+rc = json.loads(s.recv(1 << 16))["rc"]
+if rc < 0:
+    signal.signal(-rc, signal.SIG_DFL)
+    os.kill(os.getpid(), -rc)
+sys.exit(rc)
+"""
+
+
+class _ShellServer:
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="gg-cli-bin-")
+        socket_path = os.path.join(self.folder, "socket")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", f"import cli_fork; cli_fork.serve_socket({socket_path!r})"],
+            cwd=HERE,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_as_from_a_terminal,
+        )
+        shim = Path(self.folder) / "bin" / "graphgrow"
+        shim.parent.mkdir()
+        shim.write_text(_SHIM.format(python=sys.executable, socket_path=socket_path))
+        shim.chmod(0o755)
+        self.bin = str(shim.parent)
+        for _ in range(1200):  # the server binds once it has imported graphgrow
+            if os.path.exists(socket_path) or self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        if not os.path.exists(socket_path):
+            raise RuntimeError("the CLI fork server for shells did not start")
+
+    def close(self) -> None:
+        import shutil
+
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_shell_server: _ShellServer | None = None
+
+
+def bin_dir() -> str:
+    """A folder holding a `graphgrow` that runs forked from a warm server: first on a shell's PATH, the commands of a
+    script run as `graphgrow` does, without each importing torch (GRAPHGROW_TEST_REAL_PROCESS=1: the venv's own)."""
+    global _shell_server
+    if os.environ.get("GRAPHGROW_TEST_REAL_PROCESS") == "1":
+        return str(Path(sys.executable).parent)
+    if _shell_server is None or _shell_server.proc.poll() is not None:
+        _shell_server = _ShellServer()
+        atexit.register(_shell_server.close)
+    return _shell_server.bin
+
+
 class _Server:
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
@@ -188,30 +308,33 @@ def run(
     env: dict | None = None,
     *,
     code: str | None = None,
+    script: str | os.PathLike | None = None,
     stdout: str | os.PathLike | None = None,
     fsize_kb: int | None = None,
     timeout: float = 600,
 ) -> subprocess.CompletedProcess:
-    """`python -m graphgrow.cli ARGV` (or `python -c CODE ARGV`) in `cwd` with exactly the environment `env` (default:
-    this process's), forked from the warm server. `stdout`: a path the child writes its standard output to (opened
-    without truncating, as a shell's `>>`-less redirection of an open file; the result's stdout is then empty);
+    """`python -m graphgrow.cli ARGV` (or `python -c CODE ARGV`, `python SCRIPT ARGV`) in `cwd` with exactly the
+    environment `env` (default: this process's), forked from the warm server. `stdout`: a path the child writes its
+    standard output to (opened without truncating, as an inherited open file; the result's stdout is then empty);
     `fsize_kb`: `ulimit -f`."""
     global _server
     cwd = os.fspath(cwd) if cwd is not None else os.getcwd()
     env = dict(os.environ) if env is None else env
     stdout = os.fspath(stdout) if stdout is not None else None
     if os.environ.get("GRAPHGROW_TEST_REAL_PROCESS") == "1":
-        return _real(argv, cwd, env, code, stdout, fsize_kb, timeout)
+        return _real(argv, cwd, env, code, script, stdout, fsize_kb, timeout)
     if _server is None or not _server.alive():
         _server = _Server()
         atexit.register(_server.close)
     fsize = None if fsize_kb is None else fsize_kb * 1024
-    return _server.run(list(argv), cwd, env, timeout, code=code, stdout=stdout, fsize=fsize)
+    script = os.fspath(script) if script is not None else None
+    return _server.run(list(argv), cwd, env, timeout, code=code, script=script, stdout=stdout, fsize=fsize)
 
 
-def _real(argv, cwd, env, code, stdout, fsize_kb, timeout) -> subprocess.CompletedProcess:
+def _real(argv, cwd, env, code, script, stdout, fsize_kb, timeout) -> subprocess.CompletedProcess:
     """The same run as a process started from nothing (GRAPHGROW_TEST_REAL_PROCESS=1)."""
-    cmd = [sys.executable, *(["-c", code] if code is not None else ["-m", "graphgrow.cli"]), *argv]
+    how = [os.fspath(script)] if script is not None else ["-c", code] if code is not None else ["-m", "graphgrow.cli"]
+    cmd = [sys.executable, *how, *argv]
     if fsize_kb is not None:
         cmd = ["bash", "-c", f'ulimit -f {fsize_kb}; exec "$0" "$@"', *cmd]
     with open(stdout, "w") if stdout else open(os.devnull) as sink:

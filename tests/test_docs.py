@@ -16,6 +16,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import cli_fork
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,10 +83,12 @@ def test_the_readme_is_a_front_door():
 
 
 def _env(tmp_path: Path) -> dict:
+    """The venv's commands first on PATH, and before them a `graphgrow` that runs forked from a warm server
+    (tests/cli_fork.py: the command as installed, without importing torch anew each time)."""
     bin_dir = str(Path(sys.executable).parent)
     return {
         **os.environ,
-        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        "PATH": os.pathsep.join([cli_fork.bin_dir(), bin_dir, os.environ.get("PATH", "")]),
         "PYTHONPATH": str(ROOT),
         "MPLBACKEND": "Agg",
         "COLUMNS": "120",
@@ -97,10 +100,10 @@ def _run_block(block, cwd: Path, env: dict, n: int) -> None:
     if block.lang == "python":
         script = cwd / f"block_{n}.py"
         script.write_text(block.code)
-        cmd = [sys.executable, script.name]
+        proc = cli_fork.run([], cwd, env, script=script.name)
     else:
         cmd = ["bash", "-euo", "pipefail", "-c", block.code]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (
         f"{block.where} failed (exit {proc.returncode}) in {cwd}\n{block.code}\n"
         f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
@@ -138,14 +141,7 @@ def test_make_blocks_name_real_targets_and_the_demo_runs(tmp_path):
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     recipe = re.search(r"^demo:.*\n\t\$\(BIN\)/python (.+)$", (ROOT / "Makefile").read_text(), re.M)
     assert recipe, "make demo's recipe is no longer `$(BIN)/python SCRIPT`"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / recipe.group(1))],
-        cwd=tmp_path,
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = cli_fork.run([], tmp_path, _env(tmp_path), script=ROOT / recipe.group(1))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "equivalence vs original model: PASS" in proc.stdout
 
@@ -168,12 +164,7 @@ def test_install_blocks_name_real_extras_and_commands():
                 assert named <= extras, f"{b.where}: extras pyproject.toml lacks: {named - extras}"
             else:
                 assert words[0] == "graphgrow", f"{b.where}: not an install or graphgrow line: {line}"
-                proc = subprocess.run(
-                    [str(Path(sys.executable).parent / "graphgrow"), *words[1:]],
-                    capture_output=True,
-                    text=True,
-                    timeout=120,
-                )
+                proc = cli_fork.run(words[1:], timeout=120)
                 assert proc.returncode == 0, proc.stderr[-2000:]
 
 
