@@ -191,6 +191,7 @@ NOT_FAST_FILES = {
     "test_cli.py",
     "test_export_names.py",
     "test_plugin_example.py",  # exit codes, signals
+    "test_cli_fork.py",  # the warm CLI against fresh processes
     "test_distributed.py",  # torchrun jobs
     "test_bench_scale_decoder.py",  # the scale benchmark's every stage, ONNX export included
     "test_hf_pass_matrix.py",
