@@ -279,6 +279,8 @@ def _channelwise(b: Build, s: Site) -> bool:
 def _elementwise(b: Build, s: Site) -> bool:
     n, inputs = s.node, s.inputs
     out_shape = tensor_shape(n)
+    if out_shape is None:  # no known tensor shape (a value the export left unshaped): not read as elementwise
+        return False
     axis = node_axis(n)
     scales = {
         a: found
@@ -366,7 +368,7 @@ def _per_channel_tensor(gm, a: fx.Node, out_shape, axis: int) -> tuple[str, list
     channel axis (a layer scale γ, read as `x * self.gamma` or `x.mul(self.gamma.reshape(1, -1, 1, 1))`), with
     the views on the way whose literal arguments name the channel count (`gamma.view(64, 1, 1)`: rewritten)."""
     shape = tensor_shape(a)
-    if shape is None or len(shape) > len(out_shape):
+    if shape is None or out_shape is None or len(shape) > len(out_shape):  # a product of sizes has no shape
         return None
     lead = len(out_shape) - len(shape)
     if any(d != (out_shape[axis] if lead + i == axis else 1) for i, d in enumerate(shape)) or out_shape[axis] == 1:
