@@ -41,6 +41,7 @@ from .stream_verify import _load, layer_tensors, verify_streamed, vocab_rows
 _NOT_CHANGED = {"dtype", "torch_dtype", "use_cache", "transformers_version", "architectures"}
 
 
+LAYER_WINDOW_ROWS = 256  # vocabulary rows of a layer window: enough for its verification's token ids
 IN_MEMORY_FACTOR = (
     2.4  # peak ÷ the weights as loaded, of an in-memory growth (passes, verification, save: performance.md)
 )
@@ -98,9 +99,9 @@ class Window:
     once; a class whose capture holds some of them in another layout (capture.standins: a transposed Conv1D) is
     captured again for each window."""
 
-    def __init__(self, plan: StreamPlan) -> None:
+    def __init__(self, plan: StreamPlan, rows: int) -> None:
         self.plan = plan
-        self.module = plan.cls(plan.window_config()).float().eval()
+        self.module = plan.cls(plan.window_config(rows)).float().eval()
         self.gm: Any = None
         self.shared = False
 
@@ -225,8 +226,11 @@ def grow_streaming(
     written: dict[str, tuple] = {}
     results: list = []
     with ShardWriter(Path(out), shard_bytes) as writer:
-        window = Window(plan)  # built once: each window's tensors are loaded into it
-        first_rows = vocab_rows(plan, plan.checkpoint, list(range(min(plan.chunk, plan.vocab))))
+        # built once for the layers, once for the vocabulary: each window's tensors are loaded into it. A layer window
+        # needs only a few vocabulary rows (its embedding and head are not kept); a vocabulary window, a chunk
+        few = min(LAYER_WINDOW_ROWS, plan.vocab)
+        window = Window(plan, few)
+        first_rows = vocab_rows(plan, plan.checkpoint, list(range(few)), size=few)
         changed: dict[str, Any] | None = None
         t = time.perf_counter()
         for s in range(plan.layers):
@@ -251,6 +255,9 @@ def grow_streaming(
         t = time.perf_counter()
         sinks: dict[str, Any] = {}
         vocab_pass = window_passes(plan, None)
+        del window
+        release_freed()
+        window = Window(plan, plan.chunk)
         window.load(layer_tensors(plan, plan.checkpoint, 0))
         for j, start in enumerate(range(0, plan.vocab, plan.chunk)):
             rows = list(range(start, min(start + plan.chunk, plan.vocab)))

@@ -131,8 +131,9 @@ def _probe(cls: type, config: Any, value: int, new: int, moved: Any) -> str | No
 
 def make_plan(folder: Path, passes: list, chunk_bytes: int = 16 << 20, chunk: int | None = None) -> StreamPlan:
     """The plan for growing `folder` by `passes` (module docstring). `chunk`: vocabulary rows per window (default:
-    as many as make the two vocabulary tensors of a window as large as one layer in float32, or `chunk_bytes` if
-    that is more; at least 64: a vocabulary window then costs what a layer window costs)."""
+    as many as make the two vocabulary tensors of a window a quarter of one layer in float32, or `chunk_bytes` if
+    that is more; at least 64: a vocabulary window, which holds a layer too, then costs about what a layer window
+    costs)."""
     _check_passes(passes)
     raw = read_config(folder)
     cls = model_class(folder, raw)
@@ -159,7 +160,7 @@ def make_plan(folder: Path, passes: list, chunk_bytes: int = 16 << 20, chunk: in
     vocab = int(getattr(embedding, "num_embeddings", 0) or embedding.weight.shape[0])
     width = int(embedding.weight.shape[-1])
     layer_bytes = 4 * sum(v.numel() for v in full.get_submodule(stack)[0].parameters())
-    rows = chunk or max(64, min(vocab, max(chunk_bytes, layer_bytes) // (4 * 2 * width)))
+    rows = chunk or max(64, min(vocab, max(chunk_bytes, layer_bytes // 4) // (4 * 2 * width)))
     rows = min(rows, vocab)
     vocab_field = _probe(cls, config, vocab, rows, lambda m: m.get_input_embeddings().weight.shape[0] == rows)
     if count_field is None or vocab_field is None:

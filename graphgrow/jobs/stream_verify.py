@@ -58,10 +58,13 @@ def layer_tensors(plan: StreamPlan, reader: LazyCheckpoint, index: int) -> dict[
     return {f"{plan.stack}.0.{k[len(head) :]}": reader.tensor(k) for k in reader.shapes if k.startswith(head)}
 
 
-def vocab_rows(plan: StreamPlan, reader: LazyCheckpoint, rows: list[int]) -> dict[str, torch.Tensor]:
-    """The vocabulary tensors' `rows` (padded to the window's chunk by repeating the first), plus the tensors outside
-    the stack that are not vocabulary-sized (final norm): what a window holds besides its layer."""
-    padded = rows + [rows[0]] * (plan.chunk - len(rows))
+def vocab_rows(
+    plan: StreamPlan, reader: LazyCheckpoint, rows: list[int], size: int | None = None
+) -> dict[str, torch.Tensor]:
+    """The vocabulary tensors' `rows` (padded to the window's `size` rows, default the chunk, by repeating the first),
+    plus the tensors outside the stack that are not vocabulary-sized (final norm): what a window holds besides its
+    layer."""
+    padded = rows + [rows[0]] * ((plan.chunk if size is None else size) - len(rows))
     out = {}
     for k in reader.shapes:
         if k.startswith(plan.stack + "."):
