@@ -36,6 +36,7 @@ from ..verify.preserve import eval_forward, train_forward
 from . import layerwise as lw
 from . import replicas as rp
 from .ddp import Verify, grow_replica
+from .fsdp_units import _reshard_all, plan_units, sharding_units, unsharded_copy
 from .pipeline import PipelineResult, build_pipeline, spec_of
 
 
@@ -44,8 +45,6 @@ def grow_by_layers(
 ) -> tuple[fx.GraphModule, int, dict[str, float]]:
     """The grown model, sharded like `model` (`units`: fsdp.sharding_units), its agreed seed and the seconds of each
     stage. Raises layerwise.NotLayerwise on every rank when the model does not fit (nothing has changed then)."""
-    from .fsdp import plan_units, unsharded_copy
-
     t0 = time.perf_counter()
     reps = rp.replicas(timeout)
     passes, agreed = _agree(reps, spec, seed)
@@ -196,8 +195,6 @@ def _agree(reps: rp.Replicas, spec: str | Sequence[str], seed: int | None) -> tu
 
 def _compute_dtype(model: nn.Module) -> torch.dtype | None:
     """The half-precision dtype a unit computes in (MixedPrecisionPolicy.param_dtype), the coarsest; None: none."""
-    from .fsdp import sharding_units
-
     found = [getattr(u.options.get("mp_policy"), "param_dtype", None) for u in sharding_units(model)]
     halves = [d for d in found if d in (torch.bfloat16, torch.float16)]
     return max(halves, key=lambda d: torch.finfo(d).eps) if halves else None
@@ -227,8 +224,6 @@ def _check_whole(reps: rp.Replicas, old: nn.Module, new: fx.GraphModule) -> None
     except Exception as e:  # reported to every rank, then raised here again
         own = e
     finally:  # a root unit keeps its gathered tensors registered after forward; the optimiser holds the shards
-        from .fsdp import _reshard_all
-
         _reshard_all(old)
         _reshard_all(new)
     records = reps.gather({"error": rp.error_text(own) if own else None}, "checking the grown model")
