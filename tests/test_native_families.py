@@ -63,7 +63,9 @@ def _grow(family: str, pass_name: str, dtype: torch.dtype):
 @pytest.mark.parametrize(("family", "pass_name", "dtype"), CASES, ids=[f"{f}-{p}-{str(d)[6:]}" for f, p, d in CASES])
 def test_a_family_grows_in_its_dtype_and_comes_back_as_its_class(family, pass_name, dtype):
     model, gm, result = _grow(family, pass_name, dtype)
-    assert {p.dtype for p in result.gm.parameters()} == {dtype}  # grown in its own dtype, no float32 copy kept
+    norms = {id(m.weight) for m in result.gm.modules() if isinstance(m, torch.nn.RMSNorm)}
+    # grown in its own dtype, no float32 copy kept (a stand-in for Gemma's 1 + w norm keeps that sum in float32)
+    assert {p.dtype for p in result.gm.parameters() if id(p) not in norms} == {dtype}
     if dtype == torch.bfloat16:
         assert any("compared in float32 on the stored values: exact" in n for n in result.results[-1].notes)
     native = gg.as_native(result.gm, model)

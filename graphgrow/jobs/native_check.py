@@ -37,15 +37,19 @@ def build(cls: type, config: Any, dtype: torch.dtype = torch.float32) -> nn.Modu
 
 
 def own_buffers(native: nn.Module, original: nn.Module) -> None:
-    """The original's values for buffers the state dict does not hold (RoPE's inv_freq), where name and shape agree:
-    a fresh build computes them in its own way (in float32 where from_pretrained does), while a model converted with
-    .to(torch.bfloat16) holds them rounded, and the grown graph computes with the original's."""
+    """The original's values for buffers the state dict does not hold (RoPE's inv_freq) where only their precision
+    differs: a fresh build computes them in float32 (as from_pretrained does), while a model converted with
+    .to(torch.bfloat16) holds them rounded, and the grown graph computes with the original's. A buffer whose value
+    depends on a grown size (Gemma's embed_scale, sqrt(hidden size)) differs by more than rounding and is kept:
+    copying it would make the instance agree with the graph and then differ once saved and loaded again."""
     theirs = dict(original.named_buffers())
     persistent = set(native.state_dict())
     with torch.no_grad():
         for name, b in native.named_buffers():
             t = theirs.get(name)
-            if name not in persistent and t is not None and t.shape == b.shape:
+            if name in persistent or t is None or t.shape != b.shape or t.dtype == b.dtype or not b.is_floating_point():
+                continue
+            if torch.allclose(t.float(), b.float(), rtol=torch.finfo(t.dtype).eps, atol=0.0):
                 b.data = t.detach().clone()
 
 
