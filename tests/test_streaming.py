@@ -144,3 +144,20 @@ def test_what_does_not_stream_is_refused_before_any_weight_is_read(tmp_path, spe
     source = llama_folder(tmp_path / "m", hidden=32, layers=1, vocab=100, mlp=64)
     with pytest.raises(NotApplicable, match=message):
         make_plan(source, Pipeline.from_spec([spec]).passes)
+
+
+def test_the_plan_finds_fields_and_vocabulary_tensors_by_probing_also_when_one_chunk_holds_the_vocabulary(tmp_path):
+    from graphgrow.jobs.pipeline import Pipeline
+    from graphgrow.jobs.stream_plan import make_plan
+
+    source = llama_folder(tmp_path / "m", hidden=32, layers=3, vocab=100, mlp=64)
+    plan = make_plan(source, Pipeline.from_spec(["grow_hidden(to=48)"]).passes)
+    assert (plan.stack, plan.layers, plan.count_field, plan.vocab_field) == (
+        "model.layers",
+        3,
+        "num_hidden_layers",
+        "vocab_size",
+    )
+    assert plan.chunk == 100 and plan.vocab_dims == {"model.embed_tokens.weight": 0, "lm_head.weight": 0}
+    assert plan.stored_dtype == torch.float32 and plan.order == [0, 1, 2]
+    assert plan.window_config(7).vocab_size == 7 and plan.window_config(7).num_hidden_layers == 1

@@ -162,7 +162,8 @@ def make_plan(folder: Path, passes: list, chunk_bytes: int = 16 << 20, chunk: in
     layer_bytes = 4 * sum(v.numel() for v in full.get_submodule(stack)[0].parameters())
     rows = chunk or max(64, min(vocab, max(chunk_bytes, layer_bytes // 4) // (4 * 2 * width)))
     rows = min(rows, vocab)
-    vocab_field = _probe(cls, config, vocab, rows, lambda m: m.get_input_embeddings().weight.shape[0] == rows)
+    probe = vocab - 1 if vocab > 1 else 2  # another size than the vocabulary's: the field and tensors that follow it
+    vocab_field = _probe(cls, config, vocab, probe, lambda m: m.get_input_embeddings().weight.shape[0] == probe)
     if count_field is None or vocab_field is None:
         raise NotApplicable(
             f"no field of {type(config).__name__} sets the "
@@ -170,7 +171,7 @@ def make_plan(folder: Path, passes: list, chunk_bytes: int = 16 << 20, chunk: in
             + f" of {cls.__name__}: the window model cannot be built",
             "grow it in memory",
         )
-    small = _meta(cls, _with(config, {count_field: 1, vocab_field: rows}))
+    small = _meta(cls, _with(config, {count_field: 1, vocab_field: probe}))
     assert small is not None  # both fields were probed one at a time; together they build too
     vocab_dims = {}
     for k, v in small.state_dict().items():
