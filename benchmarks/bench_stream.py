@@ -188,7 +188,11 @@ def rows(size: str = "3b", where: Path = Path("/tmp/stream"), progress=lambda _:
 
     r = run(size, where, progress=progress)
     c = r["compare"]
-    model = f"LLaMA {size} bf16 streamed ({c['params'][0] / 1e9:.2f} B → {c['params'][1] / 1e9:.2f} B)"
+
+    def count(n: int) -> str:
+        return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+    model = f"LLaMA {size} bf16 streamed ({count(c['params'][0])} → {count(c['params'][1])})"
     out = [
         Row(SECTION, model, stage, s, s, "s", note=f"peak {peak:.2f} GiB") for stage, (s, peak) in r["stages"].items()
     ]
