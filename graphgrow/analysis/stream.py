@@ -31,15 +31,15 @@ from torch import fx, nn
 from ..core.errors import NotApplicable
 from ..graph import ops
 from ..graph.fx_edit import tensor_shape
+from .stream_norms import Norm
+from .stream_norms import norm_of as _norm_of
+from .stream_norms import normalised as _normalised
 from .stream_ops import FLAT_AT_ZERO
 from .stream_ops import arg as _arg
 from .stream_ops import forward_axis as _forward_axis
 from .stream_ops import is_scalar_factor as _is_scalar_factor
 from .stream_ops import zero_activation_input as _zero_activation_input
 
-NORM_FUNCTIONS = (F.layer_norm, torch.layer_norm, F.rms_norm) + (
-    (torch.rms_norm,) if hasattr(torch, "rms_norm") else ()
-)
 ADDS = ops.ADD_FUNCTIONS | {operator.iadd}  # x += y writes the stream like x + y (x *= y is not followed)
 SCALINGS = ops.MUL_FUNCTIONS
 EMBEDDINGS = (F.embedding, torch.embedding)  # F.embedding(input, weight, …), torch.embedding(weight, input, …)
@@ -88,17 +88,6 @@ class Reader:
 
 
 @dataclass
-class Norm:
-    node: str
-    rms: bool
-    input: str
-    module: str | None  # module path for a call_module (normalized_shape and eps live there)
-    weight: str | None  # parameter paths (None: no affine)
-    bias: str | None
-    eps: float | None
-
-
-@dataclass
 class Stream:
     width: int
     axes: dict[str, int]  # stream tensor (node name) → its hidden axis
@@ -128,47 +117,6 @@ def _what(n: fx.Node) -> str:
     if n.op == "call_module":
         return f"module {n.target}"
     return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-
-
-def _norm_of(gm: fx.GraphModule, n: fx.Node) -> Norm | None:
-    """A LayerNorm / RMSNorm over the last dimension (module or function), else None."""
-    if n.op == "call_module":
-        m = gm.get_submodule(n.target)
-        if type(m) not in (nn.LayerNorm, nn.RMSNorm) or not n.args or not isinstance(n.args[0], fx.Node):
-            return None
-        w, b = getattr(m, "weight", None), getattr(m, "bias", None)
-        return Norm(
-            n.name,
-            isinstance(m, nn.RMSNorm),
-            n.args[0].name,
-            n.target,
-            f"{n.target}.weight" if w is not None else None,
-            f"{n.target}.bias" if b is not None else None,
-            m.eps,
-        )
-    if n.op != "call_function" or n.target not in NORM_FUNCTIONS or not isinstance(n.args[0], fx.Node):
-        return None
-    rms = n.target not in (F.layer_norm, torch.layer_norm)
-    weight = _arg(n, 2, "weight")
-    bias = None if rms else _arg(n, 3, "bias")
-    eps = _arg(n, 3 if rms else 4, "eps", None if rms else 1e-5)
-    paths = []
-    for a in (weight, bias):
-        if a is not None and not (isinstance(a, fx.Node) and a.op == "get_attr" and len(a.users) == 1):
-            return None
-        paths.append(a.target if a is not None else None)
-    return Norm(n.name, rms, n.args[0].name, None, paths[0], paths[1], eps)
-
-
-def _normalised(gm: fx.GraphModule, n: fx.Node) -> int | None:
-    """The width a last-dimension norm normalises, else None."""
-    if n.op == "call_module":
-        shape = getattr(gm.get_submodule(n.target), "normalized_shape", None)
-    else:
-        shape = _arg(n, 1, "normalized_shape")
-    shape = tuple(shape) if isinstance(shape, (list, tuple)) else (shape,)
-    x = tensor_shape(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
-    return shape[0] if len(shape) == 1 and isinstance(shape[0], int) and x and x[-1] == shape[0] else None
 
 
 def find_stream(gm: fx.GraphModule) -> Stream:

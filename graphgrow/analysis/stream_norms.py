@@ -1,0 +1,69 @@
+"""The norms the residual-stream analysis (stream.py) recognises: a LayerNorm or RMSNorm over the last dimension,
+as a module or a function call, and the width it normalises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from ..graph.fx_edit import tensor_shape
+from .stream_ops import arg as _arg
+
+NORM_FUNCTIONS = (F.layer_norm, torch.layer_norm, F.rms_norm) + (
+    (torch.rms_norm,) if hasattr(torch, "rms_norm") else ()
+)
+
+
+@dataclass
+class Norm:
+    node: str
+    rms: bool
+    input: str
+    module: str | None  # module path for a call_module (normalized_shape and eps live there)
+    weight: str | None  # parameter paths (None: no affine)
+    bias: str | None
+    eps: float | None
+
+
+def norm_of(gm: fx.GraphModule, n: fx.Node) -> Norm | None:
+    """A LayerNorm / RMSNorm over the last dimension (module or function), else None."""
+    if n.op == "call_module":
+        m = gm.get_submodule(n.target)
+        if type(m) not in (nn.LayerNorm, nn.RMSNorm) or not n.args or not isinstance(n.args[0], fx.Node):
+            return None
+        w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+        return Norm(
+            n.name,
+            isinstance(m, nn.RMSNorm),
+            n.args[0].name,
+            n.target,
+            f"{n.target}.weight" if w is not None else None,
+            f"{n.target}.bias" if b is not None else None,
+            m.eps,
+        )
+    if n.op != "call_function" or n.target not in NORM_FUNCTIONS or not isinstance(n.args[0], fx.Node):
+        return None
+    rms = n.target not in (F.layer_norm, torch.layer_norm)
+    weight = _arg(n, 2, "weight")
+    bias = None if rms else _arg(n, 3, "bias")
+    eps = _arg(n, 3 if rms else 4, "eps", None if rms else 1e-5)
+    paths = []
+    for a in (weight, bias):
+        if a is not None and not (isinstance(a, fx.Node) and a.op == "get_attr" and len(a.users) == 1):
+            return None
+        paths.append(a.target if a is not None else None)
+    return Norm(n.name, rms, n.args[0].name, None, paths[0], paths[1], eps)
+
+
+def normalised(gm: fx.GraphModule, n: fx.Node) -> int | None:
+    """The width a last-dimension norm normalises, else None."""
+    if n.op == "call_module":
+        shape = getattr(gm.get_submodule(n.target), "normalized_shape", None)
+    else:
+        shape = _arg(n, 1, "normalized_shape")
+    shape = tuple(shape) if isinstance(shape, (list, tuple)) else (shape,)
+    x = tensor_shape(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+    return shape[0] if len(shape) == 1 and isinstance(shape[0], int) and x and x[-1] == shape[0] else None
