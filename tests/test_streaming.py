@@ -1,6 +1,6 @@
 """Streaming growth of checkpoints larger than memory (issue 42; docs/streaming.md).
 
-The proof (slow: one process, ~1 GB written): a float32 LLaMA folder of 505 MiB grown by `mutate` under a
+The proof (slow: one process, ~0.6 GB written): a float32 LLaMA folder of 255 MiB grown by `mutate` under a
 --max-memory far below what an in-memory growth needs streams by itself, window by window. The child first grows a
 small folder of the same shapes but one vocabulary window (everything capture, verification and the windows import and
 allocate once is then in its peak), then the large one: the peak may rise by a small fraction of the model's size
@@ -65,10 +65,10 @@ CHILD = textwrap.dedent(
 def test_a_checkpoint_over_max_memory_streams_within_a_fraction_of_its_size(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    source = llama_folder(tmp_path / "big", hidden=256, layers=2, vocab=256_000, mlp=512)
+    source = llama_folder(tmp_path / "big", hidden=256, layers=2, vocab=128_000, mlp=512)
     small = llama_folder(tmp_path / "small", hidden=256, layers=2, vocab=8192, mlp=512)  # one vocabulary window
     size = sum(f.stat().st_size for f in source.glob("*.safetensors"))
-    assert size > 500e6 and len(list(source.glob("*.safetensors"))) > 1  # a few hundred MB, sharded
+    assert size > 250e6 and len(list(source.glob("*.safetensors"))) > 1  # a few hundred MB, sharded
     out = tmp_path / "grown"
     spec = "grow_hidden(to=384),grow_heads(heads=6),deepen(block=copy,after=model.layers.0)"
     proc = subprocess.run(
@@ -92,7 +92,7 @@ def test_a_checkpoint_over_max_memory_streams_within_a_fraction_of_its_size(tmp_
     a = AutoModelForCausalLM.from_pretrained(source).eval()
     b = AutoModelForCausalLM.from_pretrained(out).eval()
     assert (b.config.hidden_size, b.config.num_attention_heads, b.config.num_hidden_layers) == (384, 6, 3)
-    ids = torch.randint(0, 256_000, (2, 12), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(0, 128_000, (2, 12), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         la, lb = a(ids).logits, b(ids).logits
     assert ((la - lb).norm() / la.norm()).item() < 1e-5
