@@ -18,11 +18,11 @@ from ..core.errors import InputError, TraceError, first_line
 from ..core.protocol import BATCHES, TRAIN_PROTOCOL, flat_tensors, measure
 from ..core.state import dropout_off, preserved_buffers, seeded, training_mode
 from ..core.threads import check_threads
+from ..graph.float32_run import Float32Graph, is_half, widened
 from ..graph.graph_meta import graph_info, scope_of
 from ..graph.inputs import ExampleInput, InputSpec, as_spec, call, positional, shown
 from ..graph.reference import remember
 from ..graph.shapes import example_input
-from ..verify.low_precision import Float32Graph, is_half, widened
 
 
 def _run(m: nn.Module, x: Any, mode: str, seed: int) -> Any:
@@ -76,7 +76,7 @@ def check_fidelity(model: nn.Module, gm: fx.GraphModule, input_shape: ExampleInp
         if not is_half(gm):
             return _check(model, gm, spec, seed)
         # a bfloat16/float16 model: compared in float32 on its stored values (the model widened in place for the
-        # check, the graph run node by node, verify.low_precision), since a stand-in layer (capture.standins) may
+        # check, the graph run node by node, graph.float32_run), since a stand-in layer (capture.standins) may
         # round where the model's own does not (F.rms_norm once, LlamaRMSNorm before its scale too)
         with widened(model):
             return _check(model, Float32Graph(gm), spec, seed)

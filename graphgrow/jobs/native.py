@@ -34,8 +34,8 @@ from torch import fx, nn
 
 from ..core.errors import NotApplicable
 from ..core.state import module_dtype
+from ..graph.float32_run import HALF, widened
 from ..graph.graph_meta import input_spec_of
-from ..verify.low_precision import HALF, widened
 from .native_check import build, check, own_buffers
 from .native_depth import check_moved, deeper_config, deeper_stacks, in_run_order, original_path
 from .native_moe import has_mixtures, moe_native

@@ -18,9 +18,9 @@ from torch.utils._pytree import tree_map
 from ..core.errors import GraphgrowError, NotApplicable
 from ..core.protocol import compare_outputs
 from ..core.state import module_dtype
+from ..graph.float32_run import HALF, float32_output, wide
 from ..graph.graph_meta import input_spec_of
 from ..graph.shapes import example_input
-from ..verify.low_precision import HALF, float32_output, wide
 
 
 def build(cls: type, config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -25,9 +25,9 @@ from torch import fx, nn
 from ..core.errors import GraphgrowError, NotApplicable
 from ..core.protocol import compare_outputs
 from ..core.state import module_dtype
+from ..graph.float32_run import HALF, float32_output
 from ..graph.graph_meta import graph_info, input_spec_of
 from ..graph.shapes import example_input
-from ..verify.low_precision import HALF, float32_output
 
 MIXTURES_KEY = "mixtures"  # written by the upcycle pass
 _FAMILIES = {"llama", "mistral"}

@@ -20,11 +20,12 @@ from torch import fx, nn
 from ..core.errors import NotApplicable, PreservationError
 from ..core.protocol import ModeCheck, compare_outputs, flat_tensors
 from ..core.state import dropout_off, preserved_buffers, seeded, training_mode
+from ..graph.float32_run import is_half
 from ..graph.inputs import InputSpec, call
 from ..graph.shapes import example_input
 from . import gradient_sink
 from .gradient_sink import GradientSink, gradient_bytes, restore_rng, rng_state
-from .low_precision import compare_half, is_half
+from .low_precision import compare_half
 from .zero_factor import ZeroFactors
 from .zero_factor import new_region as _new_region
 
