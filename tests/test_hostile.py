@@ -516,10 +516,16 @@ def test_grown_models_keep_the_input_models_training_flags(spec, cnn, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_low_precision_models_are_refused_with_the_reason(dtype, cnn):
+def test_low_precision_models_grow_in_their_dtype_and_say_how_they_were_compared(dtype, cnn):
+    """Once refused ("grow a float32 copy"); since issue 40 a half-precision model grows in its own dtype, compared in
+    float32 on its stored values (BatchNorm's running statistics updated in train mode included)."""
     gm = gg.trace(cnn.to(dtype), (1, 3, 32, 32), check=False)
-    with pytest.raises(gg.InputError, match="grow a float32 copy"):
-        gg.Pipeline.from_spec("add_residual").run(gm)
+    (step,) = gg.Pipeline.from_spec("add_residual").run(gm).results
+    assert {p.dtype for p in step.gm.parameters()} == {dtype}
+    pres = step.preservation
+    assert pres.eval.ok and pres.train.ok and pres.trainable_ok
+    assert pres.eval.low_precision is not None and pres.eval.low_precision.dtype == str(dtype).removeprefix("torch.")
+    assert any("compared in float32 on the stored values" in note for note in step.notes), step.notes
 
 
 @pytest.mark.slow
