@@ -172,6 +172,19 @@ def grow_replica(
     return Grown(result.gm, new_opt, scheduler, result, agreed, seconds)
 
 
+def parse_growth(spec: str | Sequence[str], seed: int | None) -> tuple[list[Pass], str]:
+    """One rank's reading of a growth request: the passes (Pass objects as given, else built from the spec), their
+    spec text (what the ranks compare), and the seed checked; raises on bad input (the caller gathers the error)."""
+    passes = (
+        list(spec)
+        if isinstance(spec, (list, tuple)) and all(isinstance(p, Pass) for p in spec)
+        else build_pipeline(spec)
+    )
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**63):
+        raise InputError(f"seed must be an int in 0 … 2**63 − 1, got {seed!r}", "or leave it out: rank 0 draws one")
+    return passes, ",".join(spec_of(p) for p in passes)
+
+
 def _agree(
     reps: rp.Replicas, model: fx.GraphModule, spec: str | Sequence[str], seed: int | None
 ) -> tuple[list[Pass], int, set[str]]:
@@ -180,14 +193,7 @@ def _agree(
     own: BaseException | None = None
     passes: list[Pass] = []
     try:
-        passes = (
-            list(spec)
-            if isinstance(spec, (list, tuple)) and all(isinstance(p, Pass) for p in spec)
-            else build_pipeline(spec)
-        )
-        text = ",".join(spec_of(p) for p in passes)
-        if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**63):
-            raise InputError(f"seed must be an int in 0 … 2**63 − 1, got {seed!r}", "or leave it out: rank 0 draws one")
+        passes, text = parse_growth(spec, seed)
     except Exception as e:
         own, text = e, ""
     params = rp.tensor_digests(model.named_parameters())

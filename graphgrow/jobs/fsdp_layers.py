@@ -35,9 +35,9 @@ from ..rewrite.pass_base import Pass
 from ..verify.preserve import eval_forward, train_forward
 from . import layerwise as lw
 from . import replicas as rp
-from .ddp import Verify, grow_replica
+from .ddp import Verify, grow_replica, parse_growth
 from .fsdp_units import _reshard_all, plan_units, sharding_units, unsharded_copy
-from .pipeline import PipelineResult, build_pipeline, spec_of
+from .pipeline import PipelineResult
 
 
 def grow_by_layers(
@@ -166,14 +166,7 @@ def _agree(reps: rp.Replicas, spec: str | Sequence[str], seed: int | None) -> tu
     passes: list[Pass] = []
     text = ""
     try:
-        passes = (
-            list(spec)
-            if isinstance(spec, (list, tuple)) and all(isinstance(p, Pass) for p in spec)
-            else build_pipeline(spec)
-        )
-        text = ",".join(spec_of(p) for p in passes)
-        if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**63):
-            raise InputError(f"seed must be an int in 0 … 2**63 − 1, got {seed!r}", "or leave it out: rank 0 draws one")
+        passes, text = parse_growth(spec, seed)
     except Exception as e:
         own = e
     proposal = seed if seed is not None else random.SystemRandom().randrange(2**31)
