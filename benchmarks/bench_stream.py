@@ -95,6 +95,52 @@ def write_checkpoint(size: str, folder: Path) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def mergekit_config(size: str, original: Path) -> str:
+    """mergekit's passthrough depth up-scaling of the same checkpoint at the same four places: layer i is repeated
+    after itself (slices [0, i+1), [i, j+1), …), as deepen(block=copy) places its copies. Not function-preserving:
+    mergekit copies a layer as it is, graphgrow zeroes the copy's output projections."""
+    layers = SIZES[size][1]
+    places = [layers * k // 5 - 1 for k in range(1, 5)]
+    starts, ends = [0, *places], [p + 1 for p in places] + [layers]
+    lines = ["slices:"]
+    for a, b in zip(starts, ends):
+        lines += ["  - sources:", f"      - model: {original}", f"        layer_range: [{a}, {b}]"]
+    return "\n".join([*lines, "merge_method: passthrough", "dtype: bfloat16", ""])
+
+
+def mergekit_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mergekit") is not None
+
+
+def run_mergekit(size: str, where: Path, result: dict, progress=print) -> None:
+    """The side-by-side row of issue 42: mergekit (lazy unpickling, 1 GiB shards) on the checkpoint `run` wrote,
+    its wall time and peak RSS, then its output's logits against the original's (a.pt must exist)."""
+    original, merged = where / f"{size}-original", where / f"{size}-mergekit"
+    if merged.exists():
+        shutil.rmtree(merged)
+    config = where / "mergekit.yml"
+    config.write_text(mergekit_config(size, original))
+    progress("mergekit passthrough (depth up-scaling)")
+    cli = [sys.executable, "-m", "mergekit.scripts.run_yaml", str(config), str(merged)]
+    s, peak, _ = child([*cli, "--lazy-unpickle", "--quiet", "--out-shard-size", "500M"])
+    result["stages"]["mergekit passthrough +4 layers (depth only)"] = (s, peak)
+    try:
+        progress("from_pretrained: mergekit's output's logits")
+        child([sys.executable, str(Path(__file__).resolve()), "--logits", str(merged), str(where / "m.pt")])
+        a, m = torch.load(where / "a.pt"), torch.load(where / "m.pt")
+        la, lm = a["logits"], m["logits"]
+        result["mergekit"] = {
+            "params": m["params"],
+            "logits_rel_err": float((la - lm).norm() / la.norm()),
+            "same_argmax": float((la.argmax(-1) == lm.argmax(-1)).float().mean()),
+        }
+    finally:
+        shutil.rmtree(merged, ignore_errors=True)
+        (where / "m.pt").unlink(missing_ok=True)
+
+
 def logits_of(folder: Path, out: Path) -> None:
     """from_pretrained (bfloat16), the logits of one seeded batch and 8 greedy tokens, saved to `out`."""
     from transformers import AutoModelForCausalLM
@@ -171,6 +217,9 @@ def run(size: str, where: Path, keep: bool = False, progress=print, reuse: bool 
             "same_argmax": float((la.argmax(-1) == lb.argmax(-1)).float().mean()),
             "same_greedy_tokens": bool(torch.equal(a["greedy"], b["greedy"])),
         }
+        _partial(where, result)
+        if mergekit_available():
+            run_mergekit(size, where, result, progress)
     finally:
         if not keep:
             for p in (original, grown, where / "a.pt", where / "b.pt"):
@@ -198,6 +247,21 @@ def rows(size: str = "3b", where: Path = Path("/tmp/stream"), progress=lambda _:
     ]
     peak = r["stages"]["grow + verify + write (streamed)"][1]
     out.append(Row(SECTION, model, "streamed growth: peak RSS", peak, peak, "GiB", "≤ 6", peak <= 6))
+    if "mergekit" in r:
+        m = r["mergekit"]
+        out.append(
+            Row(
+                SECTION,
+                model,
+                "mergekit passthrough: logits rel err vs original (bf16)",
+                m["logits_rel_err"],
+                m["logits_rel_err"],
+                "",
+                note=f"depth only, {count(m['params'])}; same argmax {m['same_argmax']:.0%}",
+            )
+        )
+    else:
+        out.append(Row(SECTION, model, "mergekit passthrough", 0, 0, "", note="not run: mergekit is not installed"))
     pres = r["report"]["preservation"]
     out.append(
         Row(
@@ -233,11 +297,20 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the folders (and grow a kept checkpoint again)")
     parser.add_argument("--write", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--logits", nargs=2, type=Path, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--mergekit-only", action="store_true", help="run only mergekit's stage on a kept checkpoint (after --keep)"
+    )
     args = parser.parse_args()
     if args.write:
         return write_checkpoint(args.size, args.write)
     if args.logits:
         return logits_of(*args.logits)
+    if args.mergekit_only:
+        partial = args.where / f"{args.size}-partial.json"
+        result = json.loads(partial.read_text()) if partial.exists() else {"size": args.size, "stages": {}}
+        run_mergekit(args.size, args.where, result, lambda s: print(s, file=sys.stderr))
+        partial.write_text(json.dumps(result, indent=1, default=str))
+        return print(json.dumps(result, indent=1))
     print(
         json.dumps(
             run(args.size, args.where, args.keep, lambda s: print(s, file=sys.stderr), reuse=args.keep), indent=1
