@@ -114,6 +114,34 @@ def mergekit_available() -> bool:
     return importlib.util.find_spec("mergekit") is not None
 
 
+def run_depth_only(size: str, where: Path, result: dict, progress=print) -> None:
+    """graphgrow doing what mergekit does (the four copies only, streamed), for a like-for-like row: wall time, peak
+    RSS, and from_pretrained logits against the original's (a.pt must exist): a copy whose output projections are
+    zero leaves them bit-equal."""
+    original, deep = where / f"{size}-original", where / f"{size}-depth"
+    if deep.exists():
+        shutil.rmtree(deep)
+    cli = [sys.executable, "-m", "graphgrow.cli", "mutate", str(original)]
+    for spec in growth_spec(size)[2:]:
+        cli += ["--pass", spec]
+    progress("graphgrow mutate, depth only (streamed)")
+    budget = "1M" if size == "tiny" else "6G"
+    try:
+        s, peak, _ = child([*cli, "-o", str(deep), "--max-memory", budget, "--json"])
+        result["stages"]["graphgrow +4 layers (depth only, streamed, verified)"] = (s, peak)
+        me = [sys.executable, str(Path(__file__).resolve())]
+        child([*me, "--logits", str(deep), str(where / "d.pt")])
+        a, d = torch.load(where / "a.pt"), torch.load(where / "d.pt")
+        result["depth_only"] = {
+            "params": d["params"],
+            "logits_max_abs_diff": float((a["logits"] - d["logits"]).abs().max()),
+            "same_greedy_tokens": bool(torch.equal(a["greedy"], d["greedy"])),
+        }
+    finally:
+        shutil.rmtree(deep, ignore_errors=True)
+        (where / "d.pt").unlink(missing_ok=True)
+
+
 def run_mergekit(size: str, where: Path, result: dict, progress=print) -> None:
     """The side-by-side row of issue 42: mergekit (lazy unpickling, 1 GiB shards) on the checkpoint `run` wrote,
     its wall time and peak RSS, then its output's logits against the original's (a.pt must exist)."""
@@ -141,17 +169,21 @@ def run_mergekit(size: str, where: Path, result: dict, progress=print) -> None:
         (where / "m.pt").unlink(missing_ok=True)
 
 
-def logits_of(folder: Path, out: Path) -> None:
-    """from_pretrained (bfloat16), the logits of one seeded batch and 8 greedy tokens, saved to `out`."""
+def logits_of(folder: Path, out: Path, dtype: str = "bfloat16") -> None:
+    """from_pretrained (in `dtype`), the logits of one seeded batch and 8 greedy tokens, saved to `out`."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(ids).logits.float()
         greedy = model.generate(ids[:1], max_new_tokens=8, do_sample=False, pad_token_id=0)
     params = sum(p.numel() for p in model.parameters())
     torch.save({"logits": logits, "greedy": greedy, "params": params, "class": type(model).__name__}, out)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
 
 
 def _partial(where: Path, result: dict) -> None:
@@ -208,6 +240,12 @@ def run(size: str, where: Path, keep: bool = False, progress=print, reuse: bool 
         result["stages"]["from_pretrained + logits, grown"] = (s, peak)
         a, b = torch.load(where / "a.pt"), torch.load(where / "b.pt")
         la, lb = a["logits"], b["logits"]
+        # bf16 against bf16 adds two models' rounding; the reference that separates them is the original computed in
+        # float32 on the same stored values: the grown model should be about as far from it as the original in bf16
+        progress("from_pretrained: the original's logits in float32")
+        s, peak, _ = child([*me, "--logits", str(original), str(where / "f.pt"), "--dtype", "float32"])
+        result["stages"]["from_pretrained + logits, original in float32"] = (s, peak)
+        lf = torch.load(where / "f.pt")["logits"]
         result["compare"] = {
             "params": [a["params"], b["params"]],
             "class": b["class"],
@@ -216,13 +254,17 @@ def run(size: str, where: Path, keep: bool = False, progress=print, reuse: bool 
             "logits_scale": float(la.abs().max()),
             "same_argmax": float((la.argmax(-1) == lb.argmax(-1)).float().mean()),
             "same_greedy_tokens": bool(torch.equal(a["greedy"], b["greedy"])),
+            "original_bf16_vs_float32_rel_err": rel_err(la, lf),
+            "grown_bf16_vs_original_float32_rel_err": rel_err(lb, lf),
         }
+        _partial(where, result)
+        run_depth_only(size, where, result, progress)
         _partial(where, result)
         if mergekit_available():
             run_mergekit(size, where, result, progress)
     finally:
         if not keep:
-            for p in (original, grown, where / "a.pt", where / "b.pt"):
+            for p in (original, grown, where / "a.pt", where / "b.pt", where / "f.pt"):
                 if p.is_dir():
                     shutil.rmtree(p, ignore_errors=True)
                 elif p.exists():
@@ -262,6 +304,34 @@ def rows(size: str = "3b", where: Path = Path("/tmp/stream"), progress=lambda _:
         )
     else:
         out.append(Row(SECTION, model, "mergekit passthrough", 0, 0, "", note="not run: mergekit is not installed"))
+    if "depth_only" in r:
+        d = r["depth_only"]
+        out.append(
+            Row(
+                SECTION,
+                model,
+                "graphgrow depth only: from_pretrained logits max |Δ| vs original (bf16)",
+                d["logits_max_abs_diff"],
+                d["logits_max_abs_diff"],
+                "",
+                "= 0",
+                d["logits_max_abs_diff"] == 0,
+                note=f"{count(d['params'])}; same greedy tokens {d['same_greedy_tokens']}",
+            )
+        )
+    own, grown_err = c["original_bf16_vs_float32_rel_err"], c["grown_bf16_vs_original_float32_rel_err"]
+    out.append(
+        Row(
+            SECTION,
+            model,
+            "from_pretrained logits, grown (bf16) vs original in float32: rel err",
+            grown_err,
+            grown_err,
+            "",
+            f"≤ 2 × {own:.2e} (the original's own bf16 error)",
+            grown_err <= 2 * own,
+        )
+    )
     pres = r["report"]["preservation"]
     out.append(
         Row(
@@ -297,6 +367,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the folders (and grow a kept checkpoint again)")
     parser.add_argument("--write", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--logits", nargs=2, type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
     parser.add_argument(
         "--mergekit-only", action="store_true", help="run only mergekit's stage on a kept checkpoint (after --keep)"
     )
@@ -304,7 +375,7 @@ def main() -> None:
     if args.write:
         return write_checkpoint(args.size, args.write)
     if args.logits:
-        return logits_of(*args.logits)
+        return logits_of(*args.logits, dtype=args.dtype)
     if args.mergekit_only:
         partial = args.where / f"{args.size}-partial.json"
         result = json.loads(partial.read_text()) if partial.exists() else {"size": args.size, "stages": {}}
