@@ -4,7 +4,8 @@
 
 where skip is zero at insertion and has a non-zero gradient at once:
 - same shape: `g · start` with a scalar gate g = 0;
-- feature maps (N, C, H, W), or (N, C, L) of a Conv1d stack, different channels or size: 1×1 conv
+- feature maps (N, C, H, W), (N, C, L) of a Conv1d stack or (N, C, D, H, W) of a Conv3d one, different
+  channels or size: 1×1 conv
   (stride = spatial ratio, or adaptive average pooling first when the ratio is not an integer) →
   BatchNorm with γ = β = 0;
 - features last ((N, F), (N, T, F) tokens), different feature size: a Linear on the last dimension
@@ -81,7 +82,7 @@ def add_residual(
             skip = graph.call_function(operator.mul, (s, g))
             new_nodes += [g, skip]
             kind = "identity × gate (gate = 0)"
-        elif conv_dims(s) in (1, 2) and conv_dims(s) == conv_dims(e):
+        elif conv_dims(s) in (1, 2, 3) and conv_dims(s) == conv_dims(e):
             skip_nodes, kind = _conv_skip(gm, s, s_shape, e_shape, like, generator)
             skip = skip_nodes[-1]
             new_nodes += skip_nodes
@@ -174,7 +175,7 @@ def skip_params(s_shape: tuple, e_shape: tuple, s_dims: int | None = None, e_dim
     features); None where it builds none (another rank or layout, or upsampling)."""
     if s_shape == e_shape:
         return 1
-    if s_dims in (1, 2) and s_dims == e_dims and all(a >= b for a, b in zip(s_shape[2:], e_shape[2:])):
+    if s_dims in (1, 2, 3) and s_dims == e_dims and all(a >= b for a, b in zip(s_shape[2:], e_shape[2:])):
         return s_shape[1] * e_shape[1] + 2 * e_shape[1]
     if s_dims is None and e_dims is None and len(s_shape) == len(e_shape) in (2, 3) and s_shape[:-1] == e_shape[:-1]:
         return s_shape[-1] * e_shape[-1] + e_shape[-1]
@@ -201,7 +202,7 @@ def _check_span(gm: fx.GraphModule, s: fx.Node, e: fx.Node) -> None:
 
 def _conv_skip(gm, s, s_shape, e_shape, like, generator):
     """1×1 conv (+ adaptive pooling when needed) → BatchNorm(γ=β=0), inserted after the current point;
-    2-D maps (N, C, H, W) or 1-D ones (N, C, L)."""
+    2-D maps (N, C, H, W), 1-D ones (N, C, L) or volumes (N, C, D, H, W) of a video network."""
     graph = gm.graph
     (cin, *src_size), (cout, *end_size) = s_shape[1:], e_shape[1:]
     dims = len(src_size)
@@ -217,12 +218,12 @@ def _conv_skip(gm, s, s_shape, e_shape, like, generator):
         stride = tuple(a // b for a, b in zip(src_size, end_size))
         pooled = ""
     else:
-        pool = F.adaptive_avg_pool2d if dims == 2 else F.adaptive_avg_pool1d
-        src = graph.call_function(pool, (s, tuple(end_size) if dims == 2 else end_size[0]))
+        pool = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}[dims]
+        src = graph.call_function(pool, (s, tuple(end_size) if dims > 1 else end_size[0]))
         nodes.append(src)
         stride = (1,) * dims
         pooled = f"adaptive avg pool {_size(src_size)}→{_size(end_size)}, "
-    conv = (nn.Conv2d if dims == 2 else nn.Conv1d)(
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims](
         cin, cout, 1, stride=stride, bias=False, device=like.device, dtype=like.dtype
     )
     kaiming_(conv.weight, generator)
@@ -233,7 +234,8 @@ def _conv_skip(gm, s, s_shape, e_shape, like, generator):
     b = graph.call_module(f"{name}.1", (c,))
     nodes += [c, b]
     st = f"stride {stride[0]}" if len(set(stride)) == 1 else f"stride {stride}"
-    return nodes, f"{pooled}1×1 conv{'' if dims == 2 else ' (1-D)'} {cin}→{cout} {st} + BatchNorm(γ=β=0)"
+    kind = {1: " (1-D)", 2: "", 3: " (3-D)"}[dims]
+    return nodes, f"{pooled}1×1 conv{kind} {cin}→{cout} {st} + BatchNorm(γ=β=0)"
 
 
 def _size(size) -> str:

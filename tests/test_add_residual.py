@@ -104,6 +104,31 @@ def test_non_integer_ratio_pools_adaptively():
     assert r.preservation.eval.ok and r.preservation.train.ok
 
 
+def test_a_video_network_gets_a_3d_skip_over_its_last_stage():
+    """Volumes (N, C, D, H, W) of a Conv3d stack are feature maps with stages: the default skip spans the last
+    one with its downsampling (a strided 1×1×1 Conv3d + BatchNorm3d), not the stem to the classifier."""
+    torch.manual_seed(0)
+
+    def block(cin, cout, stride):
+        return nn.Sequential(nn.Conv3d(cin, cout, 3, stride, 1), nn.BatchNorm3d(cout), nn.ReLU())
+
+    model = nn.Sequential(
+        block(3, 4, 1),
+        block(4, 4, 1),
+        block(4, 8, 2),
+        block(8, 8, 1),
+        nn.AdaptiveAvgPool3d(1),
+        nn.Flatten(),
+        nn.Linear(8, 3),
+    )
+    randomize_bn(model)
+    _, r = grow(model, (1, 3, 4, 8, 8))
+    assert r.targets["start"] == "_1_2 [1, 4, 4, 8, 8]" and r.targets["end"] == "_3_2 [1, 8, 2, 4, 4]"
+    assert r.targets["skip"] == "1×1 conv (3-D) 4→8 stride 2 + BatchNorm(γ=β=0)"
+    assert isinstance(r.gm.get_submodule("residual_downsample.0"), nn.Conv3d)
+    assert r.preservation.eval.ok and r.preservation.train.ok
+
+
 def test_2d_features_get_a_zero_linear():
     model = mlp()
     _, r = grow(model, (1, 20))

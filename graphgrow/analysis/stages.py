@@ -96,11 +96,27 @@ def main_path(gm: fx.GraphModule, end: fx.Node | None = None) -> list[fx.Node]:
     return cuts
 
 
-def _resolution(n: fx.Node) -> tuple[int, ...] | None:
+def _volumetric(gm: fx.GraphModule) -> bool:
+    """Whether the model's feature maps are volumes (N, C, D, H, W): it convolves in 3-D (a video network). Only
+    then is a rank-5 tensor a feature map; elsewhere it is a regrouping on the way (a channel shuffle's 5-D view)."""
+    convs = [gm.get_submodule(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    return any(isinstance(m, nn.modules.conv._ConvNd) and len(m.kernel_size) == 3 for m in convs)
+
+
+def _pools_a_volume(n: fx.Node) -> bool:
+    """A rank-5 map pooled to one voxel per channel (is_global_pool knows 1-D and 2-D maps only)."""
+    src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    s, out = tensor_shape(src) if src is not None else None, tensor_shape(n)
+    if s is None or out is None or not len(s) == len(out) == 5:
+        return False
+    return all(d == 1 for d in out[2:]) and not all(d == 1 for d in s[2:])
+
+
+def _resolution(n: fx.Node, volumetric: bool = False) -> tuple[int, ...] | None:
     s = tensor_shape(n)
     if s is None:
         return None
-    if len(s) == 4:
+    if len(s) == 4 or (len(s) == 5 and volumetric and node_axis(n) == 1):
         return tuple(s[2:])
     if len(s) == 3:  # (N, C, L) after a Conv1d, (N, T, C) tokens
         return (s[2],) if node_axis(n) == 1 else (s[1],)
@@ -112,11 +128,14 @@ def backbone(gm: fx.GraphModule) -> list[fx.Node]:
     global pooling, token selection or flatten, or a language model's per-token output Linear)."""
     assign_channel_axes(gm)
     path = main_path(gm)
+    volumetric = _volumetric(gm)
     out: list[fx.Node] = []
     for n in path:
         if is_global_pool(gm, n) and _is_head_pool(n) and not _reshape_only(n):
             break  # patches flattened into a token sequence (same elements): the backbone goes on
-        if _resolution(n) is None:
+        if volumetric and _pools_a_volume(n) and _is_head_pool(n):
+            break  # a video network's global pool, (N, C, D, H, W) → (N, C, 1, 1, 1): the head
+        if _resolution(n, volumetric) is None:
             if out and len(tensor_shape(n) or ()) <= 2:  # rank 2: the head
                 break
             continue  # another rank on the way (a channel shuffle's 5-D view): the backbone goes on
@@ -157,8 +176,9 @@ def _token_head(gm: fx.GraphModule, path: list[fx.Node]) -> int:
 def stages(gm: fx.GraphModule) -> list[Stage]:
     """The backbone's main path split where the resolution changes."""
     result: list[Stage] = []
+    volumetric = _volumetric(gm)
     for n in backbone(gm):
-        res = _resolution(n)
+        res = _resolution(n, volumetric)
         if res is None:
             continue
         if (
@@ -218,7 +238,7 @@ def place(gm: fx.GraphModule, n: fx.Node, found: list[Stage] | None = None) -> s
     shape = tensor_shape(n)
     stage = next((s for s in found if n in s.nodes), None)
     if stage is None:
-        res = _resolution(n)
+        res = _resolution(n, _volumetric(gm))
         stage = next((s for s in found if s.resolution == res), None) if res is not None else None
     parts = [f"'{module_path(gm, n) or n.name}'"]
     if stage is not None:
