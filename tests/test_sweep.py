@@ -46,10 +46,11 @@ def test_sweep_runs_classifies_resumes_and_writes_the_table(tmp_path):
     assert again.returncode == 0 and len(state.read_text().splitlines()) == 2
     assert "small_cnn" not in again.stdout
 
-    # a run past its time limit is killed and counted as broken; the table lists it with its message
+    # a run past its time limit is killed and counted as broken; the table lists it with its message; the pass after
+    # it runs in a fresh process (and runs out of time too)
     late = sweep(
         "--passes",
-        "grow_width",
+        "grow_width,deepen",
         "--only",
         "small_cnn",
         "--timeout",
@@ -60,11 +61,12 @@ def test_sweep_runs_classifies_resumes_and_writes_the_table(tmp_path):
         str(table),
     )
     assert late.returncode == 0, late.stderr
-    last = json.loads(state.read_text().splitlines()[-1])
-    assert (last["status"], last["class"], last["rc"]) == ("broken", "timeout", None)
+    for line in state.read_text().splitlines()[-2:]:
+        last = json.loads(line)
+        assert (last["status"], last["class"], last["rc"]) == ("broken", "timeout", None), last
     text = table.read_text()
-    assert "3 runs over 2 models: **1 verified, 1 refused, 1 broken**" in text
-    assert "| small_cnn | grow_width | timeout | no result after 0.5 s |" in text
+    assert "4 runs over 2 models: **1 verified, 1 refused, 2 broken**" in text
+    assert "| small_cnn | grow_width | timeout | no result after 0.5 CPU seconds |" in text
 
     # --retry-timeouts runs it again; its new record replaces the old one in the counts
     retry = sweep(
@@ -79,7 +81,24 @@ def test_sweep_runs_classifies_resumes_and_writes_the_table(tmp_path):
         str(table),
     )
     assert retry.returncode == 0, retry.stderr
-    assert "3 runs over 2 models: **2 verified, 1 refused, 0 broken**" in table.read_text()
+    assert "4 runs over 2 models: **2 verified, 1 refused, 1 broken**" in table.read_text()
+
+
+def test_a_worker_stops_after_a_pass_out_of_time(capsys):
+    """The limit may interrupt anything (an import half done): the passes after it must not run in that process."""
+    import signal
+
+    import sweep_worker
+
+    try:
+        sweep_worker.main(
+            ["--passes", "grow_width,deepen", "--timeout", "0.01", "--", "tests.factories:small_cnn"]
+            + ["--input-shape", "1,3,16,16"]
+        )
+    finally:
+        signal.signal(signal.SIGPROF, signal.SIG_DFL)
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["pass"], r["timed_out"]) for r in lines] == [("grow_width", True)]
 
 
 def test_exit_codes_and_reason_classes():

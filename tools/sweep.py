@@ -24,13 +24,75 @@ from sweep_models import PASSES, REGISTRIES, Model  # noqa: E402
 from sweep_report import broken_kind, reason_class, render, status_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-STARTUP = 60.0  # seconds a model's process may take to import torch, the registry and the model's code
+STARTUP = 60.0  # CPU seconds a model's process may take to import torch, the registry and the model's code
+# the wall-clock backstop of a worker, as a multiple of its CPU budget: the per-pass limits count CPU seconds
+# (tools/sweep_worker.py), a niced process on shared cores gets a fraction of one
+WALL_FACTOR = 5.0
 
 
 def run_model(model: Model, passes: list[str], timeout: float, cwd: Path) -> list[dict]:
-    """Every pass of one model in one process (tools/sweep_worker.py: the CLI in-process, each pass under its own
-    time limit), niced, in its own process group, killed whole when the passes' limits plus start-up are spent. The
-    records, one per pass: exit, status, class, the one-line message."""
+    """Every pass of one model (tools/sweep_worker.py: the CLI in-process, each pass under its own limit of CPU
+    seconds), niced, in its own process group. A worker stops after a pass that ran out of time; the passes left get
+    a fresh one. The records, one per pass: exit, status, class, the one-line message."""
+    reported: dict[str, dict] = {}
+    while True:
+        todo = [p for p in passes if p not in reported]
+        if not todo:
+            break
+        got, killed, rc, err, deadline = _run_worker(model, todo, timeout, cwd)
+        reported.update(got)
+        if killed or not got or not list(got.values())[-1]["timed_out"]:
+            break  # a worker that did not stop for a time limit has reported every pass it could
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    records = []
+    for p in passes:
+        r = reported.get(p)
+        crash = ""
+        if r is None:  # the process stopped before this pass ended: the wall-clock backstop, or a crash
+            crash = "timeout" if killed else f"crash (exit {rc})"
+            why = (
+                f"no result after {deadline:g} s (wall clock) for the model's process"
+                if killed
+                else f"the model's process ended (exit {rc}): {_message(err)}"
+            )
+            r = {"rc": None, "timed_out": killed, "stdout": "", "stderr": why, "seconds": 0.0}
+        timed_out = bool(r["timed_out"])
+        rc_p = None if timed_out else r["rc"]
+        status = status_of(rc_p, timed_out) if not crash else "broken"
+        message = (
+            _message(r["stderr"], r["stdout"])
+            if not timed_out or r["stderr"]
+            else f"no result after {timeout:g} CPU seconds"
+        )
+        cls = (
+            crash
+            or (reason_class(message) if status == "refused" else "")
+            or (broken_kind(rc_p, timed_out) if status == "broken" else "")
+        )
+        records.append(
+            {
+                "registry": model.registry,
+                "model": model.key,
+                "pass": p,
+                "name": model.name,
+                "args": list(model.args),
+                "rc": rc_p,
+                "status": status,
+                "class": cls,
+                "message": message if status != "verified" else "",
+                "seconds": r["seconds"],
+                "cpu_seconds": r.get("cpu_seconds"),
+                "when": when,
+            }
+        )
+    return records
+
+
+def _run_worker(
+    model: Model, passes: list[str], timeout: float, cwd: Path
+) -> tuple[dict[str, dict], bool, int | None, str, float]:
+    """One worker process for these passes: (its records by pass, killed at the wall-clock backstop, its exit code,
+    its stderr, the backstop in seconds)."""
     cmd = [
         "nice",
         "-n",
@@ -46,7 +108,7 @@ def run_model(model: Model, passes: list[str], timeout: float, cwd: Path) -> lis
         *model.args,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    deadline = timeout * len(passes) + STARTUP
+    deadline = (timeout * len(passes) + STARTUP) * WALL_FACTOR
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -68,46 +130,7 @@ def run_model(model: Model, passes: list[str], timeout: float, cwd: Path) -> lis
             continue
         if isinstance(r, dict) and r.get("pass") in passes:
             reported[r["pass"]] = r
-    when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    records = []
-    for p in passes:
-        r = reported.get(p)
-        if r is None:  # the process stopped before this pass ended: the time limit, or a crash (its last words)
-            why = (
-                f"no result after {deadline:g} s for the model's process"
-                if killed
-                else f"the model's process ended (exit {proc.returncode}): {_message(err)}"
-            )
-            r = {
-                "rc": None if killed else proc.returncode,
-                "timed_out": killed,
-                "stdout": "",
-                "stderr": why,
-                "seconds": 0.0,
-            }
-        timed_out = bool(r["timed_out"])
-        rc = None if timed_out else r["rc"]
-        status = status_of(rc, timed_out) if p in reported else "broken"
-        message = (
-            _message(r["stderr"], r["stdout"]) if not timed_out or r["stderr"] else f"no result after {timeout:g} s"
-        )
-        cls = reason_class(message) if status == "refused" else broken_kind(rc, timed_out) if status == "broken" else ""
-        records.append(
-            {
-                "registry": model.registry,
-                "model": model.key,
-                "pass": p,
-                "name": model.name,
-                "args": list(model.args),
-                "rc": rc,
-                "status": status,
-                "class": cls,
-                "message": message if status != "verified" else "",
-                "seconds": r["seconds"],
-                "when": when,
-            }
-        )
-    return records
+    return reported, killed, proc.returncode, err, deadline
 
 
 def _message(stderr: str, stdout: str = "") -> str:
@@ -169,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout",
         type=float,
         default=120.0,
-        help="seconds per run (one pass of one model) before it counts as broken",
+        help="CPU seconds per run (one pass of one model) before it counts as broken",
     )
     ap.add_argument("--state", default="tools/sweep_state.jsonl", help="JSONL results; runs it holds are skipped")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (only 1 is implemented: the CPUs are shared)")

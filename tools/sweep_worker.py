@@ -1,8 +1,11 @@
 """One model of a sweep, every pass, in one process (tools/sweep.py starts it): the real CLI
 (`graphgrow mutate MODEL --pass P --check --onnx OUT.onnx`) run in this process once per pass, so torch, the
-registry and the model's code are imported once per model instead of once per run. Each pass has its own time
-limit (SIGALRM); one JSON line per pass goes to stdout as soon as it ends:
-{"pass", "rc", "timed_out", "stdout", "stderr", "seconds"}.
+registry and the model's code are imported once per model instead of once per run. Each pass has its own limit
+in CPU seconds of this process (SIGPROF: on shared cores a wall-clock limit measures the neighbours' load, not the
+run); one JSON line per pass goes to stdout as soon as it ends: {"pass", "rc", "timed_out", "stdout", "stderr",
+"seconds", "cpu_seconds"}. A pass that ran out of time stops the process: the limit may have interrupted anything,
+an import half done included, so the passes after it would inherit a broken state (tools/sweep.py starts a fresh
+process for them). The exporters the check imports lazily are imported before the first limit starts.
 
     python tools/sweep_worker.py --passes grow_width,deepen --timeout 120 -- hf:gpt2/causal-lm --input-shape 1,8
 """
@@ -10,7 +13,9 @@ limit (SIGALRM); one JSON line per pass goes to stdout as soon as it ends:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -22,6 +27,11 @@ class _Timeout(BaseException):  # not an Exception: fewer handlers catch it (the
 
 
 _fired = [False]
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def _alarm(*_) -> None:
@@ -43,20 +53,28 @@ def run_pass(main, runner, model: str, extra: list[str], pass_name: str, timeout
             f"{tmp}/out.pt",
             *extra,
         ]
-        start = time.monotonic()
+        start, cpu = time.monotonic(), _cpu_seconds()
         _fired[0] = False
-        signal.setitimer(signal.ITIMER_REAL, timeout, 1.0)  # and again every second: a handler may swallow one
+        signal.setitimer(signal.ITIMER_PROF, timeout, 1.0)  # and again every CPU second: a handler may swallow one
         timed_out = False
         try:
             result = runner.invoke(main, argv, catch_exceptions=True)
         except _Timeout:
             result, timed_out = None, True
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        seconds = round(time.monotonic() - start, 1)
+            signal.setitimer(signal.ITIMER_PROF, 0)
+        seconds, cpu_seconds = round(time.monotonic() - start, 1), round(_cpu_seconds() - cpu, 1)
     timed_out = timed_out or _fired[0]
     if timed_out or result is None:
-        return {"pass": pass_name, "rc": None, "timed_out": True, "stdout": "", "stderr": "", "seconds": seconds}
+        return {
+            "pass": pass_name,
+            "rc": None,
+            "timed_out": True,
+            "stdout": "",
+            "stderr": "",
+            "seconds": seconds,
+            "cpu_seconds": cpu_seconds,
+        }
     stderr = result.stderr
     if result.exception is not None and not isinstance(result.exception, SystemExit):  # a crash the CLI let through
         stderr += f"\n{type(result.exception).__name__}: {result.exception}"
@@ -67,13 +85,23 @@ def run_pass(main, runner, model: str, extra: list[str], pass_name: str, timeout
         "stdout": result.stdout[-20000:],
         "stderr": stderr[-20000:],
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
     }
+
+
+def _preload() -> None:
+    """What the check imports on first use (the ONNX exporter and runtime): imported here, outside any limit."""
+    import importlib
+
+    for name in ("onnx", "onnxscript", "onnxruntime", "torch.onnx"):
+        with contextlib.suppress(Exception):  # one missing is the check's to report, in its own words
+            importlib.import_module(name)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--passes", required=True)
-    ap.add_argument("--timeout", type=float, required=True, help="seconds per pass")
+    ap.add_argument("--timeout", type=float, required=True, help="CPU seconds per pass")
     ap.add_argument("model", nargs=argparse.REMAINDER, help="-- MODEL [extra CLI arguments]")
     a = ap.parse_args(argv)
     rest = a.model[1:] if a.model[:1] == ["--"] else a.model
@@ -83,10 +111,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from graphgrow.cli.commands import main as cli
 
-    signal.signal(signal.SIGALRM, _alarm)
+    _preload()
+    signal.signal(signal.SIGPROF, _alarm)
     runner = CliRunner()
     for p in [p for p in a.passes.split(",") if p]:
-        print(json.dumps(run_pass(cli, runner, rest[0], rest[1:], p, a.timeout)), flush=True)
+        record = run_pass(cli, runner, rest[0], rest[1:], p, a.timeout)
+        print(json.dumps(record), flush=True)
+        if record["timed_out"]:
+            return 0  # the passes left get a fresh process (see the module's docstring)
     return 0
 
 
