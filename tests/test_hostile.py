@@ -881,6 +881,21 @@ def test_a_data_dependent_model_needs_the_limit_lifted_explicitly(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+class NamesItsDevice(nn.Module):
+    """Names the device it made its tensors on, as a graph torch.export captured does (`.to(device(type='cpu'))`)."""
+
+    def forward(self, x):
+        return x + torch.linspace(0, 1, x.shape[-1]).to(torch.device("cpu")) + torch.ones(x.shape[-1], device="cpu")
+
+
+def test_the_estimate_runs_a_graph_that_names_its_device():
+    from graphgrow.analysis.budget import activation_bytes, meta_copy
+    from graphgrow.graph.inputs import plain_spec
+
+    gm = gg.trace(NamesItsDevice(), (1, 8))
+    assert activation_bytes(meta_copy(gm), plain_spec((1, 8)), batch=3) >= 4 * 3 * 8  # sized, not NoEstimate
+
+
 def test_the_estimate_covers_a_batch_larger_than_verifications(tmp_path):
     src = tmp_path / "wide.pt"
     torch.save(nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1)), src)

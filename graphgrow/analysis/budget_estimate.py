@@ -136,6 +136,12 @@ def _node_bytes(gm: fx.GraphModule, inputs: Sequence, body: bool = False) -> int
                 total += max(_node_bytes(b, values, body=True) for b in switch.bodies())
             return out
 
+        def call_function(self, target, args, kwargs):
+            return super().call_function(target, *_on_meta(args, kwargs))
+
+        def call_method(self, target, args, kwargs):
+            return super().call_method(target, *_on_meta(args, kwargs))
+
         def both_ways(self, n):
             """A leaf that branches on its data (`if x.sum() > 0:`, which fx cannot trace): run it with every such
             test answered True, then False, and keep the larger output. None when it fails for another reason
@@ -153,6 +159,19 @@ def _node_bytes(gm: fx.GraphModule, inputs: Sequence, body: bool = False) -> int
 
     Count(gm).run(*inputs)
     return total
+
+
+def _on_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A call's arguments with every device it names made the meta device: a graph captured by torch.export holds
+    the device it ran on as a constant (`x.to(device(type='cpu'))`, `arange(..., device=cpu)`), which would
+    put that tensor back on the real device and stop the next op that meets a meta one."""
+
+    def meta(a):
+        return torch.device("meta") if isinstance(a, torch.device) and a.type != "meta" else a
+
+    args = tuple(fx.node.map_aggregate(args, meta))
+    kwargs = {k: meta(torch.device(v) if k == "device" and isinstance(v, str) else v) for k, v in kwargs.items()}
+    return args, kwargs
 
 
 def _bytes(out) -> int:
