@@ -284,6 +284,7 @@ def grow_streaming(
         for sink in sinks.values():
             sink.close()
         del window
+        release_freed()  # the window and its capture are cyclic garbage: collected now, not during verification
         timings["vocabulary"] = time.perf_counter() - t
         config = grown_config(plan, changed or {})
         _check_shapes(plan, config, written)
