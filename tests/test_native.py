@@ -484,3 +484,11 @@ def test_a_folder_whose_class_has_no_cache_loads_and_comes_back_without_one(runn
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.allclose(grown(pixel_values=x).logits, vit.eval()(pixel_values=x).logits, atol=1e-5)
+
+
+def test_a_two_tower_config_sizes_its_images_in_its_vision_config():
+    """CLIP's top config has no image_size: the default input is the vision tower's (a 224 input would not match
+    the positions of a 32-pixel tower)."""
+    config = transformers.CLIPConfig(vision_config={"image_size": 32, "patch_size": 8, "num_channels": 1})
+    spec = default_spec(config, transformers.CLIPForImageClassification)
+    assert spec is not None and [(t.name, t.shape) for t in spec] == [("pixel_values", (1, 1, 32, 32))]

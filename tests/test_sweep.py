@@ -109,3 +109,44 @@ def test_exit_codes_and_reason_classes():
     assert reason_class("add_branch runs 2-D conv branches beside a Conv2d; this model has none") == "no place"
     assert reason_class("hf:x/causal-lm: the config refused the arguments: ValueError") == "model does not build"
     assert reason_class("something nobody wrote a pattern for") == "other"
+
+
+def test_the_transformers_config_shrinker_keeps_what_the_models_rely_on():
+    """_shrunk on small stand-ins for transformers' config classes (dataclasses, as in transformers 5): an optional
+    top-k left None, multi-head latent attention's key/value heads, a vision tower's sub-config, a count of groups
+    that must divide the shrunk channels, a vocabulary under another name (only ever made smaller)."""
+    from dataclasses import dataclass
+
+    from sweep_models import HEADS, HIDDEN, VOCAB, _shrunk
+
+    @dataclass
+    class Latent:
+        hidden_size: int = 4096
+        num_attention_heads: int = 128
+        num_key_value_heads: int | None = 128
+        kv_lora_rank: int = 512
+        num_experts_per_tok: int | None = None  # the model calls topk(k=None) if left so
+        head_dim: int | None = None  # derived when None: left None
+
+    kw = _shrunk(Latent)
+    assert kw["num_key_value_heads"] == kw["num_attention_heads"] == HEADS and kw["num_experts_per_tok"] == 2
+    assert "head_dim" not in kw
+
+    @dataclass
+    class Grouped:
+        embedding_size: int = 64
+        hidden_sizes: tuple = (256, 512, 1024, 2048)
+        num_groups: int = 32
+        type_vocab_size: int = 2
+        hash_vocab: int = 500_002
+
+    @dataclass
+    class Towers:
+        projection_dim: int = 512
+        sub_configs = {"vision_config": Grouped}
+        vision_config: dict | None = None
+
+    kw = _shrunk(Towers)["vision_config"]
+    assert all(c % kw["num_groups"] == 0 for c in [kw["embedding_size"], *kw["hidden_sizes"]])
+    assert kw["num_groups"] > 1 and kw["hash_vocab"] == VOCAB and "type_vocab_size" not in kw
+    assert _shrunk(Grouped)["embedding_size"] == HIDDEN

@@ -160,12 +160,20 @@ _SCALARS = {
     "image_size": IMAGE,
     "embedding_size": HIDDEN,
 }
+# optional sizes whose None means "derived from the others" or "off" (not "missing"): left None
+_DERIVED = {"head_dim", "n_inner", "intermediate_size", "num_key_value_heads", "rotary_dim", "q_lora_rank"}
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id")
 
 
 def _shrunk(config_class: type) -> dict:
-    """The config arguments that make a small model: the size fields the class has, token ids kept inside the small
-    vocabulary, per-stage lists (hidden_sizes, depths, stage heads) shortened to small values of the same length."""
+    """The config arguments that make a small model: the size fields the class has (an optional one left None by
+    default too: a mixture-of-experts' top-k is None in a config whose experts are on), token ids kept inside the
+    small vocabulary, per-stage lists (hidden_sizes, depths, stage heads, their singular spellings) shortened to
+    small values of the same length, sub-configs (`sub_configs`: a vision and a text tower, DBRX's attention and
+    expert configs, BLT's four transformers) shrunk the same way. Relations the model relies on are kept: multi-head
+    latent attention (kv_lora_rank) expands its keys to every head, so its key/value heads are the heads (fewer would
+    make transformers repeat them again when exported: 'broadcast a dimension of length 8'); a count of groups still
+    divides the channels it divided."""
     import dataclasses
 
     try:
@@ -179,6 +187,11 @@ def _shrunk(config_class: type) -> dict:
     )
     fields |= set(getattr(config_class, "attribute_map", {}))
     real = {k for k in fields if k not in getattr(config_class, "attribute_map", {})}
+    optional_int = {
+        f.name
+        for f in (dataclasses.fields(config_class) if dataclasses.is_dataclass(config_class) else ())
+        if f.default is None and re.search(r"\bint\b", str(f.type))
+    }
     kw: dict = {}
 
     def value(k: str) -> object:
@@ -187,26 +200,77 @@ def _shrunk(config_class: type) -> dict:
         except Exception:  # a per-layer field read as one value (heterogeneous configs)
             return None
 
+    def size(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
     for k, v in _SCALARS.items():
-        if k in real and isinstance(value(k), int) and not isinstance(value(k), bool):
+        if k in real and (size(value(k)) or (k in optional_int and value(k) is None and k not in _DERIVED)):
             kw[k] = v
+    for k in real:  # a vocabulary or a hidden size under another name (BLT's hash vocabulary, hidden_size_global)
+        v = value(k)
+        if k in kw or not size(v):
+            continue
+        if re.search(r"(^|_)vocab(_|$)", k) and v > VOCAB:  # only ever smaller: type_vocab_size stays 2
+            kw[k] = VOCAB
+        elif re.search(r"(^|_)hidden_size(_|$)", k) and v > HIDDEN:
+            kw[k] = HIDDEN
     for k in _TOKEN_IDS:
         token = value(k)
         if k in real and isinstance(token, int) and token >= VOCAB:
             kw[k] = _TOKEN_IDS.index(k) % 3
-    for k in ("hidden_sizes", "depths", "num_heads", "embed_dims"):
+    if "num_key_value_heads" in kw and "kv_lora_rank" in real:
+        kw["num_key_value_heads"] = kw.get("num_attention_heads", HEADS)
+    # (CvT's `depth` is left as it is: its code indexes stage i's drop-path rates, depth[i] of them, by i)
+    for k in ("hidden_sizes", "depths", "num_heads", "embed_dims", "embed_dim"):
         stages = value(k)
         if k in real and isinstance(stages, (list, tuple)) and stages and all(isinstance(x, int) for x in stages):
             n = len(stages)
             kw[k] = {
                 "hidden_sizes": [16 * 2**i for i in range(n)],
                 "embed_dims": [16 * 2**i for i in range(n)],
+                "embed_dim": [16 * 2**i for i in range(n)],
                 "depths": [1] * n,
                 "num_heads": [2**i for i in range(n)],
             }[k]
-            if k == "num_heads" and "embed_dim" in kw:
+            if k == "num_heads" and isinstance(kw.get("embed_dim"), int):
                 kw["embed_dim"] = 16  # stage i has embed_dim · 2^i channels and 2^i heads
+    _keep_groups(kw, real, value)
+    for k, sub in (getattr(config_class, "sub_configs", None) or {}).items():
+        if k in real and isinstance(sub, type):
+            small = _shrunk(sub)
+            if small:
+                kw[k] = small
     return kw
+
+
+def _keep_groups(kw: dict, real: set, value) -> None:
+    """A count of groups (GroupNorm's num_groups, grouped convolutions) that divided every channel size the config
+    had keeps dividing the shrunk ones: scaled down as they were (a block's inner width is a fixed fraction of its
+    stage's), then lowered until it divides them all."""
+    channels = [k for k in kw if k in ("hidden_size", "embedding_size", "hidden_sizes", "embed_dims", "embed_dim")]
+
+    def sizes(get) -> list[int]:
+        out: list[int] = []
+        for k in channels:
+            v = get(k)
+            out += [x for x in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(x, int)]
+        return out
+
+    old, new = sizes(value), sizes(kw.get)
+    if not old or len(old) != len(new):
+        return
+    ratio = min(n / o for n, o in zip(new, old))
+    for k in real:
+        g = value(k)
+        if "group" not in k or not isinstance(g, int) or isinstance(g, bool) or g <= 1 or k in kw:
+            continue
+        if any(o % g for o in old):
+            continue  # not a count the channels are split by
+        small = max(1, int(g * min(ratio, 1.0)))
+        while small > 1 and any(n % small for n in new):
+            small -= 1
+        if small != g:
+            kw[k] = small
 
 
 def _literal(kw: dict) -> str:

@@ -11,7 +11,8 @@ the model on the meta device before allocating it (load.py, `--max-load`): trans
 The default input spec (`default_spec`, reported as LoadedModel.input_shape) holds only the inputs the forward
 needs — no attention_mask (all positions attend, as with a mask of ones): token ids `input_ids` int64[1,16] below
 `vocab_size`; images `pixel_values` float32[1,num_channels,image_size,image_size] (224 when the config has no
-size); audio `input_values` float32[1,16000]; encoder-decoders add `decoder_input_ids` int64[1,16].
+size; a two-tower config's vision_config gives them); audio `input_values` float32[1,16000]; encoder-decoders add
+`decoder_input_ids` int64[1,16].
 """
 
 from __future__ import annotations
@@ -187,8 +188,10 @@ def default_spec(config: Any, model_class: type, target: str = "the model") -> I
     if main == "input_ids":
         records, settings = [_token_ids("input_ids", config, target)], "vocab_size"
     elif main == "pixel_values":
-        size = _pair(getattr(config, "image_size", IMAGE_SIZE), target)
-        channels = _positive(getattr(config, "num_channels", 3), "num_channels", target)
+        # a model of two towers (CLIP, SigLIP) sizes its images in its vision config
+        vision = config if hasattr(config, "image_size") else getattr(config, "vision_config", None) or config
+        size = _pair(getattr(vision, "image_size", IMAGE_SIZE), target)
+        channels = _positive(getattr(vision, "num_channels", 3), "num_channels", target)
         records, settings = [{"name": "pixel_values", "shape": [1, channels, *size]}], "image_size and num_channels"
     elif main == "input_values":
         records, settings = [{"name": "input_values", "shape": [1, AUDIO_SAMPLES]}], "the audio input"
