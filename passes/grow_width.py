@@ -96,7 +96,9 @@ def width_of(gm: fx.GraphModule, node: fx.Node, coupling: Coupling) -> tuple[int
                 "grow the layer that produces its input",
             )
         kind = "weight-standardised conv" if f.standardised else f"F.{f.kind}"
-        return int(gm.get_parameter(f.weight).shape[0]), kind
+        if f.kind == "stacked":
+            kind = "experts stacked in one weight"
+        return int(gm.get_parameter(f.weight).shape[f.out_axis]), kind
     layer = check_growable_layer(gm, node)
     return out_width(layer), type(layer).__name__
 
@@ -199,9 +201,9 @@ def growth_params(gm: fx.GraphModule, coupling: Coupling, gid: int, factor: floa
                 if f is not None:  # a called layer: its weight's rows (outputs) or columns (inputs)
                     w = gm.get_parameter(f.weight)
                     total += (
-                        (w.numel() // w.shape[0] + (role == "out" and f.bias is not None)) * delta
+                        (w.numel() // w.shape[f.out_axis] + (role == "out" and f.bias is not None)) * delta
                         if role == "out"
-                        else w.numel() // w.shape[1] * delta
+                        else w.numel() // w.shape[f.in_axis] * delta
                     )
                     continue
                 if node is None or node.op != "call_module":

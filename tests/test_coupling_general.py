@@ -141,3 +141,30 @@ def test_analyze_annotates_an_unannotated_graph_or_says_what_is_missing():
     bare = torch.fx.symbolic_trace(ResNeXtish())
     with pytest.raises(gg.GraphgrowError, match="not made by graphgrow.trace"):
         analyze(bare)
+
+
+class LearnedActivation(nn.Module):
+    """An MLP whose activation has learned scalars, written as published (xIELU, Apertus): comparisons, `where`,
+    `min` with a scalar buffer, `expm1`, and products with one-element parameters — elementwise in every channel."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(6, 8), nn.Linear(8, 6)
+        self.alpha_p, self.alpha_n = nn.Parameter(torch.tensor([0.3])), nn.Parameter(torch.tensor([0.2]))
+        self.register_buffer("beta", torch.tensor(0.5))
+        self.register_buffer("eps", torch.tensor(-1e-6))
+
+    def forward(self, x):
+        h = self.up(x)
+        a_p, a_n = nn.functional.softplus(self.alpha_p), self.beta + nn.functional.softplus(self.alpha_n)
+        pos = a_p * h * h + self.beta * h
+        neg = (torch.expm1(torch.min(h, self.eps)) - h) * a_n + self.beta * h
+        return x + self.down(torch.where(h > 0, pos, neg))
+
+
+def test_an_activation_with_learned_scalars_is_elementwise():
+    gm = gg.trace(LearnedActivation(), (2, 5, 6))
+    group = analyze(gm).group("up")
+    assert not analyze(gm).why_frozen(group.id) and group.consumers == ["down"]
+    r = GrowWidth(target="up", to=12)(gm)
+    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok

@@ -256,3 +256,23 @@ def test_functional_linear_with_parameters_by_name_grows():
     assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
     assert r.gm.get_parameter("w_in").shape == (16, 12) and r.gm.get_parameter("w_out").shape == (12, 16)
     assert r.gm.get_parameter("b_out").shape == (12,) and r.gm.get_parameter("w_stem").shape == (12, 5)
+
+
+@pytest.mark.parametrize("kind", ["gathered_bmm", "transposed_matmul", "dense_einsum", "module_list"])
+def test_mixture_of_experts_grows_every_expert_and_the_router(kind):
+    """Experts stacked in one parameter ([E, out, in] gathered by the routed indices and multiplied with bmm, [E, in,
+    out] with index_select and `@`, every expert on every token with an einsum) or a ModuleList: the stream reaches
+    each expert's input columns and output rows and the router's columns; the routing does not move."""
+    from moe_models import SPEC, H, MoEBlock
+
+    gm = gg.trace(MoEBlock(kind), input_shape=parse_spec(SPEC))
+    r = gg.get_pass("grow_hidden")(by=5)(gm)
+    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
+    assert r.gm.get_parameter("moe.router.gate.weight").shape == (4, H + 5)
+    grown = {n: tuple(p.shape) for n, p in r.gm.named_parameters() if n.startswith("moe.") and "router" not in n}
+    old = {n: tuple(p.shape) for n, p in gm.named_parameters() if n in grown}
+    changed = {n for n in grown if grown[n] != old[n]}
+    assert changed and all(sum(a != b for a, b in zip(grown[n], old[n])) == 1 and H + 5 in grown[n] for n in changed), (
+        grown,
+        old,
+    )

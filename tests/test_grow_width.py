@@ -295,3 +295,29 @@ def test_tied_weights_are_refused_not_untied():
     gm = gg.trace(Tied(), (1, 6))
     with pytest.raises(gg.NotApplicable, match="tied weights"):
         gg.Pipeline.from_spec("grow_width(target=a)").run(gm)
+
+
+@pytest.mark.parametrize(
+    "kind,init", [("gathered_bmm", "net2net"), ("transposed_matmul", "zero"), ("dense_einsum", "zero")]
+)
+def test_mixture_of_experts_stacked_in_one_weight_grows_every_expert(kind, init):
+    """Experts stacked in one parameter, multiplied with bmm, `@` or einsum (tests/moe_models.py): the intermediate
+    width grows in every expert alike (the default target), the routing untouched, old entries kept."""
+    from moe_models import SPEC, E, H, I, MoEBlock
+
+    from graphgrow.graph.inputs import parse_spec
+
+    gm = gg.trace(MoEBlock(kind), input_shape=parse_spec(SPEC))
+    r = GrowWidth(init=init)(gm)
+    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
+    assert "experts stacked in one weight" in r.targets["target"]
+    before = dict(gm.named_parameters())
+    after = dict(r.gm.named_parameters())
+    assert torch.equal(after["moe.router.gate.weight"], before["moe.router.gate.weight"])
+    w_in, w_out = ("moe.gate_up", "moe.down") if kind == "gathered_bmm" else ("moe.w_in", "moe.w_out")
+    inner = 2 * I if kind == "gathered_bmm" else I  # gate and up: a chunk of one output, both grow
+    expected_in = (E, 2 * inner, H) if kind == "gathered_bmm" else (E, H, 2 * I)
+    expected_out = (E, H, 2 * I) if kind == "gathered_bmm" else (E, 2 * I, H)
+    assert tuple(after[w_in].shape) == expected_in and tuple(after[w_out].shape) == expected_out
+    if kind != "gathered_bmm":  # old entries at their places: the first I units of every expert
+        assert torch.equal(after[w_in][:, :, :I], before[w_in])

@@ -15,7 +15,8 @@ from torch import fx, nn
 
 from ..graph import ops
 from ..graph.fx_edit import tensor_shape
-from .reshapes import piece_axis, reshape_regroup, stack_axis
+from .reshapes import piece_axis, reshape_regroup, stack_axis, unit_dims_regroup
+from .stacked import stacked_product
 
 # Modules whose output channel c depends only on input channel c.
 CHANNELWISE_MODULES = (
@@ -138,6 +139,9 @@ def assign_channel_axes(gm: fx.GraphModule) -> None:
             axis = reduced_axis(n)
         if axis is None:
             axis = _regrouped_axis(n)
+        if axis is None:
+            product = stacked_product(gm, n) if n.op in ("call_function", "call_method") else None
+            axis = product.y_axis if product is not None else None  # per expert a Linear: its output's features
         if axis is None and n.op == "call_module":
             m = gm.get_submodule(n.target)
             if isinstance(m, nn.Linear):
@@ -185,7 +189,7 @@ def _regrouped_axis(n: fx.Node) -> int | None:
         return stack_axis(n, node_axis(first)) if isinstance(first, fx.Node) else None
     if x is None:
         return None
-    found = reshape_regroup(n, node_axis(x))
+    found = reshape_regroup(n, node_axis(x)) or unit_dims_regroup(n, node_axis(x))
     if found is not None:
         return found.out_axis
     piece = piece_axis(n, node_axis)

@@ -47,7 +47,8 @@ from .coupling_layers import Functional, layer_rule
 from .coupling_modules import flatten_rule, module_rule, normalises_channels
 from .coupling_splits import ChannelEdit, literal_at, split_rule
 from .opaque import slice_keeps_channels
-from .probe import function_is_channelwise
+from .probe import elementwise_is_channelwise, function_is_channelwise
+from .stacked import feeds_stacked_weight
 
 
 @dataclass
@@ -161,6 +162,8 @@ def analyze(gm: fx.GraphModule) -> Coupling:
                 b.freeze(tensor_inputs + [n], f"module '{n.target}' is called {calls[n.target]} times (shared weights)")
                 continue
             module_rule(b, site, modules[n.target])
+        elif n.op in ("call_function", "call_method") and feeds_stacked_weight(gm, n):
+            continue  # a gather or view of an expert-stacked weight: read by the product's own rule
         elif n.op in ("call_function", "call_method") and not split_rule(b, site) and not layer_rule(b, site):
             function_rule(b, site)
 
@@ -260,6 +263,10 @@ def function_rule(b: Build, s: Site) -> None:
     if n.op == "call_function" and x is not None and len(s.inputs) == 1 and s.out is not None and _probe_function(n, x):
         b.join(x, n)  # e.g. torchvision's stochastic_depth: acts on whole examples, so on each channel alone
         return
+    full = _probe_elementwise(n)
+    if full:
+        b.join(*full, n)  # e.g. xIELU: where(x > 0, α·x² + β·x, (expm1(min(x, ε)) − x)·α' + β·x), α, β, ε scalars
+        return
     b.freeze(
         s.inputs + ([n] if s.out else []), f"'{n.name}' ({_name(target)}) is not understood by the coupling analysis"
     )
@@ -299,7 +306,7 @@ def _elementwise(b: Build, s: Site) -> bool:
         and len(tensor_shape(a)) == len(out_shape)
         and tensor_shape(a)[axis] == out_shape[axis]
     ]
-    broadcast = [a for a in rest if a not in full]
+    broadcast = [a for a in rest if a not in full and not _one_value(a)]  # a scalar is the same for every channel
     if any(len(tensor_shape(a)) == len(out_shape) and tensor_shape(a)[axis] != 1 for a in broadcast) or any(
         len(tensor_shape(a)) != len(out_shape) for a in broadcast
     ):
@@ -396,6 +403,36 @@ def _per_channel_tensor(gm, a: fx.Node, out_shape, axis: int) -> tuple[str, list
         gm.get_submodule(a.target.rpartition(".")[0]) if "." in a.target else gm, a.target.rpartition(".")[2], None
     )
     return (str(a.target), views) if isinstance(t, torch.Tensor) and t.numel() == out_shape[axis] else None
+
+
+def _one_value(a: fx.Node) -> bool:
+    shape = tensor_shape(a)
+    return isinstance(shape, tuple) and all(d == 1 for d in shape)
+
+
+def _probe_elementwise(n: fx.Node) -> list[fx.Node]:
+    """The tensor arguments of an op with several of the output's shape and otherwise one-element tensors (learned
+    scalars), when probing shows it channelwise in all of them at once; else []."""
+    out = tensor_shape(n)
+    if n.op != "call_function" or not callable(n.target) or out is None or node_axis(n) is None:
+        return []
+    if any(isinstance(v, fx.Node) for v in n.kwargs.values()):
+        return []
+    args, full, slots = list(n.args), [], []
+    for i, a in enumerate(args):
+        if not isinstance(a, fx.Node):
+            continue
+        shape, dtype = tensor_shape(a), a.meta.get("gg_dtype")
+        if shape == out and node_axis(a) == node_axis(n) and isinstance(dtype, torch.dtype):
+            full.append(a)
+            slots.append((i, dtype))
+        elif _one_value(a) and isinstance(dtype, torch.dtype):
+            args[i] = torch.full(shape, 0.37 + 0.1 * i, dtype=dtype)  # a value of its own, not 0 or 1
+        else:
+            return []
+    if not full or not elementwise_is_channelwise(n.target, tuple(args), dict(n.kwargs), slots, out, node_axis(n)):
+        return []
+    return full
 
 
 def _probe_function(n: fx.Node, x: fx.Node) -> bool:

@@ -31,6 +31,7 @@ from .axes import node_axis
 from .coupling_build import Build, Site
 from .coupling_splits import ChannelEdit
 from .heads import attention_of
+from .stacked import StackedProduct, stacked_product
 
 LINEARS = {F.linear}
 CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
@@ -52,14 +53,19 @@ class Functional:
 
     weight: str
     bias: str | None
-    kind: str
+    kind: str  # linear | conv | stacked (one weight matrix per expert: analysis.stacked)
     standardised: bool = False  # the weight is standardised in the graph: outputs grow, inputs cannot
+    out_axis: int = 0  # the weight's axis of output channels (rows)
+    in_axis: int = 1  # its axis of input channels (columns); a stacked weight's other axes are its experts
 
 
 def layer_rule(b: Build, s: Site) -> bool:
     """Apply the rule for the site's node when it is a functional layer, a group norm or an attention; False when it
     is none."""
     n, out, gm = s.node, s.out, b.gm
+    product = stacked_product(gm, n) if n.op in ("call_function", "call_method") else None
+    if product is not None:
+        return _stacked(b, s, product)
     if n.op != "call_function":
         return False
     if n.target in (F.group_norm, torch.group_norm):
@@ -144,6 +150,23 @@ def _functional(gm: fx.GraphModule, n: fx.Node, out, freeze, sources, consumers,
         consumers.append((n.name, x.name))
     if out is not None:
         sources.append((n.name, None))
+    return True
+
+
+def _stacked(b: Build, s: Site, p: StackedProduct) -> bool:
+    """A product with an expert-stacked weight: per expert a Linear, so a consumer of its input's channels along the
+    contracted axis and a source of its output's along the weight's output axis; every expert grows alike."""
+    n, x = s.node, p.x
+    what = f"'{n.name}' (a product with the stacked weight '{p.weight}')"
+    if node_axis(x) == p.x_axis:
+        b.consumers.append((n.name, x.name))
+    else:
+        b.freeze([x], f"{what} contracts another axis of '{x.name}' than its channels")
+    if s.out is not None and node_axis(n) == p.y_axis:
+        b.sources.append((n.name, None))
+    elif s.out is not None:
+        b.freeze([n], f"{what} puts its output features on another axis than the channels")
+    b.functional[n.name] = Functional(p.weight, None, "stacked", out_axis=p.out_axis, in_axis=p.in_axis)
     return True
 
 

@@ -105,3 +105,21 @@ def function_is_channelwise(
             return fn(*a, **kw)
 
     return is_channelwise(run, shape, axis)
+
+
+def elementwise_is_channelwise(
+    fn: Callable, args: tuple, kwargs: dict, full: list[tuple[int, torch.dtype]], shape: tuple[int, ...], axis: int
+) -> bool:
+    """Probe `fn(*args, **kwargs)` whose tensor arguments at the positions `full` (position, dtype) have the output's
+    shape and whose other tensors hold one value each (learned scalars: xIELU's α, a clamp's ε): each full argument is
+    a different function of the probe tensor (a bool one its sign), so an op mixing channels shows it.
+    Channelwise in every argument at once: `x > 0`, `torch.where(c, a, b)`, `torch.min(x, eps)`."""
+
+    def run(x: torch.Tensor, training: bool):
+        a = list(args)
+        for k, (i, dtype) in enumerate(full):
+            a[i] = x > 0.1 * k if dtype == torch.bool else (x * (1.0 + 0.25 * k) - 0.1 * k).to(dtype)
+        with torch.no_grad(), seeded(_SEED):
+            return fn(*a, **kwargs)
+
+    return is_channelwise(run, shape, axis)

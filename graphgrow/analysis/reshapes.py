@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 
 RESHAPE_METHODS = ("reshape", "view")
@@ -97,6 +98,18 @@ def reshape_regroup(n: fx.Node, axis: int | None) -> Regroup | None:
         return None
     ins, outs = tensor_shape(x), tensor_shape(n)
     return regroup(ins, outs, axis) if ins is not None and outs is not None else None
+
+
+def unit_dims_regroup(n: fx.Node, axis: int | None) -> Regroup | None:
+    """squeeze/unsqueeze (method, function or aten overload): size-1 dims dropped or added, so the channel axis keeps
+    its size at its new place (a 'keep'); None for any other op, or when the channel axis itself has size 1."""
+    name = ops.op_name(n.target).split(".")[0] if n.op in ("call_function", "call_method") else ""
+    x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if name not in ops.UNIT_DIMS or x is None or axis is None:
+        return None
+    ins, outs = tensor_shape(x), tensor_shape(n)
+    found = regroup(ins, outs, axis) if isinstance(ins, tuple) and isinstance(outs, tuple) else None
+    return found if found is not None and found.kind == "keep" else None
 
 
 def stack_axis(n: fx.Node, axis: int | None) -> int | None:

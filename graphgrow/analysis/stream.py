@@ -31,6 +31,7 @@ from torch import fx, nn
 from ..core.errors import NotApplicable
 from ..graph import ops
 from ..graph.fx_edit import tensor_shape
+from .stacked import stacked_product
 from .stream_norms import Norm
 from .stream_norms import norm_of as _norm_of
 from .stream_norms import normalised as _normalised
@@ -252,6 +253,11 @@ class _Walk:
             return
         if _zero_activation_input(self.gm, n) is not None:
             return self.activation(n.args[0], n)
+        product = stacked_product(self.gm, n)
+        if product is not None:  # one Linear per expert (analysis.stacked): its output rows write the stream
+            if axis != product.y_axis:
+                raise _refuse(n, f"carries the hidden axis along a batch axis of a product with '{product.weight}'")
+            return self.writer(n, "stacked", [(product.weight, product.out_axis)])
         scaled = self._token_scale(n, axis)
         if scaled is not None:
             return self.add(scaled[0], scaled[1], like=n)
@@ -293,6 +299,14 @@ class _Walk:
             return self.add(u, self._user_axis(u, x, axis), like=x)
         if _zero_activation_input(self.gm, u) is x:
             return self.activation(x, u)
+        product = stacked_product(self.gm, u)
+        if product is not None and product.x is x:  # one Linear per expert: its input columns read the stream
+            if axis != product.x_axis:
+                raise _refuse(
+                    u, f"multiplies the stream with '{product.weight}' along another axis than the hidden one"
+                )
+            self.s.readers.append(Reader(u.name, [(product.weight, product.in_axis)], x.name))
+            return
         out = tensor_shape(u)
         if out is not None and self._token_scale(u, axis + len(out) - len(tensor_shape(x))) == (x, axis):
             return self.add(u, axis + len(out) - len(tensor_shape(x)), like=x)
@@ -448,7 +462,10 @@ class _Walk:
                 return x
             divide = n.target in (operator.truediv, torch.div) or n.target == "div"
             return other if not divide and isinstance(other, fx.Node) and _is_scalar_factor(x) else None
-        if n.op == "call_method" and n.target in PASS_METHODS or n.op == "call_function" and n.target in PASS_FUNCTIONS:
+        passes = (n.op == "call_method" and n.target in PASS_METHODS) or (
+            n.op == "call_function" and n.target in PASS_FUNCTIONS
+        )
+        if passes or ops.op_name(n.target).split(".")[0] == "repeat_interleave":  # tokens repeated, once per expert
             rest = [a for a in list(n.args[1:]) + list(n.kwargs.values()) if isinstance(a, fx.Node)]
             return x if all(tensor_shape(a) is None for a in rest) else None  # sizes, not other tensors
         return None

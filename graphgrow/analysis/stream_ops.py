@@ -72,9 +72,12 @@ def forward_axis(n: fx.Node, x: fx.Node, a: int) -> int | None:
     xs, out = tensor_shape(x), tensor_shape(n)
     if xs is None or out is None:
         return None
-    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "").split(".")[0]
     rest = list(n.args[1:])
     try:
+        if name == "repeat_interleave":  # whole slices repeated along another dim keep the axis; dim=None flattens
+            dim = arg(n, 2, "dim")
+            return None if dim is None or int(dim) % len(xs) == a else a
         if name in ("transpose",):
             i, j = (int(d) % len(xs) for d in rest[:2])
             return j if a == i else i if a == j else a

@@ -31,12 +31,7 @@ def resize_functional(
     attributes follow when it has them. Returns the parameter paths rebuilt."""
     old = tensor_at(gm, f.weight)
     with torch.no_grad():
-        put_tensor(
-            gm,
-            f.weight,
-            rows(columns(old, in_layout, init, generator), out_layout, init, generator, "kaiming").clone(),
-            old,
-        )
+        put_tensor(gm, f.weight, _resized(old, f, in_layout, out_layout, init, generator), old)
         if f.bias is not None:
             bias = tensor_at(gm, f.bias)
             put_tensor(gm, f.bias, rows(bias, out_layout, init, generator, "zero").clone(), bias)
@@ -54,6 +49,26 @@ def resize_functional(
     if f.standardised and out_layout is not None:
         _follow_filter_count(node, f, out_layout)
     return [f.weight] + ([f.bias] if f.bias else [])
+
+
+def _resized(
+    old: torch.Tensor, f: Functional, in_layout: Layout | None, out_layout: Layout | None, init: Init, generator
+) -> torch.Tensor:
+    """The weight with its columns and rows laid out anew. A stacked weight (one matrix per expert) is grown expert
+    by expert along its own output and input axes, with the same layout for all: the experts stay aligned, and a new
+    unit's random incoming weights have one expert's fan-in."""
+    if f.kind != "stacked":
+        return rows(columns(old, in_layout, init, generator), out_layout, init, generator, "kaiming").clone()
+    moved = old.detach().movedim((f.out_axis, f.in_axis), (0, 1))
+    flat = moved.reshape(moved.shape[0], moved.shape[1], -1)
+    grown = torch.stack(
+        [
+            rows(columns(flat[..., e], in_layout, init, generator), out_layout, init, generator, "kaiming")
+            for e in range(flat.shape[-1])
+        ],
+        dim=-1,
+    )
+    return grown.reshape(grown.shape[:2] + moved.shape[2:]).movedim((0, 1), (f.out_axis, f.in_axis)).contiguous()
 
 
 def _follow_filter_count(conv: fx.Node, f: Functional, layout: Layout) -> None:
