@@ -216,3 +216,82 @@ def test_passes_grow_a_captured_bert_verified():
     assert grown.get_submodule("bert.encoder.layer.0.intermediate.dense").out_features == 128
     inputs = spec_inputs(model, parse_spec("input_ids:3x8:int64,attention_mask:3x8:int64"), seed=9)
     assert _max_error(model, grown, inputs) <= 1e-5
+
+
+def _drop_path_fn(x, p, training):  # Hugging Face's / timm's spelling: a function told the mode
+    if p == 0.0 or not training:
+        return x
+    keep = 1 - p
+    r = keep + torch.rand((x.shape[0],) + (1,) * (x.ndim - 1), dtype=x.dtype, device=x.device)
+    r.floor_()
+    return x.div(keep) * r
+
+
+class _DropPathFn(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return _drop_path_fn(x, self.p, self.training)
+
+
+class _DropPathBranch(nn.Module):  # a branch on self.training, the mask drawn in place
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        return x * x.new_empty(x.shape[0], 1, 1).bernoulli_(1 - self.p) / (1 - self.p)
+
+
+class _DropPathNet(nn.Module):
+    """Token ids through two residual MLP blocks, a layer scale beside each drop-path (BEiT's layout)."""
+
+    def __init__(self, drop: type[nn.Module]):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.up = nn.ModuleList([nn.Linear(16, 32) for _ in range(2)])
+        self.down = nn.ModuleList([nn.Linear(32, 16) for _ in range(2)])
+        self.scale = nn.Parameter(torch.full((16,), 0.5))
+        self.drop_path = nn.ModuleList([drop(0.2), drop(0.3)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids)
+        for up, down, dp in zip(self.up, self.down, self.drop_path):
+            h = h + dp(self.scale * down(torch.relu(up(h))))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("drop", [_DropPathFn, _DropPathBranch])
+def test_work_of_one_mode_becomes_a_mode_switch(drop, tmp_path):
+    """torch.export gives eval mode the identity and train mode a random draw for drop-path: the run that differs
+    becomes a mode switch under the drop-path module (not the layer scale beside it), its draw on the input's
+    device; the graph is the model in both modes (trace's check), grows with grow_width and is read back."""
+    import graphgrow as gg
+    from graphgrow.io.load import load_model
+    from graphgrow.jobs.pipeline import Pipeline
+
+    torch.manual_seed(0)
+    model = _DropPathNet(drop)
+    gm = trace(model, "input_ids:1x8:int64", capture="export")
+    assert gm.meta["graphgrow"]["trace"]["merged_blocks"] == [
+        "drop_path.0.mode_switch_0",
+        "drop_path.1.mode_switch_0",
+    ]
+    eval_body, train_body = gm.get_submodule("drop_path.0.mode_switch_0").bodies()
+    assert [n.op for n in eval_body.graph.nodes if n.op != "placeholder"] == ["output"]  # the identity
+    assert "device(type=" not in train_body.code and "scale" not in train_body.code
+    x = spec_inputs(model, parse_spec("input_ids:3x8:int64"), seed=1)
+    torch.manual_seed(2)
+    a = model.train()(**x)
+    torch.manual_seed(2)
+    assert torch.equal(gm.train()(**x), a) and not torch.equal(gm.eval()(**x), a)
+    grown = Pipeline.from_spec("grow_width(target=up.0)").run(gm).results[0]
+    assert grown.preservation.train.max_abs_err <= 1e-6 and grown.preservation.eval.max_abs_err <= 1e-6
+    back = load_model(gg.save_model(gm, tmp_path / "m.pt")).module  # no trust needed
+    torch.manual_seed(2)
+    assert torch.equal(back.train()(**x), a)

@@ -936,6 +936,14 @@ def test_meta_estimates_cover_tensor_constants_and_leaves_that_make_tensors():
     gm = gg.trace(nn.Sequential(nn.Linear(4, 4), MakesTensors()), (1, 4))  # traced: a _tensor_constant attribute
     assert activation_bytes(meta_copy(gm), plain_spec((1, 4))) > 0
 
+    class Eye(nn.Module):  # a factory torch.export bakes the device into, that graphgrow's table does not write back
+        def forward(self, x):
+            return (x.unsqueeze(-1) + torch.eye(x.shape[-1], dtype=x.dtype)).sum(-1)
+
+    gm = gg.trace(nn.Sequential(nn.Linear(4, 4), Eye()), (1, 4), capture="export")
+    assert "device(type=" not in gm.code  # made on the input's device: meta while sized, CUDA where it runs
+    assert activation_bytes(meta_copy(gm), plain_spec((1, 4))) > 0
+
 
 # --- issue 20: outputs (write errors, staging files, signals after commit) ---
 

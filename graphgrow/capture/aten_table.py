@@ -58,6 +58,7 @@ _UNARY = {
     "abs": torch.abs,
     "relu": torch.relu,
     "erf": torch.erf,
+    "floor": torch.floor,
     "silu": F.silu,
 }
 
@@ -178,6 +179,13 @@ _TABLE: dict[str, Callable[[dict, Any], Call | None]] = {
     "aten.full.default": lambda a, d: _factory(torch.full, a, d, "size", "fill_value"),
     "aten.ones.default": lambda a, d: _factory(torch.ones, a, d, "size"),
     "aten.zeros.default": lambda a, d: _factory(torch.zeros, a, d, "size"),
+    "aten.new_empty.default": lambda a, d: _method(
+        "new_empty", a["self"], a["size"], **({"dtype": a["dtype"]} if a["dtype"] is not None else {})
+    ),
+    "aten.bernoulli_.float": lambda a, d: _method("bernoulli_", a["self"], a["p"]),  # a drop-path mask, in place
+    "aten.detach.default": lambda a, d: _method("detach", a["self"]),  # the outputs of a no_grad block
+    "aten.rand.default": lambda a, d: _factory(torch.rand, a, d, "size"),  # drop-path's draw, on the input's device
+    "aten.randn.default": lambda a, d: _factory(torch.randn, a, d, "size"),
 }
 
 

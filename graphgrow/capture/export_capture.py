@@ -38,6 +38,7 @@ from ..core.errors import GraphgrowError, InputError, TraceError, first_line
 from ..graph.graph_meta import META_KEY, store_shape
 from ..graph.inputs import DTYPES, InputSpec, first_embedding, spec_inputs
 from .aten_table import DROPPED, to_torch
+from .export_modes import PendingSwitch, flat, merge_modes, set_flat, stack
 from .standins import standin, tied_parameters
 
 _SKIP_RAISE = (nn.MultiheadAttention,)
@@ -115,6 +116,8 @@ def _lift(ep, model: nn.Module) -> tuple[fx.Graph, dict[str, torch.Tensor]]:
             g.output(_rebuild(ep.call_spec.out_spec, [env[o] if isinstance(o, fx.Node) else o for o in user]))
             continue
         else:
+            if _inlined(g, ep.graph_module, n, env):
+                continue
             env[n] = g.node_copy(n, lambda a: env[a])
         env[n].meta = dict(n.meta)
     for n in list(g.nodes):
@@ -126,6 +129,43 @@ def _lift(ep, model: nn.Module) -> tuple[fx.Graph, dict[str, torch.Tensor]]:
     return g, extra
 
 
+def _inlined(g: fx.Graph, owner: nn.Module, n: fx.Node, env: dict[fx.Node, Any]) -> bool:
+    """Copy `n` into `g` unless it is part of a `with torch.no_grad():` block (CPM-Ant's position buckets), which
+    the export keeps as a higher-order op calling a graph of its own: that graph is copied in its place (its
+    outputs detached where gradients were off: the same values, no gradient through them) and the tuple it
+    returned is read by index. True when `n` was handled so."""
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    if n.op == "get_attr" and isinstance(getattr(owner, str(n.target), None), fx.GraphModule):
+        return True  # a block's graph: copied where it is called
+    if n.op == "call_function" and n.target is operator.getitem and isinstance(env.get(n.args[0]), tuple):  # type: ignore[arg-type]
+        env[n] = env[n.args[0]][n.args[1]]  # type: ignore[index]
+        return True
+    if hop is None or n.op != "call_function" or n.target is not hop:
+        return False
+    enabled, body, *inputs = n.args
+    sub: fx.GraphModule = getattr(owner, str(body.target))  # type: ignore[union-attr]
+    inner: dict[fx.Node, Any] = {}
+    feed = iter(inputs)
+    for m in sub.graph.nodes:
+        if m.op == "placeholder":
+            inner[m] = env[next(feed)]  # type: ignore[index]
+        elif m.op == "output":
+            outs = m.args[0]
+        elif not _inlined(g, sub, m, inner):
+            inner[m] = g.node_copy(m, lambda a: inner[a])
+            inner[m].meta = dict(m.meta)
+    values = []
+    for o in outs if isinstance(outs, (tuple, list)) else (outs,):
+        v = inner[o] if isinstance(o, fx.Node) else o
+        if not enabled and isinstance(v, fx.Node) and isinstance(v.meta.get("val"), torch.Tensor):
+            meta = v.meta
+            v = g.call_function(torch.ops.aten.detach.default, (v,))
+            v.meta = dict(meta)
+        values.append(v)
+    env[n] = tuple(values)
+    return True
+
+
 def _same_dtype_to(n: fx.Node) -> bool:
     """`x.to(dtype)` where x already has that dtype: x itself (eager returns it), so a layer's upcast of its
     input (an RMSNorm's `.to(float32)`) does not make later readers of x look like readers of the layer."""
@@ -133,11 +173,6 @@ def _same_dtype_to(n: fx.Node) -> bool:
         return False
     before, after = n.args[0].meta.get("val"), n.meta.get("val")
     return isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype == after.dtype
-
-
-def _stack(n: fx.Node) -> list[tuple[str, str]]:
-    """(call key, module path) of the modules around a node, outermost first."""
-    return [(k, v[0]) for k, v in (n.meta.get("nn_module_stack") or {}).items()]
 
 
 def _raise_layers(g: fx.Graph, model: nn.Module, standins: dict[str, nn.Module | None]) -> list[str]:
@@ -150,7 +185,7 @@ def _raise_layers(g: fx.Graph, model: nn.Module, standins: dict[str, nn.Module |
     for n in g.nodes:
         if n.op != "call_function":
             continue
-        for key, path in _stack(n):
+        for key, path in stack(n):
             if path in mods and path not in standins and not _raisable(mods[path]):
                 standins[path] = standin(mods[path], tied)
             if path in mods and (_raisable(mods[path]) or standins.get(path) is not None):
@@ -178,8 +213,8 @@ def _raise_layers(g: fx.Graph, model: nn.Module, standins: dict[str, nn.Module |
         with g.inserting_before(outs[0]):
             new = g.call_module(path, (ext[0],))
         new.meta = dict(outs[0].meta)
-        stack = outs[0].meta.get("nn_module_stack") or {}
-        new.meta["nn_module_stack"] = {k: v for k, v in stack.items() if k != key}
+        around = outs[0].meta.get("nn_module_stack") or {}
+        new.meta["nn_module_stack"] = {k: v for k, v in around.items() if k != key}
         outs[0].replace_all_uses_with(new)
         for n in reversed(nodes):
             if not n.users:
@@ -197,89 +232,9 @@ def _attr(model: nn.Module, target: Any) -> Any:
     return obj
 
 
-def _flat(n: fx.Node) -> tuple[list[Any], TreeSpec]:
-    """A node's arguments by schema name (defaults filled) for ATen ops, else as given; flattened."""
-    args: Any = (n.args, n.kwargs)
-    schema = getattr(n.target, "_schema", None)
-    if schema is not None:
-        full = {}
-        for i, a in enumerate(schema.arguments):
-            if i < len(n.args) and not a.kwarg_only:
-                full[a.name] = n.args[i]
-            elif a.name in n.kwargs:
-                full[a.name] = n.kwargs[a.name]
-            elif a.has_default_value():
-                full[a.name] = a.default_value
-        args = full
-    return tree_flatten(args)
-
-
-def _merge_modes(eval_g: fx.Graph, train_g: fx.Graph, name: str) -> int:
-    """Make train_g compute eval mode too: constants that differ read the owning module's `training` flag.
-    Returns how many switches were made; TraceError where the graphs differ otherwise."""
-    e_nodes, t_nodes = list(eval_g.nodes), list(train_g.nodes)
-    index = {n: i for i, n in enumerate(e_nodes)} | {n: i for i, n in enumerate(t_nodes)}
-    switches = 0
-    for e, t in zip(e_nodes, t_nodes):
-        if (e.op, e.target) != (t.op, t.target):
-            raise _mode_error(name, t, f"'{e.name}' ({e.target}) in eval mode, '{t.name}' ({t.target}) in train mode")
-        (ea, es), (ta, ts) = _flat(e), _flat(t)
-        if es != ts or len(ea) != len(ta):
-            raise _mode_error(name, t, f"'{t.name}' ({t.target}) has other arguments in train mode")
-        changed = False
-        for j, (x, y) in enumerate(zip(ea, ta)):
-            if isinstance(x, fx.Node) or isinstance(y, fx.Node):
-                if not (isinstance(x, fx.Node) and isinstance(y, fx.Node) and index[x] == index[y]):
-                    raise _mode_error(name, t, f"'{t.name}' ({t.target}) takes other inputs in train mode")
-            elif type(x) is not type(y) or x != y:
-                with train_g.inserting_before(t):
-                    ta[j] = _switch(train_g, t, x, y, name)
-                changed, switches = True, switches + 1
-        if changed:
-            _set_flat(t, ta, ts)
-    if len(e_nodes) != len(t_nodes):
-        raise _mode_error(name, t_nodes[min(len(e_nodes), len(t_nodes)) - 1], "the graphs have different lengths")
-    return switches
-
-
-def _set_flat(n: fx.Node, leaves: list[Any], spec: TreeSpec) -> None:
-    value = tree_unflatten(leaves, spec)
-    if isinstance(value, dict):  # by schema name: back to positional + keyword-only
-        schema = n.target._schema  # type: ignore[union-attr]
-        n.args = tuple(value[a.name] for a in schema.arguments if not a.kwarg_only)
-        n.kwargs = {a.name: value[a.name] for a in schema.arguments if a.kwarg_only}
-    else:
-        n.args, n.kwargs = value
-
-
-def _switch(g: fx.Graph, at: fx.Node, eval_value: Any, train_value: Any, name: str) -> fx.Node:
-    """An expression of the owning module's `training` flag giving `eval_value` in eval, `train_value` in train mode."""
-    stack = _stack(at)
-    path = stack[-1][1] if stack else ""
-    flag = g.get_attr(f"{path}.training" if path else "training")
-    if (eval_value, train_value) == (False, True):
-        return flag
-    if (eval_value, train_value) == (True, False):
-        return g.call_function(operator.not_, (flag,))
-    if isinstance(train_value, (int, float)) and not isinstance(train_value, bool) and eval_value == 0:
-        return g.call_function(operator.mul, (flag, train_value))
-    raise _mode_error(
-        name, at, f"'{at.name}' ({at.target}) uses {train_value!r} in train mode and {eval_value!r} in eval mode"
-    )
-
-
-def _mode_error(name: str, at: fx.Node, why: str) -> TraceError:
-    stack = _stack(at)
-    where = f" in '{stack[-1][1]}'" if stack and stack[-1][1] else ""
-    return TraceError(
-        f"the exported train- and eval-mode graphs of {name} differ{where}: {why}",
-        "trace one mode only is not supported yet; mark the module a leaf or capture with --capture fx",
-    )
-
-
 def _scopes(g: fx.Graph) -> None:
     for n in g.nodes:
-        n.meta["gg_scope"] = tuple(p for _, p in _stack(n))
+        n.meta["gg_scope"] = tuple(p for _, p in stack(n))
 
 
 def _device_node(g: fx.Graph) -> fx.Node | None:
@@ -297,10 +252,13 @@ def _to_torch(g: fx.Graph) -> list[str]:
     left = set()
     for n in list(g.nodes):
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            full = tree_unflatten(*_flat(n))
+            full = tree_unflatten(*flat(n))
             done = to_torch(str(n.target), full, device)
             if done is None:
                 left.add(str(n.target))
+                if device is not None and isinstance(full, dict) and isinstance(full.get("device"), torch.device):
+                    full["device"] = device  # a factory the table does not know (eye): on the input's device
+                    set_flat(n, *tree_flatten(full))
                 continue
             op, target, args, kwargs = done
             with g.inserting_before(n):
@@ -330,12 +288,16 @@ def export_capture(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[f
         g, extra = _lift(ep, model)
         kept = _raise_layers(g, model, standins)
         graphs.append(g)
-    switches = _merge_modes(graphs[0], graphs[1], name)
+    switches, pending = merge_modes(graphs[0], graphs[1], name)
     g = graphs[1]
     _scopes(g)
     aten_left = _to_torch(g)
     root: dict[str, Any] = dict(extra)
+    for s in pending:
+        root[s.path] = _mode_switch(s)
     for n in g.nodes:
+        if n.op == "call_module" and str(n.target) in root:
+            continue
         if n.op == "call_module":
             root[str(n.target)] = standins.get(str(n.target)) or model.get_submodule(str(n.target))
         elif n.op == "get_attr" and str(n.target) not in root:
@@ -351,6 +313,11 @@ def export_capture(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[f
             f"{switches} constants differ between train and eval mode (dropout): read from the owning module's "
             "training flag at run time"
         )
+    if pending:
+        notes.append(
+            f"{len(pending)} values are computed differently in train and eval mode (drop-path, a mode's own "
+            f"path): mode switches at {', '.join(s.path for s in pending[:4])}"
+        )
     raised = {p: m for p, m in standins.items() if m is not None and any(n.target == p for n in gm.graph.nodes)}
     if raised:
         notes.append(
@@ -364,12 +331,29 @@ def export_capture(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[f
     report = {
         "capture": "export",
         "mode_switches": switches,
+        "merged_blocks": [s.path for s in pending],
         "standins": {p: type(m).__name__ for p, m in raised.items()},
         "layers_as_functions": kept,
         "aten_ops": aten_left,
         "notes": notes,
     }
     return gm, report
+
+
+def _mode_switch(s: PendingSwitch) -> nn.Module:
+    """The ModeSwitch module a pending switch's call becomes: the flag picks the eval body or the train body, each
+    written as torch calls and kept as node records (a file holds them as data, as the fx capture's switches)."""
+    from ..io.mode_switch import ModeSwitch
+    from ..io.serialize import node_records
+
+    records = []
+    for body in s.bodies:
+        _to_torch(body)
+        records.append(node_records(body))
+    module = ModeSwitch(1, [[(0, False)], [(0, True)]], records)
+    module.load_bodies(trusted=True)  # made here from the exported model, not read from a file
+    s.node.op, s.node.target = "call_module", s.path
+    return module
 
 
 def _kinds(model: nn.Module, raised: dict[str, nn.Module]) -> str:
