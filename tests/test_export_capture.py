@@ -295,3 +295,29 @@ def test_work_of_one_mode_becomes_a_mode_switch(drop, tmp_path):
     back = load_model(gg.save_model(gm, tmp_path / "m.pt")).module  # no trust needed
     torch.manual_seed(2)
     assert torch.equal(back.train()(**x), a)
+
+
+class _NoGradBuckets(nn.Module):
+    """Relative-position buckets computed under torch.no_grad() (CPM-Ant's spelling), then used with gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.scale = nn.Parameter(torch.ones(8))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, input_ids):
+        with torch.no_grad():
+            pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+            bucket = (pos[:, None] - pos[None, :]).abs().clamp(max=7) * self.scale[0]
+        return self.head(self.emb(input_ids) + bucket.mean(-1)[None, :, None])
+
+
+def test_a_no_grad_block_is_inlined_with_its_outputs_detached():
+    torch.manual_seed(0)
+    model = _NoGradBuckets()
+    gm = trace(model, "input_ids:1x8:int64", capture="export")  # was: 'submod_1 references nonexistent attribute'
+    x = spec_inputs(model, parse_spec("input_ids:2x8:int64"), seed=1)
+    assert torch.equal(gm(**x), model(**x)) and ".detach()" in gm.code
+    gm(**x).sum().backward()
+    assert gm.scale.grad is None and gm.head.weight.grad is not None  # no gradient through the block, as in eager
