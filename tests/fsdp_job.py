@@ -6,8 +6,10 @@ Each rank writes OUT/fsdp-rank{R}.json; the assertions are in tests/test_fsdp.py
 - grow: per spec, the decoder sharded per layer (gg.distributed.shard) trains 2 AdamW steps, grows with
   gg.distributed.grow, trains 2 more; beside it, the same growth done unsharded (grow_replica on a plain model
   and AdamW loaded from torch's own full state dicts) as the reference;
-- failure: rank 1 fails inside the pipeline (at planning), inside a layer's window, then inside the re-sharding; both
-  ranks must keep the old model;
+- failure: rank 1 fails inside the pipeline (at planning), inside a layer's window, inside the re-sharding, then in
+  the grown model's check with release_old; both ranks must keep the old model;
+- memory: a growth event's peak of tensor bytes (the profiler's record of the CPU allocator) against the sharded
+  steady state, with and without release_old;
 - example: examples/grow_fsdp.py's training loop, through both of its growth events;
 - killed: a rank killed (SIGKILL) during growth, in two processes forked at start-up (before this job's process
   group exists) that form a job of their own: the survivor must raise, not hang;
@@ -41,7 +43,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import graphgrow as gg  # noqa: E402
 from examples import grow_fsdp as ex  # noqa: E402
-from graphgrow.jobs import fsdp, fsdp_layers, layerwise  # noqa: E402
+from graphgrow.jobs import fsdp, fsdp_layers, fsdp_spill, layerwise  # noqa: E402
 from graphgrow.jobs.optim import carry_optimizer  # noqa: E402
 
 SPECS = ["grow_hidden(by=8)", "grow_width(factor=2)", "grow_heads(by=1)", "deepen(block=transformer)"]
@@ -168,8 +170,10 @@ def grow_scenario(spec: str, mesh, rank: int, world: int) -> dict:
 
 
 def release_scenario(mesh, rank: int, world: int) -> dict:
-    """grow(release_old=True): the grow_width case again, the old model's device memory freed while growing; then a
-    pipeline failure on rank 1 with release_old, which must put the old shards and state back."""
+    """grow(release_old=True, layerwise=False): the grow_width case again on the whole-model path, the old model's
+    device memory freed while growing (copied to the host); then a pipeline failure on rank 1 there, which must put
+    the old shards and state back. (release_old layer by layer: memory_scenario, failure_scenario's check, killed's
+    gather.)"""
     model = gg.distributed.shard(fresh(), LAYERS, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for n in range(2):
@@ -190,13 +194,13 @@ def release_scenario(mesh, rank: int, world: int) -> dict:
     if rank == 1:
         gg.Pipeline.run = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected failure on rank 1"))
     try:
-        gg.distributed.grow(model, opt, "grow_width(factor=2)", seed=7, timeout=60, release_old=True)
+        gg.distributed.grow(model, opt, "grow_width(factor=2)", seed=7, timeout=60, release_old=True, layerwise=False)
     except gg.DistributedError as e:
         out["error"] = str(e)
     finally:
         gg.Pipeline.run = real_run  # type: ignore[method-assign]
     out["restored"] = local() == before
-    g = gg.distributed.grow(model, opt, "grow_width(factor=2)", seed=7, timeout=60, release_old=True)
+    g = gg.distributed.grow(model, opt, "grow_width(factor=2)", seed=7, timeout=60, release_old=True, layerwise=False)
     # what left the device: every old shard, gradient and AdamW moment (storages resized to nothing)
     old_state = [v.to_local() for p in params for v in opt.state[p].values() if v.dim()]
     old = [p.to_local() for p in params] + [p.grad.to_local() for p in params] + old_state
@@ -253,7 +257,8 @@ def failure_scenario(mesh, rank: int, world: int) -> dict:
 
     def local() -> str:
         state = {f"{i}.{k}": v.to_local() for i, p in enumerate(params) for k, v in opt.state[p].items() if v.dim()}
-        return digest({**{str(i): p.to_local() for i, p in enumerate(params)}, **state})
+        grads = {f"{i}.grad": p.grad.to_local() for i, p in enumerate(params)}
+        return digest({**{str(i): p.to_local() for i, p in enumerate(params)}, **state, **grads})
 
     before = local()
     out: dict = {}
@@ -267,24 +272,87 @@ def failure_scenario(mesh, rank: int, world: int) -> dict:
         return real_run(pipeline, gm, *args, **kwargs)
 
     real_run, real_reshard, real_unit = gg.Pipeline.run, fsdp.reshard, fsdp_layers.shard_unit
-    for where in ("pipeline", "window", "reshard"):
+    real_compare = fsdp_layers.compare_outputs
+    for where in ("pipeline", "window", "reshard", "check"):
         if rank == 1:
             if where == "pipeline":
                 gg.Pipeline.run = fail  # type: ignore[method-assign]
             elif where == "window":
                 gg.Pipeline.run = fail_in_window  # type: ignore[method-assign]
-            else:
+            elif where == "reshard":
                 fsdp.reshard = fsdp_layers.shard_unit = fail  # type: ignore[assignment]
+            else:  # the whole grown model's check: with release_old every old shard and gradient is in the file then
+                fsdp_layers.compare_outputs = fail  # type: ignore[assignment]
         try:
-            gg.distributed.grow(model, opt, "grow_hidden(by=8)", seed=3, timeout=60)
+            gg.distributed.grow(model, opt, "grow_hidden(by=8)", seed=3, timeout=60, release_old=where == "check")
             out[where] = {"error": None}
         except Exception as e:  # noqa: BLE001 - the test reads the type and message
             out[where] = {"type": type(e).__name__, "error": str(e)}
         finally:
             gg.Pipeline.run, fsdp.reshard, fsdp_layers.shard_unit = real_run, real_reshard, real_unit
+            fsdp_layers.compare_outputs = real_compare  # type: ignore[assignment]
         out[where]["kept"] = list(model.parameters()) == params and local() == before
         out[where]["opt_kept"] = opt.param_groups[0]["params"] == params
     out["step_after"] = step(model, opt, 1, rank, world)
+    return out
+
+
+SPANS = ("graphgrow-training-step", "graphgrow-growth-event")
+
+
+def memory_scenario(mesh, rank: int, world: int) -> dict:
+    """A growth event's peak of tensor memory against the sharded steady state: a decoder of hidden 128 with 4 layers
+    (a layer's 0.5 MB of weights is well above the activations of its batch), two AdamW steps, then
+    grow_hidden(by=8) — without release_old and with it, unverified (the state growth holds, alone), then with it and
+    rank 0 verifying (the old model's reference forward, gathered by FSDP, and the windows' checks add their working
+    set). Bytes held by tensors are tracked through the profiler (every allocation and free of torch's CPU allocator;
+    each model is built inside the profiled span, so that freeing its old state counts); steady: when the span
+    starts; peak: the highest during it; after: at the end, the old model still referenced."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    base, layers = ex.traced(dim=128, layers=4), [f"layers.{i}" for i in range(4)]
+    out: dict = {}
+    for case, release, verify in (("keep", False, "none"), ("release", True, "none"), ("verified", True, "rank0")):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            model = gg.distributed.shard(copy.deepcopy(base), layers, mesh=mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            step(model, opt, 0, rank, world)
+            with record_function("graphgrow-training-step"):
+                step(model, opt, 1, rank, world)
+            with record_function("graphgrow-growth-event"):
+                g = gg.distributed.grow(
+                    model, opt, "grow_hidden(by=8)", seed=1, timeout=60, release_old=release, verify=verify
+                )
+        events = prof.profiler.kineto_results.events()
+        spans = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() in SPANS}
+        held, peak, at = 0, dict.fromkeys(SPANS, 0), {}
+        for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+            for name, (start, end) in spans.items():
+                if e.start_ns() >= start and name not in at:
+                    at[name] = held  # held when the span starts
+                if start <= e.start_ns() < end:
+                    peak[name] = max(peak[name], held + e.nbytes())
+            held += e.nbytes()
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in fsdp_spill.local_state(
+            model.parameters(), opt)}  # fmt: skip
+        old_state = sum(storages.values())
+        grown_layer = sum(p.numel() * p.element_size() for n, p in g.model.named_parameters() if "layers.0." in n)
+        out[case] = {
+            "steady": at["graphgrow-growth-event"],
+            "peak": peak["graphgrow-growth-event"],
+            "train_peak": peak["graphgrow-training-step"],
+            "train_steady": at["graphgrow-training-step"],
+            "after": held,
+            "old_state_left": old_state,
+            "grown_layer_full": grown_layer,
+            "grown_shards": sum(p.to_local().numel() * p.element_size() for p in g.model.parameters()),
+            "probe_after": probe(g.model),
+            "digest": digest(get_model_state_dict(g.model, options=FULL)),
+            "optimizer_digest": digest(optimizer_full(g.model, g.optimizer)),
+        }
+        del g, model, opt
+    out["layer_full"] = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if "layers.0." in n)
+    out["model_full"] = sum(p.numel() * p.element_size() for p in base.parameters())
     return out
 
 
@@ -446,9 +514,10 @@ class Waiting:
 
 def killed_scenario(point: str, rank: int, port: int, out: Path) -> None:
     """Two fresh processes (the children of ranks 0 and 1) train the decoder sharded, then grow; child 1 kills itself
-    with SIGKILL at `point` — inside its first real layer window (pipeline), or before its 4th gather of a layer
-    tensor (a collective of the training group). Child 0 must raise DistributedError, not hang: it writes what it saw.
-    """
+    with SIGKILL at `point` — inside its first real layer window (pipeline), or before gathering layers.1's first
+    tensor (a collective of the training group), growing with release_old (layer 0's old state is in the spill file
+    by then). Child 0 must raise DistributedError, not hang, and hold its old shards and gradients: it writes what it
+    saw."""
     from datetime import timedelta
 
     torch.set_num_threads(1)
@@ -459,7 +528,17 @@ def killed_scenario(point: str, rank: int, port: int, out: Path) -> None:
     model = gg.distributed.shard(fresh(), LAYERS, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step(model, opt, 0, rank, 2)
-    before = digest({str(i): p.to_local() for i, p in enumerate(model.parameters())})
+    params = list(model.parameters())
+
+    def local() -> str:
+        return digest(
+            {
+                **{str(i): p.to_local() for i, p in enumerate(params)},
+                **{f"{i}.grad": p.grad.to_local() for i, p in enumerate(params)},
+            }
+        )
+
+    before = local()
     if rank == 1:
         die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
         if point == "window":
@@ -472,11 +551,10 @@ def killed_scenario(point: str, rank: int, port: int, out: Path) -> None:
 
             gg.Pipeline.run = run  # type: ignore[method-assign]
         else:
-            real_call, calls = fsdp_layers._Fetch.__call__, []
+            real_call = fsdp_layers._Fetch.__call__
 
             def fetch(self, name):
-                calls.append(name)
-                if len(calls) == 4:
+                if name.startswith("layers.1."):
                     die()
                 return real_call(self, name)
 
@@ -484,12 +562,13 @@ def killed_scenario(point: str, rank: int, port: int, out: Path) -> None:
     start = time.perf_counter()
     r: dict = {}
     try:
-        gg.distributed.grow(model, opt, "grow_hidden(by=8)", seed=3, timeout=20)
+        # release_old at the gather point: the survivor has layer 0's old shards in its spill file and reads them back
+        gg.distributed.grow(model, opt, "grow_hidden(by=8)", seed=3, timeout=20, release_old=point == "gather")
         r["error"] = None
     except Exception as e:  # noqa: BLE001 - the test reads the type and message
         r.update(type=type(e).__name__, error=str(e))
     r["seconds"] = time.perf_counter() - start
-    r["kept"] = digest({str(i): p.to_local() for i, p in enumerate(model.parameters())}) == before
+    r["kept"] = list(model.parameters()) == params and local() == before
     (out / f"killed-{point}-rank{rank}.json").write_text(json.dumps(r))
 
 
@@ -531,6 +610,9 @@ def main() -> int:
     start = time.perf_counter()
     report["failure"] = failure_scenario(mesh, rank, world)
     report["seconds"]["failure"] = time.perf_counter() - start
+    start = time.perf_counter()
+    report["memory"] = memory_scenario(mesh, rank, world)
+    report["seconds"]["memory"] = time.perf_counter() - start
     start = time.perf_counter()
     report["resume"] = resume_scenario(mesh, rank, world, out)
     report["seconds"]["resume"] = time.perf_counter() - start

@@ -81,8 +81,9 @@ def test_every_rank_grows_its_shards_without_a_jump_in_the_loss(ranks):
 
 
 def test_release_old_frees_the_old_state_and_puts_it_back_on_failure(ranks):
-    """grow(release_old=True): the same grown parameters and AdamW moments as without it; afterwards every old shard,
-    gradient and moment is empty (freed while the grown model was built); a failure on rank 1 puts them back."""
+    """grow(release_old=True) on the whole-model path (layerwise=False): the same grown parameters and AdamW moments
+    as without it; afterwards every old shard, gradient and moment is empty (freed while the grown model was built); a
+    failure on rank 1 puts them back."""
     for report in ranks:
         r, same = report["release"], report["grow"]["grow_width(factor=2)"]
         assert "injected failure on rank 1" in r["error"] and r["restored"], r
@@ -132,10 +133,11 @@ def test_training_continues_as_it_would_unsharded(ranks):
 
 
 def test_a_rank_that_fails_during_growth_leaves_every_rank_on_its_old_model(ranks):
-    """Rank 1 fails inside the pipeline (planning), inside a layer's window (after rank 0 gathered and grew), then
-    inside the re-sharding of a layer: both ranks raise DistributedError (rank 0 naming rank 1 and its error), keep the
-    model's shards, the optimiser and its state, and train on together."""
-    for where in ("pipeline", "window", "reshard"):
+    """Rank 1 fails inside the pipeline (planning), inside a layer's window (after rank 0 gathered and grew), inside
+    the re-sharding of a layer, then in the check of the whole grown model with release_old (every old shard and
+    gradient in the spill file by then): both ranks raise DistributedError (rank 0 naming rank 1 and its error), keep
+    the model's shards, gradients, the optimiser and its state bit for bit, and train on together."""
+    for where in ("pipeline", "window", "reshard", "check"):
         for rank, report in enumerate(ranks):
             f = report["failure"][where]
             assert f["type"] == "DistributedError" and "injected failure on rank 1" in f["error"], (where, rank, f)
@@ -242,15 +244,56 @@ def test_a_sharded_checkpoint_that_is_not_one_is_refused(tmp_path):
 
 def test_a_rank_killed_during_growth_is_an_error_on_the_survivor_not_a_hang(ranks):
     """A rank killed with SIGKILL inside a layer's window (while the other waits on graphgrow's side group) or before
-    gathering a layer tensor (while the other is inside the training group's all-gather): the survivor raises
-    DistributedError within seconds, saying a rank died, with its model untouched."""
+    gathering the second layer's tensors with release_old (while the other is inside the training group's all-gather,
+    the first layer's old shards and gradients in its spill file): the survivor raises DistributedError within
+    seconds, saying a rank died, with its model's shards and gradients as they were."""
     for point in ("window", "gather"):
         assert ranks[1]["killed"][point]["status"] == -9, ranks[1]["killed"]
         r = ranks[0]["killed"][point]
         assert r["status"] == 0 and r["type"] == "DistributedError", r
         assert "a rank died, hung or was killed during growth" in r["error"] and r["kept"], r
         assert r["seconds"] < 20, r  # detected from the closed connection, before the 20 s timeout
-    assert "while gathering layers." in ranks[0]["killed"]["gather"]["error"]
+    assert "while gathering layers.1." in ranks[0]["killed"]["gather"]["error"]
+
+
+def test_growth_with_release_old_holds_one_layer_over_the_sharded_steady_state(ranks):
+    """Tensor bytes held per rank (the profiler's record of the CPU allocator) while a 4-layer decoder grows
+    (grow_hidden): without release_old the event holds the whole grown sharded state (shards and AdamW's two moments)
+    beside the old one; with it the old state leaves as growth goes (a shard and its gradient once gathered, a moment
+    once carried), so the peak stays within one layer's full tensors, old and grown, over the steady state, and the
+    old model and optimiser hold nothing afterwards. With rank 0 verifying, the peak adds the check's working set
+    (FSDP gathering the old model a unit at a time, the windows' checks) and stays below a training step's."""
+    for rank, report in enumerate(ranks):
+        m = report["memory"]
+        keep, release, verified = m["keep"], m["release"], m["verified"]
+        layer = m["layer_full"] + keep["grown_layer_full"]  # one layer's old and grown full tensors
+        assert keep["peak"] - keep["steady"] >= 3 * keep["grown_shards"], (rank, keep)
+        assert release["peak"] - release["steady"] <= 1.25 * layer, (rank, release, layer)
+        assert verified["peak"] <= verified["train_peak"], (rank, verified)
+        assert keep["old_state_left"] > 0 and release["old_state_left"] == verified["old_state_left"] == 0
+        # the same growth: the grown parameters and AdamW's moments bit for bit
+        for key in ("probe_after", "digest", "optimizer_digest"):
+            assert release[key] == keep[key] == verified[key], (rank, key)
+
+
+def test_a_spill_frees_storages_and_reads_them_back_bit_for_bit():
+    """fsdp_spill.Spill: each storage written once (a view and its base, a tensor given twice), freed, its bytes
+    counted; restore puts back the same values; a storage torch does not let resize is kept and counted."""
+    import torch
+
+    from graphgrow.jobs.fsdp_spill import _CHUNK, Spill
+
+    a, b = torch.randn(6, 4), torch.arange(_CHUNK // 4 + 5, dtype=torch.float32)  # b spans two chunks
+    pinned = torch.randn(3)
+    pinned.numpy()
+    want = [a.clone(), b.clone(), pinned.clone()]
+    spill = Spill()
+    spill.release([a, a[2:], None, b])
+    spill.release([b, pinned, pinned])
+    assert spill.nbytes == a.nelement() * 4 + b.nelement() * 4 and spill.kept == pinned.nelement() * 4
+    assert a.untyped_storage().nbytes() == 0 and b.untyped_storage().nbytes() == 0
+    spill.restore()
+    assert all(torch.equal(x, y) for x, y in zip([a, b, pinned], want))
 
 
 def test_growth_callback_grows_a_sharded_model_under_lightning_s_model_parallel_strategy(ranks):

@@ -29,7 +29,11 @@ and the event peaks at about the full model over the sharded steady state.
 That is the whole-model path. By default (`layerwise`) a model with one stack of repeated layers grows one layer at a
 time instead (fsdp_layers.py, layerwise.py): the growth planned on the meta device, each layer gathered, grown in a
 window (the model with that one layer), cut into its new shards and released before the next; the host holds the
-parts outside the stack and one layer. Steps 1–3 above are then per layer; step 4 is the same.
+parts outside the stack and one layer. Steps 1–3 above are then per layer; step 4 is the same. The old shards,
+gradients and moments are still kept whole until the end (the peak rises by the grown model's sharded state), unless
+`release_old=True`: then each old shard and its gradient go to a temporary file as soon as the tensor is gathered
+(growth holds its full value from then on), and each old moment as soon as its grown one is made (fsdp_spill.py;
+read back on failure), so the peak stays one layer's working set over the sharded steady state — on the host too.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from ..core.errors import InputError
 from ..rewrite.pass_base import require_traced
 from . import replicas as rp
 from .ddp import Grown, Verify, carry_scheduler, grow_replica
+from .fsdp_spill import Spill, local_state
 from .fsdp_units import (  # noqa: F401 - Unit, is_fsdp, plan_units, sharding_units, unsharded_copy: fsdp's names too
     Unit,
     _reshard_all,
@@ -107,13 +112,16 @@ def grow_fsdp(
     scheduler re-pointed. Raises on every rank when any rank fails, disagrees or does not answer within `timeout`
     seconds; then every rank keeps its old model, optimiser and scheduler (module docstring).
 
-    `release_old`: the old model's shards, gradients and optimiser state leave the device while the grown model is
-    built (copied to host memory, with the optimiser state gathered there first), so the device never holds both
-    models: a failure puts them back; after success the old model and optimiser are empty — drop them.
+    `release_old`: the old model's shards, gradients and optimiser state leave memory while the grown model is
+    built, so no rank holds both models: layer by layer, each old shard and its gradient go to a temporary file once
+    the tensor is gathered, and each AdamW moment once its grown one is made (fsdp_spill.py: the peak stays one
+    layer's working set above the sharded steady state, on the host as on the device); on the whole-model
+    path they are copied to host memory instead (the optimiser state gathered there first: class Released). A
+    failure puts them back; after success the old model and optimiser are empty — drop them.
 
     `layerwise`: grow one layer at a time (fsdp_layers.py: no rank holds more than the parts outside the stack and
-    one layer's full tensors); None (default) where the model and growth fit (layerwise.plan) and release_old is not
-    asked, else the whole model in host memory as described above; True: refuse (InputError) what does not fit."""
+    one layer's full tensors); None (default) where the model and growth fit (layerwise.plan), else the whole model
+    in host memory as described above; True: refuse (InputError) what does not fit."""
     if not is_fsdp(model) or not isinstance(model, fx.GraphModule):
         raise InputError(
             f"grow_fsdp() takes a traced model sharded with fully_shard, got {type(model).__name__}",
@@ -129,20 +137,32 @@ def grow_fsdp(
         )
     t0 = time.perf_counter()
     _reshard_all(model)
-    if layerwise is True and release_old:
-        raise InputError("release_old grows the whole model on the host", "leave out layerwise=True or release_old")
-    if layerwise is not False and not release_old:
+    if layerwise is not False:
         from .fsdp_layers import grow_by_layers, result_of
         from .layerwise import NotLayerwise
 
+        spill = Spill() if release_old else None
         try:
-            gm, agreed, seconds = grow_by_layers(model, spec, units, seed=seed, verify=verify, timeout=timeout)
-        except NotLayerwise:  # the same on every rank (decided from the structure and the agreed growth)
-            if layerwise:
+            gm, agreed, seconds = grow_by_layers(
+                model, spec, units, seed=seed, verify=verify, timeout=timeout, spill=spill
+            )
+        except BaseException as e:
+            if spill is not None:
+                spill.restore()  # the parts released so far come back before anything else happens
+            # NotLayerwise: the same on every rank (decided from the structure and the agreed growth): fall back
+            if not isinstance(e, NotLayerwise) or layerwise:
                 raise
         else:
             grown = Grown(gm, None, None, result_of(gm), agreed, seconds)
-            return _carry(grown, model, optimizer, scheduler, _fit_sharded, t0)
+            if spill is None:
+                return _carry(grown, model, optimizer, scheduler, _fit_sharded, t0)
+            try:
+                done = _carry(grown, model, optimizer, scheduler, _spilling(spill, _fit_sharded), t0)
+            except BaseException:
+                spill.restore()
+                raise
+            spill.close()
+            return done
     plain = unsharded_copy(model)
     fit: Callable[[Any, torch.Tensor, torch.Tensor], Any] = _fit_sharded
     released: Released | None = None
@@ -179,6 +199,18 @@ def grow_fsdp(
     grown.seconds["reshard"] = time.perf_counter() - t1
     grown.seconds["gather"] = gathered
     return _carry(grown, model, optimizer, scheduler, fit, t0)
+
+
+def _spilling(spill: Spill, fit: Callable[[Any, torch.Tensor, torch.Tensor], Any]) -> Callable:
+    """`fit`, then the old state tensor it read released to `spill`: the old and new moments coexist one at a time."""
+
+    def run(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
+        out = fit(value, old, new)
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            spill.release(local_state([value]))
+        return out
+
+    return run
 
 
 def _carry(grown: Grown, model: nn.Module, optimizer: Any, scheduler: Any, fit: Callable, t0: float) -> Grown:
