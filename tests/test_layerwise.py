@@ -84,3 +84,26 @@ def test_what_does_not_fit_is_said_and_grows_as_a_whole():
     plan.shapes["layers.0.self_attn.q_proj.weight"] = torch.Size([48, 32])  # pretend the whole model chose otherwise
     why = lw._disagreement(plan, meta, "layers.0", gg.build_pipeline("grow_width(factor=2)"), 0, outside=False)
     assert why is not None and "layers.0.self_attn.q_proj.weight" in why
+
+
+def test_layers_alike_are_planned_once(monkeypatch):
+    """Planning runs the passes on one window per distinct layer (its nodes, modules, tensor shapes and planned
+    shapes, its path written out): four identical layers are planned in one window; a layer whose norm differs only by
+    eps is planned in a window of its own."""
+    calls: list[str] = []
+    real = lw._disagreement
+
+    def counted(p, meta, run, *args, **kwargs):
+        calls.append(run)
+        return real(p, meta, run, *args, **kwargs)
+
+    monkeypatch.setattr(lw, "_disagreement", counted)
+    model = ex.Decoder(layers=4)
+    meta = lw.meta_copy(gg.trace(model, input_shape={"input_ids": ((2, ex.CONTEXT), torch.int64)}))
+    plan = lw.plan(meta, gg.build_pipeline("grow_hidden(by=8)"), seed=0)
+    assert plan.runs[:4] == [f"layers.{i}" for i in range(4)] and calls == ["layers.0"], calls
+    model.layers[2].input_layernorm.eps = 1e-5
+    calls.clear()
+    meta = lw.meta_copy(gg.trace(model, input_shape={"input_ids": ((2, ex.CONTEXT), torch.int64)}))
+    lw.plan(meta, gg.build_pipeline("grow_hidden(by=8)"), seed=0)
+    assert calls == ["layers.0", "layers.2"], calls

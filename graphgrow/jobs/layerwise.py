@@ -15,9 +15,10 @@ last layer's output. Then:
   device): the grown architecture (graph, modules, metadata) and the parameters whose shape changes or that are new;
   from those, which windows must grow (a layer with a changed or new tensor under its path; the parts outside the
   stack: the window with no layer). Each window is then planned too, on the meta device: the passes must change
-  exactly what the plan changes inside it (names and shapes). A pass whose choice depends on the whole model —
-  grow_width's default target, picked within a budget of the model's size — may choose otherwise in a window: then
-  the model does not fit (`NotLayerwise`) and the caller grows the whole model instead;
+  exactly what the plan changes inside it (names and shapes) — once per distinct layer (`layer_key`: identical
+  layers plan alike; each grown window is still checked against the plan when it runs). A pass whose choice
+  depends on the whole model — grow_width's default target, picked within a budget of the model's size — may choose
+  otherwise in a window: then the model does not fit (`NotLayerwise`) and the caller grows the whole model instead;
 - the windows grow with a seed of their own (`window_seed`: the agreed seed and the layer's path), each verified as
   the pass verifies any model (eval and train mode, trainability), and the caller maps the grown tensors back by
   name (`Plan.owner`): a layer's from its window, the parts outside the stack from the window with no layer (or, when
@@ -267,12 +268,48 @@ def plan(meta: fx.GraphModule, passes: Sequence[Pass], seed: int) -> Plan:
             )
         if result.outside_from not in result.runs:
             result.runs.append(result.outside_from)
+    alike: set[tuple] = set()  # layers whose window was planned: what they are, what the plan makes of them
     for run in result.runs:
-        if run != result.outside_from:
+        key = layer_key(meta, layers, run, result.shapes) if run else None
+        if run != result.outside_from and (key is None or key not in alike):
             found = _disagreement(result, meta, run, passes, seed, outside=False)
             if found is not None:
                 raise NotLayerwise(f"in the window of {run} {found}", "name the target explicitly, or grow as a whole")
+        alike.add(key)
     return result
+
+
+def layer_key(meta: fx.GraphModule, layers: Layers, path: str, planned: dict[str, torch.Size]) -> tuple:
+    """A layer as its window's growth sees it, its own path written out: its nodes (operation, target, arguments:
+    the layer's nodes by position, the stream it reads as such, other nodes by name), the modules it calls (their
+    repr: sizes, eps, …), its tensors' shapes and dtypes, and the shapes the plan gives it. The rest of a window is
+    the same for every layer, so two layers with the same key plan alike: the second window is not planned again (the
+    passes decide from structure, and the grown window is checked against the plan's graph and shapes anyway when it
+    runs, see `_checked`)."""
+    layer = next(x for x in layers.layers if x.path == path)
+    index = {n: i for i, n in enumerate(layer.nodes)}
+    modules = dict(meta.named_modules())
+
+    def rel(target: Any) -> str:
+        return str(target).removeprefix(path + ".")
+
+    def norm(a: Any) -> Any:
+        return fx.node.map_arg(a, lambda n: f"%{index[n]}" if n in index else "%stream" if n is layer.x_in else n.name)  # type: ignore[arg-type,return-value]
+
+    nodes = tuple(
+        (n.op, rel(n.target), repr(norm(n.args)), repr(norm(n.kwargs)), repr(modules.get(str(n.target), "")))
+        for n in layer.nodes
+    )
+    mine = {n: t for n, t in _tensors_typed(meta).items() if n.startswith(path + ".")}
+    return (
+        nodes,
+        tuple(sorted((rel(n), tuple(s), d) for n, (s, d) in mine.items())),
+        tuple(sorted((rel(n), tuple(s)) for n, s in planned.items() if n.startswith(path + "."))),
+    )
+
+
+def _tensors_typed(gm: nn.Module) -> dict[str, tuple[torch.Size, str]]:
+    return {n: (t.shape, str(t.dtype)) for n, t in (*gm.named_parameters(), *gm.named_buffers())}
 
 
 def _disagreement(
