@@ -597,3 +597,22 @@ def test_a_derived_function_called_with_out_is_refused(tmp_path):
     torch.save(payload(nodes), f)
     with pytest.raises(gg.LoadError, match="with out="):
         load_model(f)
+
+
+class _Window(nn.Module):
+    """A sliding window cut to the sequence with torch's symbolic-size arithmetic, as torch.export writes it."""
+
+    def forward(self, x):
+        n = torch.sym_min(x.shape[-1], 3)
+        return x[..., :n] * torch.sym_float(torch.sym_max(n, 1)) + torch.sym_int(torch.sym_not(x.shape[0] > 5))
+
+
+def test_symbolic_size_arithmetic_saves_and_loads(tmp_path):
+    gm = gg.trace(_Window(), input_shape=(1, 6))
+    assert {"sym_min", "sym_max", "sym_float", "sym_int", "sym_not"} <= {
+        getattr(n.target, "__name__", "") for n in gm.graph.nodes if n.op == "call_function"
+    }
+    gg.save_model(gm, tmp_path / "w.pt")
+    back = load_model(tmp_path / "w.pt").module
+    x = torch.randn(2, 6)
+    assert torch.equal(back(x), gm(x)) and back(x).shape == (2, 3)

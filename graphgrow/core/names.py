@@ -188,8 +188,9 @@ _ALLOWED_NODES = (
     ast.unaryop,
     ast.cmpop,
 )
-# fx writes these builtins bare: getattr for non-identifier path segments, slice/complex for constants
-_FX_BUILTINS = frozenset({"getattr", "slice", "complex"})
+# fx writes these builtins bare: getattr for non-identifier path segments, slice/complex for constants, Ellipsis
+# for `x[..., :n]`
+_FX_BUILTINS = frozenset({"getattr", "slice", "complex", "Ellipsis"})
 
 
 def check_source(graph: fx.Graph) -> str | None:

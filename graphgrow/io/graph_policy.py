@@ -71,7 +71,10 @@ ALLOWED_FUNCTIONS: frozenset[str] = frozenset({
         # what torch.export captures of Hugging Face models (capture/aten_table.py); pure, reviewed one by one:
         # arange: position ids (sizes bounded like the constructors', check_sizes); diff: differences along a
         # dimension (its order is clamped to the size); tril/triu: causal masks (a copy, no view)
-        "arange", "diff", "tril", "triu")),
+        "arange", "diff", "tril", "triu",
+        # torch's symbolic-size arithmetic, as export writes sizes it reasons about (a window cut to the sequence:
+        # sym_min(seq_len, window)): min, max, not, casts, a conditional and a sum of plain numbers
+        "sym_min", "sym_max", "sym_not", "sym_float", "sym_int", "sym_ite", "sym_sum")),
     "torch.functional.einsum", "torch.functional.split", "torch.functional.norm",
     "torch.functional.broadcast_tensors", "torch.fx._symbolic_trace._assert_is_none",
     # torch.nn.functional (pure layers)
