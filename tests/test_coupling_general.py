@@ -168,3 +168,23 @@ def test_an_activation_with_learned_scalars_is_elementwise():
     assert not analyze(gm).why_frozen(group.id) and group.consumers == ["down"]
     r = GrowWidth(target="up", to=12)(gm)
     assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
+
+
+class FlatTable(nn.Module):
+    """A 2-D table reshaped from a flat vector (DeepSeek-V4's per-group mixing written as `v[:n].reshape(g, g)`):
+    a reshape to two dims whose input has no channel axis."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(6, 8), nn.Linear(8, 6)
+        self.flat = nn.Parameter(torch.randn(40) * 0.1)
+
+    def forward(self, x):
+        mix = self.flat[:36].reshape(6, 6)
+        return x + self.down(torch.relu(self.up(x))) + x @ mix
+
+
+def test_a_reshape_to_two_dims_of_a_vector_is_not_a_channel_flatten():
+    gm = gg.trace(FlatTable(), (1, 5, 6))
+    r = GrowWidth(target="up", to=12)(gm)
+    assert r.preservation.eval.ok and r.preservation.train.ok

@@ -18,6 +18,7 @@ from ..core.errors import first_line
 from ..graph import ops
 from ..graph.inputs import DTYPES, InputSpec, batch_of
 from ..graph.shapes import _target_name, shape_of
+from ..graph.values import map_values
 from ..io.mode_switch import ModeSwitch
 
 VERIFY_BATCH = 3
@@ -169,7 +170,7 @@ def _on_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     def meta(a):
         return torch.device("meta") if isinstance(a, torch.device) and a.type != "meta" else a
 
-    args = tuple(fx.node.map_aggregate(args, meta))
+    args = tuple(map_values(args, meta))  # topk's (values, indices) stays itself: `.indices` reads it
     kwargs = {k: meta(torch.device(v) if k == "device" and isinstance(v, str) else v) for k, v in kwargs.items()}
     return args, kwargs
 

@@ -337,6 +337,8 @@ def _cat(b: Build, s: Site) -> bool:
 def _flatten(b: Build, s: Site) -> bool:
     """torch.flatten, or a flatten/view/reshape method to two dims: the (N, C·H·W) of a classifier's input."""
     n = s.node
+    if s.x is None:  # its input has no channel axis (a routing index, a scalar): nothing to link
+        return False
     if n.op == "call_method":
         out = tensor_shape(n)
         if out is None or len(out) != 2:
