@@ -144,15 +144,19 @@ def main() -> int:
     shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     released: list = []
     modes = {"both": [False, True], "on": [True], "off": [False]}[args.layerwise]
-    if args.release_old:
-        modes = [False]  # release_old grows the whole model
 
     class Counted(fsdp.Released):  # what release_old freed on the device and what it had to keep
         def __init__(self, tensors):
             super().__init__(tensors)
             released.append((sum(n for _, n, _ in self.saved), self.kept))
 
+    class Spilled(fsdp.Spill):  # what release_old wrote to its file on the layer-by-layer path
+        def close(self):
+            super().close()
+            released.append((self.nbytes, self.kept))
+
     fsdp.Released = Counted  # type: ignore[misc]
+    fsdp.Spill = Spilled  # type: ignore[misc]
     step_s = statistics.median(s[1] for s in steps)
     record: dict = {
         "rank": rank,
@@ -172,6 +176,7 @@ def main() -> int:
     for layerwise in modes:
         events = []
         for i in range(args.events + 1):
+            layer = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("layers.0."))
             g, seconds, peak, before = measure(
                 cuda,
                 lambda i=i, m=model, o=opt, lw=layerwise: gg.distributed.grow(
@@ -179,17 +184,23 @@ def main() -> int:
                 ),
             )
             if i:  # the first event warms up
-                events.append((seconds, peak, g.seconds, before))
-            if args.release_old:  # the old model is empty now: train on the grown one
+                events.append((seconds, peak, g.seconds, before, layer))
+            if args.release_old:  # the old model is empty now: train on the grown one (a step: its gradients exist)
                 model, opt = g.model, g.optimizer
+                ex.train_step(model, opt, 0, rank, world)
             del g
-        event_s = statistics.median(s for s, _, _, _ in events)
+        event_s = statistics.median(e[0] for e in events)
         record["layerwise" if layerwise else "whole"] = {
             "event_s": round(event_s, 3),
             "event_per_step": round(event_s / step_s, 1),
             "phases_s": {k: round(statistics.median(e[2][k] for e in events), 3) for k in events[0][2]},
-            "growth_peak_mb": round(max(p for _, p, _, _ in events) / MB, 1),
-            "before_mb": round(min(b for _, _, _, b in events) / MB, 1),
+            "growth_peak_mb": round(max(e[1] for e in events) / MB, 1),
+            "before_mb": round(min(e[3] for e in events) / MB, 1),
+            # each event against the resident set just before it, and the size of a layer of the model it grew
+            # (with release_old each event grows the model the one before grew)
+            "rise_mb": [round((e[1] - e[3]) / MB, 1) for e in events],
+            "layer_mb": [round(e[4] / MB, 1) for e in events],
+            "events_s": [round(e[0], 2) for e in events],
         }
     record["released_mb"] = round(max((r for r, _ in released), default=0) / MB, 1)
     record["kept_mb"] = round(max((k for _, k in released), default=0) / MB, 1)
