@@ -146,3 +146,29 @@ def test_growing_where_no_gradient_reaches_is_refused_not_blamed_on_the_pass():
     x = next(n.name for n in gm.graph.nodes if n.op == "placeholder")
     with pytest.raises(gg.NotApplicable, match=f"does not depend on '{x}'|zero on every check input"):
         gg.Pipeline.from_spec(f"insert_adapter(after={x})").run(gm)
+
+
+def test_a_vanishing_gradient_counts_as_none_reaching_the_place():
+    """The sweep's untrained EfficientNet-B7 passes 1e-28 of its output's gradient to its middle: a layer grown
+    there gets exactly none after the check's steps. The model keeps it from learning (NotApplicable), and a
+    gradient below float32's eps² of the output's is as good as none (deaf_points); a normal one is heard."""
+    from graphgrow.verify.verify import deaf_points
+
+    class Vanishing(torch.nn.Module):
+        def __init__(self, scale):
+            super().__init__()
+            self.scale = scale
+            self.a, self.b, self.skip = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            return self.b(h) * self.scale + self.skip(x)
+
+    for scale, deaf in ((1e-20, True), (1e-3, False)):
+        old = gg.trace(Vanishing(scale), (2, 4))
+        p = gg.Pipeline.from_spec("deepen(after=relu)")
+        p.verify = False
+        new = p.run(old).gm
+        dead = [n for n, _ in new.named_parameters() if "deepen" in n and not n.endswith("gate")]
+        x = torch.randn(2, 4)
+        assert deaf_points(old, new, dead, x, {n.name for n in old.graph.nodes}) == (["relu"] if deaf else [])
