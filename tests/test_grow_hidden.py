@@ -276,3 +276,32 @@ def test_mixture_of_experts_grows_every_expert_and_the_router(kind):
         grown,
         old,
     )
+
+
+class ScaledPositionTable(nn.Module):
+    """CTRL's embedding: the token embedding scaled in place (`x *= sqrt(d)`) plus a position table (a buffer)
+    gathered by the positions, then a pre-norm block."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.norm, self.fc, self.head = (
+            nn.Embedding(20, 8),
+            nn.LayerNorm(8),
+            nn.Linear(8, 8),
+            nn.Linear(8, 3),
+        )
+        self.register_buffer("table", torch.randn(16, 8))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x *= 8**0.5
+        x = x + self.table[torch.arange(ids.shape[1])]
+        x = x + self.fc(self.norm(x))
+        return self.head(self.norm(x))
+
+
+def test_in_place_scale_and_a_gathered_position_table_grow():
+    gm = gg.trace(ScaledPositionTable(), input_shape=parse_spec("ids:1x5:int64"))
+    r = gg.get_pass("grow_hidden")(to=12)(gm)
+    assert r.preservation.eval.ok and r.preservation.train.ok
+    assert tuple(r.gm.get_buffer("table").shape) == (16, 12)

@@ -42,7 +42,7 @@ from .axes import (  # noqa: F401 (channel_axis and BATCHNORMS are read through 
     node_axis,
     reduced_axis,
 )
-from .coupling_build import Build, Link, Site  # noqa: F401 (Link is read through this module)
+from .coupling_build import Build, Link, Site, from_input  # noqa: F401 (Link is read through this module)
 from .coupling_layers import Functional, layer_rule
 from .coupling_modules import flatten_rule, module_rule, normalises_channels
 from .coupling_splits import ChannelEdit, literal_at, split_rule
@@ -425,7 +425,7 @@ def _probe_elementwise(n: fx.Node) -> list[fx.Node]:
         if not isinstance(a, fx.Node):
             continue
         shape, dtype = tensor_shape(a), a.meta.get("gg_dtype")
-        if shape == out and node_axis(a) == node_axis(n) and isinstance(dtype, torch.dtype):
+        if shape == out and node_axis(a) == node_axis(n) and isinstance(dtype, torch.dtype) and from_input(a):
             full.append(a)
             slots.append((i, dtype))
         elif _one_value(a) and isinstance(dtype, torch.dtype):

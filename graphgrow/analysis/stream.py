@@ -31,7 +31,7 @@ from torch import fx, nn
 from ..core.errors import NotApplicable
 from ..graph import ops
 from ..graph.fx_edit import tensor_shape
-from .stacked import stacked_product
+from .stacked import stacked_product, weight_axes
 from .stream_norms import Norm
 from .stream_norms import norm_of as _norm_of
 from .stream_norms import normalised as _normalised
@@ -261,6 +261,10 @@ class _Walk:
         scaled = self._token_scale(n, axis)
         if scaled is not None:
             return self.add(scaled[0], scaled[1], like=n)
+        table = weight_axes(self.gm, n)  # a parameter or buffer gathered by indices (a position table[positions])
+        at = table[1][axis] if table is not None and None in table[1] else None
+        if table is not None and at is not None:
+            return self.writer(n, "tensor", [(table[0], at)])
         x = self._passthrough_input(n)
         if x is not None:
             back = self._input_axis(n, x, axis)
@@ -454,7 +458,13 @@ class _Walk:
             m = self.gm.get_submodule(n.target)
             linear = isinstance(m, (nn.Dropout, nn.Identity)) or type(m).__name__ in ("DropPath", "StochasticDepth")
             return x if linear and len(n.args) == 1 else None
-        if n.op == "call_function" and n.target in SCALINGS or (n.op == "call_method" and n.target in ("mul", "div")):
+        in_place = ops.op_name(n.target).split(".")[0] in ("mul_", "imul")  # x *= c (CTRL's embedding scale)
+        if (
+            in_place
+            or n.op == "call_function"
+            and n.target in SCALINGS
+            or (n.op == "call_method" and n.target in ("mul", "div"))
+        ):
             # a scalar multiple: a number, or a one-element tensor that does not depend on the input (a gate such as
             # add_residual's or deepen's, a learned scale), on either side of a product
             other = n.args[1] if len(n.args) > 1 else None
