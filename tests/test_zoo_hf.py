@@ -41,6 +41,12 @@ NAMES = {
         "ResNetForImageClassification",
         [("pixel_values", (1, 1, 224, 224), "float32", None)],
     ),  # no image_size: 224
+    # transformers maps deit's image classification to two classes (with and without a distillation head)
+    "hf:deit/image-classification(hidden_size=32,num_hidden_layers=1,num_attention_heads=4,intermediate_size=64,"
+    "image_size=32,patch_size=8)": (
+        "DeiTForImageClassification",
+        [("pixel_values", (1, 3, 32, 32), "float32", None)],
+    ),
     "hf:convnext/image-classification(hidden_sizes=[8,16],depths=[1,1],num_stages=2,image_size=64)": (
         "ConvNextForImageClassification",
         [("pixel_values", (1, 3, 64, 64), "float32", None)],

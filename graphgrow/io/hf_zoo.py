@@ -86,7 +86,10 @@ def builder(
     spec = default_spec(config, model_class, target)  # sized before anything is built
 
     def build_hf() -> Any:  # load.py builds it inside sealed_caches, on the meta device first
-        return auto.from_config(copy.deepcopy(config), trust_remote_code=False)
+        fresh = copy.deepcopy(config)
+        if fresh.architectures is None:  # the Auto class chooses among several classes of a type by this field
+            fresh.architectures = [model_class.__name__]
+        return auto.from_config(fresh, trust_remote_code=False)
 
     return build_hf, spec
 
@@ -175,7 +178,10 @@ def _model_class(transformers: Any, auto: Any, config: Any, target: str, model_t
             if tasks
             else "this model type has no model graphgrow can build from a name",
         )
-    model_class: type = mapping[type(config)]
+    found = mapping[type(config)]
+    # several classes for one type (DeiT and LeViT with and without a distillation head, Perceiver's three
+    # preprocessors, Funnel's full and base models): the first, the one transformers lists as the task's own
+    model_class: type = found[0] if isinstance(found, (tuple, list)) else found
     return model_class
 
 
