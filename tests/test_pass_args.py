@@ -265,3 +265,14 @@ def test_a_broken_guarantee_is_a_validation_error():
 
     with pytest.raises(gg.ValidationError, match="broke its guarantee 'adds parameters'"):
         Claims()(gg.trace(cnn(), (1, 3, 16, 16)), verify_result=False)
+
+
+def test_adds_parameters_counts_the_parameters_the_graph_uses():
+    """A torch.export capture holds modules the forward never calls (CLIP's post_layernorm under its image
+    classification head); an edit drops them (fx_edit.finish). A growth beside a larger unused one still adds
+    parameters, counted over what the graph reads (sweep: CLIP deepen was 'broke its guarantee')."""
+    gm = gg.trace(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), (2, 4))
+    gm.add_submodule("spare", nn.LayerNorm(1000))  # as the export capture keeps it: held, never called
+    r = gg.Pipeline.from_spec("grow_width(target=0,to=10)").run(gm)
+    assert r.results[0].preservation.eval.ok and r.gm.get_submodule("0").out_features == 10
+    assert not hasattr(r.gm, "spare")

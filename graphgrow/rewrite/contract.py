@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch import fx
+from torch import fx, nn
 
 from ..core.errors import NotApplicable, ValidationError
 from ..graph.shapes import param_count
@@ -46,10 +46,36 @@ class Guarantee:
             )
 
 
+def used_param_count(gm: fx.GraphModule) -> int:
+    """Parameters the graph reads (through call_module or get_attr), each once. A module the forward never calls
+    (CLIP's post_layernorm under an image-classification head) is dropped with the unused ones after an edit
+    (fx_edit.finish): it is not the pass's to count."""
+    seen: dict[int, int] = {}
+    for n in gm.graph.nodes:
+        if n.op not in ("call_module", "get_attr") or not isinstance(n.target, str):
+            continue
+        try:
+            found = gm.get_submodule(n.target) if n.op == "call_module" else _attr(gm, n.target)
+        except AttributeError:
+            continue
+        params = found.parameters() if isinstance(found, nn.Module) else [found]
+        seen.update({id(p): p.numel() for p in params if isinstance(p, nn.Parameter)})
+    return sum(seen.values())
+
+
+def _attr(gm: fx.GraphModule, target: str) -> object:
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
 def _params_changed(more: bool) -> Callable[[fx.GraphModule, fx.GraphModule], str | None]:
     def broken(before: fx.GraphModule, after: fx.GraphModule) -> str | None:
-        b, a = param_count(before), param_count(after)
-        return None if (a > b if more else a < b) else f"parameters {b:,} → {a:,}"
+        b, a = used_param_count(before), used_param_count(after)
+        if a > b if more else a < b:
+            return None
+        return f"parameters {b:,} → {a:,}" + (
+            f" (of {param_count(before):,} → {param_count(after):,} held)" if param_count(before) != b else ""
+        )
 
     return broken
 
