@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from ..graph import ops
-from ..graph.fx_edit import tensor_shape
+from ..graph.fx_edit import from_input, tensor_shape
 from ..graph.graph_meta import input_spec_of
 from ..graph.shapes import annotate
 from . import growth
@@ -42,7 +42,7 @@ from .axes import (  # noqa: F401 (channel_axis and BATCHNORMS are read through 
     node_axis,
     reduced_axis,
 )
-from .coupling_build import Build, Link, Site, from_input  # noqa: F401 (Link is read through this module)
+from .coupling_build import Build, Link, Site  # noqa: F401 (Link is read through this module)
 from .coupling_layers import Functional, layer_rule
 from .coupling_modules import flatten_rule, module_rule, normalises_channels
 from .coupling_splits import ChannelEdit, literal_at, split_rule
@@ -425,6 +425,8 @@ def _probe_elementwise(n: fx.Node) -> list[fx.Node]:
         if not isinstance(a, fx.Node):
             continue
         shape, dtype = tensor_shape(a), a.meta.get("gg_dtype")
+        # only tensors computed from the input: one from parameters alone (Mamba's D.unsqueeze(0)) holds per-channel
+        # values a growth must resize, and joined by shape it would keep its old size
         if shape == out and node_axis(a) == node_axis(n) and isinstance(dtype, torch.dtype) and from_input(a):
             full.append(a)
             slots.append((i, dtype))

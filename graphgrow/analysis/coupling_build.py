@@ -96,18 +96,3 @@ class Build:
     def block(self, node, count: int, why: str) -> None:
         if self.vertex(node) is not None:
             self.blocks.setdefault(node.name, []).append((count, why))
-
-
-def from_input(n: fx.Node) -> bool:
-    """Whether `n` is computed from a model input. A tensor computed from parameters alone (Mamba's `D.unsqueeze(0)`)
-    holds per-channel values that a growth must resize; joined to a group as a plain tensor it would be left at its
-    old size, so the rules that join by shape alone (unit dims, probed elementwise ops) leave such tensors out."""
-    seen, todo = set(), [n]
-    while todo:
-        m = todo.pop()
-        if m.op == "placeholder":
-            return True
-        if m.name not in seen:
-            seen.add(m.name)
-            todo.extend(m.all_input_nodes)
-    return False

@@ -14,9 +14,9 @@ import torch
 from torch import fx
 
 from ..graph import ops
-from ..graph.fx_edit import tensor_shape
+from ..graph.fx_edit import from_input, tensor_shape
 from .axes import node_axis
-from .coupling_build import Build, Site, from_input
+from .coupling_build import Build, Site
 from .reshapes import is_reshape, reshape_regroup, split_call, stack_axis, unit_dims_regroup
 
 
@@ -54,6 +54,7 @@ def split_rule(b: Build, s: Site) -> bool:
         return _narrow(n, x, join, link, freeze, edits)
     if is_reshape(n):
         return _reshape(n, x, join, link, freeze, edits)
+    # from the input only: a parameter's view (Mamba's D.unsqueeze(0)) joined by shape would keep its old size
     if unit_dims_regroup(n, node_axis(x)) is not None and out is not None and from_input(x):
         join(x, n)  # size-1 dims dropped or added: every channel where it was
         return True

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ..graph.fx_edit import tensor_shape
+from ..graph.fx_edit import from_input, tensor_shape
 
 
 def arg(n: fx.Node, i: int, key: str, default=None):
@@ -56,15 +56,7 @@ def is_scalar_factor(v) -> bool:
     shape = tensor_shape(v)
     if shape is None or any(d != 1 for d in shape):
         return False
-    seen, todo = set(), [v]
-    while todo:
-        m = todo.pop()
-        if m.op == "placeholder":
-            return False
-        if m.name not in seen:
-            seen.add(m.name)
-            todo.extend(m.all_input_nodes)
-    return True
+    return not from_input(v)
 
 
 def forward_axis(n: fx.Node, x: fx.Node, a: int) -> int | None:

@@ -297,6 +297,20 @@ def computed_from(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
+def from_input(node: fx.Node) -> bool:
+    """Whether `node` is computed from a model input, not from parameters and constants alone. The walk of
+    computed_from, stopping at the first input it meets: analyses ask this of most elementwise ops' operands."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n.op == "placeholder":
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return False
+
+
 def reads_flag(node: fx.Node) -> bool:
     """Whether `node` is computed from a module's `training` flag (a get_attr of it, as graphgrow traces them)."""
     return any(n.op == "get_attr" and str(n.target).split(".")[-1] == "training" for n in computed_from(node))
