@@ -13,12 +13,12 @@ from collections.abc import Sequence
 import torch
 from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from ..core.errors import first_line
 from ..graph import ops
 from ..graph.inputs import DTYPES, InputSpec, batch_of
 from ..graph.shapes import _target_name, shape_of
-from ..graph.values import map_values
 from ..io.mode_switch import ModeSwitch
 
 VERIFY_BATCH = 3
@@ -170,7 +170,8 @@ def _on_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     def meta(a):
         return torch.device("meta") if isinstance(a, torch.device) and a.type != "meta" else a
 
-    args = tuple(map_values(args, meta))  # topk's (values, indices) stays itself: `.indices` reads it
+    # tree_map, not fx's map_aggregate: that rebuilds topk's (values, indices) as a plain tuple, and `.indices` fails
+    args = tuple(tree_map(meta, args))
     kwargs = {k: meta(torch.device(v) if k == "device" and isinstance(v, str) else v) for k, v in kwargs.items()}
     return args, kwargs
 

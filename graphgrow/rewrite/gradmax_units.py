@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.utils._pytree import tree_map
 
 from ..core.errors import NotApplicable
-from ..graph.values import map_values
 from .gradmax import STEPS, Data, GradMaxResult, ascend, kept_state, load_data, new_units, orthonormal, scalar_loss
 from .widen import Layout
 
@@ -116,7 +116,7 @@ class _Recorder(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
         if n in self.keep:
-            self.kept[n] = map_values(out, lambda v: v.detach() if isinstance(v, torch.Tensor) else v)
+            self.kept[n] = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, out)
         return out
 
 
@@ -205,7 +205,7 @@ class UnitAim:
         it = self.interp
         # copies: an in-place op in the region must not change the kept values for the next evaluation
         it.env = {
-            k: map_values(v, lambda t: t.clone() if isinstance(t, torch.Tensor) else t) for k, v in self.cache.items()
+            k: tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, v) for k, v in self.cache.items()
         }
         for n in self.region:
             for a in n.all_input_nodes:
