@@ -43,14 +43,18 @@ class GatheredBmm(nn.Module):
         return (y * weights.reshape(-1, 1)).view(-1, K, H).sum(dim=1)
 
 
-class TransposedMatmul(nn.Module):
-    """w_in [E, H, I], w_out [E, I, H], gathered with index_select and multiplied from the right with `@`."""
+class InOutExperts(nn.Module):
+    """Experts stacked in the transposed layout: w_in [E, H, I], w_out [E, I, H]."""
 
     def __init__(self):
         super().__init__()
         self.router = Router()
         self.w_in = nn.Parameter(torch.randn(E, H, I) / H**0.5)
         self.w_out = nn.Parameter(torch.randn(E, I, H) / I**0.5)
+
+
+class TransposedMatmul(InOutExperts):
+    """Gathered with index_select and multiplied from the right with `@`."""
 
     def forward(self, x):
         _, weights, ids = self.router(x)
@@ -61,14 +65,8 @@ class TransposedMatmul(nn.Module):
         return (y * weights.reshape(-1, 1)).view(-1, K, H).sum(dim=1)
 
 
-class DenseEinsum(nn.Module):
-    """Every expert on every token (w_in [E, H, I], w_out [E, I, H]), mixed by the routing probabilities."""
-
-    def __init__(self):
-        super().__init__()
-        self.router = Router()
-        self.w_in = nn.Parameter(torch.randn(E, H, I) / H**0.5)
-        self.w_out = nn.Parameter(torch.randn(E, I, H) / I**0.5)
+class DenseEinsum(InOutExperts):
+    """Every expert on every token, mixed by the routing probabilities."""
 
     def forward(self, x):
         probs, _, _ = self.router(x)
@@ -94,8 +92,12 @@ class ModuleListExperts(nn.Module):
         return out
 
 
-MOES = {"gathered_bmm": GatheredBmm, "transposed_matmul": TransposedMatmul, "dense_einsum": DenseEinsum}
-MOES["module_list"] = ModuleListExperts
+MOES: dict[str, type[nn.Module]] = {
+    "gathered_bmm": GatheredBmm,
+    "transposed_matmul": TransposedMatmul,
+    "dense_einsum": DenseEinsum,
+    "module_list": ModuleListExperts,
+}
 
 
 class MoEBlock(nn.Module):
