@@ -161,7 +161,7 @@ def run_mergekit(size: str, where: Path, result: dict, progress=print) -> None:
         la, lm = a["logits"], m["logits"]
         result["mergekit"] = {
             "params": m["params"],
-            "logits_rel_err": float((la - lm).norm() / la.norm()),
+            "logits_rel_err": rel_err(lm, la),
             "same_argmax": float((la.argmax(-1) == lm.argmax(-1)).float().mean()),
         }
     finally:
@@ -183,6 +183,7 @@ def logits_of(folder: Path, out: Path, dtype: str = "bfloat16") -> None:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖: `a`'s distance from the reference `b`."""
     return float((a - b).norm() / b.norm())
 
 
@@ -250,7 +251,7 @@ def run(size: str, where: Path, keep: bool = False, progress=print, reuse: bool 
             "params": [a["params"], b["params"]],
             "class": b["class"],
             "logits_max_abs_diff": float((la - lb).abs().max()),
-            "logits_rel_err": float((la - lb).norm() / la.norm()),
+            "logits_rel_err": rel_err(lb, la),
             "logits_scale": float(la.abs().max()),
             "same_argmax": float((la.argmax(-1) == lb.argmax(-1)).float().mean()),
             "same_greedy_tokens": bool(torch.equal(a["greedy"], b["greedy"])),
