@@ -321,3 +321,21 @@ def test_a_no_grad_block_is_inlined_with_its_outputs_detached():
     assert torch.equal(gm(**x), model(**x)) and ".detach()" in gm.code
     gm(**x).sum().backward()
     assert gm.scale.grad is None and gm.head.weight.grad is not None  # no gradient through the block, as in eager
+
+
+def test_the_cache_is_off_in_every_config_the_model_holds():
+    """A vision-language model's language model reads its own config's use_cache (Gemma 3, GOT-OCR2): with only
+    the top config's off, its output held a DynamicCache and torch.export refused it ('Found DynamicCache in
+    output'). Every config the modules hold is off while capturing, and given back after."""
+    from types import SimpleNamespace
+
+    from graphgrow.capture.export_capture import _cache_off
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    model.config = SimpleNamespace(use_cache=False)
+    text = model[1].config = SimpleNamespace(use_cache=True)
+    model[1][0].config = text  # one config held by two modules
+    notes: list[str] = []
+    with _cache_off(model, notes):
+        assert text.use_cache is False and model.config.use_cache is False
+    assert text.use_cache is True and model.config.use_cache is False and len(notes) == 1

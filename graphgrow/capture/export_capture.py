@@ -435,14 +435,18 @@ def _versions() -> str:
 @contextlib.contextmanager
 def _cache_off(model: nn.Module, notes: list[str]) -> Iterator[None]:
     """A Hugging Face model's key/value cache off while it is captured and checked (torch.export cannot return a
-    DynamicCache; a growth graph has no use for one), its setting restored after (as_native gives it back)."""
-    config = getattr(model, "config", None)
-    if not getattr(config, "use_cache", False):
+    DynamicCache; a growth graph has no use for one), its setting restored after (as_native gives it back). Every
+    config its modules hold, not only the top one: a vision-language model's language model reads its own text
+    config's use_cache (Gemma 3, GOT-OCR2: 'Found DynamicCache in output' with the top one off)."""
+    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", False)}
+    if not configs:
         yield
         return
-    config.use_cache = False
+    for config in configs.values():
+        config.use_cache = False
     notes.append("captured with use_cache=False (the model's key/value cache is not part of its function)")
     try:
         yield
     finally:
-        config.use_cache = True
+        for config in configs.values():
+            config.use_cache = True
