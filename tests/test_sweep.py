@@ -150,3 +150,73 @@ def test_the_transformers_config_shrinker_keeps_what_the_models_rely_on():
     assert all(c % kw["num_groups"] == 0 for c in [kw["embedding_size"], *kw["hidden_sizes"]])
     assert kw["num_groups"] > 1 and kw["hash_vocab"] == VOCAB and "type_vocab_size" not in kw
     assert _shrunk(Grouped)["embedding_size"] == HIDDEN
+
+
+def test_the_shrinker_restores_the_relations_a_config_checks():
+    """Stand-ins for configs whose validation refuses sizes set one by one: no grouped-query attention (ESMC),
+    layer types given per layer (a list the length of the old layer count), a run-length list of layer patterns
+    (GPT-Neo's attention_types), a count of shared layers checked only when a property is read (Gemma 3n), a size
+    that must equal the hidden size; and a sub-config typed AutoConfig (Fuyu), shrunk as its default instance's
+    class. A config that accepts the plain shrink keeps it."""
+    from dataclasses import dataclass, field
+
+    from sweep_models import HEADS, LAYERS, _shrunk
+
+    @dataclass
+    class NoGqa:
+        hidden_size: int = 960
+        num_attention_heads: int = 15
+        num_key_value_heads: int = 15
+        num_hidden_layers: int = 6
+        layer_types: list = field(default_factory=lambda: ["local", "local", "global"] * 2)
+        adapter_in_dim: int = 960
+        num_shared_layers: int = 3
+
+        def __post_init__(self):
+            assert self.num_key_value_heads == self.num_attention_heads, "no grouped-query attention"
+            assert len(self.layer_types) == self.num_hidden_layers
+            assert self.adapter_in_dim == self.hidden_size
+
+        @property
+        def first_shared(self) -> int:  # the model reads it
+            assert self.num_shared_layers < self.num_hidden_layers, "more shared layers than layers"
+            return self.num_hidden_layers - self.num_shared_layers
+
+    kw = _shrunk(NoGqa)
+    assert kw["num_key_value_heads"] == kw["num_attention_heads"] == HEADS
+    assert kw["layer_types"] == ["local", "global"] and kw["adapter_in_dim"] == kw["hidden_size"]
+    assert kw["num_shared_layers"] == 1  # 3 of 6 layers → 1 of 2
+    NoGqa(**kw).first_shared  # noqa: B018 (the property checks)
+
+    @dataclass
+    class Patterns:
+        num_layers: int = 24
+        attention_types: list = field(default_factory=lambda: [[["global", "local"], 12]])
+
+        def __post_init__(self):
+            assert sum(len(p) * n for p, n in self.attention_types) == self.num_layers
+
+    assert _shrunk(Patterns) == {"num_layers": LAYERS, "attention_types": [[["global", "local"], 1]]}
+
+    @dataclass
+    class Text:
+        model_type = "text"
+        hidden_size: int = 4096
+
+    class Auto:  # AutoConfig: not built without a model type
+        def __init__(self):
+            raise OSError("use from_pretrained")
+
+    @dataclass
+    class Composite:
+        sub_configs = {"text_config": Auto}
+        text_config: object = field(default_factory=Text)
+
+    assert _shrunk(Composite) == {"text_config": {"model_type": "text", "hidden_size": 64}}
+
+    @dataclass
+    class Gqa:  # accepted as shrunk: kept grouped
+        num_attention_heads: int = 32
+        num_key_value_heads: int = 8
+
+    assert _shrunk(Gqa)["num_key_value_heads"] < HEADS

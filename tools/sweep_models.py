@@ -170,10 +170,12 @@ def _shrunk(config_class: type) -> dict:
     default too: a mixture-of-experts' top-k is None in a config whose experts are on), token ids kept inside the
     small vocabulary, per-stage lists (hidden_sizes, depths, stage heads, their singular spellings) shortened to
     small values of the same length, sub-configs (`sub_configs`: a vision and a text tower, DBRX's attention and
-    expert configs, BLT's four transformers) shrunk the same way. Relations the model relies on are kept: multi-head
+    expert configs, BLT's four transformers; one typed AutoConfig as its default instance's class) shrunk the same
+    way. Relations the model relies on are kept: multi-head
     latent attention (kv_lora_rank) expands its keys to every head, so its key/value heads are the heads (fewer would
     make transformers repeat them again when exported: 'broadcast a dimension of length 8'); a count of groups still
-    divides the channels it divided."""
+    divides the channels it divided; where the config's validation refuses the result, _consistent restores the
+    relations it checks."""
     import dataclasses
 
     try:
@@ -203,10 +205,11 @@ def _shrunk(config_class: type) -> dict:
     def size(v: object) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
-    for k, v in _SCALARS.items():
+    for k, small_size in _SCALARS.items():
         if k in real and (size(value(k)) or (k in optional_int and value(k) is None and k not in _DERIVED)):
-            kw[k] = v
-    for k in real:  # a vocabulary or a hidden size under another name (BLT's hash vocabulary, hidden_size_global)
+            kw[k] = small_size
+    # fields in sorted order (a set's order changes from process to process): the same name every time
+    for k in sorted(real):  # a vocabulary or a hidden size under another name (BLT's hash vocabulary)
         v = value(k)
         if k in kw or not size(v):
             continue
@@ -236,11 +239,158 @@ def _shrunk(config_class: type) -> dict:
                 kw["embed_dim"] = 16  # stage i has embed_dim · 2^i channels and 2^i heads
     _keep_groups(kw, real, value)
     for k, sub in (getattr(config_class, "sub_configs", None) or {}).items():
-        if k in real and isinstance(sub, type):
-            small = _shrunk(sub)
+        if k not in real or not isinstance(sub, type):
+            continue
+        small = _shrunk(sub)
+        inner = value(k)
+        model_type = getattr(inner, "model_type", None)
+        if not small and isinstance(model_type, str):
+            # a sub-config typed AutoConfig (Fuyu's text model, Gemma 3's vision tower): its class is the default
+            # instance's, named by model_type in the dict so the parent resolves the same class
+            small = _shrunk(type(inner))
             if small:
-                kw[k] = small
+                small = {"model_type": model_type, **small}
+        if small:
+            kw[k] = small
+    return _consistent(config_class, kw, default, real, value)
+
+
+# layer counts, in the order _shrunk looks for them
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+
+
+def _consistent(config_class: type, kw: dict, default: object, real: set, value) -> dict:
+    """The shrunk arguments as the config's own validation accepts them. Sizes set one by one can break a relation
+    the config checks (or a property the model reads checks): key/value heads that must equal the heads, values
+    given per layer for the old number of layers, counts of layers past the new number, a size that must equal the
+    hidden size. Where the config refuses the arguments, the fewest of those relations are restored (each one a
+    change made consistently, never a value read from the error message); a config that accepts them as they are is
+    left exactly as it was. None helping: the arguments as they were (the build then reports the config's error)."""
+    import itertools
+
+    if not kw or not _refuses(config_class, kw, default):
+        return kw
+    fixes = [_no_gqa, _per_layer_values, _layer_counts, _hidden_size_copies]
+    for n in range(1, len(fixes) + 1):
+        for chosen in itertools.combinations(fixes, n):
+            fixed = dict(kw)
+            for fix in chosen:
+                fix(fixed, real, value)
+            if fixed != kw and not _refuses(config_class, fixed, default):
+                return fixed
     return kw
+
+
+def _refuses(config_class: type, kw: dict, default: object) -> bool:
+    """The config class raises on these arguments, or on reading a property that its default config can read
+    (Gemma 3n's kv_sharing_modes checks the layer types against the shared layers only when read)."""
+    try:
+        config = config_class(**kw)
+        for name in dir(config_class):
+            if not isinstance(getattr(config_class, name, None), property):
+                continue
+            try:
+                getattr(default, name)
+            except Exception:
+                continue  # not readable on the default config either: not a relation the model relies on
+            getattr(config, name)
+    except Exception:
+        return True
+    return False
+
+
+def _no_gqa(kw: dict, real: set, value) -> None:
+    """As many key/value heads as heads: a model without grouped-query attention (ESMC) refuses fewer."""
+    if "num_key_value_heads" in kw and "num_attention_heads" in kw:
+        kw["num_key_value_heads"] = kw["num_attention_heads"]
+
+
+def _layer_count(kw: dict, value) -> tuple[int, int] | None:
+    """(old, new) number of layers, where the shrinker lowered it."""
+    for k in _LAYER_COUNTS:
+        old = value(k)
+        if k in kw and isinstance(old, int) and old > kw[k]:
+            return old, kw[k]
+    return None
+
+
+def _per_layer_values(kw: dict, real: set, value) -> None:
+    """Values given per layer for the old number of layers, cut to the new one keeping each kind of layer the
+    default had (layer types [sliding × 4, full, ...] → [sliding, full]); a size given per layer takes the small
+    size; a run-length list of layer patterns ([[['global', 'local'], 12]]) keeps each pattern once, the number of
+    layers then the patterns' total."""
+    counts = _layer_count(kw, value)
+    if counts is None:
+        return
+    old, new = counts
+    for k in sorted(real):
+        v = value(k)
+        if k in _LAYER_COUNTS or not isinstance(v, (list, tuple)) or not v:
+            continue
+        if len(v) == old and k in _SCALARS and all(isinstance(x, int) for x in v):
+            kw[k] = [_SCALARS[k]] * new
+        elif len(v) == old and all(isinstance(x, (str, int, float)) for x in v):
+            picked = sorted({x: i for i, x in reversed(list(enumerate(v)))}.values())[:new]  # each kind's first
+            picked += [i for i in range(old) if i not in picked][: new - len(picked)]
+            kw[k] = [v[i] for i in sorted(picked)]
+        elif (
+            all(
+                isinstance(p, (list, tuple))
+                and len(p) == 2
+                and isinstance(p[0], (list, tuple))
+                and isinstance(p[1], int)
+                for p in v
+            )
+            and sum(len(p[0]) * p[1] for p in v) == old
+        ):
+            kw[k] = [[list(p[0]), 1] for p in v]
+            total = sum(len(p[0]) for p in v)
+            for c in _LAYER_COUNTS:
+                if c in kw:
+                    kw[c] = total
+
+
+def _layer_counts(kw: dict, real: set, value) -> None:
+    """Counts of some of the layers (shared, dense, per stack) scaled as the number of layers was."""
+    counts = _layer_count(kw, value)
+    if counts is None:
+        return
+    old, new = counts
+    for k in sorted(real):
+        v = value(k)
+        if k in kw or k in _LAYER_COUNTS or not re.fullmatch(r"(num|n)_\w*layers", k):
+            continue
+        if isinstance(v, int) and not isinstance(v, bool) and 0 < v < old:
+            kw[k] = v * new // old
+
+
+def _hidden_size_copies(kw: dict, real: set, value) -> None:
+    """A size or dimension that had a hidden size's default value is that hidden size: the config's own (an
+    adapter's input) or, in a config of several models, another's (a vision adapter's output is the text model's
+    hidden size)."""
+    parts = [(kw, real, value)]  # (the shrunk arguments, the fields, their default values): the config's own ...
+    for k in sorted(real):  # ... and each sub-config's
+        inner = value(k)
+        if isinstance(kw.get(k), dict) and inner is not None:
+            fields = {f for f in vars(inner) if not f.startswith("_")}
+            parts.append((kw[k], fields, lambda f, inner=inner: _read(inner, f)))
+    sizes: dict[int, int] = {}  # a hidden size's default → its shrunk value
+    for small, _, get in parts:
+        key = next((k for k in ("hidden_size", "d_model", "n_embd", "dim", "embed_dim") if k in small), None)
+        if key and isinstance(get(key), int) and isinstance(small[key], int):
+            sizes.setdefault(get(key), small[key])
+    for small, fields, get in parts:
+        for k in sorted(fields):
+            v = get(k)
+            if k not in small and re.search(r"(size|dim)", k) and type(v) is int and v in sizes:
+                small[k] = sizes[v]
+
+
+def _read(config: object, field: str) -> object:
+    try:
+        return getattr(config, field, None)
+    except Exception:  # a per-layer field read as one value (heterogeneous configs)
+        return None
 
 
 def _keep_groups(kw: dict, real: set, value) -> None:
@@ -260,7 +410,7 @@ def _keep_groups(kw: dict, real: set, value) -> None:
     if not old or len(old) != len(new):
         return
     ratio = min(n / o for n, o in zip(new, old))
-    for k in real:
+    for k in sorted(real):
         g = value(k)
         if "group" not in k or not isinstance(g, int) or isinstance(g, bool) or g <= 1 or k in kw:
             continue
