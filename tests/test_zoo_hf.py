@@ -131,3 +131,35 @@ def test_without_transformers_the_name_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
     with pytest.raises(gg.LoadError, match=r"pip install graphgrow\[hf\]"):
         gg.load_model("hf:gpt2(n_layer=1)")
+
+
+@pytest.mark.parametrize(
+    "fails, message",
+    [
+        (  # transformers' requires_backends: an optional package missing (DiNAT's natten)
+            lambda config: ImportError("\nGPT2Model requires the natten library but it was not found"),
+            r"cannot build hf:gpt2: GPT2Model needs an optional package that is not installed \(GPT2Model requires "
+            r"the natten library",
+        ),
+        (  # every config fails alike, the default one too (DBRX on transformers 5.24): transformers', not the name's
+            lambda config: AttributeError("'AttentionConfig' object has no attribute 'rope_theta'"),
+            r"cannot build hf:gpt2: transformers \S+ cannot build gpt2 even from its default config \(AttributeError",
+        ),
+        (  # only the arguments fail: their error as it was
+            lambda config: ValueError("one layer is too few") if config.n_layer == 1 else None,
+            r"hf:gpt2\(n_layer=1,n_embd=32,n_head=4\) failed: ValueError: one layer is too few",
+        ),
+    ],
+)
+def test_a_model_that_does_not_build_says_whose_failure_it_is(monkeypatch, fails, message):
+    real = transformers.AutoModel.from_config.__func__
+
+    def failing(cls, config, **kwargs):
+        error = fails(config)
+        if error is not None:
+            raise error
+        return real(cls, config, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModel, "from_config", classmethod(failing))
+    with pytest.raises(gg.LoadError, match=message):
+        gg.load_model("hf:gpt2(n_layer=1,n_embd=32,n_head=4)")

@@ -7,6 +7,8 @@ nothing downloaded: never `from_pretrained`, never remote code, never the hub (H
 building, `zoo.sealed_caches`). Arguments are the config's own fields, checked by name (a typo is refused, not
 ignored); `use_cache` defaults to False, since torch.export cannot capture a DynamicCache output. The loader sizes
 the model on the meta device before allocating it (load.py, `--max-load`): transformers' default configs are large.
+A build that fails says whose failure it is: an optional package the model's code needs and this environment lacks,
+or transformers' own (the model type's default config fails alike), not the arguments.
 
 The default input spec (`default_spec`, reported as LoadedModel.input_shape) holds only the inputs the forward
 needs — no attention_mask (all positions attend, as with a mask of ones): token ids `input_ids` int64[1,16] below
@@ -89,9 +91,44 @@ def builder(
         fresh = copy.deepcopy(config)
         if fresh.architectures is None:  # the Auto class chooses among several classes of a type by this field
             fresh.architectures = [model_class.__name__]
-        return auto.from_config(fresh, trust_remote_code=False)
+        try:
+            return auto.from_config(fresh, trust_remote_code=False)
+        except ImportError as e:  # transformers' requires_backends: a package the model's code needs
+            raise LoadError(
+                f"cannot build {target}: {model_class.__name__} needs an optional package that is not installed "
+                f"({_first_line(e)})",
+                "install that package to use this model type",
+            ) from e
+        except Exception as e:
+            if _default_fails(transformers, auto, model_type, model_class, e):
+                raise LoadError(
+                    f"cannot build {target}: transformers {transformers.__version__} cannot build {model_type} even "
+                    f"from its default config ({type(e).__name__}: {_first_line(e)})",
+                    "not the arguments: this model type does not build with this transformers version",
+                ) from e
+            raise
 
     return build_hf, spec
+
+
+def _first_line(e: BaseException) -> str:
+    line = next((line for line in str(e).splitlines() if line.strip()), "")  # transformers' start with a newline
+    return " ".join(line.split())[:200]
+
+
+def _default_fails(transformers: Any, auto: Any, model_type: str, model_class: type, error: Exception) -> bool:
+    """Whether the model type's own default config fails to build as the arguments' did (same exception type and
+    message), on the meta device: then the failure is transformers', not the arguments'."""
+    import torch
+
+    try:
+        default = transformers.AutoConfig.for_model(model_type)
+        default.architectures = [model_class.__name__]
+        with torch.device("meta"):
+            auto.from_config(default, trust_remote_code=False)
+    except Exception as e:
+        return type(e) is type(error) and str(e) == str(error)
+    return False
 
 
 def _import_transformers() -> Any:
