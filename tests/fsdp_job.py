@@ -7,7 +7,8 @@ Each rank writes OUT/fsdp-rank{R}.json; the assertions are in tests/test_fsdp.py
   gg.distributed.grow, trains 2 more; beside it, the same growth done unsharded (grow_replica on a plain model
   and AdamW loaded from torch's own full state dicts) as the reference;
 - failure: rank 1 fails inside the pipeline (at planning), inside a layer's window, inside the re-sharding, then in
-  the grown model's check with release_old; both ranks must keep the old model;
+  the grown model's check and in the optimiser carry with release_old; both ranks must keep the old model (and
+  raise at once: the carry's gathers must not wait for the training group's timeout);
 - memory: a growth event's peak of tensor bytes (the profiler's record of the CPU allocator) against the sharded
   steady state, with and without release_old;
 - example: examples/grow_fsdp.py's training loop, through both of its growth events;
@@ -249,7 +250,8 @@ def options_scenario(mesh, rank: int, world: int) -> dict:
 
 
 def failure_scenario(mesh, rank: int, world: int) -> dict:
-    """Rank 1 fails in the pipeline, then in the re-sharding: both ranks raise and keep the old model, then train."""
+    """Rank 1 fails in the pipeline, inside a window, in the re-sharding, in the final check and in the optimiser
+    carry (its third state tensor, once gathered): both ranks raise and keep the old model, then train."""
     model = gg.distributed.shard(fresh(), LAYERS, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step(model, opt, 0, rank, world)
@@ -272,8 +274,17 @@ def failure_scenario(mesh, rank: int, world: int) -> dict:
         return real_run(pipeline, gm, *args, **kwargs)
 
     real_run, real_reshard, real_unit = gg.Pipeline.run, fsdp.reshard, fsdp_layers.shard_unit
-    real_compare = fsdp_layers.compare_outputs
-    for where in ("pipeline", "window", "reshard", "check"):
+    real_compare, real_fit = fsdp_layers.compare_outputs, fsdp._fit_sharded
+    fits = [0]
+
+    def fail_third_fit(value, old, new):  # rank 1 raises in its own work on the third state tensor, after gathering it
+        fits[0] += 1
+        out = real_fit(value, old, new)
+        if fits[0] == 3:
+            raise RuntimeError("injected failure on rank 1")
+        return out
+
+    for where in ("pipeline", "window", "reshard", "check", "carry"):
         if rank == 1:
             if where == "pipeline":
                 gg.Pipeline.run = fail  # type: ignore[method-assign]
@@ -281,16 +292,21 @@ def failure_scenario(mesh, rank: int, world: int) -> dict:
                 gg.Pipeline.run = fail_in_window  # type: ignore[method-assign]
             elif where == "reshard":
                 fsdp.reshard = fsdp_layers.shard_unit = fail  # type: ignore[assignment]
-            else:  # the whole grown model's check: with release_old every old shard and gradient is in the file then
-                fsdp_layers.compare_outputs = fail  # type: ignore[assignment]
+            elif where == "check":  # the whole grown model's check: with release_old every old shard, gradient
+                fsdp_layers.compare_outputs = fail  # type: ignore[assignment]  # and moment is in the file then
+            else:
+                fsdp._fit_sharded = fail_third_fit  # type: ignore[assignment]
+        start = time.perf_counter()
         try:
-            gg.distributed.grow(model, opt, "grow_hidden(by=8)", seed=3, timeout=60, release_old=where == "check")
+            release = where in ("check", "carry")
+            gg.distributed.grow(model, opt, "grow_hidden(by=8)", seed=3, timeout=60, release_old=release)
             out[where] = {"error": None}
         except Exception as e:  # noqa: BLE001 - the test reads the type and message
             out[where] = {"type": type(e).__name__, "error": str(e)}
         finally:
             gg.Pipeline.run, fsdp.reshard, fsdp_layers.shard_unit = real_run, real_reshard, real_unit
-            fsdp_layers.compare_outputs = real_compare  # type: ignore[assignment]
+            fsdp_layers.compare_outputs, fsdp._fit_sharded = real_compare, real_fit  # type: ignore[assignment]
+        out[where]["seconds"] = time.perf_counter() - start
         out[where]["kept"] = list(model.parameters()) == params and local() == before
         out[where]["opt_kept"] = opt.param_groups[0]["params"] == params
     out["step_after"] = step(model, opt, 1, rank, world)

@@ -134,14 +134,17 @@ def test_training_continues_as_it_would_unsharded(ranks):
 
 def test_a_rank_that_fails_during_growth_leaves_every_rank_on_its_old_model(ranks):
     """Rank 1 fails inside the pipeline (planning), inside a layer's window (after rank 0 gathered and grew), inside
-    the re-sharding of a layer, then in the check of the whole grown model with release_old (every old shard and
-    gradient in the spill file by then): both ranks raise DistributedError (rank 0 naming rank 1 and its error), keep
-    the model's shards, gradients, the optimiser and its state bit for bit, and train on together."""
-    for where in ("pipeline", "window", "reshard", "check"):
+    the re-sharding of a layer, then with release_old in the check of the whole grown model (every old shard,
+    gradient and moment in the spill file by then) and in the optimiser carry (after two moments were gathered on
+    the training group): both ranks raise DistributedError (rank 0 naming rank 1 and its error) within seconds — in
+    the carry rank 0 does not wait in its next gather for the training group's 30-minute timeout — keep the model's
+    shards, gradients, the optimiser and its state bit for bit, and train on together."""
+    for where in ("pipeline", "window", "reshard", "check", "carry"):
         for rank, report in enumerate(ranks):
             f = report["failure"][where]
             assert f["type"] == "DistributedError" and "injected failure on rank 1" in f["error"], (where, rank, f)
             assert f["kept"] and f["opt_kept"], (where, rank)
+            assert f["seconds"] < 30, (where, rank, f["seconds"])
         assert "rank 1 could not grow" in ranks[0]["failure"][where]["error"], where
     assert ranks[0]["failure"]["step_after"] == ranks[1]["failure"]["step_after"]
 
@@ -261,15 +264,16 @@ def test_growth_with_release_old_holds_one_layer_over_the_sharded_steady_state(r
     (grow_hidden): without release_old the event holds the whole grown sharded state (shards and AdamW's two moments)
     beside the old one; with it the old state leaves as growth goes (a shard and its gradient once gathered, a moment
     once carried), so the peak stays within one layer's full tensors, old and grown, over the steady state, and the
-    old model and optimiser hold nothing afterwards. With rank 0 verifying, the peak adds the check's working set
-    (FSDP gathering the old model a unit at a time, the windows' checks) and stays below a training step's."""
+    old model and optimiser hold nothing afterwards. With rank 0 verifying too: the check's working set (FSDP
+    gathering the old model a unit at a time for the reference outputs, rank 0's checks of each window: gradients
+    and SGD steps of the grown layer) fits in the room the old moments leave (they go to the spill file first)."""
     for rank, report in enumerate(ranks):
         m = report["memory"]
         keep, release, verified = m["keep"], m["release"], m["verified"]
         layer = m["layer_full"] + keep["grown_layer_full"]  # one layer's old and grown full tensors
         assert keep["peak"] - keep["steady"] >= 3 * keep["grown_shards"], (rank, keep)
         assert release["peak"] - release["steady"] <= 1.25 * layer, (rank, release, layer)
-        assert verified["peak"] <= verified["train_peak"], (rank, verified)
+        assert verified["peak"] - verified["steady"] <= 1.25 * layer, (rank, verified, layer)
         assert keep["old_state_left"] > 0 and release["old_state_left"] == verified["old_state_left"] == 0
         # the same growth: the grown parameters and AdamW's moments bit for bit
         for key in ("probe_after", "digest", "optimizer_digest"):

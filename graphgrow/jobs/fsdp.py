@@ -51,7 +51,8 @@ from ..core.errors import InputError
 from ..rewrite.pass_base import require_traced
 from . import replicas as rp
 from .ddp import Grown, Verify, carry_scheduler, grow_replica
-from .fsdp_spill import Spill, local_state
+from .fsdp_carry import CarryAgreement, checked_fit
+from .fsdp_spill import Spill, local_moments, local_state
 from .fsdp_units import (  # noqa: F401 - Unit, is_fsdp, plan_units, sharding_units, unsharded_copy: fsdp's names too
     Unit,
     _reshard_all,
@@ -143,6 +144,10 @@ def grow_fsdp(
 
         spill = Spill() if release_old else None
         try:
+            if spill is not None and optimizer is not None:
+                # the old moments leave first (growth never reads them; the carry reads each back once): what the
+                # windows and their verification hold on top of the sharded state then has room left by them
+                spill.release(local_moments(optimizer))
             gm, agreed, seconds = grow_by_layers(
                 model, spec, units, seed=seed, verify=verify, timeout=timeout, spill=spill
             )
@@ -155,9 +160,9 @@ def grow_fsdp(
         else:
             grown = Grown(gm, None, None, result_of(gm), agreed, seconds)
             if spill is None:
-                return _carry(grown, model, optimizer, scheduler, _fit_sharded, t0)
+                return _carry(grown, model, optimizer, scheduler, _fit_sharded, timeout, t0)
             try:
-                done = _carry(grown, model, optimizer, scheduler, _spilling(spill, _fit_sharded), t0)
+                done = _carry(grown, model, optimizer, scheduler, _fit_sharded, timeout, t0, spill)
             except BaseException:
                 spill.restore()
                 raise
@@ -198,27 +203,57 @@ def grow_fsdp(
         raise
     grown.seconds["reshard"] = time.perf_counter() - t1
     grown.seconds["gather"] = gathered
-    return _carry(grown, model, optimizer, scheduler, fit, t0)
+    try:
+        return _carry(grown, model, optimizer, scheduler, fit, timeout, t0)
+    except BaseException:
+        if released is not None:
+            released.restore()
+        raise
 
 
 def _spilling(spill: Spill, fit: Callable[[Any, torch.Tensor, torch.Tensor], Any]) -> Callable:
-    """`fit`, then the old state tensor it read released to `spill`: the old and new moments coexist one at a time."""
+    """`fit` on an old state tensor read back from `spill` for the call (released up front), or released to it after
+    the call (not released yet): the old and new moments coexist one at a time."""
 
     def run(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
-        out = fit(value, old, new)
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            spill.release(local_state([value]))
+        if not (isinstance(value, torch.Tensor) and value.dim() > 0):
+            return fit(value, old, new)
+        mine = local_state([value])
+        with spill.borrow(mine):
+            out = fit(value, old, new)
+        spill.release(mine)
         return out
 
     return run
 
 
-def _carry(grown: Grown, model: nn.Module, optimizer: Any, scheduler: Any, fit: Callable, t0: float) -> Grown:
-    """The optimiser carried shard by shard and the scheduler re-pointed; the grown model is sharded already."""
+def _carry(
+    grown: Grown,
+    model: nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    fit: Callable,
+    timeout: float,
+    t0: float,
+    spill: Spill | None = None,
+) -> Grown:
+    """The optimiser carried shard by shard and the scheduler re-pointed; the grown model is sharded already. Every
+    rank agrees on the outcome (fsdp_carry.py): a rank that fails makes every rank raise at once, not wait in a
+    gather. With `spill`, each old state tensor is read back from it only while its fit runs (before the exchange: a
+    failed read is reported like any other failure)."""
     t2 = time.perf_counter()
     if optimizer is not None:
-        grown.optimizer = carry_optimizer(optimizer, model, grown.gm, fit=fit)
-        if scheduler is not None:
+        agreement = CarryAgreement(rp.replicas(timeout))
+        fit = checked_fit(agreement, fit)
+        if spill is not None:
+            fit = _spilling(spill, fit)
+        try:
+            grown.optimizer = carry_optimizer(optimizer, model, grown.gm, fit=fit)
+        except BaseException as e:
+            agreement.fail(e)
+            raise
+        agreement.check()  # a rank that failed after its last state tensor is heard here
+        if scheduler is not None:  # after the agreement (it changes the scheduler); its checks are the same everywhere
             carry_scheduler(scheduler, grown.optimizer, optimizer)
             grown.scheduler = scheduler
     grown.seconds["carry"] = time.perf_counter() - t2

@@ -6,12 +6,16 @@ tensors, the Parameters, FSDP's views and the optimiser's state dict stay the sa
 them); `restore` reads every storage back bit for bit. A file, not a host copy: in a job on the CPU the host *is* the
 device, so a copy in memory would count the old state twice — the very thing releasing it avoids. The file is
 unlinked from the start (tempfile.TemporaryFile, in $TMPDIR): it goes when closed or when the process dies.
+
+`borrow` reads some released storages back for a while and frees them again (their bytes stay in the file): the
+optimiser's moments leave before growth starts and come back one at a time when the carry reads them.
 """
 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,6 +29,7 @@ class Spill:
     def __init__(self, directory: str | None = None):
         self._file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 - open until restore or close
         self._saved: list[tuple[Any, int, int]] = []  # storage, its bytes, where they start in the file
+        self._index: dict[int, int] = {}  # a storage's StorageImpl (`_cdata`: kept across resizes) → its _saved entry
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self.nbytes = 0  # written and freed
         self.kept = 0  # left in place: storages torch does not let resize (e.g. a tensor once viewed with .numpy())
@@ -52,22 +57,44 @@ class Spill:
                 self._file.write(chunk.numpy())
             del src
             storage.resize_(0)
+            self._index[storage._cdata] = len(self._saved)
             self._saved.append((storage, n, offset))
             self.nbytes += n
 
+    @contextmanager
+    def borrow(self, tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+        """The storages of `tensors` that this spill released, read back for the `with` block and freed again at its
+        end (the file keeps their bytes: `restore` still puts them back). Others are left as they are."""
+        entries = []
+        for t in tensors:
+            k = self._index.get(t.untyped_storage()._cdata)
+            if k is not None and not self._saved[k][0].nbytes():
+                entries.append(self._saved[k])
+                self._read(*self._saved[k])
+        try:
+            yield
+        finally:
+            for storage, _, _ in entries:
+                storage.resize_(0)
+
     def restore(self) -> None:
         """Every released storage back to its size and bytes; then the file is closed."""
-        for storage, n, offset in self._saved:
-            storage.resize_(n)
-            dst = _as_bytes(storage)
-            self._file.seek(offset)
-            for start in range(0, n, _CHUNK):
-                chunk = self._host(min(_CHUNK, n - start))
-                if self._file.readinto(chunk.numpy()) != chunk.numel():
-                    raise OSError(f"the spill file ended early ({offset + start} + {chunk.numel()} bytes)")
-                dst[start : start + chunk.numel()].copy_(chunk)
+        for entry in self._saved:
+            self._read(*entry)
         self._saved.clear()
+        self._index.clear()
         self.close()
+
+    def _read(self, storage: Any, n: int, offset: int) -> None:
+        """One storage back to its size and bytes from the file."""
+        storage.resize_(n)
+        dst = _as_bytes(storage)
+        self._file.seek(offset)
+        for start in range(0, n, _CHUNK):
+            chunk = self._host(min(_CHUNK, n - start))
+            if self._file.readinto(chunk.numpy()) != chunk.numel():
+                raise OSError(f"the spill file ended early ({offset + start} + {chunk.numel()} bytes)")
+            dst[start : start + chunk.numel()].copy_(chunk)
 
     def close(self) -> None:
         """Drop the file (after success: the old state is not needed any more)."""
@@ -95,4 +122,17 @@ def local_state(params: Iterable[torch.Tensor], optimizer: Any = None) -> list[t
         for t in (p, p.grad, *state):
             if isinstance(t, torch.Tensor) and t.dim() > 0:
                 out.append(t.to_local() if isinstance(t, DTensor) else t)
+    return out
+
+
+def local_moments(optimizer: Any) -> list[torch.Tensor]:
+    """The local tensors of the optimiser's per-parameter state (AdamW's moments; not the step counts)."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for t in optimizer.state.get(p, {}).values():
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    out.append(t.to_local() if isinstance(t, DTensor) else t)
     return out
