@@ -26,7 +26,7 @@ from .head_layout import SDPA, op_kind, refuse
 PRODUCTS = frozenset({"matmul", "bmm", "einsum"})  # batched matrix products (`@` is operator.matmul: "matmul")
 # ops on the scores that act per score (the head axis, when a side tensor has one, is checked): arithmetic with a
 # number or a broadcast tensor (scale, additive mask, soft-capping), tanh, masking, casts
-ON_SCORES = ops.BINARY_NAMES | ops.SAME_VALUES | {"tanh", "masked_fill", "where"}
+ON_SCORES = ops.BINARY_NAMES | ops.SAME_VALUES | {"tanh", "masked_fill", "masked_fill_", "where"}
 
 
 @dataclass
@@ -46,6 +46,8 @@ class Core:
 
 
 def _name(n: fx.Node) -> str:
+    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):  # an ATen op a capture left
+        return n.target.overloadpacket.__name__
     return ops.op_name(n.target) if n.op in ("call_function", "call_method") else ""
 
 
@@ -128,8 +130,18 @@ def _value_operand(n: fx.Node, weights: fx.Node) -> fx.Node:
     raise refuse(n, f"combines the attention weights with einsum '{n.args[0]}', not (…, q, k) · (…, k, e) → (…, q, e)")
 
 
+_DONOR_READS = frozenset({"type_as", "expand_as", "view_as", "reshape_as"})  # their second operand: dtype or shape
+
+
 def _only_user(n: fx.Node) -> fx.Node | None:
-    users = [u for u in n.users if not (u.op == "call_method" and u.target in ops.SHAPE_QUERIES)]
+    """The one op reading `n`'s values (size queries and dtype or shape donors — `x.type_as(n)`,
+    `mask.expand_as(n)` — do not count)."""
+    users = [
+        u
+        for u in n.users
+        if not (u.op == "call_method" and u.target in ops.SHAPE_QUERIES)
+        and not (_name(u) in _DONOR_READS and u.args[0] is not n)
+    ]
     return users[0] if len(users) == 1 else None
 
 

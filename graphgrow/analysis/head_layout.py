@@ -35,8 +35,12 @@ LAYOUT = (
     | ops.UNIT_DIMS
     | ops.SPLITS
     | ops.INDEXING
-    | {"expand", "cat", "stack"}
+    | {"expand", "cat", "stack", "view_as_complex", "view_as_real"}
 )
+# a tensor allocated and then filled by copies into slices of one axis (multi-head latent attention's key:
+# `k = x.new_empty(…); k[..., :n] = k_nope; k[..., n:] = k_rope`): the same values as a concatenation of the copies
+ALLOCATIONS = frozenset({"new_empty", "new_zeros", "empty", "zeros"})
+WRITES = frozenset({"copy_", "setitem"})
 NORMS = ops.NORMS
 SHAPE_QUERIES = ops.SHAPE_QUERIES
 HINT = "grow_heads grows attentions it fully understands (scaled_dot_product_attention fed by Linear projections)"
@@ -59,6 +63,8 @@ class FactorEdit:
 def _name(n: fx.Node) -> str:
     if n.op == "call_module":
         return f"module {n.target}"
+    if isinstance(n.target, torch._ops.OpOverload):  # an ATen op a capture left in the graph: its packet's name
+        return n.target.overloadpacket.__name__
     return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
 
 
@@ -78,6 +84,10 @@ def op_kind(gm: fx.GraphModule, n: fx.Node) -> str | None:
     name = _name(n)
     if n.op == "call_function" and n.target is F.linear:
         return "linear"
+    if name in ALLOCATIONS:
+        return "alloc"
+    if name in WRITES:
+        return "write"
     for kind, names in (("same", SAME), ("elementwise", ELEMENTWISE), ("layout", LAYOUT), ("norm", NORMS)):
         if name in names:
             return kind
@@ -94,7 +104,11 @@ def linear_arg(n: fx.Node, i: int):
 
 
 def data_args(n: fx.Node) -> list[fx.Node]:
-    """The operands that carry data into op `n` (not dtype donors, not sizes)."""
+    """The operands that carry data into op `n` (not dtype donors, not sizes; an allocation's: what is copied
+    into it)."""
+    if _name(n) in ALLOCATIONS and n.op != "call_module":
+        filled = writes(n)
+        return [w.source for w in filled[1]] if filled else []
     if _name(n) in ("to", "type_as", "expand", "reshape", "view") or n.op == "call_module":
         return [n.args[0]] if n.args and isinstance(n.args[0], fx.Node) else []
     if _name(n) in ("cat", "stack"):
@@ -102,6 +116,103 @@ def data_args(n: fx.Node) -> list[fx.Node]:
     if _name(n) in ELEMENTWISE:
         return [a for a in n.args[:2] if isinstance(a, fx.Node) and tensor_shape(a) is not None]
     return [n.args[0]] if n.args and isinstance(n.args[0], fx.Node) else []
+
+
+@dataclass
+class Write:
+    """One copy into an allocated tensor: `source` copied into its slice `start:stop` (by `node`, a copy_ into the
+    slice `views[-1]`, or a setitem on the allocation itself: then `views` is empty)."""
+
+    start: int
+    stop: int
+    views: tuple[fx.Node, ...]  # the slice copied into: a chain of slices, one axis each, as torch.export writes
+    node: fx.Node
+    source: fx.Node
+
+
+def _one_axis_slice(index, shape: tuple) -> tuple[int, int, int] | None:
+    """(axis, start, stop) when `index` keeps every axis of `shape` whole but one, cut by a slice of step 1."""
+    index = index if isinstance(index, tuple) else (index,)
+    if sum(i is Ellipsis for i in index) > 1:
+        return None
+    if Ellipsis in index:
+        k = index.index(Ellipsis)
+        index = index[:k] + (slice(None),) * (len(shape) - len(index) + 1) + index[k + 1 :]
+    if len(index) > len(shape) or not all(isinstance(i, slice) and i.step in (None, 1) for i in index):
+        return None
+    index = index + (slice(None),) * (len(shape) - len(index))
+    cut = [(d, *i.indices(shape[d])[:2]) for d, i in enumerate(index) if i.indices(shape[d])[:2] != (0, shape[d])]
+    return cut[0] if len(cut) == 1 else (len(shape) - 1, 0, shape[-1]) if not cut else None
+
+
+def _slice_chain(u: fx.Node, shape: tuple) -> tuple[tuple[int, int, int] | None, tuple[fx.Node, ...]] | None:
+    """(the cut, the slices) when `u` starts a chain of slices (each read only by the next) ending in a copy_ into
+    the last; the cut: (axis, start, stop) of the one axis they cut (None: more than one)."""
+    views, cut = [u], (len(shape) - 1, 0, shape[-1])
+    while True:
+        v = views[-1]
+        if _name(v) != "getitem" or len(v.users) != 1 or v.args[0] is not (views[-2] if len(views) > 1 else v.args[0]):
+            return None
+        step = _one_axis_slice(v.args[1], shape)
+        if step is None:
+            return None
+        if step[1:] != (0, shape[step[0]]):  # a cut: of one axis, once
+            if cut[1:] != (0, shape[cut[0]]):
+                return None, tuple(views)
+            cut = step
+            shape = shape[: step[0]] + (step[2] - step[1],) + shape[step[0] + 1 :]
+        (user,) = v.users
+        if _name(user) == "copy_" and user.args[0] is v:
+            return cut, tuple(views)
+        views.append(user)
+
+
+def writes(alloc: fx.Node) -> tuple[int, list[Write]] | None:
+    """(the axis, the writes in its order) when allocated tensor `alloc` is filled by copies into slices of one axis
+    (`k[..., :n].copy_(a)`, `k[..., :n] = a`) that tile it, before anything else reads it; else None."""
+    shape = tensor_shape(alloc)
+    if shape is None:
+        return None
+    order = {m: i for i, m in enumerate(alloc.graph.nodes)}
+    found, readers = [], []
+    views: tuple[fx.Node, ...]
+    for u in alloc.users:
+        if _name(u) == "setitem" and u.args[0] is alloc and len(u.args) == 3:
+            cut, views, node, source = _one_axis_slice(u.args[1], shape), (), u, u.args[2]
+        elif _name(u) == "getitem" and (chain := _slice_chain(u, shape)) is not None:
+            cut, views = chain
+            node = next(iter(views[-1].users))
+            source = node.args[1]
+        else:
+            readers.append(u)
+            continue
+        if cut is None or not isinstance(source, fx.Node):
+            return None
+        found.append((cut, Write(cut[1], cut[2], views, node, source)))
+    if not found or len({cut[0] for cut, _ in found}) != 1:
+        return None
+    ws = sorted((w for _, w in found), key=lambda w: w.start)
+    dim, at = found[0][0][0], 0
+    for w in ws:
+        if w.start != at:
+            return None
+        at = w.stop
+    last = max(order[w.node] for w in ws)
+    if at != shape[dim] or any(order[r] < last for r in readers):
+        return None
+    return dim, ws
+
+
+def broadcasts(n: fx.Node) -> bool:
+    """`n` is an expand that repeats a size-1 axis: its values are the same along that axis (a part shared by every
+    head, as multi-head latent attention's rotary key)."""
+    if _name(n) not in ("expand", "expand_as") or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    src, out = tensor_shape(n.args[0]), tensor_shape(n)
+    if src is None or out is None:
+        return False
+    lead = len(out) - len(src)
+    return any(j < lead and s > 1 or j >= lead and src[j - lead] == 1 and s > 1 for j, s in enumerate(out))
 
 
 def canon(axis: Axis, growing: set[str]) -> tuple:
@@ -170,6 +281,17 @@ class Flow:
             return lay
         if kind == "elementwise":
             return self.broadcast(n, data_args(n), shape)
+        if kind == "alloc":
+            return self.allocation(n, shape)
+        if kind == "write":  # a copy into an allocation's slice: the allocation's rule checked what is copied
+            return self.of(n.args[0]) if name == "copy_" else ()
+        if name == "view_as_complex":  # (…, d/2, 2) real pairs → (…, d/2) complex numbers: RoPE as complex products
+            lay = self.of(x)
+            if self.grows(lay[-1]):
+                raise refuse(n, f"pairs the entries of a growing axis ({words(lay[-1])}) as complex numbers")
+            return lay[:-1]
+        if name == "view_as_real":
+            return self.of(x) + ((("", 2),),)
         if name == "cat":
             return self.cat(n, shape)
         if name == "stack":
@@ -271,14 +393,17 @@ class Flow:
             )
         return tuple(out)
 
-    def constants(self, n: fx.Node, out: Layout, sizes, at: tuple) -> None:
+    def constants(self, n: fx.Node, out: Layout, sizes, at: tuple, first: int = 1, keep: bool = False) -> None:
         """Every size argument of a growing axis: -1 needs nothing, a constant is an edit, mul(size, c) edits c; a
-        size computed some other way (C from an input's shape) becomes -1 when no other size of the reshape is."""
-        free = sum(1 for a in sizes if a == -1)
+        size computed some other way (C from an input's shape) becomes -1 when no other size of the reshape is.
+        `keep`: an expand of size-1 axes, where -1 keeps the old size 1: every growing size must be an edit."""
+        free = len(sizes) if keep else sum(1 for a in sizes if a == -1)
         for j, (axis, a) in enumerate(zip(out, sizes)):
-            if not self.grows(axis) or a == -1:
+            if not self.grows(axis) or (a == -1 and not keep):
                 continue
-            where = at + (j,) if len(at) == 2 else ("args", j + 1)
+            if a == -1:
+                raise refuse(n, f"keeps the size 1 of an axis that grows ({words(axis)})")
+            where = at + (j,) if len(at) == 2 else ("args", j + first)
             if isinstance(a, int):
                 self.edits.append(FactorEdit(n.name, where, a, axis))
                 continue
@@ -298,7 +423,9 @@ class Flow:
                 FactorEdit(n.name, where, c[1], tuple((f, s) for f, s in axis if f in self.growing), c[0])
             )
 
-    def broadcast(self, n: fx.Node, operands: list[fx.Node], shape: tuple) -> Layout:
+    def broadcast(self, n: fx.Node, operands: list[fx.Node], shape: tuple, others: bool = True) -> Layout:
+        """The layout of `n` combining `operands` (laid out) by broadcasting to `shape`; `others`: `n`'s other tensor
+        arguments (not laid out) must not meet a growing axis at a size above 1."""
         mine = [a for a in operands if a.name in self.layout]
         lays = {a.name: self.of(a) for a in mine}
         out = []
@@ -315,7 +442,7 @@ class Flow:
             if any(canon(ax, self.growing) != canon(axis, self.growing) for ax in axes):
                 raise refuse(n, f"combines tensors whose axis {j} holds different heads or head sizes")
             for side in operands + [
-                a for a in n.args if isinstance(a, fx.Node) and a not in operands and tensor_shape(a)
+                a for a in n.args if others and isinstance(a, fx.Node) and a not in operands and tensor_shape(a)
             ]:
                 s = tensor_shape(side)
                 k = j - len(shape) + len(s) if s is not None else -1
@@ -340,16 +467,69 @@ class Flow:
 
     def cat(self, n: fx.Node, shape: tuple) -> Layout:
         dim = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % len(shape)
-        parts = [a for a in n.args[0] if isinstance(a, fx.Node)]
+        if len([a for a in n.args[0] if isinstance(a, fx.Node)]) != len(n.args[0]):
+            raise refuse(n, "concatenates a constant")
+        return self.assemble(n, list(n.args[0]), dim, shape)
+
+    def allocation(self, n: fx.Node, shape: tuple) -> Layout:
+        """An allocated tensor filled by copies into slices of one axis: laid out as their concatenation; its size
+        arguments on growing axes follow the growth."""
+        filled = writes(n)
+        if filled is None:
+            raise refuse(n, "is allocated and not filled by copies into slices of one axis before it is read")
+        dim, ws = filled
+        lay = self.assemble(n, [w.source for w in ws], dim, shape)
+        first = 1 if _name(n).startswith("new_") else 0
+        rest = n.args[first:]
+        packed = len(rest) == 1 and isinstance(rest[0], (list, tuple))
+        sizes = rest[0] if packed else rest
+        self.constants(n, lay, sizes, ("args", first) if packed else ("args",), first=first)
+        return lay
+
+    def assemble(self, n: fx.Node, parts: list[fx.Node], dim: int, shape: tuple) -> Layout:
+        """Tensors laid side by side along axis `dim` (cat, or copies into an allocation's slices): the known parts'
+        common layout, the axis `dim` plain; a part not computed from the projections must be the same for every head
+        (shared): see shared()."""
+        parts = [a for a in parts if 0 not in (tensor_shape(a) or (1,))]  # empty: nothing (XLM's empty cache)
         if any(a.name in self.layout and self.grows(self.of(a)[dim]) for a in parts):
             raise refuse(n, "concatenates along a growing axis")
-        lay = list(
-            self.broadcast(n, [a for a in parts if a.name in self.layout], shape[:dim] + (1,) + shape[dim + 1 :])
-        )
+        known = [a for a in parts if a.name in self.layout]
+        lay = list(self.broadcast(n, known, shape[:dim] + (1,) + shape[dim + 1 :], others=False))
         lay[dim] = (("", shape[dim]),)
-        if any(a.name not in self.layout for a in parts) and any(self.grows(ax) for ax in lay):
-            raise refuse(n, "concatenates a tensor that does not grow with the heads")
+        for a in parts:
+            if a.name not in self.layout and any(self.grows(ax) for ax in lay):
+                self.shared(n, a, tuple(lay[:dim]) + ((("", tensor_shape(a)[dim]),),) + tuple(lay[dim + 1 :]))
         return tuple(lay)
+
+    def shared(self, n: fx.Node, a: fx.Node, lay: Layout) -> None:
+        """Part `a` of `n` does not come from the projections; it meets growing axes (`lay`: its place's layout). It
+        grows exactly if it is the same for every head: of size 1 on each growing axis (broadcast by the copy), or an
+        expand of such a tensor (multi-head latent attention's rotary key, one for all heads), whose sizes on growing
+        axes then follow the growth."""
+        s = tensor_shape(a)
+        grow = [j for j, ax in enumerate(lay) if self.grows(ax)]
+        if (
+            s is not None
+            and len(s) <= len(lay)
+            and all(j < len(lay) - len(s) or s[j - len(lay) + len(s)] == 1 for j in grow)
+        ):
+            return
+        x = a
+        while op_kind(self.gm, x) == "same" and x.args and isinstance(x.args[0], fx.Node):
+            x = x.args[0]
+        src = tensor_shape(x.args[0]) if broadcasts(x) else None
+        lead = len(lay) - len(src) if src is not None else 0
+        if src is None or any(j >= lead and src[j - lead] != 1 for j in grow):
+            raise refuse(
+                n,
+                f"combines the projected heads with '{a.name}', which is not computed from them and not the same "
+                "for every head (broadcast from one), so new heads would have nothing to take there",
+            )
+        if _name(x) == "expand":
+            packed = len(x.args) == 2 and isinstance(x.args[1], (list, tuple))
+            self.constants(x, lay, x.args[1] if packed else x.args[1:], ("args", 1) if packed else ("args",), keep=True)
+        else:
+            raise refuse(x, "broadcasts a part shared by every head to the size of another tensor (expand_as)")
 
     def stack(self, n: fx.Node, shape: tuple) -> Layout:
         """torch.stack: the operands' common layout with a new plain axis of their count (RoPE written as
@@ -383,6 +563,9 @@ class Flow:
         sections: list[int | None]
         if axis and axis[0][0] == "s" and axis[0][1] == count:
             rest, sections = axis[1:], list(range(count))
+        elif not self.grows(axis) and name == "split" and isinstance(sizes, (list, tuple)) and sum(sizes) == width:
+            # unequal pieces of an axis that does not grow (MLA's query: its rotary and non-rotary parts per head)
+            return [(lay[:dim] + (((("", s),) if s != 1 else ()),) + lay[dim + 1 :], None) for s in sizes]
         elif not self.grows(axis) and (name != "split" or isinstance(n.args[1], int)) and size_of(axis) % count == 0:
             rest, sections = ((("", size_of(axis) // count),) if name != "unbind" else ()), [None] * count
         else:

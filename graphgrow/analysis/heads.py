@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx, nn
 
 from ..core.errors import NotApplicable
@@ -30,6 +31,7 @@ from .head_layout import (
     FactorEdit,
     Flow,
     Layout,
+    broadcasts,
     canon,
     data_args,
     linear_arg,
@@ -38,6 +40,7 @@ from .head_layout import (
     refuse,
     size_of,
     words,
+    writes,
 )
 
 
@@ -96,8 +99,11 @@ def _linear_params(gm: fx.GraphModule, n: fx.Node) -> tuple[str, str | None, str
     return str(w.target), str(b.target) if b is not None else None, None
 
 
-def _back(gm: fx.GraphModule, start: fx.Node) -> tuple[set[str], list[fx.Node]]:
-    """Nodes on the way back from an attention operand to its projections: (path, Linear nodes reached)."""
+def _back(gm: fx.GraphModule, start: fx.Node, shared: bool = False) -> tuple[set[str], list[fx.Node]]:
+    """Nodes on the way back from an attention operand to its projections: (path, Linear nodes reached).
+    `shared`: the walk does not enter a part that is the same for every head (an expand of a size-1 axis, or a
+    tensor copied into an allocation's slice by broadcasting): multi-head latent attention's rotary key, computed
+    once for all heads from another Linear."""
     seen: set[str] = set()
     found: list[fx.Node] = []
     todo = [start]
@@ -109,11 +115,25 @@ def _back(gm: fx.GraphModule, start: fx.Node) -> tuple[set[str], list[fx.Node]]:
         if kind == "linear":
             found += [n] if n not in found else []
             continue
-        if kind is None:
+        if kind is None or (shared and broadcasts(n)):
             continue
         seen.add(n.name)
-        todo.extend(data_args(n))
+        args = data_args(n)
+        if shared and kind == "alloc":
+            args = [a for a in args if tensor_shape(a) == _slice_shape(n, a)]
+        todo.extend(args)
     return seen, found
+
+
+def _slice_shape(alloc: fx.Node, source: fx.Node) -> tuple | None:
+    """The shape of the slice of `alloc` that `source` is copied into."""
+    filled = writes(alloc)
+    shape = tensor_shape(alloc)
+    for w in filled[1] if filled and shape else []:
+        if w.source is source:
+            dim = filled[0]
+            return shape[:dim] + (w.stop - w.start,) + shape[dim + 1 :]
+    return None
 
 
 def _users_ok(n: fx.Node, allowed: set[str]) -> fx.Node | None:
@@ -222,6 +242,8 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
     backs: dict[str, set[str]] = {}
     for role, t in zip("qkv", (q, k, v)):
         seen, found = _back(gm, t)
+        if len(found) > 1:  # one Linear projects the heads, the others only a part shared by every head?
+            seen, found = _back(gm, t, shared=True)
         backs[role] = seen
         if len(found) != 1:
             what = "no Linear" if not found else f"{len(found)} Linear layers ({', '.join(f.name for f in found)})"
@@ -233,13 +255,15 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
         region |= seen
         projs.setdefault(found[0].name, (found[0], []))[1].append(role)
         roles[role] = found[0]
-    if roles["k"] is not roles["q"]:  # the key's own projection says how many key/value heads (k may be repeated)
-        kv = tensor_shape(roles["k"])[-1] // d
+    if roles["k"] is not roles["q"] and roles["k"] is not roles["v"]:
+        kv = tensor_shape(roles["k"])[-1] // d  # the key's own projection says how many key/value heads (k may be
+        # repeated); a key projected with the value is taken as the attention reads it, and the flow checks that
     if h % kv:
         raise refuse(s, f"has {h} query heads and {kv} key/value heads, not a multiple")
     flow = Flow(gm, growing, region)
     projections = []
     fused = False
+    blocks: set[str] = set()  # fused per-head blocks: which part is which role needs no telling (whole heads grow)
     for name, (p, rs) in projs.items():
         weight, bias, module = _linear_params(gm, p)
         width = tensor_shape(p)[-1]
@@ -251,6 +275,18 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
             fused = True
         elif (cut := _sections(p, rs, backs, h, d, e)) is not None:
             factors, sections, kv = (), cut[:2], cut[2]  # the key's section says how many key/value heads
+        elif "q" not in rs and width % kv == 0 and len(tensor_shape(p)) >= 1:
+            # key and value in one block per head, of any sizes (multi-head latent attention's kv_b_proj: each
+            # head's non-rotary key, then its value): whole heads grow, their insides do not
+            if growing & {"d", "e"}:
+                raise refuse(
+                    p,
+                    f"projects {'/'.join(rs)} in one block per head ({kv} heads × {width // kv}), the head's parts "
+                    "split apart after it: only whole heads can grow",
+                    "grow heads (heads=… or by=…)",
+                )
+            factors = (("h", kv), ("", width // kv))
+            blocks.add(name)
         else:
             raise refuse(
                 p,
@@ -283,19 +319,26 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
             raise refuse(p, f"projects the attention '{s.name}' and is also read by '{bad.name}'")
     if interleaved and not fused:
         raise _NotFused()
+    for n in [m for m in gm.graph.nodes if m.name in region and op_kind(gm, m) == "alloc"]:
+        for w in (writes(n) or (0, []))[1]:  # an allocation's slices and the copies into them
+            region |= {w.node.name} | {v.name for v in w.views}
     fed = set(projs)  # the way back also met side inputs (cos/sin tables): keep what the projections feed
-    for n in gm.graph.nodes:
-        if n.name in region and any(a.name in fed for a in data_args(n)):
-            fed.add(n.name)
+    grew = True
+    while grew:  # (an allocation is filled after it is made: its sources may come later in the graph)
+        grew = False
+        for n in gm.graph.nodes:
+            if n.name in region and n.name not in fed and any(a.name in fed for a in data_args(n)):
+                fed.add(n.name)
+                grew = True
     region &= fed
-    body = [n for n in gm.graph.nodes if n.name in region]
+    body = _ordered(gm, region)
     flow.region = region
     flow.run(body)
     for n in body:
         bad = _users_ok(n, region | core.inner)
         if bad is not None:
             raise refuse(n, f"is on the way to the attention '{s.name}' and is also read by '{bad.name}'")
-    _fix_roles(flow, projections, roles, q, k, v, s)
+    _fix_roles(flow, [p for p in projections if p.node not in blocks], roles, q, k, v, s)
     lq, lk, lv = (flow.of(t) for t in (q, k, v))
     for t, lay, at in ((q, lq, -1), (k, lk, ka), (v, lv, -1)):
         if any(flow.grows(ax) for i, ax in enumerate(lay) if i - len(lay) not in (-3, at)):
@@ -308,7 +351,7 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
         raise refuse(s, "gets query, key and value whose heads or head sizes the analysis cannot match up")
     for mask in core.sides:
         ms = tensor_shape(mask)
-        if ms and len(ms) >= 3 and ms[-3] > 1 and flow.grows(lq[-3]):
+        if ms and len(ms) >= 3 and ms[-3] > 1 and flow.grows(lq[-3]) and not _one_for_all_heads(mask):
             raise refuse(
                 mask, f"is a mask or bias per head {tuple(ms)} (ALiBi, relative positions): new heads have none"
             )
@@ -318,6 +361,51 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
         att.scale_of = _computed_scale(flow, core, region | {q.name, k.name, v.name})
         att.scale = att.scale_of({})
     return att
+
+
+def _one_for_all_heads(mask: fx.Node) -> bool:
+    """A mask the same for every head: expanded to the scores' shape (`mask.expand_as(scores)`, XLM's) from one of
+    size 1 on the heads axis; it follows the grown scores."""
+    x = mask
+    while x.op in ("call_function", "call_method") and _op(x) in ("to", "type_as", "contiguous", "float", "bool"):
+        if not isinstance(x.args[0], fx.Node):
+            return False
+        x = x.args[0]
+    if _op(x) != "expand_as" or not isinstance(x.args[0], fx.Node):
+        return False
+    src = tensor_shape(x.args[0])
+    return src is not None and (len(src) < 3 or src[-3] == 1)
+
+
+def _op(n: fx.Node) -> str:
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t.overloadpacket.__name__
+    return t if isinstance(t, str) else getattr(t, "__name__", "")
+
+
+def _ordered(gm: fx.GraphModule, region: set[str]) -> list[fx.Node]:
+    """The region's nodes in graph order, except that an allocation comes after what is copied into it (its layout
+    is theirs) and before its slices and copies."""
+    nodes = [n for n in gm.graph.nodes if n.name in region]
+    out: list[fx.Node] = []
+    done: set[str] = set()
+
+    def put(n: fx.Node) -> None:
+        if n.name in done:
+            return
+        done.add(n.name)
+        for a in data_args(n) if op_kind(gm, n) == "alloc" else []:
+            if a.name in region:
+                put(a)
+        out.append(n)
+
+    for n in nodes:
+        first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if first is not None and (op_kind(gm, n) == "write" or op_kind(gm, first) == "alloc"):
+            put(first)
+        put(n)
+    return out
 
 
 def _sections(p: fx.Node, roles: list[str], backs: dict[str, set[str]], h: int, d: int, e: int):

@@ -1,0 +1,114 @@
+"""grow_heads finds attention by what it computes (issue 39), in spellings Hugging Face's sweep showed it refusing.
+
+Multi-head latent attention (DeepSeek-V2/V3, GLM-4-MoE-Lite): the key is the per-head non-rotary part (from a
+projection that holds each head's key and value in one block) next to a rotary part computed once for all heads from
+another Linear and broadcast across them. Three spellings: an allocation filled by `copy_` into its slices with an
+explicit expand (transformers today), `setitem` broadcasting the shared part (DeepSeek's original code), and `cat`
+with an expand. Whole heads grow; a head's insides (its key/value block) cannot, and a part neither projected nor
+the same for every head is refused, each saying why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_hf_pass_matrix import _same_function
+from torch import nn
+
+import graphgrow as gg
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+
+def _rotate(x: torch.Tensor, t: int, freq: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half) of x (…, t, r) at positions 0 … t-1."""
+    angle = torch.arange(t, device=x.device, dtype=x.dtype)[:, None] * freq
+    x1, x2 = x.chunk(2, -1)
+    return x * torch.cat([angle.cos(), angle.cos()], -1) + torch.cat([-x2, x1], -1) * torch.cat(
+        [angle.sin(), angle.sin()], -1
+    )
+
+
+class Latent(nn.Module):
+    """Multi-head latent attention: 4 heads, each key 4 non-rotary + 4 rotary, value 8, a latent of 8."""
+
+    def __init__(self, spelling: str, width: int = 16, heads: int = 4, nope: int = 4, rope: int = 4, value: int = 8):
+        super().__init__()
+        self.spelling, self.h, self.nope, self.rope, self.value, self.rank = spelling, heads, nope, rope, value, 8
+        self.q = nn.Linear(width, heads * (nope + rope))
+        self.kv_a = nn.Linear(width, self.rank + rope)
+        self.norm = nn.LayerNorm(self.rank)
+        self.kv_b = nn.Linear(self.rank, heads * (nope + value))
+        self.o = nn.Linear(heads * value, width)
+        self.register_buffer("freq", torch.rand(rope // 2))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.h, -1).transpose(1, 2)
+        q_nope, q_pe = q.split([self.nope, self.rope], -1)
+        latent, k_pe = self.kv_a(x).split([self.rank, self.rope], -1)
+        k_pe = _rotate(k_pe.view(b, 1, t, self.rope), t, self.freq)  # one rotary key for every head
+        query = torch.cat([q_nope, _rotate(q_pe, t, self.freq)], -1)
+        kv = self.kv_b(self.norm(latent)).view(b, t, self.h, self.nope + self.value).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.value], -1)
+        if self.spelling == "copy":  # transformers' DeepseekV2Attention.expand_kv
+            key = kv.new_empty(b, self.h, t, self.nope + self.rope)
+            key[..., : self.nope].copy_(k_nope)
+            key[..., self.nope :].copy_(k_pe.expand(-1, self.h, -1, -1))
+        elif self.spelling == "setitem":  # DeepSeek's own code: the assignment broadcasts the shared part
+            key = k_pe.new_empty(b, self.h, t, self.nope + self.rope)
+            key[:, :, :, : self.nope] = k_nope
+            key[:, :, :, self.nope :] = k_pe
+        else:
+            key = torch.cat([k_nope, k_pe.expand(-1, self.h, -1, -1)], -1)
+        out = F.scaled_dot_product_attention(query, key, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class Unshared(Latent):
+    """The key's second part is a table per head (not projected, not one for all heads): nothing for new heads."""
+
+    def __init__(self):
+        super().__init__("cat")
+        self.table = nn.Parameter(torch.randn(1, 4, 1, 4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.h, -1).transpose(1, 2)
+        kv = self.kv_b(self.norm(self.kv_a(x)[..., : self.rank])).view(b, t, self.h, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.value], -1)
+        key = torch.cat([k_nope, self.table.expand(b, -1, t, -1)], -1)
+        out = F.scaled_dot_product_attention(q, key, v)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("spelling", ["copy", "setitem", "cat"])
+def test_latent_attention_grows_whole_heads(spelling):
+    torch.manual_seed(0)
+    model = Latent(spelling)
+    gm = gg.trace(model, input_shape=(1, 5, 16))
+    result = gg.get_pass("grow_heads")(heads=6)(gm)
+    checked = result.preservation
+    assert checked.eval.ok and checked.train.ok and checked.trainable and not checked.dead
+    assert result.targets["heads"] == "4 → 6"
+    g = result.gm
+    assert (g.q.out_features, g.kv_b.out_features, g.o.in_features) == (48, 72, 48)
+    assert g.kv_a.out_features == 12  # the shared rotary key and the latent do not grow
+    for shape in ((3, 7, 16), (2, 4, 16)):  # other batch sizes and lengths than traced
+        x = torch.randn(*shape)
+        for train in (False, True):
+            assert _same_function(gm, g, {"x": x}, train) <= 1e-6, (shape, train)
+
+
+@pytest.mark.parametrize(
+    "model,args,why",
+    [
+        (Latent("copy"), {"head_dim": 12}, r"projects k/v in one block per head \(4 heads × 12\).*whole heads"),
+        (Unshared(), {"heads": 6}, r"not the same for every head"),
+    ],
+)
+def test_latent_attention_refusals_say_why(model, args, why):
+    gm = gg.trace(model, input_shape=(1, 5, 16))
+    with pytest.raises(gg.NotApplicable, match=why):
+        gg.get_pass("grow_heads")(**args)(gm)
