@@ -116,6 +116,9 @@ def main() -> int:
     ap.add_argument("--events", type=int, default=3)
     ap.add_argument("--release-old", action="store_true", help="grow(release_old=True): old state off the device")
     ap.add_argument(
+        "--verify", choices=("rank0", "none"), default="rank0", help="grow(verify=...): none measures growth alone"
+    )
+    ap.add_argument(
         "--layerwise",
         choices=("both", "on", "off"),
         default="both",
@@ -172,6 +175,7 @@ def main() -> int:
         "param_shard_mb": round(shard_bytes / MB, 1),
         "memory": "cuda max_memory_allocated" if cuda else "resident set (host)",
         "release_old": args.release_old,
+        "verify": args.verify,
     }
     for layerwise in modes:
         events = []
@@ -180,7 +184,7 @@ def main() -> int:
             g, seconds, peak, before = measure(
                 cuda,
                 lambda i=i, m=model, o=opt, lw=layerwise: gg.distributed.grow(
-                    m, o, args.spec, seed=i, timeout=600, release_old=args.release_old, layerwise=lw
+                    m, o, args.spec, seed=i, timeout=600, release_old=args.release_old, layerwise=lw, verify=args.verify
                 ),
             )
             if i:  # the first event warms up

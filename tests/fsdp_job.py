@@ -365,10 +365,29 @@ def memory_scenario(mesh, rank: int, world: int) -> dict:
             "probe_after": probe(g.model),
             "digest": digest(get_model_state_dict(g.model, options=FULL)),
             "optimizer_digest": digest(optimizer_full(g.model, g.optimizer)),
+            "old_used": _use_old(model, opt),
         }
         del g, model, opt
     out["layer_full"] = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if "layers.0." in n)
     out["model_full"] = sum(p.numel() * p.element_size() for p in base.parameters())
+    return out
+
+
+def _use_old(model, opt) -> dict:
+    """What the old model and optimiser do when used after growth: None where they work (the old state kept), else
+    the error's type (release_old: a typed error, not a crash on the freed tensors)."""
+    out: dict = {}
+    for what, use in (
+        ("forward", lambda: probe(model)),
+        ("state_dict", lambda: model.state_dict()),
+        ("step", lambda: opt.step()),
+        ("optimizer_state_dict", lambda: opt.state_dict()),
+    ):
+        try:
+            use()
+            out[what] = None
+        except Exception as e:  # noqa: BLE001 - the test reads the type
+            out[what] = type(e).__name__
     return out
 
 

@@ -262,11 +262,11 @@ def test_a_rank_killed_during_growth_is_an_error_on_the_survivor_not_a_hang(rank
 def test_growth_with_release_old_holds_one_layer_over_the_sharded_steady_state(ranks):
     """Tensor bytes held per rank (the profiler's record of the CPU allocator) while a 4-layer decoder grows
     (grow_hidden): without release_old the event holds the whole grown sharded state (shards and AdamW's two moments)
-    beside the old one; with it the old state leaves as growth goes (a shard and its gradient once gathered, a moment
-    once carried), so the peak stays within one layer's full tensors, old and grown, over the steady state, and the
-    old model and optimiser hold nothing afterwards. With rank 0 verifying too: the check's working set (FSDP
-    gathering the old model a unit at a time for the reference outputs, rank 0's checks of each window: gradients
-    and SGD steps of the grown layer) fits in the room the old moments leave (they go to the spill file first)."""
+    beside the old one; with it the old state leaves as growth goes (the moments first, a shard and its gradient once
+    gathered), so the peak stays within one layer's full tensors, old and grown, over the steady state — with rank 0
+    verifying too: the check's working set (FSDP gathering the old model a unit at a time for the reference outputs,
+    rank 0's checks of each window: gradients and SGD steps of the grown layer) fits in the room the old moments leave.
+    Afterwards the old model and optimiser hold nothing (their forward, state_dict and step raise InputError)."""
     for rank, report in enumerate(ranks):
         m = report["memory"]
         keep, release, verified = m["keep"], m["release"], m["verified"]
@@ -275,6 +275,9 @@ def test_growth_with_release_old_holds_one_layer_over_the_sharded_steady_state(r
         assert release["peak"] - release["steady"] <= 1.25 * layer, (rank, release, layer)
         assert verified["peak"] - verified["steady"] <= 1.25 * layer, (rank, verified, layer)
         assert keep["old_state_left"] > 0 and release["old_state_left"] == verified["old_state_left"] == 0
+        # kept, the old model still runs; released, using it is a typed error instead of a crash on freed memory
+        assert set(keep["old_used"].values()) == {None}, keep["old_used"]
+        assert set(release["old_used"].values()) == {"InputError"}, release["old_used"]
         # the same growth: the grown parameters and AdamW's moments bit for bit
         for key in ("probe_after", "digest", "optimizer_digest"):
             assert release[key] == keep[key] == verified[key], (rank, key)

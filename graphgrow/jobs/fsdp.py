@@ -31,9 +31,18 @@ time instead (fsdp_layers.py, layerwise.py): the growth planned on the meta devi
 window (the model with that one layer), cut into its new shards and released before the next; the host holds the
 parts outside the stack and one layer. Steps 1–3 above are then per layer; step 4 is the same. The old shards,
 gradients and moments are still kept whole until the end (the peak rises by the grown model's sharded state), unless
-`release_old=True`: then each old shard and its gradient go to a temporary file as soon as the tensor is gathered
-(growth holds its full value from then on), and each old moment as soon as its grown one is made (fsdp_spill.py;
-read back on failure), so the peak stays one layer's working set over the sharded steady state — on the host too.
+`release_old=True`: then the old moments go to a temporary file first (growth does not read them; the carry reads
+each back once), and each old shard and its gradient as soon as the tensor is gathered (growth holds its full value
+from then on) (fsdp_spill.py; read back on failure), so the peak stays within one layer of the sharded steady state
+— on the host too, rank 0's checks of each window included.
+
+Why release_old is not the default: after success the old model's and optimiser's tensors have no memory behind
+them, and reading one crashes the process (a null data pointer: a segmentation fault on the CPU, not a Python error).
+A job often holds the old objects in places it does not think of (a checkpoint manager, an EMA copy, a closure over
+`model.parameters()`, a trainer's strategy); kept, they are stale but safe. `_retire` turns the usual ways of
+reaching them (the model's forward and state_dict, the optimiser's step and state_dict) into an InputError; a
+tensor read directly still crashes. It also writes the old sharded state (parameters, gradients, moments: four
+times the parameters' shard) to $TMPDIR, which on many clusters is memory (tmpfs).
 """
 
 from __future__ import annotations
@@ -118,7 +127,9 @@ def grow_fsdp(
     the tensor is gathered, and each AdamW moment once its grown one is made (fsdp_spill.py: the peak stays one
     layer's working set above the sharded steady state, on the host as on the device); on the whole-model
     path they are copied to host memory instead (the optimiser state gathered there first: class Released). A
-    failure puts them back; after success the old model and optimiser are empty — drop them.
+    failure puts them back; after success the old model and optimiser are empty: their forward, step and
+    state_dict raise InputError, and reading one of their tensors crashes the process — drop them (module
+    docstring: why this is not the default).
 
     `layerwise`: grow one layer at a time (fsdp_layers.py: no rank holds more than the parts outside the stack and
     one layer's full tensors); None (default) where the model and growth fit (layerwise.plan), else the whole model
@@ -167,6 +178,7 @@ def grow_fsdp(
                 spill.restore()
                 raise
             spill.close()
+            _retire(model, optimizer)
             return done
     plain = unsharded_copy(model)
     fit: Callable[[Any, torch.Tensor, torch.Tensor], Any] = _fit_sharded
@@ -204,11 +216,32 @@ def grow_fsdp(
     grown.seconds["reshard"] = time.perf_counter() - t1
     grown.seconds["gather"] = gathered
     try:
-        return _carry(grown, model, optimizer, scheduler, fit, timeout, t0)
+        done = _carry(grown, model, optimizer, scheduler, fit, timeout, t0)
     except BaseException:
         if released is not None:
             released.restore()
         raise
+    if released is not None:
+        _retire(model, optimizer)
+    return done
+
+
+def _retire(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """The old model and optimiser after release_old: their tensors have no memory behind them, and reading one
+    would crash the process. Their forward, state_dict and the optimiser's step raise a typed error instead (hooks
+    on these objects only: the grown model is another object)."""
+
+    def refuse(*_: Any, **__: Any) -> None:
+        raise InputError(
+            "this model (or optimiser) was grown with release_old=True: its tensors were freed",
+            "use the grown model and optimiser the growth step returned (g.model, g.optimizer)",
+        )
+
+    model.register_forward_pre_hook(refuse, prepend=True)  # before FSDP's own, which would gather freed shards
+    model.register_state_dict_pre_hook(refuse)
+    if optimizer is not None:
+        optimizer.register_step_pre_hook(refuse)
+        optimizer.register_state_dict_pre_hook(refuse)
 
 
 def _spilling(spill: Spill, fit: Callable[[Any, torch.Tensor, torch.Tensor], Any]) -> Callable:
