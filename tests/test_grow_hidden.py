@@ -305,3 +305,19 @@ def test_in_place_scale_and_a_gathered_position_table_grow():
     r = gg.get_pass("grow_hidden")(to=12)(gm)
     assert r.preservation.eval.ok and r.preservation.train.ok
     assert tuple(r.gm.get_buffer("table").shape) == (16, 12)
+
+
+@pytest.mark.parametrize("name", list(__import__("stream_spellings").spellings()))
+def test_stream_ops_understood_by_what_they_compute(name):
+    """In-place adds and products, dtype/shape-only readers, per-channel factors, depthwise convolutions, LayerNorms
+    written by hand, expand_as (tests/stream_spellings.py), each as published models write it: captured as the
+    Hugging Face models are (torch.export), grown 8 → 12 (or ×2 where a per-channel op meets a LayerNorm's input)
+    and verified exactly in both modes, every new parameter learning. Each was refused before."""
+    from stream_spellings import SPEC, spellings
+
+    cls, args = spellings()[name]
+    torch.manual_seed(0)
+    gm = gg.trace(cls(*args), input_shape=parse_spec(SPEC), capture="export")
+    r = gg.get_pass("grow_hidden")()(gm)
+    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok, r.preservation
+    assert r.gm.get_submodule("head").in_features == int(r.targets["hidden"].split("→ ")[1].split()[0])

@@ -21,8 +21,6 @@ replicating every coordinate equally (an integer factor) stays exact.
 from __future__ import annotations
 
 import operator
-from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,17 +30,25 @@ from ..core.errors import NotApplicable
 from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 from .stacked import stacked_product, weight_axes
+from .stream_channels import ChannelOp, channel_op
 from .stream_norms import Norm
 from .stream_norms import norm_of as _norm_of
 from .stream_norms import normalised as _normalised
-from .stream_ops import FLAT_AT_ZERO
+from .stream_ops import (
+    FLAT_AT_ZERO,
+    arithmetic,
+    base_name,
+    constant_like,
+    drops_axis_by_index,
+    pools_others,
+    value_free_read,
+)
 from .stream_ops import arg as _arg
 from .stream_ops import forward_axis as _forward_axis
 from .stream_ops import is_scalar_factor as _is_scalar_factor
 from .stream_ops import zero_activation_input as _zero_activation_input
+from .stream_parts import Reader, Stream, Writer
 
-ADDS = ops.ADD_FUNCTIONS | {operator.iadd}  # x += y writes the stream like x + y (x *= y is not followed)
-SCALINGS = ops.MUL_FUNCTIONS
 EMBEDDINGS = (F.embedding, torch.embedding)  # F.embedding(input, weight, …), torch.embedding(weight, input, …)
 # methods the hidden axis passes through (moved or kept); unflatten, the *_as forms, expand_as, split and the moments
 # past the mean are not followed (the axis's place after them is not worked out here). ("getitem" is never a method:
@@ -55,6 +61,7 @@ PASS_METHODS = (
     | ops.LINEAR_REDUCTIONS
     | ops.INDEXING
     | {"flatten", "expand"}
+    | {"detach"}  # the same values, no gradient back through it
 )
 PASS_FUNCTIONS = {
     F.dropout,
@@ -71,40 +78,6 @@ PASS_FUNCTIONS = {
 }
 SHAPE_QUERIES = ops.SHAPE_QUERIES
 VIEWS = ops.RESHAPES | {"expand"}  # their shape arguments name the width: grown with it
-
-
-@dataclass
-class Writer:
-    node: str
-    what: str  # linear | conv | embedding | tensor
-    params: list[tuple[str, int]]  # (parameter path, dimension along the stream)
-    out: str  # the stream tensor it writes
-
-
-@dataclass
-class Reader:
-    node: str
-    params: list[tuple[str, int]]  # (weight path, its input dimension)
-    input: str
-
-
-@dataclass
-class Stream:
-    width: int
-    axes: dict[str, int]  # stream tensor (node name) → its hidden axis
-    writers: list[Writer] = field(default_factory=list)
-    readers: list[Reader] = field(default_factory=list)
-    norms: list[Norm] = field(default_factory=list)
-    views: list[str] = field(default_factory=list)  # reshape/view/expand nodes on the stream
-    fill: dict[str, str] = field(default_factory=dict)  # stream tensor → mean | zero (empty when conflict)
-    conflict: str | None = None  # why no per-tensor fill is exact (a post-norm stream)
-
-    def summary(self) -> str:
-        kinds = Counter(w.what for w in self.writers)
-        return (
-            f"{len(self.axes)} stream tensors, writers {dict(kinds)}, {len(self.readers)} readers, "
-            f"{len(self.norms)} norms ({'RMSNorm' if any(n.rms for n in self.norms) else 'LayerNorm'})"
-        )
 
 
 def _refuse(n: fx.Node, why: str) -> NotApplicable:
@@ -265,6 +238,9 @@ class _Walk:
         at = table[1][axis] if table is not None and None in table[1] else None
         if table is not None and at is not None:
             return self.writer(n, "tensor", [(table[0], at)])
+        channel = channel_op(self.gm, n, axis, self.s.width)
+        if channel is not None:
+            return self.channelwise(n, axis, channel)
         x = self._passthrough_input(n)
         if x is not None:
             back = self._input_axis(n, x, axis)
@@ -281,10 +257,16 @@ class _Walk:
         axis = self.s.axes[x.name]
         if u.op == "output":
             raise _refuse(x, "is a model output (growing it would change the output's shape)")
-        if (u.op == "call_method" and u.target in SHAPE_QUERIES) or (
-            u.op == "call_function" and u.target is getattr and u.args[1] in SHAPE_QUERIES
+        if (
+            (u.op == "call_method" and u.target in SHAPE_QUERIES)
+            or (u.op == "call_function" and u.target is getattr and u.args[1] in SHAPE_QUERIES)
+            or value_free_read(u, x)
         ):
             return
+        if constant_like(u, x):
+            return self.constant(u, axis)
+        if base_name(u) == "expand_as" and u.args[0] is not x:  # y.expand_as(x): x's shape, y's values (walked back)
+            return self.add(u, axis)
         norm = _norm_of(self.gm, u)
         if norm is not None and u.args[0] is x:
             if axis != len(tensor_shape(x)) - 1 or _normalised(self.gm, u) != self.s.width:
@@ -299,6 +281,10 @@ class _Walk:
             and all(a is not x for a in list(u.args[1:]) + [v for k, v in u.kwargs.items() if k != "input"])
         ):
             return self.reader(u, x, axis)
+        conv = self.gm.get_submodule(u.target) if u.op == "call_module" else None
+        if isinstance(conv, nn.modules.conv._ConvNd) and conv.groups == 1 and axis == 1 and u.args == (x,):
+            self.s.readers.append(Reader(u.name, [(f"{u.target}.weight", 1)], x.name))  # its input channels
+            return
         if self._is_add(u) or self._is_cat(u):
             return self.add(u, self._user_axis(u, x, axis), like=x)
         if _zero_activation_input(self.gm, u) is x:
@@ -314,6 +300,9 @@ class _Walk:
         out = tensor_shape(u)
         if out is not None and self._token_scale(u, axis + len(out) - len(tensor_shape(x))) == (x, axis):
             return self.add(u, axis + len(out) - len(tensor_shape(x)), like=x)
+        channel = channel_op(self.gm, u, axis, self.s.width)
+        if channel is not None and channel.x is x and channel.x_axis == axis:
+            return self.channelwise(u, axis, channel)
         if self._passthrough_input(u) is x:
             a = _forward_axis(u, x, axis)
             if a is None:
@@ -351,6 +340,29 @@ class _Walk:
                 n, "mean", f"'{n.name}' is a ReLU: a new unit held at 0 gets no gradient, a copy of an old one does"
             )
 
+    def channelwise(self, n: fx.Node, axis: int, op: ChannelOp) -> None:
+        """`n` = a per-channel op of the stream (stream_channels): new coordinates zero on both sides (or replicated);
+        its factors grow with the stream (any value multiplies a zero: the old ones' mean), its shifts with zeros."""
+        self.add(op.x, op.x_axis)
+        self.add(n, axis)
+        why = f"'{n.name}' scales each hidden coordinate by a factor of its own: 0·γ = 0, but not mean(γ·x) = γ·mean(x)"
+        self.need(op.x, "zero", why)
+        self.need(n, "zero", why)
+        for path, dim, kind in op.params:
+            self.s.writers.append(Writer(n.name, kind, [(path, dim)], n.name))
+
+    def constant(self, c: fx.Node, axis: int) -> None:
+        """`c` = zeros_like(stream) and the like: no value of the stream, its shape. Uniform, so an integer index along
+        the hidden axis reads the same value at any width (a token-type id made as zeros_like(x)[..., 0]); any other
+        use would see the new size."""
+        for v in c.users:
+            if v.op == "call_method" and v.target in SHAPE_QUERIES or drops_axis_by_index(v, axis):
+                continue
+            a = _forward_axis(v, c, axis) if self._passthrough_input(v) is c else None  # a view, a cast: uniform still
+            if a is None:
+                raise _refuse(v, "reads a constant shaped like the stream other than by an index along the hidden axis")
+            self.constant(v, a)
+
     def writer(self, n: fx.Node, what: str, params: list[tuple[str, int]]) -> None:
         if n.name not in {w.node for w in self.s.writers}:
             self.s.writers.append(Writer(n.name, what, params, n.name))
@@ -386,7 +398,7 @@ class _Walk:
     # --- ops ---
     @staticmethod
     def _is_add(n: fx.Node) -> bool:
-        return (n.op == "call_function" and n.target in ADDS) or (n.op == "call_method" and n.target in ("add", "sub"))
+        return arithmetic(n) in ("add", "sub")
 
     @staticmethod
     def _is_cat(n: fx.Node) -> bool:
@@ -430,11 +442,7 @@ class _Walk:
         an expert's output): every hidden coordinate of a token scaled alike, so new coordinates keep their fill
         (0 · w = 0, mean(x) · w = mean(x · w)). w itself reads the stream, if at all, only through what the walk
         understands (a router Linear: new columns zero). Returns (x, its hidden axis)."""
-        if not (
-            (n.op == "call_function" and n.target in SCALINGS or n.op == "call_method" and n.target == "mul")
-            and len(n.args) == 2
-            and all(isinstance(a, fx.Node) for a in n.args)
-        ):
+        if not (arithmetic(n) in ("mul", "div") and len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args)):
             return None
         out = tensor_shape(n)
         shapes = [tensor_shape(a) for a in n.args]
@@ -445,6 +453,8 @@ class _Walk:
         if len(wide) != 1:
             return None
         j = 1 - wide[0]
+        if arithmetic(n) == "div" and j == 0:  # w / x is not linear in x
+            return None
         if 0 <= ks[j] < len(shapes[j]) and shapes[j][ks[j]] != 1:  # type: ignore[index]
             return None
         return n.args[wide[0]], ks[wide[0]]  # type: ignore[return-value]
@@ -458,24 +468,20 @@ class _Walk:
             m = self.gm.get_submodule(n.target)
             linear = isinstance(m, (nn.Dropout, nn.Identity)) or type(m).__name__ in ("DropPath", "StochasticDepth")
             return x if linear and len(n.args) == 1 else None
-        in_place = ops.op_name(n.target).split(".")[0] in ("mul_", "imul")  # x *= c (CTRL's embedding scale)
-        if (
-            in_place
-            or n.op == "call_function"
-            and n.target in SCALINGS
-            or (n.op == "call_method" and n.target in ("mul", "div"))
-        ):
+        if arithmetic(n) in ("mul", "div"):  # in place too: x *= c (CTRL's embedding scale)
             # a scalar multiple: a number, or a one-element tensor that does not depend on the input (a gate such as
             # add_residual's or deepen's, a learned scale), on either side of a product
             other = n.args[1] if len(n.args) > 1 else None
             if _is_scalar_factor(other):
                 return x
-            divide = n.target in (operator.truediv, torch.div) or n.target == "div"
+            divide = arithmetic(n) == "div"
             return other if not divide and isinstance(other, fx.Node) and _is_scalar_factor(x) else None
+        if base_name(n) == "expand_as" or pools_others(n):  # x.expand_as(y): x's values, y's shape (read for it)
+            return x
         passes = (n.op == "call_method" and n.target in PASS_METHODS) or (
             n.op == "call_function" and n.target in PASS_FUNCTIONS
         )
-        if passes or ops.op_name(n.target).split(".")[0] == "repeat_interleave":  # tokens repeated, once per expert
+        if passes or base_name(n) == "repeat_interleave":  # tokens repeated, once per expert
             rest = [a for a in list(n.args[1:]) + list(n.kwargs.values()) if isinstance(a, fx.Node)]
             return x if all(tensor_shape(a) is None for a in rest) else None  # sizes, not other tensors
         return None

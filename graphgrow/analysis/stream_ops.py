@@ -7,12 +7,83 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from ..graph import ops
 from ..graph.fx_edit import from_input, tensor_shape
 
 
 def arg(n: fx.Node, i: int, key: str, default=None):
     """Argument `i` of `n`, or its keyword `key`."""
     return n.args[i] if len(n.args) > i else n.kwargs.get(key, default)
+
+
+def base_name(n: fx.Node) -> str:
+    """A call's op name without ATen's overload (aten.add_.Tensor → "add_"); "" for other nodes."""
+    return ops.op_name(n.target).split(".")[0] if n.op in ("call_function", "call_method") else ""
+
+
+def arithmetic(n: fx.Node) -> str | None:
+    """ "add", "sub", "mul" or "div" for x ± y, x · y, x / y in any spelling: an operator or torch function, a
+    method, in place (x += y, x.add_(y)) or an ATen overload (aten.add_.Tensor); else None. In place or not, the
+    value computed is the same, and the stream analysis joins both operands with the result anyway."""
+    name = base_name(n).removesuffix("_")
+    name = name[1:] if name in ops.IN_PLACE_OPERATORS else name  # iadd → add
+    name = "div" if name == "truediv" else name
+    return name if name in ops.BINARY_NAMES else None
+
+
+def value_free_read(u: fx.Node, x: fx.Node) -> bool:
+    """Whether `u` reads only `x`'s dtype or device, never its values or its shape: y.type_as(x), y.to(x),
+    x.new_ones(3, 4) with sizes written as numbers (a growth of x changes nothing in `u`)."""
+    name = base_name(u)
+    rest = list(u.args[1:]) + list(u.kwargs.values())
+    if name in ("type_as", "to") and u.args and u.args[0] is not x:
+        return True
+    return name.startswith("new_") and bool(u.args) and u.args[0] is x and not any(isinstance(a, fx.Node) for a in rest)
+
+
+def constant_like(u: fx.Node, x: fx.Node) -> bool:
+    """Whether `u` is zeros_like(x), ones_like(x), full_like(x, c), empty_like(x): x's shape, no value of it."""
+    rest = list(u.args[1:]) + list(u.kwargs.values())
+    return (
+        base_name(u).endswith("_like")
+        and bool(u.args)
+        and u.args[0] is x
+        and not any(isinstance(a, fx.Node) for a in rest)
+    )
+
+
+def pools_others(n: fx.Node) -> bool:
+    """Whether `n` is avg_pool1d/2d/3d whose window along the last axis is 1 (size, stride 1, no padding): an average
+    over tokens taken for every coordinate alike (Funnel's pooling of (B, 1, T, D) by (2, 1))."""
+    if not base_name(n).startswith("avg_pool") or any(isinstance(a, fx.Node) for a in n.args[1:]):
+        return False
+
+    def last(v, default):
+        v = default if v is None or (isinstance(v, (list, tuple)) and not v) else v  # aten's stride [] = the size
+        return v[-1] if isinstance(v, (list, tuple)) else v
+
+    size = last(arg(n, 1, "kernel_size"), None)
+    return size == 1 and last(arg(n, 2, "stride"), size) in (1, None) and last(arg(n, 3, "padding"), 0) == 0
+
+
+def drops_axis_by_index(v: fx.Node, a: int) -> bool:
+    """Whether `v` indexes its input's axis `a` with one integer (x.select(a, i), x[..., i]): the axis disappears."""
+    shape = tensor_shape(v.args[0]) if v.args and isinstance(v.args[0], fx.Node) else None
+    if shape is None:
+        return False
+    name = base_name(v)
+    if name == "select":
+        dim = arg(v, 1, "dim")
+        return isinstance(dim, int) and dim % len(shape) == a and isinstance(arg(v, 2, "index"), int)
+    if name != "getitem" or len(v.args) < 2:
+        return False
+    index = v.args[1] if isinstance(v.args[1], tuple) else (v.args[1],)
+    if any(i is None for i in index) or sum(i is Ellipsis for i in index) > 1:
+        return False
+    if Ellipsis in index:
+        k = index.index(Ellipsis)
+        index = index[:k] + (slice(None),) * (len(shape) - len(index) + 1) + index[k + 1 :]
+    return a < len(index) and isinstance(index[a], int) and not isinstance(index[a], bool)
 
 
 # elementwise activations with f(0) = 0: a stream tensor may pass through one when its new coordinates are zero (or
@@ -67,6 +138,8 @@ def forward_axis(n: fx.Node, x: fx.Node, a: int) -> int | None:
     name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "").split(".")[0]
     rest = list(n.args[1:])
     try:
+        if name.startswith("avg_pool"):  # an average over the other axes, each coordinate alone: the last axis
+            return a if a == len(xs) - 1 == len(out) - 1 and pools_others(n) else None
         if name == "repeat_interleave":  # whole slices repeated along another dim keep the axis; dim=None flattens
             dim = arg(n, 2, "dim")
             return None if dim is None or int(dim) % len(xs) == a else a
@@ -93,6 +166,7 @@ def forward_axis(n: fx.Node, x: fx.Node, a: int) -> int | None:
     if xs == out or name in (
         "dropout",
         "expand",
+        "expand_as",
         "contiguous",
         "clone",
         "float",

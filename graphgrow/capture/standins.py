@@ -25,7 +25,7 @@ _MAX_PROBE = 1 << 22  # weight elements probed at most: a larger layer stays as 
 
 
 def standin(m: nn.Module, shared: set[int] = frozenset()) -> nn.Module | None:  # type: ignore[assignment]
-    """The torch.nn layer that computes what `m` computes (a Linear or an RMSNorm), or None.
+    """The torch.nn layer that computes what `m` computes (a Linear, an RMSNorm or a LayerNorm), or None.
 
     `shared`: ids of parameters another module also holds (tied): those are never copied."""
     if type(m).__module__.startswith("torch.nn.") or any(True for _ in m.children()) or any(True for _ in m.buffers()):
@@ -43,8 +43,10 @@ def standin(m: nn.Module, shared: set[int] = frozenset()) -> nn.Module | None:  
     try:
         if weight.dim() == 2 and (bias is None or bias.shape == weight.shape[1:] or bias.shape == weight.shape[:1]):
             return _linear(m, weight, bias, id(weight) in shared)
-        if weight.dim() == 1 and bias is None:
-            return _rms_norm(m, weight)
+        if weight.dim() == 1 and bias is None and (found := _rms_norm(m, weight)) is not None:
+            return found
+        if weight.dim() == 1 and (bias is None or bias.shape == weight.shape):
+            return _layer_norm(m, weight, bias)
     except Exception:  # noqa: BLE001 - a layer that fails on a probe input is not this kind of layer
         return None
     return None
@@ -84,6 +86,21 @@ def _rms_norm(m: nn.Module, weight: nn.Parameter) -> nn.Module | None:
                 norm = nn.RMSNorm(d, eps=eps, device="meta", dtype=weight.dtype)
                 norm.weight = nn.Parameter(w.clone(), requires_grad=weight.requires_grad) if offset else weight
                 return norm
+    return None
+
+
+def _layer_norm(m: nn.Module, weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Module | None:
+    """A LayerNorm over the last axis written out by hand ((x - mean) / sqrt(var + eps) · weight (+ bias): DeBERTa's,
+    Cohere's without a bias), eps one of the layer's own numbers."""
+    d = weight.shape[0]
+    for eps in _eps_candidates(m):
+        w, b = _probed(weight), None if bias is None else _probed(bias)
+        if _matches(m, (d,), lambda x, eps=eps, w=w, b=b: F.layer_norm(x, (d,), w, b, eps), scales=(1.0, eps**0.5)):
+            norm = nn.LayerNorm(d, eps=eps, bias=bias is not None, device="meta", dtype=weight.dtype)
+            norm.weight = weight
+            if bias is not None:
+                norm.bias = bias
+            return norm
     return None
 
 

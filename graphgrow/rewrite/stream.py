@@ -82,6 +82,7 @@ def plan_tensors(stream: Stream, rule: str) -> dict[str, list[tuple[int, str, st
     plans: dict[str, list[tuple[int, str, str]]] = {}
     for w in stream.writers:
         how = "copy" if rule == "replicate" else stream.fill[w.out]
+        how = "mean" if w.what == "scale" and how == "zero" else how  # a per-channel factor on zeros: any value
         for path, dim in w.params:
             plans.setdefault(path, []).append((dim, how, f"written by '{w.node}'"))
     for r in stream.readers:
@@ -229,7 +230,9 @@ def _resize_modules(gm: fx.GraphModule, paths: set[str]) -> None:
         elif isinstance(m, nn.Embedding):
             m.embedding_dim = w.shape[1]
         elif isinstance(m, nn.modules.conv._ConvNd):
-            m.out_channels = w.shape[0]
+            if m.groups > 1 and m.groups == m.in_channels == m.out_channels:  # depthwise: a filter per channel
+                m.groups = m.in_channels = w.shape[0]
+            m.out_channels, m.in_channels = w.shape[0], w.shape[1] * m.groups  # a conv reading the stream: its input
 
 
 def _grow_views(gm: fx.GraphModule, stream: Stream, new: int) -> None:

@@ -1,0 +1,84 @@
+"""Per-channel ops on the residual stream (stream.py): each hidden coordinate c scaled by a factor of its own (a
+learned layer scale γ ⊙ x, a residual weight, a norm's γ written by hand) or filtered by a kernel of its own (a
+depthwise convolution). Output coordinate c depends on input coordinate c alone, through parameters indexed by c.
+
+Such an op keeps a zero new coordinate zero (γ_new · 0 = 0, a depthwise filter of a zero channel is zero, its new
+bias 0) and replicates with its parameters copied, but no new factor turns the mean of the old inputs into the mean
+of the old outputs: both sides need the zero fill (or replication, where a norm's input needs the mean).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import fx, nn
+
+from ..graph.fx_edit import tensor_shape
+from .stream_ops import arithmetic, base_name
+
+
+@dataclass
+class ChannelOp:
+    x: fx.Node  # the stream input
+    x_axis: int  # its hidden axis
+    params: list[tuple[str, int, str]]  # (parameter path, its dim along the stream, "scale" | "shift")
+
+
+def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> ChannelOp | None:
+    """`n` as a per-channel op whose output has the hidden axis `axis`, else None."""
+    if n.op == "call_module":
+        m = gm.get_submodule(n.target)
+        depthwise = isinstance(m, nn.modules.conv._ConvNd) and m.groups == m.in_channels == m.out_channels == width > 1
+        if not depthwise or axis != 1 or len(n.args) != 1 or not isinstance(n.args[0], fx.Node):
+            return None
+        params = [(f"{n.target}.weight", 0, "scale")]
+        params += [(f"{n.target}.bias", 0, "shift")] if m.bias is not None else []
+        return ChannelOp(n.args[0], 1, params)
+    if arithmetic(n) != "mul" or len(n.args) != 2 or not all(isinstance(a, fx.Node) for a in n.args):
+        return None
+    out = tensor_shape(n)
+    for i in (0, 1):
+        x, p = n.args[i], n.args[1 - i]
+        xs = tensor_shape(x)
+        if out is None or xs is None or len(xs) != len(out) or xs[axis] != width:
+            continue
+        found = channel_factor(gm, p, len(out), axis, width)
+        if found is not None:
+            return ChannelOp(x, axis, [(found[0], found[1], "scale")])
+    return None
+
+
+def channel_factor(gm: fx.GraphModule, p: fx.Node, rank: int, axis: int, width: int) -> tuple[str, int] | None:
+    """(parameter path, its dim along the stream) when `p` is a parameter with the hidden size on one dim and 1 on
+    the others, broadcast onto the stream's axis `axis` of a rank-`rank` product: read directly, or through unit
+    dims added (unsqueeze, [:, None, None]) and casts, each read by the next alone (a growth of the parameter grows
+    nothing else)."""
+    shape = tensor_shape(p)
+    if shape is None or len(shape) > rank:
+        return None
+    k = axis - (rank - len(shape))
+    if k < 0 or shape[k] != width or any(d != 1 for i, d in enumerate(shape) if i != k):
+        return None
+    node = p
+    while node.op != "get_attr":
+        if len(node.users) != 1 or not node.args or not isinstance(node.args[0], fx.Node) or not _unit_view(node):
+            return None
+        node = node.args[0]
+    if len(node.users) != 1:
+        return None
+    root = tensor_shape(node)
+    wide = [i for i, d in enumerate(root or ()) if d != 1]
+    if root is None or len(wide) != 1 or root[wide[0]] != width:
+        return None
+    return str(node.target), wide[0]
+
+
+def _unit_view(n: fx.Node) -> bool:
+    """Unit dims added or a cast, nothing else: unsqueeze, indexing by None and full slices, to(dtype), float()."""
+    name = base_name(n)
+    if name in ("unsqueeze", "to", "float", "contiguous"):
+        return not any(isinstance(a, fx.Node) and tensor_shape(a) is not None for a in list(n.args[1:]))
+    if name != "getitem" or len(n.args) < 2:
+        return False
+    index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+    return all(i is None or i is Ellipsis or i == slice(None) for i in index)

@@ -1,0 +1,43 @@
+"""What the residual-stream analysis (stream.py) finds: the stream's tensors and hidden axes, its writers, readers
+and norms, the fill of each tensor's new coordinates — what grow_hidden's rewrite (rewrite/stream.py) changes."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .stream_norms import Norm
+
+
+@dataclass
+class Writer:
+    node: str
+    what: str  # linear | conv | embedding | tensor | scale (a per-channel factor: any new entries on zeros)
+    params: list[tuple[str, int]]  # (parameter path, dimension along the stream)
+    out: str  # the stream tensor it writes
+
+
+@dataclass
+class Reader:
+    node: str
+    params: list[tuple[str, int]]  # (weight path, its input dimension)
+    input: str
+
+
+@dataclass
+class Stream:
+    width: int
+    axes: dict[str, int]  # stream tensor (node name) → its hidden axis
+    writers: list[Writer] = field(default_factory=list)
+    readers: list[Reader] = field(default_factory=list)
+    norms: list[Norm] = field(default_factory=list)
+    views: list[str] = field(default_factory=list)  # reshape/view/expand nodes on the stream
+    fill: dict[str, str] = field(default_factory=dict)  # stream tensor → mean | zero (empty when conflict)
+    conflict: str | None = None  # why no per-tensor fill is exact (a post-norm stream)
+
+    def summary(self) -> str:
+        kinds = Counter(w.what for w in self.writers)
+        return (
+            f"{len(self.axes)} stream tensors, writers {dict(kinds)}, {len(self.readers)} readers, "
+            f"{len(self.norms)} norms ({'RMSNorm' if any(n.rms for n in self.norms) else 'LayerNorm'})"
+        )

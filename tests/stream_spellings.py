@@ -1,0 +1,149 @@
+"""Tiny residual streams written the ways published models write them (tests/test_grow_hidden.py): each has one thing
+on its stream that grow_hidden must understand by what it computes — an add or a product done in place, a tensor read
+for its dtype or shape only, a per-channel scale or a depthwise convolution, a LayerNorm written out by hand. Width 8,
+vocabulary 20, one block: cheap to capture and verify."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+D = 8
+SPEC = "ids:1x5:int64"
+
+
+class Block(nn.Module):
+    """Embedding → x + fc(norm(x)) → head(norm(x)), with `mix(x, branch)` deciding how the branch joins the stream."""
+
+    def __init__(self, norm: nn.Module | None = None, norm2: nn.Module | None = None):
+        super().__init__()
+        self.embed, self.fc, self.head = nn.Embedding(20, D), nn.Linear(D, D), nn.Linear(D, 3)
+        self.norm = norm if norm is not None else nn.LayerNorm(D)
+        self.norm2 = norm2 if norm2 is not None else nn.LayerNorm(D)
+
+    def branch(self, x):
+        return self.fc(self.norm(x))
+
+    def mix(self, x, b):
+        return x + b
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = self.mix(x, self.branch(x))
+        return self.head(self.norm2(x))
+
+
+class InPlaceAdd(Block):
+    """Falcon's `mlp_output += attention_output`, GPT-OSS's expert sum: the residual add done in place."""
+
+    def mix(self, x, b):
+        b.add_(x)
+        return b
+
+
+class InPlaceIadd(Block):
+    def mix(self, x, b):
+        b += x
+        return b
+
+
+class InPlaceMask(Block):
+    """Flaubert's `tensor *= mask.unsqueeze(-1)`: every coordinate of a token scaled by its mask, in place."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.branch(x)
+        x.mul_((ids > 2).unsqueeze(-1).to(x.dtype))  # padding tokens zeroed
+        return self.head(self.norm2(x))
+
+
+class TypeAsReader(Block):
+    """GraniteMoE's router weights `.type_as(hidden)`, Funnel's `x.new_ones(n, n)`, GIT's `zeros_like(x)[..., 0]`
+    as token types, DOTS' `x.detach()`: reads of the stream for its dtype, shape, or values without a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.types = nn.Embedding(2, D)
+
+    def mix(self, x, b):
+        half = torch.full((1,), 0.5).type_as(b)
+        ones = b.new_ones(2, 2)
+        kinds = torch.zeros_like(x, dtype=torch.int64)[..., 0] * ones.long()[0, 0]  # (batch, tokens) of 0
+        return x + b * half + self.types(kinds) + x.detach() * 0.1
+
+
+class LayerScale(Block):
+    """ConvNeXt's / CaiT's layer scale γ ⊙ branch, DOGE's residual weight γ ⊙ x: a factor per hidden coordinate."""
+
+    def __init__(self):
+        super().__init__(nn.RMSNorm(D), nn.RMSNorm(D))
+        self.gamma = nn.Parameter(torch.rand(D) + 0.5)
+        self.keep = nn.Parameter(torch.rand(D) + 0.5)
+
+    def mix(self, x, b):
+        return x * self.keep[None, None, :] + self.gamma * b
+
+
+class Depthwise(Block):
+    """ConvBERT's / ConvNeXt's depthwise convolution of the stream (channels first), then a pointwise one."""
+
+    def __init__(self):
+        super().__init__(nn.RMSNorm(D), nn.RMSNorm(D))
+        self.dw = nn.Conv1d(D, D, 3, padding=1, groups=D)
+        self.pw = nn.Conv1d(D, D, 1)
+
+    def mix(self, x, b):
+        return x + b + self.pw(self.dw(x.transpose(1, 2))).transpose(1, 2)
+
+
+class HandLayerNorm(nn.Module):
+    """A LayerNorm written out: DeBERTa's (divide by sqrt, with a bias) or Cohere's (rsqrt, no bias)."""
+
+    def __init__(self, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(D) + 0.5)
+        self.bias = nn.Parameter(torch.randn(D) * 0.1) if bias else None
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        mean = x.mean(-1, keepdim=True)
+        var = (x - mean).pow(2).mean(-1, keepdim=True)
+        if self.bias is None:
+            return self.weight * ((x - mean) * torch.rsqrt(var + self.variance_epsilon))
+        return self.weight * ((x - mean) / torch.sqrt(var + self.variance_epsilon)) + self.bias
+
+
+class HandNorms(Block):
+    def __init__(self, bias: bool):
+        super().__init__(HandLayerNorm(bias), HandLayerNorm(bias))
+
+
+class ExpandedPositions(Block):
+    """Flaubert's `position_embeddings(positions).expand_as(tensor)`: a table's values in the stream's shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding(16, D)
+
+    def mix(self, x, b):
+        p = self.pos(torch.arange(x.shape[1], device=x.device))[None]
+        return x + p.expand_as(x) + b
+
+
+def spellings() -> dict[str, tuple[type, tuple]]:
+    """name → (module class, its arguments)."""
+    return {
+        "add_": (InPlaceAdd, ()),
+        "+=": (InPlaceIadd, ()),
+        "mul_ by a token mask": (InPlaceMask, ()),
+        "type_as/new_ones/zeros_like/detach": (TypeAsReader, ()),
+        "layer scale": (LayerScale, ()),
+        "depthwise conv": (Depthwise, ()),
+        "hand LayerNorm, divide": (HandNorms, (True,)),
+        "hand LayerNorm, rsqrt, no bias": (HandNorms, (False,)),
+        "expand_as": (ExpandedPositions, ()),
+    }
+
+
+__all__ = ["D", "SPEC", "F", "spellings"]
