@@ -112,3 +112,35 @@ def test_latent_attention_refusals_say_why(model, args, why):
     gm = gg.trace(model, input_shape=(1, 5, 16))
     with pytest.raises(gg.NotApplicable, match=why):
         gg.get_pass("grow_heads")(**args)(gm)
+
+
+class WrittenOutNorm(nn.Module):
+    """Gemma-4's value norm without a scale, written out per head, in two spellings: x · rsqrt(mean(x²) + eps) and
+    x / sqrt(mean(x²) + eps)."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+
+    def norm(self, x):
+        if self.spelling == "rsqrt":
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return x / x.square().mean(dim=-1, keepdim=True).add(1e-6).sqrt()
+
+    def forward(self, x):
+        q, k, v = (p(x).unflatten(-1, (4, 4)).transpose(1, 2) for p in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, self.norm(k), self.norm(v))
+        return self.o(out.transpose(1, 2).flatten(2))
+
+
+@pytest.mark.parametrize("spelling", ["rsqrt", "sqrt"])
+def test_a_norm_written_out_per_head_lets_heads_grow(spelling):
+    torch.manual_seed(0)
+    gm = gg.trace(WrittenOutNorm(spelling), input_shape=(1, 5, 16))
+    result = gg.get_pass("grow_heads")(heads=6)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok and not result.preservation.dead
+    x = torch.randn(3, 7, 16)
+    assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
+    with pytest.raises(gg.NotApplicable, match=r"reduces over a growing axis \(head size 4\)"):
+        gg.get_pass("grow_heads")(head_dim=6)(gm)

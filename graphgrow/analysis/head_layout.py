@@ -26,7 +26,11 @@ Layout = tuple[Axis, ...]
 HEAD_FACTORS = ("h", "r")
 SDPA = F.scaled_dot_product_attention
 SAME = ops.SAME_VALUES | {"dropout", "neg", "detach"}  # one data operand, same layout
-ELEMENTWISE = ops.BINARY_NAMES | ops.IN_PLACE_OPERATORS
+ELEMENTWISE = ops.BINARY_NAMES | ops.IN_PLACE_OPERATORS | {"pow"}
+# one data operand, each output element from its input element: a norm written out (x · (mean(x²) + eps)^-½)
+POINTWISE = ops.UNARY_METHODS | {"rsqrt", "sqrt", "reciprocal", "square", "silu", "gelu"}
+# statistics over axes (a norm written out): exact under growth when no reduced axis grows
+REDUCE = frozenset({"sum", "mean", "var", "amax", "amin"})
 # ops whose factor layout rules Flow knows: expand_as, the *_as reshapes and the other reorderings are not among them
 LAYOUT = (
     ops.RESHAPES
@@ -86,6 +90,10 @@ def op_kind(gm: fx.GraphModule, n: fx.Node) -> str | None:
         return "linear"
     if name in ALLOCATIONS:
         return "alloc"
+    if name in POINTWISE - SAME:
+        return "pointwise"
+    if name in REDUCE:
+        return "reduce"
     if name in WRITES:
         return "write"
     for kind, names in (("same", SAME), ("elementwise", ELEMENTWISE), ("layout", LAYOUT), ("norm", NORMS)):
@@ -261,8 +269,10 @@ class Flow:
     def step(self, n: fx.Node):
         kind, name, shape = op_kind(self.gm, n), _name(n), tensor_shape(n)
         x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        if kind == "same":
+        if kind in ("same", "pointwise"):
             return self.of(x)
+        if kind == "reduce":
+            return self.reduce(n, self.of(x))
         if kind == "norm":
             lay = self.of(x)
             if self.grows(lay[-1]) and any(f in HEAD_FACTORS for f, _ in lay[-1]):  # BitNet's attn_sub_norm
@@ -464,6 +474,24 @@ class Flow:
                 )
             out.append(axis)
         return tuple(out)
+
+    def reduce(self, n: fx.Node, lay: Layout) -> Layout:
+        """mean/sum/var/amax over axes that do not grow (a norm written out, per head): those axes become size 1
+        (keepdim) or go."""
+        arg = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+        listed = arg if isinstance(arg, (list, tuple)) else [arg]
+        if not all(isinstance(d, int) for d in listed) or not isinstance(keep, bool):
+            raise refuse(n, "reduces over every axis, the heads' too")
+        dims = {int(d) % len(lay) for d in listed}  # type: ignore[call-overload]
+        if any(self.grows(lay[d]) for d in dims):
+            raise refuse(
+                n,
+                f"reduces over a growing axis ({'; '.join(words(lay[d]) for d in sorted(dims))}): new heads or head "
+                "sizes would change its statistics",
+                "grow heads instead (heads=…), or the sizes this reduction does not read",
+            )
+        return tuple(() if i in dims else a for i, a in enumerate(lay) if keep or i not in dims)
 
     def cat(self, n: fx.Node, shape: tuple) -> Layout:
         dim = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % len(shape)
