@@ -188,3 +188,53 @@ def test_a_reshape_to_two_dims_of_a_vector_is_not_a_channel_flatten():
     gm = gg.trace(FlatTable(), (1, 5, 6))
     r = GrowWidth(target="up", to=12)(gm)
     assert r.preservation.eval.ok and r.preservation.train.ok
+
+
+class SplitGates(nn.Module):
+    """FocalNet's modulation: one projection split into query, context and one-channel gates, each gate
+    `gates[:, l:l+1]` broadcast over every context channel, a pooled context times the last gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.ctx = nn.Conv2d(3, 8 + 8 + 3, 1), nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.mix, self.out = nn.Conv2d(8, 8, 1), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        q, ctx, gates = torch.split(self.proj(x), (8, 8, 3), 1)
+        ctx = self.ctx(ctx)
+        mixed = ctx * gates[:, 0:1] + ctx.mean((2, 3), keepdim=True) * gates[:, 2:]
+        return self.out(q * self.mix(mixed) + gates[:, 1:2])
+
+
+class HeadGate(nn.Module):
+    """A per-head output gate (DeepSeek-V3.2-style attention): sigmoid(gate(x)) viewed [B, T, H, 1] times the heads'
+    outputs [B, T, H, D], then the heads merged: the gate's channels are heads, the product's are D."""
+
+    def __init__(self):
+        super().__init__()
+        self.v, self.gate, self.o = nn.Linear(6, 4 * 5), nn.Linear(6, 4), nn.Linear(4 * 5, 6)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        heads = self.v(x).view(b, t, 4, 5)
+        g = torch.sigmoid(self.gate(x)).view(b, t, 4, 1)
+        return x + self.o((heads * g).reshape(b, t, 20))
+
+
+@pytest.mark.parametrize(
+    "model, shape, frozen, free",
+    [
+        (SplitGates, SHAPE, "proj", "mix"),  # growing 'proj' at its end adds gate channels; 'mix' grows q's section
+        (HeadGate, (1, 5, 6), "gate", "v"),  # the gate's channels (heads) sit on a non-channel axis of the product
+    ],
+)
+def test_a_broadcast_gate_keeps_its_channel_count(model, shape, frozen, free):
+    """A gate broadcast along the channels it multiplies was grown as channels: the grown model could not be sized
+    ('mul' of (1, 64, 1, 1) and (1, 132, 8, 8); sweep: focalnet, dots3_note_text grow_width). Its group is frozen
+    with the reason, and the other operand's channels still grow."""
+    gm = gg.trace(model(), shape)
+    c = analyze(gm)
+    assert any("broadcasts it over" in r for r in c.why_frozen(c.group_of[frozen]))
+    with pytest.raises(gg.NotApplicable, match="broadcasts it over"):
+        GrowWidth(target=frozen, factor=2)(gg.trace(model(), shape))
+    grown(model(), shape, target=free, factor=2)

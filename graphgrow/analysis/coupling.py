@@ -312,6 +312,15 @@ def _elementwise(b: Build, s: Site) -> bool:
     ):
         b.freeze(inputs + [n], f"'{n.name}' ({_name(n.target)}) broadcasts across channels")
         return True
+    # what is left broadcasts along the output's channel axis: a one-channel operand read by every output channel
+    # (FocalNet's gates[:, l:l+1], a spatial attention map), or one whose own channels sit on another dim of the
+    # output (a per-head gate [B, T, H, 1] on [B, T, H, D] whose channels are D). Its channel count must stay as it
+    # is: another size would not broadcast. The output's channels stay free.
+    b.freeze(
+        broadcast,
+        f"'{n.name}' ({_name(n.target)}) broadcasts it over its {out_shape[axis]} output channels: "
+        "its own channel count cannot change",
+    )
     b.join(*full, n)
     return True
 
