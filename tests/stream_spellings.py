@@ -131,6 +131,27 @@ class ExpandedPositions(Block):
         return x + p.expand_as(x) + b
 
 
+class WrittenActivation(Block):
+    """ALBERT's / FNet's MLM transform: Linear → GELU written out op by op (gelu_new with tanh, or x·σ(1.702x)) →
+    LayerNorm; and Funnel's pooling of the tokens, avg_pool2d of (B, 1, T, D) by (2, 1), and its zero padding."""
+
+    def __init__(self, quick: bool):
+        super().__init__()
+        self.dense, self.norm3, self.quick = nn.Linear(D, D), nn.LayerNorm(D), quick
+
+    def act(self, h):
+        if self.quick:
+            return h * torch.sigmoid(1.702 * h)
+        return 0.5 * h * (1.0 + torch.tanh(0.7978845608 * (h + 0.044715 * torch.pow(h, 3.0))))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x + self.branch(x)
+        x = F.avg_pool2d(x[:, None], (2, 1), stride=(2, 1), ceil_mode=True)[:, 0]
+        x = F.pad(x, (0, 0, 0, 2))  # two zero tokens appended
+        return self.head(self.norm3(self.act(self.dense(self.norm2(x)))))
+
+
 def spellings() -> dict[str, tuple[type, tuple]]:
     """name → (module class, its arguments)."""
     return {
@@ -143,6 +164,8 @@ def spellings() -> dict[str, tuple[type, tuple]]:
         "hand LayerNorm, divide": (HandNorms, (True,)),
         "hand LayerNorm, rsqrt, no bias": (HandNorms, (False,)),
         "expand_as": (ExpandedPositions, ()),
+        "gelu_new written out, token pooling": (WrittenActivation, (False,)),
+        "quick gelu written out, token pooling": (WrittenActivation, (True,)),
     }
 
 

@@ -42,12 +42,15 @@ from .stream_ops import (
     drops_axis_by_index,
     pools_others,
     value_free_read,
+    zero_pad,
 )
 from .stream_ops import arg as _arg
 from .stream_ops import forward_axis as _forward_axis
 from .stream_ops import is_scalar_factor as _is_scalar_factor
+from .stream_ops import token_scale as _token_scale
 from .stream_ops import zero_activation_input as _zero_activation_input
 from .stream_parts import Reader, Stream, Writer
+from .stream_regions import region, region_root, zero_at_zero
 
 EMBEDDINGS = (F.embedding, torch.embedding)  # F.embedding(input, weight, …), torch.embedding(weight, input, …)
 # methods the hidden axis passes through (moved or kept); unflatten, the *_as forms, expand_as, split and the moments
@@ -125,6 +128,7 @@ class _Walk:
         self.needs: dict[str, str] = {}  # tensor → the fill a norm needs there
         self.why: dict[str, str] = {}
         self.done_users: set[str] = set()
+        self.inner: set[fx.Node] = set()  # the ops inside a written-out activation (stream_regions): not followed
 
     # --- bookkeeping ---
     def add(self, n: fx.Node, axis: int, like: fx.Node | None = None) -> None:
@@ -231,7 +235,7 @@ class _Walk:
             if axis != product.y_axis:
                 raise _refuse(n, f"carries the hidden axis along a batch axis of a product with '{product.weight}'")
             return self.writer(n, "stacked", [(product.weight, product.out_axis)])
-        scaled = self._token_scale(n, axis)
+        scaled = _token_scale(n, axis, self.s.width)
         if scaled is not None:
             return self.add(scaled[0], scaled[1], like=n)
         table = weight_axes(self.gm, n)  # a parameter or buffer gathered by indices (a position table[positions])
@@ -247,6 +251,10 @@ class _Walk:
             if back is None:
                 raise _refuse(n, "moves the hidden axis in a way the analysis cannot follow back")
             return self.add(x, back, like=n)
+        found = region(n)  # an activation written out op by op (stream_regions)
+        if found is not None and zero_at_zero(*found, n):
+            self.inner |= set(found[1])
+            return self.activation(found[0], n)
         raise _refuse(n, "produces stream values the analysis does not understand")
 
     def user(self, x: fx.Node, u: fx.Node) -> None:
@@ -257,6 +265,8 @@ class _Walk:
         axis = self.s.axes[x.name]
         if u.op == "output":
             raise _refuse(x, "is a model output (growing it would change the output's shape)")
+        if u in self.inner:
+            return
         if (
             (u.op == "call_method" and u.target in SHAPE_QUERIES)
             or (u.op == "call_function" and u.target is getattr and u.args[1] in SHAPE_QUERIES)
@@ -298,7 +308,7 @@ class _Walk:
             self.s.readers.append(Reader(u.name, [(product.weight, product.in_axis)], x.name))
             return
         out = tensor_shape(u)
-        if out is not None and self._token_scale(u, axis + len(out) - len(tensor_shape(x))) == (x, axis):
+        if out is not None and _token_scale(u, axis + len(out) - len(tensor_shape(x)), self.s.width) == (x, axis):
             return self.add(u, axis + len(out) - len(tensor_shape(x)), like=x)
         channel = channel_op(self.gm, u, axis, self.s.width)
         if channel is not None and channel.x is x and channel.x_axis == axis:
@@ -308,6 +318,10 @@ class _Walk:
             if a is None:
                 raise _refuse(u, "mixes the hidden axis with others (a reshape or index across it)")
             return self.add(u, a, like=x)
+        root = region_root(x, u)  # an activation written out op by op from x, u one of its ops
+        if root is not None:
+            self.inner |= set(region(root)[1])  # type: ignore[index]
+            return self.activation(x, root)
         raise _refuse(
             u,
             "reads it in a way the analysis does not understand (only Linear layers, norms, adds, "
@@ -437,28 +451,6 @@ class _Walk:
         self._operands(u)
         return axis + len(out) - len(tensor_shape(x))
 
-    def _token_scale(self, n: fx.Node, axis: int) -> tuple[fx.Node, int] | None:
-        """`n` = x · w, w of size 1 along the hidden axis (a per-token weight: a mixture-of-experts router's weight on
-        an expert's output): every hidden coordinate of a token scaled alike, so new coordinates keep their fill
-        (0 · w = 0, mean(x) · w = mean(x · w)). w itself reads the stream, if at all, only through what the walk
-        understands (a router Linear: new columns zero). Returns (x, its hidden axis)."""
-        if not (arithmetic(n) in ("mul", "div") and len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args)):
-            return None
-        out = tensor_shape(n)
-        shapes = [tensor_shape(a) for a in n.args]
-        if out is None or any(sh is None for sh in shapes):
-            return None
-        ks = [axis - (len(out) - len(sh)) for sh in shapes]  # type: ignore[arg-type]
-        wide = [i for i in (0, 1) if 0 <= ks[i] < len(shapes[i]) and shapes[i][ks[i]] == self.s.width]  # type: ignore[index]
-        if len(wide) != 1:
-            return None
-        j = 1 - wide[0]
-        if arithmetic(n) == "div" and j == 0:  # w / x is not linear in x
-            return None
-        if 0 <= ks[j] < len(shapes[j]) and shapes[j][ks[j]] != 1:  # type: ignore[index]
-            return None
-        return n.args[wide[0]], ks[wide[0]]  # type: ignore[return-value]
-
     def _passthrough_input(self, n: fx.Node) -> fx.Node | None:
         """The stream input of an op that acts on every hidden coordinate alike and linearly, else None."""
         x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
@@ -476,7 +468,7 @@ class _Walk:
                 return x
             divide = arithmetic(n) == "div"
             return other if not divide and isinstance(other, fx.Node) and _is_scalar_factor(x) else None
-        if base_name(n) == "expand_as" or pools_others(n):  # x.expand_as(y): x's values, y's shape (read for it)
+        if base_name(n) == "expand_as" or pools_others(n) or zero_pad(n):  # expand_as(x, y): y read for its shape
             return x
         passes = (n.op == "call_method" and n.target in PASS_METHODS) or (
             n.op == "call_function" and n.target in PASS_FUNCTIONS

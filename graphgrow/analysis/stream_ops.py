@@ -52,6 +52,19 @@ def constant_like(u: fx.Node, x: fx.Node) -> bool:
     )
 
 
+def zero_pad(n: fx.Node) -> bool:
+    """Whether `n` is F.pad (aten pad, constant_pad_nd) adding zeros, its pads written as numbers."""
+    pads = arg(n, 1, "pad")
+    value = arg(n, 3, "value", 0) if base_name(n) == "pad" else arg(n, 2, "value", 0)
+    return (
+        base_name(n) in ("pad", "constant_pad_nd")
+        and isinstance(pads, (list, tuple))
+        and all(isinstance(p, int) for p in pads)
+        and (base_name(n) != "pad" or arg(n, 2, "mode", "constant") == "constant")
+        and value in (0, None)
+    )
+
+
 def pools_others(n: fx.Node) -> bool:
     """Whether `n` is avg_pool1d/2d/3d whose window along the last axis is 1 (size, stride 1, no padding): an average
     over tokens taken for every coordinate alike (Funnel's pooling of (B, 1, T, D) by (2, 1))."""
@@ -138,6 +151,9 @@ def forward_axis(n: fx.Node, x: fx.Node, a: int) -> int | None:
     name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "").split(".")[0]
     rest = list(n.args[1:])
     try:
+        if name in ("pad", "constant_pad_nd"):  # zeros added along other axes: a zero token is its own mean
+            pads, k = list(arg(n, 1, "pad")), len(xs) - 1 - a
+            return None if any(pads[2 * k : 2 * k + 2]) or not zero_pad(n) else a
         if name.startswith("avg_pool"):  # an average over the other axes, each coordinate alone: the last axis
             return a if a == len(xs) - 1 == len(out) - 1 and pools_others(n) else None
         if name == "repeat_interleave":  # whole slices repeated along another dim keep the axis; dim=None flattens
@@ -208,3 +224,26 @@ def _index_axis(index, shape: tuple, a: int) -> int | None:
             return None
         dim += 1
     return out + (a - dim)
+
+
+def token_scale(n: fx.Node, axis: int, width: int) -> tuple[fx.Node, int] | None:
+    """`n` = x · w, w of size 1 along the hidden axis (a per-token weight: a mixture-of-experts router's weight on
+    an expert's output): every hidden coordinate of a token scaled alike, so new coordinates keep their fill
+    (0 · w = 0, mean(x) · w = mean(x · w)). w itself reads the stream, if at all, only through what the walk
+    understands (a router Linear: new columns zero). Returns (x, its hidden axis)."""
+    if not (arithmetic(n) in ("mul", "div") and len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args)):
+        return None
+    out = tensor_shape(n)
+    shapes = [tensor_shape(a) for a in n.args]
+    if out is None or any(sh is None for sh in shapes):
+        return None
+    ks = [axis - (len(out) - len(sh)) for sh in shapes]  # type: ignore[arg-type]
+    wide = [i for i in (0, 1) if 0 <= ks[i] < len(shapes[i]) and shapes[i][ks[i]] == width]  # type: ignore[index]
+    if len(wide) != 1:
+        return None
+    j = 1 - wide[0]
+    if arithmetic(n) == "div" and j == 0:  # w / x is not linear in x
+        return None
+    if 0 <= ks[j] < len(shapes[j]) and shapes[j][ks[j]] != 1:  # type: ignore[index]
+        return None
+    return n.args[wide[0]], ks[wide[0]]  # type: ignore[return-value]
