@@ -339,3 +339,29 @@ def test_the_cache_is_off_in_every_config_the_model_holds():
     with _cache_off(model, notes):
         assert text.use_cache is False and model.config.use_cache is False
     assert text.use_cache is True and model.config.use_cache is False and len(notes) == 1
+
+
+def test_a_model_that_changes_itself_on_its_first_call_is_captured_as_changed():
+    """BigBird swaps its block-sparse attention for full attention on a short input, building the new module (from
+    the random generator) in its first forward. Built during the capture it failed (or shifted the fidelity check's
+    dropout masks); one eval-mode run before the capture settles it."""
+    from graphgrow.capture.export_capture import capture_by_export
+
+    class SelfChanging(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.drop, self.kind = nn.Linear(4, 4), nn.Dropout(0.5), "sparse"
+
+        def forward(self, x):
+            if self.kind == "sparse":
+                self.kind = "full"
+                fresh = nn.Linear(4, 4)
+                fresh.weight, fresh.bias = self.lin.weight, self.lin.bias
+                self.lin = fresh
+            return self.drop(self.lin(x))
+
+    model = SelfChanging()
+    gm = capture_by_export(model, parse_spec("x:1x4:float32"), True, [])  # True: the fidelity check in both modes
+    assert model.kind == "full"
+    x = torch.randn(3, 4)
+    assert torch.allclose(gm.eval()(x=x), model.eval()(x), atol=1e-6)

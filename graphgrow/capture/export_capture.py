@@ -35,6 +35,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..core import codegen
 from ..core.errors import GraphgrowError, InputError, TraceError, first_line
+from ..core.state import preserved_buffers, training_mode
 from ..graph.graph_meta import META_KEY, store_shape
 from ..graph.inputs import DTYPES, InputSpec, first_embedding, spec_inputs
 from .aten_table import DROPPED, to_torch
@@ -402,8 +403,10 @@ def capture_by_export(model: nn.Module, spec: InputSpec | None, check: bool, not
         )
     batch = max(2, int(spec[0].shape[0]))  # a size-1 dimension would be fixed by export, not kept dynamic
     with _cache_off(model, notes):
+        inputs = spec_inputs(model, spec, seed=0, batch=batch)
+        _first_call(model, inputs)
         try:
-            gm, report = export_capture(model, spec_inputs(model, spec, seed=0, batch=batch))
+            gm, report = export_capture(model, inputs)
         except GraphgrowError:
             raise
         except Exception as e:  # what graphgrow does with the exported program, failing on a version it was not run on
@@ -421,6 +424,22 @@ def capture_by_export(model: nn.Module, spec: InputSpec | None, check: bool, not
             check_fidelity(model, gm, spec)
     store_shape(gm, spec)
     return gm
+
+
+def _first_call(model: nn.Module, inputs: dict[str, torch.Tensor]) -> None:
+    """One eval-mode run before the capture, so that code changing the model on its first call does it now: BigBird
+    swaps its block-sparse attention for full attention on a short input, building the new module from the random
+    generator; done during the capture, it was done again by the fidelity check's first run (export puts the flags
+    back), whose dropout masks then came from a shifted generator. The generator and the buffers are left as they
+    were; a run that fails is left for the capture to report."""
+    with (
+        torch.no_grad(),
+        torch.random.fork_rng(devices=[]),
+        preserved_buffers(model),
+        training_mode(model, False),
+        contextlib.suppress(Exception),
+    ):
+        model(**inputs)
 
 
 def _versions() -> str:
