@@ -33,6 +33,7 @@ from ..graph.inputs import (
 )
 from ..graph.shapes import example_input, state_bytes
 from .lineage import origin_of
+from .onnx_complex import real_pairs
 from .onnx_external import ExternalWrite, data_path
 
 # The readers moved to onnx_meta.py; they stay importable from here, where callers import them (`X as X`: re-exported).
@@ -137,6 +138,7 @@ def _exported(
     """torch.onnx.export on the example input or the spec's named inputs; the model, the metadata the export
     adds (the input spec) and the seconds it took."""
     t_export = time.perf_counter()
+    gm = real_pairs(gm)  # complex arithmetic as real pairs: ONNX has no complex type (gm itself when it has none)
     if not is_positional(input_shape):
         proto, props = _export_named(gm, input_shape, opset, isolate, stage)
     else:  # a bare shape: the one input passed positionally, only the batch dynamic

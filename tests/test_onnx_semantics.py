@@ -1,0 +1,85 @@
+"""What ONNX holds differently from PyTorch: complex arithmetic (rotary embeddings written with view_as_complex /
+polar) exported as real pairs, and topk at a tie (ONNX takes the lower index), refused as incomparable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+
+import graphgrow as gg
+from graphgrow.io.export import export_onnx
+from graphgrow.io.onnx_complex import ComplexUnsupported, has_complex, real_pairs
+from graphgrow.io.runtime import open_session
+from graphgrow.verify.equivalence import check_equivalence
+
+
+class PolarRotary(nn.Module):
+    """DeepSeek-V2's spelling: freqs_cis = polar(1, t·f) · scale, x as complex pairs times freqs_cis.unsqueeze(1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.register_buffer("inv_freq", 1.0 / (100 ** (torch.arange(0, 8, 2).float() / 8)), persistent=False)
+
+    def forward(self, x):  # x: (B, T, 16) → two heads of 8
+        b, t, _ = x.shape
+        q = self.proj(x).view(b, t, 2, 8).transpose(1, 2)  # (B, H, T, 8)
+        freqs = torch.arange(t, dtype=torch.float32)[:, None] * self.inv_freq  # (T, 4)
+        cis = torch.polar(torch.ones_like(freqs), freqs) * 0.5
+        z = torch.view_as_complex(q.reshape(b, 2, t, 4, 2))
+        out = torch.view_as_real(z * cis.unsqueeze(0).unsqueeze(0)).flatten(3)
+        return out.transpose(1, 2).reshape(b, t, 16) + x
+
+
+class ProductRotary(nn.Module):
+    """Another spelling: the rotation built with view_as_complex of a (cos, sin) stack, a complex product of two
+    computed tensors, a complex sum, a cast, and view_as_real at the end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):  # x: (B, T, 8)
+        b, t, _ = x.shape
+        angle = torch.arange(t, dtype=torch.float32)[:, None] * torch.tensor([1.0, 0.1, 0.01, 0.001])
+        rot = torch.view_as_complex(torch.stack([angle.cos(), angle.sin()], -1).contiguous())
+        z = torch.view_as_complex(self.proj(x).view(b, t, 4, 2)).to(torch.complex64)
+        w = torch.view_as_complex(x.reshape(b, t, 4, 2))
+        y = z * rot + w
+        return torch.view_as_real(y).reshape(x.shape) * 2.0
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])  # torch functions and methods, or ATen ops
+@pytest.mark.parametrize("cls, shape", [(PolarRotary, (2, 6, 16)), (ProductRotary, (2, 5, 8))])
+def test_real_pairs_compute_what_the_complex_graph_does(cls, shape, capture):
+    torch.manual_seed(0)
+    m = cls().eval()
+    gm = gg.trace(m, shape, capture=capture)
+    assert has_complex(gm)
+    rewritten = real_pairs(gm)
+    assert not any("complex" in str(n.target) or "polar" in str(n.target) for n in rewritten.graph.nodes)
+    x = torch.randn(shape)
+    torch.testing.assert_close(rewritten(x), m(x), rtol=1e-5, atol=1e-6)
+    plain = fx.symbolic_trace(nn.Linear(3, 3))
+    assert real_pairs(plain) is plain  # no complex value: exported as it is
+
+
+def test_a_complex_rotary_exports_and_agrees_on_onnxruntime(tmp_path):
+    torch.manual_seed(0)
+    gm = gg.trace(PolarRotary().eval(), (2, 6, 16))
+    proto = export_onnx(gm, (2, 6, 16), tmp_path / "rope.onnx")  # failed: "No decompositions ... complex-valued"
+    assert not any(n.op_type.startswith("Complex") for n in proto.graph.node)
+    report = check_equivalence(gm, open_session(tmp_path / "rope.onnx", "cpu"), (2, 6, 16))
+    assert report.passed, report.to_json()
+
+
+def test_an_op_on_complex_values_without_a_rewrite_is_a_stated_refusal():
+    class Abs(nn.Module):
+        def forward(self, x):
+            return torch.view_as_complex(x.unflatten(-1, (4, 2))).abs()
+
+    with pytest.raises(ComplexUnsupported, match="abs.*no type for") as e:
+        real_pairs(fx.symbolic_trace(Abs()))
+    assert e.value.exit_code == 2
+
