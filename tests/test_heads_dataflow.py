@@ -144,3 +144,34 @@ def test_a_norm_written_out_per_head_lets_heads_grow(spelling):
     assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
     with pytest.raises(gg.NotApplicable, match=r"reduces over a growing axis \(head size 4\)"):
         gg.get_pass("grow_heads")(head_dim=6)(gm)
+
+
+class SplitSections(nn.Module):
+    """Grouped-query attention (4 query heads, 2 key/value heads of 4) from one projection cut by split(sizes), as a
+    method on the projection or after an unsqueeze that leaves the sizes last (GPT-BigCode's spelling)."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.qkv, self.o = nn.Linear(16, 32), nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        if self.spelling == "split":
+            q, k, v = torch.split(self.qkv(x), [16, 8, 8], -1)
+        else:
+            q, k, v = self.qkv(x).unsqueeze(1).split((16, 8, 8), dim=3)
+        q, k, v = (a.reshape(b, t, -1, 4).transpose(1, 2) for a in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("spelling", ["split", "unsqueeze_split"])
+def test_sections_cut_by_split_sizes_grow(spelling):
+    torch.manual_seed(0)
+    gm = gg.trace(SplitSections(spelling), input_shape=(1, 5, 16))
+    result = gg.get_pass("grow_heads")(heads=6)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok and not result.preservation.dead
+    assert result.targets["kv_heads"].startswith("2 → 3") and result.gm.qkv.out_features == 48
+    x = torch.randn(3, 7, 16)
+    assert torch.allclose(gm(x), result.gm(x), atol=1e-6)

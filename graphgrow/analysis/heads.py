@@ -295,6 +295,7 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
             )
         if sections:  # each slice starts the flow with its section's factors
             order, cuts = sections
+            flow.layout[name] = plain(tensor_shape(p))  # (what leads to the cuts: they start the flow)
             for role, cut in zip(order, cuts):
                 flow.layout[cut.name] = plain(tensor_shape(cut)[:-1]) + (_factors(role, h, kv, d, e),)
             projections.append(
@@ -414,12 +415,14 @@ def _sections(p: fx.Node, roles: list[str], backs: dict[str, set[str]], h: int, 
     number of key/value heads, which divides the query heads: the key may be repeated after its slice): (the roles
     in row order, the slice nodes in row order, the key/value heads); else None."""
     width, rank = tensor_shape(p)[-1], len(tensor_shape(p))
-    cuts = []
-    for u in p.users:
+    cuts = _split_cuts(p, width)
+    for u in p.users if cuts is None else []:
         bounds = last_axis_slice(u, rank, width)
         if bounds is None:
             return None
-        cuts.append((bounds, u))
+        cuts = (cuts or []) + [(bounds, u)]
+    if not cuts:
+        return None
     cuts.sort(key=lambda c: c[0])
     widths = {r: stop - start for (start, stop), u in cuts for r in roles if u.name in backs[r]}
     kv = widths.get("k", 0) // d
@@ -436,6 +439,29 @@ def _sections(p: fx.Node, roles: list[str], backs: dict[str, set[str]], h: int, 
     if at != width or sorted(order) != sorted(roles):
         return None
     return order, [u for _, u in cuts], kv
+
+
+def _split_cuts(p: fx.Node, width: int) -> list[tuple[tuple[int, int], fx.Node]] | None:
+    """((start, stop), piece) for each piece of a split of `p`'s last axis into sizes (`qkv.split((q, kv, kv), -1)`,
+    maybe after unsqueezes that leave the last axis last, as GPT-BigCode's multi-query attention), else None."""
+    x = p
+    while len(x.users) == 1 and _op(next(iter(x.users))) == "unsqueeze":
+        u = next(iter(x.users))
+        if u.args[1] in (-1, len(tensor_shape(x))):
+            return None
+        x = u
+    if len(x.users) != 1:
+        return None
+    (sp,) = x.users
+    dim = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
+    rank = len(tensor_shape(x))
+    sizes = sp.args[1] if len(sp.args) > 1 else None
+    if _op(sp) != "split" or not isinstance(dim, int) or dim % rank != rank - 1 or not isinstance(sizes, (list, tuple)):
+        return None
+    if sum(sizes) != width or not all(_op(g) == "getitem" and isinstance(g.args[1], int) for g in sp.users):
+        return None
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [((starts[g.args[1]], starts[g.args[1]] + sizes[g.args[1]]), g) for g in sp.users]
 
 
 def last_axis_slice(n: fx.Node, rank: int, width: int) -> tuple[int, int] | None:

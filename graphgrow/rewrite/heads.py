@@ -113,6 +113,12 @@ def _move_slices(nodes: dict[str, fx.Node], p: Projection, new: dict[str, int]) 
     for name, factors in zip(p.slices, p.sections):
         size = math.prod(new.get(f, s) if f else s for f, s in factors)
         n = nodes[name]
+        if isinstance(n.args[1], int):  # a piece of split(sizes, -1) (GPT-BigCode's c_attn): its size in the list
+            split, i = n.args[0], n.args[1]
+            sizes = list(split.args[1])  # type: ignore[union-attr]
+            sizes[i] = size
+            split.args = (split.args[0], sizes, *split.args[2:])  # type: ignore[union-attr]
+            continue
         index = list(n.args[1])
         last = index[-1]
         index[-1] = slice(at if last.start is not None else None, at + size if last.stop is not None else None)
