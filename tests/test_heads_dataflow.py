@@ -175,3 +175,30 @@ def test_sections_cut_by_split_sizes_grow(spelling):
     assert result.targets["kv_heads"].startswith("2 → 3") and result.gm.qkv.out_features == 48
     x = torch.randn(3, 7, 16)
     assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
+
+
+class OutputGate(nn.Module):
+    """An attention whose output is gated per head and coordinate before the output projection, by a Linear of the
+    input (AFMoE's, Qwen3-Next's gated attention): out · sigmoid(g(x)), as a function or a method."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.q, self.k, self.v, self.g, self.o = (nn.Linear(16, 16) for _ in range(5))
+
+    def forward(self, x):
+        q, k, v = (p(x).unflatten(-1, (4, 4)).transpose(1, 2) for p in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        gate = torch.sigmoid(self.g(x)) if self.spelling == "function" else self.g(x).float().sigmoid()
+        return self.o(out * gate)
+
+
+@pytest.mark.parametrize("spelling", ["function", "method"])
+def test_an_output_gate_grows_with_the_heads(spelling):
+    torch.manual_seed(0)
+    gm = gg.trace(OutputGate(spelling), input_shape=(1, 5, 16))
+    result = gg.get_pass("grow_heads")(heads=6)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok and not result.preservation.dead
+    assert result.gm.g.out_features == 24 and result.gm.o.in_features == 24
+    x = torch.randn(3, 7, 16)
+    assert torch.allclose(gm(x), result.gm(x), atol=1e-6)

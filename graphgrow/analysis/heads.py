@@ -356,7 +356,8 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
             raise refuse(
                 mask, f"is a mask or bias per head {tuple(ms)} (ALiBi, relative positions): new heads have none"
             )
-    reader, edits = _reader(gm, s, lq[:-1] + (lv[-1],), growing)
+    reader, edits, gates = _reader(gm, s, lq[:-1] + (lv[-1],), growing)
+    projections += gates
     att = Attention(s.name, h, kv, d, e, projections, reader, flow.edits + edits, core.scale, core.scale_at)
     if core.scale_from is not None:
         att.scale_of = _computed_scale(flow, core, region | {q.name, k.name, v.name})
@@ -532,8 +533,29 @@ def _fix_roles(flow: Flow, projections: list[Projection], roles: dict, q, k, v, 
         p.roles = tuple(order[i] for i in range(len(order)))
 
 
-def _reader(gm: fx.GraphModule, s: fx.Node, lay: Layout, growing: set[str]) -> tuple[Projection, list[FactorEdit]]:
-    """The output projection reading the attention's output, the tensors between them followed."""
+def _gate(gm: fx.GraphModule, n: fx.Node, a: fx.Node, region: set[str]) -> tuple[fx.Node, set[str]] | None:
+    """(its Linear, the nodes after it) when operand `a` of op `n` on the attention's output is computed from one
+    Linear through ops on single values (an output gate, sigmoid(gate_proj(x)): AFMoE's, Qwen3-Next's), each read
+    only on the way to `n`; else None."""
+    seen, found = _back(gm, a)
+    if len(found) != 1 or found[0].name in region:
+        return None
+    path = seen | {found[0].name}
+    for name in seen:
+        m = next(x for x in gm.graph.nodes if x.name == name)
+        if op_kind(gm, m) not in ("same", "pointwise") or any(u.name not in path | {n.name} for u in m.users):
+            return None
+    if any(u.name not in path for u in found[0].users):
+        return None
+    return found[0], seen
+
+
+def _reader(
+    gm: fx.GraphModule, s: fx.Node, lay: Layout, growing: set[str]
+) -> tuple[Projection, list[FactorEdit], list[Projection]]:
+    """The output projection reading the attention's output, the tensors between them followed; and the Linear
+    layers of output gates on the way (their rows follow the heads: new heads' gate rows are random, the output
+    projection's new columns zero)."""
     flow = Flow(gm, growing, set())
     flow.layout[s.name] = lay
     todo, region, readers = [s], {s.name}, []
@@ -554,6 +576,17 @@ def _reader(gm: fx.GraphModule, s: fx.Node, lay: Layout, growing: set[str]) -> t
                 todo.append(u)
     if len(readers) != 1:
         raise refuse(s, f"has {len(readers)} output projections; the analysis needs one")
+    gates = []
+    width = tensor_shape(readers[0].args[0])
+    for n in [m for m in gm.graph.nodes if m.name in region and op_kind(gm, m) == "elementwise"]:
+        for a in data_args(n):
+            found = _gate(gm, n, a, region) if a.name not in region and tensor_shape(a) == width else None
+            if found is not None:  # the gate's rows: the heads and value size, flattened as the reader's input
+                g, path = found
+                flow.layout[g.name] = plain(tensor_shape(g)[:-1]) + (lay[-3] + lay[-1],)
+                region |= path
+                weight, bias, module = _linear_params(gm, g)
+                gates.append(Projection(g.name, weight, bias, module, lay[-3] + lay[-1], ("g",)))
     flow.region = region
     flow.run([n for n in gm.graph.nodes if n.name in region and n is not s])
     r = readers[0]
@@ -561,4 +594,4 @@ def _reader(gm: fx.GraphModule, s: fx.Node, lay: Layout, growing: set[str]) -> t
     if any(flow.grows(ax) for ax in x[:-1]):
         raise refuse(r, "reads heads or head size on an axis other than its input features")
     weight, bias, module = _linear_params(gm, r)
-    return Projection(r.name, weight, bias, module, x[-1], ("o",)), flow.edits
+    return Projection(r.name, weight, bias, module, x[-1], ("o",)), flow.edits, gates
