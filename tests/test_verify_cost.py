@@ -202,3 +202,34 @@ def test_a_failed_check_on_named_inputs_is_reported_not_a_crash():
     x = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
     check = compare_mode(m, m, x, "eval", 0, torch.zeros(1, 3), torch.ones(1, 3))
     assert not check.ok and check.fp64_ok is None
+
+
+class TokenHeads(nn.Module):
+    """Token ids → embedding → the difference of two near-equal heads (an output ~1e-3 of its terms); `fused`
+    computes the same difference as one head (W_a − W_b): equal in real arithmetic, not in float32."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fused, self.emb, self.a, self.b = fused, nn.Embedding(50, 32), nn.Linear(32, 8), nn.Linear(32, 8)
+        with torch.no_grad():
+            self.emb.weight.mul_(30)
+            self.b.load_state_dict({k: v * (1 + 1e-3) for k, v in self.a.state_dict().items()})
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids)
+        if self.fused:
+            return nn.functional.linear(h, self.a.weight - self.b.weight, self.a.bias - self.b.bias)
+        return self.a(h) - self.b(h)
+
+
+def test_named_inputs_are_measured_again_in_float64():
+    """A growth on token ids whose float32 output moved by reassociation alone (sweep: CPM-Ant grow_hidden, max|Δ|
+    3.6e-4 for a limit of 3.2e-4) is judged in float64 like a tensor input's: the ids are kept, the float tensors
+    and the models recast."""
+    from graphgrow.verify.preserve import compare_mode, eval_forward
+
+    old, new = TokenHeads(False).eval(), TokenHeads(True).eval()
+    x = {"input_ids": torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))}
+    check = compare_mode(old, new, x, "eval", 0, eval_forward(old, x), eval_forward(new, x))
+    assert not check.fp32_ok and check.fp64_ok and check.ok and check.fp64_rel_err < 1e-9
