@@ -152,6 +152,20 @@ class WrittenActivation(Block):
         return self.head(self.norm3(self.act(self.dense(self.norm2(x)))))
 
 
+class SubNorm(Block):
+    """BitNet's attention sub-norm: an RMSNorm over heads × head size, which equals the hidden size, before the
+    output projection. Not on the stream: its tensors come from a softmax over head features, not understood there."""
+
+    def __init__(self):
+        super().__init__(nn.RMSNorm(D), nn.RMSNorm(D))
+        self.q, self.sub, self.o = nn.Linear(D, D), nn.RMSNorm(D), nn.Linear(D, D)
+
+    def branch(self, x):
+        h = self.q(self.norm(x)).view(*x.shape[:2], 2, D // 2).transpose(1, 2)
+        h = torch.softmax(h, -1).transpose(1, 2).reshape(*x.shape[:2], -1)
+        return self.o(self.sub(h))
+
+
 def spellings() -> dict[str, tuple[type, tuple]]:
     """name → (module class, its arguments)."""
     return {
@@ -166,6 +180,7 @@ def spellings() -> dict[str, tuple[type, tuple]]:
         "expand_as": (ExpandedPositions, ()),
         "gelu_new written out, token pooling": (WrittenActivation, (False,)),
         "quick gelu written out, token pooling": (WrittenActivation, (True,)),
+        "a norm of the hidden width inside a block": (SubNorm, ()),
     }
 
 

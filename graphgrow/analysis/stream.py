@@ -31,6 +31,7 @@ from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 from .stacked import stacked_product, weight_axes
 from .stream_channels import ChannelOp, channel_op
+from .stream_joins import is_add, is_cat, operand_axis, operands, user_axis
 from .stream_norms import Norm
 from .stream_norms import norm_of as _norm_of
 from .stream_norms import normalised as _normalised
@@ -46,10 +47,13 @@ from .stream_ops import (
 )
 from .stream_ops import arg as _arg
 from .stream_ops import forward_axis as _forward_axis
+from .stream_ops import input_axis as _input_axis
 from .stream_ops import is_scalar_factor as _is_scalar_factor
 from .stream_ops import token_scale as _token_scale
 from .stream_ops import zero_activation_input as _zero_activation_input
 from .stream_parts import Reader, Stream, Writer
+from .stream_parts import refuse as _refuse
+from .stream_parts import what as _what
 from .stream_regions import region, region_root, zero_at_zero
 
 EMBEDDINGS = (F.embedding, torch.embedding)  # F.embedding(input, weight, …), torch.embedding(weight, input, …)
@@ -83,19 +87,6 @@ SHAPE_QUERIES = ops.SHAPE_QUERIES
 VIEWS = ops.RESHAPES | {"expand"}  # their shape arguments name the width: grown with it
 
 
-def _refuse(n: fx.Node, why: str) -> NotApplicable:
-    return NotApplicable(
-        f"the residual stream reaches '{n.name}' ({_what(n)}), which {why}",
-        "grow_hidden grows a stream it fully understands; grow the layers around it with grow_width",
-    )
-
-
-def _what(n: fx.Node) -> str:
-    if n.op == "call_module":
-        return f"module {n.target}"
-    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-
-
 def find_stream(gm: fx.GraphModule) -> Stream:
     """The residual stream of an annotated graph (shapes from shapes.annotate); NotApplicable when there is none
     or when something on it is not understood."""
@@ -109,10 +100,25 @@ def find_stream(gm: fx.GraphModule) -> Stream:
     width = _normalised(gm, norms[-1])  # the last norm (a final norm) is on the stream; q/k norms over heads are not
     stream = Stream(width, {})
     walk = _Walk(gm, stream, nodes)
-    for n in norms:
-        if _normalised(gm, n) == width:
-            walk.add(n.args[0], len(tensor_shape(n.args[0])) - 1)
-    walk.run()
+    # the final norm's stream, then each other norm of that width with its own tensors unless they are not understood:
+    # a norm inside a block whose inner width happens to equal the hidden size (BitNet's attention sub-norm) is not
+    # on the stream, and a component the walk never reached from the final norm grows or stays as a whole
+    off = []
+    for n in [norms[-1]] + [m for m in norms[:-1] if _normalised(gm, m) == width]:
+        if n.name not in stream.axes:
+            saved = walk.snapshot()
+            try:
+                walk.add(n.args[0], len(tensor_shape(n.args[0])) - 1)
+                walk.run()
+            except NotApplicable:
+                if n is norms[-1]:
+                    raise
+                walk.restore(saved)
+                off.append(n)
+    on = {_norm_of(gm, nodes[m.node]).module or m.weight for m in stream.norms} - {None}  # type: ignore[union-attr]
+    for n in off:
+        if (n.target if n.op == "call_module" else _norm_of(gm, n).weight) in on:  # type: ignore[union-attr]
+            raise _refuse(n, "normalises tensors off the stream with a norm the stream also uses")
     walk.check()
     stream.fill, stream.conflict = walk.fills()
     return stream
@@ -131,6 +137,17 @@ class _Walk:
         self.inner: set[fx.Node] = set()  # the ops inside a written-out activation (stream_regions): not followed
 
     # --- bookkeeping ---
+    def snapshot(self) -> tuple:
+        s = self.s
+        walk = (dict(self.parent), dict(self.needs), set(self.done_users), set(self.inner))
+        return (dict(s.axes), list(s.writers), list(s.readers), list(s.norms), *walk)
+
+    def restore(self, saved: tuple) -> None:
+        """Back to a snapshot (the tensors a refused component added are no part of the stream)."""
+        s = self.s
+        s.axes, s.writers, s.readers, s.norms, self.parent, self.needs, self.done_users, self.inner = saved
+        self.todo = []
+
     def add(self, n: fx.Node, axis: int, like: fx.Node | None = None) -> None:
         shape = tensor_shape(n)
         if shape is None or shape[axis] != self.s.width:
@@ -224,9 +241,9 @@ class _Walk:
             if any(a.op != "get_attr" for a in given if isinstance(a, fx.Node)):
                 raise _refuse(n, "takes its weight from a computed tensor")
             return self.writer(n, "linear", params)
-        if self._is_add(n) or self._is_cat(n):
-            for a in self._operands(n):
-                self.add(a, self._operand_axis(n, a, axis), like=n)
+        if is_add(n) or is_cat(n):
+            for a in operands(n):
+                self.add(a, operand_axis(n, a, axis, self.s.width), like=n)
             return
         if _zero_activation_input(self.gm, n) is not None:
             return self.activation(n.args[0], n)
@@ -247,7 +264,7 @@ class _Walk:
             return self.channelwise(n, axis, channel)
         x = self._passthrough_input(n)
         if x is not None:
-            back = self._input_axis(n, x, axis)
+            back = _input_axis(n, x, axis, self.s.width)
             if back is None:
                 raise _refuse(n, "moves the hidden axis in a way the analysis cannot follow back")
             return self.add(x, back, like=n)
@@ -255,6 +272,15 @@ class _Walk:
         if found is not None and zero_at_zero(*found, n):
             self.inner |= set(found[1])
             return self.activation(found[0], n)
+        for f in [n, *n.all_input_nodes]:  # FNet mixes tokens and hidden coordinates by a 2-D DFT
+            dims = _arg(f, 2, "dim", -1) if base_name(f).startswith("fft") else None
+            rank = len(tensor_shape(f) or (0,))
+            if dims is not None and axis % rank in {
+                d % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims])
+            }:
+                raise _refuse(
+                    n, "comes from a Fourier transform along the hidden axis: every output depends on the width"
+                )
         raise _refuse(n, "produces stream values the analysis does not understand")
 
     def user(self, x: fx.Node, u: fx.Node) -> None:
@@ -295,8 +321,8 @@ class _Walk:
         if isinstance(conv, nn.modules.conv._ConvNd) and conv.groups == 1 and axis == 1 and u.args == (x,):
             self.s.readers.append(Reader(u.name, [(f"{u.target}.weight", 1)], x.name))  # its input channels
             return
-        if self._is_add(u) or self._is_cat(u):
-            return self.add(u, self._user_axis(u, x, axis), like=x)
+        if is_add(u) or is_cat(u):
+            return self.add(u, user_axis(u, x, axis), like=x)
         if _zero_activation_input(self.gm, u) is x:
             return self.activation(x, u)
         product = stacked_product(self.gm, u)
@@ -409,48 +435,6 @@ class _Walk:
             params = [(str(w.target), 1)]
         self.s.readers.append(Reader(u.name, params, x.name))
 
-    # --- ops ---
-    @staticmethod
-    def _is_add(n: fx.Node) -> bool:
-        return arithmetic(n) in ("add", "sub")
-
-    @staticmethod
-    def _is_cat(n: fx.Node) -> bool:
-        return n.op == "call_function" and n.target is torch.cat
-
-    def _operands(self, n: fx.Node) -> list[fx.Node]:
-        ops = list(n.args[0]) if self._is_cat(n) else list(n.args[:2])
-        # x + 0 is x (CTRL adds a token-type embedding of 0 when no types are given): any other number is refused
-        zero = [a for a in ops if not self._is_cat(n) and type(a) in (int, float) and a == 0]
-        if any(not isinstance(a, fx.Node) for a in ops if a not in zero) or len(ops) < 2 or len(zero) == len(ops):
-            raise _refuse(n, "adds a constant to the stream (its new coordinates would no longer be the mean or zero)")
-        if not self._is_cat(n) and n.kwargs.get("alpha", 1) != 1:
-            raise _refuse(n, "adds with a scale alpha")
-        return [a for a in ops if isinstance(a, fx.Node)]
-
-    def _operand_axis(self, n: fx.Node, a: fx.Node, axis: int) -> int:
-        out, shape = tensor_shape(n), tensor_shape(a)
-        if self._is_cat(n):
-            dim = _arg(n, 1, "dim", 0) % len(out)
-            if dim == axis:
-                raise _refuse(n, "concatenates along the hidden axis")
-            return axis
-        if shape is None:
-            raise _refuse(n, "adds a tensor of unknown shape")
-        k = axis - (len(out) - len(shape))
-        if k < 0 or shape[k] != self.s.width:
-            raise _refuse(n, f"broadcasts '{a.name}' {list(shape)} across the hidden axis")
-        return k
-
-    def _user_axis(self, u: fx.Node, x: fx.Node, axis: int) -> int:
-        out = tensor_shape(u)
-        if self._is_cat(u):
-            if _arg(u, 1, "dim", 0) % len(out) == axis:
-                raise _refuse(u, "concatenates along the hidden axis")
-            return axis
-        self._operands(u)
-        return axis + len(out) - len(tensor_shape(x))
-
     def _passthrough_input(self, n: fx.Node) -> fx.Node | None:
         """The stream input of an op that acts on every hidden coordinate alike and linearly, else None."""
         x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
@@ -477,8 +461,3 @@ class _Walk:
             rest = [a for a in list(n.args[1:]) + list(n.kwargs.values()) if isinstance(a, fx.Node)]
             return x if all(tensor_shape(a) is None for a in rest) else None  # sizes, not other tensors
         return None
-
-    def _input_axis(self, n: fx.Node, x: fx.Node, axis: int) -> int | None:
-        shape = tensor_shape(x) or ()
-        fits = [a for a in range(len(shape)) if shape[a] == self.s.width and _forward_axis(n, x, a) == axis]
-        return fits[-1] if fits else None

@@ -247,3 +247,10 @@ def token_scale(n: fx.Node, axis: int, width: int) -> tuple[fx.Node, int] | None
     if 0 <= ks[j] < len(shapes[j]) and shapes[j][ks[j]] != 1:  # type: ignore[index]
         return None
     return n.args[wide[0]], ks[wide[0]]  # type: ignore[return-value]
+
+
+def input_axis(n: fx.Node, x: fx.Node, axis: int, width: int) -> int | None:
+    """The axis of `n`'s input x (of size `width`) that `n` moves to its output's `axis`, else None."""
+    shape = tensor_shape(x) or ()
+    fits = [a for a in range(len(shape)) if shape[a] == width and forward_axis(n, x, a) == axis]
+    return fits[-1] if fits else None

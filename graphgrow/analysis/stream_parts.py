@@ -6,6 +6,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from torch import fx
+
+from ..core.errors import NotApplicable
 from .stream_norms import Norm
 
 
@@ -41,3 +44,16 @@ class Stream:
             f"{len(self.axes)} stream tensors, writers {dict(kinds)}, {len(self.readers)} readers, "
             f"{len(self.norms)} norms ({'RMSNorm' if any(n.rms for n in self.norms) else 'LayerNorm'})"
         )
+
+
+def refuse(n: fx.Node, why: str) -> NotApplicable:
+    return NotApplicable(
+        f"the residual stream reaches '{n.name}' ({what(n)}), which {why}",
+        "grow_hidden grows a stream it fully understands; grow the layers around it with grow_width",
+    )
+
+
+def what(n: fx.Node) -> str:
+    if n.op == "call_module":
+        return f"module {n.target}"
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
