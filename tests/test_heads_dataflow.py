@@ -202,3 +202,38 @@ def test_an_output_gate_grows_with_the_heads(spelling):
     assert result.gm.g.out_features == 24 and result.gm.o.in_features == 24
     x = torch.randn(3, 7, 16)
     assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
+
+
+class XLMAttention(nn.Module):
+    """XLM/FlauBERT's eager attention: the scores masked in place by a mask expand_as'd from one head, softmax in
+    float32 cast back with type_as(scores), and keys and values after an empty cache concatenated (torch.cat with a
+    1-d empty tensor) — or the same with an out-of-place mask and .to(dtype)."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+        self.register_buffer("cache", torch.zeros(0))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, -1, 4, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+        k, v = torch.cat([self.cache, k], dim=-2), torch.cat([self.cache, v], dim=-2)
+        scores = torch.matmul(q / 2.0, k.transpose(2, 3))
+        mask = (x[..., 0] > 1.5).view(b, 1, 1, t).expand_as(scores)
+        if self.spelling == "in_place":
+            scores.masked_fill_(mask, torch.finfo(scores.dtype).min)
+            weights = F.softmax(scores.float(), dim=-1).type_as(scores)
+        else:
+            weights = F.softmax(scores.masked_fill(mask, -1e9).float(), dim=-1).to(scores.dtype)
+        return self.o(torch.matmul(weights, v).transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("spelling", ["in_place", "out_of_place"])
+def test_xlm_attention_grows(spelling):
+    torch.manual_seed(0)
+    gm = gg.trace(XLMAttention(spelling), input_shape=(1, 5, 16), capture="export")
+    result = gg.get_pass("grow_heads")(heads=6)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok and not result.preservation.dead
+    x = torch.randn(3, 7, 16)
+    assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
