@@ -237,3 +237,37 @@ def test_xlm_attention_grows(spelling):
     assert result.preservation.eval.ok and result.preservation.train.ok and not result.preservation.dead
     x = torch.randn(3, 7, 16)
     assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
+
+
+class SinkScaled(nn.Module):
+    """A learnable sink per head applied after the attention as a scale computed from its own scores (Granite-SWA:
+    sigmoid(logsumexp(scores) - sink)), or the same written as 1 / (1 + exp(sink - logsumexp(scores)))."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+        self.sinks = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, 4, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+        scores = torch.matmul(q, k.transpose(2, 3)) * 0.5
+        lse = torch.logsumexp(scores, dim=-1)
+        if self.spelling == "sigmoid":
+            scale = (lse - self.sinks.view(1, -1, 1)).to(torch.float32).sigmoid()
+        else:
+            scale = 1 / (1 + torch.exp(self.sinks[None, :, None] - lse))
+        out = torch.matmul(F.softmax(scores, dim=-1), v) * scale.unsqueeze(-1)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("spelling", ["sigmoid", "exp"])
+def test_a_sink_per_head_grows_with_the_heads(spelling):
+    torch.manual_seed(0)
+    gm = gg.trace(SinkScaled(spelling), input_shape=(1, 5, 16))
+    result = gg.get_pass("grow_heads")(heads=6)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok and not result.preservation.dead
+    assert result.gm.sinks.shape == (6,) and torch.equal(result.gm.sinks[:4], gm.sinks)
+    x = torch.randn(3, 7, 16)
+    assert torch.allclose(gm(x), result.gm(x), atol=1e-6)

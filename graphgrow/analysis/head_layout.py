@@ -30,7 +30,7 @@ ELEMENTWISE = ops.BINARY_NAMES | ops.IN_PLACE_OPERATORS | {"pow"}
 # one data operand, each output element from its input element: a norm written out (x · (mean(x²) + eps)^-½)
 POINTWISE = ops.UNARY_METHODS | {"rsqrt", "sqrt", "reciprocal", "square", "silu", "gelu"}
 # statistics over axes (a norm written out): exact under growth when no reduced axis grows
-REDUCE = frozenset({"sum", "mean", "var", "amax", "amin"})
+REDUCE = frozenset({"sum", "mean", "var", "amax", "amin", "logsumexp"})
 # ops whose factor layout rules Flow knows: expand_as, the *_as reshapes and the other reorderings are not among them
 LAYOUT = (
     ops.RESHAPES

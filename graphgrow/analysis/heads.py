@@ -72,6 +72,8 @@ class Attention:
     scale_at: tuple | None = None  # an eager scale's constant: (node, ("args", i), "mul" | "div")
     # an eager scale computed from sizes (math.sqrt(q.size(-1))): its factor on the scores at new factor sizes
     scale_of: Callable[[dict[str, int]], float] | None = None
+    # parameters with one entry per head (a learnable attention sink): (path, factors); new heads' entries are zero
+    per_head: list[tuple[str, Axis]] = field(default_factory=list)
 
     def summary(self) -> str:
         gqa = (
@@ -356,9 +358,10 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
             raise refuse(
                 mask, f"is a mask or bias per head {tuple(ms)} (ALiBi, relative positions): new heads have none"
             )
-    reader, edits, gates = _reader(gm, s, lq[:-1] + (lv[-1],), growing)
+    reader, edits, gates, per_head = _reader(gm, core, lq[:-1] + (lv[-1],), growing)
     projections += gates
     att = Attention(s.name, h, kv, d, e, projections, reader, flow.edits + edits, core.scale, core.scale_at)
+    att.per_head = per_head
     if core.scale_from is not None:
         att.scale_of = _computed_scale(flow, core, region | {q.name, k.name, v.name})
         att.scale = att.scale_of({})
@@ -550,12 +553,40 @@ def _gate(gm: fx.GraphModule, n: fx.Node, a: fx.Node, region: set[str]) -> tuple
     return found[0], seen
 
 
+def _from_scores(gm: fx.GraphModule, a: fx.Node, core: Core, region: set[str]):
+    """(the nodes after them, the scores read, the parameters read) when `a` is computed from the attention's own
+    scores and parameters only, through ops the flow follows (Granite's sink scale sigmoid(logsumexp(scores) -
+    sinks), which multiplies each head's output); else None."""
+    seen: set[str] = set()
+    scores, params, todo = [], [], [a]
+    shape = tensor_shape(core.node)
+    while todo:
+        n = todo.pop()
+        if n.name in seen or n.name in region:
+            continue
+        if n.name in core.inner:
+            if n is core.node or tensor_shape(n) is None or len(tensor_shape(n)) != len(shape):
+                return None
+            scores.append(n)
+            continue
+        if n.op == "get_attr":
+            params.append(n)
+            continue
+        if op_kind(gm, n) in (None, "linear", "alloc", "write"):
+            return None
+        seen.add(n.name)
+        todo += [x for x in n.all_input_nodes if x.op != "get_attr" or tensor_shape(x) is not None]
+    return (seen, scores, params) if scores else None
+
+
 def _reader(
-    gm: fx.GraphModule, s: fx.Node, lay: Layout, growing: set[str]
-) -> tuple[Projection, list[FactorEdit], list[Projection]]:
-    """The output projection reading the attention's output, the tensors between them followed; and the Linear
-    layers of output gates on the way (their rows follow the heads: new heads' gate rows are random, the output
-    projection's new columns zero)."""
+    gm: fx.GraphModule, core: Core, lay: Layout, growing: set[str]
+) -> tuple[Projection, list[FactorEdit], list[Projection], list[tuple[str, Axis]]]:
+    """The output projection reading the attention's output, the tensors between them followed; the Linear layers
+    of output gates on the way (their rows follow the heads: new heads' gate rows are random, the output
+    projection's new columns zero); and the parameters with one entry per head that a factor on the output
+    computed from the attention's own scores reads (a learnable sink: new heads' entries zero)."""
+    s = core.node
     flow = Flow(gm, growing, set())
     flow.layout[s.name] = lay
     todo, region, readers = [s], {s.name}, []
@@ -576,7 +607,8 @@ def _reader(
                 todo.append(u)
     if len(readers) != 1:
         raise refuse(s, f"has {len(readers)} output projections; the analysis needs one")
-    gates = []
+    gates: list[Projection] = []
+    per_head: list[tuple[str, Axis]] = []
     width = tensor_shape(readers[0].args[0])
     for n in [m for m in gm.graph.nodes if m.name in region and op_kind(gm, m) == "elementwise"]:
         for a in data_args(n):
@@ -587,6 +619,19 @@ def _reader(
                 region |= path
                 weight, bias, module = _linear_params(gm, g)
                 gates.append(Projection(g.name, weight, bias, module, lay[-3] + lay[-1], ("g",)))
+                continue
+            fed = _from_scores(gm, a, core, region) if a.name not in region else None
+            if fed is not None:  # per head: the scores' heads axis is the query's
+                path, scores, params = fed
+                for sc in scores:
+                    flow.layout[sc.name] = lay[:-1] + plain(tensor_shape(sc)[-1:])
+                for p in params:
+                    ps = tensor_shape(p)
+                    one = len(ps) == 1 and ps[0] == size_of(lay[-3]) and ps[0] > 1
+                    flow.layout[p.name] = (lay[-3],) if one else plain(ps)
+                    if one and flow.grows(lay[-3]):
+                        per_head.append((str(p.target), lay[-3]))
+                region |= path
     flow.region = region
     flow.run([n for n in gm.graph.nodes if n.name in region and n is not s])
     r = readers[0]
@@ -594,4 +639,4 @@ def _reader(
     if any(flow.grows(ax) for ax in x[:-1]):
         raise refuse(r, "reads heads or head size on an axis other than its input features")
     weight, bias, module = _linear_params(gm, r)
-    return Projection(r.name, weight, bias, module, x[-1], ("o",)), flow.edits, gates
+    return Projection(r.name, weight, bias, module, x[-1], ("o",)), flow.edits, gates, per_head
