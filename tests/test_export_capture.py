@@ -365,3 +365,28 @@ def test_a_model_that_changes_itself_on_its_first_call_is_captured_as_changed():
     assert model.kind == "full"
     x = torch.randn(3, 4)
     assert torch.allclose(gm.eval()(x=x), model.eval()(x), atol=1e-6)
+
+
+def test_an_unused_random_draw_before_a_used_one_is_kept():
+    """CanineForSequenceClassification classifies from the pooled token; its final character encoder's output is
+    unused, but its dropouts draw before the classifier's. Dropped as dead code, they shifted the classifier's
+    dropout mask in train mode (the fidelity check failed); kept, the graph draws as the model does."""
+    from graphgrow.capture.export_capture import capture_by_export
+
+    class DeadDraw(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.unused, self.used = nn.Linear(4, 4), nn.Dropout(0.5), nn.Dropout(0.5)
+
+        def forward(self, x):
+            self.unused(self.lin(x))  # a head nobody reads, drawing first
+            return self.used(x)
+
+    gm = capture_by_export(DeadDraw(), parse_spec("x:1x4:float32"), True, [])  # True: checked in train mode too
+    modules = dict(gm.named_modules())
+    draws = [
+        n
+        for n in gm.graph.nodes
+        if isinstance(modules.get(str(n.target)), nn.Dropout) or "dropout" in getattr(n.target, "__name__", "")
+    ]
+    assert len(draws) == 2 and "lin" in [n.target for n in gm.graph.nodes]

@@ -39,7 +39,7 @@ from ..core.state import preserved_buffers, training_mode
 from ..graph.graph_meta import META_KEY, store_shape
 from ..graph.inputs import DTYPES, InputSpec, first_embedding, spec_inputs
 from .aten_table import DROPPED, to_torch
-from .export_modes import PendingSwitch, flat, merge_modes, set_flat, stack
+from .export_modes import RANDOM, PendingSwitch, flat, merge_modes, set_flat, stack
 from .standins import standin, tied_parameters
 
 _SKIP_RAISE = (nn.MultiheadAttention,)
@@ -304,7 +304,7 @@ def export_capture(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[f
         elif n.op == "get_attr" and str(n.target) not in root:
             root[str(n.target)] = _attr(model, n.target)
     gm = fx.GraphModule(root, codegen.adopt(g), name)  # module paths reach the code through generated identifiers
-    gm.graph.eliminate_dead_code()
+    _drop_dead_code(gm)
     gm.graph.lint()
     gm.recompile()
     gm.train(model.training)
@@ -424,6 +424,33 @@ def capture_by_export(model: nn.Module, spec: InputSpec | None, check: bool, not
             check_fidelity(model, gm, spec)
     store_shape(gm, spec)
     return gm
+
+
+def _drop_dead_code(gm: fx.GraphModule) -> None:
+    """Work nothing reads is dropped, except a random draw that another kept draw follows: dropping it would shift
+    the later draw's numbers in train mode (CanineForSequenceClassification classifies from the pooled token, but
+    its final character encoder's unused dropouts draw before the classifier's dropout does)."""
+    g = gm.graph
+    live: set[fx.Node] = set()
+    todo = [n for n in g.nodes if n.op == "output" or n.is_impure()]
+    while todo:
+        n = todo.pop()
+        if n not in live:
+            live.add(n)
+            todo += n.all_input_nodes
+    kept: set[fx.Node] = set()
+    for n in reversed(g.nodes):
+        if _draws(gm, n) and (n in live or kept):
+            kept.add(n)
+    g.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or n in kept)
+
+
+def _draws(gm: fx.GraphModule, n: fx.Node) -> bool:
+    """A dropout layer, or a torch function drawing random numbers (the ATen ops are torch calls by now)."""
+    if n.op == "call_module":
+        return isinstance(gm.get_submodule(str(n.target)), nn.modules.dropout._DropoutNd)
+    name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+    return any(w in name for w in RANDOM)
 
 
 def _first_call(model: nn.Module, inputs: dict[str, torch.Tensor]) -> None:

@@ -245,13 +245,13 @@ class _Merge:
         raise self.error(n, f"'{n.name}' ({n.target}) feeds work of one mode from work of that mode only")
 
 
-_RANDOM = ("rand", "bernoulli", "normal", "uniform", "dropout", "exponential", "multinomial")
+RANDOM = ("rand", "bernoulli", "normal", "uniform", "dropout", "exponential", "multinomial")
 
 
 def _impure(n: fx.Node) -> bool:
     """A step whose dropping changes what the model does: a random draw (it shifts every later draw), a mutation."""
     name = str(n.target).removeprefix("aten.").split(".")[0]
-    return n.op == "call_function" and (n.is_impure() or name.endswith("_") or any(w in name for w in _RANDOM))
+    return n.op == "call_function" and (n.is_impure() or name.endswith("_") or any(w in name for w in RANDOM))
 
 
 class _Later:
