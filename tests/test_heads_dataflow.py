@@ -271,3 +271,37 @@ def test_a_sink_per_head_grows_with_the_heads(spelling):
     assert result.gm.sinks.shape == (6,) and torch.equal(result.gm.sinks[:4], gm.sinks)
     x = torch.randn(3, 7, 16)
     assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
+
+
+class BiasedGate(nn.Module):
+    """Beam's gated attention output: a gate of the input shaped as the output (view_as, or a view with the head
+    count written out) plus a bias per head, through a sigmoid; and a learnable scale per head on the output."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.q, self.k, self.v, self.g, self.o = (nn.Linear(16, 16) for _ in range(5))
+        self.gate_bias, self.head_scale = nn.Parameter(torch.randn(4)), nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, 4, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        if self.spelling == "view_as":
+            gate = self.g(x).view_as(out) + self.gate_bias[None, None, :, None]
+        else:
+            gate = self.g(x).view(b, t, 4, 4) + self.gate_bias.view(1, 1, -1, 1)
+        out = out * torch.sigmoid(gate) * self.head_scale.view(1, 1, -1, 1)
+        return self.o(out.reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("spelling", ["view_as", "view"])
+def test_per_head_parameters_grow_with_the_heads(spelling):
+    torch.manual_seed(0)
+    gm = gg.trace(BiasedGate(spelling), input_shape=(1, 5, 16))
+    result = gg.get_pass("grow_heads")(heads=6)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok and not result.preservation.dead
+    g = result.gm
+    assert g.g.out_features == 24 and g.gate_bias.shape == (6,) and torch.equal(g.head_scale[4:], torch.ones(2))
+    x = torch.randn(3, 7, 16)
+    assert torch.allclose(gm(x), g(x), atol=1e-6)

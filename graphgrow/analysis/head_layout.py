@@ -39,7 +39,7 @@ LAYOUT = (
     | ops.UNIT_DIMS
     | ops.SPLITS
     | ops.INDEXING
-    | {"expand", "cat", "stack", "view_as_complex", "view_as_real"}
+    | {"expand", "cat", "stack", "view_as_complex", "view_as_real", "view_as", "reshape_as"}
 )
 # a tensor allocated and then filled by copies into slices of one axis (multi-head latent attention's key:
 # `k = x.new_empty(…); k[..., :n] = k_nope; k[..., n:] = k_rope`): the same values as a concatenation of the copies
@@ -250,6 +250,7 @@ class Flow:
         self.layout: dict[str, object] = {}  # node → Layout, or a list of (Layout, section) for split/unbind
         self.section: dict[str, int] = {}
         self.edits: list[FactorEdit] = []
+        self.params: list[tuple[str, Axis, float]] = []  # 1-d parameters, one entry per head (adopt): new value
 
     def grows(self, axis: Axis) -> bool:
         return any(f in self.growing for f, _ in axis)
@@ -314,6 +315,8 @@ class Flow:
                 self.section[n.name] = sec
             return lay
         lay = self.of(x)
+        if name in ("view_as", "reshape_as"):  # the shape of another tensor of the flow: no constant to edit
+            return self.regroup(n, lay, shape)
         if name in ("reshape", "view", "flatten"):
             if name == "flatten":  # merges whole axes: exact, even for a factor of size 1 (a single head)
                 start = n.args[1] if len(n.args) > 1 else n.kwargs.get("start_dim", 0)
@@ -458,6 +461,8 @@ class Flow:
                 k = j - len(shape) + len(s) if s is not None else -1
                 if side.name in self.layout or k < 0 or s[k] == 1 or not self.grows(axis):
                     continue
+                if self.adopt(side, axis, 1.0 if _name(n) in ("mul", "div", "truediv") else 0.0):
+                    continue
                 if any(f == "d" for f, _ in axis) and _name(n) == "mul":
                     raise refuse(
                         n,
@@ -492,6 +497,29 @@ class Flow:
                 "grow heads instead (heads=…), or the sizes this reduction does not read",
             )
         return tuple(() if i in dims else a for i, a in enumerate(lay) if keep or i not in dims)
+
+    def adopt(self, side: fx.Node, axis: Axis, fill: float) -> bool:
+        """`side` meets the heads axis `axis` at its full size and is a 1-d parameter, one entry per head, seen
+        through unit dims, views, indexing and casts (Beam's per-head gate bias, a learnable sink): it grows with the
+        heads: new heads' entries `fill` (one for a factor, zero for a term: only new heads read them)."""
+        if any(f in self.growing and f not in HEAD_FACTORS for f, _ in axis):
+            return False
+        chain, x = [], side
+        while x.op != "get_attr":
+            if _name(x) not in ops.UNIT_DIMS | SAME | {"view", "reshape", "getitem"} or not x.args:
+                return False
+            if not isinstance(x.args[0], fx.Node):
+                return False
+            chain.append(x)
+            x = x.args[0]
+        ps = tensor_shape(x)
+        if ps is None or len(ps) != 1 or ps[0] != size_of(axis) or ps[0] < 2:
+            return False
+        self.layout[x.name] = (axis,)
+        for m in reversed(chain):
+            self.layout[m.name] = self.step(m)
+        self.params.append((str(x.target), axis, fill))
+        return True
 
     def cat(self, n: fx.Node, shape: tuple) -> Layout:
         dim = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % len(shape)

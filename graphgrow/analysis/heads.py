@@ -11,6 +11,12 @@ through reshapes, transposes, slices, splits, expands and elementwise ops (RoPE'
 attention, and from its output to the output projection. Factors that grow must stay whole: a reshape constant
 over them is rewritten (an edit), a `-1` needs nothing; a side operand (a cos/sin table, a mask) must broadcast
 over them. Anything else is refused with the node and the reason: a pass never guesses.
+
+What an attention computes decides, not how it is spelled: a key allocated and filled by copies into its slices is
+the concatenation of what is copied (multi-head latent attention); a part of the key that is the same for every head
+(broadcast from one) needs no projection of its own; key and value may come in one block per head (then whole heads
+grow); a norm may be written out as arithmetic; an output gate computed from a Linear of the input grows rows with
+the heads; a learnable per-head sink read with the attention's own scores gets zero entries for new heads.
 """
 
 from __future__ import annotations
@@ -72,8 +78,8 @@ class Attention:
     scale_at: tuple | None = None  # an eager scale's constant: (node, ("args", i), "mul" | "div")
     # an eager scale computed from sizes (math.sqrt(q.size(-1))): its factor on the scores at new factor sizes
     scale_of: Callable[[dict[str, int]], float] | None = None
-    # parameters with one entry per head (a learnable attention sink): (path, factors); new heads' entries are zero
-    per_head: list[tuple[str, Axis]] = field(default_factory=list)
+    # parameters with one entry per head (a learnable sink, a gate bias): (path, factors, new heads' value)
+    per_head: list[tuple[str, Axis, float]] = field(default_factory=list)
 
     def summary(self) -> str:
         gqa = (
@@ -361,7 +367,7 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
     reader, edits, gates, per_head = _reader(gm, core, lq[:-1] + (lv[-1],), growing)
     projections += gates
     att = Attention(s.name, h, kv, d, e, projections, reader, flow.edits + edits, core.scale, core.scale_at)
-    att.per_head = per_head
+    att.per_head = per_head + flow.params
     if core.scale_from is not None:
         att.scale_of = _computed_scale(flow, core, region | {q.name, k.name, v.name})
         att.scale = att.scale_of({})
@@ -543,14 +549,29 @@ def _gate(gm: fx.GraphModule, n: fx.Node, a: fx.Node, region: set[str]) -> tuple
     seen, found = _back(gm, a)
     if len(found) != 1 or found[0].name in region:
         return None
+    fed = {found[0].name}  # (what the walk met beside: a per-head bias parameter's views, which the flow adopts)
+    for m in gm.graph.nodes:
+        if m.name in seen and any(x.name in fed for x in data_args(m)):
+            fed.add(m.name)
+    seen &= fed
     path = seen | {found[0].name}
     for name in seen:
         m = next(x for x in gm.graph.nodes if x.name == name)
-        if op_kind(gm, m) not in ("same", "pointwise") or any(u.name not in path | {n.name} for u in m.users):
+        if op_kind(gm, m) not in ("same", "pointwise", "layout", "elementwise"):
             return None
-    if any(u.name not in path for u in found[0].users):
+        if any(u.name not in path | {n.name} for u in m.users if not _donor_read(u, m)):
+            return None
+    if a.name not in seen or any(u.name not in path for u in found[0].users):
         return None
     return found[0], seen
+
+
+_DONORS = frozenset({"type_as", "view_as", "reshape_as", "expand_as"})
+
+
+def _donor_read(u: fx.Node, n: fx.Node) -> bool:
+    """`u` reads `n` only for its dtype or shape (x.view_as(n): Beam's gate shaped as the attention's output)."""
+    return _op(u) in _DONORS and u.args[0] is not n and n not in u.args[:1]
 
 
 def _from_scores(gm: fx.GraphModule, a: fx.Node, core: Core, region: set[str]):
@@ -581,7 +602,7 @@ def _from_scores(gm: fx.GraphModule, a: fx.Node, core: Core, region: set[str]):
 
 def _reader(
     gm: fx.GraphModule, core: Core, lay: Layout, growing: set[str]
-) -> tuple[Projection, list[FactorEdit], list[Projection], list[tuple[str, Axis]]]:
+) -> tuple[Projection, list[FactorEdit], list[Projection], list[tuple[str, Axis, float]]]:
     """The output projection reading the attention's output, the tensors between them followed; the Linear layers
     of output gates on the way (their rows follow the heads: new heads' gate rows are random, the output
     projection's new columns zero); and the parameters with one entry per head that a factor on the output
@@ -596,8 +617,10 @@ def _reader(
             kind = op_kind(gm, u)
             if kind == "linear" and linear_arg(u, 0) is n:
                 readers.append(u)
-            elif (u.op == "call_method" and u.target in SHAPE_QUERIES) or (
-                u.op == "call_function" and u.target is getattr
+            elif (
+                (u.op == "call_method" and u.target in SHAPE_QUERIES)
+                or (u.op == "call_function" and u.target is getattr)
+                or _donor_read(u, n)
             ):
                 continue
             elif kind is None or kind == "linear":
@@ -608,12 +631,13 @@ def _reader(
     if len(readers) != 1:
         raise refuse(s, f"has {len(readers)} output projections; the analysis needs one")
     gates: list[Projection] = []
-    per_head: list[tuple[str, Axis]] = []
-    width = tensor_shape(readers[0].args[0])
+    per_head: list[tuple[str, Axis, float]] = []
+    width = size_of(lay[-3] + lay[-1])
     for n in [m for m in gm.graph.nodes if m.name in region and op_kind(gm, m) == "elementwise"]:
         for a in data_args(n):
-            found = _gate(gm, n, a, region) if a.name not in region and tensor_shape(a) == width else None
-            if found is not None:  # the gate's rows: the heads and value size, flattened as the reader's input
+            found = _gate(gm, n, a, region) if a.name not in region else None
+            if found is not None and tensor_shape(found[0])[-1] == width:
+                # the gate's rows: the heads and value size, flattened as the reader's input (the flow checks it)
                 g, path = found
                 flow.layout[g.name] = plain(tensor_shape(g)[:-1]) + (lay[-3] + lay[-1],)
                 region |= path
@@ -630,7 +654,7 @@ def _reader(
                     one = len(ps) == 1 and ps[0] == size_of(lay[-3]) and ps[0] > 1
                     flow.layout[p.name] = (lay[-3],) if one else plain(ps)
                     if one and flow.grows(lay[-3]):
-                        per_head.append((str(p.target), lay[-3]))
+                        per_head.append((str(p.target), lay[-3], 0.0))
                 region |= path
     flow.region = region
     flow.run([n for n in gm.graph.nodes if n.name in region and n is not s])
@@ -639,4 +663,4 @@ def _reader(
     if any(flow.grows(ax) for ax in x[:-1]):
         raise refuse(r, "reads heads or head size on an axis other than its input features")
     weight, bias, module = _linear_params(gm, r)
-    return Projection(r.name, weight, bias, module, x[-1], ("o",)), flow.edits, gates, per_head
+    return Projection(r.name, weight, bias, module, x[-1], ("o",)), flow.edits, gates, per_head + flow.params

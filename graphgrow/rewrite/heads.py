@@ -213,10 +213,10 @@ def grow_attention(
         if p.bias is not None:
             _put(gm, p.bias, b, owners)
         _resize(gm, p.module)
-    for path, factors in att.per_head:  # one entry per head (a learnable sink): new heads' entries zero
+    for path, factors, fill in att.per_head:  # one entry per head (a sink, a gate bias): only new heads read theirs
         old = _tensor(gm, path)
         old_to_new, total, _ = places(factors, new)
-        grown = torch.zeros(total, dtype=old.dtype, device=old.device)
+        grown = torch.full((total,), fill, dtype=old.dtype, device=old.device)
         grown[old_to_new] = old.detach()
         _put(gm, path, grown, owners)
     _put(gm, att.reader.weight, _columns(att.reader, _tensor(gm, att.reader.weight), new), owners)
