@@ -636,13 +636,16 @@ def _reader(
     for n in [m for m in gm.graph.nodes if m.name in region and op_kind(gm, m) == "elementwise"]:
         for a in data_args(n):
             found = _gate(gm, n, a, region) if a.name not in region else None
-            if found is not None and tensor_shape(found[0])[-1] == width:
-                # the gate's rows: the heads and value size, flattened as the reader's input (the flow checks it)
+            rows = tensor_shape(found[0])[-1] if found is not None else None
+            if found is not None and rows in (width, size_of(lay[-3])):
+                # the gate's rows: the heads and value size, flattened as the reader's input, or one per head (a
+                # scalar gate per head: Dots's); the flow checks that they meet the output so
                 g, path = found
-                flow.layout[g.name] = plain(tensor_shape(g)[:-1]) + (lay[-3] + lay[-1],)
+                factors = lay[-3] + lay[-1] if rows == width else lay[-3]
+                flow.layout[g.name] = plain(tensor_shape(g)[:-1]) + (factors,)
                 region |= path
                 weight, bias, module = _linear_params(gm, g)
-                gates.append(Projection(g.name, weight, bias, module, lay[-3] + lay[-1], ("g",)))
+                gates.append(Projection(g.name, weight, bias, module, factors, ("g",)))
                 continue
             fed = _from_scores(gm, a, core, region) if a.name not in region else None
             if fed is not None:  # per head: the scores' heads axis is the query's
