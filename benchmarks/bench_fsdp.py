@@ -14,7 +14,9 @@ with malloc_trim before each measured call and large tensors always mmapped (liv
 another's high-water mark), on a GPU
 torch.cuda.max_memory_allocated; the growth peak is set against the training peak and the steady state before a
 step. Rank 0 prints one JSON line per rank with the medians, the peaks and the sizes they compare with (the full
-model, one layer, the sharded state).
+model, one layer, the sharded state). `--release-old` grows each event's result again after one training step (the
+old model is empty then); `--verify none` measures the growth without rank 0's checks. Numbers from this machine
+(2 cores shared with other jobs, load 10–12): docs/distributed.md, "What a growth event costs here".
 """
 
 from __future__ import annotations
