@@ -285,7 +285,8 @@ def test_growth_with_release_old_holds_one_layer_over_the_sharded_steady_state(r
 
 def test_a_spill_frees_storages_and_reads_them_back_bit_for_bit():
     """fsdp_spill.Spill: each storage written once (a view and its base, a tensor given twice), freed, its bytes
-    counted; restore puts back the same values; a storage torch does not let resize is kept and counted."""
+    counted; borrow reads some back for a while and frees them again; restore puts back the same values; a storage
+    torch does not let resize is kept and counted."""
     import torch
 
     from graphgrow.jobs.fsdp_spill import _CHUNK, Spill
@@ -299,6 +300,9 @@ def test_a_spill_frees_storages_and_reads_them_back_bit_for_bit():
     spill.release([b, pinned, pinned])
     assert spill.nbytes == a.nelement() * 4 + b.nelement() * 4 and spill.kept == pinned.nelement() * 4
     assert a.untyped_storage().nbytes() == 0 and b.untyped_storage().nbytes() == 0
+    with spill.borrow([b, torch.ones(2)]):  # read back for the block (a tensor it never released is left alone)
+        assert torch.equal(b, want[1]) and a.untyped_storage().nbytes() == 0
+    assert b.untyped_storage().nbytes() == 0  # freed again; the file keeps its bytes
     spill.restore()
     assert all(torch.equal(x, y) for x, y in zip([a, b, pinned], want))
 

@@ -47,8 +47,9 @@ def grow(
     """The growth step on every rank (call it on every rank at the same point of the loop): a traced model in a
     DistributedDataParallel wrapper grows into a new wrapper (ddp.grow; `ddp_options` override the old wrapper's),
     a traced model sharded with FSDP2 grows sharded the same way (fsdp.grow_fsdp). The optimiser is carried and the
-    scheduler re-pointed; on any failure every rank raises and keeps its old objects. `release_old` (FSDP2): the old
-    model's and optimiser's device memory is freed while the grown one is built; `layerwise` (FSDP2): one layer at a
+    scheduler re-pointed; on any failure every rank raises and keeps its old objects. `release_old` (FSDP2, opt-in):
+    the old model's and optimiser's memory is freed while the grown one is built, and they are empty afterwards
+    (fsdp.py: why it is not the default); `layerwise` (FSDP2): one layer at a
     time, by default where the model fits (fsdp.grow_fsdp)."""
     if is_fsdp(model):
         if ddp_options:
