@@ -72,7 +72,7 @@ def target_width(d: int, any_size: bool, to: int | None, by: int | None) -> tupl
         return d + int(by), "given"
     if any_size:
         return d + max(d // 2, 1), "default: +50 %"
-    return 2 * d, "default: ×2 (a post-norm stream grows by integer factors)"
+    return 2 * d, "default: ×2 (this stream stays exact only replicated: an integer factor)"
 
 
 @dataclass(frozen=True)

@@ -166,8 +166,47 @@ class SubNorm(Block):
         return self.o(self.sub(h))
 
 
+class LayerDropPath(nn.Module):
+    """CvT's / BEiT's drop-path under their own class names: identity in eval, a per-sample 0 or 1/keep in train."""
+
+    def __init__(self, p: float = 0.3):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        keep = torch.rand(x.shape[0], *([1] * (x.dim() - 1)), device=x.device) >= self.p
+        return x / (1 - self.p) * keep.to(x.dtype)
+
+
+class Extras(nn.Module):
+    """A layer's other outputs (attention weights …), kept as one opaque call (a leaf)."""
+
+    def forward(self, ids):
+        return ids, ids * 2
+
+
+class ClassTokenSplit(Block):
+    """CvT: the class token split from the patch tokens (torch.split along the tokens), normalised alone; a layer's
+    `(hidden,) + outputs[1:]`; a drop-path module; a depthwise conv + BatchNorm projection (channels first)."""
+
+    def __init__(self):
+        super().__init__(nn.LayerNorm(D), nn.LayerNorm(D))
+        self.drop, self.extras = LayerDropPath(), Extras()
+        self.dw, self.bn = nn.Conv1d(D, D, 3, padding=1, groups=D), nn.BatchNorm1d(D)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        b = self.fc(self.bn(self.dw(self.norm(x).transpose(1, 2))).transpose(1, 2))
+        out = (x + self.drop(b),) + self.extras(ids)[1:]
+        cls, patches = torch.split(out[0], [1, x.shape[1] - 1], dim=1)
+        return self.head(self.norm2(cls)) + self.head(self.norm2(patches)).mean(1, keepdim=True) + out[1][0, 0]
+
+
 def spellings() -> dict[str, tuple[type, tuple]]:
-    """name → (module class, its arguments)."""
+    """name → (module class, its arguments); names ending in '(fx)' are captured with torch.fx (`extras` kept as a
+    leaf), the others with torch.export (as Hugging Face models are)."""
     return {
         "add_": (InPlaceAdd, ()),
         "+=": (InPlaceIadd, ()),
@@ -181,6 +220,7 @@ def spellings() -> dict[str, tuple[type, tuple]]:
         "gelu_new written out, token pooling": (WrittenActivation, (False,)),
         "quick gelu written out, token pooling": (WrittenActivation, (True,)),
         "a norm of the hidden width inside a block": (SubNorm, ()),
+        "class token split, tuple, drop-path, BatchNorm (fx)": (ClassTokenSplit, ()),
     }
 
 

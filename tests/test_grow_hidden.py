@@ -317,7 +317,8 @@ def test_stream_ops_understood_by_what_they_compute(name):
 
     cls, args = spellings()[name]
     torch.manual_seed(0)
-    gm = gg.trace(cls(*args), input_shape=parse_spec(SPEC), capture="export")
+    fx = {"capture": "fx", "leaves": ["extras"]} if name.endswith("(fx)") else {"capture": "export"}
+    gm = gg.trace(cls(*args), input_shape=parse_spec(SPEC), **fx)
     r = gg.get_pass("grow_hidden")()(gm)
     assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok, r.preservation
     assert r.gm.get_submodule("head").in_features == int(r.targets["hidden"].split("→ ")[1].split()[0])

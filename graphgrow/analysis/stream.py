@@ -31,7 +31,7 @@ from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 from .stacked import stacked_product, weight_axes
 from .stream_channels import ChannelOp, channel_op
-from .stream_joins import is_add, is_cat, operand_axis, operands, user_axis
+from .stream_joins import is_add, is_cat, operand_axis, operands, split_source, tuple_element, user_axis
 from .stream_norms import Norm
 from .stream_norms import norm_of as _norm_of
 from .stream_norms import normalised as _normalised
@@ -54,7 +54,7 @@ from .stream_ops import zero_activation_input as _zero_activation_input
 from .stream_parts import Reader, Stream, Writer
 from .stream_parts import refuse as _refuse
 from .stream_parts import what as _what
-from .stream_regions import region, region_root, zero_at_zero
+from .stream_regions import region, region_root, scales_tokens, zero_at_zero
 
 EMBEDDINGS = (F.embedding, torch.embedding)  # F.embedding(input, weight, …), torch.embedding(weight, input, …)
 # methods the hidden axis passes through (moved or kept); unflatten, the *_as forms, expand_as, split and the moments
@@ -241,6 +241,13 @@ class _Walk:
             if any(a.op != "get_attr" for a in given if isinstance(a, fx.Node)):
                 raise _refuse(n, "takes its weight from a computed tensor")
             return self.writer(n, "linear", params)
+        piece = split_source(n)
+        if piece is not None:
+            if piece[1] == axis:
+                raise _refuse(n, "is a piece of a split along the hidden axis")
+            return self.add(piece[0], axis, like=n)
+        if tuple_element(n) is not None:  # ((x,) + rest)[0] is x
+            return self.add(tuple_element(n), axis, like=n)  # type: ignore[arg-type]
         if is_add(n) or is_cat(n):
             for a in operands(n):
                 self.add(a, operand_axis(n, a, axis, self.s.width), like=n)
@@ -321,6 +328,20 @@ class _Walk:
         if isinstance(conv, nn.modules.conv._ConvNd) and conv.groups == 1 and axis == 1 and u.args == (x,):
             self.s.readers.append(Reader(u.name, [(f"{u.target}.weight", 1)], x.name))  # its input channels
             return
+        pieces = [g for g in u.users if split_source(g) is not None and split_source(g)[0] is x]  # type: ignore[index]
+        if pieces and len(pieces) == len(u.users):  # x split along the tokens: every piece a stream tensor
+            if split_source(pieces[0])[1] == axis:  # type: ignore[index]
+                raise _refuse(u, "splits the stream along the hidden axis")
+            for g in pieces:
+                self.add(g, axis, like=x)
+            return None
+        if u.target is operator.add and isinstance(u.args[0], tuple):  # (x,) + rest: followed to its x = t[i]
+            for g in u.users:
+                if tuple_element(g) is x:
+                    self.add(g, axis, like=x)
+                elif not (base_name(g) == "getitem" and isinstance(g.args[1], int)):  # another element: not x
+                    raise _refuse(g, "reads the stream out of a tuple in a way the analysis cannot follow")
+            return None
         if is_add(u) or is_cat(u):
             return self.add(u, user_axis(u, x, axis), like=x)
         if _zero_activation_input(self.gm, u) is x:
@@ -442,7 +463,10 @@ class _Walk:
             return None
         if n.op == "call_module":
             m = self.gm.get_submodule(n.target)
-            linear = isinstance(m, (nn.Dropout, nn.Identity)) or type(m).__name__ in ("DropPath", "StochasticDepth")
+            shape = tensor_shape(n)
+            linear = isinstance(m, (nn.Dropout, nn.Identity)) or (
+                shape is not None and shape == tensor_shape(x) and scales_tokens(m, shape, self.s.width)
+            )
             return x if linear and len(n.args) == 1 else None
         if arithmetic(n) in ("mul", "div"):  # in place too: x *= c (CTRL's embedding scale)
             # a scalar multiple: a number, or a one-element tensor that does not depend on the input (a gate such as

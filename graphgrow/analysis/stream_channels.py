@@ -26,6 +26,14 @@ class ChannelOp:
 
 def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> ChannelOp | None:
     """`n` as a per-channel op whose output has the hidden axis `axis`, else None."""
+    if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.modules.batchnorm._BatchNorm):
+        # per channel: (x - μ) / sqrt(σ² + eps) · γ + β, μ and σ² the running or the batch statistics; a channel of
+        # zeros gives β = 0 with running μ = 0 (and σ² of the old ones', positive)
+        m, path = gm.get_submodule(n.target), str(n.target)
+        if axis != 1 or m.num_features != width or len(n.args) != 1 or not isinstance(n.args[0], fx.Node):
+            return None
+        kinds = {"weight": "scale", "bias": "shift", "running_mean": "shift", "running_var": "scale"}
+        return ChannelOp(n.args[0], 1, [(f"{path}.{k}", 0, v) for k, v in kinds.items() if getattr(m, k) is not None])
     if n.op == "call_module":
         m = gm.get_submodule(n.target)
         depthwise = isinstance(m, nn.modules.conv._ConvNd) and m.groups == m.in_channels == m.out_channels == width > 1
@@ -39,6 +47,7 @@ def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> Channel
     out = tensor_shape(n)
     for i in (0, 1):
         x, p = n.args[i], n.args[1 - i]
+        assert isinstance(x, fx.Node) and isinstance(p, fx.Node)  # checked above
         xs = tensor_shape(x)
         if out is None or xs is None or len(xs) != len(out) or xs[axis] != width:
             continue

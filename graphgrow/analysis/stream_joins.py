@@ -3,16 +3,33 @@ than the hidden one; the hidden axis of each operand, or a refusal naming what b
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
+from ..graph import ops
 from ..graph.fx_edit import tensor_shape
-from .stream_ops import arg, arithmetic
+from .stream_ops import arg, arithmetic, base_name
 from .stream_parts import refuse
 
 
 def is_add(n: fx.Node) -> bool:
-    return arithmetic(n) in ("add", "sub")
+    return arithmetic(n) in ("add", "sub") and not any(isinstance(a, tuple) for a in n.args[:2])
+
+
+def tuple_element(n: fx.Node) -> fx.Node | None:
+    """The tensor `n` = t[i] is when t is tuples concatenated, `(x,) + rest` (a layer returning `(hidden,) +
+    outputs[1:]`): the i-th element written in a literal tuple, else None."""
+    t, i = (n.args[0], n.args[1]) if base_name(n) == "getitem" and len(n.args) == 2 else (None, None)
+    while isinstance(i, int) and i >= 0 and isinstance(t, fx.Node) and t.target is operator.add:
+        if not isinstance(t.args[0], tuple):
+            return None
+        if i < len(t.args[0]):
+            found = t.args[0][i]
+            return found if isinstance(found, fx.Node) else None
+        i, t = i - len(t.args[0]), t.args[1]
+    return None
 
 
 def is_cat(n: fx.Node) -> bool:
@@ -53,3 +70,16 @@ def user_axis(u: fx.Node, x: fx.Node, axis: int) -> int:
         return axis
     operands(u)
     return axis + len(out) - len(tensor_shape(x))
+
+
+def split_source(n: fx.Node) -> tuple[fx.Node, int] | None:
+    """(x, the split's dim) when `n` is one piece of x split along a dim (torch.split, chunk, split_with_sizes:
+    CvT's class token split from the patch tokens), else None."""
+    if base_name(n) != "getitem" or len(n.args) != 2 or not isinstance(n.args[1], int):
+        return None
+    s = n.args[0]
+    if not isinstance(s, fx.Node) or base_name(s) not in ops.SPLITS - {"unbind"} | {"split_with_sizes"}:
+        return None
+    x, rank = s.args[0], len(tensor_shape(n) or ())
+    dim = arg(s, 2, "dim", 0)
+    return (x, dim % rank) if isinstance(x, fx.Node) and isinstance(dim, int) and rank else None

@@ -140,3 +140,34 @@ def region_root(x: fx.Node, u: fx.Node) -> fx.Node | None:
         if found is not None and found[0] is x and u in found[1] and zero_at_zero(*found, r):
             return r
     return None
+
+
+def scales_tokens(m: torch.nn.Module, shape: tuple, width: int) -> bool:
+    """Whether module `m` maps x to s·x, s one number per token and per draw, the same at any width (drop-path,
+    stochastic depth: identity in eval mode, a per-sample scale in train mode, whatever its class is called). Probed
+    on x and on x with 3 more coordinates under one seed, in both modes; the hidden axis is x's last of that size."""
+    axis = max((i for i, d in enumerate(shape) if d == width), default=None)
+    if axis is None or any(True for _ in m.parameters()) or any(True for _ in m.buffers()):
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(shape, generator=g) + 1.0
+    wide = torch.cat([x, torch.rand((*shape[:axis], 3, *shape[axis + 1 :]), generator=g) + 1.0], axis)
+    was = m.training
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            for mode in (False, True):
+                m.train(mode)
+                torch.manual_seed(1)
+                y = m(x)
+                torch.manual_seed(1)
+                yw = m(wide)
+                if not (isinstance(y, torch.Tensor) and isinstance(yw, torch.Tensor)) or yw.shape != wide.shape:
+                    return False
+                s = (yw / wide).amax(axis, keepdim=True)
+                if not (torch.allclose(yw, s * wide) and torch.allclose(y, s * x)):
+                    return False
+        return True
+    except Exception:  # noqa: BLE001 - a module that fails on the probe is not such a scale
+        return False
+    finally:
+        m.train(was)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import fx
 
 from ..analysis.stream import Stream
+from ..analysis.stream_ops import arithmetic
 from .tensor_paths import tensor_at as _tensor
 
 
@@ -48,7 +49,10 @@ def _norm_behind(nodes: dict[str, fx.Node], stream: Stream, norms: dict, name: s
     positions, a view, dropout: linear, so a scale on the norm passes through them), else None."""
     n, prev = nodes[name], reader
     while n.name not in norms:
-        if {u.name for u in n.users} != {prev} or len(n.all_input_nodes) != 1 or n.name not in stream.axes:
+        ins = [a for a in n.all_input_nodes if a.name in stream.axes]
+        # one stream input; another input only as a per-token factor of a product (Flaubert's padding mask)
+        single = len(n.all_input_nodes) == 1 or (arithmetic(n) == "mul" and len(ins) == 1)
+        if {u.name for u in n.users} != {prev} or not single or not ins or n.name not in stream.axes:
             return None
-        prev, n = n.name, n.all_input_nodes[0]
+        prev, n = n.name, ins[0]
     return norms[n.name] if {u.name for u in n.users} == {prev} else None
