@@ -220,3 +220,28 @@ def test_the_shrinker_restores_the_relations_a_config_checks():
         num_key_value_heads: int = 8
 
     assert _shrunk(Gqa)["num_key_value_heads"] < HEADS
+
+
+def test_a_masked_lm_whose_mask_token_is_left_none_gets_one():
+    """ESM's config leaves its mask and padding ids None, and its forward compares the token ids with both (ne()
+    received NoneType): a masked LM's are set inside the small vocabulary; a config without a mask token is not."""
+    from dataclasses import dataclass
+
+    from sweep_models import VOCAB, _masking_tokens
+
+    @dataclass
+    class Esm:
+        vocab_size: int = 33
+        pad_token_id: int | None = None
+        mask_token_id: int | None = None
+
+    @dataclass
+    class Funnel:
+        pad_token_id: int | None = None
+
+    kw: dict = {}
+    _masking_tokens(kw, Esm)
+    assert kw == {"pad_token_id": 1, "mask_token_id": 2} and max(kw.values()) < VOCAB
+    kw = {}
+    _masking_tokens(kw, Funnel)
+    assert kw == {}

@@ -427,6 +427,21 @@ def _literal(kw: dict) -> str:
     return ",".join(f"{k}={v!r}".replace(" ", "") for k, v in kw.items())
 
 
+def _masking_tokens(kw: dict, config_class: type) -> None:
+    """A masked language model reads its mask token's id (ESM blanks those embeddings) and its padding id (and
+    numbers the positions past the padding): a config that declares a mask token but leaves it None, as ESM's does
+    with its padding id too, cannot run its forward; both get ids inside the small vocabulary."""
+    try:
+        default = config_class()
+    except Exception:
+        return
+    if not hasattr(default, "mask_token_id") or default.mask_token_id is not None:
+        return
+    for k, token in (("pad_token_id", 1), ("mask_token_id", 2)):
+        if hasattr(default, k) and getattr(default, k) is None:
+            kw.setdefault(k, token)
+
+
 def hf_models() -> list[Model]:
     import transformers
     from transformers.models.auto import configuration_auto, modeling_auto
@@ -441,6 +456,8 @@ def hf_models() -> list[Model]:
         except Exception:
             continue
         kw = _shrunk(config_class)
+        if task == "masked-lm":
+            _masking_tokens(kw, config_class)
         args = f"({_literal(kw)})" if kw else ""
         out.append(Model("hf", model_type, f"hf:{model_type}/{task}{args}"))
     return out
