@@ -311,3 +311,30 @@ def test_per_head_parameters_grow_with_the_heads(spelling):
     assert g.g.out_features == 24 and g.gate_bias.shape == (6,) and torch.equal(g.head_scale[4:], torch.ones(2))
     x = torch.randn(3, 7, 16)
     assert torch.allclose(gm(x), g(x), atol=1e-6)
+
+
+class ZeroedWeights(nn.Module):
+    """CPM-Ant's eager attention: the weights zeroed where masked after the softmax (a method or torch.masked_fill)."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, 4, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+        masked = (x[..., :1] > 1.5).view(b, 1, t, 1)
+        w = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) / 2.0, dim=-1)
+        w = w.masked_fill(masked, 0.0) if self.spelling == "method" else torch.masked_fill(w, masked, 0.0)
+        return self.o(torch.matmul(w, v).transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("spelling", ["method", "function"])
+def test_weights_masked_after_the_softmax_grow(spelling):
+    torch.manual_seed(0)
+    gm = gg.trace(ZeroedWeights(spelling), input_shape=(1, 5, 16))
+    result = gg.get_pass("grow_heads")(heads=6)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok and not result.preservation.dead
+    x = torch.randn(3, 7, 16)
+    assert torch.allclose(gm(x), result.gm(x), atol=1e-6)

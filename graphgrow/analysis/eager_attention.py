@@ -168,9 +168,13 @@ def _core(gm: fx.GraphModule, sm: fx.Node) -> Core | None:
     if found is None or shape is None or len(shape) < 3:
         return None
     x, chain = found
-    scores, after = x, [sm]
+    scores, after, masks = x, [sm], []
     out = _only_user(sm)
-    while out is not None and _name(out) not in PRODUCTS and op_kind(gm, out) == "same":
+    while out is not None and _name(out) not in PRODUCTS:
+        if _name(out) in ("masked_fill", "masked_fill_") and out.args[0] is after[-1]:
+            masks += [a for a in out.args[1:] if isinstance(a, fx.Node) and tensor_shape(a)]  # CPM-Ant zeroes
+        elif op_kind(gm, out) != "same":  # masked weights after the softmax: the mask is checked per head
+            break
         after.append(out)
         out = _only_user(out)
     if out is None:  # the weights read twice: an attention if one reader is the product with the value
@@ -188,6 +192,7 @@ def _core(gm: fx.GraphModule, sm: fx.Node) -> Core | None:
     q, k, key_axis = _scores_operands(scores)
     core = Core(out, q, k, _value_operand(out, after[-1]), key_axis)
     core.inner = {scores.name, out.name} | {n.name for n in chain + after}
+    core.sides += masks
     prev = scores
     for n in reversed(chain):  # from the scores to the softmax
         if _name(n) not in ON_SCORES or n.op not in ("call_function", "call_method"):
