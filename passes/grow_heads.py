@@ -84,11 +84,17 @@ def grow_heads(
 
 
 def _has_attention(gm: fx.GraphModule) -> bool:
-    """A scaled_dot_product_attention, an nn.MultiheadAttention kept whole (find_attentions says how to decompose
-    it), or an eagerly written attention (a softmax between two matrix products)."""
+    """A scaled_dot_product_attention, an nn.MultiheadAttention or another module holding Linear layers kept whole
+    (find_attentions says why its heads cannot be seen), or an eagerly written attention (a softmax between two
+    matrix products)."""
     return any(
         (n.op == "call_function" and n.target is F.scaled_dot_product_attention)
         or (n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.MultiheadAttention))
+        or (
+            n.op == "call_module"
+            and not isinstance(gm.get_submodule(str(n.target)), nn.Linear)
+            and any(isinstance(m, nn.Linear) for m in gm.get_submodule(str(n.target)).modules())
+        )
         for n in gm.graph.nodes
     ) or bool(eager_cores(gm))
 

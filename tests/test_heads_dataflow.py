@@ -338,3 +338,22 @@ def test_weights_masked_after_the_softmax_grow(spelling):
     assert result.preservation.eval.ok and result.preservation.train.ok and not result.preservation.dead
     x = torch.randn(3, 7, 16)
     assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
+
+
+class HiddenAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.head = OutputGate("function"), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.attn(x))
+
+
+@pytest.mark.parametrize("leaf", ["attn", "attn.q"])
+def test_an_attention_kept_whole_by_the_capture_is_named(leaf):
+    gm = gg.trace(HiddenAttention(), input_shape=(1, 5, 16), leaves=[leaf])
+    if leaf == "attn":  # the whole attention is a leaf: the refusal names it, not 'no attention'
+        with pytest.raises(gg.NotApplicable, match=r"'attn' \(module attn\), which is a module kept whole"):
+            gg.get_pass("grow_heads")(heads=6)(gm)
+    else:  # a Linear kept as a leaf is what the analysis reads anyway
+        assert gg.get_pass("grow_heads")(heads=6)(gm).preservation.eval.ok

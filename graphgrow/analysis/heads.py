@@ -176,6 +176,20 @@ def find_attentions(gm: fx.GraphModule, growing: set[str], at: str | None = None
             "capture the model with torch.export (graphgrow does for nn.TransformerEncoder) so its attention "
             "is decomposed",
         )
+    hidden = [
+        n
+        for n in nodes
+        if n.op == "call_module"
+        and op_kind(gm, n) is None
+        and any(isinstance(m, nn.Linear) for m in gm.get_submodule(str(n.target)).modules())
+    ]
+    if not found and hidden:  # a leaf the capture kept whole: what it computes is not in the graph
+        raise refuse(
+            hidden[0],
+            f"is a module kept whole by the capture ({type(gm.get_submodule(str(hidden[0].target))).__name__}, a "
+            "leaf holding Linear layers): any attention inside it is not in the graph, and the graph has none",
+            "capture the model so that the module is traced through (torch.export, or without --leaf for it)",
+        )
     if not found:
         raise NotApplicable(
             "the model has no scaled_dot_product_attention and no softmax between two matrix products: "
