@@ -180,6 +180,18 @@ class LayerDropPath(nn.Module):
         return x / (1 - self.p) * keep.to(x.dtype)
 
 
+class SwitchedDropPath(Block):
+    """BEiT's drop-path as torch.export captures it (a mode switch: identity in eval, a per-sample draw in train),
+    FocalNet's `1.0 * x` (the number on the left)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = LayerDropPath()
+
+    def mix(self, x, b):
+        return x + self.drop(1.0 * b)
+
+
 class Extras(nn.Module):
     """A layer's other outputs (attention weights …), kept as one opaque call (a leaf)."""
 
@@ -221,6 +233,7 @@ def spellings() -> dict[str, tuple[type, tuple]]:
         "quick gelu written out, token pooling": (WrittenActivation, (True,)),
         "a norm of the hidden width inside a block": (SubNorm, ()),
         "class token split, tuple, drop-path, BatchNorm (fx)": (ClassTokenSplit, ()),
+        "drop-path as a mode switch, 1.0 * x": (SwitchedDropPath, ()),
     }
 
 

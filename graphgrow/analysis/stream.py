@@ -29,6 +29,7 @@ from torch import fx, nn
 from ..core.errors import NotApplicable
 from ..graph import ops
 from ..graph.fx_edit import tensor_shape
+from ..io.mode_switch import ModeSwitch
 from .stacked import stacked_product, weight_axes
 from .stream_channels import ChannelOp, channel_op
 from .stream_joins import is_add, is_cat, operand_axis, operands, split_source, tuple_element, user_axis
@@ -459,6 +460,12 @@ class _Walk:
     def _passthrough_input(self, n: fx.Node) -> fx.Node | None:
         """The stream input of an op that acts on every hidden coordinate alike and linearly, else None."""
         x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if x is None and arithmetic(n) == "mul" and len(n.args) == 2 and _is_scalar_factor(n.args[0]):
+            return n.args[1] if isinstance(n.args[1], fx.Node) else None  # c · x (FocalNet's 1.0 * x)
+        if n.op == "call_module" and isinstance(switch := self.gm.get_submodule(n.target), ModeSwitch):
+            inputs, shape = n.args[switch.conditions :], tensor_shape(n)  # (flags, x): export's drop-path
+            one = len(inputs) == 1 and isinstance(inputs[0], fx.Node) and tensor_shape(inputs[0]) == shape
+            return inputs[0] if one and scales_tokens(switch, shape, self.s.width, switch.conditions) else None  # type: ignore[return-value,arg-type]
         if x is None:
             return None
         if n.op == "call_module":

@@ -8,6 +8,8 @@ moves, and is no part of such a function.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import fx
 
@@ -142,10 +144,12 @@ def region_root(x: fx.Node, u: fx.Node) -> fx.Node | None:
     return None
 
 
-def scales_tokens(m: torch.nn.Module, shape: tuple, width: int) -> bool:
+def scales_tokens(m: torch.nn.Module, shape: tuple, width: int, flags: int = 0) -> bool:
     """Whether module `m` maps x to s·x, s one number per token and per draw, the same at any width (drop-path,
     stochastic depth: identity in eval mode, a per-sample scale in train mode, whatever its class is called). Probed
-    on x and on x with 3 more coordinates under one seed, in both modes; the hidden axis is x's last of that size."""
+    on x and on x with 3 more coordinates under one seed, in both modes; the hidden axis is x's last of that size.
+    `flags`: m is called as m(*flags, x) (a ModeSwitch: export's drop-path, its flag the module's `training`), probed
+    for every value of the flags."""
     axis = max((i for i, d in enumerate(shape) if d == width), default=None)
     if axis is None or any(True for _ in m.parameters()) or any(True for _ in m.buffers()):
         return False
@@ -155,12 +159,12 @@ def scales_tokens(m: torch.nn.Module, shape: tuple, width: int) -> bool:
     was = m.training
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            for mode in (False, True):
-                m.train(mode)
+            for mode in itertools.product((False, True), repeat=max(flags, 1)):
+                m.train(mode[0])
                 torch.manual_seed(1)
-                y = m(x)
+                y = m(*mode[:flags], x)
                 torch.manual_seed(1)
-                yw = m(wide)
+                yw = m(*mode[:flags], wide)
                 if not (isinstance(y, torch.Tensor) and isinstance(yw, torch.Tensor)) or yw.shape != wide.shape:
                     return False
                 s = (yw / wide).amax(axis, keepdim=True)
