@@ -357,3 +357,38 @@ def test_an_attention_kept_whole_by_the_capture_is_named(leaf):
             gg.get_pass("grow_heads")(heads=6)(gm)
     else:  # a Linear kept as a leaf is what the analysis reads anyway
         assert gg.get_pass("grow_heads")(heads=6)(gm).preservation.eval.ok
+
+
+class SinkColumn(nn.Module):
+    """A learnable sink per head as an extra softmax column (GPT-OSS, Flint): the sinks concatenated after the keys'
+    scores, the softmax (stabilised by its row maximum, or not), the sink column sliced off."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+        self.sinks = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, 4, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+        scores = torch.matmul(q, k.transpose(2, 3)) * 0.5
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, t, -1)
+        logits = torch.cat([scores, sinks], dim=-1)
+        if self.spelling == "stabilised":
+            logits = logits - logits.max(dim=-1, keepdim=True).values
+            weights = F.softmax(logits, dim=-1)[..., :-1]
+        else:
+            weights = F.softmax(logits, dim=-1)[:, :, :, :-1]
+        return self.o(torch.matmul(weights, v).transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("spelling", ["stabilised", "plain"])
+def test_a_sink_column_grows_with_the_heads(spelling):
+    torch.manual_seed(0)
+    gm = gg.trace(SinkColumn(spelling), input_shape=(1, 5, 16), capture="export")
+    result = gg.get_pass("grow_heads")(heads=6)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok and not result.preservation.dead
+    assert result.gm.get_parameter("sinks").shape == (6,)
+    x = torch.randn(3, 7, 16)
+    assert torch.allclose(gm(x), result.gm(x), atol=1e-6)

@@ -21,7 +21,7 @@ from torch import fx, nn
 from ..core.errors import NotApplicable
 from ..graph import ops
 from ..graph.fx_edit import tensor_shape
-from .head_layout import SDPA, op_kind, refuse
+from .head_layout import SDPA, one_axis_slice, op_kind, refuse
 
 PRODUCTS = frozenset({"matmul", "bmm", "einsum"})  # batched matrix products (`@` is operator.matmul: "matmul")
 # ops on the scores that act per score (the head axis, when a side tensor has one, is checked): arithmetic with a
@@ -43,6 +43,9 @@ class Core:
     scale: float | None = None  # the factor on the scores (None: SDPA's default 1/sqrt(d))
     scale_at: tuple | None = None  # (node, ("args", i), "mul" | "div"): where an eager scale constant is written
     scale_from: tuple[fx.Node, bool] | None = None  # (a scale computed from sizes, divides?): see scale_value
+    # columns concatenated after the keys before the softmax and sliced off after it (a learnable attention sink:
+    # GPT-OSS's): one entry per query row, which analysis.heads checks is a parameter per head
+    sinks: list[fx.Node] = field(default_factory=list)
 
 
 def _name(n: fx.Node) -> str:
@@ -154,6 +157,14 @@ def _back_to_product(x, shape, steps: int) -> tuple[fx.Node, list[fx.Node]] | No
         return x, []
     if steps == 0:
         return None
+    if _name(x) == "cat" and isinstance(x.args[0], (list, tuple)) and x.args[0] and isinstance(x.args[0][0], fx.Node):
+        first = x.args[0][0]  # scores, then sink columns (cat along the keys)
+        dim = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
+        fs = tensor_shape(first)
+        if isinstance(dim, int) and dim % len(shape) == len(shape) - 1 and fs is not None and fs[:-1] == shape[:-1]:
+            found = _back_to_product(first, fs, steps - 1)
+            return (found[0], [x] + found[1]) if found is not None else None
+        return None
     for a in (*x.args, *x.kwargs.values()):
         found = _back_to_product(a, shape, steps - 1)
         if found is not None:
@@ -169,9 +180,12 @@ def _core(gm: fx.GraphModule, sm: fx.Node) -> Core | None:
         return None
     x, chain = found
     scores, after, masks = x, [sm], []
+    keys = tensor_shape(scores)[-1]
     out = _only_user(sm)
     while out is not None and _name(out) not in PRODUCTS:
-        if _name(out) in ("masked_fill", "masked_fill_") and out.args[0] is after[-1]:
+        if _name(out) == "getitem" and shape[-1] > keys and _keeps_keys(out, len(shape), shape[-1], keys):
+            pass  # the sink columns sliced off: weights over the keys only
+        elif _name(out) in ("masked_fill", "masked_fill_") and out.args[0] is after[-1]:
             masks += [a for a in out.args[1:] if isinstance(a, fx.Node) and tensor_shape(a)]  # CPM-Ant zeroes
         elif op_kind(gm, out) != "same":  # masked weights after the softmax: the mask is checked per head
             break
@@ -195,15 +209,23 @@ def _core(gm: fx.GraphModule, sm: fx.Node) -> Core | None:
     core.sides += masks
     prev = scores
     for n in reversed(chain):  # from the scores to the softmax
+        if _name(n) == "cat":  # sink columns after the keys (_back_to_product): checked per head by analysis.heads
+            cut = [a for a in after if _keeps_keys(a, len(shape), shape[-1], keys) and tensor_shape(a)[-1] == keys]
+            if _only_user(prev) is not n or not cut:
+                raise refuse(n, f"concatenates columns to the attention scores of '{out.name}' that are not sliced off")
+            core.sinks += [a for a in n.args[0][1:] if isinstance(a, fx.Node)]
+            prev = n
+            continue
         if _name(n) not in ON_SCORES or n.op not in ("call_function", "call_method"):
             raise refuse(
                 n,
                 f"is between the attention scores of '{out.name}' and its softmax, and is not an op "
                 "the analysis follows (arithmetic with a number or a mask, tanh, masking, casts)",
             )
-        if _only_user(prev) is not n:
+        if _only_user(prev) is not n and not _stabilised(prev, n):
             raise refuse(prev, f"holds the attention scores of '{out.name}' and is also read elsewhere")
         side = [a for a in (*n.args, *n.kwargs.values()) if isinstance(a, fx.Node) and a is not prev]
+        side = [a for a in side if not _row_max_of(a, prev)]  # x - max(x): computed from the scores themselves
         core.sides += [a for a in side if _name(n) not in ops.CASTS and tensor_shape(a)]
         if prev is scores and core.scale is None:
             core.scale, at = _scale(n, scores)
@@ -212,6 +234,32 @@ def _core(gm: fx.GraphModule, sm: fx.Node) -> Core | None:
     if core.scale is None and core.scale_from is None:
         core.scale = 1.0
     return core
+
+
+def _keeps_keys(n: fx.Node, rank: int, width: int, keys: int) -> bool:
+    """`n` = x[..., :keys] (every other axis whole; maybe a whole slice, as torch.export writes the steps of one):
+    the weights over the keys, the sink columns after them off."""
+    shape = tensor_shape(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+    if _name(n) != "getitem" or shape is None or len(shape) != rank or shape[-1] not in (width, keys):
+        return False
+    try:
+        cut = one_axis_slice(n.args[1], shape)
+    except TypeError:  # a bound read at run time: which columns it keeps is not known here
+        return False
+    return cut is not None and cut[0] == rank - 1 and cut[1] == 0 and cut[2] in (keys, shape[-1])
+
+
+def _row_max_of(a: fx.Node, x: fx.Node) -> bool:
+    """`a` is max(x, -1, keepdim=True) (its values, maybe through getitem): the softmax's stabiliser x - max(x)."""
+    if _name(a) == "getitem" and a.args[1] == 0 and isinstance(a.args[0], fx.Node):
+        a = a.args[0]
+    return _name(a) in ("max", "amax") and a.args[0] is x
+
+
+def _stabilised(x: fx.Node, n: fx.Node) -> bool:
+    """`x` is read by `n` = x - max(x) and by that max only."""
+    readers = [u for u in x.users if u is not n]
+    return _name(n) == "sub" and n.args[0] is x and len(readers) == 1 and _row_max_of(n.args[1], x)
 
 
 def _scale(n: fx.Node, scores: fx.Node) -> tuple[float | None, tuple | None]:

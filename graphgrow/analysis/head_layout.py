@@ -138,7 +138,7 @@ class Write:
     source: fx.Node
 
 
-def _one_axis_slice(index, shape: tuple) -> tuple[int, int, int] | None:
+def one_axis_slice(index, shape: tuple) -> tuple[int, int, int] | None:
     """(axis, start, stop) when `index` keeps every axis of `shape` whole but one, cut by a slice of step 1."""
     index = index if isinstance(index, tuple) else (index,)
     if sum(i is Ellipsis for i in index) > 1:
@@ -161,7 +161,7 @@ def _slice_chain(u: fx.Node, shape: tuple) -> tuple[tuple[int, int, int] | None,
         v = views[-1]
         if _name(v) != "getitem" or len(v.users) != 1 or v.args[0] is not (views[-2] if len(views) > 1 else v.args[0]):
             return None
-        step = _one_axis_slice(v.args[1], shape)
+        step = one_axis_slice(v.args[1], shape)
         if step is None:
             return None
         if step[1:] != (0, shape[step[0]]):  # a cut: of one axis, once
@@ -186,7 +186,7 @@ def writes(alloc: fx.Node) -> tuple[int, list[Write]] | None:
     views: tuple[fx.Node, ...]
     for u in alloc.users:
         if _name(u) == "setitem" and u.args[0] is alloc and len(u.args) == 3:
-            cut, views, node, source = _one_axis_slice(u.args[1], shape), (), u, u.args[2]
+            cut, views, node, source = one_axis_slice(u.args[1], shape), (), u, u.args[2]
         elif _name(u) == "getitem" and (chain := _slice_chain(u, shape)) is not None:
             cut, views = chain
             node = next(iter(views[-1].users))
@@ -506,7 +506,7 @@ class Flow:
             return False
         chain, x = [], side
         while x.op != "get_attr":
-            if _name(x) not in ops.UNIT_DIMS | SAME | {"view", "reshape", "getitem"} or not x.args:
+            if _name(x) not in ops.UNIT_DIMS | SAME | {"view", "reshape", "getitem", "expand"} or not x.args:
                 return False
             if not isinstance(x.args[0], fx.Node):
                 return False

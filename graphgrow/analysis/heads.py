@@ -372,6 +372,13 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
 
     if not heads(lq[-3]) == heads(lk[-3]) == heads(lv[-3]) or canon(lq[-1], growing) != canon(lk[ka], growing):
         raise refuse(s, "gets query, key and value whose heads or head sizes the analysis cannot match up")
+    for sink in core.sinks:  # a column per head and query row before the softmax: a parameter per head
+        if flow.grows(lq[-3]) and not flow.adopt(sink, lq[-3], 0.0):
+            raise refuse(
+                sink,
+                f"is a column concatenated to the scores of '{s.name}' per head that does not come from a parameter "
+                "with one entry per head: new heads would have none",
+            )
     for mask in core.sides:
         ms = tensor_shape(mask)
         if ms and len(ms) >= 3 and ms[-3] > 1 and flow.grows(lq[-3]) and not _one_for_all_heads(mask):
