@@ -136,7 +136,9 @@ def new_sizes(a, heads: int | None, by: int | None, head_dim: int | None, value_
             "cannot keep that ratio",
             f"heads={h + ratio}, {h + 2 * ratio}, … (key/value heads grow by heads / {ratio})",
         )
-    fused = any(len(p.roles) > 1 and not p.sections for p in a.projections)  # unequal sections grow apart
+    # q/k/v in equal sections of one projection grow together (unequal sections, or key and value in one block per
+    # head as multi-head latent attention projects them, grow apart or not at all: the analysis says which)
+    fused = any(len(p.roles) > 1 and any(f == "s" for f, _ in p.factors) for p in a.projections)
     d2 = int(head_dim) if head_dim is not None else d
     e2 = int(value_dim) if value_dim is not None else d2 if head_dim is not None and e == d else e
     if d2 < d or e2 < e:

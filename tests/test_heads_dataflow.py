@@ -392,3 +392,11 @@ def test_a_sink_column_grows_with_the_heads(spelling):
     assert result.gm.get_parameter("sinks").shape == (6,)
     x = torch.randn(3, 7, 16)
     assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
+
+
+def test_latent_attention_with_a_value_size_of_its_own_grows_heads():
+    """Key head size (non-rotary + rotary) other than the value head size (Dots's 136 and 16): heads still grow."""
+    torch.manual_seed(0)
+    gm = gg.trace(Latent("copy", nope=6, rope=4, value=8), input_shape=(1, 5, 16))
+    result = gg.get_pass("grow_heads")()(gm)  # the default: +50 % heads
+    assert result.targets["heads"].startswith("4 → 6") and result.preservation.eval.ok and result.preservation.train.ok
