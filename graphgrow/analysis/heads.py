@@ -571,13 +571,14 @@ def _gate(gm: fx.GraphModule, n: fx.Node, a: fx.Node, region: set[str]) -> tuple
     if len(found) != 1 or found[0].name in region:
         return None
     fed = {found[0].name}  # (what the walk met beside: a per-head bias parameter's views, which the flow adopts)
+    on_path = []
     for m in gm.graph.nodes:
         if m.name in seen and any(x.name in fed for x in data_args(m)):
             fed.add(m.name)
+            on_path.append(m)
     seen &= fed
     path = seen | {found[0].name}
-    for name in seen:
-        m = next(x for x in gm.graph.nodes if x.name == name)
+    for m in on_path:
         if op_kind(gm, m) not in ("same", "pointwise", "layout", "elementwise"):
             return None
         if any(u.name not in path | {n.name} for u in m.users if not _donor_read(u, m)):
