@@ -65,6 +65,7 @@ def test_real_pairs_compute_what_the_complex_graph_does(cls, shape, capture):
     assert real_pairs(plain) is plain  # no complex value: exported as it is
 
 
+@pytest.mark.slow  # an ONNX export and onnxruntime, like test_export_equivalence's
 def test_a_complex_rotary_exports_and_agrees_on_onnxruntime(tmp_path):
     torch.manual_seed(0)
     gm = gg.trace(PolarRotary().eval(), (2, 6, 16))
@@ -100,6 +101,7 @@ class Routed(nn.Module):
         return x + (torch.einsum("nd,nkde->nke", x, picked) * top.unsqueeze(-1)).sum(1)
 
 
+@pytest.mark.slow  # an ONNX export and onnxruntime, like test_export_equivalence's
 def test_a_topk_at_a_tie_is_a_stated_refusal_not_a_failed_check(tmp_path):
     """PyTorch picks experts 2, 3 of four tied scores, ONNX's TopK 0, 1: the sweep's afmoe failed its ONNX check
     (max abs 0.245) with an exact export. The check now says why the runtimes cannot be compared (exit 2); a router
@@ -134,6 +136,7 @@ class Cancelled(nn.Module):
         return self.a(h) - self.b(h)
 
 
+@pytest.mark.slow  # an ONNX export and onnxruntime, like test_export_equivalence's
 def test_a_cancelled_output_is_judged_by_the_tolerance_on_its_weights(tmp_path):
     """onnxruntime's float32 reductions are less accurate than torch's; on an output that cancels, errors of a few
     1e-6 of each intermediate are 1e-4 of the output (sweep: BiT, max rel 4e-4 on its logits with every conv and norm
