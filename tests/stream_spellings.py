@@ -192,6 +192,20 @@ class SwitchedDropPath(Block):
         return x + self.drop(1.0 * b)
 
 
+class ClassAndMeanHead(Block):
+    """DINOv2's classifier: the class token beside the mean of the patch tokens, concatenated along the hidden axis,
+    read by one Linear (2·d inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(2 * D, 3)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        h = self.norm2(x + self.branch(x))
+        return self.head(torch.cat([h[:, 0], h[:, 1:].mean(dim=1)], dim=-1))
+
+
 class Extras(nn.Module):
     """A layer's other outputs (attention weights …), kept as one opaque call (a leaf)."""
 
@@ -234,6 +248,7 @@ def spellings() -> dict[str, tuple[type, tuple]]:
         "a norm of the hidden width inside a block": (SubNorm, ()),
         "class token split, tuple, drop-path, BatchNorm (fx)": (ClassTokenSplit, ()),
         "drop-path as a mode switch, 1.0 * x": (SwitchedDropPath, ()),
+        "class token and patch mean concatenated": (ClassAndMeanHead, ()),
     }
 
 

@@ -32,12 +32,14 @@ from ..graph.fx_edit import tensor_shape
 from ..io.mode_switch import ModeSwitch
 from .stacked import stacked_product, weight_axes
 from .stream_channels import ChannelOp, channel_op
-from .stream_joins import is_add, is_cat, operand_axis, operands, split_source, tuple_element, user_axis
+from .stream_joins import cat_readers, is_add, is_cat, operand_axis, operands, split_source, tuple_element, user_axis
 from .stream_norms import Norm
 from .stream_norms import norm_of as _norm_of
 from .stream_norms import normalised as _normalised
 from .stream_ops import (
     FLAT_AT_ZERO,
+    PASS_FUNCTIONS,
+    PASS_METHODS,
     arithmetic,
     base_name,
     constant_like,
@@ -58,32 +60,6 @@ from .stream_parts import what as _what
 from .stream_regions import region, region_root, scales_tokens, zero_at_zero
 
 EMBEDDINGS = (F.embedding, torch.embedding)  # F.embedding(input, weight, …), torch.embedding(weight, input, …)
-# methods the hidden axis passes through (moved or kept); unflatten, the *_as forms, expand_as, split and the moments
-# past the mean are not followed (the axis's place after them is not worked out here). ("getitem" is never a method:
-# x[i] is operator.getitem, in PASS_FUNCTIONS.)
-PASS_METHODS = (
-    ops.SAME_VALUES
-    | ops.TRANSPOSES
-    | ops.RESHAPES
-    | ops.UNIT_DIMS
-    | ops.LINEAR_REDUCTIONS
-    | ops.INDEXING
-    | {"flatten", "expand"}
-    | {"detach"}  # the same values, no gradient back through it
-)
-PASS_FUNCTIONS = {
-    F.dropout,
-    torch.transpose,
-    torch.permute,
-    torch.flatten,
-    torch.reshape,
-    torch.select,
-    operator.getitem,
-    torch.mean,
-    torch.sum,
-    torch.squeeze,
-    torch.unsqueeze,
-}
 SHAPE_QUERIES = ops.SHAPE_QUERIES
 VIEWS = ops.RESHAPES | {"expand"}  # their shape arguments name the width: grown with it
 
@@ -343,6 +319,8 @@ class _Walk:
                 elif not (base_name(g) == "getitem" and isinstance(g.args[1], int)):  # another element: not x
                     raise _refuse(g, "reads the stream out of a tuple in a way the analysis cannot follow")
             return None
+        if is_cat(u) and _arg(u, 1, "dim", 0) % len(tensor_shape(u)) == axis:
+            return self.cat_reader(u, axis)
         if is_add(u) or is_cat(u):
             return self.add(u, user_axis(u, x, axis), like=x)
         if _zero_activation_input(self.gm, u) is x:
@@ -401,6 +379,14 @@ class _Walk:
             self.need(
                 n, "mean", f"'{n.name}' is a ReLU: a new unit held at 0 gets no gradient, a copy of an old one does"
             )
+
+    def cat_reader(self, u: fx.Node, axis: int) -> None:
+        """Stream tensors concatenated along the hidden axis for Linear layers alone (stream_joins.cat_readers)."""
+        parts, linear = cat_readers(self.gm, u, axis, self.s.width)
+        for a in parts:
+            self.add(a, len(tensor_shape(a)) - 1, like=parts[0])
+        for v in (v for v in linear if v.name not in {r.node for r in self.s.readers}):  # once, not per part
+            self.s.readers.append(Reader(v.name, [(f"{v.target}.weight", 1)], parts[0].name, len(parts)))
 
     def channelwise(self, n: fx.Node, axis: int, op: ChannelOp) -> None:
         """`n` = a per-channel op of the stream (stream_channels): new coordinates zero on both sides (or replicated);

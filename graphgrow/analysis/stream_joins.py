@@ -6,7 +6,7 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from ..graph import ops
 from ..graph.fx_edit import tensor_shape
@@ -83,3 +83,18 @@ def split_source(n: fx.Node) -> tuple[fx.Node, int] | None:
     x, rank = s.args[0], len(tensor_shape(n) or ())
     dim = arg(s, 2, "dim", 0)
     return (x, dim % rank) if isinstance(x, fx.Node) and isinstance(dim, int) and rank else None
+
+
+def cat_readers(gm: fx.GraphModule, u: fx.Node, axis: int, width: int) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(the parts, the Linear layers reading them) when `u` concatenates stream tensors along the hidden axis (last)
+    and only Linear layers read it (DINOv2's head: the class token beside the patch tokens' mean): each block of
+    their columns grows as a reader's does. Else a refusal."""
+    parts = list(u.args[0])
+    linear = [v for v in u.users if v.op == "call_module" and isinstance(gm.get_submodule(v.target), nn.Linear)]
+    if axis != len(tensor_shape(u) or ()) - 1 or not linear or len(linear) != len(u.users):
+        raise refuse(u, "concatenates along the hidden axis (followed only into Linear layers reading the result)")
+    if any(v.args != (u,) for v in linear) or any(
+        not isinstance(a, fx.Node) or (tensor_shape(a) or (0,))[-1] != width for a in parts
+    ):
+        raise refuse(u, "concatenates the stream along the hidden axis with other tensors")
+    return parts, linear  # type: ignore[return-value]

@@ -3,6 +3,8 @@ activations with f(0) = 0, and the views, transposes, selections and reductions 
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
@@ -14,6 +16,34 @@ from ..graph.fx_edit import from_input, tensor_shape
 def arg(n: fx.Node, i: int, key: str, default=None):
     """Argument `i` of `n`, or its keyword `key`."""
     return n.args[i] if len(n.args) > i else n.kwargs.get(key, default)
+
+
+# methods the hidden axis passes through (moved or kept); unflatten, the *_as forms, expand_as, split and the moments
+# past the mean are not followed (the axis's place after them is not worked out here). ("getitem" is never a method:
+# x[i] is operator.getitem, in PASS_FUNCTIONS.)
+PASS_METHODS = (
+    ops.SAME_VALUES
+    | ops.TRANSPOSES
+    | ops.RESHAPES
+    | ops.UNIT_DIMS
+    | ops.LINEAR_REDUCTIONS
+    | ops.INDEXING
+    | {"flatten", "expand"}
+    | {"detach"}  # the same values, no gradient back through it
+)
+PASS_FUNCTIONS = {
+    F.dropout,
+    torch.transpose,
+    torch.permute,
+    torch.flatten,
+    torch.reshape,
+    torch.select,
+    operator.getitem,
+    torch.mean,
+    torch.sum,
+    torch.squeeze,
+    torch.unsqueeze,
+}
 
 
 def base_name(n: fx.Node) -> str:

@@ -25,6 +25,7 @@ class Reader:
     node: str
     params: list[tuple[str, int]]  # (weight path, its input dimension)
     input: str
+    blocks: int = 1  # its input is this many stream tensors concatenated along the hidden axis (DINOv2's head)
 
 
 @dataclass

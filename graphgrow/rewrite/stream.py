@@ -86,6 +86,8 @@ def plan_tensors(stream: Stream, rule: str) -> dict[str, list[tuple[int, str, st
         for path, dim in w.params:
             plans.setdefault(path, []).append((dim, how, f"written by '{w.node}'"))
     for r in stream.readers:
+        if r.blocks > 1:  # grown block by block (_grow_blocks)
+            continue
         how = "shares" if rule == "replicate" else {"mean": "zero", "zero": "random"}[stream.fill[r.input]]
         for path, dim in r.params:
             plans.setdefault(path, []).append((dim, how, f"read by '{r.node}'"))
@@ -145,6 +147,7 @@ def grow_stream(gm: fx.GraphModule, stream: Stream, new: int, generator: torch.G
         for p in [path] + tied:  # one tensor for all its paths: a tie stays a tie
             _set(gm, p, value, old)
             done.add(p)
+    allowed |= _grow_blocks(gm, stream, plans, owners, layout, rule, generator)
     norms_done: set = set()  # a norm module (or its parameters) called at several places is grown once
     for norm in stream.norms:
         key = norm.module or (norm.weight, norm.bias)
@@ -161,6 +164,31 @@ def grow_stream(gm: fx.GraphModule, stream: Stream, new: int, generator: torch.G
     hold_size_reads(gm, {t: (axis, stream.width) for t, axis in stream.axes.items()})
     finish(gm)
     return rule
+
+
+def _grow_blocks(gm, stream: Stream, plans: dict, owners: dict, layout: Layout, rule: str, generator) -> set[str]:
+    """Readers of stream tensors concatenated along the hidden axis (Reader.blocks > 1: DINOv2's head reads the class
+    token beside the patches' mean): each block of their input columns grows as one reader's; returns their paths."""
+    done = set()
+    for r in stream.readers:
+        if r.blocks == 1:
+            continue
+        how = "shares" if rule == "replicate" else {"mean": "zero", "zero": "random"}[stream.fill[r.input]]
+        for path, dim in r.params:
+            old = _tensor(gm, path)
+            if path in plans or len(owners.get(id(old), [path])) > 1:
+                raise NotApplicable(f"'{path}' reads the stream in {r.blocks} blocks and is used elsewhere too", HINT)
+            t = old.detach().movedim(dim, -1)  # (…, blocks · d) → (… · blocks, d): each block a matrix's columns
+            rows = grow_along(t.reshape(-1, layout.old), 1, layout, how, generator)
+            value = rows.reshape(*t.shape[:-1], r.blocks * layout.new).movedim(-1, dim).contiguous()
+            _set(
+                gm,
+                path,
+                nn.Parameter(value, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else value,
+                old,
+            )
+            done.add(path)
+    return done
 
 
 def _tie_free(plans: dict[str, list[tuple[int, str, str]]], owners: dict, gm: fx.GraphModule) -> bool:
