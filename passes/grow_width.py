@@ -122,13 +122,13 @@ def check_growable_layer(gm: fx.GraphModule, node: fx.Node) -> nn.Module:
 
 def growable_layers(
     gm: fx.GraphModule, coupling: Coupling, replicates: bool = False, factor: float = 2.0
-) -> tuple[list[tuple[fx.Node, int]], bool]:
+) -> tuple[list[tuple[fx.Node, int]], str | None]:
     """Main-path conv/Linear layers (graph order) whose whole channel group can grow, with the parameters
     growing by `factor` adds; not ones working on pooled 1×1 maps (squeeze-excitation, a head conv) when
     the model has larger maps, nor ones graphgrow added, nor ones the deployed function does not run (a
     train-only auxiliary head). Groups under a LayerNorm only when the growth `replicates` every channel
-    equally (net2net, integer factor). Also: whether such a group was skipped."""
-    skipped_norm = False
+    equally (net2net, integer factor). Also: the first such group skipped, in words (None when none was)."""
+    skipped_norm: str | None = None
     added = graphgrow_modules(gm)
     deployed = deployed_nodes(gm)
     has_maps = any(
@@ -151,8 +151,10 @@ def growable_layers(
             or not (called or isinstance(gm.get_submodule(n.target), (nn.Linear, nn.modules.conv._ConvNd)))
         ):
             continue
-        if coupling.norms_reached(grp.id) and not replicates:
-            skipped_norm = True
+        norms = coupling.norms_reached(grp.id)
+        if norms and not replicates:
+            where = f"'{norms[0]}' normalises the {grp.size} channels of '{layer_path(n, coupling)}'"
+            skipped_norm = skipped_norm or where
             continue
         shape = tensor_shape(n) or ()
         if has_maps and len(shape) == 4 and shape[2:] == (1, 1):
@@ -179,8 +181,13 @@ def default_target(
             f"{what}: {place(gm, node)}; adds about {cost:,} parameters ({100 * cost / total:.0f}% of the model){over}"
         )
     hint = "graphgrow inspect --groups shows why each group is frozen; mode=adapter widens one layer"
-    if skipped_norm:
-        hint = "groups under a LayerNorm grow with init=net2net and an integer factor; " + hint
+    if skipped_norm:  # a stated impossibility for this init, not a missing place
+        raise NotApplicable(
+            f"every channel group that can grow is normalised across its channels ({skipped_norm}): its mean and "
+            "variance stay exact only when each channel is copied the same number of times, so this growth would "
+            "not be exact",
+            "use init=net2net with an integer factor; " + hint + train_only_note(gm, "name a layer with target="),
+        )
     raise NotApplicable(
         "no layer in this model has a channel group that can grow",
         hint + train_only_note(gm, "name a layer with target="),

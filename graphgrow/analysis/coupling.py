@@ -44,7 +44,14 @@ from .axes import (  # noqa: F401 (channel_axis and BATCHNORMS are read through 
 )
 from .coupling_build import Build, Link, Site  # noqa: F401 (Link is read through this module)
 from .coupling_layers import Functional, layer_rule
-from .coupling_modules import flatten_rule, module_rule, normalises_channels
+from .coupling_modules import (
+    flatten_rule,
+    freeze_shared_head_sizes,
+    join_calls,
+    module_rule,
+    normalises_channels,
+)
+from .coupling_reductions import across_channels, keeps_channels
 from .coupling_splits import ChannelEdit, literal_at, split_rule
 from .opaque import slice_keeps_channels
 from .probe import elementwise_is_channelwise, function_is_channelwise
@@ -143,6 +150,7 @@ def analyze(gm: fx.GraphModule) -> Coupling:
     assign_channel_axes(gm)
     modules = dict(gm.named_modules())
     calls: dict[str, int] = {}
+    first_calls: dict[str, Site] = {}
     for n in gm.graph.nodes:
         if n.op == "call_module":
             calls[n.target] = calls.get(n.target, 0) + 1
@@ -158,10 +166,9 @@ def analyze(gm: fx.GraphModule) -> Coupling:
         elif n.op == "get_attr" and out is not None:  # a tensor on the stream (class token, position table) grows
             b.attr_tensors.append((str(n.target), n.name))  # with its group along its channel dim, once joined to one
         elif n.op == "call_module":
-            if calls[n.target] > 1 and any(True for _ in modules[n.target].parameters()):
-                b.freeze(tensor_inputs + [n], f"module '{n.target}' is called {calls[n.target]} times (shared weights)")
-                continue
             module_rule(b, site, modules[n.target])
+            if calls[n.target] > 1 and any(True for _ in modules[n.target].parameters()):
+                join_calls(b, site, first_calls.setdefault(n.target, site))  # one weight: every call grows alike
         elif n.op in ("call_function", "call_method") and feeds_stacked_weight(gm, n):
             continue  # a gather or view of an expert-stacked weight: read by the product's own rule
         elif n.op in ("call_function", "call_method") and not split_rule(b, site) and not layer_rule(b, site):
@@ -201,6 +208,7 @@ def analyze(gm: fx.GraphModule) -> Coupling:
     for node, member in b.attentions:
         groups[group_of[member]].attentions.append(node)
     _freeze_shared_tensors(gm, groups, group_of, tensors)
+    freeze_shared_head_sizes(gm, groups, group_of, b.links)
     return Coupling(groups, group_of, b.links, b.edits, functional=b.functional, tensor_axes=tensor_axes)
 
 
@@ -267,8 +275,13 @@ def function_rule(b: Build, s: Site) -> None:
     if full:
         b.join(*full, n)  # e.g. xIELU: where(x > 0, α·x² + β·x, (expm1(min(x, ε)) − x)·α' + β·x), α, β, ε scalars
         return
+    if keeps_channels(n, x):
+        b.join(x, n)  # ‖x‖₂ over space (ConvNeXt-V2's GRN): one value per channel
+        return
+    across = across_channels(n, x)  # an L2 norm across the channels: stated, not "not understood"
     b.freeze(
-        s.inputs + ([n] if s.out else []), f"'{n.name}' ({_name(target)}) is not understood by the coupling analysis"
+        s.inputs + ([n] if s.out else []),
+        across or f"'{n.name}' ({_name(target)}) is not understood by the coupling analysis",
     )
 
 

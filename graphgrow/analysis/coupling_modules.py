@@ -45,6 +45,32 @@ def module_rule(b: Build, s: Site, m: nn.Module) -> None:
         b.freeze(s.inputs + [n], f"module '{n.target}' ({type(m).__name__}) is not understood by the coupling analysis")
 
 
+def join_calls(b: Build, s: Site, first: Site) -> None:
+    """A module with parameters called several times (ALBERT's one layer run at every depth, a recurrent block run
+    for several cycles) holds one weight for all its calls: its outputs share their channels at every call, and its
+    inputs too, so each call's groups are one group and grow with the same new channels. Calls whose channel counts
+    differ cannot share a new size: they stay frozen, with the reason."""
+    if s is first:
+        return
+    n = s.node
+    pairs = [(n, first.node)] if s.out is not None and first.out is not None else []
+    pairs += list(zip(s.inputs, first.inputs))
+    if (
+        len(s.inputs) != len(first.inputs)
+        or (s.out is None) != (first.out is None)
+        or any(_channels(a) != _channels(c) for a, c in pairs)
+    ):
+        b.freeze(s.inputs + [n], f"module '{n.target}' is called several times with different channel counts")
+        return
+    for a, c in pairs:
+        b.join(a, c)
+
+
+def _channels(n: fx.Node) -> int | None:
+    shape, axis = tensor_shape(n), node_axis(n)
+    return None if shape is None or axis is None else int(shape[axis])
+
+
 @rule_for(nn.modules.conv._ConvNd)
 def _conv(b: Build, s: Site, m) -> bool:
     n, x = s.node, s.x
@@ -209,3 +235,34 @@ def _prod(xs) -> int:
     for x in xs:
         p *= x
     return p
+
+
+def freeze_shared_head_sizes(gm: fx.GraphModule, groups, group_of: dict[str, int], links: list[Link]) -> None:
+    """Channels that are an attention's head size grow through the attention rewrite, which rebuilds each call's
+    projections on its own: a shared module there (one weight, several calls) would be rebuilt once per call. A group
+    of a shared module's call that reaches an attention through links (the heads view of a projection) stays frozen,
+    with the reason; a shared layer's other groups (its MLP) grow."""
+    near: dict[int, set[int]] = {}
+    for link in links:
+        a, c = group_of[link.src], group_of[link.dst]
+        near.setdefault(a, set()).add(c)
+        near.setdefault(c, set()).add(a)
+    calls: dict[str, list[str]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module" and any(True for _ in gm.get_submodule(n.target).parameters()):
+            calls.setdefault(str(n.target), []).append(n.name)
+    for target, names in calls.items():
+        if len(names) < 2:
+            continue
+        for gid in {group_of[v] for v in names if v in group_of}:
+            seen, todo = {gid}, [gid]
+            while todo:
+                for g in near.get(todo.pop(), ()):
+                    if g not in seen:
+                        seen.add(g)
+                        todo.append(g)
+            if any(groups[g].attentions for g in seen):
+                groups[gid].frozen.append(
+                    f"module '{target}' is called {len(names)} times (shared weights) and these channels are the head "
+                    "size of an attention, whose rewrite rebuilds each call's projections on their own"
+                )

@@ -302,6 +302,8 @@ def grow_group(
             )
             continue
         path = nodes[name].target
+        if path in rebuilt:  # a module called several times (shared weights): its calls share one layout
+            continue
         old = gm.get_submodule(path)
         set_module(gm, path, resize(old, in_layouts.get(name), out_layouts.get(name), init, generator))
         rebuilt.append(path)
