@@ -188,10 +188,41 @@ def default_target(
             "not be exact",
             "use init=net2net with an integer factor; " + hint + train_only_note(gm, "name a layer with target="),
         )
+    frozen = _first_frozen(gm, coupling)
+    if frozen is not None:  # say which op stops the main path's groups, not only that none grows
+        raise NotApplicable(
+            f"every channel group of this model is frozen; the first main-path one, {frozen}",
+            hint + train_only_note(gm, "name a layer with target="),
+        )
     raise NotApplicable(
         "no layer in this model has a channel group that can grow",
         hint + train_only_note(gm, "name a layer with target="),
     )
+
+
+def _first_frozen(gm: fx.GraphModule, coupling: Coupling) -> str | None:
+    """The first group (graph order) that a layer makes and a layer reads, with its first reason in words: one whose
+    reason is a stated one before one the analysis does not understand. None when no such group is frozen."""
+    seen: set[int] = set()
+    stated, unknown = None, None
+    deployed = deployed_nodes(gm)
+    for n in gm.graph.nodes:
+        gid = coupling.group_of.get(n.name)
+        if gid is None or gid in seen or n not in deployed:
+            continue
+        seen.add(gid)
+        grp = coupling.groups[gid]
+        if n.name not in grp.sources or not grp.consumers:
+            continue
+        why = coupling.why_frozen(gid)
+        if not why:
+            continue
+        words = f"of '{layer_path(n, coupling)}' ({grp.size} channels): {why[0]}"
+        if "not understood" in why[0]:
+            unknown = unknown or words
+        else:
+            stated = stated or words
+    return stated or unknown
 
 
 def growth_params(gm: fx.GraphModule, coupling: Coupling, gid: int, factor: float) -> int:

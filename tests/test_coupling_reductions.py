@@ -73,6 +73,11 @@ def test_a_norm_across_channels_is_refused_naming_the_op(model):
     up = next(n.name for n in gm.graph.nodes if n.target == "up")
     why = " ".join(c.why_frozen(c.group_of[up]))
     assert "reduces across these 16 channels" in why and "not understood" not in why
+    from graphgrow.core.errors import NotApplicable
+    from graphgrow.passes.grow_width import GrowWidth
+
+    with pytest.raises(NotApplicable, match=r"first main-path one, of 'up' \(16 channels\): .* reduces across"):
+        GrowWidth()(gm)  # the refusal names the op, not only "no layer can grow"
 
 
 class SubNorm(nn.Module):

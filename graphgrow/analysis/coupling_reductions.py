@@ -65,5 +65,6 @@ def across_channels(n: fx.Node, x: fx.Node | None) -> str | None:
         return None
     return (
         f"'{n.name}' ({_name(n)}) reduces across these {shape[axis]} channels, so each channel's result depends on "
-        "all of them: a new channel changes the old ones (a sum or a norm changes with zero or copied channels alike)"
+        "all of them: a new channel changes the old ones, so growth would not be exact (a sum or a norm changes with "
+        "zero or copied channels alike)"
     )
