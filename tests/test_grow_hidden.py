@@ -125,6 +125,31 @@ def test_tied_embeddings_grow_once():
     assert ln.normalized_shape == (21,) and ln.eps == pytest.approx(1e-5 * 16 / 21) and not ln.bias[16:].any()
 
 
+class TiedHeadBehindABiaslessNorm(nn.Module):
+    """A post-norm stream whose tied LM head reads a final LayerNorm without a bias (ESMC's): the norm's γ takes the
+    head's shares, and there is no β to divide."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.fc, self.norm = nn.Embedding(50, 16), nn.Linear(16, 16), nn.LayerNorm(16)
+        self.final, self.head = nn.LayerNorm(16, bias=False), nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = self.norm(x + self.fc(x))
+        return self.head(self.final(x))
+
+
+def test_a_tied_head_behind_a_norm_without_bias_grows():
+    torch.manual_seed(0)
+    gm = gg.trace(TiedHeadBehindABiaslessNorm(), input_shape=parse_spec("ids:1x4:int64"))
+    result = gg.get_pass("grow_hidden")(to=32)(gm)  # verified exact in eval and train mode by the pass
+    assert "replicated 2×" in result.targets["rule"]
+    assert result.gm.final.weight.shape == (32,) and result.gm.final.bias is None
+    assert result.gm.head.weight is result.gm.embed.weight
+
+
 def test_vit_class_token_and_position_embedding_grow():
     _, _, _, result = grown("timm_vit")
     gm = result.gm

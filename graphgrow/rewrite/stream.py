@@ -158,6 +158,8 @@ def grow_stream(gm: fx.GraphModule, stream: Stream, new: int, generator: torch.G
         norms_done.add(key)
         _grow_norm(gm, stream, norm, layout, rule, generator)
         for q in (norm.weight, norm.bias) if norm.node in scaled else ():  # its reader's shares (stream_ties)
+            if q is None:  # a norm without a bias (ESMC's LayerNorm(bias=False)) or without a weight
+                continue
             _set(gm, q, _tensor(gm, q).detach() * (layout.old / layout.new), _tensor(gm, q))
     _resize_modules(gm, {p.rpartition(".")[0] for p in allowed})
     _grow_views(gm, stream, new)
