@@ -150,6 +150,32 @@ def test_a_tied_head_behind_a_norm_without_bias_grows():
     assert result.gm.head.weight is result.gm.embed.weight
 
 
+class UnusedBranchAfterTheOutput(nn.Module):
+    """A branch computed after the output and never read (kept in a graph for its random draws, as CANINE's unused
+    final encoder is): its norm comes last in the graph, but the stream is the one the output depends on."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.norm = nn.Embedding(50, 16), nn.LayerNorm(16)
+        self.final, self.head = nn.LayerNorm(16), nn.Linear(16, 3)
+        self.unused_embed, self.unused_fc, self.unused_norm = nn.Embedding(50, 16), nn.Linear(16, 16), nn.LayerNorm(16)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = torch.sigmoid(x) + F.gelu(self.norm(x))
+        out = self.head(self.final(x))
+        y = self.unused_embed(ids)
+        self.unused_norm(y + self.unused_fc(y))
+        return out
+
+
+def test_the_stream_is_the_one_the_outputs_depend_on():
+    gm = gg.trace(UnusedBranchAfterTheOutput(), input_shape=parse_spec("ids:1x4:int64"), capture="fx")
+    assert [n.name for n in gm.graph.nodes if n.op == "call_module"][-1] == "unused_norm"
+    with pytest.raises(gg.NotApplicable, match=r"reaches 'sigmoid' \(sigmoid\)"):  # the live stream's reason
+        gg.get_pass("grow_hidden")(to=32)(gm)
+
+
 def test_vit_class_token_and_position_embedding_grow():
     _, _, _, result = grown("timm_vit")
     gm = result.gm

@@ -74,7 +74,18 @@ def find_stream(gm: fx.GraphModule) -> Stream:
             "the model has no LayerNorm or RMSNorm over a last dimension: no residual stream found",
             "grow_hidden grows a transformer's stream; widen other layers with grow_width",
         )
-    width = _normalised(gm, norms[-1])  # the last norm (a final norm) is on the stream; q/k norms over heads are not
+    # the last norm the outputs depend on (a final norm) is on the stream; q/k norms over heads are not. A branch the
+    # output never reads may be kept in the graph for its random draws (CANINE's unused final encoder): its norms run
+    # but cannot be the final norm
+    live = _live(gm)
+    final = [n for n in norms if n in live]
+    if not final:
+        raise NotApplicable(
+            "no LayerNorm or RMSNorm over a last dimension reaches the model's outputs: no residual stream found",
+            "grow_hidden grows a transformer's stream; widen other layers with grow_width",
+        )
+    norms = [n for n in norms if n is not final[-1]] + [final[-1]]
+    width = _normalised(gm, norms[-1])
     stream = Stream(width, {})
     walk = _Walk(gm, stream, nodes)
     # the final norm's stream, then each other norm of that width with its own tensors unless they are not understood:
@@ -99,6 +110,18 @@ def find_stream(gm: fx.GraphModule) -> Stream:
     walk.check()
     stream.fill, stream.conflict = walk.fills()
     return stream
+
+
+def _live(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes some model output depends on."""
+    todo = [n for n in gm.graph.nodes if n.op == "output"]
+    live: set[fx.Node] = set(todo)
+    while todo:
+        for m in todo.pop().all_input_nodes:
+            if m not in live:
+                live.add(m)
+                todo.append(m)
+    return live
 
 
 class _Walk:
