@@ -259,7 +259,7 @@ def flatten_keeps_axis(n: fx.Node) -> int | None:
     return axis if axis < start % len(shape) else None
 
 
-REDUCTIONS = ("mean", "sum", "amax", "amin")
+REDUCTIONS = ops.LINEAR_REDUCTIONS | (ops.EXTREMA - {"max", "min"})  # max/min over a dim also return indices
 
 
 def reduced_axis(n: fx.Node) -> int | None:

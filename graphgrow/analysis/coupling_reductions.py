@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from torch import fx
 
+from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 from .axes import node_axis
 
-NORMS = ("norm", "linalg_vector_norm", "vector_norm")
-ACROSS = ("mean", "sum", "amax", "amin", "max", "min", "logsumexp", "var", "std", "prod", *NORMS)
+NORMS = ops.VECTOR_NORMS
+ACROSS = ops.MIXING_REDUCTIONS
 
 
 def _name(n: fx.Node) -> str:

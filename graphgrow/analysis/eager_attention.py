@@ -133,7 +133,7 @@ def _value_operand(n: fx.Node, weights: fx.Node) -> fx.Node:
     raise refuse(n, f"combines the attention weights with einsum '{n.args[0]}', not (…, q, k) · (…, k, e) → (…, q, e)")
 
 
-_DONOR_READS = frozenset({"type_as", "expand_as", "view_as", "reshape_as"})  # their second operand: dtype or shape
+_DONOR_READS = ops.SHAPE_DONORS  # their second operand: dtype or shape
 
 
 def _only_user(n: fx.Node) -> fx.Node | None:

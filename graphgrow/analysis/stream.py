@@ -28,7 +28,7 @@ from torch import fx, nn
 
 from ..core.errors import NotApplicable
 from ..graph import ops
-from ..graph.fx_edit import tensor_shape
+from ..graph.fx_edit import computed_from, tensor_shape
 from ..io.mode_switch import ModeSwitch
 from .stacked import stacked_product, weight_axes
 from .stream_channels import ChannelOp, channel_op
@@ -77,7 +77,7 @@ def find_stream(gm: fx.GraphModule) -> Stream:
     # the last norm the outputs depend on (a final norm) is on the stream; q/k norms over heads are not. A branch the
     # output never reads may be kept in the graph for its random draws (CANINE's unused final encoder): its norms run
     # but cannot be the final norm
-    live = _live(gm)
+    live = computed_from(next(n for n in gm.graph.nodes if n.op == "output"))
     final = [n for n in norms if n in live]
     if not final:
         raise NotApplicable(
@@ -110,18 +110,6 @@ def find_stream(gm: fx.GraphModule) -> Stream:
     walk.check()
     stream.fill, stream.conflict = walk.fills()
     return stream
-
-
-def _live(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes some model output depends on."""
-    todo = [n for n in gm.graph.nodes if n.op == "output"]
-    live: set[fx.Node] = set(todo)
-    while todo:
-        for m in todo.pop().all_input_nodes:
-            if m not in live:
-                live.add(m)
-                todo.append(m)
-    return live
 
 
 class _Walk:

@@ -32,6 +32,7 @@ TRANSPOSES = frozenset({"transpose", "permute"})  # reorder dims, every element 
 UNIT_DIMS = frozenset({"squeeze", "unsqueeze"})  # drop or add a size-1 dim
 BROADCASTS = frozenset({"expand", "expand_as"})  # repeat size-1 dims without copying
 SPLITS = frozenset({"split", "chunk", "unbind"})  # one tensor into a tuple of pieces along a dim
+SHAPE_DONORS = frozenset({"type_as", "expand_as", "view_as", "reshape_as"})  # x.op(y): y gives a dtype or shape
 INDEXING = frozenset({"select", "getitem"})  # x.select(d, i), x[i]: one index along a dim (the dim disappears)
 
 # ops whose result may share storage with their input (a view in torch's sense: writing one writes the other)
@@ -67,7 +68,9 @@ UNARY_METHODS = frozenset({"relu", "sigmoid", "tanh", "exp", "abs", "neg"})
 # binary arithmetic, broadcast: names as fx shows them (operator.truediv → "truediv", operator.iadd → "iadd")
 BINARY_NAMES = frozenset({"add", "sub", "mul", "div", "truediv"})
 IN_PLACE_OPERATORS = frozenset({"iadd", "imul"})  # x += y, x *= y traced as operator.iadd / operator.imul
-ADD_FUNCTIONS = frozenset({operator.add, operator.sub, torch.add, torch.sub})  # x ± y
+SUM_FUNCTIONS = frozenset({operator.add, torch.add})  # x + y
+DIFFERENCE_FUNCTIONS = frozenset({operator.sub, torch.sub})  # x - y
+ADD_FUNCTIONS = SUM_FUNCTIONS | DIFFERENCE_FUNCTIONS  # x ± y
 PRODUCT_FUNCTIONS = frozenset({operator.mul, torch.mul})  # x · y
 MUL_FUNCTIONS = PRODUCT_FUNCTIONS | frozenset({operator.truediv, torch.div})  # x · y, x / y
 BINARY_FUNCTIONS = ADD_FUNCTIONS | MUL_FUNCTIONS | frozenset({operator.iadd, operator.imul})
@@ -76,6 +79,10 @@ BINARY_FUNCTIONS = ADD_FUNCTIONS | MUL_FUNCTIONS | frozenset({operator.iadd, ope
 LINEAR_REDUCTIONS = frozenset({"sum", "mean"})  # linear in the input: a zero coordinate adds nothing
 MOMENTS = frozenset({"mean", "var", "std", "var_mean", "std_mean"})  # statistics over the reduced dims
 REDUCTIONS = LINEAR_REDUCTIONS | MOMENTS
+EXTREMA = frozenset({"amax", "amin", "max", "min"})  # the largest or smallest over the reduced dims
+VECTOR_NORMS = frozenset({"norm", "linalg_vector_norm", "vector_norm"})  # ‖x‖ over the reduced dims
+# every op that combines the elements along the dims it reduces: each result mixes all of them
+MIXING_REDUCTIONS = REDUCTIONS | EXTREMA | VECTOR_NORMS | frozenset({"logsumexp", "prod"})
 
 # --- normalisations: statistics over the last dims, then an affine (named as functions or methods) ------------------
 NORMS = frozenset({"layer_norm", "rms_norm"})

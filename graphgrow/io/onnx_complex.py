@@ -21,18 +21,19 @@ import torch
 from torch import fx
 
 from ..core.errors import ExportError
+from ..graph import ops
 
 aten = torch.ops.aten
 
 TO_COMPLEX = {aten.view_as_complex.default, torch.view_as_complex}
 TO_REAL = {aten.view_as_real.default, torch.view_as_real}
 POLAR = {aten.polar.default, torch.polar}
-MUL = {operator.mul, torch.mul, aten.mul.Tensor, "mul"}
-ADD = {operator.add, torch.add, aten.add.Tensor, "add"}
-SUB = {operator.sub, torch.sub, aten.sub.Tensor, "sub"}
+MUL = ops.PRODUCT_FUNCTIONS | {aten.mul.Tensor, "mul"}
+ADD = ops.SUM_FUNCTIONS | {aten.add.Tensor, "add"}
+SUB = ops.DIFFERENCE_FUNCTIONS | {aten.sub.Tensor, "sub"}
 UNSQUEEZE = {torch.unsqueeze, aten.unsqueeze.default, "unsqueeze"}
 RESHAPE = {torch.reshape, aten.reshape.default, aten.view.default, "reshape", "view"}
-SAME = {"contiguous", "clone", "detach", torch.clone, aten.clone.default, aten.contiguous.default}
+SAME = ops.COPIES | {"detach", torch.clone, aten.clone.default, aten.contiguous.default}
 CAST = {"to", "type"}
 REAL_OF = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 
