@@ -25,22 +25,18 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 from torch import fx, nn
 
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import tensor_shape
 from .eager_attention import Core, eager_cores, is_sdpa, scale_value, sdpa_core
+from .head_flow import Flow
 from .head_layout import (
     SHAPE_QUERIES,
     Axis,
     FactorEdit,
-    Flow,
-    Layout,
-    broadcasts,
     canon,
     data_args,
-    linear_arg,
     op_kind,
     plain,
     refuse,
@@ -48,20 +44,8 @@ from .head_layout import (
     words,
     writes,
 )
-
-
-@dataclass
-class Projection:
-    node: str
-    weight: str
-    bias: str | None
-    module: str | None  # the nn.Linear's path (None: F.linear on parameters)
-    factors: Axis  # of its output's last axis (its weight's rows)
-    roles: tuple[str, ...]  # per section: q | k | v (one entry when not fused)
-    # a fused projection of unequal sections (Phi-3's qkv_proj: q of all heads, k and v of the key/value heads),
-    # cut by slices of its last axis: each section's factors, in the order of its rows, and the slice nodes
-    sections: tuple[Axis, ...] = ()
-    slices: tuple[str, ...] = ()
+from .head_output import _reader
+from .head_projections import Projection, _back, _linear_params, _op, _sections
 
 
 @dataclass
@@ -88,60 +72,6 @@ class Attention:
         return f"{self.heads} heads × {self.head_dim}{gqa}" + (
             f", value size {self.value_dim}" if self.value_dim != self.head_dim else ""
         )
-
-
-def _linear_params(gm: fx.GraphModule, n: fx.Node) -> tuple[str, str | None, str | None]:
-    """(weight path, bias path, module path) of a Linear node."""
-    if n.op == "call_module":
-        m = gm.get_submodule(str(n.target))
-        return f"{n.target}.weight", f"{n.target}.bias" if m.bias is not None else None, str(n.target)
-    w, b = linear_arg(n, 1), linear_arg(n, 2)  # F.linear(x, weight=…, bias=…) passes them by name (timm's BEiT)
-    if not (isinstance(w, fx.Node) and w.op == "get_attr"):
-        raise refuse(n, "takes its weight from a computed tensor")
-    if b is not None and not (isinstance(b, fx.Node) and b.op == "get_attr"):
-        raise refuse(
-            n,
-            f"takes its bias from a computed tensor ('{b.name if isinstance(b, fx.Node) else b}'): "
-            "new heads' bias entries have no parameter to go into",
-        )
-    return str(w.target), str(b.target) if b is not None else None, None
-
-
-def _back(gm: fx.GraphModule, start: fx.Node, shared: bool = False) -> tuple[set[str], list[fx.Node]]:
-    """Nodes on the way back from an attention operand to its projections: (path, Linear nodes reached).
-    `shared`: the walk does not enter a part that is the same for every head (an expand of a size-1 axis, or a
-    tensor copied into an allocation's slice by broadcasting): multi-head latent attention's rotary key, computed
-    once for all heads from another Linear."""
-    seen: set[str] = set()
-    found: list[fx.Node] = []
-    todo = [start]
-    while todo:
-        n = todo.pop()
-        if n.name in seen:
-            continue
-        kind = op_kind(gm, n)
-        if kind == "linear":
-            found += [n] if n not in found else []
-            continue
-        if kind is None or (shared and broadcasts(n)):
-            continue
-        seen.add(n.name)
-        args = data_args(n)
-        if shared and kind == "alloc":
-            args = [a for a in args if tensor_shape(a) == _slice_shape(n, a)]
-        todo.extend(args)
-    return seen, found
-
-
-def _slice_shape(alloc: fx.Node, source: fx.Node) -> tuple | None:
-    """The shape of the slice of `alloc` that `source` is copied into."""
-    filled = writes(alloc)
-    shape = tensor_shape(alloc)
-    for w in filled[1] if filled and shape else []:
-        if w.source is source:
-            dim = filled[0]
-            return shape[:dim] + (w.stop - w.start,) + shape[dim + 1 :]
-    return None
 
 
 def _users_ok(n: fx.Node, allowed: set[str]) -> fx.Node | None:
@@ -409,13 +339,6 @@ def _one_for_all_heads(mask: fx.Node) -> bool:
     return src is not None and (len(src) < 3 or src[-3] == 1)
 
 
-def _op(n: fx.Node) -> str:
-    t = n.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t.overloadpacket.__name__
-    return t if isinstance(t, str) else getattr(t, "__name__", "")
-
-
 def _ordered(gm: fx.GraphModule, region: set[str]) -> list[fx.Node]:
     """The region's nodes in graph order, except that an allocation comes after what is copied into it (its layout
     is theirs) and before its slices and copies."""
@@ -438,80 +361,6 @@ def _ordered(gm: fx.GraphModule, region: set[str]) -> list[fx.Node]:
             put(first)
         put(n)
     return out
-
-
-def _sections(p: fx.Node, roles: list[str], backs: dict[str, set[str]], h: int, d: int, e: int):
-    """A fused projection read only through slices of its last axis that cut it into contiguous sections, each
-    reaching one of `roles` and as wide as that role's heads × head size (the key's and value's sections of one
-    number of key/value heads, which divides the query heads: the key may be repeated after its slice): (the roles
-    in row order, the slice nodes in row order, the key/value heads); else None."""
-    width, rank = tensor_shape(p)[-1], len(tensor_shape(p))
-    cuts = _split_cuts(p, width)
-    for u in p.users if cuts is None else []:
-        bounds = last_axis_slice(u, rank, width)
-        if bounds is None:
-            return None
-        cuts = (cuts or []) + [(bounds, u)]
-    if not cuts:
-        return None
-    cuts.sort(key=lambda c: c[0])
-    widths = {r: stop - start for (start, stop), u in cuts for r in roles if u.name in backs[r]}
-    kv = widths.get("k", 0) // d
-    if kv < 1 or h % kv:
-        return None
-    size = {"q": h * d, "k": kv * d, "v": kv * e}
-    order, at = [], 0
-    for (start, stop), u in cuts:
-        role = [r for r in roles if u.name in backs[r]]
-        if start != at or len(role) != 1 or stop - start != size[role[0]]:
-            return None
-        order.append(role[0])
-        at = stop
-    if at != width or sorted(order) != sorted(roles):
-        return None
-    return order, [u for _, u in cuts], kv
-
-
-def _split_cuts(p: fx.Node, width: int) -> list[tuple[tuple[int, int], fx.Node]] | None:
-    """((start, stop), piece) for each piece of a split of `p`'s last axis into sizes (`qkv.split((q, kv, kv), -1)`,
-    maybe after unsqueezes that leave the last axis last, as GPT-BigCode's multi-query attention), else None."""
-    x = p
-    while len(x.users) == 1 and _op(next(iter(x.users))) == "unsqueeze":
-        u = next(iter(x.users))
-        if u.args[1] in (-1, len(tensor_shape(x))):
-            return None
-        x = u
-    if len(x.users) != 1:
-        return None
-    (sp,) = x.users
-    dim = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
-    rank = len(tensor_shape(x))
-    sizes = sp.args[1] if len(sp.args) > 1 else None
-    if _op(sp) != "split" or not isinstance(dim, int) or dim % rank != rank - 1 or not isinstance(sizes, (list, tuple)):
-        return None
-    if sum(sizes) != width or not all(_op(g) == "getitem" and isinstance(g.args[1], int) for g in sp.users):
-        return None
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [((starts[g.args[1]], starts[g.args[1]] + sizes[g.args[1]]), g) for g in sp.users]
-
-
-def last_axis_slice(n: fx.Node, rank: int, width: int) -> tuple[int, int] | None:
-    """(start, stop) of `n` = x[..., a:b] (every other axis whole, step 1), else None."""
-    import operator
-
-    if not (n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], tuple)):
-        return None
-    index = n.args[1]
-    if any(i is Ellipsis for i in index):
-        k = index.index(Ellipsis)
-        index = index[:k] + (slice(None),) * (rank - len(index) + 1) + index[k + 1 :]
-    if len(index) != rank or any(i != slice(None) for i in index[:-1]):
-        return None
-    last = index[-1]
-    if not isinstance(last, slice) or last.step not in (None, 1):
-        return None
-    start, stop, _ = last.indices(width)
-    return start, stop
 
 
 def _computed_scale(flow: Flow, core: Core, region: set[str]) -> Callable[[dict[str, int]], float]:
@@ -561,131 +410,3 @@ def _fix_roles(flow: Flow, projections: list[Projection], roles: dict, q, k, v, 
                     )
                 order[flow.section[t.name]] = role
         p.roles = tuple(order[i] for i in range(len(order)))
-
-
-def _gate(gm: fx.GraphModule, n: fx.Node, a: fx.Node, region: set[str]) -> tuple[fx.Node, set[str]] | None:
-    """(its Linear, the nodes after it) when operand `a` of op `n` on the attention's output is computed from one
-    Linear through ops on single values (an output gate, sigmoid(gate_proj(x)): AFMoE's, Qwen3-Next's), each read
-    only on the way to `n`; else None."""
-    seen, found = _back(gm, a)
-    if len(found) != 1 or found[0].name in region:
-        return None
-    fed = {found[0].name}  # (what the walk met beside: a per-head bias parameter's views, which the flow adopts)
-    on_path = []
-    for m in gm.graph.nodes:
-        if m.name in seen and any(x.name in fed for x in data_args(m)):
-            fed.add(m.name)
-            on_path.append(m)
-    seen &= fed
-    path = seen | {found[0].name}
-    for m in on_path:
-        if op_kind(gm, m) not in ("same", "pointwise", "layout", "elementwise"):
-            return None
-        if any(u.name not in path | {n.name} for u in m.users if not _donor_read(u, m)):
-            return None
-    if a.name not in seen or any(u.name not in path for u in found[0].users):
-        return None
-    return found[0], seen
-
-
-_DONORS = frozenset({"type_as", "view_as", "reshape_as", "expand_as"})
-
-
-def _donor_read(u: fx.Node, n: fx.Node) -> bool:
-    """`u` reads `n` only for its dtype or shape (x.view_as(n): Beam's gate shaped as the attention's output)."""
-    return _op(u) in _DONORS and u.args[0] is not n and n not in u.args[:1]
-
-
-def _from_scores(gm: fx.GraphModule, a: fx.Node, core: Core, region: set[str]):
-    """(the nodes after them, the scores read, the parameters read) when `a` is computed from the attention's own
-    scores and parameters only, through ops the flow follows (Granite's sink scale sigmoid(logsumexp(scores) -
-    sinks), which multiplies each head's output); else None."""
-    seen: set[str] = set()
-    scores, params, todo = [], [], [a]
-    shape = tensor_shape(core.node)
-    while todo:
-        n = todo.pop()
-        if n.name in seen or n.name in region:
-            continue
-        if n.name in core.inner:
-            if n is core.node or tensor_shape(n) is None or len(tensor_shape(n)) != len(shape):
-                return None
-            scores.append(n)
-            continue
-        if n.op == "get_attr":
-            params.append(n)
-            continue
-        if op_kind(gm, n) in (None, "linear", "alloc", "write"):
-            return None
-        seen.add(n.name)
-        todo += [x for x in n.all_input_nodes if x.op != "get_attr" or tensor_shape(x) is not None]
-    return (seen, scores, params) if scores else None
-
-
-def _reader(
-    gm: fx.GraphModule, core: Core, lay: Layout, growing: set[str]
-) -> tuple[Projection, list[FactorEdit], list[Projection], list[tuple[str, Axis, float]]]:
-    """The output projection reading the attention's output, the tensors between them followed; the Linear layers
-    of output gates on the way (their rows follow the heads: new heads' gate rows are random, the output
-    projection's new columns zero); and the parameters with one entry per head that a factor on the output
-    computed from the attention's own scores reads (a learnable sink: new heads' entries zero)."""
-    s = core.node
-    flow = Flow(gm, growing, set())
-    flow.layout[s.name] = lay
-    todo, region, readers = [s], {s.name}, []
-    while todo:
-        n = todo.pop()
-        for u in n.users:
-            kind = op_kind(gm, u)
-            if kind == "linear" and linear_arg(u, 0) is n:
-                readers.append(u)
-            elif (
-                (u.op == "call_method" and u.target in SHAPE_QUERIES)
-                or (u.op == "call_function" and u.target is getattr)
-                or _donor_read(u, n)
-            ):
-                continue
-            elif kind is None or kind == "linear":
-                raise refuse(u, f"reads the output of attention '{s.name}' before any output projection")
-            elif u.name not in region:
-                region.add(u.name)
-                todo.append(u)
-    if len(readers) != 1:
-        raise refuse(s, f"has {len(readers)} output projections; the analysis needs one")
-    gates: list[Projection] = []
-    per_head: list[tuple[str, Axis, float]] = []
-    width = size_of(lay[-3] + lay[-1])
-    for n in [m for m in gm.graph.nodes if m.name in region and op_kind(gm, m) == "elementwise"]:
-        for a in data_args(n):
-            found = _gate(gm, n, a, region) if a.name not in region else None
-            rows = tensor_shape(found[0])[-1] if found is not None else None
-            if found is not None and rows in (width, size_of(lay[-3])):
-                # the gate's rows: the heads and value size, flattened as the reader's input, or one per head (a
-                # scalar gate per head: Dots's); the flow checks that they meet the output so
-                g, path = found
-                factors = lay[-3] + lay[-1] if rows == width else lay[-3]
-                flow.layout[g.name] = plain(tensor_shape(g)[:-1]) + (factors,)
-                region |= path
-                weight, bias, module = _linear_params(gm, g)
-                gates.append(Projection(g.name, weight, bias, module, factors, ("g",)))
-                continue
-            fed = _from_scores(gm, a, core, region) if a.name not in region else None
-            if fed is not None:  # per head: the scores' heads axis is the query's
-                path, scores, params = fed
-                for sc in scores:
-                    flow.layout[sc.name] = lay[:-1] + plain(tensor_shape(sc)[-1:])
-                for p in params:
-                    ps = tensor_shape(p)
-                    one = len(ps) == 1 and ps[0] == size_of(lay[-3]) and ps[0] > 1
-                    flow.layout[p.name] = (lay[-3],) if one else plain(ps)
-                    if one and flow.grows(lay[-3]):
-                        per_head.append((str(p.target), lay[-3], 0.0))
-                region |= path
-    flow.region = region
-    flow.run([n for n in gm.graph.nodes if n.name in region and n is not s])
-    r = readers[0]
-    x = flow.of(r.args[0])
-    if any(flow.grows(ax) for ax in x[:-1]):
-        raise refuse(r, "reads heads or head size on an axis other than its input features")
-    weight, bias, module = _linear_params(gm, r)
-    return Projection(r.name, weight, bias, module, x[-1], ("o",)), flow.edits, gates, per_head + flow.params

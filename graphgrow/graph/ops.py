@@ -92,3 +92,8 @@ SOFTMAX_FUNCTIONS = frozenset({F.softmax, F.log_softmax, torch.softmax, torch.lo
 def op_name(target: object) -> str:
     """The vocabulary name of a node's target: a method name as is, a function by its __name__."""
     return target if isinstance(target, str) else getattr(target, "__name__", "")
+
+
+# reductions that return one tensor of statistics over the dims they are given (not max/min: those also return
+# indices); a norm written out reads them (analysis.head_layout)
+AXIS_STATISTICS = LINEAR_REDUCTIONS | frozenset({"var", "amax", "amin", "logsumexp"})

@@ -1,0 +1,165 @@
+"""The projections of an attention (analysis.heads): the Linear layers that make its query, key and value, found by
+walking back from each operand; the parameters each one reads; and how a fused projection of unequal sections
+(Phi-3's qkv_proj, GPT-BigCode's multi-query c_attn) is cut by slices or a split of its last axis into q, k and v.
+It is apart from analysis.heads so that both the input side (heads) and the output side (head_output) can name a
+Projection and read a Linear's parameters without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from ..graph.fx_edit import tensor_shape
+from .head_layout import Axis, broadcasts, data_args, linear_arg, op_kind, refuse, writes
+
+
+def _op(n: fx.Node) -> str:
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t.overloadpacket.__name__
+    return t if isinstance(t, str) else getattr(t, "__name__", "")
+
+
+@dataclass
+class Projection:
+    node: str
+    weight: str
+    bias: str | None
+    module: str | None  # the nn.Linear's path (None: F.linear on parameters)
+    factors: Axis  # of its output's last axis (its weight's rows)
+    roles: tuple[str, ...]  # per section: q | k | v (one entry when not fused)
+    # a fused projection of unequal sections (Phi-3's qkv_proj: q of all heads, k and v of the key/value heads),
+    # cut by slices of its last axis: each section's factors, in the order of its rows, and the slice nodes
+    sections: tuple[Axis, ...] = ()
+    slices: tuple[str, ...] = ()
+
+
+def _linear_params(gm: fx.GraphModule, n: fx.Node) -> tuple[str, str | None, str | None]:
+    """(weight path, bias path, module path) of a Linear node."""
+    if n.op == "call_module":
+        m = gm.get_submodule(str(n.target))
+        return f"{n.target}.weight", f"{n.target}.bias" if m.bias is not None else None, str(n.target)
+    w, b = linear_arg(n, 1), linear_arg(n, 2)  # F.linear(x, weight=…, bias=…) passes them by name (timm's BEiT)
+    if not (isinstance(w, fx.Node) and w.op == "get_attr"):
+        raise refuse(n, "takes its weight from a computed tensor")
+    if b is not None and not (isinstance(b, fx.Node) and b.op == "get_attr"):
+        raise refuse(
+            n,
+            f"takes its bias from a computed tensor ('{b.name if isinstance(b, fx.Node) else b}'): "
+            "new heads' bias entries have no parameter to go into",
+        )
+    return str(w.target), str(b.target) if b is not None else None, None
+
+
+def _back(gm: fx.GraphModule, start: fx.Node, shared: bool = False) -> tuple[set[str], list[fx.Node]]:
+    """Nodes on the way back from an attention operand to its projections: (path, Linear nodes reached).
+    `shared`: the walk does not enter a part that is the same for every head (an expand of a size-1 axis, or a
+    tensor copied into an allocation's slice by broadcasting): multi-head latent attention's rotary key, computed
+    once for all heads from another Linear."""
+    seen: set[str] = set()
+    found: list[fx.Node] = []
+    todo = [start]
+    while todo:
+        n = todo.pop()
+        if n.name in seen:
+            continue
+        kind = op_kind(gm, n)
+        if kind == "linear":
+            found += [n] if n not in found else []
+            continue
+        if kind is None or (shared and broadcasts(n)):
+            continue
+        seen.add(n.name)
+        args = data_args(n)
+        if shared and kind == "alloc":
+            args = [a for a in args if tensor_shape(a) == _slice_shape(n, a)]
+        todo.extend(args)
+    return seen, found
+
+
+def _slice_shape(alloc: fx.Node, source: fx.Node) -> tuple | None:
+    """The shape of the slice of `alloc` that `source` is copied into."""
+    filled = writes(alloc)
+    shape = tensor_shape(alloc)
+    for w in filled[1] if filled and shape else []:
+        if w.source is source:
+            dim = filled[0]
+            return shape[:dim] + (w.stop - w.start,) + shape[dim + 1 :]
+    return None
+
+
+def _sections(p: fx.Node, roles: list[str], backs: dict[str, set[str]], h: int, d: int, e: int):
+    """A fused projection read only through slices of its last axis that cut it into contiguous sections, each
+    reaching one of `roles` and as wide as that role's heads × head size (the key's and value's sections of one
+    number of key/value heads, which divides the query heads: the key may be repeated after its slice): (the roles
+    in row order, the slice nodes in row order, the key/value heads); else None."""
+    width, rank = tensor_shape(p)[-1], len(tensor_shape(p))
+    cuts = _split_cuts(p, width)
+    for u in p.users if cuts is None else []:
+        bounds = last_axis_slice(u, rank, width)
+        if bounds is None:
+            return None
+        cuts = (cuts or []) + [(bounds, u)]
+    if not cuts:
+        return None
+    cuts.sort(key=lambda c: c[0])
+    widths = {r: stop - start for (start, stop), u in cuts for r in roles if u.name in backs[r]}
+    kv = widths.get("k", 0) // d
+    if kv < 1 or h % kv:
+        return None
+    size = {"q": h * d, "k": kv * d, "v": kv * e}
+    order, at = [], 0
+    for (start, stop), u in cuts:
+        role = [r for r in roles if u.name in backs[r]]
+        if start != at or len(role) != 1 or stop - start != size[role[0]]:
+            return None
+        order.append(role[0])
+        at = stop
+    if at != width or sorted(order) != sorted(roles):
+        return None
+    return order, [u for _, u in cuts], kv
+
+
+def _split_cuts(p: fx.Node, width: int) -> list[tuple[tuple[int, int], fx.Node]] | None:
+    """((start, stop), piece) for each piece of a split of `p`'s last axis into sizes (`qkv.split((q, kv, kv), -1)`,
+    maybe after unsqueezes that leave the last axis last, as GPT-BigCode's multi-query attention), else None."""
+    x = p
+    while len(x.users) == 1 and _op(next(iter(x.users))) == "unsqueeze":
+        u = next(iter(x.users))
+        if u.args[1] in (-1, len(tensor_shape(x))):
+            return None
+        x = u
+    if len(x.users) != 1:
+        return None
+    (sp,) = x.users
+    dim = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
+    rank = len(tensor_shape(x))
+    sizes = sp.args[1] if len(sp.args) > 1 else None
+    if _op(sp) != "split" or not isinstance(dim, int) or dim % rank != rank - 1 or not isinstance(sizes, (list, tuple)):
+        return None
+    if sum(sizes) != width or not all(_op(g) == "getitem" and isinstance(g.args[1], int) for g in sp.users):
+        return None
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [((starts[g.args[1]], starts[g.args[1]] + sizes[g.args[1]]), g) for g in sp.users]
+
+
+def last_axis_slice(n: fx.Node, rank: int, width: int) -> tuple[int, int] | None:
+    """(start, stop) of `n` = x[..., a:b] (every other axis whole, step 1), else None."""
+    import operator
+
+    if not (n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], tuple)):
+        return None
+    index = n.args[1]
+    if any(i is Ellipsis for i in index):
+        k = index.index(Ellipsis)
+        index = index[:k] + (slice(None),) * (rank - len(index) + 1) + index[k + 1 :]
+    if len(index) != rank or any(i != slice(None) for i in index[:-1]):
+        return None
+    last = index[-1]
+    if not isinstance(last, slice) or last.step not in (None, 1):
+        return None
+    start, stop, _ = last.indices(width)
+    return start, stop
