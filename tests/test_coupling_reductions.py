@@ -73,8 +73,9 @@ def test_a_norm_across_channels_is_refused_naming_the_op(model):
     up = next(n.name for n in gm.graph.nodes if n.target == "up")
     why = " ".join(c.why_frozen(c.group_of[up]))
     assert "reduces across these 16 channels" in why and "not understood" not in why
-    from graphgrow.core.errors import NotApplicable
     from graphgrow.passes.grow_width import GrowWidth
+
+    from graphgrow.core.errors import NotApplicable
 
     with pytest.raises(NotApplicable, match=r"first main-path one, of 'up' \(16 channels\): .* reduces across"):
         GrowWidth()(gm)  # the refusal names the op, not only "no layer can grow"
@@ -99,8 +100,9 @@ class SubNorm(nn.Module):
 
 @pytest.mark.parametrize("functional", [False, True])
 def test_only_groups_under_a_norm_is_a_stated_impossibility_for_init_zero(functional):
-    from graphgrow.core.errors import NotApplicable
     from graphgrow.passes.grow_width import GrowWidth
+
+    from graphgrow.core.errors import NotApplicable
 
     gm = gg.trace(SubNorm(functional).eval(), (2, 8))
     with pytest.raises(NotApplicable, match="normalised across its channels .* would not be exact"):
