@@ -400,3 +400,35 @@ def test_latent_attention_with_a_value_size_of_its_own_grows_heads():
     gm = gg.trace(Latent("copy", nope=6, rope=4, value=8), input_shape=(1, 5, 16))
     result = gg.get_pass("grow_heads")()(gm)  # the default: +50 % heads
     assert result.targets["heads"].startswith("4 → 6") and result.preservation.eval.ok and result.preservation.train.ok
+
+
+class TokensCutAtRunTime(nn.Module):
+    """LUKE's word/entity split: the attention's output cut along the tokens by a length read at run time
+    (`out[:, :n]` with n from a size), then projected. The cut axis does not grow; the heads do."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x, words):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, 4, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v)
+        n = words.size(1)
+        if self.spelling == "heads_first":  # cut before the heads are merged
+            out = out[:, :, :n]
+            return self.o(out.transpose(1, 2).reshape(b, n, -1))
+        out = out.transpose(1, 2).reshape(b, t, -1)
+        return self.o(out[:, :n])
+
+
+@pytest.mark.parametrize("spelling", ["heads_first", "merged"])
+def test_an_output_cut_along_the_tokens_at_run_time_grows_heads(spelling):
+    torch.manual_seed(0)
+    gm = gg.trace(TokensCutAtRunTime(spelling), input_shape={"x": (1, 5, 16), "words": (1, 3, 16)}, capture="fx")
+    cuts = [i for n in gm.graph.nodes for a in n.args if isinstance(a, tuple) for i in a if isinstance(i, slice)]
+    assert any(isinstance(i.stop, torch.fx.Node) for i in cuts)  # the bound is a node of the graph, not a number
+    result = gg.get_pass("grow_heads")(heads=6)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok
+    assert result.gm.o.in_features == 24

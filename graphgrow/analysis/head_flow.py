@@ -444,6 +444,13 @@ class Flow:
                     self.section[n.name] = i % axis[0][1]
                 elif self.grows(axis):
                     raise refuse(n, f"picks one entry of a growing axis ({words(axis)})")
+            elif isinstance(i, slice) and any(isinstance(b, fx.Node) for b in (i.start, i.stop, i.step)):
+                # a bound computed at run time (LUKE's x[:, :word_len], word_len read from a size): the traced
+                # shape gives the size; what a growing axis would keep cannot be known
+                got = tensor_shape(n)
+                if self.grows(axis) or got is None:
+                    raise refuse(n, f"indexes a growing axis ({words(axis)}) by a bound computed at run time")
+                out.append((("", got[len(out)]),))
             elif (
                 isinstance(i, slice)
                 and i.step in (None, 1)
