@@ -162,7 +162,13 @@ def _stream_norm(gm: fx.GraphModule, c: int, stream: Stream | None) -> tuple[typ
             None,
         )
         rms, eps = isinstance(m, nn.RMSNorm), (1e-5 if m is None else m.eps)
+    if eps is not None and not isinstance(eps, (int, float)):  # an eps computed in the graph (a node): not a number
+        eps = next((m.eps for m in gm.modules() if isinstance(m, nn.LayerNorm | nn.RMSNorm) and _number(m.eps)), 1e-5)
     return (nn.RMSNorm if rms else nn.LayerNorm), float(torch.finfo(torch.float32).eps if eps is None else eps), not rms
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _heads(gm: fx.GraphModule, c: int) -> tuple[int, str]:
