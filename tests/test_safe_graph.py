@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
+import math
 import operator
 import os
 import sys
@@ -616,3 +617,19 @@ def test_symbolic_size_arithmetic_saves_and_loads(tmp_path):
     back = load_model(tmp_path / "w.pt").module
     x = torch.randn(2, 6)
     assert torch.equal(back(x), gm(x)) and back(x).shape == (2, 3)
+
+
+class _Tokens(nn.Module):
+    """Spatial dims flattened to tokens with the product written by Python (timm's Hiera: math.prod(shape))."""
+
+    def forward(self, x):
+        return x.reshape(x.shape[0], math.prod(x.shape[2:]), x.shape[1])
+
+
+def test_a_product_of_sizes_saves_and_loads(tmp_path):
+    gm = gg.trace(_Tokens(), input_shape=(1, 3, 4, 4), capture="fx")
+    assert any(n.target is math.prod for n in gm.graph.nodes)
+    gg.save_model(gm, tmp_path / "t.pt")
+    back = load_model(tmp_path / "t.pt").module
+    x = torch.randn(2, 3, 4, 4)
+    assert torch.equal(back(x), gm(x)) and back(x).shape == (2, 16, 3)

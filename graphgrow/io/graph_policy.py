@@ -56,6 +56,7 @@ ALLOWED_FUNCTIONS: frozenset[str] = frozenset({
     "builtins.getattr",  # only with a name from TENSOR_ATTRIBUTES (checked per node)
     "builtins.len", "builtins.int", "builtins.float",
     *(f"math.{n}" for n in ("sqrt", "ceil", "floor", "log", "exp", "isqrt")),
+    "math.prod",  # a product of sizes (timm Hiera: math.prod(shape)); any size made from it is bounded where used
     # torch tensor functions
     *(f"torch.{n}" for n in (
         "cat", "concat", "stack", "hstack", "vstack", "flatten", "unflatten", "permute", "transpose", "swapaxes",
