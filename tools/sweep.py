@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep_models import PASSES, REGISTRIES, Model  # noqa: E402
 from sweep_report import broken_kind, reason_class, render, status_of  # noqa: E402
+from sweep_targets import facts_for, targets  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP = 60.0  # CPU seconds a model's process may take to import torch, the registry and the model's code
@@ -262,7 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         # classified again from their messages, so the classes follow the current patterns
         results = [{**r, "class": reason_class(r["message"])} if r["status"] == "refused" else r for r in results]
         text = Path(a.header).read_text() if a.header else header(results, sorted({r["registry"] for r in results}))
-        Path(a.table).write_text(render(results, text, PASSES))
+        facts = facts_for(results)
+        extra = {
+            reg: targets([r for r in results if r["registry"] == reg], reg, facts)
+            for reg in {r["registry"] for r in results}
+        }
+        Path(a.table).write_text(render(results, text, PASSES, extra))
         print(f"wrote {a.table}: {len(results)} runs")
     return 0
 

@@ -80,8 +80,9 @@ def _md(text: str, limit: int = 300) -> str:
     return text.replace("|", "\\|")
 
 
-def render(results: list[dict], header: str, passes: tuple[str, ...]) -> str:
-    """The whole docs/sweep.md: the header, then per registry its counts, grid, refusals and broken runs."""
+def render(results: list[dict], header: str, passes: tuple[str, ...], extra: dict[str, list[str]] | None = None) -> str:
+    """The whole docs/sweep.md: the header, then per registry its counts, `extra[registry]` (the targets, from
+    tools/sweep_targets.py), grid, refusals and broken runs."""
     lines = [header.rstrip(), ""]
     by_registry: dict[str, list[dict]] = defaultdict(list)
     for r in results:
@@ -106,6 +107,7 @@ def render(results: list[dict], header: str, passes: tuple[str, ...]) -> str:
         lines += ["", "| class | runs |", "|---|---|"]
         for cls, n in Counter((r["status"], r["class"]) for r in runs if r["status"] != "verified").most_common():
             lines.append(f"| {cls[0]}: {cls[1]} | {n} |")
+        lines += ["", *(extra or {}).get(registry, [])]
         used = [p for p in passes if any(r["pass"] == p for r in runs)]
         cells = {(r["model"], r["pass"]): r for r in runs}
         lines += ["", "| model | " + " | ".join(used) + " |", "|---|" + "---|" * len(used)]
