@@ -230,6 +230,21 @@ class ClassTokenSplit(Block):
         return self.head(self.norm2(cls)) + self.head(self.norm2(patches)).mean(1, keepdim=True) + out[1][0, 0]
 
 
+class ExpertCopies(Block):
+    """Llama 4's mixture of experts: the normed tokens repeated once per expert (`x.repeat(E, 1)`, or `torch.tile`),
+    each copy scaled by its router score, one Linear over all copies, summed over the experts."""
+
+    def __init__(self, tile: bool):
+        super().__init__(nn.RMSNorm(D), nn.RMSNorm(D))
+        self.router, self.tile = nn.Linear(D, 2, bias=False), tile
+
+    def branch(self, x):
+        flat = self.norm(x).reshape(-1, D)
+        copies = torch.tile(flat, (2, 1)) if self.tile else flat.repeat(2, 1)
+        scores = torch.sigmoid(self.router(flat)).t().reshape(-1, 1)
+        return self.fc(copies * scores).reshape(2, -1, D).sum(0).reshape(x.shape)
+
+
 def spellings() -> dict[str, tuple[type, tuple]]:
     """name → (module class, its arguments); names ending in '(fx)' are captured with torch.fx (`extras` kept as a
     leaf), the others with torch.export (as Hugging Face models are)."""
@@ -249,6 +264,8 @@ def spellings() -> dict[str, tuple[type, tuple]]:
         "class token split, tuple, drop-path, BatchNorm (fx)": (ClassTokenSplit, ()),
         "drop-path as a mode switch, 1.0 * x": (SwitchedDropPath, ()),
         "class token and patch mean concatenated": (ClassAndMeanHead, ()),
+        "tokens repeated per expert (repeat)": (ExpertCopies, (False,)),
+        "tokens repeated per expert (tile)": (ExpertCopies, (True,)),
     }
 
 

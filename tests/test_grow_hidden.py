@@ -229,10 +229,22 @@ class Gated(nn.Module):
         return self.head(self.norm(x))
 
 
+class RepeatsHidden(nn.Module):
+    """x.repeat(1, 1, 2): the hidden coordinates copied side by side (not the tokens), read by 2·d input columns."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Embedding(10, 8), nn.LayerNorm(8), nn.Linear(16, 3)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.embed(ids)).repeat(1, 1, 2))
+
+
 @pytest.mark.parametrize(
     "model,spec,why",
     [
         (NoNorm(), (2, 8), "no LayerNorm or RMSNorm over a last dimension"),
+        (RepeatsHidden(), "ids:1x4:int64", r"'repeat' \(repeat[.\w]*\), which mixes the hidden axis"),
         (NormOut(), "ids:1x4:int64", r"'norm_1' \(module norm\), which is a model output"),
         (Gated(), "ids:1x4:int64", r"reaches '\w+' \(sigmoid\), which .* the analysis does not understand"),
     ],
@@ -368,8 +380,10 @@ def test_stream_ops_understood_by_what_they_compute(name):
 
     cls, args = spellings()[name]
     torch.manual_seed(0)
-    fx = {"capture": "fx", "leaves": ["extras"]} if name.endswith("(fx)") else {"capture": "export"}
-    gm = gg.trace(cls(*args), input_shape=parse_spec(SPEC), **fx)
+    model = cls(*args)
+    leaves = ["extras"] if hasattr(model, "extras") else []
+    fx = {"capture": "fx", "leaves": leaves} if name.endswith("(fx)") else {"capture": "export"}
+    gm = gg.trace(model, input_shape=parse_spec(SPEC), **fx)
     r = gg.get_pass("grow_hidden")()(gm)
     assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok, r.preservation
     new = int(r.targets["hidden"].split("→ ")[1].split()[0])

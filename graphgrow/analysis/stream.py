@@ -40,6 +40,7 @@ from .stream_ops import (
     FLAT_AT_ZERO,
     PASS_FUNCTIONS,
     PASS_METHODS,
+    TILES,
     arithmetic,
     base_name,
     constant_like,
@@ -485,7 +486,7 @@ class _Walk:
         passes = (n.op == "call_method" and n.target in PASS_METHODS) or (
             n.op == "call_function" and n.target in PASS_FUNCTIONS
         )
-        if passes or base_name(n) == "repeat_interleave":  # tokens repeated, once per expert
+        if passes or base_name(n) == "repeat_interleave" or base_name(n) in TILES:  # tokens repeated, once per expert
             rest = [a for a in list(n.args[1:]) + list(n.kwargs.values()) if isinstance(a, fx.Node)]
             return x if all(tensor_shape(a) is None for a in rest) else None  # sizes, not other tensors
         return None

@@ -31,6 +31,7 @@ PASS_METHODS = (
     | {"flatten", "expand"}
     | {"detach"}  # the same values, no gradient back through it
 )
+TILES = frozenset({"repeat", "tile"})  # whole copies of a tensor along dims (x.repeat(4, 1): the tokens, 4 times)
 PASS_FUNCTIONS = {
     F.dropout,
     torch.transpose,
@@ -189,6 +190,10 @@ def forward_axis(n: fx.Node, x: fx.Node, a: int) -> int | None:
         if name == "repeat_interleave":  # whole slices repeated along another dim keep the axis; dim=None flattens
             dim = arg(n, 2, "dim")
             return None if dim is None or int(dim) % len(xs) == a else a
+        if name in TILES:  # copies along other dims keep the axis (counts aligned from the right, missing ones 1)
+            reps = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
+            reps = [1] * (len(xs) - len(reps)) + list(reps)
+            return a + len(out) - len(xs) if reps[len(reps) - len(xs) + a] == 1 else None
         if name in ("transpose",):
             i, j = (int(d) % len(xs) for d in rest[:2])
             return j if a == i else i if a == j else a
