@@ -633,3 +633,22 @@ def test_a_product_of_sizes_saves_and_loads(tmp_path):
     back = load_model(tmp_path / "t.pt").module
     x = torch.randn(2, 3, 4, 4)
     assert torch.equal(back(x), gm(x)) and back(x).shape == (2, 16, 3)
+
+
+class _Pooled(nn.Module):
+    """Named-tuple fields read by name, in three spellings (HF Hiera: `x.max(dim=...).values`)."""
+
+    def forward(self, x):
+        top = torch.topk(x, 2, dim=-1)
+        return x.max(dim=-1, keepdim=True).values + torch.sort(x, dim=-1).values[..., :1] * top.indices.float().sum(
+            -1, keepdim=True
+        )
+
+
+def test_fields_of_a_reduction_s_named_tuple_save_and_load(tmp_path):
+    gm = gg.trace(_Pooled(), input_shape=(2, 3, 4), capture="fx")
+    assert {"values", "indices"} <= {n.args[1] for n in gm.graph.nodes if n.target is getattr}
+    gg.save_model(gm, tmp_path / "p.pt")
+    back = load_model(tmp_path / "p.pt").module
+    x = torch.randn(2, 3, 4)
+    assert torch.equal(back(x), gm(x))

@@ -109,7 +109,8 @@ ALLOWED_METHODS: frozenset[str] = frozenset({
 })
 
 TENSOR_ATTRIBUTES: frozenset[str] = frozenset(
-    {"shape", "dtype", "device", "ndim", "T", "mT", "real", "imag", "is_cuda"}
+    {"shape", "dtype", "device", "ndim", "T", "mT", "real", "imag", "is_cuda",
+     "values", "indices"}  # the fields of what max, min, topk, sort, median, mode, kthvalue return (a named tuple)
 )
 # fmt: on
 
