@@ -245,6 +245,25 @@ class ExpertCopies(Block):
         return self.fc(copies * scores).reshape(2, -1, D).sum(0).reshape(x.shape)
 
 
+class ShortConv(Block):
+    """Inkling's causal short convolution of the stream: F.conv1d on its own weight viewed through unit dims
+    (`w.squeeze(1).unsqueeze(1)`), groups = the width, cut back to the tokens; or with a bias, groups by name."""
+
+    def __init__(self, viewed: bool):
+        super().__init__(nn.RMSNorm(D), nn.RMSNorm(D))
+        self.weight = nn.Parameter(torch.randn(D, 1, 3) * 0.3)
+        self.bias = None if viewed else nn.Parameter(torch.randn(D) * 0.1)
+        self.viewed = viewed
+
+    def mix(self, x, b):
+        h = (x + b).transpose(1, 2)
+        if self.viewed:
+            c = F.conv1d(h, self.weight.squeeze(1).unsqueeze(1), None, [1], [2], [1], D)
+        else:
+            c = F.conv1d(h, self.weight, self.bias, padding=2, groups=D)
+        return x + b + c[..., : x.shape[1]].transpose(1, 2)
+
+
 def spellings() -> dict[str, tuple[type, tuple]]:
     """name → (module class, its arguments); names ending in '(fx)' are captured with torch.fx (`extras` kept as a
     leaf), the others with torch.export (as Hugging Face models are)."""
@@ -266,6 +285,8 @@ def spellings() -> dict[str, tuple[type, tuple]]:
         "class token and patch mean concatenated": (ClassAndMeanHead, ()),
         "tokens repeated per expert (repeat)": (ExpertCopies, (False,)),
         "tokens repeated per expert (tile)": (ExpertCopies, (True,)),
+        "F.conv1d depthwise on a viewed weight": (ShortConv, (True,)),
+        "F.conv1d depthwise with a bias, groups by name (fx)": (ShortConv, (False,)),
     }
 
 

@@ -129,12 +129,12 @@ class _Walk:
     def snapshot(self) -> tuple:
         s = self.s
         walk = (dict(self.parent), dict(self.needs), set(self.done_users), set(self.inner))
-        return (dict(s.axes), list(s.writers), list(s.readers), list(s.norms), *walk)
+        return (dict(s.axes), list(s.writers), list(s.readers), list(s.norms), list(s.grouped), *walk)
 
     def restore(self, saved: tuple) -> None:
         """Back to a snapshot (the tensors a refused component added are no part of the stream)."""
         s = self.s
-        s.axes, s.writers, s.readers, s.norms, self.parent, self.needs, self.done_users, self.inner = saved
+        s.axes, s.writers, s.readers, s.norms, s.grouped, self.parent, self.needs, self.done_users, self.inner = saved
         self.todo = []
 
     def add(self, n: fx.Node, axis: int, like: fx.Node | None = None) -> None:
@@ -410,6 +410,8 @@ class _Walk:
         self.need(n, "zero", why)
         for path, dim, kind in op.params:
             self.s.writers.append(Writer(n.name, kind, [(path, dim)], n.name))
+        if op.groups and n.name not in self.s.grouped:  # F.conv1d(…, groups=width): one group per coordinate
+            self.s.grouped.append(n.name)
 
     def constant(self, c: fx.Node, axis: int) -> None:
         """`c` = zeros_like(stream) and the like: no value of the stream, its shape. Uniform, so an integer index along

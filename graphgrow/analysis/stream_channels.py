@@ -22,6 +22,10 @@ class ChannelOp:
     x: fx.Node  # the stream input
     x_axis: int  # its hidden axis
     params: list[tuple[str, int, str]]  # (parameter path, its dim along the stream, "scale" | "shift")
+    groups: bool = False  # a functional depthwise conv: its `groups` argument is the width (rewritten with it)
+
+
+CONV_FUNCTIONS = ("conv1d", "conv2d", "conv3d")  # F.convNd(x, weight, bias, stride, padding, dilation, groups)
 
 
 def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> ChannelOp | None:
@@ -42,6 +46,8 @@ def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> Channel
         params = [(f"{n.target}.weight", 0, "scale")]
         params += [(f"{n.target}.bias", 0, "shift")] if m.bias is not None else []
         return ChannelOp(n.args[0], 1, params)
+    if base_name(n) in CONV_FUNCTIONS:
+        return _functional_depthwise(n, axis, width)
     if arithmetic(n) != "mul" or len(n.args) != 2 or not all(isinstance(a, fx.Node) for a in n.args):
         return None
     out = tensor_shape(n)
@@ -55,6 +61,42 @@ def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> Channel
         if found is not None:
             return ChannelOp(x, axis, [(found[0], found[1], "scale")])
     return None
+
+
+def _functional_depthwise(n: fx.Node, axis: int, width: int) -> ChannelOp | None:
+    """F.conv1d(x, w, b, …, groups=width) with w a parameter of `width` filters, read directly or through unit views
+    (Inkling's causal short conv: `conv1d(x, weight.squeeze(1).unsqueeze(1), None, 1, k - 1, 1, d)`): a filter per
+    channel, as a depthwise conv module."""
+    x, groups = n.args[0] if n.args else None, n.args[6] if len(n.args) > 6 else n.kwargs.get("groups", 1)
+    if axis != 1 or width < 2 or groups != width or not isinstance(x, fx.Node):
+        return None
+    if (tensor_shape(x) or ())[1:2] != (width,) or (tensor_shape(n) or ())[1:2] != (width,):
+        return None
+    params = []
+    for i, key, kind in ((1, "weight", "scale"), (2, "bias", "shift")):
+        p = n.args[i] if len(n.args) > i else n.kwargs.get(key)
+        if p is None and kind == "shift":
+            continue
+        found = _filter_parameter(p, width) if isinstance(p, fx.Node) else None
+        if found is None:
+            return None
+        params.append((found, 0, kind))
+    return ChannelOp(x, 1, params, groups=True)
+
+
+def _filter_parameter(p: fx.Node, width: int) -> str | None:
+    """The parameter behind `p` when `p` is it, or it through views of unit dims other than the first (whose size is
+    `width`, one filter per channel), each read by the next alone."""
+    node = p
+    while node.op != "get_attr":
+        x = node.args[0] if node.args else None
+        if len(node.users) != 1 or not isinstance(x, fx.Node) or not _unit_view(node):
+            return None
+        if (tensor_shape(node) or (0,))[0] != width or (tensor_shape(x) or (0,))[0] != width:  # the filters stay first
+            return None
+        node = x
+    shape = tensor_shape(node)
+    return str(node.target) if len(node.users) == 1 and shape and shape[0] == width else None
 
 
 def channel_factor(gm: fx.GraphModule, p: fx.Node, rank: int, axis: int, width: int) -> tuple[str, int] | None:
@@ -85,7 +127,7 @@ def channel_factor(gm: fx.GraphModule, p: fx.Node, rank: int, axis: int, width: 
 def _unit_view(n: fx.Node) -> bool:
     """Unit dims added or a cast, nothing else: unsqueeze, indexing by None and full slices, to(dtype), float()."""
     name = base_name(n)
-    if name in ("unsqueeze", "to", "float", "contiguous"):
+    if name in ("unsqueeze", "squeeze", "to", "float", "contiguous"):
         return not any(isinstance(a, fx.Node) and tensor_shape(a) is not None for a in list(n.args[1:]))
     if name != "getitem" or len(n.args) < 2:
         return False

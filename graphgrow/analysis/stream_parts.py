@@ -36,6 +36,7 @@ class Stream:
     readers: list[Reader] = field(default_factory=list)
     norms: list[Norm] = field(default_factory=list)
     views: list[str] = field(default_factory=list)  # reshape/view/expand nodes on the stream
+    grouped: list[str] = field(default_factory=list)  # functional depthwise convs: their `groups` is the width
     fill: dict[str, str] = field(default_factory=dict)  # stream tensor → mean | zero (empty when conflict)
     conflict: str | None = None  # why no per-tensor fill is exact (a post-norm stream)
 

@@ -268,8 +268,15 @@ def _resize_modules(gm: fx.GraphModule, paths: set[str]) -> None:
 
 
 def _grow_views(gm: fx.GraphModule, stream: Stream, new: int) -> None:
-    """reshape/view/expand on the stream with the width written as a constant: the new width."""
+    """reshape/view/expand on the stream with the width written as a constant, a functional depthwise conv's
+    `groups`: the new width."""
     nodes = {n.name: n for n in gm.graph.nodes}
+    for name in stream.grouped:  # F.conv1d(x, w, b, stride, padding, dilation, groups)
+        n = nodes[name]
+        if len(n.args) > 6:
+            n.args = (*n.args[:6], new, *n.args[7:])
+        else:
+            n.kwargs = {**n.kwargs, "groups": new}
     for name in stream.views:
         n, axis = nodes[name], stream.axes[name]
         if n.op == "call_function":  # torch.reshape(x, shape)
