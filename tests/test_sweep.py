@@ -222,6 +222,59 @@ def test_the_shrinker_restores_the_relations_a_config_checks():
     assert _shrunk(Gqa)["num_key_value_heads"] < HEADS
 
 
+def test_the_shrinker_keeps_stage_channels_head_widths_and_rotary_parts():
+    """Per-stage channel lists beside hidden_sizes (HGNet-V2: the classifier read hidden_sizes[-1] = 128 while the
+    backbone ended at 2048) shrink by hidden_sizes' factor, equal counts staying equal and the image's 3 channels
+    kept; heads that split a multiple of the hidden size (Mamba-2: hidden_size * expand == num_heads * head_dim,
+    checked by its config) keep that multiple; a latent-attention head_dim that was the rotary part's size (LongCat)
+    follows it when the config keeps it as given, and is left alone when the config derives it (DeepSeek-V2)."""
+    from dataclasses import dataclass
+
+    from sweep_models import HIDDEN, _shrunk
+
+    @dataclass
+    class Stages:
+        hidden_sizes: tuple = (256, 512, 1024, 2048)
+        stem_channels: tuple = (3, 32, 48)
+        stage_in_channels: tuple = (48, 128, 512, 1024)
+        stage_out_channels: tuple = (128, 512, 1024, 2048)
+
+    kw = _shrunk(Stages)
+    assert kw["stage_out_channels"][-1] == kw["hidden_sizes"][-1]
+    assert kw["stem_channels"][0] == 3 and kw["stem_channels"][-1] == kw["stage_in_channels"][0]
+    assert kw["stage_out_channels"][:-1] == kw["stage_in_channels"][1:]
+
+    @dataclass
+    class Mamba2:
+        hidden_size: int = 4096
+        num_heads: int = 128
+        head_dim: int = 64
+        expand: int = 2
+
+        def __post_init__(self):
+            assert self.hidden_size * self.expand == self.num_heads * self.head_dim
+
+    kw = _shrunk(Mamba2)
+    assert kw["hidden_size"] == HIDDEN and kw["num_heads"] * kw["head_dim"] == 2 * HIDDEN
+    Mamba2(**kw)
+
+    @dataclass
+    class Latent:
+        hidden_size: int = 6144
+        kv_lora_rank: int = 512
+        qk_rope_head_dim: int = 64
+        head_dim: int = 64  # the rotary embedding's size
+
+    @dataclass
+    class Derived(Latent):
+        def __post_init__(self):
+            self.head_dim = self.qk_rope_head_dim
+
+    kw = _shrunk(Latent)
+    assert kw["head_dim"] == kw["qk_rope_head_dim"] < HIDDEN // 4
+    assert _shrunk(Derived)["head_dim"] == HIDDEN // 4  # not changed: the config sets it itself
+
+
 def test_a_masked_lm_whose_mask_token_is_left_none_gets_one():
     """ESM's config leaves its mask and padding ids None, and its forward compares the token ids with both (ne()
     received NoneType): a masked LM's are set inside the small vocabulary; a config without a mask token is not."""

@@ -223,6 +223,8 @@ def _shrunk(config_class: type) -> dict:
             kw[k] = _TOKEN_IDS.index(k) % 3
     if "num_key_value_heads" in kw and "kv_lora_rank" in real:
         kw["num_key_value_heads"] = kw.get("num_attention_heads", HEADS)
+    if "kv_lora_rank" in real and "qk_rope_head_dim" in kw and value("head_dim") == value("qk_rope_head_dim"):
+        _rotary_head_dim(config_class, kw)
     # (CvT's `depth` is left as it is: its code indexes stage i's drop-path rates, depth[i] of them, by i)
     for k in ("hidden_sizes", "depths", "num_heads", "embed_dims", "embed_dim"):
         stages = value(k)
@@ -237,6 +239,7 @@ def _shrunk(config_class: type) -> dict:
             }[k]
             if k == "num_heads" and isinstance(kw.get("embed_dim"), int):
                 kw["embed_dim"] = 16  # stage i has embed_dim · 2^i channels and 2^i heads
+    _stage_channels(kw, real, value)
     _keep_groups(kw, real, value)
     for k, sub in (getattr(config_class, "sub_configs", None) or {}).items():
         if k not in real or not isinstance(sub, type):
@@ -270,7 +273,7 @@ def _consistent(config_class: type, kw: dict, default: object, real: set, value)
 
     if not kw or not _refuses(config_class, kw, default):
         return kw
-    fixes = [_no_gqa, _per_layer_values, _layer_counts, _hidden_size_copies]
+    fixes = [_no_gqa, _per_layer_values, _layer_counts, _hidden_size_copies, _head_width]
     for n in range(1, len(fixes) + 1):
         for chosen in itertools.combinations(fixes, n):
             fixed = dict(kw)
@@ -303,6 +306,22 @@ def _no_gqa(kw: dict, real: set, value) -> None:
     """As many key/value heads as heads: a model without grouped-query attention (ESMC) refuses fewer."""
     if "num_key_value_heads" in kw and "num_attention_heads" in kw:
         kw["num_key_value_heads"] = kw["num_attention_heads"]
+
+
+def _head_width(kw: dict, real: set, value) -> None:
+    """The heads' total width as the same multiple of the hidden size as by default: Mamba-2's heads split its
+    inner width, hidden_size × expand (checked: hidden_size * expand must equal num_heads * head_dim), so 4 heads
+    of 64 channels over 2 × 64 take head_dim 32."""
+    hidden = next((k for k in ("hidden_size", "d_model", "n_embd", "dim") if k in kw), None)
+    heads = next((k for k in ("num_heads", "num_attention_heads", "n_head", "n_heads") if k in kw), None)
+    if hidden is None or heads is None or "head_dim" not in kw:
+        return
+    old_hidden, old_heads, old_head_dim = value(hidden), value(heads), value("head_dim")
+    if not all(isinstance(x, int) and x > 0 for x in (old_hidden, old_heads, old_head_dim)):
+        return
+    width = old_heads * old_head_dim * kw[hidden]  # the new total width, times old_hidden
+    if width % (old_hidden * kw[heads]) == 0:
+        kw["head_dim"] = width // (old_hidden * kw[heads])
 
 
 def _layer_count(kw: dict, value) -> tuple[int, int] | None:
@@ -391,6 +410,38 @@ def _read(config: object, field: str) -> object:
         return getattr(config, field, None)
     except Exception:  # a per-layer field read as one value (heterogeneous configs)
         return None
+
+
+def _rotary_head_dim(config_class: type, kw: dict) -> None:
+    """Multi-head latent attention whose head_dim is by default its rotary part's size is given that size when the
+    config keeps head_dim as given (LongCat-Flash sizes its rotary embedding by head_dim: 8 sin/cos against a rotary
+    part of 4 pairs fails to broadcast); configs that derive it themselves (DeepSeek-V2 and V3) are left alone."""
+    if "head_dim" not in kw or kw["head_dim"] == kw["qk_rope_head_dim"]:
+        return
+    try:
+        kept = config_class(**kw).head_dim == kw["head_dim"]
+    except Exception:
+        return
+    if kept:
+        kw["head_dim"] = kw["qk_rope_head_dim"]
+
+
+def _stage_channels(kw: dict, real: set, value) -> None:
+    """Channel counts given per stage beside hidden_sizes (HGNet-V2's stem_channels, stage_in/mid/out_channels:
+    the backbone is built from these, the classifier from hidden_sizes[-1]) shrink by the factor hidden_sizes did,
+    one factor for all so that counts that were equal (a stage's output, the next stage's input) stay equal; the
+    image's channel count (a stem's first entry) stays."""
+    old, new = value("hidden_sizes"), kw.get("hidden_sizes")
+    if not isinstance(old, (list, tuple)) or not isinstance(new, list) or not old or not new or not old[-1]:
+        return
+    ratio = new[-1] / old[-1]
+    image = value("num_channels") if isinstance(value("num_channels"), int) else 3
+    for k in sorted(real):
+        v = value(k)
+        if k in kw or "channels" not in k or not isinstance(v, (list, tuple)) or not v:
+            continue
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            kw[k] = [x if x <= image else max(1, int(x * ratio)) for x in v]
 
 
 def _keep_groups(kw: dict, real: set, value) -> None:
