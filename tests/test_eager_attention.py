@@ -33,7 +33,7 @@ class Eager(nn.Module):
         self.spelling, self.h = spelling, heads
         self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
         self.drop = nn.Dropout(0.1)
-        self.bias = nn.Parameter(torch.randn(heads, 1, 1)) if per_head_bias else None
+        self.per_head_bias = per_head_bias  # ALiBi-like slopes computed in the forward: no parameter holds them
 
     def forward(self, x):
         q, k, v = (p(x).unflatten(-1, (self.h, -1)).transpose(1, 2) for p in (self.q, self.k, self.v))
@@ -43,8 +43,8 @@ class Eager(nn.Module):
         else:
             scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * d**-0.5
         scores = torch.tanh(scores / 5.0) * 5.0  # soft-capping
-        if self.bias is not None:
-            scores = scores + self.bias
+        if self.per_head_bias:
+            scores = scores + torch.arange(1, self.h + 1, dtype=x.dtype, device=x.device).view(self.h, 1, 1) * -0.1
         i = torch.arange(t, device=x.device)  # (not .triu(1): not on the saved graph's closed op list yet)
         causal = i[None, :] > i[:, None]
         weights = self.drop(F.softmax(scores.masked_fill(causal, float("-inf")), dim=-1))

@@ -245,17 +245,19 @@ class Opaque(nn.Module):
 
 
 class QKNorm(nn.Module):
-    """A LayerNorm over each head's query and key (as in ViT-22B, Qwen3), and a per-head bias on the logits."""
+    """A LayerNorm over each head's query and key (as in ViT-22B, Qwen3), and a bias per head on the logits computed
+    in the forward (ALiBi-like slopes: no parameter holds it, so new heads would have none; a bias read from a
+    parameter grows: tests/test_heads_tables.py)."""
 
     def __init__(self):
         super().__init__()
         self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
         self.norm = nn.LayerNorm(4)
-        self.bias = nn.Parameter(torch.randn(2, 1, 1))
 
     def forward(self, x):
         q, k, v = (self.norm(t(x).unflatten(-1, (2, 4)).transpose(1, 2)) for t in (self.q, self.k, self.v))
-        return self.o(F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias).transpose(1, 2).flatten(2))
+        bias = torch.arange(1, 3, dtype=x.dtype, device=x.device).view(2, 1, 1) * 0.5
+        return self.o(F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).flatten(2))
 
 
 @pytest.mark.parametrize(

@@ -14,12 +14,11 @@ import operator
 import torch
 from torch import fx
 
-from ..graph import ops
 from ..graph.fx_edit import tensor_shape
+from . import head_params
 from .head_layout import (
     _FACTOR_WORDS,
     HEAD_FACTORS,
-    SAME,
     Axis,
     FactorEdit,
     Layout,
@@ -43,7 +42,8 @@ class Flow:
         self.layout: dict[str, object] = {}  # node → Layout, or a list of (Layout, section) for split/unbind
         self.section: dict[str, int] = {}
         self.edits: list[FactorEdit] = []
-        self.params: list[tuple[str, Axis, float]] = []  # 1-d parameters, one entry per head (adopt): new value
+        # parameters holding an entry per head (adopt): (path, the axis holding the heads, its factors, new entries)
+        self.params: list[tuple[str, int, Axis, float]] = []
 
     def grows(self, axis: Axis) -> bool:
         return any(f in self.growing for f, _ in axis)
@@ -120,6 +120,14 @@ class Flow:
                 return lay[:start] + (tuple(f for axis in lay[start : end + 1] for f in axis),) + lay[end + 1 :]
             packed = len(n.args) == 2 and isinstance(n.args[1], (list, tuple))
             sizes = n.args[1] if packed else n.args[1:]
+            joined = _joined_sizes(n.args[1]) if len(n.args) == 2 and isinstance(n.args[1], fx.Node) else None
+            if joined is not None:  # x.view(x.size()[:-1] + (heads, -1)): the constants are in the tuple added
+                read, tail = joined
+                out = self.regroup(n, lay, shape, [read] * (len(shape) - len(tail)) + list(tail))
+                if any(self.grows(axis) for axis in out[: len(shape) - len(tail)]):
+                    raise refuse(n, f"takes the size of a growing axis from '{read}', sizes read at run time")
+                self.constants(n.args[1], out[len(shape) - len(tail) :], tail, ("args", 1))
+                return out
             out = self.regroup(n, lay, shape, list(sizes))
             self.constants(n, out, sizes, ("args", 1) if packed else ("args",))
             return out
@@ -254,7 +262,7 @@ class Flow:
                 k = j - len(shape) + len(s) if s is not None else -1
                 if side.name in self.layout or k < 0 or s[k] == 1 or not self.grows(axis):
                     continue
-                if self.adopt(side, axis, 1.0 if _name(n) in ("mul", "div", "truediv") else 0.0):
+                if self.adopt(side, axis, 1.0 if _name(n) in ("mul", "div", "truediv") else 0.0, k - len(s)):
                     continue
                 if any(f == "d" for f, _ in axis) and _name(n) == "mul":
                     raise refuse(
@@ -291,28 +299,10 @@ class Flow:
             )
         return tuple(() if i in dims else a for i, a in enumerate(lay) if keep or i not in dims)
 
-    def adopt(self, side: fx.Node, axis: Axis, fill: float) -> bool:
-        """`side` meets the heads axis `axis` at its full size and is a 1-d parameter, one entry per head, seen
-        through unit dims, views, indexing and casts (Beam's per-head gate bias, a learnable sink): it grows with the
-        heads: new heads' entries `fill` (one for a factor, zero for a term: only new heads read them)."""
-        if any(f in self.growing and f not in HEAD_FACTORS for f, _ in axis):
-            return False
-        chain, x = [], side
-        while x.op != "get_attr":
-            if _name(x) not in ops.UNIT_DIMS | SAME | {"view", "reshape", "getitem", "expand"} or not x.args:
-                return False
-            if not isinstance(x.args[0], fx.Node):
-                return False
-            chain.append(x)
-            x = x.args[0]
-        ps = tensor_shape(x)
-        if ps is None or len(ps) != 1 or ps[0] != size_of(axis) or ps[0] < 2:
-            return False
-        self.layout[x.name] = (axis,)
-        for m in reversed(chain):
-            self.layout[m.name] = self.step(m)
-        self.params.append((str(x.target), axis, fill))
-        return True
+    def adopt(self, side: fx.Node, axis: Axis, fill: float, at: int = -1) -> bool:
+        """`side` meets the heads axis `axis` at its axis `at` and is computed from one parameter that holds an entry
+        per head (a sink, a gate bias, a per-head bias table): it grows with the heads (analysis.head_params)."""
+        return head_params.adopt(self, side, axis, fill, at)
 
     def cat(self, n: fx.Node, shape: tuple) -> Layout:
         dim = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % len(shape)
@@ -475,6 +465,23 @@ class Flow:
         )
         self.constants(n, out, sizes, at)
         return out
+
+
+def _joined_sizes(a: fx.Node) -> tuple[str, tuple] | None:
+    """(the size read, the sizes added) when a reshape's shape is `t.size()[:k] + (c, …)` (BERT-style
+    transpose_for_scores: `x.view(x.size()[:-1] + (heads, -1))`): the leading sizes are read from a tensor at run time,
+    the tuple holds the constants; else None."""
+    if not (a.op == "call_function" and a.target is operator.add and len(a.args) == 2):
+        return None
+    head, tail = a.args
+    if not isinstance(tail, tuple) or not all(isinstance(c, (int, fx.Node)) for c in tail):
+        return None
+    if not (isinstance(head, fx.Node) and head.op == "call_function" and head.target is operator.getitem):
+        return None
+    read = head.args[0]
+    if not (isinstance(read, fx.Node) and read.op == "call_method" and read.target == "size" and len(read.args) == 1):
+        return None
+    return head.name, tail
 
 
 def _constant_factor(a) -> tuple[int, int] | None:

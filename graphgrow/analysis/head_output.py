@@ -75,7 +75,7 @@ def _from_scores(gm: fx.GraphModule, a: fx.Node, core: Core, region: set[str]):
 
 def _reader(
     gm: fx.GraphModule, core: Core, lay: Layout, growing: set[str]
-) -> tuple[Projection, list[FactorEdit], list[Projection], list[tuple[str, Axis, float]]]:
+) -> tuple[Projection, list[FactorEdit], list[Projection], list[tuple[str, int, Axis, float]]]:
     """The output projection reading the attention's output, the tensors between them followed; the Linear layers
     of output gates on the way (their rows follow the heads: new heads' gate rows are random, the output
     projection's new columns zero); and the parameters with one entry per head that a factor on the output
@@ -104,7 +104,7 @@ def _reader(
     if len(readers) != 1:
         raise refuse(s, f"has {len(readers)} output projections; the analysis needs one")
     gates: list[Projection] = []
-    per_head: list[tuple[str, Axis, float]] = []
+    per_head: list[tuple[str, int, Axis, float]] = []
     width = size_of(lay[-3] + lay[-1])
     for n in [m for m in gm.graph.nodes if m.name in region and op_kind(gm, m) == "elementwise"]:
         for a in data_args(n):
@@ -130,7 +130,7 @@ def _reader(
                     one = len(ps) == 1 and ps[0] == size_of(lay[-3]) and ps[0] > 1
                     flow.layout[p.name] = (lay[-3],) if one else plain(ps)
                     if one and flow.grows(lay[-3]):
-                        per_head.append((str(p.target), lay[-3], 0.0))
+                        per_head.append((str(p.target), 0, lay[-3], 0.0))
                 region |= path
     flow.region = region
     flow.run([n for n in gm.graph.nodes if n.name in region and n is not s])

@@ -63,7 +63,8 @@ class Attention:
     # an eager scale computed from sizes (math.sqrt(q.size(-1))): its factor on the scores at new factor sizes
     scale_of: Callable[[dict[str, int]], float] | None = None
     # parameters with one entry per head (a learnable sink, a gate bias): (path, factors, new heads' value)
-    per_head: list[tuple[str, Axis, float]] = field(default_factory=list)
+    # (path, the axis holding the heads, its factors, new heads' value)
+    per_head: list[tuple[str, int, Axis, float]] = field(default_factory=list)
 
     def summary(self) -> str:
         gqa = (
@@ -136,11 +137,19 @@ def find_attentions(gm: fx.GraphModule, growing: set[str], at: str | None = None
         except NotApplicable as e:
             failed.append(e)
     if at is not None:
+        every = out
         out = [
             a
             for a in out
             if any(p.weight.startswith(f"{at}.") or p.node == at for p in a.projections + [a.reader]) or a.node == at
         ]
+        left = {t[0]: a for a in every if a not in out for t in a.per_head}
+        for t in (t for a in out for t in a.per_head if t[0] in left):
+            raise NotApplicable(
+                f"'{t[0]}' holds an entry per head for the attention at '{at}' and for '{left[t[0]].node}' too: "
+                "growing the heads of one would give the other a table of the wrong size",
+                "leave at= out to grow every attention that reads it",
+            )
     if failed and (at is None or not out):
         first = failed[0]
         raise NotApplicable(
@@ -303,7 +312,7 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
     if not heads(lq[-3]) == heads(lk[-3]) == heads(lv[-3]) or canon(lq[-1], growing) != canon(lk[ka], growing):
         raise refuse(s, "gets query, key and value whose heads or head sizes the analysis cannot match up")
     for sink in core.sinks:  # a column per head and query row before the softmax: a parameter per head
-        if flow.grows(lq[-3]) and not flow.adopt(sink, lq[-3], 0.0):
+        if flow.grows(lq[-3]) and not flow.adopt(sink, lq[-3], 0.0, -3):
             raise refuse(
                 sink,
                 f"is a column concatenated to the scores of '{s.name}' per head that does not come from a parameter "
@@ -311,7 +320,14 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
             )
     for mask in core.sides:
         ms = tensor_shape(mask)
-        if ms and len(ms) >= 3 and ms[-3] > 1 and flow.grows(lq[-3]) and not _one_for_all_heads(mask):
+        if (
+            ms
+            and len(ms) >= 3
+            and ms[-3] > 1
+            and flow.grows(lq[-3])
+            and not _one_for_all_heads(mask)
+            and not flow.adopt(mask, lq[-3], 0.0, -3)  # a bias per head read from a table: new heads' entries 0
+        ):
             raise refuse(
                 mask, f"is a mask or bias per head {tuple(ms)} (ALiBi, relative positions): new heads have none"
             )

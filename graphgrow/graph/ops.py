@@ -34,6 +34,7 @@ BROADCASTS = frozenset({"expand", "expand_as"})  # repeat size-1 dims without co
 SPLITS = frozenset({"split", "chunk", "unbind"})  # one tensor into a tuple of pieces along a dim
 SHAPE_DONORS = frozenset({"type_as", "expand_as", "view_as", "reshape_as"})  # x.op(y): y gives a dtype or shape
 INDEXING = frozenset({"select", "getitem"})  # x.select(d, i), x[i]: one index along a dim (the dim disappears)
+LOOKUPS = frozenset({"embedding"})  # F.embedding(ids, table): rows of the table (its second operand) by index
 
 # ops whose result may share storage with their input (a view in torch's sense: writing one writes the other)
 MAY_ALIAS = (

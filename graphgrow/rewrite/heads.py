@@ -192,11 +192,18 @@ def _resize(gm: fx.GraphModule, path: str | None) -> None:
 
 
 def grow_attention(
-    gm: fx.GraphModule, att: Attention, new: dict[str, int], generator: torch.Generator, weights: bool = True
+    gm: fx.GraphModule,
+    att: Attention,
+    new: dict[str, int],
+    generator: torch.Generator,
+    weights: bool = True,
+    shared: set[str] | None = None,
 ) -> str:
     """Grow one attention of `gm` in place to the factor sizes `new`; returns what its scale does. `weights=False`:
     its layers were grown already (a layer shared by several attentions: ALBERT's one layer called at every depth),
-    only its own graph (reshape constants, scale) changes."""
+    only its own graph (reshape constants, scale) changes. `shared`: paths of per-head parameters grown already
+    (by another attention that reads them too); this one's are added."""
+    shared = set() if shared is None else shared
     nodes = {n.name: n for n in gm.graph.nodes}
     owners = _owners(gm)
     q_scale, how = _scale(nodes[att.node], att, new)
@@ -213,12 +220,18 @@ def grow_attention(
         if p.bias is not None:
             _put(gm, p.bias, b, owners)
         _resize(gm, p.module)
-    for path, factors, fill in att.per_head:  # one entry per head (a sink, a gate bias): only new heads read theirs
+    for path, dim, factors, fill in att.per_head:  # entries per head (a sink, a bias table): new heads read theirs
+        if path in shared:  # one table read by several attentions (CPM-Ant's position bias): grown once
+            continue
+        shared.add(path)
         old = _tensor(gm, path)
         old_to_new, total, _ = places(factors, new)
-        grown = torch.full((total,), fill, dtype=old.dtype, device=old.device)
-        grown[old_to_new] = old.detach()
+        grown = torch.full((*old.shape[:dim], total, *old.shape[dim + 1 :]), fill, dtype=old.dtype, device=old.device)
+        grown.index_copy_(dim, old_to_new.to(old.device), old.detach())
         _put(gm, path, grown, owners)
+        owner = gm.get_submodule(path.rpartition(".")[0])
+        if isinstance(owner, nn.Embedding):  # a table per head looked up by position (T5's): its width is the heads
+            owner.embedding_dim = grown.shape[1]
     _put(gm, att.reader.weight, _columns(att.reader, _tensor(gm, att.reader.weight), new), owners)
     _resize(gm, att.reader.module)
     for e in att.edits:
@@ -260,6 +273,7 @@ def grow_attentions(
     attentions (one module called at several depths) are grown once, when every attention that shares them grows
     them alike."""
     grown: dict[str, tuple] = {}  # weight path → (its factors, the new sizes) it was grown with
+    tables: set[str] = set()  # per-head parameters grown so far
     hows = []
     for att, new in plans:
         layers = [*att.projections, att.reader]
@@ -270,7 +284,7 @@ def grow_attentions(
                 "layers, or grows it to other sizes",
                 HINT,
             )
-        hows.append(grow_attention(gm, att, new, generator, weights=not done))
+        hows.append(grow_attention(gm, att, new, generator, weights=not done, shared=tables))
         grown.update((p.weight, (p.factors, p.sections, new)) for p in layers)
     finish(gm)
     return hows
