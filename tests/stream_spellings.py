@@ -264,6 +264,24 @@ class ShortConv(Block):
         return x + b + c[..., : x.shape[1]].transpose(1, 2)
 
 
+class GatedNorm(Block):
+    """AXK2's gated norm: the norm's output times σ of a bottleneck MLP of it, σ(fc2(silu(fc1(norm(x))))), a gate
+    per hidden coordinate; a bilinear gate h · F.linear(h, W) on a parameter; a GLU gate through an nn.Sigmoid."""
+
+    def __init__(self, kind: str):
+        super().__init__(nn.RMSNorm(D), nn.RMSNorm(D))
+        self.fc1, self.fc2, self.kind = nn.Linear(D, 3), nn.Linear(3, D), kind
+        self.w, self.act = nn.Parameter(torch.randn(D, D) * 0.3), nn.Sigmoid()
+
+    def branch(self, x):
+        h = self.norm(x)
+        if self.kind == "bottleneck":
+            g = torch.sigmoid(self.fc2(F.silu(self.fc1(h))))
+        else:
+            g = F.linear(h, self.w) if self.kind == "bilinear" else self.act(F.linear(h, self.w))
+        return self.fc(h * g)
+
+
 def spellings() -> dict[str, tuple[type, tuple]]:
     """name → (module class, its arguments); names ending in '(fx)' are captured with torch.fx (`extras` kept as a
     leaf), the others with torch.export (as Hugging Face models are)."""
@@ -287,6 +305,9 @@ def spellings() -> dict[str, tuple[type, tuple]]:
         "tokens repeated per expert (tile)": (ExpertCopies, (True,)),
         "F.conv1d depthwise on a viewed weight": (ShortConv, (True,)),
         "F.conv1d depthwise with a bias, groups by name (fx)": (ShortConv, (False,)),
+        "a gate from a bottleneck MLP on the norm's output": (GatedNorm, ("bottleneck",)),
+        "a bilinear gate F.linear(h, W) on the norm's output": (GatedNorm, ("bilinear",)),
+        "a gate through an nn.Sigmoid module (fx)": (GatedNorm, ("module",)),
     }
 
 

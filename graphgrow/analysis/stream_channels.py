@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.nn.functional as F
 from torch import fx, nn
 
 from ..graph.fx_edit import tensor_shape
-from .stream_ops import arithmetic, base_name
+from .stream_ops import arg, arithmetic, base_name
+from .stream_regions import region
 
 
 @dataclass
@@ -25,6 +27,7 @@ class ChannelOp:
     groups: bool = False  # a functional depthwise conv: its `groups` argument is the width (rewritten with it)
 
 
+GATE_MODULES = (nn.Sigmoid, nn.Tanh, nn.Softplus, nn.SiLU, nn.GELU, nn.ReLU)  # elementwise, finite: a gate's σ
 CONV_FUNCTIONS = ("conv1d", "conv2d", "conv3d")  # F.convNd(x, weight, bias, stride, padding, dilation, groups)
 
 
@@ -60,6 +63,33 @@ def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> Channel
         found = channel_factor(gm, p, len(out), axis, width)
         if found is not None:
             return ChannelOp(x, axis, [(found[0], found[1], "scale")])
+        gate = gate_factor(gm, p, out, axis, width)
+        if gate is not None:
+            return ChannelOp(x, axis, gate)
+    return None
+
+
+def gate_factor(gm: fx.GraphModule, p: fx.Node, out: tuple, axis: int, width: int) -> list[tuple[str, int, str]] | None:
+    """The parameters of a Linear whose output, through an elementwise function (probed: stream_regions.region),
+    is `p`, a gate on the stream made for this product alone: AXK2's gated norm `norm(x) · σ(fc2(act(fc1(norm(x)))))`.
+    Its new rows give the gate's new coordinates, which multiply the stream's new coordinates, 0: any value is exact
+    (they start as the mean of the old rows and learn once the stream's new coordinates move)."""
+    if len(p.users) != 1 or tensor_shape(p) != out or axis != len(out) - 1:
+        return None
+    found = region(p) if p.op in ("call_function", "call_method") else None
+    root = found[0] if found is not None else p
+    if root.op == "call_module" and type(gm.get_submodule(root.target)) in GATE_MODULES and len(root.args) == 1:
+        root = root.args[0]  # type: ignore[assignment]  # σ as a module (checked to be a Node below)
+    if not isinstance(root, fx.Node):
+        return None
+    if tensor_shape(root) != out or len(root.users) != 1:
+        return None
+    if root.op == "call_module" and isinstance(m := gm.get_submodule(root.target), nn.Linear):
+        return [(f"{root.target}.{k}", 0, "scale") for k in ("weight", "bias") if getattr(m, k) is not None]
+    if root.op == "call_function" and root.target is F.linear:
+        given = [arg(root, 1, "weight"), arg(root, 2, "bias")]
+        if all(a is None or (isinstance(a, fx.Node) and a.op == "get_attr" and len(a.users) == 1) for a in given):
+            return [(str(a.target), 0, "scale") for a in given if isinstance(a, fx.Node)]
     return None
 
 
