@@ -1,6 +1,7 @@
 """Sweep a model registry: every model × every built-in pass at its default place, through the real CLI with the
 full check (`graphgrow mutate MODEL --pass P --check --onnx OUT.onnx`: verification, save, ONNX, onnxruntime), one
-process per model (tools/sweep_worker.py runs the CLI in it once per pass) with a time limit per run; results
+process per model (tools/sweep_worker.py runs the CLI in it once per pass, the model opened once) with a time
+limit per run; results
 appended to a JSONL state file (a rerun skips the runs it holds), then a generated table written to docs/sweep.md
 (tools/sweep_report.py). `make sweep` runs it.
 

@@ -1,6 +1,8 @@
 """One model of a sweep, every pass, in one process (tools/sweep.py starts it): the real CLI
 (`graphgrow mutate MODEL --pass P --check --onnx OUT.onnx`) run in this process once per pass, so torch, the
-registry and the model's code are imported once per model instead of once per run. Each pass has its own limit
+registry and the model's code are imported once per model instead of once per run, and the model is opened (built,
+captured, its capture checked) once: the passes after the first grow the same opened model, as tests/test_zoo.py
+does (a pass never modifies its input; the worker checks that, see `_fingerprint`). Each pass has its own limit
 in CPU seconds of this process (SIGPROF: on shared cores a wall-clock limit measures the neighbours' load, not the
 run); one JSON line per pass goes to stdout as soon as it ends: {"pass", "rc", "timed_out", "stdout", "stderr",
 "seconds", "cpu_seconds"}. A pass that ran out of time stops the process: the limit may have interrupted anything,
@@ -89,6 +91,51 @@ def run_pass(main, runner, model: str, extra: list[str], pass_name: str, timeout
     }
 
 
+def _fingerprint(opened) -> float:
+    """A sum over the parameters and buffers of the opened model (its graph and the module it was captured from),
+    weighted by position: a pass that changed any of them in place (a bug: passes leave their input alone)
+    changes it."""
+    import torch
+
+    total = 0.0
+    tensors = [*opened.gm.state_dict().values(), *opened.loaded.module.state_dict().values()]
+    with torch.no_grad():
+        for i, t in enumerate(tensors):
+            if t.is_floating_point() or t.is_complex():
+                total += (i + 1) * float(t.double().abs().sum()) if not t.is_complex() else float(t.abs().sum())
+            elif t.dtype != torch.bool:
+                total += (i + 1) * float(t.double().sum())
+    return total
+
+
+class _OpenOnce:
+    """workflow._open remembered per argument set, failures included (the same refusal for every pass)."""
+
+    def __init__(self, open_fn) -> None:
+        self.open_fn, self.cache, self.prints = open_fn, {}, {}
+
+    def __call__(self, source, load, progress, max_memory, **extra):
+        key = (source, repr(load), max_memory, repr(sorted(extra.items())))
+        if key not in self.cache:
+            try:
+                opened = self.open_fn(source, load, progress, max_memory, **extra)
+            except Exception as e:
+                self.cache[key] = (None, e, None)
+                raise
+            self.cache[key] = (opened, None, _fingerprint(opened))
+        opened, error, _ = self.cache[key]
+        if error is not None:
+            raise error
+        return opened
+
+    def changed(self) -> bool:
+        """Whether a pass changed an opened model; such an entry is dropped (the next pass opens afresh)."""
+        bad = [k for k, (o, _, fp) in self.cache.items() if o is not None and _fingerprint(o) != fp]
+        for k in bad:
+            del self.cache[k]
+        return bool(bad)
+
+
 def _preload() -> None:
     """What the check imports on first use (the ONNX exporter and runtime): imported here, outside any limit."""
     import importlib
@@ -110,12 +157,18 @@ def main(argv: list[str] | None = None) -> int:
     from click.testing import CliRunner
 
     from graphgrow.cli.commands import main as cli
+    from graphgrow.jobs import workflow
 
     _preload()
+    opener = _OpenOnce(workflow._open)
+    workflow._open = opener
     signal.signal(signal.SIGPROF, _alarm)
     runner = CliRunner()
     for p in [p for p in a.passes.split(",") if p]:
         record = run_pass(cli, runner, rest[0], rest[1:], p, a.timeout)
+        if not record["timed_out"] and opener.changed():  # the pass modified its input: a bug, made visible
+            record["rc"] = 3
+            record["stderr"] += "\ninternal error: the pass changed the model it was given (its input) in place"
         print(json.dumps(record), flush=True)
         if record["timed_out"]:
             return 0  # the passes left get a fresh process (see the module's docstring)
