@@ -275,6 +275,47 @@ def test_the_shrinker_keeps_stage_channels_head_widths_and_rotary_parts():
     assert _shrunk(Derived)["head_dim"] == HIDDEN // 4  # not changed: the config sets it itself
 
 
+def test_values_a_model_cannot_build_without_are_filled_only_then(monkeypatch):
+    """Hunyuan's config leaves head_dim None and its attention raises it to a power; LFM2-MoE's leaves its layer
+    types None and indexes them; Cohere Compass keys its rotary parameters by layer type and has none: the ordinary
+    value is filled where the model does not build without it (a stand-in Auto class here, which reads what the
+    models read) and builds with it. A model that builds without (Mixtral derives head_dim in its code) is left."""
+    from dataclasses import dataclass, field
+
+    import transformers
+    from sweep_models import _ordinary_values
+
+    @dataclass
+    class Cfg:
+        hidden_size: int = 64
+        num_attention_heads: int = 4
+        num_hidden_layers: int = 2
+        head_dim: int | None = None
+        layer_types: list | None = None
+        rope_parameters: dict = field(default_factory=dict)
+
+    class Strict:  # reads all three as the models do
+        @staticmethod
+        def from_config(config):
+            [config.rope_parameters[t] for t in config.layer_types]
+            return config.head_dim**-0.5
+
+    class Lenient:  # derives the head size itself, and needs no layer types
+        @staticmethod
+        def from_config(config):
+            return config.head_dim or config.hidden_size // config.num_attention_heads
+
+    monkeypatch.setattr(transformers, "StandInStrict", Strict, raising=False)
+    monkeypatch.setattr(transformers, "StandInLenient", Lenient, raising=False)
+    kw: dict = {}
+    _ordinary_values(Cfg, "StandInStrict", kw)
+    assert kw["head_dim"] == 16 and kw["layer_types"] == ["full_attention"] * 2
+    assert kw["rope_parameters"]["full_attention"]["rope_type"] == "default"
+    kw = {}
+    _ordinary_values(Cfg, "StandInLenient", kw)
+    assert kw == {}
+
+
 def test_a_masked_lm_whose_mask_token_is_left_none_gets_one():
     """ESM's config leaves its mask and padding ids None, and its forward compares the token ids with both (ne()
     received NoneType): a masked LM's are set inside the small vocabulary; a config without a mask token is not."""

@@ -112,6 +112,12 @@ HF_TASKS = (
     ("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
     ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
 )
+_AUTO = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "image-classification": "AutoModelForImageClassification",
+}
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB, IMAGE = 64, 2, 4, 2, 256, 32
 # field → value for every scalar size field a config may have (set only where the config class has it)
 _SCALARS = {
@@ -493,6 +499,60 @@ def _masking_tokens(kw: dict, config_class: type) -> None:
             kw.setdefault(k, token)
 
 
+def _ordinary_values(config_class: type, auto_name: str, kw: dict) -> None:
+    """Values a user gives a config whose model does not build without them, where transformers' own default
+    config does not build either: a head size the config leaves None and the model raises to a power (Hunyuan:
+    head_dim ** -0.5), layer types left None that the model indexes per layer (LFM2-MoE), rotary parameters keyed
+    by layer type with a type missing (Cohere Compass). Each is filled only where the model, built on the meta
+    device, fails without it and builds with it; a model that builds is left exactly as shrunk. (DBRX is left
+    refused as transformers' failure: given the attn_config.rope_theta its code reads, it builds but cannot run,
+    clamping its q/k/v to clip_qkv=None.)"""
+    try:
+        config = config_class(**kw)
+    except Exception:
+        return
+    fills: list[dict] = []
+    hidden, heads = _read(config, "hidden_size"), _read(config, "num_attention_heads")
+    if (
+        _read(config, "head_dim") is None
+        and "head_dim" in vars(config)
+        and isinstance(hidden, int)
+        and isinstance(heads, int)
+        and heads > 0
+        and hidden % heads == 0
+    ):
+        fills.append({"head_dim": hidden // heads})
+    layers = next((getattr(config, k) for k in _LAYER_COUNTS if isinstance(getattr(config, k, None), int)), None)
+    types = _read(config, "layer_types")
+    if types is None and "layer_types" in vars(config) and layers:
+        types = ["full_attention"] * layers  # transformers' ordinary layer
+        fills.append({"layer_types": types})
+    rope = _read(config, "rope_parameters")
+    if isinstance(rope, dict) and "rope_type" not in rope and isinstance(types, list) and set(types) - set(rope):
+        theta = float(getattr(config_class, "default_theta", 10_000.0))
+        missing = {t: {"rope_type": "default", "rope_theta": theta} for t in sorted(set(types) - set(rope))}
+        fills.append({"rope_parameters": {**rope, **missing}})
+    if not fills or _builds(config_class, auto_name, kw):
+        return
+    for fill in [*fills, {k: v for f in fills for k, v in f.items()}]:
+        if _builds(config_class, auto_name, {**kw, **fill}):
+            kw.update(fill)
+            return
+
+
+def _builds(config_class: type, auto_name: str, kw: dict) -> bool:
+    import torch
+    import transformers
+
+    try:
+        config = config_class(**kw)
+        with torch.device("meta"):
+            getattr(transformers, auto_name).from_config(config)
+    except Exception:
+        return False
+    return True
+
+
 def hf_models() -> list[Model]:
     import transformers
     from transformers.models.auto import configuration_auto, modeling_auto
@@ -507,6 +567,7 @@ def hf_models() -> list[Model]:
         except Exception:
             continue
         kw = _shrunk(config_class)
+        _ordinary_values(config_class, _AUTO[task], kw)
         if task == "masked-lm":
             _masking_tokens(kw, config_class)
         args = f"({_literal(kw)})" if kw else ""
