@@ -282,6 +282,25 @@ class GatedNorm(Block):
         return self.fc(h * g)
 
 
+class TokenMaxAndPool(Block):
+    """Hiera: the tokens' maximum over query-stride groups, y.view(B, 2, -1, d).max(dim=1).values (or [0], amax), and
+    its pooler, an average over the tokens channels first (AdaptiveAvgPool1d(1) of (N, d, T), or the function)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.pool, self.kind = nn.AdaptiveAvgPool1d(1), kind
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        y = self.fc(x[:, :4]).view(x.shape[0], 2, -1, D)
+        if self.kind == "values":
+            top = y.max(dim=1).values
+        else:
+            top = torch.max(y, 1)[0] if self.kind == "[0]" else y.amax(1)
+        h = self.norm2(x[:, :2] + top).transpose(1, 2)
+        return self.head((self.pool(h) if self.kind == "values" else F.adaptive_avg_pool1d(h, 1)).flatten(1))
+
+
 def spellings() -> dict[str, tuple[type, tuple]]:
     """name → (module class, its arguments); names ending in '(fx)' are captured with torch.fx (`extras` kept as a
     leaf), the others with torch.export (as Hugging Face models are)."""
@@ -308,6 +327,9 @@ def spellings() -> dict[str, tuple[type, tuple]]:
         "a gate from a bottleneck MLP on the norm's output": (GatedNorm, ("bottleneck",)),
         "a bilinear gate F.linear(h, W) on the norm's output": (GatedNorm, ("bilinear",)),
         "a gate through an nn.Sigmoid module (fx)": (GatedNorm, ("module",)),
+        "max over token groups (.values), AdaptiveAvgPool1d over the tokens": (TokenMaxAndPool, ("values",)),
+        "max over token groups ([0]), adaptive_avg_pool1d (fx)": (TokenMaxAndPool, ("[0]",)),
+        "amax over token groups, adaptive_avg_pool1d": (TokenMaxAndPool, ("amax",)),
     }
 
 

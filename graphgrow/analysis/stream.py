@@ -37,14 +37,18 @@ from .stream_norms import Norm
 from .stream_norms import norm_of as _norm_of
 from .stream_norms import normalised as _normalised
 from .stream_ops import (
+    EXTREMA_WITH_INDICES,
     FLAT_AT_ZERO,
     PASS_FUNCTIONS,
     PASS_METHODS,
     TILES,
     arithmetic,
+    averages_trailing,
     base_name,
     constant_like,
     drops_axis_by_index,
+    extremum,
+    fourier_along,
     pools_others,
     value_free_read,
     zero_pad,
@@ -268,15 +272,8 @@ class _Walk:
         if found is not None and zero_at_zero(*found, n):
             self.inner |= set(found[1])
             return self.activation(found[0], n)
-        for f in [n, *n.all_input_nodes]:  # FNet mixes tokens and hidden coordinates by a 2-D DFT
-            dims = _arg(f, 2, "dim", -1) if base_name(f).startswith("fft") else None
-            rank = len(tensor_shape(f) or (0,))
-            if dims is not None and axis % rank in {
-                d % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims])
-            }:
-                raise _refuse(
-                    n, "comes from a Fourier transform along the hidden axis: every output depends on the width"
-                )
+        if fourier_along(n, axis):  # FNet mixes tokens and hidden coordinates by a 2-D DFT
+            raise _refuse(n, "comes from a Fourier transform along the hidden axis: every output depends on the width")
         raise _refuse(n, "produces stream values the analysis does not understand")
 
     def user(self, x: fx.Node, u: fx.Node) -> None:
@@ -348,6 +345,13 @@ class _Walk:
         out = tensor_shape(u)
         if out is not None and _token_scale(u, axis + len(out) - len(tensor_shape(x)), self.s.width) == (x, axis):
             return self.add(u, axis + len(out) - len(tensor_shape(x)), like=x)
+        ends = [u] if extremum(u) else list(u.users) if base_name(u) in EXTREMA_WITH_INDICES else []
+        if ends and all(extremum(g) for g in ends):  # amax, or max's (values, indices) with the values read alone
+            for g, (_, dims, keep) in ((g, extremum(g)) for g in ends):  # type: ignore[misc]
+                if axis in dims:
+                    raise _refuse(u, "takes extrema along the hidden axis")
+                self.add(g, axis if keep else axis - sum(d < axis for d in dims))
+            return None
         channel = channel_op(self.gm, u, axis, self.s.width)
         if channel is not None and channel.x is x and channel.x_axis == axis:
             return self.channelwise(u, axis, channel)
@@ -405,7 +409,7 @@ class _Walk:
         its factors grow with the stream (any value multiplies a zero: the old ones' mean), its shifts with zeros."""
         self.add(op.x, op.x_axis)
         self.add(n, axis)
-        why = f"'{n.name}' scales each hidden coordinate by a factor of its own: 0·γ = 0, but not mean(γ·x) = γ·mean(x)"
+        why = f"'{n.name}' {op.why}"
         self.need(op.x, "zero", why)
         self.need(n, "zero", why)
         for path, dim, kind in op.params:
@@ -474,6 +478,8 @@ class _Walk:
             linear = isinstance(m, (nn.Dropout, nn.Identity)) or (
                 shape is not None and shape == tensor_shape(x) and scales_tokens(m, shape, self.s.width)
             )
+            if averages_trailing(self.gm, n):  # tokens averaged channels first (forward_axis keeps the axes before)
+                return x if len(n.args) == 1 else None
             return x if linear and len(n.args) == 1 else None
         if arithmetic(n) in ("mul", "div"):  # in place too: x *= c (CTRL's embedding scale)
             # a scalar multiple: a number, or a one-element tensor that does not depend on the input (a gate such as
@@ -483,7 +489,7 @@ class _Walk:
                 return x
             divide = arithmetic(n) == "div"
             return other if not divide and isinstance(other, fx.Node) and _is_scalar_factor(x) else None
-        if base_name(n) == "expand_as" or pools_others(n) or zero_pad(n):  # expand_as(x, y): y read for its shape
+        if base_name(n) == "expand_as" or pools_others(n) or zero_pad(n) or averages_trailing(self.gm, n):  # y's shape
             return x
         passes = (n.op == "call_method" and n.target in PASS_METHODS) or (
             n.op == "call_function" and n.target in PASS_FUNCTIONS

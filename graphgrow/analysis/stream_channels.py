@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..graph.fx_edit import tensor_shape
-from .stream_ops import arg, arithmetic, base_name
+from .stream_ops import arg, arithmetic, base_name, extremum
 from .stream_regions import region
 
 
@@ -25,6 +25,7 @@ class ChannelOp:
     x_axis: int  # its hidden axis
     params: list[tuple[str, int, str]]  # (parameter path, its dim along the stream, "scale" | "shift")
     groups: bool = False  # a functional depthwise conv: its `groups` argument is the width (rewritten with it)
+    why: str = "scales each hidden coordinate by a factor of its own: 0·γ = 0, but not mean(γ·x) = γ·mean(x)"
 
 
 GATE_MODULES = (nn.Sigmoid, nn.Tanh, nn.Softplus, nn.SiLU, nn.GELU, nn.ReLU)  # elementwise, finite: a gate's σ
@@ -49,6 +50,14 @@ def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> Channel
         params = [(f"{n.target}.weight", 0, "scale")]
         params += [(f"{n.target}.bias", 0, "shift")] if m.bias is not None else []
         return ChannelOp(n.args[0], 1, params)
+    ext = extremum(n)
+    if ext is not None:  # each coordinate's largest value over other axes: 0 for zeros, a copy for copies
+        source, dims, keep = ext
+        back = [a for a in range(len(tensor_shape(source) or ())) if a not in dims]  # the axes kept, in order
+        at = axis if keep else back[axis] if axis < len(back) else -1
+        if at in dims or at < 0 or (tensor_shape(source) or ())[at] != width:
+            return None
+        return ChannelOp(source, at, [], why="takes each coordinate's extremum over other axes: not the mean's")
     if base_name(n) in CONV_FUNCTIONS:
         return _functional_depthwise(n, axis, width)
     if arithmetic(n) != "mul" or len(n.args) != 2 or not all(isinstance(a, fx.Node) for a in n.args):

@@ -110,6 +110,52 @@ def pools_others(n: fx.Node) -> bool:
     return size == 1 and last(arg(n, 2, "stride"), size) in (1, None) and last(arg(n, 3, "padding"), 0) == 0
 
 
+ADAPTIVE_AVERAGES = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
+
+
+def averages_trailing(gm: fx.GraphModule, n: fx.Node) -> int:
+    """k when `n` is an adaptive average pool over its input's last k axes (module or function: Hiera's pooler,
+    AdaptiveAvgPool1d(1) over the tokens of (N, C, T)), else 0: each coordinate of the axes before them alone."""
+    if n.op == "call_module":
+        m = gm.get_submodule(n.target)
+        return ADAPTIVE_AVERAGES.index(type(m)) + 1 if type(m) in ADAPTIVE_AVERAGES else 0
+    name = base_name(n)
+    return int(name[-2]) if name.startswith("adaptive_avg_pool") and name[-2:-1] in ("1", "2", "3") else 0
+
+
+def fourier_along(n: fx.Node, axis: int) -> bool:
+    """Whether `n` or one of its inputs is a Fourier transform along the hidden axis (FNet's 2-D DFT of tokens and
+    hidden coordinates)."""
+    for f in [n, *n.all_input_nodes]:
+        dims = arg(f, 2, "dim", -1) if base_name(f).startswith("fft") else None
+        rank = len(tensor_shape(f) or (0,))
+        dims = dims if isinstance(dims, (list, tuple)) else [dims]
+        if dims != [None] and axis % rank in {d % rank for d in dims}:
+            return True
+    return False
+
+
+EXTREMA_WITH_INDICES = ("max", "min")  # over a dim: a (values, indices) pair
+
+
+def extremum(n: fx.Node) -> tuple[fx.Node, list[int], bool] | None:
+    """(x, the reduced dims, keepdim) when `n` is the largest or smallest values of x over some dims: amax/amin, or
+    the values of max/min over a dim (`.values`, `[0]`: Hiera's max over the query-stride tokens)."""
+    t = n
+    if base_name(n) == "getitem" and n.args[1] == 0 or base_name(n) == "getattr" and n.args[1] == "values":
+        t = n.args[0]  # type: ignore[assignment]
+        if not isinstance(t, fx.Node) or base_name(t) not in EXTREMA_WITH_INDICES:
+            return None
+    elif base_name(n) not in ("amax", "amin"):
+        return None
+    x, dim, keepdim = t.args[0] if t.args else None, arg(t, 1, "dim"), arg(t, 2, "keepdim", False)
+    rank = len(tensor_shape(x) or ()) if isinstance(x, fx.Node) else 0
+    dims = [dim] if isinstance(dim, int) else list(dim) if isinstance(dim, (list, tuple)) else []
+    if not rank or not dims or not all(isinstance(d, int) for d in dims) or not isinstance(keepdim, bool):
+        return None
+    return x, sorted({d % rank for d in dims}), keepdim  # type: ignore[return-value]
+
+
 def drops_axis_by_index(v: fx.Node, a: int) -> bool:
     """Whether `v` indexes its input's axis `a` with one integer (x.select(a, i), x[..., i]): the axis disappears."""
     shape = tensor_shape(v.args[0]) if v.args and isinstance(v.args[0], fx.Node) else None
@@ -185,6 +231,8 @@ def forward_axis(n: fx.Node, x: fx.Node, a: int) -> int | None:
         if name in ("pad", "constant_pad_nd"):  # zeros added along other axes: a zero token is its own mean
             pads, k = list(arg(n, 1, "pad")), len(xs) - 1 - a
             return None if any(pads[2 * k : 2 * k + 2]) or not zero_pad(n) else a
+        if name.startswith("adaptive_avg_pool"):  # the last 1-3 axes averaged: the axes before them kept
+            return a if a < len(xs) - int(name[-2]) and out[: a + 1] == xs[: a + 1] else None
         if name.startswith("avg_pool"):  # an average over the other axes, each coordinate alone: the last axis
             return a if a == len(xs) - 1 == len(out) - 1 and pools_others(n) else None
         if name == "repeat_interleave":  # whole slices repeated along another dim keep the axis; dim=None flattens
