@@ -293,12 +293,34 @@ class TokenMaxAndPool(Block):
     def forward(self, ids):
         x = self.embed(ids)
         y = self.fc(x[:, :4]).view(x.shape[0], 2, -1, D)
-        if self.kind == "values":
-            top = y.max(dim=1).values
-        else:
-            top = torch.max(y, 1)[0] if self.kind == "[0]" else y.amax(1)
+        tops = {"values": lambda t: t.max(dim=1).values, "[0]": lambda t: torch.max(t, 1)[0]}
+        tops["amax"] = lambda t: t.amax(1)
+        top = tops[self.kind](y)
         h = self.norm2(x[:, :2] + top).transpose(1, 2)
         return self.head((self.pool(h) if self.kind == "values" else F.adaptive_avg_pool1d(h, 1)).flatten(1))
+
+
+class HyperConnections(Block):
+    """DeepSeek-V4's / HY-V4's hyper-connections: 2 copies of the stream, (B, T, 2, d), mixed by coefficients from all
+    copies flattened, F.linear(flat · rsqrt(mean(flat²) + eps), W) (or F.linear(flat, W) · rsqrt(…)); the layer reads
+    the copies' weighted sum, its output is spread back onto them, and the copies are mixed by H @ x."""
+
+    def __init__(self, after: bool):
+        super().__init__(nn.RMSNorm(D), nn.RMSNorm(D))
+        self.fn = nn.ParameterList([nn.Parameter(torch.randn(6, 2 * D) * 0.3) for _ in range(2)])
+        self.after = after
+
+    def coefficients(self, x, i):
+        flat = x.flatten(2)
+        r = torch.rsqrt(flat.square().mean(-1, keepdim=True) + 1e-6)
+        return F.linear(flat, self.fn[i]) * r if self.after else F.linear(flat * r, self.fn[i])
+
+    def forward(self, ids):
+        x = self.embed(ids).unsqueeze(2).expand(-1, -1, 2, -1)
+        c = self.coefficients(x, 0)
+        pre, mix = torch.sigmoid(c[..., :2]).unsqueeze(-1), torch.softmax(c[..., 2:].unflatten(-1, (2, 2)), -1)
+        x = self.branch((pre * x).sum(2)).unsqueeze(2) * pre + mix @ x
+        return self.head(self.norm2((torch.sigmoid(self.coefficients(x, 1)[..., :2]).unsqueeze(-1) * x).sum(2)))
 
 
 def spellings() -> dict[str, tuple[type, tuple]]:
@@ -330,6 +352,8 @@ def spellings() -> dict[str, tuple[type, tuple]]:
         "max over token groups (.values), AdaptiveAvgPool1d over the tokens": (TokenMaxAndPool, ("values",)),
         "max over token groups ([0]), adaptive_avg_pool1d (fx)": (TokenMaxAndPool, ("[0]",)),
         "amax over token groups, adaptive_avg_pool1d": (TokenMaxAndPool, ("amax",)),
+        "hyper-connections, the mean square before the Linear": (HyperConnections, (False,)),
+        "hyper-connections, the mean square after the Linear (fx)": (HyperConnections, (True,)),
     }
 
 

@@ -29,8 +29,8 @@ from torch import fx, nn
 from ..core.errors import NotApplicable
 from ..graph import ops
 from ..graph.fx_edit import computed_from, tensor_shape
-from ..io.mode_switch import ModeSwitch
 from .stacked import stacked_product, weight_axes
+from .stream_blocks import FlatRead, flat_readers
 from .stream_channels import ChannelOp, channel_op
 from .stream_joins import cat_readers, is_add, is_cat, operand_axis, operands, split_source, tuple_element, user_axis
 from .stream_norms import Norm
@@ -39,30 +39,23 @@ from .stream_norms import normalised as _normalised
 from .stream_ops import (
     EXTREMA_WITH_INDICES,
     FLAT_AT_ZERO,
-    PASS_FUNCTIONS,
-    PASS_METHODS,
-    TILES,
-    arithmetic,
-    averages_trailing,
     base_name,
     constant_like,
     drops_axis_by_index,
     extremum,
     fourier_along,
-    pools_others,
     value_free_read,
-    zero_pad,
 )
 from .stream_ops import arg as _arg
 from .stream_ops import forward_axis as _forward_axis
 from .stream_ops import input_axis as _input_axis
-from .stream_ops import is_scalar_factor as _is_scalar_factor
 from .stream_ops import token_scale as _token_scale
 from .stream_ops import zero_activation_input as _zero_activation_input
 from .stream_parts import Reader, Stream, Writer
 from .stream_parts import refuse as _refuse
 from .stream_parts import what as _what
-from .stream_regions import region, region_root, scales_tokens, zero_at_zero
+from .stream_regions import region, region_root, zero_at_zero
+from .stream_through import through
 
 EMBEDDINGS = (F.embedding, torch.embedding)  # F.embedding(input, weight, …), torch.embedding(weight, input, …)
 SHAPE_QUERIES = ops.SHAPE_QUERIES
@@ -133,12 +126,23 @@ class _Walk:
     def snapshot(self) -> tuple:
         s = self.s
         walk = (dict(self.parent), dict(self.needs), set(self.done_users), set(self.inner))
-        return (dict(s.axes), list(s.writers), list(s.readers), list(s.norms), list(s.grouped), *walk)
+        return (dict(s.axes), list(s.writers), list(s.readers), list(s.norms), list(s.grouped), list(s.eps), *walk)
 
     def restore(self, saved: tuple) -> None:
         """Back to a snapshot (the tensors a refused component added are no part of the stream)."""
         s = self.s
-        s.axes, s.writers, s.readers, s.norms, s.grouped, self.parent, self.needs, self.done_users, self.inner = saved
+        (
+            s.axes,
+            s.writers,
+            s.readers,
+            s.norms,
+            s.grouped,
+            s.eps,
+            self.parent,
+            self.needs,
+            self.done_users,
+            self.inner,
+        ) = saved
         self.todo = []
 
     def add(self, n: fx.Node, axis: int, like: fx.Node | None = None) -> None:
@@ -262,7 +266,7 @@ class _Walk:
         channel = channel_op(self.gm, n, axis, self.s.width)
         if channel is not None:
             return self.channelwise(n, axis, channel)
-        x = self._passthrough_input(n)
+        x = through(self.gm, n, self.s.width)
         if x is not None:
             back = _input_axis(n, x, axis, self.s.width)
             if back is None:
@@ -355,7 +359,10 @@ class _Walk:
         channel = channel_op(self.gm, u, axis, self.s.width)
         if channel is not None and channel.x is x and channel.x_axis == axis:
             return self.channelwise(u, axis, channel)
-        if self._passthrough_input(u) is x:
+        flat = flat_readers(self.gm, u, x, axis, self.s.width)
+        if flat is not None:  # the stream's copies flattened into one vector per token for Linear layers
+            return self.flat_reader(x, flat)
+        if through(self.gm, u, self.s.width) is x:
             a = _forward_axis(u, x, axis)
             if a is None:
                 raise _refuse(u, "mixes the hidden axis with others (a reshape or index across it)")
@@ -404,6 +411,14 @@ class _Walk:
         for v in (v for v in linear if v.name not in {r.node for r in self.s.readers}):  # once, not per part
             self.s.readers.append(Reader(v.name, [(f"{v.target}.weight", 1)], parts[0].name, len(parts)))
 
+    def flat_reader(self, x: fx.Node, flat: FlatRead) -> None:
+        """Linear layers reading the stream's copies flattened side by side (stream_blocks): a block of columns each."""
+        if flat.scaled:
+            self.need(x, "zero", f"its {flat.blocks} copies flattened have a mean square (no other fill keeps it)")
+        for v, path in (r for r in flat.linear if r[0].name not in {q.node for q in self.s.readers}):
+            self.s.readers.append(Reader(v.name, [(path, 1)], x.name, flat.blocks, flat.scaled))
+        self.s.eps += [e for e in flat.eps if e not in self.s.eps]
+
     def channelwise(self, n: fx.Node, axis: int, op: ChannelOp) -> None:
         """`n` = a per-channel op of the stream (stream_channels): new coordinates zero on both sides (or replicated);
         its factors grow with the stream (any value multiplies a zero: the old ones' mean), its shifts with zeros."""
@@ -424,7 +439,9 @@ class _Walk:
         for v in c.users:
             if v.op == "call_method" and v.target in SHAPE_QUERIES or drops_axis_by_index(v, axis):
                 continue
-            a = _forward_axis(v, c, axis) if self._passthrough_input(v) is c else None  # a view, a cast: uniform still
+            a = (
+                _forward_axis(v, c, axis) if through(self.gm, v, self.s.width) is c else None
+            )  # a view, a cast: uniform still
             if a is None:
                 raise _refuse(v, "reads a constant shaped like the stream other than by an index along the hidden axis")
             self.constant(v, a)
@@ -460,41 +477,3 @@ class _Walk:
                 raise _refuse(u, "takes its weight from a computed tensor")
             params = [(str(w.target), 1)]
         self.s.readers.append(Reader(u.name, params, x.name))
-
-    def _passthrough_input(self, n: fx.Node) -> fx.Node | None:
-        """The stream input of an op that acts on every hidden coordinate alike and linearly, else None."""
-        x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        if x is None and arithmetic(n) == "mul" and len(n.args) == 2 and _is_scalar_factor(n.args[0]):
-            return n.args[1] if isinstance(n.args[1], fx.Node) else None  # c · x (FocalNet's 1.0 * x)
-        if n.op == "call_module" and isinstance(switch := self.gm.get_submodule(n.target), ModeSwitch):
-            inputs, shape = n.args[switch.conditions :], tensor_shape(n)  # (flags, x): export's drop-path
-            one = len(inputs) == 1 and isinstance(inputs[0], fx.Node) and tensor_shape(inputs[0]) == shape
-            return inputs[0] if one and scales_tokens(switch, shape, self.s.width, switch.conditions) else None  # type: ignore[return-value,arg-type]
-        if x is None:
-            return None
-        if n.op == "call_module":
-            m = self.gm.get_submodule(n.target)
-            shape = tensor_shape(n)
-            linear = isinstance(m, (nn.Dropout, nn.Identity)) or (
-                shape is not None and shape == tensor_shape(x) and scales_tokens(m, shape, self.s.width)
-            )
-            if averages_trailing(self.gm, n):  # tokens averaged channels first (forward_axis keeps the axes before)
-                return x if len(n.args) == 1 else None
-            return x if linear and len(n.args) == 1 else None
-        if arithmetic(n) in ("mul", "div"):  # in place too: x *= c (CTRL's embedding scale)
-            # a scalar multiple: a number, or a one-element tensor that does not depend on the input (a gate such as
-            # add_residual's or deepen's, a learned scale), on either side of a product
-            other = n.args[1] if len(n.args) > 1 else None
-            if _is_scalar_factor(other):
-                return x
-            divide = arithmetic(n) == "div"
-            return other if not divide and isinstance(other, fx.Node) and _is_scalar_factor(x) else None
-        if base_name(n) == "expand_as" or pools_others(n) or zero_pad(n) or averages_trailing(self.gm, n):  # y's shape
-            return x
-        passes = (n.op == "call_method" and n.target in PASS_METHODS) or (
-            n.op == "call_function" and n.target in PASS_FUNCTIONS
-        )
-        if passes or base_name(n) == "repeat_interleave" or base_name(n) in TILES:  # tokens repeated, once per expert
-            rest = [a for a in list(n.args[1:]) + list(n.kwargs.values()) if isinstance(a, fx.Node)]
-            return x if all(tensor_shape(a) is None for a in rest) else None  # sizes, not other tensors
-        return None

@@ -26,6 +26,7 @@ class Reader:
     params: list[tuple[str, int]]  # (weight path, its input dimension)
     input: str
     blocks: int = 1  # its input is this many stream tensors concatenated along the hidden axis (DINOv2's head)
+    rms: bool = False  # its result is multiplied by rsqrt of a mean square over its input (stream_blocks)
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Stream:
     norms: list[Norm] = field(default_factory=list)
     views: list[str] = field(default_factory=list)  # reshape/view/expand nodes on the stream
     grouped: list[str] = field(default_factory=list)  # functional depthwise convs: their `groups` is the width
+    eps: list[tuple[str, int]] = field(default_factory=list)  # (node, arg index): a mean square's eps (stream_blocks)
     fill: dict[str, str] = field(default_factory=dict)  # stream tensor → mean | zero (empty when conflict)
     conflict: str | None = None  # why no per-tensor fill is exact (a post-norm stream)
 

@@ -163,6 +163,9 @@ def grow_stream(gm: fx.GraphModule, stream: Stream, new: int, generator: torch.G
             _set(gm, q, _tensor(gm, q).detach() * (layout.old / layout.new), _tensor(gm, q))
     _resize_modules(gm, {p.rpartition(".")[0] for p in allowed})
     _grow_views(gm, stream, new)
+    for name, i in stream.eps if rule != "replicate" else ():  # a mean square over flattened copies (stream_blocks)
+        node = next(n for n in gm.graph.nodes if n.name == name)
+        node.args = (*node.args[:i], node.args[i] * stream.width / new, *node.args[i + 1 :])
     hold_size_reads(gm, {t: (axis, stream.width) for t, axis in stream.axes.items()})
     finish(gm)
     return rule
@@ -176,12 +179,14 @@ def _grow_blocks(gm, stream: Stream, plans: dict, owners: dict, layout: Layout, 
         if r.blocks == 1:
             continue
         how = "shares" if rule == "replicate" else {"mean": "zero", "zero": "random"}[stream.fill[r.input]]
-        for path, dim in r.params:
+        for path, dim in (q for q in r.params if q[0] not in done):  # a weight read at several places: grown once
             old = _tensor(gm, path)
             if path in plans or len(owners.get(id(old), [path])) > 1:
                 raise NotApplicable(f"'{path}' reads the stream in {r.blocks} blocks and is used elsewhere too", HINT)
             t = old.detach().movedim(dim, -1)  # (…, blocks · d) → (… · blocks, d): each block a matrix's columns
             rows = grow_along(t.reshape(-1, layout.old), 1, layout, how, generator)
+            if r.rms and rule != "replicate":  # the mean square's rsqrt grows by sqrt(d'/d) (stream_blocks)
+                rows[:, layout.old_to_new] *= math.sqrt(layout.old / layout.new)
             value = rows.reshape(*t.shape[:-1], r.blocks * layout.new).movedim(-1, dim).contiguous()
             _set(
                 gm,
