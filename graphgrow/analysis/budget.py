@@ -8,9 +8,10 @@ trainability check's gradients) plus the new weights. The defaults keep a typo o
 large from allocating for minutes; raise them with `--max-params` / `--max-memory` (Python:
 `Pipeline(..., limits=Limits(...))`).
 
-Fail closed: where no estimate can be made (a grown model the meta device cannot run), the command is
-refused with the reason unless the user lifted the limit explicitly (`--max-memory none`,
-`--max-params none`: NO_LIMIT); nothing real is run unbounded.
+Fail closed: nothing real is run unbounded. A model the meta device cannot run (it reads numbers from its data)
+is measured on one real forward under an allocation guard at the limit (budget_measure.py), and the command says
+so in a note; one that bakes in the batch size (it runs on the meta device at batch 1, not at the verification
+batch) is refused with the reason unless the user lifted the limit explicitly (`--max-memory none`: NO_LIMIT).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..graph.fx_edit import new_parameters, upstream_parameters
 from ..graph.inputs import InputSpec, is_positional
 from ..graph.shapes import annotate, state_bytes
 from .budget_estimate import NoEstimate, activation_bytes, estimate_batch, meta_copy
+from .budget_measure import measured_bytes
 
 DEFAULT_MAX_NEW_PARAMS = 100_000_000  # parameters one pass may add
 DEFAULT_MAX_MEMORY = 8 << 30  # bytes of activations a model may need at the largest batch it is run at (estimate_batch)
@@ -93,28 +95,67 @@ def human_bytes(n: int) -> str:
 LIFT_MEMORY = "lift the limit explicitly with --max-memory none if you trust the model and the input shape"
 
 
-def check_input_memory(gm: fx.GraphModule, input_shape: InputSpec, max_memory: int | None = None) -> None:
-    """Before any real forward: the activations the model needs at the largest batch it will run, estimated on
-    the meta device, must stay under the limit (an input shape can ask for any amount of memory). Fails closed:
-    a model the meta device cannot run is refused unless the limit was lifted (NO_LIMIT)."""
+def check_input_memory(gm: fx.GraphModule, input_shape: InputSpec, max_memory: int | None = None) -> str | None:
+    """Before any unbounded forward: the activations the model needs at the largest batch it will run, estimated on
+    the meta device, must stay under the limit (an input shape can ask for any amount of memory). A model the meta
+    device cannot run at any batch (it reads numbers from its data) is measured on one real run under an allocation
+    guard at the limit instead: the note returned says so (None when the estimate sized it). Nothing is checked
+    when the limit was lifted (NO_LIMIT)."""
     limit = DEFAULT_MAX_MEMORY if max_memory is None else max_memory
     if limit >= NO_LIMIT:
-        return
+        return None
     batch = estimate_batch(input_shape)
+    note = None
     try:
         needed = activation_bytes(meta_copy(gm), input_shape, batch)
     except NoEstimate as e:
-        raise InputError(
-            f"cannot estimate the model's activation memory on an input of shape {_shown(input_shape)} at "
-            f"batch {batch} before running it: {e}",
-            _no_estimate_hint(gm, input_shape, batch),
-        ) from e
+        if _runs_on_meta_at_one(meta_copy(gm), input_shape):
+            raise InputError(
+                f"cannot estimate the model's activation memory on an input of shape {_shown(input_shape)} at "
+                f"batch {batch} before running it: {e}",
+                _batch_hint(batch),
+            ) from e
+        got = measured_bytes(gm, input_shape, batch, limit)
+        if got.failure:
+            raise InputError(
+                f"the model cannot run on an input of shape {_shown(input_shape)} at batch {batch}: {got.failure}",
+                "give the input the model expects: --input-shape N,C,H,W, or --input NAME:DTYPE[SHAPE] per input",
+            ) from e
+        if got.over:
+            raise InputError(
+                f"the model needs more than {human_bytes(limit)} of activations on an input of shape "
+                f"{_shown(input_shape)} at batch {batch} (measured on a real run: it asked for "
+                f"{human_bytes(got.over)} more with {human_bytes(got.held)} held)",
+                "give a smaller --input-shape, or raise the limit with --max-memory SIZE",
+            ) from e
+        needed, note = got.bytes, _measured_note(got.bytes, batch, e)
     if needed > limit:
         raise InputError(
             f"the model needs about {human_bytes(needed)} of activations on an input of shape "
             f"{_shown(input_shape)} at batch {batch} (limit {human_bytes(limit)})",
             "give a smaller --input-shape, or raise the limit with --max-memory SIZE",
         )
+    return note
+
+
+MEASURED = "activation memory measured on a real run"  # how the note of a measured model begins
+
+
+def _measured_note(needed: int, batch: int, e: NoEstimate) -> str:
+    return (
+        f"{MEASURED} at batch {batch} under the memory limit ({human_bytes(needed)}): the meta device cannot size "
+        f"it ({e})"
+    )
+
+
+def _runs_on_meta_at_one(gm: fx.GraphModule, input_shape: InputSpec) -> bool:
+    """Whether the meta-device estimate runs at batch 1 (`gm` on the meta device): then a failure at a larger batch
+    is the model's (it bakes in the batch size), not the meta device's."""
+    try:
+        activation_bytes(gm, input_shape, 1)
+    except NoEstimate:
+        return False
+    return True
 
 
 def _shown(spec: InputSpec) -> str:
@@ -122,35 +163,39 @@ def _shown(spec: InputSpec) -> str:
     return str(tuple(spec[0].shape)) if is_positional(spec) else str(tuple(spec))
 
 
-def _no_estimate_hint(gm: fx.GraphModule, input_shape: InputSpec, batch: int) -> str:
-    """Say whether the shape or batch is the problem (it runs at batch 1) or the model needs real data."""
-    try:
-        activation_bytes(meta_copy(gm), input_shape, 1)
-    except NoEstimate:
-        return (
-            "check --input-shape; a model that computes with real data (data-dependent ops) cannot be sized: "
-            f"{LIFT_MEMORY}"
-        )
+def _batch_hint(batch: int) -> str:
     return (
         f"it runs at batch 1, not {batch} (graphgrow runs batches up to {batch}): free the batch dimension, "
         "e.g. x.flatten(1) for x.view(1, -1); or " + LIFT_MEMORY
     )
 
 
-def _refuse_unsized(name: str, grown: fx.GraphModule, input_shape: InputSpec, batch: int, e: NoEstimate) -> None:
-    """The grown model cannot be sized: refuse, saying what the verifier would have (the graph is broken at the
-    smallest batch, or bakes in the batch size), without running it for real."""
-    try:
-        activation_bytes(grown, input_shape, 1)
-    except NoEstimate as at_one:
+def _measure_grown(
+    name: str, grown: fx.GraphModule, input_shape: InputSpec, batch: int, limits: Limits, e: NoEstimate
+) -> tuple[int, str]:
+    """The grown model the meta device cannot run: refused, saying what the verifier would have, when it bakes in
+    the batch size (it runs on the meta device at batch 1); otherwise measured on one real run under the memory
+    limit (measured_bytes), refused when it cannot run or needs more. Its activations and the note that says so."""
+    with on_meta(grown):
+        at_one = _runs_on_meta_at_one(grown, input_shape)
+    if at_one:
         raise ValidationError(
-            f"the model {name} would make cannot be sized: {at_one}",
-            f"check --input-shape or the target the pass was given; {LIFT_MEMORY}",
+            f"the model {name} would make runs at batch 1 but not at batch {batch}: {e}",
+            "a view/reshape probably bakes in the batch size",
         ) from e
-    raise ValidationError(
-        f"the model {name} would make runs at batch 1 but not at batch {batch}: {e}",
-        "a view/reshape probably bakes in the batch size",
-    ) from e
+    got = measured_bytes(grown, input_shape, batch, limits.max_memory)
+    if got.failure:
+        raise ValidationError(
+            f"the model {name} would make cannot run at batch {batch}: {got.failure}",
+            "check --input-shape or the target the pass was given",
+        ) from e
+    if got.over:
+        raise NotApplicable(
+            f"{name} would need more than {human_bytes(limits.max_memory)} of activations at batch {batch} "
+            f"(measured on a real run: it asked for {human_bytes(got.over)} more with {human_bytes(got.held)} held)",
+            "choose a smaller growth or input shape, or raise the limit with --max-memory SIZE",
+        ) from e
+    return got.bytes, _measured_note(got.bytes, batch, e)
 
 
 @dataclass(frozen=True)
@@ -265,10 +310,11 @@ def on_meta(gm: nn.Module):
 
 def check_grown(
     name: str, gm: fx.GraphModule, grown: fx.GraphModule, input_shape: InputSpec, limits: Limits, share: bool = False
-) -> None:
+) -> str | None:
     """Before verification runs `grown` (what `name` made from `gm`): NotApplicable past the limits — parameters
     added, or PassMemory.total (new weights, verification's gradients and activations); ValidationError when the
-    grown model cannot be sized on the meta device, unless the memory limit was lifted (NO_LIMIT)."""
+    grown model cannot run at the estimate's batch. Nothing is sized when the memory limit was lifted (NO_LIMIT).
+    A grown model the meta device cannot run is measured on a real run (_measure_grown): the note returned says so."""
     added = sum(p.numel() for p in grown.parameters()) - sum(p.numel() for p in gm.parameters())
     if added > limits.max_new_params:
         raise NotApplicable(
@@ -276,14 +322,14 @@ def check_grown(
             "choose a smaller growth, or raise the limit with --max-params N",
         )
     if limits.max_memory >= NO_LIMIT:
-        return
+        return None
     batch = estimate_batch(input_shape)
+    note = None
     try:
         with on_meta(grown):
             activations = activation_bytes(grown, input_shape, batch)
     except NoEstimate as e:
-        with on_meta(grown):
-            _refuse_unsized(name, grown, input_shape, batch, e)
+        activations, note = _measure_grown(name, grown, input_shape, batch, limits, e)
     needed = pass_memory(gm, grown, input_shape, share, activations)
     if needed.total > limits.max_memory:
         raise NotApplicable(
@@ -291,6 +337,7 @@ def check_grown(
             f"({needed.describe()}; limit {human_bytes(limits.max_memory)})",
             "choose a smaller growth or input shape, or raise the limit with --max-memory SIZE",
         )
+    return note
 
 
 # Peak memory of the ONNX stages beyond the model's own weights, per byte of them (measured on the 125 M–1 B

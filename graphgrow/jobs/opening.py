@@ -83,9 +83,14 @@ def open_model(
     if graph_info(gm).get("trace", {}).get("capture") == "export":
         progress("captured with torch.export")
     _check_finite(loaded.module, source)
-    from ..analysis.budget import check_input_memory
+    from ..analysis.budget import MEASURED, check_input_memory
 
-    check_input_memory(gm, shape, max_memory)  # on the meta device, before any real forward; fails closed
+    # on the meta device before any real forward, or measured on a real run under the limit when it cannot say
+    measured = check_input_memory(gm, shape, max_memory)
+    if measured:
+        progress(measured)
+        notes = graph_info(gm).setdefault("trace", {}).setdefault("notes", [])  # `inspect` shows them
+        notes[:] = [n for n in notes if not n.startswith(MEASURED)] + [measured]  # this run's, not a stored one's
     progress("propagating shapes")
     try:
         annotate(gm, shape)

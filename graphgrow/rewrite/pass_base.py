@@ -251,8 +251,7 @@ class Pass:
         if rw.changed:
             for guarantee in type(self).ensures:
                 guarantee.check(self.name, gm, new)
-        if self.grows:
-            check_grown(self.name, gm, new, input_shape, limits, share)
+        sized = check_grown(self.name, gm, new, input_shape, limits, share) if self.grows else None
         if rw.eval_only:
             new.eval()
         else:
@@ -268,7 +267,7 @@ class Pass:
             if checked
             else None
         )
-        notes = list(rw.notes)
+        notes = list(rw.notes) + ([sized] if sized else [])  # the grown model was measured on a real run
         if report is not None and not rw.exact:
             train_err = f", train rel err {report.train.rel_err:.3g}" if report.train is not None else ""
             notes.append(f"function changed on purpose: eval rel err {report.eval.rel_err:.3g}{train_err}")
