@@ -275,6 +275,38 @@ def test_the_shrinker_keeps_stage_channels_head_widths_and_rotary_parts():
     assert _shrunk(Derived)["head_dim"] == HIDDEN // 4  # not changed: the config sets it itself
 
 
+def test_six_layout_embeddings_keep_their_share_of_the_hidden_size():
+    """LayoutLMv3 concatenates four coordinate_size and two shape_size embeddings into its hidden size (768 = 4 ×
+    128 + 2 × 128): shrunk to 64 beside them it failed (64 vs 768); LiLT's code cuts six of hidden_size // 6 (60
+    of 64). Both take a hidden size of six equal shares; a layout model that adds its embeddings keeps HIDDEN."""
+    from dataclasses import dataclass
+
+    from sweep_models import HIDDEN, _shrunk
+
+    @dataclass
+    class LayoutV3:
+        hidden_size: int = 768
+        max_2d_position_embeddings: int = 1024
+        coordinate_size: int = 128
+        shape_size: int = 128
+
+    @dataclass
+    class Lilt:
+        model_type = "lilt"
+        hidden_size: int = 768
+        max_2d_position_embeddings: int = 1024
+
+    @dataclass
+    class LayoutV1:
+        hidden_size: int = 768
+        max_2d_position_embeddings: int = 1024
+
+    kw = _shrunk(LayoutV3)
+    assert 4 * kw["coordinate_size"] + 2 * kw["shape_size"] == kw["hidden_size"] and kw["coordinate_size"] > 0
+    assert _shrunk(Lilt)["hidden_size"] % 6 == 0 and _shrunk(Lilt)["hidden_size"] % 16 == 0
+    assert _shrunk(LayoutV1)["hidden_size"] == HIDDEN
+
+
 def test_values_a_model_cannot_build_without_are_filled_only_then(monkeypatch):
     """Hunyuan's config leaves head_dim None and its attention raises it to a power; LFM2-MoE's leaves its layer
     types None and indexes them; Cohere Compass keys its rotary parameters by layer type and has none: the ordinary

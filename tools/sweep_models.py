@@ -245,6 +245,7 @@ def _shrunk(config_class: type) -> dict:
             }[k]
             if k == "num_heads" and isinstance(kw.get("embed_dim"), int):
                 kw["embed_dim"] = 16  # stage i has embed_dim · 2^i channels and 2^i heads
+    _layout_sixths(config_class, kw, real, value)
     _stage_channels(kw, real, value)
     _keep_groups(kw, real, value)
     for k, sub in (getattr(config_class, "sub_configs", None) or {}).items():
@@ -416,6 +417,30 @@ def _read(config: object, field: str) -> object:
         return getattr(config, field, None)
     except Exception:  # a per-layer field read as one value (heterogeneous configs)
         return None
+
+
+# Models whose code (not their config) concatenates six 2-D layout embeddings of hidden_size // 6 channels each
+# (x0, y0, x1, y1, height, width) into a hidden-size input: LiLT's LiltLayoutEmbeddings. No field states it, so
+# the relation is named here; a hidden size that is no multiple of 6 gives 60 channels where 64 are read.
+_SIX_LAYOUT_EMBEDDINGS = {"lilt"}
+LAYOUT_HIDDEN = 48  # a multiple of 6 (six layout embeddings) and of HEADS × 4 (LiLT's layout heads are a 4th)
+
+
+def _layout_sixths(config_class: type, kw: dict, real: set, value) -> None:
+    """Six 2-D layout embeddings concatenated into the hidden size (configs with 2-D positions): LayoutLMv3's four
+    of coordinate_size and two of shape_size made up the default hidden size, and LiLT's are a sixth of it each
+    (_SIX_LAYOUT_EMBEDDINGS): the hidden size is LAYOUT_HIDDEN, divided by six, and the given sizes keep their
+    share."""
+    if "max_2d_position_embeddings" not in real or "hidden_size" not in kw:
+        return
+    hidden, coordinate, shape = value("hidden_size"), value("coordinate_size"), value("shape_size")
+    sized = isinstance(coordinate, int) and isinstance(shape, int) and 4 * coordinate + 2 * shape == hidden
+    if not sized and getattr(config_class, "model_type", None) not in _SIX_LAYOUT_EMBEDDINGS:
+        return
+    kw["hidden_size"] = LAYOUT_HIDDEN
+    if sized:
+        kw["coordinate_size"] = coordinate * LAYOUT_HIDDEN // hidden
+        kw["shape_size"] = (LAYOUT_HIDDEN - 4 * kw["coordinate_size"]) // 2
 
 
 def _rotary_head_dim(config_class: type, kw: dict) -> None:
