@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 import graphgrow as gg
@@ -94,3 +95,25 @@ def test_output_must_keep_the_batch_first():
 
     with pytest.raises(gg.ValidationError, match="the first dimension must be the batch"):
         validate_batch_sizes(gg.trace(Sum(), (2, 4)), (2, 4))
+
+
+class Routed(nn.Module):
+    """Two experts, each example routed by the sign of its first feature: a mixture of experts' split, its sizes
+    read from the data (`.item()`), so they change with the examples, not in proportion to the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        to_b = (x[:, 0] > 0).long()
+        order = torch.argsort(to_b, stable=True)
+        n_b = to_b.sum().item()
+        a_in, b_in = x[order].split([x.shape[0] - n_b, n_b])
+        out = torch.cat([self.a(a_in), self.b(b_in)])
+        return torch.zeros_like(out).index_copy(0, order, out)
+
+
+def test_sizes_read_from_the_data_may_change_between_the_batches():
+    gm = gg.trace(Routed(), (2, 4))
+    validate_batch_sizes(gm, (2, 4))  # was: node 'split' has shape [(1, 4), (1, 4)] at batch 2 but [(2, 4), (1, 4)]

@@ -17,7 +17,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..core.errors import ValidationError, first_line
 from ..core.protocol import BATCHES
 from ..core.state import training_mode
+from . import ops
 from .inputs import ExampleInput, as_spec, batch_of, is_positional, positional, spec_inputs
+from .ops import op_name
 
 
 def example_input(gm: torch.nn.Module, spec: ExampleInput, seed: int = 0, batch: int | None = None) -> Any:
@@ -210,9 +212,10 @@ def validate_batch_sizes(
         else:
             r2 = run_recording(gm, _joined(x1, example_input(gm, input_shape, seed=12, batch=b2), b1, b2))
     hint = "a view/reshape probably bakes in the batch size; use x.flatten(1) or x.view(x.size(0), -1)"
+    sized_by_data = _after_data_reads(gm)
     for n in gm.graph.nodes:
         s1, s2 = r1.shapes.get(n.name), r2.shapes.get(n.name)
-        if s1 == s2:
+        if s1 == s2 or n in sized_by_data:
             continue
         if not _scales_with_batch(s1, s2, b1, b2):
             raise ValidationError(
@@ -231,6 +234,18 @@ def validate_batch_sizes(
         _check_examples_independent(r1.output, r2.output, b1, hint)
     elif second is not None:  # the second run's examples are the first run's first ones
         _check_examples_independent(r2.output, r1.output, b2, hint)
+
+
+def _after_data_reads(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes downstream of a value read from the data (ops.DATA_READS: `.item()`, `.tolist()`, `nonzero`): their
+    sizes may follow the values (a mixture of experts' tokens per expert), not only the batch. The outputs are still
+    checked (batch in front, each example's result independent of the others in its batch)."""
+    found: set[fx.Node] = set()
+    for n in gm.graph.nodes:  # in topological order: a node's inputs are classed before it
+        name = op_name(n.target).split(".")[0] if n.op in ("call_function", "call_method") else ""
+        if name in ops.DATA_READS or any(a in found for a in n.all_input_nodes):
+            found.add(n)
+    return found
 
 
 def first_examples(x: Any, n: int) -> Any:
