@@ -307,6 +307,40 @@ def test_six_layout_embeddings_keep_their_share_of_the_hidden_size():
     assert _shrunk(LayoutV1)["hidden_size"] == HIDDEN
 
 
+def test_a_config_whose_default_is_refused_gets_the_features_its_checks_demand_off():
+    """Gemma 4's assistant refuses its own default: its text config's per-layer inputs must be off (0) and MoE off
+    while the text config's defaults have them on. Features are turned off one at a time, keeping each change
+    after which the checks fail later or not at all; the demanded values win over the small sizes."""
+    from dataclasses import dataclass
+
+    from sweep_models import HIDDEN, _shrunk
+
+    @dataclass
+    class Text:
+        model_type = "text"
+        hidden_size: int = 2048
+        hidden_size_per_layer_input: int = 256
+        enable_moe: bool = True
+        use_bias: bool = True
+
+    @dataclass
+    class Assistant:
+        sub_configs = {"text_config": Text}
+        text_config: dict | None = None
+
+        def __post_init__(self):
+            text = Text(**{k: v for k, v in (self.text_config or {}).items() if k != "model_type"})
+            if text.hidden_size_per_layer_input != 0:
+                raise ValueError("hidden_size_per_layer_input must be 0")
+            if text.enable_moe:
+                raise ValueError("enable_moe must be False")
+
+    kw = _shrunk(Assistant)["text_config"]
+    assert kw["hidden_size_per_layer_input"] == 0 and kw["enable_moe"] is False and kw["hidden_size"] == HIDDEN
+    assert "use_bias" not in kw  # not demanded: left as it was
+    Assistant(text_config=_shrunk(Assistant)["text_config"])
+
+
 def test_values_a_model_cannot_build_without_are_filled_only_then(monkeypatch):
     """Hunyuan's config leaves head_dim None and its attention raises it to a power; LFM2-MoE's leaves its layer
     types None and indexes them; Cohere Compass keys its rotary parameters by layer type and has none: the ordinary

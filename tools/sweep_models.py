@@ -184,10 +184,15 @@ def _shrunk(config_class: type) -> dict:
     relations it checks."""
     import dataclasses
 
+    base: dict = {}
     try:
         default = config_class()
     except Exception:
-        return {}
+        found = _features_off(config_class)
+        if found is None:
+            return {}
+        base = found
+        default = config_class(**base)
     fields = (
         {f.name for f in dataclasses.fields(config_class)}
         if dataclasses.is_dataclass(config_class)
@@ -262,7 +267,74 @@ def _shrunk(config_class: type) -> dict:
                 small = {"model_type": model_type, **small}
         if small:
             kw[k] = small
+    for k, v in base.items():  # the values the config's validation demands win over the small sizes
+        kw[k] = {**kw[k], **v} if isinstance(v, dict) and isinstance(kw.get(k), dict) else v
     return _consistent(config_class, kw, default, real, value)
+
+
+def _features_off(config_class: type) -> dict | None:
+    """Arguments that make a config whose own default is refused valid, by turning features off one at a time (a
+    flag True → False, a size → 0, in a sub-config's default), keeping each change after which the validation
+    fails at a later line of the config's module or not at all: its checks run in order, so a later failure means
+    the earlier check now holds. Gemma 4's assistant checks that its text config's per-layer inputs are off, while
+    the text config's defaults have them on. None: no such changes found."""
+    import inspect
+    import traceback
+
+    try:
+        source = inspect.getfile(config_class)
+    except (TypeError, OSError):
+        return None
+
+    def failing_line(kw: dict) -> int | None:  # None: accepted; -1: failed outside the config's module
+        try:
+            config_class(**kw)
+        except Exception as e:
+            lines, seen = [-1], set()
+            error: BaseException | None = e
+            while error is not None and id(error) not in seen:
+                seen.add(id(error))
+                lines += [n for f, n in traceback.walk_tb(error.__traceback__) if f.f_code.co_filename == source]
+                error = error.__cause__ or error.__context__
+            return max(lines)
+        return None
+
+    candidates: list[tuple[str, dict]] = []  # (sub-config, the change)
+    for k in sorted(getattr(config_class, "sub_configs", None) or {}):
+        inner = _default_sub_config(config_class, k)
+        model_type = getattr(inner, "model_type", None)
+        tag = {"model_type": model_type} if isinstance(model_type, str) else {}
+        for f, v in sorted(vars(inner).items() if inner is not None else ()):
+            if not f.startswith("_") and (v is True or (type(v) is int and v > 0)):
+                candidates.append((k, {**tag, f: False if v is True else 0}))
+    kw: dict = {}
+    line = failing_line(kw)
+    while line is not None:
+        for k, change in candidates:
+            trial = {**kw, k: {**kw.get(k, {}), **change}}
+            after = failing_line(trial)
+            if after is None or after > line:
+                kw, line = trial, after
+                break
+        else:
+            return None
+    return kw or None
+
+
+def _default_sub_config(config_class: type, key: str) -> object | None:
+    """A sub-config's default instance, built alone (its parent's default may be what is refused): its class, or
+    for one typed AutoConfig the model type its spec (sub_configs_defaults) names."""
+    spec = (getattr(config_class, "sub_configs_defaults", None) or {}).get(key)
+    cls = (getattr(config_class, "sub_configs", None) or {}).get(key)
+    try:
+        model_type = getattr(spec, "model_type", None)
+        if isinstance(model_type, str):
+            import transformers
+
+            return transformers.CONFIG_MAPPING[model_type]()
+        return cls() if isinstance(cls, type) else None
+    except Exception:
+        return None
 
 
 # layer counts, in the order _shrunk looks for them
