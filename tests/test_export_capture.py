@@ -390,3 +390,27 @@ def test_an_unused_random_draw_before_a_used_one_is_kept():
         if isinstance(modules.get(str(n.target)), nn.Dropout) or "dropout" in getattr(n.target, "__name__", "")
     ]
     assert len(draws) == 2 and "lin" in [n.target for n in gm.graph.nodes]
+
+
+def test_a_model_that_writes_its_weights_in_train_mode_is_refused_with_that_reason():
+    """Gemma 3n's AltUp clamps its coefficient weights in place in train mode (weight.data.clamp_): torch.export
+    said 'a fake tensor in the exported program constant's list'. The refusal names the weight the forward writes;
+    the model's weights are left as they were."""
+    from graphgrow.capture.export_capture import capture_by_export
+    from graphgrow.core.errors import TraceError
+
+    class Clamping(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.coefs = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if self.training:
+                self.coefs.weight.data.clamp_(-0.01, 0.01)
+            return self.coefs(x)
+
+    model = Clamping()
+    weight = model.coefs.weight.detach().clone()
+    with pytest.raises(TraceError, match="writes its own state in train mode: its forward changes 'coefs.weight'"):
+        capture_by_export(model, parse_spec("x:1x4:float32"), True, [])
+    assert torch.equal(model.coefs.weight, weight)

@@ -40,6 +40,7 @@ from ..graph.graph_meta import META_KEY, store_shape
 from ..graph.inputs import DTYPES, InputSpec, first_embedding, spec_inputs
 from .aten_table import DROPPED, to_torch
 from .export_modes import RANDOM, PendingSwitch, flat, merge_modes, set_flat, stack
+from .self_writes import written_state
 from .standins import standin, tied_parameters
 
 _SKIP_RAISE = (nn.MultiheadAttention,)
@@ -61,6 +62,16 @@ def _export(model: nn.Module, inputs: dict[str, torch.Tensor], train: bool):
         model.train(train)
         return torch.export.export(model, (), dict(inputs), dynamic_shapes=dims, strict=False)
     except Exception as e:
+        written = written_state(model, inputs) if train else []
+        if written:  # the model's own reason, not torch.export's message about it
+            more = f" and {len(written) - 1} more" if len(written) > 1 else ""
+            raise TraceError(
+                f"{type(model).__name__} writes its own state in train mode: its forward changes '{written[0]}'"
+                f"{more} (a weight clamped in place, a running range kept in a buffer); a graph computes its "
+                f"outputs from its weights and cannot hold updates of them",
+                "graphgrow verifies growth in train mode too; turn the update off where the model's config has an "
+                "option for it (Gemma 3n: altup_coef_clip=None)",
+            ) from e
         raise TraceError(
             f"torch.export cannot capture {type(model).__name__} in {'train' if train else 'eval'} mode: "
             f"{first_line(e)}",
