@@ -66,9 +66,9 @@ def _export(model: nn.Module, inputs: dict[str, torch.Tensor], train: bool):
         if written:  # the model's own reason, not torch.export's message about it
             more = f" and {len(written) - 1} more" if len(written) > 1 else ""
             raise TraceError(
-                f"{type(model).__name__} writes its own state in train mode: its forward changes '{written[0]}'"
-                f"{more} (a weight clamped in place, a running range kept in a buffer); a graph computes its "
-                f"outputs from its weights and cannot hold updates of them",
+                f"cannot capture {type(model).__name__} in train mode: its forward writes its own state, "
+                f"'{written[0]}'{more} (a weight clamped in place, a running range kept in a buffer); a graph "
+                f"computes its outputs from its weights and cannot hold updates of them",
                 "graphgrow verifies growth in train mode too; turn the update off where the model's config has an "
                 "option for it (Gemma 3n: altup_coef_clip=None)",
             ) from e
