@@ -190,22 +190,26 @@ class OutputGate(nn.Module):
     def forward(self, x):
         q, k, v = (p(x).unflatten(-1, (4, 4)).transpose(1, 2) for p in (self.q, self.k, self.v))
         out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
-        if self.spelling == "per_head":  # one gate per head and token (Dots's): a Linear of width heads
+        if self.spelling.startswith(
+            "per_head"
+        ):  # one gate per head and token (Dots's, Laguna's): a Linear of width heads
             b, t, _ = x.shape
-            gated = out.view(b, t, 4, 4) * torch.sigmoid(self.g1(x)).unsqueeze(-1)
+            act = F.softplus if self.spelling == "per_head_softplus" else torch.sigmoid
+            gated = out.view(b, t, 4, 4) * act(self.g1(x)).unsqueeze(-1)
             return self.o(gated.view(b, t, -1))
         gate = torch.sigmoid(self.g(x)) if self.spelling == "function" else self.g(x).float().sigmoid()
         return self.o(out * gate)
 
 
-@pytest.mark.parametrize("spelling", ["function", "method", "per_head"])
+@pytest.mark.parametrize("spelling", ["function", "method", "per_head", "per_head_softplus"])
 def test_an_output_gate_grows_with_the_heads(spelling):
     torch.manual_seed(0)
     gm = gg.trace(OutputGate(spelling), input_shape=(1, 5, 16))
     result = gg.get_pass("grow_heads")(heads=6)(gm)
     assert result.preservation.eval.ok and result.preservation.train.ok and not result.preservation.dead
-    gate = result.gm.g1 if spelling == "per_head" else result.gm.g
-    assert gate.out_features == (6 if spelling == "per_head" else 24) and result.gm.o.in_features == 24
+    per_head = spelling.startswith("per_head")
+    gate = result.gm.g1 if per_head else result.gm.g
+    assert gate.out_features == (6 if per_head else 24) and result.gm.o.in_features == 24
     x = torch.randn(3, 7, 16)
     assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
 

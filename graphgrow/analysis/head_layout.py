@@ -27,7 +27,7 @@ SDPA = F.scaled_dot_product_attention
 SAME = ops.SAME_VALUES | {"dropout", "neg", "detach"}  # one data operand, same layout
 ELEMENTWISE = ops.BINARY_NAMES | ops.IN_PLACE_OPERATORS | {"pow"}
 # one data operand, each output element from its input element: a norm written out (x · (mean(x²) + eps)^-½)
-POINTWISE = ops.UNARY_METHODS | {"rsqrt", "sqrt", "reciprocal", "square", "silu", "gelu"}
+POINTWISE = ops.UNARY_METHODS | {"rsqrt", "sqrt", "reciprocal", "square", "silu", "gelu", "softplus"}
 # statistics over axes (a norm written out): exact under growth when no reduced axis grows
 REDUCE = ops.AXIS_STATISTICS
 # ops whose factor layout rules Flow knows: expand_as, the *_as reshapes and the other reorderings are not among them
