@@ -323,6 +323,24 @@ class HyperConnections(Block):
         return self.head(self.norm2((torch.sigmoid(self.coefficients(x, 1)[..., :2]).unsqueeze(-1) * x).sum(2)))
 
 
+class WrittenRMSNorm(nn.Module):
+    """HRM's RMSNorm without a weight, written out: x · rsqrt(mean(x²) + eps) in float32, cast back (x², x·x)."""
+
+    def __init__(self, square: str):
+        super().__init__()
+        self.square = square
+
+    def forward(self, x):
+        h = x.float()
+        ms = h.pow(2).mean(-1, keepdim=True) if self.square == "pow" else (h * h).mean(-1, keepdim=True)
+        return (h * torch.rsqrt(ms + 1e-6)).type_as(x)
+
+
+class WrittenNorms(Block):
+    def __init__(self, square: str):
+        super().__init__(WrittenRMSNorm(square), WrittenRMSNorm(square))
+
+
 def spellings() -> dict[str, tuple[type, tuple]]:
     """name → (module class, its arguments); names ending in '(fx)' are captured with torch.fx (`extras` kept as a
     leaf), the others with torch.export (as Hugging Face models are)."""
@@ -354,6 +372,8 @@ def spellings() -> dict[str, tuple[type, tuple]]:
         "amax over token groups, adaptive_avg_pool1d": (TokenMaxAndPool, ("amax",)),
         "hyper-connections, the mean square before the Linear": (HyperConnections, (False,)),
         "hyper-connections, the mean square after the Linear (fx)": (HyperConnections, (True,)),
+        "an RMSNorm without a weight written out, pow": (WrittenNorms, ("pow",)),
+        "an RMSNorm without a weight written out, x·x (fx)": (WrittenNorms, ("mul",)),
     }
 
 

@@ -388,3 +388,13 @@ def test_stream_ops_understood_by_what_they_compute(name):
     assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok, r.preservation
     new = int(r.targets["hidden"].split("→ ")[1].split()[0])
     assert r.gm.get_submodule("head").in_features in (new, 2 * new)  # 2 stream tensors side by side: DINOv2's head
+
+
+def test_a_norm_without_a_weight_grows_only_by_replication():
+    """No γ absorbs the factor sqrt(d/d') a weightless norm's old outputs would change by: any size but a multiple is
+    refused with that reason (the default, ×2, verifies: test_stream_ops_understood_by_what_they_compute)."""
+    from stream_spellings import SPEC, WrittenNorms
+
+    gm = gg.trace(WrittenNorms("pow"), input_shape=parse_spec(SPEC), capture="export")
+    with pytest.raises(gg.NotApplicable, match=r"'\w+' is a norm without a weight.*to=16, 24"):
+        gg.get_pass("grow_hidden")(to=12)(gm)

@@ -86,6 +86,7 @@ def find_stream(gm: fx.GraphModule) -> Stream:
     width = _normalised(gm, norms[-1])
     stream = Stream(width, {})
     walk = _Walk(gm, stream, nodes)
+    walk.inner |= {nodes[v] for m in norms for v in _norm_of(gm, m).inner}  # type: ignore[union-attr]  # written out
     # the final norm's stream, then each other norm of that width with its own tensors unless they are not understood:
     # a norm inside a block whose inner width happens to equal the hidden size (BitNet's attention sub-norm) is not
     # on the stream, and a component the walk never reached from the final norm grows or stays as a whole
@@ -107,6 +108,10 @@ def find_stream(gm: fx.GraphModule) -> Stream:
             raise _refuse(n, "normalises tensors off the stream with a norm the stream also uses")
     walk.check()
     stream.fill, stream.conflict = walk.fills()
+    bare = next((m.node for m in stream.norms if m.weight is None), None)
+    if stream.conflict is None and bare is not None:  # only replication keeps its outputs (rewrite/stream._grow_norm)
+        stream.fill, stream.conflict = {}, f"'{bare}' is a norm without a weight: none absorbs the factor its old "
+        stream.conflict += "outputs change by when the new coordinates are 0"
     return stream
 
 
@@ -301,7 +306,7 @@ class _Walk:
         if base_name(u) == "expand_as" and u.args[0] is not x:  # y.expand_as(x): x's shape, y's values (walked back)
             return self.add(u, axis)
         norm = _norm_of(self.gm, u)
-        if norm is not None and u.args[0] is x:
+        if norm is not None and norm.input == x.name:
             if axis != len(tensor_shape(x)) - 1 or _normalised(self.gm, u) != self.s.width:
                 raise _refuse(u, "normalises over more than the hidden axis")
             return self.add(u, axis)
@@ -380,7 +385,7 @@ class _Walk:
     def norm(self, n: fx.Node, norm: Norm) -> None:
         if norm.node in {m.node for m in self.s.norms}:
             return
-        x = n.args[0]
+        x = self.nodes[norm.input]
         if _normalised(self.gm, n) != self.s.width:
             raise _refuse(n, "normalises another width")
         self.s.norms.append(norm)

@@ -3,6 +3,7 @@ as a module or a function call, and the width it normalises."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ from torch import fx, nn
 
 from ..graph.fx_edit import tensor_shape
 from .stream_ops import arg as _arg
+from .stream_ops import base_name
 
 NORM_FUNCTIONS = (F.layer_norm, torch.layer_norm, F.rms_norm) + (
     (torch.rms_norm,) if hasattr(torch, "rms_norm") else ()
@@ -26,6 +28,39 @@ class Norm:
     weight: str | None  # parameter paths (None: no affine)
     bias: str | None
     eps: float | None
+    inner: tuple[str, ...] = ()  # a norm written out (x · rsqrt(mean(x²) + eps)): its ops on x, nothing to resize
+
+
+def written_rms(n: fx.Node) -> tuple[fx.Node, float | None, list[fx.Node]] | None:
+    """(x, eps, the ops between) when `n` = x · rsqrt(mean(x², -1, keepdim) + eps), an RMSNorm without a weight
+    written out (HRM's, as x.pow(2), x.square() or x · x), each op read by the next alone; else None."""
+    if n.op != "call_function" or n.target not in (operator.mul, torch.mul) or len(n.args) != 2:
+        return None
+    for x, r in (n.args, n.args[::-1]):
+        if not (isinstance(r, fx.Node) and isinstance(x, fx.Node) and base_name(r) == "rsqrt" and len(r.users) == 1):
+            continue
+        chain, a, eps = [r], r.args[0], None
+        if isinstance(a, fx.Node) and base_name(a) == "add" and len(a.users) == 1:
+            eps = next((c for c in a.args if isinstance(c, float)), None)
+            chain, a = chain + [a], next((c for c in a.args if isinstance(c, fx.Node)), None)
+            if eps is None or a is None:
+                continue
+        if not (isinstance(a, fx.Node) and base_name(a) == "mean" and len(a.users) == 1):
+            continue
+        if _arg(a, 1, "dim") not in ([-1], -1, (-1,)) or _arg(a, 2, "keepdim", False) is not True:
+            continue
+        q = a.args[0]
+        square = (
+            isinstance(q, fx.Node)
+            and len(q.users) == 1
+            and (
+                (base_name(q) in ("pow", "square") and q.args[0] is x and (base_name(q) == "square" or q.args[1] == 2))
+                or (base_name(q) == "mul" and q.args[0] is x and q.args[1] is x)
+            )
+        )
+        if square:
+            return x, eps, chain + [a, q]  # type: ignore[list-item]
+    return None
 
 
 def norm_of(gm: fx.GraphModule, n: fx.Node) -> Norm | None:
@@ -44,6 +79,10 @@ def norm_of(gm: fx.GraphModule, n: fx.Node) -> Norm | None:
             f"{n.target}.bias" if b is not None else None,
             m.eps,
         )
+    written = written_rms(n)
+    if written is not None:
+        x, eps, inner = written
+        return Norm(n.name, True, x.name, None, None, None, eps, tuple(v.name for v in inner))
     if n.op != "call_function" or n.target not in NORM_FUNCTIONS or not isinstance(n.args[0], fx.Node):
         return None
     rms = n.target not in (F.layer_norm, torch.layer_norm)
@@ -60,6 +99,8 @@ def norm_of(gm: fx.GraphModule, n: fx.Node) -> Norm | None:
 
 def normalised(gm: fx.GraphModule, n: fx.Node) -> int | None:
     """The width a last-dimension norm normalises, else None."""
+    if written_rms(n) is not None:  # over the last axis of its input, whatever its size
+        return (tensor_shape(n) or (None,))[-1]
     if n.op == "call_module":
         shape = getattr(gm.get_submodule(n.target), "normalized_shape", None)
     else:

@@ -55,7 +55,8 @@ def through(gm: fx.GraphModule, n: fx.Node, width: int) -> fx.Node | None:
             return x
         divide = arithmetic(n) == "div"
         return other if not divide and isinstance(other, fx.Node) and is_scalar_factor(x) else None
-    if base_name(n) == "expand_as" or pools_others(n) or zero_pad(n) or averages_trailing(gm, n):  # y's shape
+    # expand_as(x, y), type_as(x, y): y gives a shape or dtype only
+    if base_name(n) in ("expand_as", "type_as") or pools_others(n) or zero_pad(n) or averages_trailing(gm, n):
         return x
     passes = (n.op == "call_method" and n.target in PASS_METHODS) or (
         n.op == "call_function" and n.target in PASS_FUNCTIONS

@@ -230,6 +230,8 @@ def _grow_norm(gm: fx.GraphModule, stream: Stream, norm, layout: Layout, rule: s
                 scale = value[:d].abs().mean()
                 value[d:] = torch.where(scale > 0, scale, torch.full_like(scale, math.sqrt(ratio)))
         _set(gm, path, value, old)
+    if norm.inner:  # written out without a weight (replicated: its mean square keeps): nothing to resize
+        return
     eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
     eps = eps if rule == "replicate" else eps * ratio
     node = next(n for n in gm.graph.nodes if n.name == norm.node)
