@@ -176,9 +176,13 @@ def deaf_points(
     gives) that get no gradient in the *old* model, in eval and train mode: the model, not the pass,
     keeps those layers from learning."""
     users = owner_calls(new, dead)
-    # the tensor a new module reads, or the output of an old module that was rebuilt wider
+    # the tensor a new module reads, or the output of an old module that was rebuilt wider, or an old parameter read
+    # directly (HRM's initial state, used under no_grad): a fresh leaf stands in for it, so its gradient is seen
+    direct = {n.name for n in new.graph.nodes if n.op == "get_attr" and str(n.target) in dead and n.name in old_nodes}
     reads = sorted(
-        {n.args[0].name for n in users if reads_old(n, old_nodes)} | {n.name for n in users if n.name in old_nodes}
+        {n.args[0].name for n in users if reads_old(n, old_nodes)}
+        | {n.name for n in users if n.name in old_nodes}
+        | direct
     )
     if not reads:
         return []
@@ -189,7 +193,10 @@ def deaf_points(
     class Keep(fx.Interpreter):
         def run_node(self, n):
             out = super().run_node(n)
-            if n.name in reads and isinstance(out, torch.Tensor) and out.requires_grad:
+            if n.name in direct and isinstance(out, torch.Tensor) and out.is_floating_point():
+                out = out.detach().clone().requires_grad_(True)
+                kept[n.name] = out
+            elif n.name in reads and isinstance(out, torch.Tensor) and out.requires_grad:
                 out.retain_grad()
                 kept[n.name] = out
             return out
