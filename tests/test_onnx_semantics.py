@@ -50,8 +50,27 @@ class ProductRotary(nn.Module):
         return torch.view_as_real(y).reshape(x.shape) * 2.0
 
 
+class IndexedRotary(nn.Module):
+    """Llama 4's spelling: the rotation cast to complex64, cut to the tokens and given a heads axis by indexing
+    (`cis[:, :t]`, `cis[:, :, None, :]`), a select along a negative dim, and an Ellipsis index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):  # x: (B, T, 8) → two heads of 4
+        b, t, _ = x.shape
+        angle = torch.arange(t + 2, dtype=torch.float32)[None, :, None] * torch.tensor([1.0, 0.1])  # (1, T+2, 2)
+        cis = torch.polar(torch.ones_like(angle), angle).to(torch.complex64)[:, :t]
+        z = torch.view_as_complex(self.proj(x).float().reshape(b, t, 2, 2, 2))  # (B, T, heads, 2)
+        y = z * cis[:, :, None, :] + z[..., :1] * cis.select(-1, 0)[..., None, None]
+        return torch.view_as_real(y).flatten(2) + x
+
+
 @pytest.mark.parametrize("capture", ["fx", "export"])  # torch functions and methods, or ATen ops
-@pytest.mark.parametrize("cls, shape", [(PolarRotary, (2, 6, 16)), (ProductRotary, (2, 5, 8))])
+@pytest.mark.parametrize(
+    "cls, shape", [(PolarRotary, (2, 6, 16)), (ProductRotary, (2, 5, 8)), (IndexedRotary, (2, 5, 8))]
+)
 def test_real_pairs_compute_what_the_complex_graph_does(cls, shape, capture):
     torch.manual_seed(0)
     m = cls().eval()

@@ -34,6 +34,8 @@ SUB = ops.DIFFERENCE_FUNCTIONS | {aten.sub.Tensor, "sub"}
 UNSQUEEZE = {torch.unsqueeze, aten.unsqueeze.default, "unsqueeze"}
 RESHAPE = {torch.reshape, aten.reshape.default, aten.view.default, "reshape", "view"}
 SAME = ops.COPIES | {"detach", torch.clone, aten.clone.default, aten.contiguous.default}
+GETITEM = {operator.getitem}
+AT_DIM = {aten.slice.Tensor, aten.select.int, aten.narrow.default, torch.select, torch.narrow, "select", "narrow"}
 CAST = {"to", "type"}
 REAL_OF = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 
@@ -110,6 +112,12 @@ def _rewrite(graph: fx.Graph, n: fx.Node, target: Any, pairs: set[fx.Node]) -> f
     if target in UNSQUEEZE and not n.kwargs:
         dim = args[1]
         return f(torch.unsqueeze, (args[0], dim - 1 if dim < 0 else dim))
+    if target in GETITEM and args[0] in pairs:
+        return f(operator.getitem, (args[0], _pair_index(args[1])))
+    if target in AT_DIM and not n.kwargs and len(args) >= 2 and isinstance(args[1], int):
+        # slice/select/narrow along one dim: a negative dim counts from the end, past the pair axis now
+        at = (args[0], args[1] - 1 if args[1] < 0 else args[1], *args[2:])
+        return graph.call_method(target, at) if n.op == "call_method" else f(target, at)
     if target in RESHAPE and not n.kwargs:
         shape = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
         return f(torch.reshape, (args[0], [*shape, 2]))
@@ -118,6 +126,14 @@ def _rewrite(graph: fx.Graph, n: fx.Node, target: Any, pairs: set[fx.Node]) -> f
     if (target in ADD or target in SUB) and len(args) == 2 and not n.kwargs and all(a in pairs for a in args):
         return f(operator.add if target in ADD else operator.sub, tuple(args))
     _refuse(n)
+
+
+def _pair_index(index: Any) -> Any:
+    """z[index] on the pair: the index reaches the complex dims only, so the pair axis after them is kept whole. An
+    index without an Ellipsis leaves the trailing (pair) axis alone as it stands; one with an Ellipsis would let
+    it cover the pair axis, so a full slice for that axis goes after it."""
+    items = index if isinstance(index, tuple) else (index,)
+    return (*items, slice(None)) if any(i is Ellipsis for i in items) else index
 
 
 def _mul(f: Callable[..., fx.Node], n: fx.Node, a: Any, b: Any, pairs: set[fx.Node]) -> fx.Node:
@@ -140,6 +156,6 @@ def _refuse(n: fx.Node) -> NoReturn:
     raise ComplexUnsupported(
         f"'{n.name}' ({what}) works on complex values, which ONNX has no type for, and graphgrow has no real-pair "
         "rewrite for it (it rewrites view_as_complex, view_as_real, polar, complex mul/add/sub, unsqueeze, "
-        "reshape/view and casts)",
+        "reshape/view, indexing and slices, and casts)",
         "write the complex arithmetic in real pairs in the model, or skip the ONNX export (the grown model is saved)",
     )
