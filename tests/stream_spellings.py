@@ -341,6 +341,33 @@ class WrittenNorms(Block):
         super().__init__(WrittenRMSNorm(square), WrittenRMSNorm(square))
 
 
+class SphereNorm(nn.Module):
+    """Dory's L2 norm: onto the unit sphere, x · rsqrt(Σx² + eps) in float32, cast back (x.pow(2) or x · x)."""
+
+    def __init__(self, square: str = "pow"):
+        super().__init__()
+        self.square = square
+
+    def forward(self, x):
+        h = x.float()
+        return (h * torch.rsqrt((h.pow(2) if self.square == "pow" else h * h).sum(-1, keepdim=True) + 1e-6)).type_as(x)
+
+
+class Spherical(Block):
+    """Dory's (nGPT's) stream: every hidden state on the unit sphere, moved towards the normalised branch output at a
+    learned rate per coordinate, |λ · s|; the layer runs twice in a loop, so λ is read twice."""
+
+    def __init__(self, square: str):
+        super().__init__(SphereNorm(square), SphereNorm(square))
+        self.lam = nn.Parameter(torch.full((D,), 0.05) + 0.01 * torch.rand(D))
+
+    def forward(self, ids):
+        h = self.norm(self.embed(ids))
+        for _ in range(2):
+            h = self.norm(h + (self.lam * 4.0).abs() * (self.norm(self.fc(h)) - h))
+        return self.head(self.norm2(h))
+
+
 def spellings() -> dict[str, tuple[type, tuple]]:
     """name → (module class, its arguments); names ending in '(fx)' are captured with torch.fx (`extras` kept as a
     leaf), the others with torch.export (as Hugging Face models are)."""
@@ -374,6 +401,8 @@ def spellings() -> dict[str, tuple[type, tuple]]:
         "hyper-connections, the mean square after the Linear (fx)": (HyperConnections, (True,)),
         "an RMSNorm without a weight written out, pow": (WrittenNorms, ("pow",)),
         "an RMSNorm without a weight written out, x·x (fx)": (WrittenNorms, ("mul",)),
+        "L2 norms and a learned rate per coordinate, looped": (Spherical, ("pow",)),
+        "L2 norms (x·x) and a learned rate per coordinate, looped (fx)": (Spherical, ("mul",)),
     }
 
 

@@ -254,10 +254,29 @@ class DetachedInit(nn.Module):
         return self.head(self.norm(x + self.fc(self.norm(x))))
 
 
+class SphereAfterPostNorm(nn.Module):
+    """A post-norm stream (only replication is exact there) projected onto the unit sphere before its head (Dory's L2
+    norm): replication changes the sum of squares, so no growth is exact."""
+
+    def __init__(self):
+        super().__init__()
+        from stream_spellings import SphereNorm
+
+        self.embed, self.head = nn.Embedding(10, 8), nn.Linear(8, 3)
+        self.fc, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.ln, self.ln2, self.sphere = nn.LayerNorm(8), nn.LayerNorm(8), SphereNorm()
+
+    def forward(self, ids):
+        x = self.ln(self.embed(ids))
+        x = self.ln2(x + self.fc2(self.ln(x + self.fc(x))))
+        return self.head(self.sphere(x))
+
+
 @pytest.mark.parametrize(
     "model,spec,why",
     [
         (NoNorm(), (2, 8), "no LayerNorm or RMSNorm over a last dimension"),
+        (SphereAfterPostNorm(), "ids:1x4:int64", r"divides by the norm of the whole vector.*a post-norm stream"),
         (DetachedInit(), "ids:1x4:int64", r"output does not depend on 'init' .*cannot learn"),
         (RepeatsHidden(), "ids:1x4:int64", r"'repeat' \(repeat[.\w]*\), which mixes the hidden axis"),
         (NormOut(), "ids:1x4:int64", r"'norm_1' \(module norm\), which is a model output"),

@@ -31,7 +31,7 @@ from ..graph import ops
 from ..graph.fx_edit import computed_from, tensor_shape
 from .stacked import stacked_product, weight_axes
 from .stream_blocks import FlatRead, flat_readers
-from .stream_channels import ChannelOp, channel_op
+from .stream_channels import ChannelOp, channel_op, shared_factors
 from .stream_joins import cat_readers, is_add, is_cat, operand_axis, operands, split_source, tuple_element, user_axis
 from .stream_norms import Norm
 from .stream_norms import norm_of as _norm_of
@@ -108,10 +108,16 @@ def find_stream(gm: fx.GraphModule) -> Stream:
             raise _refuse(n, "normalises tensors off the stream with a norm the stream also uses")
     walk.check()
     stream.fill, stream.conflict = walk.fills()
-    bare = next((m.node for m in stream.norms if m.weight is None), None)
+    bare = next((m.node for m in stream.norms if m.weight is None and not m.l2), None)
     if stream.conflict is None and bare is not None:  # only replication keeps its outputs (rewrite/stream._grow_norm)
         stream.fill, stream.conflict = {}, f"'{bare}' is a norm without a weight: none absorbs the factor its old "
         stream.conflict += "outputs change by when the new coordinates are 0"
+    sphere = next((m.node for m in stream.norms if m.l2), None)
+    if stream.conflict is not None and sphere is not None:  # a sum of squares: replication multiplies it
+        raise _refuse(
+            nodes[sphere],
+            f"divides by the norm of the whole vector, which only zero new coordinates keep, and {stream.conflict}",
+        )
     return stream
 
 
@@ -391,6 +397,7 @@ class _Walk:
         self.s.norms.append(norm)
         self.add(x, len(tensor_shape(x)) - 1)
         kind = "an RMSNorm's input: its mean square" if norm.rms else "a LayerNorm's input: its mean and variance"
+        kind = "an L2 norm's input: its sum of squares" if norm.l2 else kind
         self.need(x, "zero" if norm.rms else "mean", kind)
         self.need(n, "zero", "a norm's output: its new outputs are β = 0")
 
@@ -465,6 +472,8 @@ class _Walk:
             others = [u for u in n.users if u.name not in self.s.axes] if w.what == "tensor" else []
             if others:
                 raise _refuse(n, f"is also read by '{others[0].name}' off the stream")
+        if stray := shared_factors(self.gm, [p for w in self.s.writers if w.what == "scale" for p, _ in w.params]):
+            raise _refuse(self.nodes[stray], "is a per-channel factor of the stream also read off it")
         self.s.views = [
             t
             for t in self.s.axes

@@ -150,17 +150,30 @@ def channel_factor(gm: fx.GraphModule, p: fx.Node, rank: int, axis: int, width: 
     if k < 0 or shape[k] != width or any(d != 1 for i, d in enumerate(shape) if i != k):
         return None
     node = p
+    found = region(p) if p.op in ("call_function", "call_method") and not _unit_view(p) else None
+    if found is not None and found[0].op == "get_attr" and len(p.users) == 1:
+        node = found[0]  # an elementwise function of the parameter (nGPT's |λ · s|): copies for copies, any on zeros
     while node.op != "get_attr":
         if len(node.users) != 1 or not node.args or not isinstance(node.args[0], fx.Node) or not _unit_view(node):
             return None
         node = node.args[0]
-    if len(node.users) != 1:
-        return None
-    root = tensor_shape(node)
+    root = tensor_shape(node)  # read at several places (a layer run in a loop: Dory's): shared_factors checks them
     wide = [i for i, d in enumerate(root or ()) if d != 1]
     if root is None or len(wide) != 1 or root[wide[0]] != width:
         return None
     return str(node.target), wide[0]
+
+
+def shared_factors(gm: fx.GraphModule, factors: list[str]) -> str | None:
+    """A per-channel factor parameter (`factors`: its path once per product it scales on the stream) that the graph
+    reads more often than that: the node of such a read, else None. Every read must scale the stream: growing the
+    parameter would break one that does not."""
+    reads = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
+    for path in set(factors):
+        n = reads.get(path)
+        if n is not None and len(n.users) > factors.count(path):
+            return n.name
+    return None
 
 
 def _unit_view(n: fx.Node) -> bool:

@@ -29,11 +29,13 @@ class Norm:
     bias: str | None
     eps: float | None
     inner: tuple[str, ...] = ()  # a norm written out (x · rsqrt(mean(x²) + eps)): its ops on x, nothing to resize
+    l2: bool = False  # x · rsqrt(sum(x²) + eps): onto the unit sphere (nGPT), kept by zero new coordinates alone
 
 
-def written_rms(n: fx.Node) -> tuple[fx.Node, float | None, list[fx.Node]] | None:
-    """(x, eps, the ops between) when `n` = x · rsqrt(mean(x², -1, keepdim) + eps), an RMSNorm without a weight
-    written out (HRM's, as x.pow(2), x.square() or x · x), each op read by the next alone; else None."""
+def written_rms(n: fx.Node) -> tuple[fx.Node, float | None, list[fx.Node], bool] | None:
+    """(x, eps, the ops between, whether it sums) when `n` = x · rsqrt(mean(x², -1, keepdim) + eps), an RMSNorm
+    without a weight written out (HRM's, as x.pow(2), x.square() or x · x), or with sum for mean (Dory's L2 norm),
+    each op read by the next alone; else None."""
     if n.op != "call_function" or n.target not in (operator.mul, torch.mul) or len(n.args) != 2:
         return None
     for x, r in (n.args, n.args[::-1]):
@@ -45,7 +47,7 @@ def written_rms(n: fx.Node) -> tuple[fx.Node, float | None, list[fx.Node]] | Non
             chain, a = chain + [a], next((c for c in a.args if isinstance(c, fx.Node)), None)
             if eps is None or a is None:
                 continue
-        if not (isinstance(a, fx.Node) and base_name(a) == "mean" and len(a.users) == 1):
+        if not (isinstance(a, fx.Node) and base_name(a) in ("mean", "sum") and len(a.users) == 1):
             continue
         if _arg(a, 1, "dim") not in ([-1], -1, (-1,)) or _arg(a, 2, "keepdim", False) is not True:
             continue
@@ -59,7 +61,7 @@ def written_rms(n: fx.Node) -> tuple[fx.Node, float | None, list[fx.Node]] | Non
             )
         )
         if square:
-            return x, eps, chain + [a, q]  # type: ignore[list-item]
+            return x, eps, chain + [a, q], base_name(a) == "sum"  # type: ignore[list-item]
     return None
 
 
@@ -81,8 +83,8 @@ def norm_of(gm: fx.GraphModule, n: fx.Node) -> Norm | None:
         )
     written = written_rms(n)
     if written is not None:
-        x, eps, inner = written
-        return Norm(n.name, True, x.name, None, None, None, eps, tuple(v.name for v in inner))
+        x, eps, inner, l2 = written
+        return Norm(n.name, True, x.name, None, None, None, eps, tuple(v.name for v in inner), l2)
     if n.op != "call_function" or n.target not in NORM_FUNCTIONS or not isinstance(n.args[0], fx.Node):
         return None
     rms = n.target not in (F.layer_norm, torch.layer_norm)

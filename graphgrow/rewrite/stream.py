@@ -119,6 +119,7 @@ def grow_stream(gm: fx.GraphModule, stream: Stream, new: int, generator: torch.G
     stored values then compute the old function. Tied weights that would need both a copy and shares keep the
     zero fill."""
     half = any(p.dtype in (torch.bfloat16, torch.float16) for p in gm.parameters())
+    half = half and not any(n.l2 for n in stream.norms)  # replication would change an L2 norm's sum of squares
     layout, rule = plan_layout(stream, new, generator, replicate=half)
     owners = _owners(gm)
     plans = plan_tensors(stream, rule)
@@ -212,6 +213,8 @@ def _tie_free(plans: dict[str, list[tuple[int, str, str]]], owners: dict, gm: fx
 def _grow_norm(gm: fx.GraphModule, stream: Stream, norm, layout: Layout, rule: str, generator: torch.Generator) -> None:
     d, new = layout.old, layout.new
     ratio = d / new
+    if norm.l2:  # onto the unit sphere: zero new coordinates keep the sum of squares, nothing to rescale
+        return
     if rule != "replicate" and norm.weight is None:
         raise NotApplicable(
             f"norm '{norm.node}' has no affine weight to absorb the factor sqrt({d}/{new}) its old "
