@@ -59,7 +59,7 @@ def grow_heads(
         "attentions": f"{len(plans)} ({'at ' + at if at else 'every one'})",
         "heads": _change(
             first.heads,
-            new["h"] * (first.heads // first.kv_heads),
+            new["h"] * new["r"],
             heads is None and by is None and head_dim is None and value_dim is None,
         ),
         "head_dim": _change(first.head_dim, new["d"]),
@@ -72,9 +72,7 @@ def grow_heads(
         ),
     }
     if first.kv_heads != first.heads:
-        targets["kv_heads"] = (
-            _change(first.kv_heads, new["h"]) + f" (grouped-query: {first.heads // first.kv_heads} query heads each)"
-        )
+        targets["kv_heads"] = _change(first.kv_heads, new["h"]) + f" (grouped-query: {new['r']} query heads each)"
     notes = []
     if any(len(p.roles) > 1 for a, _ in plans for p in a.projections) and new["d"] != first.head_dim:
         notes.append(
@@ -117,7 +115,7 @@ def _growing(heads, by, head_dim, value_dim) -> set[str]:
 def new_sizes(a, heads: int | None, by: int | None, head_dim: int | None, value_dim: int | None) -> dict[str, int]:
     """The attention's new factor sizes (h: key/value heads, r: query heads per key/value head, d, e)."""
     h, kv, d, e = a.heads, a.kv_heads, a.head_dim, a.value_dim
-    ratio = h // kv
+    ratio = 1 if a.one_kv else h // kv  # one key/value head that cannot grow: every new query head shares it
     if heads is not None and by is not None and heads != h + by:
         raise NotApplicable(
             f"heads={heads} and by={by} disagree (attention '{a.node}' has {h} heads)", "give one of them"
@@ -155,6 +153,8 @@ def new_sizes(a, heads: int | None, by: int | None, head_dim: int | None, value_
         raise NotApplicable(
             f"{where}: nothing to grow", "give heads= (or by=), head_dim= or value_dim= above the current sizes"
         )
+    if a.one_kv:
+        return {"h": 1, "r": target, "d": d2, "e": e2}
     return {"h": target // ratio, "r": ratio if ratio > 1 else 1, "d": d2, "e": e2}
 
 

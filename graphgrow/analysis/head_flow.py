@@ -459,8 +459,12 @@ class Flow:
         sizes = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
         at = ("args", 1) if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else ("args",)
         lead = len(shape) - len(lay)
+        # query heads growing around one key/value head (analysis.heads' one_kv): a size-1 axis broadcast to s (the
+        # key repeated once per query head: repeat_kv) holds the same values at any size, so it is taken as the query
+        # heads r; where it meets the attention, heads checks that it is the query's r
+        spread = "r" if "r" in self.growing and "h" not in self.growing else ""
         out = tuple(
-            (("", s),) if j < lead or (size_of(lay[j - lead]) == 1 and s > 1) else lay[j - lead]
+            (("", s),) if j < lead else ((spread, s),) if size_of(lay[j - lead]) == 1 and s > 1 else lay[j - lead]
             for j, s in enumerate(shape)
         )
         self.constants(n, out, sizes, at)

@@ -62,9 +62,10 @@ class Attention:
     scale_at: tuple | None = None  # an eager scale's constant: (node, ("args", i), "mul" | "div")
     # an eager scale computed from sizes (math.sqrt(q.size(-1))): its factor on the scores at new factor sizes
     scale_of: Callable[[dict[str, int]], float] | None = None
-    # parameters with one entry per head (a learnable sink, a gate bias): (path, factors, new heads' value)
-    # (path, the axis holding the heads, its factors, new heads' value)
+    # parameters with entries per head (a learnable sink, a gate bias, a position table): (path, the axis holding the
+    # heads, its factors, new heads' value)
     per_head: list[tuple[str, int, Axis, float]] = field(default_factory=list)
+    one_kv: bool = False  # one key/value head for all query heads that cannot grow: query heads grow alone (r)
 
     def summary(self) -> str:
         gqa = (
@@ -172,6 +173,25 @@ def attention_of(gm: fx.GraphModule, s: fx.Node, growing: set[str]) -> Attention
 
 
 def _attention(gm: fx.GraphModule, core: Core, growing: set[str]) -> Attention:
+    """The attention, its key/value heads growing with the query heads (the grouped-query ratio kept); where that
+    cannot be followed and the key and value are one head for all query heads (multi-query attention whose key has a
+    size-1 heads axis broadcast over the query heads: GPT-BigCode's), the query heads grow alone, sharing it."""
+    try:
+        return _attention_layouts(gm, core, growing)
+    except NotApplicable as first:
+        if "h" not in growing:
+            raise
+        try:
+            att = _attention_layouts(gm, core, (growing - {"h"}) | {"r"})
+        except NotApplicable:
+            raise first from None
+        if att.kv_heads != 1:
+            raise first from None
+        att.one_kv = True
+        return att
+
+
+def _attention_layouts(gm: fx.GraphModule, core: Core, growing: set[str]) -> Attention:
     """A fused projection of equal sections holds them outermost (s, h, d: GPT-2's c_attn, timm's qkv) or, per head,
     inside each head (h, s, d: GPT-NeoX's and Persimmon's query_key_value, viewed as heads × 3·head size and split):
     the first layout the flow follows is the one."""
@@ -309,7 +329,14 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
     def heads(ax: Axis) -> tuple:  # the growing factors only: a key may lack the query's r (SDPA's enable_gqa)
         return tuple(f for f in canon(ax, growing) if f[0] in growing)
 
-    if not heads(lq[-3]) == heads(lk[-3]) == heads(lv[-3]) or canon(lq[-1], growing) != canon(lk[ka], growing):
+    # key and value hold the query's heads, or only the key/value heads with the query heads broadcast over them
+    # (SDPA's enable_gqa, or a size-1 axis): only then may they lack the query's r
+    grown = heads(lq[-3])
+    kv_only = tuple(f for f in grown if f[0] != "r")
+    if any(
+        heads(lay[-3]) != grown and (heads(lay[-3]) != kv_only or size_of(lay[-3]) not in (1, size_of(kv_only)))
+        for lay in (lk, lv)
+    ) or canon(lq[-1], growing) != canon(lk[ka], growing):
         raise refuse(s, "gets query, key and value whose heads or head sizes the analysis cannot match up")
     for sink in core.sinks:  # a column per head and query row before the softmax: a parameter per head
         if flow.grows(lq[-3]) and not flow.adopt(sink, lq[-3], 0.0, -3):
