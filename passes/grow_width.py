@@ -201,19 +201,23 @@ def default_target(
 
 
 def _first_frozen(gm: fx.GraphModule, coupling: Coupling) -> str | None:
-    """The first group (graph order) that a layer makes and a layer reads, with its first reason in words: one whose
-    reason is a stated one before one the analysis does not understand. None when no such group is frozen."""
+    """The first group (graph order) that a layer makes, with its first reason in words: one whose reason is a stated
+    one, and then the first the analysis does not understand (the op it stops at: a selective scan's matmul). The
+    head's group (no layer reads it, the model returns it) is left out. None when no such group is frozen."""
     seen: set[int] = set()
     stated, unknown = None, None
     deployed = deployed_nodes(gm)
+    returned = {a.name for n in gm.graph.nodes if n.op == "output" for a in n.all_input_nodes}
     for n in gm.graph.nodes:
         gid = coupling.group_of.get(n.name)
         if gid is None or gid in seen or n not in deployed:
             continue
-        seen.add(gid)
         grp = coupling.groups[gid]
-        if n.name not in grp.sources or not grp.consumers:
+        if n.name not in grp.sources:  # a group is met first where an embedding or a norm makes it: wait for a layer
             continue
+        seen.add(gid)
+        if not grp.consumers and returned & set(grp.members):
+            continue  # the head's: its width is the model's output
         why = coupling.why_frozen(gid)
         if not why:
             continue
@@ -222,6 +226,8 @@ def _first_frozen(gm: fx.GraphModule, coupling: Coupling) -> str | None:
             unknown = unknown or words
         else:
             stated = stated or words
+    if stated and unknown:  # the op the analysis does not follow may be what blocks the layers that matter
+        return f"{stated}; the first the analysis does not follow, {unknown}"
     return stated or unknown
 
 

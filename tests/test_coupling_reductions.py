@@ -108,3 +108,30 @@ def test_only_groups_under_a_norm_is_a_stated_impossibility_for_init_zero(functi
     with pytest.raises(NotApplicable, match="normalised across its channels .* would not be exact"):
         GrowWidth()(gm)
     grown(SubNorm(functional).eval(), (2, 8), init="net2net")  # copies keep the statistics: exact
+
+
+class TokenScan(nn.Module):
+    """An embedding's stream, and an inner width run through a scan over the tokens written as a matmul (as a
+    selective scan is): no group can grow, each for its own reason."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.up, self.down = nn.Embedding(10, 8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        h = self.up(x)
+        h = torch.matmul(torch.tril(torch.ones(h.shape[1], h.shape[1])), h) * h
+        return self.down(h) + x
+
+
+def test_a_refusal_names_the_op_that_stops_an_inner_width_as_well():
+    """Was 'no layer in this model has a channel group that can grow': the stream was passed over where the embedding
+    makes it, and the inner width, which no layer reads past the matmul, was not looked at."""
+    gm = gg.trace(TokenScan(), input_shape={"ids": ((1, 5), torch.int64)})
+    with pytest.raises(
+        gg.NotApplicable,
+        match=r"of 'down' \(8 channels\): 'emb': Embedding .*; the first the analysis "
+        r"does not follow, of 'up' \(16 channels\): 'up': 'matmul_1' \(matmul\) is not understood",
+    ):
+        gg.get_pass("grow_width")()(gm)
