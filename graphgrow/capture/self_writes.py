@@ -5,31 +5,33 @@ inputs and weights; an update of the weights inside the forward is state it cann
 own message says (a fake tensor among the constants, a guard on a data-dependent value).
 
 Asked only after the export failed: the model is run once in train mode (no gradients, the random generator
-forked) and every tensor of its state compared with a copy taken before; the state is then put back.
+forked) and every tensor of its state compared with a copy taken before, the state then put back; a model too
+large to copy (Gemma 3n's vision tower: 300 M parameters) is compared by a sum and a sum of squares per tensor,
+and keeps what its forward wrote, as a training step of it would.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 
 import torch
 from torch import nn
 
-# a model whose state is larger is not copied to be diagnosed (the export's own message stands)
+# a model whose state is larger is compared by fingerprints, not a copy
 MAX_ELEMENTS = 1 << 26
 
 
 def written_state(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[str]:
     """Names of the parameters and buffers a train-mode forward of `model` on `inputs` changes (values, or the
-    tensor a name holds replaced); [] when none does, the forward fails, or the state is too large to copy."""
+    tensor a name holds replaced); [] when none does or the forward fails."""
     state = model.state_dict(keep_vars=True)
-    if sum(t.numel() for t in state.values()) > MAX_ELEMENTS:
-        return []
-    before = {k: t.detach().clone() for k, t in state.items()}
+    copied = sum(t.numel() for t in state.values()) <= MAX_ELEMENTS
+    before = {k: t.detach().clone() if copied else _fingerprint(t) for k, t in state.items()}
     was = model.training
     try:
         model.train(True)
-        with torch.no_grad(), torch.random.fork_rng(), contextlib.redirect_stdout(None):
+        with torch.no_grad(), torch.random.fork_rng(), contextlib.redirect_stdout(io.StringIO()):
             model(**inputs)
     except Exception:
         return []
@@ -41,11 +43,11 @@ def written_state(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[str
             for k, t in before.items()
             if k not in after
             or after[k] is not state[k]
-            or after[k].shape != t.shape
-            or not _same(after[k].detach(), t)
+            or (after[k].shape != t.shape if copied else _fingerprint(after[k]) != t)
+            or (copied and not _same(after[k].detach(), t))
         ]
         with torch.no_grad():
-            for k in changed:
+            for k in changed if copied else ():
                 if k in after and after[k].shape == before[k].shape:
                     after[k].detach().copy_(before[k])
     return changed
@@ -57,3 +59,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.is_floating_point() or a.is_complex():
         return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
     return bool(torch.equal(a, b))
+
+
+def _fingerprint(t: torch.Tensor) -> tuple:
+    x = t.detach()
+    x = (x.abs() if x.is_complex() else x).double().nan_to_num()
+    return (t.dtype, tuple(t.shape), float(x.sum()), float((x * x).sum()))
