@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from graphgrow.capture.trace import trace
-from graphgrow.core.errors import InputError
+from graphgrow.core.errors import InputError, TraceError
 from graphgrow.graph.graph_meta import input_spec_of
 from graphgrow.graph.inputs import TensorSpec, parse_spec, plain_spec, spec_inputs
 
@@ -394,28 +394,31 @@ def test_an_unused_random_draw_before_a_used_one_is_kept():
 
 @pytest.mark.parametrize("copied", [True, False])
 def test_a_model_that_writes_its_weights_in_train_mode_is_refused_with_that_reason(copied, monkeypatch):
-    """Gemma 3n's AltUp clamps its coefficient weights in place in train mode (weight.data.clamp_): torch.export
-    said 'a fake tensor in the exported program constant's list'. The refusal names the weight the forward writes;
-    the model's weights are left as they were where the state was small enough to copy (else compared by
-    fingerprints: Gemma 3n's 300 M parameters)."""
+    """Gemma 3n's AltUp clamps its coefficient weights in place in train mode (weight.data.clamp_ to ±120, which
+    random weights never reach): torch.export said 'a fake tensor in the exported program constant's list'. The
+    refusal names the weights the forward writes, whether their values change or not, and not batch norm's running
+    statistics (updated in place, which the export holds); the weights are put back where the state was small
+    enough to copy (Gemma 3n's 300 M parameters are not)."""
     from graphgrow.capture import self_writes
     from graphgrow.capture.export_capture import capture_by_export
 
     monkeypatch.setattr(self_writes, "MAX_ELEMENTS", 1 << 26 if copied else 0)
-    from graphgrow.core.errors import TraceError
 
     class Clamping(nn.Module):
         def __init__(self):
             super().__init__()
-            self.coefs = nn.Linear(4, 4)
+            self.norm, self.coefs, self.other = nn.BatchNorm1d(4), nn.Linear(4, 4), nn.Linear(4, 4)
 
         def forward(self, x):
             if self.training:
                 self.coefs.weight.data.clamp_(-0.01, 0.01)
-            return self.coefs(x)
+                self.other.weight.data.clamp_(-120, 120)
+            return self.other(self.coefs(self.norm(x)))
 
     model = Clamping()
     weight = model.coefs.weight.detach().clone()
-    with pytest.raises(TraceError, match="in train mode: its forward writes its own state, 'coefs.weight'"):
-        capture_by_export(model, parse_spec("x:1x4:float32"), True, [])
+    assert self_writes.written_state(model, {"x": torch.randn(3, 4)}) == ["coefs.weight", "other.weight"]
+    model.coefs.weight.data.copy_(weight)
+    with pytest.raises(TraceError, match="in train mode: its forward writes its own state, 'coefs.weight' and 1 more"):
+        capture_by_export(model, parse_spec("x:2x4:float32"), True, [])
     assert torch.equal(model.coefs.weight, weight) == copied

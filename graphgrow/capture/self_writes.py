@@ -1,67 +1,72 @@
 """Why torch.export could not capture a model in train mode, when the reason is the model's own: a forward that
-writes its own parameters or buffers in training (Gemma 3n's AltUp clamps its coefficient weights in place; I-BERT's
-quantised activations keep a running range, updated by branches on the data). A graph computes outputs from
-inputs and weights; an update of the weights inside the forward is state it cannot hold, whatever torch.export's
-own message says (a fake tensor among the constants, a guard on a data-dependent value).
+writes its own weights in training (Gemma 3n's AltUp clamps its coefficient weights in place, through .data) or
+replaces its buffers (I-BERT's quantised activations keep a running range, updated by branches on the data). A
+graph computes outputs from inputs and weights; an update of the weights inside the forward is state it cannot
+hold, whatever torch.export's own message says (a fake tensor among the constants, a guard on a data-dependent
+value). A buffer updated in place (batch norm's running statistics) is not counted: the export holds that.
 
 Asked only after the export failed: the model is run once in train mode (no gradients, the random generator
-forked) and every tensor of its state compared with a copy taken before, the state then put back; a model too
-large to copy (Gemma 3n's vision tower: 300 M parameters) is compared by a sum and a sum of squares per tensor,
-and keeps what its forward wrote, as a training step of it would.
+forked) under a dispatch mode that records every ATen op writing into a parameter's storage (even where the values
+stay: a clamp to ±120 of small weights), and the buffers' tensors are compared before and after. Parameters
+written are put back from a copy when the state is small enough to copy (MAX_ELEMENTS); a larger model keeps what
+its forward wrote, as a training step of it would.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-# a model whose state is larger is compared by fingerprints, not a copy
+# a model whose parameters are larger is not copied (they keep what the diagnostic forward wrote)
 MAX_ELEMENTS = 1 << 26
 
 
+class _Writes(TorchDispatchMode):
+    """Records the names of the tensors in `storages` (storage pointer → name) that an op writes into."""
+
+    def __init__(self, storages: dict[int, str]):
+        super().__init__()
+        self.storages, self.written = storages, set[str]()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            if isinstance(v, torch.Tensor) and v.numel() and _storage(v) in self.storages:
+                self.written.add(self.storages[_storage(v)])
+        return func(*args, **kwargs)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
 def written_state(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[str]:
-    """Names of the parameters and buffers a train-mode forward of `model` on `inputs` changes (values, or the
-    tensor a name holds replaced); [] when none does or the forward fails."""
-    state = model.state_dict(keep_vars=True)
-    copied = sum(t.numel() for t in state.values()) <= MAX_ELEMENTS
-    before = {k: t.detach().clone() if copied else _fingerprint(t) for k, t in state.items()}
+    """Names of the parameters a train-mode forward of `model` on `inputs` writes and of the buffers it replaces
+    by other tensors, in the model's order; [] when none, or when the forward fails."""
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    copied = sum(p.numel() for p in params.values()) <= MAX_ELEMENTS
+    saved = {k: p.detach().clone() for k, p in params.items()} if copied else {}
+    mode = _Writes({_storage(p): k for k, p in params.items() if p.numel()})
     was = model.training
     try:
         model.train(True)
-        with torch.no_grad(), torch.random.fork_rng(), contextlib.redirect_stdout(io.StringIO()):
+        with torch.no_grad(), torch.random.fork_rng(), contextlib.redirect_stdout(io.StringIO()), mode:
             model(**inputs)
     except Exception:
         return []
     finally:
         model.train(was)
-        after = model.state_dict(keep_vars=True)
-        changed = [
-            k
-            for k, t in before.items()
-            if k not in after
-            or after[k] is not state[k]
-            or (after[k].shape != t.shape if copied else _fingerprint(after[k]) != t)
-            or (copied and not _same(after[k].detach(), t))
-        ]
         with torch.no_grad():
-            for k in changed if copied else ():
-                if k in after and after[k].shape == before[k].shape:
-                    after[k].detach().copy_(before[k])
-    return changed
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype:
-        return False
-    if a.is_floating_point() or a.is_complex():
-        return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
-    return bool(torch.equal(a, b))
-
-
-def _fingerprint(t: torch.Tensor) -> tuple:
-    x = t.detach()
-    x = (x.abs() if x.is_complex() else x).double().nan_to_num()
-    return (t.dtype, tuple(t.shape), float(x.sum()), float((x * x).sum()))
+            for k in mode.written & set(saved):
+                params[k].copy_(saved[k])
+    replaced = {k for k, b in model.named_buffers() if k in buffers and b is not buffers[k]}
+    return [k for k in [*params, *buffers] if k in mode.written or k in replaced]
