@@ -368,6 +368,28 @@ class Spherical(Block):
         return self.head(self.norm2(h))
 
 
+class DepthAttention(Block):
+    """Inkling's depth attention: a sublayer reads a softmax mix of the earlier states (the embedding, each block's
+    output) stacked along a sources axis, normalised without a weight and scored by a learned query, q @ statesᵀ; the
+    history starts as x.new_zeros(B, T, 0, d) and the mix comes out as unbind(-2)[0]."""
+
+    def __init__(self):
+        super().__init__(nn.RMSNorm(D), nn.RMSNorm(D))
+        self.query = nn.Parameter(torch.randn(D) * 0.3)
+
+    def read(self, states):
+        h = states.float()
+        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        q = self.query.reshape(-1, D).expand(states.shape[0], states.shape[1], -1, -1)
+        return (torch.softmax(q @ normed.transpose(2, 3) * 0.5, -1) @ normed).unbind(-2)[0]
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        history = torch.cat([x.new_zeros(x.shape[0], x.shape[1], 0, D), x.unsqueeze(-2)], -2)
+        history = torch.cat([history, self.branch(self.read(history)).unsqueeze(-2)], -2)
+        return self.head(self.norm2(self.read(history)))
+
+
 def spellings() -> dict[str, tuple[type, tuple]]:
     """name → (module class, its arguments); names ending in '(fx)' are captured with torch.fx (`extras` kept as a
     leaf), the others with torch.export (as Hugging Face models are)."""
@@ -403,6 +425,8 @@ def spellings() -> dict[str, tuple[type, tuple]]:
         "an RMSNorm without a weight written out, x·x (fx)": (WrittenNorms, ("mul",)),
         "L2 norms and a learned rate per coordinate, looped": (Spherical, ("pow",)),
         "L2 norms (x·x) and a learned rate per coordinate, looped (fx)": (Spherical, ("mul",)),
+        "depth attention over earlier states": (DepthAttention, ()),
+        "depth attention over earlier states (fx)": (DepthAttention, ()),
     }
 
 

@@ -20,6 +20,7 @@ replicating every coordinate equally (an integer factor) stays exact.
 
 from __future__ import annotations
 
+import copy
 import operator
 
 import torch
@@ -30,9 +31,10 @@ from ..core.errors import NotApplicable
 from ..graph import ops
 from ..graph.fx_edit import computed_from, tensor_shape
 from .stacked import stacked_product, weight_axes
-from .stream_blocks import FlatRead, flat_readers
+from .stream_blocks import FlatRead, flat_readers, query_reader
 from .stream_channels import ChannelOp, channel_op, shared_factors
 from .stream_joins import cat_readers, is_add, is_cat, operand_axis, operands, split_source, tuple_element, user_axis
+from .stream_joins import piece_axis as _piece_axis
 from .stream_norms import Norm
 from .stream_norms import norm_of as _norm_of
 from .stream_norms import normalised as _normalised
@@ -51,7 +53,7 @@ from .stream_ops import forward_axis as _forward_axis
 from .stream_ops import input_axis as _input_axis
 from .stream_ops import token_scale as _token_scale
 from .stream_ops import zero_activation_input as _zero_activation_input
-from .stream_parts import Reader, Stream, Writer
+from .stream_parts import Reader, Stream, Writer, linear_reader
 from .stream_parts import refuse as _refuse
 from .stream_parts import what as _what
 from .stream_regions import region, region_root, zero_at_zero
@@ -59,7 +61,7 @@ from .stream_through import through
 
 EMBEDDINGS = (F.embedding, torch.embedding)  # F.embedding(input, weight, …), torch.embedding(weight, input, …)
 SHAPE_QUERIES = ops.SHAPE_QUERIES
-VIEWS = ops.RESHAPES | {"expand"}  # their shape arguments name the width: grown with it
+VIEWS = ops.RESHAPES | {"expand", "new_zeros"}  # their shape arguments name the width: grown with it
 
 
 def find_stream(gm: fx.GraphModule) -> Stream:
@@ -134,26 +136,17 @@ class _Walk:
         self.inner: set[fx.Node] = set()  # the ops inside a written-out activation (stream_regions): not followed
 
     # --- bookkeeping ---
+    SAVED = ("axes", "writers", "readers", "norms", "grouped", "eps", "read_views")  # the Stream's findings
+
     def snapshot(self) -> tuple:
-        s = self.s
         walk = (dict(self.parent), dict(self.needs), set(self.done_users), set(self.inner))
-        return (dict(s.axes), list(s.writers), list(s.readers), list(s.norms), list(s.grouped), list(s.eps), *walk)
+        return tuple(copy.copy(getattr(self.s, f)) for f in self.SAVED) + walk
 
     def restore(self, saved: tuple) -> None:
         """Back to a snapshot (the tensors a refused component added are no part of the stream)."""
-        s = self.s
-        (
-            s.axes,
-            s.writers,
-            s.readers,
-            s.norms,
-            s.grouped,
-            s.eps,
-            self.parent,
-            self.needs,
-            self.done_users,
-            self.inner,
-        ) = saved
+        for f, value in zip(self.SAVED, saved, strict=False):
+            setattr(self.s, f, value)
+        self.parent, self.needs, self.done_users, self.inner = saved[len(self.SAVED) :]
         self.todo = []
 
     def add(self, n: fx.Node, axis: int, like: fx.Node | None = None) -> None:
@@ -251,9 +244,9 @@ class _Walk:
             return self.writer(n, "linear", params)
         piece = split_source(n)
         if piece is not None:
-            if piece[1] == axis:
+            if _piece_axis(n, axis, back=True) is None:
                 raise _refuse(n, "is a piece of a split along the hidden axis")
-            return self.add(piece[0], axis, like=n)
+            return self.add(piece[0], _piece_axis(n, axis, back=True), like=n)  # type: ignore[arg-type]
         if tuple_element(n) is not None:  # ((x,) + rest)[0] is x
             return self.add(tuple_element(n), axis, like=n)  # type: ignore[arg-type]
         if is_add(n) or is_cat(n):
@@ -287,6 +280,8 @@ class _Walk:
         if found is not None and zero_at_zero(*found, n):
             self.inner |= set(found[1])
             return self.activation(found[0], n)
+        if base_name(n) == "new_zeros":  # zeros in the stream's shape (an empty history): any fill; its size: views
+            return None
         if fourier_along(n, axis):  # FNet mixes tokens and hidden coordinates by a 2-D DFT
             raise _refuse(n, "comes from a Fourier transform along the hidden axis: every output depends on the width")
         raise _refuse(n, "produces stream values the analysis does not understand")
@@ -324,17 +319,17 @@ class _Walk:
             and _arg(u, 0, "input") is x
             and all(a is not x for a in list(u.args[1:]) + [v for k, v in u.kwargs.items() if k != "input"])
         ):
-            return self.reader(u, x, axis)
+            return self.s.readers.append(linear_reader(u, x, axis))
         conv = self.gm.get_submodule(u.target) if u.op == "call_module" else None
         if isinstance(conv, nn.modules.conv._ConvNd) and conv.groups == 1 and axis == 1 and u.args == (x,):
             self.s.readers.append(Reader(u.name, [(f"{u.target}.weight", 1)], x.name))  # its input channels
             return
         pieces = [g for g in u.users if split_source(g) is not None and split_source(g)[0] is x]  # type: ignore[index]
         if pieces and len(pieces) == len(u.users):  # x split along the tokens: every piece a stream tensor
-            if split_source(pieces[0])[1] == axis:  # type: ignore[index]
+            if _piece_axis(pieces[0], axis) is None:
                 raise _refuse(u, "splits the stream along the hidden axis")
             for g in pieces:
-                self.add(g, axis, like=x)
+                self.add(g, _piece_axis(g, axis), like=x)  # type: ignore[arg-type]
             return None
         if u.target is operator.add and isinstance(u.args[0], tuple):  # (x,) + rest: followed to its x = t[i]
             for g in u.users:
@@ -370,6 +365,9 @@ class _Walk:
         channel = channel_op(self.gm, u, axis, self.s.width)
         if channel is not None and channel.x is x and channel.x_axis == axis:
             return self.channelwise(u, axis, channel)
+        if (q := query_reader(u, x, axis, self.s.width)) is not None:  # a learned query dotted with the stream
+            self.s.read_views += q[2]
+            return self.s.readers.append(Reader(u.name, [(q[0], q[1])], x.name))
         flat = flat_readers(self.gm, u, x, axis, self.s.width)
         if flat is not None:  # the stream's copies flattened into one vector per token for Linear layers
             return self.flat_reader(x, flat)
@@ -479,15 +477,3 @@ class _Walk:
             for t in self.s.axes
             if self.nodes[t].op in ("call_method", "call_function") and _what(self.nodes[t]) in VIEWS
         ]
-
-    def reader(self, u: fx.Node, x: fx.Node, axis: int) -> None:
-        if axis != len(tensor_shape(x)) - 1:
-            raise _refuse(u, "reads the stream along another axis than the hidden one")
-        if u.op == "call_module":
-            params = [(f"{u.target}.weight", 1)]
-        else:
-            w = _arg(u, 1, "weight")
-            if not (isinstance(w, fx.Node) and w.op == "get_attr"):
-                raise _refuse(u, "takes its weight from a computed tensor")
-            params = [(str(w.target), 1)]
-        self.s.readers.append(Reader(u.name, params, x.name))

@@ -92,3 +92,27 @@ def _linear(gm: fx.GraphModule, v: fx.Node) -> str | None:
         return f"{v.target}.weight"
     w = arg(v, 1, "weight") if v.op == "call_function" and base_name(v) == "linear" else None
     return str(w.target) if isinstance(w, fx.Node) and w.op == "get_attr" else None
+
+
+def query_reader(u: fx.Node, x: fx.Node, axis: int, width: int) -> tuple[str, int, list[tuple[str, int]]] | None:
+    """(the parameter, its hidden dim, the views between it and `u` as (node, axis of the width)) when `u` = q @ x
+    contracts x's hidden axis (its second to last) with q a parameter of the hidden size through views, reshape,
+    expand or unsqueeze, each read by the next alone (Inkling's depth attention: a learned query dotted with each
+    normalised earlier state): the parameter reads the stream as a Linear's weight does."""
+    if base_name(u) != "matmul" or len(u.args) != 2 or u.args[1] is not x or axis != len(tensor_shape(x) or ()) - 2:
+        return None
+    q, views = u.args[0], []
+    while isinstance(q, fx.Node) and q.op != "get_attr":
+        shape = tensor_shape(q)
+        if len(q.users) != 1 or base_name(q) not in ops.RESHAPES | {"expand", "unsqueeze"} or not shape:
+            return None
+        if shape[-1] != width or any(isinstance(a, fx.Node) and tensor_shape(a) for a in q.args[1:]):
+            return None
+        views.append((q.name, len(shape) - 1))
+        q = q.args[0]
+    shape = tensor_shape(q) if isinstance(q, fx.Node) else None
+    if not isinstance(q, fx.Node) or not shape or [d for d in shape if d != 1] != [width]:
+        return None
+    if len(q.users) > 1 and not all(base_name(v) in ops.RESHAPES | {"expand", "unsqueeze"} for v in q.users):
+        return None  # read at several places (the same query at each depth): each such read grows it alike
+    return str(q.target), [d for d in shape].index(width), views

@@ -78,11 +78,23 @@ def split_source(n: fx.Node) -> tuple[fx.Node, int] | None:
     if base_name(n) != "getitem" or len(n.args) != 2 or not isinstance(n.args[1], int):
         return None
     s = n.args[0]
-    if not isinstance(s, fx.Node) or base_name(s) not in ops.SPLITS - {"unbind"} | {"split_with_sizes"}:
+    if not isinstance(s, fx.Node) or base_name(s) not in ops.SPLITS | {"split_with_sizes"}:
         return None
-    x, rank = s.args[0], len(tensor_shape(n) or ())
-    dim = arg(s, 2, "dim", 0)
+    x, rank = s.args[0], len(tensor_shape(s.args[0]) or ()) if isinstance(s.args[0], fx.Node) else 0
+    dim = arg(s, 1, "dim", 0) if base_name(s) == "unbind" else arg(s, 2, "dim", 0)
     return (x, dim % rank) if isinstance(x, fx.Node) and isinstance(dim, int) and rank else None
+
+
+def piece_axis(n: fx.Node, axis: int, back: bool = False) -> int | None:
+    """The hidden axis of piece `n` of a split of x whose hidden axis is `axis` (back: x's, `axis` being the
+    piece's); None when the split is along it. A piece of unbind (Inkling's mixed depth sources, unbind(-2)[0]) has
+    the split dim removed."""
+    x, dim = split_source(n)  # type: ignore[misc]
+    removed = len(tensor_shape(n) or ()) < len(tensor_shape(x) or ())
+    if back:
+        at = axis + (removed and axis >= dim)
+        return None if at == dim else at
+    return None if axis == dim else axis - (removed and dim < axis)
 
 
 def cat_readers(gm: fx.GraphModule, u: fx.Node, axis: int, width: int) -> tuple[list[fx.Node], list[fx.Node]]:

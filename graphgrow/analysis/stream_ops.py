@@ -64,12 +64,13 @@ def arithmetic(n: fx.Node) -> str | None:
 
 def value_free_read(u: fx.Node, x: fx.Node) -> bool:
     """Whether `u` reads only `x`'s dtype or device, never its values or its shape: y.type_as(x), y.to(x),
-    x.new_ones(3, 4) with sizes written as numbers (a growth of x changes nothing in `u`)."""
+    x.new_ones(3, 4) with sizes given as numbers or read from shapes (a growth of x changes nothing in `u`)."""
     name = base_name(u)
     rest = list(u.args[1:]) + list(u.kwargs.values())
     if name in ("type_as", "to") and u.args and u.args[0] is not x:
         return True
-    return name.startswith("new_") and bool(u.args) and u.args[0] is x and not any(isinstance(a, fx.Node) for a in rest)
+    sizes = not any(isinstance(a, fx.Node) and tensor_shape(a) is not None for a in rest)  # numbers or sizes read
+    return name.startswith("new_") and bool(u.args) and u.args[0] is x and sizes
 
 
 def constant_like(u: fx.Node, x: fx.Node) -> bool:

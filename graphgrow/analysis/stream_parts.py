@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from ..core.errors import NotApplicable
+from ..graph.fx_edit import tensor_shape
 from .stream_norms import Norm
 
 
@@ -39,6 +40,9 @@ class Stream:
     views: list[str] = field(default_factory=list)  # reshape/view/expand nodes on the stream
     grouped: list[str] = field(default_factory=list)  # functional depthwise convs: their `groups` is the width
     eps: list[tuple[str, int]] = field(default_factory=list)  # (node, arg index): a mean square's eps (stream_blocks)
+    read_views: list[tuple[str, int]] = field(
+        default_factory=list
+    )  # views of a parameter read as a weight: (node, axis)
     fill: dict[str, str] = field(default_factory=dict)  # stream tensor → mean | zero (empty when conflict)
     conflict: str | None = None  # why no per-tensor fill is exact (a post-norm stream)
 
@@ -61,3 +65,15 @@ def what(n: fx.Node) -> str:
     if n.op == "call_module":
         return f"module {n.target}"
     return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+
+
+def linear_reader(u: fx.Node, x: fx.Node, axis: int) -> Reader:
+    """`u`, a Linear (module or F.linear on a parameter), reading stream tensor `x` along its hidden axis `axis`."""
+    if axis != len(tensor_shape(x) or ()) - 1:
+        raise refuse(u, "reads the stream along another axis than the hidden one")
+    if u.op == "call_module":
+        return Reader(u.name, [(f"{u.target}.weight", 1)], x.name)
+    w = u.args[1] if len(u.args) > 1 else u.kwargs.get("weight")
+    if not (isinstance(w, fx.Node) and w.op == "get_attr"):
+        raise refuse(u, "takes its weight from a computed tensor")
+    return Reader(u.name, [(str(w.target), 1)], x.name)

@@ -24,6 +24,7 @@ import torch
 from torch import fx, nn
 
 from ..analysis.stream import Stream
+from ..analysis.stream_ops import base_name
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import finish
 from .size_reads import hold_size_reads
@@ -58,6 +59,8 @@ def grow_along(t: torch.Tensor, dim: int, layout: Layout, how: str, generator: t
     """`t` with its dimension `dim` grown by the layout: new entries are the 'mean' of the old ones, 'zero',
     'copy' (of the replicated coordinate), 'shares' (net2net split of input columns) or 'random'."""
     t = t.detach()
+    if t.dim() == 1 and how in ("shares", "random"):  # a vector read as a weight (a learned query): one row
+        return grow_along(t[None], 1, layout, how, generator)[0]
     if how in ("mean", "zero", "copy"):
         moved = t.movedim(dim, 0)
         return rows(
@@ -281,6 +284,13 @@ def _grow_views(gm: fx.GraphModule, stream: Stream, new: int) -> None:
     """reshape/view/expand on the stream with the width written as a constant, a functional depthwise conv's
     `groups`: the new width."""
     nodes = {n.name: n for n in gm.graph.nodes}
+    for name, axis in stream.read_views:  # a parameter read as a weight through views (stream_blocks.query_reader)
+        n = nodes[name]
+        packed = len(n.args) == 2 and isinstance(n.args[1], (list, tuple))
+        shape = list(n.args[1]) if packed else list(n.args[1:])
+        if base_name(n) != "unsqueeze" and len(shape) > axis and shape[axis] == stream.width:
+            shape[axis] = new
+            n.args = (n.args[0], type(n.args[1])(shape)) if packed else (n.args[0], *shape)
     for name in stream.grouped:  # F.conv1d(x, w, b, stride, padding, dilation, groups)
         n = nodes[name]
         if len(n.args) > 6:
