@@ -235,3 +235,27 @@ def test_a_model_below_the_budget_gets_the_smallest_main_path_place_and_is_told(
     )  # the default candidate
     assert "over budget" in r.targets["chosen"] and "smallest" in r.targets["chosen"]
     assert "over budget" in r.summary() and r.preservation is not None
+
+
+class Vanishing(nn.Module):
+    """An untrained stack too deep to pass its signal on, in small: the first stage's output reaches the head scaled
+    by 1e-30 (below float32's eps², as through 55 EfficientNet blocks), so a layer grown there could never learn.
+    That first stage end is the one place within the parameter budget; the wide last stage is over it."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+        self.down = nn.Conv2d(4, 64, 3, stride=2, padding=1)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.down(self.stem(x)) * 1e-30 + 1.0)
+        return self.head(y.mean((2, 3)))
+
+
+def test_a_default_place_the_output_does_not_hear_is_passed_over():
+    torch.manual_seed(0)
+    gm = gg.trace(Vanishing().eval(), (1, 3, 16, 16))
+    r = _pass("deepen")(gm)  # was refused: "the model's output does not depend on 'stem_1' on the check inputs"
+    assert r.targets["after"].startswith("relu "), r.targets
+    assert "1 other stage ends get a vanishing gradient from the output" in r.targets["chosen"], r.targets

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ..analysis.hearing import heard as _heard  # one threshold: what is refused, what a default avoids
 from ..core.errors import NotApplicable, PreservationError, ValidationError
 from ..core.protocol import BATCHES, TRAIN_PROTOCOL, ModeCheck, flat_tensors
 from ..core.state import dropout_off, preserved_buffers, training_mode
@@ -160,13 +161,6 @@ def _refuse_change(check: ModeCheck, exact: bool) -> None:
 
 def _grad_leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(t.is_floating_point())  # token ids cannot carry a gradient
-
-
-def _heard(grad: torch.Tensor) -> bool:
-    """A gradient reaches a tensor when it is not vanishing: some entry at least float32's eps² of the output's
-    (the random projection's entries are about 1). An untrained 55-block EfficientNet passes 1e-28 to its middle:
-    every update there is lost to rounding, and a layer grown there gets exactly none."""
-    return bool((grad.abs() >= torch.finfo(torch.float32).eps ** 2).any())
 
 
 def deaf_points(
