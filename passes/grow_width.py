@@ -42,6 +42,7 @@ from graphgrow.rewrite import (
     identity_adapter,
     inserting_after,
     is_graphgrow_node,
+    keep_heard,
     load_data,
     make_layout,
     param_count,
@@ -171,14 +172,22 @@ def default_target(
     found, skipped_norm = growable_layers(gm, coupling, replicates, factor)
     total = max(param_count(gm), 1)
     if found:
-        (node, cost), over = pick_within_budget(found, lambda c: c[1], total)
+        heard = keep_heard(gm, found, lambda c: c[0])  # a layer no gradient reaches could never learn its new units
+        (node, cost), over = pick_within_budget(heard, lambda c: c[1], total)
         what = (
             "main-path layer whose channel group grows the least"
             if over
             else "first main-path layer whose channel group can grow"
         )
+        deaf = (
+            f"; {len(found) - len(heard)} other layers get a vanishing gradient from the output (an untrained stack "
+            "too deep to pass its signal on): units grown there could not learn"
+            if len(heard) < len(found)
+            else ""
+        )
         return node, (
-            f"{what}: {place(gm, node)}; adds about {cost:,} parameters ({100 * cost / total:.0f}% of the model){over}"
+            f"{what}: {place(gm, node)}; adds about {cost:,} parameters ({100 * cost / total:.0f}% of the model)"
+            f"{over}{deaf}"
         )
     hint = "graphgrow inspect --groups shows why each group is frozen; mode=adapter widens one layer"
     if skipped_norm:  # a stated impossibility for this init, not a missing place

@@ -253,9 +253,26 @@ class Vanishing(nn.Module):
         return self.head(y.mean((2, 3)))
 
 
-def test_a_default_place_the_output_does_not_hear_is_passed_over():
+class VanishingInside(Vanishing):
+    """The same, scaled between the stem and the wide layer: the stem's channels are what no gradient reaches."""
+
+    def forward(self, x):
+        y = torch.relu(self.down(self.stem(x) * 1e-30 + 1.0))
+        return self.head(y.mean((2, 3)))
+
+
+@pytest.mark.parametrize(
+    "model, spec, key, place, deaf",
+    [
+        (Vanishing, "deepen", "after", "relu ", "1 other stage ends"),
+        (VanishingInside, "grow_width", "target", "down", "1 other layers"),
+    ],
+)
+def test_a_default_place_the_output_does_not_hear_is_passed_over(model, spec, key, place, deaf):
     torch.manual_seed(0)
-    gm = gg.trace(Vanishing().eval(), (1, 3, 16, 16))
-    r = _pass("deepen")(gm)  # was refused: "the model's output does not depend on 'stem_1' on the check inputs"
-    assert r.targets["after"].startswith("relu "), r.targets
-    assert "1 other stage ends get a vanishing gradient from the output" in r.targets["chosen"], r.targets
+    gm = gg.trace(model().eval(), (1, 3, 16, 16))
+    # deepen was refused ("the model's output does not depend on 'stem_1'"); grow_width verified at 'stem.0', whose
+    # new rows then learn only through the 1e-30 (efficientnet's grow_width default was refused so)
+    r = _pass(spec)(gm)
+    assert str(r.targets[key]).startswith(place), r.targets
+    assert f"{deaf} get a vanishing gradient from the output" in r.targets["chosen"], r.targets

@@ -9,7 +9,8 @@ then, for what eval mode did not hear, train mode (dropout off, buffers restored
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 from torch import fx
@@ -19,6 +20,8 @@ from ..core.state import dropout_off, preserved_buffers, training_mode
 from ..graph.graph_meta import input_spec_of
 from ..graph.inputs import positional
 from ..graph.shapes import example_input
+
+T = TypeVar("T")
 
 
 def heard(grad: torch.Tensor) -> bool:
@@ -62,3 +65,15 @@ class _Keep(fx.Interpreter):
         if n.name in self.wanted and isinstance(out, torch.Tensor) and out.requires_grad:
             self.kept[n.name] = out
         return out
+
+
+def keep_heard(gm: fx.GraphModule, places: list[T], node: Callable[[T], fx.Node]) -> list[T]:
+    """The `places` (in order) whose `node` the output hears, for a pass's default: all of them when it hears none
+    (verification then says why) or the model cannot be run here (a meta-device plan, a model that fails)."""
+    if not places or any(p.is_meta for p in gm.parameters()):
+        return places
+    try:
+        live = heard_nodes(gm, [node(p) for p in places])
+    except Exception:  # a probe, not a check: a model that cannot run here is refused where it is run
+        return places
+    return [p for p in places if node(p).name in live] or places

@@ -21,7 +21,7 @@ from ..graph.graph_meta import graph_info, scope_of
 from ..graph.shapes import param_count
 from .axes import assign_channel_axes, node_axis
 from .deployed import deployed_outputs
-from .hearing import heard_nodes
+from .hearing import keep_heard
 from .targets import Candidate, _is_head_pool, is_feature_map, is_global_pool, tensor_or_feature_end
 
 T = TypeVar("T")
@@ -262,7 +262,7 @@ def default_point(
         node, why = tensor_or_feature_end(gm, None)
         return node, why
     costs = [(s, end, cost(end)) for s, end in reversed(stage_ends(found))]
-    live = _heard_only(gm, costs)
+    live = keep_heard(gm, costs, lambda t: t[1])
     (stage, node, c), over = pick_within_budget(live, lambda t: t[2], total, budget)
     if over:
         where = "the smallest stage end"
@@ -284,18 +284,6 @@ def default_point(
             else ""
         ),
     )
-
-
-def _heard_only(gm: fx.GraphModule, costs: list[tuple[Stage, fx.Node, int]]) -> list[tuple[Stage, fx.Node, int]]:
-    """The stage ends a gradient from the output reaches (analysis.hearing), or all of them when it reaches none
-    (verification then says why) or the model cannot be run here (a meta-device plan)."""
-    if any(p.is_meta for p in gm.parameters()):
-        return costs
-    try:
-        live = heard_nodes(gm, [end for _, end, _ in costs])
-    except Exception:  # a probe, not a check: a model that cannot run here is refused where it is run
-        return costs
-    return [t for t in costs if t[1].name in live] or costs
 
 
 def pick_within_budget(

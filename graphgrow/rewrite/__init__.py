@@ -15,7 +15,7 @@ Editing the graph (fx_edit):
     inline_containers (graph.inline: the calls of containers a pass inserted become their layers' calls),
     dead_places (verify.dead_ends: tensors no gradient reaches, where a new zero-gated contribution would be dead)
 Where to grow (stages, targets, deployed): main_path, stages, Stage, stage_end, stage_end_candidates, default_point,
-    place, graphgrow_modules, is_graphgrow_node, tensor_or_feature_end, DEFAULT_BUDGET, pick_within_budget,
+    place, graphgrow_modules, is_graphgrow_node, tensor_or_feature_end, DEFAULT_BUDGET, pick_within_budget, keep_heard,
     deployed_nodes (what the deployed function computes: no train-only auxiliary head), train_only_note
 Channels (coupling: analysis; widen: planning and applying):
     analyze, Coupling, channel_axis, plan_growth, make_layout, Insertion, Layout, grow_group,
@@ -49,6 +49,7 @@ from ..analysis.coupling_layers import ConvFacts, conv2d_facts
 from ..analysis.deployed import deployed_nodes, train_only_note
 from ..analysis.eager_attention import eager_cores
 from ..analysis.heads import Attention, find_attentions
+from ..analysis.hearing import keep_heard
 from ..analysis.opaque import eval_passthrough
 from ..analysis.stages import (
     DEFAULT_BUDGET,
@@ -147,6 +148,7 @@ __all__ = [
     "tensor_or_feature_end",
     "DEFAULT_BUDGET",
     "pick_within_budget",
+    "keep_heard",
     "deployed_nodes",
     "train_only_note",
     "analyze",
