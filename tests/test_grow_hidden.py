@@ -432,3 +432,25 @@ def test_a_norm_without_a_weight_grows_only_by_replication():
     gm = gg.trace(WrittenNorms("pow"), input_shape=parse_spec(SPEC), capture="export")
     with pytest.raises(gg.NotApplicable, match=r"'\w+' is a norm without a weight.*to=16, 24"):
         gg.get_pass("grow_hidden")(to=12)(gm)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_a_written_rms_norm_is_one_without_a_weight_only_when_nothing_scales_it(weighted):
+    """x · rsqrt(mean(x²) + eps) is a norm without a weight (HRM's) unless a parameter multiplies it next (LLaMA's
+    RMSNorm written out in a streamed window: reading it as weightless made deepen(block=copy) see per-channel writers
+    in every layer and refuse, docs/streaming.md)."""
+    from graphgrow.analysis.stream_norms import norm_of
+
+    class Written(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            h = x.float()
+            y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+            return self.weight * y if weighted else y
+
+    gm = torch.fx.symbolic_trace(Written())
+    found = [n.name for n in gm.graph.nodes if norm_of(gm, n) is not None]
+    assert found == ([] if weighted else ["mul"])

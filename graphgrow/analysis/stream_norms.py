@@ -65,6 +65,17 @@ def written_rms(n: fx.Node) -> tuple[fx.Node, float | None, list[fx.Node], bool]
     return None
 
 
+def _weighted_after(n: fx.Node) -> bool:
+    """Whether the written-out norm `n` is multiplied by a parameter next (through casts): an RMSNorm with a weight
+    written out (LLaMA's in a streamed window), which is no norm without a weight and is not read as one."""
+    while len(n.users) == 1 and base_name(u := next(iter(n.users))) in ("to", "float", "type_as") and u.args[0] is n:
+        n = u
+    for u in n.users:
+        if base_name(u) == "mul" and any(isinstance(a, fx.Node) and a.op == "get_attr" for a in u.args):
+            return True
+    return False
+
+
 def norm_of(gm: fx.GraphModule, n: fx.Node) -> Norm | None:
     """A LayerNorm / RMSNorm over the last dimension (module or function), else None."""
     if n.op == "call_module":
@@ -82,7 +93,7 @@ def norm_of(gm: fx.GraphModule, n: fx.Node) -> Norm | None:
             m.eps,
         )
     written = written_rms(n)
-    if written is not None:
+    if written is not None and not _weighted_after(n):
         x, eps, inner, l2 = written
         return Norm(n.name, True, x.name, None, None, None, eps, tuple(v.name for v in inner), l2)
     if n.op != "call_function" or n.target not in NORM_FUNCTIONS or not isinstance(n.args[0], fx.Node):
