@@ -146,6 +146,20 @@ def test_a_norm_written_out_per_head_lets_heads_grow(spelling):
         gg.get_pass("grow_heads")(head_dim=6)(gm)
 
 
+class OutputNorm(WrittenOutNorm):
+    """Dory's L2 sub-norm written out over every head's output together before the output projection."""
+
+    def forward(self, x):
+        q, k, v = (p(x).unflatten(-1, (4, 4)).transpose(1, 2) for p in (self.q, self.k, self.v))
+        return self.o(self.norm(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)))
+
+
+def test_a_norm_written_out_over_every_head_refuses_heads():
+    gm = gg.trace(OutputNorm("rsqrt"), input_shape=(1, 5, 16))
+    with pytest.raises(gg.NotApplicable, match=r"reduces over every head's output together .*cannot grow exactly"):
+        gg.get_pass("grow_heads")(heads=6)(gm)
+
+
 class SplitSections(nn.Module):
     """Grouped-query attention (4 query heads, 2 key/value heads of 4) from one projection cut by split(sizes), as a
     method on the projection or after an unsqueeze that leaves the sizes last (GPT-BigCode's spelling)."""

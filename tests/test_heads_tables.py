@@ -1,5 +1,6 @@
 """grow_heads grows parameters that hold an entry per head (issue 39's sweep refused DeBERTa and CPM-Ant for them): a
-bias of the query and value per head × head size (DeBERTa's q_bias / v_bias, viewed per head in two spellings), and a
+bias of the query and value per head × head size (DeBERTa's q_bias / v_bias, viewed per head in two spellings), a
+scale of the query per head and coordinate computed from a parameter (Dory's sqk · c, squared), and a
 relative-position bias table with one column per head, looked up by position buckets and added to the scores
 (CPM-Ant's F.embedding, T5's nn.Embedding; eagerly or as scaled_dot_product_attention's mask; one table read by
 every layer, grown once). New heads get zero entries; a table shared with an attention that does not grow is
@@ -35,8 +36,11 @@ class BiasPerHead(nn.Module):
         if self.spelling == "deberta":
             q = q + self.per_head(self.q_bias[None, None, :])
             v = v + self.per_head(self.v_bias[None, None, :])
-        else:
+        elif self.spelling == "view":
             q = q + self.q_bias.view(1, self.h, 1, -1)
+            v = v + self.v_bias.view(self.h, 1, -1)
+        else:  # a scale per head and coordinate, a function of the parameter (Dory's sqk · c, squared)
+            q = q * (self.q_bias * 2.0).view(-1, 1, 4).square()
             v = v + self.v_bias.view(self.h, 1, -1)
         out = F.scaled_dot_product_attention(q, k, v)
         return self.o(out.transpose(1, 2).flatten(2))
@@ -91,11 +95,12 @@ def _grows(model: nn.Module) -> gg.PassResult:
     return result
 
 
-@pytest.mark.parametrize("spelling", ["deberta", "view"])
+@pytest.mark.parametrize("spelling", ["deberta", "view", "scale"])
 def test_a_bias_per_head_and_head_size_grows_with_the_heads(spelling):
     g = _grows(BiasPerHead(spelling)).gm
     assert g.q_bias.shape == g.v_bias.shape == (24,)
-    assert torch.equal(g.q_bias[16:], torch.zeros(8))  # the new heads' entries: after the old ones, zero
+    fill = 1.0 if spelling == "scale" else 0.0  # the new heads' entries, after the old ones: 1 in a factor, 0 in a term
+    assert torch.equal(g.q_bias[16:], torch.full((8,), fill)) and torch.equal(g.v_bias[16:], torch.zeros(8))
 
 
 @pytest.mark.parametrize("spelling", ["function", "module", "sdpa"])

@@ -23,7 +23,7 @@ from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 from .head_layout import SDPA, one_axis_slice, op_kind, refuse
 
-PRODUCTS = frozenset({"matmul", "bmm", "einsum"})  # batched matrix products (`@` is operator.matmul: "matmul")
+PRODUCTS = frozenset({"matmul", "bmm", "einsum", "baddbmm"})  # batched matrix products (`@`: "matmul")
 # ops on the scores that act per score (the head axis, when a side tensor has one, is checked): arithmetic with a
 # number or a broadcast tensor (scale, additive mask, soft-capping), tanh, masking, casts
 ON_SCORES = ops.BINARY_NAMES | ops.SAME_VALUES | {"tanh", "masked_fill", "masked_fill_", "where"}
@@ -46,6 +46,11 @@ class Core:
     # columns concatenated after the keys before the softmax and sliced off after it (a learnable attention sink:
     # GPT-OSS's): one entry per query row, which analysis.heads checks is a parameter per head
     sinks: list[fx.Node] = field(default_factory=list)
+    # reshapes between the product and the softmax or after it that split or merge the heads with the batch (the
+    # product of (batch · heads, tokens, …) tensors: DeBERTa-v2's, BLOOM's bmm/baddbmm): analysis.heads edits their
+    # head count; `heads` is then the softmax's heads axis
+    regroups: list[fx.Node] = field(default_factory=list)
+    heads: int | None = None
 
 
 def _name(n: fx.Node) -> str:
@@ -88,6 +93,11 @@ def _einsum(n: fx.Node) -> tuple[list[str], list, str] | None:
 
 def _scores_operands(n: fx.Node) -> tuple[fx.Node, fx.Node, int]:
     """(query, key, the key's head-size axis) of a scores product; NotApplicable when it is not q · kᵀ."""
+    if _name(n) == "baddbmm":  # input · beta + (batch1 @ batch2) · alpha: the input is a side (analysis.heads)
+        q, k = (n.args[i] if len(n.args) > i else n.kwargs.get(f"batch{i}") for i in (1, 2))
+        if not (isinstance(q, fx.Node) and isinstance(k, fx.Node)):
+            raise refuse(n, "computes attention scores from a constant, not from projected queries and keys")
+        return q, k, -2
     if _name(n) != "einsum":
         q, k = (list(n.args) + [None, None])[:2]
         if not (isinstance(q, fx.Node) and isinstance(k, fx.Node)):
@@ -157,6 +167,9 @@ def _back_to_product(x, shape, steps: int) -> tuple[fx.Node, list[fx.Node]] | No
         return x, []
     if steps == 0:
         return None
+    if _regroups(x):  # (batch · heads, q, k) viewed as (batch, heads, q, k): back to the product of the merged ones
+        found = _back_to_product(x.args[0], tensor_shape(x.args[0]), steps - 1)
+        return (found[0], [x] + found[1]) if found is not None else None
     if _name(x) == "cat" and isinstance(x.args[0], (list, tuple)) and x.args[0] and isinstance(x.args[0][0], fx.Node):
         first = x.args[0][0]  # scores, then sink columns (cat along the keys)
         dim = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
@@ -179,7 +192,7 @@ def _core(gm: fx.GraphModule, sm: fx.Node) -> Core | None:
     if found is None or shape is None or len(shape) < 3:
         return None
     x, chain = found
-    scores, after, masks = x, [sm], []
+    scores, after, masks, regroups = x, [sm], [], []
     keys = tensor_shape(scores)[-1]
     out = _only_user(sm)
     while out is not None and _name(out) not in PRODUCTS:
@@ -187,6 +200,8 @@ def _core(gm: fx.GraphModule, sm: fx.Node) -> Core | None:
             pass  # the sink columns sliced off: weights over the keys only
         elif _name(out) in ("masked_fill", "masked_fill_") and out.args[0] is after[-1]:
             masks += [a for a in out.args[1:] if isinstance(a, fx.Node) and tensor_shape(a)]  # CPM-Ant zeroes
+        elif _regroups(out):  # the weights merged with the batch again for a bmm with the value (B · heads, q, v)
+            regroups.append(out)
         elif op_kind(gm, out) != "same":  # masked weights after the softmax: the mask is checked per head
             break
         after.append(out)
@@ -206,7 +221,10 @@ def _core(gm: fx.GraphModule, sm: fx.Node) -> Core | None:
     q, k, key_axis = _scores_operands(scores)
     core = Core(out, q, k, _value_operand(out, after[-1]), key_axis)
     core.inner = {scores.name, out.name} | {n.name for n in chain + after}
-    core.sides += masks
+    core.sides += masks + _product_side(scores)
+    core.regroups = regroups + [n for n in chain if _regroups(n)]
+    if core.regroups:
+        core.heads, core.scale = shape[-3], _alpha(scores)
     prev = scores
     for n in reversed(chain):  # from the scores to the softmax
         if _name(n) == "cat":  # sink columns after the keys (_back_to_product): checked per head by analysis.heads
@@ -214,6 +232,11 @@ def _core(gm: fx.GraphModule, sm: fx.Node) -> Core | None:
             if _only_user(prev) is not n or not cut:
                 raise refuse(n, f"concatenates columns to the attention scores of '{out.name}' that are not sliced off")
             core.sinks += [a for a in n.args[0][1:] if isinstance(a, fx.Node)]
+            prev = n
+            continue
+        if _regroups(n):
+            if _only_user(prev) is not n:
+                raise refuse(prev, f"holds the attention scores of '{out.name}' and is also read elsewhere")
             prev = n
             continue
         if _name(n) not in ON_SCORES or n.op not in ("call_function", "call_method"):
@@ -234,6 +257,35 @@ def _core(gm: fx.GraphModule, sm: fx.Node) -> Core | None:
     if core.scale is None and core.scale_from is None:
         core.scale = 1.0
     return core
+
+
+def _regroups(n: fx.Node) -> bool:
+    """`n` reshapes scores or weights between (batch · heads, q, k) and (batch, heads, q, k): the same last two axes,
+    the leading ones split or merged."""
+    if _name(n) not in ops.RESHAPES or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    a, b = tensor_shape(n.args[0]), tensor_shape(n)
+    return a is not None and b is not None and len(a) != len(b) and a[-2:] == b[-2:] and math.prod(a) == math.prod(b)
+
+
+def _product_side(scores: fx.Node) -> list[fx.Node]:
+    """baddbmm's input (a bias added to the product: ALiBi's), unless it is zeros of sizes read at run time (GPT-NeoX
+    Japanese's `torch.zeros(batch · heads, q, k)`: the same for every head, and its size follows the heads)."""
+    if _name(scores) != "baddbmm":
+        return []
+    x = scores.args[0] if scores.args else scores.kwargs.get("input")
+    if not isinstance(x, fx.Node):
+        return []
+    sizes = x.args[0] if len(x.args) == 1 and isinstance(x.args[0], (list, tuple)) else x.args
+    if _name(x) == "zeros" and all(isinstance(a, fx.Node) for a in sizes):
+        return []
+    return [x]
+
+
+def _alpha(scores: fx.Node) -> float:
+    """The factor on a baddbmm's product (alpha=); 1 for any other product."""
+    alpha = scores.kwargs.get("alpha", scores.args[4] if len(scores.args) > 4 else 1.0)
+    return float(alpha) if _name(scores) == "baddbmm" and isinstance(alpha, (int, float)) else 1.0
 
 
 def _keeps_keys(n: fx.Node, rank: int, width: int, keys: int) -> bool:
@@ -301,6 +353,13 @@ def scale_value(c: fx.Node, read) -> float:
             shape = a.args[0]
             if isinstance(shape, fx.Node) and shape.op == "call_function" and shape.args[1:] == ("shape",):
                 return read(shape.args[0], a.args[1])
+            if (
+                isinstance(shape, fx.Node)
+                and shape.op == "call_method"
+                and shape.target == "size"
+                and len(shape.args) == 1
+            ):
+                return read(shape.args[0], a.args[1])  # t.size()[i]
         if a.op == "call_function" and a.target in _NUMBER_OPS and not a.kwargs:
             return a.target(*(value(x) for x in a.args))
         raise ValueError(a.name)

@@ -9,9 +9,7 @@ graph is one job of its own and the largest part of the analysis; analysis.heads
 from __future__ import annotations
 
 import math
-import operator
 
-import torch
 from torch import fx
 
 from ..graph.fx_edit import tensor_shape
@@ -32,6 +30,7 @@ from .head_layout import (
     words,
     writes,
 )
+from .head_sizes import constant_factor, follows, joined_sizes
 
 
 class Flow:
@@ -120,7 +119,7 @@ class Flow:
                 return lay[:start] + (tuple(f for axis in lay[start : end + 1] for f in axis),) + lay[end + 1 :]
             packed = len(n.args) == 2 and isinstance(n.args[1], (list, tuple))
             sizes = n.args[1] if packed else n.args[1:]
-            joined = _joined_sizes(n.args[1]) if len(n.args) == 2 and isinstance(n.args[1], fx.Node) else None
+            joined = joined_sizes(n.args[1]) if len(n.args) == 2 and isinstance(n.args[1], fx.Node) else None
             if joined is not None:  # x.view(x.size()[:-1] + (heads, -1)): the constants are in the tuple added
                 read, tail = joined
                 out = self.regroup(n, lay, shape, [read] * (len(shape) - len(tail)) + list(tail))
@@ -221,7 +220,9 @@ class Flow:
             if isinstance(a, int):
                 self.edits.append(FactorEdit(n.name, where, a, axis))
                 continue
-            c = _constant_factor(a)
+            if isinstance(a, fx.Node) and follows(self.layout, a, axis, self.growing):
+                continue  # computed from sizes read at run time of the growing axis: it follows by itself
+            c = constant_factor(a)
             grown = math.prod(s for f, s in axis if f in self.growing)
             if (c is None or c[1] % grown) and free == 0 and isinstance(a, fx.Node):
                 free = 1  # reshape infers this one size from the others and the element count: exact
@@ -290,6 +291,13 @@ class Flow:
         if not all(isinstance(d, int) for d in listed) or not isinstance(keep, bool):
             raise refuse(n, "reduces over every axis, the heads' too")
         dims = {int(d) % len(lay) for d in listed}  # type: ignore[call-overload]
+        if any(self.grows(lay[d]) and any(f in HEAD_FACTORS for f, _ in lay[d]) for d in dims):  # Dory's L2 sub-norm
+            raise refuse(
+                n,
+                f"reduces over every head's output together ({'; '.join(words(lay[d]) for d in sorted(dims))}): "
+                "new heads would change its statistics",
+                "this attention's heads cannot grow exactly (a norm over all of them): grow it with other passes",
+            )
         if any(self.grows(lay[d]) for d in dims):
             raise refuse(
                 n,
@@ -469,29 +477,3 @@ class Flow:
         )
         self.constants(n, out, sizes, at)
         return out
-
-
-def _joined_sizes(a: fx.Node) -> tuple[str, tuple] | None:
-    """(the size read, the sizes added) when a reshape's shape is `t.size()[:k] + (c, …)` (BERT-style
-    transpose_for_scores: `x.view(x.size()[:-1] + (heads, -1))`): the leading sizes are read from a tensor at run time,
-    the tuple holds the constants; else None."""
-    if not (a.op == "call_function" and a.target is operator.add and len(a.args) == 2):
-        return None
-    head, tail = a.args
-    if not isinstance(tail, tuple) or not all(isinstance(c, (int, fx.Node)) for c in tail):
-        return None
-    if not (isinstance(head, fx.Node) and head.op == "call_function" and head.target is operator.getitem):
-        return None
-    read = head.args[0]
-    if not (isinstance(read, fx.Node) and read.op == "call_method" and read.target == "size" and len(read.args) == 1):
-        return None
-    return head.name, tail
-
-
-def _constant_factor(a) -> tuple[int, int] | None:
-    """(position, c) when `a` is mul(size, c) or mul(c, size) with an int c."""
-    if isinstance(a, fx.Node) and a.op == "call_function" and a.target in (operator.mul, torch.mul):
-        for i, v in enumerate(a.args[:2]):
-            if isinstance(v, int) and not isinstance(v, bool):
-                return i, v
-    return None

@@ -1,5 +1,6 @@
 """Parameters read per head (analysis.head_flow): a tensor that meets an attention's heads axis and is computed from
-one parameter alone — a learnable sink or gate bias (one entry per head), a per-head bias of the query or value
+one parameter alone (through views, lookups and elementwise functions of it) — a learnable sink or gate bias (one
+entry per head), a scale of the query per head and coordinate (Dory's sqk), a per-head bias of the query or value
 (DeBERTa's q_bias of heads × head size, viewed per head), a relative-position bias table with one column per head
 looked up by position buckets (CPM-Ant's, T5's `F.embedding(buckets, table)`) — grows with the heads: the parameter
 gets entries for the new heads along the axis that holds them (a `fill` that only new heads read: zero for a term,
@@ -21,7 +22,7 @@ from torch import fx, nn
 from ..core.errors import NotApplicable
 from ..graph import ops
 from ..graph.fx_edit import tensor_shape
-from .head_layout import HEAD_FACTORS, SAME, Axis, Layout, _name, canon, plain, size_of
+from .head_layout import HEAD_FACTORS, POINTWISE, SAME, Axis, Layout, _name, canon, plain, size_of
 
 
 class Flow(Protocol):
@@ -53,9 +54,11 @@ def adopt(flow: Flow, side: fx.Node, axis: Axis, fill: float, at: int) -> bool:
         return False  # head sizes: a bias on the query would need the query's rescaling too; not taken here
     chain, x = [], side
     while x.op != "get_attr" and not _embedding(flow.gm, x):
-        name = _name(x)
+        name, tensors = _name(x), [a for a in x.args if isinstance(a, fx.Node)]
         src = x.args[1] if name in LOOKUPS and len(x.args) > 1 else x.args[0] if x.args else None
-        if name not in CHAIN | LOOKUPS or not isinstance(src, fx.Node):
+        if name in ops.BINARY_NAMES and len(tensors) == 1 and all(isinstance(a, (int, float)) for a in x.args[1:]):
+            src = tensors[0]  # the parameter times a number (Dory's sqk · scale): still one value per entry
+        elif name not in CHAIN | LOOKUPS | POINTWISE or not isinstance(src, fx.Node):
             return False
         chain.append(x)
         x = src

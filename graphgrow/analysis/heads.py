@@ -217,6 +217,8 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
     if any(sh is None or len(sh) < 3 for sh in shapes):
         raise refuse(s, f"takes query/key/value of shapes {shapes}, not (…, heads, tokens, head size)")
     h, kv, d, e = shapes[0][-3], shapes[1][-3], shapes[0][-1], shapes[2][-1]
+    if core.heads is not None:  # heads merged with the batch (batch · heads, tokens, d): the softmax's heads axis
+        h = kv = core.heads
     region: set[str] = set()
     projs: dict[str, tuple[fx.Node, list[str]]] = {}
     roles: dict[str, fx.Node] = {}
@@ -358,14 +360,33 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
             raise refuse(
                 mask, f"is a mask or bias per head {tuple(ms)} (ALiBi, relative positions): new heads have none"
             )
-    reader, edits, gates, per_head = _reader(gm, core, lq[:-1] + (lv[-1],), growing)
+    out = lq[:-1] + (lv[-1],)
+    shape = tensor_shape(s)
+    if core.regroups and shape is not None and len(shape) != len(out):  # merged q · k, the weights split again @ v
+        out = plain(shape[:-3]) + (tuple(f for f in lq[-3] if f[0]),) + plain(shape[-2:-1]) + (lv[-1],)
+    reader, edits, gates, per_head = _reader(gm, core, out, growing)
     projections += gates
+    edits += [e for n in core.regroups for e in _regroup_edits(n, lq[-3], growing)]
     att = Attention(s.name, h, kv, d, e, projections, reader, flow.edits + edits, core.scale, core.scale_at)
     att.per_head = per_head + flow.params
     if core.scale_from is not None:
         att.scale_of = _computed_scale(flow, core, region | {q.name, k.name, v.name})
         att.scale = att.scale_of({})
     return att
+
+
+def _regroup_edits(n: fx.Node, heads: Axis, growing: set[str]) -> list[FactorEdit]:
+    """The head count written in a reshape of the scores or weights between (batch · heads, q, k) and (batch, heads,
+    q, k) (DeBERTa-v2's `scores.view(-1, heads, q, k)`): an edit; a size read at run time or -1 follows by itself."""
+    packed = len(n.args) == 2 and isinstance(n.args[1], (list, tuple))
+    sizes = list(n.args[1] if packed else n.args[1:])
+    named = tuple(f for f in heads if f[0])
+    if len(sizes) < 4 or not isinstance(sizes[-3], int) or sizes[-3] == -1 or not any(f[0] in growing for f in named):
+        return []
+    if sizes[-3] != size_of(named):
+        raise refuse(n, f"reshapes the attention scores with {sizes[-3]} heads, not {words(named)}")
+    where = ("args", 1, len(sizes) - 3) if packed else ("args", len(sizes) - 2)
+    return [FactorEdit(n.name, where, sizes[-3], named)]
 
 
 def _one_for_all_heads(mask: fx.Node) -> bool:
