@@ -203,10 +203,36 @@ def default_target(
             f"every channel group of this model is frozen; the first main-path one, {frozen}",
             hint + train_only_note(gm, "name a layer with target="),
         )
+    leaf = _kept_whole(gm)
     raise NotApplicable(
-        "no layer in this model has a channel group that can grow",
-        hint + train_only_note(gm, "name a layer with target="),
+        "no layer in this model has a channel group that can grow"
+        + (
+            f": the layers of '{leaf.target}' ({type(gm.get_submodule(str(leaf.target))).__name__}) are inside a "
+            "module the capture kept whole (a leaf), not in the graph"
+            if leaf is not None
+            else ""
+        ),
+        (
+            "capture the model so that the module is traced through (torch.export, or without --leaf for it); "
+            if leaf is not None
+            else ""
+        )
+        + hint
+        + train_only_note(gm, "name a layer with target="),
     )
+
+
+def _kept_whole(gm: fx.GraphModule) -> fx.Node | None:
+    """The first module the capture kept whole (a leaf, not a conv or Linear itself) that holds conv or Linear
+    layers: what it computes is not in the graph, so no group reaches its layers."""
+    layers = (nn.Linear, nn.modules.conv._ConvNd)
+    for n in gm.graph.nodes:
+        if n.op != "call_module":
+            continue
+        m = gm.get_submodule(str(n.target))
+        if not isinstance(m, layers) and any(isinstance(sub, layers) for sub in m.modules()):
+            return n
+    return None
 
 
 def _first_frozen(gm: fx.GraphModule, coupling: Coupling) -> str | None:

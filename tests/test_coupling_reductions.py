@@ -135,3 +135,11 @@ def test_a_refusal_names_the_op_that_stops_an_inner_width_as_well():
         r"does not follow, of 'up' \(16 channels\): 'up': 'matmul_1' \(matmul\) is not understood",
     ):
         gg.get_pass("grow_width")()(gm)
+
+
+def test_a_refusal_names_the_leaf_that_holds_the_layers():
+    """LeViT's residual layers kept whole by the capture: the refusal said only that no group can grow."""
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), nn.ReLU())
+    gm = gg.trace(model, (1, 8), leaves=["0"])
+    with pytest.raises(gg.NotApplicable, match=r"the layers of '0' \(Sequential\) are inside a module the capture"):
+        gg.get_pass("grow_width")()(gm)
