@@ -382,6 +382,43 @@ def test_values_a_model_cannot_build_without_are_filled_only_then(monkeypatch):
     assert kw == {}
 
 
+def test_a_hybrid_model_keeps_every_kind_of_layer(monkeypatch):
+    """Jamba puts attention at layer 4 of every 8: 2 layers would sweep a pure state-space model under its name.
+    The layer count becomes the smallest that builds every module class 8 layers build (a stand-in Auto class that
+    builds real modules on the meta device); a model whose layers are all alike keeps 2."""
+    from dataclasses import dataclass
+
+    import torch.nn as nn
+    import transformers
+    from sweep_models import _layer_kinds_kept
+
+    class Mixer(nn.Module):
+        pass
+
+    class Attention(nn.Module):
+        pass
+
+    @dataclass
+    class Cfg:
+        num_hidden_layers: int = 32
+        attn_layer_period: int = 8
+        attn_layer_offset: int = 4
+
+    class Hybrid:
+        @staticmethod
+        def from_config(config):
+            p, o = config.attn_layer_period, config.attn_layer_offset
+            return nn.ModuleList(Attention() if i % p == o else Mixer() for i in range(config.num_hidden_layers))
+
+    monkeypatch.setattr(transformers, "StandInHybrid", Hybrid, raising=False)
+    kw: dict = {"num_hidden_layers": 2}
+    _layer_kinds_kept(Cfg, "StandInHybrid", kw)
+    assert kw == {"num_hidden_layers": 5}
+    kw = {"num_hidden_layers": 2, "attn_layer_offset": 1, "attn_layer_period": 2}  # already both kinds at 2
+    _layer_kinds_kept(Cfg, "StandInHybrid", kw)
+    assert kw["num_hidden_layers"] == 2
+
+
 def test_a_masked_lm_whose_mask_token_is_left_none_gets_one():
     """ESM's config leaves its mask and padding ids None, and its forward compares the token ids with both (ne()
     received NoneType): a masked LM's are set inside the small vocabulary; a config without a mask token is not."""

@@ -650,6 +650,44 @@ def _builds(config_class: type, auto_name: str, kw: dict) -> bool:
     return True
 
 
+_MORE_LAYERS = 8  # the most layers a shrunk model gets to keep every kind of layer its architecture has
+
+
+def _layer_kinds_kept(config_class: type, auto_name: str, kw: dict) -> None:
+    """A hybrid model keeps every kind of layer: with 2 layers, Jamba (attention at layer 4 of every 8) and Kimi
+    Linear (full attention every 4th layer) lose their attention layers, so a sweep would grow a pure state-space
+    or linear-attention model under their name. The model is built on the meta device with 2 layers and with 8;
+    where the 8-layer model has module classes the 2-layer one lacks, the layer count becomes the smallest that has
+    them all. Read from the built models only: no field names, no layer patterns."""
+    key = next((k for k in _LAYER_COUNTS if isinstance(kw.get(k), int)), None)
+    if key is None:
+        return
+    few = _module_classes(config_class, auto_name, kw)
+    many = _module_classes(config_class, auto_name, {**kw, key: _MORE_LAYERS})
+    if few is None or many is None or many <= few:
+        return
+    for n in range(kw[key] + 1, _MORE_LAYERS + 1):
+        classes = _module_classes(config_class, auto_name, {**kw, key: n})
+        if classes is not None and many <= classes:
+            kw[key] = n
+            return
+
+
+def _module_classes(config_class: type, auto_name: str, kw: dict) -> set[str] | None:
+    """The class names of every module of the model these arguments build (on the meta device); None if it does
+    not build."""
+    import torch
+    import transformers
+
+    try:
+        config = config_class(**kw)
+        with torch.device("meta"):
+            model = getattr(transformers, auto_name).from_config(config)
+    except Exception:
+        return None
+    return {type(m).__name__ for m in model.modules()}
+
+
 def hf_models() -> list[Model]:
     import transformers
     from transformers.models.auto import configuration_auto, modeling_auto
@@ -665,6 +703,7 @@ def hf_models() -> list[Model]:
             continue
         kw = _shrunk(config_class)
         _ordinary_values(config_class, _AUTO[task], kw)
+        _layer_kinds_kept(config_class, _AUTO[task], kw)
         if task == "masked-lm":
             _masking_tokens(kw, config_class)
         args = f"({_literal(kw)})" if kw else ""
