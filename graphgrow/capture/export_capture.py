@@ -1,8 +1,7 @@
 """nn.Module → GraphModule through torch.export, for models symbolic tracing cannot take (issue 22).
 
-transformers 5 dropped its fx tracer; its models are written for `torch.export(strict=False)`.
-The exported program is an ATen graph with parameters as inputs; graphgrow's passes, coupling
-and files work on fx graphs of module calls and torch functions. So the program is turned back:
+transformers 5 dropped its fx tracer (its models are written for `torch.export(strict=False)`): the exported ATen
+graph takes parameters as inputs, and graphgrow works on fx graphs of module calls, so the program is turned back:
 
 - parameters, buffers and constants become get_attr nodes on the model's own tensors (shared);
 - every node carries `nn_module_stack`: the work of one call of a childless torch.nn layer
@@ -40,7 +39,7 @@ from ..graph.graph_meta import META_KEY, store_shape
 from ..graph.inputs import DTYPES, InputSpec, first_embedding, spec_inputs
 from .aten_table import DROPPED, to_torch
 from .export_modes import RANDOM, PendingSwitch, flat, merge_modes, set_flat, stack
-from .self_writes import written_state
+from .self_writes import self_write_refusal
 from .standins import standin, tied_parameters
 
 _SKIP_RAISE = (nn.MultiheadAttention,)
@@ -62,19 +61,11 @@ def _export(model: nn.Module, inputs: dict[str, torch.Tensor], train: bool):
         model.train(train)
         return torch.export.export(model, (), dict(inputs), dynamic_shapes=dims, strict=False)
     except Exception as e:
-        written = written_state(model, inputs) if train else []
-        if written:  # the model's own reason, not torch.export's message about it
-            more = f" and {len(written) - 1} more" if len(written) > 1 else ""
-            raise TraceError(
-                f"cannot capture {type(model).__name__} in train mode: its forward writes its own state, "
-                f"'{written[0]}'{more} (a weight clamped in place, a running range kept in a buffer); a graph "
-                f"computes its outputs from its weights and cannot hold updates of them",
-                "graphgrow verifies growth in train mode too; turn the update off where the model's config has an "
-                "option for it (Gemma 3n: altup_coef_clip=None)",
-            ) from e
+        if (refusal := self_write_refusal(model, inputs) if train else None) is not None:
+            raise refusal from e  # the model's own reason, not torch.export's message about it
+        mode = "train" if train else "eval"
         raise TraceError(
-            f"torch.export cannot capture {type(model).__name__} in {'train' if train else 'eval'} mode: "
-            f"{first_line(e)}",
+            f"torch.export cannot capture {type(model).__name__} in {mode} mode: {first_line(e)}",
             "check that the model runs on the example inputs; caches off (use_cache=False)",
         ) from e
     finally:

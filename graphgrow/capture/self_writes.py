@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..core.errors import TraceError
+
 # a model whose parameters are larger is not copied (they keep what the diagnostic forward wrote)
 MAX_ELEMENTS = 1 << 26
 
@@ -70,3 +72,19 @@ def written_state(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[str
                 params[k].copy_(saved[k])
     replaced = {k for k, b in model.named_buffers() if k in buffers and b is not buffers[k]}
     return [k for k in [*params, *buffers] if k in mode.written or k in replaced]
+
+
+def self_write_refusal(model: nn.Module, inputs: dict[str, torch.Tensor]) -> TraceError | None:
+    """The refusal to give when a train-mode export failed because the forward writes its own state; None when it
+    writes none (torch.export's own message is then the reason)."""
+    written = written_state(model, inputs)
+    if not written:
+        return None
+    more = f" and {len(written) - 1} more" if len(written) > 1 else ""
+    return TraceError(
+        f"cannot capture {type(model).__name__} in train mode: its forward writes its own state, "
+        f"'{written[0]}'{more} (a weight clamped in place, a running range kept in a buffer); a graph "
+        f"computes its outputs from its weights and cannot hold updates of them",
+        "graphgrow verifies growth in train mode too; turn the update off where the model's config has an "
+        "option for it (Gemma 3n: altup_coef_clip=None)",
+    )
