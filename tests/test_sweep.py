@@ -418,6 +418,35 @@ def test_a_hybrid_model_keeps_every_kind_of_layer(monkeypatch):
     _layer_kinds_kept(Cfg, "StandInHybrid", kw)
     assert kw["num_hidden_layers"] == 2
 
+    @dataclass
+    class Outer:  # the layer count inside a sub-config (Qwen 3.5's text_config)
+        text_config: dict
+
+    class Nested:
+        @staticmethod
+        def from_config(config):
+            return Hybrid.from_config(Cfg(**config.text_config))
+
+    monkeypatch.setattr(transformers, "StandInNested", Nested, raising=False)
+    kw = {"text_config": {"num_hidden_layers": 2}}
+    _layer_kinds_kept(Outer, "StandInNested", kw)
+    assert kw == {"text_config": {"num_hidden_layers": 5}}
+
+
+def test_heads_per_stage_divide_the_shrunk_stage_widths():
+    """PVT's heads per stage, [1, 2, 5, 8], split its default widths; the shrunk widths take powers of two."""
+    from dataclasses import dataclass, field
+
+    from sweep_models import _shrunk
+
+    @dataclass
+    class Pvt:
+        hidden_sizes: list = field(default_factory=lambda: [64, 128, 320, 512])
+        num_attention_heads: list = field(default_factory=lambda: [1, 2, 5, 8])
+
+    kw = _shrunk(Pvt)
+    assert kw["hidden_sizes"] == [16, 32, 64, 128] and kw["num_attention_heads"] == [1, 2, 4, 8]
+
 
 def test_a_masked_lm_whose_mask_token_is_left_none_gets_one():
     """ESM's config leaves its mask and padding ids None, and its forward compares the token ids with both (ne()

@@ -237,7 +237,7 @@ def _shrunk(config_class: type) -> dict:
     if "kv_lora_rank" in real and "qk_rope_head_dim" in kw and value("head_dim") == value("qk_rope_head_dim"):
         _rotary_head_dim(config_class, kw)
     # (CvT's `depth` is left as it is: its code indexes stage i's drop-path rates, depth[i] of them, by i)
-    for k in ("hidden_sizes", "depths", "num_heads", "embed_dims", "embed_dim"):
+    for k in ("hidden_sizes", "depths", "num_heads", "num_attention_heads", "embed_dims", "embed_dim"):
         stages = value(k)
         if k in real and isinstance(stages, (list, tuple)) and stages and all(isinstance(x, int) for x in stages):
             n = len(stages)
@@ -247,6 +247,7 @@ def _shrunk(config_class: type) -> dict:
                 "embed_dim": [16 * 2**i for i in range(n)],
                 "depths": [1] * n,
                 "num_heads": [2**i for i in range(n)],
+                "num_attention_heads": [2**i for i in range(n)],  # PVT's per stage: [1, 2, 5, 8] split 64 unevenly
             }[k]
             if k == "num_heads" and isinstance(kw.get("embed_dim"), int):
                 kw["embed_dim"] = 16  # stage i has embed_dim · 2^i channels and 2^i heads
@@ -659,17 +660,29 @@ def _layer_kinds_kept(config_class: type, auto_name: str, kw: dict) -> None:
     or linear-attention model under their name. The model is built on the meta device with 2 layers and with 8;
     where the 8-layer model has module classes the 2-layer one lacks, the layer count becomes the smallest that has
     them all. Read from the built models only: no field names, no layer patterns."""
-    key = next((k for k in _LAYER_COUNTS if isinstance(kw.get(k), int)), None)
-    if key is None:
+    # the layer count at the top, or in a sub-config (Qwen 3.5's text_config)
+    places = [(kw, k) for k in _LAYER_COUNTS if isinstance(kw.get(k), int)][:1] or [
+        (sub, k) for sub in kw.values() if isinstance(sub, dict) for k in _LAYER_COUNTS if isinstance(sub.get(k), int)
+    ][:1]
+    if not places:
         return
-    few = _module_classes(config_class, auto_name, kw)
-    many = _module_classes(config_class, auto_name, {**kw, key: _MORE_LAYERS})
+    holder, key = places[0]
+    layers = holder[key]
+
+    def classes_at(n: int) -> set[str] | None:
+        holder[key] = n
+        try:
+            return _module_classes(config_class, auto_name, kw)
+        finally:
+            holder[key] = layers
+
+    few, many = classes_at(layers), classes_at(_MORE_LAYERS)
     if few is None or many is None or many <= few:
         return
-    for n in range(kw[key] + 1, _MORE_LAYERS + 1):
-        classes = _module_classes(config_class, auto_name, {**kw, key: n})
+    for n in range(layers + 1, _MORE_LAYERS + 1):
+        classes = classes_at(n)
         if classes is not None and many <= classes:
-            kw[key] = n
+            holder[key] = n
             return
 
 
