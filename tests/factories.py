@@ -89,3 +89,20 @@ def audio_cnn() -> nn.Module:
     return nn.Sequential(
         *block(1, 8, 4), *block(8, 16, 4), *block(16, 16, 2), nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(16, 6)
     ).eval()
+
+
+class _ClippedLinear(nn.Module):
+    """A Linear whose input is clamped to bounds kept in buffers, ±inf until calibrated (Gemma 4's encoders)."""
+
+    def __init__(self, n: int, broken: bool):
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+        self.register_buffer("input_min", torch.tensor(float("nan") if broken else float("-inf")))
+        self.register_buffer("input_max", torch.tensor(float("inf")))
+
+    def forward(self, x):
+        return self.lin(torch.clamp(x, self.input_min, self.input_max))
+
+
+def clipped_mlp(broken: bool = False) -> nn.Module:
+    return nn.Sequential(_ClippedLinear(8, broken), nn.ReLU(), nn.Linear(8, 4)).eval()

@@ -202,3 +202,17 @@ def test_default_output_is_beside_the_input_under_a_new_name(tmp_path):
     assert default_output_path(str(src)) == tmp_path / "net.grown.pt"
     (tmp_path / "net.grown.pt").write_bytes(b"x")
     assert default_output_path(str(src)) == tmp_path / "net.grown-1.pt"
+
+
+def test_infinite_bounds_in_buffers_open_and_grow_a_nan_buffer_is_refused(tmp_path):
+    """±inf in a buffer means 'no bound' (clip bounds before calibration); NaN there is a broken model."""
+    from graphgrow.jobs.workflow import mutate, open_model
+
+    opened = open_model("tests.factories:clipped_mlp", (1, 8))
+    assert torch.isinf(opened.gm.get_buffer("0.input_max")).all()
+    report = mutate("tests.factories:clipped_mlp", ["grow_width"], out=str(tmp_path / "g.pt"), input_shape="1,8")
+    grown = report["passes"][0]
+    assert grown["exact"] and grown["params_after"] > grown["params_before"]
+    assert grown["preservation"]["eval_ok"] and grown["preservation"]["train_ok"]
+    with pytest.raises(gg.LoadError, match="NaN values in the buffer '0.input_min'"):
+        open_model("tests.factories:clipped_mlp(broken=True)", (1, 8))

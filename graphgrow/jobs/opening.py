@@ -114,11 +114,20 @@ def _shown(shape: InputSpec) -> str:
 
 
 def _check_finite(model: nn.Module, source: str) -> None:
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+    """A weight that is NaN or ±inf is broken. A buffer may hold ±inf, a value that means "no bound" (the clip
+    bounds of a Gemma 4 encoder's linear layers before calibration, a mask's -inf); NaN is broken there too. An
+    infinite value that reaches the outputs is refused with them (the check before each pass)."""
+    for name, t in model.named_parameters():
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise LoadError(
                 f"{source} has NaN or Inf values in '{name}'",
                 "graphgrow will not grow or export a broken model; fix or re-initialise those weights",
+            )
+    for name, t in model.named_buffers():
+        if t.is_floating_point() and torch.isnan(t).any():
+            raise LoadError(
+                f"{source} has NaN values in the buffer '{name}'",
+                "graphgrow will not grow or export a broken model; fix or re-initialise that buffer",
             )
 
 
