@@ -123,8 +123,8 @@ def _check_finite(model: nn.Module, source: str) -> None:
                 f"{source} has NaN or Inf values in '{name}'",
                 "graphgrow will not grow or export a broken model; fix or re-initialise those weights",
             )
-    for name, t in model.named_buffers():
-        if t.is_floating_point() and torch.isnan(t).any():
+    for name, b in model.named_buffers():
+        if b.is_floating_point() and torch.isnan(b).any():
             raise LoadError(
                 f"{source} has NaN values in the buffer '{name}'",
                 "graphgrow will not grow or export a broken model; fix or re-initialise that buffer",
