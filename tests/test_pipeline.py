@@ -226,7 +226,7 @@ def test_a_pass_that_mixes_the_examples_of_a_batch_is_refused(examples):
         ("test_changes_function", gg.PreservationError, "changed the model's eval-mode output"),
         ("test_dead_branch", gg.PreservationError, "get no gradient"),
         ("test_mutates_input", gg.ValidationError, "modified its input model"),
-        ("test_bakes_batch", gg.ValidationError, r"node 'reshape' .* fails on inputs of shapes \[\(1, 5\)\]"),
+        ("test_bakes_batch", gg.ValidationError, r"node 'reshape' .* fails on inputs of shapes \[\(\d, 5\)\]"),
     ],
 )
 def test_verifier_rejects_broken_passes(spec, error, message):
