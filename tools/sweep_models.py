@@ -639,16 +639,20 @@ def _ordinary_values(config_class: type, auto_name: str, kw: dict) -> None:
 
 
 def _builds(config_class: type, auto_name: str, kw: dict) -> bool:
+    return _built_on_meta(config_class, auto_name, kw) is not None
+
+
+def _built_on_meta(config_class: type, auto_name: str, kw: dict) -> object | None:
+    """What the Auto class builds from these arguments on the meta device; None if it does not build."""
     import torch
     import transformers
 
     try:
         config = config_class(**kw)
         with torch.device("meta"):
-            getattr(transformers, auto_name).from_config(config)
+            return getattr(transformers, auto_name).from_config(config)
     except Exception:
-        return False
-    return True
+        return None
 
 
 _MORE_LAYERS = 8  # the most layers a shrunk model gets to keep every kind of layer its architecture has
@@ -689,16 +693,8 @@ def _layer_kinds_kept(config_class: type, auto_name: str, kw: dict) -> None:
 def _module_classes(config_class: type, auto_name: str, kw: dict) -> set[str] | None:
     """The class names of every module of the model these arguments build (on the meta device); None if it does
     not build."""
-    import torch
-    import transformers
-
-    try:
-        config = config_class(**kw)
-        with torch.device("meta"):
-            model = getattr(transformers, auto_name).from_config(config)
-    except Exception:
-        return None
-    return {type(m).__name__ for m in model.modules()}
+    model = _built_on_meta(config_class, auto_name, kw)
+    return None if model is None else {type(m).__name__ for m in model.modules()}  # type: ignore[attr-defined]
 
 
 def hf_models() -> list[Model]:
