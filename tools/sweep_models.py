@@ -697,15 +697,28 @@ def _module_classes(config_class: type, auto_name: str, kw: dict) -> set[str] | 
     return None if model is None else {type(m).__name__ for m in model.modules()}  # type: ignore[attr-defined]
 
 
+def hf_task(model_type: str) -> tuple[str, str] | None:
+    """The task the sweep gives a model type (the first of HF_TASKS with a head for it) and its model class's
+    name; None when it has none of them."""
+    from transformers.models.auto import modeling_auto
+
+    for task, mapping in HF_TASKS:
+        names = getattr(modeling_auto, mapping)
+        if model_type in names:
+            return task, names[model_type]
+    return None
+
+
 def hf_models() -> list[Model]:
     import transformers
-    from transformers.models.auto import configuration_auto, modeling_auto
+    from transformers.models.auto import configuration_auto
 
     out = []
     for model_type in sorted(configuration_auto.CONFIG_MAPPING_NAMES):
-        task = next((t for t, mapping in HF_TASKS if model_type in getattr(modeling_auto, mapping)), None)
-        if task is None:
+        found = hf_task(model_type)
+        if found is None:
             continue
+        task = found[0]
         try:
             config_class = transformers.CONFIG_MAPPING[model_type]
         except Exception:

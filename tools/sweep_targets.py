@@ -53,12 +53,12 @@ def hf_has_attention(model_types: list[str]) -> dict[str, bool]:
     Reads code and configs only (no model is built); a type whose class cannot be imported is left out."""
     import torch.nn as nn
     import transformers
-    from sweep_models import HF_TASKS
-    from transformers.models.auto import modeling_auto
+    from sweep_models import hf_task
 
     out = {}
     for t in model_types:
-        cls_name = next((getattr(modeling_auto, m)[t] for _, m in HF_TASKS if t in getattr(modeling_auto, m)), None)
+        found = hf_task(t)
+        cls_name = found[1] if found else None
         try:
             cls = getattr(transformers, cls_name) if cls_name else None
             module = importlib.import_module(cls.__module__) if cls is not None else None
