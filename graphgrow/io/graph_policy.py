@@ -28,11 +28,14 @@ LLaMA, BERT, ViT, BART) written as torch functions (capture/aten_table.py), and 
 ATen operators (torch.ops.aten.NAME.OVERLOAD) that capture keeps are not picked one by one: aten_policy.py
 derives their list from torch's op metadata (pure tensor computations; excluded classes named with reasons), and a
 torch-level function not listed here is allowed when it binds such an operator (`torch.addcmul` → aten.addcmul:
-every overload pure or an out= form, none a factory; a stored call passing out= is refused).
+every overload pure or an out= form, none a factory; a stored call passing out= is refused). torch.nn.functional's
+layers are derived too (functional_names: the functions its public names hold, except one that takes a callable).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from typing import Any
 
@@ -78,6 +81,10 @@ ALLOWED_FUNCTIONS: frozenset[str] = frozenset({
         "sym_min", "sym_max", "sym_not", "sym_float", "sym_int", "sym_ite", "sym_sum")),
     "torch.functional.einsum", "torch.functional.split", "torch.functional.norm",
     "torch.functional.broadcast_tensors", "torch.fx._symbolic_trace._assert_is_none",
+    # torch.functional's Python wrappers whose ATen operators have other names (unique: _unique2, unique_dim;
+    # a result no larger than the input); broadcast_shapes and unravel_index compute on sizes and indices
+    "torch.functional.unique", "torch.functional.unique_consecutive", "torch.functional.unravel_index",
+    "torch.functional.broadcast_shapes",
     # torch.nn.functional (pure layers)
     *(f"torch.nn.functional.{n}" for n in (
         "relu", "relu6", "gelu", "silu", "mish", "hardswish", "hardsigmoid", "hardtanh", "leaky_relu", "elu", "selu",
@@ -101,11 +108,16 @@ ALLOWED_FUNCTIONS: frozenset[str] = frozenset({
 
 # Tensor methods are derived like torch functions (aten_policy.method_refusal: ATen's own C binding of a pure
 # operator, `x.triu()`, `x.topk(k)`, `x.repeat_interleave(2)`); listed here only those ATen cannot vouch for:
-# dtype conversions (bindings of `to`, no operator of their name), torch.Tensor's Python wrappers of pure ops, and
-# in-place forms whose functional op has another overload name (transpose_ of transpose.int, normal_)
+# dtype and device conversions (bindings of `to`, no operator of their name; x.type(dtype) too), size queries with
+# no operator (nelement is numel, ndimension is dim), torch.Tensor's Python wrappers of pure ops (unique),
+# a tensor from the file's own constants or a copy of a tensor (new_tensor: its data is plain data in the file,
+# bounded by it), and in-place forms whose functional op has another overload name (transpose_ of transpose.int,
+# normal_)
 ALLOWED_METHODS: frozenset[str] = frozenset({
-    "float", "half", "double", "bfloat16", "bool", "long", "int", "split", "unflatten", "norm", "transpose_",
-    "normal_",
+    "float", "half", "double", "bfloat16", "bool", "long", "int", "byte", "char", "short", "cfloat", "cdouble",
+    "type", "cpu", "cuda", "nelement", "ndimension", "element_size", "dim_order",
+    "split", "unflatten", "norm", "unique", "unique_consecutive", "new_tensor",
+    "transpose_", "normal_",
 })
 
 TENSOR_ATTRIBUTES: frozenset[str] = frozenset(
@@ -179,8 +191,41 @@ def check_function(qualname: Any, node: str) -> None:
 
 
 def allowed_function(qualname: Any) -> bool:
-    """A stored torch-level function may be called: listed, or a binding of pure ATen operators (_derived)."""
-    return isinstance(qualname, str) and (qualname in ALLOWED_FUNCTIONS or _derived(qualname))
+    """A stored torch-level function may be called: listed, a binding of pure ATen operators (_derived), or one of
+    torch.nn.functional's (_functional)."""
+    return isinstance(qualname, str) and (qualname in ALLOWED_FUNCTIONS or _derived(qualname) or _functional(qualname))
+
+
+FUNCTIONAL = "torch.nn.functional"
+
+
+def _functional(qualname: str) -> bool:
+    module, _, name = qualname.rpartition(".")
+    return module == FUNCTIONAL and name in functional_names()
+
+
+@functools.cache
+def functional_names() -> frozenset[str]:
+    """torch.nn.functional's layers, derived, not listed: the functional forms of torch.nn's layers are torch's own
+    Python code over ATen operators, each a pure tensor computation (random ones as dropout is, sizes following the
+    inputs and sized on the meta device like ATen's). The names are those the functions a public name of
+    torch.nn.functional holds are stored under (F.threshold is `_threshold`, F.max_pool2d(..., return_indices=True)
+    is `max_pool2d_with_indices`), where that name finds the same function again. Excluded: a function defined
+    elsewhere (boolean_dispatch, handle_torch_function: the binding layer's machinery, no layer) and one that takes
+    a callable (triplet_margin_with_distance_loss's distance_function: code, not data)."""
+    import torch.nn.functional as F
+
+    names = set()
+    for public in dir(F):
+        f = getattr(F, public)
+        if public.startswith("_") or not inspect.isfunction(f) or f.__module__ != FUNCTIONAL:
+            continue
+        if getattr(F, f.__name__, None) is not f:
+            continue
+        if any("Callable" in str(p.annotation) for p in inspect.signature(f).parameters.values()):
+            continue
+        names.add(f.__name__)
+    return frozenset(names)
 
 
 def _passes_out(kwargs: Any) -> bool:
@@ -192,7 +237,8 @@ def _passes_out(kwargs: Any) -> bool:
         if isinstance(kwargs, dict)
         else []
     )
-    return any(isinstance(p, (list, tuple)) and len(p) == 2 and p[0] == "out" for p in pairs or [])
+    # out=None is the signature's default written out (fx records torch.functional.tensordot's): it writes nothing
+    return any(isinstance(p, (list, tuple)) and len(p) == 2 and p[0] == "out" and p[1] is not None for p in pairs or [])
 
 
 def _derived(qualname: str) -> bool:
