@@ -334,7 +334,14 @@ def _elementwise(b: Build, s: Site) -> bool:
         f"'{n.name}' ({_name(n.target)}) broadcasts it over its {out_shape[axis]} output channels: "
         "its own channel count cannot change",
     )
-    b.join(*full, n)
+    # an operand of the output's shape whose channels are another of its dims (heads [B, T, H, D] times a Linear's
+    # output viewed [B, T, -1, D]): joined, one's growth would resize the other along a dim nothing follows
+    crossed = [a for a in full if node_axis(a) not in (None, axis)]
+    if crossed:
+        names, at = ", ".join(repr(a.name) for a in crossed), node_axis(crossed[0])
+        why = f"has its channels on dim {axis}, those of {names} on its dim {at}: they cannot grow together"
+        b.freeze(crossed + [n], f"'{n.name}' ({_name(n.target)}) {why}")
+    b.join(*[a for a in full if a not in crossed], n)
     return True
 
 
