@@ -7,7 +7,7 @@ always meant); named inputs with their own shapes and dtypes come from text
 shape, (shape, dtype) or an example tensor, example tensors). Example inputs for a spec are a dict name → tensor, drawn
 seeded: floats standard normal; integers in [0, high) — `high` from the spec, else 2 for a
 `*mask` or `token_type_ids` input (masks are all ones: every position attends), else the vocabulary of
-the model's first nn.Embedding.
+the model's first nn.Embedding; a spec's `last` is the id every example ends with (an end-of-sequence token).
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ class TensorSpec:
     high: int | None = None
     dynamic: tuple[tuple[int, str], ...] = ()  # (dim, name) the user declared dynamic (`seq=128`); batch always is
     positional: bool = False  # given as a bare shape: the model's one input, passed positionally, shown as a shape
+    # integers: the id every example ends with, as a tokenizer's output ends with its end-of-sequence token (T5- and
+    # BART-style classification heads pool at it and refuse an input without one)
+    last: int | None = None
 
     def __repr__(self) -> str:
         """As the user writes it (NAME:DTYPE[SHAPE], a dynamic size as seq=128): messages show a spec, or a tuple
@@ -67,6 +70,8 @@ class TensorSpec:
             out["dynamic"] = {str(d): n for d, n in self.dynamic}
         if self.positional:
             out["positional"] = True
+        if self.last is not None:
+            out["last"] = self.last
         return out
 
 
@@ -110,7 +115,7 @@ def plain_spec(shape: Sequence[int], name: str = "x", dtype: str = "float32") ->
 
 
 def _tensor_spec(
-    name: str, shape: Sequence[int], dtype: str, high: int | None = None, dynamic: Any = None
+    name: str, shape: Sequence[int], dtype: str, high: int | None = None, dynamic: Any = None, last: int | None = None
 ) -> TensorSpec:
     if not is_identifier(name):
         raise InputError(
@@ -126,7 +131,14 @@ def _tensor_spec(
         )
     if dtype not in DTYPES:
         raise InputError(f"input {name}: unknown dtype {dtype[:20]!r}", f"one of {', '.join(sorted(DTYPES))}")
-    return TensorSpec(name, dims, dtype, high, _dynamic(name, dims, dynamic))
+    if last is not None and (
+        type(last) is not int or last < 0 or DTYPES[dtype].is_floating_point or (high is not None and last >= high)
+    ):
+        raise InputError(
+            f"input {name}: last={str(last)[:20]} is not an integer id below its bound {high}",
+            "give the end-of-sequence id of the model's vocabulary",
+        )
+    return TensorSpec(name, dims, dtype, high, _dynamic(name, dims, dynamic), last=last)
 
 
 def _dynamic(name: str, dims: tuple[int, ...], declared: Any) -> tuple[tuple[int, str], ...]:
@@ -228,6 +240,7 @@ def parse_spec(text: Any) -> InputSpec:
                 str(r.get("dtype", "float32")),
                 int(r["high"]) if r.get("high") is not None else None,
                 r.get("dynamic"),
+                r.get("last"),
             )
             for r in text
         ]
@@ -242,7 +255,7 @@ def parse_spec(text: Any) -> InputSpec:
 
 def _checked(t: TensorSpec) -> TensorSpec:
     """A TensorSpec built in Python, checked as one parsed from text is."""
-    out = _tensor_spec(t.name, t.shape, t.dtype, t.high, {str(d): n for d, n in t.dynamic})
+    out = _tensor_spec(t.name, t.shape, t.dtype, t.high, {str(d): n for d, n in t.dynamic}, t.last)
     return replace(out, positional=t.positional)
 
 
@@ -336,6 +349,8 @@ def spec_inputs(model: nn.Module, spec: InputSpec, seed: int = 0, batch: int | N
             x = torch.ones(shape, dtype=dtype)
         else:
             x = torch.randint(0, _high(model, t), shape, generator=g).to(dtype)
+            if t.last is not None:
+                x[..., -1] = t.last
         out[t.name] = x.to(device)
     return out
 

@@ -14,7 +14,7 @@ The default input spec (`default_spec`, reported as LoadedModel.input_shape) hol
 needs — no attention_mask (all positions attend, as with a mask of ones): token ids `input_ids` int64[1,16] below
 `vocab_size`; images `pixel_values` float32[1,num_channels,image_size,image_size] (224 when the config has no
 size; a two-tower config's vision_config gives them); audio `input_values` float32[1,16000]; encoder-decoders add
-`decoder_input_ids` int64[1,16].
+`decoder_input_ids` int64[1,16]. Token ids end with the end-of-sequence id where the forward reads it (`_eos_read`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import inspect
 import re
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -229,7 +230,7 @@ def default_spec(config: Any, model_class: type, target: str = "the model") -> I
     naming the setting."""
     main = getattr(model_class, "main_input_name", "input_ids")
     if main == "input_ids":
-        records, settings = [_token_ids("input_ids", config, target)], "vocab_size"
+        records, settings = [_token_ids("input_ids", config, target, _eos_read(config, model_class))], "vocab_size"
     elif main == "pixel_values":
         # a model of two towers (CLIP, SigLIP) sizes its images in its vision config
         vision = config if hasattr(config, "image_size") else getattr(config, "vision_config", None) or config
@@ -269,12 +270,27 @@ def _positive(value: Any, setting: str, target: str) -> int:
     return value
 
 
-def _token_ids(name: str, config: Any, target: str) -> dict[str, Any]:
+def _token_ids(name: str, config: Any, target: str, last: int | None = None) -> dict[str, Any]:
     vocab = getattr(config, "vocab_size", None)
     positions = getattr(config, "max_position_embeddings", None)
     length = min(SEQ_LEN, positions) if isinstance(positions, int) and positions > 0 else SEQ_LEN
     high = None if vocab is None else _positive(vocab, "vocab_size", target)  # token ids are drawn below it
-    return {"name": name, "shape": [1, length], "dtype": "int64", "high": high}
+    record = {"name": name, "shape": [1, length], "dtype": "int64", "high": high}
+    return record if last is None or (high is not None and last >= high) else {**record, "last": last}
+
+
+def _eos_read(config: Any, model_class: type) -> int | None:
+    """The end-of-sequence id the example token ids end with, where the model's forward reads it from its config
+    (T5's and BART's classification heads pool at the eos token, and refuse an input without one), as a tokenizer's
+    output ends with it; None where the forward does not read it (the ids stay random)."""
+    eos = getattr(config, "eos_token_id", None)
+    if type(eos) is not int or eos < 0:
+        return None
+    try:
+        source = inspect.getsource(getattr(model_class, "forward"))  # noqa: B009 - a type, no attribute to mypy
+    except (OSError, TypeError):
+        return None
+    return eos if "eos_token_id" in source else None
 
 
 def _pair(size: Any, target: str) -> tuple[int, int]:

@@ -285,4 +285,5 @@ def _is_record(r: Any) -> bool:
         and isinstance(r.get("shape"), list)
         and all(type(d) is int for d in r["shape"])
         and (high is None or (type(high) is int and 0 < high < 1 << 62))
+        and (r.get("last") is None or (type(r.get("last")) is int and 0 <= r["last"] < 1 << 62))
     )

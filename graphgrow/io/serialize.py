@@ -459,6 +459,7 @@ def stored_inputs(value: Any) -> list[dict[str, Any]]:
             and all(type(d) is int for d in r["shape"])
             and type(r.get("dtype", "float32")) is str
             and (r.get("high") is None or (type(r.get("high")) is int and 0 < r["high"] <= MAX_HIGH))
+            and (r.get("last") is None or (type(r.get("last")) is int and 0 <= r["last"] < MAX_HIGH))
             for r in value
         )
     )
