@@ -73,8 +73,48 @@ def _from_scores(gm: fx.GraphModule, a: fx.Node, core: Core, region: set[str]):
     return (seen, scores, params) if scores else None
 
 
+def gate_tail(gm: fx.GraphModule, flow: Flow, body: list[fx.Node], region: set[str], core: Core) -> dict[str, Layout]:
+    """The part of a projection that goes beside the attention to its output (an output gate made with the query:
+    Qwen3-Next's q_proj viewed per head and chunked into query and gate): the nodes from a tensor of the input side
+    read outside it and outside the attention, through ops the flow follows, up to the ops that read the attention's
+    output too; their layouts, followed by `flow`. Empty where something else reads them (the input side's check
+    then refuses as before); _reader checks that they meet the output before its projection."""
+    inside = region | core.inner
+    starts = [u for n in body for u in n.users if u.name not in inside and not _size_read(u)]
+    if not starts:
+        return {}
+    after: set[str] = set()
+    todo = [core.node]
+    while todo:  # everything computed from the attention's output
+        for u in todo.pop().users:
+            if u.name not in after:
+                after.add(u.name)
+                todo.append(u)
+    tail: set[str] = set()
+    todo = [u for u in starts if u.name not in after]
+    while todo:
+        u = todo.pop()
+        if u.name in tail:
+            continue
+        if op_kind(gm, u) not in ("same", "pointwise", "layout", "elementwise"):
+            return {}
+        tail.add(u.name)
+        todo += [w for w in u.users if w.name not in after and not _size_read(w)]
+    order = [n for n in gm.graph.nodes if n.name in tail]
+    for n in order:
+        firsts = data_args(n) if op_kind(gm, n) != "elementwise" else []
+        if any(a.name not in inside and a.name not in tail for a in firsts):
+            return {}
+    flow.run(order)
+    return {n.name: flow.of(n) for n in order}
+
+
+def _size_read(u: fx.Node) -> bool:
+    return (u.op == "call_method" and u.target in SHAPE_QUERIES) or (u.op == "call_function" and u.target is getattr)
+
+
 def _reader(
-    gm: fx.GraphModule, core: Core, lay: Layout, growing: set[str]
+    gm: fx.GraphModule, core: Core, lay: Layout, growing: set[str], beside: dict[str, Layout] | None = None
 ) -> tuple[Projection, list[FactorEdit], list[Projection], list[tuple[str, int, Axis, float]]]:
     """The output projection reading the attention's output, the tensors between them followed; the Linear layers
     of output gates on the way (their rows follow the heads: new heads' gate rows are random, the output
@@ -83,6 +123,8 @@ def _reader(
     s = core.node
     flow = Flow(gm, growing, set())
     flow.layout[s.name] = lay
+    beside = beside or {}
+    flow.layout.update(beside)
     todo, region, readers = [s], {s.name}, []
     while todo:
         n = todo.pop()
@@ -103,11 +145,20 @@ def _reader(
                 todo.append(u)
     if len(readers) != 1:
         raise refuse(s, f"has {len(readers)} output projections; the analysis needs one")
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for t in beside:  # a part beside the attention meets its output before the output projection, nowhere else
+        out = [u for u in nodes[t].users if u.name not in beside and u.name not in region and not _size_read(u)]
+        if out:
+            raise refuse(
+                out[0],
+                f"reads '{t}', a part of the attention '{s.name}''s projection beside its query, key or value, "
+                "and is not between the attention's output and its output projection",
+            )
     gates: list[Projection] = []
     per_head: list[tuple[str, int, Axis, float]] = []
     width = size_of(lay[-3] + lay[-1])
     for n in [m for m in gm.graph.nodes if m.name in region and op_kind(gm, m) == "elementwise"]:
-        for a in data_args(n):
+        for a in (a for a in data_args(n) if a.name not in beside):
             found = _gate(gm, n, a, region) if a.name not in region else None
             rows = tensor_shape(found[0])[-1] if found is not None else None
             if found is not None and rows in (width, size_of(lay[-3])):

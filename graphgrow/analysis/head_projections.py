@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 from ..graph.fx_edit import tensor_shape
-from .head_layout import Axis, broadcasts, data_args, linear_arg, op_kind, refuse, writes
+from .head_layout import Axis, broadcasts, data_args, linear_arg, op_kind, refuse, size_of, words, writes
 
 
 def _op(n: fx.Node) -> str:
@@ -163,3 +163,17 @@ def last_axis_slice(n: fx.Node, rank: int, width: int) -> tuple[int, int] | None
         return None
     start, stop, _ = last.indices(width)
     return start, stop
+
+
+def beside(p: fx.Node, role: str, factors: Axis, width: int, growing: set[str]) -> Axis:
+    """A projection of one role wider than its heads × head size by a multiple of its heads: each head's rows one
+    block, the role's part and something else beside it (Qwen3-Next's q_proj: query and output gate per head, cut apart
+    after a view per head). The flow checks that the blocks are cut per head; only whole heads can grow."""
+    if growing & {"d", "e"}:
+        raise refuse(
+            p,
+            f"projects the {role} in one block per head with another part beside it ({width} outputs, "
+            f"{words(factors)} of them the {role}'s), cut apart after it: only whole heads can grow",
+            "grow heads (heads=… or by=)",
+        )
+    return factors[:-1] + (("", width // size_of(factors[:-1])),)

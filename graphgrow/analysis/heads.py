@@ -44,8 +44,8 @@ from .head_layout import (
     words,
     writes,
 )
-from .head_output import _reader
-from .head_projections import Projection, _back, _linear_params, _op, _sections
+from .head_output import _reader, gate_tail
+from .head_projections import Projection, _back, _linear_params, _op, _sections, beside
 
 
 @dataclass
@@ -253,6 +253,9 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
         sections: tuple = ()
         if len(rs) == 1:
             factors = _factors(rs[0], h, kv, d, e)
+            if width != size_of(factors) and width % size_of(factors[:-1]) == 0 and width > size_of(factors):
+                factors = beside(p, rs[0], factors, width, growing)  # a part per head beside (an output gate)
+                blocks.add(name)
         elif h == kv and d == e and width == len(rs) * h * d:
             factors = (("h", h), ("s", len(rs)), ("d", d)) if interleaved else (("s", len(rs)), ("h", h), ("d", d))
             fused = True
@@ -318,6 +321,8 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
     body = _ordered(gm, region)
     flow.region = region
     flow.run(body)
+    tail = gate_tail(gm, flow, body, region, core)  # a part beside the query that goes to the output (a gate)
+    region |= set(tail)
     for n in body:
         bad = _users_ok(n, region | core.inner)
         if bad is not None:
@@ -364,7 +369,7 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
     shape = tensor_shape(s)
     if core.regroups and shape is not None and len(shape) != len(out):  # merged q · k, the weights split again @ v
         out = plain(shape[:-3]) + (tuple(f for f in lq[-3] if f[0]),) + plain(shape[-2:-1]) + (lv[-1],)
-    reader, edits, gates, per_head = _reader(gm, core, out, growing)
+    reader, edits, gates, per_head = _reader(gm, core, out, growing, tail)
     projections += gates
     edits += [e for n in core.regroups for e in _regroup_edits(n, lq[-3], growing)]
     att = Attention(s.name, h, kv, d, e, projections, reader, flow.edits + edits, core.scale, core.scale_at)
