@@ -2,9 +2,9 @@
 bias of the query and value per head × head size (DeBERTa's q_bias / v_bias, viewed per head in two spellings), a
 scale of the query per head and coordinate computed from a parameter (Dory's sqk · c, squared), and a
 relative-position bias table with one column per head, looked up by position buckets and added to the scores
-(CPM-Ant's F.embedding, T5's nn.Embedding; eagerly or as scaled_dot_product_attention's mask; one table read by
-every layer, grown once). New heads get zero entries; a table shared with an attention that does not grow is
-refused.
+(CPM-Ant's F.embedding, T5's nn.Embedding; eagerly, added in place as MPNet's `scores.add_(bias)` or `+=`, or as
+scaled_dot_product_attention's mask; one table read by every layer, grown once). New heads get zero entries; a
+table shared with an attention that does not grow is refused.
 """
 
 from __future__ import annotations
@@ -51,11 +51,20 @@ class Layer(nn.Module):
         super().__init__()
         self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
 
-    def forward(self, x, bias, eager: bool):
+    def forward(self, x, bias, spelling: str):
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, 4, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
-        if eager:  # CPM-Ant's: scores + position bias, softmax, weights @ value
+        if spelling in ("function", "module"):  # CPM-Ant's: scores + position bias, softmax, weights @ value
             out = torch.softmax(q @ k.transpose(-1, -2) / 2.0 + bias, -1) @ v
+        elif spelling in ("add_", "export"):  # MPNet's: the bias added in place
+            scores = torch.matmul(q, k.transpose(-1, -2)) / 2.0
+            scores.add_(bias)
+            out = torch.softmax(scores, -1) @ v
+        elif spelling == "iadd":  # scaled and biased in place
+            scores = q @ k.transpose(-1, -2)
+            scores *= 0.5
+            scores += bias
+            out = torch.softmax(scores, -1) @ v
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         return x + self.o(out.transpose(1, 2).reshape(b, t, 16))
@@ -68,7 +77,7 @@ class RelativeBias(nn.Module):
         super().__init__()
         self.spelling = spelling
         self.layers = nn.ModuleList(Layer() for _ in range(2))
-        if spelling == "module":
+        if spelling in ("module", "add_"):
             self.table = nn.Embedding(9, 4)
         else:
             self.bias_table = nn.Parameter(torch.randn(9, 4))
@@ -77,16 +86,16 @@ class RelativeBias(nn.Module):
         t = x.shape[1]
         pos = torch.arange(t, device=x.device)
         buckets = (pos[None, :] - pos[:, None]).clamp(-4, 4) + 4
-        rows = self.table(buckets) if self.spelling == "module" else F.embedding(buckets, self.bias_table)
+        rows = self.table(buckets) if hasattr(self, "table") else F.embedding(buckets, self.bias_table)
         bias = rows.permute(2, 0, 1).unsqueeze(0)  # (1, heads, t, t)
         for layer in self.layers:
-            x = layer(x, bias, self.spelling != "sdpa")
+            x = layer(x, bias, self.spelling)
         return x
 
 
-def _grows(model: nn.Module) -> gg.PassResult:
+def _grows(model: nn.Module, capture: str = "auto") -> gg.PassResult:
     torch.manual_seed(0)
-    gm = gg.trace(model, input_shape=(1, 5, 16))
+    gm = gg.trace(model, input_shape=(1, 5, 16), capture=capture)
     result = gg.get_pass("grow_heads")(heads=6)(gm)
     checked = result.preservation
     assert checked.eval.ok and checked.train.ok and checked.trainable and not checked.dead
@@ -103,12 +112,12 @@ def test_a_bias_per_head_and_head_size_grows_with_the_heads(spelling):
     assert torch.equal(g.q_bias[16:], torch.full((8,), fill)) and torch.equal(g.v_bias[16:], torch.zeros(8))
 
 
-@pytest.mark.parametrize("spelling", ["function", "module", "sdpa"])
+@pytest.mark.parametrize("spelling", ["function", "module", "sdpa", "add_", "iadd", "export"])
 def test_a_position_bias_table_per_head_grows_once_for_every_layer(spelling):
     model = RelativeBias(spelling)
-    g = _grows(model).gm
-    table = g.table.weight if spelling == "module" else g.bias_table
-    old = model.table.weight if spelling == "module" else model.bias_table
+    g = _grows(model, "export" if spelling == "export" else "auto").gm
+    table = g.table.weight if hasattr(model, "table") else g.bias_table
+    old = model.table.weight if hasattr(model, "table") else model.bias_table
     assert table.shape == (9, 6) and torch.equal(table[:, :4], old) and not table[:, 4:].any()
 
 

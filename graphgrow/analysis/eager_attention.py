@@ -26,7 +26,9 @@ from .head_layout import SDPA, one_axis_slice, op_kind, refuse
 PRODUCTS = frozenset({"matmul", "bmm", "einsum", "baddbmm"})  # batched matrix products (`@`: "matmul")
 # ops on the scores that act per score (the head axis, when a side tensor has one, is checked): arithmetic with a
 # number or a broadcast tensor (scale, additive mask, soft-capping), tanh, masking, casts
-ON_SCORES = ops.BINARY_NAMES | ops.SAME_VALUES | {"tanh", "masked_fill", "masked_fill_", "where"}
+# (an in-place op on the scores read by nothing else computes what its out-of-place form does: MPNet's `add_`)
+ON_SCORES = ops.BINARY_NAMES | ops.IN_PLACE_BINARY | ops.IN_PLACE_OPERATORS | ops.SAME_VALUES
+ON_SCORES |= {"tanh", "masked_fill", "masked_fill_", "where"}
 
 
 @dataclass
@@ -146,13 +148,31 @@ def _value_operand(n: fx.Node, weights: fx.Node) -> fx.Node:
 _DONOR_READS = ops.SHAPE_DONORS  # their second operand: dtype or shape
 
 
-def _only_user(n: fx.Node) -> fx.Node | None:
+def _written(core: Core, x: fx.Node, n: fx.Node) -> list[fx.Node]:
+    """The in-place ops on scores `x` (`x.add_(bias)`, `x.masked_fill_(…)`) before `n` reads it whose results nothing
+    reads (fx's spelling: `n` reads `x`): per-score ops on the way, as their out-of-place forms; their tensor operands
+    join the core's sides (masks and biases, checked per head)."""
+    order = {m: i for i, m in enumerate(x.graph.nodes)}
+    found = [
+        u
+        for u in x.users
+        if u is not n and not u.users and u.args and u.args[0] is x and order[u] < order[n]
+        if _name(u) in ops.IN_PLACE_BINARY | {"masked_fill_"}
+    ]
+    for w in found:
+        core.sides += [a for a in (*w.args[1:], *w.kwargs.values()) if isinstance(a, fx.Node) and tensor_shape(a)]
+        core.inner.add(w.name)
+    return found
+
+
+def _only_user(n: fx.Node, but: list[fx.Node] | tuple = ()) -> fx.Node | None:
     """The one op reading `n`'s values (size queries and dtype or shape donors — `x.type_as(n)`,
-    `mask.expand_as(n)` — do not count)."""
+    `mask.expand_as(n)` — do not count, nor the ops in `but`)."""
     users = [
         u
         for u in n.users
-        if not (u.op == "call_method" and u.target in ops.SHAPE_QUERIES)
+        if u not in but
+        and not (u.op == "call_method" and u.target in ops.SHAPE_QUERIES)
         and not (_name(u) in _DONOR_READS and u.args[0] is not n)
     ]
     return users[0] if len(users) == 1 else None
@@ -245,7 +265,8 @@ def _core(gm: fx.GraphModule, sm: fx.Node) -> Core | None:
                 f"is between the attention scores of '{out.name}' and its softmax, and is not an op "
                 "the analysis follows (arithmetic with a number or a mask, tanh, masking, casts)",
             )
-        if _only_user(prev) is not n and not _stabilised(prev, n):
+        written = _written(core, prev, n)
+        if _only_user(prev, written) is not n and not _stabilised(prev, n):
             raise refuse(prev, f"holds the attention scores of '{out.name}' and is also read elsewhere")
         side = [a for a in (*n.args, *n.kwargs.values()) if isinstance(a, fx.Node) and a is not prev]
         side = [a for a in side if not _row_max_of(a, prev)]  # x - max(x): computed from the scores themselves
@@ -254,6 +275,7 @@ def _core(gm: fx.GraphModule, sm: fx.Node) -> Core | None:
             core.scale, at = _scale(n, scores)
             core.scale_at, core.scale_from = (None, at) if at and isinstance(at[0], fx.Node) else (at, None)
         prev = n
+    _written(core, prev, sm)  # (written in place just before the softmax reads them)
     if core.scale is None and core.scale_from is None:
         core.scale = 1.0
     return core
