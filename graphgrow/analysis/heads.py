@@ -129,14 +129,24 @@ def find_attentions(gm: fx.GraphModule, growing: set[str], at: str | None = None
             "grow_heads grows attentions written with F.scaled_dot_product_attention (Hugging Face's "
             "default sdpa, timm, nn.MultiheadAttention) or eagerly as softmax(q @ kᵀ · scale + mask) @ v",
         )
-    out, failed = [], []
+    out, failed, bare = [], [], []
     for n in found:
         try:
             if isinstance(n, NotApplicable):
                 raise n
-            out.append(_attention(gm, sdpa_core(n) if isinstance(n, fx.Node) else n, growing))
+            core = sdpa_core(n) if isinstance(n, fx.Node) else n
+            if not _back(gm, core.q)[1]:  # a query no Linear projects (a learned query over the states: depth
+                bare.append(core.node.name)  # attention): no heads to add; the attention is left as it is
+                continue
+            out.append(_attention(gm, core, growing))
         except NotApplicable as e:
             failed.append(e)
+    if bare and not out and not failed:
+        raise NotApplicable(
+            f"the attentions of this model ({', '.join(bare[:3])}) have no Linear projecting their query (a "
+            "learned query over the states themselves): no heads to add",
+            "grow the model with other passes (grow_hidden grows the states such an attention reads)",
+        )
     if at is not None:
         every = out
         out = [
