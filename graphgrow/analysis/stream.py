@@ -41,6 +41,7 @@ from .stream_norms import normalised as _normalised
 from .stream_ops import (
     EXTREMA_WITH_INDICES,
     FLAT_AT_ZERO,
+    averages_over,
     base_name,
     constant_like,
     drops_axis_by_index,
@@ -199,7 +200,7 @@ class _Walk:
                 return {}, (
                     f"'{a}' must have new coordinates equal to the mean of the old ones ({self.why[f'{a}:mean']}) "
                     f"and '{b}', joined with it through adds, zero ({self.why[f'{b}:zero']})"
-                    + ("" if "ReLU" in self.why[f"{a}:mean"] else ": a post-norm stream")
+                    + (": a post-norm stream" if "LayerNorm" in self.why[f"{a}:mean"] else "")
                 )
         return {t: next(iter(classes.get(self.find(t), {"zero": t}))) for t in self.s.axes}, None
 
@@ -306,6 +307,8 @@ class _Walk:
             return self.constant(u, axis)
         if base_name(u) == "expand_as" and u.args[0] is not x:  # y.expand_as(x): x's shape, y's values (walked back)
             return self.add(u, axis)
+        if averages_over(u, x, axis):  # CBAM's spatial attention reads the channels' mean (and max)
+            return self.need(x, "mean", f"'{u.name}' averages over the hidden axis")
         norm = _norm_of(self.gm, u)
         if norm is not None and norm.input == x.name:
             if axis != len(tensor_shape(x)) - 1 or _normalised(self.gm, u) != self.s.width:
@@ -358,8 +361,9 @@ class _Walk:
         ends = [u] if extremum(u) else list(u.users) if base_name(u) in EXTREMA_WITH_INDICES else []
         if ends and all(extremum(g) for g in ends):  # amax, or max's (values, indices) with the values read alone
             for g, (_, dims, keep) in ((g, extremum(g)) for g in ends):  # type: ignore[misc]
-                if axis in dims:
-                    raise _refuse(u, "takes extrema along the hidden axis")
+                if axis in dims:  # the old coordinates' mean lies between their extrema: a new one keeps them
+                    self.need(x, "mean", f"'{g.name}' takes the extremum over the hidden axis")
+                    continue
                 self.add(g, axis if keep else axis - sum(d < axis for d in dims))
             return None
         channel = channel_op(self.gm, u, axis, self.s.width)
@@ -441,6 +445,7 @@ class _Walk:
             self.s.writers.append(Writer(n.name, kind, [(path, dim)], n.name))
         if op.groups and n.name not in self.s.grouped:  # F.conv1d(…, groups=width): one group per coordinate
             self.s.grouped.append(n.name)
+        self.s.read_views += [v for v in op.views if v not in self.s.read_views]  # the factor's sizes grow with it
 
     def constant(self, c: fx.Node, axis: int) -> None:
         """`c` = zeros_like(stream) and the like: no value of the stream, its shape. Uniform, so an integer index along

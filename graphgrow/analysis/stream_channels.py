@@ -9,11 +9,12 @@ of the old outputs: both sides need the zero fill (or replication, where a norm'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.nn.functional as F
 from torch import fx, nn
 
+from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 from .stream_ops import arg, arithmetic, base_name, extremum
 from .stream_regions import region
@@ -25,6 +26,7 @@ class ChannelOp:
     x_axis: int  # its hidden axis
     params: list[tuple[str, int, str]]  # (parameter path, its dim along the stream, "scale" | "shift")
     groups: bool = False  # a functional depthwise conv: its `groups` argument is the width (rewritten with it)
+    views: list[tuple[str, int]] = field(default_factory=list)  # (a factor's reshape, the width's place in its sizes)
     why: str = "scales each hidden coordinate by a factor of its own: 0·γ = 0, but not mean(γ·x) = γ·mean(x)"
 
 
@@ -71,7 +73,7 @@ def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> Channel
             continue
         found = channel_factor(gm, p, len(out), axis, width)
         if found is not None:
-            return ChannelOp(x, axis, [(found[0], found[1], "scale")])
+            return ChannelOp(x, axis, [(found[0], found[1], "scale")], views=_sized_views(p, width))
         gate = gate_factor(gm, p, out, axis, width)
         if gate is not None:
             return ChannelOp(x, axis, gate)
@@ -176,9 +178,28 @@ def shared_factors(gm: fx.GraphModule, factors: list[str]) -> str | None:
     return None
 
 
+def _sized_views(p: fx.Node, width: int) -> list[tuple[str, int]]:
+    """The reshapes between a factor parameter and `p` (its read, through unit views) that write the width as a size
+    (gamma.view(1, 320, 1, 1)): (node, the width's place), for the rewrite to write the new width there."""
+    found, node = [], p
+    while node.op != "get_attr" and node.args and isinstance(node.args[0], fx.Node):
+        if base_name(node) in ops.RESHAPES:
+            sizes = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+            found += [(node.name, i) for i, d in enumerate(sizes) if d == width][:1]
+        node = node.args[0]
+    return found
+
+
 def _unit_view(n: fx.Node) -> bool:
-    """Unit dims added or a cast, nothing else: unsqueeze, indexing by None and full slices, to(dtype), float()."""
+    """Unit dims added or a cast, nothing else: unsqueeze, indexing by None and full slices, to(dtype), float(), a
+    reshape or view that only adds or drops dims of size 1 (γ.reshape(1, -1, 1, 1): ConvNeXt's layer scale)."""
     name = base_name(n)
+    if name in ops.RESHAPES and n.args and isinstance(n.args[0], fx.Node):
+        sizes = n.args[1:] if not (len(n.args) == 2 and isinstance(n.args[1], (list, tuple))) else n.args[1]
+        shape, source = tensor_shape(n), tensor_shape(n.args[0])
+        numbers = all(isinstance(d, int) for d in sizes) and sum(d == -1 for d in sizes) <= 1
+        wide = [d for d in shape or () if d != 1]
+        return bool(numbers and shape is not None and source is not None and wide == [d for d in source if d != 1])
     if name in ("unsqueeze", "squeeze", "to", "float", "contiguous"):
         return not any(isinstance(a, fx.Node) and tensor_shape(a) is not None for a in list(n.args[1:]))
     if name != "getitem" or len(n.args) < 2:

@@ -85,13 +85,14 @@ def constant_like(u: fx.Node, x: fx.Node) -> bool:
 
 
 def zero_pad(n: fx.Node) -> bool:
-    """Whether `n` is F.pad (aten pad, constant_pad_nd) adding zeros, its pads written as numbers."""
+    """Whether `n` is F.pad (aten pad, constant_pad_nd) adding zeros, its pads written as numbers or computed from
+    sizes (DaViT's windows: (7 - W % 7) % 7)."""
     pads = arg(n, 1, "pad")
     value = arg(n, 3, "value", 0) if base_name(n) == "pad" else arg(n, 2, "value", 0)
     return (
         base_name(n) in ("pad", "constant_pad_nd")
         and isinstance(pads, (list, tuple))
-        and all(isinstance(p, int) for p in pads)
+        and all(isinstance(p, int) or (isinstance(p, fx.Node) and tensor_shape(p) is None) for p in pads)
         and (base_name(n) != "pad" or arg(n, 2, "mode", "constant") == "constant")
         and value in (0, None)
     )
@@ -155,6 +156,18 @@ def extremum(n: fx.Node) -> tuple[fx.Node, list[int], bool] | None:
     if not rank or not dims or not all(isinstance(d, int) for d in dims) or not isinstance(keepdim, bool):
         return None
     return x, sorted({d % rank for d in dims}), keepdim  # type: ignore[return-value]
+
+
+def averages_over(u: fx.Node, x: fx.Node, axis: int) -> bool:
+    """Whether `u` is the mean of `x` over dims that include `axis` (x.mean(1), torch.mean(x, (1, 2)), x.mean()):
+    new coordinates equal to the mean of the old ones keep it, as copies of them do."""
+    if base_name(u) != "mean" or not u.args or u.args[0] is not x:
+        return False
+    rank, dim = len(tensor_shape(x) or ()), arg(u, 1, "dim")
+    if isinstance(dim, fx.Node) or not rank:
+        return False
+    dims = [dim] if isinstance(dim, int) else list(dim) if isinstance(dim, (list, tuple)) and dim else range(rank)
+    return all(isinstance(d, int) for d in dims) and axis in {d % rank for d in dims}
 
 
 def drops_axis_by_index(v: fx.Node, a: int) -> bool:
@@ -231,7 +244,8 @@ def forward_axis(n: fx.Node, x: fx.Node, a: int) -> int | None:
     try:
         if name in ("pad", "constant_pad_nd"):  # zeros added along other axes: a zero token is its own mean
             pads, k = list(arg(n, 1, "pad")), len(xs) - 1 - a
-            return None if any(pads[2 * k : 2 * k + 2]) or not zero_pad(n) else a
+            kept = all(isinstance(p, int) and p == 0 for p in pads[2 * k : 2 * k + 2])
+            return a if kept and zero_pad(n) else None
         if name.startswith("adaptive_avg_pool"):  # the last 1-3 axes averaged: the axes before them kept
             return a if a < len(xs) - int(name[-2]) and out[: a + 1] == xs[: a + 1] else None
         if name.startswith("avg_pool"):  # an average over the other axes, each coordinate alone: the last axis

@@ -112,7 +112,7 @@ def _value(gm, a: fx.Node, env: dict) -> object:
         t = gm
         for part in str(a.target).split("."):
             t = getattr(t, part)
-        return t.detach()
+        return t.detach() if isinstance(t, torch.Tensor) else t
     if a.op in ("call_function", "call_method"):
         args = fx.node.map_arg(a.args, lambda b: env.setdefault(b, _value(gm, b, env)))
         kwargs = fx.node.map_arg(a.kwargs, lambda b: env.setdefault(b, _value(gm, b, env)))
@@ -144,12 +144,13 @@ def region_root(x: fx.Node, u: fx.Node) -> fx.Node | None:
     return None
 
 
-def scales_tokens(m: torch.nn.Module, shape: tuple, width: int, flags: int = 0) -> bool:
+def scales_tokens(m: torch.nn.Module, shape: tuple, width: int, flags: int = 0, rest: tuple = (), at: int = 0) -> bool:
     """Whether module `m` maps x to s·x, s one number per token and per draw, the same at any width (drop-path,
     stochastic depth: identity in eval mode, a per-sample scale in train mode, whatever its class is called). Probed
     on x and on x with 3 more coordinates under one seed, in both modes; the hidden axis is x's last of that size.
     `flags`: m is called as m(*flags, x) (a ModeSwitch: export's drop-path, its flag the module's `training`), probed
-    for every value of the flags."""
+    for every value of the flags; `rest`: numbers it also takes, x at place `at` among them (timm's drop-path as a
+    switch: m(*flags, x, keep_prob))."""
     axis = max((i for i, d in enumerate(shape) if d == width), default=None)
     if axis is None or any(True for _ in m.parameters()) or any(True for _ in m.buffers()):
         return False
@@ -162,9 +163,9 @@ def scales_tokens(m: torch.nn.Module, shape: tuple, width: int, flags: int = 0) 
             for mode in itertools.product((False, True), repeat=max(flags, 1)):
                 m.train(mode[0])
                 torch.manual_seed(1)
-                y = m(*mode[:flags], x)
+                y = m(*mode[:flags], *rest[:at], x, *rest[at:])
                 torch.manual_seed(1)
-                yw = m(*mode[:flags], wide)
+                yw = m(*mode[:flags], *rest[:at], wide, *rest[at:])
                 if not (isinstance(y, torch.Tensor) and isinstance(yw, torch.Tensor)) or yw.shape != wide.shape:
                     return False
                 s = (yw / wide).amax(axis, keepdim=True)
@@ -175,3 +176,15 @@ def scales_tokens(m: torch.nn.Module, shape: tuple, width: int, flags: int = 0) 
         return False
     finally:
         m.train(was)
+
+
+def number_of(gm: torch.fx.GraphModule, a: object) -> object:
+    """`a` as a Python number when it is one or is computed from the model's constants alone (1 - drop_prob, read as
+    an attribute), else None."""
+    if isinstance(a, (int, float)):
+        return a
+    try:
+        value = _value(gm, a, {}) if isinstance(a, fx.Node) and tensor_shape(a) is None else None
+    except Exception:  # noqa: BLE001 - not computable from constants: no number
+        return None
+    return value if isinstance(value, (int, float)) else None

@@ -19,7 +19,7 @@ from .stream_ops import (
     pools_others,
     zero_pad,
 )
-from .stream_regions import scales_tokens
+from .stream_regions import number_of, scales_tokens
 
 
 def through(gm: fx.GraphModule, n: fx.Node, width: int) -> fx.Node | None:
@@ -28,9 +28,12 @@ def through(gm: fx.GraphModule, n: fx.Node, width: int) -> fx.Node | None:
     if x is None and arithmetic(n) == "mul" and len(n.args) == 2 and is_scalar_factor(n.args[0]):
         return n.args[1] if isinstance(n.args[1], fx.Node) else None  # c · x (FocalNet's 1.0 * x)
     if n.op == "call_module" and isinstance(switch := gm.get_submodule(n.target), ModeSwitch):
-        inputs, shape = n.args[switch.conditions :], tensor_shape(n)  # (flags, x): export's drop-path
-        one = len(inputs) == 1 and isinstance(inputs[0], fx.Node) and tensor_shape(inputs[0]) == shape
-        return inputs[0] if one and scales_tokens(switch, shape, width, switch.conditions) else None  # type: ignore[return-value,arg-type]
+        inputs, shape = n.args[switch.conditions :], tensor_shape(n)  # (flags, x, numbers…): export's drop-path
+        at = [i for i, a in enumerate(inputs) if isinstance(a, fx.Node) and tensor_shape(a) == shape]
+        numbers = tuple(number_of(gm, a) for i, a in enumerate(inputs) if i not in at)  # keep_prob = 1 - drop_prob
+        if len(at) != 1 or any(r is None for r in numbers):
+            return None
+        return inputs[at[0]] if scales_tokens(switch, shape, width, switch.conditions, numbers, at[0]) else None  # type: ignore[return-value,arg-type]
     if base_name(n) == "matmul" and len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args):
         # H @ x: every hidden coordinate (x's last axis) mixed alike across x's rows (hyper-connections' H_res)
         hs, xs = tensor_shape(n.args[0]), tensor_shape(n.args[1])  # type: ignore[arg-type]
@@ -41,7 +44,7 @@ def through(gm: fx.GraphModule, n: fx.Node, width: int) -> fx.Node | None:
     if n.op == "call_module":
         m = gm.get_submodule(n.target)
         shape = tensor_shape(n)
-        linear = isinstance(m, (nn.Dropout, nn.Identity)) or (
+        linear = isinstance(m, (nn.Dropout, nn.Identity, nn.Flatten)) or (
             shape is not None and shape == tensor_shape(x) and scales_tokens(m, shape, width)
         )
         if averages_trailing(gm, n):  # tokens averaged channels first (forward_axis keeps the axes before)
