@@ -182,7 +182,7 @@ def test_token_ids_end_with_eos_where_the_forward_pools_at_it(name):
     assert loaded.input_shape[0].last == eos
     for seed, batch in ((0, 1), (1, 3)):
         x = spec_inputs(loaded.module, loaded.input_shape, seed=seed, batch=batch)
-        assert (x[TEXT][:, -1] == eos).all() and (x[TEXT][:, :-1] < 256).all()
+        assert (x[TEXT][:, -1] == eos).all() and (x[TEXT][:, :-1] < 256).all() and (x[TEXT][:, :-1] != eos).all()
         assert loaded.module(**x).logits.shape[0] == batch
     llama = gg.load_model(next(n for n in NAMES if n.startswith("hf:llama")))
     assert llama.input_shape[0].last is None
@@ -199,3 +199,14 @@ def test_a_spec_keeps_its_last_id_through_records_and_refuses_one_past_its_bound
             parse_spec([{"name": "input_ids", "shape": [1, 8], "dtype": "int64", "high": 100, "last": bad}])
     with pytest.raises(InputError, match="last="):
         parse_spec([{"name": "x", "shape": [1, 8], "dtype": "float32", "last": 1}])
+
+
+def test_a_composite_config_draws_token_ids_below_its_text_vocabulary():
+    """A config of several towers keeps vocab_size in its text config (the sweep's moss_transcribe_diarize drew ids
+    below another embedding's size: 'index out of range' in the language model's embed_tokens)."""
+    from graphgrow.io.hf_zoo import default_spec
+
+    config = transformers.AutoConfig.for_model("llava", text_config={"model_type": "llama", "vocab_size": 300})
+    assert getattr(config, "vocab_size", None) is None
+    spec = default_spec(config, transformers.LlavaForConditionalGeneration)
+    assert spec is not None and spec[0].high == 300

@@ -72,10 +72,16 @@ def _carries_tensors(shape) -> bool:
     return isinstance(shape, list) and any(_carries_tensors(s) for s in shape)
 
 
+def _carries_features(n: fx.Node) -> bool:
+    """A float tensor, or several: not an integer or boolean index or mask (a sequence classifier's position of
+    the last real token, computed from the token ids, picks the logits without carrying any of their features)."""
+    return n.op == "placeholder" or getattr(n.meta.get("gg_dtype"), "is_floating_point", True) is not False
+
+
 def main_path(gm: fx.GraphModule, end: fx.Node | None = None) -> list[fx.Node]:
-    """Single float tensors that every path from the input to `end` (default: the first output
+    """Single float tensors that every path of features from the input to `end` (default: the first output
     tensor the deployed function returns, not a train-only one) passes through, in order; the input
-    itself excluded."""
+    itself excluded. Paths through integer or boolean tensors (indices, masks) do not count."""
     if end is None:
         outs = [a for a in deployed_outputs(gm) if is_float_tensor(a)]
         if not outs:
@@ -85,8 +91,10 @@ def main_path(gm: fx.GraphModule, end: fx.Node | None = None) -> list[fx.Node]:
     pos = {n: i for i, n in enumerate(nodes)}
     cover = [0] * (len(nodes) + 1)
     for n in nodes:  # an edge u → v jumping over positions between them makes those positions bypassable
+        if not _carries_features(n):  # an index or mask computed from the input selects features, carries none
+            continue
         for u in n.all_input_nodes:
-            if u in pos and pos[u] + 1 < pos[n]:
+            if u in pos and pos[u] + 1 < pos[n] and (u.op == "placeholder" or _carries_features(u)):
                 cover[pos[u] + 1] += 1
                 cover[pos[n]] -= 1
     cuts, depth = [], 0

@@ -348,9 +348,13 @@ def spec_inputs(model: nn.Module, spec: InputSpec, seed: int = 0, batch: int | N
         elif t.name.endswith("mask"):
             x = torch.ones(shape, dtype=dtype)
         else:
-            x = torch.randint(0, _high(model, t), shape, generator=g).to(dtype)
-            if t.last is not None:
+            high = _high(model, t)
+            if t.last is not None and high > 1:  # the end id at the end only, as a tokenizer writes it
+                x = torch.randint(0, high - 1, shape, generator=g)
+                x = (x + (x >= t.last).long()).to(dtype)
                 x[..., -1] = t.last
+            else:
+                x = torch.randint(0, high, shape, generator=g).to(dtype)
         out[t.name] = x.to(device)
     return out
 

@@ -272,6 +272,10 @@ def _positive(value: Any, setting: str, target: str) -> int:
 
 def _token_ids(name: str, config: Any, target: str, last: int | None = None) -> dict[str, Any]:
     vocab = getattr(config, "vocab_size", None)
+    if vocab is None and callable(getattr(config, "get_text_config", None)):
+        # a model of several towers (audio or vision and a language model) keeps the vocabulary in its text
+        # config; its first nn.Embedding may be another tower's, larger
+        vocab = getattr(config.get_text_config(), "vocab_size", None)
     positions = getattr(config, "max_position_embeddings", None)
     length = min(SEQ_LEN, positions) if isinstance(positions, int) and positions > 0 else SEQ_LEN
     high = None if vocab is None else _positive(vocab, "vocab_size", target)  # token ids are drawn below it

@@ -214,8 +214,14 @@ def _mlp_width(gm: fx.GraphModule, c: int, stream: Stream | None) -> int:
 
 
 def _stream_value(gm: fx.GraphModule, node: fx.Node, inputs) -> torch.Tensor:
+    """The value at `node`, the graph run only up to it: the head after it may need what the probe's changed input
+    no longer has (an end-of-sequence token at the last position, where T5's classifier pools)."""
     interp = fx.Interpreter(gm, garbage_collect_values=False)
-    interp.run(*(inputs.values() if isinstance(inputs, dict) else (inputs,)))
+    interp.args_iter = iter(inputs.values() if isinstance(inputs, dict) else (inputs,))
+    for n in gm.graph.nodes:
+        interp.env[n] = interp.run_node(n)
+        if n is node:
+            break
     return interp.env[node]
 
 
