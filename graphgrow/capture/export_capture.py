@@ -38,6 +38,7 @@ from ..core.state import preserved_buffers, training_mode
 from ..graph.graph_meta import META_KEY, store_shape
 from ..graph.inputs import DTYPES, InputSpec, first_embedding, spec_inputs
 from .aten_table import DROPPED, to_torch
+from .data_dependent import export_refusal, exporting
 from .export_modes import RANDOM, PendingSwitch, flat, merge_modes, set_flat, stack
 from .self_writes import self_write_refusal
 from .standins import standin, tied_parameters
@@ -59,15 +60,12 @@ def _export(model: nn.Module, inputs: dict[str, torch.Tensor], train: bool):
     dims = {k: {d: torch.export.Dim.AUTO for d in range(v.dim())} for k, v in inputs.items()}
     try:
         model.train(train)
-        return torch.export.export(model, (), dict(inputs), dynamic_shapes=dims, strict=False)
+        with exporting():  # torch.distributions' value checks off (data_dependent.py)
+            return torch.export.export(model, (), dict(inputs), dynamic_shapes=dims, strict=False)
     except Exception as e:
         if (refusal := self_write_refusal(model, inputs) if train else None) is not None:
             raise refusal from e  # the model's own reason, not torch.export's message about it
-        mode = "train" if train else "eval"
-        raise TraceError(
-            f"torch.export cannot capture {type(model).__name__} in {mode} mode: {first_line(e)}",
-            "check that the model runs on the example inputs; caches off (use_cache=False)",
-        ) from e
+        raise export_refusal(model, e, train) from e  # a guard on a data-dependent value said in graphgrow's words
     finally:
         model.train(was)
 
