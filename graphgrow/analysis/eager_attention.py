@@ -27,8 +27,9 @@ PRODUCTS = frozenset({"matmul", "bmm", "einsum", "baddbmm"})  # batched matrix p
 # ops on the scores that act per score (the head axis, when a side tensor has one, is checked): arithmetic with a
 # number or a broadcast tensor (scale, additive mask, soft-capping), tanh, masking, casts
 # (an in-place op on the scores read by nothing else computes what its out-of-place form does: MPNet's `add_`)
-ON_SCORES = ops.BINARY_NAMES | ops.IN_PLACE_BINARY | ops.IN_PLACE_OPERATORS | ops.SAME_VALUES
-ON_SCORES |= {"tanh", "masked_fill", "masked_fill_", "where"}
+IN_PLACE = frozenset({"add_", "sub_", "mul_", "div_", "masked_fill_"})
+ON_SCORES = ops.BINARY_NAMES | ops.IN_PLACE_OPERATORS | ops.SAME_VALUES | IN_PLACE
+ON_SCORES |= {"tanh", "masked_fill", "where"}
 
 
 @dataclass
@@ -157,7 +158,7 @@ def _written(core: Core, x: fx.Node, n: fx.Node) -> list[fx.Node]:
         u
         for u in x.users
         if u is not n and not u.users and u.args and u.args[0] is x and order[u] < order[n]
-        if _name(u) in ops.IN_PLACE_BINARY | {"masked_fill_"}
+        if _name(u) in IN_PLACE
     ]
     for w in found:
         core.sides += [a for a in (*w.args[1:], *w.kwargs.values()) if isinstance(a, fx.Node) and tensor_shape(a)]

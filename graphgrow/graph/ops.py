@@ -72,7 +72,6 @@ UNARY_METHODS = frozenset({"relu", "sigmoid", "tanh", "exp", "abs", "neg"})
 # binary arithmetic, broadcast: names as fx shows them (operator.truediv → "truediv", operator.iadd → "iadd")
 BINARY_NAMES = frozenset({"add", "sub", "mul", "div", "truediv"})
 IN_PLACE_OPERATORS = frozenset({"iadd", "imul"})  # x += y, x *= y traced as operator.iadd / operator.imul
-IN_PLACE_BINARY = frozenset({"add_", "sub_", "mul_", "div_"})  # x.add_(y): x + y, written into x
 SUM_FUNCTIONS = frozenset({operator.add, torch.add})  # x + y
 DIFFERENCE_FUNCTIONS = frozenset({operator.sub, torch.sub})  # x - y
 ADD_FUNCTIONS = SUM_FUNCTIONS | DIFFERENCE_FUNCTIONS  # x ± y
