@@ -210,3 +210,12 @@ def test_a_composite_config_draws_token_ids_below_its_text_vocabulary():
     assert getattr(config, "vocab_size", None) is None
     spec = default_spec(config, transformers.LlavaForConditionalGeneration)
     assert spec is not None and spec[0].high == 300
+
+
+def test_a_main_input_of_another_name_that_takes_token_ids_gets_them():
+    """Perceiver's masked LM names its main input `inputs` and also takes `input_ids` (the sweep could not tell its
+    example input): the default spec gives token ids."""
+    loaded = gg.load_model("hf:perceiver/masked-lm(d_model=64,vocab_size=256,num_latents=16,d_latents=64)")
+    assert [t.name for t in loaded.input_shape] == [TEXT] and loaded.input_shape[0].high == 256
+    out = loaded.module(**spec_inputs(loaded.module, loaded.input_shape))
+    assert out.logits.shape[0] == 1 and out.logits.shape[-1] == 256

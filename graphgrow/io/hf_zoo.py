@@ -229,6 +229,8 @@ def default_spec(config: Any, model_class: type, target: str = "the model") -> I
     that is not a positive size, or a default input past the example bound (graph.inputs), is a LoadError
     naming the setting."""
     main = getattr(model_class, "main_input_name", "input_ids")
+    if main not in ("input_ids", "pixel_values", "input_values") and _takes(model_class, "input_ids"):
+        main = "input_ids"  # a main input of another name that also takes token ids (Perceiver's `inputs`)
     if main == "input_ids":
         records, settings = [_token_ids("input_ids", config, target, _eos_read(config, model_class))], "vocab_size"
     elif main == "pixel_values":
@@ -281,6 +283,14 @@ def _token_ids(name: str, config: Any, target: str, last: int | None = None) -> 
     high = None if vocab is None else _positive(vocab, "vocab_size", target)  # token ids are drawn below it
     record = {"name": name, "shape": [1, length], "dtype": "int64", "high": high}
     return record if last is None or (high is not None and last >= high) else {**record, "last": last}
+
+
+def _takes(model_class: type, name: str) -> bool:
+    """Whether the model's forward has a parameter `name`."""
+    try:
+        return name in inspect.signature(getattr(model_class, "forward")).parameters  # noqa: B009 - a type
+    except (TypeError, ValueError):
+        return False
 
 
 def _eos_read(config: Any, model_class: type) -> int | None:
