@@ -310,7 +310,7 @@ def _torch_export(
     captured = io.StringIO()
     batch = torch.export.Dim("batch", min=1)
     try:
-        with _inference(gm), warnings.catch_warnings(), _quiet(captured), _registry_once():
+        with _inference(gm), warnings.catch_warnings(), _quiet(captured), _registry_once(), _linear_rewrites():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 gm,
@@ -341,7 +341,7 @@ def _torch_export_named(
     """torch.onnx.export on named inputs (passed by keyword), with named dynamic dimensions."""
     captured = io.StringIO()
     try:
-        with _inference(gm), warnings.catch_warnings(), _quiet(captured), _registry_once():
+        with _inference(gm), warnings.catch_warnings(), _quiet(captured), _registry_once(), _linear_rewrites():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 gm,
@@ -439,6 +439,32 @@ def _registry_once() -> Iterator[None]:
         yield
     finally:
         setattr(owner, name, built)
+
+
+@contextlib.contextmanager
+def _linear_rewrites() -> Iterator[None]:
+    """The exporter's optimizer (onnxscript) without its rewrite rules whose pattern has several output nodes (today
+    one: two Slices of a tensor made a Split). Their matcher lists every node of the graph again for each node it
+    tries, quadratic in the graph's size: 80 % of hf qwen3_5_moe_text's run (py-spy), whose unrolled chunked
+    linear attention exports to thousands of Slices. Every other rule still runs; onnxruntime does its own fusions."""
+    try:
+        from onnxscript import rewriter
+
+        rules = rewriter._DEFAULT_REWRITE_RULES
+        linear = tuple(
+            r
+            for r in rules
+            if getattr(getattr(r, "_matcher", None), "pattern", None) is None
+            or r._matcher.pattern.has_single_output_node
+        )
+    except (ImportError, AttributeError):
+        yield
+        return
+    rewriter._DEFAULT_REWRITE_RULES = linear
+    try:
+        yield
+    finally:
+        rewriter._DEFAULT_REWRITE_RULES = rules
 
 
 @contextlib.contextmanager
