@@ -224,7 +224,7 @@ def check_equivalence(
                 compare_arrays(r, g, rtol, atol, label, i, name) for i, ((name, r), g) in enumerate(zip(refs, got))
             ]
             tie_order: Any = contextlib.nullcontext()
-            if not all(o.passed for o in stats) and _topk_ties(model, x):
+            if not all(o.passed for o in stats) and _topk_ties(model, x).tied:
                 # PyTorch leaves the order among tied values unspecified, ONNX's TopK takes the lower index first:
                 # PyTorch again with that order (one its topk allows) is the reference the export must match
                 tie_order, tie_cases = _LowerIndexTopk(), tie_cases + 1
@@ -309,12 +309,12 @@ class TiedSelection(EquivalenceError):
     exit_code = 2
 
 
-def _topk_ties(model: torch.nn.Module, x: Any) -> int:
-    """How many topk calls of the model meet tied values at their k-th place on `x` (eval mode)."""
+def _topk_ties(model: torch.nn.Module, x: Any) -> _TopkTies:
+    """The model's topk calls on `x` (eval mode), and how many meet tied values at their k-th place."""
     watch = _TopkTies()
     with torch.no_grad(), training_mode(model, False), watch:
         call(model, x)
-    return watch.tied
+    return watch
 
 
 def _refuse_tied_selection(model: torch.nn.Module, x: Any, provider: str) -> None:
@@ -322,9 +322,7 @@ def _refuse_tied_selection(model: torch.nn.Module, x: Any, provider: str) -> Non
     neither PyTorch's own order nor the lower-index one (_LowerIndexTopk). ONNX's TopK takes the lower index first
     among equal values; PyTorch leaves the order unspecified (its CPU kernel picked experts 2, 3 of four tied router
     scores where onnxruntime picked 0, 1: AFMoE's zero-initialised router)."""
-    watch = _TopkTies()
-    with torch.no_grad(), training_mode(model, False), watch:
-        call(model, x)
+    watch = _topk_ties(model, x)
     if watch.tied:
         raise TiedSelection(
             f"onnxruntime ({provider}) and PyTorch cannot be compared on this model: a topk meets tied values at its "
