@@ -379,22 +379,26 @@ def test_projection_with_weight_and_bias_by_name_grows():
     assert torch.allclose(gm(x), result.gm(x), atol=1e-6)
 
 
-def test_projection_with_a_computed_bias_is_refused():
-    """timm's BEiT (beitv2_base_patch16_224): the bias is torch.cat of q/k/v pieces, no parameter to widen."""
+def test_projection_with_a_bias_made_of_section_parameters_grows():
+    """timm's BEiT (beitv2_base_patch16_224): the bias is torch.cat of q/k/v pieces (k a zero buffer); was refused
+    ('takes its bias from a computed tensor'), each piece now grows per head (tests/test_heads_bias_pieces.py)."""
+    torch.manual_seed(0)
     gm = gg.trace(BeitAttention(own_bias=False), input_shape=(1, 5, 8))
-    with pytest.raises(
-        gg.NotApplicable, match=r"'linear' \(linear\), which takes its bias from a computed tensor \('cat"
-    ):
-        gg.get_pass("grow_heads")(heads=3)(gm)
+    result = gg.get_pass("grow_heads")(heads=3)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok and not result.preservation.dead
+    assert result.gm.get_parameter("q_bias").shape == (12,) and result.gm.get_buffer("k_bias").shape == (12,)
 
 
-def test_timm_beit_is_refused_by_grow_heads_and_grown_by_grow_width():
-    """Issue 39: beitv2_base_patch16_224 stopped both passes with an IndexError (exit 3) in the attention analysis."""
+def test_timm_beit_is_refused_by_grow_heads_only_at_its_position_bias_and_grown_by_grow_width():
+    """Issue 39: beitv2_base_patch16_224 stopped both passes with an IndexError (exit 3) in the attention analysis;
+    grow_heads then refused its qkv bias made of q/k/v parameters (grown per head now) and its reshape(B, N, 3,
+    self.num_heads, -1), the head count a traced module attribute (now inferred, the head size written out). What
+    stops it still: the relative-position bias per head, gathered from its table by a tensor index."""
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     model = timm.create_model("beitv2_base_patch16_224", depth=1, embed_dim=32, num_heads=2, img_size=32, patch_size=16)
     gm = gg.trace(model.eval(), input_shape=(1, 3, 32, 32))
-    with pytest.raises(gg.NotApplicable, match=r"takes its bias from a computed tensor \('cat"):
+    with pytest.raises(gg.NotApplicable, match=r"'unsqueeze' \(unsqueeze\), which is a mask or bias per head"):
         gg.get_pass("grow_heads")()(gm)
     r = gg.get_pass("grow_width")()(gm)  # the attention analysis no longer stops it; the MLP grows
     assert r.preservation.eval.ok and r.preservation.train.ok and not r.preservation.dead

@@ -228,6 +228,14 @@ class Flow:
                 free = 1  # reshape infers this one size from the others and the element count: exact
                 self.edits.append(FactorEdit(n.name, where, -1, axis, infer=True))
                 continue
+            k = next((i for i, b in enumerate(sizes) if b == -1), None)
+            if (c is None or c[1] % grown) and free == 1 and k is not None and not keep and not self.grows(out[k]):
+                free = 2  # the -1 holds a size that does not grow (timm's reshape(B, N, 3, self.num_heads, -1), the
+                # head count read from a module attribute): it is written out, and this size is inferred instead
+                fixed = at + (k,) if len(at) == 2 else ("args", k + first)
+                self.edits.append(FactorEdit(n.name, fixed, size_of(out[k]), out[k]))
+                self.edits.append(FactorEdit(n.name, where, -1, axis, infer=True))
+                continue
             if c is None or c[1] % grown:
                 raise refuse(
                     n,

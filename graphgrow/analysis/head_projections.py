@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 from ..graph.fx_edit import tensor_shape
-from .head_layout import Axis, broadcasts, data_args, linear_arg, op_kind, refuse, size_of, words, writes
+from .head_layout import HINT, Axis, broadcasts, data_args, linear_arg, op_kind, refuse, size_of, words, writes
 
 
 def _op(n: fx.Node) -> str:
@@ -37,14 +37,17 @@ class Projection:
     slices: tuple[str, ...] = ()
 
 
-def _linear_params(gm: fx.GraphModule, n: fx.Node) -> tuple[str, str | None, str | None]:
-    """(weight path, bias path, module path) of a Linear node."""
+def _linear_params(gm: fx.GraphModule, n: fx.Node, pieces: bool = False) -> tuple[str, str | None, str | None]:
+    """(weight path, bias path, module path) of a Linear node. `pieces`: a bias concatenated from parameters
+    (bias_pieces) is taken, as no bias path (the caller grows its pieces)."""
     if n.op == "call_module":
         m = gm.get_submodule(str(n.target))
         return f"{n.target}.weight", f"{n.target}.bias" if m.bias is not None else None, str(n.target)
     w, b = linear_arg(n, 1), linear_arg(n, 2)  # F.linear(x, weight=…, bias=…) passes them by name (timm's BEiT)
     if not (isinstance(w, fx.Node) and w.op == "get_attr"):
         raise refuse(n, "takes its weight from a computed tensor")
+    if pieces and bias_pieces(n) is not None:
+        return str(w.target), None, None
     if b is not None and not (isinstance(b, fx.Node) and b.op == "get_attr"):
         raise refuse(
             n,
@@ -177,3 +180,43 @@ def beside(p: fx.Node, role: str, factors: Axis, width: int, growing: set[str]) 
             "grow heads (heads=… or by=)",
         )
     return factors[:-1] + (("", width // size_of(factors[:-1])),)
+
+
+def bias_pieces(n: fx.Node) -> list[fx.Node | None] | None:
+    """The parameters or buffers an F.linear's bias is concatenated from (timm BEiT's and EVA's qkv bias:
+    cat((q_bias, k_bias, v_bias)), k_bias a zero buffer), None for a piece of zeros shaped as another piece
+    (zeros_like(v_bias): its size follows that piece's); None when the bias is not such a concatenation."""
+    b = linear_arg(n, 2)
+    if not (isinstance(b, fx.Node) and _op(b) == "cat" and isinstance(b.args[0], (list, tuple))):
+        return None
+    if (b.args[1] if len(b.args) > 1 else b.kwargs.get("dim", 0)) not in (0, -1):
+        return None
+    params = [a for a in b.args[0] if isinstance(a, fx.Node) and a.op == "get_attr"]
+    out: list[fx.Node | None] = []
+    for a in b.args[0]:
+        if isinstance(a, fx.Node) and a.op == "get_attr" and len(tensor_shape(a) or ()) == 1:
+            out.append(a)
+        elif isinstance(a, fx.Node) and _op(a) == "zeros_like" and a.args and a.args[0] in params:
+            out.append(None)
+        else:
+            return None
+    return out
+
+
+def section_biases(p: fx.Node, factors: Axis, growing: set[str]) -> list[tuple[str, int, Axis, float]]:
+    """A fused projection's bias concatenated from one parameter per q/k/v section (bias_pieces): each grows as a
+    parameter with an entry per head and coordinate (new heads' entries 0)."""
+    pieces = bias_pieces(p)
+    if pieces is None:
+        return []
+    if not factors or factors[0][0] != "s" or len(pieces) != factors[0][1] or growing - {"h", "r"}:
+        raise refuse(
+            p,
+            f"takes its bias from a concatenation of {len(pieces)} parameters that are not its q/k/v sections laid "
+            "out outermost, or the head size grows (a query bias would need rescaling)",
+            "grow heads (heads=…)" if growing - {"h", "r"} else HINT,
+        )
+    section = factors[1:]
+    if any(a is not None and tensor_shape(a) != (size_of(section),) for a in pieces):
+        raise refuse(p, f"takes its bias from parameters that are not {words(section)} each")
+    return [(str(a.target), 0, section, 0.0) for a in pieces if a is not None]

@@ -45,7 +45,7 @@ from .head_layout import (
     writes,
 )
 from .head_output import _reader, gate_tail
-from .head_projections import Projection, _back, _linear_params, _op, _sections, beside
+from .head_projections import Projection, _back, _linear_params, _op, _sections, beside, section_biases
 
 
 @dataclass
@@ -258,7 +258,7 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
     fused = False
     blocks: set[str] = set()  # fused per-head blocks: which part is which role needs no telling (whole heads grow)
     for name, (p, rs) in projs.items():
-        weight, bias, module = _linear_params(gm, p)
+        weight, bias, module = _linear_params(gm, p, pieces=True)
         width = tensor_shape(p)[-1]
         sections: tuple = ()
         if len(rs) == 1:
@@ -311,6 +311,7 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
                 raise refuse(p, f"has {width} outputs, not {words(factors)} (the attention's heads and head size)")
             flow.layout[name] = plain(tensor_shape(p)[:-1]) + (factors,)
             projections.append(Projection(name, weight, bias, module, factors, tuple(rs)))
+        flow.params += section_biases(p, factors, growing)  # a bias made of q/k/v parameters (timm's BEiT)
         bad = _users_ok(p, region)
         if bad is not None:
             raise refuse(p, f"projects the attention '{s.name}' and is also read by '{bad.name}'")
