@@ -7,6 +7,7 @@ have, and shrunk by setting those that exist.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -86,6 +87,32 @@ def _size_rank(name: str) -> tuple:
     return (word, nums[0] if len(nums) else 0, len(name), name)
 
 
+TIMM_SIZES = (64, 96, 112, 128, 160, 224)  # tried in order where a model takes sizes other than its own
+
+
+def _timm_size(name: str, channels: int) -> str:
+    """'H,W' for a timm model that is not fixed to its size: the first of TIMM_SIZES it runs at, built and run on the
+    meta device (a second or less; nothing is allocated). 64 does not suit every such model: a patch size that does
+    not divide it (DeepSeek's ViT: 14; the model asserts it), a halo attention whose blocks need a larger map
+    (HaloRegNetZ). Where none runs (a model the meta device cannot run), 64, as before."""
+    import timm
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = timm.create_model(name).eval()
+    except Exception:
+        return "64,64"
+    for size in TIMM_SIZES:
+        try:
+            with torch.no_grad():
+                model(torch.empty(1, channels, size, size, device="meta"))
+        except Exception:
+            continue
+        return f"{size},{size}"
+    return "64,64"
+
+
 def timm_models() -> list[Model]:
     import timm
     from timm.models import get_pretrained_cfg
@@ -99,8 +126,9 @@ def timm_models() -> list[Model]:
         cfg = get_pretrained_cfg(name)
         fixed = bool(getattr(cfg, "fixed_input_size", False)) if cfg is not None else False
         channels = (getattr(cfg, "input_size", None) or (3,))[0] if cfg is not None else 3
-        # a model that takes any size gets 64×64; a fixed one keeps its own size (the CLI reads it from the cfg)
-        args = () if fixed else ("--input-shape", f"1,{channels},64,64")
+        # a model that takes any size gets 64×64, or the smallest size it runs at; a fixed one keeps its own size
+        # (the CLI reads it from the cfg)
+        args = () if fixed else ("--input-shape", f"1,{channels},{_timm_size(name, channels)}")
         out.append(Model("timm", f"{module}/{name}", f"timm:{name}", args))
     return out
 
@@ -630,9 +658,20 @@ def _ordinary_values(config_class: type, auto_name: str, kw: dict) -> None:
         theta = float(getattr(config_class, "default_theta", 10_000.0))
         missing = {t: {"rope_type": "default", "rope_theta": theta} for t in sorted(set(types) - set(rope))}
         fills.append({"rope_parameters": {**rope, **missing}})
-    if not fills or _builds(config_class, auto_name, kw):
+    # a count the config leaves None (annotated int | None) that the model computes with: Dots1 multiplies
+    # moe_intermediate_size by n_shared_experts, None by default; 1, the smallest count, where nothing else builds
+    counts = [
+        {f.name: 1}
+        for f in (dataclasses.fields(config_class) if dataclasses.is_dataclass(config_class) else ())
+        if f.default is None
+        and re.search(r"\bint\b", str(f.type))
+        and f.name not in kw
+        and f.name not in _TOKEN_IDS
+        and _read(config, f.name) is None
+    ]
+    if not (fills or counts) or _builds(config_class, auto_name, kw):
         return
-    for fill in [*fills, {k: v for f in fills for k, v in f.items()}]:
+    for fill in [*fills, {k: v for f in fills for k, v in f.items()}, *counts]:
         if _builds(config_class, auto_name, {**kw, **fill}):
             kw.update(fill)
             return

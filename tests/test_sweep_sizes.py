@@ -1,0 +1,97 @@
+"""The timm sweep's input size (tools/sweep_models._timm_size): a model that takes sizes other than its own gets the
+first of TIMM_SIZES it runs at on the meta device (issue 39: deepseek_vit_412m asserted its patch size 14 divides
+the height at 64×64 and haloregnetz_b's halo attention asserted at 64×64, on every pass)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import sweep_models  # noqa: E402
+
+
+class _Patches(nn.Module):
+    """A patch embedding that asserts its patch size divides the input (timm's PatchEmbed spelling)."""
+
+    def __init__(self, patch: int):
+        super().__init__()
+        self.patch = patch
+        self.proj = nn.Conv2d(3, 8, patch, stride=patch)
+
+    def forward(self, x):
+        assert x.shape[-1] % self.patch == 0, f"Input height ({x.shape[-1]}) should be divisible by {self.patch}"
+        return self.proj(x).flatten(1)
+
+
+class _Blocks(nn.Module):
+    """A map cut into blocks with torch._assert (halo attention's spelling): 7 blocks after 16× downsampling."""
+
+    def forward(self, x):
+        torch._assert((x.shape[-1] // 16) % 7 == 0, "blocks")
+        return x.mean((2, 3))
+
+
+class _MetaFails(nn.Module):
+    def forward(self, x):
+        return x * x.sum().item()  # the meta device cannot run it at any size
+
+
+@pytest.mark.parametrize(
+    "make, size",
+    [
+        (lambda: nn.Conv2d(3, 4, 3), "64,64"),
+        (lambda: _Patches(14), "112,112"),
+        (lambda: _Patches(32), "64,64"),
+        (lambda: _Patches(48), "96,96"),
+        (_Blocks, "112,112"),
+        (lambda: _Patches(224), "224,224"),
+        (_MetaFails, "64,64"),
+    ],
+)
+def test_the_first_size_a_model_runs_at(monkeypatch, make, size):
+    built = []
+    monkeypatch.setattr(timm, "create_model", lambda name: built.append(make()) or built[-1])
+    assert sweep_models._timm_size("stand-in", 3) == size
+    assert all(p.is_meta for m in built for p in m.parameters())  # built on the meta device: nothing allocated
+
+
+def test_a_count_the_config_leaves_none_is_filled_only_where_the_model_needs_it(monkeypatch):
+    """Dots1's config leaves n_shared_experts None and its MoE layer multiplies by it: the smallest count, 1, is
+    filled where the model does not build without it (a stand-in Auto class reading it as Dots1 does); a model that
+    reads None as 'none' builds and is left as shrunk; token ids are never counts."""
+    from dataclasses import dataclass
+
+    import transformers
+
+    @dataclass
+    class Cfg:
+        hidden_size: int = 64
+        num_hidden_layers: int = 2
+        moe_intermediate_size: int = 32
+        n_shared_experts: int | None = None
+        pad_token_id: int | None = None
+
+    class Multiplies:
+        @staticmethod
+        def from_config(config):
+            return config.moe_intermediate_size * config.n_shared_experts + (config.pad_token_id or 0)
+
+    class ReadsNoneAsNone:
+        @staticmethod
+        def from_config(config):
+            return config.moe_intermediate_size * (config.n_shared_experts or 0)
+
+    monkeypatch.setattr(transformers, "StandInMultiplies", Multiplies, raising=False)
+    monkeypatch.setattr(transformers, "StandInNone", ReadsNoneAsNone, raising=False)
+    kw: dict = {}
+    sweep_models._ordinary_values(Cfg, "StandInMultiplies", kw)
+    assert kw == {"n_shared_experts": 1}
+    kw = {}
+    sweep_models._ordinary_values(Cfg, "StandInNone", kw)
+    assert kw == {}
