@@ -172,7 +172,7 @@ def default_target(
     found, skipped_norm = growable_layers(gm, coupling, replicates, factor)
     total = max(param_count(gm), 1)
     if found:
-        heard = keep_heard(gm, found, lambda c: c[0])  # a layer no gradient reaches could never learn its new units
+        heard = keep_heard(gm, found, lambda c: c[0], fed=True)  # no gradient, or zeros in: new units never learn
         (node, cost), over = pick_within_budget(heard, lambda c: c[1], total)
         what = (
             "main-path layer whose channel group grows the least"
@@ -181,7 +181,8 @@ def default_target(
         )
         deaf = (
             f"; {len(found) - len(heard)} other layers get a vanishing gradient from the output (an untrained stack "
-            "too deep to pass its signal on): units grown there could not learn"
+            "too deep to pass its signal on) or only zeros as input (a LayerNorm over one channel, a dead ReLU): units "
+            "grown there could not learn"
             if len(heard) < len(found)
             else ""
         )

@@ -31,22 +31,27 @@ def heard(grad: torch.Tensor) -> bool:
     return bool((grad.abs() >= torch.finfo(torch.float32).eps ** 2).any())
 
 
-def heard_nodes(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> set[str]:
+def heard_nodes(gm: fx.GraphModule, nodes: Iterable[fx.Node], fed: set[str] | None = None) -> set[str]:
     """The names of `nodes` (float tensors of `gm`) that a random projection of the output sends a gradient that
     `heard`, at the example input (seeded) at verification's first batch, in eval or train mode. The model is left
-    as it was."""
+    as it was. `fed`, when given, gets the names of those whose first input is not zero everywhere in a mode run: a
+    layer fed only zeros (a LayerNorm over one channel gives its β; a dead ReLU) gives its new units no gradient."""
+    nodes = list(nodes)
     wanted = {n.name for n in nodes}
+    inputs = {n.name: n.args[0].name for n in nodes if n.args and isinstance(n.args[0], fx.Node)}
     found: set[str] = set()
     x = example_input(gm, input_spec_of(gm), batch=BATCHES[0])  # verification's batch (train-mode BatchNorm needs 2)
     g = torch.Generator().manual_seed(1)
     for train in (False, True):
-        keep = _Keep(gm, wanted - found)
+        keep = _Keep(gm, wanted - found, set(inputs.values()))
         with training_mode(gm, train), dropout_off(gm), preserved_buffers(gm), torch.enable_grad():
             outs = [t for t in flat_tensors(keep.run(*positional(x))) if t.is_floating_point() and t.requires_grad]
             if outs and keep.kept:  # autograd.grad, not backward: the parameters' .grad stay as they were
                 loss = sum((t * torch.randn(t.shape, generator=g).to(t)).sum() for t in outs)
                 grads = torch.autograd.grad(loss, list(keep.kept.values()), allow_unused=True)
                 found |= {k for k, gr in zip(keep.kept, grads) if gr is not None and heard(gr)}
+        if fed is not None:
+            fed |= {k for k, a in inputs.items() if a in keep.nonzero}
         if found >= wanted:
             break
     return found
@@ -55,25 +60,31 @@ def heard_nodes(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> set[str]:
 class _Keep(fx.Interpreter):
     """Runs the graph and keeps the outputs of the nodes named `wanted` that carry a gradient."""
 
-    def __init__(self, gm: fx.GraphModule, wanted: set[str]):
+    def __init__(self, gm: fx.GraphModule, wanted: set[str], inputs: frozenset[str] | set[str] = frozenset()):
         super().__init__(gm)
-        self.wanted = wanted
+        self.wanted, self.inputs = wanted, inputs
         self.kept: dict[str, torch.Tensor] = {}
+        self.nonzero: set[str] = set()  # the `inputs` that are not zero everywhere
 
     def run_node(self, n: fx.Node):
         out = super().run_node(n)
+        if n.name in self.inputs and isinstance(out, torch.Tensor) and bool(out.detach().any()):
+            self.nonzero.add(n.name)
         if n.name in self.wanted and isinstance(out, torch.Tensor) and out.requires_grad:
             self.kept[n.name] = out
         return out
 
 
-def keep_heard(gm: fx.GraphModule, places: list[T], node: Callable[[T], fx.Node]) -> list[T]:
+def keep_heard(gm: fx.GraphModule, places: list[T], node: Callable[[T], fx.Node], fed: bool = False) -> list[T]:
     """The `places` (in order) whose `node` the output hears, for a pass's default: all of them when it hears none
-    (verification then says why) or the model cannot be run here (a meta-device plan, a model that fails)."""
+    (verification then says why) or the model cannot be run here (a meta-device plan, a model that fails). `fed`:
+    also those whose node's input is not zero everywhere (heard_nodes' `fed`), for a layer that grows new units."""
     if not places or any(p.is_meta for p in gm.parameters()):
         return places
     try:
-        live = heard_nodes(gm, [node(p) for p in places])
+        given: set[str] = set()
+        live = heard_nodes(gm, [node(p) for p in places], given)
+        live &= given if fed else live
     except Exception:  # a probe, not a check: a model that cannot run here is refused where it is run
         return places
     return [p for p in places if node(p).name in live] or places
