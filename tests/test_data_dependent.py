@@ -83,6 +83,6 @@ def test_a_value_read_from_a_tensor_is_refused_in_graphgrows_words(cls):
 
 def test_other_failures_keep_torchs_first_line():
     assert data_dependent_why(RuntimeError("shape mismatch")) is None
-    m = 'Could not guard on data-dependent expression Eq(u1, 1) (unhinted: Eq(u1, 1)).\n\nThe following call raised '
+    m = "Could not guard on data-dependent expression Eq(u1, 1) (unhinted: Eq(u1, 1)).\n\nThe following call raised "
     m += 'this error:\n  File "/x/site-packages/pkg/mod.py", line 7, in f\n    y = x.view(n)\n'
     assert data_dependent_why(RuntimeError(m)).startswith("pkg/mod.py:7 (f: `y = x.view(n)`) needs to decide Eq(u1, 1)")
