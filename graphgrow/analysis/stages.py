@@ -94,7 +94,7 @@ def main_path(gm: fx.GraphModule, end: fx.Node | None = None) -> list[fx.Node]:
         if not _carries_features(n):  # an index or mask computed from the input selects features, carries none
             continue
         for u in n.all_input_nodes:
-            if u in pos and pos[u] + 1 < pos[n] and (u.op == "placeholder" or _carries_features(u)):
+            if u in pos and pos[u] + 1 < pos[n] and _carries_features(u):
                 cover[pos[u] + 1] += 1
                 cover[pos[n]] -= 1
     cuts, depth = [], 0
