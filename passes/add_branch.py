@@ -44,6 +44,7 @@ from graphgrow.rewrite import (
     is_float_tensor,
     is_graphgrow_node,
     kaiming_,
+    keep_heard,
     load_data,
     param_count,
     pass_function,
@@ -147,6 +148,9 @@ def default_conv(gm: fx.GraphModule, op: str, count: int) -> tuple[fx.Node, str]
             "train the model first (its zero gains move), or give at=START:END where a gradient reaches",
         )
     sites = [site for site in sites if site[3].name not in dead]
+    live = keep_heard(gm, sites, lambda s: s[3], fed=True)  # fed only zeros, or unheard: a branch there never learns
+    unfed = len(sites) - len(live)
+    sites = live
     total = max(param_count(gm), 1)
     (_, _, _, n, cost), over = pick_within_budget(
         sorted(sites, key=lambda c: (c[1], c[2]), reverse=True), lambda c: c[4], total
@@ -158,6 +162,10 @@ def default_conv(gm: fx.GraphModule, op: str, count: int) -> tuple[fx.Node, str]
             f"{next(iter(dead.values()))})"
         )
         if dead
+        else ""
+    ) + (
+        f"; skipped {unfed} conv(s) whose input is zero or whose output no gradient reaches on the check inputs"
+        if unfed
         else ""
     )
     return (
