@@ -219,3 +219,34 @@ def test_a_main_input_of_another_name_that_takes_token_ids_gets_them():
     assert [t.name for t in loaded.input_shape] == [TEXT] and loaded.input_shape[0].high == 256
     out = loaded.module(**spec_inputs(loaded.module, loaded.input_shape))
     assert out.logits.shape[0] == 1 and out.logits.shape[-1] == 256
+
+
+@pytest.mark.parametrize(
+    "model_type, arguments",
+    [
+        ("llava", {"text_config": {"model_type": "llama", "vocab_size": 300}}),  # a text config named by its type
+        ("gemma3", {"text_config": {"hidden_size": 64}}),  # a typed sub-config given a size
+        ("qwen3_5", {}),  # the sub-config's default
+    ],
+)
+def test_sub_configs_have_their_cache_off_unless_the_arguments_set_it(model_type, arguments):
+    """A vision-language config's text config has its own use_cache, which its language model reads: off like the
+    top one's (Qwen 3.5 with 2 layers of linear attention only could not run with it on)."""
+    from graphgrow.io.hf_zoo import _config
+
+    config = _config(transformers, f"hf:{model_type}", arguments, model_type)
+    assert config.get_text_config().use_cache is False
+    given = {**arguments, "text_config": {**arguments.get("text_config", {}), "use_cache": True}}
+    assert _config(transformers, f"hf:{model_type}", given, model_type).get_text_config().use_cache is True
+
+
+def test_a_hybrid_language_model_under_a_multimodal_config_runs_as_built():
+    """Qwen 3.5's text config with 2 layers has only linear-attention layers: with its cache on, the forward asks
+    the cache for its length and raises; built by name, the model runs."""
+    loaded = gg.load_model(
+        "hf:qwen3_5/causal-lm(vision_config={'hidden_size':32,'num_heads':2,'intermediate_size':64,"
+        "'out_hidden_size':32,'depth':1},text_config={'hidden_size':32,'num_hidden_layers':2,"
+        "'num_attention_heads':2,'num_key_value_heads':1,'head_dim':16,'intermediate_size':64,'vocab_size':64})"
+    )
+    out = loaded.module(**spec_inputs(loaded.module, loaded.input_shape))
+    assert torch.isfinite(out.logits).all()

@@ -183,11 +183,23 @@ def _config(transformers: Any, target: str, arguments: Mapping[str, Any], model_
     # unknown to a process that has not imported it, so a graphgrow file could not hold it)
     kwargs["experts_implementation"] = "batched_mm"
     try:
-        return transformers.AutoConfig.for_model(model_type, **kwargs)
+        config = transformers.AutoConfig.for_model(model_type, **kwargs)
     except Exception as e:  # the config's own validation: a size that does not divide, a bad option
         raise LoadError(
             f"{target}: the config refused the arguments: {type(e).__name__}: {str(e)[:300]}", "check the arguments"
         ) from e
+    _sub_caches_off(config, arguments)
+    return config
+
+
+def _sub_caches_off(config: Any, arguments: Mapping[str, Any]) -> None:
+    """The cache off in the sub-configs too, unless the arguments set it there: a vision-language model's text
+    config has its own use_cache, which its language model reads (Qwen 3.5's; with 2 layers of linear attention
+    only, its cache cannot even be read: `get_seq_length` raises, so the model could not run as built)."""
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub, given = getattr(config, key, None), arguments.get(key)
+        if getattr(sub, "use_cache", None) and not (isinstance(given, Mapping) and "use_cache" in given):
+            sub.use_cache = False
 
 
 def _config_fields(config_class: type) -> set[str]:
