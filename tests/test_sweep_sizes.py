@@ -95,3 +95,39 @@ def test_a_count_the_config_leaves_none_is_filled_only_where_the_model_needs_it(
     kw = {}
     sweep_models._ordinary_values(Cfg, "StandInNone", kw)
     assert kw == {}
+
+
+class _FixedTable(nn.Module):
+    """A ViT's position table: built for `img_size`, and the input must match it (timm's strict PatchEmbed)."""
+
+    def __init__(self, img_size: int = 224, patch: int = 16):
+        super().__init__()
+        self.img_size, self.patch = img_size, patch
+        self.pos = nn.Parameter(torch.zeros(1, (img_size // patch) ** 2, 8))
+        self.proj = nn.Conv2d(3, 8, patch, stride=patch)
+
+    def forward(self, x):
+        assert x.shape[-1] == self.img_size, f"Input width ({x.shape[-1]}) doesn't match model ({self.img_size})"
+        return self.proj(x).flatten(2).transpose(1, 2) + self.pos
+
+
+class _NoImgSize(_FixedTable):
+    def __init__(self):  # takes no img_size: stays at its own size
+        super().__init__()
+
+
+@pytest.mark.parametrize(
+    "make, size",
+    [
+        (lambda **kw: _FixedTable(**kw), 64),
+        (lambda **kw: _FixedTable(patch=14 * 8, **kw), 112),  # 64 and 96 are smaller than one patch
+        (lambda **kw: _NoImgSize(**kw), None),
+    ],
+)
+def test_a_fixed_size_model_is_built_for_the_smallest_img_size_it_takes(monkeypatch, make, size):
+    """A model fixed to its size (a ViT's position table, issue 39: beitv2_base at 224 took minutes per pass) gets
+    the smallest of TIMM_SIZES it builds with as `img_size` and runs at; none when it takes no img_size."""
+    built = []
+    monkeypatch.setattr(timm, "create_model", lambda name, **kw: built.append(make(**kw)) or built[-1])
+    assert sweep_models._timm_fixed_size("stand-in", 3, 224) == size
+    assert all(p.is_meta for m in built for p in m.parameters())
