@@ -60,7 +60,8 @@ soak: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/python tools/docs.py
 
-# every model of a registry × every built-in pass through the CLI with --check (one niced process per run, a time
-# limit each, resumable from tools/sweep_state.jsonl); writes docs/sweep.md. SWEEP_ARGS='--registry hf --limit 20'
+# every model of a registry × every built-in pass through the CLI with --check (one niced process per model, on
+# every core (--jobs), a time limit per run, resumable from tools/sweep_state.jsonl); writes docs/sweep.md.
+# SWEEP_ARGS='--registry hf --limit 20'
 sweep: $(STAMP)
-	$(BIN)/python tools/sweep.py $${SWEEP_ARGS:---registry torchvision,timm,hf}
+	$(BIN)/python tools/sweep.py --jobs $$(nproc) $${SWEEP_ARGS:---registry torchvision,timm,hf}

@@ -84,6 +84,46 @@ def test_sweep_runs_classifies_resumes_and_writes_the_table(tmp_path):
     assert "4 runs over 2 models: **2 verified, 1 refused, 1 broken**" in table.read_text()
 
 
+@pytest.mark.slow
+def test_models_run_in_parallel_with_jobs(tmp_path):
+    """--jobs 2: both smoke models run at once (one worker process each, one thread each), with the same records as
+    one at a time; a count past the cores is refused."""
+    state = tmp_path / "state.jsonl"
+    proc = sweep("--passes", "add_branch", "--jobs", "2", "--state", str(state), "--table", "")
+    assert proc.returncode == 0, proc.stderr
+    runs = {r["model"]: r for r in map(json.loads, state.read_text().splitlines())}
+    assert runs["small_cnn"]["status"] == "verified", runs["small_cnn"]
+    assert (runs["token_classifier"]["status"], runs["token_classifier"]["class"]) == ("refused", "no place")
+    too_many = sweep("--jobs", "100000", "--state", str(state), "--table", "")
+    assert too_many.returncode == 2 and "--jobs" in too_many.stderr
+
+
+def test_parallel_workers_get_one_thread_each(monkeypatch, tmp_path):
+    """A worker started with threads=1 (--jobs > 1) has OMP_NUM_THREADS=1: two workers on two cores do not each
+    start a thread per core; threads=0 (one job) leaves the environment as it is."""
+    import sweep
+    from sweep_models import Model
+
+    seen = []
+
+    class Proc:
+        pid, returncode = 0, 0
+
+        def __init__(self, cmd, env, **_):
+            seen.append(env)
+
+        def communicate(self, timeout=None):
+            return "", ""
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", Proc)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    model = Model("smoke", "m", "tests.factories:small_cnn", ())
+    sweep._run_worker(model, ["deepen"], 1.0, tmp_path, threads=1)
+    sweep._run_worker(model, ["deepen"], 1.0, tmp_path, threads=0)
+    assert seen[0]["OMP_NUM_THREADS"] == "1" and "OMP_NUM_THREADS" not in seen[1]
+    assert not sweep.LIVE  # a finished worker is no longer counted as running
+
+
 def test_a_worker_stops_after_a_pass_out_of_time(capsys):
     """The limit may interrupt anything (an import half done): the passes after it must not run in that process."""
     import signal

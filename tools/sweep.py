@@ -17,6 +17,7 @@ import platform
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -30,18 +31,20 @@ STARTUP = 60.0  # CPU seconds a model's process may take to import torch, the re
 # the wall-clock backstop of a worker, as a multiple of its CPU budget: the per-pass limits count CPU seconds
 # (tools/sweep_worker.py), a niced process on shared cores gets a fraction of one
 WALL_FACTOR = 5.0
+LIVE: set[subprocess.Popen] = set()  # the workers running now (with --jobs, in other threads): killed on a stop
 
 
-def run_model(model: Model, passes: list[str], timeout: float, cwd: Path) -> list[dict]:
+def run_model(model: Model, passes: list[str], timeout: float, cwd: Path, threads: int = 0) -> list[dict]:
     """Every pass of one model (tools/sweep_worker.py: the CLI in-process, each pass under its own limit of CPU
-    seconds), niced, in its own process group. A worker stops after a pass that ran out of time; the passes left get
-    a fresh one. The records, one per pass: exit, status, class, the one-line message."""
+    seconds), niced, in its own process group, with `threads` intra-op threads (0: torch's default). A worker stops
+    after a pass that ran out of time; the passes left get a fresh one. The records, one per pass: exit, status,
+    class, the one-line message."""
     reported: dict[str, dict] = {}
     while True:
         todo = [p for p in passes if p not in reported]
         if not todo:
             break
-        got, killed, rc, err, deadline = _run_worker(model, todo, timeout, cwd)
+        got, killed, rc, err, deadline = _run_worker(model, todo, timeout, cwd, threads)
         reported.update(got)
         if killed or not got or not list(got.values())[-1]["timed_out"]:
             break  # a worker that did not stop for a time limit has reported every pass it could
@@ -91,7 +94,7 @@ def run_model(model: Model, passes: list[str], timeout: float, cwd: Path) -> lis
 
 
 def _run_worker(
-    model: Model, passes: list[str], timeout: float, cwd: Path
+    model: Model, passes: list[str], timeout: float, cwd: Path, threads: int = 0
 ) -> tuple[dict[str, dict], bool, int | None, str, float]:
     """One worker process for these passes: (its records by pass, killed at the wall-clock backstop, its exit code,
     its stderr, the backstop in seconds)."""
@@ -110,10 +113,13 @@ def _run_worker(
         *model.args,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    if threads:  # parallel workers: one core each, not every worker spinning on all of them
+        env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
     deadline = (timeout * len(passes) + STARTUP) * WALL_FACTOR
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+    LIVE.add(proc)
     killed = False
     try:
         out, err = proc.communicate(timeout=deadline)
@@ -124,6 +130,8 @@ def _run_worker(
     except BaseException:  # the sweep itself stopped (Ctrl-C, SIGTERM): leave no run behind
         os.killpg(proc.pid, signal.SIGKILL)
         raise
+    finally:
+        LIVE.discard(proc)
     reported = {}
     for line in out.splitlines():
         try:
@@ -197,7 +205,13 @@ def main(argv: list[str] | None = None) -> int:
         help="CPU seconds per run (one pass of one model) before it counts as broken",
     )
     ap.add_argument("--state", default="tools/sweep_state.jsonl", help="JSONL results; runs it holds are skipped")
-    ap.add_argument("--jobs", type=int, default=1, help="runs at once (only 1 is implemented: the CPUs are shared)")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="models run at once, each worker with one thread when more than 1 (at most the CPU cores: the limits "
+        "count CPU seconds, so parallel workers measure the same, but they share memory)",
+    )
     ap.add_argument("--table", default="docs/sweep.md", help="markdown table to write (empty: none)")
     ap.add_argument("--header", default="", help="a file whose text replaces the generated header of the table")
     ap.add_argument(
@@ -211,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cwd", default=str(ROOT), help="folder the runs start in (model factories are found there)")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SystemExit through run_one: its run is killed too
-    if a.jobs != 1:
-        ap.error("--jobs: only 1 is supported")
+    if not 1 <= a.jobs <= (os.cpu_count() or 1):
+        ap.error(f"--jobs: 1 to {os.cpu_count()} (this machine's cores)")
     registries = [r for r in a.registry.split(",") if r]
     unknown = [r for r in registries if r not in REGISTRIES]
     passes = [p for p in a.passes.split(",") if p]
@@ -244,21 +258,29 @@ def main(argv: list[str] | None = None) -> int:
                 if not only or any(m.key == o or (o.endswith("*") and m.key.startswith(o[:-1])) for o in only)
             ]
             models = models[: a.limit] if a.limit else models
-            for model in models:
-                todo = [p for p in passes if (registry, model.key, p) not in done]
-                if not todo:
-                    continue
-                for rec in run_model(model, todo, a.timeout, Path(a.cwd)):
-                    with state.open("a") as f:  # one line per run, written at once: a killed sweep resumes here
-                        f.write(json.dumps(rec) + "\n")
-                    key = (registry, model.key, rec["pass"])
-                    results = [r for r in results if (r["registry"], r["model"], r["pass"]) != key] + [rec]
-                    done.add(key)
-                    print(
-                        f"{registry:11} {model.key:40} {rec['pass']:15} {rec['status']:8} {rec['seconds']:6.1f}s "
-                        f"{rec['class']} {rec['message'][:100]}",
-                        flush=True,
-                    )
+            work = [(m, todo) for m in models if (todo := [p for p in passes if (registry, m.key, p) not in done])]
+            threads = 1 if a.jobs > 1 else 0
+            with ThreadPoolExecutor(a.jobs) as pool:  # each thread waits on one model's worker process
+                running = [pool.submit(run_model, m, todo, a.timeout, Path(a.cwd), threads) for m, todo in work]
+                try:
+                    for future in as_completed(running):
+                        for rec in future.result():
+                            with state.open("a") as f:  # a line per run, written at once: a killed sweep resumes
+                                f.write(json.dumps(rec) + "\n")
+                            key = (registry, rec["model"], rec["pass"])
+                            results = [r for r in results if (r["registry"], r["model"], r["pass"]) != key] + [rec]
+                            done.add(key)
+                            print(
+                                f"{registry:11} {rec['model']:40} {rec['pass']:15} {rec['status']:8} "
+                                f"{rec['seconds']:6.1f}s {rec['class']} {rec['message'][:100]}",
+                                flush=True,
+                            )
+                except BaseException:  # stopped (Ctrl-C, SIGTERM): nothing new starts, the running workers die
+                    for job in running:
+                        job.cancel()
+                    for proc in list(LIVE):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    raise
     if a.table:
         # every run the state holds, whichever registries this call ran: one table per state file; refusals are
         # classified again from their messages, so the classes follow the current patterns
