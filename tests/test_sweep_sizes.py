@@ -131,3 +131,58 @@ def test_a_fixed_size_model_is_built_for_the_smallest_img_size_it_takes(monkeypa
     monkeypatch.setattr(timm, "create_model", lambda name, **kw: built.append(make(**kw)) or built[-1])
     assert sweep_models._timm_fixed_size("stand-in", 3, 224) == size
     assert all(p.is_meta for m in built for p in m.parameters())
+
+
+class _Unfolds(nn.Module):
+    """MobileViTv2's last stage: a map downsampled `down`× then cut into 2 × 2 patches by F.unfold (none at 1 × 1)."""
+
+    def __init__(self, down: int, spelling: str):
+        super().__init__()
+        self.conv, self.spelling = nn.Conv2d(3, 4, down, stride=down), spelling
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, pixel_values):
+        x = self.bn(self.conv(pixel_values))  # a 1 × 1 map at batch 1 would fail in train mode: checked in eval
+        if self.spelling == "F.unfold":
+            return nn.functional.unfold(x, kernel_size=2, stride=2)
+        if self.spelling == "Tensor.unfold":
+            return x.unfold(2, 2, 2).unfold(3, 2, 2)  # raises too at 1 × 1
+        b, c, h, w = x.shape  # windows of 7 (Swin's view)
+        return x.view(b, c, h // 7, 7, w // 7, 7)
+
+
+@pytest.mark.parametrize(
+    "down, spelling, size",
+    [
+        (32, "F.unfold", 64),  # 32 × 32 → 1 × 1: no 2 × 2 block
+        (16, "F.unfold", 32),  # 2 × 2 at 32: runs as shrunk
+        (32, "Tensor.unfold", 64),
+        (4, "windows of 7", 224),  # 8 × 8 … 40 × 40 are no multiples of 7; 56 × 56 is
+    ],
+)
+def test_an_image_model_gets_the_first_size_it_runs_at(monkeypatch, down, spelling, size):
+    """hf image models are shrunk to 32 × 32 images; one that does not run there gets the first of HF_SIZES it runs
+    at, built and run on the meta device (issue 39: hf mobilevitv2 'node unfold_2 fails ... (0, 0)' on every pass)."""
+    from dataclasses import dataclass
+
+    import transformers
+
+    @dataclass
+    class Cfg:
+        image_size: int = 224
+        num_channels: int = 3
+
+    built: list[nn.Module] = []
+
+    class StandIn:
+        @staticmethod
+        def from_config(config):
+            built.append(_Unfolds(down, spelling))
+            built[-1].config = config
+            return built[-1]
+
+    monkeypatch.setattr(transformers, "StandInImages", StandIn, raising=False)
+    kw = {"image_size": sweep_models.IMAGE}
+    sweep_models._image_size_that_runs(Cfg, "StandInImages", kw)
+    assert kw == {"image_size": size}
+    assert all(p.is_meta for m in built for p in m.parameters())  # nothing allocated

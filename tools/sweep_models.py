@@ -722,6 +722,34 @@ def _built_on_meta(config_class: type, auto_name: str, kw: dict) -> object | Non
         return None
 
 
+HF_SIZES = (64, 96, 128, 160, 224)  # image sizes tried in order where a model does not run at IMAGE
+
+
+def _image_size_that_runs(config_class: type, auto_name: str, kw: dict) -> None:
+    """An image model that does not run at the small image size gets the first of HF_SIZES it runs at, built and
+    run on the meta device (nothing is allocated): MobileViTv2's last stage unfolds 2 × 2 patches of a map that a
+    32 × 32 image has made 1 × 1 ('calculated shape of the array of sliding blocks as (0, 0)'). A model that runs
+    at IMAGE, or at none of them (a model the meta device cannot run), is left as it was."""
+    import torch
+
+    if kw.get("image_size") != IMAGE:
+        return
+
+    def runs(size: int) -> bool:
+        model = _built_on_meta(config_class, auto_name, {**kw, "image_size": size})
+        channels = getattr(getattr(model, "config", None), "num_channels", 3)
+        try:  # in eval mode at batch 2: a BatchNorm on a 1 × 1 map refuses one example in train mode
+            with torch.no_grad():
+                model.eval()(pixel_values=torch.empty(2, channels, size, size, device="meta"))  # type: ignore[attr-defined]
+        except Exception:
+            return False
+        return True
+
+    if runs(IMAGE):
+        return
+    kw["image_size"] = next((size for size in HF_SIZES if runs(size)), IMAGE)
+
+
 _MORE_LAYERS = 8  # the most layers a shrunk model gets to keep every kind of layer its architecture has
 
 
@@ -793,6 +821,8 @@ def hf_models() -> list[Model]:
         kw = _shrunk(config_class)
         _ordinary_values(config_class, _AUTO[task], kw)
         _layer_kinds_kept(config_class, _AUTO[task], kw)
+        if task == "image-classification":
+            _image_size_that_runs(config_class, _AUTO[task], kw)
         if task == "masked-lm":
             _masking_tokens(kw, config_class)
         args = f"({_literal(kw)})" if kw else ""
