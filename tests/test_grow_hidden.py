@@ -240,20 +240,6 @@ class RepeatsHidden(nn.Module):
         return self.head(self.norm(self.embed(ids)).repeat(1, 1, 2))
 
 
-class DetachedInit(nn.Module):
-    """HRM's initial state: a parameter on the stream read detached (HRM's loops run under no_grad): no gradient
-    reaches it in the model itself, so its new entries cannot learn either."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed, self.init, self.norm = nn.Embedding(10, 8), nn.Parameter(torch.randn(8)), nn.LayerNorm(8)
-        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
-
-    def forward(self, ids):
-        x = self.embed(ids) + self.init.detach()
-        return self.head(self.norm(x + self.fc(self.norm(x))))
-
-
 class SphereAfterPostNorm(nn.Module):
     """A post-norm stream (only replication is exact there) projected onto the unit sphere before its head (Dory's L2
     norm): replication changes the sum of squares, so no growth is exact."""
@@ -277,7 +263,6 @@ class SphereAfterPostNorm(nn.Module):
     [
         (NoNorm(), (2, 8), "no LayerNorm or RMSNorm over a last dimension"),
         (SphereAfterPostNorm(), "ids:1x4:int64", r"divides by the norm of the whole vector.*a post-norm stream"),
-        (DetachedInit(), "ids:1x4:int64", r"output does not depend on 'init' .*cannot learn"),
         (RepeatsHidden(), "ids:1x4:int64", r"'repeat' \(repeat[.\w]*\), which mixes the hidden axis"),
         (NormOut(), "ids:1x4:int64", r"'norm_1' \(module norm\), which is a model output"),
         (Gated(), "ids:1x4:int64", r"reaches '\w+' \(sigmoid\), which .* the analysis does not understand"),

@@ -46,6 +46,13 @@ def print_mutation(report: dict) -> None:
                 f"   verified: eval rel err {pres['eval_rel_err']:.1e}, train rel err {pres['train_rel_err']:.1e}; "
                 f"new parameters learn (first gradient at SGD step): {steps or 'none new'}"
             )
+            if pres.get("unreached_parameters"):
+                out.print(
+                    "   no gradient reaches, as none reaches the old layers they join (in the original model too): "
+                    + ", ".join(pres["unreached_parameters"]),
+                    markup=False,
+                    highlight=False,
+                )
         for note in p.get("notes", []):
             out.print(f"   note: {note}")
     eq = report.get("equivalence")

@@ -37,6 +37,8 @@ class PreservationReport:
     trainable: dict[str, int] = field(default_factory=dict)  # new param → SGD step at which it first got a gradient
     dead: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)  # no train-mode gradient: a later normalisation cancels them
+    # no gradient, in an old layer the output does not reach in the old model either (its old weights get none)
+    unreached: list[str] = field(default_factory=list)
 
     @property
     def degenerate(self) -> bool:
@@ -62,6 +64,7 @@ class PreservationReport:
             "eval_fp64_rel_err": self.eval.fp64_rel_err,
             "train_fp64_rel_err": self.train.fp64_rel_err if self.train is not None else None,
             "new_parameters": self.trainable,
+            "unreached_parameters": self.unreached,
             **({"low_precision": _low_precision_json(self.eval, self.train)} if self.eval.low_precision else {}),
         }
 

@@ -125,16 +125,24 @@ def _verify(
             new, grown, upstream, input_shape, seed=seed + 1, batch=4 * b1, train_all=True
         )
         got = {**again, **got}
+    unreached: list[str] = []
     if dead:
         refuse_if_silent(new, dead, x, old_nodes)
         deaf = deaf_points(old, new, dead, x, old_nodes)
-        if deaf:
+        unreached = [p for p in dead if _owner_point(new, p, old_nodes) in deaf]
+        if got and len(unreached) == len(dead):
+            # every dead one sits in an old layer whose own weights get no gradient from the output either (an
+            # index-only scorer such as DeepSeek's sparse-attention indexer, read through topk): the growth around
+            # it learns, and its new entries are as trainable as its old ones
+            dead = []
+        elif deaf:
             raise NotApplicable(
                 f"the model's output does not depend on '{deaf[0]}' on the check inputs (no gradient reaches it, "
                 "in eval or train mode, or a vanishing one, below 1e-14 of the output's: a dead ReLU after it, too "
                 "deep an untrained stack?): layers grown there cannot learn",
                 "grow at another place, or train the model first",
             )
+    if dead:
         raise PreservationError(
             f"new parameters get no gradient after 3 SGD steps, in train or eval mode: {', '.join(dead)}",
             "never zero both the incoming and the outgoing weights of new units (docs/architecture.md §4)",
@@ -144,7 +152,19 @@ def _verify(
     remember(old, train_protocol, x, old_train)
     remember(new, "eval", x, first.output)
     remember(new, train_protocol, x, checked["out"])
-    return PreservationReport(ev, tr, got, dead, cancelled)
+    return PreservationReport(ev, tr, got, dead, cancelled, unreached)
+
+
+def _owner_point(new: fx.GraphModule, param: str, old_nodes: set[str]) -> str | None:
+    """The old node that holds `param` in `new`: the call of the old module that owns it (rebuilt wider), or the
+    old get_attr reading it; None for a parameter of a new module."""
+    owner = param.rpartition(".")[0]
+    for n in new.graph.nodes:
+        if n.name in old_nodes and (
+            (n.op == "call_module" and n.target == owner) or (n.op == "get_attr" and n.target == param)
+        ):
+            return n.name
+    return None
 
 
 def _refuse_change(check: ModeCheck, exact: bool) -> None:
