@@ -88,6 +88,10 @@ VECTOR_NORMS = frozenset({"norm", "linalg_vector_norm", "vector_norm"})  # â€–xâ
 # every op that combines the elements along the dims it reduces: each result mixes all of them
 MIXING_REDUCTIONS = REDUCTIONS | EXTREMA | VECTOR_NORMS | frozenset({"logsumexp", "prod"})
 
+# --- integer arithmetic that onnxruntime computes in double precision (io/onnx_integers: rewritten exactly) ---------
+POWERS = frozenset({"pow"})  # x ** y, torch.pow(x, y), x.pow(y); ATen's pow.Tensor_Scalar / Tensor_Tensor / Scalar
+SUMS = frozenset({"sum"})  # torch.sum(x, dim), x.sum(); ATen's sum.default / sum.dim_IntList
+
 # --- normalisations: statistics over the last dims, then an affine (named as functions or methods) ------------------
 NORMS = frozenset({"layer_norm", "rms_norm"})
 SOFTMAX_FUNCTIONS = frozenset({F.softmax, F.log_softmax, torch.softmax, torch.log_softmax})  # normalise along one dim

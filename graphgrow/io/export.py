@@ -35,6 +35,7 @@ from ..graph.shapes import example_input, state_bytes
 from .lineage import origin_of
 from .onnx_complex import real_pairs
 from .onnx_external import ExternalWrite, data_path
+from .onnx_integers import exact_integers
 
 # The readers moved to onnx_meta.py; they stay importable from here, where callers import them (`X as X`: re-exported).
 from .onnx_meta import FACTORY_SEED_KEY as FACTORY_SEED_KEY
@@ -139,6 +140,7 @@ def _exported(
     adds (the input spec) and the seconds it took."""
     t_export = time.perf_counter()
     gm = real_pairs(gm)  # complex arithmetic as real pairs: ONNX has no complex type (gm itself when it has none)
+    gm = exact_integers(gm, input_shape)  # integer powers and sums that onnxruntime would round (onnx_integers)
     if not is_positional(input_shape):
         proto, props = _export_named(gm, input_shape, opset, isolate, stage)
     else:  # a bare shape: the one input passed positionally, only the batch dynamic
