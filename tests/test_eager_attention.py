@@ -33,7 +33,7 @@ class Eager(nn.Module):
         self.spelling, self.h = spelling, heads
         self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
         self.drop = nn.Dropout(0.1)
-        self.per_head_bias = per_head_bias  # ALiBi-like slopes computed in the forward: no parameter holds them
+        self.per_head_bias = per_head_bias  # ALiBi-like slopes computed in the forward: new heads read copies
 
     def forward(self, x):
         q, k, v = (p(x).unflatten(-1, (self.h, -1)).transpose(1, 2) for p in (self.q, self.k, self.v))
@@ -129,10 +129,20 @@ def test_fused_projection_with_a_literal_divisor_grows_its_head_size():
     _checked(result, gm, ((3, 7, 8),))
 
 
+@pytest.mark.parametrize("spelling", ["matmul", "einsum"])
+def test_a_bias_per_head_computed_in_the_forward_gives_new_heads_copies(spelling):
+    """ALiBi-like slopes computed in the forward (was refused: 'a mask or bias per head (4, 1, 1) … new heads have
+    none'): new heads read a copy of old heads' slopes (tests/test_heads_bias_copy.py)."""
+    torch.manual_seed(0)
+    gm = gg.trace(Eager(spelling, per_head_bias=True), input_shape=(1, 5, 16))
+    result = gg.get_pass("grow_heads")(heads=6)(gm)
+    assert result.gm.o.in_features == 24
+    _checked(result, gm)
+
+
 @pytest.mark.parametrize(
     "model,args,why",
     [
-        (Eager("matmul", per_head_bias=True), {"heads": 6}, r"a mask or bias per head \(4, 1, 1\)"),
         (WeightsReturned("matmul"), {}, r"holds the attention weights of 'matmul_1' and is also read by 'output'"),
         (SoftmaxClassifier(), {}, "no scaled_dot_product_attention and no softmax between two matrix products"),
     ],

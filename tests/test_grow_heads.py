@@ -246,8 +246,8 @@ class Opaque(nn.Module):
 
 class QKNorm(nn.Module):
     """A LayerNorm over each head's query and key (as in ViT-22B, Qwen3), and a bias per head on the logits computed
-    in the forward (ALiBi-like slopes: no parameter holds it, so new heads would have none; a bias read from a
-    parameter grows: tests/test_heads_tables.py)."""
+    in the forward (ALiBi-like slopes: no parameter holds it, so new heads read copies of old heads' entries:
+    tests/test_heads_bias_copy.py; a bias read from a parameter grows: tests/test_heads_tables.py)."""
 
     def __init__(self):
         super().__init__()
@@ -260,12 +260,20 @@ class QKNorm(nn.Module):
         return self.o(F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).flatten(2))
 
 
+def test_heads_grow_under_a_query_key_norm_and_a_bias_per_head_computed_in_the_forward():
+    torch.manual_seed(0)
+    gm = gg.trace(QKNorm(), input_shape=(1, 5, 8))
+    result = gg.get_pass("grow_heads")(heads=4)(gm)
+    assert result.preservation.eval.ok and result.preservation.train.ok and not result.preservation.dead
+    x = torch.randn(3, 7, 8)
+    assert result.gm.o.in_features == 16 and torch.allclose(gm(x), result.gm(x), atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "model,args,why",
     [
         (Opaque(), {}, r"'attn' \(module attn\), which is an nn.MultiheadAttention kept whole"),
         (QKNorm(), {"head_dim": 8}, "normalises over a growing axis"),
-        (QKNorm(), {"heads": 4}, r"a mask or bias per head \(2, 1, 1\)"),
     ],
 )
 def test_refusals_say_why(model, args, why):
@@ -389,16 +397,18 @@ def test_projection_with_a_bias_made_of_section_parameters_grows():
     assert result.gm.get_parameter("q_bias").shape == (12,) and result.gm.get_buffer("k_bias").shape == (12,)
 
 
-def test_timm_beit_is_refused_by_grow_heads_only_at_its_position_bias_and_grown_by_grow_width():
+def test_timm_beit_grows_its_heads_and_its_width():
     """Issue 39: beitv2_base_patch16_224 stopped both passes with an IndexError (exit 3) in the attention analysis;
     grow_heads then refused its qkv bias made of q/k/v parameters (grown per head now) and its reshape(B, N, 3,
-    self.num_heads, -1), the head count a traced module attribute (now inferred, the head size written out). What
-    stops it still: the relative-position bias per head, gathered from its table by a tensor index."""
+    self.num_heads, -1), the head count a traced module attribute (now inferred, the head size written out), then its
+    relative-position bias per head, gathered from its table by a tensor index: new heads read a copy of old heads'
+    bias now (tests/test_heads_bias_copy.py)."""
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     model = timm.create_model("beitv2_base_patch16_224", depth=1, embed_dim=32, num_heads=2, img_size=32, patch_size=16)
     gm = gg.trace(model.eval(), input_shape=(1, 3, 32, 32))
-    with pytest.raises(gg.NotApplicable, match=r"'unsqueeze' \(unsqueeze\), which is a mask or bias per head"):
-        gg.get_pass("grow_heads")()(gm)
+    r = gg.get_pass("grow_heads")()(gm)
+    assert r.preservation.eval.ok and r.preservation.train.ok and not r.preservation.dead
+    assert r.targets["heads"].startswith("2 → 3")
     r = gg.get_pass("grow_width")()(gm)  # the attention analysis no longer stops it; the MLP grows
     assert r.preservation.eval.ok and r.preservation.train.ok and not r.preservation.dead

@@ -243,7 +243,7 @@ def _core(gm: fx.GraphModule, sm: fx.Node) -> Core | None:
     core = Core(out, q, k, _value_operand(out, after[-1]), key_axis)
     core.inner = {scores.name, out.name} | {n.name for n in chain + after}
     core.sides += masks + _product_side(scores)
-    core.regroups = regroups + [n for n in chain if _regroups(n)]
+    core.regroups = regroups + [n for n in chain if _regroups(n)] + _zeros_input(scores)
     if core.regroups:
         core.heads, core.scale = shape[-3], _alpha(scores)
     prev = scores
@@ -303,6 +303,13 @@ def _product_side(scores: fx.Node) -> list[fx.Node]:
     if _name(x) == "zeros" and all(isinstance(a, fx.Node) for a in sizes):
         return []
     return [x]
+
+
+def _zeros_input(scores: fx.Node) -> list[fx.Node]:
+    """baddbmm's input when it is zeros of sizes read at run time: its batch · heads size may be a constant times the
+    batch (`torch.zeros(batch * heads, q, k)`), rewritten as the scores' views are (analysis.heads)."""
+    x = scores.args[0] if _name(scores) == "baddbmm" and scores.args else None
+    return [x] if isinstance(x, fx.Node) and not _product_side(scores) else []
 
 
 def _alpha(scores: fx.Node) -> float:

@@ -25,6 +25,7 @@ from .head_layout import (
     canon,
     data_args,
     op_kind,
+    plain,
     refuse,
     size_of,
     words,
@@ -42,7 +43,7 @@ class Flow:
         self.section: dict[str, int] = {}
         self.edits: list[FactorEdit] = []
         # parameters holding an entry per head (adopt): (path, the axis holding the heads, its factors, new entries)
-        self.params: list[tuple[str, int, Axis, float]] = []
+        self.params: list[tuple[str, int, Axis, float | None]] = []
 
     def grows(self, axis: Axis) -> bool:
         return any(f in self.growing for f, _ in axis)
@@ -158,6 +159,10 @@ class Flow:
             return self.index(n, lay, n.args[1])
         if name == "expand":
             return self.expand(n, lay, shape)
+        if name == "repeat":  # tiled: the copies of an axis outermost (BLOOM's ALiBi repeated for every batch row)
+            lead = len(shape) - len(lay)
+            tiles = [s // max(size_of(a), 1) for a, s in zip(lay, shape[lead:])]
+            return plain(shape[:lead]) + tuple(a if k == 1 else (("", k),) + a for a, k in zip(lay, tiles))
         raise refuse(
             n,
             "is not an op the analysis follows (reshapes, transposes, slices, splits, expands, "
@@ -465,7 +470,13 @@ class Flow:
             ):
                 out.append(axis)
             elif isinstance(i, slice) and not self.grows(axis):
-                out.append((("", len(range(*i.indices(shape[d])))),))
+                start, stop, step = i.indices(shape[d])
+                part = size_of(axis[1:])  # one whole q/k/v section (GPT-NeoX-Japanese's qkv[..., d:2 * d]): its role
+                if axis and axis[0][0] == "s" and step == 1 and stop - start == part and start % part == 0:
+                    self.section[n.name] = start // part
+                    out.append(axis[1:])
+                else:
+                    out.append((("", stop - start),))
             else:
                 raise refuse(n, f"indexes a growing axis ({words(axis)}) by {i!r}")
             d += 1

@@ -25,7 +25,7 @@ Layout = tuple[Axis, ...]
 HEAD_FACTORS = ("h", "r")
 SDPA = F.scaled_dot_product_attention
 SAME = ops.SAME_VALUES | {"dropout", "neg", "detach"}  # one data operand, same layout
-ELEMENTWISE = ops.BINARY_NAMES | ops.IN_PLACE_OPERATORS | {"pow"}
+ELEMENTWISE = ops.BINARY_NAMES | ops.IN_PLACE_OPERATORS | ops.SELECTS | {"pow"}
 # one data operand, each output element from its input element: a norm written out (x · (mean(x²) + eps)^-½)
 POINTWISE = ops.UNARY_METHODS | {"rsqrt", "sqrt", "reciprocal", "square", "silu", "gelu", "softplus"}
 # statistics over axes (a norm written out): exact under growth when no reduced axis grows
@@ -39,6 +39,7 @@ LAYOUT = (
     | ops.SPLITS
     | ops.INDEXING
     | ops.RESHAPES_AS
+    | ops.TILES
     | {"expand", "cat", "stack", "view_as_complex", "view_as_real"}
 )
 # a tensor allocated and then filled by copies into slices of one axis (multi-head latent attention's key:
@@ -122,7 +123,11 @@ def data_args(n: fx.Node) -> list[fx.Node]:
     if _name(n) in ("cat", "stack"):
         return [a for a in n.args[0] if isinstance(a, fx.Node)]
     if _name(n) in ELEMENTWISE:
-        return [a for a in n.args[:2] if isinstance(a, fx.Node) and tensor_shape(a) is not None]
+        return [
+            a
+            for a in n.args[: 3 if _name(n) in ops.SELECTS else 2]
+            if isinstance(a, fx.Node) and tensor_shape(a) is not None
+        ]
     return [n.args[0]] if n.args and isinstance(n.args[0], fx.Node) else []
 
 

@@ -115,7 +115,7 @@ def _size_read(u: fx.Node) -> bool:
 
 def _reader(
     gm: fx.GraphModule, core: Core, lay: Layout, growing: set[str], beside: dict[str, Layout] | None = None
-) -> tuple[Projection, list[FactorEdit], list[Projection], list[tuple[str, int, Axis, float]]]:
+) -> tuple[Projection, list[FactorEdit], list[Projection], list[tuple[str, int, Axis, float | None]]]:
     """The output projection reading the attention's output, the tensors between them followed; the Linear layers
     of output gates on the way (their rows follow the heads: new heads' gate rows are random, the output
     projection's new columns zero); and the parameters with one entry per head that a factor on the output
@@ -155,7 +155,7 @@ def _reader(
                 "and is not between the attention's output and its output projection",
             )
     gates: list[Projection] = []
-    per_head: list[tuple[str, int, Axis, float]] = []
+    per_head: list[tuple[str, int, Axis, float | None]] = []
     width = size_of(lay[-3] + lay[-1])
     for n in [m for m in gm.graph.nodes if m.name in region and op_kind(gm, m) == "elementwise"]:
         for a in (a for a in data_args(n) if a.name not in beside):

@@ -4,7 +4,11 @@ entry per head), a scale of the query per head and coordinate (Dory's sqk), a pe
 (DeBERTa's q_bias of heads × head size, viewed per head), a relative-position bias table with one column per head
 looked up by position buckets (CPM-Ant's, T5's `F.embedding(buckets, table)`) — grows with the heads: the parameter
 gets entries for the new heads along the axis that holds them (a `fill` that only new heads read: zero for a term,
-one for a factor), and the old heads read what they read before.
+one for a factor), and the old heads read what they read before. A per-head tensor that no one parameter holds
+(ALiBi's slopes × positions, computed or from a buffer; a bias summed from two tables; a mask combined with it) is
+exact with any entries for new heads (their outputs enter the output projection through zero columns): new heads
+read a copy of an old head's, taken where the heads first sit on one axis, if it is computed without a Linear or a
+matrix product (another attention's scores grow by themselves).
 
 Which axis of the parameter holds the heads is found by following it: each way the heads could sit in it (an axis of
 the heads' size, or the outer or inner part of a flat one) is run forward through the ops between the parameter and
@@ -22,7 +26,20 @@ from torch import fx, nn
 from ..core.errors import NotApplicable
 from ..graph import ops
 from ..graph.fx_edit import tensor_shape
-from .head_layout import HEAD_FACTORS, POINTWISE, SAME, Axis, Layout, _name, canon, plain, size_of
+from .eager_attention import PRODUCTS, is_sdpa
+from .head_layout import (
+    ELEMENTWISE,
+    HEAD_FACTORS,
+    POINTWISE,
+    SAME,
+    Axis,
+    Layout,
+    _name,
+    canon,
+    op_kind,
+    plain,
+    size_of,
+)
 
 
 class Flow(Protocol):
@@ -32,7 +49,7 @@ class Flow(Protocol):
     growing: set[str]
     layout: dict[str, object]
     edits: list
-    params: list[tuple[str, int, Axis, float]]
+    params: list[tuple[str, int, Axis, float | None]]
 
     def step(self, n: fx.Node): ...
 
@@ -42,47 +59,110 @@ class Flow(Protocol):
 
 
 # ops from the parameter to the tensor that meets the heads: the same data in another shape or order, or a lookup
-CHAIN = ops.UNIT_DIMS | SAME | ops.RESHAPES | ops.TRANSPOSES | ops.INDEXING | {"expand"}
+CHAIN = ops.UNIT_DIMS | SAME | ops.RESHAPES | ops.TRANSPOSES | ops.INDEXING | ops.TILES | {"expand"}
 LOOKUPS = ops.LOOKUPS
 
 
 def adopt(flow: Flow, side: fx.Node, axis: Axis, fill: float, at: int) -> bool:
     """`side` meets the heads axis `axis` at its axis `at` (from the end). True when it is computed from one parameter
     through CHAIN ops and lookups and the heads sit on one axis of it: then the layouts of the chain are set, its
-    reshape constants recorded, and (parameter path, its axis, the heads' factors, `fill`) added to flow.params."""
+    reshape constants recorded, and (parameter path, its axis, the heads' factors, `fill`) added to flow.params.
+    Otherwise, when the heads sit on one axis of a tensor on the way that does not depend on the attention's tensors
+    (ALiBi's slopes × positions, a bias table gathered and summed, a mask and a bias combined): new heads read a copy
+    of an old head's entries there ((node name, its axis, the heads' factors, None) in flow.params). Either is exact:
+    new heads' outputs enter the output projection through zero columns."""
     if any(f in flow.growing and f not in HEAD_FACTORS for f, _ in axis):
         return False  # head sizes: a bias on the query would need the query's rescaling too; not taken here
     chain, x = [], side
     while x.op != "get_attr" and not _embedding(flow.gm, x):
-        name, tensors = _name(x), [a for a in x.args if isinstance(a, fx.Node)]
-        src = x.args[1] if name in LOOKUPS and len(x.args) > 1 else x.args[0] if x.args else None
-        if name in ops.BINARY_NAMES and len(tensors) == 1 and all(isinstance(a, (int, float)) for a in x.args[1:]):
-            src = tensors[0]  # the parameter times a number (Dory's sqk · scale): still one value per entry
-        elif name not in CHAIN | LOOKUPS | POINTWISE or not isinstance(src, fx.Node):
-            return False
+        src = _source(x)
+        if src is None:
+            break
         chain.append(x)
         x = src
-    table = flow.gm.get_submodule(str(x.target)).weight if x.op == "call_module" else None  # nn.Embedding: a lookup
-    path = f"{x.target}.weight" if table is not None else str(x.target)
-    ps, rank = tuple(table.shape) if table is not None else tensor_shape(x), len(tensor_shape(side) or ())
-    if ps is None or rank == 0:
+    if not tensor_shape(side):
         return False
-    for dim, lay in _placements(ps, axis):
-        saved, edits = dict(flow.layout), len(flow.edits)
-        try:
-            flow.layout[x.name] = _rows(flow, x.args[0], lay) if table is not None else lay
-            for m in reversed(chain):
-                flow.layout[m.name] = _lookup(flow, m) if _name(m) in LOOKUPS else flow.step(m)
-            got = flow.of(side)
-            ok = len(got) == rank and canon(got[at], flow.growing) == canon(axis, flow.growing)
-            ok = ok and not any(flow.grows(a) for i, a in enumerate(got) if i != at % rank)
-        except NotApplicable:
-            ok = False
-        if ok:
-            flow.params.append((path, dim, lay[dim], fill))
-            return True
-        flow.layout, flow.edits = saved, flow.edits[:edits]
+    if x.op == "get_attr" or _embedding(flow.gm, x):
+        table = flow.gm.get_submodule(str(x.target)).weight if x.op == "call_module" else None  # nn.Embedding
+        path = f"{x.target}.weight" if table is not None else str(x.target)
+        ps = tuple(table.shape) if table is not None else tensor_shape(x)
+        for dim, lay in _placements(ps or (), axis):
+            try:
+                start = _rows(flow, x.args[0], lay) if table is not None else lay
+            except NotApplicable:
+                continue
+            if _follows(flow, x, start, chain, side, axis, at):
+                flow.params.append((path, dim, lay[dim], fill))
+                return True
+        if x.op == "get_attr":
+            x = chain.pop() if chain else x
+    for c in [x, *chain[::-1]] if x.op != "get_attr" else []:  # where the heads first sit on one axis
+        later = chain[: chain.index(c)] if c in chain else chain
+        for dim, lay in _placements(tensor_shape(c) or (), axis):
+            if _free(flow, c, later, side) and _follows(flow, c, lay, later, side, axis, at):
+                flow.params.append((c.name, dim, lay[dim], None))
+                return True
     return False
+
+
+def _source(x: fx.Node) -> fx.Node | None:
+    """The operand whose values `x` carries, element by element or rearranged (None: none, or several)."""
+    name, tensors = _name(x), [a for a in x.args if isinstance(a, fx.Node)]
+    if name in LOOKUPS and len(x.args) > 1:
+        src = x.args[1]
+    elif name in ops.BINARY_NAMES and len(tensors) == 1 and all(isinstance(a, (int, float)) for a in x.args[1:]):
+        src = tensors[0]  # the parameter times a number (Dory's sqk · c): still one value per entry
+    elif name in CHAIN | POINTWISE:
+        src = x.args[0] if x.args else None
+    elif name in ELEMENTWISE:  # a bias with a mask broadcast over the heads (T5's where(mask, bias, min)): the bias
+        full = [a for a in tensors if tensor_shape(a) == tensor_shape(x)]
+        src = full[0] if len(full) == 1 else None
+    else:
+        src = None
+    return src if isinstance(src, fx.Node) else None
+
+
+def _follows(flow: Flow, x: fx.Node, start: Layout, chain: list, side: fx.Node, axis: Axis, at: int) -> bool:
+    """With `x` laid out as `start`, the chain (nearest `side` first) puts the heads `axis` at `side`'s axis `at` and
+    nowhere else; its layouts and edits are kept then, rolled back otherwise."""
+    saved, edits, rank = dict(flow.layout), len(flow.edits), len(tensor_shape(side) or ())
+    try:
+        flow.layout[x.name] = start
+        for m in reversed(chain):
+            flow.layout[m.name] = _lookup(flow, m) if _name(m) in LOOKUPS else flow.step(m)
+        got = flow.of(side)
+        ok = len(got) == rank and canon(got[at], flow.growing) == canon(axis, flow.growing)
+        ok = ok and not any(flow.grows(a) for i, a in enumerate(got) if i != at % rank)
+    except NotApplicable:
+        ok = False
+    if not ok:
+        flow.layout, flow.edits = saved, flow.edits[:edits]
+    return ok
+
+
+def _free(flow: Flow, c: fx.Node, later: list, side: fx.Node) -> bool:
+    """`c` can take a copy of old heads for new ones: it is computed without a Linear or matrix product (so from no
+    attention's projections, scores or outputs, which may grow themselves: RealFormer's scores handed on), and what
+    reads it and the chain after it is the chain, or the ops that read `side` (one bias read by every layer)."""
+    todo, seen = [c], set()
+    while todo:
+        n = todo.pop()
+        if n.name in flow.layout or op_kind(flow.gm, n) == "linear" or _name(n) in PRODUCTS or is_sdpa(n):
+            return False
+        seen.add(n.name)
+        todo += [a for a in n.all_input_nodes if a.name not in seen]
+    readers = {u.target for u in side.users}
+    if len(readers) != 1:
+        return False
+    inner, todo = {m.name for m in later if m is not side}, [c]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.name in inner or (u is not side and _name(u) in CHAIN):
+                todo.append(u)
+            elif u is not side and u.target not in readers:
+                return False
+    return True
 
 
 def _placements(shape: tuple, axis: Axis) -> list[tuple[int, Layout]]:

@@ -46,6 +46,7 @@ from .head_layout import (
 )
 from .head_output import _reader, gate_tail
 from .head_projections import Projection, _back, _linear_params, _op, _sections, beside, section_biases
+from .head_sizes import constant_factor
 
 
 @dataclass
@@ -63,8 +64,8 @@ class Attention:
     # an eager scale computed from sizes (math.sqrt(q.size(-1))): its factor on the scores at new factor sizes
     scale_of: Callable[[dict[str, int]], float] | None = None
     # parameters with entries per head (a learnable sink, a gate bias, a position table): (path, the axis holding the
-    # heads, its factors, new heads' value)
-    per_head: list[tuple[str, int, Axis, float]] = field(default_factory=list)
+    # heads, its factors, new heads' value); value None: a computed tensor (node name) whose old heads new ones copy
+    per_head: list[tuple[str, int, Axis, float | None]] = field(default_factory=list)
     one_kv: bool = False  # one key/value head for all query heads that cannot grow: query heads grow alone (r)
 
     def summary(self) -> str:
@@ -394,14 +395,18 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
 def _regroup_edits(n: fx.Node, heads: Axis, growing: set[str]) -> list[FactorEdit]:
     """The head count written in a reshape of the scores or weights between (batch · heads, q, k) and (batch, heads,
     q, k) (DeBERTa-v2's `scores.view(-1, heads, q, k)`): an edit; a size read at run time or -1 follows by itself."""
-    packed = len(n.args) == 2 and isinstance(n.args[1], (list, tuple))
-    sizes = list(n.args[1] if packed else n.args[1:])
+    k = 0 if _op(n) in ("zeros", "empty") else 1  # zeros(sizes) (baddbmm's input), x.view(sizes) or x.view(*sizes)
+    packed = len(n.args) == k + 1 and isinstance(n.args[k], (list, tuple))
+    sizes = list(n.args[k] if packed else n.args[k:])
     named = tuple(f for f in heads if f[0])
+    where = ("args", k, len(sizes) - 3) if packed else ("args", len(sizes) - 3 + k)
+    c = constant_factor(sizes[-3]) if len(sizes) >= 3 and any(f[0] in growing for f in named) else None
+    if c is not None and c[1] % size_of(named) == 0:  # batch · heads as mul(batch, heads) (BLOOM's weights @ value)
+        return [FactorEdit(n.name, where, c[1], named, c[0])]
     if len(sizes) < 4 or not isinstance(sizes[-3], int) or sizes[-3] == -1 or not any(f[0] in growing for f in named):
         return []
     if sizes[-3] != size_of(named):
         raise refuse(n, f"reshapes the attention scores with {sizes[-3]} heads, not {words(named)}")
-    where = ("args", 1, len(sizes) - 3) if packed else ("args", len(sizes) - 2)
     return [FactorEdit(n.name, where, sizes[-3], named)]
 
 

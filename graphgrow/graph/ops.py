@@ -72,6 +72,8 @@ UNARY_METHODS = frozenset({"relu", "sigmoid", "tanh", "exp", "abs", "neg"})
 # binary arithmetic, broadcast: names as fx shows them (operator.truediv → "truediv", operator.iadd → "iadd")
 BINARY_NAMES = frozenset({"add", "sub", "mul", "div", "truediv"})
 IN_PLACE_OPERATORS = frozenset({"iadd", "imul"})  # x += y, x *= y traced as operator.iadd / operator.imul
+SELECTS = frozenset({"where"})  # torch.where(cond, x, y): each output element one of its operands' elements
+TILES = frozenset({"repeat"})  # x.repeat(n0, n1, …): the tensor tiled n_i times along dim i (the copies outermost)
 SUM_FUNCTIONS = frozenset({operator.add, torch.add})  # x + y
 DIFFERENCE_FUNCTIONS = frozenset({operator.sub, torch.sub})  # x - y
 ADD_FUNCTIONS = SUM_FUNCTIONS | DIFFERENCE_FUNCTIONS  # x ± y

@@ -11,7 +11,9 @@ head, the same coordinate, in the new strides); what is new is initialised so th
   / sqrt(d) constant); the old query rows are multiplied by
   sqrt(d'/d) so that every logit stays. A custom explicit scale is kept as it is;
 - a larger value head size e → e': new value rows random, new output-projection columns zero.
-Biases: new entries zero; old query biases scaled with their rows.
+Biases: new entries zero; old query biases scaled with their rows. A mask or bias per head that no parameter holds
+(ALiBi's slopes, a bias summed from tables): new heads read copies of old heads' entries (head i mod H's), a cat of
+slices of the tensor where the analysis found the heads on one axis (analysis.head_params).
 """
 
 from __future__ import annotations
@@ -224,6 +226,9 @@ def grow_attention(
         if path in shared:  # one table read by several attentions (CPM-Ant's position bias): grown once
             continue
         shared.add(path)
+        if fill is None:  # a computed tensor per head (ALiBi, a summed bias table): new heads read old heads' copies
+            _copy_heads(gm, nodes[path], dim, factors, new)
+            continue
         old = _tensor(gm, path)
         old_to_new, total, _ = places(factors, new)
         grown = torch.full((*old.shape[:dim], total, *old.shape[dim + 1 :]), fill, dtype=old.dtype, device=old.device)
@@ -237,6 +242,33 @@ def grow_attention(
     for e in att.edits:
         _apply_edit(gm, nodes, e, new)
     return how
+
+
+def _copy_heads(gm: fx.GraphModule, src: fx.Node, dim: int, factors: Axis, new: dict[str, int]) -> None:
+    """Every reader of `src` reads it grown along `dim` (the heads `factors`): each new head a copy of an old one (its
+    index modulo the old count, factor by factor), old heads where they are: a cat of slices of `src`."""
+    _, total, comps = places(factors, new)
+    olds = torch.tensor([s for _, s in factors]).unsqueeze(1)
+    strides = torch.tensor([math.prod(s for _, s in factors[i + 1 :]) for i in range(len(factors))]).unsqueeze(1)
+    index = ((comps % olds) * strides).sum(0).tolist()
+    runs: list[list[int]] = []  # [start, stop) runs of consecutive old indices
+    for i in index:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, i + 1])
+    readers = list(src.users)
+    with gm.graph.inserting_before(readers[0] if len(readers) == 1 else _first(gm, readers)):
+        head = (slice(None),) * dim
+        parts = [gm.graph.call_function(operator.getitem, (src, (*head, slice(a, b)))) for a, b in runs]
+        grown = gm.graph.call_function(torch.cat, (parts, dim))
+    for u in readers:
+        u.replace_input_with(src, grown)
+
+
+def _first(gm: fx.GraphModule, nodes: list[fx.Node]) -> fx.Node:
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return min(nodes, key=order.__getitem__)
 
 
 def _scale(s: fx.Node, att: Attention, new: dict[str, int]) -> tuple[float, str]:
