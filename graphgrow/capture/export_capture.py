@@ -37,6 +37,7 @@ from ..core.errors import GraphgrowError, InputError, TraceError, first_line
 from ..core.state import preserved_buffers, training_mode
 from ..graph.graph_meta import META_KEY, store_shape
 from ..graph.inputs import DTYPES, InputSpec, first_embedding, spec_inputs
+from ..graph.lean_meta import lean_tensor_meta
 from .aten_table import DROPPED, to_torch
 from .data_dependent import export_refusal, exporting
 from .export_modes import RANDOM, PendingSwitch, flat, merge_modes, set_flat, stack
@@ -60,7 +61,7 @@ def _export(model: nn.Module, inputs: dict[str, torch.Tensor], train: bool):
     dims = {k: {d: torch.export.Dim.AUTO for d in range(v.dim())} for k, v in inputs.items()}
     try:
         model.train(train)
-        with exporting():  # torch.distributions' value checks off (data_dependent.py)
+        with exporting(), lean_tensor_meta():  # distributions' value checks off (data_dependent.py); lean_meta.py
             return torch.export.export(model, (), dict(inputs), dynamic_shapes=dims, strict=False)
     except Exception as e:
         if (refusal := self_write_refusal(model, inputs) if train else None) is not None:

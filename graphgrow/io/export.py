@@ -31,6 +31,7 @@ from ..graph.inputs import (
     is_positional,
     spec_inputs,
 )
+from ..graph.lean_meta import lean_tensor_meta
 from ..graph.shapes import example_input, state_bytes
 from .lineage import origin_of
 from .onnx_complex import real_pairs
@@ -476,8 +477,9 @@ def _inference(gm: torch.nn.Module) -> Iterator[None]:
     caller's. scaled_dot_product_attention's CPU kernel depends on it (flash, output laid out (B, N, H, D), for a mask
     that needs no grad; math, (B, H, N, D), for one that does), so a mask computed from parameters (BEiT's relative
     position bias gathered from its table) got one layout in the first pass and the other in the second, and the
-    view the first pass made of x.transpose(1, 2).reshape(B, N, C) failed in the second ("Cannot view a tensor")."""
-    with training_mode(gm, False), torch.no_grad():
+    view the first pass made of x.transpose(1, 2).reshape(B, N, C) failed in the second ("Cannot view a tensor").
+    Also the traced nodes' metadata without memory-format queries (graph/lean_meta.py: same graph, less sympy)."""
+    with training_mode(gm, False), torch.no_grad(), lean_tensor_meta():
         yield
 
 
