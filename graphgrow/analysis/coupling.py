@@ -52,7 +52,7 @@ from .coupling_modules import (
     normalises_channels,
 )
 from .coupling_reductions import across_channels, keeps_channels
-from .coupling_splits import ChannelEdit, literal_at, split_rule
+from .coupling_splits import ChannelEdit, literal_at, pad_rule, split_rule
 from .opaque import slice_keeps_channels
 from .probe import elementwise_is_channelwise, function_is_channelwise
 from .stacked import feeds_stacked_weight
@@ -289,10 +289,15 @@ def _name(target) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
-@rule_for(functions=CHANNELWISE_FUNCTIONS, methods=CHANNELWISE_METHODS)
+@rule_for(functions=CHANNELWISE_FUNCTIONS - {F.pad}, methods=CHANNELWISE_METHODS)
 def _channelwise(b: Build, s: Site) -> bool:
     b.join(s.x, s.node)
     return True
+
+
+@rule_for(functions=(F.pad,))
+def _pad(b: Build, s: Site) -> bool:
+    return pad_rule(b, s)
 
 
 @rule_for(functions=ELEMENTWISE, methods=ELEMENTWISE_METHODS)

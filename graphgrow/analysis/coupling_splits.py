@@ -213,3 +213,25 @@ def _softmax_dim(n: fx.Node) -> int | None:
         return None
     dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
     return dim if isinstance(dim, int) else None
+
+
+def pad_rule(b: Build, s: Site) -> bool:
+    """F.pad(x, pads, ...): pads along other dims keep each channel apart; pads on the channel dim add channels
+    the growth cannot place (frozen, with the reason). `pads` pairs dims from the last one backwards."""
+    n, x = s.node, s.x
+    pads = n.args[1] if len(n.args) > 1 else n.kwargs.get("pad")
+    shape = tensor_shape(x) if x is not None else None
+    axis = node_axis(x) if x is not None else None
+    if x is None or shape is None or axis is None or not isinstance(pads, (list, tuple)):
+        return False
+    k = len(shape) - 1 - axis  # the channel dim's pair in `pads`
+    pair = list(pads[2 * k : 2 * k + 2])
+    if not pair or pair == [0, 0]:
+        b.join(x, n)
+        return True
+    b.freeze(
+        [x, n],
+        f"'{n.name}' (pad) pads the channel dim by {pair}: the padded channels are no layer's output, "
+        "so the channels before and after it cannot grow together",
+    )
+    return True

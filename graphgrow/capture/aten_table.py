@@ -161,6 +161,9 @@ _TABLE: dict[str, Callable[[dict, Any], Call | None]] = {
     "aten.conv2d.default": lambda a, d: _fn(
         F.conv2d, a["input"], a["weight"], a["bias"], a["stride"], a["padding"], a["dilation"], a["groups"]
     ),
+    # padding (TF-style "same" padding computed from the input's size, baked in by export): F.pad as fx shows it
+    "aten.pad.default": lambda a, d: _fn(F.pad, a["self"], a["pad"], a["mode"], a["value"]),
+    "aten.constant_pad_nd.default": lambda a, d: _fn(F.pad, a["self"], a["pad"], "constant", a["value"]),
     "aten.sym_size.int": lambda a, d: _method("size", a["self"], a["dim"]),
     "aten.to.dtype": lambda a, d: _method("to", a["self"], a["dtype"]),
     "aten.to.device": lambda a, d: _method("to", a["self"], a["dtype"]),

@@ -28,7 +28,7 @@ from torch import fx, nn
 
 from ..analysis.deployed import train_only_modules, used_paths
 from ..core import codegen
-from ..core.errors import InputError, TraceError, first_line
+from ..core.errors import GraphgrowError, InputError, TraceError, first_line
 from ..graph.graph_meta import META_KEY, graph_info, input_shape_of, scope_of, store_shape, trace_report  # noqa: F401 (re-exported)
 from ..graph.inputs import check_names
 from . import mode_merge, mode_paths
@@ -284,6 +284,22 @@ def _remove_parked(model: nn.Module, before: set[str]) -> None:
             delattr(model, name)
 
 
+def _untraceable_layers(model: nn.Module, report: dict, capture: str, spec: Any, user_leaves: set[str]) -> str:
+    """With capture "auto" and an example input, the submodules fx kept whole because it cannot trace them (a branch
+    on a tensor's size: TF-style "same" padding, a check of the channel count) that hold parameters, i.e. layers
+    no pass could reach: '' when there are none, or the user chose leaves."""
+    if capture != "auto" or spec is None or user_leaves:
+        return ""
+    held = [
+        where
+        for where, why in report["auto_leaves"].items()
+        if ": cannot be traced (" in why and any(True for _ in model.get_submodule(where).parameters())
+    ]
+    if not held:
+        return ""
+    return f"{len(held)} submodules holding layers ({', '.join(held[:3])}{', …' if len(held) > 3 else ''})"
+
+
 def _add_leaf(leaves: set[str], auto: dict[str, str], where: str, why: str, name: str) -> None:
     if len(auto) >= _MAX_AUTO_LEAVES:
         raise TraceError(
@@ -376,6 +392,14 @@ def trace(
         _remove_parked(model, before)
         gm.train(model.training)
         gm.meta[META_KEY] = {"log": [], "trace": report}
+        held = _untraceable_layers(model, report, capture, spec, leaves)
+        if held and mode == "eval":  # export captures the deployed (eval-mode) structure
+            try:  # torch.export fixes the sizes those branches read to the example input's
+                return capture_by_export(
+                    model, spec, True, [f"symbolic tracing kept {held} whole: captured with torch.export instead"]
+                )
+            except GraphgrowError as e:
+                report["notes"].append(f"torch.export could not capture it either ({first_line(e)})")
         if spec is not None and check:
             from .fidelity import check_fidelity
 
