@@ -82,7 +82,7 @@ def test_a_verified_pass_runs_one_training_step(spec, forwards):
     # fidelity check). A default placed at a stage end or on a main-path layer costs one forward with gradients
     # more (analysis.hearing: are the candidates heard by the output? autograd.grad, not backward()): the price of
     # never defaulting to a place verification would refuse as deaf
-    probe = 1 if spec in ("grow_width", "insert_adapter", "deepen") else 0
+    probe = 1 if spec in ("grow_width", "insert_adapter", "deepen", "add_branch") else 0
     grads = [g for _, g in forwards.calls].count(True)
     assert len(forwards.calls) == 3 + probe and grads == 1 + probe, forwards.calls
     assert forwards.backwards == 1
