@@ -1,6 +1,6 @@
 """torch.onnx.export as graphgrow runs it: its table of ONNX translations built once per process (_registry_once),
-its optimizer without the rules that are quadratic in the graph's size (_linear_rewrites). Rebuilt on every call,
-the table was 0.4-1 CPU s of a 2-layer transformer's 5-6 s export, paid by every pass of a sweep."""
+its optimizer without the rules that are quadratic in the graph's size (onnx_optimizer._linear_rewrites). Rebuilt
+on every call, the table was 0.4-1 CPU s of a 2-layer transformer's 5-6 s export, paid by every pass of a sweep."""
 
 from __future__ import annotations
 

@@ -49,6 +49,7 @@ from .onnx_meta import mutation_log as mutation_log
 from .onnx_meta import onnx_factory_seed as onnx_factory_seed
 from .onnx_meta import onnx_input_shape as onnx_input_shape
 from .onnx_meta import onnx_origin as onnx_origin
+from .onnx_optimizer import tuned_optimizer
 from .onnx_spec import (
     captured_static,
     check_input_names,
@@ -313,7 +314,7 @@ def _torch_export(
     captured = io.StringIO()
     batch = torch.export.Dim("batch", min=1)
     try:
-        with _inference(gm), warnings.catch_warnings(), _quiet(captured), _registry_once(), _linear_rewrites():
+        with _inference(gm), warnings.catch_warnings(), _quiet(captured), _registry_once(), tuned_optimizer():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 gm,
@@ -344,7 +345,7 @@ def _torch_export_named(
     """torch.onnx.export on named inputs (passed by keyword), with named dynamic dimensions."""
     captured = io.StringIO()
     try:
-        with _inference(gm), warnings.catch_warnings(), _quiet(captured), _registry_once(), _linear_rewrites():
+        with _inference(gm), warnings.catch_warnings(), _quiet(captured), _registry_once(), tuned_optimizer():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 gm,
@@ -442,32 +443,6 @@ def _registry_once() -> Iterator[None]:
         yield
     finally:
         setattr(owner, name, built)
-
-
-@contextlib.contextmanager
-def _linear_rewrites() -> Iterator[None]:
-    """The exporter's optimizer (onnxscript) without its rewrite rules whose pattern has several output nodes (today
-    one: two Slices of a tensor made a Split). Their matcher lists every node of the graph again for each node it
-    tries, quadratic in the graph's size: 80 % of hf qwen3_5_moe_text's run (py-spy), whose unrolled chunked
-    linear attention exports to thousands of Slices. Every other rule still runs; onnxruntime does its own fusions."""
-    try:
-        from onnxscript import rewriter
-
-        rules = rewriter._DEFAULT_REWRITE_RULES
-        linear = tuple(
-            r
-            for r in rules
-            if getattr(getattr(r, "_matcher", None), "pattern", None) is None
-            or r._matcher.pattern.has_single_output_node
-        )
-    except (ImportError, AttributeError):
-        yield
-        return
-    rewriter._DEFAULT_REWRITE_RULES = linear
-    try:
-        yield
-    finally:
-        rewriter._DEFAULT_REWRITE_RULES = rules
 
 
 @contextlib.contextmanager
