@@ -33,7 +33,7 @@ EXPECTED: dict[str, tuple[str, dict[str, str]]] = {
     "bart": ("export", {"add_branch": NO_MAPS, "remove_branch": NO_MERGE}),
     "vit": ("export", {"add_branch": "read the raw input (a patch embedding)", "remove_branch": NO_MERGE}),
     "convnext": ("export", {"remove_branch": NO_MERGE}),
-    "resnet": ("fx", {"remove_branch": NO_MERGE}),
+    "resnet": ("export", {"remove_branch": NO_MERGE}),  # fx keeps layers in leaves: capture auto exports (e2377de)
     "token_encoder": ("export", {"add_branch": NO_MAPS, "remove_branch": NO_MERGE}),
     "audio_conv1d": ("fx", {"add_branch": "its convs are Conv1d", "remove_branch": NO_MERGE}),
 }
