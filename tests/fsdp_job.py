@@ -20,6 +20,7 @@ Each rank writes OUT/fsdp-rank{R}.json; the assertions are in tests/test_fsdp.py
 from __future__ import annotations
 
 import copy
+import gc
 import hashlib
 import json
 import os
@@ -329,25 +330,29 @@ def memory_scenario(mesh, rank: int, world: int) -> dict:
     base, layers = ex.traced(dim=128, layers=4), [f"layers.{i}" for i in range(4)]
     out: dict = {}
     for case, release, verify in (("keep", False, "none"), ("release", True, "none"), ("verified", True, "rank0")):
+        settle()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             model = gg.distributed.shard(copy.deepcopy(base), layers, mesh=mesh)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             step(model, opt, 0, rank, world)
             with record_function("graphgrow-training-step"):
                 step(model, opt, 1, rank, world)
+            settle()
             with record_function("graphgrow-growth-event"):
                 g = gg.distributed.grow(
                     model, opt, "grow_hidden(by=8)", seed=1, timeout=60, release_old=release, verify=verify
                 )
         events = prof.profiler.kineto_results.events()
         spans = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() in SPANS}
-        held, peak, at = 0, dict.fromkeys(SPANS, 0), {}
+        held, peak, at, grown_by = 0, dict.fromkeys(SPANS, 0), {}, []
         for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
             for name, (start, end) in spans.items():
                 if e.start_ns() >= start and name not in at:
                     at[name] = held  # held when the span starts
                 if start <= e.start_ns() < end:
                     peak[name] = max(peak[name], held + e.nbytes())
+                    if name == "graphgrow-growth-event" and e.nbytes() > 0:
+                        grown_by.append(e.nbytes())
             held += e.nbytes()
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in fsdp_spill.local_state(
             model.parameters(), opt)}  # fmt: skip
@@ -366,11 +371,19 @@ def memory_scenario(mesh, rank: int, world: int) -> dict:
             "digest": digest(get_model_state_dict(g.model, options=FULL)),
             "optimizer_digest": digest(optimizer_full(g.model, g.optimizer)),
             "old_used": _use_old(model, opt),
+            "largest_allocations": sorted(grown_by, reverse=True)[:8],  # said when the test fails
         }
         del g, model, opt
     out["layer_full"] = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if "layers.0." in n)
     out["model_full"] = sum(p.numel() * p.element_size() for p in base.parameters())
     return out
+
+
+def settle() -> None:
+    """Both ranks at the same point with nothing left to free: a cycle's tensors collected now, not inside a measured
+    span, and neither rank's growth starting while the other still finishes its step (on a loaded 2-core machine)."""
+    gc.collect()
+    dist.barrier()
 
 
 def _use_old(model, opt) -> dict:

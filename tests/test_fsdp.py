@@ -272,8 +272,9 @@ def test_growth_with_release_old_holds_one_layer_over_the_sharded_steady_state(r
         keep, release, verified = m["keep"], m["release"], m["verified"]
         layer = m["layer_full"] + keep["grown_layer_full"]  # one layer's old and grown full tensors
         assert keep["peak"] - keep["steady"] >= 3 * keep["grown_shards"], (rank, keep)
-        assert release["peak"] - release["steady"] <= 1.25 * layer, (rank, release, layer)
-        assert verified["peak"] - verified["steady"] <= 1.25 * layer, (rank, verified, layer)
+        for case in (release, verified):  # the message names the span's largest allocations, to say what rose
+            rise = case["peak"] - case["steady"]
+            assert rise <= 1.25 * layer, (rank, rise, layer, case["steady"], case["largest_allocations"])
         assert keep["old_state_left"] > 0 and release["old_state_left"] == verified["old_state_left"] == 0
         # kept, the old model still runs; released, using it is a typed error instead of a crash on freed memory
         assert set(keep["old_used"].values()) == {None}, keep["old_used"]
