@@ -346,29 +346,28 @@ def owner_calls(gm: nn.Module, names: list[str]) -> list:
     ]
 
 
-def reads_old(n, old_nodes: set[str]) -> bool:
-    """Whether node `n`'s first argument is a node of the model before the pass."""
-    return bool(n.args) and getattr(n.args[0], "name", None) in old_nodes
+_FREE_OPS = ("call_function", "call_method", "call_module")
 
 
-def reads_old_through_free(gm: nn.Module, n, old_nodes: set[str]) -> bool:
-    """Whether node `n`'s first argument is an old node's tensor, directly or through new nodes without parameters
-    (a branch's leading ReLU: zeros in, zeros out)."""
+def reads_old(n, old_nodes: set[str], through_free_of: nn.Module | None = None) -> bool:
+    """Whether node `n`'s first argument is a node of the model before the pass; with `through_free_of` (the graph's
+    module), also through new nodes without parameters in between (a branch's leading ReLU: zeros in, zeros out)."""
     a = n.args[0] if n.args else None
-    while getattr(a, "name", None) not in old_nodes and getattr(a, "op", None) in _FREE_OPS:
-        if a.op == "call_module" and any(True for _ in gm.get_submodule(a.target).parameters()):
+    while (
+        through_free_of is not None
+        and getattr(a, "name", None) not in old_nodes
+        and getattr(a, "op", None) in _FREE_OPS
+    ):
+        if a.op == "call_module" and any(True for _ in through_free_of.get_submodule(a.target).parameters()):
             return False
         a = a.args[0] if a.args else None
     return getattr(a, "name", None) in old_nodes
 
 
-_FREE_OPS = ("call_function", "call_method", "call_module")
-
-
 def silent_inputs(gm: nn.Module, dead: list[str], x: torch.Tensor, old_nodes: set[str]) -> list[str]:
     """Modules owning `dead` parameters that read an old node's tensor which is identically zero in eval
     and train mode: the model (a dead ReLU), not the pass, keeps them from learning."""
-    owners = sorted({str(n.target) for n in owner_calls(gm, dead) if reads_old_through_free(gm, n, old_nodes)})
+    owners = sorted({str(n.target) for n in owner_calls(gm, dead) if reads_old(n, old_nodes, through_free_of=gm)})
     seen: dict[str, float] = {}
     hooks = []
     for path in owners:
