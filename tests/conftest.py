@@ -178,6 +178,18 @@ def grown(model: nn.Module, shape: tuple[int, ...], **kw):
     return r
 
 
+def grow_checked(model: nn.Module, inputs: str, pass_name: str, capture: str = "fx", **pass_args):
+    """The pass `pass_name(**pass_args)` on `model` traced at `inputs` (an input spec: "x:2x3x8x8", "ids:2x6:int64")
+    with `capture`, asserting that the growth kept the outputs in eval and train mode and that its new parameters
+    learn; returns the pass's result."""
+    import graphgrow as gg
+    from graphgrow.graph.inputs import parse_spec
+
+    r = gg.get_pass(pass_name)(**pass_args)(gg.trace(model, input_shape=parse_spec(inputs), capture=capture))
+    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok, r.preservation
+    return r
+
+
 # `make test-quick` runs `pytest -m fast`; this is the one place that says what is fast: every test not marked slow
 # (real models, ONNX export of them, whole docs blocks, mypy over the tree) outside the files below, which start a
 # process per test or build a model family per test. tests/test_imports.py keeps every module imported and every

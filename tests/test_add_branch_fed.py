@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import grow_checked
 from torch import nn
 
 import graphgrow as gg
@@ -47,9 +48,7 @@ class LateZeroFed(nn.Module):
 @pytest.mark.parametrize("capture", ["fx", "export"])
 def test_the_default_conv_is_not_fed_only_zeros(zero, capture):
     torch.manual_seed(0)
-    gm = gg.trace(LateZeroFed(zero), input_shape=parse_spec("x:2x3x8x8"), capture=capture)
-    r = gg.get_pass("add_branch")()(gm)
-    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok, r.preservation
+    r = grow_checked(LateZeroFed(zero), "x:2x3x8x8", "add_branch", capture)
     assert "input is zero" in str(r.targets), r.targets  # said, and the fed conv a chosen
     assert r.targets["span"].endswith("a [2, 8, 8, 8]") or "→ a " in str(r.targets["span"]), r.targets
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import grow_checked
 from torch import nn
 
 import graphgrow as gg
@@ -49,9 +50,7 @@ class ZeroFed(nn.Module):
 @pytest.mark.parametrize("capture", ["fx", "export"])
 def test_the_default_layer_is_not_fed_only_zeros(zero, capture):
     torch.manual_seed(0)
-    gm = gg.trace(ZeroFed(zero), input_shape=parse_spec("x:2x3x4x4"), capture=capture)
-    r = gg.get_pass("grow_width")()(gm)
-    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok, r.preservation
+    r = grow_checked(ZeroFed(zero), "x:2x3x4x4", "grow_width", capture)
     assert r.gm.get_submodule("fc1").out_features == 4 and r.gm.get_submodule("a").out_features > 16
     assert "only zeros as input" in str(r.targets)
 

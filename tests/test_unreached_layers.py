@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import grow_checked
 from torch import nn
 
 import graphgrow as gg
@@ -53,9 +54,7 @@ class IndexOnlyScorer(nn.Module):
 @pytest.mark.parametrize("capture", ["fx", "export"])
 def test_the_stream_grows_through_a_scorer_read_only_by_its_indices(how, capture):
     torch.manual_seed(0)
-    gm = gg.trace(IndexOnlyScorer(how), input_shape=parse_spec("ids:2x6:int64"), capture=capture)
-    r = gg.get_pass("grow_hidden")()(gm)
-    assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok
+    r = grow_checked(IndexOnlyScorer(how), "ids:2x6:int64", "grow_hidden", capture)
     assert r.gm.get_submodule("scorer.0").in_features == r.gm.get_submodule("q").in_features > 8
     assert [p for p in r.preservation.unreached if p.startswith("scorer")], r.preservation.unreached
     assert all(p.startswith("scorer") for p in r.preservation.unreached), r.preservation.unreached
