@@ -294,7 +294,11 @@ class _Walk:
         self.done_users.add(key)
         axis = self.s.axes[x.name]
         if u.op == "output":
-            raise _refuse(x, "is a model output (growing it would change the output's shape)")
+            raise _refuse(  # the model returns the stream (a backbone without a classifier): nothing reads it out
+                x,
+                "is a model output: the model returns the stream itself, so its hidden size is fixed by the "
+                "output's shape (growing it would change what the model returns)",
+            )
         if u in self.inner:
             return
         if (
