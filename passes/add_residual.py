@@ -31,12 +31,14 @@ from graphgrow.rewrite import (
     add_parameter,
     begin,
     conv_dims,
+    deployed_nodes,
     factory_kwargs,
     finish,
     inserting_after,
     is_float_tensor,
     kaiming_,
     main_path,
+    ops,
     param_count,
     pass_function,
     pick_within_budget,
@@ -129,6 +131,9 @@ def default_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
         return path[0], path[-1], f"main path: {place(gm, path[0], found)} → {place(gm, path[-1], found)}"
     spans = stage_spans(gm, found)
     if not spans:
+        over = block_span(gm)  # branches that never meet in one tensor (CrossViT): a skip over one block of one
+        if over is not None:
+            return over
         raise NotApplicable(
             f"no two main-path tensors of the backbone ({len(found)} stage(s) of one tensor each) can be connected",
             "give start=... and end=...",
@@ -138,6 +143,45 @@ def default_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
     if over:
         why += f"; adds {cost:,} parameters ({100 * cost / total:.1f}% of the model){over}"
     return start, end, why
+
+
+def block_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str] | None:
+    """Where the main path has no two tensors to connect (parallel branches that exchange features in every block,
+    so that no one tensor lies on every path): a skip over one whole block, from the output of the block before to
+    the last residual add (y = x + f(x)) a deployed output needs, of the same shape; None when there is none."""
+    deployed = deployed_nodes(gm)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    adds = [n for n in gm.graph.nodes if n in deployed and _residual_add(n)]
+    for end in reversed(adds):
+        inside = set(end.all_input_nodes)  # the block's own input: the add's operand, already skipped over
+        up = _ancestors(end)
+        for start in sorted((a for a in adds if a in up and a not in inside), key=order.__getitem__, reverse=True):
+            if tensor_shape(start) == tensor_shape(end):
+                where = f"over one block: from {place(gm, start, [])} to {place(gm, end, [])} (residual adds)"
+                return start, end, where
+    return None
+
+
+def _residual_add(n: fx.Node) -> bool:
+    """y = x + f(x) on float tensors of y's shape: one operand computed from the other."""
+    name = ops.op_name(n.target).split(".")[0].removesuffix("_")  # x + y, torch.add, x += y, aten.add_.Tensor
+    if n.op not in ("call_function", "call_method") or name not in ("add", "iadd"):
+        return False
+    a = [x for x in n.args[:2] if isinstance(x, fx.Node)]
+    if len(a) != 2 or not all(is_float_tensor(x) and tensor_shape(x) == tensor_shape(n) for x in a):
+        return False
+    return a[0] in _ancestors(a[1]) or a[1] in _ancestors(a[0])
+
+
+def _ancestors(n: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = list(n.all_input_nodes)
+    while todo:
+        x = todo.pop()
+        if x not in seen:
+            seen.add(x)
+            todo.extend(x.all_input_nodes)
+    return seen
 
 
 def stage_spans(gm: fx.GraphModule, found: list[Stage]) -> list[tuple[fx.Node, fx.Node, int, str]]:
