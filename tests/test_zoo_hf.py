@@ -250,3 +250,35 @@ def test_a_hybrid_language_model_under_a_multimodal_config_runs_as_built():
     )
     out = loaded.module(**spec_inputs(loaded.module, loaded.input_shape))
     assert torch.isfinite(out.logits).all()
+
+
+BERT_SIZES = "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,vocab_size=64"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        f"hf:bert/causal-lm({BERT_SIZES})",  # BertLMHeadModel
+        f"hf:roberta/causal-lm({BERT_SIZES})",  # RobertaForCausalLM
+        "hf:reformer/causal-lm(vocab_size=64)",  # refuses to build without it
+    ],
+)
+def test_a_causal_lm_of_an_encoder_family_is_built_as_a_decoder(name):
+    """An encoder family's causal-LM head is a decoder only with `is_decoder`: built by name for causal-lm, it is set
+    (a token's logits do not depend on later tokens); Reformer refused to build without it."""
+    loaded = gg.load_model(name)
+    assert loaded.module.config.is_decoder is True
+    inputs = spec_inputs(loaded.module, loaded.input_shape)
+    ids = inputs["input_ids"]
+    later = ids.clone()
+    later[:, -1] = (ids[:, -1] + 1) % 64
+    loaded.module.eval()
+    with torch.no_grad():
+        a, b = loaded.module(input_ids=ids).logits, loaded.module(input_ids=later).logits
+    torch.testing.assert_close(a[:, :-1], b[:, :-1])
+
+
+def test_a_users_is_decoder_is_kept():
+    loaded = gg.load_model(f"hf:bert/causal-lm({BERT_SIZES},is_decoder=False)")
+    assert loaded.module.config.is_decoder is False
+    assert gg.load_model(f"hf:bert/masked-lm({BERT_SIZES})").module.config.is_decoder is False

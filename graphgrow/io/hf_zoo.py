@@ -84,7 +84,7 @@ def builder(
     transformers = _import_transformers()  # imported outside sealed(): hub settings are read at import
     auto = getattr(transformers, TASKS[task] if task else BASE)
     with sealed():
-        config = _config(transformers, target, kwargs, model_type)
+        config = _config(transformers, target, kwargs, model_type, task)
     model_class = _model_class(transformers, auto, config, target, model_type, task)
     spec = default_spec(config, model_class, target)  # sized before anything is built
 
@@ -158,7 +158,9 @@ def _refuse_arguments(target: str, kwargs: Mapping[str, Any]) -> None:
             )
 
 
-def _config(transformers: Any, target: str, arguments: Mapping[str, Any], model_type: str) -> Any:
+def _config(
+    transformers: Any, target: str, arguments: Mapping[str, Any], model_type: str, task: str | None = None
+) -> Any:
     mapping = transformers.CONFIG_MAPPING
     if model_type not in mapping:
         close = difflib.get_close_matches(model_type, list(mapping.keys()), n=5, cutoff=0.6)
@@ -178,6 +180,10 @@ def _config(transformers: Any, target: str, arguments: Mapping[str, Any], model_
     kwargs = dict(arguments)
     if "use_cache" in known:
         kwargs.setdefault("use_cache", False)  # a DynamicCache output cannot be captured by torch.export
+    if task == "causal-lm" and "is_decoder" in known:
+        # an encoder family's causal-LM head (BERT's, RoBERTa's, Reformer's) is a decoder only with this flag: without
+        # it the model attends both ways (transformers warns) or refuses to build (Reformer)
+        kwargs.setdefault("is_decoder", True)
     # mixture-of-experts layers computed with torch's own operators (bmm over the routed experts): the default,
     # grouped_mm, falls back on CPU to a custom operator transformers registers at import (opaque to the capture,
     # unknown to a process that has not imported it, so a graphgrow file could not hold it)
