@@ -34,13 +34,13 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..core import codegen
 from ..core.errors import GraphgrowError, InputError, TraceError, first_line
-from ..core.state import preserved_buffers, training_mode
 from ..graph.graph_meta import META_KEY, store_shape
 from ..graph.inputs import DTYPES, InputSpec, first_embedding, spec_inputs
 from ..graph.lean_meta import lean_tensor_meta
 from .aten_table import DROPPED, to_torch
 from .data_dependent import export_refusal, exporting
 from .export_modes import RANDOM, PendingSwitch, flat, merge_modes, set_flat, stack
+from .mode_probe import first_call, same_in_both_modes
 from .self_writes import self_write_refusal
 from .standins import standin, tied_parameters
 
@@ -285,13 +285,14 @@ def export_capture(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[f
     extra: dict[str, torch.Tensor] = {}
     kept: list[str] = []
     standins: dict[str, nn.Module | None] = {}  # path → the torch.nn layer a model's own layer behaves as
-    for train in (False, True):
+    once = same_in_both_modes(model, inputs)  # then a train-mode export is the eval graph again (mode_probe.py)
+    for train in (False,) if once else (False, True):
         ep = _export(model, inputs, train)
         g, extra = _lift(ep, model)
         kept = _raise_layers(g, model, standins)
         graphs.append(g)
-    switches, pending = merge_modes(graphs[0], graphs[1], name)
-    g = graphs[1]
+    switches, pending = (0, []) if once else merge_modes(graphs[0], graphs[1], name)
+    g = graphs[-1]
     _scopes(g)
     aten_left = _to_torch(g)
     root: dict[str, Any] = dict(extra)
@@ -310,6 +311,8 @@ def export_capture(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[f
     gm.recompile()
     gm.train(model.training)
     notes = [f"captured with torch.export (strict=False) in {time.perf_counter() - start:.2f} s"]
+    if once:
+        notes.append("exported once for both modes: the forward makes the same torch calls in train and eval mode")
     if switches:
         notes.append(
             f"{switches} constants differ between train and eval mode (dropout): read from the owning module's "
@@ -405,7 +408,7 @@ def capture_by_export(model: nn.Module, spec: InputSpec | None, check: bool, not
     batch = max(2, int(spec[0].shape[0]))  # a size-1 dimension would be fixed by export, not kept dynamic
     with _cache_off(model, notes):
         inputs = spec_inputs(model, spec, seed=0, batch=batch)
-        _first_call(model, inputs)
+        first_call(model, inputs)
         try:
             gm, report = export_capture(model, inputs)
         except GraphgrowError:
@@ -452,22 +455,6 @@ def _draws(gm: fx.GraphModule, n: fx.Node) -> bool:
         return isinstance(gm.get_submodule(str(n.target)), nn.modules.dropout._DropoutNd)
     name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
     return any(w in name for w in RANDOM)
-
-
-def _first_call(model: nn.Module, inputs: dict[str, torch.Tensor]) -> None:
-    """One eval-mode run before the capture, so that code changing the model on its first call does it now: BigBird
-    swaps its block-sparse attention for full attention on a short input, building the new module from the random
-    generator; done during the capture, it was done again by the fidelity check's first run (export puts the flags
-    back), whose dropout masks then came from a shifted generator. The generator and the buffers are left as they
-    were; a run that fails is left for the capture to report."""
-    with (
-        torch.no_grad(),
-        torch.random.fork_rng(devices=[]),
-        preserved_buffers(model),
-        training_mode(model, False),
-        contextlib.suppress(Exception),
-    ):
-        model(**inputs)
 
 
 def _versions() -> str:

@@ -28,12 +28,17 @@ from ..core.errors import TraceError
 MAX_ELEMENTS = 1 << 26
 
 
-class _Writes(TorchDispatchMode):
-    """Records the names of the tensors in `storages` (storage pointer → name) that an op writes into."""
+class StateWrite(Exception):
+    """Raised by a `_Writes(stop=True)` before an op writes into one of its storages (the op does not run)."""
 
-    def __init__(self, storages: dict[int, str]):
+
+class _Writes(TorchDispatchMode):
+    """Records the names of the tensors in `storages` (storage pointer → name) that an op writes into; with `stop`,
+    raises StateWrite instead, before the op writes."""
+
+    def __init__(self, storages: dict[int, str], stop: bool = False):
         super().__init__()
-        self.storages, self.written = storages, set[str]()
+        self.storages, self.written, self.stop = storages, set[str](), stop
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -42,6 +47,8 @@ class _Writes(TorchDispatchMode):
                 continue
             v = args[i] if i < len(args) else kwargs.get(a.name)
             if isinstance(v, torch.Tensor) and v.numel() and _storage(v) in self.storages:
+                if self.stop:
+                    raise StateWrite(self.storages[_storage(v)])
                 self.written.add(self.storages[_storage(v)])
         return func(*args, **kwargs)
 
