@@ -74,6 +74,16 @@ class PickedByMode(Plain):
         return a if self.training else b
 
 
+class RoutedByMode(Plain):
+    """The same calls with the same shapes in both modes; which computed tensor the next call reads depends on the
+    mode (the two halves of one projection)."""
+
+    def forward(self, x):
+        h = self.up(x)
+        a, b = h[..., :8], h.flip(-1)[..., :8]
+        return x + self.down(F.gelu(torch.cat([a if self.training else b] * 2, -1)))
+
+
 class BatchNormed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -118,10 +128,10 @@ def test_a_model_whose_calls_depend_on_the_mode_is_exported_in_both(monkeypatch,
     assert not any("exported once" in n for n in gm.meta["graphgrow"]["trace"]["notes"])
 
 
-@pytest.mark.parametrize("cls", [ConstantByMode, PickedByMode])
+@pytest.mark.parametrize("cls", [ConstantByMode, PickedByMode, RoutedByMode])
 def test_an_argument_or_a_returned_value_taken_from_the_mode_is_not_the_same(cls):
-    """Same calls in the same order: one argument's value differs (the merge refuses it, naming the op), or the
-    output is another call's result (no call differs at all)."""
+    """Same calls in the same order: one argument's value differs (the merge refuses it, naming the op), the output
+    is another call's result, or a call reads another call's result of the same shape (no call differs at all)."""
     x = {"x": torch.randn(2, 6, 8)}
     assert same_in_both_modes(Plain(), x)
     assert not same_in_both_modes(cls(), x)

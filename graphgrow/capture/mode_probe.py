@@ -34,15 +34,16 @@ from .self_writes import _storage, _Writes
 _PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout, torch.Size)
 
 
-def _sig(v: Any) -> Any:
-    """What a call's argument tells the call: a tensor's shape and dtype (its values come from earlier calls, recorded
-    too), a plain value itself, a container by its items; any other object by its type."""
+def _sig(v: Any, made: dict[int, int] | None = None) -> Any:
+    """What a call's argument tells the call: a tensor's shape, dtype and which recorded call made it ("input" for the
+    model's inputs and weights: a mode may route another computed tensor into the same call), a plain value itself,
+    a container by its items; any other object by its type."""
     if isinstance(v, torch.Tensor):
-        return ("tensor", tuple(v.shape), v.dtype, v.device.type)
+        return ("tensor", tuple(v.shape), v.dtype, v.device.type, (made or {}).get(id(v), "input"))
     if isinstance(v, (list, tuple)):
-        return (type(v).__name__, tuple(_sig(x) for x in v))
+        return (type(v).__name__, tuple(_sig(x, made) for x in v))
     if isinstance(v, dict):
-        return ("dict", tuple((k, _sig(x)) for k, x in v.items()))
+        return ("dict", tuple((k, _sig(x, made)) for k, x in v.items()))
     if isinstance(v, slice):
         return ("slice", _sig(v.start), _sig(v.stop), _sig(v.step))
     if isinstance(v, _PLAIN) or v is Ellipsis:
@@ -61,7 +62,7 @@ class _Calls(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        self.calls.append((func, _sig(args), _sig(kwargs)))
+        self.calls.append((func, _sig(args, self.made), _sig(kwargs, self.made)))
         out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
