@@ -212,13 +212,32 @@ def _regrouped_axis(n: fx.Node) -> int | None:
     return indexed_axis(n)
 
 
-def indexed_axis(n: fx.Node) -> int | None:
-    """Where `x[:, 0]`-style indexing puts x's channel axis: plain slices (at most one `...`) and integers on
-    other axes (each removes its axis; a ViT's class-token pooling), the channel axis not indexed by an
-    integer. None for any other op or index."""
-    if n.op != "call_function" or n.target is not operator.getitem or not n.args or not isinstance(n.args[0], fx.Node):
+def index_of(n: fx.Node) -> tuple[fx.Node, object] | None:
+    """(x, the index) when `n` indexes x: `x[i0, i1, ...]`, or `x.select(d, i)` / `torch.select(x, d, i)` written
+    as the index `x[:, ..., :, i]` (slices on the d dims before d); None for any other op."""
+    if not n.args or not isinstance(n.args[0], fx.Node):
         return None
-    x, index = n.args[0], n.args[1]
+    if n.op == "call_function" and n.target is operator.getitem and len(n.args) > 1:
+        return n.args[0], n.args[1]
+    if (n.op, n.target) in (("call_function", torch.select), ("call_method", "select")):
+        shape = tensor_shape(n.args[0])
+        dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+        i = n.kwargs.get("index", n.args[2] if len(n.args) > 2 else None)
+        if shape is None or not isinstance(dim, int) or not isinstance(i, int) or isinstance(i, bool):
+            return None
+        return n.args[0], (slice(None),) * (dim % len(shape)) + (i,)
+    return None
+
+
+def indexed_axis(n: fx.Node) -> int | None:
+    """Where `x[:, 0]`-style indexing (or `x.select(1, 0)`) puts x's channel axis: plain slices (at most one `...`)
+    and integers on other axes (each removes its axis; a ViT's class-token pooling, one time step of a scan, one
+    half of a gated MLP's `view(..., 2, C)`), the channel axis not indexed by an integer. None for any other op
+    or index."""
+    found = index_of(n)
+    if found is None:
+        return None
+    x, index = found
     shape, axis = tensor_shape(x), node_axis(x)
     index = index if isinstance(index, tuple) else (index,)
     if (

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from ..graph import ops
 from ..graph.fx_edit import from_input, tensor_shape
 from ..graph.graph_meta import input_spec_of
 from ..graph.shapes import annotate
@@ -52,7 +51,8 @@ from .coupling_modules import (
     normalises_channels,
 )
 from .coupling_reductions import across_channels, keeps_channels
-from .coupling_splits import ChannelEdit, literal_at, pad_rule, split_rule
+from .coupling_scales import one_value, per_channel_tensor, unresized_operand
+from .coupling_splits import ChannelEdit, pad_rule, split_rule
 from .opaque import slice_keeps_channels
 from .probe import elementwise_is_channelwise, function_is_channelwise
 from .stacked import feeds_stacked_weight
@@ -311,7 +311,7 @@ def _elementwise(b: Build, s: Site) -> bool:
         a: found
         for a in n.all_input_nodes
         if tensor_shape(a) != out_shape
-        for found in [_per_channel_tensor(b.gm, a, out_shape, axis)]
+        for found in [per_channel_tensor(b.gm, a, out_shape, axis)]
         if found
     }
     b.tensors += [(path, n.name) for path, _ in scales.values()]  # a layer scale: resized with the group
@@ -324,7 +324,14 @@ def _elementwise(b: Build, s: Site) -> bool:
         and len(tensor_shape(a)) == len(out_shape)
         and tensor_shape(a)[axis] == out_shape[axis]
     ]
-    broadcast = [a for a in rest if a not in full and not _one_value(a)]  # a scalar is the same for every channel
+    broadcast = [a for a in rest if a not in full and not one_value(a)]  # a scalar is the same for every channel
+    loose = unresized_operand(n, inputs + list(scales))  # a value per channel no rule resizes: never left as it is
+    if loose is not None:
+        b.freeze(
+            inputs + [n],
+            f"'{n.name}' ({_name(n.target)}) reads '{loose.name}', a value per channel the growth would not resize",
+        )
+        return True
     if any(len(tensor_shape(a)) == len(out_shape) and tensor_shape(a)[axis] != 1 for a in broadcast) or any(
         len(tensor_shape(a)) != len(out_shape) for a in broadcast
     ):
@@ -403,49 +410,6 @@ def _layer_norm_call(b: Build, s: Site) -> bool:
     return True
 
 
-VIEWS = ops.RESHAPES | ops.UNIT_DIMS | ops.BROADCASTS  # the views a layer scale is read through (gamma.view(C, 1, 1))
-
-
-def _per_channel_tensor(gm, a: fx.Node, out_shape, axis: int) -> tuple[str, list[tuple[str, tuple]]] | None:
-    """The attribute path when `a` is a parameter/buffer with one value per channel, broadcast along the
-    channel axis (a layer scale γ, read as `x * self.gamma` or `x.mul(self.gamma.reshape(1, -1, 1, 1))`), with
-    the views on the way whose literal arguments name the channel count (`gamma.view(64, 1, 1)`: rewritten)."""
-    shape = tensor_shape(a)
-    if shape is None or out_shape is None or len(shape) > len(out_shape):  # a product of sizes has no shape
-        return None
-    lead = len(out_shape) - len(shape)
-    if any(d != (out_shape[axis] if lead + i == axis else 1) for i, d in enumerate(shape)) or out_shape[axis] == 1:
-        return None
-    views: list[tuple[str, tuple]] = []
-    while (
-        a.op == "call_method"
-        and a.target in VIEWS
-        and len(a.users) == 1
-        and isinstance(a.args[0], fx.Node)
-        and all(not isinstance(x, fx.Node) for x in list(a.args[1:]) + list(a.kwargs.values()))
-    ):
-        view_shape = tensor_shape(a) or ()
-        views += [
-            (a.name, where)
-            for d, size in enumerate(view_shape)
-            if size == out_shape[axis]
-            for where in [literal_at(a, d)]
-            if where is not None
-        ]
-        a = a.args[0]
-    if a.op != "get_attr" or len(a.users) != 1:
-        return None
-    t = getattr(
-        gm.get_submodule(a.target.rpartition(".")[0]) if "." in a.target else gm, a.target.rpartition(".")[2], None
-    )
-    return (str(a.target), views) if isinstance(t, torch.Tensor) and t.numel() == out_shape[axis] else None
-
-
-def _one_value(a: fx.Node) -> bool:
-    shape = tensor_shape(a)
-    return isinstance(shape, tuple) and all(d == 1 for d in shape)
-
-
 def _probe_elementwise(n: fx.Node) -> list[fx.Node]:
     """The tensor arguments of an op with several of the output's shape and otherwise one-element tensors (learned
     scalars), when probing shows it channelwise in all of them at once; else []."""
@@ -464,7 +428,7 @@ def _probe_elementwise(n: fx.Node) -> list[fx.Node]:
         if shape == out and node_axis(a) == node_axis(n) and isinstance(dtype, torch.dtype) and from_input(a):
             full.append(a)
             slots.append((i, dtype))
-        elif _one_value(a) and isinstance(dtype, torch.dtype):
+        elif one_value(a) and isinstance(dtype, torch.dtype):
             args[i] = torch.full(shape, 0.37 + 0.1 * i, dtype=dtype)  # a value of its own, not 0 or 1
         else:
             return []

@@ -4,15 +4,13 @@ flag or number node (a module attribute read at run time, and arithmetic on it).
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import fx
 
 from ..core.state import seeded
 from ..graph.fx_edit import tensor_shape
 from ..io.mode_switch import ModeSwitch
-from .axes import indexed_axis, node_axis
+from .axes import index_of, indexed_axis, node_axis
 from .probe import PROBE_SEED, is_channelwise
 
 
@@ -42,10 +40,11 @@ def switch_is_channelwise(m: ModeSwitch, x: fx.Node, n: fx.Node) -> bool:
 
 def slice_keeps_channels(n: fx.Node, x: fx.Node) -> bool:
     """x[i0, i1, ...] with plain slices (at most one `...`) and integers on other axes (`x[:, 0]`, a class
-    token), taking the channel axis whole."""
-    if n.op != "call_function" or n.target is not operator.getitem or n.args[0] is not x:
+    token; `x.select(2, 0)`, one half of a gated MLP's `view(B, T, 2, C)`), taking the channel axis whole."""
+    found = index_of(n)
+    if found is None or found[0] is not x:
         return False
-    index, shape, axis = n.args[1], tensor_shape(x), node_axis(x)
+    index, shape, axis = found[1], tensor_shape(x), node_axis(x)
     out_axis = indexed_axis(n)
     index = index if isinstance(index, tuple) else (index,)
     if shape is None or axis is None or out_axis is None or node_axis(n) != out_axis:
@@ -61,7 +60,12 @@ def slice_keeps_channels(n: fx.Node, x: fx.Node) -> bool:
         bool(whole)
         and out is not None
         and out[out_axis] == shape[axis]
-        and all(not isinstance(b, fx.Node) for i in index if isinstance(i, slice) for b in (i.start, i.stop, i.step))
+        and all(  # bounds read at run time (`[:, :, :seq_len]`) only on other axes: they never cut channels
+            not isinstance(b, fx.Node)
+            for d, i in enumerate(index)
+            if isinstance(i, slice) and d == axis
+            for b in (i.start, i.stop, i.step)
+        )
     )
 
 
