@@ -34,6 +34,7 @@ from ..graph.inputs import (
 from ..graph.lean_meta import lean_tensor_meta
 from ..graph.shapes import example_input, state_bytes
 from .lineage import origin_of
+from .onnx_attention import four_d_attention
 from .onnx_complex import real_pairs
 from .onnx_external import ExternalWrite, data_path
 from .onnx_integers import exact_integers
@@ -143,6 +144,7 @@ def _exported(
     t_export = time.perf_counter()
     gm = real_pairs(gm)  # complex arithmetic as real pairs: ONNX has no complex type (gm itself when it has none)
     gm = exact_integers(gm, input_shape)  # integer powers and sums that onnxruntime would round (onnx_integers)
+    gm = four_d_attention(gm)  # attention over more than 4 dims: the exporter takes 4 (onnx_attention)
     if not is_positional(input_shape):
         proto, props = _export_named(gm, input_shape, opset, isolate, stage)
     else:  # a bare shape: the one input passed positionally, only the batch dynamic
