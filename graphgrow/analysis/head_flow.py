@@ -172,13 +172,14 @@ class Flow:
     # --- rules ---
     def regroup(self, n: fx.Node, lay: Layout, shape: tuple, args=None) -> Layout:
         """Factors of `lay` regrouped into axes of `shape` (a reshape): fixed factors may split, growing ones not.
-        A named factor of size 1 (one key/value head) fits several axes: it goes to the first whose size argument
-        in `args` is a constant (not a size read at run time: the batch)."""
+        A named factor of size 1 (one head) left after axis j is full goes to the first axis whose size argument in
+        `args` is a number (not a size read at run time: the batch): j where its size is 1, else a later one (timm's
+        reshape(B, N, 3, num_heads, -1): the heads' axis, not the 3 sections' before it)."""
         seq = [f for axis in lay for f in axis if f[0] or f[1] != 1]
 
         def home(j: int) -> int:
-            cands = [j] + [k for k in range(j + 1, len(shape)) if all(s == 1 for s in shape[j + 1 : k])]
-            for c in cands if args is not None else []:
+            later = [k for k in range(j + 1, len(shape)) if all(s == 1 for s in shape[j + 1 : k])]
+            for c in ([j] if shape[j] == 1 else []) + later if args is not None else []:
                 if isinstance(args[c], int):
                     return c
             return j if shape[j] == 1 or j + 1 == len(shape) or shape[j + 1] != 1 else j + 1
@@ -406,13 +407,9 @@ class Flow:
     def split(self, n: fx.Node, name: str):
         x = n.args[0]
         lay = self.of(x)
-        dim = (
-            (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0))
-            if name != "unbind"
-            else (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0))
-        )
-        dim %= len(lay)
-        axis, width, sizes = lay[dim], tensor_shape(x)[dim], n.args[1]
+        k = 1 if name == "unbind" else 2  # where the dim is: unbind(x, dim), split(x, sizes, dim), chunk(x, n, dim)
+        dim = (n.args[k] if len(n.args) > k else n.kwargs.get("dim", 0)) % len(lay)
+        axis, width, sizes = lay[dim], tensor_shape(x)[dim], n.args[1] if len(n.args) > 1 else None  # unbind(x)
         count = (
             (width // sizes if isinstance(sizes, int) else len(sizes))
             if name == "split"
@@ -432,7 +429,9 @@ class Flow:
             raise refuse(n, f"splits an axis that grows ({words(axis)}) other than into equal q/k/v sections")
         if name == "split" and self.grows(rest):
             self.edits.append(FactorEdit(n.name, ("args", 1), n.args[1], rest))
-        if name == "unbind":
+        if name == "unbind":  # the axis is gone: a factor beside the sections (one head of size 1) would go with it
+            if self.grows(rest):
+                raise refuse(n, f"unbinds an axis holding {words(rest)} beside the sections q, k, v: it would be lost")
             return [(lay[:dim] + lay[dim + 1 :], s) for s in sections]
         return [(lay[:dim] + (rest,) + lay[dim + 1 :], s) for s in sections]
 

@@ -196,7 +196,7 @@ def _attention(gm: fx.GraphModule, core: Core, growing: set[str]) -> Attention:
             att = _attention_layouts(gm, core, (growing - {"h"}) | {"r"})
         except NotApplicable:
             raise first from None
-        if att.kv_heads != 1:
+        if att.kv_heads != 1 or att.heads == 1:  # one head in all: no query heads to grow alone either
             raise first from None
         att.one_kv = True
         return att
@@ -342,7 +342,9 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
     _fix_roles(flow, [p for p in projections if p.node not in blocks], roles, q, k, v, s)
     lq, lk, lv = (flow.of(t) for t in (q, k, v))
     for t, lay, at in ((q, lq, -1), (k, lk, ka), (v, lv, -1)):
-        if any(flow.grows(ax) for i, ax in enumerate(lay) if i - len(lay) not in (-3, at)):
+        if any(flow.grows(ax) for i, ax in enumerate(lay) if i - len(lay) not in (-3, at)) or any(
+            f in ("h", "r") and f in growing for f, _ in lay[at]
+        ):  # heads on the head-size axis (one head's factor beside its size): a new head would widen the head
             raise refuse(t, "carries heads or head size on an axis other than the attention's heads or head size")
 
     def heads(ax: Axis) -> tuple:  # the growing factors only: a key may lack the query's r (SDPA's enable_gqa)
