@@ -52,3 +52,39 @@ def test_a_batch_made_by_concatenation_and_split_apart_exports(how, capture):
     assert report.passed, report
     after = {k: [e.function for e in v] for k, v in folding.registry.op_evaluators.items()}
     assert after == before  # restored: the guard lives only for the export
+
+
+class ClampedTwice(nn.Module):
+    """One tensor clipped before each of three Linears (Gemma 4's vision encoder before q, k and v), with infinite
+    bounds held in buffers; `how`: torch.clamp, Tensor.clamp by keyword, torch.minimum over torch.maximum."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("lo", torch.tensor(float("-inf")))
+        self.register_buffer("hi", torch.tensor(float("inf")))
+
+    def clip(self, x):
+        if self.how == "torch.clamp":
+            return torch.clamp(x, self.lo, self.hi)
+        if self.how == "Tensor.clamp":
+            return x.clamp(min=self.lo, max=self.hi)
+        return torch.minimum(torch.maximum(x, self.lo), self.hi)
+
+    def forward(self, x):
+        x = x * 2
+        return self.q(self.clip(x)) + self.k(self.clip(x)) * self.v(self.clip(x))
+
+
+@pytest.mark.parametrize("how", ["torch.clamp", "Tensor.clamp", "torch.minimum of torch.maximum"])
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_one_tensor_clipped_several_times_exports(how, capture):
+    """The optimizer's Clip rewrites name each bound after the clipped tensor: three clips of one tensor made three
+    constants of one name, and the ONNX checker refused the graph ("Nodes in a graph must be topologically sorted")."""
+    gm = gg.trace(ClampedTwice(how), input_shape=(2, 4, 8), capture=capture)
+    proto = export_onnx(gm, (2, 4, 8))
+    names = [i.name for i in proto.graph.initializer]
+    assert len(names) == len(set(names))
+    report = check_equivalence(gm, open_session(proto.SerializeToString(), "cpu"), (2, 4, 8))
+    assert report.passed, report

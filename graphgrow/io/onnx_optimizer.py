@@ -1,12 +1,13 @@
 """The exporter's ONNX optimizer (onnxscript), adjusted for the duration of one export: without its quadratic
-multi-output rewrites, and with constant folding that declines where one of its rules fails. Neither changes what
-the exported graph computes: a rewrite or a fold not done leaves the node as the exporter wrote it, for onnxruntime
-to run. Both are restored after the export."""
+multi-output rewrites, with the constants its rewrites add named apart from the graph's, and with constant folding
+that declines where one of its rules fails. None changes what the exported graph computes: a rewrite or a fold not
+done leaves the node as the exporter wrote it, for onnxruntime to run. All are restored after the export."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,10 +38,39 @@ def _linear_rewrites() -> Iterator[None]:
         yield
         return
     rewriter._DEFAULT_REWRITE_RULES = linear
+    named = [r for r in linear if callable(getattr(r, "try_rewrite", None))]
+    for r in named:
+        r.try_rewrite = _naming_apart(r.try_rewrite)  # an instance attribute over the class's method
     try:
         yield
     finally:
         rewriter._DEFAULT_REWRITE_RULES = rules
+        for r in named:
+            vars(r).pop("try_rewrite", None)
+
+
+_FRESH = itertools.count()
+
+
+def _naming_apart(try_rewrite: Any) -> Any:
+    """A rewrite whose new constants are renamed where the graph already holds an initializer of that name. The
+    min/max-to-Clip and clip-fusion rules name a bound after the clipped tensor (`{x}_min`): a tensor clipped twice
+    (Gemma 4's vision encoder clamps one input before each of q, k and v) gave two constants one name, onnxscript 0.7
+    kept the first and the second clip read a value nothing makes, and the ONNX checker refused the model ("Nodes in
+    a graph must be topologically sorted, however input 'mul_121_min_1' ..."). The nodes hold the value itself, so a
+    new name changes nothing else."""
+
+    @functools.wraps(try_rewrite)
+    def renamed(model: Any, graph: Any, *args: Any, **kwargs: Any) -> Any:
+        delta = try_rewrite(model, graph, *args, **kwargs)
+        taken = getattr(graph, "initializers", None)  # a function has none: onnxscript adds nothing there
+        new = (getattr(delta, "new_initializers", None) or ()) if taken is not None else ()
+        for value in new:
+            while value.name in taken:
+                value.name = f"{value.name}_gg{next(_FRESH)}"
+        return delta
+
+    return renamed
 
 
 @contextlib.contextmanager
