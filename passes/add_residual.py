@@ -131,9 +131,9 @@ def default_span(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, str]:
         return path[0], path[-1], f"main path: {place(gm, path[0], found)} → {place(gm, path[-1], found)}"
     spans = stage_spans(gm, found)
     if not spans:
-        over = block_span(gm)  # branches that never meet in one tensor (CrossViT): a skip over one block of one
-        if over is not None:
-            return over
+        block = block_span(gm)  # branches that never meet in one tensor (CrossViT): a skip over one block of one
+        if block is not None:
+            return block
         raise NotApplicable(
             f"no two main-path tensors of the backbone ({len(found)} stage(s) of one tensor each) can be connected",
             "give start=... and end=...",

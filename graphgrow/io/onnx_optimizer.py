@@ -40,7 +40,7 @@ def _linear_rewrites() -> Iterator[None]:
     rewriter._DEFAULT_REWRITE_RULES = linear
     named = [r for r in linear if callable(getattr(r, "try_rewrite", None))]
     for r in named:
-        r.try_rewrite = _naming_apart(r.try_rewrite)  # an instance attribute over the class's method
+        vars(r)["try_rewrite"] = _naming_apart(r.try_rewrite)  # an instance attribute over the class's method
     try:
         yield
     finally:
