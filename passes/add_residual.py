@@ -30,6 +30,7 @@ from graphgrow.rewrite import (
     add_module,
     add_parameter,
     begin,
+    computed_from,
     conv_dims,
     deployed_nodes,
     factory_kwargs,
@@ -174,14 +175,7 @@ def _residual_add(n: fx.Node) -> bool:
 
 
 def _ancestors(n: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    todo = list(n.all_input_nodes)
-    while todo:
-        x = todo.pop()
-        if x not in seen:
-            seen.add(x)
-            todo.extend(x.all_input_nodes)
-    return seen
+    return computed_from(n) - {n}
 
 
 def stage_spans(gm: fx.GraphModule, found: list[Stage]) -> list[tuple[fx.Node, fx.Node, int, str]]:

@@ -10,7 +10,7 @@ as keyword arguments and a generator, and returns a `Rewrite`. Built-in passes i
 
 Editing the graph (fx_edit):
     begin, factory_kwargs, copy_graph_module, find_node, resolve_tensor, nodes_in_module,
-    module_boundary, tensor_shape, is_float_tensor, unique_attr, add_module, add_parameter,
+    module_boundary, tensor_shape, is_float_tensor, computed_from, unique_attr, add_module, add_parameter,
     inserting_after, replace_uses, set_scope, finish, new_parameters, Rewrite,
     inline_containers (graph.inline: the calls of containers a pass inserted become their layers' calls),
     dead_places (verify.dead_ends: tensors no gradient reaches, where a new zero-gated contribution would be dead)
@@ -72,6 +72,7 @@ from ..graph.fx_edit import (
     add_module,
     add_parameter,
     begin,
+    computed_from,
     copy_graph_module,
     factory_kwargs,
     find_node,
@@ -123,6 +124,7 @@ __all__ = [
     "nodes_in_module",
     "module_boundary",
     "tensor_shape",
+    "computed_from",
     "is_float_tensor",
     "unique_attr",
     "add_module",
