@@ -14,7 +14,7 @@ from typing import Any
 
 @contextlib.contextmanager
 def tuned_optimizer() -> Iterator[None]:
-    with _linear_rewrites(), _folding_declines_on_error():
+    with _linear_rewrites(), _new_constants_named_apart(), _folding_declines_on_error():
         yield
 
 
@@ -38,13 +38,27 @@ def _linear_rewrites() -> Iterator[None]:
         yield
         return
     rewriter._DEFAULT_REWRITE_RULES = linear
-    named = [r for r in linear if callable(getattr(r, "try_rewrite", None))]
+    try:
+        yield
+    finally:
+        rewriter._DEFAULT_REWRITE_RULES = rules
+
+
+@contextlib.contextmanager
+def _new_constants_named_apart() -> Iterator[None]:
+    """Each rewrite rule the optimizer will run (_naming_apart), wrapped for the export, restored after."""
+    try:
+        from onnxscript import rewriter
+
+        named = [r for r in rewriter._DEFAULT_REWRITE_RULES if callable(getattr(r, "try_rewrite", None))]
+    except (ImportError, AttributeError):
+        yield
+        return
     for r in named:
         vars(r)["try_rewrite"] = _naming_apart(r.try_rewrite)  # an instance attribute over the class's method
     try:
         yield
     finally:
-        rewriter._DEFAULT_REWRITE_RULES = rules
         for r in named:
             vars(r).pop("try_rewrite", None)
 
