@@ -347,6 +347,33 @@ def test_six_layout_embeddings_keep_their_share_of_the_hidden_size():
     assert _shrunk(LayoutV1)["hidden_size"] == HIDDEN
 
 
+def test_sizes_that_split_the_hidden_size_are_split_the_same_way_when_it_shrinks():
+    """Reformer concatenates two axial position embeddings of (64, 192) channels into its 256: shrunk to 64 beside
+    them its model refused to build (the config itself accepts it). A split is scaled with the hidden size, as a list
+    or a tuple; sizes that do not sum to the hidden size, and a split that would not stay whole, are left alone."""
+    from dataclasses import dataclass, field
+
+    from sweep_models import HIDDEN, _shrunk
+
+    @dataclass
+    class Axial:
+        hidden_size: int = 256
+        axial_pos_embds_dim: tuple = (64, 192)
+        axial_pos_shape: tuple = (64, 64)  # multiplies to the sequence length: not a split of the hidden size
+        parts_as_list: list = field(default_factory=lambda: [128, 128])
+
+    @dataclass
+    class Uneven:
+        hidden_size: int = 768
+        split: tuple = (1, 767)  # 64/768 of each is not whole
+
+    kw = _shrunk(Axial)
+    assert kw["hidden_size"] == HIDDEN
+    assert kw["axial_pos_embds_dim"] == (16, 48) and kw["parts_as_list"] == [32, 32]
+    assert "axial_pos_shape" not in kw
+    assert "split" not in _shrunk(Uneven)
+
+
 def test_a_config_whose_default_is_refused_gets_the_features_its_checks_demand_off():
     """Gemma 4's assistant refuses its own default: its text config's per-layer inputs must be off (0) and MoE off
     while the text config's defaults have them on. Features are turned off one at a time, keeping each change

@@ -308,6 +308,7 @@ def _shrunk(config_class: type) -> dict:
             if k == "num_heads" and isinstance(kw.get("embed_dim"), int):
                 kw["embed_dim"] = 16  # stage i has embed_dim · 2^i channels and 2^i heads
     _layout_sixths(config_class, kw, real, value)
+    _hidden_size_split(kw, real, value)
     _stage_channels(kw, real, value)
     _keep_groups(kw, real, value)
     for k, sub in (getattr(config_class, "sub_configs", None) or {}).items():
@@ -539,6 +540,25 @@ def _hidden_size_copies(kw: dict, real: set, value) -> None:
             v = get(k)
             if k not in small and re.search(r"(size|dim)", k) and type(v) is int and v in sizes:
                 small[k] = sizes[v]
+
+
+def _hidden_size_split(kw: dict, real: set, value) -> None:
+    """A list of sizes that sums to the hidden size (Reformer's axial position embeddings: (64, 192) of 256
+    channels, concatenated) is split the same way at the shrunk hidden size: the model refuses parts that no longer
+    sum to it. Left as it is where the parts do not scale to whole numbers."""
+    key = next((k for k in ("hidden_size", "d_model", "n_embd", "dim") if k in kw), None)
+    old = value(key) if key else None
+    if not key or not isinstance(old, int) or not isinstance(kw[key], int) or old <= 0:
+        return
+    new = kw[key]
+    for k in sorted(real):
+        parts = value(k)
+        if k in kw or not isinstance(parts, (list, tuple)) or len(parts) < 2:
+            continue
+        if not all(type(x) is int and x > 0 for x in parts) or sum(parts) != old:
+            continue
+        if all(x * new % old == 0 for x in parts):
+            kw[k] = type(parts)(x * new // old for x in parts)
 
 
 def _read(config: object, field: str) -> object:
