@@ -13,9 +13,10 @@ import operator
 import torch
 from torch import fx
 
+from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 from .eager_attention import scale_value
-from .head_layout import Axis, size_of
+from .head_layout import Axis, FactorEdit, refuse, size_of, words
 
 
 def follows(layout: dict[str, object], a: fx.Node, axis: Axis, growing: set[str]) -> bool:
@@ -64,3 +65,40 @@ def constant_factor(a) -> tuple[int, int] | None:
             if isinstance(v, int) and not isinstance(v, bool):
                 return i, v
     return None
+
+
+def attribute_number(gm: fx.GraphModule, a) -> int | None:
+    """The value of `a` when it reads a number attribute of the model (`self.num_heads` in a model the capture traced
+    with its number attributes read at run time, because its forward branches on `training`): a fixed number, not a
+    size read off a tensor, so it does not follow a growth by itself. None for anything else."""
+    if not (isinstance(a, fx.Node) and a.op == "get_attr"):
+        return None
+    owner, _, name = str(a.target).rpartition(".")
+    try:
+        value = getattr(gm.get_submodule(owner), name)
+    except AttributeError:
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def regroup_edits(gm: fx.GraphModule, n: fx.Node, heads: Axis, growing: set[str]) -> list[FactorEdit]:
+    """The head count written in a reshape of the scores or weights between (batch · heads, q, k) and (batch, heads,
+    q, k) (DeBERTa-v2's `scores.view(-1, heads, q, k)`, Swin's shifted windows `attn.view(-1, windows, heads, q, k)`):
+    an edit, also where it is read from a number attribute (it is then written as the grown count); a size read at
+    run time or -1 follows by itself."""
+    t = n.target.overloadpacket if isinstance(n.target, torch._ops.OpOverload) else n.target
+    k = 0 if ops.op_name(t) in ("zeros", "empty") else 1  # zeros(sizes) (baddbmm's input), x.view(sizes)
+    packed = len(n.args) == k + 1 and isinstance(n.args[k], (list, tuple))
+    sizes = list(n.args[k] if packed else n.args[k:])
+    named = tuple(f for f in heads if f[0])
+    where = ("args", k, len(sizes) - 3) if packed else ("args", len(sizes) - 3 + k)
+    c = constant_factor(sizes[-3]) if len(sizes) >= 3 and any(f[0] in growing for f in named) else None
+    if c is not None and c[1] % size_of(named) == 0:  # batch · heads as mul(batch, heads) (BLOOM's weights @ value)
+        return [FactorEdit(n.name, where, c[1], named, c[0])]
+    count = attribute_number(gm, sizes[-3]) if len(sizes) >= 4 else None
+    count = sizes[-3] if count is None and len(sizes) >= 4 and isinstance(sizes[-3], int) else count
+    if count is None or count == -1 or not any(f[0] in growing for f in named):
+        return []
+    if count != size_of(named):
+        raise refuse(n, f"reshapes the attention scores with {count} heads, not {words(named)}")
+    return [FactorEdit(n.name, where, count, named)]

@@ -46,7 +46,7 @@ from .head_layout import (
 )
 from .head_output import _reader, gate_tail
 from .head_projections import Projection, _back, _linear_params, _op, _sections, beside, section_biases
-from .head_sizes import constant_factor
+from .head_sizes import regroup_edits
 
 
 @dataclass
@@ -385,31 +385,13 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
         out = plain(shape[:-3]) + (tuple(f for f in lq[-3] if f[0]),) + plain(shape[-2:-1]) + (lv[-1],)
     reader, edits, gates, per_head = _reader(gm, core, out, growing, tail)
     projections += gates
-    edits += [e for n in core.regroups for e in _regroup_edits(n, lq[-3], growing)]
+    edits += [e for n in core.regroups for e in regroup_edits(gm, n, lq[-3], growing)]
     att = Attention(s.name, h, kv, d, e, projections, reader, flow.edits + edits, core.scale, core.scale_at)
     att.per_head = per_head + flow.params
     if core.scale_from is not None:
         att.scale_of = _computed_scale(flow, core, region | {q.name, k.name, v.name})
         att.scale = att.scale_of({})
     return att
-
-
-def _regroup_edits(n: fx.Node, heads: Axis, growing: set[str]) -> list[FactorEdit]:
-    """The head count written in a reshape of the scores or weights between (batch · heads, q, k) and (batch, heads,
-    q, k) (DeBERTa-v2's `scores.view(-1, heads, q, k)`): an edit; a size read at run time or -1 follows by itself."""
-    k = 0 if _op(n) in ("zeros", "empty") else 1  # zeros(sizes) (baddbmm's input), x.view(sizes) or x.view(*sizes)
-    packed = len(n.args) == k + 1 and isinstance(n.args[k], (list, tuple))
-    sizes = list(n.args[k] if packed else n.args[k:])
-    named = tuple(f for f in heads if f[0])
-    where = ("args", k, len(sizes) - 3) if packed else ("args", len(sizes) - 3 + k)
-    c = constant_factor(sizes[-3]) if len(sizes) >= 3 and any(f[0] in growing for f in named) else None
-    if c is not None and c[1] % size_of(named) == 0:  # batch · heads as mul(batch, heads) (BLOOM's weights @ value)
-        return [FactorEdit(n.name, where, c[1], named, c[0])]
-    if len(sizes) < 4 or not isinstance(sizes[-3], int) or sizes[-3] == -1 or not any(f[0] in growing for f in named):
-        return []
-    if sizes[-3] != size_of(named):
-        raise refuse(n, f"reshapes the attention scores with {sizes[-3]} heads, not {words(named)}")
-    return [FactorEdit(n.name, where, sizes[-3], named)]
 
 
 def _one_for_all_heads(mask: fx.Node) -> bool:
