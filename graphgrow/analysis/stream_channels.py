@@ -44,6 +44,11 @@ def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> Channel
             return None
         kinds = {"weight": "scale", "bias": "shift", "running_mean": "shift", "running_var": "scale"}
         return ChannelOp(n.args[0], 1, [(f"{path}.{k}", 0, v) for k, v in kinds.items() if getattr(m, k) is not None])
+    pooled = max_pooled(gm, n)
+    if pooled is not None:  # each channel's largest value over a window of the map: 0 for zeros, copies for copies
+        if axis != 1 or (tensor_shape(pooled) or ())[1:2] != (width,):
+            return None
+        return ChannelOp(pooled, 1, [], why="takes each coordinate's maximum over a window of the map: not the mean's")
     if n.op == "call_module":
         m = gm.get_submodule(n.target)
         depthwise = isinstance(m, nn.modules.conv._ConvNd) and m.groups == m.in_channels == m.out_channels == width > 1
@@ -78,6 +83,34 @@ def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> Channel
         if gate is not None:
             return ChannelOp(x, axis, gate)
     return None
+
+
+MAX_POOL_MODULES = (
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.MaxPool3d,
+    nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d,
+)
+
+
+def max_pooled(gm: fx.GraphModule, n: fx.Node) -> fx.Node | None:
+    """The input of `n` when `n` is a max pooling of a batched map (module or function, without indices: MViTv2's
+    pooled shortcut, NesT's pooling between levels), else None. Padding is -inf, so a zero channel pools to 0."""
+    x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if x is None or any(isinstance(a, fx.Node) for a in (*n.args[1:], *n.kwargs.values())):
+        return None
+    if n.op == "call_module":
+        m = gm.get_submodule(n.target)
+        if not isinstance(m, MAX_POOL_MODULES) or m.return_indices:
+            return None
+        spatial = int(type(m).__name__[-2])  # MaxPool2d, AdaptiveMaxPool2d: 2
+    elif base_name(n) in ops.MAX_POOLS and not arg(n, 2 if "adaptive" in base_name(n) else 6, "return_indices", False):
+        spatial = int(base_name(n)[-2])
+    else:
+        return None
+    return x if len(tensor_shape(x) or ()) == spatial + 2 else None
 
 
 def gate_factor(gm: fx.GraphModule, p: fx.Node, out: tuple, axis: int, width: int) -> list[tuple[str, int, str]] | None:

@@ -14,7 +14,9 @@ from ..graph.fx_edit import tensor_shape
 from .stream_ops import arg as _arg
 from .stream_ops import base_name
 
-NORM_FUNCTIONS = (F.layer_norm, torch.layer_norm, F.rms_norm) + (
+# torch.export leaves F.rms_norm as the ATen op (aten.rms_norm.default: the same arguments, the same positions)
+LAYER_NORMS = (F.layer_norm, torch.layer_norm, torch.ops.aten.layer_norm.default)
+NORM_FUNCTIONS = (*LAYER_NORMS, F.rms_norm, torch.ops.aten.rms_norm.default) + (
     (torch.rms_norm,) if hasattr(torch, "rms_norm") else ()
 )
 
@@ -98,7 +100,7 @@ def norm_of(gm: fx.GraphModule, n: fx.Node) -> Norm | None:
         return Norm(n.name, True, x.name, None, None, None, eps, tuple(v.name for v in inner), l2)
     if n.op != "call_function" or n.target not in NORM_FUNCTIONS or not isinstance(n.args[0], fx.Node):
         return None
-    rms = n.target not in (F.layer_norm, torch.layer_norm)
+    rms = n.target not in LAYER_NORMS
     weight = _arg(n, 2, "weight")
     bias = None if rms else _arg(n, 3, "bias")
     eps = _arg(n, 3 if rms else 4, "eps", None if rms else 1e-5)

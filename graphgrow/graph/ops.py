@@ -107,3 +107,8 @@ def op_name(target: object) -> str:
 # reductions that return one tensor of statistics over the dims they are given (not max/min: those also return
 # indices); a norm written out reads them (analysis.head_layout)
 AXIS_STATISTICS = LINEAR_REDUCTIONS | frozenset({"var", "amax", "amin", "logsumexp"})
+
+# --- pooling: the largest value of each channel over a window of the map (the channels first, after the batch) -----
+MAX_POOLS = frozenset(
+    {"max_pool1d", "max_pool2d", "max_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d"}
+)
