@@ -263,8 +263,9 @@ def _same_rank_axis(n: fx.Node, shape: tuple) -> int | None:
 
 
 def flatten_keeps_axis(n: fx.Node) -> int | None:
-    """flatten(start_dim) past the channel axis leaves channel c where it was ((N, C, H, W) → (N, C, H·W),
-    a ViT patch embedding): the input's axis, else None."""
+    """A flatten that leaves the channel axis out of the dims it merges keeps each channel apart: past it
+    ((N, C, H, W) → (N, C, H·W), a ViT patch embedding) the axis stays where it was; before it ((B, 2, 2, h, w, C)
+    → (4B, h, w, C), Hiera's windows folded into the batch) it moves down by the dims merged. Else None."""
     is_flatten = (n.op == "call_function" and n.target is torch.flatten) or (
         n.op == "call_method" and n.target == "flatten"
     )
@@ -273,9 +274,13 @@ def flatten_keeps_axis(n: fx.Node) -> int | None:
     x = n.args[0]
     axis, shape = node_axis(x), tensor_shape(x)
     start = n.kwargs.get("start_dim", n.args[1] if len(n.args) > 1 else 0)
-    if axis is None or shape is None or not isinstance(start, int):
+    end = n.kwargs.get("end_dim", n.args[2] if len(n.args) > 2 else -1)
+    if axis is None or not shape or not isinstance(start, int) or not isinstance(end, int):
         return None
-    return axis if axis < start % len(shape) else None
+    start, end = start % len(shape), end % len(shape)
+    if axis < start:
+        return axis
+    return axis - (end - start) if axis > end else None
 
 
 REDUCTIONS = ops.LINEAR_REDUCTIONS | (ops.EXTREMA - {"max", "min"})  # max/min over a dim also return indices
