@@ -54,7 +54,7 @@ from .stream_ops import forward_axis as _forward_axis
 from .stream_ops import input_axis as _input_axis
 from .stream_ops import token_scale as _token_scale
 from .stream_ops import zero_activation_input as _zero_activation_input
-from .stream_parts import Reader, Stream, Writer, linear_reader
+from .stream_parts import Reader, Stream, Writer, kept_whole, linear_reader, recurrent_reader
 from .stream_parts import refuse as _refuse
 from .stream_parts import what as _what
 from .stream_regions import region, region_root, zero_at_zero
@@ -285,7 +285,7 @@ class _Walk:
             return None
         if fourier_along(n, axis):  # FNet mixes tokens and hidden coordinates by a 2-D DFT
             raise _refuse(n, "comes from a Fourier transform along the hidden axis: every output depends on the width")
-        raise _refuse(n, "produces stream values the analysis does not understand")
+        raise kept_whole(self.gm, n) or _refuse(n, "produces stream values the analysis does not understand")
 
     def user(self, x: fx.Node, u: fx.Node) -> None:
         key = f"{x.name}->{u.name}"
@@ -327,6 +327,8 @@ class _Walk:
             and all(a is not x for a in list(u.args[1:]) + [v for k, v in u.kwargs.items() if k != "input"])
         ):
             return self.s.readers.append(linear_reader(u, x, axis))
+        if (recurrent := recurrent_reader(self.gm, u, x, axis)) is not None:  # an LSTM's input features
+            return self.s.readers.append(recurrent)
         conv = self.gm.get_submodule(u.target) if u.op == "call_module" else None
         if isinstance(conv, nn.modules.conv._ConvNd) and conv.groups == 1 and axis == 1 and u.args == (x,):
             self.s.readers.append(Reader(u.name, [(f"{u.target}.weight", 1)], x.name))  # its input channels
@@ -388,7 +390,7 @@ class _Walk:
         if root is not None:
             self.inner |= set(region(root)[1])  # type: ignore[index]
             return self.activation(x, root)
-        raise _refuse(
+        raise kept_whole(self.gm, u) or _refuse(
             u,
             "reads it in a way the analysis does not understand (only Linear layers, norms, adds, "
             "concatenation along the tokens, dropout, views and token selection are)",

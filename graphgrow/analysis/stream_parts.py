@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from torch import fx
+from torch import fx, nn
 
 from ..core.errors import NotApplicable
 from ..graph.fx_edit import tensor_shape
@@ -77,3 +77,35 @@ def linear_reader(u: fx.Node, x: fx.Node, axis: int) -> Reader:
     if not (isinstance(w, fx.Node) and w.op == "get_attr"):
         raise refuse(u, "takes its weight from a computed tensor")
     return Reader(u.name, [(str(w.target), 1)], x.name)
+
+
+def recurrent_reader(gm: fx.GraphModule, u: fx.Node, x: fx.Node, axis: int) -> Reader | None:
+    """`u`, an nn.LSTM / GRU / RNN module reading stream tensor `x` as its input features (the last axis, batch first
+    or not; Sequencer's LSTMs over the rows and columns of a map): its first layer's input-to-hidden weights, in each
+    direction, read the stream through their columns, as a Linear's do (new columns: nothing else reads the input).
+    None when `u` is no such call; refused when it reads the stream along another axis or is given a state."""
+    if u.op != "call_module" or not isinstance(m := gm.get_submodule(str(u.target)), nn.RNNBase):
+        return None
+    if u.args[:1] != (x,) or len(u.args) > 1 or u.kwargs:
+        raise refuse(u, "reads the stream beside a given state, or as its state")
+    if axis != len(tensor_shape(x) or ()) - 1:
+        raise refuse(u, "reads the stream along another axis than its input features")
+    directions = ("", "_reverse") if m.bidirectional else ("",)
+    return Reader(u.name, [(f"{u.target}.weight_ih_l0{d}", 1) for d in directions], x.name)
+
+
+def kept_whole(gm: fx.GraphModule, n: fx.Node) -> NotApplicable | None:
+    """The refusal for a module the capture kept whole (a leaf: a model's own class, or a torch container of layers)
+    that the stream reaches, else None: what it computes from the stream is not in the graph, so no rule can apply."""
+    if n.op != "call_module":
+        return None
+    m = gm.get_submodule(str(n.target))
+    if type(m).__module__.startswith("torch.nn") and not any(True for _ in m.children()):
+        return None
+    return NotApplicable(
+        f"the residual stream reaches '{n.name}' (module {n.target}), which the capture kept whole "
+        f"({type(m).__name__}, a leaf): what it computes from the stream is not in the graph, so how it reads or "
+        "writes the hidden size cannot be seen",
+        "capture the model with torch.export (--capture export) so that the module is traced through, or grow the "
+        "layers around it with grow_width",
+    )

@@ -265,6 +265,8 @@ def _resize_modules(gm: fx.GraphModule, paths: set[str]) -> None:
             m = gm.get_submodule(path)
         except AttributeError:
             continue
+        if isinstance(m, nn.RNNBase):  # an LSTM reading the stream: its first layer's input columns
+            m.input_size = int(m.weight_ih_l0.shape[1])
         w = getattr(m, "weight", None)
         if w is None:
             continue
