@@ -2,7 +2,9 @@
 one parameter alone (through views, lookups and elementwise functions of it) — a learnable sink or gate bias (one
 entry per head), a scale of the query per head and coordinate (Dory's sqk), a per-head bias of the query or value
 (DeBERTa's q_bias of heads × head size, viewed per head), a relative-position bias table with one column per head
-looked up by position buckets (CPM-Ant's, T5's `F.embedding(buckets, table)`) — grows with the heads: the parameter
+looked up by position buckets (CPM-Ant's, T5's `F.embedding(buckets, table)`) or gathered by a tensor of positions
+(BEiT's and Swin's `table[index]`, `table[:, index]`, `index_select`, `gather`: a gather's index, which has a row per
+head, gives new heads a copy of an old head's row) — grows with the heads: the parameter
 gets entries for the new heads along the axis that holds them (a `fill` that only new heads read: zero for a term,
 one for a factor), and the old heads read what they read before. A per-head tensor that no one parameter holds
 (ALiBi's slopes × positions, computed or from a buffer; a bias summed from two tables; a mask combined with it) is
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
 from torch import fx, nn
 
 from ..core.errors import NotApplicable
@@ -110,6 +113,8 @@ def _source(x: fx.Node) -> fx.Node | None:
     name, tensors = _name(x), [a for a in x.args if isinstance(a, fx.Node)]
     if name in LOOKUPS and len(x.args) > 1:
         src = x.args[1]
+    elif name in ops.TABLE_READS:  # table.index_select(d, idx), table.gather(d, idx): entries of the table
+        src = x.args[0] if x.args else None
     elif name in ops.BINARY_NAMES and len(tensors) == 1 and all(isinstance(a, (int, float)) for a in x.args[1:]):
         src = tensors[0]  # the parameter times a number (Dory's sqk · c): still one value per entry
     elif name in CHAIN | POINTWISE:
@@ -126,31 +131,80 @@ def _follows(flow: Flow, x: fx.Node, start: Layout, chain: list, side: fx.Node, 
     """With `x` laid out as `start`, the chain (nearest `side` first) puts the heads `axis` at `side`'s axis `at` and
     nowhere else; its layouts and edits are kept then, rolled back otherwise."""
     saved, edits, rank = dict(flow.layout), len(flow.edits), len(tensor_shape(side) or ())
+    params = len(flow.params)
     try:
         flow.layout[x.name] = start
         for m in reversed(chain):
-            flow.layout[m.name] = _lookup(flow, m) if _name(m) in LOOKUPS else flow.step(m)
+            flow.layout[m.name] = _step(flow, m)
         got = flow.of(side)
         ok = len(got) == rank and canon(got[at], flow.growing) == canon(axis, flow.growing)
         ok = ok and not any(flow.grows(a) for i, a in enumerate(got) if i != at % rank)
     except NotApplicable:
         ok = False
     if not ok:
-        flow.layout, flow.edits = saved, flow.edits[:edits]
+        flow.layout, flow.edits, flow.params = saved, flow.edits[:edits], flow.params[:params]
     return ok
+
+
+def _step(flow: Flow, m: fx.Node) -> Layout:
+    """The layout of `m`, on the way from a parameter to a tensor that meets the heads."""
+    if _name(m) in LOOKUPS:
+        return _lookup(flow, m)
+    by_index = _by_index(flow, m)
+    return by_index if by_index is not None else flow.step(m)
+
+
+def _by_index(flow: Flow, m: fx.Node) -> Layout | None:
+    """The layout of entries of a table picked by a tensor of integer indices (None: `m` picks none so): x[idx] or
+    x[:, idx] (the index's dims in place of the indexed one), x.index_select(d, idx) (the index's length there),
+    x.gather(d, idx) (the index's shape; along every other dim it reads the table's entry at the same place, so a dim
+    holding heads holds them in the index too: new heads read a copy of an old head's index row). The indexed dim
+    must not grow: which entries new indices would pick is not known."""
+    name, args = _name(m), m.args
+    if name == "getitem" and len(args) == 2 and isinstance(args[0], fx.Node):
+        items = args[1] if isinstance(args[1], tuple) else (args[1],)
+        nodes = [i for i in items if isinstance(i, fx.Node)]
+        if not nodes:
+            return None
+        idx = nodes[0]
+        if len(nodes) > 1 or any(i is not idx and i != slice(None) for i in items):
+            raise NotApplicable("an index mixing tensors with other indices", "")
+        dim = items.index(idx)
+        shape = tensor_shape(idx)
+    elif name in ops.TABLE_READS and len(args) == 3 and isinstance(args[1], int) and isinstance(args[2], fx.Node):
+        idx, shape = args[2], tensor_shape(args[2])
+        dim = args[1] % len(tensor_shape(args[0]) or (0,))
+    else:
+        return None
+    dt = idx.meta.get("gg_dtype")
+    lay = flow.of(args[0])  # type: ignore[arg-type]
+    if shape is None or dt is None or dt.is_floating_point or dt == torch.bool or dim >= len(lay):
+        raise NotApplicable("an index that is not a tensor of integers", "")
+    if flow.grows(lay[dim]):
+        raise NotApplicable("a lookup along a growing axis", "")
+    if name != "gather":
+        return lay[:dim] + plain(shape) + lay[dim + 1 :]
+    table = tensor_shape(args[0])  # type: ignore[arg-type]
+    if table is None or len(shape) != len(lay):
+        raise NotApplicable("a gather whose index does not match its table", "")
+    out = []
+    for k, (s, axis) in enumerate(zip(shape, lay)):
+        if k == dim or not flow.grows(axis):
+            out.append(plain((s,))[0])
+            continue
+        if s != table[k] or not _apart(flow, idx):
+            raise NotApplicable("a gather along heads whose index cannot take rows for new heads", "")
+        flow.params.append((idx.name, k, axis, None))  # new heads' index rows: copies of old heads'
+        out.append(axis)
+    return tuple(out)
 
 
 def _free(flow: Flow, c: fx.Node, later: list, side: fx.Node) -> bool:
     """`c` can take a copy of old heads for new ones: it is computed without a Linear or matrix product (so from no
     attention's projections, scores or outputs, which may grow themselves: RealFormer's scores handed on), and what
     reads it and the chain after it is the chain, or the ops that read `side` (one bias read by every layer)."""
-    todo, seen = [c], set()
-    while todo:
-        n = todo.pop()
-        if n.name in flow.layout or op_kind(flow.gm, n) == "linear" or _name(n) in PRODUCTS or is_sdpa(n):
-            return False
-        seen.add(n.name)
-        todo += [a for a in n.all_input_nodes if a.name not in seen]
+    if not _apart(flow, c):
+        return False
     readers = {u.target for u in side.users}
     if len(readers) != 1:
         return False
@@ -162,6 +216,18 @@ def _free(flow: Flow, c: fx.Node, later: list, side: fx.Node) -> bool:
                 todo.append(u)
             elif u is not side and u.target not in readers:
                 return False
+    return True
+
+
+def _apart(flow: Flow, c: fx.Node) -> bool:
+    """`c` is computed without a Linear or matrix product and without a tensor the flow follows."""
+    todo, seen = [c], set()
+    while todo:
+        n = todo.pop()
+        if n.name in flow.layout or op_kind(flow.gm, n) == "linear" or _name(n) in PRODUCTS or is_sdpa(n):
+            return False
+        seen.add(n.name)
+        todo += [a for a in n.all_input_nodes if a.name not in seen]
     return True
 
 

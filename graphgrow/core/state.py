@@ -102,14 +102,16 @@ def _dropout_call(u: fx.Node, flag: fx.Node) -> bool:
 
 @contextlib.contextmanager
 def preserved_buffers(module: nn.Module) -> Iterator[nn.Module]:
-    """Restore every buffer (running stats, counters) to its value on entry."""
+    """Restore every buffer (running stats, counters) to its value on entry. One that is unchanged is left as it is:
+    a buffer whose elements share memory (a constant fx folded from `index.expand(heads, -1)`) cannot be written."""
     saved = [(b, b.detach().clone()) for b in module.buffers()]
     try:
         yield module
     finally:
         with torch.no_grad():
             for b, v in saved:
-                b.copy_(v)
+                if not torch.equal(b, v):
+                    b.copy_(v)
 
 
 @contextlib.contextmanager

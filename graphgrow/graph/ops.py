@@ -35,6 +35,9 @@ SPLITS = frozenset({"split", "chunk", "unbind"})  # one tensor into a tuple of p
 SHAPE_DONORS = frozenset({"type_as", "expand_as", "view_as", "reshape_as"})  # x.op(y): y gives a dtype or shape
 INDEXING = frozenset({"select", "getitem"})  # x.select(d, i), x[i]: one index along a dim (the dim disappears)
 LOOKUPS = frozenset({"embedding"})  # F.embedding(ids, table): rows of the table (its second operand) by index
+# entries of a tensor (the first operand) picked along one dim by a tensor of integer indices: x.index_select(d, idx),
+# x.gather(d, idx) (x[idx], a getitem with a tensor in its index, is INDEXING's getitem)
+TABLE_READS = frozenset({"index_select", "gather"})
 # values read out of the data as Python numbers, or tensors whose size depends on the values: what is sized from them
 # (a mixture of experts' per-expert split, `.tolist()` of its routing counts) changes from input to input
 DATA_READS = frozenset({"item", "tolist", "_local_scalar_dense", "nonzero", "argwhere", "unique", "bincount"})

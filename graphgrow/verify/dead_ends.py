@@ -68,7 +68,7 @@ def dead_places(gm: fx.GraphModule, nodes: list[fx.Node], seed: int = 0) -> dict
     return {k: _why(gm, by_name[k]) for k, grad in zip(names, grads) if grad is None or not grad.any()}
 
 
-_SELECT = {"select", "narrow", "index_select", "gather", "take", "take_along_dim", "masked_select"}
+_SELECT = {"select", "narrow", "take", "take_along_dim", "masked_select"} | ops.TABLE_READS
 
 
 def _selects(n: fx.Node) -> bool:
