@@ -97,9 +97,9 @@ def _exports(monkeypatch, model) -> tuple[list[bool], torch.fx.GraphModule]:
     modes: list[bool] = []
     real = ec._export
 
-    def counted(m, inputs, train):
+    def counted(m, inputs, train, fixed):
         modes.append(train)
-        return real(m, inputs, train)
+        return real(m, inputs, train, fixed)
 
     monkeypatch.setattr(ec, "_export", counted)
     gm = capture_by_export(model, parse_spec("x:2x6x8:float32"), True, [])  # True: fidelity in both modes

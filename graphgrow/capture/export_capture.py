@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -35,7 +35,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from ..core import codegen
 from ..core.errors import GraphgrowError, InputError, TraceError, first_line
 from ..graph.graph_meta import META_KEY, store_shape
-from ..graph.inputs import DTYPES, InputSpec, first_embedding, spec_inputs
+from ..graph.inputs import DTYPES, InputSpec, first_embedding, fixed_dims, spec_inputs
 from ..graph.lean_meta import lean_tensor_meta
 from .aten_table import DROPPED, to_torch
 from .data_dependent import export_refusal, exporting
@@ -56,9 +56,10 @@ def _raisable(m: nn.Module) -> bool:
     )
 
 
-def _export(model: nn.Module, inputs: dict[str, torch.Tensor], train: bool):
+def _export(model: nn.Module, inputs: dict[str, torch.Tensor], train: bool, fixed: Mapping[str, set[int]]):
     was = model.training
-    dims = {k: {d: torch.export.Dim.AUTO for d in range(v.dim())} for k, v in inputs.items()}
+    auto, static = torch.export.Dim.AUTO, torch.export.Dim.STATIC
+    dims = {k: {d: static if d in fixed.get(k, ()) else auto for d in range(v.dim())} for k, v in inputs.items()}
     try:
         model.train(train)
         with exporting(), lean_tensor_meta():  # distributions' value checks off (data_dependent.py); lean_meta.py
@@ -273,12 +274,16 @@ def _to_torch(g: fx.Graph) -> list[str]:
     return sorted(left)
 
 
-def export_capture(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[fx.GraphModule, dict]:
+def export_capture(
+    model: nn.Module, inputs: dict[str, torch.Tensor], fixed: Mapping[str, set[int]] | None = None
+) -> tuple[fx.GraphModule, dict]:
     """Capture `model` on the example `inputs` (name → tensor, passed by keyword) with torch.export.
 
     Returns the GraphModule (parameters shared with `model`) and the capture report. Inputs are
-    exported with every dimension dynamic where the model allows it (torch.export.Dim.AUTO).
+    exported with every dimension dynamic where the model allows it (torch.export.Dim.AUTO), except the
+    dimensions `fixed` names per input (fixed_dims: an image's size), kept at the example's size.
     """
+    fixed = fixed or {}
     name = type(model).__name__
     start = time.perf_counter()
     graphs = []
@@ -287,7 +292,7 @@ def export_capture(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[f
     standins: dict[str, nn.Module | None] = {}  # path → the torch.nn layer a model's own layer behaves as
     once = same_in_both_modes(model, inputs)  # then a train-mode export is the eval graph again (mode_probe.py)
     for train in (False,) if once else (False, True):
-        ep = _export(model, inputs, train)
+        ep = _export(model, inputs, train, fixed)
         g, extra = _lift(ep, model)
         kept = _raise_layers(g, model, standins)
         graphs.append(g)
@@ -410,7 +415,7 @@ def capture_by_export(model: nn.Module, spec: InputSpec | None, check: bool, not
         inputs = spec_inputs(model, spec, seed=0, batch=batch)
         first_call(model, inputs)
         try:
-            gm, report = export_capture(model, inputs)
+            gm, report = export_capture(model, inputs, fixed_dims(spec))
         except GraphgrowError:
             raise
         except Exception as e:  # what graphgrow does with the exported program, failing on a version it was not run on
