@@ -443,10 +443,11 @@ class _Walk:
         """`n` = a per-channel op of the stream (stream_channels): new coordinates zero on both sides (or replicated);
         its factors grow with the stream (any value multiplies a zero: the old ones' mean), its shifts with zeros."""
         self.add(op.x, op.x_axis)
-        self.add(n, axis)
+        self.add(n, axis, like=None if op.fills else op.x)  # no fill of its own: linear, alike for every channel
         why = f"'{n.name}' {op.why}"
-        self.need(op.x, "zero", why)
-        self.need(n, "zero", why)
+        for fill in op.fills:  # zero and mean: replication alone
+            self.need(op.x, fill, why)
+            self.need(n, fill, why)
         for path, dim, kind in op.params:
             self.s.writers.append(Writer(n.name, kind, [(path, dim)], n.name))
         if op.groups and n.name not in self.s.grouped:  # F.conv1d(…, groups=width): one group per coordinate

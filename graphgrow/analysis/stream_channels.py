@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
@@ -28,6 +29,9 @@ class ChannelOp:
     groups: bool = False  # a functional depthwise conv: its `groups` argument is the width (rewritten with it)
     views: list[tuple[str, int]] = field(default_factory=list)  # (a factor's reshape, the width's place in its sizes)
     why: str = "scales each hidden coordinate by a factor of its own: 0·γ = 0, but not mean(γ·x) = γ·mean(x)"
+    # the fills it needs on both sides: zero (a factor: 0·γ = 0); none (a linear map alike for every channel: any fill
+    # passes, both sides share it); zero and mean (only replication is exact: a GroupNorm of one group)
+    fills: tuple[str, ...] = ("zero",)
 
 
 GATE_MODULES = (nn.Sigmoid, nn.Tanh, nn.Softplus, nn.SiLU, nn.GELU, nn.ReLU)  # elementwise, finite: a gate's σ
@@ -44,6 +48,14 @@ def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> Channel
             return None
         kinds = {"weight": "scale", "bias": "shift", "running_mean": "shift", "running_var": "scale"}
         return ChannelOp(n.args[0], 1, [(f"{path}.{k}", 0, v) for k, v in kinds.items() if getattr(m, k) is not None])
+    norm = one_group_norm(gm, n, axis, width)
+    if norm is not None:
+        return norm
+    pooled = avg_pooled(gm, n)
+    if pooled is not None:  # each channel's average over a window of its own map: linear, the same for every channel
+        if axis != 1 or (tensor_shape(pooled) or ())[1:2] != (width,):
+            return None
+        return ChannelOp(pooled, 1, [], why="averages each channel over a window of its own map", fills=())
     pooled = max_pooled(gm, n)
     if pooled is not None:  # each channel's largest value over a window of the map: 0 for zeros, copies for copies
         if axis != 1 or (tensor_shape(pooled) or ())[1:2] != (width,):
@@ -85,6 +97,34 @@ def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> Channel
     return None
 
 
+GROUP_NORMS = (F.group_norm, torch.group_norm, torch.ops.aten.group_norm.default)
+
+
+def one_group_norm(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> ChannelOp | None:
+    """`n` as a GroupNorm of one group over the channels (axis 1) and the map (PoolFormer-v2's norm: nn.GroupNorm(1, C)
+    or F.group_norm(x, 1, γ, β)), else None. Its mean and variance run over every channel and position together:
+    new channels equal to 0, or to the mean of the old channels at each position, change them (that mean's spread over
+    the map is not the old channels'), while copies of the old channels keep them: replication only. Then each channel
+    is scaled and shifted by its own γ and β, copied with it."""
+    x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if n.op == "call_module" and isinstance(m := gm.get_submodule(str(n.target)), nn.GroupNorm):
+        groups, path = m.num_groups, str(n.target)
+        params = [(f"{path}.{k}", 0, kind) for k, kind in (("weight", "scale"), ("bias", "shift")) if m.affine]
+    elif n.op == "call_function" and n.target in GROUP_NORMS:
+        groups, params = arg(n, 1, "num_groups"), []
+        for i, key, kind in ((2, "weight", "scale"), (3, "bias", "shift")):
+            p = arg(n, i, key)
+            if p is not None and not (isinstance(p, fx.Node) and p.op == "get_attr" and len(p.users) == 1):
+                return None
+            params += [(str(p.target), 0, kind)] if p is not None else []
+    else:
+        return None
+    if groups != 1 or axis != 1 or x is None or (tensor_shape(x) or ())[1:2] != (width,) or len(n.args) > 5:
+        return None
+    why = "normalises the channels and the map together (a GroupNorm of one group): copies keep its statistics"
+    return ChannelOp(x, 1, params, why=why, fills=("zero", "mean"))
+
+
 MAX_POOL_MODULES = (
     nn.MaxPool1d,
     nn.MaxPool2d,
@@ -93,6 +133,25 @@ MAX_POOL_MODULES = (
     nn.AdaptiveMaxPool2d,
     nn.AdaptiveMaxPool3d,
 )
+
+
+AVG_POOL_MODULES = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
+
+
+def avg_pooled(gm: fx.GraphModule, n: fx.Node) -> fx.Node | None:
+    """The input of `n` when `n` is an average pooling of a batched (N, C, …) map (AvgPoolNd, F.avg_poolNd: PoolFormer's
+    token mixer pool(x) - x), else None: each output is a fixed weighted sum of its channel's values (zero padding,
+    with or without counting it), the same for every channel, so any fill of new channels passes through it."""
+    x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if x is None or any(isinstance(a, fx.Node) for a in (*n.args[1:], *n.kwargs.values())):
+        return None
+    if n.op == "call_module" and isinstance(m := gm.get_submodule(str(n.target)), AVG_POOL_MODULES):
+        spatial = int(type(m).__name__[-2])
+    elif n.op == "call_function" and base_name(n) in ("avg_pool1d", "avg_pool2d", "avg_pool3d"):
+        spatial = int(base_name(n)[-2])
+    else:
+        return None
+    return x if len(tensor_shape(x) or ()) == spatial + 2 else None
 
 
 def max_pooled(gm: fx.GraphModule, n: fx.Node) -> fx.Node | None:

@@ -276,6 +276,8 @@ def _resize_modules(gm: fx.GraphModule, paths: set[str]) -> None:
             m.embedding_dim = w.shape[1]
         elif isinstance(m, nn.modules.batchnorm._BatchNorm):
             m.num_features = w.shape[0]
+        elif isinstance(m, nn.GroupNorm):  # of one group over the stream (analysis.stream_channels)
+            m.num_channels = w.shape[0]
         elif isinstance(m, nn.modules.conv._ConvNd):
             if m.groups > 1 and m.groups == m.in_channels == m.out_channels:  # depthwise: a filter per channel
                 m.groups = m.in_channels = w.shape[0]
