@@ -28,6 +28,7 @@ class Condition:
     after: fx.Node | None  # the last tensor-work node created before it
     answer: bool
     location: Any = None  # (file, line) of the `if` that asked it
+    forced: bool = False  # a value asked before in this trace: its earlier answer, never explored the other way
 
 
 class MergeError(Exception):
@@ -62,6 +63,8 @@ def unexplored(conditions: list[Condition], policy: Policy) -> list[Policy]:
     for conds in seen_sites.values():
         location, answers = conds[0].location, tuple(c.answer for c in conds)
         for j in range(len(prefixes.get(location, ())), len(answers)):
+            if conds[j].forced:
+                continue
             new = tuple(sorted({**prefixes, location: answers[:j] + (not answers[j],)}.items(), key=repr))
             if new not in out:
                 out.append(new)

@@ -82,6 +82,7 @@ class _Tracer(IndexedGetattr):
         self.frozen_reads: set[str] = set()  # public number attributes read as constants
         self.live_paths: set[str] = set()  # number attributes read at run time
         self.conditions: list[mode_paths.Condition] = []
+        self.answered: dict[Any, bool] = {}  # each value branched on (_value_key), with the answer it was given
         self.site, self.site_open = -1, False
         self.history: list[bool] = []  # the answers given so far in the chain of conditions being asked now
         self.site_location: Any = None
@@ -165,18 +166,46 @@ class _Tracer(IndexedGetattr):
                 f"it asks more than {mode_paths.MAX_CONDITIONS} conditions in one "
                 "trace (a loop on a flag or a live number?)",
             )
+        # the same value asked again (`augment = self.training and x`, then `if augment:` in a callee; `if
+        # self.training:` twice) has the answer it was given: recorded (the merge places work by it), never explored
+        key = _value_key(proxy.node)
+        forced = self.answered.get(key)
         if not self.site_open:
             self.site, self.history, self.site_open = self.site + 1, [], True
         if not self.history:
             self.site_location = location  # a chain is explored by where it starts
-        answer = self.policy(self.site_location, tuple(self.history))
+        answer = self.policy(self.site_location, tuple(self.history)) if forced is None else forced
         self.conditions.append(
             mode_paths.Condition(
-                proxy.node, self.site, len(self.history), reader, self.last_data, answer, self.site_location
+                proxy.node,
+                self.site,
+                len(self.history),
+                reader,
+                self.last_data,
+                answer,
+                self.site_location,
+                forced=forced is not None,
             )
         )
         self.history.append(answer)
+        self.answered.setdefault(key, answer)
         return answer
+
+
+def _value_key(n: fx.Node, depth: int = 0) -> Any:
+    """What a flag or number value is computed from, as data: two reads of one module's `training` or of one number
+    attribute are one value (a forward does not change them while it runs), and so is the same arithmetic of them."""
+    if n.op == "get_attr":
+        return ("get_attr", n.target)
+    if n.op not in ("call_function", "call_method") or depth > 8:
+        return n
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return _value_key(a, depth + 1)
+        return a if isinstance(a, (int, float, bool, str, type(None))) else id(a)
+
+    return (n.op, n.target, tuple(arg(a) for a in n.args), tuple(sorted((k, arg(v)) for k, v in n.kwargs.items())))
 
 
 def _trace_once(model: nn.Module, tracer: _Tracer, fixed: dict[str, Any]) -> fx.Graph:
