@@ -55,7 +55,7 @@ def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> Channel
     if pooled is not None:  # each channel's average over a window of its own map: linear, the same for every channel
         if axis != 1 or (tensor_shape(pooled) or ())[1:2] != (width,):
             return None
-        return ChannelOp(pooled, 1, [], why="averages each channel over a window of its own map", fills=())
+        return ChannelOp(pooled, 1, [], why="averages or resizes each channel's own map", fills=())
     pooled = max_pooled(gm, n)
     if pooled is not None:  # each channel's largest value over a window of the map: 0 for zeros, copies for copies
         if axis != 1 or (tensor_shape(pooled) or ())[1:2] != (width,):
@@ -139,19 +139,28 @@ AVG_POOL_MODULES = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
 
 
 def avg_pooled(gm: fx.GraphModule, n: fx.Node) -> fx.Node | None:
-    """The input of `n` when `n` is an average pooling of a batched (N, C, …) map (AvgPoolNd, F.avg_poolNd: PoolFormer's
-    token mixer pool(x) - x), else None: each output is a fixed weighted sum of its channel's values (zero padding,
-    with or without counting it), the same for every channel, so any fill of new channels passes through it."""
+    """The input of `n` when `n` is an average pooling or a resize of a batched (N, C, …) map (AvgPoolNd, F.avg_poolNd:
+    PoolFormer's token mixer pool(x) - x; F.interpolate, nn.Upsample, ATen's upsample ops: NaFlexViT's position
+    table resized to the image), else None: each output is a fixed weighted sum of its channel's values (zero
+    padding, with or without counting it), the same for every channel, so any fill of new channels passes."""
     x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
     if x is None or any(isinstance(a, fx.Node) for a in (*n.args[1:], *n.kwargs.values())):
         return None
+    rank = len(tensor_shape(x) or ())
     if n.op == "call_module" and isinstance(m := gm.get_submodule(str(n.target)), AVG_POOL_MODULES):
         spatial = int(type(m).__name__[-2])
+    elif n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.Upsample):
+        spatial = rank - 2  # a resize of the map (nearest, linear, cubic): fixed weights, the same for every channel
     elif n.op == "call_function" and base_name(n) in ("avg_pool1d", "avg_pool2d", "avg_pool3d"):
         spatial = int(base_name(n)[-2])
+    elif n.op == "call_function" and base_name(n) == "interpolate":
+        spatial = rank - 2
+    elif n.op == "call_function" and base_name(n).lstrip("_").startswith("upsample_") and "d" in base_name(n):
+        digits = [c for c in base_name(n).split("d")[0][-1:] if c.isdigit()]  # upsample_bilinear2d, …bicubic2d_aa
+        spatial = int(digits[0]) if digits else -1
     else:
         return None
-    return x if len(tensor_shape(x) or ()) == spatial + 2 else None
+    return x if rank == spatial + 2 >= 3 else None
 
 
 def max_pooled(gm: fx.GraphModule, n: fx.Node) -> fx.Node | None:
