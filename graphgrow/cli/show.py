@@ -24,6 +24,8 @@ def print_mutation(report: dict) -> None:
     out.print(f"[bold]graphgrow {verb}[/] {report['model']} ({input_text(report)})")
     if report.get("input_shape_inferred"):
         out.print(f"input shape inferred: {report['input_shape_inferred']}")
+    if report.get("part_note"):  # grown inside a part: which one and why (capture/parts.py)
+        out.print(f"note: {report['part_note']}", markup=False, highlight=False)
     for i, p in enumerate(report["passes"], 1):
         args = ", ".join(f"{k}={v}" for k, v in p["args"].items() if v is not None)
         out.print(f"[bold]{i}. {p['name']}[/]({args})")
@@ -55,6 +57,15 @@ def print_mutation(report: dict) -> None:
                 )
         for note in p.get("notes", []):
             out.print(f"   note: {note}")
+    whole = report.get("whole_check")
+    if whole:
+        out.print(
+            f"whole model before and after ({whole['mode']} mode, {whole['input']}): the part's output rel err "
+            f"{whole['part']['rel_err']:.1e} ({whole['part']['values']:,} values), the model's outputs rel err "
+            f"{whole['whole']['rel_err']:.1e} ({whole['whole']['values']:,} values)"
+        )
+    if report.get("onnx_note"):
+        out.print(f"note: {report['onnx_note']}", markup=False, highlight=False)
     eq = report.get("equivalence")
     if eq is not None:
         print_equivalence(eq)

@@ -31,7 +31,7 @@ from ..graph.fx_edit import finish
 from ..graph.graph_meta import input_spec_of
 from ..graph.inline import inline_containers
 from ..graph.layers import FORMER_NAMES
-from . import serialize
+from . import part_file, serialize
 from .factory import cwd_importable, import_object, is_factory_name, refuse_before_import
 from .hf_folder import is_hf_folder, load_folder
 from .mode_switch import check_node_total
@@ -47,6 +47,7 @@ class LoadedModel:
     factory_seed: int | None = None  # the seed a factory's random weights were drawn with
     stored_dtype: torch.dtype | None = None  # a Hugging Face folder's weights' dtype (a half one loads in it)
     use_cache: bool | None = None  # a Hugging Face folder's own use_cache (it loads with the cache off)
+    model_name: str | None = None  # a part file's (part_file.py): the name its whole model was rebuilt by
 
 
 def standard_layer_classes() -> list[type]:
@@ -100,11 +101,13 @@ def load_model(
     factory_seed: int = FACTORY_SEED,
     max_load: int | None = None,
     weights: str | None = None,
+    factory: str | None = None,
 ) -> LoadedModel:
     """Load a model from a file or a `package.module:factory` name (built with the global RNG seeded
     with `factory_seed`, restored afterwards). `max_load` (--max-load; None: DEFAULT_MAX_LOAD) bounds what a
     file may unpack to and what a factory may allocate, before it happens. `weights` (--weights): a safetensors
-    state dict loaded strictly into a model built by name (io.weights). Raises LoadError."""
+    state dict loaded strictly into a model built by name (io.weights). `factory`: the name a part file
+    (part_file.py) may rebuild its model by when that is not a zoo name (the user names it again). Raises LoadError."""
     text = str(source)
     limit = DEFAULT_MAX_LOAD if max_load is None else max_load
     is_name = is_factory_name(text)
@@ -141,7 +144,17 @@ def load_model(
 
     protect(path)  # no output of this run replaces it, under any name
     obj = _torch_load(path, trust, limit)
+    if part_file.is_part_payload(obj):  # a model grown inside a part: rebuilt by its name, the part put back
+        return _from_part_file(obj, text, trust, limit, factory)
     return _interpret(obj, text, trust)
+
+
+def _from_part_file(obj: dict[str, Any], text: str, trust: bool, limit: int, factory: str | None) -> LoadedModel:
+    def build(name: str, seed: int) -> nn.Module:
+        return _from_factory(name, seed, limit).module
+
+    model, name, spec, log = part_file.read(obj, text, trust, build, factory, limit)
+    return LoadedModel(model, text, "graphgrow-part", spec, log, model_name=name)
 
 
 def _from_hf_folder(path: Path, text: str, limit: int) -> LoadedModel:

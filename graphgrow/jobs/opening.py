@@ -5,17 +5,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx, nn
 
 from ..capture.input_shape import infer_input_shape, parse_example_input, require_single_input
 from ..capture.trace import graph_info, trace
-from ..core.errors import InputError, LoadError, ValidationError
+from ..core.errors import InputError, LoadError, TraceError, ValidationError
 from ..graph.graph_meta import input_spec_of, store_shape
-from ..graph.inputs import InputSpec, is_positional, named_for, plain_spec, report_fields
+from ..graph.inputs import InputSpec, as_spec, is_positional, named_for, plain_spec, report_fields
 from ..graph.shapes import annotate
 from ..io.load import FACTORY_SEED, LoadedModel, load_model
+
+if TYPE_CHECKING:
+    from ..capture.parts import Part
 
 Progress = Callable[[str], None]
 
@@ -30,6 +34,8 @@ class OpenedModel:
     gm: fx.GraphModule
     input_shape: InputSpec  # the example input (graph.inputs): a bare shape's one-tensor spec, or named inputs
     inferred_from: str | None = None  # how the input shape was inferred, when it was not given
+    # set when the whole model could not be captured and `gm` is a part of it (capture/parts.py; open_model(parts=))
+    part: Part | None = None
 
 
 def shape_report(shape: InputSpec) -> dict:
@@ -50,19 +56,26 @@ def open_model(
     capture: str = "auto",
     max_load: int | None = None,
     weights: str | None = None,
+    parts: bool = False,
 ) -> OpenedModel:
     """Load (safely), trace, check the trace against the model, and annotate shapes. The
     example input (a shape or an input spec) comes from the argument, the file (graphgrow outputs
     remember it), the zoo or the first layer. `capture`: "auto", "fx" or "export" (trace()). `max_load`:
     load_model's bound on what the file unpacks to (None: its default). `weights`: a safetensors state dict for a
-    model built by name (--weights)."""
+    model built by name (--weights). `parts`: when the whole model cannot be captured (a TraceError), open the
+    largest part of it that can (capture/parts.py): the result's `gm` is that part's capture, `part` says which."""
     progress(f"loading {source}")
     loaded = load_model(source, trust=trust, factory_seed=factory_seed, max_load=max_load, weights=weights)
     given = parse_example_input(
         input_shape if input_shape is not None else loaded.input_shape, loaded.module
     )  # flag or stored: one check
     progress("tracing" if capture == "auto" else f"tracing ({capture} capture)")
-    gm = trace(loaded.module, given, leaves, mode=trace_mode, check=False, capture=capture)  # fidelity checked below
+    try:
+        gm = trace(loaded.module, given, leaves, mode=trace_mode, check=False, capture=capture)  # fidelity: below
+    except TraceError as e:
+        if not parts or given is None or leaves:
+            raise
+        return _open_part(loaded, source, as_spec(given, loaded.module), e.message, max_memory, progress)
     if given is None:
         inferred_shape, why = infer_input_shape(gm)
         if inferred_shape is None:
@@ -103,8 +116,20 @@ def open_model(
         from ..capture.fidelity import check_fidelity
 
         progress("checking the traced graph against the model (eval and train mode)")
-        check_fidelity(loaded.module, gm, shape)
+        check_fidelity(loaded.module, gm, shape)  # a capture that differs from the model is refused, not worked around
     return OpenedModel(loaded, gm, shape, inferred)
+
+
+def _open_part(
+    loaded: LoadedModel, source: str, spec: InputSpec, why: str, max_memory: int | None, progress: Progress
+) -> OpenedModel:
+    """The largest part of a model that cannot be captured whole, opened as a model is (capture/parts.py)."""
+    from ..capture.parts import capture_part
+
+    _check_finite(loaded.module, source)
+    part = capture_part(loaded.module, spec, why, max_memory, progress)
+    progress(part.summary())
+    return OpenedModel(loaded, part.gm, part.spec, None, part=part)
 
 
 def _shown(shape: InputSpec) -> str:
