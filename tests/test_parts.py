@@ -85,6 +85,17 @@ def test_pass_that_does_not_apply_to_the_largest_part_goes_to_the_next():
     assert report["part"]["path"] == "head"  # where the pass applies, the largest part
 
 
+def test_pass_that_applies_to_no_part_is_refused_naming_the_parts():
+    from graphgrow.core.errors import NotApplicable
+
+    with pytest.raises(NotApplicable) as e:
+        workflow.mutate(_name("head_larger"), ["grow_heads"], input_shape=SHAPE, dry_run=True)
+    said = e.value.message
+    assert (
+        said.startswith("in the part 'head' and 1 more that capture (no other part captures): ") and "attention" in said
+    )
+
+
 def test_part_file_of_own_factory_needs_the_name_again_or_trust(tmp_path):
     out = tmp_path / "g.pt"
     workflow.mutate(_name("looped_images"), ["grow_width"], out=str(out), input_shape=SHAPE)
