@@ -374,6 +374,35 @@ def test_sizes_that_split_the_hidden_size_are_split_the_same_way_when_it_shrinks
     assert "split" not in _shrunk(Uneven)
 
 
+def test_heads_under_other_names_and_aliased_counts_shrink():
+    """A linear attention's own heads beside the softmax attention's (Kimi-Linear's linear_num_heads = 32 of
+    linear_head_dim = 128, Qwen3-Next's linear_num_value_heads) were left at their defaults: its chunked attention then
+    held 3 x 32 x 64 x 64 x 128 floats per layer (an 8.2 GiB estimate for a 64-wide model) and took minutes per pass.
+    A count declared as a field under an alias whose target is no field (Kimi-Linear's num_local_experts, kept as
+    num_experts: 256 experts) is set under the alias; an alias whose target is a field is not set twice."""
+    from dataclasses import dataclass
+
+    from sweep_models import HEADS, HIDDEN, _shrunk
+
+    @dataclass
+    class Hybrid:
+        attribute_map = {"num_local_experts": "num_experts", "n_embd": "hidden_size"}  # noqa: RUF012
+        hidden_size: int = 2304
+        n_embd: int = 2304  # an alias of a field: set as hidden_size only
+        num_attention_heads: int = 32
+        linear_num_heads: int = 32
+        linear_head_dim: int = 128
+        linear_num_value_heads: int = 32
+        swa_num_key_value_heads: int = 2  # already small: left
+        num_local_experts: int = 256
+
+    kw = _shrunk(Hybrid)
+    assert kw["linear_num_heads"] == kw["linear_num_value_heads"] == HEADS
+    assert kw["linear_head_dim"] == HIDDEN // HEADS
+    assert kw["num_local_experts"] == 4 and "n_embd" not in kw
+    assert "swa_num_key_value_heads" not in kw
+
+
 def test_a_config_whose_default_is_refused_gets_the_features_its_checks_demand_off():
     """Gemma 4's assistant refuses its own default: its text config's per-layer inputs must be off (0) and MoE off
     while the text config's defaults have them on. Features are turned off one at a time, keeping each change

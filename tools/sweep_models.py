@@ -254,8 +254,11 @@ def _shrunk(config_class: type) -> dict:
         if dataclasses.is_dataclass(config_class)
         else set(vars(default))
     )
-    fields |= set(getattr(config_class, "attribute_map", {}))
-    real = {k for k in fields if k not in getattr(config_class, "attribute_map", {})}
+    aliases = getattr(config_class, "attribute_map", {})
+    # an alias is set under its target's name, unless the target is no field of the class (Kimi-Linear declares
+    # num_local_experts as a field and keeps it as num_experts): then the alias is the only way in
+    real = {k for k in fields if k not in aliases or aliases[k] not in fields}
+    fields |= set(aliases)
     optional_int = {
         f.name
         for f in (dataclasses.fields(config_class) if dataclasses.is_dataclass(config_class) else ())
@@ -276,14 +279,18 @@ def _shrunk(config_class: type) -> dict:
         if k in real and (size(value(k)) or (k in optional_int and value(k) is None and k not in _DERIVED)):
             kw[k] = small_size
     # fields in sorted order (a set's order changes from process to process): the same name every time
-    for k in sorted(real):  # a vocabulary or a hidden size under another name (BLT's hash vocabulary)
-        v = value(k)
+    for k in sorted(real):  # a vocabulary, a hidden size, heads under another name (BLT's hash vocabulary,
+        v = value(k)  # a linear attention's own heads beside the softmax attention's: linear_num_heads)
         if k in kw or not size(v):
             continue
         if re.search(r"(^|_)vocab(_|$)", k) and v > VOCAB:  # only ever smaller: type_vocab_size stays 2
             kw[k] = VOCAB
         elif re.search(r"(^|_)hidden_size(_|$)", k) and v > HIDDEN:
             kw[k] = HIDDEN
+        elif re.search(r"^(\w+_)?num_(\w+_)?heads$", k) and v > HEADS:
+            kw[k] = HEADS
+        elif re.search(r"^\w+_head_dim$", k) and v > HIDDEN // HEADS:
+            kw[k] = HIDDEN // HEADS
     for k in _TOKEN_IDS:
         token = value(k)
         if k in real and isinstance(token, int) and token >= VOCAB:
