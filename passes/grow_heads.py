@@ -4,7 +4,10 @@ Every attention (or the one at `at=`), written with `scaled_dot_product_attentio
 scale + mask) @ v (soft-capping, dropout and einsum spellings included), is found from the graph with the Linear
 layers that project its query, key and value and the one that reads its output (graphgrow.analysis.heads), the
 reshapes between them followed, so fused projections (GPT-2's c_attn, timm's qkv, nn.MultiheadAttention's in_proj),
-grouped-query attention and rotary embeddings are understood; anything else is refused with the node and the reason.
+grouped-query attention and rotary embeddings are understood. A projection is a learned linear map over the channel
+axis: an nn.Linear or F.linear, or a convolution of one group over a channels-first map (timm's Conv2d 1×1 q/k/v,
+SqueezeBERT's Conv1d), whose new heads are new output channels (a BatchNorm after it grows with them). Anything else
+is refused with the node and the reason (for a query no projection makes, the op that stops the way back).
 
 - `heads=` / `by=`: new heads get random query, key and value rows and zero output-projection columns (the softmax is
   per head: old heads do not move). Grouped-query attention keeps its ratio: key/value heads grow by heads / ratio.

@@ -1,9 +1,8 @@
 """The dataflow follower of attention growth: Flow walks the tensors between an attention's projections and the
 attention (or from its output to the output projection) in graph order and gives each its factor layout
-(analysis.head_layout's words: which axis holds heads, head size, q/k/v sections), refusing an op that would cut a
-growing factor, and records the reshape constants to rewrite (FactorEdit) and the per-head parameters it adopts.
-It lives apart from head_layout, which says what a layout is and how each op is classified, because following a
-graph is one job of its own and the largest part of the analysis; analysis.heads drives it per attention.
+(head_layout's words: which axis holds heads, head size, q/k/v sections), refusing an op that would cut a growing
+factor; it records the reshape constants to rewrite (FactorEdit), the per-head parameters it adopts. Apart from
+head_layout (what a layout is, how each op is classified): following a graph is one job of its own.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from .head_layout import (
     _name,
     broadcasts,
     canon,
+    channel_norm,
     data_args,
     op_kind,
     plain,
@@ -83,8 +83,8 @@ class Flow:
                     "grow heads instead (heads=…), or value_dim=… (the value path has no such norm)",
                 )
             return lay
-        if kind == "elementwise":
-            return self.broadcast(n, data_args(n), shape)
+        if kind in ("elementwise", "channelnorm"):  # a BatchNorm: per channel, its entries grow with the heads there
+            return channel_norm(self, n) if kind == "channelnorm" else self.broadcast(n, data_args(n), shape)
         if kind == "alloc":
             return self.allocation(n, shape)
         if kind == "write":  # a copy into an allocation's slice: the allocation's rule checked what is copied
@@ -216,6 +216,8 @@ class Flow:
         """Every size argument of a growing axis: -1 needs nothing, a constant is an edit, mul(size, c) edits c; a
         size computed some other way (C from an input's shape) becomes -1 when no other size of the reshape is.
         `keep`: an expand of size-1 axes, where -1 keeps the old size 1: every growing size must be an edit."""
+        if len(sizes) != len(out) and any(map(self.grows, out)):  # one value for every size: x.reshape(y.shape)
+            raise refuse(n, f"takes the sizes of growing axes from '{sizes[0]}', a whole shape read at run time")
         free = len(sizes) if keep else sum(1 for a in sizes if a == -1)
         for j, (axis, a) in enumerate(zip(out, sizes)):
             if not self.grows(axis) or (a == -1 and not keep):

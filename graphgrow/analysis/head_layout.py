@@ -48,7 +48,10 @@ ALLOCATIONS = frozenset({"new_empty", "new_zeros", "empty", "zeros"})
 WRITES = frozenset({"copy_", "setitem"})
 NORMS = ops.NORMS
 SHAPE_QUERIES = ops.SHAPE_QUERIES
-HINT = "grow_heads grows attentions it fully understands (scaled_dot_product_attention fed by Linear projections)"
+HINT = (
+    "grow_heads grows attentions it fully understands (scaled_dot_product_attention or softmax(q @ kᵀ) @ v fed by "
+    "projections: Linear layers or convolutions of one group)"
+)
 
 
 @dataclass
@@ -78,17 +81,24 @@ def refuse(n: fx.Node, why: str, hint: str = HINT) -> NotApplicable:
 
 
 def op_kind(gm: fx.GraphModule, n: fx.Node) -> str | None:
-    """The op's kind by name (module type for call_module), or None for an op no layout rule covers."""
+    """The op's kind by name (module type for call_module), or None for an op no layout rule covers. "linear": a
+    projection, a learned linear map over the channel axis (conv_channels says which axis)."""
     if n.op == "call_module":
         m = gm.get_submodule(str(n.target))
         if isinstance(m, (nn.Identity, nn.Dropout)) or type(m).__name__ in ("DropPath", "StochasticDepth"):
             return "same"
-        return "norm" if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) else "linear" if isinstance(m, nn.Linear) else None
+        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            return "norm"
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            return "channelnorm"
+        return "linear" if isinstance(m, nn.Linear) or conv_channels(gm, n) is not None else None
     if n.op not in ("call_method", "call_function"):
         return None
     name = _name(n)
-    if n.op == "call_function" and n.target is F.linear:
+    if n.op == "call_function" and (n.target is F.linear or conv_channels(gm, n) is not None):
         return "linear"
+    if n.op == "call_function" and n.target is F.normalize:
+        return "channelnorm"
     if name in ALLOCATIONS:
         return "alloc"
     if name in POINTWISE - SAME:
@@ -104,6 +114,97 @@ def op_kind(gm: fx.GraphModule, n: fx.Node) -> str | None:
 
 
 _LINEAR_ARGS = ("input", "weight", "bias")
+CONVS = (F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d)
+
+
+def conv_facts(gm: fx.GraphModule, n: fx.Node) -> tuple[int, int] | None:
+    """(spatial dims, groups) of a convolution node (an nn.ConvNd module, not transposed, or F.convNd on a
+    weight of known shape), else None."""
+    if n.op == "call_module":
+        m = gm.get_submodule(str(n.target))
+        if not isinstance(m, nn.modules.conv._ConvNd) or m.transposed:
+            return None
+        return m.weight.dim() - 2, int(m.groups)
+    if n.op != "call_function" or n.target not in CONVS:
+        return None
+    w = tensor_shape(linear_arg(n, 1)) if isinstance(linear_arg(n, 1), fx.Node) else None
+    groups = n.args[6] if len(n.args) > 6 else n.kwargs.get("groups", 1)
+    if w is None or not isinstance(groups, int):
+        return None
+    return len(w) - 2, groups
+
+
+def conv_channels(gm: fx.GraphModule, n: fx.Node) -> int | None:
+    """The channel axis (negative, from the end) of a convolution that is a projection: each output channel a learned
+    linear map of every input channel (groups 1: new output channels leave the old ones as they are, new input
+    channels are columns of their own); None for anything else, a grouped or depthwise conv among them
+    (conv_blocks says why)."""
+    facts = conv_facts(gm, n)
+    return -(facts[0] + 1) if facts is not None and facts[1] == 1 else None
+
+
+def channel_axis(gm: fx.GraphModule, n: fx.Node) -> int:
+    """The axis of a projection's input and output features: the last for a Linear, the channels (dim 1, counted from
+    the end) for a convolution."""
+    return conv_channels(gm, n) or -1
+
+
+def channels_laid(gm: fx.GraphModule, n: fx.Node, factors: Axis) -> Layout:
+    """The layout of projection `n`'s output: `factors` on its channel axis, every other axis plain."""
+    shape = tensor_shape(n)
+    lay = list(plain(shape))
+    lay[channel_axis(gm, n)] = factors
+    return tuple(lay)
+
+
+def channel_norm(flow, n: fx.Node) -> Layout:
+    """A BatchNorm module on the way (a projection's conv + BN, timm's ConvNorm): each channel (dim 1) is normalised
+    alone, with statistics over the other axes, so heads on its channels grow with entries of their own (new heads'
+    weight 1, bias 0, running mean 0, running variance 1: their outputs enter the output projection through zero
+    columns). Refused where a growing factor sits on an axis it takes statistics over, or where the head size grows
+    (the query's old rows are rescaled then, which the norm would undo). F.normalize (an Lp norm over one axis, each
+    row apart: XCiT's and EdgeNeXt's query and key over the positions): exact where that axis does not grow."""
+    lay = flow.of(n.args[0])
+    if n.op == "call_function":
+        dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 1)
+        if not isinstance(dim, int) or flow.grows(lay[dim % len(lay)]):
+            raise refuse(n, "normalises over an axis that grows (its heads or head size)")
+        return lay
+    if any(flow.grows(ax) for i, ax in enumerate(lay) if i != 1):
+        raise refuse(n, "normalises with statistics over an axis that holds heads or head size (not its channels)")
+    if not flow.grows(lay[1]):
+        return lay
+    if any(f in flow.growing and f not in HEAD_FACTORS for f, _ in lay[1]):
+        raise refuse(
+            n,
+            f"normalises each channel of a growing head size ({words(lay[1])}): the query's rescaled rows would be "
+            "normalised back",
+            "grow heads instead (heads=…)",
+        )
+    m = flow.gm.get_submodule(str(n.target))
+    for part, fill in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
+        if getattr(m, part, None) is not None:
+            flow.params.append((f"{n.target}.{part}", 0, lay[1], fill))
+    return lay
+
+
+def conv_blocks(gm: fx.GraphModule, n: fx.Node) -> str | None:
+    """Why a convolution is not a projection whose output channels can grow by heads (a grouped or depthwise conv:
+    each output channel reads only its group's inputs, so new ones would change which group the old ones are in);
+    None for any other op."""
+    m = gm.get_submodule(str(n.target)) if n.op == "call_module" else None
+    if isinstance(m, nn.modules.conv._ConvTransposeNd):
+        return (
+            f"is a transposed convolution ({type(m).__name__}, its weight's input channels first): the analysis does "
+            "not grow it as a projection (new heads would be rows of its weight's first axis)"
+        )
+    facts = conv_facts(gm, n)
+    if facts is None or facts[1] == 1:
+        return None
+    return (
+        f"is a grouped convolution ({facts[1]} groups): each output channel reads only its group's input channels, so "
+        "new heads' channels would move old channels into other groups (or need groups of their own)"
+    )
 
 
 def linear_arg(n: fx.Node, i: int):

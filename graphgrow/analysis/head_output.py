@@ -13,7 +13,21 @@ from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 from .eager_attention import Core
 from .head_flow import Flow
-from .head_layout import SHAPE_QUERIES, Axis, FactorEdit, Layout, data_args, linear_arg, op_kind, plain, refuse, size_of
+from .head_layout import (
+    SHAPE_QUERIES,
+    Axis,
+    FactorEdit,
+    Layout,
+    channel_axis,
+    channels_laid,
+    conv_blocks,
+    data_args,
+    linear_arg,
+    op_kind,
+    plain,
+    refuse,
+    size_of,
+)
 from .head_projections import Projection, _back, _linear_params, _op
 
 
@@ -139,7 +153,12 @@ def _reader(
             ):
                 continue
             elif kind is None or kind == "linear":
-                raise refuse(u, f"reads the output of attention '{s.name}' before any output projection")
+                why = conv_blocks(gm, u)  # a layer that is not a projection the analysis grows: which and why
+                raise refuse(
+                    u,
+                    f"reads the output of attention '{s.name}' before any output projection"
+                    + (f", and {why}" if why else ""),
+                )
             elif u.name not in region:
                 region.add(u.name)
                 todo.append(u)
@@ -160,13 +179,13 @@ def _reader(
     for n in [m for m in gm.graph.nodes if m.name in region and op_kind(gm, m) == "elementwise"]:
         for a in (a for a in data_args(n) if a.name not in beside):
             found = _gate(gm, n, a, region) if a.name not in region else None
-            rows = tensor_shape(found[0])[-1] if found is not None else None
+            rows = tensor_shape(found[0])[channel_axis(gm, found[0])] if found is not None else None
             if found is not None and rows in (width, size_of(lay[-3])):
                 # the gate's rows: the heads and value size, flattened as the reader's input, or one per head (a
                 # scalar gate per head: Dots's); the flow checks that they meet the output so
                 g, path = found
                 factors = lay[-3] + lay[-1] if rows == width else lay[-3]
-                flow.layout[g.name] = plain(tensor_shape(g)[:-1]) + (factors,)
+                flow.layout[g.name] = channels_laid(gm, g, factors)
                 region |= path
                 weight, bias, module = _linear_params(gm, g)
                 gates.append(Projection(g.name, weight, bias, module, factors, ("g",)))
@@ -187,7 +206,8 @@ def _reader(
     flow.run([n for n in gm.graph.nodes if n.name in region and n is not s])
     r = readers[0]
     x = flow.of(r.args[0])
-    if any(flow.grows(ax) for ax in x[:-1]):
+    at = channel_axis(gm, r) % len(x)  # a Linear's last axis, a convolution's channels
+    if any(flow.grows(ax) for i, ax in enumerate(x) if i != at):
         raise refuse(r, "reads heads or head size on an axis other than its input features")
     weight, bias, module = _linear_params(gm, r)
-    return Projection(r.name, weight, bias, module, x[-1], ("o",)), flow.edits, gates, per_head + flow.params
+    return Projection(r.name, weight, bias, module, x[at], ("o",)), flow.edits, gates, per_head + flow.params

@@ -12,8 +12,22 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ..core.errors import NotApplicable
 from ..graph.fx_edit import tensor_shape
-from .head_layout import HINT, Axis, broadcasts, data_args, linear_arg, op_kind, refuse, size_of, words, writes
+from .head_layout import (
+    HINT,
+    Axis,
+    _name,
+    broadcasts,
+    conv_blocks,
+    data_args,
+    linear_arg,
+    op_kind,
+    refuse,
+    size_of,
+    words,
+    writes,
+)
 
 
 def _op(n: fx.Node) -> str:
@@ -57,11 +71,14 @@ def _linear_params(gm: fx.GraphModule, n: fx.Node, pieces: bool = False) -> tupl
     return str(w.target), str(b.target) if b is not None else None, None
 
 
-def _back(gm: fx.GraphModule, start: fx.Node, shared: bool = False) -> tuple[set[str], list[fx.Node]]:
-    """Nodes on the way back from an attention operand to its projections: (path, Linear nodes reached).
-    `shared`: the walk does not enter a part that is the same for every head (an expand of a size-1 axis, or a
-    tensor copied into an allocation's slice by broadcasting): multi-head latent attention's rotary key, computed
-    once for all heads from another Linear."""
+def _back(
+    gm: fx.GraphModule, start: fx.Node, shared: bool = False, stops: list[fx.Node] | None = None
+) -> tuple[set[str], list[fx.Node]]:
+    """Nodes on the way back from an attention operand to its projections: (path, projections reached: Linear layers
+    and convolutions of one group). `shared`: the walk does not enter a part that is the same for every head (an
+    expand of a size-1 axis, or a tensor copied into an allocation's slice by broadcasting): multi-head latent
+    attention's rotary key, computed once for all heads from another Linear. `stops`: the nodes where the walk ended
+    without a projection (parameters, inputs, ops it does not follow) are added to it."""
     seen: set[str] = set()
     found: list[fx.Node] = []
     todo = [start]
@@ -74,6 +91,8 @@ def _back(gm: fx.GraphModule, start: fx.Node, shared: bool = False) -> tuple[set
             found += [n] if n not in found else []
             continue
         if kind is None or (shared and broadcasts(n)):
+            if kind is None and stops is not None and n not in stops:
+                stops.append(n)
             continue
         seen.add(n.name)
         args = data_args(n)
@@ -81,6 +100,30 @@ def _back(gm: fx.GraphModule, start: fx.Node, shared: bool = False) -> tuple[set
             args = [a for a in args if tensor_shape(a) == _slice_shape(n, a)]
         todo.extend(args)
     return seen, found
+
+
+def unprojected(gm: fx.GraphModule, operands: list[tuple[fx.Node, fx.Node]], role: str) -> NotApplicable:
+    """Why the `role` operands of attentions ((operand, attention) pairs) come from no projection: the first op that
+    stops the way back from one of them (a grouped convolution, a norm or a pooling the analysis does not follow),
+    named; where every way back ends at parameters and inputs only, a learned query (or key) over the states
+    themselves (depth attention): no heads to add."""
+    for t, s in operands:
+        stops: list[fx.Node] = []
+        _back(gm, t, stops=stops)
+        for n in (n for n in stops if n.op not in ("get_attr", "placeholder")):
+            what = type(gm.get_submodule(str(n.target))).__name__ if n.op == "call_module" else _name(n)
+            why = conv_blocks(gm, n) or f"is not an op the analysis follows back to a projection ({what})"
+            return refuse(
+                n,
+                f"is on the way back from the {role} of '{s.name}' to a projection (a Linear, or a convolution of one "
+                f"group), and {why}",
+            )
+    names = ", ".join(s.name for _, s in operands[:3])
+    return NotApplicable(
+        f"the attentions of this model ({names}) have no Linear projecting their {role} (nor a convolution: a "
+        f"learned {role} over the states themselves): no heads to add",
+        "grow the model with other passes (grow_hidden grows the states such an attention reads)",
+    )
 
 
 def _slice_shape(alloc: fx.Node, source: fx.Node) -> tuple | None:

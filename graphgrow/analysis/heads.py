@@ -36,6 +36,8 @@ from .head_layout import (
     Axis,
     FactorEdit,
     canon,
+    channel_axis,
+    channels_laid,
     data_args,
     op_kind,
     plain,
@@ -45,7 +47,7 @@ from .head_layout import (
     writes,
 )
 from .head_output import _reader, gate_tail
-from .head_projections import Projection, _back, _linear_params, _op, _sections, beside, section_biases
+from .head_projections import Projection, _back, _linear_params, _op, _sections, beside, section_biases, unprojected
 from .head_sizes import regroup_edits
 
 
@@ -136,18 +138,14 @@ def find_attentions(gm: fx.GraphModule, growing: set[str], at: str | None = None
             if isinstance(n, NotApplicable):
                 raise n
             core = sdpa_core(n) if isinstance(n, fx.Node) else n
-            if not _back(gm, core.q)[1]:  # a query no Linear projects (a learned query over the states: depth
-                bare.append(core.node.name)  # attention): no heads to add; the attention is left as it is
-                continue
+            if not _back(gm, core.q)[1]:  # a query no projection makes (a learned query over the states: depth
+                bare.append((core.q, core.node))  # attention; or one behind an op the way back does not follow):
+                continue  # the attention is left as it is; if none grows, the refusal says which it is
             out.append(_attention(gm, core, growing))
         except NotApplicable as e:
             failed.append(e)
     if bare and not out and not failed:
-        raise NotApplicable(
-            f"the attentions of this model ({', '.join(bare[:3])}) have no Linear projecting their query (a "
-            "learned query over the states themselves): no heads to add",
-            "grow the model with other passes (grow_hidden grows the states such an attention reads)",
-        )
+        raise unprojected(gm, bare, "query")
     if at is not None:
         every = out
         out = [
@@ -240,18 +238,21 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
             seen, found = _back(gm, t, shared=True)
         backs[role] = seen
         if len(found) != 1:
-            what = "no Linear" if not found else f"{len(found)} Linear layers ({', '.join(f.name for f in found)})"
+            if not found:  # the op that stops the way back to a projection, or none (a learned query or key)
+                raise unprojected(gm, [(t, s)], dict(q="query", k="key", v="value")[role])
             raise refuse(
                 t,
-                f"is the {dict(q='query', k='key', v='value')[role]} of '{s.name}' and comes from {what} "
-                "through ops the analysis follows",
+                f"is the {dict(q='query', k='key', v='value')[role]} of '{s.name}' and comes from {len(found)} "
+                f"projections ({', '.join(f.name for f in found)}) through ops the analysis follows",
             )
         region |= seen
         projs.setdefault(found[0].name, (found[0], []))[1].append(role)
         roles[role] = found[0]
     if roles["k"] is not roles["q"] and roles["k"] is not roles["v"]:
-        kv = tensor_shape(roles["k"])[-1] // d  # the key's own projection says how many key/value heads (k may be
-        # repeated); a key projected with the value is taken as the attention reads it, and the flow checks that
+        w = tensor_shape(roles["k"])[channel_axis(gm, roles["k"])]  # the key's projection: how many key/value heads
+        kv = w // d if w % d == 0 and w >= d and h % (w // d) == 0 else kv  # (k may be repeated: grouped-query; not
+        # where a head's width is not the head size: channel attention); a key projected with the value is taken as
+        # the attention reads it (the flow checks)
     if h % kv:
         raise refuse(s, f"has {h} query heads and {kv} key/value heads, not a multiple")
     flow = Flow(gm, growing, region)
@@ -260,17 +261,19 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
     blocks: set[str] = set()  # fused per-head blocks: which part is which role needs no telling (whole heads grow)
     for name, (p, rs) in projs.items():
         weight, bias, module = _linear_params(gm, p, pieces=True)
-        width = tensor_shape(p)[-1]
+        width = tensor_shape(p)[ax := channel_axis(gm, p)]  # a Linear's last axis, a convolution's channels
         sections: tuple = ()
         if len(rs) == 1:
             factors = _factors(rs[0], h, kv, d, e)
             if width != size_of(factors) and width % size_of(factors[:-1]) == 0 and width > size_of(factors):
                 factors = beside(p, rs[0], factors, width, growing)  # a part per head beside (an output gate)
                 blocks.add(name)
+            elif width != size_of(factors) and width % size_of(factors[:-1]) == 0 and not growing & {"d", "e"}:
+                factors = factors[:-1] + (("", width // size_of(factors[:-1])),)  # channel attention: see below
         elif h == kv and d == e and width == len(rs) * h * d:
             factors = (("h", h), ("s", len(rs)), ("d", d)) if interleaved else (("s", len(rs)), ("h", h), ("d", d))
             fused = True
-        elif (cut := _sections(p, rs, backs, h, d, e)) is not None:
+        elif ax == -1 and (cut := _sections(p, rs, backs, h, d, e)) is not None:
             factors, sections, kv = (), cut[:2], cut[2]  # the key's section says how many key/value heads
         elif "q" not in rs and width % kv == 0 and len(tensor_shape(p)) >= 1:
             # key and value in one block per head, of any sizes (multi-head latent attention's kv_b_proj: each
@@ -284,11 +287,22 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
                 )
             factors = (("h", kv), ("", width // kv))
             blocks.add(name)
-        else:
+        elif h == kv and not growing & {"d", "e"} and width % (len(rs) * h) == 0:
+            # each head's part of another width than the attention's head size: channel attention (XCiT's, EdgeNeXt's,
+            # DaViT's: a head's channels are what it attends over, its scores q · kᵀ summed over the positions). Whole
+            # heads grow; the flow checks where that part goes
+            x = ("", width // (len(rs) * h))
+            factors = (("h", h), ("s", len(rs)), x) if interleaved else (("s", len(rs)), ("h", h), x)
+            fused = True
+        else:  # (rank 5 and more: the axis before the tokens is taken for the heads; Hiera's is its windows)
             raise refuse(
                 p,
                 f"projects {'/'.join(rs)} in one output of width {width}, not {len(rs)} equal sections "
-                f"of {h} heads × {d}",
+                f"of {h} heads × {d}"
+                + (
+                    f" (the attention's operands {shapes[0]} are read as (…, heads, tokens, head size))"
+                    * (len(shapes[0]) > 4)
+                ),
             )
         if sections:  # each slice starts the flow with its section's factors
             order, cuts = sections
@@ -310,7 +324,7 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
         else:
             if size_of(factors) != width:
                 raise refuse(p, f"has {width} outputs, not {words(factors)} (the attention's heads and head size)")
-            flow.layout[name] = plain(tensor_shape(p)[:-1]) + (factors,)
+            flow.layout[name] = channels_laid(gm, p, factors)
             projections.append(Projection(name, weight, bias, module, factors, tuple(rs)))
         flow.params += section_biases(p, factors, growing)  # a bias made of q/k/v parameters (timm's BEiT)
         bad = _users_ok(p, region)

@@ -68,15 +68,15 @@ def _rows(
     section = comps[names.index("s")] if "s" in names else torch.zeros(total, dtype=torch.long)
     role = [p.roles[int(i)] for i in section]
     scale = torch.tensor([q_scale if r == "q" else 1.0 for r in role], dtype=weight.dtype, device=weight.device)
-    w = weight.detach()
-    out = torch.zeros(total, w.shape[1], dtype=w.dtype, device=w.device)
-    out[old_to_new] = w * scale[old_to_new].unsqueeze(1)
+    w = weight.detach()  # (rows, inputs) of a Linear, (rows, inputs, kernel…) of a convolution
+    out = torch.zeros(total, *w.shape[1:], dtype=w.dtype, device=w.device)
+    out[old_to_new] = w * scale[old_to_new].view(-1, *[1] * (w.dim() - 1))
     std = w.std() if w.numel() > 1 else torch.ones((), dtype=w.dtype, device=w.device)
-    std = torch.where(std > 0, std, torch.full_like(std, 1 / math.sqrt(w.shape[1])))
+    std = torch.where(std > 0, std, torch.full_like(std, 1 / math.sqrt(w[0].numel())))
     random = (
         (is_new & torch.tensor([r != "q" for r in role]) | is_new & new_head).nonzero().squeeze(1)
     )  # new q rows of old heads stay 0
-    sample = torch.randn(len(random), w.shape[1], generator=generator, dtype=torch.float32).to(w) * std
+    sample = torch.randn(len(random), *w.shape[1:], generator=generator, dtype=torch.float32).to(w) * std
     out[random.to(w.device)] = sample
     b = None
     if bias is not None:
@@ -133,7 +133,7 @@ def _move_slices(nodes: dict[str, fx.Node], p: Projection, new: dict[str, int]) 
 def _columns(p: Projection, weight: torch.Tensor, new: dict[str, int]) -> torch.Tensor:
     old_to_new, total, _ = places(p.factors, new)
     w = weight.detach()
-    out = torch.zeros(w.shape[0], total, dtype=w.dtype, device=w.device)
+    out = torch.zeros(w.shape[0], total, *w.shape[2:], dtype=w.dtype, device=w.device)
     out[:, old_to_new] = w
     return out
 
@@ -190,7 +190,10 @@ def _apply_edit(gm: fx.GraphModule, nodes: dict[str, fx.Node], e: FactorEdit, ne
 def _resize(gm: fx.GraphModule, path: str | None) -> None:
     if path is not None:
         m: Any = gm.get_submodule(path)
-        m.out_features, m.in_features = m.weight.shape
+        if isinstance(m, nn.modules.conv._ConvNd):  # a convolution projecting q/k/v or reading the heads
+            m.out_channels, m.in_channels = m.weight.shape[:2]
+        else:
+            m.out_features, m.in_features = m.weight.shape
 
 
 def grow_attention(
@@ -237,6 +240,8 @@ def grow_attention(
         owner = gm.get_submodule(path.rpartition(".")[0])
         if isinstance(owner, nn.Embedding):  # a table per head looked up by position (T5's): its width is the heads
             owner.embedding_dim = grown.shape[1]
+        if isinstance(owner, nn.modules.batchnorm._BatchNorm):  # a BatchNorm after a conv projection: per channel
+            owner.num_features = grown.shape[0]
     _put(gm, att.reader.weight, _columns(att.reader, _tensor(gm, att.reader.weight), new), owners)
     _resize(gm, att.reader.module)
     for e in att.edits:
