@@ -74,8 +74,15 @@ class _Trace:
 
 def _work(graph: fx.Graph, values: set[fx.Node]) -> list[fx.Node]:
     """The graph's tensor work: every node but flag/number reads and arithmetic on them (pure and
-    cheap, so the merged graph computes those wherever they are needed, on every path)."""
-    return [n for n in graph.nodes if n not in values]
+    cheap, so the merged graph computes those wherever they are needed, on every path), and queries of a tensor's
+    metadata that nothing reads (LeViT's cache key `str(x.device)`: Python read it, no tensor depends on it)."""
+    return [n for n in graph.nodes if n not in values and (n.users or not _metadata_query(n))]
+
+
+def _metadata_query(n: fx.Node) -> bool:
+    if n.op == "call_function" and n.target is getattr:
+        return len(n.args) > 1 and n.args[1] in ops.TENSOR_ATTRIBUTES
+    return n.op == "call_method" and n.target in ops.SHAPE_METHODS
 
 
 def _key(n: fx.Node) -> tuple[str, str]:

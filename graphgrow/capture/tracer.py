@@ -8,8 +8,9 @@ mode_paths.Condition, so mode_merge can rebuild every path from traces taken wit
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -209,8 +210,30 @@ def _value_key(n: fx.Node, depth: int = 0) -> Any:
 
 
 def _trace_once(model: nn.Module, tracer: _Tracer, fixed: dict[str, Any]) -> fx.Graph:
-    with WatchModules(model, tracer), RecordConstructors(tracer), RecordLegacyMakers(tracer, model):
+    with WatchModules(model, tracer), RecordConstructors(tracer), RecordLegacyMakers(tracer, model), _kept(model):
         return tracer.trace(model, concrete_args=fixed or None)
+
+
+_MODULE_OWN = frozenset(nn.Module().__dict__)  # nn.Module's own tables (_parameters, hooks): not the model's state
+
+
+@contextlib.contextmanager
+def _kept(model: nn.Module) -> Iterator[None]:
+    """The dicts, lists and sets the model's modules hold, as they were before a trace: a cache a forward fills on
+    first use (LeViT's attention_bias_cache, filled in eval mode) would otherwise hold the trace's proxies, which the
+    next trace (another path through a block's branches) reads back as work done, and the model keeps."""
+    saved = [
+        (v, type(v)(v))
+        for m in model.modules()
+        for k, v in vars(m).items()
+        if k not in _MODULE_OWN and type(v) in (dict, list, set)
+    ]
+    try:
+        yield
+    finally:
+        for v, old in saved:
+            v.clear()
+            v.update(old) if isinstance(v, (dict, set)) else v.extend(old)
 
 
 class _Shallow(_Tracer):
