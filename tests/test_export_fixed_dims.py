@@ -1,6 +1,6 @@
-"""torch.export captures a float input of three or more dimensions (an image, a spectrogram) at the example's size
-in every dimension but the batch, unless the spec declares a dimension dynamic; token ids and masks keep every
-dimension dynamic. TF-'same' padding (the pad computed from the input's size) is the case that made symbolic image
+"""torch.export captures a float input of four or more dimensions (an image, a video) at the example's size in every
+dimension but the batch, unless the spec declares a dimension dynamic; token ids, masks and (B, T, C) sequences keep
+every dimension dynamic. TF-'same' padding (the pad computed from the input's size) is the case that made symbolic image
 sizes cost: timm's tf_mobilenetv3_small_minimal_100 took 200 CPU s to capture, 24 with its size fixed."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _size_queries(gm) -> int:
 
 
 def test_which_dimensions_are_fixed():
-    spec = parse_spec("x:float32[2,3,8,8],mask:int64[2,8],y:float32[2,3,h=8,w=8],wave:float32[2,16]")
+    spec = parse_spec("x:float32[2,3,8,8],mask:int64[2,8],y:float32[2,3,h=8,w=8],wave:float32[2,16],seq:float32[2,5,8]")
     assert fixed_dims(spec) == {"x": {1, 2, 3}, "y": {1}}
 
 
@@ -73,3 +73,12 @@ def test_token_inputs_keep_their_length_dynamic(length):
     gm = trace(model, input_shape=parse_spec("input_ids:int64[2,8],attention_mask:int64[2,8]"), capture="export")
     ids, mask = torch.randint(0, 32, (2, length)), torch.ones(2, length, dtype=torch.int64)
     torch.testing.assert_close(gm(input_ids=ids, attention_mask=mask), model(ids, mask))
+
+
+@pytest.mark.parametrize("length", [3, 7])
+def test_a_sequence_of_features_keeps_its_length_dynamic(length):
+    """(B, T, C) float features are a sequence, not an image: run at other lengths than captured."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+    gm = trace(model, input_shape=parse_spec("input:float32[2,5,8]"), capture="export")
+    x = torch.randn(2, length, 8)
+    torch.testing.assert_close(gm(input=x), model(x))

@@ -424,13 +424,13 @@ def positional(x: Any) -> tuple[Any, ...]:
 
 def fixed_dims(spec: InputSpec) -> dict[str, set[int]]:
     """Per input, the dimensions torch.export captures at the example's size: every dimension but the batch of a
-    float input of three or more dimensions (an image's channels and size, a spectrogram), unless the spec declares
-    it dynamic (x:float32[1,3,h=224,w=224]). Symbolic image sizes buy nothing the checks or the ONNX file use (both
-    keep the spec's sizes; the batch and declared dimensions stay dynamic) and cost much: TF-'same' padding computed
-    from a symbolic size made a MobileNetV3's capture 200 CPU s instead of 24. Token ids, masks and waveforms keep
-    every dimension dynamic where the model allows, as their lengths vary by use."""
+    float input of four or more dimensions (an image's channels and size, a video's), unless the spec declares it
+    dynamic (x:float32[1,3,h=224,w=224]). Symbolic image sizes buy nothing the checks or the ONNX file use (both keep
+    the spec's sizes; the batch and declared dimensions stay dynamic) and cost much: TF-'same' padding computed from a
+    symbolic size made a MobileNetV3's capture 200 CPU s instead of 24. Token ids, masks, waveforms and (B, T, C)
+    feature sequences keep every dimension dynamic where the model allows, as their lengths vary by use."""
     return {
         t.name: set(range(1, len(t.shape))) - {d for d, _ in t.dynamic}
         for t in spec
-        if len(t.shape) >= 3 and DTYPES[t.dtype].is_floating_point
+        if len(t.shape) >= 4 and DTYPES[t.dtype].is_floating_point
     }
