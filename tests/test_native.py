@@ -446,7 +446,7 @@ def test_a_model_with_its_cache_on_is_captured_with_it_off_and_gets_it_back():
 def test_a_capture_failure_after_export_is_typed_and_names_the_versions(monkeypatch):
     from graphgrow.capture import export_capture as ec
 
-    def broken(model, inputs):  # as torch 2.11 + transformers 5.17 failed: a raw RuntimeError from the program
+    def broken(model, inputs, fixed=None):  # torch 2.11 + transformers 5.17 failed: a raw RuntimeError from the program
         raise RuntimeError("Node submod_3 target submod_3 references nonexistent attribute")
 
     monkeypatch.setattr(ec, "export_capture", broken)

@@ -103,14 +103,15 @@ def _dropout_call(u: fx.Node, flag: fx.Node) -> bool:
 @contextlib.contextmanager
 def preserved_buffers(module: nn.Module) -> Iterator[nn.Module]:
     """Restore every buffer (running stats, counters) to its value on entry. One that is unchanged is left as it is:
-    a buffer whose elements share memory (a constant fx folded from `index.expand(heads, -1)`) cannot be written."""
+    a buffer whose elements share memory (a constant fx folded from `index.expand(heads, -1)`) cannot be written. A
+    meta buffer (a model planned without its weights) holds no values to compare: it is written back as before."""
     saved = [(b, b.detach().clone()) for b in module.buffers()]
     try:
         yield module
     finally:
         with torch.no_grad():
             for b, v in saved:
-                if not torch.equal(b, v):
+                if b.is_meta or not torch.equal(b, v):
                     b.copy_(v)
 
 
