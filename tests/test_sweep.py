@@ -149,6 +149,11 @@ def test_exit_codes_and_reason_classes():
     assert reason_class("add_branch runs 2-D conv branches beside a Conv2d; this model has none") == "no place"
     assert reason_class("hf:x/causal-lm: the config refused the arguments: ValueError") == "model does not build"
     assert reason_class("something nobody wrote a pattern for") == "other"
+    # a refusal inside a captured part says nothing of the whole model: never a stated impossibility
+    assert (
+        reason_class("in the part 'encoder.ff' and 2 more that capture: the model has no scaled_dot_product_attention")
+        == "cannot capture"
+    )
 
 
 def test_the_transformers_config_shrinker_keeps_what_the_models_rely_on():

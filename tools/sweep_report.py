@@ -62,7 +62,14 @@ REASON_CLASSES: list[tuple[str, re.Pattern]] = [
 ]
 
 
+# a refusal inside a captured part (jobs/part_growth.py): the whole model could not be captured, so what the part
+# lacks ("no attention", "fixed by the caller") says nothing about the model; never a stated impossibility
+IN_A_PART = re.compile(r"^in the part '")
+
+
 def reason_class(message: str) -> str:
+    if IN_A_PART.search(message):
+        return "cannot capture"
     return next((c for c, p in REASON_CLASSES if p.search(message)), "other")
 
 
