@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
-from sweep_report import broken_kind, reason_class, status_of  # noqa: E402
+from sweep_report import broken_kind, part_of, reason_class, render, status_of  # noqa: E402
 
 
 def sweep(*args: str) -> subprocess.CompletedProcess:
@@ -154,6 +155,49 @@ def test_exit_codes_and_reason_classes():
         reason_class("in the part 'encoder.ff' and 2 more that capture: the model has no scaled_dot_product_attention")
         == "cannot capture"
     )
+
+
+def test_a_run_grown_inside_a_part_is_marked_so_in_the_table():
+    from types import SimpleNamespace
+
+    from graphgrow.capture.parts import Part
+
+    # the CLI's note, in the words Part.summary writes (cli/show.py prints it after "note: ")
+    part = SimpleNamespace(
+        path="backbone.body",
+        module=torch.nn.Identity(),
+        params=10,
+        total=40,
+        share=0.25,
+        spec=(),
+        after=None,
+        why_whole="torch.export cannot capture FasterRCNN",
+    )
+    stdout = f"graphgrow mutate torchvision:x (input)\nnote: {Part.summary(part)}\n1. grow_width()\n"
+    assert part_of(stdout) == "backbone.body"
+    assert part_of("graphgrow mutate torchvision:y\n1. grow_width()\nequivalence: PASS\n") == ""
+    runs = [
+        {
+            "registry": "torchvision",
+            "model": "det",
+            "pass": "grow_width",
+            "status": "verified",
+            "class": "",
+            "message": "",
+            "part": "backbone.body",
+        },
+        {
+            "registry": "torchvision",
+            "model": "cls",
+            "pass": "grow_width",
+            "status": "verified",
+            "class": "",
+            "message": "",
+        },
+    ]
+    table = render(runs, "# t", ("grow_width",))
+    assert "| det | ✓ part |" in table and "| cls | ✓ |" in table
+    assert "1 of the verified runs (✓ part) grew inside a part" in table and "det ('backbone.body')" in table
 
 
 def test_the_transformers_config_shrinker_keeps_what_the_models_rely_on():

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep_models import PASSES, REGISTRIES, Model  # noqa: E402
-from sweep_report import broken_kind, reason_class, render, status_of  # noqa: E402
+from sweep_report import broken_kind, part_of, reason_class, render, status_of  # noqa: E402
 from sweep_targets import facts_for, targets  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +85,7 @@ def run_model(model: Model, passes: list[str], timeout: float, cwd: Path, thread
                 "status": status,
                 "class": cls,
                 "message": message if status != "verified" else "",
+                "part": part_of(r["stdout"]) if status == "verified" else "",
                 "seconds": r["seconds"],
                 "cpu_seconds": r.get("cpu_seconds"),
                 "when": when,

@@ -46,7 +46,7 @@ REASON_CLASSES: list[tuple[str, re.Pattern]] = [
             "no place",
             r"has none|no place|no branch merge|nothing to|found no|the model has no|no layer in this model|"
             r"has no (conv|attention|residual|stream|hidden|head|layer|norm|linear|token stream)|"
-            r"no (residual stream|attention|layer|conv|candidate|target)",
+            r"no (residual stream|attention|layer|conv|candidate|target)|no heads to add",
         ),
         (
             "impossible by construction",
@@ -67,6 +67,16 @@ REASON_CLASSES: list[tuple[str, re.Pattern]] = [
 IN_A_PART = re.compile(r"^in the part '")
 
 
+# the CLI's note when a pass grew inside a captured part (capture/parts.Part.summary)
+GROWN_IN_PART = re.compile(r"^note: growing inside the part '([^']*)'", re.M)
+
+
+def part_of(stdout: str) -> str:
+    """The part a verified run grew inside ('' where it grew the whole model)."""
+    found = GROWN_IN_PART.search(stdout)
+    return found.group(1) if found else ""
+
+
 def reason_class(message: str) -> str:
     if IN_A_PART.search(message):
         return "cannot capture"
@@ -75,7 +85,7 @@ def reason_class(message: str) -> str:
 
 def _cell(r: dict) -> str:
     if r["status"] == "verified":
-        return "✓"
+        return "✓ part" if r.get("part") else "✓"
     if r["status"] == "refused":
         return f"R: {r['class']}"
     return f"**✗ {r['class']}**"
@@ -114,6 +124,15 @@ def render(results: list[dict], header: str, passes: tuple[str, ...], extra: dic
         lines += ["", "| class | runs |", "|---|---|"]
         for cls, n in Counter((r["status"], r["class"]) for r in runs if r["status"] != "verified").most_common():
             lines.append(f"| {cls[0]}: {cls[1]} | {n} |")
+        in_part = [r for r in runs if r["status"] == "verified" and r.get("part")]
+        if in_part:
+            lines += [
+                "",
+                f"{len(in_part)} of the verified runs (✓ part) grew inside a part of a model that cannot be captured "
+                "whole (docs/tracing.md), the whole model compared with the original in eval mode: "
+                + ", ".join(sorted({f"{r['model']} ('{r['part']}')" for r in in_part}))
+                + ".",
+            ]
         lines += ["", *(extra or {}).get(registry, [])]
         used = [p for p in passes if any(r["pass"] == p for r in runs)]
         cells = {(r["model"], r["pass"]): r for r in runs}
