@@ -144,6 +144,17 @@ class HeadLarger(nn.Module):
         return s[keep]
 
 
+class HeadLargerScaled(HeadLarger):
+    """HeadLarger with a parameter of its own (a gain at the top level): no part holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * 1.0) * self.gain[0]
+
+
 class NoPart(nn.Module):
     """Nothing capturable holds parameters: the one layer is called once per image (and takes a list elsewhere)."""
 
@@ -190,3 +201,8 @@ def no_part() -> nn.Module:
 def head_larger() -> nn.Module:
     torch.manual_seed(0)
     return HeadLarger()
+
+
+def head_larger_scaled() -> nn.Module:
+    torch.manual_seed(0)
+    return HeadLargerScaled()

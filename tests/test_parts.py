@@ -18,6 +18,9 @@ from graphgrow.graph.calls import record_calls
 from graphgrow.io.load import _torch_load, load_model
 from graphgrow.jobs import workflow
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+from sweep_report import reason_class  # noqa: E402
+
 SHAPE = "1,3,16,16"
 CASES = [  # (factory, pass, the part it must choose)
     ("looped_images", "grow_width", "backbone"),
@@ -88,12 +91,21 @@ def test_pass_that_does_not_apply_to_the_largest_part_goes_to_the_next():
 def test_pass_that_applies_to_no_part_is_refused_naming_the_parts():
     from graphgrow.core.errors import NotApplicable
 
+    # the two parts hold every parameter: the pass has no place in the model (a stated impossibility in the sweep)
     with pytest.raises(NotApplicable) as e:
         workflow.mutate(_name("head_larger"), ["grow_heads"], input_shape=SHAPE, dry_run=True)
     said = e.value.message
-    assert (
-        said.startswith("in the part 'head' and 1 more that capture (no other part captures): ") and "attention" in said
+    assert said.startswith("in every part of the model that holds parameters ('head', 'backbone': all ") and (
+        "attention" in said
     )
+    assert reason_class(said) == "no place"
+    # a parameter outside every part (the model's own gain): said of the parts only, never of the model
+    with pytest.raises(NotApplicable) as e:
+        workflow.mutate(_name("head_larger_scaled"), ["grow_heads"], input_shape=SHAPE, dry_run=True)
+    said = e.value.message
+    assert said.startswith("in the part 'head' and 1 more that capture (no other part captures); 4 of the model's ")
+    assert "parameters lie outside the parts that capture: " in said and "attention" in said
+    assert reason_class(said) == "cannot capture"
 
 
 def test_part_file_of_own_factory_needs_the_name_again_or_trust(tmp_path):

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..analysis.budget import check_onnx_memory
 from ..capture.parts import Part, capture_part, check_whole, with_part
-from ..core.errors import NotApplicable, TraceError, with_context
+from ..core.errors import GraphgrowError, NotApplicable, TraceError, with_context
 from ..io import part_file
 from ..io.load import LoadedModel, custom_classes
 from ..io.save import atomic_write
@@ -112,7 +112,7 @@ def grow_part(
     return report
 
 
-MAX_PARTS = 3  # parts a pipeline is tried on, largest first, while its passes do not apply (NotApplicable)
+MAX_PARTS = 8  # parts a pipeline is tried on, largest first, while its passes do not apply (NotApplicable)
 
 
 def _run_on_parts(pipeline: Pipeline, part: Part, model: nn.Module, progress: Progress) -> tuple[Part, Any, list[str]]:
@@ -120,30 +120,47 @@ def _run_on_parts(pipeline: Pipeline, part: Part, model: nn.Module, progress: Pr
     add_branch), on the next part that captures, largest first, up to MAX_PARTS: the part belongs to the pass's
     default place, and a default place is one where the pass applies (architecture.md §3). Returns the part it ran
     on, the result, and the larger parts where it did not apply, each with why. Where it applies to none, the
-    refusal is the largest part's, saying so."""
+    refusal is the largest part's: said of every part of the model when the parts tried hold all its parameters (the
+    pass grows parameters, so it has no place in the model), of those parts only otherwise."""
     count = len(pipeline.passes)
-    refusals: list[tuple[str, NotApplicable]] = []
+    refusals: list[tuple[Part, NotApplicable]] = []
     while True:
         try:
             result = pipeline.run(
                 part.gm, progress=lambda i, p: progress(f"pass {i + 1}/{count}: {p.name} (+ verification)")
             )
-            return part, result, [f"{path}: {e.message[:300]}" for path, e in refusals]
+            return part, result, [f"{tried.path}: {e.message[:300]}" for tried, e in refusals]
         except NotApplicable as e:
-            refusals.append((part.path, e))
-        where, first = refusals[0]
-        more = f" and {len(refusals) - 1} more that capture" if len(refusals) > 1 else ""
+            refusals.append((part, e))
         if len(refusals) >= MAX_PARTS:
-            raise with_context(first, f"in the part '{where}'{more}") from first
+            raise _refusal(refusals, "") from refusals[0][1]
         progress(f"the passes do not apply to the part '{part.path}': trying the next part that captures")
-        inside = tuple(path for path, _ in refusals)
+        inside = tuple(tried.path for tried, _ in refusals)
         try:
             part = capture_part(
                 model, part.whole_spec, part.why_whole, pipeline_memory(pipeline), progress, part.path, inside
             )
         except TraceError:
-            raise with_context(first, f"in the part '{where}'{more} (no other part captures)") from first
+            raise _refusal(refusals, " (no other part captures)") from refusals[0][1]
         progress(part.summary())
+
+
+def _refusal(refusals: list[tuple[Part, NotApplicable]], why_last: str) -> GraphgrowError:
+    """The first part's refusal, said of the whole model when the parts tried hold every parameter of it."""
+    (first_part, first), paths = refusals[0], [tried.path for tried, _ in refusals]
+    unique = {id(p): p for tried, _ in refusals for p in tried.module.parameters()}  # a part within another counts once
+    held = sum(p.numel() for p in unique.values())
+    if held == first_part.total:
+        named = ", ".join(f"'{p}'" for p in paths)
+        return with_context(
+            first, f"in every part of the model that holds parameters ({named}: all {held:,} of them capture)"
+        )
+    more = f" and {len(refusals) - 1} more that capture" if len(refusals) > 1 else ""
+    return with_context(
+        first,
+        f"in the part '{paths[0]}'{more}{why_last}; {first_part.total - held:,} of the model's {first_part.total:,} "
+        "parameters lie outside the parts that capture",
+    )
 
 
 def pipeline_memory(pipeline: Pipeline) -> int | None:
