@@ -171,10 +171,10 @@ class Flow:
 
     # --- rules ---
     def regroup(self, n: fx.Node, lay: Layout, shape: tuple, args=None) -> Layout:
-        """Factors of `lay` regrouped into axes of `shape` (a reshape): fixed factors may split, growing ones not.
-        A named factor of size 1 (one head) left after axis j is full goes to the first axis whose size argument in
-        `args` is a number (not a size read at run time: the batch): j where its size is 1, else a later one (timm's
-        reshape(B, N, 3, num_heads, -1): the heads' axis, not the 3 sections' before it)."""
+        """Factors of `lay` regrouped into axes of `shape` (a reshape): fixed factors may split, growing ones not. A
+        named factor of size 1 (one head) left after axis j is full goes to the first axis whose size in `args` is a
+        number (not a size read at run time: the batch): j where its size is 1, else a later one (timm's reshape(B, N,
+        3, num_heads, -1)); with none, to the next axis if a head size starts it (reshape(B, N, C), C read), else j."""
         seq = [f for axis in lay for f in axis if f[0] or f[1] != 1]
 
         def home(j: int) -> int:
@@ -182,7 +182,8 @@ class Flow:
             for c in ([j] if shape[j] == 1 else []) + later if args is not None else []:
                 if isinstance(args[c], int):
                     return c
-            return j if shape[j] == 1 or j + 1 == len(shape) or shape[j + 1] != 1 else j + 1
+            after = next((f for f in seq[i:] if f[1] != 1), ("", 1))  # a head size starting the next axis: with it
+            return j if shape[j] == 1 or j + 1 == len(shape) or shape[j + 1] != 1 and after[0] in ("", "s") else j + 1
 
         out, i = [], 0
         for j, size in enumerate(shape):

@@ -128,7 +128,12 @@ def _size_read(u: fx.Node) -> bool:
 
 
 def _reader(
-    gm: fx.GraphModule, core: Core, lay: Layout, growing: set[str], beside: dict[str, Layout] | None = None
+    gm: fx.GraphModule,
+    core: Core,
+    lay: Layout,
+    growing: set[str],
+    beside: dict[str, Layout] | None = None,
+    hx: int = -3,
 ) -> tuple[Projection, list[FactorEdit], list[Projection], list[tuple[str, int, Axis, float | None]]]:
     """The output projection reading the attention's output, the tensors between them followed; the Linear layers
     of output gates on the way (their rows follow the heads: new heads' gate rows are random, the output
@@ -175,16 +180,16 @@ def _reader(
             )
     gates: list[Projection] = []
     per_head: list[tuple[str, int, Axis, float | None]] = []
-    width = size_of(lay[-3] + lay[-1])
+    width = size_of(lay[hx] + lay[-1])
     for n in [m for m in gm.graph.nodes if m.name in region and op_kind(gm, m) == "elementwise"]:
         for a in (a for a in data_args(n) if a.name not in beside):
             found = _gate(gm, n, a, region) if a.name not in region else None
             rows = tensor_shape(found[0])[channel_axis(gm, found[0])] if found is not None else None
-            if found is not None and rows in (width, size_of(lay[-3])):
+            if found is not None and rows in (width, size_of(lay[hx])):
                 # the gate's rows: the heads and value size, flattened as the reader's input, or one per head (a
                 # scalar gate per head: Dots's); the flow checks that they meet the output so
                 g, path = found
-                factors = lay[-3] + lay[-1] if rows == width else lay[-3]
+                factors = lay[hx] + lay[-1] if rows == width else lay[hx]
                 flow.layout[g.name] = channels_laid(gm, g, factors)
                 region |= path
                 weight, bias, module = _linear_params(gm, g)
@@ -197,10 +202,10 @@ def _reader(
                     flow.layout[sc.name] = lay[:-1] + plain(tensor_shape(sc)[-1:])
                 for p in params:
                     ps = tensor_shape(p)
-                    one = len(ps) == 1 and ps[0] == size_of(lay[-3]) and ps[0] > 1
-                    flow.layout[p.name] = (lay[-3],) if one else plain(ps)
-                    if one and flow.grows(lay[-3]):
-                        per_head.append((str(p.target), 0, lay[-3], 0.0))
+                    one = len(ps) == 1 and ps[0] == size_of(lay[hx]) and ps[0] > 1
+                    flow.layout[p.name] = (lay[hx],) if one else plain(ps)
+                    if one and flow.grows(lay[hx]):
+                        per_head.append((str(p.target), 0, lay[hx], 0.0))
                 region |= path
     flow.region = region
     flow.run([n for n in gm.graph.nodes if n.name in region and n is not s])

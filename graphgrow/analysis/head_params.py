@@ -259,3 +259,17 @@ def _rows(flow: Flow, ids, table: Layout) -> Layout:
     if shape is None or len(table) != 2 or flow.grows(table[0]):
         raise NotApplicable("a lookup along a growing axis", "")
     return plain(shape) + (table[1],)
+
+
+def one_for_all_heads(mask: fx.Node) -> bool:
+    """A mask the same for every head: expanded to the scores' shape (`mask.expand_as(scores)`, XLM's) from one of
+    size 1 on the heads axis; it follows the grown scores."""
+    x = mask
+    while x.op in ("call_function", "call_method") and _name(x) in ("to", "type_as", "contiguous", "float", "bool"):
+        if not isinstance(x.args[0], fx.Node):
+            return False
+        x = x.args[0]
+    if _name(x) != "expand_as" or not isinstance(x.args[0], fx.Node):
+        return False
+    src = tensor_shape(x.args[0])
+    return src is not None and (len(src) < 3 or src[-3] == 1)

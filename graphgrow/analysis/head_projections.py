@@ -19,6 +19,7 @@ from .head_layout import (
     Axis,
     _name,
     broadcasts,
+    channel_axis,
     conv_blocks,
     data_args,
     linear_arg,
@@ -263,3 +264,25 @@ def section_biases(p: fx.Node, factors: Axis, growing: set[str]) -> list[tuple[s
     if any(a is not None and tensor_shape(a) != (size_of(section),) for a in pieces):
         raise refuse(p, f"takes its bias from parameters that are not {words(section)} each")
     return [(str(a.target), 0, section, 0.0) for a in pieces if a is not None]
+
+
+def head_axes(gm: fx.GraphModule, core) -> list[int]:
+    """The query's axes that may hold its heads, most likely first. Operands of rank 4 or less are (…, heads, tokens,
+    head size); of rank 5 and more every axis between the batch and the tokens is a batch axis to the attention
+    (Hiera's and NesT's (batch, heads, windows, tokens, head size)), so the heads are where the projection's channels
+    go: first an axis as large as the projection's width says (its q/k/v sections × heads × head size), then the one
+    before the tokens, then the others. The flow follows the factors by the data, not by size: a wrong axis is refused
+    (the heads land elsewhere), and the next is tried."""
+    shape = tensor_shape(core.q)
+    if shape is None or len(shape) <= 4 or core.heads is not None:
+        return [-3]
+    axes = list(range(-3, -len(shape), -1))
+    found = _back(gm, core.q)[1]
+    if len(found) == 1 and tensor_shape(found[0]) is not None:
+        p = found[0]
+        roles = sum(1 for t in (core.q, core.k, core.v) if found[0] in _back(gm, t)[1])
+        width, d = tensor_shape(p)[channel_axis(gm, p)], shape[-1]
+        if d and width % (roles * d) == 0:
+            h = width // (roles * d)
+            axes.sort(key=lambda i: shape[i] != h)  # (stable: -3 first among equals)
+    return axes

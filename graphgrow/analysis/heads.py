@@ -47,7 +47,17 @@ from .head_layout import (
     writes,
 )
 from .head_output import _reader, gate_tail
-from .head_projections import Projection, _back, _linear_params, _op, _sections, beside, section_biases, unprojected
+from .head_params import one_for_all_heads
+from .head_projections import (
+    Projection,
+    _back,
+    _linear_params,
+    _sections,
+    beside,
+    head_axes,
+    section_biases,
+    unprojected,
+)
 from .head_sizes import regroup_edits
 
 
@@ -182,16 +192,27 @@ def attention_of(gm: fx.GraphModule, s: fx.Node, growing: set[str]) -> Attention
 
 
 def _attention(gm: fx.GraphModule, core: Core, growing: set[str]) -> Attention:
-    """The attention, its key/value heads growing with the query heads (the grouped-query ratio kept); where that
-    cannot be followed and the key and value are one head for all query heads (multi-query attention whose key has a
-    size-1 heads axis broadcast over the query heads: GPT-BigCode's), the query heads grow alone, sharing it."""
+    """The attention at the first heads axis whose reading the flow follows (head_axes)."""
+    errors = []
+    for hx in head_axes(gm, core):
+        try:
+            return _attention_at(gm, core, growing, hx)
+        except NotApplicable as e:
+            errors.append(e)
+    raise errors[0]  # (the likeliest axis's reason)
+
+
+def _attention_at(gm: fx.GraphModule, core: Core, growing: set[str], hx: int) -> Attention:
+    """The attention, query heads on axis `hx`, key/value heads growing with them (the grouped-query ratio kept); where
+    that cannot be followed and the key and value are one head for all query heads (multi-query attention: a size-1
+    heads axis broadcast over the query heads, GPT-BigCode's), the query heads grow alone, sharing it."""
     try:
-        return _attention_layouts(gm, core, growing)
+        return _attention_layouts(gm, core, growing, hx)
     except NotApplicable as first:
         if "h" not in growing:
             raise
         try:
-            att = _attention_layouts(gm, core, (growing - {"h"}) | {"r"})
+            att = _attention_layouts(gm, core, (growing - {"h"}) | {"r"}, hx)
         except NotApplicable:
             raise first from None
         if att.kv_heads != 1 or att.heads == 1:  # one head in all: no query heads to grow alone either
@@ -200,15 +221,15 @@ def _attention(gm: fx.GraphModule, core: Core, growing: set[str]) -> Attention:
         return att
 
 
-def _attention_layouts(gm: fx.GraphModule, core: Core, growing: set[str]) -> Attention:
+def _attention_layouts(gm: fx.GraphModule, core: Core, growing: set[str], hx: int = -3) -> Attention:
     """A fused projection of equal sections holds them outermost (s, h, d: GPT-2's c_attn, timm's qkv) or, per head,
     inside each head (h, s, d: GPT-NeoX's and Persimmon's query_key_value, viewed as heads × 3·head size and split):
     the first layout the flow follows is the one."""
     try:
-        return _attention_as(gm, core, growing, interleaved=False)
+        return _attention_as(gm, core, growing, False, hx)
     except NotApplicable as first:
         try:
-            return _attention_as(gm, core, growing, interleaved=True)
+            return _attention_as(gm, core, growing, True, hx)
         except _NotFused:
             raise first from None
         except NotApplicable as second:
@@ -220,12 +241,12 @@ class _NotFused(Exception):
     """No fused projection of equal sections: the per-head layout has nothing to try."""
 
 
-def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved: bool) -> Attention:
+def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved: bool, hx: int = -3) -> Attention:
     s, q, k, v, ka = core.node, core.q, core.k, core.v, core.key_axis
     shapes = [tensor_shape(t) for t in (q, k, v)]
     if any(sh is None or len(sh) < 3 for sh in shapes):
         raise refuse(s, f"takes query/key/value of shapes {shapes}, not (…, heads, tokens, head size)")
-    h, kv, d, e = shapes[0][-3], shapes[1][-3], shapes[0][-1], shapes[2][-1]
+    h, kv, d, e = shapes[0][hx], shapes[1][hx], shapes[0][-1], shapes[2][-1]
     if core.heads is not None:  # heads merged with the batch (batch · heads, tokens, d): the softmax's heads axis
         h = kv = core.heads
     region: set[str] = set()
@@ -294,15 +315,13 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
             x = ("", width // (len(rs) * h))
             factors = (("h", h), ("s", len(rs)), x) if interleaved else (("s", len(rs)), ("h", h), x)
             fused = True
-        else:  # (rank 5 and more: the axis before the tokens is taken for the heads; Hiera's is its windows)
+        else:  # (rank 5 and more: the heads read on axis hx, head_axes says which are tried)
             raise refuse(
                 p,
                 f"projects {'/'.join(rs)} in one output of width {width}, not {len(rs)} equal sections "
                 f"of {h} heads × {d}"
-                + (
-                    f" (the attention's operands {shapes[0]} are read as (…, heads, tokens, head size))"
-                    * (len(shapes[0]) > 4)
-                ),
+                + f" (the attention's operands {shapes[0]} read with their heads on axis {hx})"
+                * (len(shapes[0]) > 4),
             )
         if sections:  # each slice starts the flow with its section's factors
             order, cuts = sections
@@ -356,7 +375,7 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
     _fix_roles(flow, [p for p in projections if p.node not in blocks], roles, q, k, v, s)
     lq, lk, lv = (flow.of(t) for t in (q, k, v))
     for t, lay, at in ((q, lq, -1), (k, lk, ka), (v, lv, -1)):
-        if any(flow.grows(ax) for i, ax in enumerate(lay) if i - len(lay) not in (-3, at)) or any(
+        if any(flow.grows(ax) for i, ax in enumerate(lay) if i - len(lay) not in (hx, at)) or any(
             f in ("h", "r") and f in growing for f, _ in lay[at]
         ):  # heads on the head-size axis (one head's factor beside its size): a new head would widen the head
             raise refuse(t, "carries heads or head size on an axis other than the attention's heads or head size")
@@ -366,15 +385,15 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
 
     # key and value hold the query's heads, or only the key/value heads with the query heads broadcast over them
     # (SDPA's enable_gqa, or a size-1 axis): only then may they lack the query's r
-    grown = heads(lq[-3])
+    grown = heads(lq[hx])
     kv_only = tuple(f for f in grown if f[0] != "r")
     if any(
-        heads(lay[-3]) != grown and (heads(lay[-3]) != kv_only or size_of(lay[-3]) not in (1, size_of(kv_only)))
+        heads(lay[hx]) != grown and (heads(lay[hx]) != kv_only or size_of(lay[hx]) not in (1, size_of(kv_only)))
         for lay in (lk, lv)
     ) or canon(lq[-1], growing) != canon(lk[ka], growing):
         raise refuse(s, "gets query, key and value whose heads or head sizes the analysis cannot match up")
     for sink in core.sinks:  # a column per head and query row before the softmax: a parameter per head
-        if flow.grows(lq[-3]) and not flow.adopt(sink, lq[-3], 0.0, -3):
+        if flow.grows(lq[hx]) and not flow.adopt(sink, lq[hx], 0.0, hx):
             raise refuse(
                 sink,
                 f"is a column concatenated to the scores of '{s.name}' per head that does not come from a parameter "
@@ -384,11 +403,11 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
         ms = tensor_shape(mask)
         if (
             ms
-            and len(ms) >= 3
-            and ms[-3] > 1
-            and flow.grows(lq[-3])
-            and not _one_for_all_heads(mask)
-            and not flow.adopt(mask, lq[-3], 0.0, -3)  # a bias per head read from a table: new heads' entries 0
+            and len(ms) >= -hx
+            and ms[hx] > 1
+            and flow.grows(lq[hx])
+            and not one_for_all_heads(mask)
+            and not flow.adopt(mask, lq[hx], 0.0, hx)  # a bias per head read from a table: new heads' entries 0
         ):
             raise refuse(
                 mask, f"is a mask or bias per head {tuple(ms)} (ALiBi, relative positions): new heads have none"
@@ -397,29 +416,15 @@ def _attention_as(gm: fx.GraphModule, core: Core, growing: set[str], interleaved
     shape = tensor_shape(s)
     if core.regroups and shape is not None and len(shape) != len(out):  # merged q · k, the weights split again @ v
         out = plain(shape[:-3]) + (tuple(f for f in lq[-3] if f[0]),) + plain(shape[-2:-1]) + (lv[-1],)
-    reader, edits, gates, per_head = _reader(gm, core, out, growing, tail)
+    reader, edits, gates, per_head = _reader(gm, core, out, growing, tail, hx)
     projections += gates
-    edits += [e for n in core.regroups for e in regroup_edits(gm, n, lq[-3], growing)]
+    edits += [e for n in core.regroups for e in regroup_edits(gm, n, lq[hx], growing)]
     att = Attention(s.name, h, kv, d, e, projections, reader, flow.edits + edits, core.scale, core.scale_at)
     att.per_head = per_head + flow.params
     if core.scale_from is not None:
         att.scale_of = _computed_scale(flow, core, region | {q.name, k.name, v.name})
         att.scale = att.scale_of({})
     return att
-
-
-def _one_for_all_heads(mask: fx.Node) -> bool:
-    """A mask the same for every head: expanded to the scores' shape (`mask.expand_as(scores)`, XLM's) from one of
-    size 1 on the heads axis; it follows the grown scores."""
-    x = mask
-    while x.op in ("call_function", "call_method") and _op(x) in ("to", "type_as", "contiguous", "float", "bool"):
-        if not isinstance(x.args[0], fx.Node):
-            return False
-        x = x.args[0]
-    if _op(x) != "expand_as" or not isinstance(x.args[0], fx.Node):
-        return False
-    src = tensor_shape(x.args[0])
-    return src is not None and (len(src) < 3 or src[-3] == 1)
 
 
 def _ordered(gm: fx.GraphModule, region: set[str]) -> list[fx.Node]:
