@@ -103,6 +103,8 @@ def op_kind(gm: fx.GraphModule, n: fx.Node) -> str | None:
         return "alloc"
     if name in POINTWISE - SAME:
         return "pointwise"
+    if name in ops.BOUNDS and all(not isinstance(a, fx.Node) for a in [*n.args[1:], *n.kwargs.values()]):
+        return "pointwise"  # bounded by numbers
     if name in REDUCE:
         return "reduce"
     if name in WRITES:

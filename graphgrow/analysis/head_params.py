@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
 from ..core.errors import NotApplicable
@@ -43,6 +44,7 @@ from .head_layout import (
     plain,
     size_of,
 )
+from .head_projections import _linear_params
 
 
 class Flow(Protocol):
@@ -99,6 +101,8 @@ def adopt(flow: Flow, side: fx.Node, axis: Axis, fill: float, at: int) -> bool:
                 return True
         if x.op == "get_attr":
             x = chain.pop() if chain else x
+    if _learned_table(flow, x, chain, side, axis, at):
+        return True
     for c in [x, *chain[::-1]] if x.op != "get_attr" else []:  # where the heads first sit on one axis
         later = chain[: chain.index(c)] if c in chain else chain
         for dim, lay in _placements(tensor_shape(c) or (), axis):
@@ -106,6 +110,41 @@ def adopt(flow: Flow, side: fx.Node, axis: Axis, fill: float, at: int) -> bool:
                 flow.params.append((c.name, dim, lay[dim], None))
                 return True
     return False
+
+
+def _learned_table(flow: Flow, x: fx.Node, chain: list, side: fx.Node, axis: Axis, at: int) -> bool:
+    """`x` is a Linear with one output per head computed from the model's parameters and buffers alone (Swin V2's
+    continuous position bias: an MLP over the relative coordinates, then looked up per query and key): its rows
+    (weight and bias) grow with the heads, new rows zero (any entries are exact for new heads: their outputs enter the
+    output projection through zero columns; the new rows learn as the others do)."""
+    if op_kind(flow.gm, x) != "linear" or not (x.op == "call_module" or x.target is F.linear):
+        return False
+    if x.op == "call_module" and not isinstance(flow.gm.get_submodule(str(x.target)), nn.Linear):
+        return False
+    shape = tensor_shape(x)
+    if not shape or shape[-1] != size_of(axis) or not _constant(flow, x):
+        return False
+    try:
+        weight, bias, _ = _linear_params(flow.gm, x)
+    except NotApplicable:
+        return False
+    if not _follows(flow, x, plain(shape[:-1]) + (axis,), chain, side, axis, at):
+        return False
+    flow.params += [(p, 0, axis, 0.0) for p in (weight, bias) if p is not None]
+    return True
+
+
+def _constant(flow: Flow, c: fx.Node) -> bool:
+    """`c` is computed from parameters, buffers and constants only: no input of the model, no tensor the flow
+    follows (so no attention's projections, scores or outputs)."""
+    todo, seen = [c], set()
+    while todo:
+        n = todo.pop()
+        if n.name in flow.layout or n.op == "placeholder":
+            return False
+        seen.add(n.name)
+        todo += [a for a in n.all_input_nodes if a.name not in seen]
+    return True
 
 
 def _source(x: fx.Node) -> fx.Node | None:
@@ -117,7 +156,7 @@ def _source(x: fx.Node) -> fx.Node | None:
         src = x.args[0] if x.args else None
     elif name in ops.BINARY_NAMES and len(tensors) == 1 and all(isinstance(a, (int, float)) for a in x.args[1:]):
         src = tensors[0]  # the parameter times a number (Dory's sqk · c): still one value per entry
-    elif name in CHAIN | POINTWISE:
+    elif name in CHAIN | POINTWISE or (name in ops.BOUNDS and len(tensors) == 1):  # clamp(x, max=c): x's values
         src = x.args[0] if x.args else None
     elif name in ELEMENTWISE:  # a bias with a mask broadcast over the heads (T5's where(mask, bias, min)): the bias
         full = [a for a in tensors if tensor_shape(a) == tensor_shape(x)]

@@ -72,6 +72,8 @@ MAY_ALIAS = (
 # --- elementwise ---------------------------------------------------------------------------------------------------
 # unary: output element i depends on input element i only
 UNARY_METHODS = frozenset({"relu", "sigmoid", "tanh", "exp", "abs", "neg"})
+# one tensor's values limited to bounds: unary where the bounds are numbers (Swin V2's clamp(logit_scale, max=…))
+BOUNDS = frozenset({"clamp", "clamp_min", "clamp_max", "clip"})
 # binary arithmetic, broadcast: names as fx shows them (operator.truediv → "truediv", operator.iadd → "iadd")
 BINARY_NAMES = frozenset({"add", "sub", "mul", "div", "truediv"})
 IN_PLACE_OPERATORS = frozenset({"iadd", "imul"})  # x += y, x *= y traced as operator.iadd / operator.imul

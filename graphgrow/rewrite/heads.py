@@ -242,6 +242,8 @@ def grow_attention(
             owner.embedding_dim = grown.shape[1]
         if isinstance(owner, nn.modules.batchnorm._BatchNorm):  # a BatchNorm after a conv projection: per channel
             owner.num_features = grown.shape[0]
+        if isinstance(owner, nn.Linear):  # a Linear with one output per head (Swin V2's position-bias MLP)
+            owner.out_features = grown.shape[0]
     _put(gm, att.reader.weight, _columns(att.reader, _tensor(gm, att.reader.weight), new), owners)
     _resize(gm, att.reader.module)
     for e in att.edits:
