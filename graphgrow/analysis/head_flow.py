@@ -79,7 +79,7 @@ class Flow:
             if self.grows(lay[-1]):
                 raise refuse(
                     n,
-                    "normalises over a growing axis (a query/key norm over the head size)",
+                    "normalises over a growing axis (a query/key norm over the head size), which cannot grow exactly",
                     "grow heads instead (heads=…), or value_dim=… (the value path has no such norm)",
                 )
             return lay
@@ -319,7 +319,7 @@ class Flow:
             raise refuse(
                 n,
                 f"reduces over a growing axis ({'; '.join(words(lay[d]) for d in sorted(dims))}): new heads or head "
-                "sizes would change its statistics",
+                "sizes would change its statistics, so they cannot grow exactly",
                 "grow heads instead (heads=…), or the sizes this reduction does not read",
             )
         return tuple(() if i in dims else a for i, a in enumerate(lay) if keep or i not in dims)

@@ -180,7 +180,7 @@ def channel_norm(flow, n: fx.Node) -> Layout:
         raise refuse(
             n,
             f"normalises each channel of a growing head size ({words(lay[1])}): the query's rescaled rows would be "
-            "normalised back",
+            "normalised back, so the head size cannot grow exactly",
             "grow heads instead (heads=…)",
         )
     m = flow.gm.get_submodule(str(n.target))
