@@ -155,6 +155,26 @@ class HeadLargerScaled(HeadLarger):
         return super().forward(x * 1.0) * self.gain[0]
 
 
+class SharedHead(nn.Module):
+    """A backbone called once, then one head applied to two feature levels (as a detector's head is to each level of
+    its pyramid), then a filter by a mask: the head is no part (called twice), but it can be asked whether a pass
+    has a place in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = _backbone(4)
+        self.head = nn.Conv2d(8, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        f = self.backbone(x)
+        levels = [self.head(f), self.head(nn.functional.avg_pool2d(f, 2))]
+        out = []
+        for s in levels:
+            keep = s.flatten() > 0
+            out.append(s.flatten()[keep] if keep.sum() > 0 else s.flatten()[:0])
+        return out
+
+
 class NoPart(nn.Module):
     """Nothing capturable holds parameters: the one layer is called once per image (and takes a list elsewhere)."""
 
@@ -206,3 +226,8 @@ def head_larger() -> nn.Module:
 def head_larger_scaled() -> nn.Module:
     torch.manual_seed(0)
     return HeadLargerScaled()
+
+
+def shared_head() -> nn.Module:
+    torch.manual_seed(0)
+    return SharedHead()

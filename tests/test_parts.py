@@ -106,6 +106,12 @@ def test_pass_that_applies_to_no_part_is_refused_naming_the_parts():
     assert said.startswith("in the part 'head' and 1 more that capture (no other part captures); 4 of the model's ")
     assert "parameters lie outside the parts that capture: " in said and "attention" in said
     assert reason_class(said) == "cannot capture"
+    # a head called once per feature level is no part, but the pass has no place in it either (asked on its capture)
+    with pytest.raises(NotApplicable) as e:
+        workflow.mutate(_name("shared_head"), ["grow_heads"], input_shape=SHAPE, dry_run=True)
+    said = e.value.message
+    assert said.startswith("in every part of the model that holds parameters ('backbone'; and the modules 'head', ")
+    assert reason_class(said) == "no place"
 
 
 def test_part_file_of_own_factory_needs_the_name_again_or_trust(tmp_path):

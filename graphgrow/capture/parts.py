@@ -239,6 +239,39 @@ def capture_part(
     )
 
 
+def captures_of_the_rest(
+    model: nn.Module, spec: InputSpec, held: set[int], max_memory: int | None = None
+) -> list[tuple[str, fx.GraphModule]]:
+    """Captures of the submodules holding the parameters outside `held` (ids of parameters), largest first, each on
+    the input of its first call (a module called once per feature level, such as a detection head, included: the
+    captures serve to ask whether a pass has a place there, never to grow); none inside another. Those that do not
+    capture are left out (their parameters stay outside). At most MAX_TRIES captures are tried."""
+    from .trace import trace
+
+    calls = find_calls(model, spec, max_memory)
+    found: list[tuple[str, fx.GraphModule]] = []
+    tried: set[int] = set(held)
+    order = sorted(
+        ((p, m) for p, m in model.named_modules() if p and p in calls), key=lambda c: (-_count(c[1]), c[0].count("."))
+    )
+    attempts = 0
+    for path, sub in order:
+        own = [q for q in sub.parameters() if id(q) not in tried]
+        if not own or attempts >= MAX_TRIES:
+            continue
+        pspec, _ = part_spec(sub, calls[path])
+        if pspec is None:
+            continue
+        attempts += 1
+        try:
+            gm = trace(sub, pspec, check=False)
+        except GraphgrowError:
+            continue
+        found.append((path, gm))
+        tried |= {id(q) for q in sub.parameters()}
+    return found
+
+
 def with_part(model: nn.Module, path: str, part: nn.Module) -> nn.Module:
     """A copy of the whole model with the submodule at `path` replaced by `part` (the model is not modified)."""
     whole = copy.deepcopy(model)

@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from ..analysis.budget import check_onnx_memory
-from ..capture.parts import Part, capture_part, check_whole, with_part
+from ..capture.parts import Part, capture_part, captures_of_the_rest, check_whole, with_part
 from ..core.errors import GraphgrowError, NotApplicable, TraceError, with_context
 from ..io import part_file
 from ..io.load import LoadedModel, custom_classes
@@ -133,7 +133,7 @@ def _run_on_parts(pipeline: Pipeline, part: Part, model: nn.Module, progress: Pr
         except NotApplicable as e:
             refusals.append((part, e))
         if len(refusals) >= MAX_PARTS:
-            raise _refusal(refusals, "") from refusals[0][1]
+            raise _refusal(pipeline, model, refusals, "") from refusals[0][1]
         progress(f"the passes do not apply to the part '{part.path}': trying the next part that captures")
         inside = tuple(tried.path for tried, _ in refusals)
         try:
@@ -141,24 +141,41 @@ def _run_on_parts(pipeline: Pipeline, part: Part, model: nn.Module, progress: Pr
                 model, part.whole_spec, part.why_whole, pipeline_memory(pipeline), progress, part.path, inside
             )
         except TraceError:
-            raise _refusal(refusals, " (no other part captures)") from refusals[0][1]
+            raise _refusal(pipeline, model, refusals, " (no other part captures)") from refusals[0][1]
         progress(part.summary())
 
 
-def _refusal(refusals: list[tuple[Part, NotApplicable]], why_last: str) -> GraphgrowError:
-    """The first part's refusal, said of the whole model when the parts tried hold every parameter of it."""
+def _refusal(
+    pipeline: Pipeline, model: nn.Module, refusals: list[tuple[Part, NotApplicable]], why_last: str
+) -> GraphgrowError:
+    """The first part's refusal, said of the whole model when every parameter of it lies in a part tried or in a
+    module that is not a part (called once per feature level, say) but whose capture on its first call the passes
+    do not apply to either."""
     (first_part, first), paths = refusals[0], [tried.path for tried, _ in refusals]
-    unique = {id(p): p for tried, _ in refusals for p in tried.module.parameters()}  # a part within another counts once
-    held = sum(p.numel() for p in unique.values())
-    if held == first_part.total:
+    held = {id(p): p for tried, _ in refusals for p in tried.module.parameters()}  # a part within another counts once
+    probed = []
+    if sum(p.numel() for p in held.values()) < first_part.total:
+        for path, gm in captures_of_the_rest(model, first_part.whole_spec, set(held), pipeline_memory(pipeline)):
+            try:
+                pipeline.run(gm)
+                continue  # the passes apply there, but it is no part (called more than once): no place is not shown
+            except NotApplicable:
+                pass
+            except GraphgrowError:
+                continue
+            probed.append(path)
+            held.update({id(p): p for p in model.get_submodule(path).parameters()})
+    count = sum(p.numel() for p in held.values())
+    if count == first_part.total:
         named = ", ".join(f"'{p}'" for p in paths)
+        also = f"; and the modules {', '.join(repr(p) for p in probed)}, captured on their first call" if probed else ""
         return with_context(
-            first, f"in every part of the model that holds parameters ({named}: all {held:,} of them capture)"
+            first, f"in every part of the model that holds parameters ({named}{also}: all {count:,} of them)"
         )
     more = f" and {len(refusals) - 1} more that capture" if len(refusals) > 1 else ""
     return with_context(
         first,
-        f"in the part '{paths[0]}'{more}{why_last}; {first_part.total - held:,} of the model's {first_part.total:,} "
+        f"in the part '{paths[0]}'{more}{why_last}; {first_part.total - count:,} of the model's {first_part.total:,} "
         "parameters lie outside the parts that capture",
     )
 
