@@ -174,7 +174,12 @@ def _refuse_change(check: ModeCheck, exact: bool) -> None:
         raise PreservationError(
             f"the pass changed the model's {check.mode}-mode output: relative error {check.rel_err:.3g}, "
             f"max |Δ| {check.max_abs_err:.3g} (limit {limit} of max |out| {check.max_abs_ref:.3g})"
-            + (f", {check.fp64_rel_err:.3g} in float64" if check.fp64_rel_err is not None else ""),
+            + (f", {check.fp64_rel_err:.3g} in float64" if check.fp64_rel_err is not None else "")
+            + (
+                f", above {check.weight_noise:.3g}, what every weight moving by 1e-5 moves it"
+                if check.weight_noise is not None
+                else ""
+            ),
             "this is a bug in the pass; please report it with the model",
         )
 
