@@ -186,3 +186,53 @@ def test_an_image_model_gets_the_first_size_it_runs_at(monkeypatch, down, spelli
     sweep_models._image_size_that_runs(Cfg, "StandInImages", kw)
     assert kw == {"image_size": size}
     assert all(p.is_meta for m in built for p in m.parameters())  # nothing allocated
+
+
+class _Windows(nn.Module):
+    """Swin's windows of config.window_size over a map downsampled 4×, then a relative-position table made for
+    the window's size and added to each window's scores (transformers' Swin: a window clamped to a smaller map no
+    longer matches its table, so windows of 7 run only where every map is a multiple of 7)."""
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.conv, self.window = nn.Conv2d(3, 4, 4, stride=4), window
+        self.table = nn.Parameter(torch.zeros(window * window, window * window))
+
+    def forward(self, pixel_values):
+        x = self.conv(pixel_values)
+        b, c, h, w = x.shape
+        ws = self.window
+        win = x.view(b, c, h // ws, ws, w // ws, ws).permute(0, 2, 4, 3, 5, 1).reshape(-1, ws * ws, c)
+        return (win @ win.transpose(1, 2)) + self.table
+
+
+@pytest.mark.parametrize(
+    "own, expected",
+    [(7, {"image_size": 32, "window_size": 4}), (3, {"image_size": 32, "window_size": 2}), (2, {"image_size": 32})],
+)
+def test_a_windowed_image_model_gets_smaller_windows_before_larger_images(monkeypatch, own, expected):
+    """transformers' Swin with its windows of 7 runs only at 224 (past 300 CPU s for deepen, issue 39); with
+    windows of 4 it runs at 32. Only smaller windows are tried (3: 2; 2 runs as shrunk)."""
+    from dataclasses import dataclass
+
+    import transformers
+
+    @dataclass
+    class Cfg:
+        image_size: int = 224
+        num_channels: int = 3
+        window_size: int = own
+
+    built: list[nn.Module] = []
+
+    class StandIn:
+        @staticmethod
+        def from_config(config):
+            built.append(_Windows(config.window_size))
+            built[-1].config = config
+            return built[-1]
+
+    monkeypatch.setattr(transformers, "StandInWindows", StandIn, raising=False)
+    kw = {"image_size": sweep_models.IMAGE}
+    sweep_models._image_size_that_runs(Cfg, "StandInWindows", kw)
+    assert kw == expected

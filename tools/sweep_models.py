@@ -7,6 +7,7 @@ have, and shrunk by setting those that exist.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from dataclasses import dataclass, field
@@ -755,16 +756,20 @@ HF_SIZES = (64, 96, 128, 160, 224)  # image sizes tried in order where a model d
 def _image_size_that_runs(config_class: type, auto_name: str, kw: dict) -> None:
     """An image model that does not run at the small image size gets the first of HF_SIZES it runs at, built and
     run on the meta device (nothing is allocated): MobileViTv2's last stage unfolds 2 × 2 patches of a map that a
-    32 × 32 image has made 1 × 1 ('calculated shape of the array of sliding blocks as (0, 0)'). A model that runs
-    at IMAGE, or at none of them (a model the meta device cannot run), is left as it was."""
+    32 × 32 image has made 1 × 1 ('calculated shape of the array of sliding blocks as (0, 0)'). Where the config
+    has an integer window_size, smaller windows (4, 2) are tried at each size before the next size: Swin's windows
+    of 7 run only where every stage's map is a multiple of 7 (224), windows of 2 at 64, at an eighth of the
+    tokens. A model that runs at IMAGE, or at none of them (a model the meta device cannot run), is left as it
+    was."""
     import torch
 
     if kw.get("image_size") != IMAGE:
         return
 
-    def runs(size: int) -> bool:
-        model = _built_on_meta(config_class, auto_name, {**kw, "image_size": size})
+    def runs(trial: dict) -> bool:
+        model = _built_on_meta(config_class, auto_name, trial)
         channels = getattr(getattr(model, "config", None), "num_channels", 3)
+        size = trial["image_size"]
         try:  # in eval mode at batch 2: a BatchNorm on a 1 × 1 map refuses one example in train mode
             with torch.no_grad():
                 model.eval()(pixel_values=torch.empty(2, channels, size, size, device="meta"))  # type: ignore[attr-defined]
@@ -772,9 +777,17 @@ def _image_size_that_runs(config_class: type, auto_name: str, kw: dict) -> None:
             return False
         return True
 
-    if runs(IMAGE):
-        return
-    kw["image_size"] = next((size for size in HF_SIZES if runs(size)), IMAGE)
+    windows: list[dict] = [{}]
+    with contextlib.suppress(Exception):  # a config that does not build as shrunk keeps its window
+        own = getattr(config_class(**kw), "window_size", None)
+        if isinstance(own, int) and not isinstance(own, bool):
+            windows += [{"window_size": w} for w in (4, 2) if w < own]
+    for size in (IMAGE, *HF_SIZES):
+        for window in windows:
+            trial = {**kw, "image_size": size, **window}
+            if runs(trial):
+                kw.update(trial)
+                return
 
 
 _MORE_LAYERS = 8  # the most layers a shrunk model gets to keep every kind of layer its architecture has
