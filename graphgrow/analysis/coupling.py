@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from ..graph import ops
 from ..graph.fx_edit import from_input, tensor_shape
 from ..graph.graph_meta import input_spec_of
 from ..graph.shapes import annotate
@@ -291,6 +292,16 @@ def _name(target) -> str:
 
 @rule_for(functions=CHANNELWISE_FUNCTIONS - {F.pad}, methods=CHANNELWISE_METHODS)
 def _channelwise(b: Build, s: Site) -> bool:
+    b.join(s.x, s.node)
+    return True
+
+
+@rule_for(functions=(torch.clamp, torch.clip, torch.clamp_min, torch.clamp_max), methods=ops.BOUNDS)
+def _bounded(b: Build, s: Site) -> bool:
+    """x.clamp(min=a, max=b) with number bounds (GPT-OSS's clamped SwiGLU): each value alone, so each channel."""
+    bounds = list(s.node.args[1:]) + list(s.node.kwargs.values())
+    if s.x is None or s.out is None or s.node.args[0] is not s.x or any(isinstance(a, fx.Node) for a in bounds):
+        return False
     b.join(s.x, s.node)
     return True
 

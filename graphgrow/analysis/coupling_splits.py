@@ -49,7 +49,9 @@ def split_rule(b: Build, s: Site) -> bool:
     if n.op == "call_function" and n.target is operator.getitem and split_call(x) is not None:
         return _piece(n, x, join, link)
     if n.op == "call_function" and n.target is operator.getitem:
-        return _slice(n, x, out, link, edits)
+        return _slice(n, x, out, link, edits) or _interleaved(b, n, x) or _gathered(b, n, x)
+    if n.op in ("call_function", "call_method") and ops.op_name(n.target).split(".")[0] == "index_select":
+        return _gathered(b, n, x)
     if (n.op == "call_method" and n.target == "narrow") or (n.op == "call_function" and n.target is torch.narrow):
         return _narrow(n, x, join, link, freeze, edits)
     if is_reshape(n):
@@ -139,6 +141,122 @@ def _slice(n: fx.Node, x: fx.Node, out, link, edits: list[ChannelEdit]) -> bool:
         return False
     link(n, x, start)
     edits.append(ChannelEdit("slice", n.name, x.name, (axis,)))
+    return True
+
+
+def _strided(n: fx.Node, x: fx.Node) -> tuple[int, int] | None:
+    """(start, step) when `n` is `x[..., start::step]` on x's channel axis, step > 1, start < step, open-ended (no stop,
+    or torch.export's largest integer: a stop at the channel count would cut the grown axis), every other dim whole;
+    else None."""
+    index = n.args[1] if n.op == "call_function" and n.target is operator.getitem and len(n.args) > 1 else None
+    index = index if isinstance(index, tuple) else (index,)
+    shape, axis = tensor_shape(x), node_axis(x)
+    if shape is None or axis is None or not all(isinstance(i, slice) or i is Ellipsis for i in index):
+        return None
+    if sum(i is Ellipsis for i in index) > 1:
+        return None
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1 :]
+    if len(index) > len(shape) or axis >= len(index):
+        return None
+    if any(i != slice(None) for d, i in enumerate(index) if d != axis):
+        return None
+    start, stop, step = index[axis].start or 0, index[axis].stop, index[axis].step
+    to_end = stop is None or (isinstance(stop, int) and stop >= 2**62)  # open: a stop at the size would not follow
+    if not isinstance(start, int) or not isinstance(step, int) or not 0 <= start < step or not to_end:
+        return None
+    return (start, step) if step > 1 and shape[axis] % step == 0 else None
+
+
+def _interleaved(b: Build, n: fx.Node, x: fx.Node) -> bool:
+    """`x[..., o::s]` for every o < s (GPT-OSS's gate and up, alternate channels of one projection): the pieces are
+    one group, and each of their channels is `s` neighbouring channels of x (piece o's channel c is x's channel
+    c·s + o), so the pieces growing by k grow x by k·s at its end, every piece taking its share. One piece alone,
+    or pieces that do not cover x, are not this (the channels left out would be no piece's)."""
+    found = _strided(n, x)
+    if found is None or b.vertex(n) is None:
+        return False
+    start, step = found
+    copies = _whole_copies(x)  # torch.export reads `h[:, 0::2]` as `h[0:]` then `[:, 0::2]`: one copy per piece
+    pieces: dict[int, fx.Node] = {}
+    for c in copies:
+        for u in c.users:
+            other = _strided(u, c)
+            if other is not None and other[1] == step:
+                pieces[other[0]] = u
+    if sorted(pieces) != list(range(step)):
+        return False
+    b.join(n, *pieces.values())
+    if start == 0:
+        b.link(n, x, 0, scale=step)
+    return True
+
+
+def _whole(n: fx.Node) -> bool:
+    """`n` is `x[0:]` / `x[:, :]`: every element of x, as torch.export writes a slice's untouched leading dims."""
+    if n.op != "call_function" or n.target is not operator.getitem or not isinstance(n.args[0], fx.Node):
+        return False
+    index, shape = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],), tensor_shape(n.args[0])
+    return (
+        shape is not None
+        and len(index) <= len(shape)
+        and all(
+            isinstance(i, slice)
+            and i.step in (None, 1)
+            and i.start in (None, 0)
+            and (i.stop is None or (isinstance(i.stop, int) and i.stop >= d))
+            for i, d in zip(index, shape)
+        )
+    )
+
+
+def _whole_copies(x: fx.Node) -> list[fx.Node]:
+    """x's source (through whole copies) and every whole copy of it."""
+    while _whole(x) and isinstance(x.args[0], fx.Node):
+        x = x.args[0]
+    found, todo = [], [x]
+    while todo:
+        c = todo.pop()
+        found.append(c)
+        todo += [u for u in c.users if _whole(u)]
+    return found
+
+
+def _gathered(b: Build, n: fx.Node, x: fx.Node) -> bool:
+    """`x[ids]` / `x[:, ids]` / `index_select(x, d, ids)` with one integer tensor index along another dim than the
+    channels (a per-expert bias gathered by the routed indices, tokens picked): whole rows, each channel kept."""
+    shape, out, axis = tensor_shape(x), tensor_shape(n), node_axis(x)
+    if shape is None or out is None or axis is None or len(shape) != len(out) or node_axis(n) != axis:
+        return False
+    if n.target is operator.getitem:
+        index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+        tensors = [d for d, i in enumerate(index) if isinstance(i, fx.Node)]
+        if len(tensors) != 1 or not all(
+            isinstance(i, slice) and i == slice(None) for i in index if i is not index[tensors[0]]
+        ):
+            return False
+        dim = tensors[0]
+        ids = index[dim]
+    else:
+        given, ids = (
+            n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None),
+            n.kwargs.get("index", n.args[2] if len(n.args) > 2 else None),
+        )
+        if not isinstance(given, int) or not isinstance(ids, fx.Node):
+            return False
+        dim = given % len(shape)
+    ids_shape = tensor_shape(ids)
+    if (
+        dim == axis
+        or ids_shape is None
+        or len(ids_shape) != 1
+        or not str(ids.meta.get("gg_dtype", "")).startswith("torch.int")
+    ):
+        return False
+    if out[axis] != shape[axis] or b.vertex(n) is None:
+        return False
+    b.join(x, n)
     return True
 
 

@@ -215,8 +215,14 @@ def step(c: Coupling, gid: int) -> tuple[int, list[str]]:
     if gid not in cache:
         size, base = c.groups[gid].size, max(c.groups[gid].blocks, 1)
         first: str | None = None
+        # channels that are `scale` channels each of another group's (an interleave of strided pieces) come in whole
+        # multiples of it
+        grain = 1
+        for link in c.links:
+            if c.group_of[link.dst] == gid and c.group_of[link.src] != gid:
+                grain = lcm(grain, link.scale)
         for b in [d for d in range(base, size + 1, base) if size % d == 0][:12]:
-            per, found = 1, None
+            per, found = grain, None
             for _ in range(3):  # one new channel per block; then whole GroupNorm groups of the groups reached
                 try:
                     found = propagate(c, gid, root_insertions(size, b * per, b, None))
