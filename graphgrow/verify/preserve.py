@@ -181,7 +181,8 @@ def check_trainability(
     (PreservationError). Only the parameters under test require grad, so backward
     stops where they end; when nothing gets a gradient at first (a zero-initialised
     head, as in torchvision's ViT) every parameter trains, as it would in real
-    training. `new` is restored exactly afterwards. Large step-0 gradients are read as backward makes them
+    training; so when the model's own all-zero weight or gain (a post-norm γ = 0) may block the new path while the
+    layers before learn through a skip. `new` is restored exactly afterwards. Large step-0 gradients are read as backward makes them
     and freed (gradient_sink.py): step 0 runs again, keeping them, only when an SGD step must follow.
     """
     if not new_params:
@@ -215,6 +216,15 @@ def check_trainability(
     # the model's own zero weights (torchvision's ViT head) move in step 0's SGD step, as in training: when they
     # block every gradient at first, the steps that train everything then start one step earlier
     blocking = {n for n, p in params.items() if n not in new_params and p.dim() >= 2 and not p.detach().any()}
+    own_zeros = blocking or {  # also a zero gain (a norm's γ, a layer scale): it blocks what it multiplies
+        n
+        for n, p in params.items()
+        if n not in new_params
+        and n.rpartition(".")[2] != "bias"
+        and p.is_floating_point()
+        and p.numel()
+        and not p.detach().any()
+    }
     try:
         with training_mode(new, True), dropout_off(new), preserved_buffers(new), seeded(seed):
             step, last_step, had, again, full_at = -1, steps, 0, False, -1
@@ -273,7 +283,11 @@ def check_trainability(
                     ):  # what the next SGD step would show, from this step's zero factors (zero_factor.py)
                         got.update(factors.argue(params, got, step))
                     if step == 0 and not got and not train_all:
-                        if any(_has_grad(params[n]) for n in upstream):
+                        # the layers before get a gradient and the new ones none: dead, unless the model's own zero
+                        # factor (Swin V2's post-norm γ = 0, a zero layer scale or gain) blocks the new path; training
+                        # moves it at the first step, as a zero head's, so train everything then (a truly dead path,
+                        # two zero factors of its own, stays dead and is refused after the steps)
+                        if any(_has_grad(params[n]) for n in upstream) and not own_zeros:
                             refuse_if_silent(new, list(new_params), x, old_nodes)
                             raise PreservationError(
                                 "no new parameter gets a gradient at insertion although the layers before it do: "
