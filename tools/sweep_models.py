@@ -453,11 +453,16 @@ def _no_gqa(kw: dict, real: set, value) -> None:
         kw["num_key_value_heads"] = kw["num_attention_heads"]
 
 
+def _hidden_key(kw: dict) -> str | None:
+    """The field of kw that holds the model's hidden size, under the names configs give it."""
+    return next((k for k in ("hidden_size", "d_model", "n_embd", "dim") if k in kw), None)
+
+
 def _head_width(kw: dict, real: set, value) -> None:
     """The heads' total width as the same multiple of the hidden size as by default: Mamba-2's heads split its
     inner width, hidden_size × expand (checked: hidden_size * expand must equal num_heads * head_dim), so 4 heads
     of 64 channels over 2 × 64 take head_dim 32."""
-    hidden = next((k for k in ("hidden_size", "d_model", "n_embd", "dim") if k in kw), None)
+    hidden = _hidden_key(kw)
     heads = next((k for k in ("num_heads", "num_attention_heads", "n_head", "n_heads") if k in kw), None)
     if hidden is None or heads is None or "head_dim" not in kw:
         return
@@ -554,7 +559,7 @@ def _hidden_size_split(kw: dict, real: set, value) -> None:
     """A list of sizes that sums to the hidden size (Reformer's axial position embeddings: (64, 192) of 256
     channels, concatenated) is split the same way at the shrunk hidden size: the model refuses parts that no longer
     sum to it. Left as it is where the parts do not scale to whole numbers."""
-    key = next((k for k in ("hidden_size", "d_model", "n_embd", "dim") if k in kw), None)
+    key = _hidden_key(kw)
     old = value(key) if key else None
     if not key or not isinstance(old, int) or not isinstance(kw[key], int) or old <= 0:
         return
