@@ -140,3 +140,24 @@ def test_a_model_whose_examples_mix_is_still_refused():
     gm = gg.trace(Mixing().eval(), input_shape=(1, 12))
     with pytest.raises(ValidationError, match="influence each other"):
         validate_batch_sizes(gm, as_spec((1, 12)))
+
+
+@pytest.mark.parametrize("spelling", ["linear", "einsum"])
+def test_the_onnx_file_against_the_original_is_judged_by_the_grown_models_terms(spelling, tmp_path):
+    """The grown ONNX file against the original zero head: the original's weight noise is 0 (a zero head has no
+    terms), the grown model's is the floor (sequencer2d_s: 'equivalence vs original model: FAIL (max abs 4.95e-09)').
+    An ONNX file of a grown model whose new coordinates are off their fill still fails against the original."""
+    from graphgrow.io.export import export_onnx
+    from graphgrow.io.runtime import max_ir_version, open_session
+    from graphgrow.verify.equivalence import check_equivalence
+
+    gm, r = _grown(spelling)
+    spec = as_spec((1, 6, 12))
+    export_onnx(r.gm, spec, tmp_path / "a.onnx", max_ir_version=max_ir_version())
+    session = open_session(tmp_path / "a.onnx", "cpu")
+    assert check_equivalence(gm, session, spec, reference="original model", noise_model=r.gm).passed
+    with torch.no_grad():
+        dict(r.gm.named_parameters())["embed.weight"][16:] += 1e-3
+    export_onnx(r.gm, spec, tmp_path / "b.onnx", max_ir_version=max_ir_version())
+    wrong = open_session(tmp_path / "b.onnx", "cpu")
+    assert not check_equivalence(gm, wrong, spec, reference="original model", noise_model=r.gm).passed

@@ -98,7 +98,9 @@ def export_and_check(
         t = time.perf_counter()
         session = open_session(proto.SerializeToString(), provider, external_folder=external_folder(proto, onnx_path))
         grown = check_equivalence(gm, session, opened.input_shape, reference="grown model")
-        original = check_equivalence(opened.loaded.module, session, opened.input_shape, reference="original model")
+        original = check_equivalence(
+            opened.loaded.module, session, opened.input_shape, reference="original model", noise_model=gm
+        )
         timings["check"] = time.perf_counter() - t
         result["equivalence"] = {
             **grown.to_json(),

@@ -189,13 +189,16 @@ def check_equivalence(
     raise_on_failure: bool = False,
     rtol: float | None = None,
     atol: float | None = None,
+    noise_model: torch.nn.Module | None = None,
 ) -> EquivalenceReport:
     """Run seeded inputs through PyTorch (eval, TF32 off) and onnxruntime and compare every output.
 
     Inputs: one per seed at the example batch size, plus one at `other_batch`
     (the exported batch dimension is dynamic), plus, for an input spec whose sequence
     length the ONNX model keeps dynamic, one at a shorter length. `rtol`/`atol` replace
-    the provider's tolerances.
+    the provider's tolerances. `noise_model`: the model whose weight noise judges a miss (default `model`): the grown
+    model when `model` is the original it was grown from (the ONNX file computes the grown one's terms; a zero head's
+    original has no terms at all).
     """
     input_shape = as_spec(input_shape, model)
     default_rtol, default_atol = TOLERANCES[session.provider]
@@ -235,7 +238,7 @@ def check_equivalence(
                 ]
             if not all(o.passed for o in stats):
                 with tie_order:
-                    _judge_by_weight_noise(model, x, session, label, by_name, refs, stats, rtol)
+                    _judge_by_weight_noise(noise_model or model, x, session, label, by_name, refs, stats, rtol)
             report.outputs += stats
     if tie_cases:
         report.note = (report.note + "; " if report.note else "") + (
@@ -283,6 +286,7 @@ def _judge_by_weight_noise(
     g = torch.Generator().manual_seed(0)
     kept = [p.detach().clone() for p in params]
     noise = [0.0] * len(stats)
+    refs = _reference(call(model, x), session, label, by_name)  # `model`'s own output: the noise is its movement
     try:
         for _ in range(WEIGHT_NOISE_DRAWS):
             with torch.no_grad():
