@@ -145,6 +145,16 @@ def conv_channels(gm: fx.GraphModule, n: fx.Node) -> int | None:
     return -(facts[0] + 1) if facts is not None and facts[1] == 1 else None
 
 
+def transposed_reader(gm: fx.GraphModule, n: fx.Node) -> int | None:
+    """The channel axis (negative) of a transposed convolution module of one group: each output channel a learned
+    linear map of every input channel, so it reads heads as an output projection does (LowFormer's upsampling with the
+    output projection folded in), its input channels its weight's first axis; None for anything else."""
+    m = gm.get_submodule(str(n.target)) if n.op == "call_module" else None
+    if not isinstance(m, nn.modules.conv._ConvTransposeNd) or m.groups != 1:
+        return None
+    return -(m.weight.dim() - 1)
+
+
 def channel_axis(gm: fx.GraphModule, n: fx.Node) -> int:
     """The axis of a projection's input and output features: the last for a Linear, the channels (dim 1, counted from
     the end) for a convolution."""

@@ -27,6 +27,7 @@ from .head_layout import (
     plain,
     refuse,
     size_of,
+    transposed_reader,
 )
 from .head_projections import Projection, _back, _linear_params, _op
 
@@ -149,7 +150,7 @@ def _reader(
         n = todo.pop()
         for u in n.users:
             kind = op_kind(gm, u)
-            if kind == "linear" and linear_arg(u, 0) is n:
+            if (kind == "linear" and linear_arg(u, 0) is n) or (transposed_reader(gm, u) and u.args[0] is n):
                 readers.append(u)
             elif (
                 (u.op == "call_method" and u.target in SHAPE_QUERIES)
@@ -211,7 +212,7 @@ def _reader(
     flow.run([n for n in gm.graph.nodes if n.name in region and n is not s])
     r = readers[0]
     x = flow.of(r.args[0])
-    at = channel_axis(gm, r) % len(x)  # a Linear's last axis, a convolution's channels
+    at = (transposed_reader(gm, r) or channel_axis(gm, r)) % len(x)  # a Linear's last axis, a convolution's channels
     if any(flow.grows(ax) for i, ax in enumerate(x) if i != at):
         raise refuse(r, "reads heads or head size on an axis other than its input features")
     weight, bias, module = _linear_params(gm, r)

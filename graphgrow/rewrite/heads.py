@@ -34,6 +34,7 @@ from .tensor_paths import put_tensor as _set
 from .tensor_paths import tensor_at as _tensor
 
 HINT = "grow_heads grows attentions it fully understands; see docs/passes.md, Heads and head size"
+_Transposed = nn.modules.conv._ConvTransposeNd
 
 
 def places(factors: Axis, new: dict[str, int]) -> tuple[torch.Tensor, int, torch.Tensor]:
@@ -190,7 +191,9 @@ def _apply_edit(gm: fx.GraphModule, nodes: dict[str, fx.Node], e: FactorEdit, ne
 def _resize(gm: fx.GraphModule, path: str | None) -> None:
     if path is not None:
         m: Any = gm.get_submodule(path)
-        if isinstance(m, nn.modules.conv._ConvNd):  # a convolution projecting q/k/v or reading the heads
+        if isinstance(m, _Transposed):  # a transposed convolution reading the heads: (in, out / groups, …)
+            m.in_channels, m.out_channels = m.weight.shape[0], m.weight.shape[1] * m.groups
+        elif isinstance(m, nn.modules.conv._ConvNd):  # a convolution projecting q/k/v or reading the heads
             m.out_channels, m.in_channels = m.weight.shape[:2]
         else:
             m.out_features, m.in_features = m.weight.shape
@@ -244,7 +247,14 @@ def grow_attention(
             owner.num_features = grown.shape[0]
         if isinstance(owner, nn.Linear):  # a Linear with one output per head (Swin V2's position-bias MLP)
             owner.out_features = grown.shape[0]
-    _put(gm, att.reader.weight, _columns(att.reader, _tensor(gm, att.reader.weight), new), owners)
+    w = _tensor(gm, att.reader.weight)  # a transposed convolution's input channels are its weight's first axis
+    flip = att.reader.module is not None and isinstance(gm.get_submodule(att.reader.module), _Transposed)
+    _put(
+        gm,
+        att.reader.weight,
+        _columns(att.reader, w.transpose(0, 1), new).transpose(0, 1) if flip else _columns(att.reader, w, new),
+        owners,
+    )
     _resize(gm, att.reader.module)
     for e in att.edits:
         _apply_edit(gm, nodes, e, new)

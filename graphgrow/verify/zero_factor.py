@@ -60,6 +60,8 @@ def _layer_probe(module: nn.Module, leaf: str) -> Callable[[list, torch.Tensor],
     """f(args, moved zero factor) → the layer's output with the zero factor at its moved value (no bias)."""
     if leaf == "weight" and isinstance(module, nn.Linear):
         return lambda args, w: F.linear(args[0], w)
+    if leaf == "weight" and isinstance(module, nn.modules.conv._ConvTransposeNd):  # (its _conv_forward is abstract)
+        return lambda args, w: _transposed(module, args, w)
     if leaf == "weight" and isinstance(module, nn.modules.conv._ConvNd) and hasattr(module, "_conv_forward"):
         return lambda args, w: module._conv_forward(args[0], w, None)  # type: ignore[operator]
     if leaf == "weight" and isinstance(module, nn.modules.batchnorm._BatchNorm):
@@ -67,6 +69,14 @@ def _layer_probe(module: nn.Module, leaf: str) -> Callable[[list, torch.Tensor],
     if leaf == "gates" and isinstance(module, AverageMerge):
         return lambda args, w: sum(b * w[i] for i, b in enumerate(args[1:])) / len(args[1:])
     return None
+
+
+def _transposed(m: Any, args: list, w: torch.Tensor) -> torch.Tensor:
+    """A transposed convolution's output with weight `w` and no bias, at the output size its call asked for."""
+    conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[w.dim() - 3]
+    size = args[1] if len(args) > 1 else None
+    pad = m._output_padding(args[0], size, m.stride, m.padding, m.kernel_size, w.dim() - 2, m.dilation)
+    return conv(args[0], w, None, m.stride, m.padding, pad, m.groups, m.dilation)
 
 
 class ZeroFactors:
