@@ -6,9 +6,9 @@ looked up per query and key: the last Linear's rows grow with the heads (analysi
 zero. With it: cosine attention (F.normalize of q and k) times a logit scale per head, (H, 1, 1) or (H,) reshaped,
 and a q/k/v bias concatenated from q_bias, a zero k_bias buffer and v_bias into F.linear(x, qkv.weight, bias).
 Spellings: timm's Swin V2 (Sequential MLP, table[index.view(-1)].view(N, N, -1).permute, 16·sigmoid), Swin V2-CR's
-(Mlp with a dropout between its Linears, transpose(1, 0).reshape(heads, N, N)), functional (F.linear on parameters,
-index_select, the bias as SDPA's attn_mask). A bias MLP that reads the tokens is not a table: refused as before.
-fx only: torch.export writes F.normalize as a norm divided through expand_as, which the flow does not follow yet.
+(Mlp with a dropout between its Linears and one after, transpose(1, 0).reshape(heads, N, N)), functional (F.linear on
+parameters, index_select, the bias as SDPA's attn_mask). A bias MLP that reads the tokens is not a table: refused as
+before. fx only: torch.export writes F.normalize as a norm divided through expand_as, which the flow does not follow.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class CosineAttention(nn.Module):
         elif spelling == "cr":
             self.logit_scale = nn.Parameter(torch.log(10 * torch.rand(heads) + 1))
             self.fc1, self.drop, self.fc2 = nn.Linear(2, 32), nn.Dropout(0.125), nn.Linear(32, heads)
+            self.drop2 = nn.Dropout(0.0)  # timm's Mlp: a dropout after its last Linear too
         else:
             self.logit_scale = nn.Parameter(torch.log(10 * torch.rand(heads, 1, 1) + 1))
             self.w1, self.b1 = nn.Parameter(torch.randn(32, 2) * 0.5), nn.Parameter(torch.zeros(32))
@@ -83,7 +84,7 @@ class CosineAttention(nn.Module):
             attn = attn + (16 * torch.sigmoid(bias)).unsqueeze(0)
         else:
             attn = attn * torch.clamp(self.logit_scale.reshape(1, self.h, 1, 1), max=math.log(100.0)).exp()
-            table = self.fc2(self.drop(F.relu(self.fc1(self.coords))))  # ((2W-1)², heads)
+            table = self.drop2(self.fc2(self.drop(F.relu(self.fc1(self.coords)))))  # ((2W-1)², heads)
             bias = table.transpose(1, 0)[:, self.index.view(-1)].reshape(self.h, N, N)
             attn = attn + bias.unsqueeze(0)
         y = attn.softmax(-1) @ v

@@ -80,7 +80,8 @@ def adopt(flow: Flow, side: fx.Node, axis: Axis, fill: float, at: int) -> bool:
         return False  # head sizes: a bias on the query would need the query's rescaling too; not taken here
     chain, x = [], side
     while x.op != "get_attr" and not _embedding(flow.gm, x):
-        src = _source(x)
+        same = x.op == "call_module" and op_kind(flow.gm, x) == "same"  # a dropout module (timm's Mlp's drop2)
+        src = x.args[0] if same and isinstance(x.args[0], fx.Node) else _source(x)
         if src is None:
             break
         chain.append(x)
