@@ -96,6 +96,15 @@ from graphgrow.rewrite import (
 Block = Literal["auto", "conv_bn_relu", "linear_relu", "transformer", "copy"]
 
 
+# a conv_bn_relu block per layout, by the spatial dims of the map (analysis.axes.conv_dims): a Conv1d's (N, C, L),
+# an image's (N, C, H, W), a video's (N, C, T, H, W)
+_CONV_BN: dict[int, tuple[type[nn.Module], type[nn.Module]]] = {
+    1: (nn.Conv1d, nn.BatchNorm1d),
+    2: (nn.Conv2d, nn.BatchNorm2d),
+    3: (nn.Conv3d, nn.BatchNorm3d),
+}
+
+
 @pass_function  # the arguments' defaults and allowed values: Deepen's declaration
 def deepen(
     gm: fx.GraphModule,
@@ -141,19 +150,20 @@ def deepen(
         )
     dims = conv_dims(node)
     if block == "auto":
-        block = "conv_bn_relu" if dims in (1, 2) else "linear_relu"
+        block = "conv_bn_relu" if dims in _CONV_BN else "linear_relu"
     kw = factory_kwargs(gm, node)
     if block == "conv_bn_relu":
-        if dims not in (1, 2):
+        if dims not in _CONV_BN:
             raise NotApplicable(
-                f"conv_bn_relu needs a feature map (N, C, H, W) or (N, C, L); '{node.name}' is {list(shape)}"
-                + (" with its channels last" if dims is None else ""),
+                f"conv_bn_relu needs a feature map (N, C, H, W), (N, C, L) or (N, C, D, H, W); '{node.name}' is "
+                f"{list(shape)}" + (" with its channels last" if dims is None else ""),
                 "use block=linear_relu",
             )
         c = shape[1]
-        conv = (nn.Conv2d if dims == 2 else nn.Conv1d)(c, c, 3, padding=1, bias=False, **kw)
+        conv_class, norm_class = _CONV_BN[dims]
+        conv = conv_class(c, c, 3, padding=1, bias=False, **kw)
         kaiming_(conv.weight, generator)
-        module = nn.Sequential(conv, (nn.BatchNorm2d if dims == 2 else nn.BatchNorm1d)(c, **kw), nn.ReLU())
+        module = nn.Sequential(conv, norm_class(c, **kw), nn.ReLU())
     elif block == "linear_relu":
         if len(shape) not in (2, 3) or dims is not None:
             raise NotApplicable(
@@ -213,12 +223,13 @@ def _report(rw: Rewrite, aimed) -> None:
 
 
 def block_params(node: fx.Node, block: str) -> int:
-    """Parameters a block after `node` adds (a 3×3 or 3 conv + BatchNorm on maps, Linear on features, and the gate)."""
+    """Parameters a block after `node` adds (a 3, 3×3 or 3×3×3 conv + BatchNorm on maps, Linear on features, and the
+    gate)."""
     shape = tensor_shape(node) or ()
     if len(shape) < 2:
         return 0
     dims = conv_dims(node)
-    if block == "conv_bn_relu" or (block == "auto" and dims in (1, 2)):
+    if block == "conv_bn_relu" or (block == "auto" and dims in _CONV_BN):
         return shape[1] * shape[1] * 3 ** (dims or 2) + 2 * shape[1] + 1
     return shape[-1] * shape[-1] + shape[-1] + 1
 
@@ -235,8 +246,8 @@ class Deepen(Pass):
     )
     block: Block = arg(
         "auto",
-        "auto: transformer on a transformer's token stream, conv_bn_relu for feature maps (N,C,H,W "
-        "or a Conv1d's N,C,L), linear_relu otherwise; "
+        "auto: transformer on a transformer's token stream, conv_bn_relu for feature maps (N,C,H,W, "
+        "a Conv1d's N,C,L or a video's N,C,T,H,W), linear_relu otherwise; "
         "transformer: a pre-norm attention + MLP block on a token stream (N,T,C), no gate; "
         "copy: a copy of the model's own layer (model.layers.N) with its output projections at zero",
     )
