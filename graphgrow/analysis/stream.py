@@ -3,9 +3,9 @@ and the norms on it — what growing the hidden size (grow_hidden) must change, 
 
 The stream is grown from its norms (LayerNorm, RMSNorm, F.layer_norm, F.rms_norm over the last dimension, of the
 width of the model's last such norm, its final norm): from each tensor on it the analysis walks to its producer
-and to its users, following the
-hidden axis through ops that act on every hidden coordinate alike and linearly (adds of stream tensors, a `cat`
-along the tokens, dropout, identities, scalar multiples, views, transposes, token selection and pooling). It stops
+and to its users, following the hidden axis through ops that act on every hidden coordinate alike and linearly
+(adds of stream tensors, a `cat` along the tokens, dropout, identities, scalar multiples, views, transposes, token
+selection and pooling). It stops
 at *writers* (a Linear's or conv's output rows, an Embedding's columns, a parameter tensor such as a position
 embedding or class token) and *readers* (a Linear's input columns). Anything else touching the stream is refused
 with the node and the reason: a pass never guesses.
@@ -213,7 +213,7 @@ class _Walk:
         if n.op == "placeholder":
             raise _refuse(n, "is the model's input (the hidden size is fixed by the caller)")
         if n.op == "get_attr":
-            return self.tensor_writer(n, axis)
+            return self.writer(n, "tensor", [(str(n.target), axis)])
         if n.op == "call_module":
             m = self.gm.get_submodule(n.target)
             if isinstance(m, nn.Linear) and axis == len(tensor_shape(n)) - 1:
@@ -331,8 +331,7 @@ class _Walk:
             return self.s.readers.append(recurrent)
         conv = self.gm.get_submodule(u.target) if u.op == "call_module" else None
         if isinstance(conv, nn.modules.conv._ConvNd) and conv.groups == 1 and axis == 1 and u.args == (x,):
-            self.s.readers.append(Reader(u.name, [(f"{u.target}.weight", 1)], x.name))  # its input channels
-            return
+            return self.s.readers.append(Reader(u.name, [(f"{u.target}.weight", 1)], x.name))  # its input channels
         pieces = [g for g in u.users if split_source(g) is not None and split_source(g)[0] is x]  # type: ignore[index]
         if pieces and len(pieces) == len(u.users):  # x split along the tokens: every piece a stream tensor
             if _piece_axis(pieces[0], axis) is None:
@@ -359,8 +358,7 @@ class _Walk:
                 raise _refuse(
                     u, f"multiplies the stream with '{product.weight}' along another axis than the hidden one"
                 )
-            self.s.readers.append(Reader(u.name, [(product.weight, product.in_axis)], x.name))
-            return
+            return self.s.readers.append(Reader(u.name, [(product.weight, product.in_axis)], x.name))
         out = tensor_shape(u)
         if out is not None and _token_scale(u, axis + len(out) - len(tensor_shape(x)), self.s.width) == (x, axis):
             return self.add(u, axis + len(out) - len(tensor_shape(x)), like=x)
@@ -449,7 +447,7 @@ class _Walk:
             self.need(op.x, fill, why)
             self.need(n, fill, why)
         for path, dim, kind in op.params:
-            self.s.writers.append(Writer(n.name, kind, [(path, dim)], n.name))
+            self.s.writers.append(Writer(n.name, kind, [(path, dim)], n.name, op.via))
         if op.groups and n.name not in self.s.grouped:  # F.conv1d(…, groups=width): one group per coordinate
             self.s.grouped.append(n.name)
         self.s.read_views += [v for v in op.views if v not in self.s.read_views]  # the factor's sizes grow with it
@@ -472,9 +470,6 @@ class _Walk:
         if n.name not in {w.node for w in self.s.writers}:
             self.s.writers.append(Writer(n.name, what, params, n.name))
 
-    def tensor_writer(self, n: fx.Node, axis: int) -> None:
-        self.writer(n, "tensor", [(str(n.target), axis)])
-
     def check(self) -> None:
         """Every parameter tensor written onto the stream is read only there (checked once all is known)."""
         for w in self.s.writers:
@@ -482,7 +477,8 @@ class _Walk:
             others = [u for u in n.users if u.name not in self.s.axes] if w.what == "tensor" else []
             if others:
                 raise _refuse(n, f"is also read by '{others[0].name}' off the stream")
-        if stray := shared_factors(self.gm, [p for w in self.s.writers if w.what == "scale" for p, _ in w.params]):
+        scales = [(p, w.node, w.via) for w in self.s.writers if w.what == "scale" for p, _ in w.params]
+        if stray := shared_factors(self.gm, scales):
             raise _refuse(self.nodes[stray], "is a per-channel factor of the stream also read off it")
         self.s.views = [
             t

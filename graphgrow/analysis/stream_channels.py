@@ -18,7 +18,7 @@ from torch import fx, nn
 from ..graph import ops
 from ..graph.fx_edit import tensor_shape
 from .stream_ops import arg, arithmetic, base_name, extremum
-from .stream_regions import region
+from .stream_regions import one_op, region
 
 
 @dataclass
@@ -32,6 +32,7 @@ class ChannelOp:
     # the fills it needs on both sides: zero (a factor: 0·γ = 0); none (a linear map alike for every channel: any fill
     # passes, both sides share it); zero and mean (only replication is exact: a GroupNorm of one group)
     fills: tuple[str, ...] = ("zero",)
+    via: tuple[str, ...] | None = None  # a factor's reads between its parameter and the product (shared_factors)
 
 
 GATE_MODULES = (nn.Sigmoid, nn.Tanh, nn.Softplus, nn.SiLU, nn.GELU, nn.ReLU)  # elementwise, finite: a gate's σ
@@ -82,18 +83,18 @@ def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> Channel
     if arithmetic(n) != "mul" or len(n.args) != 2 or not all(isinstance(a, fx.Node) for a in n.args):
         return None
     out = tensor_shape(n)
-    for i in (0, 1):
+    for gate, i in ((False, 0), (False, 1), (True, 0), (True, 1)):  # a factor on either side before a gate
         x, p = n.args[i], n.args[1 - i]
         assert isinstance(x, fx.Node) and isinstance(p, fx.Node)  # checked above
         xs = tensor_shape(x)
         if out is None or xs is None or len(xs) != len(out) or xs[axis] != width:
             continue
-        found = channel_factor(gm, p, len(out), axis, width)
+        found = None if gate else channel_factor(gm, p, len(out), axis, width)
         if found is not None:
-            return ChannelOp(x, axis, [(found[0], found[1], "scale")], views=_sized_views(p, width))
-        gate = gate_factor(gm, p, out, axis, width)
-        if gate is not None:
-            return ChannelOp(x, axis, gate)
+            return ChannelOp(x, axis, [(found[0], found[1], "scale")], views=_sized_views(p, width), via=found[2])
+        gated = gate_factor(gm, p, out, axis, width) if gate else None
+        if gated is not None:
+            return ChannelOp(x, axis, gated)
     return None
 
 
@@ -241,41 +242,97 @@ def _filter_parameter(p: fx.Node, width: int) -> str | None:
     return str(node.target) if len(node.users) == 1 and shape and shape[0] == width else None
 
 
-def channel_factor(gm: fx.GraphModule, p: fx.Node, rank: int, axis: int, width: int) -> tuple[str, int] | None:
-    """(parameter path, its dim along the stream) when `p` is a parameter with the hidden size on one dim and 1 on
-    the others, broadcast onto the stream's axis `axis` of a rank-`rank` product: read directly, or through unit
-    dims added (unsqueeze, [:, None, None]) and casts, each read by the next alone (a growth of the parameter grows
-    nothing else)."""
+def channel_factor(
+    gm: fx.GraphModule, p: fx.Node, rank: int, axis: int, width: int
+) -> tuple[str, int, tuple[str, ...]] | None:
+    """(parameter path, its dim along the stream, the reads between) when `p`, of the hidden size on one dim and 1 on
+    the others, broadcast onto the stream's axis `axis` of a rank-`rank` product, is a parameter's entries along its
+    one dim of the hidden size: read directly, or through unit dims added (unsqueeze, [:, None, None]), casts,
+    transposes, elementwise functions (nGPT's |λ · s|, EfficientViM's sigmoid) and integer selections along its other
+    dims (EfficientViM's residual weights, sigmoid(alpha).view(4, -1, 1, 1)[i]: one row of a (4, C) parameter each).
+    Entry c of `p` is then a function of the parameter's entry c alone (along that dim), so the parameter grows along
+    it; shared_factors checks that every read of it scales the stream."""
     shape = tensor_shape(p)
     if shape is None or len(shape) > rank:
         return None
     k = axis - (rank - len(shape))
     if k < 0 or shape[k] != width or any(d != 1 for i, d in enumerate(shape) if i != k):
         return None
-    node = p
-    found = region(p) if p.op in ("call_function", "call_method") and not _unit_view(p) else None
-    if found is not None and found[0].op == "get_attr" and len(p.users) == 1:
-        node = found[0]  # an elementwise function of the parameter (nGPT's |λ · s|): copies for copies, any on zeros
+    node, via = p, []
     while node.op != "get_attr":
-        if len(node.users) != 1 or not node.args or not isinstance(node.args[0], fx.Node) or not _unit_view(node):
+        step = _factor_step(node, width)
+        if step is None:
             return None
-        node = node.args[0]
-    root = tensor_shape(node)  # read at several places (a layer run in a loop: Dory's): shared_factors checks them
-    wide = [i for i, d in enumerate(root or ()) if d != 1]
-    if root is None or len(wide) != 1 or root[wide[0]] != width:
+        node, nodes = step
+        via += nodes
+    at = [i for i, d in enumerate(tensor_shape(node) or ()) if d == width]  # the one dim the entries run along
+    if len(at) != 1:
         return None
-    return str(node.target), wide[0]
+    return str(node.target), at[0], tuple(v.name for v in via)
 
 
-def shared_factors(gm: fx.GraphModule, factors: list[str]) -> str | None:
-    """A per-channel factor parameter (`factors`: its path once per product it scales on the stream) that the graph
-    reads more often than that: the node of such a read, else None. Every read must scale the stream: growing the
-    parameter would break one that does not."""
+def _factor_step(n: fx.Node, width: int) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(the tensor `n` reads, the nodes from it to `n`) when `n` keeps each entry along the one dim of size `width`
+    apart: a unit view, a cast or a transpose, an elementwise function (probed: stream_regions.region), an integer
+    selection along another dim (x[i], x[:, i], select, a piece of unbind, chunk or split along another dim)."""
+    if n.op not in ("call_function", "call_method") or not n.args:
+        return None
+    x = n.args[0]
+    if base_name(n) == "getitem" and isinstance(x, fx.Node) and base_name(x) in ops.SPLITS:  # a piece of x.unbind(0)
+        source, dim = (
+            x.args[0] if x.args else None,
+            arg(x, 1, "dim", 0) if base_name(x) == "unbind" else arg(x, 2, "dim", 0),
+        )
+        shape = tensor_shape(source) if isinstance(source, fx.Node) else None
+        if shape is None or not isinstance(dim, int) or shape[dim] == width or not isinstance(n.args[1], int):
+            return None
+        return source, [x, n]  # type: ignore[return-value]
+    if not isinstance(x, fx.Node) or any(isinstance(a, fx.Node) for a in (*n.args[1:], *n.kwargs.values())):
+        found = region(n)
+        return (found[0], found[1]) if found is not None and found[0].op == "get_attr" else None
+    shape = tensor_shape(x)
+    if shape is None:
+        return None
+    if _unit_view(n) or base_name(n) in ops.TRANSPOSES:
+        return x, [n]
+    if base_name(n) == "select":
+        dim = arg(n, 1, "dim")
+        return (x, [n]) if isinstance(dim, int) and shape[dim] != width else None
+    if base_name(n) == "getitem":
+        index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+        if Ellipsis in index or any(not (isinstance(i, int) or i is None or i == slice(None)) for i in index):
+            return None
+        dims = [i for i in index if i is not None]
+        picked = [d for d, i in enumerate(dims) if isinstance(i, int)]
+        return (x, [n]) if all(shape[d] != width for d in picked) else None
+    found = region(n)
+    if found is not None:
+        return found[0], found[1]
+    return (x, [n]) if one_op(n) is x else None
+
+
+def shared_factors(gm: fx.GraphModule, factors: list[tuple[str, str, tuple[str, ...] | None]]) -> str | None:
+    """A per-channel factor parameter that the graph reads other than to scale the stream: the node of such a read,
+    else None. `factors`: (parameter path, the product on the stream, the reads between them or None where they are
+    not known) once per product. Every read must scale the stream: growing the parameter would break one that does
+    not. Where the reads are known, each of them (and each read of the parameter) is read only by them or by the
+    products; else the parameter is read at most once per product."""
     reads = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
-    for path in set(factors):
-        n = reads.get(path)
-        if n is not None and len(n.users) > factors.count(path):
-            return n.name
+    for path in {f[0] for f in factors}:
+        mine = [f for f in factors if f[0] == path]
+        if any(f[2] is None for f in mine):
+            n = reads.get(path)
+            if n is not None and len(n.users) > len(mine):
+                return n.name
+            continue
+        inside = {v for f in mine for v in f[2]} | {f[1] for f in mine}  # type: ignore[union-attr]
+        for n in gm.graph.nodes:
+            if (n.op == "get_attr" and str(n.target) == path) or (
+                n.name in inside and n.name not in {f[1] for f in mine}
+            ):
+                stray = next((u for u in n.users if u.name not in inside), None)
+                if stray is not None:
+                    return n.name
     return None
 
 

@@ -19,6 +19,7 @@ class Writer:
     what: str  # linear | conv | embedding | tensor | scale (a per-channel factor: any new entries on zeros)
     params: list[tuple[str, int]]  # (parameter path, dimension along the stream)
     out: str  # the stream tensor it writes
+    via: tuple[str, ...] | None = None  # a per-channel factor's reads between its parameter and the product
 
 
 @dataclass

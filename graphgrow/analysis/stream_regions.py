@@ -49,6 +49,17 @@ def region(r: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     return (wide[0], nodes) if _elementwise(wide[0], nodes, r) else None
 
 
+def one_op(n: fx.Node) -> fx.Node | None:
+    """x when `n` alone (a call on x and numbers) is an elementwise function of its input x, of its shape (probed),
+    else None: what `region` finds when the ops before `n` are views of other shapes."""
+    x = n.args[0] if n.op in ("call_function", "call_method") and n.args else None
+    if not isinstance(x, fx.Node) or tensor_shape(x) != tensor_shape(n) or tensor_shape(n) is None:
+        return None
+    if any(isinstance(a, fx.Node) for a in (*n.args[1:], *n.kwargs.values())):
+        return None
+    return x if _elementwise(x, [n], n) else None
+
+
 def zero_at_zero(x: fx.Node, nodes: list[fx.Node], r: fx.Node) -> bool:
     """Whether the region's f(0) = 0."""
     out = _run(x, nodes, r, torch.zeros(3))

@@ -34,11 +34,16 @@ def through(gm: fx.GraphModule, n: fx.Node, width: int) -> fx.Node | None:
         if len(at) != 1 or any(r is None for r in numbers):
             return None
         return inputs[at[0]] if scales_tokens(switch, shape, width, switch.conditions, numbers, at[0]) else None  # type: ignore[return-value,arg-type]
-    if base_name(n) == "matmul" and len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args):
+    if base_name(n) in ("matmul", "bmm") and len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args):
         # H @ x: every hidden coordinate (x's last axis) mixed alike across x's rows (hyper-connections' H_res)
         hs, xs = tensor_shape(n.args[0]), tensor_shape(n.args[1])  # type: ignore[arg-type]
         mixes_rows = hs and xs and len(xs) >= 2 and xs[-1] == width and hs[-1] == xs[-2] != width
-        return n.args[1] if mixes_rows else None  # type: ignore[return-value]
+        if mixes_rows:
+            return n.args[1]  # type: ignore[return-value]
+        # x @ M: each hidden coordinate (x's rows, its second last axis) mapped alike by M, which does not carry the
+        # hidden size (EfficientViM's state-space mixer: h = x @ (a·b)ᵀ over the tokens, then y = h @ c)
+        maps_rows = hs and xs and len(hs) >= 2 and len(xs) >= 2 and hs[-2] == width and width not in xs[-2:]
+        return n.args[0] if maps_rows else None  # type: ignore[return-value]
     if x is None:
         return None
     if n.op == "call_module":
