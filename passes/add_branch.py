@@ -142,10 +142,15 @@ def default_conv(gm: fx.GraphModule, op: str, count: int) -> tuple[fx.Node, str]
         )
     dead = dead_places(gm, [site[3] for site in sites])  # a zero factor after them: the new gate would never train
     if len(dead) == len(sites):
+        # every place is silent at initialisation: those the model's own zero weights silence (a zero-initialised
+        # head blocks them all) learn once training's first step moves those weights, as verification trains them
+        dead = dead_places(gm, [site[3] for site in sites], zeros_moved=True)
+    if len(dead) == len(sites):
         name, why = next(iter(dead.items()))
         raise NotApplicable(
-            f"every conv a branch could run beside is dead for it ({len(dead)}; e.g. '{name}': {why})",
-            "train the model first (its zero gains move), or give at=START:END where a gradient reaches",
+            f"every conv a branch could run beside is dead for it ({len(dead)}; e.g. '{name}': {why}), also once "
+            "the model's zero weights have moved",
+            "give at=START:END where a gradient reaches",
         )
     sites = [site for site in sites if site[3].name not in dead]
     live = keep_heard(gm, sites, lambda s: s[3], fed=True)  # fed only zeros, or unheard: a branch there never learns

@@ -46,7 +46,8 @@ REASON_CLASSES: list[tuple[str, re.Pattern]] = [
             "no place",
             r"has none|no place|no branch merge|nothing to|found no|the model has no|no layer in this model|"
             r"has no (conv|attention|residual|stream|hidden|head|layer|norm|linear|token stream)|"
-            r"no (residual stream|attention|layer|conv|candidate|target)|no heads to add",
+            r"no (residual stream|attention|layer|conv|candidate|target)|no heads to add|"
+            r"is dead for it .*also once the model's zero weights have moved",
         ),
         (
             "impossible by construction",

@@ -27,16 +27,39 @@ from ..graph.shapes import example_input
 MAX_LOOK = 64  # nodes after a place searched for the zero factor that blocks it (only for the reason's words)
 
 
-def dead_places(gm: fx.GraphModule, nodes: list[fx.Node], seed: int = 0) -> dict[str, str]:
+def _zero_weights(gm: fx.GraphModule) -> list[torch.Tensor]:
+    return [
+        p
+        for name, p in gm.named_parameters()
+        if name.rpartition(".")[2] != "bias" and p.is_floating_point() and p.numel() and not p.detach().any()
+    ]
+
+
+def dead_places(gm: fx.GraphModule, nodes: list[fx.Node], seed: int = 0, zeros_moved: bool = False) -> dict[str, str]:
     """Node name → why, for each of `nodes` whose tensor gets no gradient from the model's output. The probe (a
     forward and a backward) runs only where a place can be dead: the model has an all-zero weight (a zero factor),
     or it keeps part of a tensor and drops the rest (a class-token head, x[:, 0]: what reaches only the dropped
-    tokens — CoaT's last convolutional position encoding — is not in the output at all)."""
-    if not any(
-        name.rpartition(".")[2] != "bias" and p.is_floating_point() and p.numel() and not p.detach().any()
-        for name, p in gm.named_parameters()
-    ) and not any(_selects(n) for n in gm.graph.nodes):
+    tokens — CoaT's last convolutional position encoding — is not in the output at all). `zeros_moved`: as after
+    training's first step, the model's all-zero weights (a zero head, a zero gain) hold small seeded values during the
+    probe (put back after): what is dead then is dead for training too, not only at initialisation."""
+    zeros = _zero_weights(gm)
+    if not zeros and not any(_selects(n) for n in gm.graph.nodes):
         return {}
+    if zeros_moved and zeros:
+        g = torch.Generator().manual_seed(seed + 1)
+        try:
+            with torch.no_grad():
+                for p in zeros:
+                    p.copy_(1e-3 * torch.randn(p.shape, generator=g).to(p))
+            return _probe(gm, nodes, seed)
+        finally:
+            with torch.no_grad():
+                for p in zeros:
+                    p.zero_()
+    return _probe(gm, nodes, seed)
+
+
+def _probe(gm: fx.GraphModule, nodes: list[fx.Node], seed: int) -> dict[str, str]:
     wanted = {n.name for n in nodes}
     leaves: dict[str, torch.Tensor] = {}
 
