@@ -152,12 +152,48 @@ def assign_channel_axes(gm: fx.GraphModule) -> None:
                 axis = _same_rank_axis(n, shape)
         if axis is None and n.op == "call_function" and n.target in CHANNELWISE_FUNCTIONS:
             axis = _same_rank_axis(n, shape)
+        if axis is None:
+            axis = product_axis(n) if product_axis(n) is not None else cat_axis(n)
         if axis is None and n.op in ("call_module", "call_function", "call_method"):
             same = [a for a in n.all_input_nodes if tensor_shape(a) == shape and node_axis(a) is not None]
             if same:
                 axis = node_axis(same[0])
         if axis is not None:
             n.meta["gg_channel_axis"] = axis
+
+
+def product_axis(n: fx.Node) -> int | None:
+    """Where a matrix product `a @ b` (matmul, bmm) puts the channels an operand's found axis says it carries: b's
+    columns are the output's columns (attention's probabilities @ values: the head size last), a's rows its rows.
+    Only axes found by following the graph count, never a layout's guess; None when neither or both say so (or for
+    any other op), so that an output of an operand's shape is not taken for that operand (probabilities T × T of a
+    head size T)."""
+    if n.op not in ("call_function", "call_method") or ops.op_name(n.target).split(".")[0] not in ("matmul", "bmm"):
+        return None
+    if len(n.args) < 2 or not all(isinstance(a, fx.Node) for a in n.args[:2]):
+        return None
+    a, b = n.args[0], n.args[1]
+    out, sa, sb = tensor_shape(n), tensor_shape(a), tensor_shape(b)
+    if out is None or sa is None or sb is None or min(len(out), len(sa), len(sb)) < 2:
+        return None
+    columns = b.meta.get("gg_channel_axis") == len(sb) - 1
+    rows = a.meta.get("gg_channel_axis") == len(sa) - 2
+    if columns == rows:
+        return None
+    return len(out) - 1 if columns else len(out) - 2
+
+
+def cat_axis(n: fx.Node) -> int | None:
+    """torch.cat's output has its inputs' channel axis when every input's axis was found (not guessed) and they
+    agree (ConvBERT's attention heads beside its conv heads along the heads dim); else None."""
+    if n.op != "call_function" or ops.op_name(n.target) not in ("cat", "concat", "concatenate"):
+        return None
+    tensors = n.args[0] if n.args else n.kwargs.get("tensors")
+    if not isinstance(tensors, (list, tuple)) or not tensors or not all(isinstance(t, fx.Node) for t in tensors):
+        return None
+    found = {t.meta.get("gg_channel_axis") for t in tensors}
+    ranks = {len(tensor_shape(t) or ()) for t in tensors} | {len(tensor_shape(n) or ())}
+    return found.pop() if len(found) == 1 and None not in found and len(ranks) == 1 else None
 
 
 def across_axis(n: fx.Node) -> int | None:
