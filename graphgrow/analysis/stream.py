@@ -4,8 +4,8 @@ and the norms on it — what growing the hidden size (grow_hidden) must change, 
 The stream is grown from its norms (LayerNorm, RMSNorm, F.layer_norm, F.rms_norm over the last dimension, of the
 width of the model's last such norm, its final norm): from each tensor on it the analysis walks to its producer
 and to its users, following the hidden axis through ops that act on every hidden coordinate alike and linearly
-(adds of stream tensors, a `cat` along the tokens, dropout, identities, scalar multiples, views, transposes, token
-selection and pooling). It stops
+(adds of stream tensors, a `cat` or `stack` along the tokens, dropout, identities, scalar multiples, views,
+transposes, token selection and pooling, products and Linear maps over other axes: stream_channels). It stops
 at *writers* (a Linear's or conv's output rows, an Embedding's columns, a parameter tensor such as a position
 embedding or class token) and *readers* (a Linear's input columns). Anything else touching the stream is refused
 with the node and the reason: a pass never guesses.
@@ -32,9 +32,11 @@ from ..graph import ops
 from ..graph.fx_edit import computed_from, tensor_shape
 from .stacked import stacked_product, weight_axes
 from .stream_blocks import FlatRead, flat_readers, query_reader
-from .stream_channels import ChannelOp, channel_op, shared_factors
+from .stream_channels import ChannelOp, across_others, channel_op, shared_factors
 from .stream_joins import cat_readers, is_add, is_cat, operand_axis, operands, split_source, tuple_element, user_axis
+from .stream_joins import is_stack as _is_stack
 from .stream_joins import piece_axis as _piece_axis
+from .stream_joins import stream_product as _stream_product
 from .stream_norms import Norm
 from .stream_norms import norm_of as _norm_of
 from .stream_norms import normalised as _normalised
@@ -250,7 +252,7 @@ class _Walk:
             return self.add(piece[0], _piece_axis(n, axis, back=True), like=n)  # type: ignore[arg-type]
         if tuple_element(n) is not None:  # ((x,) + rest)[0] is x
             return self.add(tuple_element(n), axis, like=n)  # type: ignore[arg-type]
-        if is_add(n) or is_cat(n):
+        if is_add(n) or is_cat(n) or _is_stack(n):
             for a in operands(n):
                 self.add(a, operand_axis(n, a, axis, self.s.width), like=n)
             return
@@ -285,6 +287,8 @@ class _Walk:
             return None
         if fourier_along(n, axis):  # FNet mixes tokens and hidden coordinates by a 2-D DFT
             raise _refuse(n, "comes from a Fourier transform along the hidden axis: every output depends on the width")
+        if (pair := _stream_product(n, axis, self.s.width)) is not None:
+            return self.product(n, axis, pair)
         raise kept_whole(self.gm, n) or _refuse(n, "produces stream values the analysis does not understand")
 
     def user(self, x: fx.Node, u: fx.Node) -> None:
@@ -318,6 +322,8 @@ class _Walk:
             if axis != len(tensor_shape(x)) - 1 or _normalised(self.gm, u) != self.s.width:
                 raise _refuse(u, "normalises over more than the hidden axis")
             return self.add(u, axis)
+        if (across := across_others(self.gm, u, axis, self.s.width)) is not None and across.x is x:
+            return self.channelwise(u, axis, across)  # a Linear over the tokens
         is_linear = (u.op == "call_module" and isinstance(self.gm.get_submodule(u.target), nn.Linear)) or (
             u.op == "call_function" and u.target is F.linear
         )
@@ -348,7 +354,7 @@ class _Walk:
             return None
         if is_cat(u) and _arg(u, 1, "dim", 0) % len(tensor_shape(u)) == axis:
             return self.cat_reader(u, axis)
-        if is_add(u) or is_cat(u):
+        if is_add(u) or is_cat(u) or _is_stack(u):
             return self.add(u, user_axis(u, x, axis), like=x)
         if _zero_activation_input(self.gm, u) is x:
             return self.activation(x, u)
@@ -384,6 +390,8 @@ class _Walk:
             if a is None:
                 raise _refuse(u, "mixes the hidden axis with others (a reshape or index across it)")
             return self.add(u, a, like=x)
+        if (pair := _stream_product(u, axis, self.s.width)) is not None and x in pair:
+            return self.product(u, axis, pair)
         root = region_root(x, u)  # an activation written out op by op from x, u one of its ops
         if root is not None:
             self.inner |= set(region(root)[1])  # type: ignore[index]
@@ -451,6 +459,11 @@ class _Walk:
         if op.groups and n.name not in self.s.grouped:  # F.conv1d(…, groups=width): one group per coordinate
             self.s.grouped.append(n.name)
         self.s.read_views += [v for v in op.views if v not in self.s.read_views]  # the factor's sizes grow with it
+
+    def product(self, n: fx.Node, axis: int, pair: list[fx.Node]) -> None:  # x · y (stream_joins): zero or copies
+        for t in [*pair, n]:
+            self.add(t, axis)
+            self.need(t, "zero", f"'{n.name}' multiplies two stream tensors: 0·y = 0, but mean(x·y) ≠ mean(x)·mean(y)")
 
     def constant(self, c: fx.Node, axis: int) -> None:
         """`c` = zeros_like(stream) and the like: no value of the stream, its shape. Uniform, so an integer index along

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..graph import ops
-from ..graph.fx_edit import tensor_shape
+from ..graph.fx_edit import from_input, tensor_shape
 from .stream_ops import arg, arithmetic, base_name, extremum
 from .stream_regions import one_op, region
 
@@ -41,6 +41,9 @@ CONV_FUNCTIONS = ("conv1d", "conv2d", "conv3d")  # F.convNd(x, weight, bias, str
 
 def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> ChannelOp | None:
     """`n` as a per-channel op whose output has the hidden axis `axis`, else None."""
+    across = across_others(gm, n, axis, width)
+    if across is not None:
+        return across
     if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.modules.batchnorm._BatchNorm):
         # per channel: (x - μ) / sqrt(σ² + eps) · γ + β, μ and σ² the running or the batch statistics; a channel of
         # zeros gives β = 0 with running μ = 0 (and σ² of the old ones', positive)
@@ -96,6 +99,42 @@ def channel_op(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> Channel
         if gated is not None:
             return ChannelOp(x, axis, gated)
     return None
+
+
+def across_others(gm: fx.GraphModule, n: fx.Node, axis: int, width: int) -> ChannelOp | None:
+    """`n` as a learned linear map along another axis than the hidden one, the same for every hidden coordinate, else
+    None: an nn.Linear or F.linear over its input's last axis while the hidden axis is another (MLP-Mixer's token MLP
+    on (B, C, T)), a Conv1d of kernel 1 whose positions are the hidden coordinates (CoaT's aggregate of its stacked
+    class tokens, (B, 3, C)). Its weights do not grow. Without a bias it is linear: any fill passes; with one it is
+    affine: W·mean + b is the mean of W·x + b, but W·0 + b is no zero (the mean fill, or replication)."""
+    x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    xs, out = tensor_shape(x) if x is not None else None, tensor_shape(n)
+    if xs is None or out is None or len(xs) != len(out) or not 0 <= axis < len(out):
+        return None
+    if xs[axis] != width or out[axis] != width or any(isinstance(a, fx.Node) for a in n.kwargs.values()):
+        return None
+    if n.op == "call_module" and len(n.args) == 1:
+        m = gm.get_submodule(str(n.target))
+        kernel_one = isinstance(m, nn.Conv1d) and (m.kernel_size, m.stride, m.dilation, m.groups) == (
+            (1,),
+            (1,),
+            (1,),
+            1,
+        )
+        linear = isinstance(m, nn.Linear) and axis < len(out) - 1  # over the last axis, the hidden one another
+        if not (linear or (kernel_one and m.padding in ((0,), "valid") and axis == len(out) - 1)):
+            return None
+        bias = m.bias is not None
+    elif n.op == "call_function" and n.target is F.linear and axis < len(out) - 1:
+        given = [arg(n, 1, "weight"), arg(n, 2, "bias")]
+        if not isinstance(given[0], fx.Node) or any(isinstance(a, fx.Node) and from_input(a) for a in given):
+            return None  # a weight computed from the input may read the stream
+        bias = given[1] is not None
+    else:
+        return None
+    why = "maps each hidden coordinate alike along another axis (a Linear over the tokens)"
+    why += ", with a bias: W·0 + b is no zero" if bias else ""
+    return ChannelOp(x, axis, [], why=why, fills=("mean",) if bias else ())
 
 
 GROUP_NORMS = (F.group_norm, torch.group_norm, torch.ops.aten.group_norm.default)

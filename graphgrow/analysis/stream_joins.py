@@ -33,22 +33,31 @@ def tuple_element(n: fx.Node) -> fx.Node | None:
 
 
 def is_cat(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target is torch.cat
+    return n.op == "call_function" and n.target in (torch.cat, torch.concat, torch.concatenate)
+
+
+def is_stack(n: fx.Node) -> bool:
+    """torch.stack of stream tensors along a new axis (CoaT's class tokens of its three scales, (B, 3, C))."""
+    return n.op == "call_function" and n.target is torch.stack and isinstance(n.args[0], (list, tuple))
 
 
 def operands(n: fx.Node) -> list[fx.Node]:
-    ops = list(n.args[0]) if is_cat(n) else list(n.args[:2])
+    joins = is_cat(n) or is_stack(n)
+    ops = list(n.args[0]) if joins else list(n.args[:2])
     # x + 0 is x (CTRL adds a token-type embedding of 0 when no types are given): any other number is refused
-    zero = [a for a in ops if not is_cat(n) and type(a) in (int, float) and a == 0]
+    zero = [a for a in ops if not joins and type(a) in (int, float) and a == 0]
     if any(not isinstance(a, fx.Node) for a in ops if a not in zero) or len(ops) < 2 or len(zero) == len(ops):
         raise refuse(n, "adds a constant to the stream (its new coordinates would no longer be the mean or zero)")
-    if not is_cat(n) and n.kwargs.get("alpha", 1) != 1:
+    if not joins and n.kwargs.get("alpha", 1) != 1:
         raise refuse(n, "adds with a scale alpha")
     return [a for a in ops if isinstance(a, fx.Node)]
 
 
 def operand_axis(n: fx.Node, a: fx.Node, axis: int, width: int) -> int:
     out, shape = tensor_shape(n), tensor_shape(a)
+    if is_stack(n):  # the new axis is no hidden one; the axes after it move back by one in the operand
+        dim = arg(n, 1, "dim", 0) % len(out)
+        return axis if axis < dim else axis - 1
     if is_cat(n):
         dim = arg(n, 1, "dim", 0) % len(out)
         if dim == axis:
@@ -64,6 +73,9 @@ def operand_axis(n: fx.Node, a: fx.Node, axis: int, width: int) -> int:
 
 def user_axis(u: fx.Node, x: fx.Node, axis: int) -> int:
     out = tensor_shape(u)
+    if is_stack(u):
+        operands(u)
+        return axis if axis < arg(u, 1, "dim", 0) % len(out) else axis + 1
     if is_cat(u):
         if arg(u, 1, "dim", 0) % len(out) == axis:
             raise refuse(u, "concatenates along the hidden axis")
@@ -110,3 +122,14 @@ def cat_readers(gm: fx.GraphModule, u: fx.Node, axis: int, width: int) -> tuple[
     ):
         raise refuse(u, "concatenates the stream along the hidden axis with other tensors")
     return parts, linear  # type: ignore[return-value]
+
+
+def stream_product(n: fx.Node, axis: int, width: int) -> list[fx.Node] | None:
+    """Both operands when `n` multiplies two tensors of its own shape coordinate by coordinate, the hidden size at
+    `axis` (a gated unit on the stream: MLP-Mixer's GLU over the tokens, x1 · act(x2)), else None: 0 · y = 0 and a copy
+    times a copy is a copy, but the mean of products is no product of means (the zero fill on all three, or copies)."""
+    out = tensor_shape(n)
+    if arithmetic(n) != "mul" or len(n.args) != 2 or out is None or not 0 <= axis < len(out) or out[axis] != width:
+        return None
+    pair = [a for a in n.args if isinstance(a, fx.Node) and tensor_shape(a) == out]
+    return pair if len(pair) == 2 else None
