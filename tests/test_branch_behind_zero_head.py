@@ -49,10 +49,12 @@ class ZeroHeadCNN(nn.Module):
 def test_add_branch_grows_behind_a_zero_head(spelling):
     torch.manual_seed(0)
     gm = gg.trace(ZeroHeadCNN(spelling).eval(), input_shape=(1, 3, 8, 8))
+    versions = [p._version for p in gm.parameters()]
     r = gg.get_pass("add_branch")()(gm)
     assert r.preservation.eval.ok and r.preservation.train.ok and r.preservation.trainable_ok, r.preservation
     assert not r.preservation.dead
     assert not any(p.detach().any() for n, p in gm.named_parameters() if n in ("fc.weight", "head.weight", "w"))
+    assert [p._version for p in gm.parameters()] == versions  # not written, not even put back (the CLI's check)
 
 
 @pytest.mark.parametrize("spelling", SPELLINGS)

@@ -12,6 +12,7 @@ to each tensor asked about (its gradient is the tensor's), then one backward of 
 
 from __future__ import annotations
 
+import copy
 import operator
 
 import torch
@@ -40,22 +41,19 @@ def dead_places(gm: fx.GraphModule, nodes: list[fx.Node], seed: int = 0, zeros_m
     forward and a backward) runs only where a place can be dead: the model has an all-zero weight (a zero factor),
     or it keeps part of a tensor and drops the rest (a class-token head, x[:, 0]: what reaches only the dropped
     tokens — CoaT's last convolutional position encoding — is not in the output at all). `zeros_moved`: as after
-    training's first step, the model's all-zero weights (a zero head, a zero gain) hold small seeded values during the
-    probe (put back after): what is dead then is dead for training too, not only at initialisation."""
+    training's first step, the model's all-zero weights (a zero head, a zero gain) hold small seeded values in a copy
+    the probe runs on: what is dead then is dead for training too, not only at initialisation."""
     zeros = _zero_weights(gm)
     if not zeros and not any(_selects(n) for n in gm.graph.nodes):
         return {}
-    if zeros_moved and zeros:
+    if zeros_moved and zeros:  # on a copy: a pass never touches its input, not even to put it back
+        moved = copy.deepcopy(gm)
         g = torch.Generator().manual_seed(seed + 1)
-        try:
-            with torch.no_grad():
-                for p in zeros:
-                    p.copy_(1e-3 * torch.randn(p.shape, generator=g).to(p))
-            return _probe(gm, nodes, seed)
-        finally:
-            with torch.no_grad():
-                for p in zeros:
-                    p.zero_()
+        with torch.no_grad():
+            for p in _zero_weights(moved):
+                p.copy_(1e-3 * torch.randn(p.shape, generator=g).to(p))
+        wanted = {n.name for n in nodes}
+        return _probe(moved, [n for n in moved.graph.nodes if n.name in wanted], seed)
     return _probe(gm, nodes, seed)
 
 
