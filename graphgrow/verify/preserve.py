@@ -181,9 +181,10 @@ def check_trainability(
     (PreservationError). Only the parameters under test require grad, so backward
     stops where they end; when nothing gets a gradient at first (a zero-initialised
     head, as in torchvision's ViT) every parameter trains, as it would in real
-    training; so when the model's own all-zero weight or gain (a post-norm γ = 0) may block the new path while the
-    layers before learn through a skip. `new` is restored exactly afterwards. Large step-0 gradients are read as backward makes them
-    and freed (gradient_sink.py): step 0 runs again, keeping them, only when an SGD step must follow.
+    training; so too when the model's own all-zero weight or gain (a post-norm γ = 0) may
+    block the new path while the layers before learn through a skip. `new` is restored
+    exactly afterwards. Large step-0 gradients are read as backward makes them and freed
+    (gradient_sink.py): step 0 runs again, keeping them, only when an SGD step must follow.
     """
     if not new_params:
         return {}, [], []
