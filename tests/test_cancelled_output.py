@@ -161,3 +161,16 @@ def test_the_onnx_file_against_the_original_is_judged_by_the_grown_models_terms(
     export_onnx(r.gm, spec, tmp_path / "b.onnx", max_ir_version=max_ir_version())
     wrong = open_session(tmp_path / "b.onnx", "cpu")
     assert not check_equivalence(gm, wrong, spec, reference="original model", noise_model=r.gm).passed
+
+
+def test_weight_noise_leaves_the_model_and_its_running_stats_alone():
+    """weight_noise runs the model in train mode for the floor: on copies only. Run on the model itself, BatchNorm's
+    running stats were updated in place, and a narrowing insert_adapter's trainability check then failed in backward
+    ('modified by an inplace operation', tests/test_grow_width.py)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.ReLU()).train()
+    before = {k: (v.clone(), v._version) for k, v in model.state_dict(keep_vars=True).items()}
+    noise = weight_noise(model, lambda m: m(torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))))
+    assert noise[0] > 0
+    for k, v in model.state_dict(keep_vars=True).items():
+        assert torch.equal(v, before[k][0]) and v._version == before[k][1], k

@@ -145,7 +145,9 @@ def weight_noise(model: torch.nn.Module, run: Callable[[torch.nn.Module], Any], 
     movement under weight noise of the protocol's own relative size is an absolute floor of that size relative to
     the terms; a wrong result moves the output by the terms' own size, far above it."""
     with torch.no_grad():
-        base = [t.detach().double() for t in flat_tensors(run(model))]
+        # the reference run on a copy too: a train-mode run updates BatchNorm's running stats in place, which would
+        # touch the model (and invalidate a graph autograd holds over them)
+        base = [t.detach().double() for t in flat_tensors(run(copy.deepcopy(model)))]
         params = [p for p in model.parameters() if p.is_floating_point()]
         if not params:
             return [0.0] * len(base)
